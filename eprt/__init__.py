@@ -1,0 +1,1 @@
+"""eprt: an expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs."""

@@ -1,0 +1,169 @@
+"""One normalized ModelConfig for every family, read from a checkpoint's config.json.
+
+Each family lives in `eprt/families/<name>.py` and registers the `model_type`s it reads;
+adding a family is adding that one file. Fields are read from the file; where a field is
+absent, the value is the one the family's reference implementation (transformers) assumes,
+never a guess of ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from eprt.errors import ConfigError
+
+_READERS: dict[str, "FamilyReader"] = {}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # the eprt family that runs it ("qwen3_moe", "deepseek_v3")
+    model_type: str  # the source's own model_type ("kimi_k2" runs as deepseek_v3)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    intermediate_size: int  # width of the dense MLP layers
+    # attention: "gqa" (Qwen3: per-head q/k norm) or "mla" (DeepSeek-V3)
+    attention: str
+    num_kv_heads: int
+    head_dim: int  # gqa head dim; for mla the rope part (as transformers sets it)
+    attention_bias: bool
+    rope_theta: float
+    # None, or {"type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", ...}
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # mixture of experts
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    router: str = "softmax"  # "softmax" (Qwen3) or "sigmoid" (noaux_tc, DeepSeek-V3)
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    hidden_act: str = "silu"
+    num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
+    extra: dict = field(default_factory=dict)
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["moe_layers"] = tuple(d["moe_layers"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class FamilyReader:
+    family: str
+    model_types: tuple[str, ...]
+    parse: Any  # (hf_config: dict, source: str) -> ModelConfig
+    layout: Any  # (cfg: ModelConfig) -> eprt.layout.Layout
+
+
+def register(reader: FamilyReader) -> FamilyReader:
+    for mt in reader.model_types:
+        _READERS[mt] = reader
+    return reader
+
+
+def _load_families() -> None:
+    # Importing the package registers every family file in it.
+    import eprt.families  # noqa: F401
+
+
+def supported_model_types() -> list[str]:
+    _load_families()
+    return sorted(_READERS)
+
+
+def reader_for(model_type: str, source: str) -> FamilyReader:
+    _load_families()
+    if model_type not in _READERS:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; eprt reads "
+            f"{', '.join(supported_model_types())}"
+        )
+    return _READERS[model_type]
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
+    """The normalized config of a Hugging Face config.json (already loaded)."""
+    if "model_type" not in hf:
+        raise ConfigError(f"{source}: no model_type; cannot tell which family this is")
+    return reader_for(hf["model_type"], source).parse(hf, source)
+
+
+def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
+    hf = read_hf_config(hf_dir)
+    return hf, parse_hf_config(hf, os.path.join(hf_dir, "config.json"))
+
+
+class Fields:
+    """Reads fields of one config dict, naming the file in every error."""
+
+    def __init__(self, d: dict, source: str):
+        self.d, self.source = d, source
+
+    def has(self, *names: str) -> bool:
+        return any(n in self.d and self.d[n] is not None for n in names)
+
+    def get(self, *names: str, default: Any = ConfigError) -> Any:
+        """The first of `names` present (transformers 4 and 5 spell some fields differently)."""
+        for n in names:
+            if n in self.d and self.d[n] is not None:
+                return self.d[n]
+        if default is ConfigError:
+            raise ConfigError(f"{self.source}: required field {' / '.join(names)} is missing")
+        return default
+
+    def refuse(self, msg: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {msg}")
+
+
+def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from either spelling: v4 `rope_theta` + `rope_scaling`, v5 `rope_parameters`."""
+    params = dict(f.get("rope_parameters", default={}) or {})
+    scaling = f.get("rope_scaling", default=None)
+    if scaling:
+        params = {**params, **scaling}
+    theta = float(params.pop("rope_theta", f.get("rope_theta", default=default_theta)))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise f.refuse(f"rope scaling type {kind!r} is not supported (eprt runs default RoPE and yarn)")
+    if "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = f.get("original_max_position_embeddings")
+    return theta, {"type": "yarn", **params}

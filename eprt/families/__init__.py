@@ -1,0 +1,3 @@
+"""Family readers: each module registers the model_types it reads (config fields and tensor layout)."""
+
+from eprt.families import deepseek_v3, qwen3_moe  # noqa: F401

@@ -1,0 +1,112 @@
+"""DeepSeek-V3 and Kimi-K2 (same architecture): config fields and Hugging Face tensor layout."""
+
+from __future__ import annotations
+
+from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.layout import Layout, plain, stacked_experts
+
+
+def parse(hf: dict, source: str) -> ModelConfig:
+    f = Fields(hf, source)
+    n_layers = f.get("num_hidden_layers")
+    first_dense = f.get("first_k_dense_replace", default=3)
+    # transformers ignores moe_layer_freq while DeepSeek's own code honours it; they agree only at 1.
+    if f.get("moe_layer_freq", default=1) != 1:
+        raise f.refuse("moe_layer_freq != 1 is not supported (the reference implementations disagree on it)")
+    if f.get("scoring_func", default="sigmoid") != "sigmoid" or f.get("topk_method", default="noaux_tc") != "noaux_tc":
+        raise f.refuse("only the sigmoid noaux_tc router of DeepSeek-V3 is supported "
+                       f"(scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r})")
+    if f.get("attention_bias", default=False):
+        raise f.refuse("attention_bias is true; DeepSeek-V3 attention has no biases and eprt refuses to guess them")
+    act = f.get("hidden_act", default="silu")
+    if act != "silu":
+        raise f.refuse(f"hidden_act {act!r} is not supported (DeepSeek-V3 uses silu)")
+    n_experts = f.get("n_routed_experts", "num_local_experts", default=256)
+    theta, rope_scaling = read_rope(f)
+    n_heads = f.get("num_attention_heads")
+    return ModelConfig(
+        family="deepseek_v3",
+        model_type=hf["model_type"],
+        vocab_size=f.get("vocab_size"),
+        hidden_size=f.get("hidden_size"),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        rms_norm_eps=float(f.get("rms_norm_eps", default=1e-6)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
+        intermediate_size=f.get("intermediate_size", default=18432),
+        attention="mla",
+        num_kv_heads=f.get("num_key_value_heads", default=n_heads),
+        head_dim=f.get("qk_rope_head_dim", default=64),
+        attention_bias=False,
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=f.get("max_position_embeddings", default=4096),
+        q_lora_rank=f.get("q_lora_rank", default=None),
+        kv_lora_rank=f.get("kv_lora_rank", default=512),
+        qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
+        qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
+        v_head_dim=f.get("v_head_dim", default=128),
+        moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and n_experts > 0),
+        num_experts=n_experts,
+        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        moe_intermediate_size=f.get("moe_intermediate_size", default=2048),
+        num_shared_experts=f.get("n_shared_experts", default=1),
+        router="sigmoid",
+        norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(f.get("routed_scaling_factor", default=2.5)),
+        n_group=f.get("n_group", default=8),
+        topk_group=f.get("topk_group", default=4),
+        num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=0),
+    )
+
+
+def layout(c: ModelConfig) -> Layout:
+    H, nh = c.hidden_size, c.num_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        if c.q_lora_rank:
+            specs += [
+                plain(f"{a}.q_a_proj.weight", c.q_lora_rank, H),
+                plain(f"{a}.q_a_layernorm.weight", c.q_lora_rank),
+                plain(f"{a}.q_b_proj.weight", nh * qk, c.q_lora_rank),
+            ]
+        else:
+            specs.append(plain(f"{a}.q_proj.weight", nh * qk, H))
+        specs += [
+            plain(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
+            plain(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank),
+            plain(f"{a}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            plain(f"{a}.o_proj.weight", H, nh * c.v_head_dim),
+        ]
+        if c.is_moe(i):
+            I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
+            specs += [plain(f"{p}.mlp.gate.weight", c.num_experts, H),
+                      plain(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts)]
+            specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, I, H, "gate_proj", "up_proj", "down_proj")
+            if c.num_shared_experts:
+                specs += [
+                    plain(f"{p}.mlp.shared_experts.gate_proj.weight", S, H),
+                    plain(f"{p}.mlp.shared_experts.up_proj.weight", S, H),
+                    plain(f"{p}.mlp.shared_experts.down_proj.weight", H, S),
+                ]
+        else:
+            I = c.intermediate_size
+            specs += [
+                plain(f"{p}.mlp.gate_proj.weight", I, H),
+                plain(f"{p}.mlp.up_proj.weight", I, H),
+                plain(f"{p}.mlp.down_proj.weight", H, I),
+            ]
+    specs.append(plain("model.norm.weight", H))
+    if not c.tie_word_embeddings:
+        specs.append(plain("lm_head.weight", c.vocab_size, H))
+    # The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
+    # but export must write them back, so convert carries them through as they are.
+    mtp = tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
+    return Layout(tuple(specs), passthrough=mtp)
+
+
+READER = register(FamilyReader("deepseek_v3", ("deepseek_v3", "kimi_k2"), parse, layout))

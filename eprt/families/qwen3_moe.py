@@ -1,0 +1,92 @@
+"""Qwen3-MoE: config fields and Hugging Face tensor layout."""
+
+from __future__ import annotations
+
+from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.layout import Layout, plain, stacked_experts
+
+
+def parse(hf: dict, source: str) -> ModelConfig:
+    f = Fields(hf, source)
+    n_layers = f.get("num_hidden_layers")
+    n_experts = f.get("num_experts", "num_local_experts", default=128)
+    step = f.get("decoder_sparse_step", default=1)
+    mlp_only = set(f.get("mlp_only_layers", default=[]) or [])
+    moe_layers = tuple(
+        i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0
+    )
+    if f.get("use_sliding_window", default=False):
+        raise f.refuse("use_sliding_window is true; eprt runs full causal attention only")
+    act = f.get("hidden_act", default="silu")
+    if act != "silu":
+        raise f.refuse(f"hidden_act {act!r} is not supported (Qwen3-MoE uses silu)")
+    theta, rope_scaling = read_rope(f)
+    n_heads = f.get("num_attention_heads")
+    hidden = f.get("hidden_size")
+    return ModelConfig(
+        family="qwen3_moe",
+        model_type=hf["model_type"],
+        vocab_size=f.get("vocab_size"),
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=n_heads,
+        rms_norm_eps=float(f.get("rms_norm_eps", default=1e-6)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
+        intermediate_size=f.get("intermediate_size", default=6144),
+        attention="gqa",
+        num_kv_heads=f.get("num_key_value_heads", default=n_heads),
+        head_dim=f.get("head_dim", default=hidden // n_heads),
+        attention_bias=bool(f.get("attention_bias", default=False)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=f.get("max_position_embeddings", default=32768),
+        moe_layers=moe_layers,
+        num_experts=n_experts,
+        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        moe_intermediate_size=f.get("moe_intermediate_size", default=768),
+        router="softmax",
+        # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.
+        norm_topk_prob=bool(f.get("norm_topk_prob", default=False)),
+    )
+
+
+def layout(c: ModelConfig) -> Layout:
+    H, hd = c.hidden_size, c.head_dim
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        specs += [
+            plain(f"{p}.input_layernorm.weight", H),
+            plain(f"{p}.post_attention_layernorm.weight", H),
+            plain(f"{p}.self_attn.q_proj.weight", c.num_heads * hd, H),
+            plain(f"{p}.self_attn.k_proj.weight", c.num_kv_heads * hd, H),
+            plain(f"{p}.self_attn.v_proj.weight", c.num_kv_heads * hd, H),
+            plain(f"{p}.self_attn.o_proj.weight", H, c.num_heads * hd),
+            plain(f"{p}.self_attn.q_norm.weight", hd),
+            plain(f"{p}.self_attn.k_norm.weight", hd),
+        ]
+        if c.attention_bias:
+            specs += [
+                plain(f"{p}.self_attn.q_proj.bias", c.num_heads * hd),
+                plain(f"{p}.self_attn.k_proj.bias", c.num_kv_heads * hd),
+                plain(f"{p}.self_attn.v_proj.bias", c.num_kv_heads * hd),
+                plain(f"{p}.self_attn.o_proj.bias", H),
+            ]
+        if c.is_moe(i):
+            specs.append(plain(f"{p}.mlp.gate.weight", c.num_experts, H))
+            specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,
+                                     "gate_proj", "up_proj", "down_proj")
+        else:
+            I = c.intermediate_size
+            specs += [
+                plain(f"{p}.mlp.gate_proj.weight", I, H),
+                plain(f"{p}.mlp.up_proj.weight", I, H),
+                plain(f"{p}.mlp.down_proj.weight", H, I),
+            ]
+    specs.append(plain("model.norm.weight", H))
+    if not c.tie_word_embeddings:
+        specs.append(plain("lm_head.weight", c.vocab_size, H))
+    return Layout(tuple(specs))
+
+
+READER = register(FamilyReader("qwen3_moe", ("qwen3_moe",), parse, layout))

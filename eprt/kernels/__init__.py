@@ -1,0 +1,6 @@
+"""Kernel entry points. Each has a Triton implementation for CUDA and a torch fallback for CPU."""
+
+from eprt.kernels.grouped_gemm import grouped_mm
+from eprt.kernels.permute import combine, permute
+
+__all__ = ["grouped_mm", "permute", "combine"]

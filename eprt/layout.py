@@ -1,0 +1,69 @@
+"""How a family's Hugging Face tensors map onto eprt tensors.
+
+Every eprt tensor keeps its Hugging Face name except the routed experts, which are stacked
+per layer with the expert index leading: `...experts.w13` [E, 2I, H] (each expert's gate rows,
+then its up rows) and `...experts.w2` [E, H, I]. Both conversion and export read this one table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # eprt name
+    shape: tuple[int, ...]  # eprt shape
+    # Hugging Face names, row-major: eprt row r is the concatenation along dim 0 of
+    # sources[r*per_row : (r+1)*per_row]. A plain tensor has one source and `stacked` False.
+    sources: tuple[str, ...]
+    stacked: bool = False
+    per_row: int = 1
+
+    def source_shape(self) -> tuple[int, ...]:
+        if not self.stacked:
+            return self.shape
+        return (self.shape[1] // self.per_row, *self.shape[2:])
+
+    @property
+    def is_expert(self) -> bool:
+        return self.stacked
+
+
+@dataclass(frozen=True)
+class Layout:
+    specs: tuple[TensorSpec, ...]
+    # Tensors the model does not run but that must travel through convert and export
+    # unchanged (DeepSeek-V3's MTP layers, a VLM's vision tower).
+    passthrough: tuple[str, ...] = ()  # regexes over Hugging Face names
+
+    def by_source(self) -> dict[str, TensorSpec]:
+        return {s: spec for spec in self.specs for s in spec.sources}
+
+    def is_passthrough(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.passthrough)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a tensor belongs to, or None for embeddings, final norm and head."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def stacked_experts(prefix: str, num_experts: int, width: int, hidden: int,
+                    gate: str, up: str, down: str, suffix: str = ".weight") -> list[TensorSpec]:
+    """The two stacked expert tensors of one MoE layer, from per-expert `prefix.E.{gate,up,down}`."""
+    gate_up = tuple(f"{prefix}.{e}.{p}{suffix}" for e in range(num_experts) for p in (gate, up))
+    down_src = tuple(f"{prefix}.{e}.{down}{suffix}" for e in range(num_experts))
+    return [
+        TensorSpec(f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2),
+        TensorSpec(f"{prefix}.w2", (num_experts, hidden, width), down_src, stacked=True, per_row=1),
+    ]
+
+
+def plain(name: str, *shape: int) -> TensorSpec:
+    return TensorSpec(name, tuple(shape), (name,))

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="eprt",
+    version="0.1.0",
+    description="Expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs",
+    packages=find_packages(include=["eprt", "eprt.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        # Triton kernels run on CUDA, and under TRITON_INTERPRET=1 in the tests.
+        "triton": ["triton>=3.0"],
+        "compressed": ["compressed-tensors>=0.20"],
+        # transformers is only an oracle for the tests; eprt never imports it.
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "transformers>=5.0",
+            "compressed-tensors>=0.20",
+            "triton>=3.0",
+        ],
+    },
+)
