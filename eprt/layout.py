@@ -37,12 +37,18 @@ class Layout:
     # Tensors the model does not run but that must travel through convert and export
     # unchanged (DeepSeek-V3's MTP layers, a VLM's vision tower).
     passthrough: tuple[str, ...] = ()  # regexes over Hugging Face names
+    # Tensors a `--dtype` conversion leaves in their source dtype, because the reference
+    # computes with them at that precision (DeepSeek's fp32 router correction bias).
+    precise: tuple[str, ...] = ()  # regexes over eprt names
 
     def by_source(self) -> dict[str, TensorSpec]:
         return {s: spec for spec in self.specs for s in spec.sources}
 
     def is_passthrough(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.passthrough)
+
+    def is_precise(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.precise)
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

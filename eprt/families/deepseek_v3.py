@@ -106,7 +106,7 @@ def layout(c: ModelConfig) -> Layout:
     # The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
     # but export must write them back, so convert carries them through as they are.
     mtp = tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
-    return Layout(tuple(specs), passthrough=mtp)
+    return Layout(tuple(specs), passthrough=mtp, precise=(r".*\.e_score_correction_bias",))
 
 
 READER = register(FamilyReader("deepseek_v3", ("deepseek_v3", "kimi_k2"), parse, layout))

@@ -1,0 +1,74 @@
+"""A Hugging Face checkpoint directory as a source of tensors: sharded or single-file safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from eprt.errors import CheckpointError
+from eprt.safetensors_io import SafetensorsFile, TensorInfo
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Weights in other serializations are not read, and not carried either: they would be a
+# second copy of the model in a format eprt never writes.
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+def is_weight_file(rel: str) -> bool:
+    base = os.path.basename(rel)
+    return base.endswith(".safetensors") or base == INDEX or base.endswith(_OTHER_WEIGHTS) or base.endswith(".bin.index.json")
+
+
+def non_weight_files(root: str) -> list[str]:
+    """Every file under `root` that is not a weight, relative, sorted (hidden entries skipped)."""
+    found = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for f in sorted(files):
+            rel = os.path.relpath(os.path.join(d, f), root)
+            if not f.startswith(".") and not is_weight_file(rel):
+                found.append(rel)
+    return found
+
+
+class HFSource:
+    """Every tensor of a Hugging Face directory, with the shard that holds it; headers checked on open."""
+
+    def __init__(self, hf_dir: str):
+        self.dir = hf_dir
+        index_path = os.path.join(hf_dir, INDEX)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: corrupt index ({e!r})") from None
+            shards = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
+            weight_map, shards = None, [SINGLE]
+        else:
+            raise CheckpointError(f"{hf_dir}: no {SINGLE} or {INDEX}; eprt reads safetensors checkpoints")
+        self.files: dict[str, SafetensorsFile] = {}
+        self.tensors: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
+        for shard in shards:
+            path = os.path.join(hf_dir, shard)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{index_path}: lists shard {shard} which is missing from {hf_dir}")
+            f = self.files[shard] = SafetensorsFile(path)
+            for name, info in f.tensors.items():
+                if name in self.tensors:
+                    raise CheckpointError(f"{path}: tensor {name!r} is also in {self.tensors[name][0].path}")
+                self.tensors[name] = (f, info)
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in self.files[shard].tensors:
+                    raise CheckpointError(f"{os.path.join(hf_dir, shard)}: the index lists tensor {name!r} but the file lacks it")
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.files.values())
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()

@@ -1,0 +1,205 @@
+"""Reading and writing safetensors files byte range by byte range.
+
+eprt reads with `os.pread` instead of mapping whole files, so a rank that needs rows [a, b)
+of a stacked expert tensor reads exactly those bytes (plus the header), and the bytes read
+are counted. Writes stream tensor by tensor into a file whose header is known up front, so
+neither side ever holds more than the tensor in hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from eprt.errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} has no safetensors encoding")
+    return DTYPE_NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape[1:])
+
+
+class SafetensorsFile:
+    """One safetensors file, header validated on open, tensors read by byte range."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.bytes_read = 0
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+        try:
+            self.tensors, self.metadata = self._read_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        self.bytes_read += len(data)
+        return data
+
+    def _read_header(self) -> tuple[dict[str, TensorInfo], dict]:
+        size = os.fstat(self._fd).st_size
+        head = self._pread(8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(self._pread(n, 8))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path}: corrupt header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt header (not a JSON object)")
+        metadata = header.pop("__metadata__", None) or {}
+        data_start, data_size = 8 + n, size - 8 - n
+        tensors = {}
+        for name, h in header.items():
+            try:
+                dtype = DTYPES[h["dtype"]]
+                shape = tuple(int(d) for d in h["shape"])
+                begin, end = (int(x) for x in h["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}: {h!r}") from None
+            want = dtype.itemsize * math.prod(shape)
+            if end - begin != want or begin < 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} spans {end - begin} bytes but "
+                                      f"{h['dtype']}{list(shape)} needs {want}: corrupt file")
+            if end > data_size:
+                raise CheckpointError(f"{self.path}: tensor {name!r} ends at byte {data_start + end} past the "
+                                      f"end of the file ({size} bytes): truncated file")
+            tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, want)
+        return tensors, metadata
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+        return self.tensors[name]
+
+    def read_bytes_into(self, buf: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._fd, [buf[got:]], offset + got)
+            if n == 0:
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + got}")
+            got += n
+        self.bytes_read += got
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or rows [a, b) of it along dim 0, read from disk and nothing more."""
+        t = self.info(name)
+        start, shape = t.start, t.shape
+        if rows is not None:
+            a, b = rows
+            if not (t.shape and 0 <= a <= b <= t.shape[0]):
+                raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside tensor {name!r} of shape {list(t.shape)}")
+            start, shape = t.start + a * t.row_bytes, (b - a, *t.shape[1:])
+        out = torch.empty(shape, dtype=t.dtype)
+        if out.numel():
+            self.read_bytes_into(memoryview(out.view(-1).view(torch.uint8).numpy()), start)
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a tensor in row-major order, without a copy when it is contiguous."""
+    t = t.detach().contiguous().cpu().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class SafetensorsWriter:
+    """Streams tensors into a new safetensors file whose entries are declared up front.
+
+    `entries` lists (name, dtype, shape) in file order; `write` must then be called for each
+    entry in that order (a tensor may arrive in several row chunks). `close` fsyncs the file.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+        self.path = path
+        header, offset = {}, 0
+        self._sizes = []
+        for name, dtype, shape in entries:
+            n = dtype.itemsize * math.prod(shape)
+            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._sizes.append((name, n))
+            offset += n
+        header["__metadata__"] = {"format": "pt", **(metadata or {})}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the library writes it
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next, self._pending = 0, 0
+        self.total = offset
+
+    def write(self, name: str, data: torch.Tensor | memoryview | bytes) -> None:
+        if self._pending == 0:
+            if self._next >= len(self._sizes) or self._sizes[self._next][0] != name:
+                raise RuntimeError(f"{self.path}: wrote {name!r} out of the declared order")
+            self._pending = self._sizes[self._next][1]
+            self._next += 1
+        elif self._sizes[self._next - 1][0] != name:
+            raise RuntimeError(f"{self.path}: {self._sizes[self._next - 1][0]!r} is incomplete")
+        buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
+        if buf.nbytes > self._pending:
+            raise RuntimeError(f"{self.path}: {name!r} got more bytes than its shape holds")
+        self._f.write(buf)
+        self._pending -= buf.nbytes
+
+    def close(self) -> None:
+        if self._pending or self._next != len(self._sizes):
+            self._f.close()
+            raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def save_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    w = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata)
+    for k, v in tensors.items():
+        w.write(k, v)
+    w.close()

@@ -1,0 +1,25 @@
+"""Convert a Hugging Face safetensors checkpoint into an eprt checkpoint.
+
+    python tools/convert_hf.py HF_DIR OUT [--dtype keep|bf16|fp32] [--overwrite]
+"""
+
+import argparse
+
+from eprt.cli import run
+from eprt.convert import DTYPE_CHOICES, convert_hf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("hf_dir")
+    ap.add_argument("out")
+    ap.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="keep",
+                    help="cast floating-point weights (default: keep the source dtypes)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args()
+    convert_hf(a.hf_dir, a.out, dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress)
+
+
+if __name__ == "__main__":
+    run(main)

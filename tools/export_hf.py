@@ -1,0 +1,26 @@
+"""Write an eprt checkpoint back in the Hugging Face layout.
+
+    python tools/export_hf.py CKPT OUT [--max-shard-size 5GB] [--overwrite]
+"""
+
+import argparse
+
+from eprt.cli import run
+from eprt.hf.export import export_hf
+from eprt.units import parse_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt")
+    ap.add_argument("out")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args()
+    export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
+              progress=not a.no_progress)
+
+
+if __name__ == "__main__":
+    run(main)
