@@ -53,6 +53,7 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self.bytes_read = 0
+        self._fd = -1
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -60,7 +61,7 @@ class SafetensorsFile:
         try:
             self.tensors, self.metadata = self._read_header()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _pread(self, n: int, offset: int) -> bytes:
