@@ -126,6 +126,15 @@ class Checkpoint:
                 pieces.append(self._read_part(t, p, (lo - p.rows[0], hi - p.rows[0])))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
+    def byte_range(self, name: str, row: int) -> tuple[SafetensorsFile, int, int]:
+        """(file, offset, length) of row `row` of tensor `name` as stored, for copying without reading."""
+        t = self.meta(name)
+        p = next((p for p in t.parts if p.rows[0] <= row < p.rows[1]), None)
+        if p is None:
+            raise CheckpointError(f"{self.path}: row {row} is outside {name!r} of shape {list(t.shape)}")
+        f = self.file(p.file)
+        return (f, *f.byte_range(p.key, (row - p.rows[0], row - p.rows[0] + 1)))
+
     def _read_part(self, t: TensorMeta, p: Part, rows) -> torch.Tensor:
         f = self.file(p.file)
         info = f.info(p.key)

@@ -118,10 +118,12 @@ def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, prog
             w = SafetensorsWriter(os.path.join(tmp, fname), [(p.spec.name, p.dtype, p.spec.shape) for p in ps])
             for p in ps:
                 for s in p.spec.sources:
-                    f, _ = src.tensors[s]
-                    t = f.read(s)
-                    w.write(p.spec.name, t.to(p.dtype) if t.dtype != p.dtype else t)
-                    pb.update(t.numel() * p.dtype.itemsize)
+                    f, info = src.tensors[s]
+                    if info.dtype == p.dtype:
+                        w.copy_range(p.spec.name, f, info.start, info.nbytes)
+                    else:
+                        w.write(p.spec.name, f.read(s).to(p.dtype))
+                    pb.update(p.dtype.itemsize * math.prod(info.shape))
                 rows = (0, p.spec.shape[0] if p.spec.shape else 0)
                 metas.append(TensorMeta(p.spec.name, p.dtype, p.spec.shape, "raw", p.role,
                                         (Part(fname, p.spec.name, rows),), p.source_dtype))

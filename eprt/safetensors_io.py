@@ -117,15 +117,21 @@ class SafetensorsFile:
             got += n
         self.bytes_read += got
 
+    def byte_range(self, name: str, rows: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(offset, length) in the file of the tensor, or of rows [a, b) of it along dim 0."""
+        t = self.info(name)
+        if rows is None:
+            return t.start, t.nbytes
+        a, b = rows
+        if not (t.shape and 0 <= a <= b <= t.shape[0]):
+            raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside tensor {name!r} of shape {list(t.shape)}")
+        return t.start + a * t.row_bytes, (b - a) * t.row_bytes
+
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or rows [a, b) of it along dim 0, read from disk and nothing more."""
         t = self.info(name)
-        start, shape = t.start, t.shape
-        if rows is not None:
-            a, b = rows
-            if not (t.shape and 0 <= a <= b <= t.shape[0]):
-                raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside tensor {name!r} of shape {list(t.shape)}")
-            start, shape = t.start + a * t.row_bytes, (b - a, *t.shape[1:])
+        start, _ = self.byte_range(name, rows)
+        shape = t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
         out = torch.empty(shape, dtype=t.dtype)
         if out.numel():
             self.read_bytes_into(memoryview(out.view(-1).view(torch.uint8).numpy()), start)
@@ -171,12 +177,19 @@ class SafetensorsWriter:
         header["__metadata__"] = {"format": "pt", **(metadata or {})}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the library writes it
-        self._f = open(path, "wb")
+        # unbuffered: tensor writes are large, and copy_range appends through the same descriptor
+        self._f = open(path, "wb", buffering=0)
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._next, self._pending = 0, 0
         self.total = offset
 
     def write(self, name: str, data: torch.Tensor | memoryview | bytes) -> None:
+        buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
+        self._claim(name, buf.nbytes)
+        self._f.write(buf)
+
+    def _claim(self, name: str, nbytes: int) -> None:
+        """Check that `nbytes` more of tensor `name` come next in the declared order."""
         if self._pending == 0:
             if self._next >= len(self._sizes) or self._sizes[self._next][0] != name:
                 raise RuntimeError(f"{self.path}: wrote {name!r} out of the declared order")
@@ -184,17 +197,30 @@ class SafetensorsWriter:
             self._next += 1
         elif self._sizes[self._next - 1][0] != name:
             raise RuntimeError(f"{self.path}: {self._sizes[self._next - 1][0]!r} is incomplete")
-        buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
-        if buf.nbytes > self._pending:
+        if nbytes > self._pending:
             raise RuntimeError(f"{self.path}: {name!r} got more bytes than its shape holds")
-        self._f.write(buf)
-        self._pending -= buf.nbytes
+        self._pending -= nbytes
+
+    def copy_range(self, name: str, src: SafetensorsFile, offset: int, nbytes: int) -> None:
+        """Write `nbytes` of `src` from `offset` as (part of) tensor `name`, copied inside the kernel.
+
+        No byte passes through this process: a conversion that keeps dtypes runs at the speed
+        of a file copy.
+        """
+        self._claim(name, nbytes)
+        out = self._f.fileno()
+        done = 0
+        while done < nbytes:
+            n = os.sendfile(out, src._fd, offset + done, nbytes - done)
+            if n == 0:
+                raise CheckpointError(f"{src.path}: unexpected end of file at byte {offset + done}")
+            done += n
+        src.bytes_read += nbytes
 
     def close(self) -> None:
         if self._pending or self._next != len(self._sizes):
             self._f.close()
             raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
-        self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
 

@@ -19,7 +19,7 @@ from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
 from eprt.hf.source import INDEX
 from eprt.progress import bar, logger
-from eprt.safetensors_io import SafetensorsWriter
+from eprt.safetensors_io import SafetensorsFile, SafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
@@ -30,6 +30,8 @@ class OutTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     produce: Callable[[], torch.Tensor]
+    # Where the bytes already lie as they must be written: (file, offset, length), copied in the kernel.
+    stored: Callable[[], tuple[SafetensorsFile, int, int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -43,15 +45,31 @@ def source_tensors(ck: Checkpoint) -> Iterator[OutTensor]:
     for name, meta in ck.tensors.items():
         spec = specs.get(name)
         dtype = meta.source_dtype
+        as_stored = meta.dtype == dtype and meta.encoding == "raw"
         if spec is None or not spec.stacked:
-            yield OutTensor(name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d))
+            stored = (lambda n=name: whole(ck, n)) if as_stored and len(meta.parts) == 1 else None
+            yield OutTensor(name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d), stored)
             continue
         h = spec.source_shape()[0]
         for j, src in enumerate(spec.sources):
             e, k = divmod(j, spec.per_row)
-            # expert e's row holds its per_row source tensors end to end; read only that row
+            # expert e's row holds its per_row source tensors end to end
+            stored = (lambda n=name, e=e, k=k, m=spec.per_row: row_part(ck, n, e, k, m)) if as_stored else None
             yield OutTensor(src, dtype, spec.source_shape(),
-                            lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: ck.read(n, rows=(e, e + 1))[0, a:b].to(d))
+                            lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: ck.read(n, rows=(e, e + 1))[0, a:b].to(d),
+                            stored)
+
+
+def whole(ck: Checkpoint, name: str) -> tuple[SafetensorsFile, int, int]:
+    p = ck.meta(name).parts[0]
+    f = ck.file(p.file)
+    return (f, *f.byte_range(p.key))
+
+
+def row_part(ck: Checkpoint, name: str, row: int, k: int, per_row: int) -> tuple[SafetensorsFile, int, int]:
+    """The k-th of `per_row` equal pieces of row `row` of a stacked tensor."""
+    f, offset, n = ck.byte_range(name, row)
+    return f, offset + k * (n // per_row), n // per_row
 
 
 def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -74,7 +92,10 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             w = SafetensorsWriter(os.path.join(tmp, fname), [(t.name, t.dtype, t.shape) for t in group])
             for t in group:
-                w.write(t.name, t.produce())
+                if t.stored is not None:
+                    w.copy_range(t.name, *t.stored())
+                else:
+                    w.write(t.name, t.produce())
                 weight_map[t.name] = fname
                 pb.update(t.nbytes)
             w.close()
