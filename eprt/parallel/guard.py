@@ -1,0 +1,179 @@
+"""Fail together: a step that fails on one rank raises on every rank, naming that rank.
+
+    with fail_together(state, "loading the checkpoint"):
+        weights = read_my_slice(...)
+
+Every rank runs the step, then posts its outcome (ok, or the exception's type and message) to
+the run's store and reads everyone's. If any rank failed, every rank raises the same
+`RankFailure`; on a failing rank it is chained to the original exception, whose traceback
+stays visible there.
+
+The outcomes travel through the store, not a process group, so they get through even when the
+step's own collectives are stuck or broken. The guard cannot pull a rank out of a collective a
+failing peer never joins (a forward that raises on one rank before an all-to-all the others are
+in); that collective's timeout does, and the rank then posts the timeout as its outcome, which
+the verdict lists apart from the failure that caused it. So the guard waits twice the collective
+timeout for outcomes; a rank that has posted none by then (hung outside any collective, or
+dead) is named as missing.
+
+The first rank to decide writes the verdict once (compare-and-set) and every rank obeys it, so
+a rank that posts after the others gave up on it raises the same error they did.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from eprt.errors import EprtError
+from eprt.parallel.state import ParallelState
+
+# A failure report keeps the exception's type and message, not its traceback (that stays on the
+# failing rank); this bounds what one report puts in the store.
+MAX_REPORT_CHARS = 2000
+
+
+class RankFailure(EprtError):
+    """A guarded step failed on some rank; raised alike on every rank.
+
+    `failures` maps each rank whose step raised to "ExceptionType: message"; `timeouts` the ranks
+    that then timed out in a collective waiting for them; `missing` lists the ranks that posted
+    no outcome within `waited_s` seconds. `ranks` are the ranks to look at first.
+    """
+
+    def __init__(self, what: str, failures: dict[int, str], timeouts: dict[int, str] | None = None,
+                 missing: list[int] = (), waited_s: float = 0.0):
+        self.what, self.failures = what, dict(failures)
+        self.timeouts, self.missing, self.waited_s = dict(timeouts or {}), list(missing), waited_s
+        super().__init__(self._message())
+
+    def __reduce__(self):
+        return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures) or sorted(self.missing) or sorted(self.timeouts)
+
+    def _message(self) -> str:
+        lines = []
+        if len(self.failures) == 1:
+            (rank, report), = self.failures.items()
+            lines.append(f"rank {rank} failed while {self.what}: {report}")
+        elif self.failures:
+            lines.append(f"ranks {_names(self.failures)} failed while {self.what}:")
+            lines += [f"  rank {r}: {self.failures[r]}" for r in sorted(self.failures)]
+        if self.missing:
+            lines.append(f"{_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
+                         f"{self.what} (hung outside a collective, or died)")
+        if self.timeouts:
+            first = min(self.timeouts)
+            when = "then" if self.failures or self.missing else f"while {self.what}"
+            lines.append(f"{_ranks(self.timeouts)} {when} timed out waiting in a collective "
+                         f"(rank {first}: {self.timeouts[first]})")
+        return "\n".join(lines)
+
+
+class fail_together:
+    """Context manager: run a per-rank step whose failure on any rank raises on every rank.
+
+    Every rank must enter the same guards in the same order. Guards nest: a RankFailure from an
+    inner guard, already raised on every rank, passes through the outer ones unchanged.
+    `timeout` is how long to wait for the other ranks' outcomes (default: twice the state's
+    collective timeout).
+    """
+
+    def __init__(self, state: ParallelState, what: str, timeout: timedelta | None = None):
+        self.state, self.what = state, what
+        self.wait = 2 * state.timeout if timeout is None else timeout
+
+    def __enter__(self) -> fail_together:
+        self.state.guards_entered += 1
+        self.key = f"guard/{self.state.guards_entered}"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, RankFailure):
+            return False
+        state = self.state
+        if state.world == 1 or state.store is None:
+            if exc is not None:
+                raise RankFailure(self.what, {state.rank: _describe(exc)}) from exc
+            return False
+        outcome = "" if exc is None else ("T" if _is_timeout(exc) else "F") + _describe(exc)
+        if exc is not None and not isinstance(exc, Exception):
+            # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
+            _try(lambda: state.store.set(f"{self.key}/{state.rank}", outcome.encode()))
+            return False
+        verdict = _decide(state, self.key, outcome, self.wait)
+        if verdict["failures"] or verdict["timeouts"] or verdict["missing"]:
+            raise RankFailure(self.what, verdict["failures"], verdict["timeouts"],
+                              verdict["missing"], self.wait.total_seconds()) from exc
+        return False
+
+
+def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> dict:
+    """Post this rank's outcome ("" ok, "F..." failed, "T..." timed out in a collective), read
+    everyone's, and return the verdict the first deciding rank wrote."""
+    store, world = state.store, state.world
+    keys = [f"{key}/{r}" for r in range(world)]
+    verdict = {"failures": {}, "timeouts": {}, "missing": []}
+    if not _try(lambda: store.set(keys[state.rank], outcome.encode())):
+        return _alone(state, outcome)
+    _try(lambda: store.wait(keys, wait))  # on a timeout, the check below finds who is missing
+    try:
+        posted = [r for r in range(world) if store.check([keys[r]])]
+        for r, value in zip(posted, store.multi_get([keys[r] for r in posted])):
+            kind, report = value[:1].decode(), value[1:].decode()
+            if kind:
+                verdict["failures" if kind == "F" else "timeouts"][r] = report
+        verdict["missing"] = [r for r in range(world) if r not in posted]
+        decided = store.compare_set(f"{key}/verdict", "", json.dumps(verdict))
+        if store.add(f"{key}/read", 1) == world:
+            for k in keys + [f"{key}/verdict", f"{key}/read"]:
+                store.delete_key(k)
+    except dist.DistError:
+        return _alone(state, outcome)
+    decided = json.loads(decided)
+    for kind in ("failures", "timeouts"):
+        decided[kind] = {int(r): report for r, report in decided[kind].items()}
+    return decided
+
+
+def _alone(state: ParallelState, outcome: str) -> dict:
+    """The verdict from this rank's outcome alone, for when the store cannot be reached."""
+    verdict = {"failures": {}, "timeouts": {},
+               "missing": [r for r in range(state.world) if r != state.rank]}
+    if outcome:
+        verdict["failures" if outcome[0] == "F" else "timeouts"][state.rank] = outcome[1:]
+    return verdict
+
+
+def _describe(exc: BaseException) -> str:
+    message = str(exc)[:MAX_REPORT_CHARS]
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A collective that gave up waiting for a peer (gloo says "Timed out", NCCL's watchdog
+    "timeout"), as opposed to a failure of the step itself."""
+    message = str(exc).lower()
+    return (isinstance(exc, RuntimeError) and "timed out" in message) or \
+        (isinstance(exc, dist.DistBackendError) and "timeout" in message)
+
+
+def _try(op) -> bool:
+    try:
+        op()
+        return True
+    except dist.DistError:
+        return False
+
+
+def _names(ranks) -> str:
+    return ", ".join(map(str, sorted(ranks)))
+
+
+def _ranks(ranks) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {_names(ranks)}"

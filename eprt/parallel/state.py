@@ -1,0 +1,226 @@
+"""The process groups of one run, built once from torchrun's environment.
+
+The world factors as edp x ep for the routed experts, ep innermost (Megatron's order): with
+world 8 and ep 4 the ep groups are [0-3], [4-7] and the edp groups [0,4], [1,5], [2,6], [3,7].
+Rank r of an ep group holds experts [r*E/ep, (r+1)*E/ep); the edp group of a rank is the set of
+ranks holding the same experts. The dense part is data parallel over the whole world.
+
+Beside the process groups, every rank keeps a client of the run's key-value store.
+The fail-together guard reports outcomes through it, so a report still gets through when a
+process group is stuck or broken by a timed-out collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from eprt.errors import ConfigError
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def valid_ep(world: int, num_experts: int | None = None) -> list[int]:
+    """The ep degrees a world of this size can run: divisors of the world (and of the expert count)."""
+    return [ep for ep in range(1, world + 1)
+            if world % ep == 0 and (num_experts is None or num_experts % ep == 0)]
+
+
+def check_ep(world: int, ep: int, num_experts: int | None = None) -> None:
+    """Refuse an ep degree that does not divide the world, or the routed-expert count."""
+    if ep < 1 or world % ep:
+        raise ConfigError(
+            f"ep={ep} does not divide the world size {world}; "
+            f"valid ep for world {world}: {', '.join(map(str, valid_ep(world)))}")
+    if num_experts is not None and num_experts % ep:
+        raise ConfigError(
+            f"ep={ep} does not divide the {num_experts} routed experts; valid ep for world "
+            f"{world} and {num_experts} experts: {', '.join(map(str, valid_ep(world, num_experts)))}")
+
+
+def expert_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, edp groups) of the (edp, ep) factorization of `world`, ep innermost."""
+    check_ep(world, ep)
+    ep_groups = [list(range(start, start + ep)) for start in range(0, world, ep)]
+    edp_groups = [list(range(ep_rank, world, ep)) for ep_rank in range(ep)]
+    return ep_groups, edp_groups
+
+
+def rank_coords(rank: int, world: int, ep: int) -> tuple[int, int]:
+    """(edp_rank, ep_rank) of a global rank: its place in its edp group and in its ep group."""
+    check_ep(world, ep)
+    return rank // ep, rank % ep
+
+
+@dataclass
+class ParallelState:
+    """Where this rank sits in the run, and the process groups it communicates over.
+
+    Build it with `from_env` (under torchrun, or any launcher that sets torchrun's variables) or
+    `single` (one process, no process group). Groups are None in a world of one.
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    edp_size: int = 1
+    edp_rank: int = 0
+    ep_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's ep group, in ep-rank order
+    edp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's edp group
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None  # "nccl" with CUDA, "gloo" without; None in a world of one
+    timeout: timedelta = DEFAULT_TIMEOUT
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None  # the whole world
+    store: dist.Store | None = field(default=None, repr=False)
+    guards_entered: int = field(default=0, repr=False)  # names each guard's keys in the store
+
+    @classmethod
+    def single(cls, device: torch.device | str | None = None) -> ParallelState:
+        """A world of one process: every group is trivial, and nothing is initialized."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(device=torch.device(device))
+
+    @classmethod
+    def from_env(cls, ep: int | None = None, num_experts: int | None = None,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelState:
+        """Join the run torchrun describes in RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+        MASTER_ADDR and MASTER_PORT, and build the groups of an (edp, ep) layout.
+
+        `ep` defaults to the world size. With `num_experts`, an ep that does not divide the
+        routed-expert count is refused too; every rank does that arithmetic alike, so every rank
+        refuses before any connection is made. Devices are refused (`check_devices`) on every
+        rank once the ranks have exchanged what they see. `timeout` bounds every collective and
+        the wait of every guard (see `eprt.parallel.guard`).
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        ep = world if ep is None else ep
+        check_ep(world, ep, num_experts)
+        if world == 1:
+            return cls.single(torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu")
+        try:
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as e:
+            raise ConfigError(f"WORLD_SIZE={world} but {e.args[0]} is not set; "
+                              "launch with torchrun, which sets it") from None
+
+        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT (a fresh one for
+        # each restart); without an agent, rank 0 serves it.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        tcp_store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
+                                  timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore("eprt", tcp_store)
+        device = _bind_device(store, rank, world, local_rank, local_world, timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("eprt_pg", tcp_store), rank=rank, world_size=world,
+            timeout=timeout, device_id=device if backend == "nccl" else None)
+
+        ep_groups, edp_groups = expert_groups(world, ep)
+        # new_group is collective over the world: every rank creates every group, in one order.
+        for ranks in ep_groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                ep_group, ep_ranks = group, tuple(ranks)
+        for ranks in edp_groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                edp_group, edp_ranks = group, tuple(ranks)
+        edp_rank, ep_rank = rank_coords(rank, world, ep)
+        return cls(rank=rank, world=world, local_rank=local_rank, ep_size=ep, ep_rank=ep_rank,
+                   edp_size=world // ep, edp_rank=edp_rank, ep_ranks=ep_ranks, edp_ranks=edp_ranks,
+                   device=device, backend=backend, timeout=timeout, ep_group=ep_group,
+                   edp_group=edp_group, dp_group=dist.group.WORLD, store=store)
+
+    def check_experts(self, num_experts: int) -> None:
+        """Refuse, alike on every rank, a layer whose routed experts do not split over ep."""
+        check_ep(self.world, self.ep_size, num_experts)
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """(first, count): this rank holds routed experts [first, first + count)."""
+        self.check_experts(num_experts)
+        count = num_experts // self.ep_size
+        return self.ep_rank * count, count
+
+    def all_reduce(self, tensor: torch.Tensor, over: str = "dp",
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> torch.Tensor:
+        """Reduce `tensor` in place over the "dp" (world), "ep" or "edp" group; a no-op alone."""
+        size, group = {"dp": (self.world, self.dp_group), "ep": (self.ep_size, self.ep_group),
+                       "edp": (self.edp_size, self.edp_group)}[over]
+        if size > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+    def close(self) -> None:
+        """Leave the run: wait for every rank, then tear the process groups down.
+
+        Without torchrun's agent, rank 0 serves the store, so it leaves last: a rank still
+        talking to the store when rank 0 exits would fail.
+        """
+        if self.world == 1 or self.store is None:
+            return
+        self.store.set(f"close/arrived/{self.rank}", b"")
+        self.store.wait([f"close/arrived/{r}" for r in range(self.world)], self.timeout)
+        if self.rank == 0:
+            self.store.wait([f"close/left/{r}" for r in range(1, self.world)], self.timeout)
+        else:
+            self.store.set(f"close/left/{self.rank}", b"")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None
+
+    def __enter__(self) -> ParallelState:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_devices(reports: list[tuple[int, int, str]]) -> None:
+    """Refuse a world whose ranks cannot each own a GPU, or that mixes GPU and CPU ranks.
+
+    reports[r] = (GPUs visible to rank r, ranks on its node, its host name). Two ranks on one
+    GPU would share its memory and serialize its work; ranks with and without CUDA cannot share
+    a backend.
+    """
+    without = [str(r) for r, (count, _, _) in enumerate(reports) if count == 0]
+    if without and len(without) < len(reports):
+        raise ConfigError(
+            f"ranks {', '.join(without)} see no CUDA device while the others do; run every "
+            "rank with a GPU, or every rank without one (CUDA_VISIBLE_DEVICES=)")
+    for count, local_world, host in reports:
+        if count and local_world > count:
+            raise ConfigError(
+                f"{local_world} ranks run on host {host}, which has {count} visible GPUs, and two "
+                f"ranks cannot share one; run at most {count} processes per node "
+                "(--nproc-per-node) or expose more GPUs in CUDA_VISIBLE_DEVICES")
+
+
+def _bind_device(store: dist.Store, rank: int, world: int, local_rank: int, local_world: int,
+                 timeout: timedelta) -> torch.device:
+    """This rank's device, GPU `local_rank` or the CPU, once every rank's report passes
+    `check_devices` (each rank checks all reports, so every rank refuses alike)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    store.set(f"device/{rank}", f"{count} {local_world} {socket.gethostname()}")
+    store.wait([f"device/{r}" for r in range(world)], timeout)
+    reports = []
+    for r in range(world):
+        c, lw, host = store.get(f"device/{r}").decode().split(" ", 2)
+        reports.append((int(c), int(lw), host))
+    check_devices(reports)
+    if not count:
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
