@@ -57,6 +57,8 @@ def test_kimi_k2_runs_as_deepseek_v3():
     ({"scoring_func": "softmax"}, "only the sigmoid noaux_tc router of DeepSeek-V3 is supported .scoring_func=.softmax."),
     ({"num_hidden_layers": None}, "required field num_hidden_layers is missing"),
     ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope'"),
+    ({"rope_interleave": False}, "rope_interleave is false"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads differs from num_attention_heads"),
 ])
 def test_refusals_name_the_setting(fields, message):
     with pytest.raises(ConfigError, match="^config.json: " + message.replace("(", r"\(")):

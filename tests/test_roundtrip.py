@@ -67,6 +67,7 @@ def test_dtype_conversion_keeps_the_router_bias_and_exports_source_dtypes(tmp_pa
     ck = Checkpoint(convert_hf(src, str(tmp_path / "ck"), dtype="bf16", progress=False))
     assert ck.meta("model.layers.1.mlp.experts.w13").dtype == torch.bfloat16
     assert ck.meta("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    assert ck.meta("model.layers.1.mlp.gate.weight").dtype == torch.float32
     export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), progress=False)
     a, b = read_hf_tensors(src), read_hf_tensors(str(tmp_path / "out"))
     name = "model.layers.1.mlp.experts.3.up_proj.weight"

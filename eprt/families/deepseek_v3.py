@@ -21,9 +21,14 @@ def parse(hf: dict, source: str) -> ModelConfig:
     act = f.get("hidden_act", default="silu")
     if act != "silu":
         raise f.refuse(f"hidden_act {act!r} is not supported (DeepSeek-V3 uses silu)")
+    if not f.get("rope_interleave", default=True):
+        raise f.refuse("rope_interleave is false; DeepSeek-V3 and Kimi-K2 rotate interleaved pairs and eprt runs only that")
+    n_heads = f.get("num_attention_heads")
+    if f.get("num_key_value_heads", default=n_heads) != n_heads:
+        raise f.refuse("num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
+                       "one key/value head per attention head")
     n_experts = f.get("n_routed_experts", "num_local_experts", default=256)
     theta, rope_scaling = read_rope(f)
-    n_heads = f.get("num_attention_heads")
     return ModelConfig(
         family="deepseek_v3",
         model_type=hf["model_type"],
@@ -35,7 +40,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=f.get("intermediate_size", default=18432),
         attention="mla",
-        num_kv_heads=f.get("num_key_value_heads", default=n_heads),
+        num_kv_heads=n_heads,
         head_dim=f.get("qk_rope_head_dim", default=64),
         attention_bias=False,
         rope_theta=theta,
@@ -103,10 +108,11 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
+    # The router runs in fp32 in the reference, so `--dtype` leaves its weight and bias as stored.
     # The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
     # but export must write them back, so convert carries them through as they are.
     mtp = tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
-    return Layout(tuple(specs), passthrough=mtp, precise=(r".*\.e_score_correction_bias",))
+    return Layout(tuple(specs), passthrough=mtp, precise=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"))
 
 
 READER = register(FamilyReader("deepseek_v3", ("deepseek_v3", "kimi_k2"), parse, layout))

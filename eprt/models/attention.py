@@ -1,0 +1,42 @@
+"""Grouped-query attention with per-head q/k RMSNorm (Qwen3), and the causal attention core."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eprt.config import ModelConfig
+from eprt.models.layers import Linear, RMSNorm
+from eprt.models.rope import rope_rotate_half
+
+
+def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads.
+    Returns [B, T, H*e]."""
+    B, H, T, _ = q_BHTd.shape
+    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, is_causal=True, scale=scale,
+                                       enable_gqa=k_BhTd.shape[1] != H)
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
+class GQAttention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        assert c.num_heads % c.num_kv_heads == 0, (c.num_heads, c.num_kv_heads)
+        hd = c.head_dim
+        self.q_proj = Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+        return self.o_proj(causal_attention(q, k, v, self.head_dim ** -0.5))

@@ -1,0 +1,86 @@
+"""The decoder-only causal LM both families share: embed, N x (attention, MLP) with pre-norm
+residuals, final norm, head. A family file chooses the attention and the MLP of each layer."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eprt.config import ModelConfig
+from eprt.models.layers import Linear, RMSNorm, linear
+from eprt.models.moe import MoE
+from eprt.models.rope import Rotary
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """input_ids [B, T] -> final hidden states [B, T, H]."""
+
+    def __init__(self, c: ModelConfig, layers: list[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # cfg.head_dim is the rotary width in both families (for MLA it is qk_rope_head_dim).
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(input_ids.shape[1], x.dtype, x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids)` ([B, T] int64, causal, no padding) -> logits [B, T, vocab]."""
+
+    # Regexes over tensor names the reference keeps in fp32 whatever the model dtype.
+    fp32_tensors: tuple[str, ...] = ()
+
+    def __init__(self, c: ModelConfig, layers: list[DecoderLayer]):
+        super().__init__()
+        self.config = c
+        self.model = Decoder(c, layers)
+        # Tied embeddings: the head reads model.embed_tokens.weight and has no tensor of its own.
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return linear(self.model(input_ids), head.weight)
+
+    def keeps_fp32(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.fp32_tensors)
+
+    def moe_blocks(self) -> list[tuple[int, MoE]]:
+        return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)]
+
+    def set_dispatcher(self, make_dispatcher: Callable[[int, MoE], Callable]) -> None:
+        """Install `make_dispatcher(layer_index, block)` as the dispatcher of every MoE block."""
+        for i, block in self.moe_blocks():
+            block.dispatcher = make_dispatcher(i, block)

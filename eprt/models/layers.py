@@ -1,0 +1,51 @@
+"""Building blocks every family shares: the one dense matmul, RMSNorm, the gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). Every dense matmul of every model goes through here, so a
+    batch-invariant kernel can replace it in one place."""
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Module):
+    """A weight [out, in] (and optional bias) applied through `linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32, round back to the input dtype, then scale: the reference's casts.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate x) * up x): the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, width)
+        self.up_proj = Linear(hidden, width)
+        self.down_proj = Linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

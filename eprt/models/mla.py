@@ -1,0 +1,55 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2).
+
+q = q_b(norm(q_a x)) (or q_proj x), per head [nope | rope]; the latent [c | k_pe] = kv_a x,
+c normalized and expanded by kv_b into per-head [k_nope | v]; k_pe is one rope head shared by all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eprt.config import ModelConfig
+from eprt.models.attention import causal_attention
+from eprt.models.layers import Linear, RMSNorm
+from eprt.models.rope import rope_interleaved, yarn_softmax_scale
+
+# The reference builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
+# rms_norm_eps (DeepSeek's own inference code does the same).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.num_heads = c.num_heads
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        qk = self.nope + self.rope
+        H = c.hidden_size
+        if c.q_lora_rank:
+            self.q_a_proj = Linear(H, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk)
+        else:
+            self.q_proj = Linear(H, c.num_heads * qk)
+        self.kv_a_proj_with_mqa = Linear(H, c.kv_lora_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(c.num_heads * self.v_dim, H)
+        self.scale = qk ** -0.5 * yarn_softmax_scale(c.rope_scaling)
+        self.q_lora = bool(c.q_lora_rank)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
+        q_nope, q_pe = q.view(B, T, nh, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_pe = rope_interleaved(q_pe, cos, sin)
+        k_pe = rope_interleaved(k_pe.view(B, 1, T, self.rope), cos, sin)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
+        return self.o_proj(causal_attention(q, k, v, self.scale))

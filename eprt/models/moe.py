@@ -1,0 +1,67 @@
+"""Mixture-of-experts block: router, routed experts, dispatcher, optional shared experts.
+
+The dispatcher seam: a block calls `self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts)`
+with GLOBAL expert ids (int64) and fp32 weights, and gets back the routed output [T, D] in fp32.
+`LocalDispatcher` runs every expert in this process; an expert-parallel dispatcher sends each
+token to the rank holding its experts and calls that rank's `Experts` on what arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eprt.errors import ConfigError
+from eprt.kernels import combine, grouped_mm, permute
+
+
+class Experts(nn.Module):
+    """Experts [first, first + count) of num_experts, stacked: w13 [count, 2I, H] (gate rows,
+    then up rows), w2 [count, H, I]."""
+
+    def __init__(self, num_experts: int, first: int, count: int, hidden: int, width: int):
+        super().__init__()
+        assert 0 <= first and 0 < count and first + count <= num_experts, (first, count, num_experts)
+        self.num_experts, self.first, self.count = num_experts, first, count
+        self.w13 = nn.Parameter(torch.empty(count, 2 * width, hidden))
+        self.w2 = nn.Parameter(torch.empty(count, hidden, width))
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate, up = grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.w2, offsets)
+
+
+class LocalDispatcher:
+    """Every routed expert lives in this process: permute, run, combine."""
+
+    def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 experts: Experts) -> torch.Tensor:
+        if experts.count != experts.num_experts:
+            raise ConfigError(
+                f"this model holds experts [{experts.first}, {experts.first + experts.count}) of "
+                f"{experts.num_experts}; a local forward needs all of them: load without expert_range, "
+                "or install an expert-parallel dispatcher with model.set_dispatcher(...)")
+        x_sorted, tokens_per_expert, order = permute(x_TD, topk_ids_TK, experts.num_experts)
+        return combine(experts(x_sorted, tokens_per_expert), order, topk_weights_TK)
+
+
+class MoE(nn.Module):
+    def __init__(self, gate: nn.Module, experts: Experts, shared_experts: nn.Module | None = None):
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+        self.dispatcher = LocalDispatcher()
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
+        # The routed sum is formed in fp32 and rounded once; the shared experts are added after,
+        # in the model dtype, as the reference does.
+        y_TD = self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts).to(x_BTD.dtype)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view_as(x_BTD)

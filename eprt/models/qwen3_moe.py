@@ -1,0 +1,25 @@
+"""Qwen3-MoE: GQA with q/k norm and rotate-half RoPE; softmax top-k experts, no shared experts."""
+
+from __future__ import annotations
+
+from eprt.config import ModelConfig
+from eprt.models.attention import GQAttention
+from eprt.models.decoder import CausalLM, DecoderLayer
+from eprt.models.layers import GatedMLP
+from eprt.models.moe import Experts, MoE
+from eprt.models.registry import register_model
+from eprt.models.router import SoftmaxRouter
+
+
+@register_model("qwen3_moe")
+class Qwen3MoeForCausalLM(CausalLM):
+    def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
+        first, count = expert_range or (0, c.num_experts)
+
+        def mlp(i: int):
+            if not c.is_moe(i):
+                return GatedMLP(c.hidden_size, c.intermediate_size)
+            return MoE(SoftmaxRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.norm_topk_prob),
+                       Experts(c.num_experts, first, count, c.hidden_size, c.moe_intermediate_size))
+
+        super().__init__(c, [DecoderLayer(c, GQAttention(c), mlp(i)) for i in range(c.num_layers)])
