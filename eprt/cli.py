@@ -1,7 +1,11 @@
-"""What every command-line tool shares: refusals print as one clear line and exit 2."""
+"""What every command-line tool shares: refusals print as one clear line and exit 2.
+
+In a multi-rank run every rank prints its own line, saying which rank speaks.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -12,5 +16,10 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except EprtError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{_speaker()}: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _speaker() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f" (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else ""

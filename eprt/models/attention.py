@@ -17,7 +17,8 @@ def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.T
     B, H, T, _ = q_BHTd.shape
     o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, is_causal=True, scale=scale,
                                        enable_gqa=k_BhTd.shape[1] != H)
-    return o.transpose(1, 2).reshape(B, T, -1)
+    # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
+    return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
 
 
 class GQAttention(nn.Module):
@@ -32,6 +33,8 @@ class GQAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
+        self.kv_observer = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -39,4 +42,6 @@ class GQAttention(nn.Module):
         k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
         return self.o_proj(causal_attention(q, k, v, self.head_dim ** -0.5))

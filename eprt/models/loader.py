@@ -1,5 +1,9 @@
 """Build a model from an eprt checkpoint: on the meta device first, then each tensor read from
-disk straight into its place (one tensor in flight, never a second copy of the model)."""
+disk straight into its place (one tensor in flight, never a second copy of the model).
+
+In an expert-parallel run (`parallel=state`) every rank reads the dense tensors whole and only
+the rows of its own routed experts, and every step that can fail on one rank alone fails together.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +14,76 @@ from eprt.config import reader_for
 from eprt.errors import CheckpointError, ConfigError
 from eprt.models.decoder import CausalLM
 from eprt.models.registry import model_class
+from eprt.parallel import EPDispatcher, ParallelState, fail_together
 
 
-def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               expert_range: tuple[int, int] | None = None) -> CausalLM:
+def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
+               expert_range: tuple[int, int] | None = None, parallel: ParallelState | None = None) -> CausalLM:
     """The model of an eprt checkpoint, in `dtype` (except the tensors the reference keeps in fp32),
-    on `device`, ready for inference (no parameter requires grad).
+    on `device` (default: the CPU, or the rank's device in a parallel load), ready for inference
+    (no parameter requires grad).
 
     expert_range=(first, count) loads only routed experts [first, first + count) of every MoE layer,
     reading only their rows; a forward pass then needs an expert-parallel dispatcher
-    (`model.set_dispatcher`)."""
-    ck = Checkpoint(ckpt_dir)
+    (`model.set_dispatcher`).
+
+    parallel=state loads this rank's share of an expert-parallel run: experts
+    `state.expert_range(E)`, with an `EPDispatcher(state)` on every MoE block. Every rank of the
+    state must call it. An ep that does not divide the experts is refused on every rank before
+    any weight is read, and a failure on any rank raises `RankFailure`, naming that rank, on all.
+    """
+    if parallel is None:
+        ck = Checkpoint(ckpt_dir)
+        try:
+            return _load(ck, dtype, device or "cpu", expert_range)
+        finally:
+            ck.close()
+    if expert_range is not None:
+        raise ValueError("pass expert_range or parallel, not both: a parallel load holds state.expert_range")
+    ck = open_checkpoint(ckpt_dir, parallel)
     try:
-        return _load(ck, dtype, device, expert_range)
+        with fail_together(parallel, "loading the checkpoint"):
+            model = _load(ck, dtype, device or parallel.device, parallel.expert_range(ck.config.num_experts))
     finally:
         ck.close()
+    model.set_dispatcher(lambda layer, block: EPDispatcher(parallel))
+    return model
 
 
-def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
+def open_checkpoint(ckpt_dir: str, parallel: ParallelState) -> Checkpoint:
+    """The checkpoint's manifest, read on every rank of `parallel`, once its routed experts are
+    known to split over the ep degree.
+
+    Reading can fail on one rank alone (its own copy, its own mount), so it fails together. The
+    expert check is the same arithmetic on every rank, so every rank refuses alike with one
+    `ConfigError` naming the valid ep degrees, before any weight is read.
+    """
+    with fail_together(parallel, "reading the checkpoint manifest"):
+        ck = Checkpoint(ckpt_dir)
+    try:
+        parallel.check_experts(ck.config.num_experts)
+    except BaseException:
+        ck.close()
+        raise
+    return ck
+
+
+def weight_bytes(ck: Checkpoint, *, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(dense, routed experts): bytes of the weights `load_model` holds for `expert_range`, in
+    `dtype` as it loads them, from the manifest alone (no weight is read)."""
+    model, stacked = _meta_model(ck, expert_range)
+    dense = experts = 0
+    for name, t in model.state_dict().items():
+        n = t.numel() * (torch.float32 if model.keeps_fp32(name) else dtype).itemsize
+        if name in stacked:
+            experts += n
+        else:
+            dense += n
+    return dense, experts
+
+
+def _meta_model(ck: Checkpoint, expert_range) -> tuple[CausalLM, set[str]]:
+    """The model built on the meta device for `expert_range`, and the names of its stacked expert tensors."""
     c = ck.config
     first, count = expert_range or (0, c.num_experts)
     if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
@@ -35,8 +91,13 @@ def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
     with torch.device("meta"):
         model = model_class(c.family)(c, expert_range=(first, count))
     model.requires_grad_(False)
-
     stacked = {s.name for s in reader_for(c.model_type, ck.path).layout(c).specs if s.is_expert}
+    return model, stacked
+
+
+def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
+    model, stacked = _meta_model(ck, expert_range)
+    first, count = expert_range or (0, ck.config.num_experts)
     wanted = model.state_dict()
     _check_tensors(ck, wanted, stacked)
     for name in wanted:

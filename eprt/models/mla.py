@@ -39,17 +39,21 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * self.v_dim, H)
         self.scale = qk ** -0.5 * yarn_softmax_scale(c.rope_scaling)
         self.q_lora = bool(c.q_lora_rank)
+        # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
+        self.kv_observer = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         nh = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
-        q_nope, q_pe = q.view(B, T, nh, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        q_nope, q_pe = q.view(B, T, nh, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, -1).transpose(1, 2)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_pe = rope_interleaved(q_pe, cos, sin)
         k_pe = rope_interleaved(k_pe.view(B, 1, T, self.rope), cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
         return self.o_proj(causal_attention(q, k, v, self.scale))

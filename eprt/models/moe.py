@@ -26,12 +26,18 @@ class Experts(nn.Module):
         self.num_experts, self.first, self.count = num_experts, first, count
         self.w13 = nn.Parameter(torch.empty(count, 2 * width, hidden))
         self.w2 = nn.Parameter(torch.empty(count, hidden, width))
+        # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
+        # projections; calibration installs one to record each expert's input amax.
+        self.observer = None
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         gate, up = grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w2, offsets)
+        h = F.silu(gate) * up
+        if self.observer is not None:
+            self.observer(x_sorted, h, tokens_per_expert)
+        return grouped_mm(h, self.w2, offsets)
 
 
 class LocalDispatcher:

@@ -1,0 +1,54 @@
+"""One output directory written by every rank: it appears, complete, only if every rank's write succeeded.
+
+    write_together(state, out, lambda tmp: save_tensors(f"{tmp}/rank-{state.rank}.safetensors", mine))
+
+Rank 0 prepares the temp directory beside `out` (`eprt.atomic.temp_dir_for`), every rank writes
+its own files into it, and rank 0 renames it into place (`eprt.atomic.publish`) once every rank
+has reported success; after a failure anywhere it removes the temp directory instead. `out` and
+its temp directory must lie on a file system every rank sees.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+from eprt.atomic import check_output_dir, publish, temp_dir_for
+from eprt.errors import EprtError
+from eprt.parallel.guard import fail_together
+from eprt.parallel.state import ParallelState
+
+
+def write_together(state: ParallelState, out: str, write_fn: Callable[[str], object], *,
+                   overwrite: bool = False, inputs: tuple[str, ...] = ()) -> str:
+    """Run `write_fn(tmp_dir)` on every rank and publish `tmp_dir` as `out`; returns `out`'s real path.
+
+    Every rank of `state` must call it. `write_fn` writes this rank's files (names no other rank
+    uses) and fsyncs them. An existing non-empty `out` is refused unless `overwrite`, and replaced
+    only once the new one is complete. On any rank's failure every rank raises `RankFailure`
+    naming it, and nothing new is left behind: an old `out` stays as it was, and the temp
+    directory is removed.
+    """
+    tmp = temp_dir_for(out)
+    try:
+        # Every rank checks: a rank may see another file system, or other permissions, than rank 0.
+        with fail_together(state, "preparing the output"):
+            out = check_output_dir(out, overwrite, inputs)
+            if state.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a run that was killed
+                os.makedirs(tmp)
+        # A guard returns on a rank only once every rank has reported, so tmp exists from here on.
+        with fail_together(state, "writing the output"):
+            if not os.path.isdir(tmp):
+                raise EprtError(f"{tmp}, made by rank 0, is not visible here; write the output to a "
+                                "file system every rank shares")
+            write_fn(tmp)
+        with fail_together(state, "publishing the output"):
+            if state.rank == 0:
+                publish(tmp, out)
+    except BaseException:
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,109 @@
+"""tools/ptq.py --dry-run: the layout and each rank's weight bytes, under torchrun and alone, and the
+refusal of an ep that does not split the experts, on every rank."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from eprt.checkpoint import Checkpoint
+from eprt.convert import convert_hf
+from eprt.tiny import make_tiny
+from tests.multiproc import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTQ = os.path.join(ROOT, "tools", "ptq.py")
+
+
+def _ptq_module():
+    spec = importlib.util.spec_from_file_location("ptq", PTQ)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ptq")
+    eight = make_tiny("qwen3_moe", str(root / "hf8"), dtype="fp32")
+    three = make_tiny("qwen3_moe", str(root / "hf3"), dtype="fp32", num_experts=3)
+    return (convert_hf(eight, str(root / "ck8"), progress=False),
+            convert_hf(three, str(root / "ck3"), progress=False))
+
+
+def stored_bytes(ck_dir: str, ep: int) -> tuple[int, int]:
+    """(dense, one rank's routed experts) in bytes as stored: the checkpoint is fp32, as is the run."""
+    ck = Checkpoint(ck_dir)
+    dense = experts = 0
+    for name in ck.names():
+        t = ck.meta(name)
+        n = t.dtype.itemsize * math.prod(t.shape)
+        if re.search(r"\.mlp\.experts\.w(13|2)$", name):
+            experts += n // ep
+        else:
+            dense += n
+    return dense, experts
+
+
+def rows(stdout: str) -> list[list[str]]:
+    """The table's rank rows, split on runs of two or more spaces."""
+    return [re.split(r"\s{2,}", line.strip()) for line in stdout.splitlines() if re.match(r"\s+\d+\s", line)]
+
+
+def run(args, env=None, timeout=60):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_alone_and_under_torchrun(ckpts):
+    ck8, _ = ckpts
+    size = _ptq_module().size
+
+    r = run([sys.executable, PTQ, ck8, "--dry-run", "--dtype", "fp32"])
+    assert r.returncode == 0, r.stderr
+    assert "world 1 = edp 1 x ep 1" in r.stdout
+    assert "8 routed experts in each of MoE layers 0, 2" in r.stdout
+    dense, experts = stored_bytes(ck8, 1)
+    assert rows(r.stdout) == [["0", "0", "0", "[0, 8)", size(dense), size(experts), size(dense + experts)]]
+
+    r = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             f"--master-port={free_port()}", PTQ, ck8, "--ep", "2", "--dry-run", "--dtype", "fp32"], timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("world 2 = edp 1 x ep 2") == 1  # rank 0 alone prints
+    assert "ep groups (exchange tokens, split the experts): [0, 1]\n" in r.stdout
+    assert "edp groups (hold the same experts): [0] [1]\n" in r.stdout
+    dense, experts = stored_bytes(ck8, 2)
+    share = [size(dense), size(experts), size(dense + experts)]
+    assert rows(r.stdout) == [["0", "0", "0", "[0, 4)", *share], ["1", "0", "1", "[4, 8)", *share]]
+
+
+@pytest.mark.timeout(120)
+def test_refuses_an_ep_that_does_not_split_the_experts_on_every_rank(ckpts):
+    _, ck3 = ckpts
+    # Two ranks started as torchrun starts them, without its agent, to see each one's exit code.
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, PTQ, ck3, "--ep", "2", "--dry-run"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                   "CUDA_VISIBLE_DEVICES": ""})
+             for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 2, stderr
+        assert stdout == ""
+        assert stderr == (f"error (rank {rank} of 2): ep=2 does not divide the 3 routed experts; "
+                          "valid ep for world 2 and 3 experts: 1\n")
+
+    r = run([sys.executable, PTQ, ck3, "--ep", "2", "--dry-run"])
+    assert r.returncode == 2
+    assert r.stderr == "error: ep=2 does not divide the world size 1; valid ep for world 1: 1\n"
