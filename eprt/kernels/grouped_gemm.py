@@ -1,14 +1,104 @@
-"""Grouped GEMM over a contiguous range of experts."""
+"""Grouped GEMM over a contiguous range of experts.
+
+Batch invariance is the contract: a row's result depends only on that row, its expert's
+weight and the (K, N) shape, never on how many rows its expert holds in the call or where
+the row sits among them. The project's layout-independent quantization scales rest on it
+(DESIGN.md, principle 5).
+"""
 
 import torch
+
+from eprt.kernels.backend import check_values, use_triton
+
+# Rows per tile of the CPU fallback. Every BLAS call it makes multiplies one expert's weight by
+# one [CPU_BLOCK_M, K] tile of a zero-padded, 64-byte aligned buffer, so the library sees the
+# same shapes, strides and alignment whatever the row counts; plain `x_e @ w_e.T` does not
+# (MKL picks other kernels for small or ragged M, and the last bits move).
+CPU_BLOCK_M = 64
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ w[e].T, accumulated in fp32.
 
     x: [M, K], rows sorted by expert; w: [E, N, K]; offsets: int32 [E], cumulative row
-    counts (offsets[e] is the end of expert e's rows). Returns [M, N] in x's dtype.
+    counts (offsets[e] is the end of expert e's rows, offsets[-1] == M). Returns [M, N] in
+    x's dtype. Bitwise batch invariant on each implementation.
     """
+    check_grouped_mm_args(x, w, offsets)
+    if use_triton(x):
+        from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
+
+        return grouped_mm_triton(x, w, offsets)
+    return grouped_mm_torch(x, w, offsets)
+
+
+def check_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"grouped_mm wants x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_mm: x has K={x.shape[1]} but w has K={w.shape[2]}")
+    if x.dtype != w.dtype or x.dtype not in _DTYPES:
+        raise ValueError(f"grouped_mm wants x and w of one dtype among {_DTYPES}, got {x.dtype} and {w.dtype}")
+    if offsets.dtype != torch.int32 or offsets.shape != (w.shape[0],):
+        raise ValueError(
+            f"grouped_mm wants offsets int32 [E={w.shape[0]}], got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    if not (x.device == w.device == offsets.device):
+        raise ValueError(f"grouped_mm: x, w, offsets on {x.device}, {w.device}, {offsets.device}")
+    if offsets.numel() == 0:
+        if x.shape[0] != 0:
+            raise ValueError(f"grouped_mm: no experts (E=0) but M={x.shape[0]} rows")
+        return
+    ok = (offsets[-1] == x.shape[0]) & (offsets[0] >= 0) & (offsets.diff() >= 0).all()
+    check_values(ok, f"grouped_mm: offsets must be non-decreasing, from >= 0, ending at M={x.shape[0]}")
+
+
+def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant torch implementation: fixed [CPU_BLOCK_M, K] tiles, one BLAS call each.
+
+    Each tile is computed transposed, y_tile.T = w[e] @ x_tile.T, so that the tile's rows lie
+    along the BLAS's vectorized output dimension, where every lane runs the same sequence of
+    multiply-adds. The direct form x_tile @ w[e].T puts them along the other output dimension,
+    and there MKL's fp32 kernels for small N give rows a result that depends on their position
+    modulo 4. bf16 and fp16 tiles go to the BLAS as they are (MKL/oneDNN accumulate them in
+    fp32 and round once); fp32 stays fp32.
+    """
+    M, K = x.shape
+    N = w.shape[1]
+    ends = offsets.tolist()
+    bm = CPU_BLOCK_M
+    out = x.new_empty(M, N)
+    x_tile = x.new_zeros(bm, K)
+    y_tile_T = x.new_empty(N, bm)
+    start = 0
+    for e, end in enumerate(ends):
+        w_e = _canonical_layout(w[e]) if end > start else None
+        for row in range(start, end, bm):
+            rows = min(bm, end - row)
+            x_tile[:rows].copy_(x[row : row + rows])
+            x_tile[rows:].zero_()
+            torch.mm(w_e, x_tile.T, out=y_tile_T)
+            out[row : row + rows].copy_(y_tile_T[:, :rows].T)
+        start = end
+    return out
+
+
+def _canonical_layout(w_e: torch.Tensor) -> torch.Tensor:
+    """w_e itself when contiguous and 64-byte aligned, else such a copy.
+
+    The BLAS takes other paths for other strides or alignments (MKL's fp32 result moves with
+    the weight's alignment at small N), and where a weight starts depends on how many experts
+    a rank holds before it, so every expert goes to the BLAS in the one layout.
+    """
+    if w_e.is_contiguous() and w_e.data_ptr() % 64 == 0:
+        return w_e
+    return w_e.clone(memory_format=torch.contiguous_format)
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The plain per-expert loop, in fp32: the reference the tests compare against."""
     out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, end in enumerate(offsets.tolist()):
