@@ -1,0 +1,544 @@
+"""Check a quantized Hugging Face export (FORMATS.md 3) for what vLLM's and SGLang's modelopt
+loaders rely on.
+
+`check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
+key at fault; an empty list means the export passed. Only headers and scale tensors are read,
+never the quantized weights.
+
+Exclusion matching follows the engines. vLLM skips a module when an exclude entry equals its name,
+is a substring of it, or matches it as an fnmatch pattern (after splitting a pattern `X*` into `X`
+and `X.*`); it asks for fused names (`qkv_proj`, `gate_up_proj`, `fused_qkv_a_proj`, and the
+routed experts of a layer as one `...experts` module), not for the checkpoint's own. SGLang
+matches exact names and `*` patterns. So an unquantized Linear must be listed by exact name or a
+pattern (narrow reading) and its fused name must be skipped too, while a quantized module must
+not be matched by any engine's reading (broad reading, substrings included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+QUANT_CONFIG = "hf_quant_config.json"
+
+QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+# Per-tensor scales every quantized Linear carries (NVFP4's weight_scale is the block-scale grid).
+PER_TENSOR_SCALES = {"FP8": ("weight_scale", "input_scale"), "NVFP4": ("weight_scale_2", "input_scale")}
+LINEAR_SCALES = ("weight_scale", "weight_scale_2", "input_scale")
+KV_SCALES = {"k_scale": "k_proj", "v_scale": "v_proj"}
+NVFP4_GROUP = 16
+
+# Linears that read one input and that vLLM loads as one fused weight (its packed_modules_mapping).
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+FUSED_NAME = {shard: fused for fused, shards in FUSED.items() for shard in shards}
+# NVFP4 Linears that must share input_scale and weight_scale_2: the fused ones, and gate/up of a
+# routed expert, which the fused MoE loads as w13 with gate's weight_scale_2 (Kimi: w1/w3).
+SAME_INPUT = (*FUSED.values(), ("w1", "w3"))
+ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+
+
+@dataclass
+class _Tensor:
+    dtype: str  # safetensors spelling: F32, BF16, F8_E4M3, U8, ...
+    shape: tuple[int, ...]
+    value: float | None = None  # one-element scales: the value
+    bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
+
+
+def check_export(out_dir) -> list[str]:
+    """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return [f"{out}: not a directory"]
+    problems: list[str] = []
+    config = _read_json(out / "config.json", problems)
+    hf_quant = _read_json(out / QUANT_CONFIG, problems)
+    algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
+    tensors = _read_tensors(out, problems)
+    if algo is not None and tensors:
+        _Modules(tensors, algo, exclude, problems).check()
+        _check_kv_scales(tensors, kv_algo, exclude, problems)
+    return problems
+
+
+# ------------------------------------------------------------------------------------ files
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    if not path.exists():
+        problems.append(f"{path.name}: missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{path.name}: not readable JSON ({e})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name}: not a JSON object")
+        return None
+    return data
+
+
+def _read_tensors(out: Path, problems: list[str]) -> dict[str, _Tensor]:
+    """Header of every tensor, and the values of the scales, from the shards the index names."""
+    on_disk = sorted(p.name for p in out.glob("*.safetensors"))
+    weight_map = None
+    if (out / INDEX).exists():
+        index = _read_json(out / INDEX, problems)
+        weight_map = index.get("weight_map") if index else None
+        if not isinstance(weight_map, dict):
+            problems.append(f"{INDEX}: no weight_map object")
+            return {}
+        shards = sorted(set(weight_map.values()))
+        for name in on_disk:
+            if name not in shards:
+                problems.append(f"{name}: shard not named in {INDEX} weight_map; engines load only indexed shards")
+    elif (out / SINGLE).exists():
+        shards = [SINGLE]
+        for name in on_disk:
+            if name != SINGLE:
+                problems.append(f"{name}: shard beside {SINGLE} without {INDEX}")
+    else:
+        problems.append(f"{out}: neither {INDEX} nor {SINGLE}")
+        return {}
+
+    tensors: dict[str, _Tensor] = {}
+    read = set()
+    for shard in shards:
+        if not (out / shard).exists():
+            problems.append(f"{shard}: named in {INDEX} weight_map but missing")
+            continue
+        try:
+            names = _read_shard(out / shard, tensors, problems)
+        except Exception as e:  # a corrupt file may fail in many ways; name it and go on
+            problems.append(f"{shard}: not a readable safetensors file ({e})")
+            continue
+        read.add(shard)
+        if weight_map is not None:
+            for name in names:
+                mapped = weight_map.get(name)
+                if mapped is None:
+                    problems.append(f"{name}: in {shard} but not in {INDEX} weight_map")
+                elif mapped != shard:
+                    problems.append(f"{name}: in {shard} but {INDEX} weight_map says {mapped}")
+    if weight_map is not None:
+        for name, shard in sorted(weight_map.items()):
+            if name not in tensors and shard in read:
+                problems.append(f"{name}: in {INDEX} weight_map but not in {shard}")
+    return tensors
+
+
+def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) -> list[str]:
+    with safe_open(path, framework="pt") as f:
+        names = list(f.keys())
+        for name in names:
+            if name in tensors:
+                problems.append(f"{name}: stored twice (again in {path.name})")
+                continue
+            piece = f.get_slice(name)
+            t = _Tensor(piece.get_dtype(), tuple(piece.get_shape()))
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in LINEAR_SCALES or leaf in KV_SCALES:
+                if math.prod(t.shape) == 1:
+                    t.value = f.get_tensor(name).float().item()
+                elif t.dtype == "F8_E4M3":
+                    raw = f.get_tensor(name).view(torch.uint8)
+                    # 0x00/0x80 are zeros, 0x7F/0xFF NaN, and 0x80 upwards negative.
+                    t.bad_block_scales = int(((raw == 0) | (raw >= 0x7F)).sum())
+            tensors[name] = t
+    return names
+
+
+# ---------------------------------------------------------------------------------- configs
+
+
+def _check_configs(
+    config: dict | None, hf_quant: dict | None, problems: list[str]
+) -> tuple[str | None, str | None, list[str]]:
+    """(quant_algo, kv_cache_quant_algo, exclude list) after checking both configs agree.
+
+    quant_algo is None when the modules cannot be checked against it.
+    """
+    qc = None
+    if config is not None:
+        qc = config.get("quantization_config")
+        if qc is None and isinstance(config.get("text_config"), dict):
+            qc = config["text_config"].get("quantization_config")
+        if not isinstance(qc, dict):
+            problems.append("config.json: no quantization_config; engines choose the loader from it")
+            qc = None
+        elif qc.get("quant_method") != "modelopt":
+            problems.append(f"config.json quantization_config.quant_method: {qc.get('quant_method')!r}, not 'modelopt'")
+    q = None
+    if hf_quant is not None:
+        q = hf_quant.get("quantization")
+        if not isinstance(q, dict):
+            problems.append(f"{QUANT_CONFIG}: no 'quantization' object")
+            q = None
+    if q is None and qc is None:
+        return None, None, []
+
+    algo = (q or qc).get("quant_algo")
+    if algo not in QUANTIZED_DTYPE:
+        problems.append(f"quant_algo {algo!r}: this checker covers FP8 and NVFP4")
+        algo = None
+    kv_algo = q.get("kv_cache_quant_algo") if q is not None else ("FP8" if qc.get("kv_cache_scheme") else None)
+    if kv_algo not in (None, "FP8"):
+        problems.append(f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports FP8 or null")
+    exclude = q.get("exclude_modules", []) if q is not None else qc.get("ignore", [])
+    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+        problems.append(f"{QUANT_CONFIG} quantization.exclude_modules: not a list of names")
+        exclude = []
+
+    if q is not None and algo == "NVFP4":
+        for key in ("group_size", "kv_cache_quant_algo", "exclude_modules"):
+            if key not in q:
+                problems.append(f"{QUANT_CONFIG} quantization.{key}: missing; vLLM requires it for NVFP4")
+        if "group_size" in q and q["group_size"] != NVFP4_GROUP:
+            problems.append(
+                f"{QUANT_CONFIG} quantization.group_size: {q['group_size']!r}, NVFP4 blocks are {NVFP4_GROUP}"
+            )
+    if q is None or qc is None:
+        return algo, kv_algo, exclude
+
+    if qc.get("quant_algo") != q.get("quant_algo"):
+        problems.append(
+            f"quant_algo: config.json quantization_config says {qc.get('quant_algo')!r}, "
+            f"{QUANT_CONFIG} says {q.get('quant_algo')!r}"
+        )
+    _check_config_groups(qc, algo, q.get("group_size"), problems)
+    scheme = qc.get("kv_cache_scheme")
+    scheme_is_fp8 = isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+    if (kv_algo == "FP8") != scheme_is_fp8 or (kv_algo is None and scheme is not None):
+        problems.append(
+            f"kv_cache: {QUANT_CONFIG} kv_cache_quant_algo is {kv_algo!r} but config.json "
+            f"quantization_config.kv_cache_scheme is {scheme!r}"
+        )
+    ignore = qc.get("ignore", [])
+    if not isinstance(ignore, list) or set(ignore) != set(exclude):
+        ignore = set(ignore) if isinstance(ignore, list) else set()
+        problems.append(
+            f"exclusions: config.json quantization_config.ignore and {QUANT_CONFIG} exclude_modules differ "
+            f"(only in ignore: {sorted(ignore - set(exclude))}; "
+            f"only in exclude_modules: {sorted(set(exclude) - ignore)})"
+        )
+    return algo, kv_algo, exclude
+
+
+def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[str]) -> None:
+    if algo is None:
+        return
+    groups = qc.get("config_groups")
+    group = groups.get("group_0") if isinstance(groups, dict) else None
+    if not isinstance(group, dict):
+        problems.append("config.json quantization_config.config_groups.group_0: missing")
+        return
+    bits = 8 if algo == "FP8" else 4
+    for part in ("weights", "input_activations"):
+        spec = group.get(part)
+        where = f"config.json quantization_config.config_groups.group_0.{part}"
+        if not isinstance(spec, dict):
+            problems.append(f"{where}: missing")
+            continue
+        if spec.get("num_bits") != bits or spec.get("type") != "float":
+            problems.append(
+                f"{where}: num_bits {spec.get('num_bits')!r} type {spec.get('type')!r}, {algo} is {bits}-bit float"
+            )
+        if algo == "NVFP4" and spec.get("group_size") != group_size:
+            problems.append(f"{where}.group_size: {spec.get('group_size')!r}, {QUANT_CONFIG} says {group_size!r}")
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+class _Modules:
+    """The Linear-level checks: scales, shapes, shared scales, exclusions."""
+
+    def __init__(self, tensors: dict[str, _Tensor], algo: str, exclude: list[str], problems: list[str]):
+        self.tensors = tensors
+        self.algo = algo
+        self.exclude = exclude
+        self.exact = set(exclude)
+        # (entry, pattern): vLLM rewrites a pattern `X*` (not `X.*`) as `X` and `X.*` before matching.
+        self._narrow_pairs = []
+        for e in exclude:
+            if len(e) >= 2 and e.endswith("*") and e[-2] != ".":
+                self._narrow_pairs += [(e, e[:-1]), (e, e[:-1] + ".*")]
+            else:
+                self._narrow_pairs.append((e, e))
+        self.problems = problems
+        self.quantized: set[str] = set()
+        self.unquantized: set[str] = set()  # modules with a 2-D float weight, embeddings aside
+        for name, t in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf != "weight" or len(t.shape) != 2:
+                continue
+            if t.dtype == QUANTIZED_DTYPE[algo]:
+                self.quantized.add(module)
+            elif t.dtype in FLOAT_DTYPES:
+                if "embed_tokens" not in module:
+                    self.unquantized.add(module)
+            else:
+                problems.append(
+                    f"{name}: dtype {t.dtype}; a {algo} export stores {QUANTIZED_DTYPE[algo]} (quantized) "
+                    f"or {'/'.join(FLOAT_DTYPES)} (excluded) Linear weights"
+                )
+
+    def check(self) -> None:
+        for module in sorted(self.quantized):
+            self._check_scales(module)
+        self._check_stray_scales()
+        self._check_shared_scales()
+        self._check_expert_input_scales()
+        self._check_mixed_precision()
+        self._check_not_excluded()
+        self._check_unquantized()
+
+    # -- scales of one quantized Linear
+
+    def _check_scales(self, module: str) -> None:
+        weight = self.tensors[f"{module}.weight"]
+        for leaf in PER_TENSOR_SCALES[self.algo]:
+            self._check_per_tensor(f"{module}.{leaf}")
+        if self.algo == "NVFP4":
+            out, packed = weight.shape
+            name = f"{module}.weight_scale"
+            t = self.tensors.get(name)
+            if packed % (NVFP4_GROUP // 2) != 0:
+                self.problems.append(
+                    f"{module}.weight: shape {list(weight.shape)} packs an input dim not a multiple of {NVFP4_GROUP}"
+                )
+            elif t is None:
+                self.problems.append(f"{name}: missing (block scales of quantized module {module})")
+            elif t.dtype != "F8_E4M3" or t.shape != (out, packed * 2 // NVFP4_GROUP):
+                self.problems.append(
+                    f"{name}: {t.dtype} {list(t.shape)}, expected F8_E4M3 {[out, packed * 2 // NVFP4_GROUP]} "
+                    f"for weight {list(weight.shape)}"
+                )
+            elif t.bad_block_scales:
+                self.problems.append(f"{name}: {t.bad_block_scales} block scale(s) zero, negative or NaN")
+        elif f"{module}.weight_scale_2" in self.tensors:
+            self.problems.append(f"{module}.weight_scale_2: not part of an FP8 export")
+
+    def _check_per_tensor(self, name: str) -> None:
+        t = self.tensors.get(name)
+        if t is None:
+            self.problems.append(f"{name}: missing (quantized module {name.rpartition('.')[0]})")
+        else:
+            _check_scalar_scale(name, t, self.problems)
+
+    def _check_stray_scales(self) -> None:
+        for name in sorted(self.tensors):
+            module, _, leaf = name.rpartition(".")
+            if leaf not in LINEAR_SCALES or module in self.quantized:
+                continue
+            if self._listed(module) or self._skipped_by_any(module):
+                self.problems.append(f"{name}: excluded module {module} carries a scale")
+            else:
+                self.problems.append(f"{name}: scale of {module}, which has no quantized weight")
+
+    # -- scales that must agree
+
+    def _value(self, name: str) -> float | None:
+        t = self.tensors.get(name)
+        return None if t is None else t.value
+
+    def _check_shared_scales(self) -> None:
+        if self.algo != "NVFP4":
+            return
+        for parent in sorted({m.rpartition(".")[0] for m in self.quantized}):
+            for group in SAME_INPUT:
+                members = [f"{parent}.{leaf}" for leaf in group if f"{parent}.{leaf}" in self.quantized]
+                for module in members[1:]:
+                    for scale in ("weight_scale_2", "input_scale"):
+                        a, b = self._value(f"{members[0]}.{scale}"), self._value(f"{module}.{scale}")
+                        if a is not None and b is not None and a != b:
+                            self.problems.append(
+                                f"{module}.{scale}: {b} differs from {members[0]}.{scale} {a}; "
+                                f"{'/'.join(group)} read one input and are loaded fused with one {scale}"
+                            )
+
+    def _check_expert_input_scales(self) -> None:
+        values: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+        for module in self.quantized:
+            m = ROUTED_EXPERT.match(module)
+            value = self._value(f"{module}.input_scale")
+            if m and value is not None:
+                values[m["moe"], m["kind"]][module] = value
+        for (moe, kind), by_module in sorted(values.items()):
+            common, _ = Counter(by_module.values()).most_common(1)[0]
+            for module, value in sorted(by_module.items()):
+                if value != common:
+                    self.problems.append(
+                        f"{module}.input_scale: {value}, other {kind} experts of {moe} have {common}; "
+                        "the fused MoE loads one input_scale per projection kind"
+                    )
+
+    # -- exclusions
+
+    def _check_mixed_precision(self) -> None:
+        groups: dict[str, dict[str, bool]] = defaultdict(dict)
+        for module in self.quantized | self.unquantized:
+            fused = self._fused_name(module)
+            if fused is not None:
+                groups[fused][module] = module in self.quantized
+        for fused, members in sorted(groups.items()):
+            if len(set(members.values())) > 1:
+                quantized = sorted(m for m, q in members.items() if q)
+                plain = sorted(m for m, q in members.items() if not q)
+                self.problems.append(
+                    f"{fused}: loaded as one fused module but {plain} are unquantized and {quantized} quantized"
+                )
+
+    def _fused_name(self, module: str) -> str | None:
+        """The name vLLM loads `module` under: routed experts as their layer's `...experts`."""
+        m = ROUTED_EXPERT.match(module)
+        if m:
+            return m["moe"]
+        parent, _, leaf = module.rpartition(".")
+        return f"{parent}.{FUSED_NAME[leaf]}" if leaf in FUSED_NAME else None
+
+    def _listed(self, name: str) -> bool:
+        """Every engine finds `name` in the exclusions: an exact name or a `*` pattern."""
+        return name in self.exact or any(fnmatchcase(name, p) for _, p in self._narrow_pairs)
+
+    def _skipped_by_any(self, name: str) -> list[str]:
+        """Exclude entries some engine would skip `name` for: exact, pattern or substring."""
+        return [e for e in self.exclude if e in name or fnmatchcase(name, e)]
+
+    def _vllm_skip_reason(self, fused: str) -> str | None:
+        """Why vLLM would load the fused module `fused` unquantized, or None when it would not:
+        every shard listed exactly, an entry naming an expert of the layer (routed experts), or
+        an entry that is a substring of the fused name or a pattern matching it."""
+        leaf = fused.rpartition(".")[2]
+        if leaf == "experts":
+            for e in self.exclude:
+                if "experts" in e and fused in e:
+                    return f"exclude entry {e!r} names an expert of it"
+        if leaf in FUSED:
+            present = self._shards(fused)
+            if present and all(s in self.exact for s in present):
+                return f"every shard is listed ({present})"
+        for e in self.exclude:
+            if e != fused and e in fused:
+                return f"exclude entry {e!r} is a substring of it"
+        for e, p in self._narrow_pairs:
+            if fnmatchcase(fused, p):
+                return f"exclude entry {e!r} matches it"
+        return None
+
+    def _shards(self, fused: str) -> list[str]:
+        parent, _, leaf = fused.rpartition(".")
+        return [f"{parent}.{s}" for s in FUSED[leaf] if f"{parent}.{s}.weight" in self.tensors]
+
+    def _check_not_excluded(self) -> None:
+        for module in sorted(self.quantized):
+            for entry in self._skipped_by_any(module):
+                if entry == module:
+                    how = "listed in the exclusions"
+                elif entry in module:
+                    how = f"exclude entry {entry!r} is a substring of it, and vLLM matches substrings"
+                else:
+                    how = f"exclude pattern {entry!r} matches it"
+                self.problems.append(f"{module}: quantized, but {how}; the engines would load it unquantized")
+        fused_names = {self._fused_name(m) for m in self.quantized} - {None}
+        for fused in sorted(fused_names):
+            reason = self._vllm_skip_reason(fused)
+            if reason is not None:
+                self.problems.append(f"{fused}: holds quantized modules, but vLLM loads it unquantized: {reason}")
+
+    def _check_unquantized(self) -> None:
+        fused_members: dict[str, list[str]] = defaultdict(list)
+        for module in sorted(self.unquantized):
+            if not self._listed(module):
+                self.problems.append(
+                    f"{module}: unquantized Linear weight that no exclude entry lists by exact name or `*` pattern"
+                )
+                continue
+            fused = self._fused_name(module)
+            if fused is not None:
+                fused_members[fused].append(module)
+        quantized_fused = {self._fused_name(m) for m in self.quantized}
+        for fused, members in sorted(fused_members.items()):
+            if fused in quantized_fused:
+                continue  # mixed precision, reported on its own
+            if fused.rpartition(".")[2] in FUSED:
+                listed = [s for s in self._shards(fused) if s in self.exact]
+                if listed and len(listed) != len(self._shards(fused)):
+                    self.problems.append(
+                        f"{fused}: exclusions name {listed} exactly but not "
+                        f"{sorted(set(self._shards(fused)) - set(listed))}; vLLM refuses a fused module listed in part"
+                    )
+                    continue
+            if self._vllm_skip_reason(fused) is None:
+                self.problems.append(
+                    f"{fused}: vLLM loads {members} as this one module, which no exclude entry skips; "
+                    "list every shard by exact name, or add an entry matching the fused name"
+                )
+
+
+# ------------------------------------------------------------------------------- KV cache
+
+
+# Vision towers attend without a KV cache; vLLM's modelopt loader names them so.
+VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.")
+
+
+def _check_kv_scales(tensors: dict[str, _Tensor], kv_algo: str | None, exclude: list[str],
+                     problems: list[str]) -> None:
+    """k_scale/v_scale on every attention layer with a KV cache when kv_cache_quant_algo is FP8.
+
+    A layer excluded whole by a pattern (DeepSeek-V3's multi-token-prediction layer,
+    `model.layers.61.*`) is outside the quantized model and needs none."""
+    attention = set()
+    linear_attention = set()
+    for name in tensors:
+        head, sep, rest = name.partition(".self_attn.")
+        if sep and not name.startswith(VISION_PREFIXES):
+            attention.add(head + ".self_attn")
+            if rest == "A_log":  # KDA keeps a recurrent state, not a KV cache
+                linear_attention.add(head + ".self_attn")
+    attention -= linear_attention
+    for name in sorted(tensors):
+        module, _, leaf = name.rpartition(".")
+        if leaf not in KV_SCALES:
+            continue
+        if kv_algo is None:
+            problems.append(f"{name}: KV-cache scale in an export without kv_cache_quant_algo")
+        elif module.rpartition(".")[0] not in attention or not module.endswith(f".{KV_SCALES[leaf]}"):
+            problems.append(f"{name}: not on an attention layer's self_attn.{KV_SCALES[leaf]}")
+    if kv_algo != "FP8":
+        return
+    for attn in sorted(attention):
+        if any(fnmatchcase(attn, e) for e in exclude if "*" in e):
+            continue
+        for leaf, proj in KV_SCALES.items():
+            name = f"{attn}.{proj}.{leaf}"
+            t = tensors.get(name)
+            if t is None:
+                problems.append(f"{name}: missing; kv_cache_quant_algo is FP8")
+            else:
+                _check_scalar_scale(name, t, problems)
+
+
+def _check_scalar_scale(name: str, t: _Tensor, problems: list[str]) -> None:
+    """A per-tensor scale: 0-dim fp32, finite and positive (engines divide by it and invert it)."""
+    if t.dtype != "F32" or t.shape != ():
+        problems.append(f"{name}: {t.dtype} {list(t.shape)}, expected a 0-dim F32 scale")
+    elif not (math.isfinite(t.value) and t.value > 0):
+        problems.append(f"{name}: {t.value}, a scale must be finite and positive")

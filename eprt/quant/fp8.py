@@ -1,0 +1,34 @@
+"""FP8 E4M3 per-tensor quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+
+weight_scale = w_amax / 448 and input_scale = in_amax / 448, fp32 0-dim tensors (zero amax and
+the scale floor: see `eprt.quant.numerics`). A quantized weight is (w / weight_scale), computed
+in fp32, rounded to E4M3 nearest-even and saturated at +-448.
+"""
+
+import torch
+
+from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor_scale, to_e4m3
+
+
+def fp8_scale(amax) -> torch.Tensor:
+    """FP8 per-tensor scale (weight_scale, input_scale, k_scale, v_scale): fp32 0-dim amax/448.
+
+    `amax` is a Python number or a one-element tensor; amax == 0 gives 1.0.
+    """
+    return per_tensor_scale(amax, FP8_E4M3_MAX, zero_amax=FP8_E4M3_MAX)
+
+
+def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
+    """float8_e4m3fn tensor of w's shape from any float w and the per-tensor `scale`."""
+    check_finite(w, w.shape)
+    return to_e4m3(w.float() / as_scale(scale, w.device))
+
+
+def dequantize_fp8(q: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q (float8_e4m3fn) times scale, computed in fp32, returned as `dtype`."""
+    return (q.float() * as_scale(scale, q.device)).to(dtype)
+
+
+def fake_quant_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+    """Quantize-dequantize, in x's dtype: the values an FP8 engine computes with."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale, dtype=x.dtype)

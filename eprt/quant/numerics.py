@@ -1,0 +1,60 @@
+"""Rules shared by the FP8 and NVFP4 formats (FORMATS.md 3): per-tensor scales and E4M3 rounding.
+
+Per-tensor scale = amax / max_value, fp32 0-dim. Zero amax (an all-zero weight, an input no
+calibration token reached) is replaced by the quantizer's largest representable value, as
+ModelOpt's export does (`export_amax` sets a zero amax to `maxbound`): FP8 gets scale 448/448 = 1.0,
+NVFP4 6/(6*448) = 1/448. Every scale is floored at the smallest normal fp32, so the scale is
+never zero and an engine's reciprocal 1/scale stays finite. A negative, NaN or infinite amax is a
+calibration fault and is refused.
+
+Everything here is elementwise or a reduction in fp32, so the result is the same on every device.
+"""
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def per_tensor_scale(amax, max_value: float, zero_amax: float) -> torch.Tensor:
+    """amax / max_value as an fp32 0-dim CPU tensor; a zero amax counts as `zero_amax`.
+
+    Raises ValueError for an amax that is not one finite, non-negative number.
+    """
+    amax = torch.as_tensor(amax).detach().to(device="cpu", dtype=torch.float32)
+    if amax.numel() != 1:
+        raise ValueError(f"amax must be one number (per-tensor scale), got shape {tuple(amax.shape)}")
+    amax = amax.reshape(())
+    value = amax.item()
+    if not (0.0 <= value < float("inf")):
+        raise ValueError(
+            f"amax is {value}: a per-tensor scale needs a finite, non-negative amax; "
+            "a NaN or infinite amax means the calibrated tensor held non-finite values"
+        )
+    if value == 0.0:
+        amax = torch.tensor(zero_amax, dtype=torch.float32)
+    return (amax / max_value).clamp(min=FP32_TINY)
+
+
+def as_scale(scale, device) -> torch.Tensor:
+    """A per-tensor scale (number or one-element tensor) as an fp32 0-dim tensor on `device`."""
+    scale = torch.as_tensor(scale).to(device=device, dtype=torch.float32)
+    if scale.numel() != 1:
+        raise ValueError(f"a per-tensor scale is one number, got shape {tuple(scale.shape)}")
+    return scale.reshape(())
+
+
+def check_finite(values: torch.Tensor, shape) -> None:
+    """Refuse NaN and infinity in a tensor of `shape` (`values`: the tensor, or a max over it):
+    rounding would turn them into plausible-looking codes."""
+    if not torch.isfinite(values).all():
+        raise ValueError(f"tensor of shape {tuple(shape)} holds NaN or infinite values; refusing to quantize it")
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to float8_e4m3fn, nearest-even, saturating at +-448.
+
+    The clamp comes first because torch's own cast saturates in some versions and on some devices
+    and gives NaN beyond 448 in others; clamped, the cast only rounds.
+    """
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)

@@ -1,0 +1,127 @@
+"""NVFP4 quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+
+Two-level scaling over blocks of 16 consecutive elements along the last (input) dim:
+  weight_scale_2 = w_amax / (6*448)                                   fp32 0-dim
+  block_scale    = e4m3(clamp(block_amax / (6*weight_scale_2), 2^-9, 448)), 1.0 for a zero block
+  code           = E2M1(w / (float(block_scale) * weight_scale_2)), ties to even, saturating at 6
+An E2M1 code has the sign in bit 3 and an index into E2M1_VALUES in bits 0-2; two codes share a
+byte, the even element in the low nibble. input_scale = in_amax / (6*448) has the weight_scale_2
+formula, and activations are quantized by the same block rule at run time.
+
+The sign bit is set for values below zero, as ModelOpt's `_cast_fp4` does (`weight < 0`): a
+negative value that rounds to zero is code 8 (negative zero), an input of -0.0 is code 0.
+
+Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
+"""
+
+import torch
+
+from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor_scale, to_e4m3
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoint k lies between E2M1 values k and k+1; a value on it rounds to the even index, so up
+# past it when k is odd (0.75, 1.75, 3.5) and down when k is even (0.25, 1.25, 2.5, 5).
+_MIDPOINTS = tuple(((lo + hi) / 2, k % 2 == 1) for k, (lo, hi) in enumerate(zip(E2M1_VALUES, E2M1_VALUES[1:])))
+# Smallest block scale: the smallest E4M3 subnormal, so no block scale is ever zero.
+MIN_BLOCK_SCALE = 2.0**-9
+
+
+def nvfp4_scale(amax) -> torch.Tensor:
+    """NVFP4 per-tensor scale (weight_scale_2, input_scale): fp32 0-dim amax/(6*448).
+
+    `amax` is a Python number or a one-element tensor; amax == 0 gives 1/448.
+    """
+    return per_tensor_scale(amax, E2M1_MAX * FP8_E4M3_MAX, zero_amax=E2M1_MAX)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 [..., in/16, 16]; refuses an input dim that is not a multiple of 16."""
+    if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"NVFP4 quantizes blocks of {BLOCK_SIZE} consecutive elements along the last (input) dim: "
+            f"shape {tuple(x.shape)} has an input dim that is not a multiple of {BLOCK_SIZE}; "
+            "exclude this module from NVFP4 quantization"
+        )
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    scale = (block_amax / (E2M1_MAX * scale_2)).clamp(MIN_BLOCK_SCALE, FP8_E4M3_MAX)
+    # Chosen in fp32 (1.0 is exact in E4M3): not every device has float8 kernels for `where`.
+    return to_e4m3(torch.where(block_amax == 0, 1.0, scale))
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (0..15) of x, rounded to nearest with ties to even, saturating at +-6."""
+    a = x.float().abs()
+    # The index is the number of midpoints below |x|; beyond the last one it stays 7 (saturation).
+    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for midpoint, tie_rounds_up in _MIDPOINTS:
+        index += (a >= midpoint) if tie_rounds_up else (a > midpoint)
+    return index | ((x < 0).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of uint8 E2M1 codes (0..15); code 8 is -0.0."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] from codes [..., n]: element 2j in the low nibble, 2j+1 in the high one."""
+    if codes.shape[-1] % 2 != 0:
+        raise ValueError(f"packing two FP4 codes a byte needs an even last dim, got shape {tuple(codes.shape)}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., 2n] from packed uint8 [..., n]; inverse of `pack_fp4`."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight uint8 [..., in/2], weight_scale float8_e4m3fn [..., in/16]) for w [..., in].
+
+    `scale_2` is the fp32 per-tensor weight_scale_2 (from `nvfp4_scale`; shared by fused
+    projections, so it may come from a larger amax than w's own). Any leading dims are kept, so
+    stacked experts [E, out, in] quantize in one call. Computed in fp32 whatever w's dtype.
+    """
+    blocks = _blocks(w)
+    block_amax = blocks.abs().amax(dim=-1)
+    check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
+    scale_2 = as_scale(scale_2, w.device)
+    block_scale = _block_scales(block_amax, scale_2)
+    codes = e2m1_encode(blocks / (block_scale.float() * scale_2).unsqueeze(-1))
+    return pack_fp4(codes.reshape(w.shape)), block_scale
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, block_scale: torch.Tensor, scale_2, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """w [..., in] from (packed uint8 [..., in/2], block_scale e4m3 [..., in/16], scale_2).
+
+    Value times block scale is exact in fp32 (3 by 4 significant bits), so the one rounding is
+    the multiplication by scale_2.
+    """
+    values = e2m1_decode(unpack_fp4(packed))
+    blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
+    if blocks.shape[:-1] != block_scale.shape:
+        raise ValueError(
+            f"block scale shape {tuple(block_scale.shape)} does not fit packed weight "
+            f"{tuple(packed.shape)}: expected {tuple(blocks.shape[:-1])}"
+        )
+    w = blocks * block_scale.float().unsqueeze(-1) * as_scale(scale_2, packed.device)
+    return w.reshape(values.shape).to(dtype)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, scale_2) -> torch.Tensor:
+    """Quantize-dequantize over the last dim, in x's dtype.
+
+    For weights pass weight_scale_2; for activations pass input_scale: the engines compute an
+    activation's block scales at run time by the same block rule.
+    """
+    packed, block_scale = quantize_nvfp4(x, scale_2)
+    return dequantize_nvfp4(packed, block_scale, scale_2, dtype=x.dtype)
