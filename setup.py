@@ -1,10 +1,15 @@
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', open("eprt/__init__.py").read()).group(1)
 
 setup(
     name="eprt",
-    version="0.1.0",
+    version=VERSION,
     description="Expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs",
     packages=find_packages(include=["eprt", "eprt.*"]),
+    package_data={"eprt": ["assets/*.txt"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -1,5 +1,7 @@
 """eprt: an expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs."""
 
+__version__ = "0.1.0"
+
 
 def __getattr__(name: str):
     # Loaded on first use so that `import eprt` does not pull in torch and the model code.

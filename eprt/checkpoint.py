@@ -7,10 +7,15 @@ A directory holding
 - safetensors files, one per decoder layer plus one for the rest, routed experts stacked
   with the expert index leading, so a reader of rows [a, b) touches only those bytes;
 - `hf/`: every non-weight file of the source (config, tokenizer, generation config, ...).
+
+A calibrated checkpoint holds no weights of its own: its manifest names a `base` checkpoint
+(path and the SHA-256 of its manifest, verified on open) whose tensors it reads, and adds the
+calibration state (role `calibration`) and the recipe (`quantization`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -95,8 +100,16 @@ class Checkpoint:
         self.family: str = m["family"]
         self.config = ModelConfig.from_json(m["config"])
         self.source_config: dict = m["source_config"]
-        self.tensors = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
+        self.base = open_base(path, m["base"]) if "base" in m else None
+        own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
+        self._own = set(own)
+        self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
+
+    @property
+    def quantization(self) -> dict | None:
+        """The recipe and calibration summary of a calibrated checkpoint, else None."""
+        return self.manifest.get("quantization")
 
     def names(self, role: str | None = "model") -> list[str]:
         return [n for n, t in self.tensors.items() if role is None or t.role == role]
@@ -114,6 +127,8 @@ class Checkpoint:
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name` in its stored dtype, or only rows [a, b) of it, reading only their bytes."""
         t = self.meta(name)
+        if name not in self._own:
+            return self.base.read(name, rows)
         a, b = rows if rows is not None else (0, t.shape[0] if t.shape else 0)
         if rows is not None and not (t.shape and 0 <= a <= b <= t.shape[0]):
             raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside {name!r} of shape {list(t.shape)}")
@@ -126,9 +141,17 @@ class Checkpoint:
                 pieces.append(self._read_part(t, p, (lo - p.rows[0], hi - p.rows[0])))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def byte_range(self, name: str, row: int) -> tuple[SafetensorsFile, int, int]:
-        """(file, offset, length) of row `row` of tensor `name` as stored, for copying without reading."""
+    def byte_range(self, name: str, row: int | None = None) -> tuple[SafetensorsFile, int, int]:
+        """(file, offset, length) of tensor `name` as stored, or of its row `row`: for copying without reading."""
         t = self.meta(name)
+        if name not in self._own:
+            return self.base.byte_range(name, row)
+        if row is None:
+            if len(t.parts) != 1:
+                raise CheckpointError(f"{self.path}: {name!r} is stored in {len(t.parts)} parts, not one byte range")
+            p = t.parts[0]
+            f = self.file(p.file)
+            return (f, *f.byte_range(p.key))
         p = next((p for p in t.parts if p.rows[0] <= row < p.rows[1]), None)
         if p is None:
             raise CheckpointError(f"{self.path}: row {row} is outside {name!r} of shape {list(t.shape)}")
@@ -146,12 +169,49 @@ class Checkpoint:
 
     @property
     def bytes_read(self) -> int:
-        return sum(f.bytes_read for f in self._files.values())
+        return sum(f.bytes_read for f in self._files.values()) + (self.base.bytes_read if self.base else 0)
 
     def hf_files_dir(self) -> str:
-        return os.path.join(self.path, HF_FILES)
+        return self.base.hf_files_dir() if self.base else os.path.join(self.path, HF_FILES)
+
+    @property
+    def hf_files(self) -> list[str]:
+        """The source's non-weight files, relative to `hf_files_dir()`."""
+        return self.base.hf_files if self.base else self.manifest["files"]
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self.base:
+            self.base.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def manifest_digest(path: str) -> str:
+    with open(os.path.join(path, MANIFEST), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def base_reference(out: str, base: str) -> dict:
+    """How a checkpoint written at `out` refers to the checkpoint `base` whose tensors it reuses."""
+    base = os.path.realpath(base)
+    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base, "manifest_sha256": manifest_digest(base)}
+
+
+def open_base(path: str, ref: dict) -> Checkpoint:
+    """The base checkpoint, found beside `path` (as moved together) or where it was, and verified."""
+    candidates = [os.path.normpath(os.path.join(path, ref["path"])), ref["abspath"]]
+    base = next((c for c in candidates if os.path.isfile(os.path.join(c, MANIFEST))), None)
+    if base is None:
+        raise CheckpointError(f"{path}: its base checkpoint is gone (looked in {' and '.join(candidates)}); "
+                              "it reads its weights from there: restore it, or calibrate again")
+    if manifest_digest(base) != ref["manifest_sha256"]:
+        raise CheckpointError(f"{path}: its base checkpoint {base} changed since calibration (manifest hash "
+                              "differs); calibrate again from the current one")
+    return Checkpoint(base)

@@ -31,6 +31,10 @@ class TensorSpec:
         return self.stacked
 
 
+# Modules no recipe quantizes, in every family: the engines build them unquantized.
+COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
+
+
 @dataclass(frozen=True)
 class Layout:
     specs: tuple[TensorSpec, ...]
@@ -40,6 +44,22 @@ class Layout:
     # Tensors a `--dtype` conversion leaves in their source dtype, because the reference
     # computes with them at that precision (DeepSeek's fp32 router correction bias).
     precise: tuple[str, ...] = ()  # regexes over eprt names
+    unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names
+
+    def linear_modules(self) -> dict[str, TensorSpec]:
+        """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.
+
+        A MoE layer's routed experts are one module (`...experts`), with the stacked `w13`
+        (gate and up of each expert) and `w2` (down)."""
+        out = {}
+        for spec in self.specs:
+            if spec.stacked:
+                out.setdefault(spec.name.rsplit(".", 1)[0], spec)
+            elif spec.name.endswith(".weight") and len(spec.shape) == 2:
+                module = spec.name[: -len(".weight")]
+                if not any(re.fullmatch(p, module) for p in self.unquantized):
+                    out[module] = spec
+        return out
 
     def by_source(self) -> dict[str, TensorSpec]:
         return {s: spec for spec in self.specs for s in spec.sources}

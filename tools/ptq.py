@@ -1,6 +1,6 @@
 """Post-training quantization of an eprt checkpoint, expert parallel over the ranks of a run.
 
-    torchrun --nproc-per-node N tools/ptq.py CKPT --recipe nvfp4 --out OUT [--ep E]
+    torchrun --nproc-per-node N tools/ptq.py CKPT --recipe nvfp4 --out OUT [--ep E] [--kv-cache fp8]
     torchrun --nproc-per-node N tools/ptq.py CKPT --ep E --dry-run
     python tools/ptq.py CKPT --dry-run                                  # a world of one
 
@@ -18,8 +18,9 @@ from eprt.cli import run
 from eprt.errors import ConfigError
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
+from eprt.quant.preview import DEFAULT_PROMPT
+from eprt.quant.ptq import DTYPES, PTQArgs, run_ptq
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward on each rank")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the dtype the model runs in")
-    ap.add_argument("--preview", metavar="PROMPT", help="print the greedy continuation of PROMPT before and after "
-                                                         "quantization")
+    ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
+                    help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
     ap.add_argument("--dry-run", action="store_true", help="print the layout and each rank's weight bytes, and exit")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     return ap.parse_args()
@@ -45,12 +46,16 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Join the run, read the checkpoint's manifest on every rank, then the dry run or calibration."""
     a = parse_args()
+    if not a.dry_run and not (a.recipe and a.out):
+        raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
     with ParallelState.from_env(ep=a.ep) as state:
         ck = open_checkpoint(a.ckpt, state)
         if a.dry_run:
             dry_run(state, ck, DTYPES[a.dtype])
             return
-        raise ConfigError("calibration is not part of tools/ptq.py yet; --dry-run prints the layout")
+        run_ptq(state, PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
+                               seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
+                               overwrite=a.overwrite))
 
 
 # --- dry run ---------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Max calibration: the abs-max of every quantized module's input, and of the KV cache.
+
+Dense modules record one amax per module; each rank's routed experts record one amax per
+expert and per projection (gate/up read the expert's input, down reads the gated activation),
+from exactly the tokens routed to that expert, plus how many tokens each expert received.
+Max is exact, so reducing dense amax over the world and expert amax over the edp replicas gives
+the same result at every layout, given bitwise-identical activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eprt.models.moe import Experts
+
+
+def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """abs-max of each expert's rows: [count] fp32 (0 for an expert with no rows)."""
+    count = tokens_per_expert.shape[0]
+    out = torch.zeros(count, dtype=torch.float32, device=x_sorted.device)
+    if x_sorted.shape[0]:
+        expert_of_row = torch.repeat_interleave(torch.arange(count, device=x_sorted.device), tokens_per_expert)
+        out.scatter_reduce_(0, expert_of_row, x_sorted.abs().amax(dim=-1).float(), "amax")
+    return out
+
+
+class Calibrator:
+    """Installs observers on a model for the modules a recipe quantizes; `close()` removes them.
+
+    `targets` are module names (dense Linears and `...experts` modules); `kv` adds the keys and
+    values of every attention layer.
+    """
+
+    def __init__(self, model: nn.Module, targets: list[str], kv: bool):
+        self.input_amax: dict[str, torch.Tensor] = {}
+        self.expert_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.expert_tokens: dict[str, torch.Tensor] = {}
+        self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._undo = []
+        for name in targets:
+            module = model.get_submodule(name)
+            if isinstance(module, Experts):
+                self._observe_experts(name, module)
+            else:
+                self._observe_input(name, module)
+        if kv:
+            for name, module in model.named_modules():
+                if hasattr(module, "kv_observer"):
+                    self._observe_kv(name, module)
+
+    def _observe_input(self, name: str, module: nn.Module) -> None:
+        self.input_amax[name] = torch.zeros((), dtype=torch.float32)
+
+        def hook(_module, args):
+            x = args[0]
+            if x.numel():
+                torch.maximum(self.input_amax[name], x.detach().abs().amax().float(), out=self.input_amax[name])
+
+        self._undo.append(module.register_forward_pre_hook(hook).remove)
+
+    def _observe_experts(self, name: str, experts: Experts) -> None:
+        zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype)  # noqa: E731
+        self.expert_amax[name] = (zeros(torch.float32), zeros(torch.float32))
+        self.expert_tokens[name] = zeros(torch.int64)
+
+        def observer(x_sorted, h_sorted, tokens_per_expert):
+            w13_in, w2_in = self.expert_amax[name]
+            torch.maximum(w13_in, segment_amax(x_sorted.detach(), tokens_per_expert), out=w13_in)
+            torch.maximum(w2_in, segment_amax(h_sorted.detach(), tokens_per_expert), out=w2_in)
+            self.expert_tokens[name] += tokens_per_expert.to(torch.int64)
+
+        experts.observer = observer
+        self._undo.append(lambda: setattr(experts, "observer", None))
+
+    def _observe_kv(self, name: str, attn: nn.Module) -> None:
+        self.kv_amax[name] = (torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32))
+
+        def observer(k, v):
+            k_amax, v_amax = self.kv_amax[name]
+            if k.numel():
+                torch.maximum(k_amax, k.detach().abs().amax().float(), out=k_amax)
+                torch.maximum(v_amax, v.detach().abs().amax().float(), out=v_amax)
+
+        attn.kv_observer = observer
+        self._undo.append(lambda: setattr(attn, "kv_observer", None))
+
+    def reduce(self, state) -> None:
+        """Dense and KV amax: max over the world; experts: max (and token sum) over the edp replicas."""
+        for t in [*self.input_amax.values(), *(x for pair in self.kv_amax.values() for x in pair)]:
+            state.all_reduce(t, over="dp", op=dist.ReduceOp.MAX)
+        for name, pair in self.expert_amax.items():
+            for t in pair:
+                state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
+            state.all_reduce(self.expert_tokens[name], over="edp", op=dist.ReduceOp.SUM)
+
+    def close(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo.clear()

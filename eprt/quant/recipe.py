@@ -1,0 +1,86 @@
+"""PTQ recipes: which modules get which format, by glob patterns over module names.
+
+A recipe is a YAML file (configs/ptq/NAME.yaml, or any path):
+
+    name: nvfp4_experts_only
+    quantize:                      # the first pattern that matches a module decides
+      - {pattern: "*.experts", format: nvfp4}
+      - {pattern: "*", format: none}
+    kv_cache: null                 # or fp8
+
+Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
+layer's routed experts are one module (`model.layers.3.mlp.experts`). Whatever a recipe says,
+a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unquantized.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+
+import yaml
+
+from eprt.errors import ConfigError
+
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "ptq")
+FORMATS = ("fp8", "nvfp4", "none")
+KV_FORMATS = (None, "fp8")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    rules: tuple[tuple[str, str], ...]  # (glob, format)
+    kv_cache: str | None
+
+    def format_of(self, module: str) -> str | None:
+        for pattern, fmt in self.rules:
+            if fnmatch.fnmatchcase(module, pattern):
+                return None if fmt == "none" else fmt
+        return None
+
+    @property
+    def weight_format(self) -> str:
+        """The one quantized format the recipe uses (a checkpoint has one quant_algo)."""
+        return next(f for _, f in self.rules if f != "none")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "quantize": [{"pattern": p, "format": f} for p, f in self.rules],
+                "kv_cache": self.kv_cache}
+
+
+def available() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+
+
+def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
+    if not isinstance(d, dict) or not isinstance(d.get("quantize"), list) or not d["quantize"]:
+        raise ConfigError(f"{source}: a recipe needs a non-empty `quantize` list of {{pattern, format}}")
+    rules = []
+    for i, r in enumerate(d["quantize"]):
+        if not isinstance(r, dict) or set(r) != {"pattern", "format"}:
+            raise ConfigError(f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}}}")
+        if r["format"] not in FORMATS:
+            raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
+        rules.append((str(r["pattern"]), r["format"]))
+    used = {f for _, f in rules} - {"none"}
+    if len(used) != 1:
+        raise ConfigError(f"{source}: a recipe quantizes with exactly one format, found {sorted(used) or 'none'}")
+    kv = kv_cache if kv_cache is not None else d.get("kv_cache")
+    if kv not in KV_FORMATS:
+        raise ConfigError(f"{source}: kv_cache {kv!r}; choose fp8 or null")
+    return Recipe(str(d.get("name", os.path.basename(source))), tuple(rules), kv)
+
+
+def load_recipe(spec: str, kv_cache: str | None = None) -> Recipe:
+    """A recipe by name (configs/ptq/NAME.yaml) or by path."""
+    path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path")
+    with open(path) as f:
+        try:
+            d = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    return parse_recipe(d, path, kv_cache)

@@ -1,0 +1,96 @@
+"""PTQ end to end: calibrate at several (world, ep) layouts, export, and get the same bytes."""
+
+import filecmp
+import json
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from eprt.checkpoint import Checkpoint
+from eprt.convert import convert_hf
+from eprt.hf.check_export import check_export
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.tiny import make_tiny
+from tests.multiproc import free_port, run_world
+
+FAMILIES = ["qwen3_moe", "deepseek_v3"]
+RECIPES = [("fp8", None), ("nvfp4", "fp8")]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ptq")
+    # 8 experts, top-2 over a few short sequences: some experts see no token in some layout's share
+    return {f: convert_hf(make_tiny(f, str(d / f / "hf")), str(d / f / "ck"), progress=False) for f in FAMILIES}
+
+
+def calibrate(ckpts, out_root, layouts, ports):
+    """On one rank: PTQ of every family and recipe at each ep in `layouts`, into out_root/<tag>."""
+    for ep, port in zip(layouts, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
+            for family, ck in ckpts.items():
+                for recipe, kv in RECIPES:
+                    out = os.path.join(out_root, f"{family}-{recipe}-w{state.world}-ep{ep}")
+                    run_ptq(state, PTQArgs(ck, recipe, out, kv_cache=kv, calib_size=6, seq_len=24, batch_size=2,
+                                           progress=False))
+
+
+def export_all(out_root):
+    exports = {}
+    for name in sorted(os.listdir(out_root)):
+        if name.startswith("export-"):
+            continue
+        exports[name] = export_hf(os.path.join(out_root, name), os.path.join(out_root, "export-" + name), progress=False)
+    return exports
+
+
+def same_files(a: str, b: str) -> bool:
+    names = sorted(os.listdir(a))
+    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
+                                                  for n in names)
+
+
+def test_exports_are_byte_identical_across_layouts(ckpts, tmp_path):
+    out = str(tmp_path)
+    calibrate(ckpts, out, [1], [free_port()])
+    run_world(calibrate, 2, ckpts, out, [2], [free_port()], timeout=240)
+    run_world(calibrate, 4, ckpts, out, [2, 4], [free_port(), free_port()], timeout=400)
+    exports = export_all(out)
+    for family in FAMILIES:
+        for recipe, _ in RECIPES:
+            ref = exports[f"{family}-{recipe}-w1-ep1"]
+            assert check_export(ref) == []
+            for layout in ("w2-ep2", "w4-ep2", "w4-ep4"):
+                assert same_files(ref, exports[f"{family}-{recipe}-{layout}"]), (family, recipe, layout)
+
+
+def test_two_runs_are_byte_identical_and_the_input_is_referenced_not_copied(ckpts, tmp_path):
+    ck = ckpts["deepseek_v3"]
+    for run in ("a", "b"):
+        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / run), kv_cache="fp8", calib_size=4,
+                                                seq_len=16, progress=False))
+        export_hf(str(tmp_path / run), str(tmp_path / f"export-{run}"), progress=False)
+    assert same_files(str(tmp_path / "export-a"), str(tmp_path / "export-b"))
+    # the calibrated checkpoint holds the calibration state only; its weights are the input's
+    assert not any(f.startswith(("layer-", "model")) for f in os.listdir(tmp_path / "a"))
+    with Checkpoint(str(tmp_path / "a")) as q, Checkpoint(ck) as base:
+        assert torch.equal(q.read("model.layers.1.mlp.experts.w13"), base.read("model.layers.1.mlp.experts.w13"))
+        tokens = q.read("model.layers.1.mlp.experts.tokens")
+        assert tokens.shape == (8,) and int(tokens.sum()) == 4 * 16 * 2  # every token's top-2 copies
+
+
+def test_a_changed_input_is_detected(ckpts, tmp_path):
+    src = make_tiny("qwen3_moe", str(tmp_path / "hf"))
+    ck = convert_hf(src, str(tmp_path / "ck"), progress=False)
+    run_ptq(ParallelState.single(), PTQArgs(ck, "fp8", str(tmp_path / "q"), calib_size=2, seq_len=8, progress=False))
+    manifest = os.path.join(ck, "eprt.json")
+    m = json.load(open(manifest))
+    m["source_config"]["note"] = "edited"
+    json.dump(m, open(manifest, "w"))
+    with pytest.raises(Exception, match="changed since calibration"):
+        Checkpoint(str(tmp_path / "q"))
