@@ -14,10 +14,15 @@ setup:
 setup-test:
 	$(PIP) "$(TORCH)" -e ".[test]"
 
+# The whole pipeline on the built-in tiny Qwen3-MoE: make it, convert it, calibrate it on 2
+# expert-parallel CPU processes (NVFP4 weights, FP8 KV cache), export and check the export.
 demo: setup
 	$(PYTHON) tools/make_tiny.py qwen3_moe $(DEMO)/hf --overwrite
 	$(PYTHON) tools/convert_hf.py $(DEMO)/hf $(DEMO)/ckpt --overwrite
-	$(PYTHON) tools/export_hf.py $(DEMO)/ckpt $(DEMO)/export --overwrite
+	$(PYTHON) -m torch.distributed.run --nproc-per-node 2 tools/ptq.py $(DEMO)/ckpt --recipe nvfp4 \
+		--kv-cache fp8 --calib-size 16 --seq-len 128 --preview --out $(DEMO)/ptq --overwrite
+	$(PYTHON) tools/export_hf.py $(DEMO)/ptq $(DEMO)/export --overwrite
+	$(PYTHON) tools/check_export.py $(DEMO)/export
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests

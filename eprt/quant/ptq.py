@@ -6,6 +6,7 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,8 @@ class PTQArgs:
     progress: bool = True
 
 
-def run_ptq(state, a: PTQArgs) -> str:
+def run_ptq(state, a: PTQArgs) -> dict:
+    """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens"} (tokens on this rank)."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         recipe = load_recipe(a.recipe, a.kv_cache)
@@ -64,12 +66,14 @@ def run_ptq(state, a: PTQArgs) -> str:
     elif a.preview:
         greedy(model, hf_dir, a.preview)
     cal = Calibrator(model, targets, kv=recipe.kv_cache == "fp8")
+    start = time.perf_counter()
     with fail_together(state, "calibrating"), torch.inference_mode():
         with bar(len(batches), "calibrate", unit="batch", enabled=a.progress) as pb:
             for batch in batches:
                 model(batch)
                 pb.update(1)
         cal.reduce(state)
+    seconds = time.perf_counter() - start
     report_coverage(cal, state, cfg.num_experts)
     if a.preview:
         fake_quantize(model, targets, recipe.weight_format, cal, state)
@@ -83,7 +87,7 @@ def run_ptq(state, a: PTQArgs) -> str:
                        overwrite=a.overwrite)
     if state.rank == 0:
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
-    return a.out
+    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
