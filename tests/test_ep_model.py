@@ -167,7 +167,8 @@ def check_layouts(ckpts, results, world, ep_list):
                 where = f"world {world}, ep {ep}, rank {rank}, {name}"
                 assert r["rank"] == rank and r["ep_rank"] == rank % ep, where
                 assert r["shape"] == ((B, T, 512), (B, T, 512)), where
-                assert r["close"], f"{where}: max diff {r['max_diff']}"
+                # batch-invariant kernels make the expert-parallel logits the single-process bits
+                assert r["close"] and r["bitwise"], f"{where}: max diff {r['max_diff']}"
                 first = (rank % ep) * count
                 assert set(r["experts"].values()) == {(first, count)}, where
                 assert r["dispatchers"] == {"EPDispatcher"}, where
@@ -197,11 +198,6 @@ def check_layouts(ckpts, results, world, ep_list):
                 assert idle == {r for r in range(ep) if r * (E // ep) >= SKEWED_OUT.start}, (ep, name, layer, idle)
 
 
-def bitwise_summary(results, ep_list) -> str:
-    equal = sum(out[ep, name]["bitwise"] for out in results for ep in ep_list for name in MODELS)
-    return f"{equal} of {len(results) * len(ep_list) * len(MODELS)} bitwise equal"
-
-
 @pytest.mark.timeout(60)
 def test_ep_world1(ckpts, monkeypatch):
     for var in ("WORLD_SIZE", "RANK"):
@@ -209,21 +205,18 @@ def test_ep_world1(ckpts, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "0")  # run_layouts sets it; the fixture undoes that
     results = [run_layouts(ckpts, [1], [free_port()])]
     check_layouts(ckpts, results, 1, [1])
-    print(bitwise_summary(results, [1]))
 
 
 @pytest.mark.timeout(150)
 def test_ep_world2(ckpts):
     results = run_world(run_layouts, 2, ckpts, [2, 1], [free_port(), free_port()], timeout=140)
     check_layouts(ckpts, results, 2, [2, 1])
-    print(bitwise_summary(results, [2, 1]))
 
 
 @pytest.mark.timeout(200)
 def test_ep_world4(ckpts):
     results = run_world(run_layouts, 4, ckpts, [4, 2], [free_port(), free_port()], timeout=190)
     check_layouts(ckpts, results, 4, [4, 2])
-    print(bitwise_summary(results, [4, 2]))
 
 
 def _outcome(state, step):
