@@ -123,3 +123,12 @@ def test_fail_together_single_process():
     assert isinstance(info.value.__cause__, KeyError)
     e = pickle.loads(pickle.dumps(info.value))
     assert str(e) == str(info.value) and e.ranks == [0]
+
+
+def test_identical_reports_read_as_one_line():
+    from eprt.parallel.guard import RankFailure
+
+    same = RankFailure("writing the output", {0: "OutputExistsError: out exists", 1: "OutputExistsError: out exists"})
+    assert str(same) == "ranks 0, 1 failed while writing the output: OutputExistsError: out exists"
+    mixed = RankFailure("loading", {0: "E: a", 2: "E: b", 3: "E: a"})
+    assert str(mixed).splitlines() == ["ranks 0, 2, 3 failed while loading:", "  ranks 0, 3: E: a", "  rank 2: E: b"]

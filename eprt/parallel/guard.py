@@ -58,12 +58,15 @@ class RankFailure(EprtError):
 
     def _message(self) -> str:
         lines = []
-        if len(self.failures) == 1:
-            (rank, report), = self.failures.items()
-            lines.append(f"rank {rank} failed while {self.what}: {report}")
-        elif self.failures:
+        by_report: dict[str, list[int]] = {}
+        for r in sorted(self.failures):
+            by_report.setdefault(self.failures[r], []).append(r)
+        if len(by_report) == 1:  # one rank, or every failing rank saying the same
+            (report, ranks), = by_report.items()
+            lines.append(f"{_ranks(ranks)} failed while {self.what}: {report}")
+        elif by_report:
             lines.append(f"ranks {_names(self.failures)} failed while {self.what}:")
-            lines += [f"  rank {r}: {self.failures[r]}" for r in sorted(self.failures)]
+            lines += [f"  {_ranks(ranks)}: {report}" for report, ranks in by_report.items()]
         if self.missing:
             lines.append(f"{_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
                          f"{self.what} (hung outside a collective, or died)")
