@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from eprt.errors import ConfigError
-from eprt.progress import logger
+from eprt.progress import logger, rank
 
 BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calib.txt")
 
@@ -100,7 +100,9 @@ def pack(stream: np.ndarray, num_samples: int, seq_len: int, vocab_size: int, so
         raise ConfigError(f"{source}: token id {int(stream[bad][0])} is outside the vocabulary [0, {vocab_size})")
     need = num_samples * seq_len
     if stream.size < need:
-        logger().warning("%s: %d tokens for %d x %d; the data repeats", source, stream.size, num_samples, seq_len)
+        if rank() == 0:  # every rank packs the same data; one of them says so
+            logger().warning("%s: %d tokens for %d x %d; the data repeats", source, stream.size, num_samples,
+                             seq_len)
         stream = np.resize(stream, need)
     return torch.from_numpy(stream[:need].copy()).view(num_samples, seq_len)
 
