@@ -4,6 +4,12 @@ A directory holding
 - `eprt.json`, the manifest: format name and version, family, the normalized config, the
   source config.json verbatim, and a table of every tensor: dtype, shape, encoding, role, and
   where its bytes are (`parts`: file, key in that file, rows [a, b) along dim 0);
+- for a tensor the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed),
+  its `encoding` names the format, `scheme` names an entry of the manifest's `schemes` (the
+  source's quantization_config group), and `components` are the source tensors it is made of
+  (`weight_packed`, `weight_scale`, ...), each stored like a raw tensor with its own parts and,
+  for stacked experts, its own rows. `dtype` and `shape` are those of the decoded tensor, which
+  `read` returns;
 - safetensors files, one per decoder layer plus one for the rest, routed experts stacked
   with the expert index leading, so a reader of rows [a, b) touches only those bytes;
 - `hf/`: every non-weight file of the source (config, tokenizer, generation config, ...).
@@ -17,13 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from eprt.config import ModelConfig
-from eprt.errors import CheckpointError
+from eprt.errors import CheckpointError, ConfigError
+from eprt.hf import compressed
 from eprt.safetensors_io import DTYPES, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
@@ -39,28 +47,69 @@ class Part:
     rows: tuple[int, int]
 
 
+def parts_json(parts: tuple[Part, ...]) -> list[dict]:
+    return [{"file": p.file, "key": p.key, "rows": list(p.rows)} for p in parts]
+
+
+def parts_from_json(d: list[dict]) -> tuple[Part, ...]:
+    return tuple(Part(p["file"], p["key"], tuple(p["rows"])) for p in d)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One source tensor of an encoded tensor, stored as it was (stacked experts: one row per expert,
+    each row the expert's `per_row` source tensors end to end)."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # as stored
+    source_shape: tuple[int, ...]  # of one source tensor
+    parts: tuple[Part, ...]
+
+    def piece(self, row: torch.Tensor, k: int) -> torch.Tensor:
+        """The k-th source tensor in one stored row."""
+        n = math.prod(self.source_shape)
+        return row.reshape(-1)[k * n:(k + 1) * n].reshape(self.source_shape)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # what `read` returns: for an encoded tensor, the decoded dtype
     shape: tuple[int, ...]
-    encoding: str  # "raw": the bytes are the tensor
+    encoding: str  # "raw": the bytes are the tensor; else eprt.hf.compressed names it
     role: str  # "model": the model runs it; "passthrough": carried for export only
-    parts: tuple[Part, ...]
+    parts: tuple[Part, ...]  # raw only
     source_dtype: torch.dtype  # what the source stored; export writes this dtype back
+    scheme: str | None = None  # encoded: the entry of the manifest's `schemes`
+    per_row: int | None = None  # encoded stacked experts: source weights per expert row
+    components: dict[str, Component] | None = None  # encoded: the source tensors, by local name
+
+    @property
+    def encoded(self) -> bool:
+        return self.encoding != compressed.RAW
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "dtype": dtype_name(self.dtype), "source_dtype": dtype_name(self.source_dtype),
             "shape": list(self.shape), "encoding": self.encoding, "role": self.role,
-            "parts": [{"file": p.file, "key": p.key, "rows": list(p.rows)} for p in self.parts],
+            "parts": parts_json(self.parts),
         }
+        if self.encoded:
+            d["scheme"] = self.scheme
+            if self.per_row is not None:
+                d["per_row"] = self.per_row
+            d["components"] = {c: {"dtype": dtype_name(x.dtype), "shape": list(x.shape),
+                                   "source_shape": list(x.source_shape), "parts": parts_json(x.parts)}
+                               for c, x in self.components.items()}
+        return d
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "TensorMeta":
-        parts = tuple(Part(p["file"], p["key"], tuple(p["rows"])) for p in d["parts"])
-        return cls(name, DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts,
-                   DTYPES[d["source_dtype"]])
+        components = None
+        if "components" in d:
+            components = {c: Component(DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
+                                       parts_from_json(x["parts"])) for c, x in d["components"].items()}
+        return cls(name, DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
+                   DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
 
 
 def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],
@@ -102,9 +151,17 @@ class Checkpoint:
         self.source_config: dict = m["source_config"]
         self.base = open_base(path, m["base"]) if "base" in m else None
         own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
+        self.schemes: dict[str, dict] = m.get("schemes", {})
+        for t in own.values():
+            if not compressed.is_known(t.encoding):
+                raise CheckpointError(f"{mpath}: {t.name!r} has encoding {t.encoding!r}, unknown to this eprt; upgrade eprt")
+            if t.encoded and t.scheme not in self.schemes:
+                raise CheckpointError(f"{mpath}: {t.name!r} names scheme {t.scheme!r}, which the manifest lacks: "
+                                      "the checkpoint is corrupt")
         self._own = set(own)
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
+        self._decoders: dict[str, object] = {}
 
     @property
     def quantization(self) -> dict | None:
@@ -125,46 +182,125 @@ class Checkpoint:
         return self._files[name]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype, or only rows [a, b) of it, reading only their bytes."""
+        """Tensor `name`, or only rows [a, b) of it, reading only their bytes: a raw tensor in its
+        stored dtype, an encoded one decoded (to `meta(name).dtype`) one weight at a time."""
         t = self.meta(name)
         if name not in self._own:
             return self.base.read(name, rows)
-        a, b = rows if rows is not None else (0, t.shape[0] if t.shape else 0)
-        if rows is not None and not (t.shape and 0 <= a <= b <= t.shape[0]):
-            raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside {name!r} of shape {list(t.shape)}")
+        a, b = self._rows(t, rows)
+        if t.encoded:
+            return self._decode(t, a, b, rows is not None)
         if not t.shape:
-            return self._read_part(t, t.parts[0], None)
-        pieces = []
-        for p in t.parts:
-            lo, hi = max(a, p.rows[0]), min(b, p.rows[1])
-            if lo < hi or (lo == hi == a and not pieces and a == b):
-                pieces.append(self._read_part(t, p, (lo - p.rows[0], hi - p.rows[0])))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            return self._read_part(t.dtype, t.shape, t.parts[0], None)
+        return self._read_parts(t.dtype, t.shape, t.parts, a, b)
 
-    def byte_range(self, name: str, row: int | None = None) -> tuple[SafetensorsFile, int, int]:
-        """(file, offset, length) of tensor `name` as stored, or of its row `row`: for copying without reading."""
+    def read_component(self, name: str, component: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One stored source tensor of encoded tensor `name` as it lies on disk (or rows [a, b) of it)."""
         t = self.meta(name)
         if name not in self._own:
-            return self.base.byte_range(name, row)
+            return self.base.read_component(name, component, rows)
+        c = self._component(t, component)
+        if not c.shape:
+            return self._read_part(c.dtype, c.shape, c.parts[0], None)
+        a, b = rows if rows is not None else (0, c.shape[0])
+        return self._read_parts(c.dtype, c.shape, c.parts, a, b)
+
+    def _rows(self, t: TensorMeta, rows) -> tuple[int, int]:
+        a, b = rows if rows is not None else (0, t.shape[0] if t.shape else 0)
+        if rows is not None and not (t.shape and 0 <= a <= b <= t.shape[0]):
+            raise CheckpointError(f"{self.path}: rows [{a}, {b}) are outside {t.name!r} of shape {list(t.shape)}")
+        return a, b
+
+    def _component(self, t: TensorMeta, component: str) -> Component:
+        if not t.encoded or component not in t.components:
+            have = list(t.components) if t.encoded else []
+            raise CheckpointError(f"{self.path}: {t.name!r} has no stored component {component!r} (it has {have})")
+        return t.components[component]
+
+    def _read_parts(self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...], a: int, b: int
+                    ) -> torch.Tensor:
+        pieces = []
+        for p in parts:
+            lo, hi = max(a, p.rows[0]), min(b, p.rows[1])
+            if lo < hi or (lo == hi == a and not pieces and a == b):
+                pieces.append(self._read_part(dtype, shape, p, (lo - p.rows[0], hi - p.rows[0])))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    # --- encoded tensors ----------------------------------------------------------------------
+    def decoder(self, name: str):
+        """The decoder of encoded tensor `name` (importing compressed-tensors where it needs it)."""
+        t = self.meta(name)
+        if name not in self._own:
+            return self.base.decoder(name)
+        if t.scheme not in self._decoders:
+            self._decoders[t.scheme] = compressed.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
+        return self._decoders[t.scheme]
+
+    def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
+        dec = self.decoder(t.name)
+        if t.per_row is None:  # one weight, decoded whole
+            w = self._decoded(t, dec, {c: self.read_component(t.name, c) for c in t.components}, t.shape)
+            return w[a:b] if sliced else w
+        # Stacked experts: an expert row holds per_row source weights end to end, each decoded alone
+        # into its place; memory holds the rows' stored bytes and their decoded result, nothing more.
+        stored = {c: self.read_component(t.name, c, (a, b)) for c in t.components}
+        out = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype)
+        h = t.shape[1] // t.per_row
+        for i in range(b - a):
+            for k in range(t.per_row):
+                local = {c: t.components[c].piece(v[i], k) for c, v in stored.items()}
+                out[i, k * h:(k + 1) * h] = self._decoded(t, dec, local, (h, *t.shape[2:]))
+        return out
+
+    def _decoded(self, t: TensorMeta, dec, local: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        w = dec.decode(local)
+        if w.dtype != t.dtype or tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: {t.name!r} ({t.encoding}) decodes to {w.dtype}{list(w.shape)} but the "
+                                  f"manifest says {t.dtype}{list(shape)}: it was converted with another decoder; "
+                                  "convert it again")
+        return w
+
+    def check_decode(self, dtype: torch.dtype | None = None, role: str | None = "model") -> None:
+        """Refuse, before any weight is read, encoded tensors (of `role`) that cannot be decoded
+        here, or whose decoded values loading in `dtype` would round again."""
+        for name in self.names(role):
+            t = self.tensors[name]
+            if not t.encoded:
+                continue
+            self.decoder(name)
+            if dtype is not None and not compressed.decoded_dtype_ok(t.dtype, dtype):
+                raise ConfigError(f"{self.path}: {name} is stored {t.encoding} and decompresses to {t.dtype}; "
+                                  f"loading it as {dtype} would round every weight again: load with "
+                                  f"dtype={t.dtype} or torch.float32")
+
+    def byte_range(self, name: str, row: int | None = None, component: str | None = None
+                   ) -> tuple[SafetensorsFile, int, int]:
+        """(file, offset, length) of tensor `name` as stored (of its stored `component`, for an
+        encoded one), or of its row `row`: for copying without reading."""
+        t = self.meta(name)
+        if name not in self._own:
+            return self.base.byte_range(name, row, component)
+        shape, parts = (t.shape, t.parts) if component is None else (self._component(t, component).shape,
+                                                                      t.components[component].parts)
         if row is None:
-            if len(t.parts) != 1:
-                raise CheckpointError(f"{self.path}: {name!r} is stored in {len(t.parts)} parts, not one byte range")
-            p = t.parts[0]
+            if len(parts) != 1:
+                raise CheckpointError(f"{self.path}: {name!r} is stored in {len(parts)} parts, not one byte range")
+            p = parts[0]
             f = self.file(p.file)
             return (f, *f.byte_range(p.key))
-        p = next((p for p in t.parts if p.rows[0] <= row < p.rows[1]), None)
+        p = next((p for p in parts if p.rows[0] <= row < p.rows[1]), None)
         if p is None:
-            raise CheckpointError(f"{self.path}: row {row} is outside {name!r} of shape {list(t.shape)}")
+            raise CheckpointError(f"{self.path}: row {row} is outside {name!r} of shape {list(shape)}")
         f = self.file(p.file)
         return (f, *f.byte_range(p.key, (row - p.rows[0], row - p.rows[0] + 1)))
 
-    def _read_part(self, t: TensorMeta, p: Part, rows) -> torch.Tensor:
+    def _read_part(self, dtype: torch.dtype, shape: tuple[int, ...], p: Part, rows) -> torch.Tensor:
         f = self.file(p.file)
         info = f.info(p.key)
-        want = (p.rows[1] - p.rows[0], *t.shape[1:]) if t.shape else ()
-        if info.dtype != t.dtype or info.shape != want:
+        want = (p.rows[1] - p.rows[0], *shape[1:]) if shape else ()
+        if info.dtype != dtype or info.shape != want:
             raise CheckpointError(f"{f.path}: {p.key!r} is {info.dtype}{list(info.shape)} but the manifest "
-                                  f"says {t.dtype}{list(want)}: the checkpoint is corrupt")
+                                  f"says {dtype}{list(want)}: the checkpoint is corrupt")
         return f.read(p.key, rows)
 
     @property

@@ -1,9 +1,14 @@
 """Hugging Face safetensors -> eprt checkpoint, streamed one tensor at a time.
 
-Every check (config, headers, names, shapes, dtypes) runs before the first byte is written;
-then each output file is filled tensor by tensor. A stacked expert tensor [E, 2I, H] is the
-per-expert gate and up tensors laid end to end, so it is written by copying each source
+Every check (config, headers, names, shapes, dtypes, encodings) runs before the first byte is
+written; then each output file is filled tensor by tensor. A stacked expert tensor [E, 2I, H] is
+the per-expert gate and up tensors laid end to end, so it is written by copying each source
 tensor in turn: memory holds one source tensor, never a layer.
+
+Weights the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed) stay
+encoded: each of their source tensors (packed values, scales, ...) is stacked the same way as a
+component of the eprt tensor, and the manifest records the scheme. Nothing is decompressed on
+disk; `Checkpoint.read` decodes.
 """
 
 from __future__ import annotations
@@ -11,14 +16,15 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from eprt.atomic import atomic_output_dir, copy_files
-from eprt.checkpoint import HF_FILES, Part, TensorMeta, manifest, write_manifest
+from eprt.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
 from eprt.config import load_hf_config, reader_for
 from eprt.errors import CheckpointError, ConfigError
+from eprt.hf import compressed
 from eprt.hf.source import HFSource, non_weight_files
 from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
@@ -26,6 +32,16 @@ from eprt.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_SCHEME = "fp8"  # the manifest's name for a block-FP8 source's quantization_config
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """The source tensors of one encoded weight."""
+    encoding: str
+    scheme: str  # the source quantization_config group (compressed-tensors) or FP8_SCHEME
+    components: dict[str, str]  # local name (weight_packed, ...) -> Hugging Face name
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,35 @@ class Planned:
     source_dtype: torch.dtype
     dtype: torch.dtype
     role: str
+    encoded: tuple[Encoded, ...] = ()  # an encoded tensor: one per source of `spec`
+    # an encoded tensor: each component's dtype and shape in one source
+    components: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+
+    def stored(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(key in the file, dtype, shape) of each tensor written for it."""
+        if not self.encoded:
+            return [(self.spec.name, self.dtype, self.spec.shape)]
+        return [(component_key(self.spec.name, c), dt, stored_shape(self.spec, shape))
+                for c, (dt, shape) in self.components.items()]
+
+
+def component_key(name: str, component: str) -> str:
+    return f"{name}.{component}"
+
+
+def stored_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A component stacked like its tensor: expert row e holds the expert's per_row sources end to end."""
+    if not spec.stacked:
+        return shape
+    return (spec.shape[0], spec.per_row * (shape[0] if shape else 1), *shape[1:])
+
+
+def module_of(hf_weight: str) -> str | None:
+    return hf_weight[: -len(".weight")] if hf_weight.endswith(".weight") else None
+
+
+def describe(e: Encoded | None) -> str:
+    return "stored unencoded" if e is None else f"{e.encoding} (scheme {e.scheme})"
 
 
 def file_for(name: str, role: str) -> str:
@@ -44,11 +89,122 @@ def file_for(name: str, role: str) -> str:
     return f"{prefix}-{layer:05d}.safetensors"
 
 
-def plan(src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str) -> list[Planned]:
-    """Check the source against the layout and decide every output tensor's dtype; refuse on any mismatch."""
-    by_source = layout.by_source()
-    planned = []
-    for spec in layout.specs:
+def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) -> dict[str, Encoded]:
+    """Every module whose weight the source stores encoded, by module name; refuses encoded
+    tensors that its quantization_config does not account for."""
+    out: dict[str, Encoded] = {}
+    names = src.tensors
+    for name, (f, _) in names.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight_scale_inv":
+            continue
+        if quant is None or quant.method != "fp8":
+            raise CheckpointError(f"{f.path}: tensor {name!r} is a block-FP8 scale, but config.json declares no "
+                                  "block-FP8 quantization_config (quant_method fp8 with weight_block_size)")
+        weight = f"{module}.weight"
+        if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
+        out[module] = Encoded(compressed.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
+    if quant is None or quant.method != compressed.CT:
+        return out
+    groups = quant.groups()
+    decoders = {g: compressed.decoder(compressed.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
+    markers = {c for d in decoders.values() for c in d.components} - {"weight"}
+    for name, (f, _) in names.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf not in markers or module in out:
+            continue
+        ignored = next((i for i in quant.ignore if compressed.matches(module, [i])), None)
+        if ignored is not None:
+            raise CheckpointError(f"{f.path}: tensor {name!r} is compressed, but the quantization_config's ignore "
+                                  f"entry {ignored!r} says {module} is not: the checkpoint and its config.json "
+                                  "disagree; fix the ignore list or the weights")
+        g = group_of(module, groups, f"{f.path}: tensor {name!r}")
+        missing = [c for c in decoders[g].components if f"{module}.{c}" not in names]
+        if missing:
+            raise CheckpointError(f"{f.path}: {module} is compressed ({groups[g]['format']}, {g}) but tensor "
+                                  f"'{module}.{missing[0]}' is missing")
+        out[module] = Encoded(compressed.CT_PREFIX + groups[g]["format"], g,
+                              {c: f"{module}.{c}" for c in decoders[g].components})
+    return out
+
+
+def group_of(module: str, groups: dict[str, dict], where: str) -> str:
+    """The config group whose scheme a compressed module follows: one that names it (exact or
+    `re:`), else one that targets every Linear."""
+    named = [g for g, d in groups.items() if any(t != "Linear" and compressed.matches(module, [t])
+                                                 for t in d.get("targets") or [])]
+    found = named or [g for g, d in groups.items() if "Linear" in (d.get("targets") or [])]
+    if not found:
+        raise CheckpointError(f"{where} is compressed, but no config group of the quantization_config targets "
+                              f"{module}, so its scheme is unknown")
+    if any(groups[g] != groups[found[0]] for g in found[1:]):
+        raise CheckpointError(f"{where}: config groups {found[0]} and {found[1]} both target {module} with different "
+                              "schemes; which one compressed it is ambiguous")
+    return found[0]
+
+
+class Planner:
+    """Checks the source against the layout and decides every output tensor's dtype and encoding."""
+
+    def __init__(self, src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str,
+                 quant: compressed.SourceQuantization | None):
+        self.src, self.layout, self.dtype, self.where, self.quant = src, layout, dtype, where, quant
+        self.encoded = encoded_modules(src, quant)
+        self.decoders: dict[str, object] = {}
+        self.probed: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}
+
+    def schemes(self, planned: list[Planned]) -> dict[str, dict]:
+        """The manifest's `schemes`: each one an encoded tensor names."""
+        used = {e.scheme for p in planned for e in p.encoded}
+        if FP8_SCHEME in used:
+            return {FP8_SCHEME: self.quant.config}
+        groups = self.quant.groups() if used else {}
+        return {g: groups[g] for g in sorted(used)}
+
+    def scheme(self, e: Encoded) -> dict:
+        return self.quant.config if e.scheme == FP8_SCHEME else self.quant.groups()[e.scheme]
+
+    def plan(self) -> list[Planned]:
+        """Every output tensor; refuses on any mismatch."""
+        src = self.src
+        planned, claimed = [], set()
+        for spec in self.layout.specs:
+            encs = [self.encoded.get(module_of(s)) for s in spec.sources]
+            if any(encs):
+                planned.append(self.plan_encoded(spec, encs, "model"))
+                claimed.update(n for e in encs for n in e.components.values())
+                continue
+            planned.append(self.plan_raw(spec))
+            claimed.update(spec.sources)
+        unread = []
+        owner = {n: m for m, e in self.encoded.items() for n in e.components.values()}
+        done = set()
+        for name, (f, info) in src.tensors.items():
+            if name in claimed:
+                continue
+            if not self.layout.is_passthrough(name):
+                unread.append((f.path, name))
+            elif name in owner:
+                module = owner[name]
+                if module not in done:
+                    done.add(module)
+                    e = self.encoded[module]
+                    _, shape = self.probe(e)
+                    planned.append(self.plan_encoded(plain(f"{module}.weight", *shape), [e], "passthrough"))
+            else:
+                self.refuse_unscaled_fp8(name)
+                planned.append(Planned(plain(name, *info.shape), info.dtype, out_dtype(info.dtype, self.dtype, False),
+                                       "passthrough"))
+        if unread:
+            path, name = unread[0]
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise CheckpointError(f"{path}: tensor {name!r}{more}: nothing in the model reads it; the checkpoint "
+                                  f"does not match its config.json (wrong num_hidden_layers, experts or layer types?)")
+        return planned
+
+    def plan_raw(self, spec: TensorSpec) -> Planned:
+        src, where = self.src, self.where
         missing = [s for s in spec.sources if s not in src.tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -59,26 +215,62 @@ def plan(src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str) -
             if info.shape != spec.source_shape():
                 raise CheckpointError(f"{f.path}: tensor {s!r} has shape {list(info.shape)} but config.json "
                                       f"implies {list(spec.source_shape())}")
+            self.refuse_unscaled_fp8(s)
             dtypes.add(info.dtype)
         if len(dtypes) > 1:
             raise CheckpointError(f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
                                   f"{sorted(map(str, dtypes))}; convert with --dtype bf16 or fp32")
         (sdt,) = dtypes
-        planned.append(Planned(spec, sdt, out_dtype(sdt, dtype, layout.is_precise(spec.name)), "model"))
-    unread = []
-    for name, (f, info) in src.tensors.items():
-        if name in by_source:
-            continue
-        if layout.is_passthrough(name):
-            planned.append(Planned(plain(name, *info.shape), info.dtype, out_dtype(info.dtype, dtype, False), "passthrough"))
-        else:
-            unread.append((f.path, name))
-    if unread:
-        path, name = unread[0]
-        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-        raise CheckpointError(f"{path}: tensor {name!r}{more}: nothing in the model reads it; the checkpoint "
-                              f"does not match its config.json (wrong num_hidden_layers, experts or layer types?)")
-    return planned
+        return Planned(spec, sdt, out_dtype(sdt, self.dtype, self.layout.is_precise(spec.name)), "model")
+
+    def refuse_unscaled_fp8(self, name: str) -> None:
+        f, info = self.src.tensors[name]
+        if info.dtype in _FP8:
+            raise CheckpointError(f"{f.path}: tensor {name!r} is {info.dtype} without a block scale "
+                                  "(weight_scale_inv) beside it: per-tensor or unscaled FP8 would load unscaled; "
+                                  "eprt reads block FP8 only: dequantize the checkpoint to bf16 first")
+
+    def plan_encoded(self, spec: TensorSpec, encs: list[Encoded | None], role: str) -> Planned:
+        """An encoded tensor: every source of `spec` stored alike, one scheme, decoding to its shape."""
+        j = next(j for j, e in enumerate(encs) if e is not None)
+        first, src0 = encs[j], spec.sources[j]
+        for s, e in zip(spec.sources, encs):
+            if e is None or (e.encoding, e.scheme) != (first.encoding, first.scheme):
+                raise CheckpointError(f"{self.where}: the weights stacked into {spec.name!r} disagree: {s!r} is "
+                                      f"{describe(e)} but {src0!r} is {describe(first)}; eprt stacks one scheme per "
+                                      "tensor: store every expert of a layer alike")
+        components = {}
+        for c in first.components:
+            for e in encs:
+                f, info = self.src.tensors[e.components[c]]
+                if c not in components:
+                    components[c] = (info.dtype, info.shape)
+                elif components[c] != (info.dtype, info.shape):
+                    dt, shape = components[c]
+                    raise CheckpointError(f"{f.path}: tensor {e.components[c]!r} is {info.dtype}{list(info.shape)} but "
+                                          f"{first.components[c]!r} is {dt}{list(shape)}: the weights stacked into "
+                                          f"{spec.name!r} disagree on their scheme; store every expert of a layer alike")
+        dtype, shape = self.probe(first)
+        if shape != spec.source_shape():
+            raise CheckpointError(f"{self.where}: {module_of(src0)} ({first.encoding}) decodes to shape {list(shape)} "
+                                  f"but config.json implies {list(spec.source_shape())}")
+        return Planned(spec, dtype, dtype, role, tuple(encs), components)
+
+    def probe(self, e: Encoded) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) one weight decodes to, found by decoding it: once per scheme and stored shapes."""
+        infos = {c: self.src.tensors[n] for c, n in e.components.items()}
+        key = (e.encoding, e.scheme, tuple((c, i.dtype, i.shape) for c, (_, i) in infos.items()))
+        if key not in self.probed:
+            if e.scheme not in self.decoders:
+                self.decoders[e.scheme] = compressed.decoder(e.encoding, self.scheme(e), self.quant.where)
+            try:
+                w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
+            except (ValueError, RuntimeError, IndexError, KeyError) as err:
+                module = next(iter(e.components.values())).rpartition(".")[0]
+                raise CheckpointError(f"{self.where}: {module} ({e.encoding}, scheme {e.scheme}) does not decode: "
+                                      f"{err}") from None
+            self.probed[key] = (w.dtype, tuple(w.shape))
+        return self.probed[key]
 
 
 def out_dtype(source: torch.dtype, want: torch.dtype | None, precise: bool) -> torch.dtype:
@@ -94,16 +286,20 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
         raise ConfigError(f"{hf_dir}: not a directory")
     hf_cfg, cfg = load_hf_config(hf_dir)
     layout = reader_for(cfg.model_type, hf_dir).layout(cfg)
+    quant = compressed.source_quantization(hf_cfg, os.path.join(hf_dir, "config.json"))
     src = HFSource(hf_dir)
     try:
-        planned = plan(src, layout, DTYPE_CHOICES[dtype], hf_dir)
+        planner = Planner(src, layout, DTYPE_CHOICES[dtype], hf_dir, quant)
+        planned = planner.plan()
+        schemes = planner.schemes(planned)
         by_file: dict[str, list[Planned]] = defaultdict(list)
         for p in planned:
             by_file[file_for(p.spec.name, p.role)].append(p)
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=(hf_dir,)) as tmp:
             metas = write_files(src, by_file, tmp, progress)
             files = copy_hf_files(hf_dir, tmp)
-            write_manifest(tmp, manifest(cfg.family, cfg, hf_cfg, metas, files, converted_with={"dtype": dtype}))
+            extra = {"schemes": schemes} if schemes else {}
+            write_manifest(tmp, manifest(cfg.family, cfg, hf_cfg, metas, files, converted_with={"dtype": dtype}, **extra))
     finally:
         src.close()
     logger().info("converted %s -> %s (%d tensors)", hf_dir, out_dir, len(planned))
@@ -112,23 +308,41 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
 
 def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, progress: bool) -> list[TensorMeta]:
     metas = []
-    total = sum(p.dtype.itemsize * math.prod(p.spec.shape) for ps in by_file.values() for p in ps)
+    total = sum(dt.itemsize * math.prod(shape) for ps in by_file.values() for p in ps for _, dt, shape in p.stored())
     with bar(total, "convert", unit="B", enabled=progress) as pb:
         for fname, ps in by_file.items():
-            w = SafetensorsWriter(os.path.join(tmp, fname), [(p.spec.name, p.dtype, p.spec.shape) for p in ps])
+            w = SafetensorsWriter(os.path.join(tmp, fname), [entry for p in ps for entry in p.stored()])
             for p in ps:
-                for s in p.spec.sources:
-                    f, info = src.tensors[s]
-                    if info.dtype == p.dtype:
-                        w.copy_range(p.spec.name, f, info.start, info.nbytes)
-                    else:
-                        w.write(p.spec.name, f.read(s).to(p.dtype))
-                    pb.update(p.dtype.itemsize * math.prod(info.shape))
-                rows = (0, p.spec.shape[0] if p.spec.shape else 0)
-                metas.append(TensorMeta(p.spec.name, p.dtype, p.spec.shape, "raw", p.role,
-                                        (Part(fname, p.spec.name, rows),), p.source_dtype))
+                metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
             w.close()
     return metas
+
+
+def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
+    for s in p.spec.sources:
+        f, info = src.tensors[s]
+        if info.dtype == p.dtype:
+            w.copy_range(p.spec.name, f, info.start, info.nbytes)
+        else:
+            w.write(p.spec.name, f.read(s).to(p.dtype))
+        pb.update(p.dtype.itemsize * math.prod(info.shape))
+    rows = (0, p.spec.shape[0] if p.spec.shape else 0)
+    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, compressed.RAW, p.role, (Part(fname, p.spec.name, rows),),
+                      p.source_dtype)
+
+
+def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
+    """Each component in turn, its source tensors copied end to end in the kernel, as they are."""
+    components = {}
+    for (c, (dt, shape)), (key, _, stored) in zip(p.components.items(), p.stored()):
+        for e in p.encoded:
+            f, info = src.tensors[e.components[c]]
+            w.copy_range(key, f, info.start, info.nbytes)
+            pb.update(info.nbytes)
+        components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
+    first = p.encoded[0]
+    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, first.encoding, p.role, (), p.source_dtype, first.scheme,
+                      p.spec.per_row if p.spec.stacked else None, components)
 
 
 def copy_hf_files(hf_dir: str, tmp: str) -> list[str]:

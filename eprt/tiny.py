@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -11,11 +12,15 @@ from safetensors.torch import save_file
 
 from eprt.atomic import atomic_output_dir, copy_files
 from eprt.config import parse_hf_config, reader_for
+from eprt.hf.compressed import expand_blocks, matches
 from eprt.layout import Layout, plain
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Stored in fp32 in the released checkpoints whatever their dtype: the router's correction bias,
+# KDA's decay parameters.
+FP32_SOURCES = re.compile(r"(e_score_correction_bias|\.A_log|\.dt_bias)$")
 
 
 def families() -> list[str]:
@@ -35,11 +40,27 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Random values with roughly the statistics of a trained model, per kind of tensor."""
     if name.endswith("e_score_correction_bias"):
         return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(".A_log"):  # KDA decay rates exp(A_log) in [1, 16]
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+    if name.endswith(".dt_bias"):  # softplus(dt_bias) in [1e-3, 1e-1]
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+        return dt + torch.log(-torch.expm1(-dt))
+    if name.endswith("_res_proj.weight"):  # attention-residual queries: mixtures far from uniform
+        return 0.1 * torch.randn(shape, generator=g)
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    if re.search(r"\.mlp\.gate\.weight$", name):  # routers: spread enough that routing is not a tie
+    if re.search(r"\.(mlp|block_sparse_moe)\.gate\.weight$", name):  # routers: spread enough that routing is not a tie
         return 0.5 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
+
+
+def vision_tensors(hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
+    shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
+              "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16), "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
+              "vision_tower.encoder.final_layernorm.weight": (16,), "mm_projector.pre_norm.weight": (16,),
+              "mm_projector.proj.0.weight": (64, 64), "mm_projector.proj.2.weight": (hidden, 64)}
+    return {name: init(name, shape, g) for name, shape in shapes.items()}
 
 
 def mtp_layout(hf: dict) -> Layout:
@@ -58,8 +79,11 @@ def mtp_layout(hf: dict) -> Layout:
 
 
 def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
-              overwrite: bool = False, **overrides) -> str:
-    """Write a random checkpoint of `family` (config from configs/tiny, `overrides` on top) to `out`."""
+              overwrite: bool = False, source_format: str | None = None, **overrides) -> str:
+    """Write a random checkpoint of `family` (config from configs/tiny, `overrides` on top) to `out`.
+
+    source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
+    INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3)."""
     hf = tiny_config(family, **overrides)
     hf["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")
@@ -72,7 +96,12 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
     for spec in specs:
         for src in spec.sources:
             t = init(src, spec.source_shape(), g)
-            tensors[src] = t if src.endswith("e_score_correction_bias") else t.to(DTYPES[dtype])
+            tensors[src] = t if FP32_SOURCES.search(src) else t.to(DTYPES[dtype])
+    if "vision_config" in hf:
+        tensors.update({n: t.to(DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})
+    if source_format:
+        hf["quantization_config"] = SOURCE_FORMATS[source_format]
+        tensors = encode_source(tensors, hf["quantization_config"])
     names = list(tensors)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if shards == 1:
@@ -92,3 +121,77 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
             json.dump(hf, f, indent=2)
         copy_files(TINY_DIR, TOKENIZER_FILES, tmp)
     return out
+
+
+# --- compressed and FP8 sources ----------------------------------------------------------------
+# The quantization_config each ships, as on the Hugging Face Hub.
+_GROUP32 = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+            "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True}
+SOURCE_FORMATS = {
+    "int4": {  # Kimi-K2-Thinking, K2.5
+        "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                                      "weights": {**_GROUP32, "type": "int"}}},
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
+    "mxfp4": {  # Kimi-K3
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "input_activations": None,
+                                      "output_activations": None, "targets": ["Linear"],
+                                      "weights": {**_GROUP32, "type": "float", "scale_dtype": "torch.uint8",
+                                                  "zp_dtype": None}}},
+        "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
+    "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",  # DeepSeek-V3
+                  "weight_block_size": [128, 128]},
+}
+# Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16.
+_NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
+_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head)")
+
+
+def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch.Tensor]:
+    """The tensors as a checkpoint quantized by `qc` stores them: each Linear weight `M.weight`
+    it covers replaced by its compressed or block-FP8 tensors."""
+    out = {}
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or t.dim() != 2:
+            out[name] = t
+        elif qc["quant_method"] == "fp8" and not _FP8_KEPT.fullmatch(module):
+            out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]))
+        elif qc["quant_method"] != "fp8" and not _NOT_LINEAR.fullmatch(module) and not matches(module, qc["ignore"]):
+            out.update({f"{module}.{c}": v for c, v in compress_weight(t, qc).items()})
+        else:
+            out[name] = t
+    return out
+
+
+def compress_weight(weight: torch.Tensor, qc: dict, group: str = "group_0") -> dict[str, torch.Tensor]:
+    """One Linear weight compressed by the compressed-tensors library under config group `group`
+    of `qc`, with the library's own min-max scales (group strategy, as Kimi's checkpoints)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    g = qc["config_groups"][group]
+    scheme = QuantizationScheme.model_validate(g)
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows, cols // scheme.weights.group_size, scheme.weights.group_size)
+    scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
+    c = BaseCompressor.get_value_from_registry(g.get("format") or qc["format"]).compress(
+        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+    if "weight_shape" in c:  # the library writes int64; Kimi's checkpoints hold int32
+        c["weight_shape"] = c["weight_shape"].to(torch.int32)
+    return {k: v.contiguous() for k, v in c.items()}
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block FP8: e4m3 values and an fp32 weight_scale_inv (block amax / 448) per block."""
+    (rows, cols), (bo, bi) = weight.shape, block
+    w = weight.float()
+    padded = torch.nn.functional.pad(w.abs(), (0, -cols % bi, 0, -rows % bo))
+    amax = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).amax((1, 3))
+    scale = (amax / 448.0).clamp(min=1e-12)
+    return (w / expand_blocks(scale, (rows, cols), block)).to(torch.float8_e4m3fn), scale

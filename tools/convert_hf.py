@@ -1,6 +1,10 @@
 """Convert a Hugging Face safetensors checkpoint into an eprt checkpoint.
 
     python tools/convert_hf.py HF_DIR OUT [--dtype keep|bf16|fp32] [--overwrite]
+
+Weights the source stores compressed (compressed-tensors: Kimi's INT4 and MXFP4 experts; needs
+`pip install compressed-tensors`) or in block FP8 (DeepSeek-V3) are kept as they are; loading
+decodes each rank's share.
 """
 
 import argparse
@@ -14,7 +18,8 @@ def main() -> None:
     ap.add_argument("hf_dir")
     ap.add_argument("out")
     ap.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="keep",
-                    help="cast floating-point weights (default: keep the source dtypes)")
+                    help="cast floating-point weights (default: keep the source dtypes); compressed and "
+                         "block-FP8 weights stay as stored")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()

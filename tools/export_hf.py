@@ -1,6 +1,6 @@
 """Write an eprt checkpoint back in the Hugging Face layout.
 
-    python tools/export_hf.py CKPT OUT [--max-shard-size 5GB] [--overwrite]
+    python tools/export_hf.py CKPT OUT [--max-shard-size 5GB] [--dequantize] [--overwrite]
 """
 
 import argparse
@@ -15,11 +15,14 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="write weights the source stored compressed or in block FP8 decoded (bf16), and "
+                         "config.json without its quantization_config (default: as the source stored them)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
-              progress=not a.no_progress)
+              progress=not a.no_progress, dequantize=a.dequantize)
 
 
 if __name__ == "__main__":

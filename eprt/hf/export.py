@@ -12,6 +12,7 @@ import os
 from eprt.atomic import atomic_output_dir, copy_files
 from eprt.checkpoint import Checkpoint
 from eprt.errors import EprtError
+from eprt.hf import compressed
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport, write_quantized_configs
 from eprt.hf.source import INDEX
@@ -50,23 +51,35 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
                 pb.update(t.nbytes)
             w.close()
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(tmp, INDEX), "w") as f:
-        json.dump(index, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    write_json(os.path.join(tmp, INDEX), index)
     return weight_map
 
 
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              overwrite: bool = False, progress: bool = True) -> str:
+              overwrite: bool = False, progress: bool = True, dequantize: bool = False) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
     unquantized checkpoint, the ModelOpt quantized layout for a calibrated one (checked before
-    it appears)."""
+    it appears).
+
+    Weights the source stored compressed or in block FP8 go back as they came, byte for byte;
+    with `dequantize`, decoded (bf16), under a config.json without its quantization_config. A
+    quantized export always starts from the decoded weights."""
     with Checkpoint(ckpt_dir) as ck, atomic_output_dir(out_dir, overwrite=overwrite, inputs=(ckpt_dir,)) as tmp:
         if ck.quantization is None:
-            tensors = list(source_tensors(ck))
+            tensors = list(source_tensors(ck, dequantize=dequantize))
             write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
-            copy_files(ck.hf_files_dir(), ck.hf_files, tmp)
+            config = compressed.without_quantization(ck.source_config) if dequantize else ck.source_config
+            rewrite = config != ck.source_config  # else config.json is copied byte for byte
+            copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == "config.json")], tmp)
+            if rewrite:
+                write_json(os.path.join(tmp, "config.json"), config)
         else:
             exp = QuantizedExport(ck)
             tensors = exp.tensors()

@@ -117,7 +117,8 @@ class QuantizedExport:
     # --- the whole export -------------------------------------------------------------------
     def tensors(self) -> list[OutTensor]:
         out = []
-        for t in source_tensors(self.ck):
+        # from the decoded weights: an encoded source weight left unquantized is written in bf16
+        for t in source_tensors(self.ck, dequantize=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         if self.recipe.kv_cache:
             for name, kind in sorted((n, k) for n in self.amax for k in ("k", "v") if n.endswith(f".{k}_amax")):

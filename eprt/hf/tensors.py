@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Callable, Iterator
 
 import torch
 
-from eprt.checkpoint import Checkpoint
+from eprt.checkpoint import Checkpoint, TensorMeta
 from eprt.config import reader_for
+from eprt.layout import TensorSpec
 from eprt.safetensors_io import SafetensorsFile
 
 
@@ -27,14 +29,29 @@ class OutTensor:
         return self.dtype.itemsize * math.prod(self.shape)
 
 
-def source_tensors(ck: Checkpoint) -> Iterator[OutTensor]:
-    """Every source tensor under its Hugging Face name and dtype, stacked experts split back."""
+def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutTensor]:
+    """Every source tensor under its Hugging Face name and dtype, stacked experts split back.
+
+    A weight the source stores encoded (compressed, block FP8) is written back as its source
+    tensors, byte for byte; with `dequantize`, as the one decoded weight instead (in the dtype it
+    decodes to), refused up front if it cannot be decoded here."""
     layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
     specs = {s.name: s for s in layout.specs}
+    if dequantize:
+        ck.check_decode(role=None)
+
+    # An expert's gate and up are written one after the other: their row is read (decoded) once.
+    @lru_cache(maxsize=1)
+    def expert_row(name: str, e: int) -> torch.Tensor:
+        return ck.read(name, rows=(e, e + 1))[0]
+
     for name, meta in ck.tensors.items():
         spec = specs.get(name)
+        if meta.encoded and not dequantize:
+            yield from encoded_sources(ck, meta, spec)
+            continue
         dtype = meta.source_dtype
-        as_stored = meta.dtype == dtype and meta.encoding == "raw"
+        as_stored = meta.dtype == dtype and not meta.encoded
         if spec is None or not spec.stacked:
             stored = (lambda n=name: ck.byte_range(n)) if as_stored and len(meta.parts) == 1 else None
             yield OutTensor(name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d), stored)
@@ -45,11 +62,35 @@ def source_tensors(ck: Checkpoint) -> Iterator[OutTensor]:
             # expert e's row holds its per_row source tensors end to end
             stored = (lambda n=name, e=e, k=k, m=spec.per_row: row_part(ck, n, e, k, m)) if as_stored else None
             yield OutTensor(src, dtype, spec.source_shape(),
-                            lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: ck.read(n, rows=(e, e + 1))[0, a:b].to(d),
+                            lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: expert_row(n, e)[a:b].to(d),
                             stored)
 
 
-def row_part(ck: Checkpoint, name: str, row: int, k: int, per_row: int) -> tuple[SafetensorsFile, int, int]:
-    """The k-th of `per_row` equal pieces of row `row` of a stacked tensor."""
-    f, offset, n = ck.byte_range(name, row)
+def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -> Iterator[OutTensor]:
+    """The source tensors of an encoded weight (`M.weight_packed`, ... for each source weight
+    `M.weight`), each copied from where it lies."""
+    name = meta.name
+    if meta.per_row is None:
+        module = name[: -len(".weight")]
+        for c, x in meta.components.items():
+            yield OutTensor(f"{module}.{c}", x.dtype, x.source_shape, partial(ck.read_component, name, c),
+                            partial(ck.byte_range, name, None, c))
+        return
+    for j, src in enumerate(spec.sources):
+        e, k = divmod(j, meta.per_row)
+        module = src[: -len(".weight")]
+        for c, x in meta.components.items():
+            yield OutTensor(f"{module}.{c}", x.dtype, x.source_shape, partial(component_piece, ck, name, c, e, k),
+                            partial(row_part, ck, name, e, k, meta.per_row, c))
+
+
+def component_piece(ck: Checkpoint, name: str, component: str, row: int, k: int) -> torch.Tensor:
+    """The k-th source tensor of one stored component in row `row` of a stacked encoded tensor."""
+    return ck.meta(name).components[component].piece(ck.read_component(name, component, (row, row + 1))[0], k)
+
+
+def row_part(ck: Checkpoint, name: str, row: int, k: int, per_row: int,
+             component: str | None = None) -> tuple[SafetensorsFile, int, int]:
+    """The k-th of `per_row` equal pieces of row `row` of a stacked tensor (or of its stored component)."""
+    f, offset, n = ck.byte_range(name, row, component)
     return f, offset + k * (n // per_row), n // per_row

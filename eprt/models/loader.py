@@ -100,6 +100,7 @@ def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
     first, count = expert_range or (0, ck.config.num_experts)
     wanted = model.state_dict()
     _check_tensors(ck, wanted, stacked)
+    ck.check_decode(dtype)
     for name in wanted:
         t = ck.read(name, rows=(first, first + count) if name in stacked else None)
         t = t.to(device=device, dtype=torch.float32 if model.keeps_fp32(name) else dtype)

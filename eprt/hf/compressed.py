@@ -1,0 +1,195 @@
+"""Source weights that stay encoded on disk and are decoded when read (FORMATS.md 2).
+
+- compressed-tensors formats (Kimi's INT4 `pack-quantized`, MXFP4, NVFP4, ...) are decoded by
+  the compressed-tensors library itself, one 2-D weight at a time (its MXFP4/NVFP4 decompressors
+  take 2-D tensors only). The library is optional (`eprt[compressed]`): it is imported only when
+  a compressed checkpoint is converted or decoded, and it pulls in transformers.
+- block FP8 (DeepSeek-V3, Kimi-K2-Instruct) is decoded here: w = fp8 * weight_scale_inv per
+  128x128 block, the last blocks partial where a dimension is not a multiple of 128.
+
+An encoded weight of module M is kept as the source's own tensors `M.<component>`
+(`weight_packed`, `weight_scale`, ... or `weight`, `weight_scale_inv`), so export can write them
+back byte for byte.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from eprt.errors import CheckpointError, ConfigError
+
+RAW = "raw"
+FP8_BLOCK = "fp8-block"
+CT = "compressed-tensors"
+CT_PREFIX = CT + "/"
+MIN_VERSION = (0, 20)  # the classmethod compressor API: get_value_from_registry, decompress(state_dict, scheme)
+INSTALL = "pip install 'compressed-tensors>=0.20' (or pip install 'eprt[compressed]')"
+# What block FP8 decodes to: DeepSeek's own dequantization computes in fp32 and rounds to bf16.
+FP8_DECODED = torch.bfloat16
+
+
+def release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+
+
+def library(where: str):
+    """The compressed-tensors package, once it is known to be installed and new enough."""
+    try:
+        import compressed_tensors
+    except ImportError:
+        raise ConfigError(f"{where}: holds compressed-tensors weights, and the compressed-tensors library that "
+                          f"decodes them is not installed: {INSTALL}") from None
+    version = getattr(compressed_tensors, "__version__", "0")
+    if release(version) < MIN_VERSION:
+        raise ConfigError(f"{where}: compressed-tensors {version} is older than 0.20, the first release with the "
+                          f"compressor API eprt decodes with: pip install -U 'compressed-tensors>=0.20'")
+    return compressed_tensors
+
+
+def is_known(encoding: str) -> bool:
+    return encoding in (RAW, FP8_BLOCK) or encoding.startswith(CT_PREFIX)
+
+
+# --- the source's quantization_config ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class SourceQuantization:
+    method: str  # "compressed-tensors" or "fp8"
+    config: dict  # quantization_config as config.json has it
+    where: str  # config.json and the key that holds it, for messages
+
+    @property
+    def ignore(self) -> list[str]:
+        return list(self.config.get("ignore") or [])
+
+    def groups(self) -> dict[str, dict]:
+        """compressed-tensors: each config group with its format resolved (the group's, else the top level's)."""
+        top = self.config.get("format")
+        return {g: {**d, "format": d.get("format") or top} for g, d in (self.config.get("config_groups") or {}).items()}
+
+
+def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
+    """The quantization_config of a config.json (top level, or a VLM's text_config), checked;
+    refuses what eprt cannot read as it is stored."""
+    found = [(k, h["quantization_config"]) for k, h in (("quantization_config", hf), ("text_config.quantization_config",
+             hf.get("text_config") or {})) if h.get("quantization_config")]
+    if not found:
+        return None
+    key, qc = found[0]
+    where = f"{where} ({key})"
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not block:
+            raise ConfigError(f"{where}: quant_method fp8 without weight_block_size is per-tensor FP8, which eprt does "
+                              "not read (it would load unscaled); dequantize it to bf16 first, or use a block-FP8 "
+                              "checkpoint (weight_block_size [128, 128])")
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ConfigError(f"{where}: weight_block_size {block!r} is not two positive integers")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"{where}: fmt {qc.get('fmt')!r}: eprt reads block FP8 in e4m3 only")
+    elif method == CT:
+        library(where)
+        from compressed_tensors.quantization import QuantizationConfig
+
+        try:
+            QuantizationConfig.model_validate(qc)
+        except ValueError as e:
+            raise ConfigError(f"{where}: compressed-tensors cannot parse it: {e}") from None
+        if not qc.get("config_groups"):
+            raise ConfigError(f"{where}: no config_groups, so no scheme to decode the compressed weights with")
+    else:
+        raise ConfigError(f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
+                          "block FP8 (quant_method fp8 with weight_block_size); dequantize the checkpoint to bf16 first")
+    return SourceQuantization(method, qc, where)
+
+
+def without_quantization(config: dict) -> dict:
+    """config.json for the same model with its weights decoded: no quantization_config anywhere."""
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = without_quantization(out["text_config"])
+    return out
+
+
+def matches(module: str, targets: list[str]) -> bool:
+    """compressed-tensors' own rule for `ignore` and `targets` (exact names, `re:` regexes); of the
+    class targets, a compressed module is a torch Linear, which "Linear" names."""
+    from compressed_tensors.utils import match_name
+
+    return any(t == "Linear" or match_name(module, t) for t in targets)
+
+
+# --- decoders ---------------------------------------------------------------------------------
+
+class BlockFP8:
+    """DeepSeek-V3's block FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 per block."""
+
+    components = ("weight", "weight_scale_inv")
+
+    def __init__(self, scheme: dict):
+        self.block = tuple(scheme["weight_block_size"])
+
+    def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_block_fp8(c["weight"], c["weight_scale_inv"], self.block)
+
+
+def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = FP8_DECODED) -> torch.Tensor:
+    (rows, cols), (bo, bi) = w.shape, block
+    want = (math.ceil(rows / bo), math.ceil(cols / bi))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(f"weight_scale_inv has shape {list(scale_inv.shape)}, but a {rows}x{cols} weight in "
+                              f"{bo}x{bi} blocks needs {list(want)}")
+    return (w.float() * expand_blocks(scale_inv.float(), w.shape, block)).to(dtype)
+
+
+def expand_blocks(per_block: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """One value per block -> one per element of a `shape` tensor; the last blocks may be partial."""
+    (rows, cols), (bo, bi) = shape, block
+    return per_block.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+
+
+class CompressedTensors:
+    """One compressed-tensors format and scheme, decoded by the library's compressor."""
+
+    def __init__(self, fmt: str, scheme: dict, where: str):
+        version = library(where).__version__
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.quantization import QuantizationScheme
+
+        try:
+            self.compressor = BaseCompressor.get_value_from_registry(fmt)
+        except (KeyError, ValueError):
+            have = ", ".join(sorted(BaseCompressor.registered_names()))
+            raise ConfigError(f"{where}: format {fmt!r} has no compressor in the installed compressed-tensors "
+                              f"{version} (it has {have}): pip install -U compressed-tensors, to a release that "
+                              "reads it") from None
+        self.scheme = QuantizationScheme.model_validate({**scheme, "format": fmt})
+        try:
+            self.components = tuple(self.compressor.compression_param_names(self.scheme))
+        except NotImplementedError:
+            raise ConfigError(f"{where}: compressed-tensors' {fmt!r} compressor does not decompress one weight "
+                              "at a time, which eprt needs to decode each rank's experts alone") from None
+
+    def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.compressor.decompress(c, self.scheme)["weight"]
+
+
+def decoder(encoding: str, scheme: dict, where: str):
+    """The decoder of one encoding and scheme: `.components` (the source tensors of one weight,
+    by local name) and `.decode(components) -> weight`."""
+    if encoding == FP8_BLOCK:
+        return BlockFP8(scheme)
+    if encoding.startswith(CT_PREFIX):
+        return CompressedTensors(encoding[len(CT_PREFIX):], scheme, where)
+    raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")
+
+
+def decoded_dtype_ok(decoded: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether weights decoded to `decoded` keep every bit when held in `dtype`."""
+    return dtype in (decoded, torch.float32, torch.float64)
