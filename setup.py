@@ -30,6 +30,9 @@ setup(
             "transformers>=5.0",
             "compressed-tensors>=0.20",
             "triton>=3.0",
+            # mlx-lm's kimi_k3 is the outside implementation Kimi-K3's logits are checked against
+            "mlx[cpu]>=0.32",
+            "mlx-lm>=0.32",
         ],
     },
 )

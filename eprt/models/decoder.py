@@ -1,5 +1,6 @@
-"""The decoder-only causal LM both families share: embed, N x (attention, MLP) with pre-norm
-residuals, final norm, head. A family file chooses the attention and the MLP of each layer."""
+"""The decoder-only causal LM the families share: embed, N x (attention, MLP) with pre-norm
+residuals, final norm, head. A family file chooses the attention and the MLP of each layer, or
+passes a decoder of its own (Kimi's, without rotary embeddings, with attention residuals)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ class CausalLM(nn.Module):
     # Regexes over tensor names the reference keeps in fp32 whatever the model dtype.
     fp32_tensors: tuple[str, ...] = ()
 
-    def __init__(self, c: ModelConfig, layers: list[DecoderLayer]):
+    def __init__(self, c: ModelConfig, layers: list[nn.Module], decoder: type[nn.Module] = Decoder):
         super().__init__()
         self.config = c
-        self.model = Decoder(c, layers)
+        self.model = decoder(c, layers)
         # Tied embeddings: the head reads model.embed_tokens.weight and has no tensor of its own.
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
 
@@ -78,7 +79,8 @@ class CausalLM(nn.Module):
         return any(re.fullmatch(p, name) for p in self.fp32_tensors)
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
-        return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)]
+        return [(i, block) for i, layer in enumerate(self.model.layers) for block in layer.children()
+                if isinstance(block, MoE)]
 
     def set_dispatcher(self, make_dispatcher: Callable[[int, MoE], Callable]) -> None:
         """Install `make_dispatcher(layer_index, block)` as the dispatcher of every MoE block."""

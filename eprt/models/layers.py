@@ -1,4 +1,4 @@
-"""Building blocks every family shares: the one dense matmul, RMSNorm, the gated MLP."""
+"""Building blocks every family shares: the one dense matmul, RMSNorm, the gated MLP and its activations."""
 
 from __future__ import annotations
 
@@ -38,14 +38,33 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x): the dense layers and the shared experts."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
-    def __init__(self, hidden: int, width: int):
+
+class SiTU:
+    """Kimi-K3's gated activation, in fp32 and cast back:
+    [b tanh(gate / b) sigmoid(gate)] * [bl tanh(up / bl)] (up unbounded when bl is None)."""
+
+    def __init__(self, beta: float, linear_beta: float | None):
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g, u = gate.float(), up.float()
+        if self.linear_beta is not None:
+            u = self.linear_beta * torch.tanh(u / self.linear_beta)
+        return (self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g) * u).to(gate.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate x, up x)), act silu(gate) * up unless given: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, width: int, act=silu_mul):
         super().__init__()
         self.gate_proj = Linear(hidden, width)
         self.up_proj = Linear(hidden, width)
         self.down_proj = Linear(width, hidden)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -1,7 +1,9 @@
-"""Multi-head latent attention (DeepSeek-V3, Kimi-K2).
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2; without RoPE in Kimi-Linear and Kimi-K3).
 
 q = q_b(norm(q_a x)) (or q_proj x), per head [nope | rope]; the latent [c | k_pe] = kv_a x,
 c normalized and expanded by kv_b into per-head [k_nope | v]; k_pe is one rope head shared by all.
+In NoPE mode nothing rotates: the "rope" parts are plain dimensions of q and of the shared key.
+With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, nope: bool = False, output_gate: bool = False):
         super().__init__()
         self.num_heads = c.num_heads
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -37,12 +39,15 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(c.num_heads * self.v_dim, H)
-        self.scale = qk ** -0.5 * yarn_softmax_scale(c.rope_scaling)
+        self.g_proj = Linear(H, c.num_heads * self.v_dim) if output_gate else None
+        self.use_rope = not nope
+        self.scale = qk ** -0.5 * (1.0 if nope else yarn_softmax_scale(c.rope_scaling))
         self.q_lora = bool(c.q_lora_rank)
         # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
         self.kv_observer = None
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         nh = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
@@ -50,10 +55,14 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos, sin)
-        k_pe = rope_interleaved(k_pe.view(B, 1, T, self.rope), cos, sin)
+        k_pe = k_pe.view(B, 1, T, self.rope)
+        if self.use_rope:
+            q_pe, k_pe = rope_interleaved(q_pe, cos, sin), rope_interleaved(k_pe, cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        return self.o_proj(causal_attention(q, k, v, self.scale))
+        o = causal_attention(q, k, v, self.scale)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o)

@@ -9,23 +9,24 @@ token to the rank holding its experts and calls that rank's `Experts` on what ar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute
+from eprt.models.layers import Linear, RMSNorm, silu_mul
 
 
 class Experts(nn.Module):
     """Experts [first, first + count) of num_experts, stacked: w13 [count, 2I, H] (gate rows,
-    then up rows), w2 [count, H, I]."""
+    then up rows), w2 [count, H, I]; each computes w2 act(gate x, up x), act silu(gate) * up unless given."""
 
-    def __init__(self, num_experts: int, first: int, count: int, hidden: int, width: int):
+    def __init__(self, num_experts: int, first: int, count: int, hidden: int, width: int, act=silu_mul):
         super().__init__()
         assert 0 <= first and 0 < count and first + count <= num_experts, (first, count, num_experts)
         self.num_experts, self.first, self.count = num_experts, first, count
         self.w13 = nn.Parameter(torch.empty(count, 2 * width, hidden))
         self.w2 = nn.Parameter(torch.empty(count, hidden, width))
+        self.act = act
         # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
         # projections; calibration installs one to record each expert's input amax.
         self.observer = None
@@ -34,7 +35,7 @@ class Experts(nn.Module):
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         gate, up = grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = self.act(gate, up)
         if self.observer is not None:
             self.observer(x_sorted, h, tokens_per_expert)
         return grouped_mm(h, self.w2, offsets)
@@ -64,10 +65,34 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
-        # The routed sum is formed in fp32 and rounded once; the shared experts are added after,
-        # in the model dtype, as the reference does.
-        y_TD = self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts).to(x_BTD.dtype)
+        # The shared experts are added after the routed sum, in the model dtype, as the reference does.
+        y_TD = self.routed(x_TD)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view_as(x_BTD)
+
+    def routed(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each token's routed experts, formed in fp32 and rounded once."""
+        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
+        return self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts).to(x_TD.dtype)
+
+
+class LatentMoE(MoE):
+    """Routed experts that work in a smaller latent space (Kimi-K3): the router reads x, the
+    experts read z = routed_expert_down_proj(x); their combined output is normalized (when the
+    model has the norm) and projected back up. The shared experts read x."""
+
+    def __init__(self, gate: nn.Module, experts: Experts, shared_experts: nn.Module | None, hidden: int,
+                 latent: int, norm_eps: float | None):
+        super().__init__(gate, experts, shared_experts)
+        self.routed_expert_down_proj = Linear(hidden, latent)
+        self.routed_expert_norm = RMSNorm(latent, norm_eps) if norm_eps is not None else None
+        self.routed_expert_up_proj = Linear(latent, hidden)
+
+    def routed(self, x_TD: torch.Tensor) -> torch.Tensor:
+        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
+        z_TL = self.routed_expert_down_proj(x_TD)
+        y_TL = self.dispatcher(z_TL, topk_ids_TK, topk_weights_TK, self.experts).to(x_TD.dtype)
+        if self.routed_expert_norm is not None:
+            y_TL = self.routed_expert_norm(y_TL)
+        return self.routed_expert_up_proj(y_TL)

@@ -1,0 +1,198 @@
+"""Kimi-Linear (and Kimi-K3's language model, also `kimi_linear`): config fields and tensor layout.
+
+Fields are read in Moonshot's spelling (`linear_attn_config`, `num_experts_per_token`,
+`moe_renormalize`, ...) or in transformers' (`layer_types`, `linear_num_heads`,
+`num_experts_per_tok`, ...). The Kimi-K3 fields (SiTU, latent experts, attention residuals, the
+MLA output gate, the KDA gate lower bound and full-rank gate) are read where present.
+"""
+
+from __future__ import annotations
+
+from eprt.config import FamilyReader, Fields, ModelConfig, register
+from eprt.layout import COMMON_UNQUANTIZED, Layout, plain, stacked_experts
+
+# Where a field is absent: transformers' KimiLinearConfig for Kimi-Linear, mlx-lm's kimi_k3 for
+# Kimi-K3's language model (the two disagree on these).
+DEFAULTS = {
+    "kimi_linear": {"first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "num_experts_per_token": 8},
+    "kimi_k3": {"first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "num_experts_per_token": 16},
+}
+
+
+def parse(hf: dict, source: str) -> ModelConfig:
+    return parse_text(hf, source, "kimi_linear")
+
+
+def parse_text(hf: dict, source: str, family: str, model_type: str | None = None,
+               a_log_len: int | None = None) -> ModelConfig:
+    """The normalized config of a kimi_linear text config; `a_log_len` is the stored length of
+    A_log when it is a padded vector (Kimi-K3), else None for Moonshot's [1, 1, heads, 1]."""
+    f = Fields(hf, source)
+    defaults = DEFAULTS[family]
+    n_layers = f.get("num_hidden_layers")
+    lin = Fields(f.get("linear_attn_config", default={}), source + " (linear_attn_config)")
+    if lin.has("kda_layers"):
+        kda_layers = [i - 1 for i in lin.get("kda_layers")]  # 1-based in the file
+    else:
+        kda_layers = [i for i, t in enumerate(f.get("layer_types")) if t == "linear_attention"]
+    heads = lin.get("num_heads") if lin.has("num_heads") else f.get("linear_num_heads")
+    head_dim = lin.get("head_dim") if lin.has("head_dim") else f.get("linear_head_dim")
+    kernel = (lin.get("short_conv_kernel_size") if lin.has("short_conv_kernel_size")
+              else f.get("linear_conv_kernel_dim", default=4))
+
+    act = f.get("hidden_act", default="silu")
+    if act not in ("silu", "situ"):
+        raise f.refuse(f"hidden_act {act!r} is not supported (Kimi-Linear uses silu, Kimi-K3 situ)")
+    if not f.get("mla_use_nope", default=True):
+        raise f.refuse("mla_use_nope is false; eprt runs Kimi's MLA layers without RoPE only")
+    if f.get("moe_router_activation_func", default="sigmoid") != "sigmoid":
+        raise f.refuse(f"moe_router_activation_func {hf['moe_router_activation_func']!r}; Kimi routes by sigmoid")
+    n_heads = f.get("num_attention_heads")
+    if f.get("num_key_value_heads", default=n_heads) != n_heads:
+        raise f.refuse("num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
+                       "one key/value head per attention head")
+
+    n_experts = f.get("num_experts", "num_local_experts", default=0)
+    first_dense = f.get("first_k_dense_replace", default=defaults["first_k_dense_replace"])
+    freq = f.get("moe_layer_freq", default=1)
+    if family == "kimi_linear" and freq != 1:
+        # transformers ignores it, Moonshot's code honours it: they agree only at 1
+        raise f.refuse("moe_layer_freq != 1 is not supported (the reference implementations disagree on it)")
+    if f.has("mlp_layer_types"):
+        moe_layers = tuple(i for i, t in enumerate(f.get("mlp_layer_types")) if t == "sparse")
+    else:
+        moe_layers = tuple(i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0)
+    latent = f.get("routed_expert_hidden_size", default=None)
+    return ModelConfig(
+        family=family,
+        model_type=model_type or hf["model_type"],
+        vocab_size=f.get("vocab_size"),
+        hidden_size=f.get("hidden_size"),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        rms_norm_eps=float(f.get("rms_norm_eps", default=1e-5)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
+        intermediate_size=f.get("intermediate_size"),
+        attention="mla",  # the full-attention layers; extra["kda_layers"] are linear attention
+        num_kv_heads=n_heads,
+        head_dim=f.get("qk_rope_head_dim", default=64),
+        attention_bias=False,
+        rope_theta=0.0,  # NoPE: no layer rotates
+        rope_scaling=None,
+        max_position_embeddings=f.get("model_max_length", "max_position_embeddings", default=1048576),
+        q_lora_rank=f.get("q_lora_rank", default=None),
+        kv_lora_rank=f.get("kv_lora_rank", default=512),
+        qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
+        qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
+        v_head_dim=f.get("v_head_dim", default=128),
+        moe_layers=moe_layers,
+        num_experts=n_experts,
+        num_experts_per_tok=f.get("num_experts_per_token", "num_experts_per_tok",
+                                  default=defaults["num_experts_per_token"]),
+        moe_intermediate_size=f.get("moe_intermediate_size", default=0),
+        num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=0),
+        router="sigmoid",
+        norm_topk_prob=bool(f.get("moe_renormalize", "norm_topk_prob", default=True)),
+        routed_scaling_factor=float(f.get("routed_scaling_factor", default=defaults["routed_scaling_factor"])),
+        n_group=f.get("num_expert_group", "n_group", default=1),
+        topk_group=f.get("topk_group", default=1),
+        hidden_act=act,
+        extra={
+            "kda_layers": kda_layers,
+            "kda_heads": heads,
+            "kda_head_dim": head_dim,
+            "kda_conv_kernel": kernel,
+            "kda_a_log_shape": [a_log_len] if a_log_len else [1, 1, heads, 1],
+            "kda_gate_lower_bound": lin.get("gate_lower_bound", default=None),
+            "kda_full_rank_gate": bool(lin.get("use_full_rank_gate", default=False)),
+            "mla_output_gate": bool(f.get("mla_use_output_gate", default=False)),
+            "situ_beta": float(f.get("activation_situ_beta", default=1.0)),
+            "situ_linear_beta": f.get("activation_situ_linear_beta", default=None),
+            "attn_res_block_size": f.get("attn_res_block_size", default=None),
+            "latent_size": latent,
+            "latent_norm": bool(latent and f.get("latent_moe_use_norm", default=False)),
+        },
+    )
+
+
+def layout(c: ModelConfig) -> Layout:
+    x = c.extra
+    H, nh, P, Dk = c.hidden_size, c.num_heads, x["kda_heads"] * x["kda_head_dim"], x["kda_head_dim"]
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    res = ["self_attention_res", "mlp_res"] if x["attn_res_block_size"] else []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        for r in res:
+            specs += [plain(f"{p}.{r}_norm.weight", H), plain(f"{p}.{r}_proj.weight", 1, H)]
+        if i in x["kda_layers"]:
+            specs += [plain(f"{a}.{n}_proj.weight", P, H) for n in "qkv"]
+            specs += [plain(f"{a}.{n}_conv1d.weight", P, 1, x["kda_conv_kernel"]) for n in "qkv"]
+            specs += [
+                plain(f"{a}.A_log", *x["kda_a_log_shape"]),
+                plain(f"{a}.dt_bias", P),
+                plain(f"{a}.f_a_proj.weight", Dk, H),
+                plain(f"{a}.f_b_proj.weight", P, Dk),
+                plain(f"{a}.b_proj.weight", x["kda_heads"], H),
+            ]
+            if x["kda_full_rank_gate"]:
+                specs.append(plain(f"{a}.g_proj.weight", P, H))
+            else:
+                specs += [plain(f"{a}.g_a_proj.weight", Dk, H), plain(f"{a}.g_b_proj.weight", P, Dk)]
+            specs += [plain(f"{a}.o_norm.weight", Dk), plain(f"{a}.o_proj.weight", H, P)]
+        else:
+            if c.q_lora_rank:
+                specs += [
+                    plain(f"{a}.q_a_proj.weight", c.q_lora_rank, H),
+                    plain(f"{a}.q_a_layernorm.weight", c.q_lora_rank),
+                    plain(f"{a}.q_b_proj.weight", nh * qk, c.q_lora_rank),
+                ]
+            else:
+                specs.append(plain(f"{a}.q_proj.weight", nh * qk, H))
+            specs += [
+                plain(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
+                plain(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank),
+                plain(f"{a}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                plain(f"{a}.o_proj.weight", H, nh * c.v_head_dim),
+            ]
+            if x["mla_output_gate"]:
+                specs.append(plain(f"{a}.g_proj.weight", nh * c.v_head_dim, H))
+        if c.is_moe(i):
+            m = f"{p}.block_sparse_moe"
+            I, S, L = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts, x["latent_size"]
+            specs += [plain(f"{m}.gate.weight", c.num_experts, H),
+                      plain(f"{m}.gate.e_score_correction_bias", c.num_experts)]
+            specs += stacked_experts(f"{m}.experts", c.num_experts, I, L or H, "w1", "w3", "w2")
+            if c.num_shared_experts:
+                specs += [plain(f"{m}.shared_experts.gate_proj.weight", S, H),
+                          plain(f"{m}.shared_experts.up_proj.weight", S, H),
+                          plain(f"{m}.shared_experts.down_proj.weight", H, S)]
+            if L:
+                specs += [plain(f"{m}.routed_expert_down_proj.weight", L, H),
+                          plain(f"{m}.routed_expert_up_proj.weight", H, L)]
+                if x["latent_norm"]:
+                    specs.append(plain(f"{m}.routed_expert_norm.weight", L))
+        else:
+            I = c.intermediate_size
+            specs += [plain(f"{p}.mlp.gate_proj.weight", I, H), plain(f"{p}.mlp.up_proj.weight", I, H),
+                      plain(f"{p}.mlp.down_proj.weight", H, I)]
+    if x["attn_res_block_size"]:
+        specs += [plain("model.output_attn_res_norm.weight", H), plain("model.output_attn_res_proj.weight", 1, H)]
+    specs.append(plain("model.norm.weight", H))
+    if not c.tie_word_embeddings:
+        specs.append(plain("lm_head.weight", c.vocab_size, H))
+    return Layout(
+        tuple(specs),
+        # the reference computes with the router and the decay parameters in fp32
+        precise=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
+                 r".*\.self_attn\.dt_bias"),
+        # the engines build these unquantized (K3.md): the router, the latent projections of the
+        # routed experts, the attention-residual queries
+        unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
+                     r".*_res_proj"),
+    )
+
+
+READER = register(FamilyReader("kimi_linear", ("kimi_linear",), parse, layout))

@@ -1,0 +1,119 @@
+"""Kimi-Linear and the language model of Kimi-K3.
+
+Layers are Kimi Delta Attention (linear, per-channel decay) or NoPE MLA, as the config lists
+them; after the first dense layers the MLP is sigmoid-routed experts plus shared experts.
+Kimi-K3 adds, each when its config field is set: SiTU for SiLU, experts in a latent space,
+the MLA output gate, the KDA gate lower bound, and attention residuals over blocks of layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eprt.config import ModelConfig
+from eprt.models.attn_res import attn_res_mix
+from eprt.models.decoder import CausalLM, Embedding
+from eprt.models.kda import KimiDeltaAttention
+from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiTU, silu_mul
+from eprt.models.mla import MLAttention
+from eprt.models.moe import Experts, LatentMoE, MoE
+from eprt.models.registry import register_model
+from eprt.models.router import SigmoidGroupRouter
+
+
+def activation(c: ModelConfig):
+    x = c.extra
+    return SiTU(x["situ_beta"], x["situ_linear_beta"]) if c.hidden_act == "situ" else silu_mul
+
+
+def attention(c: ModelConfig, i: int) -> nn.Module:
+    x = c.extra
+    if i in x["kda_layers"]:
+        return KimiDeltaAttention(c.hidden_size, x["kda_heads"], x["kda_head_dim"], x["kda_conv_kernel"],
+                                  tuple(x["kda_a_log_shape"]), x["kda_gate_lower_bound"], x["kda_full_rank_gate"],
+                                  c.rms_norm_eps)
+    return MLAttention(c, nope=True, output_gate=x["mla_output_gate"])
+
+
+def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
+    first, count = expert_range or (0, c.num_experts)
+    H, I, latent = c.hidden_size, c.moe_intermediate_size, c.extra["latent_size"]
+    gate = SigmoidGroupRouter(c.num_experts, H, c.num_experts_per_tok, c.n_group, c.topk_group,
+                              c.norm_topk_prob, c.routed_scaling_factor)
+    shared = GatedMLP(H, I * c.num_shared_experts, activation(c)) if c.num_shared_experts else None
+    experts = Experts(c.num_experts, first, count, latent or H, I, activation(c))
+    if latent:
+        return LatentMoE(gate, experts, shared, H, latent, c.rms_norm_eps if c.extra["latent_norm"] else None)
+    return MoE(gate, experts, shared)
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, i: int, expert_range: tuple[int, int] | None):
+        super().__init__()
+        H, eps = c.hidden_size, c.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.self_attn = attention(c, i)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        # The checkpoint names a routed layer's MLP block_sparse_moe and a dense one mlp.
+        if c.is_moe(i):
+            self.block_sparse_moe = sparse_moe(c, expert_range)
+        else:
+            self.mlp = GatedMLP(H, c.intermediate_size, activation(c))
+        block_size = c.extra["attn_res_block_size"]
+        self.attn_res = bool(block_size)
+        if self.attn_res:
+            self.starts_block = i % block_size == 0
+            self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps), Linear(H, 1)
+            self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps), Linear(H, 1)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(x)
+
+    def forward(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        if not self.attn_res:
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.ffn(self.post_attention_layernorm(x))
+        # x is the partial sum of the current block; a block's first layer files it as a
+        # snapshot and starts a new sum from its own output.
+        h = attn_res_mix(blocks, x, self.self_attention_res_norm, self.self_attention_res_proj)
+        y = self.self_attn(self.input_layernorm(h))
+        if self.starts_block:
+            blocks.append(x)
+        else:
+            y = x + y
+        h = attn_res_mix(blocks, y, self.mlp_res_norm, self.mlp_res_proj)
+        return y + self.ffn(self.post_attention_layernorm(h))
+
+
+class KimiDecoder(nn.Module):
+    """input_ids [B, T] -> final hidden states [B, T, H]; no positional embedding anywhere."""
+
+    def __init__(self, c: ModelConfig, layers: list[KimiDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_res = bool(c.extra["attn_res_block_size"])
+        if self.attn_res:
+            self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.output_attn_res_proj = Linear(c.hidden_size, 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        blocks: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = layer(x, blocks)
+        if self.attn_res:
+            x = attn_res_mix(blocks, x, self.output_attn_res_norm, self.output_attn_res_proj)
+        return self.norm(x)
+
+
+@register_model("kimi_linear")
+class KimiLinearForCausalLM(CausalLM):
+    # The router, its correction bias and the decay parameters compute in fp32 in the reference.
+    fp32_tensors = (r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias",
+                    r".*\.self_attn\.A_log", r".*\.self_attn\.dt_bias")
+
+    def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
+        super().__init__(c, [KimiDecoderLayer(c, i, expert_range) for i in range(c.num_layers)], decoder=KimiDecoder)
