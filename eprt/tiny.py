@@ -141,7 +141,9 @@ SOURCE_FORMATS = {
                                                   "zp_dtype": None}}},
         "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*",
+                   # K3's latent projections and attention-residual projections stay unquantized
+                   "re:.*routed_expert_(down|up)_proj.*", "re:.*_res_proj.*"],
         "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
     "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",  # DeepSeek-V3
                   "weight_block_size": [128, 128]},

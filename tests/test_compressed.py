@@ -233,6 +233,20 @@ def test_logits_equal_the_model_decompressed_ahead_of_time(sources, tmp_path, fm
     assert torch.equal(got, want)
 
 
+def test_kimi_k3_with_mxfp4_experts_runs_as_if_decompressed_ahead_of_time(tmp_path):
+    hf = make_tiny("kimi_k3", str(tmp_path / "k3-hf"), source_format="mxfp4")
+    packed = [n for n in read_hf_tensors(hf) if n.endswith(".weight_packed")]
+    assert packed and all(".block_sparse_moe.experts." in n for n in packed)  # as K3 ships: experts only
+    ck_dir = convert_hf(hf, str(tmp_path / "k3"), progress=False)
+    plain = convert_hf(decompressed_copy(hf, str(tmp_path / "hf"), torch.float32), str(tmp_path / "ck"), progress=False)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(eprt.load_model(ck_dir, dtype=torch.float32)(ids),
+                           eprt.load_model(plain, dtype=torch.float32)(ids))
+    export_hf(ck_dir, str(tmp_path / "out"), progress=False)
+    assert_same_checkpoint(hf, str(tmp_path / "out"))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4", "fp8"])
 def test_export_writes_the_source_back_byte_for_byte(sources, tmp_path, fmt):
     hf, ck_dir = sources[fmt]
