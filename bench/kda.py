@@ -13,28 +13,13 @@ largest difference of its output from the recurrence's.
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.timing import timed  # noqa: E402
 from eprt.models.kda import fla_chunk_kda, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
-
-
-def timed(fn, device: torch.device, iters: int) -> float:
-    """Best seconds per call over `iters` calls after a warm-up: the steadiest figure on a shared machine."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:

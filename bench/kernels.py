@@ -9,30 +9,18 @@ FLOPs; permute and combine against a plain copy of as many bytes as they move.
 """
 
 import argparse
-import time
+import os
+import sys
 
 import torch
 
-from eprt.kernels import combine, grouped_mm, permute
-from eprt.kernels.backend import use_triton
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.timing import timed  # noqa: E402
+from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
+from eprt.kernels.backend import use_triton  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def timed(fn, device: torch.device, iters: int) -> float:
-    """Best seconds per call over `iters` calls after a warm-up call: on a shared machine the
-    fastest call is the steadiest estimate of what the code itself costs."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:

@@ -93,3 +93,28 @@ def stacked_experts(prefix: str, num_experts: int, width: int, hidden: int,
 
 def plain(name: str, *shape: int) -> TensorSpec:
     return TensorSpec(name, tuple(shape), (name,))
+
+
+def gated_mlp(prefix: str, hidden: int, width: int) -> list[TensorSpec]:
+    """`prefix.{gate,up,down}_proj`: a dense MLP or the shared experts."""
+    return [plain(f"{prefix}.gate_proj.weight", width, hidden), plain(f"{prefix}.up_proj.weight", width, hidden),
+            plain(f"{prefix}.down_proj.weight", hidden, width)]
+
+
+def mla_attention(prefix: str, c) -> list[TensorSpec]:
+    """Multi-head latent attention's tensors (DeepSeek-V3, Kimi): q through a low-rank pair when
+    `q_lora_rank` is set, the shared latent for keys and values, the output projection."""
+    H, nh = c.hidden_size, c.num_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    if c.q_lora_rank:
+        specs = [plain(f"{prefix}.q_a_proj.weight", c.q_lora_rank, H),
+                 plain(f"{prefix}.q_a_layernorm.weight", c.q_lora_rank),
+                 plain(f"{prefix}.q_b_proj.weight", nh * qk, c.q_lora_rank)]
+    else:
+        specs = [plain(f"{prefix}.q_proj.weight", nh * qk, H)]
+    return specs + [
+        plain(f"{prefix}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
+        plain(f"{prefix}.kv_a_layernorm.weight", c.kv_lora_rank),
+        plain(f"{prefix}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        plain(f"{prefix}.o_proj.weight", H, nh * c.v_head_dim),
+    ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
-from eprt.layout import Layout, plain, stacked_experts
+from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -66,45 +66,21 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def layout(c: ModelConfig) -> Layout:
-    H, nh = c.hidden_size, c.num_heads
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    H = c.hidden_size
     specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        a = f"{p}.self_attn"
         specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
-        if c.q_lora_rank:
-            specs += [
-                plain(f"{a}.q_a_proj.weight", c.q_lora_rank, H),
-                plain(f"{a}.q_a_layernorm.weight", c.q_lora_rank),
-                plain(f"{a}.q_b_proj.weight", nh * qk, c.q_lora_rank),
-            ]
-        else:
-            specs.append(plain(f"{a}.q_proj.weight", nh * qk, H))
-        specs += [
-            plain(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
-            plain(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank),
-            plain(f"{a}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-            plain(f"{a}.o_proj.weight", H, nh * c.v_head_dim),
-        ]
+        specs += mla_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
             I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
             specs += [plain(f"{p}.mlp.gate.weight", c.num_experts, H),
                       plain(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts)]
             specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, I, H, "gate_proj", "up_proj", "down_proj")
             if c.num_shared_experts:
-                specs += [
-                    plain(f"{p}.mlp.shared_experts.gate_proj.weight", S, H),
-                    plain(f"{p}.mlp.shared_experts.up_proj.weight", S, H),
-                    plain(f"{p}.mlp.shared_experts.down_proj.weight", H, S),
-                ]
+                specs += gated_mlp(f"{p}.mlp.shared_experts", H, S)
         else:
-            I = c.intermediate_size
-            specs += [
-                plain(f"{p}.mlp.gate_proj.weight", I, H),
-                plain(f"{p}.mlp.up_proj.weight", I, H),
-                plain(f"{p}.mlp.down_proj.weight", H, I),
-            ]
+            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))

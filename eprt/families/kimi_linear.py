@@ -9,7 +9,7 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 from __future__ import annotations
 
 from eprt.config import FamilyReader, Fields, ModelConfig, register
-from eprt.layout import COMMON_UNQUANTIZED, Layout, plain, stacked_experts
+from eprt.layout import COMMON_UNQUANTIZED, Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 # Where a field is absent: transformers' KimiLinearConfig for Kimi-Linear, mlx-lm's kimi_k3 for
 # Kimi-K3's language model (the two disagree on these).
@@ -118,7 +118,6 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
 def layout(c: ModelConfig) -> Layout:
     x = c.extra
     H, nh, P, Dk = c.hidden_size, c.num_heads, x["kda_heads"] * x["kda_head_dim"], x["kda_head_dim"]
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
     res = ["self_attention_res", "mlp_res"] if x["attn_res_block_size"] else []
     for i in range(c.num_layers):
@@ -143,20 +142,7 @@ def layout(c: ModelConfig) -> Layout:
                 specs += [plain(f"{a}.g_a_proj.weight", Dk, H), plain(f"{a}.g_b_proj.weight", P, Dk)]
             specs += [plain(f"{a}.o_norm.weight", Dk), plain(f"{a}.o_proj.weight", H, P)]
         else:
-            if c.q_lora_rank:
-                specs += [
-                    plain(f"{a}.q_a_proj.weight", c.q_lora_rank, H),
-                    plain(f"{a}.q_a_layernorm.weight", c.q_lora_rank),
-                    plain(f"{a}.q_b_proj.weight", nh * qk, c.q_lora_rank),
-                ]
-            else:
-                specs.append(plain(f"{a}.q_proj.weight", nh * qk, H))
-            specs += [
-                plain(f"{a}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
-                plain(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank),
-                plain(f"{a}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-                plain(f"{a}.o_proj.weight", H, nh * c.v_head_dim),
-            ]
+            specs += mla_attention(a, c)
             if x["mla_output_gate"]:
                 specs.append(plain(f"{a}.g_proj.weight", nh * c.v_head_dim, H))
         if c.is_moe(i):
@@ -166,18 +152,14 @@ def layout(c: ModelConfig) -> Layout:
                       plain(f"{m}.gate.e_score_correction_bias", c.num_experts)]
             specs += stacked_experts(f"{m}.experts", c.num_experts, I, L or H, "w1", "w3", "w2")
             if c.num_shared_experts:
-                specs += [plain(f"{m}.shared_experts.gate_proj.weight", S, H),
-                          plain(f"{m}.shared_experts.up_proj.weight", S, H),
-                          plain(f"{m}.shared_experts.down_proj.weight", H, S)]
+                specs += gated_mlp(f"{m}.shared_experts", H, S)
             if L:
                 specs += [plain(f"{m}.routed_expert_down_proj.weight", L, H),
                           plain(f"{m}.routed_expert_up_proj.weight", H, L)]
                 if x["latent_norm"]:
                     specs.append(plain(f"{m}.routed_expert_norm.weight", L))
         else:
-            I = c.intermediate_size
-            specs += [plain(f"{p}.mlp.gate_proj.weight", I, H), plain(f"{p}.mlp.up_proj.weight", I, H),
-                      plain(f"{p}.mlp.down_proj.weight", H, I)]
+            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
     if x["attn_res_block_size"]:
         specs += [plain("model.output_attn_res_norm.weight", H), plain("model.output_attn_res_proj.weight", 1, H)]
     specs.append(plain("model.norm.weight", H))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
-from eprt.layout import Layout, plain, stacked_experts
+from eprt.layout import Layout, gated_mlp, plain, stacked_experts
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -77,12 +77,7 @@ def layout(c: ModelConfig) -> Layout:
             specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,
                                      "gate_proj", "up_proj", "down_proj")
         else:
-            I = c.intermediate_size
-            specs += [
-                plain(f"{p}.mlp.gate_proj.weight", I, H),
-                plain(f"{p}.mlp.up_proj.weight", I, H),
-                plain(f"{p}.mlp.down_proj.weight", H, I),
-            ]
+            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
