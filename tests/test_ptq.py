@@ -99,3 +99,20 @@ def test_a_changed_input_is_detected(ckpts, tmp_path):
     json.dump(m, open(manifest, "w"))
     with pytest.raises(Exception, match="changed since calibration"):
         Checkpoint(str(tmp_path / "q"))
+
+
+def export_on_ranks(q_dir, out, port):
+    os.environ["MASTER_PORT"] = str(port)
+    with ParallelState.from_env(timeout=timedelta(seconds=60)) as state:
+        export_hf(q_dir, out, max_shard_bytes=60_000, progress=False, parallel=state)
+        return sorted(os.listdir(out)) if state.rank == 0 else None
+
+
+def test_an_export_written_by_several_ranks_equals_the_single_process_one(ckpts, tmp_path):
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ckpts["qwen3_moe"], "nvfp4", q, kv_cache="fp8", calib_size=2,
+                                            seq_len=8, progress=False))
+    single = export_hf(q, str(tmp_path / "single"), max_shard_bytes=60_000, progress=False)
+    files = run_world(export_on_ranks, 3, q, str(tmp_path / "ranks"), free_port(), timeout=120)[0]
+    assert sum(f.endswith(".safetensors") for f in files) >= 4  # every rank wrote shards
+    assert same_files(single, str(tmp_path / "ranks"))

@@ -1,12 +1,15 @@
-"""Write an eprt checkpoint back in the Hugging Face layout.
+"""Write an eprt checkpoint back in the Hugging Face layout (the ModelOpt quantized layout for a
+calibrated one). Under torchrun every rank writes its share of the shards.
 
     python tools/export_hf.py CKPT OUT [--max-shard-size 5GB] [--dequantize] [--overwrite]
+    torchrun --nproc-per-node N tools/export_hf.py CKPT OUT
 """
 
 import argparse
 
 from eprt.cli import run
 from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
 from eprt.units import parse_size
 
 
@@ -21,8 +24,9 @@ def main() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
-    export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
-              progress=not a.no_progress, dequantize=a.dequantize)
+    with ParallelState.from_env() as state:
+        export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
+                  progress=not a.no_progress, dequantize=a.dequantize, parallel=state)
 
 
 if __name__ == "__main__":

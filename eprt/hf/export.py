@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import os
 
-from eprt.atomic import atomic_output_dir, copy_files
+from eprt.atomic import copy_files
 from eprt.checkpoint import Checkpoint
 from eprt.errors import EprtError
 from eprt.hf import compressed
 from eprt.hf.check_export import check_export
-from eprt.hf.export_quantized import QuantizedExport, write_quantized_configs
+from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.source import INDEX
 from eprt.hf.tensors import OutTensor, source_tensors
+from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
 from eprt.safetensors_io import SafetensorsWriter
 
@@ -34,25 +35,29 @@ def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     return shards + [cur] if cur else shards
 
 
-def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool) -> dict:
-    """Write the shards and the index into `tmp`; returns the weight map."""
+def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool,
+                 rank: int = 0, world: int = 1) -> None:
+    """Write the shards (this rank's: every world-th) and, on rank 0, the index into `tmp`.
+
+    Every rank plans the same shards from the same tensor list, so the index needs nothing
+    from the other ranks."""
     shards = shard(tensors, max_shard_bytes)
-    weight_map = {}
-    with bar(sum(t.nbytes for t in tensors), "export", unit="B", enabled=progress) as pb:
-        for i, group in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            w = SafetensorsWriter(os.path.join(tmp, fname), [(t.name, t.dtype, t.shape) for t in group])
-            for t in group:
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    mine = range(rank, len(shards), world)
+    with bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb:
+        for i in mine:
+            w = SafetensorsWriter(os.path.join(tmp, names[i]), [(t.name, t.dtype, t.shape) for t in shards[i]])
+            for t in shards[i]:
                 if t.stored is not None:
                     w.copy_range(t.name, *t.stored())
                 else:
                     w.write(t.name, t.produce())
-                weight_map[t.name] = fname
                 pb.update(t.nbytes)
             w.close()
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json(os.path.join(tmp, INDEX), index)
-    return weight_map
+    if rank == 0:
+        weight_map = {t.name: names[i] for i, group in enumerate(shards) for t in group}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(os.path.join(tmp, INDEX), index)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -63,32 +68,52 @@ def write_json(path: str, data: dict) -> None:
 
 
 def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              overwrite: bool = False, progress: bool = True, dequantize: bool = False) -> str:
+              overwrite: bool = False, progress: bool = True, dequantize: bool = False,
+              parallel: ParallelState | None = None) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
     unquantized checkpoint, the ModelOpt quantized layout for a calibrated one (checked before
     it appears).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;
     with `dequantize`, decoded (bf16), under a config.json without its quantization_config. A
-    quantized export always starts from the decoded weights."""
-    with Checkpoint(ckpt_dir) as ck, atomic_output_dir(out_dir, overwrite=overwrite, inputs=(ckpt_dir,)) as tmp:
-        if ck.quantization is None:
-            tensors = list(source_tensors(ck, dequantize=dequantize))
-            write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
-            config = compressed.without_quantization(ck.source_config) if dequantize else ck.source_config
-            rewrite = config != ck.source_config  # else config.json is copied byte for byte
-            copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == "config.json")], tmp)
-            if rewrite:
-                write_json(os.path.join(tmp, "config.json"), config)
-        else:
-            exp = QuantizedExport(ck)
-            tensors = exp.tensors()
-            write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
-            copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if f != "config.json"], tmp)
-            write_quantized_configs(ck, exp, tmp)
+    quantized export always starts from the decoded weights.
+
+    With `parallel`, every rank of the run calls it and writes every world-th shard; rank 0
+    writes the index and the configs, and the output appears once every rank has written."""
+    state = parallel or ParallelState.single()
+    with fail_together(state, "reading the checkpoint"):
+        ck = Checkpoint(ckpt_dir)
+    with ck:
+        exp = QuantizedExport(ck) if ck.quantization is not None else None
+        tensors = exp.tensors() if exp else list(source_tensors(ck, dequantize=dequantize))
+
+        def write(tmp: str) -> None:
+            write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress,
+                         rank=state.rank, world=state.world)
+            if state.rank == 0:
+                write_configs(ck, exp, tmp, dequantize)
+
+        def check(tmp: str) -> None:
             problems = check_export(tmp)
             if problems:
                 raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
                                 + "\n  ".join(problems))
-    logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
+
+        write_together(state, out_dir, write, overwrite=overwrite, inputs=(ckpt_dir,), check_fn=check if exp else None)
+    if state.rank == 0:
+        logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir
+
+
+def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool) -> None:
+    """config.json and every other non-weight file of the source: copied byte for byte unless the
+    export changes the config (quantized, or dequantized)."""
+    if exp:
+        config, hf_quant = exp.configs()
+        write_json(os.path.join(tmp, "hf_quant_config.json"), hf_quant)
+    else:
+        config = compressed.without_quantization(ck.source_config) if dequantize else ck.source_config
+    rewrite = config != ck.source_config
+    copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == "config.json")], tmp)
+    if rewrite:
+        write_json(os.path.join(tmp, "config.json"), config)

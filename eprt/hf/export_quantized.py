@@ -11,8 +11,6 @@ them under one weight_scale_2 (eprt.quant.fusion).
 from __future__ import annotations
 
 import functools
-import json
-import os
 import re
 from dataclasses import dataclass
 
@@ -158,12 +156,3 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
-
-
-def write_quantized_configs(ck: Checkpoint, exp: QuantizedExport, tmp: str) -> None:
-    config, hf_quant = exp.configs()
-    for name, data in (("config.json", config), ("hf_quant_config.json", hf_quant)):
-        with open(os.path.join(tmp, name), "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())

@@ -21,12 +21,14 @@ from eprt.parallel.state import ParallelState
 
 
 def write_together(state: ParallelState, out: str, write_fn: Callable[[str], object], *,
-                   overwrite: bool = False, inputs: tuple[str, ...] = ()) -> str:
+                   overwrite: bool = False, inputs: tuple[str, ...] = (),
+                   check_fn: Callable[[str], object] | None = None) -> str:
     """Run `write_fn(tmp_dir)` on every rank and publish `tmp_dir` as `out`; returns `out`'s real path.
 
     Every rank of `state` must call it. `write_fn` writes this rank's files (names no other rank
     uses) and fsyncs them. An existing non-empty `out` is refused unless `overwrite`, and replaced
-    only once the new one is complete. On any rank's failure every rank raises `RankFailure`
+    only once the new one is complete. `check_fn(tmp_dir)`, if given, runs on rank 0 once every
+    rank has written, and may refuse the whole output by raising. On any rank's failure every rank raises `RankFailure`
     naming it, and nothing new is left behind: an old `out` stays as it was, and the temp
     directory is removed.
     """
@@ -46,6 +48,8 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
             write_fn(tmp)
         with fail_together(state, "publishing the output"):
             if state.rank == 0:
+                if check_fn is not None:
+                    check_fn(tmp)
                 publish(tmp, out)
     except BaseException:
         if state.rank == 0:
