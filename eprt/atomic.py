@@ -1,7 +1,9 @@
 """Outputs appear atomically: written into a sibling temp directory, fsynced, then renamed.
 
 A failed run leaves nothing that looks finished, and an existing output is replaced only
-when asked (`overwrite`), and only once the new one is complete.
+when asked (`overwrite`), and only once the new one is complete. Writers do not fsync file by
+file: the whole directory is synced once, before the rename, so the kernel writes one file back
+while the next is being written.
 """
 
 from __future__ import annotations
@@ -42,19 +44,29 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def sync_tree(root: str) -> None:
+    """fsync every file and directory under `root`: what was written there is on disk."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
 def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
-    """Copy files (paths relative to `src_dir`) byte for byte, each fsynced."""
+    """Copy files (paths relative to `src_dir`) byte for byte."""
     for rel in files:
         dst = os.path.join(dst_dir, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copyfile(os.path.join(src_dir, rel), dst)
-        with open(dst, "rb") as f:
-            os.fsync(f.fileno())
 
 
 def publish(tmp: str, out: str) -> None:
-    """Move the finished temp directory into place, replacing an old output last."""
-    fsync_dir(tmp)
+    """Sync the finished temp directory and move it into place, replacing an old output last."""
+    sync_tree(tmp)
     old = None
     if os.path.exists(out):
         old = out + ".old"

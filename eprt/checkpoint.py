@@ -125,8 +125,6 @@ def write_manifest(directory: str, m: dict) -> None:
     path = os.path.join(directory, MANIFEST)
     with open(path, "w") as f:
         json.dump(m, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class Checkpoint:

@@ -162,7 +162,8 @@ class SafetensorsWriter:
     """Streams tensors into a new safetensors file whose entries are declared up front.
 
     `entries` lists (name, dtype, shape) in file order; `write` must then be called for each
-    entry in that order (a tensor may arrive in several row chunks). `close` fsyncs the file.
+    entry in that order (a tensor may arrive in several row chunks). The output directory is
+    synced as a whole once it is complete (eprt.atomic), not file by file.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
@@ -221,7 +222,6 @@ class SafetensorsWriter:
         if self._pending or self._next != len(self._sizes):
             self._f.close()
             raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
-        os.fsync(self._f.fileno())
         self._f.close()
 
 

@@ -14,7 +14,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from eprt.atomic import check_output_dir, publish, temp_dir_for
+from eprt.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 from eprt.errors import EprtError
 from eprt.parallel.guard import fail_together
 from eprt.parallel.state import ParallelState
@@ -26,11 +26,12 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
     """Run `write_fn(tmp_dir)` on every rank and publish `tmp_dir` as `out`; returns `out`'s real path.
 
     Every rank of `state` must call it. `write_fn` writes this rank's files (names no other rank
-    uses) and fsyncs them. An existing non-empty `out` is refused unless `overwrite`, and replaced
-    only once the new one is complete. `check_fn(tmp_dir)`, if given, runs on rank 0 once every
-    rank has written, and may refuse the whole output by raising. On any rank's failure every rank raises `RankFailure`
-    naming it, and nothing new is left behind: an old `out` stays as it was, and the temp
-    directory is removed.
+    uses); every rank then syncs the directory, so that its own writes are on disk also where
+    ranks sit on different machines. An existing non-empty `out` is refused unless `overwrite`,
+    and replaced only once the new one is complete. `check_fn(tmp_dir)`, if given, runs on rank 0
+    once every rank has written, and may refuse the whole output by raising. On any rank's
+    failure every rank raises `RankFailure` naming it, and nothing new is left behind: an old
+    `out` stays as it was, and the temp directory is removed.
     """
     tmp = temp_dir_for(out)
     try:
@@ -46,6 +47,7 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
                 raise EprtError(f"{tmp}, made by rank 0, is not visible here; write the output to a "
                                 "file system every rank shares")
             write_fn(tmp)
+            sync_tree(tmp)
         with fail_together(state, "publishing the output"):
             if state.rank == 0:
                 if check_fn is not None:
