@@ -1,6 +1,7 @@
 """What every command-line tool shares: refusals print as one clear line and exit 2.
 
-In a multi-rank run every rank prints its own line, saying which rank speaks.
+In a multi-rank run every rank prints its own line, saying which rank speaks. A process alone
+prints the refusal itself, not the fail-together report around it ("rank 0 failed while ...").
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except EprtError as e:
+        alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+        if alone and isinstance(e.__cause__, EprtError):
+            e = e.__cause__
         print(f"error{_speaker()}: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -90,6 +90,7 @@ def test_refusals_name_the_setting(qwen, tmp_path, args, message):
     args = [a.replace("OUT", str(tmp_path / "q")) for a in args]
     r = tool("tools/ptq.py", qwen, *args, check=False)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and "failed while" not in r.stderr  # a process alone: the refusal itself
     assert not (tmp_path / "q").exists()
 
 
