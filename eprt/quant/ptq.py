@@ -10,17 +10,19 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
+from eprt.models.loader import load_model
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
+from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.recipe import load_recipe
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -47,10 +49,11 @@ def run_ptq(state, a: PTQArgs) -> dict:
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         recipe = load_recipe(a.recipe, a.kv_cache)
-        with Checkpoint(a.ckpt) as ck:
-            if ck.quantization is not None:
-                raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
-            cfg, hf_dir = ck.config, ck.hf_files_dir()
+        ck = Checkpoint(a.ckpt)
+        if ck.quantization is not None:
+            ck.close()
+            raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
         if a.dtype not in DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -58,31 +61,29 @@ def run_ptq(state, a: PTQArgs) -> dict:
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
         targets = [m for m in reader_for(cfg.model_type, a.ckpt).layout(cfg).linear_modules() if recipe.format_of(m)]
-    from eprt.models.loader import load_model
-
-    model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
-    if a.preview and state.rank == 0:
-        log.info("before: %r -> %r", a.preview, greedy(model, hf_dir, a.preview))
-    elif a.preview:
-        greedy(model, hf_dir, a.preview)
-    cal = Calibrator(model, targets, kv=recipe.kv_cache == "fp8")
-    start = time.perf_counter()
-    with fail_together(state, "calibrating"), torch.inference_mode():
-        with bar(len(batches), "calibrate", unit="batch", enabled=a.progress) as pb:
-            for batch in batches:
-                model(batch)
-                pb.update(1)
-        cal.reduce(state)
-    seconds = time.perf_counter() - start
-    report_coverage(cal, state, cfg.num_experts)
-    if a.preview:
-        fake_quantize(model, targets, recipe.weight_format, cal, state)
-        text = greedy(model, hf_dir, a.preview)
-        if state.rank == 0:
-            log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
-    summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len, "tokens": a.calib_size * a.seq_len,
-               "data": a.calib or "built-in corpus"}
-    with Checkpoint(a.ckpt) as ck:
+    with ck:
+        model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
+        if a.preview:
+            text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
+            if state.rank == 0:
+                log.info("before: %r -> %r", a.preview, text)
+        cal = Calibrator(model, targets, kv=recipe.kv_cache == "fp8")
+        start = time.perf_counter()
+        with fail_together(state, "calibrating"), torch.inference_mode():
+            with bar(len(batches), "calibrate", unit="batch", enabled=a.progress) as pb:
+                for batch in batches:
+                    model(batch)
+                    pb.update(1)
+            cal.reduce(state)
+        seconds = time.perf_counter() - start
+        report_coverage(cal, state, cfg.num_experts)
+        if a.preview:
+            fake_quantize(model, targets, recipe.weight_format, cal, state)
+            text = greedy(model, hf_dir, a.preview)
+            if state.rank == 0:
+                log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
+        summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
+                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
                        overwrite=a.overwrite)
     if state.rank == 0:
@@ -92,8 +93,6 @@ def run_ptq(state, a: PTQArgs) -> dict:
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
     """Rank 0 prints, per MoE layer, the tokens each expert received and the experts none reached."""
-    import torch.distributed as dist
-
     log = logger()
     for module, tokens in cal.expert_tokens.items():
         first = state.ep_rank * tokens.shape[0]
