@@ -75,7 +75,7 @@ def library_decompressed(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def reference_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """FORMATS.md 2: w = fp8 * weight_scale_inv[i // 128, j // 128], rounded to bf16 as DeepSeek's
+    """docs/sources.md, 'Block FP8': w = fp8 * weight_scale_inv[i // 128, j // 128], rounded to bf16 as DeepSeek's
     own dequantization does; block by block."""
     out = torch.empty(w.shape, dtype=torch.float32)
     for i in range(0, w.shape[0], 128):
@@ -162,7 +162,7 @@ def test_a_rank_reads_only_its_experts_stored_bytes(sources):
 
 
 def test_formats_md_nibble_and_e2m1_layouts(sources):
-    """FORMATS.md 2's INT4 and MXFP4 layouts, pinned against the library's decompression."""
+    """The INT4 and MXFP4 layouts of docs/sources.md, pinned against the library's decompression."""
     for fmt in COMPRESSED:
         hf, _ = sources[fmt]
         t, want = read_hf_tensors(hf), library_decompressed(hf)

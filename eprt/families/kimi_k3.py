@@ -1,5 +1,5 @@
 """Kimi-K3 (`kimi_k3`): a vision-language checkpoint whose language model is `kimi_linear` with
-the K3 additions (K3.md). The text config is `text_config`, its tensors are under
+the K3 additions (docs/models.md, 'Kimi-K3'). The text config is `text_config`, its tensors are under
 `language_model.`; the vision tower and the projector are carried through unchanged."""
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def layout(c: ModelConfig) -> Layout:
         # the reference computes with the router and the decay parameters in fp32
         precise=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
                  r".*\.self_attn\.dt_bias"),
-        # the engines build these unquantized (K3.md): the router, the latent projections of the
+        # the engines build these unquantized (docs/export.md, 'Exclusions'): the router, the latent projections of the
         # routed experts, the attention-residual queries
         unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
                      r".*_res_proj"),

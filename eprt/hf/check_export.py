@@ -1,4 +1,4 @@
-"""Check a quantized Hugging Face export (FORMATS.md 3) for what vLLM's and SGLang's modelopt
+"""Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
 loaders rely on.
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config

@@ -1,4 +1,4 @@
-"""Source weights that stay encoded on disk and are decoded when read (FORMATS.md 2).
+"""Source weights that stay encoded on disk and are decoded when read (docs/sources.md, 'Encoded sources').
 
 - compressed-tensors formats (Kimi's INT4 `pack-quantized`, MXFP4, NVFP4, ...) are decoded by
   the compressed-tensors library itself, one 2-D weight at a time (its MXFP4/NVFP4 decompressors

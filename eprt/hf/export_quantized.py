@@ -1,4 +1,4 @@
-"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (FORMATS.md 3), which vLLM,
+"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (docs/export.md), which vLLM,
 SGLang and TensorRT-LLM load as `quant_method: modelopt`.
 
 Scales follow the engines' fusion rules: gate and up of one expert share a weight amax; every

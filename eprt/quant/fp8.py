@@ -1,4 +1,4 @@
-"""FP8 E4M3 per-tensor quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+"""FP8 E4M3 per-tensor quantization, byte-exact to the ModelOpt Hugging Face export (docs/export.md, 'Numerics').
 
 weight_scale = w_amax / 448 and input_scale = in_amax / 448, fp32 0-dim tensors (zero amax and
 the scale floor: see `eprt.quant.numerics`). A quantized weight is (w / weight_scale), computed

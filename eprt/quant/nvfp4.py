@@ -1,4 +1,4 @@
-"""NVFP4 quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+"""NVFP4 quantization, byte-exact to the ModelOpt Hugging Face export (docs/export.md, 'Numerics').
 
 Two-level scaling over blocks of 16 consecutive elements along the last (input) dim:
   weight_scale_2 = w_amax / (6*448)                                   fp32 0-dim
