@@ -179,7 +179,9 @@ class Check:
             figures = json.load(open(out)) if rc == 0 and os.path.exists(out) else {}
         if rc is None:
             return "timeout", figures
-        return ("passed" if rc == 0 else "failed"), figures or {"error": f"exited {rc}"}
+        if not figures:
+            return "failed", {"error": f"exited {rc}" + (" without writing its figures" if rc == 0 else "")}
+        return ("passed" if rc == 0 else "failed"), figures
 
     def cpu_export(self, limit: float):
         return self.script("cpu_export", ["bench/gpu_pipeline.py"], limit)
