@@ -15,7 +15,7 @@ from eprt.config import parse_hf_config, reader_for
 from eprt.hf.compressed import expand_blocks, matches
 from eprt.layout import Layout, TensorSpec, plain
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny")  # package data
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Stored in fp32 in the released checkpoints whatever their dtype: the router's correction bias,
@@ -89,7 +89,7 @@ def mtp_layout(hf: dict) -> Layout:
 
 def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
               overwrite: bool = False, source_format: str | None = None, **overrides) -> str:
-    """Write a random checkpoint of `family` (config from configs/tiny, `overrides` on top) to `out`.
+    """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
     INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3)."""
