@@ -40,9 +40,9 @@ class TensorSpec:
             return f"has shape {list(shape)} but config.json implies {list(want)}{longer}"
         if shape[0] > want[0]:
             return None
-        return (f"holds {shape[0]} entries but config.json implies {want[0]} {self.padded_per}s, one entry each; "
-                f"use the checkpoint's own config.json (or one whose {self.padded_per} count matches), or a "
-                f"checkpoint that stores at least {want[0]} entries")
+        return (f"holds {shape[0]} entries but config.json implies {want[0]} {self.padded_per}s, which need one "
+                f"each (padding may follow); fix the {self.padded_per} count in config.json, or use a checkpoint "
+                f"that stores at least {want[0]} entries")
 
     def stored_as(self, shape: tuple[int, ...]) -> "TensorSpec":
         """This spec with the length its (padded) source stores."""

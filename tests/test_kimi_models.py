@@ -232,7 +232,9 @@ def test_kimi_k3_a_log_shorter_than_the_heads_is_refused(tmp_path):
     hf = k3_checkpoint(tmp_path, 0)
     with_a_log_length(hf, 3)
     with pytest.raises(CheckpointError, match=r"tensor 'language_model\.model\.layers\.0\.self_attn\.A_log' "
-                                              r"holds 3 entries but config.json implies 4 KDA heads"):
+                                              r"holds 3 entries but config.json implies 4 KDA heads.*"
+                                              r"fix the KDA head count in config.json, or use a checkpoint that "
+                                              r"stores at least 4 entries$"):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not (tmp_path / "ck").exists()
 
