@@ -9,7 +9,17 @@ setup(
     version=VERSION,
     description="Expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs",
     packages=find_packages(include=["eprt", "eprt.*"]),
-    package_data={"eprt": ["assets/*.txt"]},
+    # the built-in calibration text, the PTQ recipes and the tiny models' configs and tokenizer
+    package_data={"eprt": ["assets/*.txt", "configs/ptq/*.yaml", "configs/tiny/*.json"]},
+    entry_points={
+        "console_scripts": [
+            "eprt-convert = eprt.commands.convert:main",
+            "eprt-ptq = eprt.commands.ptq:main",
+            "eprt-export = eprt.commands.export:main",
+            "eprt-check = eprt.commands.check:main",
+            "eprt-make-tiny = eprt.commands.make_tiny:main",
+        ],
+    },
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, TypeVar
 
 from eprt.errors import EprtError
 
+T = TypeVar("T")
 
-def run(main: Callable[[], object]) -> None:
+
+def run(main: Callable[[], T]) -> T:
+    """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line."""
     try:
-        main()
+        return main()
     except EprtError as e:
         alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
         if alone and isinstance(e.__cause__, EprtError):

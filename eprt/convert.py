@@ -212,11 +212,13 @@ class Planner:
         dtypes = set()
         for s in spec.sources:
             f, info = src.tensors[s]
-            if info.shape != spec.source_shape():
-                raise CheckpointError(f"{f.path}: tensor {s!r} has shape {list(info.shape)} but config.json "
-                                      f"implies {list(spec.source_shape())}")
+            problem = spec.shape_problem(info.shape)
+            if problem:
+                raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
             dtypes.add(info.dtype)
+        if spec.padded_per:
+            spec = spec.stored_as(info.shape)
         if len(dtypes) > 1:
             raise CheckpointError(f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
                                   f"{sorted(map(str, dtypes))}; convert with --dtype bf16 or fp32")

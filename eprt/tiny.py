@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from eprt.atomic import atomic_output_dir, copy_files
 from eprt.config import parse_hf_config, reader_for
 from eprt.hf.compressed import expand_blocks, matches
-from eprt.layout import Layout, plain
+from eprt.layout import Layout, TensorSpec, plain
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny")  # package data
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Stored in fp32 in the released checkpoints whatever their dtype: the router's correction bias,
@@ -54,6 +54,15 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
 
 
+def released_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """A source tensor's shape as the released checkpoints store it: a padded one (Kimi-K3's
+    A_log, 128 entries for 96 heads) to the next multiple of 128."""
+    shape = spec.source_shape()
+    if spec.padded_per is None:
+        return shape
+    return (128 * math.ceil(shape[0] / 128), *shape[1:])
+
+
 def vision_tensors(hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
     shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
@@ -80,7 +89,7 @@ def mtp_layout(hf: dict) -> Layout:
 
 def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
               overwrite: bool = False, source_format: str | None = None, **overrides) -> str:
-    """Write a random checkpoint of `family` (config from configs/tiny, `overrides` on top) to `out`.
+    """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
     INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3)."""
@@ -95,7 +104,7 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
     tensors = {}
     for spec in specs:
         for src in spec.sources:
-            t = init(src, spec.source_shape(), g)
+            t = init(src, released_shape(spec), g)
             tensors[src] = t if FP32_SOURCES.search(src) else t.to(DTYPES[dtype])
     if "vision_config" in hf:
         tensors.update({n: t.to(DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})

@@ -1,6 +1,6 @@
 """PTQ recipes: which modules get which format, by glob patterns over module names.
 
-A recipe is a YAML file (configs/ptq/NAME.yaml, or any path):
+A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
 
     name: nvfp4_experts_only
     quantize:                      # the first pattern that matches a module decides
@@ -23,7 +23,8 @@ import yaml
 
 from eprt.errors import ConfigError
 
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "ptq")
+# Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = ("fp8", "nvfp4", "none")
 KV_FORMATS = (None, "fp8")
 
@@ -74,7 +75,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
 
 
 def load_recipe(spec: str, kv_cache: str | None = None) -> Recipe:
-    """A recipe by name (configs/ptq/NAME.yaml) or by path."""
+    """A recipe by name (eprt/configs/ptq/NAME.yaml) or by path."""
     path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path")
