@@ -47,25 +47,29 @@ class RankFailure(EprtError):
     that then timed out (or lost their connection) in a collective waiting for them; `missing`
     lists the live ranks that posted no outcome within `waited_s` seconds; `dead` the ranks whose
     heartbeat stopped for `peer_timeout_s` before they posted one, or, with `store_lost`, the
-    ranks this one could not hear from once the run's store stopped answering. `ranks` are the
-    ranks to look at first.
+    ranks this one could not hear from once the run's store stopped answering; `stopped` the
+    ranks a signal ended (Ctrl-C, or torchrun's agent ending the other ranks of a failed node).
+    `ranks` are the ranks to look at first.
     """
 
     def __init__(self, what: str, failures: dict[int, str], timeouts: dict[int, str] | None = None,
                  missing: list[int] = (), waited_s: float = 0.0, dead: list[int] = (),
-                 peer_timeout_s: float = 0.0, store_lost: bool = False):
+                 peer_timeout_s: float = 0.0, store_lost: bool = False,
+                 stopped: dict[int, str] | None = None):
         self.what, self.failures = what, dict(failures)
         self.timeouts, self.missing, self.waited_s = dict(timeouts or {}), list(missing), waited_s
         self.dead, self.peer_timeout_s, self.store_lost = list(dead), peer_timeout_s, store_lost
+        self.stopped = dict(stopped or {})
         super().__init__(self._message())
 
     def __reduce__(self):
         return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s,
-                            self.dead, self.peer_timeout_s, self.store_lost)
+                            self.dead, self.peer_timeout_s, self.store_lost, self.stopped)
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(self.failures) or sorted(self.dead) or sorted(self.missing) or sorted(self.timeouts)
+        return (sorted(self.failures) or sorted(self.dead) or sorted(self.missing)
+                or sorted(self.stopped) or sorted(self.timeouts))
 
     def _message(self) -> str:
         lines = []
@@ -88,9 +92,13 @@ class RankFailure(EprtError):
         if self.missing:
             lines.append(f"{_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
                          f"{self.what} (hung outside a collective)")
+        if self.stopped:
+            when = "then" if self.failures or self.missing or self.dead else f"while {self.what}"
+            lines.append(f"{_ranks(self.stopped)} {when} stopped on a signal "
+                         f"({', '.join(sorted(set(self.stopped.values())))})")
         if self.timeouts:
             first = min(self.timeouts)
-            when = "then" if self.failures or self.missing or self.dead else f"while {self.what}"
+            when = "then" if self.failures or self.missing or self.dead or self.stopped else f"while {self.what}"
             lines.append(f"{_ranks(self.timeouts)} {when} timed out or lost a peer in a collective "
                          f"(rank {first}: {self.timeouts[first]})")
         return "\n".join(lines)
@@ -122,37 +130,38 @@ class fail_together:
             if exc is not None:
                 raise RankFailure(self.what, {state.rank: _describe(exc)}) from exc
             return False
-        outcome = "" if exc is None else ("T" if _is_timeout(exc) else "F") + _describe(exc)
+        outcome = "" if exc is None else _kind(exc) + _describe(exc)
         if exc is not None and not isinstance(exc, Exception):
             # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
             _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
             return False
         verdict = _decide(state, self.key, outcome, self.wait)
-        if any(verdict[kind] for kind in ("failures", "timeouts", "missing", "dead")):
+        if any(verdict[kind] for kind in ("failures", "timeouts", "missing", "dead", "stopped")):
             if verdict["dead"] or verdict["store_lost"]:
                 state.peers_lost = True
             peer_timeout_s = state.heartbeat.timeout_s if state.heartbeat is not None else 0.0
             raise RankFailure(self.what, verdict["failures"], verdict["timeouts"],
                               verdict["missing"], self.wait.total_seconds(), verdict["dead"],
-                              peer_timeout_s, verdict["store_lost"]) from exc
+                              peer_timeout_s, verdict["store_lost"], verdict["stopped"]) from exc
         return False
 
 
 def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> dict:
-    """Post this rank's outcome ("" ok, "F..." failed, "T..." timed out in a collective), read
-    everyone's, and return the verdict the first deciding rank wrote."""
+    """Post this rank's outcome ("" ok, "F..." failed, "T..." timed out in a collective, "S..."
+    stopped on a signal), read everyone's, and return the verdict the first deciding rank wrote."""
     store, world = state.store, state.world
     keys = [f"{key}/{r}" for r in range(world)]
-    verdict = {"failures": {}, "timeouts": {}, "missing": [], "dead": [], "store_lost": False}
+    verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "dead": [], "store_lost": False}
     try:
         post(store, key, state.rank, outcome.encode())
-        verdict["missing"], verdict["dead"] = wait_posted(store, key, list(range(world)), state.heartbeat, wait)
-        absent = verdict["missing"] + verdict["dead"]
-        posted = [r for r in range(world) if r not in absent]
+        behind, verdict["dead"] = wait_posted(store, key, list(range(world)), state.heartbeat, wait)
+        # After a death, the live ranks behind are not late: they have not got here yet.
+        verdict["missing"] = [] if verdict["dead"] else behind
+        posted = [r for r in range(world) if r not in behind + verdict["dead"]]
         for r, value in zip(posted, store.multi_get([keys[r] for r in posted])):
             kind, report = value[:1].decode(), value[1:].decode()
             if kind:
-                verdict["failures" if kind == "F" else "timeouts"][r] = report
+                verdict[_VERDICT_OF[kind]][r] = report
         decided = store.compare_set(f"{key}/verdict", "", json.dumps(verdict))
         # The last reader clears the guard's keys; a dead rank never reads.
         if store.add(f"{key}/read", 1) == world - len(verdict["dead"]):
@@ -161,18 +170,28 @@ def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> di
     except dist.DistError:
         return _alone(state, outcome)
     decided = json.loads(decided)
-    for kind in ("failures", "timeouts"):
+    for kind in _VERDICT_OF.values():
         decided[kind] = {int(r): report for r, report in decided[kind].items()}
     return decided
 
 
 def _alone(state: ParallelState, outcome: str) -> dict:
     """The verdict from this rank's outcome alone, for when the store cannot be reached."""
-    verdict = {"failures": {}, "timeouts": {}, "missing": [], "store_lost": True,
+    verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "store_lost": True,
                "dead": [r for r in range(state.world) if r != state.rank]}
     if outcome:
-        verdict["failures" if outcome[0] == "F" else "timeouts"][state.rank] = outcome[1:]
+        verdict[_VERDICT_OF[outcome[0]]][state.rank] = outcome[1:]
     return verdict
+
+
+# Outcome kinds, as posted, and where the verdict lists them.
+_VERDICT_OF = {"F": "failures", "T": "timeouts", "S": "stopped"}
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "S"
+    return "T" if _is_timeout(exc) else "F"
 
 
 def _describe(exc: BaseException) -> str:

@@ -102,9 +102,12 @@ def post(store: dist.Store, prefix: str, rank: int, value: bytes = b"") -> None:
 
 def wait_posted(store: dist.Store, prefix: str, ranks: list[int], heartbeat: Heartbeat | None,
                 wait: timedelta) -> tuple[list[int], list[int]]:
-    """Wait until every rank of `ranks` has posted under `prefix`, each rank that has not is dead,
-    or `wait` runs out. Returns (alive ranks that have not posted, dead ranks that have not).
-    Raises DistError when the store cannot be reached."""
+    """Wait until every rank of `ranks` has posted under `prefix`, one that has not is dead, or
+    `wait` runs out. Returns (alive ranks that have not posted, dead ranks that have not).
+    Raises DistError when the store cannot be reached.
+
+    The first death ends the wait: the live ranks still behind may be busy for long (or stuck
+    in a collective with the dead rank), and they learn the outcome when they get here."""
     deadline = time.monotonic() + wait.total_seconds()
     while True:
         # One counter read per poll while all is well; who is behind is looked up only when a
@@ -116,7 +119,7 @@ def wait_posted(store: dist.Store, prefix: str, ranks: list[int], heartbeat: Hea
         if dead_peers or out_of_time:
             pending = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
             dead = [r for r in pending if r in dead_peers]
-            if out_of_time or len(dead) == len(pending):
+            if out_of_time or dead:
                 return [r for r in pending if r not in dead], dead
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
 

@@ -200,7 +200,8 @@ class ParallelState:
                 raise
         finally:
             self.heartbeat.stop()
-            restore_signal_handlers(self._signal_handlers)
+            if not stopping():  # a stopping process keeps ignoring repeated signals to the end
+                restore_signal_handlers(self._signal_handlers)
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.store = None
