@@ -199,7 +199,8 @@ class ParallelState:
             if not failing:
                 raise
         finally:
-            self.heartbeat.stop()
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             if not stopping():  # a stopping process keeps ignoring repeated signals to the end
                 restore_signal_handlers(self._signal_handlers)
             if dist.is_initialized():
@@ -207,7 +208,7 @@ class ParallelState:
             self.store = None
 
     def _leave_together(self, failing: bool) -> None:
-        wait = timedelta(seconds=self.heartbeat.timeout_s) if failing else self.timeout
+        wait = timedelta(seconds=self.heartbeat.timeout_s) if failing and self.heartbeat else self.timeout
         post(self.store, "close/arrived", self.rank)
         wait_posted(self.store, "close/arrived", list(range(self.world)), self.heartbeat, wait)
         if self.rank == 0:
