@@ -54,7 +54,7 @@ def peer_timeout_s() -> float:
 class Heartbeat:
     """This rank's heartbeat, and its view of every peer's.
 
-    `beat_store` must be a client of its own (a clone): a long wait of the main thread on its
+    `beat_store` must be a client of its own (a second connection): a long wait of the main thread on its
     client would otherwise hold the heartbeat up.
     """
 

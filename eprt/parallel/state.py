@@ -131,7 +131,9 @@ class ParallelState:
         tcp_store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
                                   timeout=timeout, wait_for_workers=False)
         store = dist.PrefixStore("eprt", tcp_store)
-        heartbeat = Heartbeat(store, dist.PrefixStore("eprt", tcp_store.clone()), rank, world, peer_timeout)
+        # The heartbeat's own client (Store.clone is newer than the torch we support).
+        beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        heartbeat = Heartbeat(store, dist.PrefixStore("eprt", beat_store), rank, world, peer_timeout)
         signal_handlers = install_signal_handlers()
         try:
             device = _bind_device(store, rank, world, local_rank, local_world, timeout)
