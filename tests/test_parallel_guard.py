@@ -102,7 +102,8 @@ def test_fail_together(tmp_path):
         assert ranks == [1] and seconds < 2 * TIMEOUT_S + 5
         first, *rest = message.split("\n")
         assert first == "rank 1 failed while running the forward: ValueError: activation is NaN on rank 1"
-        assert rest[0].startswith("ranks 0, 2, 3 then timed out or lost a peer in a collective (rank 0: ")
+        assert rest[0].startswith("ranks 0, 2, 3 then timed out waiting in a collective, or lost a peer "
+                                  "there (rank 0: ")
         assert cause == ("ValueError" if rank == 1 else "RuntimeError")
 
         kind, message, ranks, seconds, cause = out["missing"]

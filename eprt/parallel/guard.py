@@ -98,9 +98,10 @@ class RankFailure(EprtError):
                          f"({', '.join(sorted(set(self.stopped.values())))})")
         if self.timeouts:
             first = min(self.timeouts)
-            when = "then" if self.failures or self.missing or self.dead or self.stopped else f"while {self.what}"
-            lines.append(f"{_ranks(self.timeouts)} {when} timed out or lost a peer in a collective "
-                         f"(rank {first}: {self.timeouts[first]})")
+            caused = self.failures or self.missing or self.dead or self.stopped
+            when = "then" if caused else f"while {self.what}"
+            lines.append(f"{_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
+                         f"a peer there (rank {first}: {self.timeouts[first]})")
         return "\n".join(lines)
 
 
