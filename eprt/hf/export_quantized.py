@@ -87,7 +87,10 @@ class QuantizedExport:
         w_scale = self.scale(w_amax)
         out = {"input_scale": self.scale(in_amax)}
         if self.fmt == "fp8":
-            out.update(weight=quantize_fp8(w, w_scale), weight_scale=w_scale)
+            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
+            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
+            source_dtype = self.ck.meta(x.spec.name if hf_weight in self.experts else hf_weight).source_dtype
+            out.update(weight=quantize_fp8(w.to(source_dtype), w_scale), weight_scale=w_scale)
         else:
             q, block_scale = quantize_nvfp4(w, w_scale)
             out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
