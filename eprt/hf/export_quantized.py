@@ -69,6 +69,11 @@ class QuantizedExport:
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         return self.ck.read(name, rows=(e, e + 1))[0]
 
+    @functools.lru_cache(maxsize=4)
+    def expert_amax(self, name: str, e: int) -> torch.Tensor:
+        """Gate and up of one expert (one row of w13) share one weight amax: computed once for both."""
+        return self.expert_row(name, e).abs().amax().float()
+
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
         """Every tensor of one quantized Linear, by suffix (weight, weight_scale, ...)."""
@@ -77,7 +82,7 @@ class QuantizedExport:
             row = self.expert_row(x.spec.name, x.expert)
             h = row.shape[0] // x.spec.per_row
             w = row[x.piece * h:(x.piece + 1) * h]
-            w_amax = row.abs().amax().float()  # gate and up of one expert: one amax over both
+            w_amax = self.expert_amax(x.spec.name, x.expert)
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
             in_amax = self.amax[f"{x.module}.{kind}_input_amax"].max()  # the layer's largest
         else:
