@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
 from eprt.hf.export import export_hf
+from eprt.hf.export_quantized import summarize_excluded
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.tiny import make_tiny
@@ -160,3 +161,14 @@ def test_the_tool_checks_against_the_source(export, tmp_path):
                            timeout=120)
         assert r.returncode == rc, r.stdout + r.stderr
     assert r.stdout.splitlines()[0].startswith("model.layers.0.mlp.extra.weight: not a source tensor")
+
+
+def test_excluded_wildcards_never_cover_a_quantized_module():
+    # layer 1 stays unquantized beside layers 10 and 11: `model.layers.1*` would cover them
+    linears = ("self_attn.q_proj", "mlp.down_proj")
+    quantized = {f"model.layers.{i}.{m}" for i in (0, 10, 11) for m in linears}
+    unquantized = {f"model.layers.1.{m}" for m in linears} | {"lm_head", "model.layers.0.mlp.gate"}
+    assert summarize_excluded(unquantized, quantized) == {"model.layers.1.*", "lm_head", "model.layers.0.mlp.gate"}
+    # with no layer 1x, the whole layer is one prefix wildcard, as ModelOpt writes it
+    assert summarize_excluded(unquantized, quantized - {m for m in quantized if ".1" in m}) == \
+        {"model.layers.1*", "lm_head", "model.layers.0.mlp.gate"}

@@ -1,13 +1,14 @@
 """eprt's quantized export against ModelOpt's own, on the same tiny model and the same tokens.
 
 ModelOpt quantizes the transformers model loaded from the same Hugging Face directory with its
-FP8 / NVFP4 configs (plus its FP8 KV-cache config), calibrates it with `max` over the token ids
+FP8 / NVFP4 / NVFP4-experts-only configs (plus its FP8 KV-cache config), calibrates it with `max` over the token ids
 eprt calibrates on, and writes `export_hf_checkpoint`. Compared:
 - tensor names, and every tensor byte for byte (quantized weights, weight scales, unquantized
   weights), except the activation-derived scales (input_scale, k_scale, v_scale), which come
   from two different forward implementations in bf16 and must agree within 1%;
-- hf_quant_config.json and config.json's quantization_config, whole, except the producer's
-  `exported_by`, which eprt adds to say who wrote it.
+- hf_quant_config.json and config.json's quantization_config, whole (exclude_modules included,
+  with ModelOpt's prefix-wildcard summary), except the producer's `exported_by`, which eprt adds
+  to say who wrote it.
 Two deliberate differences are set aside: DeepSeek-V3's MTP layers, which transformers does not
 load (so ModelOpt drops them) and eprt carries through unquantized, listed in exclude_modules;
 and the DeepSeek-V3 router weight, which transformers holds (and ModelOpt writes) in fp32 and
@@ -35,7 +36,8 @@ from eprt.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
-MODELOPT_CFG = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}
+MODELOPT_CFG = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+                "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG}
 SAMPLES, SEQ_LEN = 4, 32
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
 
@@ -51,9 +53,9 @@ def sources(tmp_path_factory):
     return out
 
 
-def modelopt_export(hf: str, config: dict, fmt: str, kv: bool, out: str) -> str:
+def modelopt_export(hf: str, config: dict, recipe: str, kv: bool, out: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
-    cfg = MODELOPT_CFG[fmt]
+    cfg = MODELOPT_CFG[recipe]
     if kv:
         cfg = update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
     tokens = calibration_samples(None, hf, num_samples=SAMPLES, seq_len=SEQ_LEN, vocab_size=config["vocab_size"])
@@ -67,8 +69,8 @@ def modelopt_export(hf: str, config: dict, fmt: str, kv: bool, out: str) -> str:
     return out
 
 
-def eprt_export(ck: str, fmt: str, kv: bool, out: str) -> str:
-    run_ptq(ParallelState.single(), PTQArgs(ck, fmt, out, kv_cache="fp8" if kv else None, calib_size=SAMPLES,
+def eprt_export(ck: str, recipe: str, kv: bool, out: str) -> str:
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, out, kv_cache="fp8" if kv else None, calib_size=SAMPLES,
                                             seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False))
     return export_hf(out, out + "-hf", progress=False)
 
@@ -89,7 +91,8 @@ def quant_configs(out: str, layers: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("fmt, kv", [("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True)])
+@pytest.mark.parametrize("fmt, kv", [("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True),
+                                     ("nvfp4_experts_only", True)])
 def test_the_export_is_modelopts(sources, tmp_path, family, fmt, kv):
     hf, ck, config = sources[family]
     layers = config["num_hidden_layers"]

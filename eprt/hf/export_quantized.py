@@ -134,15 +134,18 @@ class QuantizedExport:
         return out
 
     def excluded(self) -> list[str]:
-        """Every Linear-like module left unquantized, named as the engines match them."""
-        names = set()
+        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
+        as ModelOpt summarizes them (`summarize_excluded`), then what travels through unquantized
+        and unmodeled (DeepSeek's MTP layers, a vision tower), one pattern each."""
+        quantized, unquantized = set(), set()
         for spec in self.layout.specs:
             if spec.stacked:
-                module = spec.name.rsplit(".", 1)[0]
-                if module not in self.quantized:
-                    names.add(f"{module}.*")
-            elif spec.name.endswith(".weight") and len(spec.shape) == 2 and spec.name[:-7] not in self.quantized:
-                names.add(spec.name[:-7])
+                modules = {src[: -len(".weight")] for src in spec.sources}
+                (quantized if spec.name.rsplit(".", 1)[0] in self.quantized else unquantized).update(modules)
+            elif spec.name.endswith(".weight") and len(spec.shape) == 2:
+                module = spec.name[: -len(".weight")]
+                (quantized if module in self.quantized else unquantized).add(module)
+        names = summarize_excluded(unquantized, quantized)
         for name in self.ck.names(role="passthrough"):
             layer = layer_of(name)
             names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else name.split(".")[0] + ".*")
@@ -164,3 +167,22 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:
+    """ModelOpt's exclude_modules for these module names (its export's prefix-wildcard summary).
+
+    Each unquantized module is named by the first of `P*` (cut at each dot, left to right), then
+    the pair `P`, `P.*` (written as `P.*` alone), then its own name, that covers no quantized
+    module: a prefix wildcard `Q[:i]*` of a quantized Q, or Q itself, is never used. So a layer
+    whose Linears all stay unquantized is one `model.layers.1*`, while an excluded lm_head next
+    to quantized model.* modules stays `lm_head`. Every engine reads these patterns (vLLM splits
+    `P*` into `P` and `P.*`)."""
+    taken = {q[:i] + "*" for q in quantized for i in range(len(q) + 1)} | quantized
+    out: set[str] = set()
+    for module in sorted(unquantized):
+        cuts = [i for i, c in enumerate(module) if c == "."]
+        candidates = [w for i in cuts for w in ([module[:i] + "*"], [module[:i], module[:i] + ".*"])] + [[module]]
+        chosen = next(c for c in candidates if not any(w in taken for w in c))
+        out.add(chosen[-1])  # the pair is written as its `P.*`
+    return out
