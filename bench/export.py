@@ -7,6 +7,8 @@ tokens: the scales do not change the work), then exported, side by side with the
 export of the base checkpoint, which reads and writes the same source bytes without
 quantizing anything. Reported per recipe: the seconds of each and their ratio (1.0 = the
 quantized export costs no more than moving the bytes), best of --repeat runs.
+On a machine other jobs share, run it under OMP_NUM_THREADS=1 (also for a baseline run side
+by side): torch's intra-op threads waiting for each other otherwise dominate the figures.
 """
 
 import argparse
