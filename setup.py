@@ -39,6 +39,8 @@ setup(
             "pytest-timeout",
             "transformers>=5.0",
             "compressed-tensors>=0.20",
+            # ModelOpt's own export is the oracle for the quantized export's bytes
+            "nvidia-modelopt==0.47.0",
             "triton>=3.0",
             # mlx-lm's kimi_k3 is the outside implementation Kimi-K3's logits are checked against
             "mlx[cpu]>=0.32",

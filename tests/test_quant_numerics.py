@@ -69,9 +69,18 @@ def ref_decode(code: int) -> float:
     return -value if code & 8 else value
 
 
+def ref_bf16(x: F32) -> float:
+    """x rounded to bfloat16, nearest-even, from its fp32 bits: the upper 16 bits are kept."""
+    bits = int(np.array(x, dtype=F32).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(np.array(bits, dtype=np.uint32).view(F32))
+
+
 def ref_fp8(w: torch.Tensor, amax: float):
+    """ModelOpt's rule: the fp32 quotient is rounded to w's dtype (bf16 or fp32), then to E4M3."""
     scale = F32(amax) / F32(448.0)
-    flat = [ref_e4m3_byte(float(F32(x) / scale)) for x in w.float().flatten().tolist()]
+    held = ref_bf16 if w.dtype == torch.bfloat16 else float
+    flat = [ref_e4m3_byte(held(F32(x) / scale)) for x in w.float().flatten().tolist()]
     return scale, torch.tensor(flat, dtype=torch.uint8).reshape(w.shape)
 
 

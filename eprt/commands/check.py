@@ -1,6 +1,6 @@
 """Check a quantized Hugging Face export against the ModelOpt layout that vLLM and SGLang load.
 
-    eprt-check OUT                                                      (or python tools/check_export.py)
+    eprt-check OUT [--source HF_DIR]                                    (or python tools/check_export.py)
 
 Prints one line per violation, each naming the tensor, module or config key at fault, and exits
 1 when there is any; prints "OUT: ok" and exits 0 otherwise.
@@ -16,8 +16,10 @@ from eprt.hf.check_export import check_export
 def check() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the exported Hugging Face directory")
+    ap.add_argument("--source", help="the Hugging Face checkpoint it was exported from: the export must hold "
+                    "exactly its tensors, each quantized Linear's weight replaced by its scales")
     a = ap.parse_args()
-    problems = check_export(a.out)
+    problems = check_export(a.out, a.source)
     for p in problems:
         print(p)
     if problems:

@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eprt.errors import EprtError
+from eprt.hf.check_names import check_names, source_names_from_config, source_names_from_dir
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 QUANT_CONFIG = "hf_quant_config.json"
@@ -60,8 +63,12 @@ class _Tensor:
     bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
 
 
-def check_export(out_dir) -> list[str]:
-    """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes."""
+def check_export(out_dir, source_dir=None) -> list[str]:
+    """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes.
+
+    Every tensor must be one an engine loads (`eprt.hf.check_names`); with `source_dir` (the
+    Hugging Face checkpoint the export was made from) the export's name set must be exactly the
+    source's, each quantized Linear's weight replaced by its companions."""
     out = Path(out_dir)
     if not out.is_dir():
         return [f"{out}: not a directory"]
@@ -71,8 +78,15 @@ def check_export(out_dir) -> list[str]:
     algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)
     if algo is not None and tensors:
-        _Modules(tensors, algo, exclude, problems).check()
+        modules = _Modules(tensors, algo, exclude, problems)
+        modules.check()
         _check_kv_scales(tensors, kv_algo, exclude, problems)
+        try:
+            source = source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
+        except EprtError as e:
+            problems.append(f"--source: {e}")
+            source = None
+        check_names(tensors, modules.quantized, algo, kv_algo, source, problems)
     return problems
 
 
