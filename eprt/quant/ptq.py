@@ -85,7 +85,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
-                       overwrite=a.overwrite)
+                       overwrite=a.overwrite, inputs=ck.input_dirs())
     if state.rank == 0:
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
