@@ -18,15 +18,14 @@ import shutil
 from contextlib import contextmanager
 
 from eprt.errors import EprtError, OutputExistsError
-from eprt.paths import check_relative, resolve_inside, within
+from eprt.paths import check_relative, hf_cache_blobs, resolve_inside, within
 
 
 def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:
     """Refuse an output that exists non-empty (unless `overwrite`) or that overlaps an input
     (is it, lies inside it, or holds it), whatever `overwrite` says."""
     out = os.path.realpath(out)
-    for src in inputs:
-        src = os.path.realpath(src)
+    for src in read_dirs(inputs):
         if within(out, src) or within(src, out):
             raise EprtError(f"output {out} overlaps the input {src}, which this run reads; choose an output "
                             "outside it (and not holding it)")
@@ -35,6 +34,17 @@ def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) ->
             raise OutputExistsError(f"output {out} exists and is not a directory")
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(f"output {out} exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+def read_dirs(inputs: tuple[str, ...]) -> list[str]:
+    """The real directories reading `inputs` may read: each, and the `blobs/` its files link into
+    where it is a Hugging Face cache snapshot (eprt.paths)."""
+    out = []
+    for src in map(os.path.realpath, inputs):
+        out.append(src)
+        if hf_cache_blobs(src) is not None:
+            out.append(os.path.realpath(hf_cache_blobs(src)))
     return out
 
 

@@ -330,7 +330,9 @@ class Checkpoint:
         return sum(f.bytes_read for f in self._files.values()) + (self.base.bytes_read if self.base else 0)
 
     def hf_files_dir(self) -> str:
-        return self.base.hf_files_dir() if self.base else os.path.join(self.path, HF_FILES)
+        if self.base:
+            return self.base.hf_files_dir()
+        return resolve_inside(self.path, HF_FILES, os.path.join(self.path, MANIFEST))
 
     @property
     def hf_files(self) -> list[str]:
@@ -391,7 +393,8 @@ def base_reference(out: str, base: str) -> dict:
     base = os.path.realpath(base)
     with Checkpoint(base) as ck:
         files = ck.weight_files()
-    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base, "manifest_sha256": manifest_digest(base),
+    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base,
+            "manifest_sha256": manifest_digest(base),
             "weights": {f: weight_pin(resolve_inside(base, f, os.path.join(base, MANIFEST))) for f in files}}
 
 

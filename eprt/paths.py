@@ -33,7 +33,8 @@ def check_relative(rel, where: str) -> str:
     if (not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel)
             or ".." in rel.replace("\\", "/").split("/")):
         raise CheckpointError(f"{where}: names the path {rel!r}, which leaves its directory; a checkpoint names "
-                              "only files inside its own directory: the checkpoint is corrupt or crafted, do not use it")
+                              "only files inside its own directory: the checkpoint is corrupt or crafted, "
+                              "do not use it")
     return rel
 
 

@@ -152,19 +152,35 @@ def test_a_non_weight_file_linked_outside_the_directory_is_refused_not_copied(ma
     assert not (tmp_path / "ck").exists()
 
 
-def test_a_hugging_face_cache_snapshot_linking_into_its_blobs_converts_as_the_files_do(made, tmp_path):
-    """The cache's own layout: snapshots/REV/FILE -> ../../blobs/HASH, inside the repository's directory."""
-    repo = tmp_path / "models--org--tiny"
+def hf_cache_snapshot(hf: str, root) -> tuple:
+    """`hf` as the Hugging Face cache stores it: (repository directory, snapshot directory)."""
+    repo = root / "models--org--tiny"
     snapshot = repo / "snapshots" / "0123abc"
     os.makedirs(repo / "blobs")
     os.makedirs(snapshot)
-    for i, name in enumerate(sorted(os.listdir(made["hf"]))):
-        shutil.copyfile(os.path.join(made["hf"], name), repo / "blobs" / f"blob{i}")
+    for i, name in enumerate(sorted(os.listdir(hf))):
+        shutil.copyfile(os.path.join(hf, name), repo / "blobs" / f"blob{i}")
         os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    return repo, snapshot
+
+
+def test_a_hugging_face_cache_snapshot_linking_into_its_blobs_converts_as_the_files_do(made, tmp_path):
+    """The cache's own layout: snapshots/REV/FILE -> ../../blobs/HASH, inside the repository's directory."""
+    _, snapshot = hf_cache_snapshot(made["hf"], tmp_path)
     ck = convert_hf(str(snapshot), str(tmp_path / "ck"), progress=False)
     assert tree_digest(ck).keys() == tree_digest(made["ck"]).keys()
     for rel in tree_digest(ck):
         assert open(os.path.join(ck, rel), "rb").read() == open(os.path.join(made["ck"], rel), "rb").read(), rel
+
+
+def test_carried_files_linked_outside_the_checkpoint_are_refused_not_exported(made, tmp_path):
+    ck = copy_tree(made["ck"], tmp_path / "ck")
+    shutil.move(os.path.join(ck, "hf"), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(ck, "hf"))
+    with pytest.raises(EprtError, match=rf"eprt\.json: hf links to .*elsewhere, outside {ck}") as e:
+        export_hf(ck, str(tmp_path / "out"), progress=False)
+    one_line(e)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_manifest_file_entry_leaving_the_directory_writes_nothing_outside_the_export(made, tmp_path):
@@ -189,7 +205,7 @@ def test_a_manifest_weight_file_leaving_the_directory_is_refused(made, tmp_path)
                 if p["file"] == "layer-00000.safetensors":
                     p["file"] = "../outside.safetensors"
     edit_json(os.path.join(ck, MANIFEST), plant)
-    with pytest.raises(CheckpointError, match=r"names the path '\.\./outside\.safetensors', which leaves its directory"):
+    with pytest.raises(CheckpointError, match=r"names the path '\.\./outside\.safetensors', which leaves"):
         Checkpoint(ck)
 
 
@@ -211,6 +227,14 @@ def test_export_of_a_calibrated_checkpoint_refuses_its_base_as_output(made, tmp_
         with pytest.raises(EprtError, match=rf"output {ck}\S* overlaps the input {ck}, which this run reads"):
             export_hf(cal, out, overwrite=True, progress=False)
         assert tree_digest(ck) == before
+
+
+def test_convert_refuses_an_output_over_the_hugging_face_cache_blobs_it_reads(made, tmp_path):
+    repo, snapshot = hf_cache_snapshot(made["hf"], tmp_path)
+    before = tree_digest(str(repo))
+    with pytest.raises(EprtError, match=rf"output {repo}/blobs overlaps the input {repo}/blobs, which this run reads"):
+        convert_hf(str(snapshot), str(repo / "blobs"), overwrite=True, progress=False)
+    assert tree_digest(str(repo)) == before
 
 
 def test_make_tiny_refuses_an_output_inside_its_own_inputs():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from eprt.atomic import check_output_dir
 from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
@@ -49,6 +50,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         recipe = load_recipe(a.recipe, a.kv_cache)
+        check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
         ck = Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
