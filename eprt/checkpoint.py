@@ -37,7 +37,7 @@ from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
 from eprt.hf import compressed
 from eprt.paths import check_relative, resolve_inside
-from eprt.safetensors_io import DTYPES, SafetensorsFile, dtype_name
+from eprt.safetensors_io import DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
 VERSION = 1
@@ -373,7 +373,7 @@ def weight_pin(path: str) -> dict:
         st = os.fstat(fd)
         h = hashlib.sha256()
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))
-        data_start = min(8 + n, st.st_size)
+        data_start = min(8 + n, 8 + MAX_HEADER, st.st_size)  # a file changed into garbage is not read whole
         h.update(os.pread(fd, data_start, 0))  # the header: every tensor's name, dtype, shape and offsets
         span = max(st.st_size - data_start - PIN_BLOCK, 0)
         for i in range(PIN_SAMPLES):

@@ -25,7 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,7 +75,7 @@ class SafetensorsFile:
         if len(head) < 8:
             raise CheckpointError(f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
+        if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
         try:
             header = json.loads(self._pread(n, 8))
