@@ -25,7 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,7 +75,7 @@ class SafetensorsFile:
         if len(head) < 8:
             raise CheckpointError(f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
+        if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
         try:
             header = json.loads(self._pread(n, 8))
@@ -101,7 +101,27 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: tensor {name!r} ends at byte {data_start + end} past the "
                                       f"end of the file ({size} bytes): truncated file")
             tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, want)
+        self._check_tiling(tensors, data_start, data_size)
         return tensors, metadata
+
+    def _check_tiling(self, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
+        """The safetensors library's own rule (tensor.rs `validate`): the tensors, in offset order,
+        tile the data section exactly: each starts where the previous ends, and the last ends at
+        the end of the file. Two tensors sharing bytes, or bytes no tensor covers, are refused."""
+        end, previous = 0, None
+        for t in sorted(tensors.values(), key=lambda t: (t.start, t.start + t.nbytes)):
+            begin = t.start - data_start
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} overlaps tensor {previous!r} (bytes "
+                                      f"[{begin}, {end}) of the data belong to both): corrupt or crafted file, "
+                                      "do not use it")
+            if begin > end:
+                raise CheckpointError(f"{self.path}: bytes [{end}, {begin}) of the data, before tensor {t.name!r}, "
+                                      "belong to no tensor: corrupt or crafted file, do not use it")
+            end, previous = begin + t.nbytes, t.name
+        if end != data_size:
+            raise CheckpointError(f"{self.path}: the last {data_size - end} bytes of the file belong to no tensor "
+                                  f"(the tensors end at data byte {end}): corrupt or crafted file, do not use it")
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:

@@ -112,7 +112,7 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
     names = list(tensors)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(TINY_DIR,)) as tmp:
         if shards == 1:
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         else:

@@ -111,8 +111,8 @@ CASES = [
     ("fp8", per_tensor_fp8, r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
                             r"per-tensor FP8.*dequantize it to bf16 first"),
     ("int4", other_method, r"quant_method 'gptq' is not read by eprt"),
-    ("int4", format_without_compressor, r"format 'marlin-24' has no compressor in the installed compressed-tensors "
-                                        r"0\.20.*pip install -U compressed-tensors"),
+    ("int4", format_without_compressor, r"compressed-tensors format 'marlin-24' is not one eprt decodes "
+                                        r"\(pack-quantized, .*\); dequantize the checkpoint to bf16 first"),
     ("int4", compressed_where_ignored, r"tensor 'model\.layers\.1\.self_attn\.o_proj\.weight_packed' is compressed, "
                                        r"but the quantization_config's ignore entry 're:\.\*self_attn\.\*' says "
                                        r"model\.layers\.1\.self_attn\.o_proj is not"),

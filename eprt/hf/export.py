@@ -97,7 +97,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
                 raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
                                 + "\n  ".join(problems))
 
-        write_together(state, out_dir, write, overwrite=overwrite, inputs=(ckpt_dir,), check_fn=check if exp else None)
+        write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(), check_fn=check if exp else None)
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from eprt.atomic import check_output_dir
 from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
@@ -49,6 +50,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         recipe = load_recipe(a.recipe, a.kv_cache)
+        check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
         ck = Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
@@ -85,7 +87,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
-                       overwrite=a.overwrite)
+                       overwrite=a.overwrite, inputs=ck.input_dirs())
     if state.rank == 0:
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
