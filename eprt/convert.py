@@ -216,6 +216,9 @@ class Planner:
                 raise CheckpointError(f"{f.path}: tensor {s!r} has shape {list(info.shape)} but config.json "
                                       f"implies {list(spec.source_shape())}")
             self.refuse_unscaled_fp8(s)
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
+                                      "which is floating point: the file is not this model's checkpoint")
             dtypes.add(info.dtype)
         if len(dtypes) > 1:
             raise CheckpointError(f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
@@ -311,20 +314,39 @@ def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, prog
     total = sum(dt.itemsize * math.prod(shape) for ps in by_file.values() for p in ps for _, dt, shape in p.stored())
     with bar(total, "convert", unit="B", enabled=progress) as pb:
         for fname, ps in by_file.items():
-            w = SafetensorsWriter(os.path.join(tmp, fname), [entry for p in ps for entry in p.stored()])
-            for p in ps:
-                metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
-            w.close()
+            path = os.path.join(tmp, fname)
+            try:
+                w = SafetensorsWriter(path, [entry for p in ps for entry in p.stored()])
+                for p in ps:
+                    metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
+                w.close()
+            except OSError as e:
+                if e.filename is not None:
+                    raise
+                # a failed write says only why (disk full); the file it was writing is the way in
+                raise OSError(e.errno, e.strerror, path) from e
     return metas
+
+
+def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
+    """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it
+    here. One min/max pass (NaN propagates into both), cheaper than an elementwise test."""
+    if t.numel() and t.dtype.is_floating_point:
+        lo, hi = torch.aminmax(t.view(-1))
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
+                                  "weights cannot be calibrated: fix or re-download the source")
 
 
 def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
     for s in p.spec.sources:
         f, info = src.tensors[s]
+        t = f.read(s)
+        refuse_non_finite(f.path, s, t)
         if info.dtype == p.dtype:
-            w.copy_range(p.spec.name, f, info.start, info.nbytes)
+            w.copy_range(p.spec.name, f, info.start, info.nbytes)  # from the page cache the read just filled
         else:
-            w.write(p.spec.name, f.read(s).to(p.dtype))
+            w.write(p.spec.name, t.to(p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, compressed.RAW, p.role, (Part(fname, p.spec.name, rows),),
