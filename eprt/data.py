@@ -73,7 +73,13 @@ def eos_id(hf_dir: str) -> int | None:
     for name in ("generation_config.json", "config.json"):
         p = os.path.join(hf_dir, name)
         if os.path.isfile(p):
-            eos = json.load(open(p)).get("eos_token_id")
+            try:
+                with open(p, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(f"{p}: not UTF-8 JSON ({e}); text calibration reads the end-of-sequence "
+                                  "token there: fix the file in the source and convert again") from None
+            eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
             if eos is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from eprt.config import FamilyReader, ModelConfig, register
+from eprt.config import FamilyReader, Fields, ModelConfig, register
 from eprt.families import kimi_linear
 from eprt.families.kimi_k25 import text_config, vlm_layout
 from eprt.layout import Layout
@@ -18,8 +18,11 @@ A_LOG_PAD = 128
 
 def parse(hf: dict, source: str) -> ModelConfig:
     text = text_config(hf, source)
-    heads = (text.get("linear_attn_config") or {}).get("num_heads") or text.get("linear_num_heads")
-    return kimi_linear.parse_text(text, f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"],
+    where = f"{source} (text_config)"
+    f = Fields(text, where)
+    lin = Fields(f.get("linear_attn_config", default={}), where + " (linear_attn_config)")
+    heads = lin.get("num_heads") if lin.has("num_heads") else f.get("linear_num_heads", default=None)
+    return kimi_linear.parse_text(text, where, "kimi_k3", model_type=hf["model_type"],
                                   a_log_len=A_LOG_PAD * math.ceil((heads or 1) / A_LOG_PAD))
 
 
