@@ -223,6 +223,20 @@ def test_a_recipe_that_quantizes_nothing_is_refused_with_the_names_it_could_matc
     assert not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_recipe_that_splits_a_fused_module_is_refused_at_the_start(qwen, tmp_path, monkeypatch, fmt):
+    """vLLM loads q/k/v as one qkv_proj: quantizing q_proj alone would fail export's check at the end."""
+    recipe = tmp_path / "q_only.yaml"
+    recipe.write_text(f'name: q_only\nquantize:\n  - {{pattern: "*.q_proj", format: {fmt}}}\n'
+                      '  - {pattern: "*", format: none}\n')
+    monkeypatch.setattr(ptq, "load_model", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
+    with pytest.raises(EprtError, match=r"recipe 'q_only' quantizes model\.layers\.0\.self_attn\.q_proj but not "
+                                        r"model\.layers\.0\.self_attn\.k_proj, model\.layers\.0\.self_attn\.v_proj; "
+                                        r"the engines load k_proj/q_proj/v_proj as one fused module"):
+        calibrate(qwen, str(tmp_path / "q"), str(recipe))
+    assert not (tmp_path / "q").exists()
+
+
 # --- refused at the start, not at the end ----------------------------------------------------------
 
 NVFP4_24 = (r"model\.layers\.1\.mlp\.experts\.w2: input dim 24 is not a multiple of 16; NVFP4 cannot quantize it "

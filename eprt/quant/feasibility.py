@@ -1,10 +1,11 @@
 """Whether a recipe can quantize a model, decided from shapes alone: the one rule PTQ checks at its
 start (and `--dry-run`), before a weight is read, and export checks again before it writes.
 
-A recipe must quantize at least one module, and each module it quantizes must fit its format:
-NVFP4 packs blocks of 16 consecutive elements along the input dim (eprt.quant.nvfp4), so every
-weight of the module (both stacked tensors of a MoE layer's experts) needs an input dim that
-is a multiple of 16. FP8 per-tensor quantizes any shape.
+A recipe must quantize at least one module; Linears the engines load as one fused module
+(eprt.quant.fusion) must be quantized all or none; and each module it quantizes must fit its
+format: NVFP4 packs blocks of 16 consecutive elements along the input dim (eprt.quant.nvfp4),
+so every weight of the module (both stacked tensors of a MoE layer's experts) needs an input dim
+that is a multiple of 16. FP8 per-tensor quantizes any shape.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import fnmatch
 
 from eprt.errors import ConfigError
 from eprt.layout import Layout, TensorSpec
+from eprt.quant.fusion import FUSED_SIBLINGS
 from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import Recipe
 
@@ -32,9 +34,21 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
     if not quantized:
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
+    refuse_split_fusion(modules, quantized, recipe, where)
     if recipe.weight_format == "nvfp4":
         refuse_unblockable(layout, quantized, recipe, where)
     return quantized
+
+
+def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
+    """A fused module is one weight to the engines: part quantized, part not, it cannot be loaded."""
+    for module in quantized:
+        parent, leaf = module.rsplit(".", 1)
+        group = next((g for g in FUSED_SIBLINGS if leaf in g), ())
+        plain = sorted(m for m in (f"{parent}.{x}" for x in group) if m in modules and m not in quantized)
+        if plain:
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} but not {', '.join(plain)}; the "
+                              f"engines load {'/'.join(sorted(group))} as one fused module: give them one format")
 
 
 def refuse_unblockable(layout: Layout, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
