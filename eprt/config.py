@@ -111,10 +111,15 @@ def read_hf_config(hf_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}, not an object of fields")
+    return hf
 
 
 def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
@@ -127,6 +132,22 @@ def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
 def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
     hf = read_hf_config(hf_dir)
     return hf, parse_hf_config(hf, os.path.join(hf_dir, "config.json"))
+
+
+# Fields whose value is a count or a size, and fields that are any real number: a string or a
+# bool there (`"hidden_size": "4096"`) is refused by name instead of failing deep in the model.
+INTEGER_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+    "num_experts_per_tok", "num_experts_per_token", "n_shared_experts", "num_shared_experts", "first_k_dense_replace",
+    "decoder_sparse_step", "moe_layer_freq", "max_position_embeddings", "model_max_length", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
+    "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
+    "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
+    "original_max_position_embeddings",
+})
+REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
+                         "activation_situ_linear_beta", "gate_lower_bound"})
 
 
 class Fields:
@@ -142,10 +163,30 @@ class Fields:
         """The first of `names` present (transformers 4 and 5 spell some fields differently)."""
         for n in names:
             if n in self.d and self.d[n] is not None:
-                return self.d[n]
+                return self.checked(n, self.d[n])
         if default is ConfigError:
             raise ConfigError(f"{self.source}: required field {' / '.join(names)} is missing")
         return default
+
+    def checked(self, name: str, value: Any) -> Any:
+        """`value` if it has the type field `name` needs (bool is no number here, whatever Python says)."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in INTEGER_FIELDS and not (number and float(value).is_integer()):
+            raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be an integer: "
+                              "write it as a JSON number")
+        if name in REAL_FIELDS and not number:
+            raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a number: "
+                              "write it as a JSON number")
+        return int(value) if name in INTEGER_FIELDS else value
+
+    def experts_per_token(self, num_experts: int, *names: str, default: int) -> int:
+        """How many routed experts each token goes to: 1 to `num_experts` in a model with experts."""
+        top_k = self.get(*names, default=default)
+        if num_experts and not 1 <= top_k <= num_experts:
+            spelled = next((n for n in names if n in self.d), names[0])
+            raise self.refuse(f"field {spelled!r} is {top_k}; each token goes to 1 to {num_experts} routed experts "
+                              "(the model's expert count): set it in that range")
+        return top_k
 
     def refuse(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.source}: {msg}")

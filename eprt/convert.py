@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from eprt.atomic import atomic_output_dir, copy_files
@@ -216,6 +217,9 @@ class Planner:
             if problem:
                 raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
+                                      "which is floating point: the file is not this model's checkpoint")
             dtypes.add(info.dtype)
         if spec.padded_per:
             spec = spec.stored_as(info.shape)
@@ -313,20 +317,46 @@ def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, prog
     total = sum(dt.itemsize * math.prod(shape) for ps in by_file.values() for p in ps for _, dt, shape in p.stored())
     with bar(total, "convert", unit="B", enabled=progress) as pb:
         for fname, ps in by_file.items():
-            w = SafetensorsWriter(os.path.join(tmp, fname), [entry for p in ps for entry in p.stored()])
-            for p in ps:
-                metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
-            w.close()
+            path = os.path.join(tmp, fname)
+            try:
+                w = SafetensorsWriter(path, [entry for p in ps for entry in p.stored()])
+                for p in ps:
+                    metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
+                w.close()
+            except OSError as e:
+                if e.filename is not None:
+                    raise
+                # a failed write says only why (disk full); the file it was writing is the way in
+                raise OSError(e.errno, e.strerror, path) from e
     return metas
+
+
+# The exponent bits of each floating dtype, as an integer of its width: all set in NaN and infinity only.
+EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                 torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
+    """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it
+    here. One pass over the bits in numpy (single-threaded, vectorized): torch's parallel
+    reductions stall when the cores are busy, and this check must stay cheap next to a copy."""
+    if t.dtype not in EXPONENT_BITS or not t.numel():
+        return
+    int_dtype, exponent = EXPONENT_BITS[t.dtype]
+    if int(np.bitwise_and(t.view(-1).view(int_dtype).numpy(), exponent).max()) == exponent:
+        raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
+                              "weights cannot be calibrated: fix or re-download the source")
 
 
 def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
     for s in p.spec.sources:
         f, info = src.tensors[s]
+        t = f.read(s)
+        refuse_non_finite(f.path, s, t)
         if info.dtype == p.dtype:
-            w.copy_range(p.spec.name, f, info.start, info.nbytes)
+            w.copy_range(p.spec.name, f, info.start, info.nbytes)  # from the page cache the read just filled
         else:
-            w.write(p.spec.name, f.read(s).to(p.dtype))
+            w.write(p.spec.name, t.to(p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, compressed.RAW, p.role, (Part(fname, p.spec.name, rows),),

@@ -19,7 +19,7 @@ from eprt.errors import ConfigError
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.ptq import DTYPES, PTQArgs, run_ptq
+from eprt.quant.ptq import DTYPES, PTQArgs, plan_recipe, run_ptq
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +50,8 @@ def ptq() -> None:
     with ParallelState.from_env(ep=a.ep) as state:
         ck = open_checkpoint(a.ckpt, state)
         if a.dry_run:
+            if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
+                plan_recipe(ck, a.recipe, a.kv_cache)
             dry_run(state, ck, DTYPES[a.dtype])
             return
         run_ptq(state, PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,

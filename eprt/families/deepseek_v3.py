@@ -53,7 +53,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         v_head_dim=f.get("v_head_dim", default=128),
         moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and n_experts > 0),
         num_experts=n_experts,
-        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
         moe_intermediate_size=f.get("moe_intermediate_size", default=2048),
         num_shared_experts=f.get("n_shared_experts", default=1),
         router="sigmoid",

@@ -42,7 +42,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
         moe_layers=moe_layers,
         num_experts=n_experts,
-        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
         moe_intermediate_size=f.get("moe_intermediate_size", default=768),
         router="softmax",
         # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.

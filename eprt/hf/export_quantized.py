@@ -19,9 +19,9 @@ import torch
 from eprt import __version__
 from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
-from eprt.errors import EprtError
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
 from eprt.quant.nvfp4 import BLOCK_SIZE, nvfp4_scale, quantize_nvfp4
@@ -46,8 +46,7 @@ class QuantizedExport:
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.fmt = self.recipe.weight_format
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
-        modules = self.layout.linear_modules()
-        self.quantized = {m: spec for m, spec in modules.items() if self.recipe.format_of(m)}
+        self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         self.amax = {n: ck.read(n) for n in ck.names(role="calibration")}
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
@@ -108,9 +107,6 @@ class QuantizedExport:
             shapes = {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
                       "input_scale": (torch.float32, ())}
         else:
-            if in_dim % BLOCK_SIZE:
-                raise EprtError(f"{module}: input dim {in_dim} is not a multiple of {BLOCK_SIZE}; NVFP4 cannot "
-                                "quantize it: exclude it in the recipe")
             shapes = {"weight": (torch.uint8, (out_dim, in_dim // 2)),
                       "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
                       "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}

@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eprt.errors import EprtError
 from eprt.models.moe import Experts
+
+
+class CalibrationError(EprtError):
+    """Calibration recorded something no scale can be made of."""
 
 
 def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -85,6 +90,24 @@ class Calibrator:
 
         attn.kv_observer = observer
         self._undo.append(lambda: setattr(attn, "kv_observer", None))
+
+    def amax_by_name(self) -> dict[str, torch.Tensor]:
+        """Every recorded amax, named as the module and what it measures."""
+        out = {f"{m} (input)": t for m, t in self.input_amax.items()}
+        for m, (w13_in, w2_in) in self.expert_amax.items():
+            out[f"{m} (gate/up input)"], out[f"{m} (down input)"] = w13_in, w2_in
+        for m, (k, v) in self.kv_amax.items():
+            out[f"{m} (keys)"], out[f"{m} (values)"] = k, v
+        return out
+
+    def check_finite(self, rank: int) -> None:
+        """Refuse a NaN or infinite amax: its scale would be NaN, and export would fail only at the end."""
+        for what, t in self.amax_by_name().items():
+            if not torch.isfinite(t).all():
+                raise CalibrationError(
+                    f"{what}: calibration on rank {rank} recorded a non-finite amax ({t.max().item()}); the model "
+                    "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
+                    "--dtype fp32 if bf16 overflows")
 
     def reduce(self, state) -> None:
         """Dense and KV amax: max over the world; experts: max (and token sum) over the edp replicas."""

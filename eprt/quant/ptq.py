@@ -24,7 +24,8 @@ from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.preview import fake_quantize, greedy
-from eprt.quant.recipe import load_recipe
+from eprt.quant.feasibility import quantized_modules
+from eprt.quant.recipe import Recipe, load_recipe
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -49,20 +50,20 @@ def run_ptq(state, a: PTQArgs) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens"} (tokens on this rank)."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
-        recipe = load_recipe(a.recipe, a.kv_cache)
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
         ck = Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
         if a.dtype not in DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(DTYPES)}")
+        warn_beyond_positions(cfg, a.seq_len, state.rank)
         samples = calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
-        targets = [m for m in reader_for(cfg.model_type, a.ckpt).layout(cfg).linear_modules() if recipe.format_of(m)]
     with ck:
         model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
         if a.preview:
@@ -76,6 +77,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
                 for batch in batches:
                     model(batch)
                     pb.update(1)
+            cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
         report_coverage(cal, state, cfg.num_experts)
@@ -91,6 +93,23 @@ def run_ptq(state, a: PTQArgs) -> dict:
     if state.rank == 0:
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
+
+
+def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe `spec` and the modules it quantizes in `ck`, from the manifest alone: whatever
+    export would refuse about this recipe and this model is refused here, before a weight is read."""
+    recipe = load_recipe(spec, kv_cache)
+    layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
+    return recipe, list(quantized_modules(layout, recipe, ck.path))
+
+
+def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
+    """Calibrating past the positions the model was trained for records activations no deployment
+    sees; allowed (a user may mean it), said once."""
+    if seq_len > cfg.max_position_embeddings and rank == 0:
+        logger().warning("--seq-len %d is beyond the model's max_position_embeddings %d; the calibration "
+                         "sees positions the model was not trained for: lower --seq-len", seq_len,
+                         cfg.max_position_embeddings)
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
