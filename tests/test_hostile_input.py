@@ -312,7 +312,7 @@ def test_a_full_disk_during_convert_names_the_file(qwen_hf, tmp_path, monkeypatc
     monkeypatch.setattr(os, "sendfile", full)
     out = tmp_path / "ck"
     lines = refusal_of(lambda: convert_hf(qwen_hf, str(out), progress=False), capsys)
-    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/.ck.partial/") and \
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/.ck.partial-") and \
         "safetensors: the disk is full: free space or write the output elsewhere" in lines[0], lines
     assert os.listdir(tmp_path) == []
 
