@@ -1,5 +1,5 @@
 """Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
-loaders rely on.
+loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors).
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
 key at fault; an empty list means the export passed. Only headers and scale tensors are read,
@@ -28,7 +28,8 @@ import torch
 from safetensors import safe_open
 
 from eprt.errors import EprtError
-from eprt.hf.check_names import check_names, source_names_from_config, source_names_from_dir
+from eprt.hf.check_names import (COMPANIONS, KV_COMPANIONS, check_names, source_names_from_config,
+                                  source_names_from_dir)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -39,6 +40,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 # Per-tensor scales every quantized Linear carries (NVFP4's weight_scale is the block-scale grid).
 PER_TENSOR_SCALES = {"FP8": ("weight_scale", "input_scale"), "NVFP4": ("weight_scale_2", "input_scale")}
 LINEAR_SCALES = ("weight_scale", "weight_scale_2", "input_scale")
+CT_SCALES = ("weight_global_scale", "input_global_scale")  # compressed-tensors' NVFP4 (reciprocal) scales
 KV_SCALES = {"k_scale": "k_proj", "v_scale": "v_proj"}
 NVFP4_GROUP = 16
 
@@ -74,6 +76,12 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         return [f"{out}: not a directory"]
     problems: list[str] = []
     config = _read_json(out / "config.json", problems)
+    if is_compressed_tensors(config):
+        from eprt.hf.check_compressed_tensors import check_compressed_tensors
+
+        check_compressed_tensors(config, _read_tensors(out, problems), _source_names(config, source_dir, problems),
+                                 problems)
+        return problems
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)
@@ -81,13 +89,23 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         modules = _Modules(tensors, algo, exclude, problems)
         modules.check()
         _check_kv_scales(tensors, kv_algo, exclude, problems)
-        try:
-            source = source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
-        except EprtError as e:
-            problems.append(f"--source: {e}")
-            source = None
-        check_names(tensors, modules.quantized, algo, kv_algo, source, problems)
+        source = _source_names(config, source_dir, problems)
+        check_names(tensors, {m: COMPANIONS[algo] for m in modules.quantized}, KV_COMPANIONS if kv_algo else (),
+                    source, problems)
     return problems
+
+
+def is_compressed_tensors(config: dict | None) -> bool:
+    return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict) \
+        and config["quantization_config"].get("quant_method") == "compressed-tensors"
+
+
+def _source_names(config: dict | None, source_dir, problems: list[str]):
+    try:
+        return source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
+    except EprtError as e:
+        problems.append(f"--source: {e}")
+        return None
 
 
 # ------------------------------------------------------------------------------------ files
@@ -167,7 +185,7 @@ def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) ->
             piece = f.get_slice(name)
             t = _Tensor(piece.get_dtype(), tuple(piece.get_shape()))
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in LINEAR_SCALES or leaf in KV_SCALES:
+            if leaf in LINEAR_SCALES or leaf in KV_SCALES or leaf in CT_SCALES:
                 if math.prod(t.shape) == 1:
                     t.value = f.get_tensor(name).float().item()
                 elif t.dtype == "F8_E4M3":

@@ -1,11 +1,7 @@
 """A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (docs/export.md), which vLLM,
 SGLang and TensorRT-LLM load as `quant_method: modelopt`.
 
-Scales follow the engines' fusion rules: gate and up of one expert share a weight amax; every
-expert of a layer gets the layer's largest input amax per projection kind, also the experts no
-token reached; with NVFP4, Linears that read the same input (q/k/v, gate/up, DeepSeek's q_a_proj
-and kv_a_proj_with_mqa) share input amax and per-tensor weight amax, because the engine fuses
-them under one weight_scale_2 (eprt.quant.fusion).
+Scales follow the engines' fusion rules, resolved in one place (eprt.quant.scales).
 """
 
 from __future__ import annotations
@@ -19,13 +15,16 @@ import torch
 from eprt import __version__
 from eprt.checkpoint import Checkpoint
 from eprt.config import reader_for
+from eprt.errors import ConfigError
+from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fp8 import fp8_scale, quantize_fp8
-from eprt.quant.fusion import siblings
-from eprt.quant.nvfp4 import BLOCK_SIZE, nvfp4_scale, quantize_nvfp4
+from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.scales import Scales
 
 ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
@@ -40,57 +39,54 @@ class ExpertWeight:
     piece: int
 
 
+FORMATS = ("modelopt", ct.NAME)  # the layouts an export is written in
+
+
 class QuantizedExport:
-    def __init__(self, ck: Checkpoint):
-        self.ck = ck
+    def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
+        if layout not in FORMATS:
+            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
+        self.ck, self.target = ck, layout
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.fmt = self.recipe.weight_format
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
-        self.amax = {n: ck.read(n) for n in ck.names(role="calibration")}
+        self.state = CalibrationState.read(ck)
+        self.scales = Scales({m: self.recipe.format_of(m) for m in self.quantized}, self.state,
+                             lambda m: ck.read(f"{m}.weight"))
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
-
-    # --- amax -------------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=None)
-    def weight_amax(self, module: str) -> torch.Tensor:
-        return max(self.ck.read(f"{m}.weight").abs().amax().float() for m in siblings(module, self.quantized, self.fmt))
-
-    def input_amax(self, module: str) -> torch.Tensor:
-        return max(self.amax[f"{m}.input_amax"] for m in siblings(module, self.quantized, self.fmt))
-
-    # --- quantization -----------------------------------------------------------------------
-    def scale(self, amax) -> torch.Tensor:
-        return fp8_scale(amax) if self.fmt == "fp8" else nvfp4_scale(amax)
 
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         return self.ck.read(name, rows=(e, e + 1))[0]
 
     @functools.lru_cache(maxsize=4)
-    def expert_amax(self, name: str, e: int) -> torch.Tensor:
-        """Gate and up of one expert (one row of w13) share one weight amax: computed once for both."""
-        return self.expert_row(name, e).abs().amax().float()
+    def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
+        """Gate and up of one expert (one row of w13) share one weight scale: computed once for both."""
+        return self.scales.expert_weight_scale(module, self.expert_row(name, e))
 
+    # --- quantization -----------------------------------------------------------------------
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
-        """Every tensor of one quantized Linear, by suffix (weight, weight_scale, ...)."""
+        """Every tensor of one quantized Linear, by its ModelOpt suffix (weight, weight_scale, ...)."""
         if hf_weight in self.experts:
             x = self.experts[hf_weight]
+            module, fmt = x.module, self.scales.formats[x.module]
             row = self.expert_row(x.spec.name, x.expert)
             h = row.shape[0] // x.spec.per_row
             w = row[x.piece * h:(x.piece + 1) * h]
-            w_amax = self.expert_amax(x.spec.name, x.expert)
+            w_scale = self.expert_weight_scale(x.spec.name, x.module, x.expert)
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
-            in_amax = self.amax[f"{x.module}.{kind}_input_amax"].max()  # the layer's largest
+            in_scale = self.scales.scale(module, self.scales.expert_input_amax(module, kind))
         else:
             module = hf_weight[: -len(".weight")]
+            fmt = self.scales.formats[module]
             w = self.ck.read(hf_weight)
-            w_amax, in_amax = self.weight_amax(module), self.input_amax(module)
-        w_scale = self.scale(w_amax)
-        out = {"input_scale": self.scale(in_amax)}
-        if self.fmt == "fp8":
+            w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
+        out = {"input_scale": in_scale}
+        if fmt == "fp8":
             # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
             # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
             source_dtype = self.ck.meta(x.spec.name if hf_weight in self.experts else hf_weight).source_dtype
@@ -100,10 +96,19 @@ class QuantizedExport:
             out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
         return out
 
+    def format_of(self, hf_weight: str) -> str:
+        x = self.experts.get(hf_weight)
+        return self.scales.formats[x.module if x else hf_weight[: -len(".weight")]]
+
     def quantized_out(self, t: OutTensor) -> list[OutTensor]:
         module = t.name[: -len(".weight")]
         out_dim, in_dim = t.shape
-        if self.fmt == "fp8":
+        fmt = self.format_of(t.name)
+        if self.target == ct.NAME:
+            return [OutTensor(f"{module}.{k}", dtype, shape,
+                              lambda w=t.name, k=k, f=fmt: ct.from_modelopt(f, self.quantize(w))[k])
+                    for k, (dtype, shape) in ct.companions(fmt, out_dim, in_dim).items()]
+        if fmt == "fp8":
             shapes = {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
                       "input_scale": (torch.float32, ())}
         else:
@@ -123,16 +128,19 @@ class QuantizedExport:
         for t in source_tensors(self.ck, dequantize=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         if self.recipe.kv_cache:
-            for name, kind in sorted((n, k) for n in self.amax for k in ("k", "v") if n.endswith(f".{k}_amax")):
-                attn = name[: -len(f".{kind}_amax")]
-                scale = fp8_scale(self.amax[name])
-                out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (), lambda s=scale: s))
+            for attn, amax in sorted(self.state.kv_amax.items()):
+                for kind, a in zip("kv", amax):
+                    if self.target == ct.NAME:
+                        out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, ct.SCALAR,
+                                             lambda s=fp8_scale(a): s.reshape(ct.SCALAR)))
+                    else:
+                        out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (),
+                                             lambda s=fp8_scale(a): s))
         return out
 
-    def excluded(self) -> list[str]:
-        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
-        as ModelOpt summarizes them (`summarize_excluded`), then what travels through unquantized
-        and unmodeled (DeepSeek's MTP layers, a vision tower), one pattern each."""
+    def linear_sets(self) -> tuple[set[str], set[str]]:
+        """(quantized, unquantized) Linear-like modules under their Hugging Face names, each routed
+        expert's projections one by one."""
         quantized, unquantized = set(), set()
         for spec in self.layout.specs:
             if spec.stacked:
@@ -141,11 +149,31 @@ class QuantizedExport:
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:
                 module = spec.name[: -len(".weight")]
                 (quantized if module in self.quantized else unquantized).add(module)
+        return quantized, unquantized
+
+    def passthrough_prefixes(self) -> set[str]:
+        """What travels through unquantized and unmodeled (DeepSeek's MTP layers, a vision tower):
+        one module prefix each (`model.layers.61`, `vision_tower`)."""
+        return {re.sub(r"(layers\.\d+)\..*", r"\1", name) if layer_of(name) is not None else name.split(".")[0]
+                for name in self.ck.names(role="passthrough")}
+
+    def excluded(self) -> list[str]:
+        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
+        as ModelOpt summarizes them (`summarize_excluded`), then what travels through, one pattern each."""
+        quantized, unquantized = self.linear_sets()
         names = summarize_excluded(unquantized, quantized)
-        for name in self.ck.names(role="passthrough"):
-            layer = layer_of(name)
-            names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else name.split(".")[0] + ".*")
-        return sorted(names)
+        return sorted(names | {f"{p}.*" for p in self.passthrough_prefixes()})
+
+    def ct_config(self) -> dict:
+        """config.json: the source's, with compressed-tensors' quantization_config."""
+        _, unquantized = self.linear_sets()
+        experts = {spec.name.rsplit(".", 1)[0] for spec in self.layout.specs
+                   if spec.stacked and spec.name.rsplit(".", 1)[0] not in self.quantized}
+        dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
+        formats = set(self.scales.formats.values())
+        qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
+                                    self.recipe.kv_cache, {f: ["Linear"] for f in formats})
+        return {**self.ck.source_config, "quantization_config": qc}
 
     def configs(self) -> tuple[dict, dict]:
         """(config.json, hf_quant_config.json)."""
