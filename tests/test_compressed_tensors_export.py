@@ -39,7 +39,7 @@ from eprt.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
-RECIPES = ["fp8", "nvfp4"]
+RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]
 CT_NAMES = {"fp8": {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"},
             "nvfp4": {"weight": "weight_packed", "weight_scale": "weight_scale",
                       "weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}}
@@ -63,16 +63,17 @@ def exports(tmp_path_factory):
     return out
 
 
-def expected_from_modelopt(modelopt: dict[str, torch.Tensor], recipe: str) -> dict[str, torch.Tensor]:
+def expected_from_modelopt(modelopt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors the ModelOpt export's values make, by name."""
     quantized = {n[: -len(".input_scale")] for n in modelopt if n.endswith(".input_scale")}
+    fmt = {m: "nvfp4" if f"{m}.weight_scale_2" in modelopt else "fp8" for m in quantized}
     out = {}
     for name, t in modelopt.items():
         module, _, leaf = name.rpartition(".")
         if leaf in ("k_scale", "v_scale"):  # self_attn.k_proj.k_scale -> self_attn.k_scale
             out[f"{module.rpartition('.')[0]}.{leaf}"] = t.reshape(1)
         elif module in quantized:
-            ct_leaf = CT_NAMES[recipe][leaf]
+            ct_leaf = CT_NAMES[fmt[module]][leaf]
             if ct_leaf in INVERTED:
                 t = 1 / t
             out[f"{module}.{ct_leaf}"] = t.reshape(1) if t.dim() == 0 else t
@@ -85,21 +86,22 @@ def expected_from_modelopt(modelopt: dict[str, torch.Tensor], recipe: str) -> di
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_tensors_are_the_modelopt_exports_values(exports, family, recipe):
     _, modelopt, ct = exports[family, recipe]
-    want, got = expected_from_modelopt(read_hf_tensors(modelopt), recipe), read_hf_tensors(ct)
+    want, got = expected_from_modelopt(read_hf_tensors(modelopt)), read_hf_tensors(ct)
     assert set(got) == set(want), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))
     for name in sorted(want):
         assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
         assert raw(got[name]) == raw(want[name]), name
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_the_config_is_compressed_tensors(exports, recipe):
+@pytest.mark.parametrize("recipe, fmt, groups", [
+    ("fp8", "float-quantized", ["float-quantized"]), ("nvfp4", "nvfp4-pack-quantized", ["nvfp4-pack-quantized"]),
+    ("nvfp4_experts_fp8_attention", "mixed-precision", ["float-quantized", "nvfp4-pack-quantized"])])
+def test_the_config_is_compressed_tensors(exports, recipe, fmt, groups):
     _, _, ct = exports["qwen3_moe", recipe]
     qc = json.loads(Path(ct, "config.json").read_text())["quantization_config"]
     assert not Path(ct, "hf_quant_config.json").exists()
-    fmt = {"fp8": "float-quantized", "nvfp4": "nvfp4-pack-quantized"}[recipe]
     assert (qc["quant_method"], qc["format"], qc["quantization_status"]) == ("compressed-tensors", fmt, "compressed")
-    assert [g["format"] for g in qc["config_groups"].values()] == [fmt]
+    assert [g["format"] for g in qc["config_groups"].values()] == groups
     assert qc["kv_cache_scheme"]["num_bits"] == 8 and qc["kv_cache_scheme"]["type"] == "float"
     # every Linear left in bf16 (routers, lm_head) is ignored by exact name
     assert {"lm_head", "model.layers.0.mlp.gate"} <= set(qc["ignore"])
@@ -133,13 +135,17 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(exports, f
     from compressed_tensors.quantization import QuantizationConfig
 
     _, modelopt, ct = exports[family, recipe]
+    from compressed_tensors.utils.match import match_name
+
     qc = QuantizationConfig.model_validate(json.loads(Path(ct, "config.json").read_text())["quantization_config"])
-    (scheme,) = qc.config_groups.values()
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
     theirs, ours = read_hf_tensors(ct), read_hf_tensors(modelopt)
     modules = sorted(n[: -len(".input_scale")] for n in ours if n.endswith(".input_scale"))
     assert any(".experts." in m for m in modules)
     for module in modules:
+        # the group compressed-tensors gives the module: the first whose targets match it
+        scheme = next(g for g in qc.config_groups.values()
+                      if any(t == "Linear" or match_name(module, t) for t in g.targets))
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
         state = {leaf: theirs[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)
                  if f"{module}.{leaf}" in theirs}
         weight = compressor.decompress(state, scheme)["weight"]
@@ -156,7 +162,7 @@ def test_transformers_decompresses_it_to_eprts_values(exports, family, recipe, t
     with torch.no_grad():
         model = AutoModelForCausalLM.from_pretrained(
             ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True))
-        if recipe == "nvfp4":
+        if recipe != "fp8":
             apply_expert_global_scales(model, read_hf_tensors(ct))
         loaded = model(ids).logits
         ref_dir = dequantized_source(hf, modelopt, tmp_path / "ref")

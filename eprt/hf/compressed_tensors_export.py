@@ -59,6 +59,23 @@ def ignore_list(unquantized: set[str], unquantized_experts: set[str], passthroug
     return sorted(out)
 
 
+def targets(formats: dict[str, str], others: set[str]) -> dict[str, list[str]]:
+    """Each format's config-group targets: ["Linear"] when one format quantizes every targeted
+    Linear, else `re:` patterns over the module names with the layer and expert indices
+    generalized, or a module's exact name where its pattern would also match a module of another
+    format or an unquantized one (`others`)."""
+    if len(set(formats.values())) == 1:
+        return {next(iter(formats.values())): ["Linear"]}
+    out: dict[str, set[str]] = {}
+    for module, fmt in formats.items():
+        pattern = "re:^" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(module)) + "$"
+        regex = re.compile(pattern[3:])
+        clash = any(regex.match(m) for m in others) or any(
+            regex.match(m) for m, f in formats.items() if f != fmt)
+        out.setdefault(fmt, set()).add(module if clash else pattern)
+    return {fmt: sorted(t) for fmt, t in out.items()}
+
+
 def quantization_config(formats: set[str], ignore: list[str], kv_cache: str | None, targets: dict[str, list[str]]) -> dict:
     """config.json's quantization_config. `targets`: format -> the modules it quantizes, as
     compressed-tensors targets (["Linear"] when one format covers every quantized Linear)."""

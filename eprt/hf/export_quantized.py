@@ -26,7 +26,9 @@ from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.scales import Scales
 
-ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
+# hf_quant_config.json's per-module quantization, by eprt format
+LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
+MIXED = "MIXED_PRECISION"
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
 
 
@@ -48,7 +50,6 @@ class QuantizedExport:
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
         self.ck, self.target = ck, layout
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
-        self.fmt = self.recipe.weight_format
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         self.state = CalibrationState.read(ck)
@@ -151,6 +152,13 @@ class QuantizedExport:
                 (quantized if module in self.quantized else unquantized).add(module)
         return quantized, unquantized
 
+    def hf_weights(self) -> list[str]:
+        """The Hugging Face weight of every quantized Linear, each routed expert's projections one by one."""
+        return [*self.experts, *(f"{m}.weight" for m in self.quantized if m not in self.stacked_modules())]
+
+    def stacked_modules(self) -> set[str]:
+        return {spec.name.rsplit(".", 1)[0] for spec in self.layout.specs if spec.stacked}
+
     def passthrough_prefixes(self) -> set[str]:
         """What travels through unquantized and unmodeled (DeepSeek's MTP layers, a vision tower):
         one module prefix each (`model.layers.61`, `vision_tower`)."""
@@ -167,30 +175,53 @@ class QuantizedExport:
     def ct_config(self) -> dict:
         """config.json: the source's, with compressed-tensors' quantization_config."""
         _, unquantized = self.linear_sets()
-        experts = {spec.name.rsplit(".", 1)[0] for spec in self.layout.specs
-                   if spec.stacked and spec.name.rsplit(".", 1)[0] not in self.quantized}
+        experts = self.stacked_modules() - set(self.quantized)
         dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
         formats = set(self.scales.formats.values())
+        by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
         qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
-                                    self.recipe.kv_cache, {f: ["Linear"] for f in formats})
+                                    self.recipe.kv_cache, ct.targets(by_linear, unquantized))
         return {**self.ck.source_config, "quantization_config": qc}
 
     def configs(self) -> tuple[dict, dict]:
-        """(config.json, hf_quant_config.json)."""
-        algo, excluded = ALGO[self.fmt], self.excluded()
+        """(config.json, hf_quant_config.json), as ModelOpt writes them: one quant_algo with its
+        exclude_modules, or MIXED_PRECISION with each quantized module's own (`quantized_layers`,
+        the routed experts of a layer as one `...experts` module), where a module it does not list
+        is unquantized and only what travels through unmodeled is excluded."""
         kv = "FP8" if self.recipe.kv_cache == "fp8" else None
-        quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded}
-        group = {"dynamic": False, "num_bits": 8, "type": "float"}
-        if self.fmt == "nvfp4":
-            quant["group_size"] = BLOCK_SIZE
-            group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
-        qc = {"quant_method": "modelopt", "quant_algo": algo,
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": group, "input_activations": group}},
-              "ignore": excluded, "producer": PRODUCER}
+        layers = {m: LAYER_CONFIG[fmt] for m, fmt in self.scales.formats.items()}  # in module order
+        if len(set(self.scales.formats.values())) == 1:
+            algo, excluded = next(iter(layers.values()))["quant_algo"], self.excluded()
+            quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded,
+                     **{k: v for k, v in next(iter(layers.values())).items() if k != "quant_algo"}}
+            groups = {"group_0": {"targets": ["Linear"], **group_config(next(iter(layers.values())))}}
+            qc = {"quant_method": "modelopt", "quant_algo": algo, "config_groups": groups, "ignore": excluded,
+                  "producer": PRODUCER}
+        else:
+            quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv, "quantized_layers": layers}
+            # what travels through unmodeled (MTP layers) is excluded by prefix, as ModelOpt adds it
+            passthrough = sorted(f"{p}.*" for p in self.passthrough_prefixes())
+            if passthrough:
+                quant["exclude_modules"] = passthrough
+            by_config: dict[str, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
+            for m, fmt in self.scales.formats.items():
+                by_config.setdefault(fmt, []).append(m)
+            groups = {f"group_{i}": {**group_config(LAYER_CONFIG[fmt]), "targets": sorted(ms)}
+                      for i, (fmt, ms) in enumerate(by_config.items())}
+            qc = {"quant_method": "modelopt", "quant_algo": MIXED, "config_groups": groups, "ignore": passthrough,
+                  "quantized_layers": layers, "producer": PRODUCER}
         if kv:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def group_config(layer: dict) -> dict:
+    """A config group's weights and input_activations for one module's quantization."""
+    bits = {"FP8": {"num_bits": 8}, "NVFP4": {"num_bits": 4, "group_size": BLOCK_SIZE}}[layer["quant_algo"]]
+    args = {"dynamic": False, **bits, "type": "float"}
+    args = {k: args[k] for k in ("dynamic", "num_bits", "type", "group_size") if k in args}
+    return {"weights": args, "input_activations": dict(args)}
 
 
 def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:

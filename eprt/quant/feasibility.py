@@ -35,19 +35,21 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
     refuse_split_fusion(modules, quantized, recipe, where)
-    if recipe.weight_format == "nvfp4":
-        refuse_unblockable(layout, quantized, recipe, where)
+    refuse_unblockable(layout, {m: s for m, s in quantized.items() if recipe.format_of(m) == "nvfp4"}, recipe, where)
     return quantized
 
 
 def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
-    """A fused module is one weight to the engines: part quantized, part not, it cannot be loaded."""
+    """A fused module is one weight to the engines: part quantized, part not, or parts in two
+    formats, it cannot be loaded."""
     for module in quantized:
         parent, leaf = module.rsplit(".", 1)
         group = next((g for g in FUSED_SIBLINGS if leaf in g), ())
-        plain = sorted(m for m in (f"{parent}.{x}" for x in group) if m in modules and m not in quantized)
-        if plain:
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} but not {', '.join(plain)}; the "
+        fmt = recipe.format_of(module)
+        other = sorted(m for m in (f"{parent}.{x}" for x in group) if m in modules and recipe.format_of(m) != fmt)
+        if other:
+            said = ", ".join(f"{m} {recipe.format_of(m) or 'unquantized'}" for m in other)
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; the "
                               f"engines load {'/'.join(sorted(group))} as one fused module: give them one format")
 
 

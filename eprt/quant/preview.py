@@ -18,6 +18,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import fake_quant_fp8
 from eprt.quant.nvfp4 import fake_quant_nvfp4
+from eprt.quant.recipe import Recipe
 from eprt.quant.scales import EXPERT_KINDS, Scales
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
@@ -37,19 +38,19 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], fmt: str, cal: Calibrator, state) -> None:
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state) -> None:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
     export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
     the routed experts."""
-    fake = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}[fmt]
-    scales = Scales({m: fmt for m in targets}, CalibrationState.of(cal),
+    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
                     lambda m: model.get_submodule(m).weight.detach())
+    fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
     dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module = model.get_submodule(m)
+            module, fake = model.get_submodule(m), fakes[scales.formats[m]]
             w_scale, in_scale = resolved[m]
             module.weight.copy_(fake(module.weight, w_scale))
             module.register_forward_pre_hook(lambda _m, args, s=in_scale: (fake(args[0], s), *args[1:]))
@@ -57,6 +58,7 @@ def fake_quantize(model, targets: list[str], fmt: str, cal: Calibrator, state) -
             experts = model.get_submodule(m)
             if not isinstance(experts, Experts):
                 continue
+            fake = fakes[scales.formats[m]]
             for w in (experts.w13, experts.w2):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
                     w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
