@@ -268,3 +268,21 @@ def test_an_unknown_format_is_refused(exports, tmp_path):
     with pytest.raises(ConfigError, match="--format 'gguf'"):
         export_hf(calibrated, str(tmp_path / "out"), progress=False, fmt="gguf")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_tools_write_and_check_it(exports, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    _, modelopt, _ = exports["qwen3_moe", "nvfp4"]
+    out = str(tmp_path / "out")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, str(root / "tools" / "export_hf.py"), modelopt[: -len("-modelopt")], out,
+                    "--format", "compressed-tensors", "--no-progress"], check=True, env=env)
+    assert json.loads(Path(out, "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    check = subprocess.run([sys.executable, str(root / "tools" / "check_export.py"), out], capture_output=True,
+                           text=True, env=env)
+    assert (check.returncode, check.stdout.strip()) == (0, f"{out}: ok")

@@ -89,3 +89,14 @@ def test_check_names_a_wrong_quantized_layers_entry(mixed_export, tmp_path, edit
     assert check_export(out, hf) == []
     problems = check_export(edited(out, tmp_path / "broken", edit), hf)
     assert any(fault in p for p in problems), problems
+
+
+def test_a_rule_for_the_mtp_layers_alone_is_refused_by_name(tmp_path):
+    ds = layout(tmp_path, "deepseek_v3")  # 3 decoder layers, MTP layer 3
+    for_mtp = parse_recipe({"name": "mtp", "quantize": [{"pattern": "model.layers.3.*", "format": "fp8"},
+                                                        {"pattern": "*", "format": "nvfp4"}]}, "mtp.yaml")
+    with pytest.raises(RecipeError, match=r"quantizes model\.layers\.3\.eh_proj .*multi-token-prediction"):
+        quantized_modules(ds, for_mtp, "tiny")
+    # a rule that also matches the model's own modules leaves the MTP layer unquantized
+    shipped = load_recipe("nvfp4_experts_fp8_attention")
+    assert not [m for m in quantized_modules(ds, shipped, "tiny") if m.startswith("model.layers.3.")]

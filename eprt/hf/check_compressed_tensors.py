@@ -73,8 +73,12 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
 
 def _parse_config(qc: dict, problems: list[str]):
     """(ignore, format -> [targets]) from the quantization_config, or None when it cannot be read."""
-    from compressed_tensors.quantization import QuantizationConfig
-
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError:
+        problems.append("config.json: a compressed-tensors export; checking it needs the compressed-tensors "
+                        "library: pip install 'eprt[compressed]'")
+        return None
     try:
         parsed = QuantizationConfig.model_validate(qc)
     except Exception as e:  # pydantic names the field at fault

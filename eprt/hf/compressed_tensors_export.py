@@ -19,12 +19,22 @@ import re
 
 import torch
 
+from eprt.errors import ConfigError
 from eprt.quant.nvfp4 import BLOCK_SIZE
 
 NAME = "compressed-tensors"
 # eprt format -> compressed-tensors preset scheme and its compression format
 PRESET = {"fp8": ("FP8", "float-quantized"), "nvfp4": ("NVFP4", "nvfp4-pack-quantized")}
 SCALAR = (1,)
+
+
+def require() -> None:
+    """The compressed-tensors library builds the config: refuse up front, before any output, without it."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise ConfigError("--format compressed-tensors needs the compressed-tensors library: "
+                          "pip install 'eprt[compressed]'") from None
 
 
 def companions(fmt: str, out_dim: int, in_dim: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -48,6 +48,8 @@ class QuantizedExport:
     def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
         if layout not in FORMATS:
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
+        if layout == ct.NAME:
+            ct.require()
         self.ck, self.target = ck, layout
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
