@@ -1,5 +1,7 @@
-"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (docs/export.md), which vLLM,
-SGLang and TensorRT-LLM load as `quant_method: modelopt`.
+"""A calibrated eprt checkpoint -> a quantized Hugging Face layout (docs/export.md): ModelOpt's,
+which vLLM, SGLang and TensorRT-LLM load as `quant_method: modelopt` (one format, or
+MIXED_PRECISION), or compressed-tensors' (eprt.hf.compressed_tensors_export), with the same
+quantized values.
 
 Scales follow the engines' fusion rules, resolved in one place (eprt.quant.scales).
 """
@@ -45,6 +47,8 @@ FORMATS = ("modelopt", ct.NAME)  # the layouts an export is written in
 
 
 class QuantizedExport:
+    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (FORMATS)."""
+
     def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
         if layout not in FORMATS:
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
