@@ -53,7 +53,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             module, fake = model.get_submodule(m), fakes[scales.formats[m]]
             w_scale, in_scale = resolved[m]
             module.weight.copy_(fake(module.weight, w_scale))
-            module.register_forward_pre_hook(lambda _m, args, s=in_scale: (fake(args[0], s), *args[1:]))
+            module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fake: (f(args[0], s), *args[1:]))
         for m in targets:
             experts = model.get_submodule(m)
             if not isinstance(experts, Experts):
@@ -67,6 +67,6 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            experts.register_forward_pre_hook(lambda _m, args, s=in_scale["w13"]: (fake(args[0], s), *args[1:]))
+            experts.register_forward_pre_hook(lambda _m, args, s=in_scale["w13"], f=fake: (f(args[0], s), *args[1:]))
             # w2 reads act(gate, up): quantized where it is made
-            experts.act = lambda gate, up, act=experts.act, s=in_scale["w2"]: fake(act(gate, up), s)
+            experts.act = lambda gate, up, act=experts.act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
