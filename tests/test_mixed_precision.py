@@ -41,7 +41,7 @@ def test_fused_siblings_in_two_formats_are_refused(tmp_path):
     recipe = parse_recipe({"name": "split", "quantize": [{"pattern": "*.q_proj", "format": "fp8"},
                                                          {"pattern": "*", "format": "nvfp4"}]}, "split.yaml")
     with pytest.raises(RecipeError, match=r"quantizes model\.layers\.0\.self_attn\.q_proj with fp8 but "
-                                          r"model\.layers\.0\.self_attn\.k_proj nvfp4"):
+                                          r"model\.layers\.0\.self_attn\.k_proj with nvfp4"):
         quantized_modules(layout(tmp_path, "qwen3_moe"), recipe, "tiny")
 
 

@@ -76,11 +76,15 @@ def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: s
         parent, leaf = module.rsplit(".", 1)
         group = next((g for g in FUSED_SIBLINGS if leaf in g), ())
         fmt = recipe.format_of(module)
-        other = sorted(m for m in (f"{parent}.{x}" for x in group) if m in modules and recipe.format_of(m) != fmt)
+        members = [m for m in (f"{parent}.{x}" for x in group) if m in modules]
+        plain = sorted(m for m in members if m not in quantized)
+        other = sorted(m for m in members if m in quantized and recipe.format_of(m) != fmt)
+        fused = f"the engines load {'/'.join(sorted(group))} as one fused module: give them one format"
+        if plain:
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} but not {', '.join(plain)}; {fused}")
         if other:
-            said = ", ".join(f"{m} {recipe.format_of(m) or 'unquantized'}" for m in other)
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; the "
-                              f"engines load {'/'.join(sorted(group))} as one fused module: give them one format")
+            said = ", ".join(f"{m} with {recipe.format_of(m)}" for m in other)
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; {fused}")
 
 
 def refuse_unblockable(layout: Layout, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
