@@ -11,11 +11,17 @@ from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_rotate_half
 
 
-def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads.
+def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float,
+                     keep_BTS: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
+    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True.
     Returns [B, T, H*e]."""
     B, H, T, _ = q_BHTd.shape
-    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, is_causal=True, scale=scale,
+    mask = None
+    if keep_BTS is not None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
+        mask = (keep_BTS & causal)[:, None]
+    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k_BhTd.shape[1] != H)
     # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
