@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 
-from eprt.config import parse_hf_config, reader_for
 from eprt.errors import EprtError
+from eprt.families import parse_hf_config, reader_for
 from eprt.hf.source import HFSource
 
 COMPANIONS = {"FP8": ("weight", "weight_scale", "input_scale"),
