@@ -31,7 +31,7 @@ from tests.hf_utils import read_hf_tensors
 FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE_DIR = ROOT / "configs" / "ptq"
+RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
 TOOL = ROOT / "tools" / "check_export.py"
 COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
               "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
