@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, plain, stacked_experts
 
 
@@ -82,6 +82,3 @@ def layout(c: ModelConfig) -> Layout:
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
     return Layout(tuple(specs))
-
-
-READER = register(FamilyReader("qwen3_moe", ("qwen3_moe",), parse, layout))
