@@ -1,22 +1,18 @@
-"""One normalized ModelConfig for every family, read from a checkpoint's config.json.
+"""One normalized ModelConfig for every family, and the tools a family's reader reads config.json with.
 
-Each family lives in `eprt/families/<name>.py` and registers the `model_type`s it reads;
-adding a family is adding that one file. Fields are read from the file; where a field is
-absent, the value is the one the family's reference implementation (transformers) assumes,
-never a guess of ours.
+Each family's reader lives in `eprt/families/<name>.py` and the family table
+(`eprt/families/__init__.py`) says which `model_type`s it reads. Fields are read from the file;
+where a field is absent, the value is the one the family's reference implementation
+(transformers) assumes, never a guess of ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from eprt.errors import ConfigError
-
-_READERS: dict[str, "FamilyReader"] = {}
 
 
 @dataclass(frozen=True)
@@ -99,68 +95,6 @@ class ModelConfig:
             if d.get(name) is not None:
                 d[name] = sub(**d[name])
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class FamilyReader:
-    family: str
-    model_types: tuple[str, ...]
-    parse: Any  # (hf_config: dict, source: str) -> ModelConfig
-    layout: Any  # (cfg: ModelConfig) -> eprt.layout.Layout
-
-
-def register(reader: FamilyReader) -> FamilyReader:
-    for mt in reader.model_types:
-        _READERS[mt] = reader
-    return reader
-
-
-def _load_families() -> None:
-    # Importing the package registers every family file in it.
-    import eprt.families  # noqa: F401
-
-
-def supported_model_types() -> list[str]:
-    _load_families()
-    return sorted(_READERS)
-
-
-def reader_for(model_type: str, source: str) -> FamilyReader:
-    _load_families()
-    if model_type not in _READERS:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not supported; eprt reads "
-            f"{', '.join(supported_model_types())}"
-        )
-    return _READERS[model_type]
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}, not an object of fields")
-    return hf
-
-
-def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
-    """The normalized config of a Hugging Face config.json (already loaded)."""
-    if "model_type" not in hf:
-        raise ConfigError(f"{source}: no model_type; cannot tell which family this is")
-    return reader_for(hf["model_type"], source).parse(hf, source)
-
-
-def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
-    hf = read_hf_config(hf_dir)
-    return hf, parse_hf_config(hf, os.path.join(hf_dir, "config.json"))
 
 
 # Fields whose value is a count or a size, and fields that are any real number: a string or a

@@ -53,20 +53,18 @@ class TensorSpec:
         return self.stacked
 
 
-# Modules no recipe quantizes, in every family: the engines build them unquantized.
-COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
-
-
 @dataclass(frozen=True)
 class Layout:
     specs: tuple[TensorSpec, ...]
     # Tensors the model does not run but that must travel through convert and export
     # unchanged (DeepSeek-V3's MTP layers, a VLM's vision tower).
     passthrough: tuple[str, ...] = ()  # regexes over Hugging Face names
-    # Tensors a `--dtype` conversion leaves in their source dtype, because the reference
-    # computes with them at that precision (DeepSeek's fp32 router correction bias).
+    # The two below are the family table's (eprt.families.Family.layout fills them in):
+    # tensors a `--dtype` conversion leaves in their source dtype, because the reference
+    # computes with them in fp32 (DeepSeek's router and its correction bias),
     precise: tuple[str, ...] = ()  # regexes over eprt names
-    unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names
+    # and modules no recipe quantizes.
+    unquantized: tuple[str, ...] = ()  # regexes over module names
 
     def linear_modules(self) -> dict[str, TensorSpec]:
         """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.

@@ -10,14 +10,14 @@ import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
 import eprt
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.hf.check_export import check_export
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.models.registry import model_class
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant
 from tests.hf_utils import raw, read_hf_tensors
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference

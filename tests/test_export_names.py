@@ -2,7 +2,7 @@
 its ModelOpt companions, plus the KV-cache scales: for every family and recipe.
 
 The expected set is predicted here from the source's tensor names, its config and the recipe's
-patterns (configs/ptq/*.yaml), with the modules the engines build unquantized written out, not
+patterns (eprt/configs/ptq/*.yaml), with the modules the engines build unquantized written out, not
 taken from the exporter.
 """
 
@@ -19,13 +19,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import summarize_excluded
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32"]

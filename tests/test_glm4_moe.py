@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.models.registry import model_class
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant
 from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, assert_matches_transformers, build
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 
@@ -85,10 +85,6 @@ def mtp_passthrough(c: ModelConfig) -> tuple[str, ...]:
     return tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
 
 
-# The router runs in fp32 in the reference, so `--dtype` leaves its weight and bias as stored.
-PRECISE = (r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias")
-
-
 def decoder_layout(c: ModelConfig, attention) -> Layout:
     """DeepSeek-V3's decoder with `attention(prefix, c)`'s tensors in each layer (GLM-4.5 has GQA there)."""
     H = c.hidden_size
@@ -101,11 +97,8 @@ def decoder_layout(c: ModelConfig, attention) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    return Layout(tuple(specs), passthrough=mtp_passthrough(c), precise=PRECISE)
+    return Layout(tuple(specs), passthrough=mtp_passthrough(c))
 
 
 def layout(c: ModelConfig) -> Layout:
     return decoder_layout(c, mla_attention)
-
-
-READER = register(FamilyReader("deepseek_v3", ("deepseek_v3", "kimi_k2"), parse, layout))

@@ -1,20 +1,14 @@
 """DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 plus DeepSeek Sparse Attention, a lightning indexer
-in every attention layer that picks the `index_topk` keys each query attends to.
-
-The indexer's projections stay unquantized in every recipe: vLLM fuses `wk` with `weights_proj`
-into one unquantized Linear (a block-FP8 `wk` is upcast to bf16 as it loads) and both vLLM and
-SGLang build `weights_proj` without a quantization config; `wq_b` is excluded with them, so that
-each engine loads the whole indexer as the source held it."""
+in every attention layer that picks the `index_topk` keys each query attends to. Its projections
+stay unquantized in every recipe (the family table, eprt.families.DEEPSEEK_V32, says why)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from eprt.config import FamilyReader, Fields, IndexerConfig, ModelConfig, register
+from eprt.config import Fields, IndexerConfig, ModelConfig
 from eprt.families import deepseek_v3
-from eprt.layout import COMMON_UNQUANTIZED, Layout, mla_attention, plain
-
-INDEXER_LINEARS = r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
+from eprt.layout import Layout, mla_attention, plain
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -56,8 +50,4 @@ def attention(prefix: str, c: ModelConfig) -> list:
 
 
 def layout(c: ModelConfig) -> Layout:
-    return dataclasses.replace(deepseek_v3.decoder_layout(c, attention),
-                               unquantized=(*COMMON_UNQUANTIZED, INDEXER_LINEARS))
-
-
-READER = register(FamilyReader("deepseek_v32", ("deepseek_v32",), parse, layout))
+    return deepseek_v3.decoder_layout(c, attention)

@@ -4,7 +4,7 @@ grouped-query attention with partial rotary, optional q/k norm and q/k/v biases.
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, GQAConfig, ModelConfig, read_rope, read_rotary_dim, register
+from eprt.config import Fields, GQAConfig, ModelConfig, read_rope, read_rotary_dim
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, gqa_attention
 
@@ -66,6 +66,3 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 def layout(c: ModelConfig) -> Layout:
     return deepseek_v3.decoder_layout(c, gqa_attention)
-
-
-READER = register(FamilyReader("glm4_moe", ("glm4_moe",), parse, layout))

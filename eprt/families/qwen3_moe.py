@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, gqa_attention, plain, stacked_experts
 
 
@@ -67,6 +67,3 @@ def layout(c: ModelConfig) -> Layout:
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
     return Layout(tuple(specs))
-
-
-READER = register(FamilyReader("qwen3_moe", ("qwen3_moe",), parse, layout))

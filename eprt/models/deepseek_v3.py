@@ -10,7 +10,6 @@ from eprt.models.decoder import CausalLM, DecoderLayer
 from eprt.models.layers import GatedMLP
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE
-from eprt.models.registry import register_model
 from eprt.models.router import SigmoidGroupRouter
 
 
@@ -26,11 +25,7 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     shared = GatedMLP(c.hidden_size, I * c.num_shared_experts) if c.num_shared_experts else None
     return MoE(gate, Experts(c.num_experts, first, count, c.hidden_size, I), shared)
 
-
-@register_model("deepseek_v3")
 class DeepseekV3ForCausalLM(CausalLM):
-    fp32_tensors = (r".*\.mlp\.gate\.weight", r".*\.mlp\.gate\.e_score_correction_bias")
-
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [DecoderLayer(c, MLAttention(c), deepseek_mlp(c, i, expert_range))
                              for i in range(c.num_layers)])

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from eprt.config import ModelConfig
 from eprt.models.decoder import CausalLM, DecoderLayer
-from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_mlp
+from eprt.models.deepseek_v3 import deepseek_mlp
 from eprt.models.dsa import Indexer
 from eprt.models.mla import MLAttention
-from eprt.models.registry import register_model
 
 
-@register_model("deepseek_v32")
 class DeepseekV32ForCausalLM(CausalLM):
-    fp32_tensors = DeepseekV3ForCausalLM.fp32_tensors
-
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [DecoderLayer(c, MLAttention(c, indexer=Indexer(c)), deepseek_mlp(c, i, expert_range))
                              for i in range(c.num_layers)])

@@ -7,14 +7,10 @@ from __future__ import annotations
 from eprt.config import ModelConfig
 from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer
-from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM, deepseek_mlp
-from eprt.models.registry import register_model
+from eprt.models.deepseek_v3 import deepseek_mlp
 
 
-@register_model("glm4_moe")
 class Glm4MoeForCausalLM(CausalLM):
-    fp32_tensors = DeepseekV3ForCausalLM.fp32_tensors
-
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [DecoderLayer(c, GQAttention(c), deepseek_mlp(c, i, expert_range))
                              for i in range(c.num_layers)])
