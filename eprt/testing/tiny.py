@@ -54,6 +54,8 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
         return dt + torch.log(-torch.expm1(-dt))
     if name.endswith("_res_proj.weight"):  # attention-residual queries: mixtures far from uniform
         return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(".bias"):  # projection and LayerNorm biases: small, around 0
+        return 0.1 * torch.randn(shape, generator=g)
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if re.search(r"\.(mlp|block_sparse_moe)\.gate\.weight$", name):  # routers: spread enough that routing is not a tie
@@ -163,9 +165,10 @@ SOURCE_FORMATS = {
     "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",  # DeepSeek-V3
                   "weight_block_size": [128, 128]},
 }
-# Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16.
+# Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
+# and DeepSeek-V3.2 its indexer's weights_proj.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
-_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head)")
+_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)")
 
 
 def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch.Tensor]:
