@@ -19,16 +19,16 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import summarize_excluded
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
 MIXED_RECIPES = ["nvfp4_experts_fp8_attention", "kimi_k3_release"]  # calibrated with an FP8 KV cache only
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,11 @@ TOOL = ROOT / "tools" / "check_export.py"
 COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
               "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 # What the engines build unquantized whatever the recipe: embeddings, lm_head, MoE routers, Kimi's
-# latent expert projections and attention-residual queries, the vision tower and projector.
+# latent expert projections and attention-residual queries, the vision tower and projector,
+# DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear).
 NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
-                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*)")
+                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
+                             r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj))")
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
 

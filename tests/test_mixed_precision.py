@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.hf.check_export import check_export
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.feasibility import RecipeError, quantized_modules
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import load_recipe, parse_recipe
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 
 
 def layout(tmp_path, family):

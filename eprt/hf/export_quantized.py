@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from eprt import __version__
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
 from eprt.errors import ConfigError
+from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
@@ -27,6 +26,7 @@ from eprt.quant.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.scales import Scales
+from eprt.storage.checkpoint import Checkpoint
 
 # hf_quant_config.json's per-module quantization, by eprt format
 LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
