@@ -20,6 +20,35 @@ _READERS: dict[str, "FamilyReader"] = {}
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): which layers run it and their sizes.
+    Each key head serves value_heads / key_heads value heads."""
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # Qwen3-Next fuses the input projections per key head (in_proj_qkvz, in_proj_ba); Qwen3.5
+    # stores them apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+    split_projections: bool
+
+
+@dataclass(frozen=True)
+class QwenNextConfig:
+    """What Qwen3-Next and Qwen3.5-MoE add to a Qwen3 decoder: Gated DeltaNet layers between the
+    gated full-attention ones, rotary embeddings on part of each head, and a shared expert."""
+    gated_delta_net: GatedDeltaNetConfig
+    rotary_dim: int  # head_dim * partial_rotary_factor
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "QwenNextConfig":
+        gdn = d["gated_delta_net"]
+        return cls(**{**d, "gated_delta_net": GatedDeltaNetConfig(**{**gdn, "layers": tuple(gdn["layers"])})})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # the eprt family that runs it ("qwen3_moe", "deepseek_v3")
     model_type: str  # the source's own model_type ("kimi_k2" runs as deepseek_v3)
@@ -57,6 +86,7 @@ class ModelConfig:
     topk_group: int = 1
     hidden_act: str = "silu"
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
+    qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE only
     extra: dict = field(default_factory=dict)
 
     def is_moe(self, layer: int) -> bool:
@@ -69,6 +99,8 @@ class ModelConfig:
     def from_json(cls, d: dict) -> "ModelConfig":
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
+        if d.get("qwen_next"):
+            d["qwen_next"] = QwenNextConfig.from_json(d["qwen_next"])
         return cls(**d)
 
 
@@ -144,10 +176,11 @@ INTEGER_FIELDS = frozenset({
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
     "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
     "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
-    "original_max_position_embeddings",
+    "original_max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "shared_expert_intermediate_size", "full_attention_interval",
 })
 REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
-                         "activation_situ_linear_beta", "gate_lower_bound"})
+                         "activation_situ_linear_beta", "gate_lower_bound", "partial_rotary_factor"})
 
 
 class Fields:

@@ -22,26 +22,36 @@ def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.T
 
 
 class GQAttention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """With `output_gate` (Qwen3-Next), q_proj gives each head its query and a gate side by side,
+    and the attention output is multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, c: ModelConfig, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         assert c.num_heads % c.num_kv_heads == 0, (c.num_heads, c.num_kv_heads)
         hd = c.head_dim
-        self.q_proj = Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
+        self.output_gate = output_gate
+        self.q_proj = Linear(c.hidden_size, c.num_heads * hd * (2 if output_gate else 1), bias=c.attention_bias)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
         self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.q_norm = norm(hd, c.rms_norm_eps)
+        self.k_norm = norm(hd, c.rms_norm_eps)
         # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
         self.kv_observer = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        return self.o_proj(causal_attention(q, k, v, self.head_dim ** -0.5))
+        o = causal_attention(q, k, v, self.head_dim ** -0.5)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(o)

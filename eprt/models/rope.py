@@ -70,7 +70,11 @@ class Rotary:
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX style (Qwen3): dimension i pairs with i + d/2."""
+    """NeoX style (Qwen3): dimension i pairs with i + d/2. Tables narrower than x rotate its first
+    dimensions only and pass the rest (partial rotary, Qwen3-Next)."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((rope_rotate_half(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

@@ -1,0 +1,142 @@
+"""Qwen3-Next and Qwen3.5-MoE against transformers on tiny random checkpoints, in float32; the chunked
+gated delta rule against its recurrence; the config fields in both transformers spellings."""
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+import eprt
+from eprt.config import ModelConfig, parse_hf_config, reader_for
+from eprt.convert import convert_hf
+from eprt.errors import ConfigError
+from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule
+from eprt.models.kda import chunk_size, l2norm
+from eprt.models.registry import model_class
+from eprt.tiny import tiny_config
+
+VOCAB = 96
+
+
+# --- the gated delta rule ---------------------------------------------------------------------
+
+def gdn_inputs(T: int, decay: float, B: int = 2, Hk: int = 2, Hv: int = 4, Dk: int = 16, Dv: int = 12):
+    """(q, k) per key head as the short convolution gives them, v, g and beta per value head."""
+    g = torch.Generator().manual_seed(T)
+    q, k = torch.randn(B, T, Hk, Dk, generator=g), torch.randn(B, T, Hk, Dk, generator=g)
+    v = torch.randn(B, T, Hv, Dv, generator=g)
+    log_decay = -decay * torch.sigmoid(2 * torch.randn(B, T, Hv, generator=g))
+    return q, k, v, log_decay, torch.rand(B, T, Hv, generator=g)
+
+
+# decay per token up to 0.1 (chunks of 64) and up to 40 (chunks of 2: a chunk of 64 would overflow fp32)
+@pytest.mark.parametrize("decay", [0.1, 40.0])
+@pytest.mark.parametrize("T", [1, 37, 64, 130])
+def test_chunked_gated_delta_rule_equals_the_recurrence(T, decay):
+    q, k, v, g, beta = gdn_inputs(T, decay)
+    # each key head serves two value heads, consecutive
+    qn, kn = (l2norm(x).repeat_interleave(2, dim=2) for x in (q, k))
+    qn = qn * q.shape[-1] ** -0.5
+    want = gated_delta_recurrent(qn, kn, v, g, beta)
+    torch.testing.assert_close(gated_delta_chunked(qn, kn, v, g, beta), want, rtol=0, atol=1e-5)
+    # shorter chunks than chosen are as exact: the state passes from chunk to chunk
+    chosen = chunk_size(g[..., None])
+    assert chosen == (64 if decay < 1 or T == 1 else 2)
+    torch.testing.assert_close(gated_delta_chunked(qn, kn, v, g, beta, chunk=min(8, chosen)), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gated_delta_rule(q, k, v, g, beta), want, rtol=0, atol=1e-5)
+
+
+# --- Qwen3-Next against transformers ----------------------------------------------------------
+
+def qwen3_next(**kw) -> Qwen3NextConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[2],
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                max_position_embeddings=128, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    return Qwen3NextConfig(**{**base, **kw})
+
+
+def randomize(model) -> None:
+    """Norm weights away from their zero init (they scale by 1 + weight), routers spread enough
+    that routing does not hinge on near-ties."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)
+
+
+QWEN3_NEXT_CASES = {
+    # value heads shared by key heads, a dense layer, half of each head rotated, 70 tokens (past a chunk)
+    "gva_dense_70_tokens": (dict(), 70),
+    # one value head per key head, experts everywhere, a quarter rotated, un-normalized top k, yarn
+    "moe_everywhere_yarn": (dict(linear_num_value_heads=2, mlp_only_layers=[], norm_topk_prob=False,
+                                 layer_types=["linear_attention", "linear_attention", "full_attention",
+                                              "linear_attention"],
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 32,
+                                                  "partial_rotary_factor": 0.25}), 12),
+}
+
+
+@pytest.mark.parametrize("case", QWEN3_NEXT_CASES)
+def test_qwen3_next_logits(tmp_path, case):
+    overrides, T = QWEN3_NEXT_CASES[case]
+    torch.manual_seed(0)
+    m = Qwen3NextForCausalLM(qwen3_next(**overrides)).eval()
+    randomize(m)
+    m.save_pretrained(tmp_path / "hf")
+    em = eprt.load_model(convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False), dtype=torch.float32)
+    linear = [i for i, t in enumerate(m.config.layer_types) if t == "linear_attention"]
+    assert [i for i, layer in enumerate(em.model.layers) if isinstance(getattr(layer, "linear_attn", None),
+                                                                       GatedDeltaNet)] == linear
+    assert [i for i, _ in em.moe_blocks()] == [i for i in range(4) if i not in m.config.mlp_only_layers]
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = m(ids).logits, em(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next"])
+def test_parameter_names_are_the_layout_names(family):
+    c = parse_hf_config(tiny_config(family))
+    with torch.device("meta"):
+        model = model_class(c.family)(c)
+    want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
+    assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
+
+
+def test_qwen3_next_config_in_both_spellings():
+    v4 = tiny_config("qwen3_next")  # full_attention_interval, partial_rotary_factor and rope_theta on top
+    c4 = parse_hf_config(v4)
+    layer_types = ["linear_attention", "full_attention"] * 2
+    v5 = {k: v for k, v in v4.items() if k not in ("full_attention_interval", "partial_rotary_factor", "rope_theta")}
+    v5 |= {"layer_types": layer_types,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
+    assert parse_hf_config(v5) == c4
+    g = c4.qwen_next.gated_delta_net
+    assert (g.layers, g.key_heads, g.value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == \
+        ((0, 2), 2, 4, 16, 16, 4)
+    assert (c4.qwen_next.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope_theta) == (8, 48, 1e7)
+    assert c4.moe_layers == (0, 1, 3) and c4.norm_topk_prob and c4.num_experts_per_tok == 2
+    # the manifest's JSON brings the typed sub-config back
+    assert ModelConfig.from_json(c4.to_json()) == c4
+    # transformers' default interval is 4
+    no_types = {k: v for k, v in v4.items() if k != "full_attention_interval"}
+    assert parse_hf_config({**no_types, "num_hidden_layers": 8}).qwen_next.gated_delta_net.layers == (0, 1, 2, 4, 5, 6)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"attention_bias": True}, "attention_bias is true"),
+    ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+     "layer_types must list"),
+    ({"layer_types": ["linear_attention"]}, "layer_types must list"),
+])
+def test_qwen3_next_refusals_name_the_setting(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_hf_config({**tiny_config("qwen3_next"), **fields})
