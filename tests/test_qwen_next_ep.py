@@ -22,7 +22,7 @@ from tests.test_ptq import same_files
 
 E = 8
 SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
-FAMILIES = ["qwen3_next"]
+FAMILIES = ["qwen3_next", "qwen3_5_moe"]
 # (recipe, kv cache, calibration dtype), as tests/test_ptq.py
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 
@@ -87,11 +87,22 @@ def calibrate(cks: dict[str, str], out_root: str, ep: int, port: int) -> None:
 # vLLM builds these unquantized (its qwen3_next / qwen3_5 loaders): the router, the shared
 # expert's gate, the linear attention's b/a projections; the depthwise conv1d is no Linear.
 NEVER_QUANTIZED = {"qwen3_next": ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
-                                  "model.layers.0.linear_attn.in_proj_ba"]}
+                                  "model.layers.0.linear_attn.in_proj_ba"],
+                   "qwen3_5_moe": ["model.language_model.layers.0.mlp.gate",
+                                   "model.language_model.layers.0.mlp.shared_expert_gate",
+                                   "model.language_model.layers.0.linear_attn.in_proj_b",
+                                   "model.language_model.layers.0.linear_attn.in_proj_a",
+                                   "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"]}
 QUANTIZED = {"qwen3_next": ["model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.out_proj",
                             "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.shared_expert.down_proj",
-                            "model.layers.2.mlp.up_proj", "model.layers.3.mlp.experts.7.down_proj"]}
-KV_LAYERS = {"qwen3_next": [1, 3]}
+                            "model.layers.2.mlp.up_proj", "model.layers.3.mlp.experts.7.down_proj"],
+            "qwen3_5_moe": ["model.language_model.layers.0.linear_attn.in_proj_qkv",
+                            "model.language_model.layers.0.linear_attn.in_proj_z",
+                            "model.language_model.layers.0.linear_attn.out_proj",
+                            "model.language_model.layers.3.self_attn.o_proj",
+                            "model.language_model.layers.3.mlp.shared_expert.gate_proj",
+                            "model.language_model.layers.1.mlp.experts.0.gate_proj"]}
+KV_LAYERS = {"qwen3_next": ["model.layers.1", "model.layers.3"], "qwen3_5_moe": ["model.language_model.layers.3"]}
 
 
 @pytest.mark.timeout(400)
@@ -122,7 +133,7 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
             for n in (n for n in source if n.endswith(("conv1d.weight", ".A_log", ".dt_bias"))):
                 assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype, n
             kv = sorted(n for n in exported if n.endswith(("k_scale", "v_scale")))
-            assert kv == (sorted(f"model.layers.{i}.self_attn.{p}_proj.{p}_scale" for i in KV_LAYERS[family]
+            assert kv == (sorted(f"{layer}.self_attn.{p}_proj.{p}_scale" for layer in KV_LAYERS[family]
                                  for p in "kv") if recipe == "nvfp4" else [])
             excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
             assert excluded, family

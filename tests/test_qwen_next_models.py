@@ -3,16 +3,20 @@ gated delta rule against its recurrence; the config fields in both transformers 
 
 import pytest
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+                          Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 import eprt
 from eprt.config import ModelConfig, parse_hf_config, reader_for
 from eprt.convert import convert_hf
 from eprt.errors import ConfigError
+from eprt.hf.export import export_hf
 from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule
 from eprt.models.kda import chunk_size, l2norm
 from eprt.models.registry import model_class
 from eprt.tiny import tiny_config
+from tests.hf_utils import raw, read_hf_tensors
 
 VOCAB = 96
 
@@ -43,6 +47,15 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(T, decay):
     assert chosen == (64 if decay < 1 or T == 1 else 2)
     torch.testing.assert_close(gated_delta_chunked(qn, kn, v, g, beta, chunk=min(8, chosen)), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(gated_delta_rule(q, k, v, g, beta), want, rtol=0, atol=1e-5)
+
+
+def test_a_sequence_output_does_not_depend_on_its_batch():
+    """Each sequence's chunk size comes from its own decay: batched with a fast-decaying sequence
+    (chunks of 2), a slow one (chunks of 64) gives the bits it gives alone."""
+    slow, fast = gdn_inputs(40, 0.1), gdn_inputs(40, 40.0)
+    both = [torch.cat([a[:1], b[:1]]) for a, b in zip(slow, fast)]
+    alone = gated_delta_rule(*(x[:1] for x in slow))
+    assert torch.equal(gated_delta_rule(*both)[:1], alone)
 
 
 # --- Qwen3-Next against transformers ----------------------------------------------------------
@@ -100,7 +113,86 @@ def test_qwen3_next_logits(tmp_path, case):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next"])
+# --- Qwen3.5-MoE against transformers ---------------------------------------------------------
+
+def qwen3_5_text(**kw) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8,
+                num_experts_per_tok=2, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                    "full_attention"],
+                max_position_embeddings=128, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    return {**base, **kw}
+
+
+def add_tensors(hf_dir, tensors: dict) -> None:
+    path = hf_dir / "model.safetensors"
+    save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+
+
+def test_qwen3_5_moe_logits_and_carried_tensors(tmp_path):
+    """The VLM as released: text model under model.language_model, head lm_head; the vision tower
+    and the MTP layers come out of convert and export byte for byte."""
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
+    m = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=qwen3_5_text(), vision_config=vision)).eval()
+    randomize(m)
+    m.save_pretrained(tmp_path / "hf")
+    add_tensors(tmp_path / "hf", {"mtp.fc.weight": torch.randn(32, 64), "mtp.layers.0.input_layernorm.weight":
+                                  torch.randn(32)})
+    ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
+    em = eprt.load_model(ck, dtype=torch.float32)
+    assert em.config.family == "qwen3_5_moe" and [i for i, _ in em.moe_blocks()] == [0, 1, 2, 3]
+    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = m(input_ids=ids).logits, em(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    source = read_hf_tensors(str(tmp_path / "hf"))
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
+    assert set(exported) == set(source)
+    carried = [n for n in source if n.startswith(("model.visual.", "mtp."))]
+    assert len(carried) > 10
+    for n in carried:
+        assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
+
+
+def test_qwen3_5_moe_text_logits(tmp_path):
+    """The language model saved alone (`qwen3_5_moe_text`, tensors under model.), un-normalized
+    top k impossible: Qwen3.5 always renormalizes."""
+    torch.manual_seed(0)
+    m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_text(linear_num_value_heads=2))).eval()
+    randomize(m)
+    m.save_pretrained(tmp_path / "hf")
+    em = eprt.load_model(convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False), dtype=torch.float32)
+    assert em.config.model_type == "qwen3_5_moe_text" and em.config.norm_topk_prob
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = m(input_ids=ids).logits, em(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen3_5_moe_configs():
+    vlm, text = parse_hf_config(tiny_config("qwen3_5_moe")), parse_hf_config(tiny_config("qwen3_5_moe_text"))
+    assert (vlm.family, vlm.model_type, text.family, text.model_type) == \
+        ("qwen3_5_moe", "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_text")
+    for c in (vlm, text):
+        g = c.qwen_next.gated_delta_net
+        assert g.split_projections and g.layers == (0, 1, 2) and c.qwen_next.rotary_dim == 8
+        assert c.moe_layers == (0, 1, 2, 3) and c.norm_topk_prob and c.rope_theta == 1e7
+    # the VLM's top-level tie_word_embeddings reaches the text model
+    tied = tiny_config("qwen3_5_moe")
+    tied = {**tied, "tie_word_embeddings": True, "text_config": {k: v for k, v in tied["text_config"].items()
+                                                                 if k != "tie_word_embeddings"}}
+    assert parse_hf_config(tied).tie_word_embeddings
+    with pytest.raises(ConfigError, match="text_config"):
+        parse_hf_config({"model_type": "qwen3_5_moe"})
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
 def test_parameter_names_are_the_layout_names(family):
     c = parse_hf_config(tiny_config(family))
     with torch.device("meta"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eprt.models.kda import ShortConv, kda_chunked, l2norm
+from eprt.models.kda import ShortConv, chunk_size, kda_chunked, l2norm
 from eprt.models.layers import Linear, RMSNorm
 
 
@@ -43,8 +43,18 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         chunk: int | None = None) -> torch.Tensor:
-    """The same in chunks (`kda_chunked`, its chunk size chosen from the decay); shapes as the recurrence."""
-    return kda_chunked(q, k, v, g[..., None].expand_as(k), beta, chunk)
+    """The same in chunks (`kda_chunked`); shapes as the recurrence. Each sequence's chunk size is
+    chosen from its own decay, so that its output does not depend on the sequences batched with
+    it (calibration at any expert-parallel layout must see the same activations)."""
+    g = g[..., None].expand_as(k)
+    if chunk:
+        return kda_chunked(q, k, v, g, beta, chunk)
+    sizes = torch.tensor([chunk_size(g[b:b + 1]) for b in range(k.shape[0])])
+    o = v.new_empty(v.shape)
+    for C in sizes.unique().tolist():
+        rows = (sizes == C).nonzero().flatten()
+        o[rows] = kda_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], C)
+    return o
 
 
 @functools.cache

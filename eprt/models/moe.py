@@ -88,7 +88,10 @@ class GatedSharedExpertMoE(MoE):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        # sigmoid over a full row per token, not over the [T, 1] column: a vectorized sigmoid rounds
+        # its tail elements apart from the rest, so a token's gate would depend on the token count
+        gate_TD = torch.sigmoid(self.shared_expert_gate(x_TD).expand(-1, x_TD.shape[-1]))
+        shared_TD = gate_TD * self.shared_expert(x_TD)
         return (self.routed(x_TD) + shared_TD).view_as(x_BTD)
 
 
