@@ -10,12 +10,12 @@ from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeFor
 import eprt
 from eprt.config import ModelConfig, parse_hf_config, reader_for
 from eprt.convert import convert_hf
-from eprt.errors import ConfigError
+from eprt.errors import CheckpointError, ConfigError
 from eprt.hf.export import export_hf
 from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule
 from eprt.models.kda import chunk_size, l2norm
 from eprt.models.registry import model_class
-from eprt.tiny import tiny_config
+from eprt.tiny import make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 VOCAB = 96
@@ -190,6 +190,22 @@ def test_qwen3_5_moe_configs():
     assert parse_hf_config(tied).tie_word_embeddings
     with pytest.raises(ConfigError, match="text_config"):
         parse_hf_config({"model_type": "qwen3_5_moe"})
+
+
+def test_experts_stored_fused_are_refused_by_name(tmp_path):
+    """Qwen3.5's released checkpoints hold each layer's experts in experts.gate_up_proj and
+    experts.down_proj: refused with the way out, before anything is written."""
+    hf = make_tiny("qwen3_5_moe_text", str(tmp_path / "hf"))
+    tensors = load_file(f"{hf}/model.safetensors")
+    p = "model.layers.2.mlp.experts"
+    tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}.{e}.{w}_proj.weight")
+                                                           for w in ("gate", "up")]) for e in range(8)])
+    tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(8)])
+    save_file(tensors, f"{hf}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.gate_up_proj' holds every expert .* "
+                                              r"split gate_up_proj"):
+        convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])

@@ -53,7 +53,8 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
     gdn = GatedDeltaNetConfig(
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         key_heads=k_heads, value_heads=v_heads,
-        key_head_dim=f.get("linear_key_head_dim", default=128), value_head_dim=f.get("linear_value_head_dim", default=128),
+        key_head_dim=f.get("linear_key_head_dim", default=128),
+        value_head_dim=f.get("linear_value_head_dim", default=128),
         conv_kernel=f.get("linear_conv_kernel_dim", default=4), split_projections=split_projections)
     return ModelConfig(
         family=family,
