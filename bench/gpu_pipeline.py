@@ -23,11 +23,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from eprt.convert import convert_hf  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.tiny import make_tiny  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import read_hf_tensors  # noqa: E402
 
 # family -> make_tiny's source format: Kimi-K3 as it ships (MXFP4 routed experts, decoded at load).

@@ -1,22 +1,39 @@
-"""One normalized ModelConfig for every family, read from a checkpoint's config.json.
+"""One normalized ModelConfig for every family, and the tools a family's reader reads config.json with.
 
-Each family lives in `eprt/families/<name>.py` and registers the `model_type`s it reads;
-adding a family is adding that one file. Fields are read from the file; where a field is
-absent, the value is the one the family's reference implementation (transformers) assumes,
-never a guess of ours.
+Each family's reader lives in `eprt/families/<name>.py` and the family table
+(`eprt/families/__init__.py`) says which `model_type`s it reads. Fields are read from the file;
+where a field is absent, the value is the one the family's reference implementation
+(transformers) assumes, never a guess of ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from eprt.errors import ConfigError
 
-_READERS: dict[str, "FamilyReader"] = {}
+
+@dataclass(frozen=True)
+class GQAConfig:
+    """Grouped-query attention beyond Qwen3's (GLM-4.5, Qwen3-Next): RoPE on the leading
+    `rotary_dim` dims of each head only, per-head q/k RMSNorm optional, the output projection
+    without the bias that q/k/v carry under attention_bias, and with `output_gate` (Qwen3-Next)
+    q_proj giving each head a gate beside its query, sigmoid(gate) scaling the head's output."""
+    rotary_dim: int
+    qk_norm: bool
+    output_bias: bool
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): `n_heads` heads of
+    `head_dim` score every earlier key, and each query attends to its `topk` best keys only."""
+    n_heads: int
+    head_dim: int
+    topk: int
 
 
 @dataclass(frozen=True)
@@ -37,9 +54,9 @@ class GatedDeltaNetConfig:
 @dataclass(frozen=True)
 class QwenNextConfig:
     """What Qwen3-Next and Qwen3.5-MoE add to a Qwen3 decoder: Gated DeltaNet layers between the
-    gated full-attention ones, rotary embeddings on part of each head, and a shared expert."""
+    gated full-attention ones (their partial rotary and output gate are `ModelConfig.gqa`'s), and
+    a shared expert behind a sigmoid gate."""
     gated_delta_net: GatedDeltaNetConfig
-    rotary_dim: int  # head_dim * partial_rotary_factor
     shared_expert_intermediate_size: int
 
     @classmethod
@@ -88,9 +105,16 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
     qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE only
     extra: dict = field(default_factory=dict)
+    gqa: GQAConfig | None = None  # None: Qwen3's (full rotary, q/k norm, every projection biased alike)
+    indexer: IndexerConfig | None = None
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head RoPE rotates (head_dim is the rope part already for MLA)."""
+        return self.gqa.rotary_dim if self.gqa else self.head_dim
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,71 +123,12 @@ class ModelConfig:
     def from_json(cls, d: dict) -> "ModelConfig":
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
+        for name, sub in (("gqa", GQAConfig), ("indexer", IndexerConfig)):
+            if d.get(name) is not None:
+                d[name] = sub(**d[name])
         if d.get("qwen_next"):
             d["qwen_next"] = QwenNextConfig.from_json(d["qwen_next"])
         return cls(**d)
-
-
-@dataclass(frozen=True)
-class FamilyReader:
-    family: str
-    model_types: tuple[str, ...]
-    parse: Any  # (hf_config: dict, source: str) -> ModelConfig
-    layout: Any  # (cfg: ModelConfig) -> eprt.layout.Layout
-
-
-def register(reader: FamilyReader) -> FamilyReader:
-    for mt in reader.model_types:
-        _READERS[mt] = reader
-    return reader
-
-
-def _load_families() -> None:
-    # Importing the package registers every family file in it.
-    import eprt.families  # noqa: F401
-
-
-def supported_model_types() -> list[str]:
-    _load_families()
-    return sorted(_READERS)
-
-
-def reader_for(model_type: str, source: str) -> FamilyReader:
-    _load_families()
-    if model_type not in _READERS:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not supported; eprt reads "
-            f"{', '.join(supported_model_types())}"
-        )
-    return _READERS[model_type]
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}, not an object of fields")
-    return hf
-
-
-def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
-    """The normalized config of a Hugging Face config.json (already loaded)."""
-    if "model_type" not in hf:
-        raise ConfigError(f"{source}: no model_type; cannot tell which family this is")
-    return reader_for(hf["model_type"], source).parse(hf, source)
-
-
-def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
-    hf = read_hf_config(hf_dir)
-    return hf, parse_hf_config(hf, os.path.join(hf_dir, "config.json"))
 
 
 # Fields whose value is a count or a size, and fields that are any real number: a string or a
@@ -176,11 +141,13 @@ INTEGER_FIELDS = frozenset({
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
     "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
     "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
-    "original_max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-    "linear_value_head_dim", "shared_expert_intermediate_size", "full_attention_interval",
+    "original_max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "shared_expert_intermediate_size",
+    "full_attention_interval",
 })
 REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
-                         "activation_situ_linear_beta", "gate_lower_bound", "partial_rotary_factor"})
+                         "activation_situ_linear_beta", "gate_lower_bound",
+                         "partial_rotary_factor"})
 
 
 class Fields:
@@ -232,6 +199,7 @@ def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | 
     if scaling:
         params = {**params, **scaling}
     theta = float(params.pop("rope_theta", f.get("rope_theta", default=default_theta)))
+    params.pop("partial_rotary_factor", None)  # how many dims rotate, not how: see read_rotary_dim
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if kind == "default":
@@ -241,3 +209,17 @@ def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | 
     if "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = f.get("original_max_position_embeddings")
     return theta, {"type": "yarn", **params}
+
+
+def read_rotary_dim(f: Fields, head_dim: int, default_factor: float) -> int:
+    """How many leading dims of each head RoPE rotates: int(head_dim * partial_rotary_factor), the
+    factor from v5 `rope_parameters` or the v4 top level; an even count from 2 to head_dim."""
+    params = f.get("rope_parameters", default={}) or {}
+    factor = params.get("partial_rotary_factor")
+    factor = f.checked("partial_rotary_factor", factor) if factor is not None else \
+        f.get("partial_rotary_factor", default=default_factor)
+    dim = int(head_dim * factor)
+    if not (2 <= dim <= head_dim and dim % 2 == 0):
+        raise f.refuse(f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {dim} dims; RoPE needs an "
+                       f"even count from 2 to {head_dim}: fix partial_rotary_factor")
+    return dim

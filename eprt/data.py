@@ -14,6 +14,7 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.progress import logger, rank
+from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER
 
 BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calib.txt")
 
@@ -70,7 +71,7 @@ def read_token_ids(path: str) -> np.ndarray:
 
 
 def eos_id(hf_dir: str) -> int | None:
-    for name in ("generation_config.json", "config.json"):
+    for name in (GENERATION_CONFIG, CONFIG):
         p = os.path.join(hf_dir, name)
         if os.path.isfile(p):
             try:
@@ -94,7 +95,7 @@ def token_stream(path: str | None, hf_dir: str) -> np.ndarray:
         raise ConfigError(f"--calib {path}: no such file")
     if path.endswith((".npy", ".safetensors")):
         return read_token_ids(path)
-    tok_path = os.path.join(hf_dir, "tokenizer.json")
+    tok_path = os.path.join(hf_dir, TOKENIZER)
     if not os.path.isfile(tok_path):
         raise ConfigError(f"{tok_path}: missing; text calibration data needs the checkpoint's tokenizer "
                           "(or pass token ids as .npy / .safetensors)")

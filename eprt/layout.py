@@ -53,20 +53,18 @@ class TensorSpec:
         return self.stacked
 
 
-# Modules no recipe quantizes, in every family: the engines build them unquantized.
-COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
-
-
 @dataclass(frozen=True)
 class Layout:
     specs: tuple[TensorSpec, ...]
     # Tensors the model does not run but that must travel through convert and export
     # unchanged (DeepSeek-V3's MTP layers, a VLM's vision tower).
     passthrough: tuple[str, ...] = ()  # regexes over Hugging Face names
-    # Tensors a `--dtype` conversion leaves in their source dtype, because the reference
-    # computes with them at that precision (DeepSeek's fp32 router correction bias).
+    # The two below are the family table's (eprt.families.Family.layout fills them in):
+    # tensors a `--dtype` conversion leaves in their source dtype, because the reference
+    # computes with them in fp32 (DeepSeek's router and its correction bias),
     precise: tuple[str, ...] = ()  # regexes over eprt names
-    unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names
+    # and modules no recipe quantizes.
+    unquantized: tuple[str, ...] = ()  # regexes over module names
 
     def linear_modules(self) -> dict[str, TensorSpec]:
         """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.
@@ -140,3 +138,21 @@ def mla_attention(prefix: str, c) -> list[TensorSpec]:
         plain(f"{prefix}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         plain(f"{prefix}.o_proj.weight", H, nh * c.v_head_dim),
     ]
+
+
+def gqa_attention(prefix: str, c) -> list[TensorSpec]:
+    """Grouped-query attention's tensors (Qwen3, GLM-4.5, Qwen3-Next): q/k/v/o, the per-head q/k
+    norms unless `c.gqa` turns them off, biases under attention_bias (on o too unless `c.gqa` says
+    not); under `c.gqa.output_gate` q_proj holds each head's gate beside its query."""
+    H, hd, q, kv = c.hidden_size, c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_rows = 2 * q if c.gqa is not None and c.gqa.output_gate else q
+    specs = [plain(f"{prefix}.q_proj.weight", q_rows, H), plain(f"{prefix}.k_proj.weight", kv, H),
+             plain(f"{prefix}.v_proj.weight", kv, H), plain(f"{prefix}.o_proj.weight", H, q)]
+    if c.gqa is None or c.gqa.qk_norm:
+        specs += [plain(f"{prefix}.q_norm.weight", hd), plain(f"{prefix}.k_norm.weight", hd)]
+    if c.attention_bias:
+        specs += [plain(f"{prefix}.q_proj.bias", q_rows), plain(f"{prefix}.k_proj.bias", kv),
+                  plain(f"{prefix}.v_proj.bias", kv)]
+        if c.gqa is None or c.gqa.output_bias:
+            specs.append(plain(f"{prefix}.o_proj.bias", H))
+    return specs

@@ -2,7 +2,7 @@
 exactly as the compressed-tensors library decompresses them (block FP8: as the reference below);
 the model runs as if decompressed ahead of time, and export writes the source back byte for byte.
 
-The tiny checkpoints are compressed by the compressed-tensors library itself (eprt.tiny): a
+The tiny checkpoints are compressed by the compressed-tensors library itself (eprt.testing.tiny): a
 Kimi-K2 (deepseek_v3 architecture) with Kimi-K2-Thinking's INT4 experts and quantization_config,
 the same with Kimi-K3's MXFP4 experts, and a block-FP8 DeepSeek-V3 whose dimensions are not
 multiples of 128.
@@ -22,14 +22,14 @@ from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
 import eprt  # noqa: E402
-from eprt.checkpoint import Checkpoint  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.safetensors_io import SafetensorsFile  # noqa: E402
-from eprt.tiny import make_tiny  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.storage.safetensors_io import SafetensorsFile  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402

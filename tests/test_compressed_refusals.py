@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 compressed_tensors = pytest.importorskip("compressed_tensors")
 
 import eprt  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
 from eprt.errors import EprtError  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.tiny import compress_weight, make_tiny  # noqa: E402
+from eprt.testing.tiny import compress_weight, make_tiny  # noqa: E402
 from tests.hf_utils import tree_digest  # noqa: E402
 
 KIMI_K2 = dict(model_type="kimi_k2", num_nextn_predict_layers=0)
@@ -179,9 +179,9 @@ def test_compressed_tensors_is_imported_only_for_compressed_checkpoints(made, tm
     script = f"""
 import sys, torch
 import eprt
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 ck = convert_hf(make_tiny("qwen3_moe", {str(tmp_path / "hf")!r}), {str(tmp_path / "ck")!r}, progress=False)
 eprt.load_model(ck)(torch.zeros(1, 3, dtype=torch.long))
 export_hf(ck, {str(tmp_path / "out")!r}, progress=False)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from eprt.config import parse_hf_config
 from eprt.errors import ConfigError
-from eprt.tiny import tiny_config
+from eprt.families import parse_hf_config
+from eprt.testing.tiny import tiny_config
 
 
 def v5_spelling(hf: dict, renames: dict) -> dict:
@@ -52,7 +52,7 @@ def test_kimi_k2_runs_as_deepseek_v3():
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported; eprt reads deepseek_v3, kimi_k2, kimi_k25, "
+    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, "
                                 "kimi_k3, kimi_linear, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"scoring_func": "softmax"}, "only the sigmoid noaux_tc router of DeepSeek-V3 is supported .scoring_func=.softmax."),

@@ -2,7 +2,7 @@
 its ModelOpt companions, plus the KV-cache scales: for every family and recipe.
 
 The expected set is predicted here from the source's tensor names, its config and the recipe's
-patterns (configs/ptq/*.yaml), with the modules the engines build unquantized written out, not
+patterns (eprt/configs/ptq/*.yaml), with the modules the engines build unquantized written out, not
 taken from the exporter.
 """
 
@@ -19,17 +19,17 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import summarize_excluded
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "qwen3_next", "qwen3_5_moe",
-            "qwen3_5_moe_text"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32", "qwen3_next",
+            "qwen3_5_moe", "qwen3_5_moe_text"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
@@ -37,10 +37,13 @@ TOOL = ROOT / "tools" / "check_export.py"
 COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
               "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 # What the engines build unquantized whatever the recipe: embeddings, lm_head, MoE routers, Kimi's
-# latent expert projections and attention-residual queries, the vision towers and projector; Qwen3-Next's
-# and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges them into in_proj_ba, unquantized).
+# latent expert projections and attention-residual queries, the vision towers and projector,
+# DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear),
+# Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
+# them into in_proj_ba, unquantized).
 NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
                              r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
+                             r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
                              r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*)")
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 

@@ -19,18 +19,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eprt.checkpoint import Checkpoint
 from eprt.cli import run
-from eprt.config import parse_hf_config, read_hf_config
-from eprt.convert import convert_hf
 from eprt.data import calibration_samples
 from eprt.errors import ConfigError, EprtError
+from eprt.families import parse_hf_config, read_hf_config
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant import ptq
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
-from eprt.tiny import TINY_DIR, make_tiny, tiny_config
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_POSITIONS = 16  # the tiny Qwen3-MoE's, small so that a --seq-len beyond it is cheap

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eprt.atomic import atomic_output_dir
-from eprt.checkpoint import MANIFEST, Checkpoint
-from eprt.convert import convert_hf
 from eprt.errors import CheckpointError, EprtError, OutputExistsError
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.safetensors_io import SafetensorsFile
-from eprt.tiny import TINY_DIR, make_tiny
+from eprt.storage.atomic import atomic_output_dir
+from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.storage.safetensors_io import SafetensorsFile
+from eprt.testing.tiny import TINY_DIR, make_tiny
 from tests.hf_utils import tree_digest
 
 INDEX = "model.safetensors.index.json"

@@ -8,11 +8,11 @@ import shutil
 import subprocess
 import sys
 
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,14 +11,14 @@ from safetensors.torch import load_file, save_file
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM
 
 import eprt
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
 from eprt.errors import CheckpointError, ConfigError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm
 from eprt.models.mla import MLAttention
 from eprt.models.registry import model_class
-from eprt.tiny import make_tiny, tiny_config
+from eprt.testing.tiny import make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 VOCAB = 96

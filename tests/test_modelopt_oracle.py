@@ -27,12 +27,12 @@ from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.quantization.utils.core_utils import update_quant_cfg_with_kv_cache_quant
 from transformers import AutoModelForCausalLM
 
-from eprt.convert import convert_hf
 from eprt.data import calibration_samples
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]

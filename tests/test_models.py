@@ -8,15 +8,15 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import eprt
-from eprt.checkpoint import Checkpoint
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
 from eprt.errors import ConfigError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.kernels import combine, permute
 from eprt.models.layers import linear
 from eprt.models.moe import LocalDispatcher
 from eprt.models.registry import model_class
 from eprt.models.router import sigmoid_grouped_topk
+from eprt.storage.checkpoint import Checkpoint
 
 VOCAB = 96
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -42,11 +42,12 @@ def deepseek(**kw) -> DeepseekV3Config:
     return DeepseekV3Config(**{**base, **kw})
 
 
-def build(cfg, seed: int = 0):
-    """A random transformers model whose routers spread their scores: the default init makes every
-    router logit nearly 0, so that routing would hinge on near-ties and groups would not matter."""
+def build(cfg, seed: int = 0, cls=None):
+    """A random transformers model (Qwen3-MoE or DeepSeek-V3 unless `cls` says) whose routers spread
+    their scores: the default init makes every router logit nearly 0, so that routing would hinge
+    on near-ties and groups would not matter."""
     torch.manual_seed(seed)
-    cls = Qwen3MoeForCausalLM if isinstance(cfg, Qwen3MoeConfig) else DeepseekV3ForCausalLM
+    cls = cls or (Qwen3MoeForCausalLM if isinstance(cfg, Qwen3MoeConfig) else DeepseekV3ForCausalLM)
     m = cls(cfg).eval()
     with torch.no_grad():
         for layer in m.model.layers:

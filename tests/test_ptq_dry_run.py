@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from eprt.checkpoint import Checkpoint
 from eprt.commands.ptq import size
-from eprt.convert import convert_hf
-from eprt.tiny import make_tiny
+from eprt.hf.convert import convert_hf
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

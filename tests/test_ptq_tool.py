@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eprt.convert import convert_hf
 from eprt.errors import EprtError
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 from tests.test_ep_model import SKEWED_OUT, skew
 

@@ -8,14 +8,15 @@ from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeFor
                           Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 import eprt
-from eprt.config import ModelConfig, parse_hf_config, reader_for
-from eprt.convert import convert_hf
+from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule
 from eprt.models.kda import chunk_size, l2norm
 from eprt.models.registry import model_class
-from eprt.tiny import make_tiny, tiny_config
+from eprt.testing.tiny import make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 VOCAB = 96
@@ -178,10 +179,10 @@ def test_qwen3_5_moe_text_logits(tmp_path):
 def test_qwen3_5_moe_configs():
     vlm, text = parse_hf_config(tiny_config("qwen3_5_moe")), parse_hf_config(tiny_config("qwen3_5_moe_text"))
     assert (vlm.family, vlm.model_type, text.family, text.model_type) == \
-        ("qwen3_5_moe", "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_text")
+        ("qwen3_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_text")
     for c in (vlm, text):
         g = c.qwen_next.gated_delta_net
-        assert g.split_projections and g.layers == (0, 1, 2) and c.qwen_next.rotary_dim == 8
+        assert g.split_projections and g.layers == (0, 1, 2) and c.rotary_dim == 8
         assert c.moe_layers == (0, 1, 2, 3) and c.norm_topk_prob and c.rope_theta == 1e7
     # the VLM's top-level tie_word_embeddings reaches the text model
     tied = tiny_config("qwen3_5_moe")
@@ -228,7 +229,7 @@ def test_qwen3_next_config_in_both_spellings():
     g = c4.qwen_next.gated_delta_net
     assert (g.layers, g.key_heads, g.value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == \
         ((0, 2), 2, 4, 16, 16, 4)
-    assert (c4.qwen_next.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope_theta) == (8, 48, 1e7)
+    assert (c4.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope_theta) == (8, 48, 1e7)
     assert c4.moe_layers == (0, 1, 3) and c4.norm_topk_prob and c4.num_experts_per_tok == 2
     # the manifest's JSON brings the typed sub-config back
     assert ModelConfig.from_json(c4.to_json()) == c4

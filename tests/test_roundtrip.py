@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.tiny import TOKENIZER_FILES, make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import TOKENIZER_FILES, make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,8 @@ def assert_same_checkpoint(src: str, out: str) -> None:
             assert filecmp.cmp(os.path.join(src, f), os.path.join(out, f), shallow=False), f
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe",
+                                    "qwen3_5_moe_text"])
 @pytest.mark.parametrize("shards", [1, 3])
 def test_tiny_round_trip(tmp_path, family, shards):
     src = make_tiny(family, str(tmp_path / "hf"), shards=shards)

@@ -10,7 +10,7 @@ decodes each rank's share.
 import argparse
 
 from eprt.cli import run
-from eprt.convert import DTYPE_CHOICES, convert_hf
+from eprt.hf.convert import DTYPE_CHOICES, convert_hf
 
 
 def convert() -> None:

@@ -6,7 +6,7 @@
 import argparse
 
 from eprt.cli import run
-from eprt.tiny import families, make_tiny
+from eprt.testing.tiny import families, make_tiny
 
 
 def make() -> None:

@@ -19,7 +19,7 @@ from eprt.errors import ConfigError
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.ptq import DTYPES, PTQArgs, plan_recipe, run_ptq
+from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward on each rank")
-    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the dtype the model runs in")
+    ap.add_argument("--dtype", choices=list(RUN_DTYPES), default="bf16", help="the dtype the model runs in")
     ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
                     help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
     ap.add_argument("--dry-run", action="store_true", help="print the layout and each rank's weight bytes, and exit")
@@ -52,7 +52,7 @@ def ptq() -> None:
         if a.dry_run:
             if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
                 plan_recipe(ck, a.recipe, a.kv_cache)
-            dry_run(state, ck, DTYPES[a.dtype])
+            dry_run(state, ck, RUN_DTYPES[a.dtype])
             return
         run_ptq(state, PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                                seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,

@@ -4,7 +4,7 @@ the K3 additions (docs/models.md, 'Kimi-K3'). The text config is `text_config`, 
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, ModelConfig, register
+from eprt.config import ModelConfig
 from eprt.families import kimi_linear
 from eprt.families.kimi_k25 import text_config, vlm_layout
 from eprt.layout import Layout
@@ -19,6 +19,3 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 def layout(c: ModelConfig) -> Layout:
     return vlm_layout(kimi_linear.layout(c))
-
-
-READER = register(FamilyReader("kimi_k3", ("kimi_k3",), parse, layout))

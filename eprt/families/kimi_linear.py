@@ -8,9 +8,8 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, register
-from eprt.layout import (COMMON_UNQUANTIZED, Layout, TensorSpec, gated_mlp, mla_attention, plain,
-                         stacked_experts)
+from eprt.config import Fields, ModelConfig
+from eprt.layout import Layout, TensorSpec, gated_mlp, mla_attention, plain, stacked_experts
 
 # Where a field is absent: transformers' KimiLinearConfig for Kimi-Linear, mlx-lm's kimi_k3 for
 # Kimi-K3's language model (the two disagree on these).
@@ -166,16 +165,7 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    return Layout(
-        tuple(specs),
-        # the reference computes with the router and the decay parameters in fp32
-        precise=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
-                 r".*\.self_attn\.dt_bias"),
-        # the engines build these unquantized (docs/export.md, 'Exclusions'): the router, the latent projections of the
-        # routed experts, the attention-residual queries
-        unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
-                     r".*_res_proj"),
-    )
+    return Layout(tuple(specs))
 
 
 def a_log(name: str, shape: list[int]) -> TensorSpec:
@@ -185,6 +175,3 @@ def a_log(name: str, shape: list[int]) -> TensorSpec:
     if len(shape) > 1:
         return plain(name, *shape)
     return TensorSpec(name, tuple(shape), (name,), padded_per="KDA head")
-
-
-READER = register(FamilyReader("kimi_linear", ("kimi_linear",), parse, layout))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from eprt.config import FamilyReader, Fields, ModelConfig, register
+from eprt.config import Fields, ModelConfig
 from eprt.families import qwen3_next
 from eprt.layout import Layout
 
@@ -23,7 +23,7 @@ VISION = (r"model\.visual\..+",)
 
 
 def parse_text(hf: dict, source: str) -> ModelConfig:
-    return qwen3_next.parse_text(hf, source, "qwen3_next", split_projections=True, every_layer_moe=True)
+    return qwen3_next.parse_text(hf, source, "qwen3_5_moe_text", split_projections=True, every_layer_moe=True)
 
 
 def text_layout(c: ModelConfig) -> Layout:
@@ -48,18 +48,17 @@ def under_language_model(name: str) -> str:
     return VLM + name[len(TEXT):] if name.startswith(TEXT) else name
 
 
+def patterns_under_language_model(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """Regexes over the text model's names, as regexes over the same names in the VLM."""
+    old, new = re.escape(TEXT), re.escape(VLM)
+    return tuple(new + p[len(old):] if p.startswith(old) else p for p in patterns)
+
+
 def layout(c: ModelConfig) -> Layout:
     """The text layout with `model.` moved under `model.language_model.`."""
     text = qwen3_next.layout(c)
-    old, new = re.escape(TEXT), re.escape(VLM)
     return Layout(
         tuple(dataclasses.replace(s, name=under_language_model(s.name),
                                   sources=tuple(map(under_language_model, s.sources))) for s in text.specs),
         passthrough=(*text.passthrough, *CARRIED, *VISION),
-        precise=tuple(re.sub("^" + re.escape(old), new, p) for p in text.precise),
-        unquantized=tuple(re.sub("^" + re.escape(old), new, p) for p in text.unquantized),
     )
-
-
-TEXT_READER = register(FamilyReader("qwen3_next", ("qwen3_5_moe_text",), parse_text, text_layout))
-READER = register(FamilyReader("qwen3_5_moe", ("qwen3_5_moe",), parse, layout))

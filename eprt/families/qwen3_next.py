@@ -7,8 +7,8 @@ is softmax-routed experts plus one shared expert scaled by a sigmoid gate (`shar
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, GatedDeltaNetConfig, ModelConfig, QwenNextConfig, read_rope, register
-from eprt.layout import COMMON_UNQUANTIZED, Layout, TensorSpec, gated_mlp, plain, stacked_experts
+from eprt.config import Fields, GatedDeltaNetConfig, GQAConfig, ModelConfig, QwenNextConfig, read_rope, read_rotary_dim
+from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -42,9 +42,6 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
     if f.get("attention_bias", default=False):
         raise f.refuse("attention_bias is true; eprt runs Qwen3-Next attention without biases (as released)")
     theta, rope_scaling = read_rope(f)
-    # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 on the top level; 0.25 is its default
-    rope = Fields(f.get("rope_parameters", default={}) or {}, source + " (rope_parameters)")
-    factor = rope.get("partial_rotary_factor", default=f.get("partial_rotary_factor", default=0.25))
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
     head_dim = f.get("head_dim", default=256)
     k_heads, v_heads = f.get("linear_num_key_heads", default=16), f.get("linear_num_value_heads", default=32)
@@ -80,7 +77,10 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
         num_shared_experts=1,
         router="softmax",
         norm_topk_prob=True if every_layer_moe else bool(f.get("norm_topk_prob", default=True)),
-        qwen_next=QwenNextConfig(gated_delta_net=gdn, rotary_dim=int(head_dim * factor),
+        # transformers' default partial_rotary_factor is 0.25; q_proj holds each head's output gate
+        gqa=GQAConfig(rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.25), qk_norm=True, output_bias=False,
+                      output_gate=True),
+        qwen_next=QwenNextConfig(gated_delta_net=gdn,
                                  shared_expert_intermediate_size=f.get("shared_expert_intermediate_size", default=512)),
     )
 
@@ -104,16 +104,6 @@ def gated_delta_net(prefix: str, c: ModelConfig) -> list[TensorSpec]:
     ]
 
 
-def gated_attention(prefix: str, c: ModelConfig) -> list[TensorSpec]:
-    """q_proj gives each head its query and its output gate, side by side."""
-    H, hd = c.hidden_size, c.head_dim
-    return [plain(f"{prefix}.q_proj.weight", 2 * c.num_heads * hd, H),
-            plain(f"{prefix}.k_proj.weight", c.num_kv_heads * hd, H),
-            plain(f"{prefix}.v_proj.weight", c.num_kv_heads * hd, H),
-            plain(f"{prefix}.o_proj.weight", H, c.num_heads * hd),
-            plain(f"{prefix}.q_norm.weight", hd), plain(f"{prefix}.k_norm.weight", hd)]
-
-
 def layout(c: ModelConfig) -> Layout:
     H = c.hidden_size
     specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
@@ -123,7 +113,7 @@ def layout(c: ModelConfig) -> Layout:
         if i in c.qwen_next.gated_delta_net.layers:
             specs += gated_delta_net(f"{p}.linear_attn", c)
         else:
-            specs += gated_attention(f"{p}.self_attn", c)
+            specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
             specs += [plain(f"{p}.mlp.gate.weight", c.num_experts, H)]
             specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,
@@ -135,11 +125,4 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    return Layout(tuple(specs), unquantized=UNQUANTIZED)
-
-
-# vLLM builds these without quantization: the shared expert's gate (one output) and the linear
-# attention's b/a projections (merged into in_proj_ba, quant_config=None); conv1d is no Linear.
-UNQUANTIZED = (*COMMON_UNQUANTIZED, r".*\.mlp\.shared_expert_gate", r".*\.linear_attn\.in_proj_(ba|b|a)")
-
-READER = register(FamilyReader("qwen3_next", ("qwen3_next",), parse, layout))
+    return Layout(tuple(specs))

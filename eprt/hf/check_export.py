@@ -29,10 +29,7 @@ from safetensors import safe_open
 
 from eprt.errors import EprtError
 from eprt.hf.check_names import check_names, source_names_from_config, source_names_from_dir
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-QUANT_CONFIG = "hf_quant_config.json"
+from eprt.storage.hf_files import CONFIG, INDEX, QUANT_CONFIG, SINGLE
 
 QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -73,7 +70,7 @@ def check_export(out_dir, source_dir=None) -> list[str]:
     if not out.is_dir():
         return [f"{out}: not a directory"]
     problems: list[str] = []
-    config = _read_json(out / "config.json", problems)
+    config = _read_json(out / CONFIG, problems)
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)

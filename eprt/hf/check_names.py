@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import re
 
-from eprt.config import parse_hf_config, reader_for
 from eprt.errors import EprtError
+from eprt.families import parse_hf_config, reader_for
 from eprt.hf.source import HFSource
+from eprt.storage.hf_files import CONFIG
 
 COMPANIONS = {"FP8": ("weight", "weight_scale", "input_scale"),
               "NVFP4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
@@ -65,7 +66,7 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     """The names eprt's family layout predicts from `config`; None when eprt cannot read it."""
     try:
         cfg = parse_hf_config(config or {})
-        layout = reader_for(cfg.model_type, "config.json").layout(cfg)
+        layout = reader_for(cfg.model_type, CONFIG).layout(cfg)
     except (EprtError, KeyError, TypeError, ValueError):
         return None
     return SourceNames({s for spec in layout.specs for s in spec.sources}, layout.passthrough)

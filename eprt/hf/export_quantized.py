@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt import __version__
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
+from eprt.families import reader_for
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.feasibility import quantized_modules
@@ -26,6 +25,7 @@ from eprt.quant.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
 from eprt.quant.nvfp4 import BLOCK_SIZE, nvfp4_scale, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
+from eprt.storage.checkpoint import Checkpoint
 
 ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}

@@ -6,11 +6,9 @@ import json
 import os
 
 from eprt.errors import CheckpointError
-from eprt.paths import resolve_inside
-from eprt.safetensors_io import SafetensorsFile, TensorInfo
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from eprt.storage.hf_files import INDEX, SINGLE
+from eprt.storage.paths import resolve_inside
+from eprt.storage.safetensors_io import SafetensorsFile, TensorInfo
 # Weights in other serializations are not read, and not carried either: they would be a
 # second copy of the model in a format eprt never writes.
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
@@ -23,7 +21,7 @@ def is_weight_file(rel: str) -> bool:
 
 def non_weight_files(root: str) -> list[str]:
     """Every file under `root` that is not a weight, relative, sorted (hidden entries skipped);
-    a link that resolves outside `root` is refused (eprt.paths), not copied with what it points to."""
+    a link that resolves outside `root` is refused (eprt.storage.paths), not copied with what it points to."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))

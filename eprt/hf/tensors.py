@@ -9,10 +9,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from eprt.checkpoint import Checkpoint, TensorMeta
-from eprt.config import reader_for
+from eprt.families import reader_for
 from eprt.layout import TensorSpec
-from eprt.safetensors_io import SafetensorsFile
+from eprt.storage.checkpoint import Checkpoint, TensorMeta
+from eprt.storage.safetensors_io import SafetensorsFile
 
 
 @dataclass(frozen=True)

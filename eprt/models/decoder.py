@@ -4,7 +4,6 @@ passes a decoder of its own (Kimi's, without rotary embeddings, with attention r
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.config import ModelConfig
+from eprt.families import family
 from eprt.models.layers import Linear, RMSNorm, linear
 from eprt.models.moe import MoE
 from eprt.models.rope import Rotary
@@ -47,8 +47,7 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # cfg.head_dim is the rotary width in both families (for MLA it is qk_rope_head_dim).
-        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.rotary = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -60,9 +59,6 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """`model(input_ids)` ([B, T] int64, causal, no padding) -> logits [B, T, vocab]."""
-
-    # Regexes over tensor names the reference keeps in fp32 whatever the model dtype.
-    fp32_tensors: tuple[str, ...] = ()
 
     def __init__(self, c: ModelConfig, layers: list[nn.Module], decoder: type[nn.Module] = Decoder):
         super().__init__()
@@ -76,7 +72,8 @@ class CausalLM(nn.Module):
         return linear(self.model(input_ids), head.weight)
 
     def keeps_fp32(self, name: str) -> bool:
-        return any(re.fullmatch(p, name) for p in self.fp32_tensors)
+        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
+        return family(self.config.family).keeps_fp32(name)
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return [(i, block) for i, layer in enumerate(self.model.layers) for block in layer.children()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
 from eprt.errors import CheckpointError, ConfigError
+from eprt.families import reader_for
 from eprt.models.decoder import CausalLM
 from eprt.models.registry import model_class
 from eprt.parallel import EPDispatcher, ParallelState, fail_together
+from eprt.storage.checkpoint import Checkpoint
 
 
 def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,

@@ -10,7 +10,6 @@ from torch import nn
 from eprt.config import ModelConfig
 from eprt.models.decoder import CausalLM
 from eprt.models.qwen3_next import Qwen3NextDecoder, Qwen3NextDecoderLayer
-from eprt.models.registry import register_model
 
 
 class LanguageModelInside(nn.Module):
@@ -32,7 +31,6 @@ class LanguageModelInside(nn.Module):
         return self.language_model(input_ids)
 
 
-@register_model("qwen3_5_moe")
 class Qwen3_5MoeForConditionalGeneration(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)],

@@ -17,8 +17,6 @@ from eprt.models.decoder import CausalLM, Decoder
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.layers import GatedMLP, ZeroCenteredRMSNorm
 from eprt.models.moe import Experts, GatedSharedExpertMoE
-from eprt.models.registry import register_model
-from eprt.models.rope import Rotary
 from eprt.models.router import SoftmaxRouter
 
 
@@ -43,7 +41,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c.hidden_size, g.key_heads, g.value_heads, g.key_head_dim,
                                              g.value_head_dim, g.conv_kernel, g.split_projections, c.rms_norm_eps)
         else:
-            self.self_attn = GQAttention(c, output_gate=True, norm=ZeroCenteredRMSNorm)
+            self.self_attn = GQAttention(c, norm=ZeroCenteredRMSNorm)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp(c, i, expert_range)
 
@@ -54,15 +52,13 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextDecoder(Decoder):
-    """The shared decoder with a (1 + weight) final norm and rotary tables for part of each head."""
+    """The shared decoder with a (1 + weight) final norm (its rotary tables cover `c.rotary_dim`)."""
 
     def __init__(self, c: ModelConfig, layers: list[Qwen3NextDecoderLayer]):
         super().__init__(c, layers)
         self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary = Rotary(c.qwen_next.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
 
-@register_model("qwen3_next")
 class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)],

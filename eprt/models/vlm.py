@@ -9,10 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from eprt.families import family
 from eprt.models.decoder import CausalLM
 from eprt.models.moe import MoE
-
-PREFIX = "language_model."
 
 
 class LanguageModelOf(nn.Module):
@@ -27,7 +26,8 @@ class LanguageModelOf(nn.Module):
         return self.language_model(input_ids)
 
     def keeps_fp32(self, name: str) -> bool:
-        return name.startswith(PREFIX) and self.language_model.keeps_fp32(name[len(PREFIX):])
+        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
+        return family(self.config.family).keeps_fp32(name)
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return self.language_model.moe_blocks()

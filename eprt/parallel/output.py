@@ -2,9 +2,9 @@
 
     write_together(state, out, lambda tmp: save_tensors(f"{tmp}/rank-{state.rank}.safetensors", mine))
 
-Rank 0 names and prepares the temp directory beside `out` (`eprt.atomic.temp_dir_for`, unique to
+Rank 0 names and prepares the temp directory beside `out` (`eprt.storage.atomic.temp_dir_for`, unique to
 the run; the other ranks learn the name through the run's store), every rank writes
-its own files into it, and rank 0 renames it into place (`eprt.atomic.publish`) once every rank
+its own files into it, and rank 0 renames it into place (`eprt.storage.atomic.publish`) once every rank
 has reported success; after a failure anywhere it removes the temp directory instead. `out` and
 its temp directory must lie on a file system every rank sees.
 """
@@ -15,10 +15,10 @@ import os
 import shutil
 from collections.abc import Callable
 
-from eprt.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 from eprt.errors import EprtError
 from eprt.parallel.guard import fail_together
 from eprt.parallel.state import ParallelState
+from eprt.storage.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 
 
 def write_together(state: ParallelState, out: str, write_fn: Callable[[str], object], *,

@@ -12,22 +12,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eprt.atomic import check_output_dir
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
+from eprt.families import reader_for
 from eprt.models.loader import load_model
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.recipe import Recipe, load_recipe
+from eprt.storage.atomic import check_output_dir
+from eprt.storage.checkpoint import Checkpoint
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# `--dtype`: the dtype the model runs in
+RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,14 @@ def run_ptq(state, a: PTQArgs) -> dict:
         recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
-        if a.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if a.dtype not in RUN_DTYPES:
+            raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         samples = calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
-        model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
+        model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
         if a.preview:
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:

@@ -18,13 +18,14 @@ import torch
 
 from eprt.errors import CheckpointError
 
-DTYPES: dict[str, torch.dtype] = {
+# safetensors' dtype codes in headers and manifests ("BF16") -> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
@@ -88,7 +89,7 @@ class SafetensorsFile:
         tensors = {}
         for name, h in header.items():
             try:
-                dtype = DTYPES[h["dtype"]]
+                dtype = SAFETENSORS_DTYPES[h["dtype"]]
                 shape = tuple(int(d) for d in h["shape"])
                 begin, end = (int(x) for x in h["data_offsets"])
             except (KeyError, TypeError, ValueError):
@@ -183,7 +184,7 @@ class SafetensorsWriter:
 
     `entries` lists (name, dtype, shape) in file order; `write` must then be called for each
     entry in that order (a tensor may arrive in several row chunks). The output directory is
-    synced as a whole once it is complete (eprt.atomic), not file by file.
+    synced as a whole once it is complete (eprt.storage.atomic), not file by file.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):

@@ -5,7 +5,7 @@ written; then each output file is filled tensor by tensor. A stacked expert tens
 the per-expert gate and up tensors laid end to end, so it is written by copying each source
 tensor in turn: memory holds one source tensor, never a layer.
 
-Weights the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed) stay
+Weights the source stores encoded (compressed-tensors, block FP8: eprt.storage.encodings) stay
 encoded: each of their source tensors (packed values, scales, ...) is stacked the same way as a
 component of the eprt tensor, and the manifest records the scheme. Nothing is decompressed on
 disk; `Checkpoint.read` decodes.
@@ -21,15 +21,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from eprt.atomic import atomic_output_dir, copy_files
-from eprt.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
-from eprt.config import load_hf_config, reader_for
 from eprt.errors import CheckpointError, ConfigError
-from eprt.hf import compressed
+from eprt.families import load_hf_config, reader_for
 from eprt.hf.source import HFSource, non_weight_files
 from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
-from eprt.safetensors_io import SafetensorsWriter
+from eprt.storage import encodings
+from eprt.storage.atomic import atomic_output_dir, copy_files
+from eprt.storage.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
+from eprt.storage.hf_files import CONFIG
+from eprt.storage.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -90,7 +91,7 @@ def file_for(name: str, role: str) -> str:
     return f"{prefix}-{layer:05d}.safetensors"
 
 
-def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) -> dict[str, Encoded]:
+def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -> dict[str, Encoded]:
     """Every module whose weight the source stores encoded, by module name; refuses encoded
     tensors that its quantization_config does not account for."""
     out: dict[str, Encoded] = {}
@@ -105,17 +106,17 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
         weight = f"{module}.weight"
         if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
-        out[module] = Encoded(compressed.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
-    if quant is None or quant.method != compressed.CT:
+        out[module] = Encoded(encodings.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
+    if quant is None or quant.method != encodings.CT:
         return out
     groups = quant.groups()
-    decoders = {g: compressed.decoder(compressed.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
+    decoders = {g: encodings.decoder(encodings.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
     markers = {c for d in decoders.values() for c in d.components} - {"weight"}
     for name, (f, _) in names.items():
         module, _, leaf = name.rpartition(".")
         if leaf not in markers or module in out:
             continue
-        ignored = next((i for i in quant.ignore if compressed.matches(module, [i])), None)
+        ignored = next((i for i in quant.ignore if encodings.matches(module, [i])), None)
         if ignored is not None:
             raise CheckpointError(f"{f.path}: tensor {name!r} is compressed, but the quantization_config's ignore "
                                   f"entry {ignored!r} says {module} is not: the checkpoint and its config.json "
@@ -125,7 +126,7 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
         if missing:
             raise CheckpointError(f"{f.path}: {module} is compressed ({groups[g]['format']}, {g}) but tensor "
                                   f"'{module}.{missing[0]}' is missing")
-        out[module] = Encoded(compressed.CT_PREFIX + groups[g]["format"], g,
+        out[module] = Encoded(encodings.CT_PREFIX + groups[g]["format"], g,
                               {c: f"{module}.{c}" for c in decoders[g].components})
     return out
 
@@ -133,7 +134,7 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
 def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     """The config group whose scheme a compressed module follows: one that names it (exact or
     `re:`), else one that targets every Linear."""
-    named = [g for g, d in groups.items() if any(t != "Linear" and compressed.matches(module, [t])
+    named = [g for g, d in groups.items() if any(t != "Linear" and encodings.matches(module, [t])
                                                  for t in d.get("targets") or [])]
     found = named or [g for g, d in groups.items() if "Linear" in (d.get("targets") or [])]
     if not found:
@@ -161,7 +162,7 @@ class Planner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
     def __init__(self, src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str,
-                 quant: compressed.SourceQuantization | None):
+                 quant: encodings.SourceQuantization | None):
         self.src, self.layout, self.dtype, self.where, self.quant = src, layout, dtype, where, quant
         self.encoded = encoded_modules(src, quant)
         self.decoders: dict[str, object] = {}
@@ -282,7 +283,7 @@ class Planner:
         key = (e.encoding, e.scheme, tuple((c, i.dtype, i.shape) for c, (_, i) in infos.items()))
         if key not in self.probed:
             if e.scheme not in self.decoders:
-                self.decoders[e.scheme] = compressed.decoder(e.encoding, self.scheme(e), self.quant.where)
+                self.decoders[e.scheme] = encodings.decoder(e.encoding, self.scheme(e), self.quant.where)
             try:
                 w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
             except (ValueError, RuntimeError, IndexError, KeyError) as err:
@@ -306,7 +307,7 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
         raise ConfigError(f"{hf_dir}: not a directory")
     hf_cfg, cfg = load_hf_config(hf_dir)
     layout = reader_for(cfg.model_type, hf_dir).layout(cfg)
-    quant = compressed.source_quantization(hf_cfg, os.path.join(hf_dir, "config.json"))
+    quant = encodings.source_quantization(hf_cfg, os.path.join(hf_dir, CONFIG))
     src = HFSource(hf_dir)
     try:
         planner = Planner(src, layout, DTYPE_CHOICES[dtype], hf_dir, quant)
@@ -373,7 +374,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
             w.write(p.spec.name, t.to(p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
-    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, compressed.RAW, p.role, (Part(fname, p.spec.name, rows),),
+    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
                       p.source_dtype)
 
 

@@ -4,7 +4,7 @@ A directory holding
 - `eprt.json`, the manifest: format name and version, family, the normalized config, the
   source config.json verbatim, and a table of every tensor: dtype, shape, encoding, role, and
   where its bytes are (`parts`: file, key in that file, rows [a, b) along dim 0);
-- for a tensor the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed),
+- for a tensor the source stores encoded (compressed-tensors, block FP8: eprt.storage.encodings),
   its `encoding` names the format, `scheme` names an entry of the manifest's `schemes` (the
   source's quantization_config group), and `components` are the source tensors it is made of
   (`weight_packed`, `weight_scale`, ...), each stored like a raw tensor with its own parts and,
@@ -19,7 +19,7 @@ A calibrated checkpoint holds no weights of its own: its manifest names a `base`
 `weight_pin`) whose tensors it reads, and adds the calibration state (role `calibration`) and the
 recipe (`quantization`).
 
-Every file a manifest names must lie inside the checkpoint's directory (eprt.paths).
+Every file a manifest names must lie inside the checkpoint's directory (eprt.storage.paths).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 
 from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
-from eprt.hf import compressed
-from eprt.paths import check_relative, resolve_inside
-from eprt.safetensors_io import DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
+from eprt.storage import encodings
+from eprt.storage.paths import check_relative, resolve_inside
+from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
 VERSION = 1
@@ -80,7 +80,7 @@ class TensorMeta:
     name: str
     dtype: torch.dtype  # what `read` returns: for an encoded tensor, the decoded dtype
     shape: tuple[int, ...]
-    encoding: str  # "raw": the bytes are the tensor; else eprt.hf.compressed names it
+    encoding: str  # "raw": the bytes are the tensor; else eprt.storage.encodings names it
     role: str  # "model": the model runs it; "passthrough": carried for export only
     parts: tuple[Part, ...]  # raw only
     source_dtype: torch.dtype  # what the source stored; export writes this dtype back
@@ -90,7 +90,7 @@ class TensorMeta:
 
     @property
     def encoded(self) -> bool:
-        return self.encoding != compressed.RAW
+        return self.encoding != encodings.RAW
 
     def to_json(self) -> dict:
         d = {
@@ -111,10 +111,10 @@ class TensorMeta:
     def from_json(cls, name: str, d: dict) -> "TensorMeta":
         components = None
         if "components" in d:
-            components = {c: Component(DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
+            components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
                                        parts_from_json(x["parts"])) for c, x in d["components"].items()}
-        return cls(name, DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
-                   DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
+        return cls(name, SAFETENSORS_DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
+                   SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
 
 
 def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],
@@ -161,10 +161,10 @@ class Checkpoint:
                                   "again") from None
         self.schemes: dict[str, dict] = m.get("schemes", {})
         for t in own.values():
-            if not compressed.is_known(t.encoding):
+            if not encodings.is_known(t.encoding):
                 raise CheckpointError(f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
-                                      f"read ({compressed.RAW}, {compressed.FP8_BLOCK}, {compressed.CT_PREFIX}"
-                                      f"{{{', '.join(compressed.CT_FORMATS)}}}): the checkpoint is corrupt, "
+                                      f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.CT_PREFIX}"
+                                      f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
                                       "crafted, or written by a newer eprt")
             for f in stored_files(t):
                 check_relative(f, f"{mpath} ({t.name!r})")
@@ -255,7 +255,7 @@ class Checkpoint:
         if name not in self._own:
             return self.base.decoder(name)
         if t.scheme not in self._decoders:
-            self._decoders[t.scheme] = compressed.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
+            self._decoders[t.scheme] = encodings.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
         return self._decoders[t.scheme]
 
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
@@ -290,7 +290,7 @@ class Checkpoint:
             if not t.encoded:
                 continue
             self.decoder(name)
-            if dtype is not None and not compressed.decoded_dtype_ok(t.dtype, dtype):
+            if dtype is not None and not encodings.decoded_dtype_ok(t.dtype, dtype):
                 raise ConfigError(f"{self.path}: {name} is stored {t.encoding} and decompresses to {t.dtype}; "
                                   f"loading it as {dtype} would round every weight again: load with "
                                   f"dtype={t.dtype} or torch.float32")

@@ -18,7 +18,7 @@ import shutil
 from contextlib import contextmanager
 
 from eprt.errors import EprtError, OutputExistsError
-from eprt.paths import check_relative, hf_cache_blobs, resolve_inside, within
+from eprt.storage.paths import check_relative, hf_cache_blobs, resolve_inside, within
 
 
 def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:
@@ -39,7 +39,7 @@ def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) ->
 
 def read_dirs(inputs: tuple[str, ...]) -> list[str]:
     """The real directories reading `inputs` may read: each, and the `blobs/` its files link into
-    where it is a Hugging Face cache snapshot (eprt.paths)."""
+    where it is a Hugging Face cache snapshot (eprt.storage.paths)."""
     out = []
     for src in map(os.path.realpath, inputs):
         out.append(src)
@@ -81,7 +81,7 @@ def sync_tree(root: str) -> None:
 
 def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
     """Copy files (paths relative to `src_dir`) byte for byte; each must lie inside `src_dir`
-    (eprt.paths) and lands inside `dst_dir`."""
+    (eprt.storage.paths) and lands inside `dst_dir`."""
     for rel in files:
         src = resolve_inside(src_dir, rel, f"{src_dir} (a file to copy)")
         dst = os.path.join(dst_dir, check_relative(rel, f"{src_dir} (a file to copy)"))
