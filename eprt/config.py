@@ -17,12 +17,14 @@ from eprt.errors import ConfigError
 
 @dataclass(frozen=True)
 class GQAConfig:
-    """Grouped-query attention beyond Qwen3's (GLM-4.5): RoPE on the leading `rotary_dim` dims of
-    each head only, per-head q/k RMSNorm optional, and the output projection without the bias
-    that q/k/v carry under attention_bias."""
+    """Grouped-query attention beyond Qwen3's (GLM-4.5, Qwen3-Next): RoPE on the leading
+    `rotary_dim` dims of each head only, per-head q/k RMSNorm optional, the output projection
+    without the bias that q/k/v carry under attention_bias, and with `output_gate` (Qwen3-Next)
+    q_proj giving each head a gate beside its query, sigmoid(gate) scaling the head's output."""
     rotary_dim: int
     qk_norm: bool
     output_bias: bool
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,35 @@ class IndexerConfig:
     n_heads: int
     head_dim: int
     topk: int
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): which layers run it and their sizes.
+    Each key head serves value_heads / key_heads value heads."""
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # Qwen3-Next fuses the input projections per key head (in_proj_qkvz, in_proj_ba); Qwen3.5
+    # stores them apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+    split_projections: bool
+
+
+@dataclass(frozen=True)
+class QwenNextConfig:
+    """What Qwen3-Next and Qwen3.5-MoE add to a Qwen3 decoder: Gated DeltaNet layers between the
+    gated full-attention ones (their partial rotary and output gate are `ModelConfig.gqa`'s), and
+    a shared expert behind a sigmoid gate."""
+    gated_delta_net: GatedDeltaNetConfig
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "QwenNextConfig":
+        gdn = d["gated_delta_net"]
+        return cls(**{**d, "gated_delta_net": GatedDeltaNetConfig(**{**gdn, "layers": tuple(gdn["layers"])})})
 
 
 @dataclass(frozen=True)
@@ -72,6 +103,7 @@ class ModelConfig:
     topk_group: int = 1
     hidden_act: str = "silu"
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
+    qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE only
     extra: dict = field(default_factory=dict)
     gqa: GQAConfig | None = None  # None: Qwen3's (full rotary, q/k norm, every projection biased alike)
     indexer: IndexerConfig | None = None
@@ -94,6 +126,8 @@ class ModelConfig:
         for name, sub in (("gqa", GQAConfig), ("indexer", IndexerConfig)):
             if d.get(name) is not None:
                 d[name] = sub(**d[name])
+        if d.get("qwen_next"):
+            d["qwen_next"] = QwenNextConfig.from_json(d["qwen_next"])
         return cls(**d)
 
 
@@ -107,7 +141,9 @@ INTEGER_FIELDS = frozenset({
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
     "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
     "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
-    "original_max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim",
+    "original_max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "shared_expert_intermediate_size",
+    "full_attention_interval",
 })
 REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
                          "activation_situ_linear_beta", "gate_lower_bound",

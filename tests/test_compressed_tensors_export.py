@@ -38,10 +38,13 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32"]
-# transformers' logits as the oracle: not the tiny DeepSeek-V3.2, whose indexer's top-k key choice
-# flips with a weight's bf16 rounding (its weights are checked by compressed-tensors' decompression)
-LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
+# transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key
+# choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
+# from the checkpoint (model.layers, not model.language_model.layers), so the experts' global-scale
+# fix-up below cannot find their scales (Qwen3-Next is its text model). Both are checked by
+# compressed-tensors' own decompression.
+LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]
 CT_NAMES = {"fp8": {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"},
             "nvfp4": {"weight": "weight_packed", "weight_scale": "weight_scale",

@@ -167,8 +167,9 @@ class QuantizedExport:
 
     def passthrough_prefixes(self) -> set[str]:
         """What travels through unquantized and unmodeled (DeepSeek's MTP layers, a vision tower):
-        one module prefix each (`model.layers.61`, `vision_tower`)."""
-        return {re.sub(r"(layers\.\d+)\..*", r"\1", name) if layer_of(name) is not None else name.split(".")[0]
+        one module prefix each (`model.layers.61`, `vision_tower`, `model.visual`: see `carried`)."""
+        quantized, _ = self.linear_sets()
+        return {re.sub(r"(layers\.\d+)\..*", r"\1", name) if layer_of(name) is not None else carried(name, quantized)
                 for name in self.ck.names(role="passthrough")}
 
     def excluded(self) -> list[str]:
@@ -220,6 +221,13 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def carried(name: str, quantized: set[str]) -> str:
+    """The shortest dotted prefix P of a carried tensor that holds no quantized module:
+    `vision_tower`, or `model.visual` beside a quantized `model.language_model`."""
+    cuts = [i for i, c in enumerate(name) if c == "."]
+    return next((name[:i] for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
 
 
 def group_config(layer: dict) -> dict:

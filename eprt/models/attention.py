@@ -1,4 +1,4 @@
-"""Grouped-query attention with per-head q/k RMSNorm (Qwen3), and the causal attention core."""
+"""Grouped-query attention (Qwen3, GLM-4.5, Qwen3-Next's gated one), and the causal attention core."""
 
 from __future__ import annotations
 
@@ -28,28 +28,33 @@ def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.T
 
 
 class GQAttention(nn.Module):
-    """Qwen3's by default; `c.gqa` (GLM-4.5) makes the q/k norm optional, RoPE partial (the
-    cos/sin tables are then narrower than a head) and the output projection unbiased."""
+    """Qwen3's by default; `c.gqa` (GLM-4.5, Qwen3-Next) makes the q/k norm optional, RoPE partial
+    (the cos/sin tables are then narrower than a head), the output projection unbiased and, with
+    `output_gate`, q_proj gives each head a gate beside its query: the attention output is
+    multiplied by sigmoid(gate) before o_proj. `norm` is the q/k norm's kind."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         assert c.num_heads % c.num_kv_heads == 0, (c.num_heads, c.num_kv_heads)
         hd = c.head_dim
         qk_norm = c.gqa.qk_norm if c.gqa else True
         output_bias = c.gqa.output_bias if c.gqa else c.attention_bias
-        self.q_proj = Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
+        self.output_gate = bool(c.gqa and c.gqa.output_gate)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * hd * (2 if self.output_gate else 1), bias=c.attention_bias)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
         self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=output_bias)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
         # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
         self.kv_observer = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -58,4 +63,7 @@ class GQAttention(nn.Module):
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        return self.o_proj(causal_attention(q, k, v, self.head_dim ** -0.5))
+        o = causal_attention(q, k, v, self.head_dim ** -0.5)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(o)

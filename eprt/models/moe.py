@@ -77,6 +77,24 @@ class MoE(nn.Module):
         return self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts).to(x_TD.dtype)
 
 
+class GatedSharedExpertMoE(MoE):
+    """Routed experts plus one shared expert scaled per token by sigmoid(shared_expert_gate x)
+    (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+
+    def __init__(self, gate: nn.Module, experts: Experts, shared_expert: nn.Module, hidden: int):
+        super().__init__(gate, experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        # sigmoid over a full row per token, not over the [T, 1] column: a vectorized sigmoid rounds
+        # its tail elements apart from the rest, so a token's gate would depend on the token count
+        gate_TD = torch.sigmoid(self.shared_expert_gate(x_TD).expand(-1, x_TD.shape[-1]))
+        shared_TD = gate_TD * self.shared_expert(x_TD)
+        return (self.routed(x_TD) + shared_TD).view_as(x_BTD)
+
+
 class LatentMoE(MoE):
     """Routed experts that work in a smaller latent space (Kimi-K3): the router reads x, the
     experts read z = routed_expert_down_proj(x); their combined output is normalized (when the

@@ -72,8 +72,14 @@ def released_shape(spec: TensorSpec) -> tuple[int, ...]:
     return (128 * math.ceil(shape[0] / 128), *shape[1:])
 
 
-def vision_tensors(hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str, torch.Tensor]:
     """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
+    if model_type == "qwen3_5_moe":
+        shapes = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4), "model.visual.pos_embed.weight": (16, 16),
+                  "model.visual.blocks.0.attn.qkv.weight": (48, 16), "model.visual.blocks.0.attn.qkv.bias": (48,),
+                  "model.visual.blocks.0.norm1.weight": (16,), "model.visual.merger.linear_fc1.weight": (64, 64),
+                  "model.visual.merger.linear_fc2.weight": (hidden, 64)}
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
               "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16), "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
               "vision_tower.encoder.final_layernorm.weight": (16,), "mm_projector.pre_norm.weight": (16,),
@@ -117,7 +123,8 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:
-        tensors.update({n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})
+        tensors.update({n: t.to(WEIGHT_DTYPES[dtype])
+                        for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()})
     if source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
