@@ -319,7 +319,7 @@ def test_tool_exit_code_and_message(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stdout.splitlines() == [
         f"{L0}.self_attn.o_proj.input_scale: missing (quantized module {L0}.self_attn.o_proj)",
-        f"{bad}: 1 violation(s) of the ModelOpt export layout",
+        f"{bad}: 1 violation(s) of the quantized export layout",
     ]
 
 

@@ -31,6 +31,7 @@ from tests.hf_utils import read_hf_tensors
 FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32", "qwen3_next",
             "qwen3_5_moe", "qwen3_5_moe_text"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
+MIXED_RECIPES = ["nvfp4_experts_fp8_attention", "kimi_k3_release"]  # calibrated with an FP8 KV cache only
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
 TOOL = ROOT / "tools" / "check_export.py"
@@ -60,7 +61,6 @@ def text_layers(hf_dir: str) -> int:
 def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
     rules = yaml.safe_load((RECIPE_DIR / f"{recipe}.yaml").read_text())["quantize"]
     layers = text_layers(hf_dir)
-    fmt = next(r["format"] for r in rules if r["format"] != "none")
     sources = source_names(hf_dir)
     out = set()
     for name, shape in sources.items():
@@ -72,7 +72,7 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
         chosen = next((r["format"] for r in rules if fnmatch.fnmatchcase(as_recipe_sees, r["pattern"])), "none")
         if leaf == "weight" and len(shape) == 2 and not is_mtp and not NEVER_QUANTIZED.fullmatch(module) \
                 and chosen != "none":
-            out |= {f"{module}.{c}" for c in COMPANIONS[fmt]}
+            out |= {f"{module}.{c}" for c in COMPANIONS[chosen]}
         else:
             out.add(name)
     if kv:
@@ -102,14 +102,13 @@ def sources(tmp_path_factory):
 def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_path):
     hf, ck = sources[family]
     state = ParallelState.single()
-    for recipe in RECIPES:
-        for kv in (None, "fp8"):
-            q = str(tmp_path / f"{recipe}-{kv}")
-            run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
-            out = export_hf(q, q + "-hf", progress=False)
-            got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
-            assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
-            assert check_export(out, hf) == []
+    for recipe, kv in [(r, kv) for r in RECIPES for kv in (None, "fp8")] + [(r, "fp8") for r in MIXED_RECIPES]:
+        q = str(tmp_path / f"{recipe}-{kv}")
+        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
+        out = export_hf(q, q + "-hf", progress=False)
+        got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
+        assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
+        assert check_export(out, hf) == []
 
 
 @pytest.fixture(scope="module")

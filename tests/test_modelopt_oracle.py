@@ -1,7 +1,8 @@
 """eprt's quantized export against ModelOpt's own, on the same tiny model and the same tokens.
 
 ModelOpt quantizes the transformers model loaded from the same Hugging Face directory with its
-FP8 / NVFP4 / NVFP4-experts-only configs (plus its FP8 KV-cache config), calibrates it with `max` over the token ids
+FP8 / NVFP4 / NVFP4-experts-only configs, and the NVFP4-experts config with FP8 attention quantizers
+added (mixed precision: MIXED_PRECISION with quantized_layers), plus its FP8 KV-cache config, calibrates it with `max` over the token ids
 eprt calibrates on, and writes `export_hf_checkpoint`. Compared:
 - tensor names, and every tensor byte for byte (quantized weights, weight scales, unquantized
   weights), except the activation-derived scales (input_scale, k_scale, v_scale), which come
@@ -15,6 +16,7 @@ and the DeepSeek-V3 router weight, which transformers holds (and ModelOpt writes
 eprt writes in the source's dtype: the values must be equal.
 """
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -36,8 +38,20 @@ from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
+def experts_nvfp4_attention_fp8() -> dict:
+    """ModelOpt's NVFP4-experts config with FP8 per-tensor quantizers on the attention: a mixed-precision export."""
+    cfg = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    last_experts_rule = max(i for i, r in enumerate(cfg["quant_cfg"]) if ".experts." in r["quantizer_name"])
+    cfg["quant_cfg"][last_experts_rule + 1:last_experts_rule + 1] = [
+        {"quantizer_name": "*self_attn*weight_quantizer", "cfg": fp8},
+        {"quantizer_name": "*self_attn*input_quantizer", "cfg": fp8}]
+    return cfg
+
+
 MODELOPT_CFG = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG,
-                "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG}
+                "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG,
+                "nvfp4_experts_fp8_attention": experts_nvfp4_attention_fp8()}
 SAMPLES, SEQ_LEN = 4, 32
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
 
@@ -85,14 +99,17 @@ def quant_configs(out: str, layers: int) -> tuple[dict, dict]:
     qc = json.loads(Path(out, "config.json").read_text())["quantization_config"]
     for producer in (hf_quant["producer"], qc["producer"]):
         producer.pop("exported_by", None)
-    for excluded in (hf_quant["quantization"]["exclude_modules"], qc["ignore"]):
+    for excluded in (hf_quant["quantization"].get("exclude_modules", []), qc["ignore"]):
         excluded[:] = sorted(without_mtp(excluded, layers) - {f"model.layers.{i}.*" for i in range(layers, 99)})
+    if hf_quant["quantization"].get("exclude_modules") == []:  # a mixed export excludes nothing but MTP
+        hf_quant["quantization"].pop("exclude_modules")
     return hf_quant, qc
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("fmt, kv", [("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True),
-                                     ("nvfp4_experts_only", True)])
+                                     ("nvfp4_experts_only", True),
+                                     ("nvfp4_experts_fp8_attention", True)])
 def test_the_export_is_modelopts(sources, tmp_path, family, fmt, kv):
     hf, ck, config = sources[family]
     layers = config["num_hidden_layers"]

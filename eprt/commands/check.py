@@ -1,4 +1,5 @@
-"""Check a quantized Hugging Face export against the ModelOpt layout that vLLM and SGLang load.
+"""Check a quantized Hugging Face export against the layout vLLM and SGLang load: ModelOpt's
+(one format or MIXED_PRECISION), or compressed-tensors' when its config says so.
 
     eprt-check OUT [--source HF_DIR]                                    (or python tools/check_export.py)
 
@@ -23,7 +24,7 @@ def check() -> int:
     for p in problems:
         print(p)
     if problems:
-        print(f"{a.out}: {len(problems)} violation(s) of the ModelOpt export layout")
+        print(f"{a.out}: {len(problems)} violation(s) of the quantized export layout")
         return 1
     print(f"{a.out}: ok")
     return 0

@@ -1,7 +1,7 @@
-"""Write an eprt checkpoint back in the Hugging Face layout (the ModelOpt quantized layout for a
-calibrated one). Under torchrun every rank writes its share of the shards.
+"""Write an eprt checkpoint back in the Hugging Face layout (for a calibrated one, the ModelOpt or
+the compressed-tensors quantized layout). Under torchrun every rank writes its share of the shards.
 
-    eprt-export CKPT OUT [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
+    eprt-export CKPT OUT [--format modelopt|compressed-tensors] [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
     torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
 """
 
@@ -9,6 +9,7 @@ import argparse
 
 from eprt.cli import run
 from eprt.hf.export import export_hf
+from eprt.hf.export_quantized import FORMATS
 from eprt.parallel import ParallelState
 from eprt.units import parse_size
 
@@ -21,12 +22,15 @@ def export() -> None:
     ap.add_argument("--dequantize", action="store_true",
                     help="write weights the source stored compressed or in block FP8 decoded (bf16), and "
                          "config.json without its quantization_config (default: as the source stored them)")
+    ap.add_argument("--format", default="modelopt", choices=FORMATS,
+                    help="the quantized layout of a calibrated checkpoint: modelopt (hf_quant_config.json, "
+                         "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     with ParallelState.from_env() as state:
         export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
-                  progress=not a.no_progress, dequantize=a.dequantize, parallel=state)
+                  progress=not a.no_progress, dequantize=a.dequantize, parallel=state, fmt=a.format)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
-loaders rely on.
+loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors).
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
 key at fault; an empty list means the export passed. Only headers and scale tensors are read,
@@ -28,14 +28,18 @@ import torch
 from safetensors import safe_open
 
 from eprt.errors import EprtError
-from eprt.hf.check_names import check_names, source_names_from_config, source_names_from_dir
+from eprt.hf.check_names import (COMPANIONS, KV_COMPANIONS, check_names, source_names_from_config,
+                                  source_names_from_dir)
 from eprt.storage.hf_files import CONFIG, INDEX, QUANT_CONFIG, SINGLE
 
 QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
+ALGO_OF_DTYPE = {v: k for k, v in QUANTIZED_DTYPE.items()}
+MIXED = "MIXED_PRECISION"  # each module's quant_algo in quantized_layers; an unlisted module is unquantized
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 # Per-tensor scales every quantized Linear carries (NVFP4's weight_scale is the block-scale grid).
 PER_TENSOR_SCALES = {"FP8": ("weight_scale", "input_scale"), "NVFP4": ("weight_scale_2", "input_scale")}
 LINEAR_SCALES = ("weight_scale", "weight_scale_2", "input_scale")
+CT_SCALES = ("weight_global_scale", "input_global_scale")  # compressed-tensors' NVFP4 (reciprocal) scales
 KV_SCALES = {"k_scale": "k_proj", "v_scale": "v_proj"}
 NVFP4_GROUP = 16
 
@@ -71,20 +75,37 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         return [f"{out}: not a directory"]
     problems: list[str] = []
     config = _read_json(out / CONFIG, problems)
+    if is_compressed_tensors(config):
+        from eprt.hf.check_compressed_tensors import check_compressed_tensors
+
+        check_compressed_tensors(config, _read_tensors(out, problems), _source_names(config, source_dir, problems),
+                                 problems)
+        return problems
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)
     if algo is not None and tensors:
-        modules = _Modules(tensors, algo, exclude, problems)
+        modules = _Modules(tensors, algo, exclude, problems,
+                           quantized_layers(config, hf_quant) if algo == MIXED else None)
         modules.check()
         _check_kv_scales(tensors, kv_algo, exclude, problems)
-        try:
-            source = source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
-        except EprtError as e:
-            problems.append(f"--source: {e}")
-            source = None
-        check_names(tensors, modules.quantized, algo, kv_algo, source, problems)
+        source = _source_names(config, source_dir, problems)
+        check_names(tensors, {m: COMPANIONS[a] for m, a in modules.algo_of.items()}, KV_COMPANIONS if kv_algo else (),
+                    source, problems)
     return problems
+
+
+def is_compressed_tensors(config: dict | None) -> bool:
+    return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict) \
+        and config["quantization_config"].get("quant_method") == "compressed-tensors"
+
+
+def _source_names(config: dict | None, source_dir, problems: list[str]):
+    try:
+        return source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
+    except EprtError as e:
+        problems.append(f"--source: {e}")
+        return None
 
 
 # ------------------------------------------------------------------------------------ files
@@ -164,7 +185,7 @@ def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) ->
             piece = f.get_slice(name)
             t = _Tensor(piece.get_dtype(), tuple(piece.get_shape()))
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in LINEAR_SCALES or leaf in KV_SCALES:
+            if leaf in LINEAR_SCALES or leaf in KV_SCALES or leaf in CT_SCALES:
                 if math.prod(t.shape) == 1:
                     t.value = f.get_tensor(name).float().item()
                 elif t.dtype == "F8_E4M3":
@@ -205,8 +226,8 @@ def _check_configs(
         return None, None, []
 
     algo = (q or qc).get("quant_algo")
-    if algo not in QUANTIZED_DTYPE:
-        problems.append(f"quant_algo {algo!r}: this checker covers FP8 and NVFP4")
+    if algo not in QUANTIZED_DTYPE and algo != MIXED:
+        problems.append(f"quant_algo {algo!r}: this checker covers FP8, NVFP4 and {MIXED} of them")
         algo = None
     kv_algo = q.get("kv_cache_quant_algo") if q is not None else ("FP8" if qc.get("kv_cache_scheme") else None)
     if kv_algo not in (None, "FP8"):
@@ -224,6 +245,8 @@ def _check_configs(
             problems.append(
                 f"{QUANT_CONFIG} quantization.group_size: {q['group_size']!r}, NVFP4 blocks are {NVFP4_GROUP}"
             )
+    if algo == MIXED:
+        _check_quantized_layers(q, qc, problems)
     if q is None or qc is None:
         return algo, kv_algo, exclude
 
@@ -232,7 +255,8 @@ def _check_configs(
             f"quant_algo: config.json quantization_config says {qc.get('quant_algo')!r}, "
             f"{QUANT_CONFIG} says {q.get('quant_algo')!r}"
         )
-    _check_config_groups(qc, algo, q.get("group_size"), problems)
+    if algo != MIXED:
+        _check_config_groups(qc, algo, q.get("group_size"), problems)
     scheme = qc.get("kv_cache_scheme")
     scheme_is_fp8 = isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
     if (kv_algo == "FP8") != scheme_is_fp8 or (kv_algo is None and scheme is not None):
@@ -249,6 +273,42 @@ def _check_configs(
             f"only in exclude_modules: {sorted(set(exclude) - ignore)})"
         )
     return algo, kv_algo, exclude
+
+
+def quantized_layers(config: dict | None, hf_quant: dict | None) -> dict[str, str]:
+    """A MIXED_PRECISION export's quantized_layers: module -> quant_algo (empty when absent)."""
+    q = (hf_quant or {}).get("quantization") if isinstance(hf_quant, dict) else None
+    layers = (q or {}).get("quantized_layers")
+    if not isinstance(layers, dict):
+        layers = ((config or {}).get("quantization_config") or {}).get("quantized_layers")
+    if not isinstance(layers, dict):
+        return {}
+    return {m: c.get("quant_algo") for m, c in layers.items() if isinstance(c, dict)}
+
+
+def _check_quantized_layers(q: dict | None, qc: dict | None, problems: list[str]) -> None:
+    """MIXED_PRECISION: each module's quant_algo (and NVFP4's group_size) in quantized_layers, the
+    same in both configs, each config group's bits those of the modules it targets."""
+    layers = (q or qc).get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        problems.append(f"quantized_layers: missing; a {MIXED} export names each quantized module's quant_algo")
+        return
+    for module, layer in sorted(layers.items()):
+        algo = layer.get("quant_algo") if isinstance(layer, dict) else None
+        if algo not in QUANTIZED_DTYPE:
+            problems.append(f"quantized_layers.{module}: quant_algo {algo!r}; eprt exports FP8 or NVFP4")
+        elif algo == "NVFP4" and layer.get("group_size") != NVFP4_GROUP:
+            problems.append(f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, NVFP4 blocks are "
+                            f"{NVFP4_GROUP}")
+    if q is not None and qc is not None and qc.get("quantized_layers") != q.get("quantized_layers"):
+        problems.append(f"quantized_layers: config.json quantization_config and {QUANT_CONFIG} differ")
+    groups = (qc or {}).get("config_groups") or {}
+    for name, group in sorted(groups.items()):
+        bits = {8 if layers.get(t, {}).get("quant_algo") == "FP8" else 4 for t in group.get("targets", []) if t in layers}
+        declared = (group.get("weights") or {}).get("num_bits")
+        if len(bits) > 1 or (bits and declared not in bits):
+            problems.append(f"config.json quantization_config.config_groups.{name}: num_bits {declared!r} for "
+                            f"targets quantized with {sorted(bits)} bits")
 
 
 def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[str]) -> None:
@@ -280,9 +340,11 @@ def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[
 class _Modules:
     """The Linear-level checks: scales, shapes, shared scales, exclusions."""
 
-    def __init__(self, tensors: dict[str, _Tensor], algo: str, exclude: list[str], problems: list[str]):
+    def __init__(self, tensors: dict[str, _Tensor], algo: str, exclude: list[str], problems: list[str],
+                 layers: dict[str, str] | None = None):
         self.tensors = tensors
         self.algo = algo
+        self.layers = layers  # MIXED_PRECISION: module (routed experts as `...experts`) -> quant_algo
         self.exclude = exclude
         self.exact = set(exclude)
         # (entry, pattern): vLLM rewrites a pattern `X*` (not `X.*`) as `X` and `X.*` before matching.
@@ -294,19 +356,22 @@ class _Modules:
                 self._narrow_pairs.append((e, e))
         self.problems = problems
         self.quantized: set[str] = set()
+        self.algo_of: dict[str, str] = {}  # each quantized module's format, from its weight's dtype
         self.unquantized: set[str] = set()  # modules with a 2-D float weight, embeddings aside
         for name, t in tensors.items():
             module, _, leaf = name.rpartition(".")
             if leaf != "weight" or len(t.shape) != 2:
                 continue
-            if t.dtype == QUANTIZED_DTYPE[algo]:
+            if t.dtype == QUANTIZED_DTYPE.get(algo) or (algo == MIXED and t.dtype in ALGO_OF_DTYPE):
                 self.quantized.add(module)
+                self.algo_of[module] = ALGO_OF_DTYPE[t.dtype]
             elif t.dtype in FLOAT_DTYPES:
                 if "embed_tokens" not in module:
                     self.unquantized.add(module)
             else:
+                stores = "/".join(ALGO_OF_DTYPE) if algo == MIXED else QUANTIZED_DTYPE[algo]
                 problems.append(
-                    f"{name}: dtype {t.dtype}; a {algo} export stores {QUANTIZED_DTYPE[algo]} (quantized) "
+                    f"{name}: dtype {t.dtype}; a {algo} export stores {stores} (quantized) "
                     f"or {'/'.join(FLOAT_DTYPES)} (excluded) Linear weights"
                 )
 
@@ -317,16 +382,20 @@ class _Modules:
         self._check_shared_scales()
         self._check_expert_input_scales()
         self._check_mixed_precision()
-        self._check_not_excluded()
-        self._check_unquantized()
+        if self.layers is None:
+            self._check_not_excluded()
+            self._check_unquantized()
+        else:
+            self._check_declared()
 
     # -- scales of one quantized Linear
 
     def _check_scales(self, module: str) -> None:
         weight = self.tensors[f"{module}.weight"]
-        for leaf in PER_TENSOR_SCALES[self.algo]:
+        algo = self.algo_of[module]
+        for leaf in PER_TENSOR_SCALES[algo]:
             self._check_per_tensor(f"{module}.{leaf}")
-        if self.algo == "NVFP4":
+        if algo == "NVFP4":
             out, packed = weight.shape
             name = f"{module}.weight_scale"
             t = self.tensors.get(name)
@@ -370,11 +439,10 @@ class _Modules:
         return None if t is None else t.value
 
     def _check_shared_scales(self) -> None:
-        if self.algo != "NVFP4":
-            return
-        for parent in sorted({m.rpartition(".")[0] for m in self.quantized}):
+        nvfp4 = {m for m, a in self.algo_of.items() if a == "NVFP4"}
+        for parent in sorted({m.rpartition(".")[0] for m in nvfp4}):
             for group in SAME_INPUT:
-                members = [f"{parent}.{leaf}" for leaf in group if f"{parent}.{leaf}" in self.quantized]
+                members = [f"{parent}.{leaf}" for leaf in group if f"{parent}.{leaf}" in nvfp4]
                 for module in members[1:]:
                     for scale in ("weight_scale_2", "input_scale"):
                         a, b = self._value(f"{members[0]}.{scale}"), self._value(f"{module}.{scale}")
@@ -407,13 +475,15 @@ class _Modules:
         for module in self.quantized | self.unquantized:
             fused = self._fused_name(module)
             if fused is not None:
-                groups[fused][module] = module in self.quantized
+                groups[fused][module] = self.algo_of.get(module)
         for fused, members in sorted(groups.items()):
             if len(set(members.values())) > 1:
-                quantized = sorted(m for m, q in members.items() if q)
-                plain = sorted(m for m, q in members.items() if not q)
+                by = defaultdict(list)
+                for m, a in sorted(members.items()):
+                    by[a or "unquantized"].append(m)
                 self.problems.append(
-                    f"{fused}: loaded as one fused module but {plain} are unquantized and {quantized} quantized"
+                    f"{fused}: loaded as one fused module but its members differ: "
+                    + "; ".join(f"{a}: {ms}" for a, ms in sorted(by.items()))
                 )
 
     def _fused_name(self, module: str) -> str | None:
@@ -423,6 +493,23 @@ class _Modules:
             return m["moe"]
         parent, _, leaf = module.rpartition(".")
         return f"{parent}.{FUSED_NAME[leaf]}" if leaf in FUSED_NAME else None
+
+    def _check_declared(self) -> None:
+        """MIXED_PRECISION: every quantized module listed in quantized_layers with its own quant_algo
+        (routed experts under their layer's `...experts`), no unquantized one listed, no stale entry."""
+        seen = set()
+        for module in sorted(self.quantized | self.unquantized):
+            m = ROUTED_EXPERT.match(module)
+            declared_as = m["moe"] if m else module
+            declared = self.layers.get(declared_as)
+            seen.add(declared_as)
+            algo = self.algo_of.get(module)
+            if algo != declared:
+                self.problems.append(
+                    f"{module}: stored {algo or 'unquantized'} but quantized_layers says "
+                    f"{declared_as}: {declared or 'not listed (unquantized)'}")
+        for module in sorted(set(self.layers) - seen):
+            self.problems.append(f"quantized_layers.{module}: no such Linear in the export")
 
     def _listed(self, name: str) -> bool:
         """Every engine finds `name` in the exclusions: an exact name or a `*` pattern."""

@@ -1,8 +1,8 @@
 """The name check of a quantized export: every tensor is one an engine loads.
 
 An export holds the source's tensors, with each quantized Linear's `weight` replaced by its
-ModelOpt companions (`weight`, `weight_scale`, [`weight_scale_2`], `input_scale`), plus
-`k_proj.k_scale` / `v_proj.v_scale` of an attention under an FP8 KV cache, and nothing else:
+format's companions (ModelOpt: `weight`, `weight_scale`, [`weight_scale_2`], `input_scale`), plus
+the KV-cache scales of an attention under an FP8 KV cache, and nothing else:
 vLLM refuses a checkpoint holding a tensor its model has no parameter for.
 
 The source's names come from the source directory when one is given (then the export must hold
@@ -23,7 +23,7 @@ from eprt.storage.hf_files import CONFIG
 
 COMPANIONS = {"FP8": ("weight", "weight_scale", "input_scale"),
               "NVFP4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
-KV_COMPANIONS = (("k_proj", "k_scale"), ("v_proj", "v_scale"))
+KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
 # A source Linear stored encoded (compressed-tensors, block FP8) is exported decoded, as `weight`.
 ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
 ENCODED_PARTS = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point",
@@ -72,20 +72,22 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     return SourceNames({s for spec in layout.specs for s in spec.sources}, layout.passthrough)
 
 
-def check_names(tensors: dict, quantized: set[str], algo: str, kv_algo: str | None,
+def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_companions: tuple[str, ...],
                 source: SourceNames | None, problems: list[str]) -> None:
     """Refuse every tensor no engine loads; with an exact source, every tensor missing too.
 
-    `tensors`: name -> object with `.dtype` (safetensors spelling); `quantized`: the modules
-    whose weight is quantized."""
-    allowed_kv = {f"{attn}.{proj}.{scale}" for attn in _attentions(tensors, source) for proj, scale in KV_COMPANIONS}
+    `tensors`: name -> object with `.dtype` (safetensors spelling); `companions`: each module
+    whose weight is quantized -> the leaves its format writes in place of `weight`;
+    `kv_companions`: the KV-cache scales under each attention module (none without an FP8 KV cache)."""
+    quantized = set(companions)
+    allowed_kv = {f"{attn}.{suffix}" for attn in _attentions(tensors, source) for suffix in kv_companions}
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
-        if module in quantized and leaf in COMPANIONS[algo]:
+        if module in quantized and leaf in companions[module]:
             if source is not None and f"{module}.weight" not in source:
                 problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
             continue
-        if kv_algo and name in allowed_kv:
+        if name in allowed_kv:
             continue
         if source is not None:
             if name not in source:

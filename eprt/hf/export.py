@@ -60,10 +60,10 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
 
 def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               overwrite: bool = False, progress: bool = True, dequantize: bool = False,
-              parallel: ParallelState | None = None) -> str:
+              parallel: ParallelState | None = None, fmt: str = "modelopt") -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
-    unquantized checkpoint, the ModelOpt quantized layout for a calibrated one (checked before
-    it appears).
+    unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt or
+    compressed-tensors; checked before it appears).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;
     with `dequantize`, decoded (bf16), under a config.json without its quantization_config. A
@@ -75,7 +75,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
     with fail_together(state, "reading the checkpoint"):
         ck = Checkpoint(ckpt_dir)
     with ck:
-        exp = QuantizedExport(ck) if ck.quantization is not None else None
+        exp = QuantizedExport(ck, fmt) if ck.quantization is not None else None
         tensors = exp.tensors() if exp else list(source_tensors(ck, dequantize=dequantize))
 
         def write(tmp: str) -> None:
@@ -99,9 +99,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
 def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool) -> None:
     """config.json and every other non-weight file of the source: copied byte for byte unless the
     export changes the config (quantized, or dequantized)."""
-    if exp:
+    if exp and exp.target == "modelopt":
         config, hf_quant = exp.configs()
         write_json(os.path.join(tmp, QUANT_CONFIG), hf_quant)
+    elif exp:
+        config = exp.ct_config()
     else:
         config = encodings.without_quantization(ck.source_config) if dequantize else ck.source_config
     rewrite = config != ck.source_config

@@ -1,11 +1,9 @@
-"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (docs/export.md), which vLLM,
-SGLang and TensorRT-LLM load as `quant_method: modelopt`.
+"""A calibrated eprt checkpoint -> a quantized Hugging Face layout (docs/export.md): ModelOpt's,
+which vLLM, SGLang and TensorRT-LLM load as `quant_method: modelopt` (one format, or
+MIXED_PRECISION), or compressed-tensors' (eprt.hf.compressed_tensors_export), with the same
+quantized values.
 
-Scales follow the engines' fusion rules: gate and up of one expert share a weight amax; every
-expert of a layer gets the layer's largest input amax per projection kind, also the experts no
-token reached; with NVFP4, Linears that read the same input (q/k/v, gate/up, DeepSeek's q_a_proj
-and kv_a_proj_with_mqa) share input amax and per-tensor weight amax, because the engine fuses
-them under one weight_scale_2 (eprt.quant.fusion).
+Scales follow the engines' fusion rules, resolved in one place (eprt.quant.scales).
 """
 
 from __future__ import annotations
@@ -17,17 +15,22 @@ from dataclasses import dataclass
 import torch
 
 from eprt import __version__
+from eprt.errors import ConfigError
 from eprt.families import reader_for
+from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fp8 import fp8_scale, quantize_fp8
-from eprt.quant.fusion import siblings
-from eprt.quant.nvfp4 import BLOCK_SIZE, nvfp4_scale, quantize_nvfp4
+from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.scales import Scales
 from eprt.storage.checkpoint import Checkpoint
 
-ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
+# hf_quant_config.json's per-module quantization, by eprt format
+LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
+MIXED = "MIXED_PRECISION"
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
 
 
@@ -40,57 +43,57 @@ class ExpertWeight:
     piece: int
 
 
+FORMATS = ("modelopt", ct.NAME)  # the layouts an export is written in
+
+
 class QuantizedExport:
-    def __init__(self, ck: Checkpoint):
-        self.ck = ck
+    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (FORMATS)."""
+
+    def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
+        if layout not in FORMATS:
+            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
+        if layout == ct.NAME:
+            ct.require()
+        self.ck, self.target = ck, layout
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
-        self.fmt = self.recipe.weight_format
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
-        self.amax = {n: ck.read(n) for n in ck.names(role="calibration")}
+        self.state = CalibrationState.read(ck)
+        self.scales = Scales({m: self.recipe.format_of(m) for m in self.quantized}, self.state,
+                             lambda m: ck.read(f"{m}.weight"))
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
-
-    # --- amax -------------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=None)
-    def weight_amax(self, module: str) -> torch.Tensor:
-        return max(self.ck.read(f"{m}.weight").abs().amax().float() for m in siblings(module, self.quantized, self.fmt))
-
-    def input_amax(self, module: str) -> torch.Tensor:
-        return max(self.amax[f"{m}.input_amax"] for m in siblings(module, self.quantized, self.fmt))
-
-    # --- quantization -----------------------------------------------------------------------
-    def scale(self, amax) -> torch.Tensor:
-        return fp8_scale(amax) if self.fmt == "fp8" else nvfp4_scale(amax)
 
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         return self.ck.read(name, rows=(e, e + 1))[0]
 
     @functools.lru_cache(maxsize=4)
-    def expert_amax(self, name: str, e: int) -> torch.Tensor:
-        """Gate and up of one expert (one row of w13) share one weight amax: computed once for both."""
-        return self.expert_row(name, e).abs().amax().float()
+    def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
+        """Gate and up of one expert (one row of w13) share one weight scale: computed once for both."""
+        return self.scales.expert_weight_scale(module, self.expert_row(name, e))
 
+    # --- quantization -----------------------------------------------------------------------
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
-        """Every tensor of one quantized Linear, by suffix (weight, weight_scale, ...)."""
+        """Every tensor of one quantized Linear, by its ModelOpt suffix (weight, weight_scale, ...)."""
         if hf_weight in self.experts:
             x = self.experts[hf_weight]
+            module, fmt = x.module, self.scales.formats[x.module]
             row = self.expert_row(x.spec.name, x.expert)
             h = row.shape[0] // x.spec.per_row
             w = row[x.piece * h:(x.piece + 1) * h]
-            w_amax = self.expert_amax(x.spec.name, x.expert)
+            w_scale = self.expert_weight_scale(x.spec.name, x.module, x.expert)
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
-            in_amax = self.amax[f"{x.module}.{kind}_input_amax"].max()  # the layer's largest
+            in_scale = self.scales.scale(module, self.scales.expert_input_amax(module, kind))
         else:
             module = hf_weight[: -len(".weight")]
+            fmt = self.scales.formats[module]
             w = self.ck.read(hf_weight)
-            w_amax, in_amax = self.weight_amax(module), self.input_amax(module)
-        w_scale = self.scale(w_amax)
-        out = {"input_scale": self.scale(in_amax)}
-        if self.fmt == "fp8":
+            w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
+        out = {"input_scale": in_scale}
+        if fmt == "fp8":
             # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
             # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
             source_dtype = self.ck.meta(x.spec.name if hf_weight in self.experts else hf_weight).source_dtype
@@ -100,10 +103,19 @@ class QuantizedExport:
             out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
         return out
 
+    def format_of(self, hf_weight: str) -> str:
+        x = self.experts.get(hf_weight)
+        return self.scales.formats[x.module if x else hf_weight[: -len(".weight")]]
+
     def quantized_out(self, t: OutTensor) -> list[OutTensor]:
         module = t.name[: -len(".weight")]
         out_dim, in_dim = t.shape
-        if self.fmt == "fp8":
+        fmt = self.format_of(t.name)
+        if self.target == ct.NAME:
+            return [OutTensor(f"{module}.{k}", dtype, shape,
+                              lambda w=t.name, k=k, f=fmt: ct.from_modelopt(f, self.quantize(w))[k])
+                    for k, (dtype, shape) in ct.companions(fmt, out_dim, in_dim).items()]
+        if fmt == "fp8":
             shapes = {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
                       "input_scale": (torch.float32, ())}
         else:
@@ -123,16 +135,19 @@ class QuantizedExport:
         for t in source_tensors(self.ck, dequantize=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         if self.recipe.kv_cache:
-            for name, kind in sorted((n, k) for n in self.amax for k in ("k", "v") if n.endswith(f".{k}_amax")):
-                attn = name[: -len(f".{kind}_amax")]
-                scale = fp8_scale(self.amax[name])
-                out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (), lambda s=scale: s))
+            for attn, amax in sorted(self.state.kv_amax.items()):
+                for kind, a in zip("kv", amax):
+                    if self.target == ct.NAME:
+                        out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, ct.SCALAR,
+                                             lambda s=fp8_scale(a): s.reshape(ct.SCALAR)))
+                    else:
+                        out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (),
+                                             lambda s=fp8_scale(a): s))
         return out
 
-    def excluded(self) -> list[str]:
-        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
-        as ModelOpt summarizes them (`summarize_excluded`), then what travels through unquantized
-        and unmodeled (DeepSeek's MTP layers, a vision tower), one pattern each."""
+    def linear_sets(self) -> tuple[set[str], set[str]]:
+        """(quantized, unquantized) Linear-like modules under their Hugging Face names, each routed
+        expert's projections one by one."""
         quantized, unquantized = set(), set()
         for spec in self.layout.specs:
             if spec.stacked:
@@ -141,24 +156,67 @@ class QuantizedExport:
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:
                 module = spec.name[: -len(".weight")]
                 (quantized if module in self.quantized else unquantized).add(module)
+        return quantized, unquantized
+
+    def hf_weights(self) -> list[str]:
+        """The Hugging Face weight of every quantized Linear, each routed expert's projections one by one."""
+        return [*self.experts, *(f"{m}.weight" for m in self.quantized if m not in self.stacked_modules())]
+
+    def stacked_modules(self) -> set[str]:
+        return {spec.name.rsplit(".", 1)[0] for spec in self.layout.specs if spec.stacked}
+
+    def passthrough_prefixes(self) -> set[str]:
+        """What travels through unquantized and unmodeled (DeepSeek's MTP layers, a vision tower):
+        one module prefix each (`model.layers.61`, `vision_tower`, `model.visual`: see `carried`)."""
+        quantized, _ = self.linear_sets()
+        return {re.sub(r"(layers\.\d+)\..*", r"\1", name) if layer_of(name) is not None else carried(name, quantized)
+                for name in self.ck.names(role="passthrough")}
+
+    def excluded(self) -> list[str]:
+        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
+        as ModelOpt summarizes them (`summarize_excluded`), then what travels through, one pattern each."""
+        quantized, unquantized = self.linear_sets()
         names = summarize_excluded(unquantized, quantized)
-        for name in self.ck.names(role="passthrough"):
-            layer = layer_of(name)
-            names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else carried(name, quantized))
-        return sorted(names)
+        return sorted(names | {f"{p}.*" for p in self.passthrough_prefixes()})
+
+    def ct_config(self) -> dict:
+        """config.json: the source's, with compressed-tensors' quantization_config."""
+        _, unquantized = self.linear_sets()
+        experts = self.stacked_modules() - set(self.quantized)
+        dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
+        formats = set(self.scales.formats.values())
+        by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
+        qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
+                                    self.recipe.kv_cache, ct.targets(by_linear, unquantized))
+        return {**self.ck.source_config, "quantization_config": qc}
 
     def configs(self) -> tuple[dict, dict]:
-        """(config.json, hf_quant_config.json)."""
-        algo, excluded = ALGO[self.fmt], self.excluded()
+        """(config.json, hf_quant_config.json), as ModelOpt writes them: one quant_algo with its
+        exclude_modules, or MIXED_PRECISION with each quantized module's own (`quantized_layers`,
+        the routed experts of a layer as one `...experts` module), where a module it does not list
+        is unquantized and only what travels through unmodeled is excluded."""
         kv = "FP8" if self.recipe.kv_cache == "fp8" else None
-        quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded}
-        group = {"dynamic": False, "num_bits": 8, "type": "float"}
-        if self.fmt == "nvfp4":
-            quant["group_size"] = BLOCK_SIZE
-            group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
-        qc = {"quant_method": "modelopt", "quant_algo": algo,
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": group, "input_activations": group}},
-              "ignore": excluded, "producer": PRODUCER}
+        layers = {m: LAYER_CONFIG[fmt] for m, fmt in self.scales.formats.items()}  # in module order
+        if len(set(self.scales.formats.values())) == 1:
+            algo, excluded = next(iter(layers.values()))["quant_algo"], self.excluded()
+            quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded,
+                     **{k: v for k, v in next(iter(layers.values())).items() if k != "quant_algo"}}
+            groups = {"group_0": {"targets": ["Linear"], **group_config(next(iter(layers.values())))}}
+            qc = {"quant_method": "modelopt", "quant_algo": algo, "config_groups": groups, "ignore": excluded,
+                  "producer": PRODUCER}
+        else:
+            quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv, "quantized_layers": layers}
+            # what travels through unmodeled (MTP layers) is excluded by prefix, as ModelOpt adds it
+            passthrough = sorted(f"{p}.*" for p in self.passthrough_prefixes())
+            if passthrough:
+                quant["exclude_modules"] = passthrough
+            by_config: dict[str, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
+            for m, fmt in self.scales.formats.items():
+                by_config.setdefault(fmt, []).append(m)
+            groups = {f"group_{i}": {**group_config(LAYER_CONFIG[fmt]), "targets": sorted(ms)}
+                      for i, (fmt, ms) in enumerate(by_config.items())}
+            qc = {"quant_method": "modelopt", "quant_algo": MIXED, "config_groups": groups, "ignore": passthrough,
+                  "quantized_layers": layers, "producer": PRODUCER}
         if kv:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
@@ -166,10 +224,18 @@ class QuantizedExport:
 
 
 def carried(name: str, quantized: set[str]) -> str:
-    """`P.*` for the shortest dotted prefix P of a carried tensor that holds no quantized module:
-    `vision_tower.*`, or `model.visual.*` beside a quantized `model.language_model`."""
+    """The shortest dotted prefix P of a carried tensor that holds no quantized module:
+    `vision_tower`, or `model.visual` beside a quantized `model.language_model`."""
     cuts = [i for i, c in enumerate(name) if c == "."]
-    return next((name[:i] + ".*" for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
+    return next((name[:i] for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
+
+
+def group_config(layer: dict) -> dict:
+    """A config group's weights and input_activations for one module's quantization."""
+    bits = {"FP8": {"num_bits": 8}, "NVFP4": {"num_bits": 4, "group_size": BLOCK_SIZE}}[layer["quant_algo"]]
+    args = {"dynamic": False, **bits, "type": "float"}
+    args = {k: args[k] for k in ("dynamic", "num_bits", "type", "group_size") if k in args}
+    return {"weights": args, "input_activations": dict(args)}
 
 
 def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 
 from eprt.errors import ConfigError
 from eprt.layout import Layout, TensorSpec
@@ -34,21 +35,56 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
     if not quantized:
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
+    refuse_mtp_rules(layout, modules, recipe, where)
     refuse_split_fusion(modules, quantized, recipe, where)
-    if recipe.weight_format == "nvfp4":
-        refuse_unblockable(layout, quantized, recipe, where)
+    refuse_unblockable(layout, {m: s for m, s in quantized.items() if recipe.format_of(m) == "nvfp4"}, recipe, where)
     return quantized
 
 
+MTP_LAYER = re.compile(r"^model\\\.layers\\\.(\d+)\\\.")  # a passthrough regex of a layer carried through
+
+
+def mtp_modules(layout: Layout, modules: dict) -> list[str]:
+    """The Linear modules of the multi-token-prediction layers the layout carries through
+    (DeepSeek-V3's `model.layers.N`, N >= num_hidden_layers): a decoder layer's modules under the
+    MTP layer's index, plus its eh_proj and shared head."""
+    layers = [int(m.group(1)) for p in layout.passthrough if (m := MTP_LAYER.match(p))]
+    if not layers:
+        return []
+    last = min(layers) - 1
+    in_layer = {m.split(f"layers.{last}.", 1)[1] for m in modules if f"layers.{last}." in m}
+    return [f"model.layers.{n}.{leaf}" for n in layers for leaf in sorted(in_layer | {"eh_proj", "shared_head.head"})]
+
+
+def refuse_mtp_rules(layout: Layout, modules: dict, recipe: Recipe, where: str) -> None:
+    """The MTP layers are carried through unquantized (calibrating them needs their forward on the
+    last layer's hidden states, which eprt does not run): a rule written for them alone, one that
+    quantizes an MTP module and none of the model's own, is refused by name. A rule matching both
+    leaves the MTP layers unquantized, excluded by name in the export."""
+    for mtp in mtp_modules(layout, modules):
+        rule = next(((p, f) for p, f in recipe.rules if fnmatch.fnmatchcase(mtp, p)), None)
+        if rule and rule[1] != "none" and not any(fnmatch.fnmatchcase(m, rule[0]) for m in modules):
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule[0]!r}, format: "
+                              f"{rule[1]}}}), a multi-token-prediction layer; eprt cannot calibrate MTP layers yet "
+                              "and exports them unquantized: drop the rule or give it format none")
+
+
 def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
-    """A fused module is one weight to the engines: part quantized, part not, it cannot be loaded."""
+    """A fused module is one weight to the engines: part quantized, part not, or parts in two
+    formats, it cannot be loaded."""
     for module in quantized:
         parent, leaf = module.rsplit(".", 1)
         group = next((g for g in FUSED_SIBLINGS if leaf in g), ())
-        plain = sorted(m for m in (f"{parent}.{x}" for x in group) if m in modules and m not in quantized)
+        fmt = recipe.format_of(module)
+        members = [m for m in (f"{parent}.{x}" for x in group) if m in modules]
+        plain = sorted(m for m in members if m not in quantized)
+        other = sorted(m for m in members if m in quantized and recipe.format_of(m) != fmt)
+        fused = f"the engines load {'/'.join(sorted(group))} as one fused module: give them one format"
         if plain:
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} but not {', '.join(plain)}; the "
-                              f"engines load {'/'.join(sorted(group))} as one fused module: give them one format")
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} but not {', '.join(plain)}; {fused}")
+        if other:
+            said = ", ".join(f"{m} with {recipe.format_of(m)}" for m in other)
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; {fused}")
 
 
 def refuse_unblockable(layout: Layout, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:

@@ -1,7 +1,7 @@
 """A glance at the model before and after quantization: a short greedy continuation of a prompt.
 
 After calibration the quantized modules are fake-quantized in place (weights quantized and
-dequantized with the export's scales, dense inputs through their calibrated input scale), so
+dequantized with the export's scales, inputs through their calibrated input scale), so
 the continuation shows what the engine will compute. The model is not used afterwards:
 export reads the weights from the checkpoint.
 """
@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from eprt.models.moe import Experts
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.fusion import siblings
-from eprt.quant.nvfp4 import fake_quant_nvfp4, nvfp4_scale
+from eprt.quant.calibrated import CalibrationState
+from eprt.quant.fp8 import fake_quant_fp8
+from eprt.quant.nvfp4 import fake_quant_nvfp4
+from eprt.quant.recipe import Recipe
+from eprt.quant.scales import EXPERT_KINDS, Scales
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
 
@@ -36,27 +38,35 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], fmt: str, cal: Calibrator, state) -> None:
-    """Replace every quantized module's weights and dense inputs by their quantize-dequantize."""
-    fake, scale = (fake_quant_fp8, fp8_scale) if fmt == "fp8" else (fake_quant_nvfp4, nvfp4_scale)
-    quantized = set(targets)
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state) -> None:
+    """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
+    export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
+    the routed experts."""
+    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
+                    lambda m: model.get_submodule(m).weight.detach())
+    fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
     dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
-    w_amax = {m: model.get_submodule(m).weight.detach().abs().amax().float() for m in dense}
+    # every scale first: a weight scale reads its fused siblings' weights, replaced below
+    resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            group = siblings(m, quantized, fmt)
-            module = model.get_submodule(m)
-            module.weight.copy_(fake(module.weight, scale(max(w_amax[s] for s in group))))
-            in_scale = scale(max(cal.input_amax[s] for s in group))
-            module.register_forward_pre_hook(lambda _m, args, s=in_scale: (fake(args[0], s), *args[1:]))
+            module, fake = model.get_submodule(m), fakes[scales.formats[m]]
+            w_scale, in_scale = resolved[m]
+            module.weight.copy_(fake(module.weight, w_scale))
+            module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fake: (f(args[0], s), *args[1:]))
         for m in targets:
             experts = model.get_submodule(m)
             if not isinstance(experts, Experts):
                 continue
+            fake = fakes[scales.formats[m]]
             for w in (experts.w13, experts.w2):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
-                    w[e].copy_(fake(w[e], scale(w[e].abs().amax().float())))
-            layer_amax = cal.expert_amax[m][0].max().clone()  # the layer's largest, as the export writes it
-            state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
-            in_scale = scale(layer_amax)
-            experts.register_forward_pre_hook(lambda _m, args, s=in_scale: (fake(args[0], s), *args[1:]))
+                    w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
+            in_scale = {}
+            for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
+                layer_amax = scales.expert_input_amax(m, kind).clone()
+                state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
+                in_scale[kind] = scales.scale(m, layer_amax)
+            experts.register_forward_pre_hook(lambda _m, args, s=in_scale["w13"], f=fake: (f(args[0], s), *args[1:]))
+            # w2 reads act(gate, up): quantized where it is made
+            experts.act = lambda gate, up, act=experts.act, s=in_scale["w2"], f=fake: f(act(gate, up), s)

@@ -83,7 +83,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         seconds = time.perf_counter() - start
         report_coverage(cal, state, cfg.num_experts)
         if a.preview:
-            fake_quantize(model, targets, recipe.weight_format, cal, state)
+            fake_quantize(model, targets, recipe, cal, state)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)

@@ -8,6 +8,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8
 
+Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
 layer's routed experts are one module (`model.layers.3.mlp.experts`). Whatever a recipe says,
 a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unquantized.
@@ -44,9 +45,9 @@ class Recipe:
         return None
 
     @property
-    def weight_format(self) -> str:
-        """The one quantized format the recipe uses (a checkpoint has one quant_algo)."""
-        return next(f for _, f in self.rules if f != "none")
+    def formats(self) -> list[str]:
+        """The quantized formats the recipe uses: more than one makes a mixed-precision export."""
+        return sorted({f for _, f in self.rules} - {"none"})
 
     def to_json(self) -> dict:
         return {"name": self.name, "quantize": [{"pattern": p, "format": f} for p, f in self.rules],
@@ -78,9 +79,9 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
         rules.append((str(r["pattern"]), r["format"]))
-    used = {f for _, f in rules} - {"none"}
-    if len(used) != 1:
-        raise ConfigError(f"{source}: a recipe quantizes with exactly one format, found {sorted(used) or 'none'}")
+    if not {f for _, f in rules} - {"none"}:
+        raise ConfigError(f"{source}: a recipe quantizes with at least one format, found none; "
+                          f"give a rule a format of {', '.join(FORMATS[:-1])}")
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
         raise ConfigError(f"{source}: kv_cache {kv!r}; choose fp8 or null")
