@@ -29,6 +29,10 @@ class LanguageModelOf(nn.Module):
     def keeps_fp32(self, name: str) -> bool:
         return name.startswith(PREFIX) and self.language_model.keeps_fp32(name[len(PREFIX):])
 
+    def decoder(self) -> tuple[str, nn.Module]:
+        prefix, decoder = self.language_model.decoder()
+        return PREFIX + prefix, decoder
+
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return self.language_model.moe_blocks()
 

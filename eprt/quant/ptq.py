@@ -12,16 +12,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eprt.checkpoint import Checkpoint
+from eprt.checkpoint import Checkpoint, manifest_digest
 from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
-from eprt.models.loader import load_model
+from eprt.models.loader import load_model, weight_bytes
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
-from eprt.progress import bar, logger
+from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
+from eprt.quant.engine import GROUP_TOKENS, LayerEngine, Schedule
+from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
+                             memory_in_use)
+from eprt.quant.workdir import WorkDir
 from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.recipe import load_recipe
 
@@ -42,6 +46,11 @@ class PTQArgs:
     preview: str | None = None  # a prompt, or None for no preview
     overwrite: bool = False
     progress: bool = True
+    chunk_size: int | None = None  # global sequences per step of a layer (default batch_size x world)
+    group_tokens: int = GROUP_TOKENS  # tokens per expert work unit's group of sequences
+    max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
+    resume: bool = False
+    work_dir: str | None = None  # default: OUT.work beside OUT
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
@@ -62,22 +71,24 @@ def run_ptq(state, a: PTQArgs) -> dict:
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
         targets = [m for m in reader_for(cfg.model_type, a.ckpt).layout(cfg).linear_modules() if recipe.format_of(m)]
     with ck:
-        model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
-        if a.preview:
+        with fail_together(state, "planning memory"):
+            plan, preview = plan_run(state, ck, samples, a)
+        model = None
+        if preview:
+            model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(model, targets, kv=recipe.kv_cache == "fp8")
+        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            with bar(len(batches), "calibrate", unit="batch", enabled=a.progress) as pb:
-                for batch in batches:
-                    model(batch)
-                    pb.update(1)
+            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state))
+            resumed = calibrate_layers(state, ck, cal, samples, a, work)
             cal.reduce(state)
         seconds = time.perf_counter() - start
+        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         report_coverage(cal, state, cfg.num_experts)
-        if a.preview:
+        if preview:
             fake_quantize(model, targets, recipe.weight_format, cal, state)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
@@ -86,9 +97,63 @@ def run_ptq(state, a: PTQArgs) -> dict:
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
                        overwrite=a.overwrite)
+        with fail_together(state, "removing the work directory"):
+            work.remove()
     if state.rank == 0:
+        log.info("calibrated %d tokens in %.2f s (%.0f tokens/s)", samples.numel(), seconds, samples.numel() / seconds)
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
-    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
+    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches),
+            "resumed_after": resumed}
+
+
+def schedule(a: PTQArgs, state, num_sequences: int) -> Schedule:
+    return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world, a.group_tokens)
+
+
+def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[MemoryPlan, bool]:
+    """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
+    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
+    c = ck.config
+    planner = Planner.of(ck, DTYPES[a.dtype])
+    plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
+                        seq_len=a.seq_len, schedule=schedule(a, state, samples.shape[0]),
+                        baseline=memory_in_use(state.device))
+    limit = a.max_memory or available_memory(state.device)
+    check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
+                 num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
+                 schedule_of=lambda n: schedule(a, state, n))
+    if state.rank == 0:
+        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
+                      format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
+                      format_bytes(plan.step), format_bytes(plan.baseline))
+    if not a.preview:
+        return plan, False
+    first, count = state.expert_range(c.num_experts) if c.moe_layers else (0, 0)
+    whole = sum(weight_bytes(ck, dtype=DTYPES[a.dtype], expert_range=(first, count) if c.moe_layers else None))
+    fits = plan.peak + whole <= limit
+    if not fits and state.rank == 0:
+        logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
+                         "in --max-memory %s", format_bytes(whole), format_bytes(plan.peak), format_bytes(limit))
+    return plan, fits
+
+
+def fingerprint(ck: Checkpoint, a: PTQArgs, state) -> dict:
+    """What a saved layer boundary depends on: a run resumes only from its own."""
+    return {"ckpt": manifest_digest(ck.path), "calib": a.calib, "calib_size": a.calib_size, "seq_len": a.seq_len,
+            "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
+            "group_tokens": a.group_tokens}
+
+
+def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
+                     work: WorkDir) -> int:
+    """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
+    `work`; with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    engine = LayerEngine(state, ck, cal, samples, dtype=DTYPES[a.dtype], schedule=schedule(a, state, samples.shape[0]),
+                         progress=a.progress)
+    done = work.last_completed(a.resume)
+    ls = work.load(done, cal, state.device) if done >= 0 else engine.embed()
+    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal))
+    return done
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:

@@ -1,0 +1,182 @@
+"""The memory plan of a layer-major calibration: each rank's peak, from the manifest alone.
+
+A rank holds, at its peak, what it held before the run (the process: interpreter, torch,
+eprt; measured when the plan is made, so the plan covers it), the hidden states of its own
+sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
+first hidden states are formed, or one decoder layer's weights with one step's buffers (the
+per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
+intermediate rows, the fp32 combine) and the largest tensor in flight as it is read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from eprt.checkpoint import Checkpoint
+from eprt.errors import ConfigError
+from eprt.models.loader import meta_model
+from eprt.quant.engine import Schedule, own_sequences
+
+
+def current_rss() -> int:
+    """Bytes this process holds now (resident set), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    """The largest resident set this process has had, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_in_use(device: torch.device) -> int:
+    """What the plan's baseline is: the process's resident set on CPU, torch's allocations on CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
+
+
+def measured_peak(device: torch.device) -> int:
+    """What the plan predicts: the peak resident set on CPU, torch's peak allocation on CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+
+
+def available_memory(device: torch.device) -> int:
+    """The default --max-memory: the device's free memory on CUDA, the host's available RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    baseline: int  # the process before the run
+    hidden: int  # hidden states and block snapshots of this rank's sequences
+    embedding: int
+    layer: int  # the largest layer's weights (dense + this rank's experts), with its largest read in flight
+    step: int  # one step's activations and exchange buffers
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.hidden + max(self.embedding, self.layer + self.step)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The weight terms of a plan, from the manifest once; `plan` then prices any layout and data size."""
+
+    ck: Checkpoint
+    dtype: torch.dtype
+    layer_dense: dict[int, int]  # bytes of each layer's dense tensors
+    layer_experts: dict[int, int]  # bytes of each layer's routed experts, all of them
+    largest_dense_read: dict[int, int]
+    largest_expert_read: dict[int, int]  # all experts' rows; a rank reads 1/ep of them
+    embedding: int
+
+    @classmethod
+    def of(cls, ck: Checkpoint, dtype: torch.dtype) -> Planner:
+        b = dtype.itemsize
+        model, stacked = meta_model(ck, None)
+        prefix, _ = model.decoder()
+        dense, experts, dense_read, expert_read, embedding = {}, {}, {}, {}, 0
+        for name, t in model.state_dict().items():
+            n = t.numel() * (4 if model.keeps_fp32(name) else b)
+            m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+            if not m:
+                embedding += n if name.startswith(prefix + "embed_tokens.") else 0
+                continue
+            i = int(m.group(1))
+            meta = ck.meta(name)
+            # read as stored, then cast into place: the stored copy is in flight beside the layer
+            stored = 2 * n if meta.encoded else t.numel() * meta.dtype.itemsize
+            bucket, read = (experts, expert_read) if name in stacked else (dense, dense_read)
+            bucket[i] = bucket.get(i, 0) + n
+            read[i] = max(read.get(i, 0), stored)
+        return cls(ck, dtype, dense, experts, dense_read, expert_read, embedding)
+
+    def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
+             baseline: int) -> MemoryPlan:
+        c, b = self.ck.config, self.dtype.itemsize
+        H, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
+        n_mine = len(own_sequences(num_sequences, rank, world))
+        block_size = c.extra.get("attn_res_block_size") or 0
+        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
+        hidden = n_mine * T * H * b * (1 + snapshots)
+        layer = max((self.layer_dense.get(i, 0) + self.layer_experts.get(i, 0) // ep
+                     + max(self.largest_dense_read.get(i, 0), self.largest_expert_read.get(i, 0) // ep)
+                     for i in range(c.num_layers)), default=0)
+        # one step: this rank's share of the step's sequences (the largest share any step gives it)
+        step_seqs = schedule.groups_per_step * schedule.group_size
+        t = math.ceil(min(step_seqs, num_sequences) / world) * T
+        routed_width = c.extra.get("latent_size") or H
+        widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
+        R = t * K if c.moe_layers else 0
+        # per token in flight: the residual, the MLP input and the experts' input (kept until the
+        # step's exchange returns); the attention's transients of one sequence
+        attention = 6 * T * H * b + 2 * c.num_heads * T * T * 4
+        # routed copies: sent, received, sorted, and their returns (rows of routed_width), the
+        # experts' gate/up rows and activation, the sort keys, the fp32 combine
+        routed = R * (6 * routed_width * b + 3 * widest * b + 4 * 8 + routed_width * 4) + t * routed_width * 4
+        dense_mlp = 3 * T * widest * b
+        snapshot = n_mine * T * H * b if snapshots else 0
+        step = t * 3 * H * b + attention + routed + dense_mlp + snapshot
+        return MemoryPlan(baseline, hidden, self.embedding, layer, step)
+
+
+def parse_size(text: str) -> int:
+    """'64GiB', '500MB', '1.5TB', or bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--max-memory {text!r}: give a size such as 64GiB, 500MB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
+                 num_experts: int, num_sequences: int, seq_len: int, schedule_of) -> None:
+    """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
+    --calib-size that fit (`schedule_of(num_sequences)` gives the run's schedule for a size)."""
+    if plan.peak <= limit:
+        return
+    from eprt.parallel.state import valid_ep
+
+    def peak(ep_: int, n: int) -> int:
+        return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=seq_len,
+                            schedule=schedule_of(n), baseline=plan.baseline).peak
+
+    ways = []
+    fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]
+    if fitting_ep:
+        ways.append(f"--ep {fitting_ep[0]}")
+    lo, hi = 0, num_sequences - 1  # the largest size that fits, by bisection (the peak grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(ep, mid) <= limit else (lo, mid - 1)
+    if lo:
+        ways.append(f"--calib-size {lo}")
+    way = " or ".join(ways) if ways else "more memory per rank (more ranks, a larger --ep)"
+    raise ConfigError(f"rank {rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
+                      f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
+                      f"{format_bytes(plan.step)}, process {format_bytes(plan.baseline)}), over --max-memory "
+                      f"{format_bytes(limit)}: use {way}")
