@@ -32,7 +32,7 @@ MiB = 2**20
 
 # Run as a child: the ModelOpt side, timed from its own start. Prints one JSON line.
 MODELOPT_CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 start = time.perf_counter()
 import torch
 from transformers import AutoModelForCausalLM
@@ -56,12 +56,14 @@ ptq_s = time.perf_counter() - start
 t = time.perf_counter()
 export_hf_checkpoint(model, export_dir=out)
 export_s = time.perf_counter() - t
-print(json.dumps({"ptq_s": ptq_s, "export_s": export_s,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+# VmHWM, not ru_maxrss: the latter keeps the high-water mark of the process that forked this one
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"ptq_s": ptq_s, "export_s": export_s, "peak": hwm * 1024}))
 """
 
 # Run as a child: one command, timed from its start to its end, with the peak RSS of its
-# largest descendant (a torchrun rank). Prints one JSON line after the command's own output.
+# largest descendant (a torchrun rank: ru_maxrss of the children, which this small process
+# forks after its own exec, so no large parent's mark leaks in). Prints one JSON line.
 WALL_CHILD = r"""
 import json, resource, subprocess, sys, time
 start = time.perf_counter()

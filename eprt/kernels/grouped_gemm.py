@@ -7,6 +7,7 @@ the row sits among them. The project's layout-independent quantization scales re
 """
 
 import torch
+import torch.nn.functional as F
 
 from eprt.kernels.backend import check_values, use_triton
 
@@ -146,5 +147,6 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
 
 
 def _unit_rows_mm(x_u: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
-    """x_u @ w_e.T as the BLAS computes it for these rows alone, wherever x_u starts."""
-    return torch.mm(_canonical_layout(x_u), w_e.T)
+    """x_u @ w_e.T as the BLAS computes it for these rows alone, wherever x_u starts (through
+    F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed weight)."""
+    return F.linear(_canonical_layout(x_u), w_e)

@@ -12,8 +12,8 @@ matmul sees rows that are a function of the model and the data alone.
 - The dense part of a layer (attention, dense MLP, router, shared experts) runs one sequence at
   a time: its rows are that sequence's tokens.
 - A routed expert runs over the copies routed to it from one group of `group_size` consecutive
-  global sequences (a constant of the data: ~GROUP_TOKENS tokens), in (sequence, position, k)
-  order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
+  global sequences (a constant of the model and the data: `group_tokens`), in (sequence,
+  position, k) order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
 - A token's top-k outputs are summed in k order, in fp32.
 A step holds whole groups, so neither the world, ep, edp, batch nor chunk size changes a bit.
 """
@@ -34,9 +34,14 @@ from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
 
-# Tokens per expert work unit's group of sequences: large enough that an expert's rows make a
-# matmul worth calling, small enough that a step's exchange buffers stay a sliver of a layer.
-GROUP_TOKENS = 4096
+# Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
+# that a step's exchange buffers stay a sliver of a layer.
+UNIT_ROWS = 128
+
+
+def group_tokens(num_experts: int, top_k: int) -> int:
+    """Tokens per group of sequences, so that each expert's unit holds UNIT_ROWS rows on average."""
+    return UNIT_ROWS * max(num_experts, 1) // max(top_k, 1)
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Schedule:
     groups_per_step: int
 
     @classmethod
-    def of(cls, num_sequences: int, seq_len: int, step_sequences: int, group_tokens: int = GROUP_TOKENS) -> Schedule:
+    def of(cls, num_sequences: int, seq_len: int, step_sequences: int, group_tokens: int) -> Schedule:
         group_size = max(1, group_tokens // seq_len)
         return cls(num_sequences, seq_len, group_size, max(1, math.ceil(step_sequences / group_size)))
 
@@ -110,13 +115,13 @@ class LayerEngine:
         c = ck.config
         self.expert_range = state.expert_range(c.num_experts) if c.moe_layers else None
         self.model, self.stacked = meta_model(ck, self.expert_range)
+        ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
         self.names = list(self.model.state_dict())
         self.mine = own_sequences(samples.shape[0], state.rank, state.world)
         self.local = {s: i for i, s in enumerate(self.mine)}
         self.dispatcher = UnitDispatcher(state, samples.shape[0] * samples.shape[1] * max(c.num_experts_per_tok, 1))
         self.log = logger()
-        self.timings: list[tuple[int, float, float, int]] = []  # (layer, read s, compute s, bytes exchanged)
 
     def _assign(self, prefix: str) -> int:
         names = [n for n in self.names if n.startswith(prefix)]
@@ -166,7 +171,6 @@ class LayerEngine:
             ls.blocks.append(snapshot)
         layer.to_empty(device="meta")
         compute_s, sent = time.perf_counter() - start, self.dispatcher.bytes_sent - sent_before
-        self.timings.append((i, read_s, compute_s, sent))
         if self.state.rank == 0:
             self.log.info("layer %d: read %.2f s (%.1f MiB), compute %.2f s, exchanged %.1f MiB", i, read_s,
                           placed / 2**20, compute_s, sent / 2**20)
@@ -178,7 +182,7 @@ class LayerEngine:
         T = self.schedule.seq_len
         ffn = layer.ffn()
         mine = [(s, self.local[s]) for s in self.schedule.step_sequences(step) if s in self.local]
-        pending = []  # (local index, carry, MLP input, routed experts' input, ids, weights)
+        pending = []  # (sequence, local index, residual, MLP input, routed experts' input, top-k ids, weights)
         for s, li in mine:
             blocks = [b[li:li + 1] for b in ls.blocks]
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)

@@ -33,10 +33,16 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """The largest resident set this process has had, in bytes."""
-    import resource
+    """The largest resident set this process has had, in bytes: /proc's VmHWM, which starts
+    afresh at exec (getrusage's ru_maxrss keeps the high-water mark of the process that forked
+    this one: a large parent makes a small child look large)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -99,8 +105,10 @@ class Planner:
                 continue
             i = int(m.group(1))
             meta = ck.meta(name)
-            # read as stored, then cast into place: the stored copy is in flight beside the layer
-            stored = 2 * n if meta.encoded else t.numel() * meta.dtype.itemsize
+            # read as stored, then cast into place: a stored copy in another dtype (or encoded,
+            # with its decoded rows) is in flight beside the layer
+            run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
+            stored = 2 * n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             bucket, read = (experts, expert_read) if name in stacked else (dense, dense_read)
             bucket[i] = bucket.get(i, 0) + n
             read[i] = max(read.get(i, 0), stored)
@@ -120,18 +128,22 @@ class Planner:
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        routed_width = c.extra.get("latent_size") or H
+        D = c.extra.get("latent_size") or H  # the routed experts' width
         widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
         R = t * K if c.moe_layers else 0
-        # per token in flight: the residual, the MLP input and the experts' input (kept until the
-        # step's exchange returns); the attention's transients of one sequence
+        # kept until the step's exchange returns, per token: the residual and the MLP input, the
+        # experts' input per sequence and concatenated
+        pending = t * (2 * H + 2 * D) * b
+        # one sequence's attention transients, and of a dense MLP
         attention = 6 * T * H * b + 2 * c.num_heads * T * T * 4
-        # routed copies: sent, received, sorted, and their returns (rows of routed_width), the
-        # experts' gate/up rows and activation, the sort keys, the fp32 combine
-        routed = R * (6 * routed_width * b + 3 * widest * b + 4 * 8 + routed_width * 4) + t * routed_width * 4
         dense_mlp = 3 * T * widest * b
+        # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
+        # activation and outputs; then the returns, gathered and widened to fp32 to combine;
+        # with a handful of int64 indices per copy throughout
+        moved = 3 if world == 1 else 4
+        routed = R * (max(moved * D * b + widest * b, 3 * D * b + 4 * D) + 8 * 8) + t * D * 4
         snapshot = n_mine * T * H * b if snapshots else 0
-        step = t * 3 * H * b + attention + routed + dense_mlp + snapshot
+        step = pending + attention + dense_mlp + routed + snapshot
         return MemoryPlan(baseline, hidden, self.embedding, layer, step)
 
 

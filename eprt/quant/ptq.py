@@ -22,7 +22,7 @@ from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.engine import GROUP_TOKENS, LayerEngine, Schedule
+from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.workdir import WorkDir
@@ -47,7 +47,7 @@ class PTQArgs:
     overwrite: bool = False
     progress: bool = True
     chunk_size: int | None = None  # global sequences per step of a layer (default batch_size x world)
-    group_tokens: int = GROUP_TOKENS  # tokens per expert work unit's group of sequences
+    group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
     max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
     resume: bool = False
     work_dir: str | None = None  # default: OUT.work beside OUT
@@ -106,8 +106,9 @@ def run_ptq(state, a: PTQArgs) -> dict:
             "resumed_after": resumed}
 
 
-def schedule(a: PTQArgs, state, num_sequences: int) -> Schedule:
-    return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world, a.group_tokens)
+def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
+    return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world,
+                       a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
 
 def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[MemoryPlan, bool]:
@@ -116,12 +117,12 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     c = ck.config
     planner = Planner.of(ck, DTYPES[a.dtype])
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
-                        seq_len=a.seq_len, schedule=schedule(a, state, samples.shape[0]),
+                        seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
                         baseline=memory_in_use(state.device))
     limit = a.max_memory or available_memory(state.device)
     check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
                  num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
-                 schedule_of=lambda n: schedule(a, state, n))
+                 schedule_of=lambda n: schedule(a, state, c, n))
     if state.rank == 0:
         logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
@@ -148,8 +149,8 @@ def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tens
                      work: WorkDir) -> int:
     """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
     `work`; with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
-    engine = LayerEngine(state, ck, cal, samples, dtype=DTYPES[a.dtype], schedule=schedule(a, state, samples.shape[0]),
-                         progress=a.progress)
+    engine = LayerEngine(state, ck, cal, samples, dtype=DTYPES[a.dtype],
+                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress)
     done = work.last_completed(a.resume)
     ls = work.load(done, cal, state.device) if done >= 0 else engine.embed()
     engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal))
