@@ -78,10 +78,10 @@ def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None
         c = ck.config
         first, count = state.expert_range(c.num_experts)
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=(first, count) if c.moe_layers else None)
-        plan = Planner.of(ck, dtype).plan(rank=state.rank, world=state.world, ep=state.ep_size,
-                                          num_sequences=args.calib_size, seq_len=args.seq_len,
-                                          schedule=schedule(args, state, c, args.calib_size),
-                                          baseline=memory_in_use(state.device))
+        plan = Planner.of(ck, dtype, state.device).plan(
+            rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
+            seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
+            baseline=memory_in_use(state.device))
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
                 "experts": {layer: (first, count) for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,

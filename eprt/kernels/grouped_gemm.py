@@ -146,7 +146,20 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
     return h, y
 
 
+# A unit's rows go to the BLAS zero-padded to a multiple of this many. oneDNN (bf16 on CPU)
+# caches a primitive, with its buffers, for every distinct row count it is given, and units
+# come in every count: unpadded, the cache grows by ~0.7 MB per count until it holds hundreds
+# of MB. Padded, a layer's units take a few dozen shapes.
+UNIT_ROW_BUCKET = 32
+
+
 def _unit_rows_mm(x_u: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
     """x_u @ w_e.T as the BLAS computes it for these rows alone, wherever x_u starts (through
-    F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed weight)."""
-    return F.linear(_canonical_layout(x_u), w_e)
+    F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed weight). The
+    padding is a function of the row count alone, so every layout pads a unit alike."""
+    n = x_u.shape[0]
+    if n % UNIT_ROW_BUCKET == 0:
+        return F.linear(_canonical_layout(x_u), w_e)
+    padded = x_u.new_zeros(-(-n // UNIT_ROW_BUCKET) * UNIT_ROW_BUCKET, x_u.shape[1])
+    padded[:n] = x_u
+    return F.linear(padded, w_e)[:n]

@@ -1,4 +1,5 @@
-"""The PTQ job: load each rank's share, calibrate on each rank's own data, save the calibration.
+"""The PTQ job: plan each rank's memory, calibrate layer by layer (eprt.quant.engine) on each
+rank's own data, save the calibration.
 
 Every rank runs this with the same arguments; each step that can fail alone runs inside a
 fail-together guard, so a failure on one rank stops every rank with the same message.
@@ -6,6 +7,7 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -25,9 +27,9 @@ from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
-from eprt.quant.workdir import WorkDir
 from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.recipe import load_recipe
+from eprt.quant.workdir import WorkDir
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -54,7 +56,8 @@ class PTQArgs:
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
-    """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens"} (tokens on this rank)."""
+    """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
+    "resumed_after" (the layer a --resume continued after, -1 for none)}."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         recipe = load_recipe(a.recipe, a.kv_cache)
@@ -82,7 +85,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state))
+            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
             resumed = calibrate_layers(state, ck, cal, samples, a, work)
             cal.reduce(state)
         seconds = time.perf_counter() - start
@@ -107,6 +110,8 @@ def run_ptq(state, a: PTQArgs) -> dict:
 
 
 def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
+    if a.chunk_size is not None and a.chunk_size < 1:
+        raise ConfigError(f"--chunk-size {a.chunk_size} must be positive")
     return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world,
                        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
@@ -115,7 +120,7 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
     plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
     c = ck.config
-    planner = Planner.of(ck, DTYPES[a.dtype])
+    planner = Planner.of(ck, DTYPES[a.dtype], state.device)
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
                         baseline=memory_in_use(state.device))
@@ -138,9 +143,10 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state) -> dict:
-    """What a saved layer boundary depends on: a run resumes only from its own."""
-    return {"ckpt": manifest_digest(ck.path), "calib": a.calib, "calib_size": a.calib_size, "seq_len": a.seq_len,
+def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dict:
+    """What a saved layer boundary depends on: a run resumes only from its own (batch and chunk
+    sizes change no bit, so they may differ)."""
+    return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
             "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
             "group_tokens": a.group_tokens}
 
