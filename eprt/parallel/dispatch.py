@@ -112,8 +112,9 @@ class UnitDispatcher:
                  key_TK: torch.Tensor, unit_T: torch.Tensor, units: tuple[int, int], experts) -> torch.Tensor:
         """The fp32 weighted sum of each token's top-k expert outputs, k in order.
 
-        key_TK: each copy's global sort key (sequence, position, k), below the keyspace; unit_T: each token's global group; units: (first, count) of the groups
-        this step holds (the same on every rank)."""
+        key_TK: each copy's global sort key (sequence, position, k), below the keyspace;
+        unit_T: each token's global group; units: (first, count) of the groups this step holds
+        (the same on every rank)."""
         st, E, L = self.state, experts.num_experts, experts.count
         first_unit, U = units
         K = topk_ids_TK.shape[1]
