@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 DEMO ?= demo
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup setup-test demo test
+.PHONY: setup setup-test demo test gpu-check gpu-wheels
 
 setup:
 	$(PIP) "$(TORCH)" -e .
@@ -26,3 +26,15 @@ demo: setup
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests
+
+# The prepared GPU check (docs/gpu-check.md): CUDA tests and GPU benchmarks in under 8 minutes,
+# figures in $$OUT/gpu-check.json (else ./gpu-check.json). Installs eprt and the wheels of
+# wheels/ it needs into $(PYTHON) itself, without network. Without CUDA: the parts a CPU can run.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py
+
+# On a networked machine: fill wheels/ with what the GPU machine lacks (CPython 3.12, x86-64).
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels -r bench/gpu_wheels.txt

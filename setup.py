@@ -9,7 +9,17 @@ setup(
     version=VERSION,
     description="Expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs",
     packages=find_packages(include=["eprt", "eprt.*"]),
-    package_data={"eprt": ["assets/*.txt"]},
+    # the built-in calibration text, the PTQ recipes and the tiny models' configs and tokenizer
+    package_data={"eprt": ["assets/*.txt", "configs/ptq/*.yaml", "configs/tiny/*.json"]},
+    entry_points={
+        "console_scripts": [
+            "eprt-convert = eprt.commands.convert:main",
+            "eprt-ptq = eprt.commands.ptq:main",
+            "eprt-export = eprt.commands.export:main",
+            "eprt-check = eprt.commands.check:main",
+            "eprt-make-tiny = eprt.commands.make_tiny:main",
+        ],
+    },
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -31,6 +41,8 @@ setup(
             "pytest-timeout",
             "transformers>=5.0",
             "compressed-tensors>=0.20",
+            # ModelOpt's own export is the oracle for the quantized export's bytes
+            "nvidia-modelopt==0.47.0",
             "triton>=3.0",
             # mlx-lm's kimi_k3 is the outside implementation Kimi-K3's logits are checked against
             "mlx[cpu]>=0.32",

@@ -31,17 +31,17 @@ print(time.perf_counter() - t)
 """
 CONVERT = """
 import sys, time
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 t = time.perf_counter()
 convert_hf(sys.argv[1], sys.argv[2], progress=False)
 print(time.perf_counter() - t)
 """
 MAKE = """
 import json, sys
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 make_tiny("qwen3_moe", sys.argv[1], shards=4, **json.loads(sys.argv[2]))
 """
-IMPORTS = "import time; from eprt.convert import convert_hf; print(0.0)"
+IMPORTS = "import time; from eprt.hf.convert import convert_hf; print(0.0)"
 
 
 def run(code: str, *args: str) -> tuple[float, int]:

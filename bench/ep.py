@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eprt  # noqa: E402
-from eprt.checkpoint import Checkpoint  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.loader import weight_bytes  # noqa: E402
-from eprt.tiny import make_tiny  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eprt  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 
 
 def make_checkpoint(args, directory: str) -> tuple[str, int]:

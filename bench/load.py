@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eprt  # noqa: E402
 from bench.ep import peak_rss, reset_peak, rss  # noqa: E402
-from eprt.checkpoint import Checkpoint  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.loader import weight_bytes  # noqa: E402
-from eprt.tiny import make_tiny  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
 
 MiB = 2**20
@@ -54,7 +54,7 @@ def make_checkpoints(args, d: str) -> dict[str, tuple[str, str]]:
 
 
 def rank_load(ck: str, ep: int) -> dict:
-    from eprt.hf.compressed import library
+    from eprt.storage.encodings import library
     from eprt.parallel import ParallelState
 
     start = time.perf_counter()

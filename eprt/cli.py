@@ -2,26 +2,60 @@
 
 In a multi-rank run every rank prints its own line, saying which rank speaks. A process alone
 prints the refusal itself, not the fail-together report around it ("rank 0 failed while ...").
+
+A file system that refuses a write (read-only, full, over quota, not permitted) is the user's
+to fix, not a bug: it prints as one line naming the path. Any other OSError keeps its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
-from typing import Callable
+from typing import Callable, TypeVar
 
 from eprt.errors import EprtError
 
+T = TypeVar("T")
 
-def run(main: Callable[[], object]) -> None:
+# errno -> the way out, for the OSErrors a user's file system raises
+USER_OS_ERRORS = {
+    errno.EROFS: "the file system is read-only: write the output elsewhere",
+    errno.ENOSPC: "the disk is full: free space or write the output elsewhere",
+    errno.EDQUOT: "the disk quota is exceeded: free space or write the output elsewhere",
+    errno.EACCES: "permission denied: write the output where you may write, or fix its permissions",
+    errno.EPERM: "operation not permitted: write the output where you may write, or fix its permissions",
+}
+
+
+
+def run(main: Callable[[], T]) -> T:
+    """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line."""
     try:
-        main()
+        return main()
     except EprtError as e:
         alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
-        if alone and isinstance(e.__cause__, EprtError):
-            e = e.__cause__
-        print(f"error{_speaker()}: {e}", file=sys.stderr)
-        sys.exit(2)
+        cause = e.__cause__
+        if alone and (isinstance(cause, EprtError) or user_os_error(cause)):
+            e = cause
+        refuse(user_os_error(e) or str(e))
+    except OSError as e:
+        if not user_os_error(e):
+            raise
+        refuse(user_os_error(e))
+
+
+def user_os_error(e: BaseException | None) -> str | None:
+    """One line for an OSError the user's file system raised, naming the path; None for others."""
+    if not isinstance(e, OSError) or e.errno not in USER_OS_ERRORS:
+        return None
+    where = f"{e.filename}: " if e.filename else "writing the output: "
+    return f"{where}{USER_OS_ERRORS[e.errno]} ({e.strerror or os.strerror(e.errno)})"
+
+
+def refuse(message: str) -> None:
+    print(f"error{_speaker()}: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _speaker() -> str:

@@ -1,22 +1,18 @@
-"""One normalized ModelConfig for every family, read from a checkpoint's config.json.
+"""One normalized ModelConfig for every family, and the tools a family's reader reads config.json with.
 
-Each family lives in `eprt/families/<name>.py` and registers the `model_type`s it reads;
-adding a family is adding that one file. Fields are read from the file; where a field is
-absent, the value is the one the family's reference implementation (transformers) assumes,
-never a guess of ours.
+Each family's reader lives in `eprt/families/<name>.py` and the family table
+(`eprt/families/__init__.py`) says which `model_type`s it reads. Fields are read from the file;
+where a field is absent, the value is the one the family's reference implementation
+(transformers) assumes, never a guess of ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from eprt.errors import ConfigError
-
-_READERS: dict[str, "FamilyReader"] = {}
 
 
 @dataclass(frozen=True)
@@ -72,61 +68,20 @@ class ModelConfig:
         return cls(**d)
 
 
-@dataclass(frozen=True)
-class FamilyReader:
-    family: str
-    model_types: tuple[str, ...]
-    parse: Any  # (hf_config: dict, source: str) -> ModelConfig
-    layout: Any  # (cfg: ModelConfig) -> eprt.layout.Layout
-
-
-def register(reader: FamilyReader) -> FamilyReader:
-    for mt in reader.model_types:
-        _READERS[mt] = reader
-    return reader
-
-
-def _load_families() -> None:
-    # Importing the package registers every family file in it.
-    import eprt.families  # noqa: F401
-
-
-def supported_model_types() -> list[str]:
-    _load_families()
-    return sorted(_READERS)
-
-
-def reader_for(model_type: str, source: str) -> FamilyReader:
-    _load_families()
-    if model_type not in _READERS:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not supported; eprt reads "
-            f"{', '.join(supported_model_types())}"
-        )
-    return _READERS[model_type]
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-
-
-def parse_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
-    """The normalized config of a Hugging Face config.json (already loaded)."""
-    if "model_type" not in hf:
-        raise ConfigError(f"{source}: no model_type; cannot tell which family this is")
-    return reader_for(hf["model_type"], source).parse(hf, source)
-
-
-def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
-    hf = read_hf_config(hf_dir)
-    return hf, parse_hf_config(hf, os.path.join(hf_dir, "config.json"))
+# Fields whose value is a count or a size, and fields that are any real number: a string or a
+# bool there (`"hidden_size": "4096"`) is refused by name instead of failing deep in the model.
+INTEGER_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+    "num_experts_per_tok", "num_experts_per_token", "n_shared_experts", "num_shared_experts", "first_k_dense_replace",
+    "decoder_sparse_step", "moe_layer_freq", "max_position_embeddings", "model_max_length", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
+    "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
+    "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
+    "original_max_position_embeddings",
+})
+REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
+                         "activation_situ_linear_beta", "gate_lower_bound"})
 
 
 class Fields:
@@ -142,10 +97,30 @@ class Fields:
         """The first of `names` present (transformers 4 and 5 spell some fields differently)."""
         for n in names:
             if n in self.d and self.d[n] is not None:
-                return self.d[n]
+                return self.checked(n, self.d[n])
         if default is ConfigError:
             raise ConfigError(f"{self.source}: required field {' / '.join(names)} is missing")
         return default
+
+    def checked(self, name: str, value: Any) -> Any:
+        """`value` if it has the type field `name` needs (bool is no number here, whatever Python says)."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in INTEGER_FIELDS and not (number and float(value).is_integer()):
+            raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be an integer: "
+                              "write it as a JSON number")
+        if name in REAL_FIELDS and not number:
+            raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a number: "
+                              "write it as a JSON number")
+        return int(value) if name in INTEGER_FIELDS else value
+
+    def experts_per_token(self, num_experts: int, *names: str, default: int) -> int:
+        """How many routed experts each token goes to: 1 to `num_experts` in a model with experts."""
+        top_k = self.get(*names, default=default)
+        if num_experts and not 1 <= top_k <= num_experts:
+            spelled = next((n for n in names if n in self.d), names[0])
+            raise self.refuse(f"field {spelled!r} is {top_k}; each token goes to 1 to {num_experts} routed experts "
+                              "(the model's expert count): set it in that range")
+        return top_k
 
     def refuse(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.source}: {msg}")

@@ -14,15 +14,24 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.progress import logger, rank
+from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER
 
 BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calib.txt")
 
 
 def read_documents(path: str) -> list[str]:
     """Text of a .txt file (one document) or of a .jsonl file (one {"text": ...} per line)."""
+    try:
+        return read_text(path)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); calibration text is UTF-8 "
+                          "(.txt, or .jsonl with one {\"text\": ...} per line)") from None
+
+
+def read_text(path: str) -> list[str]:
     if path.endswith(".jsonl"):
         docs = []
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -41,11 +50,18 @@ def read_documents(path: str) -> list[str]:
 def read_token_ids(path: str) -> np.ndarray:
     """Token ids from .npy (any integer array) or .safetensors (tensor `input_ids`, or its only tensor)."""
     if path.endswith(".npy"):
-        ids = np.load(path, allow_pickle=False)
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ConfigError(f"{path}: not a NumPy .npy array of token ids ({e})") from None
     else:
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        tensors = load_file(path)
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, ValueError, TypeError) as e:
+            raise ConfigError(f"{path}: not a safetensors file of token ids ({e})") from None
         if "input_ids" not in tensors and len(tensors) != 1:
             raise ConfigError(f"{path}: holds {sorted(tensors)}; name the token ids `input_ids`")
         ids = tensors.get("input_ids", next(iter(tensors.values())))
@@ -55,10 +71,16 @@ def read_token_ids(path: str) -> np.ndarray:
 
 
 def eos_id(hf_dir: str) -> int | None:
-    for name in ("generation_config.json", "config.json"):
+    for name in (GENERATION_CONFIG, CONFIG):
         p = os.path.join(hf_dir, name)
         if os.path.isfile(p):
-            eos = json.load(open(p)).get("eos_token_id")
+            try:
+                with open(p, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(f"{p}: not UTF-8 JSON ({e}); text calibration reads the end-of-sequence "
+                                  "token there: fix the file in the source and convert again") from None
+            eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
             if eos is not None:
@@ -73,7 +95,7 @@ def token_stream(path: str | None, hf_dir: str) -> np.ndarray:
         raise ConfigError(f"--calib {path}: no such file")
     if path.endswith((".npy", ".safetensors")):
         return read_token_ids(path)
-    tok_path = os.path.join(hf_dir, "tokenizer.json")
+    tok_path = os.path.join(hf_dir, TOKENIZER)
     if not os.path.isfile(tok_path):
         raise ConfigError(f"{tok_path}: missing; text calibration data needs the checkpoint's tokenizer "
                           "(or pass token ids as .npy / .safetensors)")
@@ -82,10 +104,16 @@ def token_stream(path: str | None, hf_dir: str) -> np.ndarray:
     tok = Tokenizer.from_file(tok_path)
     eos = eos_id(hf_dir)
     ids: list[int] = []
+    text_tokens = 0
     for doc in read_documents(path):
-        ids += tok.encode(doc, add_special_tokens=False).ids
+        doc_ids = tok.encode(doc, add_special_tokens=False).ids
+        text_tokens += len(doc_ids)
+        ids += doc_ids
         if eos is not None:
             ids.append(eos)
+    if not text_tokens:  # only end-of-sequence tokens: calibrating on them measures nothing
+        raise ConfigError(f"{path}: holds no text to calibrate on; give a file with text, or leave out --calib "
+                          "for the built-in corpus")
     return np.asarray(ids, dtype=np.int64)
 
 

@@ -8,7 +8,7 @@ then its up rows) and `...experts.w2` [E, H, I]. Both conversion and export read
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -20,19 +20,37 @@ class TensorSpec:
     sources: tuple[str, ...]
     stacked: bool = False
     per_row: int = 1
+    # What each entry along dim 0 belongs to, when the source may store more entries than the
+    # model reads (padding after them): Kimi-K3's A_log holds one per head, padded to 128 in the
+    # release. The eprt tensor keeps the stored length; the model reads the first `shape[0]`.
+    padded_per: str | None = None
 
     def source_shape(self) -> tuple[int, ...]:
         if not self.stacked:
             return self.shape
         return (self.shape[1] // self.per_row, *self.shape[2:])
 
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a source tensor of `shape` cannot be this one (after `tensor NAME `), or None."""
+        want = self.source_shape()
+        if tuple(shape) == want:
+            return None
+        if self.padded_per is None or len(shape) != len(want) or tuple(shape[1:]) != want[1:]:
+            longer = " or longer along dim 0" if self.padded_per else ""
+            return f"has shape {list(shape)} but config.json implies {list(want)}{longer}"
+        if shape[0] > want[0]:
+            return None
+        return (f"holds {shape[0]} entries but config.json implies {want[0]} {self.padded_per}s, which need one "
+                f"each (padding may follow); fix the {self.padded_per} count in config.json, or use a checkpoint "
+                f"that stores at least {want[0]} entries")
+
+    def stored_as(self, shape: tuple[int, ...]) -> "TensorSpec":
+        """This spec with the length its (padded) source stores."""
+        return self if tuple(shape) == self.shape else replace(self, shape=tuple(shape))
+
     @property
     def is_expert(self) -> bool:
         return self.stacked
-
-
-# Modules no recipe quantizes, in every family: the engines build them unquantized.
-COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
 
 
 @dataclass(frozen=True)
@@ -41,10 +59,12 @@ class Layout:
     # Tensors the model does not run but that must travel through convert and export
     # unchanged (DeepSeek-V3's MTP layers, a VLM's vision tower).
     passthrough: tuple[str, ...] = ()  # regexes over Hugging Face names
-    # Tensors a `--dtype` conversion leaves in their source dtype, because the reference
-    # computes with them at that precision (DeepSeek's fp32 router correction bias).
+    # The two below are the family table's (eprt.families.Family.layout fills them in):
+    # tensors a `--dtype` conversion leaves in their source dtype, because the reference
+    # computes with them in fp32 (DeepSeek's router and its correction bias),
     precise: tuple[str, ...] = ()  # regexes over eprt names
-    unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names
+    # and modules no recipe quantizes.
+    unquantized: tuple[str, ...] = ()  # regexes over module names
 
     def linear_modules(self) -> dict[str, TensorSpec]:
         """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.

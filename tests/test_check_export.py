@@ -286,6 +286,17 @@ def test_kv_scale_without_kv_quantization(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name, value", [(f"{L1}.self_attn.k_amax", torch.tensor(3.0)),
+                                         (f"{L0}.self_attn.o_proj.input_amax", torch.tensor(1.5)),
+                                         (f"{L1}.mlp.experts.tokens", torch.ones(EXPERTS, dtype=torch.int64))])
+def test_calibration_state_is_refused_by_name(tmp_path, name, value):
+    # the toy's config is not one eprt can lay out, so the rule for every model applies
+    t, config, hf_quant = toy("NVFP4")
+    t[name] = value
+    problems = check_export(write(tmp_path / "out", t, config, hf_quant))
+    assert len(problems) == 1 and problems[0].startswith(f"{name}: "), problems
+
+
 def test_index_must_name_exactly_the_stored_tensors(tmp_path):
     out = write(tmp_path / "out", *toy("FP8"))
     index_path = out / "model.safetensors.index.json"

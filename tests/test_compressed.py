@@ -2,7 +2,7 @@
 exactly as the compressed-tensors library decompresses them (block FP8: as the reference below);
 the model runs as if decompressed ahead of time, and export writes the source back byte for byte.
 
-The tiny checkpoints are compressed by the compressed-tensors library itself (eprt.tiny): a
+The tiny checkpoints are compressed by the compressed-tensors library itself (eprt.testing.tiny): a
 Kimi-K2 (deepseek_v3 architecture) with Kimi-K2-Thinking's INT4 experts and quantization_config,
 the same with Kimi-K3's MXFP4 experts, and a block-FP8 DeepSeek-V3 whose dimensions are not
 multiples of 128.
@@ -22,14 +22,14 @@ from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
 import eprt  # noqa: E402
-from eprt.checkpoint import Checkpoint  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.safetensors_io import SafetensorsFile  # noqa: E402
-from eprt.tiny import make_tiny  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.storage.safetensors_io import SafetensorsFile  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
@@ -75,7 +75,7 @@ def library_decompressed(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def reference_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """FORMATS.md 2: w = fp8 * weight_scale_inv[i // 128, j // 128], rounded to bf16 as DeepSeek's
+    """docs/sources.md, 'Block FP8': w = fp8 * weight_scale_inv[i // 128, j // 128], rounded to bf16 as DeepSeek's
     own dequantization does; block by block."""
     out = torch.empty(w.shape, dtype=torch.float32)
     for i in range(0, w.shape[0], 128):
@@ -162,7 +162,7 @@ def test_a_rank_reads_only_its_experts_stored_bytes(sources):
 
 
 def test_formats_md_nibble_and_e2m1_layouts(sources):
-    """FORMATS.md 2's INT4 and MXFP4 layouts, pinned against the library's decompression."""
+    """The INT4 and MXFP4 layouts of docs/sources.md, pinned against the library's decompression."""
     for fmt in COMPRESSED:
         hf, _ = sources[fmt]
         t, want = read_hf_tensors(hf), library_decompressed(hf)

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 compressed_tensors = pytest.importorskip("compressed_tensors")
 
 import eprt  # noqa: E402
-from eprt.convert import convert_hf  # noqa: E402
 from eprt.errors import EprtError  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.tiny import compress_weight, make_tiny  # noqa: E402
+from eprt.testing.tiny import compress_weight, make_tiny  # noqa: E402
 from tests.hf_utils import tree_digest  # noqa: E402
 
 KIMI_K2 = dict(model_type="kimi_k2", num_nextn_predict_layers=0)
@@ -111,8 +111,8 @@ CASES = [
     ("fp8", per_tensor_fp8, r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
                             r"per-tensor FP8.*dequantize it to bf16 first"),
     ("int4", other_method, r"quant_method 'gptq' is not read by eprt"),
-    ("int4", format_without_compressor, r"format 'marlin-24' has no compressor in the installed compressed-tensors "
-                                        r"0\.20.*pip install -U compressed-tensors"),
+    ("int4", format_without_compressor, r"compressed-tensors format 'marlin-24' is not one eprt decodes "
+                                        r"\(pack-quantized, .*\); dequantize the checkpoint to bf16 first"),
     ("int4", compressed_where_ignored, r"tensor 'model\.layers\.1\.self_attn\.o_proj\.weight_packed' is compressed, "
                                        r"but the quantization_config's ignore entry 're:\.\*self_attn\.\*' says "
                                        r"model\.layers\.1\.self_attn\.o_proj is not"),
@@ -179,9 +179,9 @@ def test_compressed_tensors_is_imported_only_for_compressed_checkpoints(made, tm
     script = f"""
 import sys, torch
 import eprt
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 ck = convert_hf(make_tiny("qwen3_moe", {str(tmp_path / "hf")!r}), {str(tmp_path / "ck")!r}, progress=False)
 eprt.load_model(ck)(torch.zeros(1, 3, dtype=torch.long))
 export_hf(ck, {str(tmp_path / "out")!r}, progress=False)

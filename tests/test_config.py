@@ -2,9 +2,9 @@
 
 import pytest
 
-from eprt.config import parse_hf_config
 from eprt.errors import ConfigError
-from eprt.tiny import tiny_config
+from eprt.families import parse_hf_config
+from eprt.testing.tiny import tiny_config
 
 
 def v5_spelling(hf: dict, renames: dict) -> dict:

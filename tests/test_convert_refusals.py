@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eprt.convert import convert_hf
 from eprt.errors import EprtError
-from eprt.tiny import make_tiny
+from eprt.hf.convert import convert_hf
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import tree_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

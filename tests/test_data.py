@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
-from eprt.tiny import TINY_DIR
+from eprt.testing.tiny import TINY_DIR
 
 TEXTS = ["The river ran low in late summer.", "Tokens travel to the rank that holds their expert."]
 

@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
-from eprt.convert import convert_hf
+from eprt.families import reader_for
+from eprt.hf.convert import convert_hf
 from eprt.kernels.grouped_gemm import grouped_mm_loop, unit_mlp
 from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerEngine, Schedule
-from eprt.tiny import make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
 

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import eprt
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
 from eprt.errors import ConfigError
+from eprt.hf.convert import convert_hf
 from eprt.models import loader
 from eprt.parallel import ParallelState, RankFailure, fail_together, write_together
-from eprt.safetensors_io import save_tensors
-from eprt.tiny import make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.safetensors_io import save_tensors
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import tree_digest
 from tests.multiproc import free_port, run_world
 

@@ -1,5 +1,5 @@
 """Kernels: Triton (under TRITON_INTERPRET=1 without a GPU) and torch fallbacks against plain
-loops, and bitwise batch invariance of the grouped GEMM (DESIGN.md, principle 5)."""
+loops, and bitwise batch invariance of the grouped GEMM (docs/architecture.md, 'Layout-invariant calibration')."""
 
 import subprocess
 import sys

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import eprt
-from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
 

@@ -11,14 +11,14 @@ from safetensors.torch import load_file, save_file
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM
 
 import eprt
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
-from eprt.errors import ConfigError
+from eprt.errors import CheckpointError, ConfigError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm
 from eprt.models.mla import MLAttention
 from eprt.models.registry import model_class
-from eprt.tiny import make_tiny, tiny_config
+from eprt.testing.tiny import make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 VOCAB = 96
@@ -132,8 +132,8 @@ def test_kimi_configs():
     assert linear.extra["kda_a_log_shape"] == [1, 1, 4, 1] and linear.extra["attn_res_block_size"] is None
     k3 = parse_hf_config(tiny_config("kimi_k3"))
     assert (k3.family, k3.model_type, k3.hidden_act) == ("kimi_k3", "kimi_k3", "situ")
-    # A_log padded to 128 entries, as in the release (96 heads)
-    assert k3.extra["kda_a_log_shape"] == [128] and k3.extra["latent_size"] == 32
+    # A_log one entry per head; the checkpoints pad it (tests below)
+    assert k3.extra["kda_a_log_shape"] == [4] and k3.extra["latent_size"] == 32
     k25 = parse_hf_config(tiny_config("kimi_k25"))
     assert (k25.family, k25.model_type, k25.n_group) == ("kimi_k25", "kimi_k25", 1)
     names = [s.name for s in reader_for("kimi_k25", "test").layout(k25).specs]
@@ -195,6 +195,60 @@ def test_kimi_k3_logits_equal_mlx_lm(tmp_path, case, seed):
     with torch.no_grad():
         got = em(ids)
     torch.testing.assert_close(got, mlx_logits(hf, ids), rtol=0, atol=2e-4)
+
+
+def with_a_log_length(hf: str, length: int) -> dict[str, torch.Tensor]:
+    """Rewrite every A_log of `hf` to `length` entries: the heads' own first, then padding unlike
+    anything the heads hold; returns the source tensors as stored."""
+    path = Path(hf) / "model.safetensors"
+    tensors = load_file(path)
+    heads = tiny_config("kimi_k3")["text_config"]["linear_attn_config"]["num_heads"]
+    for name in [n for n in tensors if n.endswith(".A_log")]:
+        pad = torch.full((max(length - heads, 0),), 7.0)
+        tensors[name] = torch.cat([tensors[name][:heads], pad])[:length].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return tensors
+
+
+# one entry per head, 12 past them, and the release's 128 (for 96 heads; 4 here)
+@pytest.mark.parametrize("extra", [0, 12, 124])
+def test_kimi_k3_a_log_of_any_stored_length(tmp_path, extra):
+    hf = k3_checkpoint(tmp_path, 0)
+    heads = tiny_config("kimi_k3")["text_config"]["linear_attn_config"]["num_heads"]
+    source = with_a_log_length(hf, heads + extra)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    em = eprt.load_model(ck, dtype=torch.float32)
+    ids = torch.randint(0, em.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = em(ids)
+    torch.testing.assert_close(got, mlx_logits(hf, ids), rtol=0, atol=2e-4)
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
+    assert set(exported) == set(source)
+    for n, t in source.items():
+        assert exported[n].dtype == t.dtype and raw(exported[n]) == raw(t), n
+
+
+def test_kimi_k3_a_log_shorter_than_the_heads_is_refused(tmp_path):
+    hf = k3_checkpoint(tmp_path, 0)
+    with_a_log_length(hf, 3)
+    with pytest.raises(CheckpointError, match=r"tensor 'language_model\.model\.layers\.0\.self_attn\.A_log' "
+                                              r"holds 3 entries but config.json implies 4 KDA heads.*"
+                                              r"fix the KDA head count in config.json, or use a checkpoint that "
+                                              r"stores at least 4 entries$"):
+        convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_kimi_linear_a_log_keeps_its_exact_shape(tmp_path):
+    """transformers and mlx-lm load Kimi-Linear's A_log only as [1, 1, heads, 1]: no padding."""
+    hf = make_tiny("kimi_linear", str(tmp_path / "hf"), dtype="fp32")
+    path = Path(hf) / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.A_log"] = torch.zeros(1, 1, 6, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.A_log' has shape \[1, 1, 6, 1\] "
+                                              r"but config.json implies \[1, 1, 4, 1\]$"):
+        convert_hf(hf, str(tmp_path / "ck"), progress=False)
 
 
 # --- Kimi-K2.5 against transformers ------------------------------------------------------------

@@ -8,15 +8,15 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import eprt
-from eprt.checkpoint import Checkpoint
-from eprt.config import parse_hf_config, reader_for
-from eprt.convert import convert_hf
 from eprt.errors import ConfigError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
 from eprt.kernels import combine, permute
 from eprt.models.layers import linear
 from eprt.models.moe import LocalDispatcher
 from eprt.models.registry import model_class
 from eprt.models.router import sigmoid_grouped_topk
+from eprt.storage.checkpoint import Checkpoint
 
 VOCAB = 96
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,

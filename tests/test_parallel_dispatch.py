@@ -103,7 +103,7 @@ def _check(results, ep_list, world):
                 dtype, shape, ref_shape, bitwise, max_diff, close = out[ep, name]
                 where = f"rank {rank}, ep {ep}, {name}"
                 assert dtype == torch.float32 and shape == ref_shape == (x.shape[0], D), where
-                # grouped_mm is batch invariant (DESIGN, principle 5), so even real matmuls on
+                # grouped_mm is batch invariant (docs/architecture.md, 'Kernels'), so even real matmuls on
                 # rows gathered from other ranks give the single-process bits.
                 assert bitwise and close, f"{where}: max diff {max_diff}"
 

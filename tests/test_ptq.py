@@ -8,13 +8,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]

@@ -1,7 +1,6 @@
 """tools/ptq.py --dry-run: the layout and each rank's weight bytes, under torchrun and alone, and the
 refusal of an ep that does not split the experts, on every rank."""
 
-import importlib.util
 import math
 import os
 import re
@@ -10,20 +9,14 @@ import sys
 
 import pytest
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
-from eprt.tiny import make_tiny
+from eprt.commands.ptq import size
+from eprt.hf.convert import convert_hf
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTQ = os.path.join(ROOT, "tools", "ptq.py")
-
-
-def _ptq_module():
-    spec = importlib.util.spec_from_file_location("ptq", PTQ)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,6 @@ def run(args, env=None, timeout=60):
 @pytest.mark.timeout(120)
 def test_dry_run_alone_and_under_torchrun(ckpts):
     ck8, _ = ckpts
-    size = _ptq_module().size
 
     r = run([sys.executable, PTQ, ck8, "--dry-run", "--dtype", "fp32"])
     assert r.returncode == 0, r.stderr

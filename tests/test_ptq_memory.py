@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
 from eprt.errors import ConfigError
+from eprt.hf.convert import convert_hf
 from eprt.quant.engine import Schedule
 from eprt.quant.plan import Planner, check_memory
-from eprt.tiny import make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,12 +6,12 @@ from datetime import timedelta
 
 import pytest
 
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.tiny import make_tiny
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
 from tests.test_ptq import same_files
 

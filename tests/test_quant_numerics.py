@@ -1,4 +1,4 @@
-"""FP8 and NVFP4 numerics against a scalar reference written here from FORMATS.md 3.
+"""FP8 and NVFP4 numerics against a scalar reference written here from docs/export.md, 'Numerics'.
 
 The reference rounds with explicit value tables and does its fp32 arithmetic with numpy float32
 scalars, so it shares no code with eprt.quant.
@@ -69,9 +69,18 @@ def ref_decode(code: int) -> float:
     return -value if code & 8 else value
 
 
+def ref_bf16(x: F32) -> float:
+    """x rounded to bfloat16, nearest-even, from its fp32 bits: the upper 16 bits are kept."""
+    bits = int(np.array(x, dtype=F32).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(np.array(bits, dtype=np.uint32).view(F32))
+
+
 def ref_fp8(w: torch.Tensor, amax: float):
+    """ModelOpt's rule: the fp32 quotient is rounded to w's dtype (bf16 or fp32), then to E4M3."""
     scale = F32(amax) / F32(448.0)
-    flat = [ref_e4m3_byte(float(F32(x) / scale)) for x in w.float().flatten().tolist()]
+    held = ref_bf16 if w.dtype == torch.bfloat16 else float
+    flat = [ref_e4m3_byte(held(F32(x) / scale)) for x in w.float().flatten().tolist()]
     return scale, torch.tensor(flat, dtype=torch.uint8).reshape(w.shape)
 
 
@@ -175,7 +184,7 @@ def test_fp8_zero_amax_and_bad_amax():
 
 
 def test_e2m1_ties_negatives_and_saturation():
-    # value -> code, from FORMATS.md 3's tie list and the code layout [0,.5,1,1.5,2,3,4,6] + sign.
+    # value -> code, from docs/export.md's tie list and the code layout [0,.5,1,1.5,2,3,4,6] + sign.
     cases = {
         0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6,
         0.2: 0, 0.3: 1, 2.9: 5, 5.5: 7, 6.0: 7, 6.5: 7, 100.0: 7,
@@ -269,7 +278,7 @@ def test_nvfp4_block_scale_edges():
 
 
 def test_nvfp4_rounding_order():
-    # fp32 operands found by search where the order of operations in FORMATS.md 3 matters.
+    # fp32 operands found by search where the order of operations in docs/export.md, 'Numerics', matters.
     # block_amax / (6*s2) lands on the e4m3 value 1.5 (0x3C); block_amax / 6 / s2 lands one ulp
     # above the tie 1.5625 and would give 0x3D.
     s2 = 0.0008675210410729051

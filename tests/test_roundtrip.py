@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.tiny import TOKENIZER_FILES, make_tiny
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import TOKENIZER_FILES, make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.convert import convert_hf
-from eprt.tiny import make_tiny
+from eprt.hf.convert import convert_hf
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
 

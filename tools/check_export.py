@@ -1,30 +1,8 @@
-"""Check a quantized Hugging Face export against the ModelOpt layout that vLLM and SGLang load.
+"""`eprt-check` from a clone: see eprt/commands/check.py (`python tools/check_export.py --help`)."""
 
-    python tools/check_export.py OUT
-
-Prints one line per violation, each naming the tensor, module or config key at fault, and exits
-1 when there is any; prints "OUT: ok" and exits 0 otherwise.
-"""
-
-import argparse
 import sys
 
-from eprt.hf.check_export import check_export
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="the exported Hugging Face directory")
-    a = ap.parse_args()
-    problems = check_export(a.out)
-    for p in problems:
-        print(p)
-    if problems:
-        print(f"{a.out}: {len(problems)} violation(s) of the ModelOpt export layout")
-        return 1
-    print(f"{a.out}: ok")
-    return 0
-
+from eprt.commands.check import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,30 +1,8 @@
-"""Convert a Hugging Face safetensors checkpoint into an eprt checkpoint.
+"""`eprt-convert` from a clone: see eprt/commands/convert.py (`python tools/convert_hf.py --help`)."""
 
-    python tools/convert_hf.py HF_DIR OUT [--dtype keep|bf16|fp32] [--overwrite]
+import sys
 
-Weights the source stores compressed (compressed-tensors: Kimi's INT4 and MXFP4 experts; needs
-`pip install compressed-tensors`) or in block FP8 (DeepSeek-V3) are kept as they are; loading
-decodes each rank's share.
-"""
-
-import argparse
-
-from eprt.cli import run
-from eprt.convert import DTYPE_CHOICES, convert_hf
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("hf_dir")
-    ap.add_argument("out")
-    ap.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="keep",
-                    help="cast floating-point weights (default: keep the source dtypes); compressed and "
-                         "block-FP8 weights stay as stored")
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args()
-    convert_hf(a.hf_dir, a.out, dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress)
-
+from eprt.commands.convert import main
 
 if __name__ == "__main__":
-    run(main)
+    sys.exit(main())

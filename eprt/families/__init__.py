@@ -1,3 +1,127 @@
-"""Family readers: each module registers the model_types it reads (config fields and tensor layout)."""
+"""The family table: every `model_type` eprt reads, and all eprt knows of its family, in one entry.
 
-from eprt.families import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, qwen3_moe  # noqa: F401
+Adding a family is adding its reader (`eprt/families/<name>.py`: `parse` a config.json, the
+tensor `layout`), its model code (`eprt/models/<name>.py`) and one entry in FAMILIES.
+
+The table sits below the model code (eprt/models imports it), so an entry names its model class
+as "module:Class", imported on first use (eprt.models.registry.model_class).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from eprt.config import ModelConfig
+from eprt.errors import ConfigError
+from eprt.families import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, qwen3_moe
+from eprt.layout import Layout
+from eprt.storage.hf_files import CONFIG
+
+# Modules no recipe quantizes, in every family: the engines build them unquantized.
+COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.family
+    model_types: tuple[str, ...]  # the config.json `model_type`s it reads
+    parse: Callable[[dict, str], ModelConfig]  # (config.json, its path for messages) -> ModelConfig
+    tensors: Callable[[ModelConfig], Layout]  # the tensor layout: specs and what is only carried through
+    model: str  # "module:Class" of the model code: Class(config, expert_range=None)
+    # Regexes over tensor names the reference keeps in fp32 whatever the model dtype: the model
+    # holds them in fp32, and a `--dtype` conversion leaves them in their source dtype.
+    fp32: tuple[str, ...] = ()
+    unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names no recipe quantizes
+
+    def layout(self, c: ModelConfig) -> Layout:
+        return replace(self.tensors(c), precise=self.fp32, unquantized=self.unquantized)
+
+    def keeps_fp32(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.fp32)
+
+
+def language_model_of(text: Family, name: str, model_types: tuple[str, ...], parse, tensors, model: str) -> Family:
+    """A vision-language family whose language model is `text`'s, under `language_model.`."""
+    under = kimi_k25.under_language_model
+    return Family(name, model_types, parse, tensors, model, fp32=under(text.fp32),
+                  unquantized=under(text.unquantized))
+
+
+QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), qwen3_moe.parse, qwen3_moe.layout,
+                   "eprt.models.qwen3_moe:Qwen3MoeForCausalLM")
+DEEPSEEK_V3 = Family(
+    "deepseek_v3", ("deepseek_v3", "kimi_k2"), deepseek_v3.parse, deepseek_v3.layout,
+    "eprt.models.deepseek_v3:DeepseekV3ForCausalLM",
+    # the router computes in fp32, with its correction bias
+    fp32=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"))
+KIMI_LINEAR = Family(
+    "kimi_linear", ("kimi_linear",), kimi_linear.parse, kimi_linear.layout,
+    "eprt.models.kimi_linear:KimiLinearForCausalLM",
+    # the router, its correction bias and KDA's decay parameters compute in fp32
+    fp32=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
+          r".*\.self_attn\.dt_bias"),
+    # the engines build these unquantized (docs/export.md, 'Exclusions'): the router, the latent
+    # projections of the routed experts, the attention-residual queries
+    unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
+                 r".*_res_proj"))
+KIMI_K25 = language_model_of(DEEPSEEK_V3, "kimi_k25", ("kimi_k25",), kimi_k25.parse, kimi_k25.layout,
+                             "eprt.models.kimi_k25:KimiK25ForConditionalGeneration")
+KIMI_K3 = language_model_of(KIMI_LINEAR, "kimi_k3", ("kimi_k3",), kimi_k3.parse, kimi_k3.layout,
+                            "eprt.models.kimi_k3:KimiK3ForConditionalGeneration")
+
+FAMILIES = (QWEN3_MOE, DEEPSEEK_V3, KIMI_LINEAR, KIMI_K25, KIMI_K3)
+_BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_MODEL_TYPE)
+
+
+def reader_for(model_type: str, source: str) -> Family:
+    """The family that reads `model_type` (a config.json's, named `source` in the error)."""
+    if model_type not in _BY_MODEL_TYPE:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; eprt reads "
+            f"{', '.join(supported_model_types())}"
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
+def family(name: str) -> Family:
+    """The family a ModelConfig runs as (`ModelConfig.family`)."""
+    if name not in _BY_NAME:
+        raise ConfigError(f"no model code for family {name!r}; eprt runs {', '.join(sorted(_BY_NAME))}")
+    return _BY_NAME[name]
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, CONFIG)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a {CONFIG}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a {CONFIG} is UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}, not an object of fields")
+    return hf
+
+
+def parse_hf_config(hf: dict, source: str = CONFIG) -> ModelConfig:
+    """The normalized config of a Hugging Face config.json (already loaded)."""
+    if "model_type" not in hf:
+        raise ConfigError(f"{source}: no model_type; cannot tell which family this is")
+    return reader_for(hf["model_type"], source).parse(hf, source)
+
+
+def load_hf_config(hf_dir: str) -> tuple[dict, ModelConfig]:
+    hf = read_hf_config(hf_dir)
+    return hf, parse_hf_config(hf, os.path.join(hf_dir, CONFIG))

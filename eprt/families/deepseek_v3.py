@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 
@@ -53,7 +53,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         v_head_dim=f.get("v_head_dim", default=128),
         moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and n_experts > 0),
         num_experts=n_experts,
-        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
         moe_intermediate_size=f.get("moe_intermediate_size", default=2048),
         num_shared_experts=f.get("n_shared_experts", default=1),
         router="sigmoid",
@@ -84,11 +84,7 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    # The router runs in fp32 in the reference, so `--dtype` leaves its weight and bias as stored.
     # The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
     # but export must write them back, so convert carries them through as they are.
     mtp = tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
-    return Layout(tuple(specs), passthrough=mtp, precise=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"))
-
-
-READER = register(FamilyReader("deepseek_v3", ("deepseek_v3", "kimi_k2"), parse, layout))
+    return Layout(tuple(specs), passthrough=mtp)

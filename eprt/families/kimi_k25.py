@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from eprt.config import FamilyReader, Fields, ModelConfig, register
+from eprt.config import Fields, ModelConfig
 from eprt.families import deepseek_v3
 from eprt.layout import Layout
 
@@ -31,18 +31,17 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 def vlm_layout(text: Layout) -> Layout:
     """A text model's layout under `language_model.`, the vision tower and projector carried through."""
-    escaped = re.escape(PREFIX)
     return Layout(
         tuple(dataclasses.replace(s, name=PREFIX + s.name, sources=tuple(PREFIX + n for n in s.sources))
               for s in text.specs),
-        passthrough=(*(escaped + p for p in text.passthrough), *VISION),
-        precise=tuple(escaped + p for p in text.precise),
-        unquantized=tuple(escaped + p for p in text.unquantized),
+        passthrough=(*under_language_model(text.passthrough), *VISION),
     )
+
+
+def under_language_model(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """Regexes over a text model's names, as regexes over the same names under `language_model.`."""
+    return tuple(re.escape(PREFIX) + p for p in patterns)
 
 
 def layout(c: ModelConfig) -> Layout:
     return vlm_layout(deepseek_v3.layout(c))
-
-
-READER = register(FamilyReader("kimi_k25", ("kimi_k25",), parse, layout))

@@ -1,30 +1,21 @@
 """Kimi-K3 (`kimi_k3`): a vision-language checkpoint whose language model is `kimi_linear` with
-the K3 additions (K3.md). The text config is `text_config`, its tensors are under
+the K3 additions (docs/models.md, 'Kimi-K3'). The text config is `text_config`, its tensors are under
 `language_model.`; the vision tower and the projector are carried through unchanged."""
 
 from __future__ import annotations
 
-import math
-
-from eprt.config import FamilyReader, ModelConfig, register
+from eprt.config import ModelConfig
 from eprt.families import kimi_linear
 from eprt.families.kimi_k25 import text_config, vlm_layout
 from eprt.layout import Layout
 
-# K3 stores A_log as a flat vector padded to 128 entries (96 heads in the release); the heads
-# use the first entries.
-A_LOG_PAD = 128
-
 
 def parse(hf: dict, source: str) -> ModelConfig:
-    text = text_config(hf, source)
-    heads = (text.get("linear_attn_config") or {}).get("num_heads") or text.get("linear_num_heads")
-    return kimi_linear.parse_text(text, f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"],
-                                  a_log_len=A_LOG_PAD * math.ceil((heads or 1) / A_LOG_PAD))
+    # A_log is a vector of any length from one entry per head: the release pads it to 128 entries
+    # for its 96 heads, and the heads use the first ones (kimi_linear.a_log)
+    return kimi_linear.parse_text(text_config(hf, source), f"{source} (text_config)", "kimi_k3",
+                                  model_type=hf["model_type"], flat_a_log=True)
 
 
 def layout(c: ModelConfig) -> Layout:
     return vlm_layout(kimi_linear.layout(c))
-
-
-READER = register(FamilyReader("kimi_k3", ("kimi_k3",), parse, layout))

@@ -8,8 +8,8 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, register
-from eprt.layout import COMMON_UNQUANTIZED, Layout, gated_mlp, mla_attention, plain, stacked_experts
+from eprt.config import Fields, ModelConfig
+from eprt.layout import Layout, TensorSpec, gated_mlp, mla_attention, plain, stacked_experts
 
 # Where a field is absent: transformers' KimiLinearConfig for Kimi-Linear, mlx-lm's kimi_k3 for
 # Kimi-K3's language model (the two disagree on these).
@@ -24,9 +24,9 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def parse_text(hf: dict, source: str, family: str, model_type: str | None = None,
-               a_log_len: int | None = None) -> ModelConfig:
-    """The normalized config of a kimi_linear text config; `a_log_len` is the stored length of
-    A_log when it is a padded vector (Kimi-K3), else None for Moonshot's [1, 1, heads, 1]."""
+               flat_a_log: bool = False) -> ModelConfig:
+    """The normalized config of a kimi_linear text config; `flat_a_log` when A_log is a vector
+    of at least one entry per head (Kimi-K3), else Moonshot's [1, 1, heads, 1]."""
     f = Fields(hf, source)
     defaults = DEFAULTS[family]
     n_layers = f.get("num_hidden_layers")
@@ -87,8 +87,8 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
         v_head_dim=f.get("v_head_dim", default=128),
         moe_layers=moe_layers,
         num_experts=n_experts,
-        num_experts_per_tok=f.get("num_experts_per_token", "num_experts_per_tok",
-                                  default=defaults["num_experts_per_token"]),
+        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_token", "num_experts_per_tok",
+                                                default=defaults["num_experts_per_token"]),
         moe_intermediate_size=f.get("moe_intermediate_size", default=0),
         num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=0),
         router="sigmoid",
@@ -102,7 +102,7 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
             "kda_heads": heads,
             "kda_head_dim": head_dim,
             "kda_conv_kernel": kernel,
-            "kda_a_log_shape": [a_log_len] if a_log_len else [1, 1, heads, 1],
+            "kda_a_log_shape": [heads] if flat_a_log else [1, 1, heads, 1],
             "kda_gate_lower_bound": lin.get("gate_lower_bound", default=None),
             "kda_full_rank_gate": bool(lin.get("use_full_rank_gate", default=False)),
             "mla_output_gate": bool(f.get("mla_use_output_gate", default=False)),
@@ -130,7 +130,7 @@ def layout(c: ModelConfig) -> Layout:
             specs += [plain(f"{a}.{n}_proj.weight", P, H) for n in "qkv"]
             specs += [plain(f"{a}.{n}_conv1d.weight", P, 1, x["kda_conv_kernel"]) for n in "qkv"]
             specs += [
-                plain(f"{a}.A_log", *x["kda_a_log_shape"]),
+                a_log(f"{a}.A_log", x["kda_a_log_shape"]),
                 plain(f"{a}.dt_bias", P),
                 plain(f"{a}.f_a_proj.weight", Dk, H),
                 plain(f"{a}.f_b_proj.weight", P, Dk),
@@ -165,16 +165,13 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    return Layout(
-        tuple(specs),
-        # the reference computes with the router and the decay parameters in fp32
-        precise=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
-                 r".*\.self_attn\.dt_bias"),
-        # the engines build these unquantized (K3.md): the router, the latent projections of the
-        # routed experts, the attention-residual queries
-        unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
-                     r".*_res_proj"),
-    )
+    return Layout(tuple(specs))
 
 
-READER = register(FamilyReader("kimi_linear", ("kimi_linear",), parse, layout))
+def a_log(name: str, shape: list[int]) -> TensorSpec:
+    """Kimi-Linear's A_log is [1, 1, heads, 1] exactly (transformers and mlx-lm load no other
+    shape). Kimi-K3's is a vector whose first entries are the heads' and the rest padding (128
+    entries for 96 heads in the release): mlx-lm and SGLang read the first `heads` of any length."""
+    if len(shape) > 1:
+        return plain(name, *shape)
+    return TensorSpec(name, tuple(shape), (name,), padded_per="KDA head")

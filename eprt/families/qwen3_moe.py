@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import FamilyReader, Fields, ModelConfig, read_rope, register
+from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, plain, stacked_experts
 
 
@@ -42,7 +42,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
         moe_layers=moe_layers,
         num_experts=n_experts,
-        num_experts_per_tok=f.get("num_experts_per_tok", default=8),
+        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
         moe_intermediate_size=f.get("moe_intermediate_size", default=768),
         router="softmax",
         # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.
@@ -82,6 +82,3 @@ def layout(c: ModelConfig) -> Layout:
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
     return Layout(tuple(specs))
-
-
-READER = register(FamilyReader("qwen3_moe", ("qwen3_moe",), parse, layout))

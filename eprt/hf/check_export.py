@@ -1,4 +1,4 @@
-"""Check a quantized Hugging Face export (FORMATS.md 3) for what vLLM's and SGLang's modelopt
+"""Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
 loaders rely on.
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-QUANT_CONFIG = "hf_quant_config.json"
+from eprt.errors import EprtError
+from eprt.hf.check_names import check_names, source_names_from_config, source_names_from_dir
+from eprt.storage.hf_files import CONFIG, INDEX, QUANT_CONFIG, SINGLE
 
 QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -60,19 +60,30 @@ class _Tensor:
     bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
 
 
-def check_export(out_dir) -> list[str]:
-    """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes."""
+def check_export(out_dir, source_dir=None) -> list[str]:
+    """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes.
+
+    Every tensor must be one an engine loads (`eprt.hf.check_names`); with `source_dir` (the
+    Hugging Face checkpoint the export was made from) the export's name set must be exactly the
+    source's, each quantized Linear's weight replaced by its companions."""
     out = Path(out_dir)
     if not out.is_dir():
         return [f"{out}: not a directory"]
     problems: list[str] = []
-    config = _read_json(out / "config.json", problems)
+    config = _read_json(out / CONFIG, problems)
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)
     if algo is not None and tensors:
-        _Modules(tensors, algo, exclude, problems).check()
+        modules = _Modules(tensors, algo, exclude, problems)
+        modules.check()
         _check_kv_scales(tensors, kv_algo, exclude, problems)
+        try:
+            source = source_names_from_dir(source_dir) if source_dir is not None else source_names_from_config(config)
+        except EprtError as e:
+            problems.append(f"--source: {e}")
+            source = None
+        check_names(tensors, modules.quantized, algo, kv_algo, source, problems)
     return problems
 
 

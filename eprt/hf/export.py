@@ -6,20 +6,19 @@ unquantized and the quantized export share sharding, indexing and atomic output.
 
 from __future__ import annotations
 
-import json
 import os
 
-from eprt.atomic import copy_files
-from eprt.checkpoint import Checkpoint
 from eprt.errors import EprtError
-from eprt.hf import compressed
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport
-from eprt.hf.source import INDEX
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
-from eprt.safetensors_io import SafetensorsWriter
+from eprt.storage import encodings
+from eprt.storage.atomic import copy_files
+from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.safetensors_io import SafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
@@ -42,7 +41,7 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
     Every rank plans the same shards from the same tensor list, so the index needs nothing
     from the other ranks."""
     shards = shard(tensors, max_shard_bytes)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [shard_name(i, len(shards)) for i in range(len(shards))]
     mine = range(rank, len(shards), world)
     with bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb:
         for i in mine:
@@ -55,14 +54,8 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
                 pb.update(t.nbytes)
             w.close()
     if rank == 0:
-        weight_map = {t.name: names[i] for i, group in enumerate(shards) for t in group}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
-        write_json(os.path.join(tmp, INDEX), index)
-
-
-def write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        write_index(tmp, {t.name: names[i] for i, group in enumerate(shards) for t in group},
+                    sum(t.nbytes for t in tensors))
 
 
 def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -97,7 +90,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
                 raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
                                 + "\n  ".join(problems))
 
-        write_together(state, out_dir, write, overwrite=overwrite, inputs=(ckpt_dir,), check_fn=check if exp else None)
+        write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(), check_fn=check if exp else None)
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir
@@ -108,10 +101,10 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
     export changes the config (quantized, or dequantized)."""
     if exp:
         config, hf_quant = exp.configs()
-        write_json(os.path.join(tmp, "hf_quant_config.json"), hf_quant)
+        write_json(os.path.join(tmp, QUANT_CONFIG), hf_quant)
     else:
-        config = compressed.without_quantization(ck.source_config) if dequantize else ck.source_config
+        config = encodings.without_quantization(ck.source_config) if dequantize else ck.source_config
     rewrite = config != ck.source_config
-    copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == "config.json")], tmp)
+    copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == CONFIG)], tmp)
     if rewrite:
-        write_json(os.path.join(tmp, "config.json"), config)
+        write_json(os.path.join(tmp, CONFIG), config)

@@ -1,4 +1,4 @@
-"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (FORMATS.md 3), which vLLM,
+"""A calibrated eprt checkpoint -> the ModelOpt Hugging Face layout (docs/export.md), which vLLM,
 SGLang and TensorRT-LLM load as `quant_method: modelopt`.
 
 Scales follow the engines' fusion rules: gate and up of one expert share a weight amax; every
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from eprt import __version__
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
-from eprt.errors import EprtError
+from eprt.families import reader_for
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
 from eprt.quant.nvfp4 import BLOCK_SIZE, nvfp4_scale, quantize_nvfp4
 from eprt.quant.recipe import parse_recipe
+from eprt.storage.checkpoint import Checkpoint
 
 ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
@@ -46,8 +46,7 @@ class QuantizedExport:
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.fmt = self.recipe.weight_format
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
-        modules = self.layout.linear_modules()
-        self.quantized = {m: spec for m, spec in modules.items() if self.recipe.format_of(m)}
+        self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         self.amax = {n: ck.read(n) for n in ck.names(role="calibration")}
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
@@ -69,6 +68,11 @@ class QuantizedExport:
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         return self.ck.read(name, rows=(e, e + 1))[0]
 
+    @functools.lru_cache(maxsize=4)
+    def expert_amax(self, name: str, e: int) -> torch.Tensor:
+        """Gate and up of one expert (one row of w13) share one weight amax: computed once for both."""
+        return self.expert_row(name, e).abs().amax().float()
+
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
         """Every tensor of one quantized Linear, by suffix (weight, weight_scale, ...)."""
@@ -77,7 +81,7 @@ class QuantizedExport:
             row = self.expert_row(x.spec.name, x.expert)
             h = row.shape[0] // x.spec.per_row
             w = row[x.piece * h:(x.piece + 1) * h]
-            w_amax = row.abs().amax().float()  # gate and up of one expert: one amax over both
+            w_amax = self.expert_amax(x.spec.name, x.expert)
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
             in_amax = self.amax[f"{x.module}.{kind}_input_amax"].max()  # the layer's largest
         else:
@@ -87,7 +91,10 @@ class QuantizedExport:
         w_scale = self.scale(w_amax)
         out = {"input_scale": self.scale(in_amax)}
         if self.fmt == "fp8":
-            out.update(weight=quantize_fp8(w, w_scale), weight_scale=w_scale)
+            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
+            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
+            source_dtype = self.ck.meta(x.spec.name if hf_weight in self.experts else hf_weight).source_dtype
+            out.update(weight=quantize_fp8(w.to(source_dtype), w_scale), weight_scale=w_scale)
         else:
             q, block_scale = quantize_nvfp4(w, w_scale)
             out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
@@ -100,9 +107,6 @@ class QuantizedExport:
             shapes = {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
                       "input_scale": (torch.float32, ())}
         else:
-            if in_dim % BLOCK_SIZE:
-                raise EprtError(f"{module}: input dim {in_dim} is not a multiple of {BLOCK_SIZE}; NVFP4 cannot "
-                                "quantize it: exclude it in the recipe")
             shapes = {"weight": (torch.uint8, (out_dim, in_dim // 2)),
                       "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
                       "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
@@ -126,15 +130,18 @@ class QuantizedExport:
         return out
 
     def excluded(self) -> list[str]:
-        """Every Linear-like module left unquantized, named as the engines match them."""
-        names = set()
+        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
+        as ModelOpt summarizes them (`summarize_excluded`), then what travels through unquantized
+        and unmodeled (DeepSeek's MTP layers, a vision tower), one pattern each."""
+        quantized, unquantized = set(), set()
         for spec in self.layout.specs:
             if spec.stacked:
-                module = spec.name.rsplit(".", 1)[0]
-                if module not in self.quantized:
-                    names.add(f"{module}.*")
-            elif spec.name.endswith(".weight") and len(spec.shape) == 2 and spec.name[:-7] not in self.quantized:
-                names.add(spec.name[:-7])
+                modules = {src[: -len(".weight")] for src in spec.sources}
+                (quantized if spec.name.rsplit(".", 1)[0] in self.quantized else unquantized).update(modules)
+            elif spec.name.endswith(".weight") and len(spec.shape) == 2:
+                module = spec.name[: -len(".weight")]
+                (quantized if module in self.quantized else unquantized).add(module)
+        names = summarize_excluded(unquantized, quantized)
         for name in self.ck.names(role="passthrough"):
             layer = layer_of(name)
             names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else name.split(".")[0] + ".*")
@@ -156,3 +163,22 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:
+    """ModelOpt's exclude_modules for these module names (its export's prefix-wildcard summary).
+
+    Each unquantized module is named by the first of `P*` (cut at each dot, left to right), then
+    the pair `P`, `P.*` (written as `P.*` alone), then its own name, that covers no quantized
+    module: a prefix wildcard `Q[:i]*` of a quantized Q, or Q itself, is never used. So a layer
+    whose Linears all stay unquantized is one `model.layers.1*`, while an excluded lm_head next
+    to quantized model.* modules stays `lm_head`. Every engine reads these patterns (vLLM splits
+    `P*` into `P` and `P.*`)."""
+    taken = {q[:i] + "*" for q in quantized for i in range(len(q) + 1)} | quantized
+    out: set[str] = set()
+    for module in sorted(unquantized):
+        cuts = [i for i, c in enumerate(module) if c == "."]
+        candidates = [w for i in cuts for w in ([module[:i] + "*"], [module[:i], module[:i] + ".*"])] + [[module]]
+        chosen = next(c for c in candidates if not any(w in taken for w in c))
+        out.add(chosen[-1])  # the pair is written as its `P.*`
+    return out

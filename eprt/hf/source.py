@@ -6,10 +6,9 @@ import json
 import os
 
 from eprt.errors import CheckpointError
-from eprt.safetensors_io import SafetensorsFile, TensorInfo
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from eprt.storage.hf_files import INDEX, SINGLE
+from eprt.storage.paths import resolve_inside
+from eprt.storage.safetensors_io import SafetensorsFile, TensorInfo
 # Weights in other serializations are not read, and not carried either: they would be a
 # second copy of the model in a format eprt never writes.
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
@@ -21,13 +20,15 @@ def is_weight_file(rel: str) -> bool:
 
 
 def non_weight_files(root: str) -> list[str]:
-    """Every file under `root` that is not a weight, relative, sorted (hidden entries skipped)."""
+    """Every file under `root` that is not a weight, relative, sorted (hidden entries skipped);
+    a link that resolves outside `root` is refused (eprt.storage.paths), not copied with what it points to."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(d, f), root)
             if not f.startswith(".") and not is_weight_file(rel):
+                resolve_inside(root, rel, root)
                 found.append(rel)
     return found
 
@@ -41,10 +42,10 @@ class HFSource:
         if os.path.isfile(index_path):
             try:
                 with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    weight_map = dict(json.load(f)["weight_map"])
+                shards = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index_path}: corrupt index ({e!r})") from None
-            shards = sorted(set(weight_map.values()))
         elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
             weight_map, shards = None, [SINGLE]
         else:
@@ -52,7 +53,7 @@ class HFSource:
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
         for shard in shards:
-            path = os.path.join(hf_dir, shard)
+            path = resolve_inside(hf_dir, shard, index_path if weight_map is not None else hf_dir)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{index_path}: lists shard {shard} which is missing from {hf_dir}")
             f = self.files[shard] = SafetensorsFile(path)

@@ -9,10 +9,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from eprt.checkpoint import Checkpoint, TensorMeta
-from eprt.config import reader_for
+from eprt.families import reader_for
 from eprt.layout import TensorSpec
-from eprt.safetensors_io import SafetensorsFile
+from eprt.storage.checkpoint import Checkpoint, TensorMeta
+from eprt.storage.safetensors_io import SafetensorsFile
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class OutTensor:
 def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutTensor]:
     """Every source tensor under its Hugging Face name and dtype, stacked experts split back.
 
+    Only the source's tensors (roles `model` and `passthrough`): a calibrated checkpoint's
+    calibration state (amax, expert token counts) is eprt's own, no engine loads it, and the
+    quantized export turns it into scales instead.
+
     A weight the source stores encoded (compressed, block FP8) is written back as its source
     tensors, byte for byte; with `dequantize`, as the one decoded weight instead (in the dtype it
     decodes to), refused up front if it cannot be decoded here."""
@@ -46,6 +50,8 @@ def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutT
         return ck.read(name, rows=(e, e + 1))[0]
 
     for name, meta in ck.tensors.items():
+        if meta.role == "calibration":
+            continue
         spec = specs.get(name)
         if meta.encoded and not dequantize:
             yield from encoded_sources(ck, meta, spec)

@@ -3,7 +3,7 @@
 Batch invariance is the contract: a row's result depends only on that row, its expert's
 weight and the (K, N) shape, never on how many rows its expert holds in the call or where
 the row sits among them. The project's layout-independent quantization scales rest on it
-(DESIGN.md, principle 5).
+(docs/architecture.md, 'Layout-invariant calibration').
 """
 
 import torch

@@ -3,6 +3,7 @@
 import torch
 
 from eprt.kernels.backend import check_values, use_triton
+from eprt.kernels.expert_order import slots, sort_by_expert
 
 
 def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int):
@@ -46,21 +47,6 @@ def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights_TK: torch.Tenso
 
         return combine_triton(y_sorted, order, weights_TK)
     return combine_torch(y_sorted, order, weights_TK)
-
-
-def sort_by_expert(expert_ids_TK: torch.Tensor, num_experts: int):
-    """(order, tokens_per_expert) for `permute`: a stable sort of the flat expert ids."""
-    flat = expert_ids_TK.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
-    return order, tokens_per_expert
-
-
-def slots(order: torch.Tensor) -> torch.Tensor:
-    """The inverse of `order`: slots[t*K + k] is the row of y_sorted holding copy (t, k)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return inverse
 
 
 # index_select rather than x[index]: on CPU, advanced indexing of bf16 rows runs ~10x slower.

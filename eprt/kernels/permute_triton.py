@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eprt.kernels.permute import slots, sort_by_expert
+from eprt.kernels.expert_order import slots, sort_by_expert
 
 # Columns per program. Rows are short (hidden sizes of a few thousand) and each program only
 # streams memory, so a wide block keeps the grid small.

@@ -4,7 +4,6 @@ passes a decoder of its own (Kimi's, without rotary embeddings, with attention r
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.config import ModelConfig
+from eprt.families import family
 from eprt.models.layers import Linear, RMSNorm, linear
 from eprt.models.moe import MoE
 from eprt.models.rope import Rotary
@@ -73,9 +73,6 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """`model(input_ids)` ([B, T] int64, causal, no padding) -> logits [B, T, vocab]."""
 
-    # Regexes over tensor names the reference keeps in fp32 whatever the model dtype.
-    fp32_tensors: tuple[str, ...] = ()
-
     def __init__(self, c: ModelConfig, layers: list[nn.Module], decoder: type[nn.Module] = Decoder):
         super().__init__()
         self.config = c
@@ -88,7 +85,8 @@ class CausalLM(nn.Module):
         return linear(self.model(input_ids), head.weight)
 
     def keeps_fp32(self, name: str) -> bool:
-        return any(re.fullmatch(p, name) for p in self.fp32_tensors)
+        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
+        return family(self.config.family).keeps_fp32(name)
 
     def decoder(self) -> tuple[str, nn.Module]:
         """(the prefix of its tensor names, the decoder): what a layer-by-layer run walks."""

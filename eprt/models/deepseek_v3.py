@@ -8,14 +8,10 @@ from eprt.models.decoder import CausalLM, DecoderLayer
 from eprt.models.layers import GatedMLP
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE
-from eprt.models.registry import register_model
 from eprt.models.router import SigmoidGroupRouter
 
 
-@register_model("deepseek_v3")
 class DeepseekV3ForCausalLM(CausalLM):
-    fp32_tensors = (r".*\.mlp\.gate\.weight", r".*\.mlp\.gate\.e_score_correction_bias")
-
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         first, count = expert_range or (0, c.num_experts)
 

@@ -147,8 +147,8 @@ class KimiDeltaAttention(nn.Module):
 
     Decay: exp(-exp(A_log_h) * softplus(f_b(f_a x) + dt_bias)) (Kimi-Linear), or, with a gate
     lower bound lb (Kimi-K3), exp(lb * sigmoid(exp(A_log_h) * (f_b(f_a x) + dt_bias))).
-    A_log keeps its stored shape ([1, 1, H, 1] in Kimi-Linear, a padded [128] in Kimi-K3): the
-    first H entries are the heads'."""
+    A_log has the shape of its config ([1, 1, H, 1] in Kimi-Linear, [H] in Kimi-K3, whose
+    checkpoints pad it: the loader reads the first H entries)."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, conv_kernel: int, a_log_shape: tuple[int, ...],
                  lower_bound: float | None, full_rank_gate: bool, eps: float):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from eprt.config import ModelConfig
 from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
-from eprt.models.registry import register_model
 from eprt.models.vlm import LanguageModelOf
 
 
-@register_model("kimi_k25")
 class KimiK25ForConditionalGeneration(LanguageModelOf):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(DeepseekV3ForCausalLM(c, expert_range))

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from eprt.config import ModelConfig
 from eprt.models.kimi_linear import KimiLinearForCausalLM
-from eprt.models.registry import register_model
 from eprt.models.vlm import LanguageModelOf
 
 
-@register_model("kimi_k3")
 class KimiK3ForConditionalGeneration(LanguageModelOf):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(KimiLinearForCausalLM(c, expert_range))

@@ -18,7 +18,6 @@ from eprt.models.kda import KimiDeltaAttention
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiTU, silu_mul
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, LatentMoE, MoE
-from eprt.models.registry import register_model
 from eprt.models.router import SigmoidGroupRouter
 
 
@@ -119,11 +118,7 @@ class KimiDecoder(nn.Module):
         return (blocks,)
 
 
-@register_model("kimi_linear")
 class KimiLinearForCausalLM(CausalLM):
     # The router, its correction bias and the decay parameters compute in fp32 in the reference.
-    fp32_tensors = (r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias",
-                    r".*\.self_attn\.A_log", r".*\.self_attn\.dt_bias")
-
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [KimiDecoderLayer(c, i, expert_range) for i in range(c.num_layers)], decoder=KimiDecoder)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from eprt.checkpoint import Checkpoint
-from eprt.config import reader_for
 from eprt.errors import CheckpointError, ConfigError
+from eprt.families import reader_for
 from eprt.models.decoder import CausalLM
 from eprt.models.registry import model_class
 from eprt.parallel import EPDispatcher, ParallelState, fail_together
+from eprt.storage.checkpoint import Checkpoint
 
 
 def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
@@ -119,9 +119,16 @@ def assign_tensors(ck: Checkpoint, model, names: list[str], stacked: set[str], *
     first, count = expert_range or (0, ck.config.num_experts)
     placed = 0
     for name in names:
-        t = ck.read(name, rows=(first, first + count) if name in stacked else None)
-        t = t.to(device=device, dtype=torch.float32 if model.keeps_fp32(name) else dtype)
         module, _, attr = name.rpartition(".")
+        slot = getattr(model.get_submodule(module), attr)
+        if name in stacked:
+            rows = (first, first + count)
+        elif slot.shape and ck.meta(name).shape[0] > slot.shape[0]:
+            rows = (0, slot.shape[0])  # a padded tensor (Kimi-K3's A_log): the model's entries lead
+        else:
+            rows = None
+        t = ck.read(name, rows=rows)
+        t = t.to(device=device, dtype=torch.float32 if model.keeps_fp32(name) else dtype)
         model.get_submodule(module).load_state_dict({attr: t}, strict=False, assign=True)
         placed += t.numel() * t.element_size()
     return placed
@@ -136,10 +143,14 @@ def _check_tensors(ck: Checkpoint, wanted: dict[str, torch.Tensor], stacked: set
         raise CheckpointError(f"{ck.path}: the checkpoint's tensors do not match the {ck.config.family} model: "
                               f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                               f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    padded = {s.name for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).specs if s.padded_per}
     for name, slot in wanted.items():
         expected = tuple(slot.shape)
         if name in stacked:  # the model holds a range of the experts; the checkpoint holds them all
             expected = (ck.config.num_experts, *expected[1:])
-        if tuple(ck.meta(name).shape) != expected:
+        stored = tuple(ck.meta(name).shape)
+        if name in padded and len(stored) == len(expected) and stored[0] >= expected[0]:
+            continue
+        if stored != expected:
             raise CheckpointError(f"{ck.path}: {name} has shape {list(ck.meta(name).shape)}, "
                                   f"the model expects {list(expected)}")

@@ -7,11 +7,9 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer
 from eprt.models.layers import GatedMLP
 from eprt.models.moe import Experts, MoE
-from eprt.models.registry import register_model
 from eprt.models.router import SoftmaxRouter
 
 
-@register_model("qwen3_moe")
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         first, count = expert_range or (0, c.num_experts)

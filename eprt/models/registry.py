@@ -1,23 +1,12 @@
-"""Which model class runs each eprt family (ModelConfig.family)."""
+"""The model class that runs each eprt family (ModelConfig.family), as the family table names it."""
 
 from __future__ import annotations
 
-from eprt.errors import ConfigError
+import importlib
 
-_MODELS: dict[str, type] = {}
-
-
-def register_model(family: str):
-    def add(cls: type) -> type:
-        _MODELS[family] = cls
-        return cls
-    return add
+from eprt.families import family
 
 
-def model_class(family: str) -> type:
-    # Importing the family files registers them.
-    from eprt.models import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, qwen3_moe  # noqa: F401
-
-    if family not in _MODELS:
-        raise ConfigError(f"no model code for family {family!r}; eprt runs {', '.join(sorted(_MODELS))}")
-    return _MODELS[family]
+def model_class(name: str) -> type:
+    module, cls = family(name).model.split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -9,10 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from eprt.families import family
 from eprt.models.decoder import CausalLM
 from eprt.models.moe import MoE
-
-PREFIX = "language_model."
 
 
 class LanguageModelOf(nn.Module):
@@ -27,11 +26,12 @@ class LanguageModelOf(nn.Module):
         return self.language_model(input_ids)
 
     def keeps_fp32(self, name: str) -> bool:
-        return name.startswith(PREFIX) and self.language_model.keeps_fp32(name[len(PREFIX):])
+        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
+        return family(self.config.family).keeps_fp32(name)
 
     def decoder(self) -> tuple[str, nn.Module]:
         prefix, decoder = self.language_model.decoder()
-        return PREFIX + prefix, decoder
+        return "language_model." + prefix, decoder  # the attribute above names its tensors
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return self.language_model.moe_blocks()

@@ -13,8 +13,12 @@ step's own collectives are stuck or broken. The guard cannot pull a rank out of 
 failing peer never joins (a forward that raises on one rank before an all-to-all the others are
 in); that collective's timeout does, and the rank then posts the timeout as its outcome, which
 the verdict lists apart from the failure that caused it. So the guard waits twice the collective
-timeout for outcomes; a rank that has posted none by then (hung outside any collective, or
-dead) is named as missing.
+timeout for outcomes; a rank that has posted none by then (hung outside any collective) is named
+as missing. A rank that dies is named as soon as its heartbeat stops (`eprt.parallel.liveness`,
+EPRT_PEER_TIMEOUT seconds), and a collective that broke because it did (gloo's "Connection
+closed by peer") counts, like a timeout, as a consequence rather than a cause. When the store
+itself is gone (the node serving it went down), every rank decides alone and names the others
+as unreachable.
 
 The first rank to decide writes the verdict once (compare-and-set) and every rank obeys it, so
 a rank that posts after the others gave up on it raises the same error they did.
@@ -28,6 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eprt.errors import EprtError
+from eprt.parallel.liveness import post, wait_posted
 from eprt.parallel.state import ParallelState
 
 # A failure report keeps the exception's type and message, not its traceback (that stays on the
@@ -39,22 +44,32 @@ class RankFailure(EprtError):
     """A guarded step failed on some rank; raised alike on every rank.
 
     `failures` maps each rank whose step raised to "ExceptionType: message"; `timeouts` the ranks
-    that then timed out in a collective waiting for them; `missing` lists the ranks that posted
-    no outcome within `waited_s` seconds. `ranks` are the ranks to look at first.
+    that then timed out (or lost their connection) in a collective waiting for them; `missing`
+    lists the live ranks that posted no outcome within `waited_s` seconds; `dead` the ranks whose
+    heartbeat stopped for `peer_timeout_s` before they posted one, or, with `store_lost`, the
+    ranks this one could not hear from once the run's store stopped answering; `stopped` the
+    ranks a signal ended (Ctrl-C, or torchrun's agent ending the other ranks of a failed node).
+    `ranks` are the ranks to look at first.
     """
 
     def __init__(self, what: str, failures: dict[int, str], timeouts: dict[int, str] | None = None,
-                 missing: list[int] = (), waited_s: float = 0.0):
+                 missing: list[int] = (), waited_s: float = 0.0, dead: list[int] = (),
+                 peer_timeout_s: float = 0.0, store_lost: bool = False,
+                 stopped: dict[int, str] | None = None):
         self.what, self.failures = what, dict(failures)
         self.timeouts, self.missing, self.waited_s = dict(timeouts or {}), list(missing), waited_s
+        self.dead, self.peer_timeout_s, self.store_lost = list(dead), peer_timeout_s, store_lost
+        self.stopped = dict(stopped or {})
         super().__init__(self._message())
 
     def __reduce__(self):
-        return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s)
+        return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s,
+                            self.dead, self.peer_timeout_s, self.store_lost, self.stopped)
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(self.failures) or sorted(self.missing) or sorted(self.timeouts)
+        return (sorted(self.failures) or sorted(self.dead) or sorted(self.missing)
+                or sorted(self.stopped) or sorted(self.timeouts))
 
     def _message(self) -> str:
         lines = []
@@ -67,14 +82,26 @@ class RankFailure(EprtError):
         elif by_report:
             lines.append(f"ranks {_names(self.failures)} failed while {self.what}:")
             lines += [f"  {_ranks(ranks)}: {report}" for report, ranks in by_report.items()]
+        if self.dead and self.store_lost:
+            lines.append(f"{_ranks(self.dead)} could not be heard from while {self.what}: the run's "
+                         "store stopped answering (the node serving it, with torchrun's first agent "
+                         "or rank 0, went down)")
+        elif self.dead:
+            lines.append(f"{_ranks(self.dead)} died while {self.what}: no heartbeat for "
+                         f"{self.peer_timeout_s:g} s (killed, crashed, or its node went down)")
         if self.missing:
             lines.append(f"{_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
-                         f"{self.what} (hung outside a collective, or died)")
+                         f"{self.what} (hung outside a collective)")
+        if self.stopped:
+            when = "then" if self.failures or self.missing or self.dead else f"while {self.what}"
+            lines.append(f"{_ranks(self.stopped)} {when} stopped on a signal "
+                         f"({', '.join(sorted(set(self.stopped.values())))})")
         if self.timeouts:
             first = min(self.timeouts)
-            when = "then" if self.failures or self.missing else f"while {self.what}"
-            lines.append(f"{_ranks(self.timeouts)} {when} timed out waiting in a collective "
-                         f"(rank {first}: {self.timeouts[first]})")
+            caused = self.failures or self.missing or self.dead or self.stopped
+            when = "then" if caused else f"while {self.what}"
+            lines.append(f"{_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
+                         f"a peer there (rank {first}: {self.timeouts[first]})")
         return "\n".join(lines)
 
 
@@ -104,53 +131,68 @@ class fail_together:
             if exc is not None:
                 raise RankFailure(self.what, {state.rank: _describe(exc)}) from exc
             return False
-        outcome = "" if exc is None else ("T" if _is_timeout(exc) else "F") + _describe(exc)
+        outcome = "" if exc is None else _kind(exc) + _describe(exc)
         if exc is not None and not isinstance(exc, Exception):
             # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
-            _try(lambda: state.store.set(f"{self.key}/{state.rank}", outcome.encode()))
+            _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
             return False
         verdict = _decide(state, self.key, outcome, self.wait)
-        if verdict["failures"] or verdict["timeouts"] or verdict["missing"]:
+        if any(verdict[kind] for kind in ("failures", "timeouts", "missing", "dead", "stopped")):
+            if verdict["dead"] or verdict["store_lost"]:
+                state.peers_lost = True
+            peer_timeout_s = state.heartbeat.timeout_s if state.heartbeat is not None else 0.0
             raise RankFailure(self.what, verdict["failures"], verdict["timeouts"],
-                              verdict["missing"], self.wait.total_seconds()) from exc
+                              verdict["missing"], self.wait.total_seconds(), verdict["dead"],
+                              peer_timeout_s, verdict["store_lost"], verdict["stopped"]) from exc
         return False
 
 
 def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> dict:
-    """Post this rank's outcome ("" ok, "F..." failed, "T..." timed out in a collective), read
-    everyone's, and return the verdict the first deciding rank wrote."""
+    """Post this rank's outcome ("" ok, "F..." failed, "T..." timed out in a collective, "S..."
+    stopped on a signal), read everyone's, and return the verdict the first deciding rank wrote."""
     store, world = state.store, state.world
     keys = [f"{key}/{r}" for r in range(world)]
-    verdict = {"failures": {}, "timeouts": {}, "missing": []}
-    if not _try(lambda: store.set(keys[state.rank], outcome.encode())):
-        return _alone(state, outcome)
-    _try(lambda: store.wait(keys, wait))  # on a timeout, the check below finds who is missing
+    verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "dead": [], "store_lost": False}
     try:
-        posted = [r for r in range(world) if store.check([keys[r]])]
+        post(store, key, state.rank, outcome.encode())
+        behind, verdict["dead"] = wait_posted(store, key, list(range(world)), state.heartbeat, wait)
+        # After a death, the live ranks behind are not late: they have not got here yet.
+        verdict["missing"] = [] if verdict["dead"] else behind
+        posted = [r for r in range(world) if r not in behind + verdict["dead"]]
         for r, value in zip(posted, store.multi_get([keys[r] for r in posted])):
             kind, report = value[:1].decode(), value[1:].decode()
             if kind:
-                verdict["failures" if kind == "F" else "timeouts"][r] = report
-        verdict["missing"] = [r for r in range(world) if r not in posted]
+                verdict[_VERDICT_OF[kind]][r] = report
         decided = store.compare_set(f"{key}/verdict", "", json.dumps(verdict))
-        if store.add(f"{key}/read", 1) == world:
-            for k in keys + [f"{key}/verdict", f"{key}/read"]:
+        # The last reader clears the guard's keys; a dead rank never reads.
+        if store.add(f"{key}/read", 1) == world - len(verdict["dead"]):
+            for k in keys + [f"{key}/count", f"{key}/verdict", f"{key}/read"]:
                 store.delete_key(k)
     except dist.DistError:
         return _alone(state, outcome)
     decided = json.loads(decided)
-    for kind in ("failures", "timeouts"):
+    for kind in _VERDICT_OF.values():
         decided[kind] = {int(r): report for r, report in decided[kind].items()}
     return decided
 
 
 def _alone(state: ParallelState, outcome: str) -> dict:
     """The verdict from this rank's outcome alone, for when the store cannot be reached."""
-    verdict = {"failures": {}, "timeouts": {},
-               "missing": [r for r in range(state.world) if r != state.rank]}
+    verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "store_lost": True,
+               "dead": [r for r in range(state.world) if r != state.rank]}
     if outcome:
-        verdict["failures" if outcome[0] == "F" else "timeouts"][state.rank] = outcome[1:]
+        verdict[_VERDICT_OF[outcome[0]]][state.rank] = outcome[1:]
     return verdict
+
+
+# Outcome kinds, as posted, and where the verdict lists them.
+_VERDICT_OF = {"F": "failures", "T": "timeouts", "S": "stopped"}
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "S"
+    return "T" if _is_timeout(exc) else "F"
 
 
 def _describe(exc: BaseException) -> str:
@@ -160,9 +202,11 @@ def _describe(exc: BaseException) -> str:
 
 def _is_timeout(exc: BaseException) -> bool:
     """A collective that gave up waiting for a peer (gloo says "Timed out", NCCL's watchdog
-    "timeout"), as opposed to a failure of the step itself."""
+    "timeout") or lost it (gloo: "Connection closed by peer", "Connection reset by peer"), as
+    opposed to a failure of the step itself."""
     message = str(exc).lower()
-    return (isinstance(exc, RuntimeError) and "timed out" in message) or \
+    return (isinstance(exc, RuntimeError) and any(
+        words in message for words in ("timed out", "closed by peer", "reset by peer"))) or \
         (isinstance(exc, dist.DistBackendError) and "timeout" in message)
 
 

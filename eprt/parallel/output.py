@@ -2,8 +2,9 @@
 
     write_together(state, out, lambda tmp: save_tensors(f"{tmp}/rank-{state.rank}.safetensors", mine))
 
-Rank 0 prepares the temp directory beside `out` (`eprt.atomic.temp_dir_for`), every rank writes
-its own files into it, and rank 0 renames it into place (`eprt.atomic.publish`) once every rank
+Rank 0 names and prepares the temp directory beside `out` (`eprt.storage.atomic.temp_dir_for`, unique to
+the run; the other ranks learn the name through the run's store), every rank writes
+its own files into it, and rank 0 renames it into place (`eprt.storage.atomic.publish`) once every rank
 has reported success; after a failure anywhere it removes the temp directory instead. `out` and
 its temp directory must lie on a file system every rank sees.
 """
@@ -14,10 +15,10 @@ import os
 import shutil
 from collections.abc import Callable
 
-from eprt.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 from eprt.errors import EprtError
 from eprt.parallel.guard import fail_together
 from eprt.parallel.state import ParallelState
+from eprt.storage.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 
 
 def write_together(state: ParallelState, out: str, write_fn: Callable[[str], object], *,
@@ -33,13 +34,12 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
     failure every rank raises `RankFailure` naming it, and nothing new is left behind: an old
     `out` stays as it was, and the temp directory is removed.
     """
-    tmp = temp_dir_for(out)
+    tmp = shared_temp_dir(state, out)
     try:
         # Every rank checks: a rank may see another file system, or other permissions, than rank 0.
         with fail_together(state, "preparing the output"):
             out = check_output_dir(out, overwrite, inputs)
             if state.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # left by a run that was killed
                 os.makedirs(tmp)
         # A guard returns on a rank only once every rank has reported, so tmp exists from here on.
         with fail_together(state, "writing the output"):
@@ -52,9 +52,19 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
             if state.rank == 0:
                 if check_fn is not None:
                     check_fn(tmp)
-                publish(tmp, out)
+                publish(tmp, out, overwrite)
     except BaseException:
         if state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def shared_temp_dir(state: ParallelState, out: str) -> str:
+    """Rank 0's fresh temp directory name for `out`, the same on every rank."""
+    if state.world == 1 or state.store is None:
+        return temp_dir_for(out)
+    key = f"output/temp/{state.guards_entered}"  # every rank has entered as many guards so far
+    if state.rank == 0:
+        state.store.set(key, temp_dir_for(out).encode())
+    return state.store.get(key).decode()

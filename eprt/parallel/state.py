@@ -7,7 +7,9 @@ ranks holding the same experts. The dense part is data parallel over the whole w
 
 Beside the process groups, every rank keeps a client of the run's key-value store.
 The fail-together guard reports outcomes through it, so a report still gets through when a
-process group is stuck or broken by a timed-out collective.
+process group is stuck or broken by a timed-out collective. Every rank also beats a heartbeat
+there (`eprt.parallel.liveness`), so that no wait on a rank that died outlasts the peer timeout,
+and turns SIGINT and SIGTERM into an exception, so that an interrupted run cleans up after itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from eprt.errors import ConfigError
+from eprt.parallel.liveness import (Heartbeat, install_signal_handlers, peer_timeout_s, post,
+                                    restore_signal_handlers, stopping, wait_posted)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -82,6 +86,9 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None  # the whole world
     store: dist.Store | None = field(default=None, repr=False)
     guards_entered: int = field(default=0, repr=False)  # names each guard's keys in the store
+    heartbeat: Heartbeat | None = field(default=None, repr=False)
+    peers_lost: bool = field(default=False, repr=False)  # a guard found a rank dead, or the store gone
+    _signal_handlers: dict | None = field(default=None, repr=False)  # to restore on close
 
     @classmethod
     def single(cls, device: torch.device | str | None = None) -> ParallelState:
@@ -100,7 +107,8 @@ class ParallelState:
         routed-expert count is refused too; every rank does that arithmetic alike, so every rank
         refuses before any connection is made. Devices are refused (`check_devices`) on every
         rank once the ranks have exchanged what they see. `timeout` bounds every collective and
-        the wait of every guard (see `eprt.parallel.guard`).
+        the wait of every guard (see `eprt.parallel.guard`); EPRT_PEER_TIMEOUT (seconds, default
+        30) how long a rank may go without a heartbeat before the others give up on it.
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -108,6 +116,7 @@ class ParallelState:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         ep = world if ep is None else ep
         check_ep(world, ep, num_experts)
+        peer_timeout = peer_timeout_s()
         if world == 1:
             return cls.single(torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu")
         try:
@@ -122,27 +131,37 @@ class ParallelState:
         tcp_store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
                                   timeout=timeout, wait_for_workers=False)
         store = dist.PrefixStore("eprt", tcp_store)
-        device = _bind_device(store, rank, world, local_rank, local_world, timeout)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, store=dist.PrefixStore("eprt_pg", tcp_store), rank=rank, world_size=world,
-            timeout=timeout, device_id=device if backend == "nccl" else None)
+        # The heartbeat's own client (Store.clone is newer than the torch we support).
+        beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        heartbeat = Heartbeat(store, dist.PrefixStore("eprt", beat_store), rank, world, peer_timeout)
+        signal_handlers = install_signal_handlers()
+        try:
+            device = _bind_device(store, rank, world, local_rank, local_world, timeout)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, store=dist.PrefixStore("eprt_pg", tcp_store), rank=rank, world_size=world,
+                timeout=timeout, device_id=device if backend == "nccl" else None)
 
-        ep_groups, edp_groups = expert_groups(world, ep)
-        # new_group is collective over the world: every rank creates every group, in one order.
-        for ranks in ep_groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                ep_group, ep_ranks = group, tuple(ranks)
-        for ranks in edp_groups:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                edp_group, edp_ranks = group, tuple(ranks)
+            ep_groups, edp_groups = expert_groups(world, ep)
+            # new_group is collective over the world: every rank creates every group, in one order.
+            for ranks in ep_groups:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    ep_group, ep_ranks = group, tuple(ranks)
+            for ranks in edp_groups:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    edp_group, edp_ranks = group, tuple(ranks)
+        except BaseException:  # a refusal, or a rank that never came: no heartbeat outlives the attempt
+            heartbeat.stop()
+            restore_signal_handlers(signal_handlers)
+            raise
         edp_rank, ep_rank = rank_coords(rank, world, ep)
         return cls(rank=rank, world=world, local_rank=local_rank, ep_size=ep, ep_rank=ep_rank,
                    edp_size=world // ep, edp_rank=edp_rank, ep_ranks=ep_ranks, edp_ranks=edp_ranks,
                    device=device, backend=backend, timeout=timeout, ep_group=ep_group,
-                   edp_group=edp_group, dp_group=dist.group.WORLD, store=store)
+                   edp_group=edp_group, dp_group=dist.group.WORLD, store=store, heartbeat=heartbeat,
+                   _signal_handlers=signal_handlers)
 
     def check_experts(self, num_experts: int) -> None:
         """Refuse, alike on every rank, a layer whose routed experts do not split over ep."""
@@ -163,29 +182,47 @@ class ParallelState:
             dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
-    def close(self) -> None:
-        """Leave the run: wait for every rank, then tear the process groups down.
+    def close(self, failing: bool = False) -> None:
+        """Leave the run: wait for every live rank, then tear the process groups down.
 
         Without torchrun's agent, rank 0 serves the store, so it leaves last: a rank still
-        talking to the store when rank 0 exits would fail.
+        talking to the store when rank 0 exits would fail. The wait gives up on ranks that die,
+        is skipped once a guard has found one dead (or the store gone), and lasts at most the
+        peer timeout while an error or a signal (`failing`) is already ending the run; it then
+        never raises, so that the error that ends the run is the one reported.
         """
         if self.world == 1 or self.store is None:
             return
-        self.store.set(f"close/arrived/{self.rank}", b"")
-        self.store.wait([f"close/arrived/{r}" for r in range(self.world)], self.timeout)
+        failing = failing or stopping()
+        try:
+            if not self.peers_lost:
+                self._leave_together(failing)
+        except dist.DistError:
+            if not failing:
+                raise
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            if not stopping():  # a stopping process keeps ignoring repeated signals to the end
+                restore_signal_handlers(self._signal_handlers)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.store = None
+
+    def _leave_together(self, failing: bool) -> None:
+        wait = timedelta(seconds=self.heartbeat.timeout_s) if failing and self.heartbeat else self.timeout
+        post(self.store, "close/arrived", self.rank)
+        wait_posted(self.store, "close/arrived", list(range(self.world)), self.heartbeat, wait)
         if self.rank == 0:
-            self.store.wait([f"close/left/{r}" for r in range(1, self.world)], self.timeout)
+            wait_posted(self.store, "close/left", list(range(1, self.world)), self.heartbeat, wait)
         else:
-            self.store.set(f"close/left/{self.rank}", b"")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.store = None
+            post(self.store, "close/left", self.rank)
 
     def __enter__(self) -> ParallelState:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failing=exc is not None)
 
 
 def check_devices(reports: list[tuple[int, int, str]]) -> None:

@@ -9,11 +9,18 @@ the same result at every layout, given bitwise-identical activations.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from eprt.errors import EprtError
 from eprt.models.moe import Experts
+
+
+class CalibrationError(EprtError):
+    """Calibration recorded something no scale can be made of."""
 
 
 def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -24,6 +31,14 @@ def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> tor
         expert_of_row = torch.repeat_interleave(torch.arange(count, device=x_sorted.device), tokens_per_expert)
         out.scatter_reduce_(0, expert_of_row, x_sorted.abs().amax(dim=-1).float(), "amax")
     return out
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where `module` computes: its statistics live there, so neither the observers nor the
+    reduction over the ranks (NCCL takes device tensors only) move a tensor."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 class Calibrator:
@@ -59,7 +74,7 @@ class Calibrator:
                     self._observe_kv(name, sub)
 
     def _observe_input(self, name: str, module: nn.Module) -> None:
-        self.input_amax.setdefault(name, torch.zeros((), dtype=torch.float32))
+        self.input_amax.setdefault(name, torch.zeros((), dtype=torch.float32, device=device_of(module)))
 
         def hook(_module, args):
             x = args[0]
@@ -69,7 +84,7 @@ class Calibrator:
         self._undo.append(module.register_forward_pre_hook(hook).remove)
 
     def _observe_experts(self, name: str, experts: Experts) -> None:
-        zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype)  # noqa: E731
+        zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype, device=device_of(experts))  # noqa: E731
         self.expert_amax.setdefault(name, (zeros(torch.float32), zeros(torch.float32)))
         self.expert_tokens.setdefault(name, zeros(torch.int64))
 
@@ -83,7 +98,8 @@ class Calibrator:
         self._undo.append(lambda: setattr(experts, "observer", None))
 
     def _observe_kv(self, name: str, attn: nn.Module) -> None:
-        self.kv_amax.setdefault(name, (torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)))
+        zero = lambda: torch.zeros((), dtype=torch.float32, device=device_of(attn))  # noqa: E731
+        self.kv_amax.setdefault(name, (zero(), zero()))
 
         def observer(k, v):
             k_amax, v_amax = self.kv_amax[name]
@@ -93,6 +109,24 @@ class Calibrator:
 
         attn.kv_observer = observer
         self._undo.append(lambda: setattr(attn, "kv_observer", None))
+
+    def amax_by_name(self) -> dict[str, torch.Tensor]:
+        """Every recorded amax, named as the module and what it measures."""
+        out = {f"{m} (input)": t for m, t in self.input_amax.items()}
+        for m, (w13_in, w2_in) in self.expert_amax.items():
+            out[f"{m} (gate/up input)"], out[f"{m} (down input)"] = w13_in, w2_in
+        for m, (k, v) in self.kv_amax.items():
+            out[f"{m} (keys)"], out[f"{m} (values)"] = k, v
+        return out
+
+    def check_finite(self, rank: int) -> None:
+        """Refuse a NaN or infinite amax: its scale would be NaN, and export would fail only at the end."""
+        for what, t in self.amax_by_name().items():
+            if not torch.isfinite(t).all():
+                raise CalibrationError(
+                    f"{what}: calibration on rank {rank} recorded a non-finite amax ({t.max().item()}); the model "
+                    "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
+                    "--dtype fp32 if bf16 overflows")
 
     def reduce(self, state) -> None:
         """Dense and KV amax: max over the world; experts: max (and token sum) over the edp replicas."""

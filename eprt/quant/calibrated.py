@@ -1,7 +1,8 @@
 """Writing a calibrated checkpoint: the calibration state, the recipe, and a reference to the base.
 
-The weights are not copied: the manifest names the input checkpoint and the SHA-256 of its
-manifest, checked whenever the calibrated checkpoint is opened. Rank 0 writes the dense and KV
+The weights are not copied: the manifest names the input checkpoint, the SHA-256 of its
+manifest and a pin of each of its weight files (eprt.storage.checkpoint.weight_pin), checked whenever
+the calibrated checkpoint is opened. Rank 0 writes the dense and KV
 amax and the manifest; the first replica of each expert shard (edp rank 0) writes its own
 experts' rows of the stacked per-expert state, so nothing is gathered.
 """
@@ -12,10 +13,10 @@ import os
 
 import torch
 
-from eprt.checkpoint import Checkpoint, Part, TensorMeta, base_reference, manifest, write_manifest
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
-from eprt.safetensors_io import save_tensors
+from eprt.storage.checkpoint import Checkpoint, Part, TensorMeta, base_reference, manifest, write_manifest
+from eprt.storage.safetensors_io import save_tensors
 
 DENSE_FILE = "calibration.safetensors"
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eprt.checkpoint import Checkpoint
+from eprt.storage.checkpoint import Checkpoint
 from eprt.models.loader import assign_tensors, meta_model
 from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher

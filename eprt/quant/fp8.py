@@ -1,8 +1,9 @@
-"""FP8 E4M3 per-tensor quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+"""FP8 E4M3 per-tensor quantization, byte-exact to the ModelOpt Hugging Face export (docs/export.md, 'Numerics').
 
 weight_scale = w_amax / 448 and input_scale = in_amax / 448, fp32 0-dim tensors (zero amax and
-the scale floor: see `eprt.quant.numerics`). A quantized weight is (w / weight_scale), computed
-in fp32, rounded to E4M3 nearest-even and saturated at +-448.
+the scale floor: see `eprt.quant.numerics`). A quantized value is w / scale computed in fp32,
+rounded first to the dtype w is held in (bf16 for a bf16 weight; a no-op for fp32), then to
+E4M3 nearest-even, saturated at +-448 (the `quantize_fp8` rule).
 """
 
 import torch
@@ -19,9 +20,16 @@ def fp8_scale(amax) -> torch.Tensor:
 
 
 def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
-    """float8_e4m3fn tensor of w's shape from any float w and the per-tensor `scale`."""
+    """float8_e4m3fn tensor of w's shape from any float w and the per-tensor `scale`.
+
+    e4m3(round_to_dtype_of_w(fp32(w) / fp32(scale))): the quotient is rounded twice, to w's own
+    dtype and then to E4M3, because that is what ModelOpt's export computes (`weight / scale` of a
+    bf16 weight and an fp32 0-dim scale is a bf16 tensor by torch's type promotion, cast to
+    float8_e4m3fn after). Rounding once, straight from fp32, differs by one E4M3 step in a few
+    percent of the elements (double rounding on the bf16 grid), so the bytes would not match.
+    """
     check_finite(w, w.shape)
-    return to_e4m3(w.float() / as_scale(scale, w.device))
+    return to_e4m3((w.float() / as_scale(scale, w.device)).to(w.dtype))
 
 
 def dequantize_fp8(q: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:

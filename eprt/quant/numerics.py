@@ -1,4 +1,4 @@
-"""Rules shared by the FP8 and NVFP4 formats (FORMATS.md 3): per-tensor scales and E4M3 rounding.
+"""Rules shared by the FP8 and NVFP4 formats (docs/export.md, 'Numerics'): per-tensor scales and E4M3 rounding.
 
 Per-tensor scale = amax / max_value, fp32 0-dim. Zero amax (an all-zero weight, an input no
 calibration token reached) is replaced by the quantizer's largest representable value, as

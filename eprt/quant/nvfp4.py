@@ -1,4 +1,4 @@
-"""NVFP4 quantization, byte-exact to the ModelOpt Hugging Face export (FORMATS.md 3).
+"""NVFP4 quantization, byte-exact to the ModelOpt Hugging Face export (docs/export.md, 'Numerics').
 
 Two-level scaling over blocks of 16 consecutive elements along the last (input) dim:
   weight_scale_2 = w_amax / (6*448)                                   fp32 0-dim
@@ -21,9 +21,6 @@ from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoint k lies between E2M1 values k and k+1; a value on it rounds to the even index, so up
-# past it when k is odd (0.75, 1.75, 3.5) and down when k is even (0.25, 1.25, 2.5, 5).
-_MIDPOINTS = tuple(((lo + hi) / 2, k % 2 == 1) for k, (lo, hi) in enumerate(zip(E2M1_VALUES, E2M1_VALUES[1:])))
 # Smallest block scale: the smallest E4M3 subnormal, so no block scale is ever zero.
 MIN_BLOCK_SCALE = 2.0**-9
 
@@ -54,13 +51,36 @@ def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tens
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes (0..15) of x, rounded to nearest with ties to even, saturating at +-6."""
-    a = x.float().abs()
-    # The index is the number of midpoints below |x|; beyond the last one it stays 7 (saturation).
-    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for midpoint, tie_rounds_up in _MIDPOINTS:
-        index += (a >= midpoint) if tie_rounds_up else (a > midpoint)
-    return index | ((x < 0).to(torch.uint8) << 3)
+    """uint8 E2M1 codes (0..15) of finite x, rounded to nearest with ties to even, saturating at +-6."""
+    return _encode_quarters(x.float() * 4)
+
+
+# Every E2M1 midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a whole number of quarters, so the
+# code of x depends only on floor(4x) and on whether 4x lies strictly above it: no midpoint falls
+# inside (n, n+1), and at n itself the tie is decided once, here. `_QUARTER_CODES[2*(n+Q) + above]`
+# holds those codes for n in [-Q, Q), built by the rounding rule spelled out on the values
+# themselves (beyond +-6.5 every code saturates).
+_Q = 26
+
+
+def _code_of(v: float) -> int:
+    """The E2M1 code of one value: nearest, a tie to the even index, saturating; sign set below zero."""
+    a = min(abs(v), E2M1_MAX)
+    index = min(range(len(E2M1_VALUES)), key=lambda i: (abs(E2M1_VALUES[i] - a), i % 2))
+    return index | (8 if v < 0 else 0)
+
+
+_QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q, _Q) for above in (0, 1)],
+                              dtype=torch.uint8)
+
+
+def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites: one table lookup per
+    element instead of a comparison per midpoint."""
+    n = f.floor()
+    above = f.gt_(n)  # in place: 1.0 where 4x is strictly above its floor
+    key = n.clamp_(-_Q, _Q - 1).add_(_Q).mul_(2).add_(above).to(torch.int32)
+    return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -94,7 +114,8 @@ def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor
     check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
     scale_2 = as_scale(scale_2, w.device)
     block_scale = _block_scales(block_amax, scale_2)
-    codes = e2m1_encode(blocks / (block_scale.float() * scale_2).unsqueeze(-1))
+    quarters = (blocks / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
+    codes = _encode_quarters(quarters)
     return pack_fp4(codes.reshape(w.shape)), block_scale
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eprt.checkpoint import Checkpoint
+from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences

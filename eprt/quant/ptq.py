@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eprt.checkpoint import Checkpoint, manifest_digest
-from eprt.config import reader_for
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
+from eprt.families import reader_for
 from eprt.models.loader import load_model, weight_bytes
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
@@ -25,13 +24,17 @@ from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, Schedule, group_tokens
+from eprt.quant.feasibility import quantized_modules
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
-from eprt.quant.recipe import load_recipe
+from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.workdir import WorkDir
+from eprt.storage.atomic import check_output_dir
+from eprt.storage.checkpoint import Checkpoint, manifest_digest
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# `--dtype`: the dtype the model runs in
+RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -60,25 +63,26 @@ def run_ptq(state, a: PTQArgs) -> dict:
     "resumed_after" (the layer a --resume continued after, -1 for none)}."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
-        recipe = load_recipe(a.recipe, a.kv_cache)
+        check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
         ck = Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
-        if a.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if a.dtype not in RUN_DTYPES:
+            raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
+        warn_beyond_positions(cfg, a.seq_len, state.rank)
         samples = calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
-        targets = [m for m in reader_for(cfg.model_type, a.ckpt).layout(cfg).linear_modules() if recipe.format_of(m)]
     with ck:
         with fail_together(state, "planning memory"):
             plan, preview = plan_run(state, ck, samples, a)
         model = None
         if preview:
-            model = load_model(a.ckpt, dtype=DTYPES[a.dtype], parallel=state)
+            model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
@@ -87,6 +91,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         with fail_together(state, "calibrating"), torch.inference_mode():
             work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
             resumed = calibrate_layers(state, ck, cal, samples, a, work)
+            cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
@@ -99,7 +104,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
-                       overwrite=a.overwrite)
+                       overwrite=a.overwrite, inputs=ck.input_dirs())
         with fail_together(state, "removing the work directory"):
             work.remove()
     if state.rank == 0:
@@ -120,7 +125,7 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
     plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
     c = ck.config
-    planner = Planner.of(ck, DTYPES[a.dtype], state.device)
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device)
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
                         baseline=memory_in_use(state.device))
@@ -135,7 +140,7 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     if not a.preview:
         return plan, False
     first, count = state.expert_range(c.num_experts) if c.moe_layers else (0, 0)
-    whole = sum(weight_bytes(ck, dtype=DTYPES[a.dtype], expert_range=(first, count) if c.moe_layers else None))
+    whole = sum(weight_bytes(ck, dtype=RUN_DTYPES[a.dtype], expert_range=(first, count) if c.moe_layers else None))
     fits = plan.peak + whole <= limit
     if not fits and state.rank == 0:
         logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
@@ -155,12 +160,29 @@ def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tens
                      work: WorkDir) -> int:
     """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
     `work`; with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
-    engine = LayerEngine(state, ck, cal, samples, dtype=DTYPES[a.dtype],
+    engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
                          schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress)
     done = work.last_completed(a.resume)
     ls = work.load(done, cal, state.device) if done >= 0 else engine.embed()
     engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal))
     return done
+
+
+def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe `spec` and the modules it quantizes in `ck`, from the manifest alone: whatever
+    export would refuse about this recipe and this model is refused here, before a weight is read."""
+    recipe = load_recipe(spec, kv_cache)
+    layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
+    return recipe, list(quantized_modules(layout, recipe, ck.path))
+
+
+def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
+    """Calibrating past the positions the model was trained for records activations no deployment
+    sees; allowed (a user may mean it), said once."""
+    if seq_len > cfg.max_position_embeddings and rank == 0:
+        logger().warning("--seq-len %d is beyond the model's max_position_embeddings %d; the calibration "
+                         "sees positions the model was not trained for: lower --seq-len", seq_len,
+                         cfg.max_position_embeddings)
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:

@@ -1,6 +1,6 @@
 """PTQ recipes: which modules get which format, by glob patterns over module names.
 
-A recipe is a YAML file (configs/ptq/NAME.yaml, or any path):
+A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
 
     name: nvfp4_experts_only
     quantize:                      # the first pattern that matches a module decides
@@ -23,9 +23,12 @@ import yaml
 
 from eprt.errors import ConfigError
 
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "ptq")
+# Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = ("fp8", "nvfp4", "none")
 KV_FORMATS = (None, "fp8")
+RECIPE_KEYS = ("name", "quantize", "kv_cache")
+RULE_KEYS = ("pattern", "format")
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,23 @@ def available() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
 
 
+def refuse_unknown_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
+    """A misspelt key would silently mean its default: name it and the keys that exist."""
+    unknown = [k for k in d if k not in valid]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the valid keys are {', '.join(valid)}")
+
+
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
+    if isinstance(d, dict):
+        refuse_unknown_keys(d, RECIPE_KEYS, source)
     if not isinstance(d, dict) or not isinstance(d.get("quantize"), list) or not d["quantize"]:
         raise ConfigError(f"{source}: a recipe needs a non-empty `quantize` list of {{pattern, format}}")
     rules = []
     for i, r in enumerate(d["quantize"]):
-        if not isinstance(r, dict) or set(r) != {"pattern", "format"}:
+        if isinstance(r, dict):
+            refuse_unknown_keys(r, RULE_KEYS, f"{source}: quantize[{i}]")
+        if not isinstance(r, dict) or set(r) != set(RULE_KEYS):
             raise ConfigError(f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}}}")
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
@@ -74,7 +88,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
 
 
 def load_recipe(spec: str, kv_cache: str | None = None) -> Recipe:
-    """A recipe by name (configs/ptq/NAME.yaml) or by path."""
+    """A recipe by name (eprt/configs/ptq/NAME.yaml) or by path."""
     path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path")

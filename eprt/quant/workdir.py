@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from eprt.atomic import fsync_dir
+from eprt.storage.atomic import fsync_dir
 from eprt.errors import ConfigError
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerState
-from eprt.safetensors_io import save_tensors
+from eprt.storage.safetensors_io import save_tensors
 
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
 
@@ -49,7 +49,7 @@ class WorkDir:
             shutil.rmtree(self.mine, ignore_errors=True)
             return -1
         layers = self._layers()
-        last = torch.tensor(layers[-1] if layers else -1)
+        last = torch.tensor(layers[-1] if layers else -1, device=self.state.device)
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
@@ -62,7 +62,7 @@ class WorkDir:
         os.replace(tmp, self._file(layer))
         fsync_dir(self.mine)
         # every rank now holds `layer`: the older files are no longer the common last layer
-        self.state.all_reduce(torch.zeros(()), over="dp")
+        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
@@ -86,7 +86,7 @@ class WorkDir:
     def remove(self) -> None:
         """Once the output is written: every rank drops its own files, rank 0 the directory."""
         shutil.rmtree(self.mine, ignore_errors=True)
-        self.state.all_reduce(torch.zeros(()), over="dp")
+        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         if self.state.rank == 0:
             shutil.rmtree(self.path, ignore_errors=True)
 
@@ -106,7 +106,7 @@ def load_stats(cal: Calibrator, tensors: dict[str, torch.Tensor]) -> None:
     for key, t in tensors.items():
         kind, _, name = key.partition("/")
         if kind in got:
-            got[kind][name] = t.cpu()
+            got[kind][name] = t  # on the device `load` read them to, where the observers add to them
     cal.input_amax.update(got["input_amax"])
     cal.expert_amax.update({n: (t, got["w2_amax"][n]) for n, t in got["w13_amax"].items()})
     cal.expert_tokens.update(got["tokens"])

@@ -18,14 +18,15 @@ import torch
 
 from eprt.errors import CheckpointError
 
-DTYPES: dict[str, torch.dtype] = {
+# safetensors' dtype codes in headers and manifests ("BF16") -> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,7 +76,7 @@ class SafetensorsFile:
         if len(head) < 8:
             raise CheckpointError(f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
+        if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
         try:
             header = json.loads(self._pread(n, 8))
@@ -88,7 +89,7 @@ class SafetensorsFile:
         tensors = {}
         for name, h in header.items():
             try:
-                dtype = DTYPES[h["dtype"]]
+                dtype = SAFETENSORS_DTYPES[h["dtype"]]
                 shape = tuple(int(d) for d in h["shape"])
                 begin, end = (int(x) for x in h["data_offsets"])
             except (KeyError, TypeError, ValueError):
@@ -101,7 +102,27 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: tensor {name!r} ends at byte {data_start + end} past the "
                                       f"end of the file ({size} bytes): truncated file")
             tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, want)
+        self._check_tiling(tensors, data_start, data_size)
         return tensors, metadata
+
+    def _check_tiling(self, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
+        """The safetensors library's own rule (tensor.rs `validate`): the tensors, in offset order,
+        tile the data section exactly: each starts where the previous ends, and the last ends at
+        the end of the file. Two tensors sharing bytes, or bytes no tensor covers, are refused."""
+        end, previous = 0, None
+        for t in sorted(tensors.values(), key=lambda t: (t.start, t.start + t.nbytes)):
+            begin = t.start - data_start
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} overlaps tensor {previous!r} (bytes "
+                                      f"[{begin}, {end}) of the data belong to both): corrupt or crafted file, "
+                                      "do not use it")
+            if begin > end:
+                raise CheckpointError(f"{self.path}: bytes [{end}, {begin}) of the data, before tensor {t.name!r}, "
+                                      "belong to no tensor: corrupt or crafted file, do not use it")
+            end, previous = begin + t.nbytes, t.name
+        if end != data_size:
+            raise CheckpointError(f"{self.path}: the last {data_size - end} bytes of the file belong to no tensor "
+                                  f"(the tensors end at data byte {end}): corrupt or crafted file, do not use it")
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -163,7 +184,7 @@ class SafetensorsWriter:
 
     `entries` lists (name, dtype, shape) in file order; `write` must then be called for each
     entry in that order (a tensor may arrive in several row chunks). The output directory is
-    synced as a whole once it is complete (eprt.atomic), not file by file.
+    synced as a whole once it is complete (eprt.storage.atomic), not file by file.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):

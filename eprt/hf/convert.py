@@ -5,7 +5,7 @@ written; then each output file is filled tensor by tensor. A stacked expert tens
 the per-expert gate and up tensors laid end to end, so it is written by copying each source
 tensor in turn: memory holds one source tensor, never a layer.
 
-Weights the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed) stay
+Weights the source stores encoded (compressed-tensors, block FP8: eprt.storage.encodings) stay
 encoded: each of their source tensors (packed values, scales, ...) is stacked the same way as a
 component of the eprt tensor, and the manifest records the scheme. Nothing is decompressed on
 disk; `Checkpoint.read` decodes.
@@ -18,17 +18,19 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from eprt.atomic import atomic_output_dir, copy_files
-from eprt.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
-from eprt.config import load_hf_config, reader_for
 from eprt.errors import CheckpointError, ConfigError
-from eprt.hf import compressed
+from eprt.families import load_hf_config, reader_for
 from eprt.hf.source import HFSource, non_weight_files
 from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
-from eprt.safetensors_io import SafetensorsWriter
+from eprt.storage import encodings
+from eprt.storage.atomic import atomic_output_dir, copy_files
+from eprt.storage.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
+from eprt.storage.hf_files import CONFIG
+from eprt.storage.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -89,7 +91,7 @@ def file_for(name: str, role: str) -> str:
     return f"{prefix}-{layer:05d}.safetensors"
 
 
-def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) -> dict[str, Encoded]:
+def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -> dict[str, Encoded]:
     """Every module whose weight the source stores encoded, by module name; refuses encoded
     tensors that its quantization_config does not account for."""
     out: dict[str, Encoded] = {}
@@ -104,17 +106,17 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
         weight = f"{module}.weight"
         if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
-        out[module] = Encoded(compressed.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
-    if quant is None or quant.method != compressed.CT:
+        out[module] = Encoded(encodings.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
+    if quant is None or quant.method != encodings.CT:
         return out
     groups = quant.groups()
-    decoders = {g: compressed.decoder(compressed.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
+    decoders = {g: encodings.decoder(encodings.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
     markers = {c for d in decoders.values() for c in d.components} - {"weight"}
     for name, (f, _) in names.items():
         module, _, leaf = name.rpartition(".")
         if leaf not in markers or module in out:
             continue
-        ignored = next((i for i in quant.ignore if compressed.matches(module, [i])), None)
+        ignored = next((i for i in quant.ignore if encodings.matches(module, [i])), None)
         if ignored is not None:
             raise CheckpointError(f"{f.path}: tensor {name!r} is compressed, but the quantization_config's ignore "
                                   f"entry {ignored!r} says {module} is not: the checkpoint and its config.json "
@@ -124,7 +126,7 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
         if missing:
             raise CheckpointError(f"{f.path}: {module} is compressed ({groups[g]['format']}, {g}) but tensor "
                                   f"'{module}.{missing[0]}' is missing")
-        out[module] = Encoded(compressed.CT_PREFIX + groups[g]["format"], g,
+        out[module] = Encoded(encodings.CT_PREFIX + groups[g]["format"], g,
                               {c: f"{module}.{c}" for c in decoders[g].components})
     return out
 
@@ -132,7 +134,7 @@ def encoded_modules(src: HFSource, quant: compressed.SourceQuantization | None) 
 def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     """The config group whose scheme a compressed module follows: one that names it (exact or
     `re:`), else one that targets every Linear."""
-    named = [g for g, d in groups.items() if any(t != "Linear" and compressed.matches(module, [t])
+    named = [g for g, d in groups.items() if any(t != "Linear" and encodings.matches(module, [t])
                                                  for t in d.get("targets") or [])]
     found = named or [g for g, d in groups.items() if "Linear" in (d.get("targets") or [])]
     if not found:
@@ -148,7 +150,7 @@ class Planner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
     def __init__(self, src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str,
-                 quant: compressed.SourceQuantization | None):
+                 quant: encodings.SourceQuantization | None):
         self.src, self.layout, self.dtype, self.where, self.quant = src, layout, dtype, where, quant
         self.encoded = encoded_modules(src, quant)
         self.decoders: dict[str, object] = {}
@@ -212,11 +214,16 @@ class Planner:
         dtypes = set()
         for s in spec.sources:
             f, info = src.tensors[s]
-            if info.shape != spec.source_shape():
-                raise CheckpointError(f"{f.path}: tensor {s!r} has shape {list(info.shape)} but config.json "
-                                      f"implies {list(spec.source_shape())}")
+            problem = spec.shape_problem(info.shape)
+            if problem:
+                raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
+                                      "which is floating point: the file is not this model's checkpoint")
             dtypes.add(info.dtype)
+        if spec.padded_per:
+            spec = spec.stored_as(info.shape)
         if len(dtypes) > 1:
             raise CheckpointError(f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
                                   f"{sorted(map(str, dtypes))}; convert with --dtype bf16 or fp32")
@@ -262,7 +269,7 @@ class Planner:
         key = (e.encoding, e.scheme, tuple((c, i.dtype, i.shape) for c, (_, i) in infos.items()))
         if key not in self.probed:
             if e.scheme not in self.decoders:
-                self.decoders[e.scheme] = compressed.decoder(e.encoding, self.scheme(e), self.quant.where)
+                self.decoders[e.scheme] = encodings.decoder(e.encoding, self.scheme(e), self.quant.where)
             try:
                 w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
             except (ValueError, RuntimeError, IndexError, KeyError) as err:
@@ -286,7 +293,7 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
         raise ConfigError(f"{hf_dir}: not a directory")
     hf_cfg, cfg = load_hf_config(hf_dir)
     layout = reader_for(cfg.model_type, hf_dir).layout(cfg)
-    quant = compressed.source_quantization(hf_cfg, os.path.join(hf_dir, "config.json"))
+    quant = encodings.source_quantization(hf_cfg, os.path.join(hf_dir, CONFIG))
     src = HFSource(hf_dir)
     try:
         planner = Planner(src, layout, DTYPE_CHOICES[dtype], hf_dir, quant)
@@ -311,23 +318,49 @@ def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, prog
     total = sum(dt.itemsize * math.prod(shape) for ps in by_file.values() for p in ps for _, dt, shape in p.stored())
     with bar(total, "convert", unit="B", enabled=progress) as pb:
         for fname, ps in by_file.items():
-            w = SafetensorsWriter(os.path.join(tmp, fname), [entry for p in ps for entry in p.stored()])
-            for p in ps:
-                metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
-            w.close()
+            path = os.path.join(tmp, fname)
+            try:
+                w = SafetensorsWriter(path, [entry for p in ps for entry in p.stored()])
+                for p in ps:
+                    metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
+                w.close()
+            except OSError as e:
+                if e.filename is not None:
+                    raise
+                # a failed write says only why (disk full); the file it was writing is the way in
+                raise OSError(e.errno, e.strerror, path) from e
     return metas
+
+
+# The exponent bits of each floating dtype, as an integer of its width: all set in NaN and infinity only.
+EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                 torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
+    """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it
+    here. One pass over the bits in numpy (single-threaded, vectorized): torch's parallel
+    reductions stall when the cores are busy, and this check must stay cheap next to a copy."""
+    if t.dtype not in EXPONENT_BITS or not t.numel():
+        return
+    int_dtype, exponent = EXPONENT_BITS[t.dtype]
+    if int(np.bitwise_and(t.view(-1).view(int_dtype).numpy(), exponent).max()) == exponent:
+        raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
+                              "weights cannot be calibrated: fix or re-download the source")
 
 
 def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
     for s in p.spec.sources:
         f, info = src.tensors[s]
+        t = f.read(s)
+        refuse_non_finite(f.path, s, t)
         if info.dtype == p.dtype:
-            w.copy_range(p.spec.name, f, info.start, info.nbytes)
+            w.copy_range(p.spec.name, f, info.start, info.nbytes)  # from the page cache the read just filled
         else:
-            w.write(p.spec.name, f.read(s).to(p.dtype))
+            w.write(p.spec.name, t.to(p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
-    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, compressed.RAW, p.role, (Part(fname, p.spec.name, rows),),
+    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
                       p.source_dtype)
 
 

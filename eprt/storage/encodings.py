@@ -1,4 +1,4 @@
-"""Source weights that stay encoded on disk and are decoded when read (FORMATS.md 2).
+"""Source weights that stay encoded on disk and are decoded when read (docs/sources.md, 'Encoded sources').
 
 - compressed-tensors formats (Kimi's INT4 `pack-quantized`, MXFP4, NVFP4, ...) are decoded by
   the compressed-tensors library itself, one 2-D weight at a time (its MXFP4/NVFP4 decompressors
@@ -50,8 +50,24 @@ def library(where: str):
     return compressed_tensors
 
 
-def is_known(encoding: str) -> bool:
-    return encoding in (RAW, FP8_BLOCK) or encoding.startswith(CT_PREFIX)
+# The compressed-tensors formats eprt decodes. A format string reaches the library's registry only
+# once it is one of these: the registry reads any other `path/file.py:name` as a plugin to import
+# and run, so a checkpoint could name a Python file of its own.
+CT_FORMATS = ("pack-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized", "int-quantized",
+              "float-quantized", "naive-quantized")
+
+
+def is_known(encoding) -> bool:
+    return isinstance(encoding, str) and (encoding in (RAW, FP8_BLOCK) or (
+        encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX):] in CT_FORMATS))
+
+
+def check_ct_format(fmt, where: str) -> str:
+    """`fmt`, once it is a compressed-tensors format eprt decodes; refused by name otherwise."""
+    if fmt not in CT_FORMATS:
+        raise ConfigError(f"{where}: compressed-tensors format {fmt!r} is not one eprt decodes "
+                          f"({', '.join(CT_FORMATS)}); dequantize the checkpoint to bf16 first")
+    return fmt
 
 
 # --- the source's quantization_config ---------------------------------------------------------
@@ -96,16 +112,28 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
         library(where)
         from compressed_tensors.quantization import QuantizationConfig
 
+        groups = qc.get("config_groups")
+        if not groups or not isinstance(groups, dict) or not all(isinstance(d, dict) for d in groups.values()):
+            raise ConfigError(f"{where}: no config_groups, so no scheme to decode the compressed weights with")
+        for group, d in SourceQuantization(method, qc, where).groups().items():
+            check_ct_format(d["format"], f"{where} config group {group!r}")
         try:
             QuantizationConfig.model_validate(qc)
         except ValueError as e:
-            raise ConfigError(f"{where}: compressed-tensors cannot parse it: {e}") from None
-        if not qc.get("config_groups"):
-            raise ConfigError(f"{where}: no config_groups, so no scheme to decode the compressed weights with")
+            raise ConfigError(f"{where}: compressed-tensors cannot parse it: {first_problem(e)}") from None
     else:
         raise ConfigError(f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
                           "block FP8 (quant_method fp8 with weight_block_size); dequantize the checkpoint to bf16 first")
     return SourceQuantization(method, qc, where)
+
+
+def first_problem(e: ValueError) -> str:
+    """The first thing a validation error found, on one line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors) and errors():
+        err = errors()[0]
+        return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+    return " ".join(str(e).split())
 
 
 def without_quantization(config: dict) -> dict:
@@ -162,6 +190,7 @@ class CompressedTensors:
         from compressed_tensors.compressors import BaseCompressor
         from compressed_tensors.quantization import QuantizationScheme
 
+        check_ct_format(fmt, where)
         try:
             self.compressor = BaseCompressor.get_value_from_registry(fmt)
         except (KeyError, ValueError):

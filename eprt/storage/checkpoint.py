@@ -4,7 +4,7 @@ A directory holding
 - `eprt.json`, the manifest: format name and version, family, the normalized config, the
   source config.json verbatim, and a table of every tensor: dtype, shape, encoding, role, and
   where its bytes are (`parts`: file, key in that file, rows [a, b) along dim 0);
-- for a tensor the source stores encoded (compressed-tensors, block FP8: eprt.hf.compressed),
+- for a tensor the source stores encoded (compressed-tensors, block FP8: eprt.storage.encodings),
   its `encoding` names the format, `scheme` names an entry of the manifest's `schemes` (the
   source's quantization_config group), and `components` are the source tensors it is made of
   (`weight_packed`, `weight_scale`, ...), each stored like a raw tensor with its own parts and,
@@ -15,8 +15,11 @@ A directory holding
 - `hf/`: every non-weight file of the source (config, tokenizer, generation config, ...).
 
 A calibrated checkpoint holds no weights of its own: its manifest names a `base` checkpoint
-(path and the SHA-256 of its manifest, verified on open) whose tensors it reads, and adds the
-calibration state (role `calibration`) and the recipe (`quantization`).
+(path, the SHA-256 of its manifest, and a pin of each of its weight files, verified on open: see
+`weight_pin`) whose tensors it reads, and adds the calibration state (role `calibration`) and the
+recipe (`quantization`).
+
+Every file a manifest names must lie inside the checkpoint's directory (eprt.storage.paths).
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ import hashlib
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
-from eprt.hf import compressed
-from eprt.safetensors_io import DTYPES, SafetensorsFile, dtype_name
+from eprt.storage import encodings
+from eprt.storage.paths import check_relative, resolve_inside
+from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
 VERSION = 1
@@ -75,7 +80,7 @@ class TensorMeta:
     name: str
     dtype: torch.dtype  # what `read` returns: for an encoded tensor, the decoded dtype
     shape: tuple[int, ...]
-    encoding: str  # "raw": the bytes are the tensor; else eprt.hf.compressed names it
+    encoding: str  # "raw": the bytes are the tensor; else eprt.storage.encodings names it
     role: str  # "model": the model runs it; "passthrough": carried for export only
     parts: tuple[Part, ...]  # raw only
     source_dtype: torch.dtype  # what the source stored; export writes this dtype back
@@ -85,7 +90,7 @@ class TensorMeta:
 
     @property
     def encoded(self) -> bool:
-        return self.encoding != compressed.RAW
+        return self.encoding != encodings.RAW
 
     def to_json(self) -> dict:
         d = {
@@ -106,10 +111,10 @@ class TensorMeta:
     def from_json(cls, name: str, d: dict) -> "TensorMeta":
         components = None
         if "components" in d:
-            components = {c: Component(DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
+            components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
                                        parts_from_json(x["parts"])) for c, x in d["components"].items()}
-        return cls(name, DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
-                   DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
+        return cls(name, SAFETENSORS_DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
+                   SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
 
 
 def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],
@@ -147,16 +152,27 @@ class Checkpoint:
         self.family: str = m["family"]
         self.config = ModelConfig.from_json(m["config"])
         self.source_config: dict = m["source_config"]
-        self.base = open_base(path, m["base"]) if "base" in m else None
-        own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
+        try:
+            own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
+            for rel in m["files"]:
+                check_relative(rel, f"{mpath} (files)")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); convert the checkpoint "
+                                  "again") from None
         self.schemes: dict[str, dict] = m.get("schemes", {})
         for t in own.values():
-            if not compressed.is_known(t.encoding):
-                raise CheckpointError(f"{mpath}: {t.name!r} has encoding {t.encoding!r}, unknown to this eprt; upgrade eprt")
+            if not encodings.is_known(t.encoding):
+                raise CheckpointError(f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
+                                      f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.CT_PREFIX}"
+                                      f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
+                                      "crafted, or written by a newer eprt")
+            for f in stored_files(t):
+                check_relative(f, f"{mpath} ({t.name!r})")
             if t.encoded and t.scheme not in self.schemes:
                 raise CheckpointError(f"{mpath}: {t.name!r} names scheme {t.scheme!r}, which the manifest lacks: "
                                       "the checkpoint is corrupt")
         self._own = set(own)
+        self.base = open_base(path, m["base"]) if "base" in m else None
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
         self._decoders: dict[str, object] = {}
@@ -176,8 +192,16 @@ class Checkpoint:
 
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
-            self._files[name] = SafetensorsFile(os.path.join(self.path, name))
+            self._files[name] = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
         return self._files[name]
+
+    def weight_files(self) -> list[str]:
+        """The files this checkpoint's own tensors are stored in (not its base's), relative, sorted."""
+        return sorted({f for n in self._own for f in stored_files(self.tensors[n])})
+
+    def input_dirs(self) -> tuple[str, ...]:
+        """Every directory reading this checkpoint reads: its own and its base's."""
+        return (self.path, *(self.base.input_dirs() if self.base else ()))
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name`, or only rows [a, b) of it, reading only their bytes: a raw tensor in its
@@ -231,7 +255,7 @@ class Checkpoint:
         if name not in self._own:
             return self.base.decoder(name)
         if t.scheme not in self._decoders:
-            self._decoders[t.scheme] = compressed.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
+            self._decoders[t.scheme] = encodings.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
         return self._decoders[t.scheme]
 
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
@@ -266,7 +290,7 @@ class Checkpoint:
             if not t.encoded:
                 continue
             self.decoder(name)
-            if dtype is not None and not compressed.decoded_dtype_ok(t.dtype, dtype):
+            if dtype is not None and not encodings.decoded_dtype_ok(t.dtype, dtype):
                 raise ConfigError(f"{self.path}: {name} is stored {t.encoding} and decompresses to {t.dtype}; "
                                   f"loading it as {dtype} would round every weight again: load with "
                                   f"dtype={t.dtype} or torch.float32")
@@ -306,7 +330,9 @@ class Checkpoint:
         return sum(f.bytes_read for f in self._files.values()) + (self.base.bytes_read if self.base else 0)
 
     def hf_files_dir(self) -> str:
-        return self.base.hf_files_dir() if self.base else os.path.join(self.path, HF_FILES)
+        if self.base:
+            return self.base.hf_files_dir()
+        return resolve_inside(self.path, HF_FILES, os.path.join(self.path, MANIFEST))
 
     @property
     def hf_files(self) -> list[str]:
@@ -327,6 +353,36 @@ class Checkpoint:
         self.close()
 
 
+def stored_files(t: TensorMeta) -> set[str]:
+    parts = list(t.parts) + [p for c in (t.components or {}).values() for p in c.parts]
+    return {p.file for p in parts}
+
+
+# A pin of a weight file: cheap to take and to check next to reading the file, and it changes when
+# the file does. Its size and modification time change with any write in place; its header and
+# PIN_SAMPLES blocks spread over its data change when it is converted again from another model
+# with the same manifest (an unrelated model differs in every block). Copying a base without its
+# times (cp without -a) changes the modification time too, and is refused like an edit.
+PIN_SAMPLES = 16
+PIN_BLOCK = 4096
+
+
+def weight_pin(path: str) -> dict:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        h = hashlib.sha256()
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))
+        data_start = min(8 + n, 8 + MAX_HEADER, st.st_size)  # a file changed into garbage is not read whole
+        h.update(os.pread(fd, data_start, 0))  # the header: every tensor's name, dtype, shape and offsets
+        span = max(st.st_size - data_start - PIN_BLOCK, 0)
+        for i in range(PIN_SAMPLES):
+            h.update(os.pread(fd, PIN_BLOCK, data_start + span * i // (PIN_SAMPLES - 1)))
+    finally:
+        os.close(fd)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sampled_sha256": h.hexdigest()}
+
+
 def manifest_digest(path: str) -> str:
     with open(os.path.join(path, MANIFEST), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -335,7 +391,11 @@ def manifest_digest(path: str) -> str:
 def base_reference(out: str, base: str) -> dict:
     """How a checkpoint written at `out` refers to the checkpoint `base` whose tensors it reuses."""
     base = os.path.realpath(base)
-    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base, "manifest_sha256": manifest_digest(base)}
+    with Checkpoint(base) as ck:
+        files = ck.weight_files()
+    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base,
+            "manifest_sha256": manifest_digest(base),
+            "weights": {f: weight_pin(resolve_inside(base, f, os.path.join(base, MANIFEST))) for f in files}}
 
 
 def open_base(path: str, ref: dict) -> Checkpoint:
@@ -348,4 +408,28 @@ def open_base(path: str, ref: dict) -> Checkpoint:
     if manifest_digest(base) != ref["manifest_sha256"]:
         raise CheckpointError(f"{path}: its base checkpoint {base} changed since calibration (manifest hash "
                               "differs); calibrate again from the current one")
-    return Checkpoint(base)
+    if not isinstance(ref.get("weights"), dict) or not ref["weights"]:
+        raise CheckpointError(f"{path}: it does not pin its base's weight files (calibrated by an older eprt), so "
+                              f"a change of {base} could not be seen; calibrate again")
+    ck = Checkpoint(base)
+    try:
+        check_weight_pins(path, ck, ref["weights"])
+    except BaseException:
+        ck.close()
+        raise
+    return ck
+
+
+def check_weight_pins(path: str, base: Checkpoint, pinned: dict) -> None:
+    """Refuse a base whose weight files are not the ones the checkpoint at `path` pinned."""
+    if sorted(pinned) != base.weight_files():
+        raise CheckpointError(f"{path}: it pins the weight files {sorted(pinned)} of its base {base.path}, which "
+                              f"stores its weights in {base.weight_files()}: calibrate again from the current base")
+    for f, pin in pinned.items():
+        now = weight_pin(resolve_inside(base.path, f, os.path.join(base.path, MANIFEST)))
+        changed = [k for k in ("size", "mtime_ns", "sampled_sha256") if now[k] != pin.get(k)]
+        if changed:
+            raise CheckpointError(f"{path}: its base's weight file {os.path.join(base.path, f)} changed since "
+                                  f"calibration ({', '.join(changed)} differ), so its calibration may not fit the "
+                                  "weights: calibrate again from the current base (a copy of a base keeps its "
+                                  "calibration only when it keeps the files' times: cp -a, rsync -a)")

@@ -10,17 +10,24 @@ import re
 import torch
 from safetensors.torch import save_file
 
-from eprt.atomic import atomic_output_dir, copy_files
-from eprt.config import parse_hf_config, reader_for
-from eprt.hf.compressed import expand_blocks, matches
-from eprt.layout import Layout, plain
+from eprt.families import Family, parse_hf_config, reader_for
+from eprt.layout import Layout, TensorSpec, plain
+from eprt.storage.atomic import atomic_output_dir, copy_files
+from eprt.storage.encodings import expand_blocks, matches
+from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Stored in fp32 in the released checkpoints whatever their dtype: the router's correction bias,
-# KDA's decay parameters.
-FP32_SOURCES = re.compile(r"(e_score_correction_bias|\.A_log|\.dt_bias)$")
+TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")  # package data
+TOKENIZER_FILES = [TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG]
+# The dtype of the checkpoint's weights (`dtype`), and its config.json spelling
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def stored_fp32(family: Family, name: str) -> bool:
+    """Whether the released checkpoints store tensor `name` in fp32 whatever their dtype: what the
+    family keeps in fp32 (the router's correction bias, KDA's decay parameters), except the
+    router's weight, which they store in the checkpoint's dtype and the reference casts up."""
+    return family.keeps_fp32(name) and not name.endswith(".weight")
 
 
 def families() -> list[str]:
@@ -54,6 +61,15 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
 
 
+def released_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """A source tensor's shape as the released checkpoints store it: a padded one (Kimi-K3's
+    A_log, 128 entries for 96 heads) to the next multiple of 128."""
+    shape = spec.source_shape()
+    if spec.padded_per is None:
+        return shape
+    return (128 * math.ceil(shape[0] / 128), *shape[1:])
+
+
 def vision_tensors(hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
     shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
@@ -80,14 +96,15 @@ def mtp_layout(hf: dict) -> Layout:
 
 def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
               overwrite: bool = False, source_format: str | None = None, **overrides) -> str:
-    """Write a random checkpoint of `family` (config from configs/tiny, `overrides` on top) to `out`.
+    """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
     INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3)."""
     hf = tiny_config(family, **overrides)
-    hf["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    hf["torch_dtype"] = WEIGHT_DTYPE_NAMES[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")
-    layout = reader_for(cfg.model_type, "tiny").layout(cfg)
+    fam = reader_for(cfg.model_type, "tiny")
+    layout = fam.layout(cfg)
     specs = list(layout.specs)
     if cfg.num_nextn_predict_layers:
         specs += mtp_layout(hf).specs
@@ -95,29 +112,27 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
     tensors = {}
     for spec in specs:
         for src in spec.sources:
-            t = init(src, spec.source_shape(), g)
-            tensors[src] = t if FP32_SOURCES.search(src) else t.to(DTYPES[dtype])
+            t = init(src, released_shape(spec), g)
+            tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:
-        tensors.update({n: t.to(DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})
+        tensors.update({n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})
     if source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
     names = list(tensors)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(TINY_DIR,)) as tmp:
         if shards == 1:
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            save_file(tensors, os.path.join(tmp, SINGLE), metadata={"format": "pt"})
         else:
             weight_map = {}
             per = -(-len(names) // shards)
             for i in range(shards):
-                fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+                fname = shard_name(i, shards)
                 part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
                 save_file(part, os.path.join(tmp, fname), metadata={"format": "pt"})
                 weight_map.update({n: fname for n in part})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
+            write_index(tmp, weight_map, sum(t.numel() * t.element_size() for t in tensors.values()))
+        with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(hf, f, indent=2)
         copy_files(TINY_DIR, TOKENIZER_FILES, tmp)
     return out

@@ -1,0 +1,37 @@
+"""Check a quantized Hugging Face export against the ModelOpt layout that vLLM and SGLang load.
+
+    eprt-check OUT [--source HF_DIR]                                    (or python tools/check_export.py)
+
+Prints one line per violation, each naming the tensor, module or config key at fault, and exits
+1 when there is any; prints "OUT: ok" and exits 0 otherwise.
+"""
+
+import argparse
+import sys
+
+from eprt.cli import run
+from eprt.hf.check_export import check_export
+
+
+def check() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the exported Hugging Face directory")
+    ap.add_argument("--source", help="the Hugging Face checkpoint it was exported from: the export must hold "
+                    "exactly its tensors, each quantized Linear's weight replaced by its scales")
+    a = ap.parse_args()
+    problems = check_export(a.out, a.source)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{a.out}: {len(problems)} violation(s) of the ModelOpt export layout")
+        return 1
+    print(f"{a.out}: ok")
+    return 0
+
+
+def main() -> int:
+    return run(check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

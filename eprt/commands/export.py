@@ -1,0 +1,37 @@
+"""Write an eprt checkpoint back in the Hugging Face layout (the ModelOpt quantized layout for a
+calibrated one). Under torchrun every rank writes its share of the shards.
+
+    eprt-export CKPT OUT [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
+    torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
+"""
+
+import argparse
+
+from eprt.cli import run
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.units import parse_size
+
+
+def export() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt")
+    ap.add_argument("out")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="write weights the source stored compressed or in block FP8 decoded (bf16), and "
+                         "config.json without its quantization_config (default: as the source stored them)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args()
+    with ParallelState.from_env() as state:
+        export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
+                  progress=not a.no_progress, dequantize=a.dequantize, parallel=state)
+
+
+def main() -> None:
+    run(export)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Write a tiny random Hugging Face checkpoint (real tensor names, a real tokenizer.json).
+
+    eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
+"""
+
+import argparse
+
+from eprt.cli import run
+from eprt.testing.tiny import families, make_tiny
+
+
+def make() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("family", choices=families())
+    ap.add_argument("out")
+    ap.add_argument("--shards", type=int, default=1, help="number of safetensors files (an index when > 1)")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overwrite", action="store_true")
+    a = ap.parse_args()
+    make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite)
+    print(a.out)
+
+
+def main() -> None:
+    run(make)
+
+
+if __name__ == "__main__":
+    main()

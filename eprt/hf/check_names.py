@@ -1,0 +1,107 @@
+"""The name check of a quantized export: every tensor is one an engine loads.
+
+An export holds the source's tensors, with each quantized Linear's `weight` replaced by its
+ModelOpt companions (`weight`, `weight_scale`, [`weight_scale_2`], `input_scale`), plus
+`k_proj.k_scale` / `v_proj.v_scale` of an attention under an FP8 KV cache, and nothing else:
+vLLM refuses a checkpoint holding a tensor its model has no parameter for.
+
+The source's names come from the source directory when one is given (then the export must hold
+exactly the predicted set), else from the family layout of the export's own config.json (names
+outside it are refused, missing ones are not looked for). A config eprt cannot read leaves only
+the rule that holds for every model: no `*amax` tensor and no integer tensor other than an
+NVFP4 weight or a quantized weight's companions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from eprt.errors import EprtError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.source import HFSource
+from eprt.storage.hf_files import CONFIG
+
+COMPANIONS = {"FP8": ("weight", "weight_scale", "input_scale"),
+              "NVFP4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+KV_COMPANIONS = (("k_proj", "k_scale"), ("v_proj", "v_scale"))
+# A source Linear stored encoded (compressed-tensors, block FP8) is exported decoded, as `weight`.
+ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
+ENCODED_PARTS = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point",
+                 "weight_global_scale")
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
+
+
+class SourceNames:
+    """The source tensors an export may carry: exact names, plus regexes for tensors carried through."""
+
+    def __init__(self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False):
+        self.names = names
+        self.passthrough = passthrough
+        self.exact = exact  # the whole source is known: a missing tensor is a fault too
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or any(re.fullmatch(p, name) for p in self.passthrough)
+
+
+def decoded_names(names) -> set[str]:
+    """Source names with each encoded weight's stored parts (`M.weight_packed`, ...) as one `M.weight`."""
+    names = set(names)
+    encoded = {n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1] in ENCODED_MARKERS}
+    out = set()
+    for n in names:
+        module, _, leaf = n.rpartition(".")
+        out.add(f"{module}.weight" if module in encoded and leaf in ENCODED_PARTS else n)
+    return out
+
+
+def source_names_from_dir(source_dir: str) -> SourceNames:
+    src = HFSource(source_dir)
+    try:
+        return SourceNames(decoded_names(src.tensors), exact=True)
+    finally:
+        src.close()
+
+
+def source_names_from_config(config: dict | None) -> SourceNames | None:
+    """The names eprt's family layout predicts from `config`; None when eprt cannot read it."""
+    try:
+        cfg = parse_hf_config(config or {})
+        layout = reader_for(cfg.model_type, CONFIG).layout(cfg)
+    except (EprtError, KeyError, TypeError, ValueError):
+        return None
+    return SourceNames({s for spec in layout.specs for s in spec.sources}, layout.passthrough)
+
+
+def check_names(tensors: dict, quantized: set[str], algo: str, kv_algo: str | None,
+                source: SourceNames | None, problems: list[str]) -> None:
+    """Refuse every tensor no engine loads; with an exact source, every tensor missing too.
+
+    `tensors`: name -> object with `.dtype` (safetensors spelling); `quantized`: the modules
+    whose weight is quantized."""
+    allowed_kv = {f"{attn}.{proj}.{scale}" for attn in _attentions(tensors, source) for proj, scale in KV_COMPANIONS}
+    for name in sorted(tensors):
+        module, _, leaf = name.rpartition(".")
+        if module in quantized and leaf in COMPANIONS[algo]:
+            if source is not None and f"{module}.weight" not in source:
+                problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
+            continue
+        if kv_algo and name in allowed_kv:
+            continue
+        if source is not None:
+            if name not in source:
+                problems.append(f"{name}: not a source tensor nor a companion of a quantized module; "
+                                "no engine loads it (vLLM refuses the checkpoint)")
+        elif leaf.endswith("amax") or tensors[name].dtype in INTEGER_DTYPES:
+            problems.append(f"{name}: {tensors[name].dtype} calibration state, not a tensor any engine loads; "
+                            "vLLM refuses the checkpoint")
+    if source is not None and source.exact:
+        for name in sorted(source.names):
+            module, _, leaf = name.rpartition(".")
+            if name not in tensors and not (leaf == "weight" and module in quantized):
+                problems.append(f"{name}: a source tensor missing from the export")
+
+
+def _attentions(tensors: dict, source: SourceNames | None) -> set[str]:
+    """Attention modules (`...self_attn`) of the source, or of the export when the source is unknown."""
+    names = source.names if source is not None else tensors
+    return {m.group(1) for n in names if (m := re.match(r"(.*\.self_attn)\.", n))}

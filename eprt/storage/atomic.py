@@ -1,0 +1,126 @@
+"""Outputs appear atomically: written into a sibling temp directory, fsynced, then renamed.
+
+A failed run leaves nothing that looks finished, and an existing output is replaced only
+when asked (`overwrite`), and only once the new one is complete. A run touches no path it did
+not create: its temp directory and the old output it replaces get names unique to the run
+(pid and random), so two runs writing one output, or a user's own `OUT.old`, are safe; a run
+that is killed leaves its hidden `.OUT.partial-*` behind, for the user to remove. Writers do not fsync file by
+file: the whole directory is synced once, before the rename, so the kernel writes one file back
+while the next is being written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+
+from eprt.errors import EprtError, OutputExistsError
+from eprt.storage.paths import check_relative, hf_cache_blobs, resolve_inside, within
+
+
+def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) -> str:
+    """Refuse an output that exists non-empty (unless `overwrite`) or that overlaps an input
+    (is it, lies inside it, or holds it), whatever `overwrite` says."""
+    out = os.path.realpath(out)
+    for src in read_dirs(inputs):
+        if within(out, src) or within(src, out):
+            raise EprtError(f"output {out} overlaps the input {src}, which this run reads; choose an output "
+                            "outside it (and not holding it)")
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise OutputExistsError(f"output {out} exists and is not a directory")
+        if os.listdir(out) and not overwrite:
+            raise OutputExistsError(f"output {out} exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+def read_dirs(inputs: tuple[str, ...]) -> list[str]:
+    """The real directories reading `inputs` may read: each, and the `blobs/` its files link into
+    where it is a Hugging Face cache snapshot (eprt.storage.paths)."""
+    out = []
+    for src in map(os.path.realpath, inputs):
+        out.append(src)
+        if hf_cache_blobs(src) is not None:
+            out.append(os.path.realpath(hf_cache_blobs(src)))
+    return out
+
+
+def unique_sibling(out: str, kind: str) -> str:
+    """A hidden name beside `out` that no other run picks: `.NAME.KIND-PID-RANDOM`."""
+    parent, name = os.path.split(os.path.realpath(out))
+    return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def temp_dir_for(out: str) -> str:
+    """A new temp directory name beside `out`, unique to this run (ranks agree on rank 0's)."""
+    return unique_sibling(out, "partial")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: str) -> None:
+    """fsync every file and directory under `root`: what was written there is on disk."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
+def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
+    """Copy files (paths relative to `src_dir`) byte for byte; each must lie inside `src_dir`
+    (eprt.storage.paths) and lands inside `dst_dir`."""
+    for rel in files:
+        src = resolve_inside(src_dir, rel, f"{src_dir} (a file to copy)")
+        dst = os.path.join(dst_dir, check_relative(rel, f"{src_dir} (a file to copy)"))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+
+
+def publish(tmp: str, out: str, overwrite: bool = False) -> None:
+    """Sync the finished temp directory and move it into place. An output that exists by then
+    (another run may have made it meanwhile) is replaced only with `overwrite`: moved aside to a
+    name unique to this run, and removed once the new one is in place."""
+    sync_tree(tmp)
+    try:
+        os.rename(tmp, out)  # succeeds when `out` is absent or an empty directory
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        if not overwrite:
+            raise OutputExistsError(f"output {out} appeared, not empty, while this run wrote it (another run?); "
+                                    "it was left as it is: pass --overwrite to replace it, or choose another "
+                                    "output") from None
+        old = unique_sibling(out, "old")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(os.path.dirname(out))
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    fsync_dir(os.path.dirname(out))
+
+
+@contextmanager
+def atomic_output_dir(out: str, *, overwrite: bool = False, inputs: tuple[str, ...] = ()):
+    """Yields a temp directory; on success it becomes `out`, on any error it is removed."""
+    out = check_output_dir(out, overwrite, inputs)
+    tmp = temp_dir_for(out)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

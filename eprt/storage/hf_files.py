@@ -1,0 +1,33 @@
+"""The files of a Hugging Face checkpoint directory, by name, and the index of a sharded one.
+
+Every reader and writer of a Hugging Face directory (convert's source, export, the checks, the
+tiny fixtures, calibration data) names these files through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER = "tokenizer.json"
+QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's description of a quantized export
+SINGLE = "model.safetensors"  # the weights in one file
+INDEX = "model.safetensors.index.json"  # the weights in shards: which shard holds each tensor
+
+
+def shard_name(i: int, count: int) -> str:
+    """The file of shard `i` (0-based) of `count`: model-00001-of-00003.safetensors."""
+    return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(directory: str, weight_map: dict[str, str], total_size: int) -> None:
+    """`INDEX` in `directory`: every tensor's shard (sorted by tensor name), and the total tensor bytes."""
+    write_json(os.path.join(directory, INDEX),
+               {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)

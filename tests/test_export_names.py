@@ -1,0 +1,174 @@
+"""A quantized export holds exactly the source's tensors, each quantized Linear's weight replaced by
+its ModelOpt companions, plus the KV-cache scales: for every family and recipe.
+
+The expected set is predicted here from the source's tensor names, its config and the recipe's
+patterns (eprt/configs/ptq/*.yaml), with the modules the engines build unquantized written out, not
+taken from the exporter.
+"""
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.hf.export_quantized import summarize_excluded
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
+from tests.hf_utils import read_hf_tensors
+
+FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
+RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
+TOOL = ROOT / "tools" / "check_export.py"
+COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
+              "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+# What the engines build unquantized whatever the recipe: embeddings, lm_head, MoE routers, Kimi's
+# latent expert projections and attention-residual queries, the vision tower and projector.
+NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
+                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*)")
+EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
+
+
+def source_names(hf_dir: str) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in read_hf_tensors(hf_dir).items()}
+
+
+def text_layers(hf_dir: str) -> int:
+    config = json.loads(Path(hf_dir, "config.json").read_text())
+    return config.get("text_config", config)["num_hidden_layers"]
+
+
+def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
+    rules = yaml.safe_load((RECIPE_DIR / f"{recipe}.yaml").read_text())["quantize"]
+    layers = text_layers(hf_dir)
+    fmt = next(r["format"] for r in rules if r["format"] != "none")
+    sources = source_names(hf_dir)
+    out = set()
+    for name, shape in sources.items():
+        module, _, leaf = name.rpartition(".")
+        layer = re.search(r"layers\.(\d+)\.", name)
+        is_mtp = layer is not None and int(layer.group(1)) >= layers  # DeepSeek's MTP layers: carried
+        expert = EXPERT.fullmatch(module)
+        as_recipe_sees = expert.group(1) if expert else module
+        chosen = next((r["format"] for r in rules if fnmatch.fnmatchcase(as_recipe_sees, r["pattern"])), "none")
+        if leaf == "weight" and len(shape) == 2 and not is_mtp and not NEVER_QUANTIZED.fullmatch(module) \
+                and chosen != "none":
+            out |= {f"{module}.{c}" for c in COMPANIONS[fmt]}
+        else:
+            out.add(name)
+    if kv:
+        # attentions with a KV cache: softmax attention (q/k/v or MLA), not Kimi's delta attention (A_log)
+        attns = {m.group(1) for n in sources if (m := re.match(r"(.*\.self_attn)\.(k_proj|kv_a_proj_with_mqa)\.", n))}
+        attns -= {n.rsplit(".", 1)[0] for n in sources if n.endswith(".A_log")}
+        attns = {a for a in attns if int(re.search(r"layers\.(\d+)\.", a).group(1)) < layers}
+        out |= {f"{a}.k_proj.k_scale" for a in attns} | {f"{a}.v_proj.v_scale" for a in attns}
+    return out
+
+
+def exported_names(out: str) -> set[str]:
+    return set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"])
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("names")
+    out = {}
+    for family in FAMILIES:
+        hf = make_tiny(family, str(d / family / "hf"))
+        out[family] = (hf, convert_hf(hf, str(d / family / "ck"), progress=False))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_path):
+    hf, ck = sources[family]
+    state = ParallelState.single()
+    for recipe in RECIPES:
+        for kv in (None, "fp8"):
+            q = str(tmp_path / f"{recipe}-{kv}")
+            run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
+            out = export_hf(q, q + "-hf", progress=False)
+            got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
+            assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
+            assert check_export(out, hf) == []
+
+
+@pytest.fixture(scope="module")
+def export(sources, tmp_path_factory):
+    hf, ck = sources["qwen3_moe"]
+    q = str(tmp_path_factory.mktemp("q") / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", calib_size=2, seq_len=16, progress=False))
+    return hf, export_hf(q, q + "-hf", progress=False)
+
+
+def add_tensor(out: str, name: str, t) -> None:
+    """Put one more tensor into the export's first shard, and into its index."""
+    index_path = Path(out, "model.safetensors.index.json")
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(Path(out, shard))
+    tensors[name] = t
+    save_file(tensors, Path(out, shard))
+    index["weight_map"][name] = shard
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("name, dtype", [("model.layers.0.self_attn.k_amax", "float32"),
+                                         ("model.layers.1.mlp.experts.tokens", "int64"),
+                                         ("model.layers.0.mlp.extra.weight", "bfloat16")])
+def test_a_foreign_tensor_is_refused_by_name(export, tmp_path, name, dtype):
+    hf, out = export
+    bad = shutil.copytree(out, tmp_path / "bad")
+    add_tensor(str(bad), name, torch.ones(4, dtype=getattr(torch, dtype)))
+    for source in (None, hf):  # from the export's own config, and against the source
+        problems = check_export(bad, source)
+        assert len(problems) == 1 and problems[0].startswith(f"{name}:"), problems
+
+
+def test_a_missing_source_tensor_is_refused_against_the_source(export, tmp_path):
+    hf, out = export
+    bad = shutil.copytree(out, tmp_path / "bad")
+    index_path = bad / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop("model.norm.weight")
+    tensors = load_file(bad / shard)
+    del tensors["model.norm.weight"]
+    save_file(tensors, bad / shard)
+    index_path.write_text(json.dumps(index))
+    assert check_export(bad) == []  # nothing foreign
+    assert check_export(bad, hf) == ["model.norm.weight: a source tensor missing from the export"]
+
+
+def test_the_tool_checks_against_the_source(export, tmp_path):
+    hf, out = export
+    bad = shutil.copytree(out, tmp_path / "bad")
+    add_tensor(str(bad), "model.layers.0.mlp.extra.weight", torch.ones(4, dtype=torch.bfloat16))
+    for d, rc in ((out, 0), (bad, 1)):
+        r = subprocess.run([sys.executable, str(TOOL), str(d), "--source", hf], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == rc, r.stdout + r.stderr
+    assert r.stdout.splitlines()[0].startswith("model.layers.0.mlp.extra.weight: not a source tensor")
+
+
+def test_excluded_wildcards_never_cover_a_quantized_module():
+    # layer 1 stays unquantized beside layers 10 and 11: `model.layers.1*` would cover them
+    linears = ("self_attn.q_proj", "mlp.down_proj")
+    quantized = {f"model.layers.{i}.{m}" for i in (0, 10, 11) for m in linears}
+    unquantized = {f"model.layers.1.{m}" for m in linears} | {"lm_head", "model.layers.0.mlp.gate"}
+    assert summarize_excluded(unquantized, quantized) == {"model.layers.1.*", "lm_head", "model.layers.0.mlp.gate"}
+    # with no layer 1x, the whole layer is one prefix wildcard, as ModelOpt writes it
+    assert summarize_excluded(unquantized, quantized - {m for m in quantized if ".1" in m}) == \
+        {"model.layers.1*", "lm_head", "model.layers.0.mlp.gate"}

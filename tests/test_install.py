@@ -1,0 +1,91 @@
+"""eprt installed from a wheel, without the clone: its console scripts run the whole pipeline
+from a directory that has nothing of the source tree, and the export is the one the source
+tree's own code writes."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
+from tests.multiproc import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTQ = ["--recipe", "nvfp4", "--kv-cache", "fp8", "--calib-size", "4", "--seq-len", "32"]
+
+
+def files_digest(d: str) -> dict[str, str]:
+    """Every file under `d` with the hash of its bytes."""
+    return {os.path.relpath(os.path.join(root, f), d): hashlib.sha256(open(os.path.join(root, f), "rb").read())
+            .hexdigest() for root, _, files in os.walk(d) for f in files}
+
+
+def installed_venv(tmp_path) -> str:
+    """A venv holding eprt from a wheel built from setup.py and eprt/ alone; torch and the rest come
+    from the system site-packages (whose eprt, an editable install, must not be the one imported)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(os.path.join(ROOT, "setup.py"), src)
+    shutil.copytree(os.path.join(ROOT, "eprt"), src / "eprt", ignore=shutil.ignore_patterns("__pycache__"))
+    env = clean_env()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheels"), str(src)], check=True, env=env, cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheels").iterdir()
+    venv = str(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", os.path.join(venv, "bin", "python"), "install",
+                    "--quiet", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True, env=env)
+    return venv
+
+
+def clean_env(venv: str | None = None) -> dict[str, str]:
+    """The environment without the source tree on PYTHONPATH, with `venv`'s scripts first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if venv:
+        env["PATH"] = os.path.join(venv, "bin") + os.pathsep + env["PATH"]
+        env["VIRTUAL_ENV"] = venv
+    return env
+
+
+def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
+    venv = installed_venv(tmp_path)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = clean_env(venv)
+    python = os.path.join(venv, "bin", "python")
+
+    def sh(*args, check=True):
+        r = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True)
+        assert r.returncode == 0 or not check, f"{' '.join(args)}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        return r
+
+    where = sh(python, "-c", "import eprt; print(eprt.__file__)").stdout.strip()
+    assert where.startswith(os.path.join(venv, "lib")), where
+    assert sh("eprt-make-tiny", "qwen3_moe", "hf").stdout.strip() == "hf"
+    sh("eprt-convert", "hf", "ck", "--no-progress")
+    # the form the README gives for torchrun, world 2; and torchrun's -m, world 1
+    torchrun = [python, "-m", "torch.distributed.run"]
+    sh(*torchrun, "--nproc-per-node", "2", f"--master-port={free_port()}", shutil.which("eprt-ptq", path=env["PATH"]),
+       "ck", *PTQ, "--out", "q")
+    dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.commands.ptq", "ck",
+             "--dry-run")
+    assert "world 1 = edp 1 x ep 1" in dry.stdout
+    sh("eprt-export", "q", "out", "--no-progress")
+    assert sh("eprt-check", "out").stdout.strip() == "out: ok"
+    refused = sh("eprt-ptq", "ck", "--recipe", "int3", "--out", "q2", check=False)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: --recipe 'int3': no such recipe; choose one of fp8, nvfp4, "
+                                     "nvfp4_experts_only")
+
+    # the same pipeline by the source tree's code, in this process: the same bytes
+    hf = make_tiny("qwen3_moe", str(tmp_path / "hf"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), kv_cache="fp8", calib_size=4, seq_len=32,
+                                            progress=False))
+    want = files_digest(export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False))
+    assert files_digest(str(work / "out")) == want
