@@ -16,6 +16,56 @@ from eprt.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class GQAConfig:
+    """Grouped-query attention beyond Qwen3's (GLM-4.5, Qwen3-Next): RoPE on the leading
+    `rotary_dim` dims of each head only, per-head q/k RMSNorm optional, the output projection
+    without the bias that q/k/v carry under attention_bias, and with `output_gate` (Qwen3-Next)
+    q_proj giving each head a gate beside its query, sigmoid(gate) scaling the head's output."""
+    rotary_dim: int
+    qk_norm: bool
+    output_bias: bool
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): `n_heads` heads of
+    `head_dim` score every earlier key, and each query attends to its `topk` best keys only."""
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): which layers run it and their sizes.
+    Each key head serves value_heads / key_heads value heads."""
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # Qwen3-Next fuses the input projections per key head (in_proj_qkvz, in_proj_ba); Qwen3.5
+    # stores them apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+    split_projections: bool
+
+
+@dataclass(frozen=True)
+class QwenNextConfig:
+    """What Qwen3-Next and Qwen3.5-MoE add to a Qwen3 decoder: Gated DeltaNet layers between the
+    gated full-attention ones (their partial rotary and output gate are `ModelConfig.gqa`'s), and
+    a shared expert behind a sigmoid gate."""
+    gated_delta_net: GatedDeltaNetConfig
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "QwenNextConfig":
+        gdn = d["gated_delta_net"]
+        return cls(**{**d, "gated_delta_net": GatedDeltaNetConfig(**{**gdn, "layers": tuple(gdn["layers"])})})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # the eprt family that runs it ("qwen3_moe", "deepseek_v3")
     model_type: str  # the source's own model_type ("kimi_k2" runs as deepseek_v3)
@@ -53,10 +103,18 @@ class ModelConfig:
     topk_group: int = 1
     hidden_act: str = "silu"
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
+    qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE only
     extra: dict = field(default_factory=dict)
+    gqa: GQAConfig | None = None  # None: Qwen3's (full rotary, q/k norm, every projection biased alike)
+    indexer: IndexerConfig | None = None
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head RoPE rotates (head_dim is the rope part already for MLA)."""
+        return self.gqa.rotary_dim if self.gqa else self.head_dim
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,6 +123,11 @@ class ModelConfig:
     def from_json(cls, d: dict) -> "ModelConfig":
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
+        for name, sub in (("gqa", GQAConfig), ("indexer", IndexerConfig)):
+            if d.get(name) is not None:
+                d[name] = sub(**d[name])
+        if d.get("qwen_next"):
+            d["qwen_next"] = QwenNextConfig.from_json(d["qwen_next"])
         return cls(**d)
 
 
@@ -78,10 +141,13 @@ INTEGER_FIELDS = frozenset({
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
     "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
     "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
-    "original_max_position_embeddings",
+    "original_max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "shared_expert_intermediate_size",
+    "full_attention_interval",
 })
 REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
-                         "activation_situ_linear_beta", "gate_lower_bound"})
+                         "activation_situ_linear_beta", "gate_lower_bound",
+                         "partial_rotary_factor"})
 
 
 class Fields:
@@ -133,6 +199,7 @@ def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | 
     if scaling:
         params = {**params, **scaling}
     theta = float(params.pop("rope_theta", f.get("rope_theta", default=default_theta)))
+    params.pop("partial_rotary_factor", None)  # how many dims rotate, not how: see read_rotary_dim
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if kind == "default":
@@ -142,3 +209,17 @@ def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | 
     if "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = f.get("original_max_position_embeddings")
     return theta, {"type": "yarn", **params}
+
+
+def read_rotary_dim(f: Fields, head_dim: int, default_factor: float) -> int:
+    """How many leading dims of each head RoPE rotates: int(head_dim * partial_rotary_factor), the
+    factor from v5 `rope_parameters` or the v4 top level; an even count from 2 to head_dim."""
+    params = f.get("rope_parameters", default={}) or {}
+    factor = params.get("partial_rotary_factor")
+    factor = f.checked("partial_rotary_factor", factor) if factor is not None else \
+        f.get("partial_rotary_factor", default=default_factor)
+    dim = int(head_dim * factor)
+    if not (2 <= dim <= head_dim and dim % 2 == 0):
+        raise f.refuse(f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {dim} dims; RoPE needs an "
+                       f"even count from 2 to {head_dim}: fix partial_rotary_factor")
+    return dim

@@ -138,3 +138,21 @@ def mla_attention(prefix: str, c) -> list[TensorSpec]:
         plain(f"{prefix}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         plain(f"{prefix}.o_proj.weight", H, nh * c.v_head_dim),
     ]
+
+
+def gqa_attention(prefix: str, c) -> list[TensorSpec]:
+    """Grouped-query attention's tensors (Qwen3, GLM-4.5, Qwen3-Next): q/k/v/o, the per-head q/k
+    norms unless `c.gqa` turns them off, biases under attention_bias (on o too unless `c.gqa` says
+    not); under `c.gqa.output_gate` q_proj holds each head's gate beside its query."""
+    H, hd, q, kv = c.hidden_size, c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_rows = 2 * q if c.gqa is not None and c.gqa.output_gate else q
+    specs = [plain(f"{prefix}.q_proj.weight", q_rows, H), plain(f"{prefix}.k_proj.weight", kv, H),
+             plain(f"{prefix}.v_proj.weight", kv, H), plain(f"{prefix}.o_proj.weight", H, q)]
+    if c.gqa is None or c.gqa.qk_norm:
+        specs += [plain(f"{prefix}.q_norm.weight", hd), plain(f"{prefix}.k_norm.weight", hd)]
+    if c.attention_bias:
+        specs += [plain(f"{prefix}.q_proj.bias", q_rows), plain(f"{prefix}.k_proj.bias", kv),
+                  plain(f"{prefix}.v_proj.bias", kv)]
+        if c.gqa is None or c.gqa.output_bias:
+            specs.append(plain(f"{prefix}.o_proj.bias", H))
+    return specs

@@ -52,8 +52,8 @@ def test_kimi_k2_runs_as_deepseek_v3():
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported; eprt reads deepseek_v3, kimi_k2, kimi_k25, "
-                                "kimi_k3, kimi_linear, qwen3_moe"),
+    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, "
+                                "kimi_k3, kimi_linear, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"scoring_func": "softmax"}, "only the sigmoid noaux_tc router of DeepSeek-V3 is supported .scoring_func=.softmax."),
     ({"num_hidden_layers": None}, "required field num_hidden_layers is missing"),

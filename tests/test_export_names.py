@@ -28,7 +28,8 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32", "qwen3_next",
+            "qwen3_5_moe", "qwen3_5_moe_text"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
@@ -36,9 +37,14 @@ TOOL = ROOT / "tools" / "check_export.py"
 COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
               "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 # What the engines build unquantized whatever the recipe: embeddings, lm_head, MoE routers, Kimi's
-# latent expert projections and attention-residual queries, the vision tower and projector.
+# latent expert projections and attention-residual queries, the vision towers and projector,
+# DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear),
+# Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
+# them into in_proj_ba, unquantized).
 NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
-                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*)")
+                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
+                             r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
+                             r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*)")
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
 

@@ -42,11 +42,12 @@ def deepseek(**kw) -> DeepseekV3Config:
     return DeepseekV3Config(**{**base, **kw})
 
 
-def build(cfg, seed: int = 0):
-    """A random transformers model whose routers spread their scores: the default init makes every
-    router logit nearly 0, so that routing would hinge on near-ties and groups would not matter."""
+def build(cfg, seed: int = 0, cls=None):
+    """A random transformers model (Qwen3-MoE or DeepSeek-V3 unless `cls` says) whose routers spread
+    their scores: the default init makes every router logit nearly 0, so that routing would hinge
+    on near-ties and groups would not matter."""
     torch.manual_seed(seed)
-    cls = Qwen3MoeForCausalLM if isinstance(cfg, Qwen3MoeConfig) else DeepseekV3ForCausalLM
+    cls = cls or (Qwen3MoeForCausalLM if isinstance(cfg, Qwen3MoeConfig) else DeepseekV3ForCausalLM)
     m = cls(cfg).eval()
     with torch.no_grad():
         for layer in m.model.layers:

@@ -17,7 +17,9 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25"]
+# every model of the family table (qwen3_5_moe_text runs qwen3_next's model under another name)
+FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k25", "qwen3_next",
+            "qwen3_5_moe"]
 # (recipe, kv cache, calibration dtype): fp32 shows a kernel's last-bit differences that bf16
 # rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]

@@ -30,7 +30,8 @@ def assert_same_checkpoint(src: str, out: str) -> None:
             assert filecmp.cmp(os.path.join(src, f), os.path.join(out, f), shallow=False), f
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe",
+                                    "qwen3_5_moe_text"])
 @pytest.mark.parametrize("shards", [1, 3])
 def test_tiny_round_trip(tmp_path, family, shards):
     src = make_tiny(family, str(tmp_path / "hf"), shards=shards)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 
 from eprt.config import ModelConfig
 from eprt.errors import ConfigError
-from eprt.families import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, qwen3_moe
+from eprt.families import (deepseek_v3, deepseek_v32, glm4_moe, kimi_k3, kimi_k25, kimi_linear, qwen3_5_moe, qwen3_moe,
+                           qwen3_next)
 from eprt.layout import Layout
 from eprt.storage.hf_files import CONFIG
 
@@ -58,6 +59,18 @@ DEEPSEEK_V3 = Family(
     "eprt.models.deepseek_v3:DeepseekV3ForCausalLM",
     # the router computes in fp32, with its correction bias
     fp32=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"))
+GLM4_MOE = Family("glm4_moe", ("glm4_moe",), glm4_moe.parse, glm4_moe.layout,
+                  "eprt.models.glm4_moe:Glm4MoeForCausalLM",
+                  fp32=DEEPSEEK_V3.fp32)  # DeepSeek-V3's router
+DEEPSEEK_V32 = Family(
+    "deepseek_v32", ("deepseek_v32",), deepseek_v32.parse, deepseek_v32.layout,
+    "eprt.models.deepseek_v32:DeepseekV32ForCausalLM",
+    fp32=DEEPSEEK_V3.fp32,  # DeepSeek-V3's router
+    # The lightning indexer's projections stay unquantized in every recipe: vLLM fuses `wk` with
+    # `weights_proj` into one unquantized Linear (a block-FP8 `wk` is upcast to bf16 as it loads)
+    # and both vLLM and SGLang build `weights_proj` without a quantization config; `wq_b` is
+    # excluded with them, so that each engine loads the whole indexer as the source held it.
+    unquantized=(*COMMON_UNQUANTIZED, r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"))
 KIMI_LINEAR = Family(
     "kimi_linear", ("kimi_linear",), kimi_linear.parse, kimi_linear.layout,
     "eprt.models.kimi_linear:KimiLinearForCausalLM",
@@ -72,8 +85,21 @@ KIMI_K25 = language_model_of(DEEPSEEK_V3, "kimi_k25", ("kimi_k25",), kimi_k25.pa
                              "eprt.models.kimi_k25:KimiK25ForConditionalGeneration")
 KIMI_K3 = language_model_of(KIMI_LINEAR, "kimi_k3", ("kimi_k3",), kimi_k3.parse, kimi_k3.layout,
                             "eprt.models.kimi_k3:KimiK3ForConditionalGeneration")
+QWEN3_NEXT = Family(
+    "qwen3_next", ("qwen3_next",), qwen3_next.parse, qwen3_next.layout, "eprt.models.qwen3_next:Qwen3NextForCausalLM",
+    # vLLM builds these without quantization: the shared expert's gate (one output) and the linear
+    # attention's b/a projections (merged into in_proj_ba, quant_config=None); conv1d is no Linear.
+    unquantized=(*COMMON_UNQUANTIZED, r".*\.mlp\.shared_expert_gate", r".*\.linear_attn\.in_proj_(ba|b|a)"))
+# Qwen3.5-MoE's language model saved alone: Qwen3-Next's model, projections stored apart, MTP carried
+QWEN3_5_MOE_TEXT = Family("qwen3_5_moe_text", ("qwen3_5_moe_text",), qwen3_5_moe.parse_text, qwen3_5_moe.text_layout,
+                          "eprt.models.qwen3_next:Qwen3NextForCausalLM", unquantized=QWEN3_NEXT.unquantized)
+# Qwen3.5-MoE as released: that language model under `model.language_model.`, the vision tower carried
+QWEN3_5_MOE = Family("qwen3_5_moe", ("qwen3_5_moe",), qwen3_5_moe.parse, qwen3_5_moe.layout,
+                     "eprt.models.qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
+                     unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized))
 
-FAMILIES = (QWEN3_MOE, DEEPSEEK_V3, KIMI_LINEAR, KIMI_K25, KIMI_K3)
+FAMILIES = (QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, DEEPSEEK_V32, KIMI_LINEAR, KIMI_K25, KIMI_K3, QWEN3_NEXT, QWEN3_5_MOE_TEXT,
+            QWEN3_5_MOE)
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 _BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -65,26 +65,40 @@ def parse(hf: dict, source: str) -> ModelConfig:
     )
 
 
-def layout(c: ModelConfig) -> Layout:
+def mlp(p: str, c: ModelConfig, i: int) -> list:
+    """Layer i's MLP: DeepSeek-V3's MoE (a sigmoid router with its correction bias, the stacked
+    routed experts, the shared experts) or, in the first dense layers, a gated MLP."""
+    H = c.hidden_size
+    if not c.is_moe(i):
+        return gated_mlp(f"{p}.mlp", H, c.intermediate_size)
+    I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
+    specs = [plain(f"{p}.mlp.gate.weight", c.num_experts, H), plain(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts)]
+    specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, I, H, "gate_proj", "up_proj", "down_proj")
+    if c.num_shared_experts:
+        specs += gated_mlp(f"{p}.mlp.shared_experts", H, S)
+    return specs
+
+
+def mtp_passthrough(c: ModelConfig) -> tuple[str, ...]:
+    """The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
+    but export must write them back, so convert carries them through as they are."""
+    return tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
+
+
+def decoder_layout(c: ModelConfig, attention) -> Layout:
+    """DeepSeek-V3's decoder with `attention(prefix, c)`'s tensors in each layer (GLM-4.5 has GQA there)."""
     H = c.hidden_size
     specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
-        specs += mla_attention(f"{p}.self_attn", c)
-        if c.is_moe(i):
-            I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
-            specs += [plain(f"{p}.mlp.gate.weight", c.num_experts, H),
-                      plain(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts)]
-            specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, I, H, "gate_proj", "up_proj", "down_proj")
-            if c.num_shared_experts:
-                specs += gated_mlp(f"{p}.mlp.shared_experts", H, S)
-        else:
-            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
+        specs += attention(f"{p}.self_attn", c)
+        specs += mlp(p, c, i)
     specs.append(plain("model.norm.weight", H))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, H))
-    # The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
-    # but export must write them back, so convert carries them through as they are.
-    mtp = tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
-    return Layout(tuple(specs), passthrough=mtp)
+    return Layout(tuple(specs), passthrough=mtp_passthrough(c))
+
+
+def layout(c: ModelConfig) -> Layout:
+    return decoder_layout(c, mla_attention)

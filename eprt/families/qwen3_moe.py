@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import Fields, ModelConfig, read_rope
-from eprt.layout import Layout, gated_mlp, plain, stacked_experts
+from eprt.layout import Layout, gated_mlp, gqa_attention, plain, stacked_experts
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -51,27 +51,12 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def layout(c: ModelConfig) -> Layout:
-    H, hd = c.hidden_size, c.head_dim
+    H = c.hidden_size
     specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        specs += [
-            plain(f"{p}.input_layernorm.weight", H),
-            plain(f"{p}.post_attention_layernorm.weight", H),
-            plain(f"{p}.self_attn.q_proj.weight", c.num_heads * hd, H),
-            plain(f"{p}.self_attn.k_proj.weight", c.num_kv_heads * hd, H),
-            plain(f"{p}.self_attn.v_proj.weight", c.num_kv_heads * hd, H),
-            plain(f"{p}.self_attn.o_proj.weight", H, c.num_heads * hd),
-            plain(f"{p}.self_attn.q_norm.weight", hd),
-            plain(f"{p}.self_attn.k_norm.weight", hd),
-        ]
-        if c.attention_bias:
-            specs += [
-                plain(f"{p}.self_attn.q_proj.bias", c.num_heads * hd),
-                plain(f"{p}.self_attn.k_proj.bias", c.num_kv_heads * hd),
-                plain(f"{p}.self_attn.v_proj.bias", c.num_kv_heads * hd),
-                plain(f"{p}.self_attn.o_proj.bias", H),
-            ]
+        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
             specs.append(plain(f"{p}.mlp.gate.weight", c.num_experts, H))
             specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,

@@ -146,6 +146,18 @@ def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     return found[0]
 
 
+def refuse_fused_experts(src: HFSource, experts: str) -> None:
+    """Some checkpoints (Qwen3.5-MoE as released) hold a layer's experts in two 3-D tensors,
+    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]: name them and the way out."""
+    for fused in (f"{experts}.gate_up_proj", f"{experts}.down_proj"):
+        if fused in src.tensors:
+            f, _ = src.tensors[fused]
+            raise CheckpointError(
+                f"{f.path}: tensor {fused!r} holds every expert of {experts} in one tensor; eprt reads one "
+                f"tensor per expert: split gate_up_proj into {experts}.E.gate_proj.weight (each expert's first "
+                "half of rows) and .up_proj.weight, and down_proj into .E.down_proj.weight (vLLM loads either form)")
+
+
 class Planner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
@@ -209,6 +221,8 @@ class Planner:
         src, where = self.src, self.where
         missing = [s for s in spec.sources if s not in src.tensors]
         if missing:
+            if spec.stacked:
+                refuse_fused_experts(src, spec.name.rsplit(".", 1)[0])
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(f"{where}: tensor {missing[0]!r}{more} is missing; config.json says the model has it")
         dtypes = set()

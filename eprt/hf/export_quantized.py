@@ -144,7 +144,7 @@ class QuantizedExport:
         names = summarize_excluded(unquantized, quantized)
         for name in self.ck.names(role="passthrough"):
             layer = layer_of(name)
-            names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else name.split(".")[0] + ".*")
+            names.add(re.sub(r"(layers\.\d+)\..*", r"\1.*", name) if layer is not None else carried(name, quantized))
         return sorted(names)
 
     def configs(self) -> tuple[dict, dict]:
@@ -163,6 +163,13 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def carried(name: str, quantized: set[str]) -> str:
+    """`P.*` for the shortest dotted prefix P of a carried tensor that holds no quantized module:
+    `vision_tower.*`, or `model.visual.*` beside a quantized `model.language_model`."""
+    cuts = [i for i, c in enumerate(name) if c == "."]
+    return next((name[:i] + ".*" for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
 
 
 def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:

@@ -1,4 +1,4 @@
-"""Grouped-query attention with per-head q/k RMSNorm (Qwen3), and the causal attention core."""
+"""Grouped-query attention (Qwen3, GLM-4.5, Qwen3-Next's gated one), and the causal attention core."""
 
 from __future__ import annotations
 
@@ -11,37 +11,59 @@ from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_rotate_half
 
 
-def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads.
+def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float,
+                     keep_BTS: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
+    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True.
     Returns [B, T, H*e]."""
     B, H, T, _ = q_BHTd.shape
-    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, is_causal=True, scale=scale,
+    mask = None
+    if keep_BTS is not None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
+        mask = (keep_BTS & causal)[:, None]
+    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k_BhTd.shape[1] != H)
     # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
 
 
 class GQAttention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """Qwen3's by default; `c.gqa` (GLM-4.5, Qwen3-Next) makes the q/k norm optional, RoPE partial
+    (the cos/sin tables are then narrower than a head), the output projection unbiased and, with
+    `output_gate`, q_proj gives each head a gate beside its query: the attention output is
+    multiplied by sigmoid(gate) before o_proj. `norm` is the q/k norm's kind."""
+
+    def __init__(self, c: ModelConfig, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         assert c.num_heads % c.num_kv_heads == 0, (c.num_heads, c.num_kv_heads)
         hd = c.head_dim
-        self.q_proj = Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
+        qk_norm = c.gqa.qk_norm if c.gqa else True
+        output_bias = c.gqa.output_bias if c.gqa else c.attention_bias
+        self.output_gate = bool(c.gqa and c.gqa.output_gate)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * hd * (2 if self.output_gate else 1), bias=c.attention_bias)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
-        self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=output_bias)
+        self.q_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
         # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
         self.kv_observer = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+        k = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        return self.o_proj(causal_attention(q, k, v, self.head_dim ** -0.5))
+        o = causal_attention(q, k, v, self.head_dim ** -0.5)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(o)

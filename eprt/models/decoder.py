@@ -55,8 +55,7 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        # cfg.head_dim is the rotary width in both families (for MLA it is qk_rope_head_dim).
-        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.rotary = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -38,6 +38,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaled by (1 + weight) (Qwen3-Next, Qwen3.5: the weight is stored centered on 0),
+    the scale applied in fp32 before the one cast back, as the reference does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

@@ -4,6 +4,7 @@ q = q_b(norm(q_a x)) (or q_proj x), per head [nope | rope]; the latent [c | k_pe
 c normalized and expanded by kv_b into per-head [k_nope | v]; k_pe is one rope head shared by all.
 In NoPE mode nothing rotates: the "rope" parts are plain dimensions of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
+With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, c: ModelConfig, nope: bool = False, output_gate: bool = False):
+    def __init__(self, c: ModelConfig, nope: bool = False, output_gate: bool = False,
+                 indexer: nn.Module | None = None):
         super().__init__()
         self.num_heads = c.num_heads
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -43,6 +45,8 @@ class MLAttention(nn.Module):
         self.use_rope = not nope
         self.scale = qk ** -0.5 * (1.0 if nope else yarn_softmax_scale(c.rope_scaling))
         self.q_lora = bool(c.q_lora_rank)
+        # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
+        self.indexer = indexer
         # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
         self.kv_observer = None
 
@@ -50,7 +54,8 @@ class MLAttention(nn.Module):
                 sin: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         nh = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
+        q_latent = self.q_a_layernorm(self.q_a_proj(x_BTD)) if self.q_lora else None
+        q = self.q_b_proj(q_latent) if self.q_lora else self.q_proj(x_BTD)
         q_nope, q_pe = q.view(B, T, nh, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, self.nope + self.v_dim).transpose(1, 2)
@@ -62,7 +67,8 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        o = causal_attention(q, k, v, self.scale)
+        keep = self.indexer(x_BTD, q_latent, cos, sin) if self.indexer is not None else None
+        o = causal_attention(q, k, v, self.scale, keep)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o)

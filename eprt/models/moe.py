@@ -98,6 +98,23 @@ class MoE(nn.Module):
         return y_TD
 
 
+class GatedSharedExpertMoE(MoE):
+    """Routed experts plus one shared expert scaled per token by sigmoid(shared_expert_gate x)
+    (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+
+    def __init__(self, gate: nn.Module, experts: Experts, shared_expert: nn.Module, hidden: int):
+        super().__init__(gate, experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1)
+
+    def finish(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        # sigmoid over a full row per token, not over the [T, 1] column: a vectorized sigmoid rounds
+        # its tail elements apart from the rest, so a token's gate would depend on the token count
+        gate_TD = torch.sigmoid(self.shared_expert_gate(x_TD).expand(-1, x_TD.shape[-1]))
+        shared_TD = gate_TD * self.shared_expert(x_TD)
+        return self.routed_out(routed_TD.to(x_TD.dtype)) + shared_TD
+
+
 class LatentMoE(MoE):
     """Routed experts that work in a smaller latent space (Kimi-K3): the router reads x, the
     experts read z = routed_expert_down_proj(x); their combined output is normalized (when the

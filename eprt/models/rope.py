@@ -70,7 +70,12 @@ class Rotary:
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX style (Qwen3): dimension i pairs with i + d/2."""
+    """NeoX style (Qwen3): dimension i pairs with i + d/2, d = cos.shape[-1]. Partial rotary
+    (GLM-4.5, DeepSeek-V3.2's indexer, Qwen3-Next): when d is less than x's last dim, only the leading d
+    dims rotate and the rest pass through."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((rope_rotate_half(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

@@ -54,6 +54,8 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
         return dt + torch.log(-torch.expm1(-dt))
     if name.endswith("_res_proj.weight"):  # attention-residual queries: mixtures far from uniform
         return 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(".bias"):  # projection and LayerNorm biases: small, around 0
+        return 0.1 * torch.randn(shape, generator=g)
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if re.search(r"\.(mlp|block_sparse_moe)\.gate\.weight$", name):  # routers: spread enough that routing is not a tie
@@ -70,8 +72,14 @@ def released_shape(spec: TensorSpec) -> tuple[int, ...]:
     return (128 * math.ceil(shape[0] / 128), *shape[1:])
 
 
-def vision_tensors(hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str, torch.Tensor]:
     """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
+    if model_type == "qwen3_5_moe":
+        shapes = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4), "model.visual.pos_embed.weight": (16, 16),
+                  "model.visual.blocks.0.attn.qkv.weight": (48, 16), "model.visual.blocks.0.attn.qkv.bias": (48,),
+                  "model.visual.blocks.0.norm1.weight": (16,), "model.visual.merger.linear_fc1.weight": (64, 64),
+                  "model.visual.merger.linear_fc2.weight": (hidden, 64)}
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
               "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16), "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
               "vision_tower.encoder.final_layernorm.weight": (16,), "mm_projector.pre_norm.weight": (16,),
@@ -115,7 +123,8 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:
-        tensors.update({n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g).items()})
+        tensors.update({n: t.to(WEIGHT_DTYPES[dtype])
+                        for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()})
     if source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
@@ -163,9 +172,10 @@ SOURCE_FORMATS = {
     "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",  # DeepSeek-V3
                   "weight_block_size": [128, 128]},
 }
-# Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16.
+# Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
+# and DeepSeek-V3.2 its indexer's weights_proj.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
-_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head)")
+_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)")
 
 
 def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch.Tensor]:

@@ -1,0 +1,53 @@
+"""DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 plus DeepSeek Sparse Attention, a lightning indexer
+in every attention layer that picks the `index_topk` keys each query attends to. Its projections
+stay unquantized in every recipe (the family table, eprt.families.DEEPSEEK_V32, says why)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eprt.config import Fields, IndexerConfig, ModelConfig
+from eprt.families import deepseek_v3
+from eprt.layout import Layout, mla_attention, plain
+
+
+def parse(hf: dict, source: str) -> ModelConfig:
+    c = deepseek_v3.parse(hf, source)
+    f = Fields(hf, source)
+    if not c.q_lora_rank:
+        raise f.refuse("q_lora_rank is missing or 0; DeepSeek-V3.2's indexer reads the low-rank query "
+                       "(q_a_layernorm(q_a_proj x)), so the checkpoint must have one")
+    indexer = IndexerConfig(n_heads=f.get("index_n_heads", default=64), head_dim=f.get("index_head_dim", default=128),
+                            topk=f.get("index_topk", default=2048))
+    if not c.qk_rope_head_dim <= indexer.head_dim:
+        raise f.refuse(f"index_head_dim {indexer.head_dim} is less than qk_rope_head_dim {c.qk_rope_head_dim}; the "
+                       "indexer rotates the leading qk_rope_head_dim dims of each of its heads")
+    if indexer.topk < 1 or indexer.n_heads < 1:
+        raise f.refuse("index_topk and index_n_heads must be at least 1")
+    return dataclasses.replace(c, family="deepseek_v32", moe_layers=moe_layers(f, c), indexer=indexer)
+
+
+def moe_layers(f: Fields, c: ModelConfig) -> tuple[int, ...]:
+    """transformers 5 writes `mlp_layer_types` ("dense" / "sparse" per layer) and follows it over
+    first_k_dense_replace; older files have only the latter."""
+    types = f.get("mlp_layer_types", default=None)
+    if types is None:
+        return c.moe_layers
+    if not isinstance(types, list) or len(types) != c.num_layers or not set(types) <= {"dense", "sparse"}:
+        raise f.refuse(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_layers} layers")
+    return tuple(i for i, t in enumerate(types) if t == "sparse" and c.num_experts > 0)
+
+
+def attention(prefix: str, c: ModelConfig) -> list:
+    """MLA's tensors, then the indexer's: its query from MLA's low-rank query, one key head with a
+    LayerNorm, and a weight per head and token."""
+    ix, H = c.indexer, c.hidden_size
+    p = f"{prefix}.indexer"
+    return mla_attention(prefix, c) + [
+        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.q_lora_rank), plain(f"{p}.wk.weight", ix.head_dim, H),
+        plain(f"{p}.k_norm.weight", ix.head_dim), plain(f"{p}.k_norm.bias", ix.head_dim),
+        plain(f"{p}.weights_proj.weight", ix.n_heads, H)]
+
+
+def layout(c: ModelConfig) -> Layout:
+    return deepseek_v3.decoder_layout(c, attention)
