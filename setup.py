@@ -33,6 +33,8 @@ setup(
         # Triton kernels run on CUDA, and under TRITON_INTERPRET=1 in the tests.
         "triton": ["triton>=3.0"],
         "compressed": ["compressed-tensors>=0.20"],
+        # bench/modelopt.py: the transformers + ModelOpt baseline eprt is measured against
+        "bench": ["nvidia-modelopt>=0.47", "transformers>=5.0"],
         # transformers is only an oracle for the tests; eprt never imports it.
         "test": [
             "pytest>=8",

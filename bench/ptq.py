@@ -5,8 +5,9 @@
 One random Qwen3-MoE (bench/ep.py's model: every layer MoE, so that the routed experts hold
 most of the bytes) is calibrated on the same global data in worlds of ep CPU processes on gloo
 (world = ep, one thread each), with the FP8 KV cache. Reported per ep: global calibration
-tokens over the slowest rank's calibration time (load and save excluded), and each rank's peak
-RSS above its RSS before loading, beside the single process's.
+tokens over the slowest rank's calibration time (the layer loop, which reads each layer's
+weights as it goes; the data and the output excluded), and each rank's peak RSS above its RSS
+before the run, beside the single process's.
 """
 
 import argparse

@@ -17,10 +17,17 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 
-FAMILIES = ["qwen3_moe", "deepseek_v3"]
+# every model of the family table (qwen3_5_moe_text runs qwen3_next's model under another name)
+FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k25", "qwen3_next",
+            "qwen3_5_moe"]
 # (recipe, kv cache, calibration dtype): fp32 shows a kernel's last-bit differences that bf16
 # rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
+# (world, ep) -> (batch size, chunk size) the layout calibrates with: each layout takes another,
+# so the byte-identical exports show that neither the layout nor the batch or chunk size moves a bit.
+LAYOUTS = {(1, 1): (1, None), (2, 2): (3, None), (2, 1): (8, None), (4, 2): (1, 5), (4, 4): (3, 2)}
+# 48 tokens per expert work unit's group (2 sequences of 24): the 9 sequences make 5 groups
+GROUP_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +40,18 @@ def ckpts(tmp_path_factory):
 def calibrate(ckpts, out_root, layouts, ports):
     """On one rank: PTQ of every family and recipe at each ep in `layouts`, into out_root/<tag>.
 
-    9 sequences in batches of 2: at world 2 and 4 some ranks run an empty last batch, and still
-    take part in every exchange."""
+    9 sequences: at world 2 and 4 some ranks hold no sequence of some steps, and still take
+    part in every exchange."""
     for ep, port in zip(layouts, ports):
         os.environ["MASTER_PORT"] = str(port)
         with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
+            batch, chunk = LAYOUTS[(state.world, ep)]
             for family, ck in ckpts.items():
                 for recipe, kv, dtype in RECIPES:
                     out = os.path.join(out_root, f"{family}-{recipe}-w{state.world}-ep{ep}")
-                    run_ptq(state, PTQArgs(ck, recipe, out, kv_cache=kv, calib_size=9, seq_len=24, batch_size=2,
-                                           dtype=dtype, progress=False))
+                    run_ptq(state, PTQArgs(ck, recipe, out, kv_cache=kv, calib_size=9, seq_len=24, batch_size=batch,
+                                           chunk_size=chunk, group_tokens=GROUP_TOKENS, dtype=dtype,
+                                           progress=False))
 
 
 def export_all(out_root):
@@ -60,17 +69,17 @@ def same_files(a: str, b: str) -> bool:
                                                   for n in names)
 
 
-def test_exports_are_byte_identical_across_layouts(ckpts, tmp_path):
+def test_exports_are_byte_identical_across_layouts_batch_and_chunk_sizes(ckpts, tmp_path):
     out = str(tmp_path)
     calibrate(ckpts, out, [1], [free_port()])
-    run_world(calibrate, 2, ckpts, out, [2], [free_port()], timeout=240)
-    run_world(calibrate, 4, ckpts, out, [2, 4], [free_port(), free_port()], timeout=400)
+    run_world(calibrate, 2, ckpts, out, [2, 1], [free_port(), free_port()], timeout=600)
+    run_world(calibrate, 4, ckpts, out, [2, 4], [free_port(), free_port()], timeout=900)
     exports = export_all(out)
     for family in FAMILIES:
         for recipe, *_ in RECIPES:
             ref = exports[f"{family}-{recipe}-w1-ep1"]
             assert check_export(ref) == []
-            for layout in ("w2-ep2", "w4-ep2", "w4-ep4"):
+            for layout in ("w2-ep2", "w2-ep1", "w4-ep2", "w4-ep4"):
                 assert same_files(ref, exports[f"{family}-{recipe}-{layout}"]), (family, recipe, layout)
 
 

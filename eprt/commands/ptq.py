@@ -5,8 +5,9 @@
     eprt-ptq CKPT --dry-run                                                   # a world of one
 
 The world factors as edp x ep: the ranks of an ep group hold one share of the routed experts
-each and exchange tokens; ep defaults to the world size. --dry-run prints the layout and each
-rank's weight bytes, computed from the checkpoint's manifest without reading a weight, and exits.
+each and exchange tokens; ep defaults to the world size. --dry-run prints the layout, each
+rank's weight bytes and planned peak memory, computed from the checkpoint's manifest without
+reading a weight, and exits.
 """
 
 import argparse
@@ -19,7 +20,8 @@ from eprt.errors import ConfigError
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq
+from eprt.quant.plan import Planner, format_bytes, memory_in_use, parse_size
+from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq, schedule
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,7 +39,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=list(RUN_DTYPES), default="bf16", help="the dtype the model runs in")
     ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
                     help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
-    ap.add_argument("--dry-run", action="store_true", help="print the layout and each rank's weight bytes, and exit")
+    ap.add_argument("--chunk-size", type=int, help="calibration sequences per step of each layer, over all ranks "
+                                                   "(default: --batch-size x the world size); changes no result")
+    ap.add_argument("--max-memory", type=parse_size, help="refuse a run whose planned peak per rank exceeds this "
+                                                         "(e.g. 64GiB; default: the host's available RAM, or the "
+                                                         "device's free memory)")
+    ap.add_argument("--work-dir", help="where each layer boundary is saved for --resume (default: OUT.work)")
+    ap.add_argument("--resume", action="store_true", help="continue a killed run (same arguments) after its last "
+                                                          "completed layer")
+    ap.add_argument("--dry-run", action="store_true", help="print the layout, each rank's weight bytes and planned "
+                                                           "peak memory, and exit")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     return ap.parse_args()
 
@@ -49,27 +60,34 @@ def ptq() -> None:
         raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
     with ParallelState.from_env(ep=a.ep) as state:
         ck = open_checkpoint(a.ckpt, state)
+        args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
+                       seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
+                       overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
+                       work_dir=a.work_dir)
         if a.dry_run:
             if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
                 plan_recipe(ck, a.recipe, a.kv_cache)
-            dry_run(state, ck, RUN_DTYPES[a.dtype])
+            dry_run(state, ck, RUN_DTYPES[a.dtype], args)
             return
-        run_ptq(state, PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
-                               seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
-                               overwrite=a.overwrite))
+        run_ptq(state, args)
 
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, ck, dtype: torch.dtype) -> None:
-    """Every rank works out its own share from the manifest; rank 0 prints them all."""
+def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None:
+    """Every rank works out its own share and memory plan from the manifest; rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
         first, count = state.expert_range(c.num_experts)
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=(first, count) if c.moe_layers else None)
+        plan = Planner.of(ck, dtype, state.device).plan(
+            rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
+            seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
+            baseline=memory_in_use(state.device))
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
-                "experts": {layer: (first, count) for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts}
+                "experts": {layer: (first, count) for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,
+                "peak": plan.peak}
     ranks = [mine]
     if state.world > 1:
         ranks = [None] * state.world if state.rank == 0 else None
@@ -89,13 +107,15 @@ def layout_table(state: ParallelState, ck, dtype: torch.dtype, ranks: list[dict]
         f"world {state.world} = edp {state.edp_size} x ep {state.ep_size}",
         f"ep groups (exchange tokens, split the experts): {' '.join(map(group, ep_groups))}",
         f"edp groups (hold the same experts): {' '.join(map(group, edp_groups))}",
-        f"weights in {str(dtype).removeprefix('torch.')}, estimated from the manifest (no weight read)",
+        f"weights in {str(dtype).removeprefix('torch.')}, estimated from the manifest (no weight read); "
+        "planned peak: calibration holds one layer at a time",
         "",
     ]
-    rows = [("rank", "edp rank", "ep rank", "experts per MoE layer", "dense", "experts", "total")]
+    rows = [("rank", "edp rank", "ep rank", "experts per MoE layer", "dense", "experts", "total", "planned peak")]
     for r in ranks:
         rows.append((str(r["rank"]), str(r["edp_rank"]), str(r["ep_rank"]), expert_ranges(r["experts"]),
-                     size(r["dense"]), size(r["expert_bytes"]), size(r["dense"] + r["expert_bytes"])))
+                     size(r["dense"]), size(r["expert_bytes"]), size(r["dense"] + r["expert_bytes"]),
+                     size(r["peak"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
               .rstrip() for row in rows]
@@ -125,11 +145,7 @@ def group(ranks) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
-def size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+size = format_bytes
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ the row sits among them. The project's layout-independent quantization scales re
 """
 
 import torch
+import torch.nn.functional as F
 
 from eprt.kernels.backend import check_values, use_triton
 
@@ -106,3 +107,59 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
             out[start:end] = (x[start:end].float() @ w[e].float().T).to(x.dtype)
         start = end
     return out
+
+
+def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_EU: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated expert MLP over work units: (h, y) with, for the rows of unit (e, u),
+    h = act(gate, up) of [gate | up] = x @ w13[e].T, and y = h @ w2[e].T.
+
+    x: [M, K], rows sorted by (expert, unit); w13: [E, 2I, K]; w2: [E, K', I]; rows_per_unit_EU:
+    [E, U] row counts. A unit's result depends only on its rows and its expert's weights, however
+    the units are batched into calls: on CUDA through Triton's batch-invariant grouped GEMM (and
+    elementwise kernels that treat every element alike); on CPU one plain BLAS matmul per unit
+    and projection, and the activation per unit too, because the CPU's vectorized elementwise
+    loops give an element other bits in the scalar tail than in a vector lane, and where an
+    element falls depends on everything before it in the call."""
+    offsets = torch.cumsum(rows_per_unit_EU.sum(1), dim=0, dtype=torch.int32)
+    check_grouped_mm_args(x, w13, offsets)
+    if use_triton(x):
+        from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
+
+        h = act(*grouped_mm_triton(x, w13, offsets).chunk(2, dim=-1))
+        return h, grouped_mm_triton(h, w2, offsets)
+    h = x.new_empty(x.shape[0], w13.shape[1] // 2)
+    y = x.new_empty(x.shape[0], w2.shape[1])
+    start = 0
+    for e, counts in enumerate(rows_per_unit_EU.tolist()):
+        if not any(counts):
+            continue
+        w13_e, w2_e = _canonical_layout(w13[e]), _canonical_layout(w2[e])
+        for n in counts:
+            if n:
+                # where a unit starts in x depends on the units before it: the BLAS sees it
+                # aligned, as it would alone
+                h_u = act(*_unit_rows_mm(x[start:start + n], w13_e).chunk(2, dim=-1))
+                h[start:start + n] = h_u
+                y[start:start + n] = _unit_rows_mm(h_u, w2_e)
+                start += n
+    return h, y
+
+
+# A unit's rows go to the BLAS zero-padded to a multiple of this many. oneDNN (bf16 on CPU)
+# caches a primitive, with its buffers, for every distinct row count it is given, and units
+# come in every count: unpadded, the cache grows by ~0.7 MB per count until it holds hundreds
+# of MB. Padded, a layer's units take a few dozen shapes.
+UNIT_ROW_BUCKET = 32
+
+
+def _unit_rows_mm(x_u: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
+    """x_u @ w_e.T as the BLAS computes it for these rows alone, wherever x_u starts (through
+    F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed weight). The
+    padding is a function of the row count alone, so every layout pads a unit alike."""
+    n = x_u.shape[0]
+    if n % UNIT_ROW_BUCKET == 0:
+        return F.linear(_canonical_layout(x_u), w_e)
+    padded = x_u.new_zeros(-(-n // UNIT_ROW_BUCKET) * UNIT_ROW_BUCKET, x_u.shape[1])
+    padded[:n] = x_u
+    return F.linear(padded, w_e)[:n]

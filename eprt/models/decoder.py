@@ -35,8 +35,16 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        carry, m = self.attend(x, cos, sin)
+        return carry + self.mlp(m)
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the MLP: (the residual the MLP's output is added to, the MLP's input)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.post_attention_layernorm(x)
+
+    def ffn(self) -> nn.Module:
+        return self.mlp
 
 
 class Decoder(nn.Module):
@@ -56,6 +64,10 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin)
         return self.norm(x)
 
+    def layer_args(self, seq_len: int, dtype: torch.dtype, device, blocks: list[torch.Tensor]) -> tuple:
+        """What every layer takes after its input for sequences of `seq_len` tokens: the rotary tables."""
+        return self.rotary(seq_len, dtype, device)
+
 
 class CausalLM(nn.Module):
     """`model(input_ids)` ([B, T] int64, causal, no padding) -> logits [B, T, vocab]."""
@@ -74,6 +86,10 @@ class CausalLM(nn.Module):
     def keeps_fp32(self, name: str) -> bool:
         """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
         return family(self.config.family).keeps_fp32(name)
+
+    def decoder(self) -> tuple[str, nn.Module]:
+        """(the prefix of its tensor names, the decoder): what a layer-by-layer run walks."""
+        return "model.", self.model
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return [(i, block) for i, layer in enumerate(self.model.layers) for block in layer.children()

@@ -66,13 +66,19 @@ class KimiDecoderLayer(nn.Module):
             self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps), Linear(H, 1)
             self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps), Linear(H, 1)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp)(x)
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        carry, m = self.attend(x, blocks)
+        return carry + self.ffn()(m)
+
+    def attend(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the MLP: (the residual the MLP's output is added to, the MLP's input).
+        A block's first layer appends its input to `blocks`."""
         if not self.attn_res:
             x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.ffn(self.post_attention_layernorm(x))
+            return x, self.post_attention_layernorm(x)
         # x is the partial sum of the current block; a block's first layer files it as a
         # snapshot and starts a new sum from its own output.
         h = attn_res_mix(blocks, x, self.self_attention_res_norm, self.self_attention_res_proj)
@@ -82,7 +88,7 @@ class KimiDecoderLayer(nn.Module):
         else:
             y = x + y
         h = attn_res_mix(blocks, y, self.mlp_res_norm, self.mlp_res_proj)
-        return y + self.ffn(self.post_attention_layernorm(h))
+        return y, self.post_attention_layernorm(h)
 
 
 class KimiDecoder(nn.Module):
@@ -106,6 +112,10 @@ class KimiDecoder(nn.Module):
         if self.attn_res:
             x = attn_res_mix(blocks, x, self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(x)
+
+    def layer_args(self, seq_len: int, dtype: torch.dtype, device, blocks: list[torch.Tensor]) -> tuple:
+        """What every layer takes after its input: the sequence's attention-residual block snapshots."""
+        return (blocks,)
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -97,11 +97,30 @@ def _meta_model(ck: Checkpoint, expert_range) -> tuple[CausalLM, set[str]]:
 
 def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
     model, stacked = _meta_model(ck, expert_range)
-    first, count = expert_range or (0, ck.config.num_experts)
     wanted = model.state_dict()
     _check_tensors(ck, wanted, stacked)
     ck.check_decode(dtype)
-    for name, slot in wanted.items():
+    assign_tensors(ck, model, list(wanted), stacked, dtype=dtype, device=device, expert_range=expert_range)
+    return model
+
+
+def meta_model(ck: Checkpoint, expert_range: tuple[int, int] | None = None) -> tuple[CausalLM, set[str]]:
+    """The model on the meta device, checked against the checkpoint's tensors (nothing is read),
+    and the names of its stacked expert tensors: `assign_tensors` then fills any part of it."""
+    model, stacked = _meta_model(ck, expert_range)
+    _check_tensors(ck, model.state_dict(), stacked)
+    return model, stacked
+
+
+def assign_tensors(ck: Checkpoint, model, names: list[str], stacked: set[str], *, dtype: torch.dtype, device,
+                   expert_range: tuple[int, int] | None) -> int:
+    """Read tensors `names` of `model` (only the rows of `expert_range` of stacked experts) into
+    their places, one tensor in flight; returns the bytes placed."""
+    first, count = expert_range or (0, ck.config.num_experts)
+    placed = 0
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        slot = getattr(model.get_submodule(module), attr)
         if name in stacked:
             rows = (first, first + count)
         elif slot.shape and ck.meta(name).shape[0] > slot.shape[0]:
@@ -110,9 +129,9 @@ def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
             rows = None
         t = ck.read(name, rows=rows)
         t = t.to(device=device, dtype=torch.float32 if model.keeps_fp32(name) else dtype)
-        module, _, attr = name.rpartition(".")
         model.get_submodule(module).load_state_dict({attr: t}, strict=False, assign=True)
-    return model
+        placed += t.numel() * t.element_size()
+    return placed
 
 
 def _check_tensors(ck: Checkpoint, wanted: dict[str, torch.Tensor], stacked: set[str]) -> None:

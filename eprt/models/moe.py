@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from eprt.errors import ConfigError
-from eprt.kernels import combine, grouped_mm, permute
+from eprt.kernels import combine, grouped_mm, permute, unit_mlp
 from eprt.models.layers import Linear, RMSNorm, silu_mul
 
 
@@ -40,6 +40,17 @@ class Experts(nn.Module):
             self.observer(x_sorted, h, tokens_per_expert)
         return grouped_mm(h, self.w2, offsets)
 
+    def forward_units(self, x_sorted: torch.Tensor, rows_per_unit_LU: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by (local expert, work unit), rows_per_unit_LU [count, U] -> rows of output.
+
+        Each (expert, unit) block is computed as if alone (`unit_mlp`): the rows a matmul sees are
+        the unit's, whatever else this call holds, so a deterministic kernel gives every layout
+        the same bits."""
+        h, y = unit_mlp(x_sorted, self.w13, self.w2, self.act, rows_per_unit_LU)
+        if self.observer is not None:
+            self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
+        return y
+
 
 class LocalDispatcher:
     """Every routed expert lives in this process: permute, run, combine."""
@@ -65,16 +76,26 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        # The shared experts are added after the routed sum, in the model dtype, as the reference does.
-        y_TD = self.routed(x_TD)
+        experts_in_TD, topk_ids_TK, topk_weights_TK = self.route(x_TD)
+        routed_TD = self.dispatcher(experts_in_TD, topk_ids_TK, topk_weights_TK, self.experts)
+        return self.finish(x_TD, routed_TD).view_as(x_BTD)
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(what the routed experts read, top-k global expert ids, top-k fp32 weights)."""
+        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
+        return x_TD, topk_ids_TK, topk_weights_TK
+
+    def finish(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input and the fp32 weighted sum of the routed experts'
+        outputs: that sum rounded once, then the shared experts added in the model dtype, as
+        the reference does."""
+        y_TD = self.routed_out(routed_TD.to(x_TD.dtype))
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD.view_as(x_BTD)
+        return y_TD
 
-    def routed(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of each token's routed experts, formed in fp32 and rounded once."""
-        topk_ids_TK, topk_weights_TK = self.gate(x_TD)
-        return self.dispatcher(x_TD, topk_ids_TK, topk_weights_TK, self.experts).to(x_TD.dtype)
+    def routed_out(self, y_TD: torch.Tensor) -> torch.Tensor:
+        return y_TD
 
 
 class GatedSharedExpertMoE(MoE):
@@ -86,13 +107,12 @@ class GatedSharedExpertMoE(MoE):
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+    def finish(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
         # sigmoid over a full row per token, not over the [T, 1] column: a vectorized sigmoid rounds
         # its tail elements apart from the rest, so a token's gate would depend on the token count
         gate_TD = torch.sigmoid(self.shared_expert_gate(x_TD).expand(-1, x_TD.shape[-1]))
         shared_TD = gate_TD * self.shared_expert(x_TD)
-        return (self.routed(x_TD) + shared_TD).view_as(x_BTD)
+        return self.routed_out(routed_TD.to(x_TD.dtype)) + shared_TD
 
 
 class LatentMoE(MoE):
@@ -107,10 +127,11 @@ class LatentMoE(MoE):
         self.routed_expert_norm = RMSNorm(latent, norm_eps) if norm_eps is not None else None
         self.routed_expert_up_proj = Linear(latent, hidden)
 
-    def routed(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         topk_ids_TK, topk_weights_TK = self.gate(x_TD)
-        z_TL = self.routed_expert_down_proj(x_TD)
-        y_TL = self.dispatcher(z_TL, topk_ids_TK, topk_weights_TK, self.experts).to(x_TD.dtype)
+        return self.routed_expert_down_proj(x_TD), topk_ids_TK, topk_weights_TK
+
+    def routed_out(self, y_TL: torch.Tensor) -> torch.Tensor:
         if self.routed_expert_norm is not None:
             y_TL = self.routed_expert_norm(y_TL)
         return self.routed_expert_up_proj(y_TL)

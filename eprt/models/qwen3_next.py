@@ -46,9 +46,17 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.mlp = mlp(c, i, expert_range)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        carry, m = self.attend(x, cos, sin)
+        return carry + self.mlp(m)
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the MLP: (the residual the MLP's output is added to, the MLP's input)."""
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h) if self.is_linear else self.self_attn(h, cos, sin))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.post_attention_layernorm(x)
+
+    def ffn(self) -> nn.Module:
+        return self.mlp
 
 
 class Qwen3NextDecoder(Decoder):

@@ -29,6 +29,10 @@ class LanguageModelOf(nn.Module):
         """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
         return family(self.config.family).keeps_fp32(name)
 
+    def decoder(self) -> tuple[str, nn.Module]:
+        prefix, decoder = self.language_model.decoder()
+        return "language_model." + prefix, decoder  # the attribute above names its tensors
+
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return self.language_model.moe_blocks()
 

@@ -90,3 +90,68 @@ def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int
     dist.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), out_splits, in_splits,
                            group=group)
     return out
+
+
+class UnitDispatcher:
+    """Token dispatch to canonical work units, over the whole world.
+
+    A work unit is (routed expert, group of calibration sequences): its rows are the copies of
+    the group's tokens routed to the expert, sorted by (sequence, position, k), and it is
+    computed by exactly one rank, the holder of the expert in edp replica `group % edp`, as one
+    matmul of its own. Which rows a matmul sees is then a function of the data alone, never of
+    the world, ep, batch or chunk, and any deterministic kernel gives every layout the same bits.
+    Every rank must call it for every step, even with no rows: the exchanges are collective.
+    """
+
+    def __init__(self, state: ParallelState, keyspace: int):
+        # keyspace bounds the copies' sort keys: (sequences x positions x k) of the whole run
+        self.state, self.keyspace = state, keyspace
+        self.bytes_sent = 0  # rows and keys this rank sent, both ways, for the log
+
+    def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 key_TK: torch.Tensor, unit_T: torch.Tensor, units: tuple[int, int], experts) -> torch.Tensor:
+        """The fp32 weighted sum of each token's top-k expert outputs, k in order.
+
+        key_TK: each copy's global sort key (sequence, position, k), below the keyspace;
+        unit_T: each token's global group; units: (first, count) of the groups this step holds
+        (the same on every rank)."""
+        st, E, L = self.state, experts.num_experts, experts.count
+        first_unit, U = units
+        K = topk_ids_TK.shape[1]
+        ids_R = topk_ids_TK.reshape(-1)
+        unit_R = (unit_T - first_unit).repeat_interleave(K)
+        owner_ep_R = ids_R // L
+        dest_R = ((unit_R + first_unit) % st.edp_size) * st.ep_size + owner_ep_R
+        # the owner sorts what it receives by (local expert, unit, key): one int64 says it all
+        sort_key_R = ((ids_R % L) * U + unit_R) * self.keyspace + key_TK.reshape(-1)
+        order_R = torch.argsort(dest_R, stable=True)
+        x_sent = x_TD.index_select(0, order_R // K)
+        key_sent = sort_key_R.index_select(0, order_R)
+        if st.world == 1:
+            y_sent = _run_units(x_sent, key_sent, L, U, self.keyspace, experts)
+        else:
+            sent = torch.bincount(dest_R, minlength=st.world)
+            recv = torch.empty_like(sent)
+            dist.all_to_all_single(recv, sent, group=st.dp_group)
+            send_splits, recv_splits = sent.tolist(), recv.tolist()
+            x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
+            key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
+            y_recv = _run_units(x_recv, key_recv, L, U, self.keyspace, experts)
+            y_sent = _all_to_all_rows(y_recv, send_splits, recv_splits, st.dp_group)
+            own = sent[st.rank].item()  # rows that stay on this rank cross no wire
+            row_bytes = x_sent.shape[1] * x_sent.element_size()
+            self.bytes_sent += (x_sent.shape[0] - own) * (row_bytes + 8) + (y_recv.shape[0] - own) * row_bytes
+        if x_TD.shape[0] == 0:
+            return y_sent.new_zeros(0, y_sent.shape[1], dtype=torch.float32)
+        return combine(y_sent, order_R, topk_weights_TK)
+
+
+def _run_units(x_R: torch.Tensor, sort_key_R: torch.Tensor, L: int, U: int, keyspace: int, experts) -> torch.Tensor:
+    """The rows this rank received, through their units, returned in the order they came."""
+    order = torch.argsort(sort_key_R)
+    unit_of_row = sort_key_R.index_select(0, order) // keyspace
+    rows_per_unit_LU = torch.bincount(unit_of_row, minlength=L * U).view(L, U)
+    y_sorted = experts.forward_units(x_R.index_select(0, order), rows_per_unit_LU)
+    y_R = torch.empty_like(y_sorted)
+    y_R[order] = y_sorted
+    return y_R

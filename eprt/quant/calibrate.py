@@ -9,6 +9,8 @@ the same result at every layout, given bitwise-identical activations.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +33,14 @@ def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> tor
     return out
 
 
+def device_of(module: nn.Module) -> torch.device:
+    """Where `module` computes: its statistics live there, so neither the observers nor the
+    reduction over the ranks (NCCL takes device tensors only) move a tensor."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 class Calibrator:
     """Installs observers on a model for the modules a recipe quantizes; `close()` removes them.
 
@@ -38,25 +48,33 @@ class Calibrator:
     values of every attention layer.
     """
 
-    def __init__(self, model: nn.Module, targets: list[str], kv: bool):
+    def __init__(self, model: nn.Module | None, targets: list[str], kv: bool):
         self.input_amax: dict[str, torch.Tensor] = {}
         self.expert_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.expert_tokens: dict[str, torch.Tensor] = {}
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.targets, self.kv = targets, kv
         self._undo = []
-        for name in targets:
-            module = model.get_submodule(name)
-            if isinstance(module, Experts):
-                self._observe_experts(name, module)
-            else:
-                self._observe_input(name, module)
-        if kv:
-            for name, module in model.named_modules():
-                if hasattr(module, "kv_observer"):
-                    self._observe_kv(name, module)
+        if model is not None:
+            self.observe(model)
+
+    def observe(self, module: nn.Module, prefix: str = "") -> None:
+        """Observe the targets inside `module`, whose modules are named `prefix` + their name in it
+        (one decoder layer at a time in a layer-by-layer run, the whole model otherwise)."""
+        for name in self.targets:
+            if name.startswith(prefix):
+                target = module.get_submodule(name[len(prefix):])
+                if isinstance(target, Experts):
+                    self._observe_experts(name, target)
+                else:
+                    self._observe_input(name, target)
+        if self.kv:
+            for name, sub in module.named_modules(prefix=prefix.rstrip(".")):
+                if hasattr(sub, "kv_observer"):
+                    self._observe_kv(name, sub)
 
     def _observe_input(self, name: str, module: nn.Module) -> None:
-        self.input_amax[name] = torch.zeros((), dtype=torch.float32)
+        self.input_amax.setdefault(name, torch.zeros((), dtype=torch.float32, device=device_of(module)))
 
         def hook(_module, args):
             x = args[0]
@@ -66,9 +84,9 @@ class Calibrator:
         self._undo.append(module.register_forward_pre_hook(hook).remove)
 
     def _observe_experts(self, name: str, experts: Experts) -> None:
-        zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype)  # noqa: E731
-        self.expert_amax[name] = (zeros(torch.float32), zeros(torch.float32))
-        self.expert_tokens[name] = zeros(torch.int64)
+        zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype, device=device_of(experts))  # noqa: E731
+        self.expert_amax.setdefault(name, (zeros(torch.float32), zeros(torch.float32)))
+        self.expert_tokens.setdefault(name, zeros(torch.int64))
 
         def observer(x_sorted, h_sorted, tokens_per_expert):
             w13_in, w2_in = self.expert_amax[name]
@@ -80,7 +98,8 @@ class Calibrator:
         self._undo.append(lambda: setattr(experts, "observer", None))
 
     def _observe_kv(self, name: str, attn: nn.Module) -> None:
-        self.kv_amax[name] = (torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32))
+        zero = lambda: torch.zeros((), dtype=torch.float32, device=device_of(attn))  # noqa: E731
+        self.kv_amax.setdefault(name, (zero(), zero()))
 
         def observer(k, v):
             k_amax, v_amax = self.kv_amax[name]

@@ -1,4 +1,5 @@
-"""The PTQ job: load each rank's share, calibrate on each rank's own data, save the calibration.
+"""The PTQ job: plan each rank's memory, calibrate layer by layer (eprt.quant.engine) on each
+rank's own data, save the calibration.
 
 Every rank runs this with the same arguments; each step that can fail alone runs inside a
 fail-together guard, so a failure on one rank stops every rank with the same message.
@@ -6,6 +7,7 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -15,17 +17,21 @@ import torch.distributed as dist
 from eprt.data import calibration_samples, rank_batches
 from eprt.errors import ConfigError
 from eprt.families import reader_for
-from eprt.models.loader import load_model
+from eprt.models.loader import load_model, weight_bytes
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
-from eprt.progress import bar, logger
+from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
+from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
+                             memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.workdir import WorkDir
 from eprt.storage.atomic import check_output_dir
-from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.checkpoint import Checkpoint, manifest_digest
 
 # `--dtype`: the dtype the model runs in
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -45,10 +51,16 @@ class PTQArgs:
     preview: str | None = None  # a prompt, or None for no preview
     overwrite: bool = False
     progress: bool = True
+    chunk_size: int | None = None  # global sequences per step of a layer (default batch_size x world)
+    group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
+    max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
+    resume: bool = False
+    work_dir: str | None = None  # default: OUT.work beside OUT
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
-    """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens"} (tokens on this rank)."""
+    """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
+    "resumed_after" (the layer a --resume continued after, -1 for none)}."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
@@ -66,23 +78,25 @@ def run_ptq(state, a: PTQArgs) -> dict:
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
-        model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
-        if a.preview:
+        with fail_together(state, "planning memory"):
+            plan, preview = plan_run(state, ck, samples, a)
+        model = None
+        if preview:
+            model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(model, targets, kv=recipe.kv_cache == "fp8")
+        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            with bar(len(batches), "calibrate", unit="batch", enabled=a.progress) as pb:
-                for batch in batches:
-                    model(batch)
-                    pb.update(1)
+            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
+            resumed = calibrate_layers(state, ck, cal, samples, a, work)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
+        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         report_coverage(cal, state, cfg.num_experts)
-        if a.preview:
+        if preview:
             fake_quantize(model, targets, recipe, cal, state)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
@@ -91,9 +105,67 @@ def run_ptq(state, a: PTQArgs) -> dict:
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
+        with fail_together(state, "removing the work directory"):
+            work.remove()
     if state.rank == 0:
+        log.info("calibrated %d tokens in %.2f s (%.0f tokens/s)", samples.numel(), seconds, samples.numel() / seconds)
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
-    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches)}
+    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches),
+            "resumed_after": resumed}
+
+
+def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
+    if a.chunk_size is not None and a.chunk_size < 1:
+        raise ConfigError(f"--chunk-size {a.chunk_size} must be positive")
+    return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world,
+                       a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
+
+
+def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[MemoryPlan, bool]:
+    """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
+    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
+    c = ck.config
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device)
+    plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
+                        seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
+                        baseline=memory_in_use(state.device))
+    limit = a.max_memory or available_memory(state.device)
+    check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
+                 num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
+                 schedule_of=lambda n: schedule(a, state, c, n))
+    if state.rank == 0:
+        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
+                      format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
+                      format_bytes(plan.step), format_bytes(plan.baseline))
+    if not a.preview:
+        return plan, False
+    first, count = state.expert_range(c.num_experts) if c.moe_layers else (0, 0)
+    whole = sum(weight_bytes(ck, dtype=RUN_DTYPES[a.dtype], expert_range=(first, count) if c.moe_layers else None))
+    fits = plan.peak + whole <= limit
+    if not fits and state.rank == 0:
+        logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
+                         "in --max-memory %s", format_bytes(whole), format_bytes(plan.peak), format_bytes(limit))
+    return plan, fits
+
+
+def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dict:
+    """What a saved layer boundary depends on: a run resumes only from its own (batch and chunk
+    sizes change no bit, so they may differ)."""
+    return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
+            "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
+            "group_tokens": a.group_tokens}
+
+
+def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
+                     work: WorkDir) -> int:
+    """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
+    `work`; with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
+                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress)
+    done = work.last_completed(a.resume)
+    ls = work.load(done, cal, state.device) if done >= 0 else engine.embed()
+    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal))
+    return done
 
 
 def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None) -> tuple[Recipe, list[str]]:

@@ -1,0 +1,220 @@
+"""Layer-major calibration: one decoder layer resident at a time.
+
+Every rank holds the hidden states of its own calibration sequences (rank r: sequences r,
+r + world, ...). For each decoder layer in order it reads that layer's dense weights and its own
+routed experts, runs the layer over its sequences step by step, sends each routed token to the
+rank computing its work unit and back, records the calibration statistics, frees the layer and
+goes on. Every weight byte is read once; a rank's peak is one layer's weights, the hidden states
+and one step's exchange buffers.
+
+Layout invariance comes from canonical work units, not from batch-invariant kernels: every
+matmul sees rows that are a function of the model and the data alone.
+- The dense part of a layer (attention, dense MLP, router, shared experts) runs one sequence at
+  a time: its rows are that sequence's tokens.
+- A routed expert runs over the copies routed to it from one group of `group_size` consecutive
+  global sequences (a constant of the model and the data: `group_tokens`), in (sequence,
+  position, k) order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
+- A token's top-k outputs are summed in k order, in fp32.
+A step holds whole groups, so neither the world, ep, edp, batch nor chunk size changes a bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eprt.storage.checkpoint import Checkpoint
+from eprt.models.loader import assign_tensors, meta_model
+from eprt.models.moe import MoE
+from eprt.parallel.dispatch import UnitDispatcher
+from eprt.progress import bar, logger
+from eprt.quant.calibrate import Calibrator
+
+# Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
+# that a step's exchange buffers stay a sliver of a layer.
+UNIT_ROWS = 128
+
+
+def group_tokens(num_experts: int, top_k: int) -> int:
+    """Tokens per group of sequences, so that each expert's unit holds UNIT_ROWS rows on average."""
+    return UNIT_ROWS * max(num_experts, 1) // max(top_k, 1)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which sequences each step of every layer runs: the same on every rank."""
+
+    num_sequences: int
+    seq_len: int
+    group_size: int  # sequences per expert work unit's group
+    groups_per_step: int
+
+    @classmethod
+    def of(cls, num_sequences: int, seq_len: int, step_sequences: int, group_tokens: int) -> Schedule:
+        group_size = max(1, group_tokens // seq_len)
+        return cls(num_sequences, seq_len, group_size, max(1, math.ceil(step_sequences / group_size)))
+
+    @property
+    def num_groups(self) -> int:
+        return math.ceil(self.num_sequences / self.group_size)
+
+    @property
+    def num_steps(self) -> int:
+        return math.ceil(self.num_groups / self.groups_per_step)
+
+    def step_groups(self, step: int) -> tuple[int, int]:
+        """(first group, count) of `step`."""
+        first = step * self.groups_per_step
+        return first, min(self.groups_per_step, self.num_groups - first)
+
+    def step_sequences(self, step: int) -> range:
+        first, count = self.step_groups(step)
+        return range(first * self.group_size, min(self.num_sequences, (first + count) * self.group_size))
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device):
+    """On CPU, compute with one thread, as torchrun starts its ranks: the CPU's reductions (the
+    norms' means) and the BLAS's small matmuls split their work by the thread count, and the
+    last bits follow the split. Ranks, not threads, parallelize a CPU run."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class LayerState:
+    """One rank's sequences as they stand at a layer boundary: the hidden states
+    [n, T, H] and, with attention residuals, the block snapshots (each [n, T, H])."""
+
+    def __init__(self, hidden: torch.Tensor, blocks: list[torch.Tensor]):
+        self.hidden, self.blocks = hidden, blocks
+
+
+def own_sequences(num_sequences: int, rank: int, world: int) -> list[int]:
+    """The global indices of this rank's sequences (eprt.data.rank_batches takes the same)."""
+    return list(range(rank, num_sequences, world))
+
+
+class LayerEngine:
+    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike."""
+
+    def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
+                 schedule: Schedule, progress: bool = True):
+        self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
+        self.samples, self.progress = samples, progress
+        c = ck.config
+        self.expert_range = state.expert_range(c.num_experts) if c.moe_layers else None
+        self.model, self.stacked = meta_model(ck, self.expert_range)
+        ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
+        self.prefix, self.decoder = self.model.decoder()
+        self.names = list(self.model.state_dict())
+        self.mine = own_sequences(samples.shape[0], state.rank, state.world)
+        self.local = {s: i for i, s in enumerate(self.mine)}
+        self.dispatcher = UnitDispatcher(state, samples.shape[0] * samples.shape[1] * max(c.num_experts_per_tok, 1))
+        self.log = logger()
+
+    def _assign(self, prefix: str) -> int:
+        names = [n for n in self.names if n.startswith(prefix)]
+        return assign_tensors(self.ck, self.model, names, self.stacked, dtype=self.dtype, device=self.state.device,
+                              expert_range=self.expert_range)
+
+    def embed(self) -> LayerState:
+        """The hidden states entering layer 0."""
+        table = self.decoder.embed_tokens
+        self._assign(self.prefix + "embed_tokens.")
+        ids = self.samples[self.mine].to(self.state.device)
+        hidden = table(ids)
+        table.to_empty(device="meta")
+        return LayerState(hidden, [])
+
+    def run(self, first_layer: int, ls: LayerState, after_layer=None) -> LayerState:
+        """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
+        layers = self.decoder.layers
+        steps = self.schedule.num_steps
+        with one_cpu_thread(self.state.device), \
+                bar((len(layers) - first_layer) * steps, "calibrate", unit="step", enabled=self.progress) as pb:
+            for i in range(first_layer, len(layers)):
+                ls = self.run_layer(i, ls, pb)
+                if after_layer is not None:
+                    after_layer(i, ls)
+        return ls
+
+    def run_layer(self, i: int, ls: LayerState, pb) -> LayerState:
+        layer = self.decoder.layers[i]
+        prefix = f"{self.prefix}layers.{i}."
+        start = time.perf_counter()
+        placed = self._assign(prefix)
+        read_s = time.perf_counter() - start
+        sent_before = self.dispatcher.bytes_sent
+        start = time.perf_counter()
+        self.cal.observe(layer, prefix)
+        # a block's first layer files its input as the block's snapshot
+        snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
+        try:
+            for step in range(self.schedule.num_steps):
+                self._run_step(layer, step, ls)
+                pb.set_postfix_str(f"layer {i + 1}/{len(self.decoder.layers)}", refresh=False)
+                pb.update(1)
+        finally:
+            self.cal.close()
+        if snapshot is not None:
+            ls.blocks.append(snapshot)
+        layer.to_empty(device="meta")
+        compute_s, sent = time.perf_counter() - start, self.dispatcher.bytes_sent - sent_before
+        if self.state.rank == 0:
+            self.log.info("layer %d: read %.2f s (%.1f MiB), compute %.2f s, exchanged %.1f MiB", i, read_s,
+                          placed / 2**20, compute_s, sent / 2**20)
+        return ls
+
+    def _run_step(self, layer, step: int, ls: LayerState) -> None:
+        """One step of one layer: its sequences' dense parts one sequence each, the routed experts
+        over the step's work units; each output replaces its sequence's hidden state."""
+        T = self.schedule.seq_len
+        ffn = layer.ffn()
+        mine = [(s, self.local[s]) for s in self.schedule.step_sequences(step) if s in self.local]
+        pending = []  # (sequence, local index, residual, MLP input, routed experts' input, top-k ids, weights)
+        for s, li in mine:
+            blocks = [b[li:li + 1] for b in ls.blocks]
+            args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
+            carry, m = layer.attend(ls.hidden[li:li + 1], *args)
+            if not isinstance(ffn, MoE):
+                ls.hidden[li] = (carry + ffn(m))[0]
+                continue
+            m_TD = m.reshape(T, -1)
+            pending.append((s, li, carry, m_TD, *ffn.route(m_TD)))
+        if not isinstance(ffn, MoE):
+            return
+        routed = self._routed(ffn, step, pending)
+        for (s, li, carry, m_TD, *_), routed_TD in zip(pending, routed):
+            ls.hidden[li] = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+
+    def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
+        """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""
+        T, K = self.schedule.seq_len, self.ck.config.num_experts_per_tok
+        dev = self.state.device
+        width = moe.experts.w13.shape[-1]
+        if pending:
+            x_TD = torch.cat([p[4] for p in pending])
+            ids_TK = torch.cat([p[5] for p in pending])
+            w_TK = torch.cat([p[6] for p in pending])
+            seq_T = torch.tensor([p[0] for p in pending], device=dev).repeat_interleave(T)
+        else:
+            x_TD = torch.empty(0, width, dtype=self.dtype, device=dev)
+            ids_TK = torch.empty(0, K, dtype=torch.int64, device=dev)
+            w_TK = torch.empty(0, K, dtype=torch.float32, device=dev)
+            seq_T = torch.empty(0, dtype=torch.int64, device=dev)
+        pos_T = torch.arange(T, device=dev).repeat(len(pending))
+        key_TK = ((seq_T * T + pos_T) * K)[:, None] + torch.arange(K, device=dev)
+        y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
+                               self.schedule.step_groups(step), moe.experts)
+        return list(y_TD.split(T)) if pending else []

@@ -1,0 +1,211 @@
+"""The memory plan of a layer-major calibration: each rank's peak, from the manifest alone.
+
+A rank holds, at its peak, what it held before the run (the process: interpreter, torch,
+eprt; measured when the plan is made, so the plan covers it), the hidden states of its own
+sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
+first hidden states are formed, or one decoder layer's weights with one step's buffers (the
+per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
+intermediate rows, the fp32 combine) and the largest tensor in flight as it is read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from eprt.storage.checkpoint import Checkpoint
+from eprt.errors import ConfigError
+from eprt.models.loader import meta_model
+from eprt.quant.engine import Schedule, own_sequences
+
+
+def current_rss() -> int:
+    """Bytes this process holds now (resident set), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    """The largest resident set this process has had, in bytes: /proc's VmHWM, which starts
+    afresh at exec (getrusage's ru_maxrss keeps the high-water mark of the process that forked
+    this one: a large parent makes a small child look large)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_in_use(device: torch.device) -> int:
+    """What the plan's baseline is: the process's resident set on CPU, torch's allocations on CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
+
+
+def measured_peak(device: torch.device) -> int:
+    """What the plan predicts: the peak resident set on CPU, torch's peak allocation on CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+
+
+def available_memory(device: torch.device) -> int:
+    """The default --max-memory: the device's free memory on CUDA, the host's available RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# What bf16 matmuls on CPU keep once a layer has run: oneDNN's cached primitives (one per
+# shape it was given; unit rows come padded to a few dozen shapes) and the allocator's arenas.
+# Measured on the bench model (hidden 1024, 32 experts), 60-100 MiB; fp32 goes to MKL, which
+# keeps nothing.
+CPU_BF16_KERNEL_CACHE = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    baseline: int  # the process before the run, with what its kernels will cache
+    hidden: int  # hidden states and block snapshots of this rank's sequences
+    embedding: int
+    layer: int  # the largest layer's weights (dense + this rank's experts)
+    reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
+    step: int  # one step's activations and exchange buffers
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.hidden + max(self.embedding, self.reading, self.layer + self.step)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The weight terms of a plan, from the manifest once; `plan` then prices any layout and data size."""
+
+    ck: Checkpoint
+    dtype: torch.dtype
+    # per layer, its tensors in the order they are read: (bytes placed, bytes in flight beside
+    # them while read, routed experts: a rank holds 1/ep of both)
+    reads: dict[int, list[tuple[int, int, bool]]]
+    embedding: int
+    kernel_cache: int
+
+    @classmethod
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device) -> Planner:
+        b = dtype.itemsize
+        model, stacked = meta_model(ck, None)
+        prefix, _ = model.decoder()
+        reads: dict[int, list[tuple[int, int, bool]]] = {}
+        embedding = 0
+        for name, t in model.state_dict().items():
+            n = t.numel() * (4 if model.keeps_fp32(name) else b)
+            m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+            if not m:
+                embedding += n if name.startswith(prefix + "embed_tokens.") else 0
+                continue
+            meta = ck.meta(name)
+            # read as stored, then cast into place: a stored copy in another dtype (or an
+            # encoded one's decoded rows) is in flight beside it
+            run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
+            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
+            reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked))
+        cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
+        return cls(ck, dtype, reads, embedding, cache)
+
+    def _layer(self, ep: int) -> tuple[int, int]:
+        """(the largest layer's weights, the most any layer holds while it is read) on one rank."""
+        layer = reading = 0
+        for tensors in self.reads.values():
+            placed = 0
+            for n, flight, expert in tensors:
+                share = ep if expert else 1
+                reading = max(reading, placed + (n + flight) // share)
+                placed += n // share
+            layer = max(layer, placed)
+        return layer, reading
+
+    def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
+             baseline: int) -> MemoryPlan:
+        c, b = self.ck.config, self.dtype.itemsize
+        H, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
+        n_mine = len(own_sequences(num_sequences, rank, world))
+        block_size = c.extra.get("attn_res_block_size") or 0
+        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
+        hidden = n_mine * T * H * b * (1 + snapshots)
+        layer, reading = self._layer(ep)
+        # one step: this rank's share of the step's sequences (the largest share any step gives it)
+        step_seqs = schedule.groups_per_step * schedule.group_size
+        t = math.ceil(min(step_seqs, num_sequences) / world) * T
+        D = c.extra.get("latent_size") or H  # the routed experts' width
+        widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
+        R = t * K if c.moe_layers else 0
+        # kept until the step's exchange returns, per token: the residual and the MLP input, the
+        # experts' input per sequence and concatenated
+        pending = t * (2 * H + 2 * D) * b
+        # one sequence's attention transients, and of a dense MLP
+        attention = 6 * T * H * b + 2 * c.num_heads * T * T * 4
+        dense_mlp = 3 * T * widest * b
+        # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
+        # activation and outputs; then the returns, gathered and widened to fp32 to combine;
+        # with a handful of int64 indices per copy throughout
+        moved = 3 if world == 1 else 4
+        routed = R * (max(moved * D * b + widest * b, 3 * D * b + 4 * D) + 8 * 8) + t * D * 4
+        snapshot = n_mine * T * H * b if snapshots else 0
+        step = pending + attention + dense_mlp + routed + snapshot
+        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
+
+
+def parse_size(text: str) -> int:
+    """'64GiB', '500MB', '1.5TB', or bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--max-memory {text!r}: give a size such as 64GiB, 500MB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
+                 num_experts: int, num_sequences: int, seq_len: int, schedule_of) -> None:
+    """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
+    --calib-size that fit (`schedule_of(num_sequences)` gives the run's schedule for a size)."""
+    if plan.peak <= limit:
+        return
+    from eprt.parallel.state import valid_ep
+
+    def peak(ep_: int, n: int) -> int:
+        return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=seq_len,
+                            schedule=schedule_of(n), baseline=plan.baseline).peak
+
+    ways = []
+    fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]
+    if fitting_ep:
+        ways.append(f"--ep {fitting_ep[0]}")
+    lo, hi = 0, num_sequences - 1  # the largest size that fits, by bisection (the peak grows with it)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak(ep, mid) <= limit else (lo, mid - 1)
+    if lo:
+        ways.append(f"--calib-size {lo}")
+    way = " or ".join(ways) if ways else "more memory per rank (more ranks, a larger --ep)"
+    raise ConfigError(f"rank {rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
+                      f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
+                      f"{format_bytes(plan.step)}, process {format_bytes(plan.baseline)}), over --max-memory "
+                      f"{format_bytes(limit)}: use {way}")

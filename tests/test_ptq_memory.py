@@ -1,0 +1,95 @@
+"""The memory plan against the measured peak, and the refusal of a run that does not fit.
+
+The plan prices the process itself (its resident set when the plan is made: interpreter, torch,
+eprt) as its baseline, plus the terms of the layer-major run. The model is sized so that those
+terms are as large as the baseline: 16 experts of 512 x 2048 in fp32, 200 MB per MoE layer.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eprt.errors import ConfigError
+from eprt.hf.convert import convert_hf
+from eprt.quant.engine import Schedule
+from eprt.quant.plan import Planner, check_memory
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+from tests.multiproc import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTQ = os.path.join(ROOT, "tools", "ptq.py")
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mem")
+    hf = make_tiny("qwen3_moe", str(d / "hf"), dtype="fp32", hidden_size=512, moe_intermediate_size=2048,
+                   intermediate_size=2048, num_experts=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    return convert_hf(hf, str(d / "ck"), progress=False)
+
+
+def nbytes(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * UNITS[unit]
+
+
+def peaks(stderr: str) -> list[tuple[float, float]]:
+    """(measured, planned) of each rank that reported, in bytes."""
+    return [(nbytes(m), nbytes(p)) for m, p in re.findall(r"peak memory ([\d.]+ \w+), planned ([\d.]+ \w+)", stderr)]
+
+
+def ptq(args, world, tmp_path):
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  "--nproc-per-node", str(world), f"--master-port={free_port()}"]
+    return subprocess.run([*launch, PTQ, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_measured_peak_is_within_15_percent_of_the_plan(ckpt, tmp_path, world, dtype):
+    r = ptq([ckpt, "--recipe", "nvfp4", "--kv-cache", "fp8", "--dtype", dtype, "--calib-size", "16", "--seq-len",
+             "64", "--out", str(tmp_path / "q")], world, tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = peaks(r.stderr)
+    assert len(got) == world, r.stderr
+    for measured, planned in got:
+        assert abs(measured - planned) <= 0.15 * measured, [line for line in r.stderr.splitlines() if "memory" in line]
+
+
+def test_a_run_over_max_memory_is_refused_before_loading_naming_what_fits(ckpt, tmp_path):
+    r = ptq([ckpt, "--recipe", "nvfp4", "--dtype", "fp32", "--calib-size", "4096", "--seq-len", "256",
+             "--max-memory", "1GiB", "--out", str(tmp_path / "q")], 1, tmp_path)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: rank 0 would peak at [\d.]+ GiB .* over --max-memory 1.00 GiB: use --calib-size \d+",
+                        line), line
+    assert not os.path.exists(tmp_path / "q")
+
+
+def test_the_refusal_names_the_smallest_ep_and_the_largest_calib_size_that_fit(ckpt):
+    with Checkpoint(ckpt) as ck:
+        planner = Planner.of(ck, torch.float32, torch.device("cpu"))
+
+        def peak(ep, n):
+            return planner.plan(rank=0, world=4, ep=ep, num_sequences=n, seq_len=256,
+                                schedule=Schedule.of(n, 256, 4, 512), baseline=0).peak
+
+        limit = peak(1, 16)  # at ep 1, 16 sequences fit and 64 do not; ep 2 halves the largest layer
+        assert peak(2, 64) <= limit < peak(1, 64)
+        with pytest.raises(ConfigError) as e:
+            check_memory(planner, planner.plan(rank=0, world=4, ep=1, num_sequences=64, seq_len=256,
+                                               schedule=Schedule.of(64, 256, 4, 512), baseline=0),
+                         limit, rank=0, world=4, ep=1, num_experts=16, num_sequences=64, seq_len=256,
+                         schedule_of=lambda n: Schedule.of(n, 256, 4, 512))
+    m = re.search(r"use --ep (\d+) or --calib-size (\d+)$", str(e.value))
+    assert m, str(e.value)
+    assert int(m.group(1)) == 2
+    fits = int(m.group(2))
+    assert 16 <= fits < 64 and peak(1, fits) <= limit < peak(1, fits + 1)

@@ -1,0 +1,69 @@
+"""--resume: a calibration killed mid-layer continues from its last completed layer and exports
+the same bytes as a run never stopped."""
+
+import os
+from datetime import timedelta
+
+import pytest
+
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.engine import LayerEngine
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
+from tests.multiproc import run_world
+from tests.test_ptq import same_files
+
+KILL_LAYER, KILL_STEP = 2, 2
+
+
+def args(ck, out, **kw):
+    return PTQArgs(ck, "nvfp4", out, kv_cache="fp8", calib_size=9, seq_len=24, group_tokens=48, progress=False, **kw)
+
+
+def killed_mid_layer(ck, out):
+    """Rank 1 dies in step KILL_STEP of layer KILL_LAYER, as a killed process does: no cleanup."""
+    run_step = LayerEngine._run_step
+
+    def dying(self, layer, step, ls):
+        if self.state.rank == 1 and layer is self.decoder.layers[KILL_LAYER] and step == KILL_STEP:
+            os._exit(9)
+        return run_step(self, layer, step, ls)
+
+    LayerEngine._run_step = dying
+    with ParallelState.from_env(timeout=timedelta(seconds=10)) as state:
+        run_ptq(state, args(ck, out))
+
+
+def resumed(ck, out):
+    with ParallelState.from_env(timeout=timedelta(seconds=60)) as state:
+        return run_ptq(state, args(ck, out, resume=True))["resumed_after"]
+
+
+def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
+    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), num_hidden_layers=4), str(tmp_path / "ck"),
+                    progress=False)
+    run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "whole")))
+    out = str(tmp_path / "q")
+    with pytest.raises(AssertionError, match="rank 1"):
+        run_world(killed_mid_layer, 2, ck, out, timeout=120)
+    assert not os.path.exists(out)
+    work = out + ".work"
+    assert sorted(os.listdir(work)) == ["rank-00000", "rank-00001"]
+    for rank_dir in os.listdir(work):  # the last layer both ranks completed, and nothing half-written
+        assert os.listdir(os.path.join(work, rank_dir)) == [f"layer-{KILL_LAYER - 1:05d}.safetensors"]
+
+    with pytest.raises(AssertionError, match="other arguments"):  # a resume of another run is refused
+        run_world(resumed_other, 2, ck, out, timeout=120)
+    assert run_world(resumed, 2, ck, out, timeout=120) == [KILL_LAYER - 1] * 2
+    assert not os.path.exists(work)
+    export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False)
+    export_hf(out, str(tmp_path / "export-q"), progress=False)
+    assert same_files(str(tmp_path / "export-whole"), str(tmp_path / "export-q"))
+
+
+def resumed_other(ck, out):
+    with ParallelState.from_env(timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, PTQArgs(ck, "nvfp4", out, kv_cache="fp8", calib_size=9, seq_len=16, group_tokens=48,
+                               progress=False, resume=True))
