@@ -28,7 +28,7 @@ LAYERS = (
     ("quant", ("eprt.quant", "eprt.data")),
     ("hf", ("eprt.hf",)),  # the Hugging Face border: convert in, export out, checks
     ("testing", ("eprt.testing",)),  # fixtures the demo, eprt-make-tiny and the tests share
-    ("commands", ("eprt.commands", "eprt.cli")),
+    ("commands", ("eprt.commands", "eprt.cli", "eprt.ptq")),
 )
 ROOT = "eprt"  # the package's own __init__ (it loads the model code on first use): the top layer
 

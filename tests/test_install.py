@@ -72,7 +72,7 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     torchrun = [python, "-m", "torch.distributed.run"]
     sh(*torchrun, "--nproc-per-node", "2", f"--master-port={free_port()}", shutil.which("eprt-ptq", path=env["PATH"]),
        "ck", *PTQ, "--out", "q")
-    dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.commands.ptq", "ck",
+    dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.ptq", "ck",
              "--dry-run")
     assert "world 1 = edp 1 x ep 1" in dry.stdout
     sh("eprt-export", "q", "out", "--no-progress")
