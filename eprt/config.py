@@ -147,7 +147,9 @@ INTEGER_FIELDS = frozenset({
 })
 REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
                          "activation_situ_linear_beta", "gate_lower_bound",
-                         "partial_rotary_factor"})
+                         "partial_rotary_factor",
+                         # the RoPE scaling parameters (rope_scaling / rope_parameters)
+                         "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"})
 
 
 class Fields:
@@ -194,10 +196,13 @@ class Fields:
 
 def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either spelling: v4 `rope_theta` + `rope_scaling`, v5 `rope_parameters`."""
-    params = dict(f.get("rope_parameters", default={}) or {})
-    scaling = f.get("rope_scaling", default=None)
+    params = dict(rope_object(f, "rope_parameters") or {})
+    scaling = rope_object(f, "rope_scaling")
     if scaling:
         params = {**params, **scaling}
+    # each parameter has the type its field needs, named where it stands
+    scoped = Fields(params, f"{f.source} (rope parameters)")
+    params = {k: scoped.checked(k, v) if v is not None else v for k, v in params.items()}
     theta = float(params.pop("rope_theta", f.get("rope_theta", default=default_theta)))
     params.pop("partial_rotary_factor", None)  # how many dims rotate, not how: see read_rotary_dim
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -209,6 +214,15 @@ def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | 
     if "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = f.get("original_max_position_embeddings")
     return theta, {"type": "yarn", **params}
+
+
+def rope_object(f: Fields, name: str) -> dict | None:
+    """`rope_scaling` / `rope_parameters`: absent, null or a JSON object."""
+    value = f.get(name, default=None)
+    if value is not None and not isinstance(value, dict):
+        raise f.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a JSON object of RoPE "
+                       "parameters, or null")
+    return value
 
 
 def read_rotary_dim(f: Fields, head_dim: int, default_factor: float) -> int:

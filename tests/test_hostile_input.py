@@ -145,6 +145,20 @@ def test_a_wrong_type_inside_a_nested_config_names_the_field_and_where_it_is():
         parse_hf_config(hf, "config.json")
 
 
+@pytest.mark.parametrize("rope_scaling,message", [
+    ({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 64},
+     r"\(rope parameters\): field 'factor' is '4' \(str\); it must be a number"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": [32], "original_max_position_embeddings": 64},
+     r"\(rope parameters\): field 'beta_fast' is \[32\] \(list\); it must be a number"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "64"},
+     r"\(rope parameters\): field 'original_max_position_embeddings' is '64' \(str\); it must be an integer"),
+    ("yarn", r"config\.json: field 'rope_scaling' is 'yarn' \(str\); it must be a JSON object"),
+])
+def test_a_wrong_type_in_the_rope_parameters_names_the_parameter(rope_scaling, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_hf_config(tiny_config("deepseek_v3", rope_scaling=rope_scaling), "config.json")
+
+
 @pytest.mark.parametrize("content,message", [
     (b'{"model_type": "qwen3_moe", "name": "caf\xe9"}', r"config\.json: not UTF-8 text \(byte \d+\)"),
     (b'{"model_type": "qwen3_moe",', r"config\.json: not valid JSON"),
