@@ -96,7 +96,8 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
              for n, t in dense.items()]
     place = state.placement(ck.config.num_experts)
     for n, t in experts.items():
-        parts = tuple(Part(experts_file(r), n, (first, first + count)) for r, (first, count) in enumerate(place.ranges()))
+        parts = tuple(Part(experts_file(r), n, (first, first + count))
+                      for r, (first, count) in enumerate(place.ranges()))
         metas.append(TensorMeta(n, t.dtype, (place.num_experts,), "raw", "calibration", parts, t.dtype))
     write_manifest(tmp, manifest(
         ck.family, ck.config, ck.source_config, metas, ck.hf_files,
