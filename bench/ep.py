@@ -84,7 +84,7 @@ def rank_run(ck: str, ep: int, ids: torch.Tensor, dtype_name: str, iters: int) -
                 times.append(time.perf_counter() - start)
         peak = peak_rss()
         dense, experts = weight_bytes(Checkpoint(ck), dtype=dtype,
-                                      expert_range=state.expert_range(model.config.num_experts))
+                                      expert_range=state.placement(model.config.num_experts).range)
     return {"times": times[1:], "peak": peak - before, "activations": max(0, peak - loaded),
             "dense": dense, "experts": experts}
 

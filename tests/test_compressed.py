@@ -208,7 +208,7 @@ def rank_experts(dirs: dict[str, tuple[str, str]], ep: int) -> dict:
         out = {}
         for fmt, (hf, ck_dir) in dirs.items():
             weights = eprt.load_model(ck_dir, dtype=torch.bfloat16, parallel=state).state_dict()
-            first, count = state.expert_range(E)
+            first, count = state.placement(E).range
             want = library_decompressed(hf)
             out[fmt] = (first, count), [torch.equal(weights[f"{moe}.w{k}"], w)
                                         for moe in MOE for k, w in zip((13, 2), expert_rows(want, moe, first, first + count))]

@@ -86,7 +86,7 @@ def _dispatch_layouts(ep_list, ports):
         os.environ["MASTER_PORT"] = str(port)
         with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=30)) as state:
             dispatch = EPDispatcher(state)
-            first, count = state.expert_range(E)
+            first, count = state.placement(E).range
             for name, x, ids, weights, experts_cls in _cases(state.rank, state.world, ep):
                 y = dispatch(x, ids, weights, experts_cls(first, count))
                 ref = reference(x, ids, weights, experts_cls)
@@ -138,6 +138,6 @@ def test_dispatch_refuses_wrong_expert_range():
 def test_source_to_expert_order():
     # Rank 0 sent 2 rows for local expert 0 and 1 for expert 2; rank 1 sent 1 for expert 0
     # and 3 for expert 1.
-    counts_SL = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    assert source_to_expert_order(counts_SL).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    counts_PL = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    assert source_to_expert_order(counts_PL).tolist() == [0, 1, 3, 4, 5, 6, 2]
     assert source_to_expert_order(torch.zeros(2, 2, dtype=torch.int64)).tolist() == []

@@ -55,7 +55,7 @@ def test_device_refusals():
 def test_single_process_state():
     state = ParallelState.single("cpu")
     assert (state.rank, state.world, state.ep_rank, state.ep_size, state.edp_rank, state.edp_size) == (0, 1, 0, 1, 0, 1)
-    assert state.expert_range(6) == (0, 6)
+    assert state.placement(6).range == (0, 6)
     t = torch.tensor([3.0])
     assert state.all_reduce(t, "edp") is t and t.item() == 3.0
     state.close()
@@ -95,7 +95,7 @@ def _describe(state):
     # The groups carry traffic: the ep group's max rank, and the edp group's sum of ranks.
     mx = state.all_reduce(torch.tensor([float(state.rank)]), "ep")
     sm = state.all_reduce(torch.tensor([float(state.rank)]), "edp", dist.ReduceOp.SUM)
-    return ranks, coords, list(state.ep_ranks), list(state.edp_ranks), state.expert_range(8), \
+    return ranks, coords, list(state.ep_ranks), list(state.edp_ranks), state.placement(8).range, \
         state.backend, str(state.device), mx.item(), sm.item()
 
 

@@ -78,15 +78,15 @@ def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None
     """Every rank works out its own share and memory plan from the manifest; rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
-        first, count = state.expert_range(c.num_experts)
-        dense, experts = weight_bytes(ck, dtype=dtype, expert_range=(first, count) if c.moe_layers else None)
+        held = state.placement(c.num_experts).range
+        dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
         plan = Planner.of(ck, dtype, state.device).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
             baseline=memory_in_use(state.device))
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
-                "experts": {layer: (first, count) for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,
+                "experts": {layer: held for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,
                 "peak": plan.peak}
     ranks = [mine]
     if state.world > 1:

@@ -109,19 +109,19 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     return out
 
 
-def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_EU: torch.Tensor
+def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_LU: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated expert MLP over work units: (h, y) with, for the rows of unit (e, u),
     h = act(gate, up) of [gate | up] = x @ w13[e].T, and y = h @ w2[e].T.
 
-    x: [M, K], rows sorted by (expert, unit); w13: [E, 2I, K]; w2: [E, K', I]; rows_per_unit_EU:
+    x: [M, K], rows sorted by (expert, unit); w13: [E, 2I, K]; w2: [E, K', I]; rows_per_unit_LU:
     [E, U] row counts. A unit's result depends only on its rows and its expert's weights, however
     the units are batched into calls: on CUDA through Triton's batch-invariant grouped GEMM (and
     elementwise kernels that treat every element alike); on CPU one plain BLAS matmul per unit
     and projection, and the activation per unit too, because the CPU's vectorized elementwise
     loops give an element other bits in the scalar tail than in a vector lane, and where an
     element falls depends on everything before it in the call."""
-    offsets = torch.cumsum(rows_per_unit_EU.sum(1), dim=0, dtype=torch.int32)
+    offsets = torch.cumsum(rows_per_unit_LU.sum(1), dim=0, dtype=torch.int32)
     check_grouped_mm_args(x, w13, offsets)
     if use_triton(x):
         from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
@@ -131,7 +131,7 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
     h = x.new_empty(x.shape[0], w13.shape[1] // 2)
     y = x.new_empty(x.shape[0], w2.shape[1])
     start = 0
-    for e, counts in enumerate(rows_per_unit_EU.tolist()):
+    for e, counts in enumerate(rows_per_unit_LU.tolist()):
         if not any(counts):
             continue
         w13_e, w2_e = _canonical_layout(w13[e]), _canonical_layout(w2[e])

@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """input_ids [B, T] -> final hidden states [B, T, H]."""
+    """input_ids [B, T] -> final hidden states [B, T, D]."""
 
     def __init__(self, c: ModelConfig, layers: list[DecoderLayer]):
         super().__init__()

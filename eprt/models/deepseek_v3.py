@@ -11,6 +11,7 @@ from eprt.models.layers import GatedMLP
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE
 from eprt.models.router import SigmoidGroupRouter
+from eprt.parallel.placement import ExpertPlacement
 
 
 def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Module:
@@ -18,7 +19,7 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     (this process holding `expert_range`) plus the shared experts."""
     if not c.is_moe(i):
         return GatedMLP(c.hidden_size, c.intermediate_size)
-    first, count = expert_range or (0, c.num_experts)
+    first, count = expert_range or ExpertPlacement(c.num_experts).range
     I = c.moe_intermediate_size
     gate = SigmoidGroupRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.n_group,
                               c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)

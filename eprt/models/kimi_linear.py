@@ -19,6 +19,7 @@ from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiTU, silu_mul
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, LatentMoE, MoE
 from eprt.models.router import SigmoidGroupRouter
+from eprt.parallel.placement import ExpertPlacement
 
 
 def activation(c: ModelConfig):
@@ -36,35 +37,35 @@ def attention(c: ModelConfig, i: int) -> nn.Module:
 
 
 def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
-    first, count = expert_range or (0, c.num_experts)
-    H, I, latent = c.hidden_size, c.moe_intermediate_size, c.extra["latent_size"]
-    gate = SigmoidGroupRouter(c.num_experts, H, c.num_experts_per_tok, c.n_group, c.topk_group,
+    first, count = expert_range or ExpertPlacement(c.num_experts).range
+    D, I, latent = c.hidden_size, c.moe_intermediate_size, c.extra["latent_size"]
+    gate = SigmoidGroupRouter(c.num_experts, D, c.num_experts_per_tok, c.n_group, c.topk_group,
                               c.norm_topk_prob, c.routed_scaling_factor)
-    shared = GatedMLP(H, I * c.num_shared_experts, activation(c)) if c.num_shared_experts else None
-    experts = Experts(c.num_experts, first, count, latent or H, I, activation(c))
+    shared = GatedMLP(D, I * c.num_shared_experts, activation(c)) if c.num_shared_experts else None
+    experts = Experts(c.num_experts, first, count, latent or D, I, activation(c))
     if latent:
-        return LatentMoE(gate, experts, shared, H, latent, c.rms_norm_eps if c.extra["latent_norm"] else None)
+        return LatentMoE(gate, experts, shared, D, latent, c.rms_norm_eps if c.extra["latent_norm"] else None)
     return MoE(gate, experts, shared)
 
 
 class KimiDecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, i: int, expert_range: tuple[int, int] | None):
         super().__init__()
-        H, eps = c.hidden_size, c.rms_norm_eps
-        self.input_layernorm = RMSNorm(H, eps)
+        D, eps = c.hidden_size, c.rms_norm_eps
+        self.input_layernorm = RMSNorm(D, eps)
         self.self_attn = attention(c, i)
-        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
         # The checkpoint names a routed layer's MLP block_sparse_moe and a dense one mlp.
         if c.is_moe(i):
             self.block_sparse_moe = sparse_moe(c, expert_range)
         else:
-            self.mlp = GatedMLP(H, c.intermediate_size, activation(c))
+            self.mlp = GatedMLP(D, c.intermediate_size, activation(c))
         block_size = c.extra["attn_res_block_size"]
         self.attn_res = bool(block_size)
         if self.attn_res:
             self.starts_block = i % block_size == 0
-            self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps), Linear(H, 1)
-            self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps), Linear(H, 1)
+            self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(D, eps), Linear(D, 1)
+            self.mlp_res_norm, self.mlp_res_proj = RMSNorm(D, eps), Linear(D, 1)
 
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
@@ -92,7 +93,7 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiDecoder(nn.Module):
-    """input_ids [B, T] -> final hidden states [B, T, H]; no positional embedding anywhere."""
+    """input_ids [B, T] -> final hidden states [B, T, D]; no positional embedding anywhere."""
 
     def __init__(self, c: ModelConfig, layers: list[KimiDecoderLayer]):
         super().__init__()

@@ -13,7 +13,7 @@ from eprt.errors import CheckpointError, ConfigError
 from eprt.families import reader_for
 from eprt.models.decoder import CausalLM
 from eprt.models.registry import model_class
-from eprt.parallel import EPDispatcher, ParallelState, fail_together
+from eprt.parallel import EPDispatcher, ExpertPlacement, ParallelState, fail_together
 from eprt.storage.checkpoint import Checkpoint
 
 
@@ -28,7 +28,7 @@ def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: st
     (`model.set_dispatcher`).
 
     parallel=state loads this rank's share of an expert-parallel run: experts
-    `state.expert_range(E)`, with an `EPDispatcher(state)` on every MoE block. Every rank of the
+    `state.placement(E).range`, with an `EPDispatcher(state)` on every MoE block. Every rank of the
     state must call it. An ep that does not divide the experts is refused on every rank before
     any weight is read, and a failure on any rank raises `RankFailure`, naming that rank, on all.
     """
@@ -43,7 +43,7 @@ def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: st
     ck = open_checkpoint(ckpt_dir, parallel)
     try:
         with fail_together(parallel, "loading the checkpoint"):
-            model = _load(ck, dtype, device or parallel.device, parallel.expert_range(ck.config.num_experts))
+            model = _load(ck, dtype, device or parallel.device, parallel.placement(ck.config.num_experts).range)
     finally:
         ck.close()
     model.set_dispatcher(lambda layer, block: EPDispatcher(parallel))
@@ -85,7 +85,7 @@ def weight_bytes(ck: Checkpoint, *, dtype: torch.dtype, expert_range: tuple[int,
 def _meta_model(ck: Checkpoint, expert_range) -> tuple[CausalLM, set[str]]:
     """The model built on the meta device for `expert_range`, and the names of its stacked expert tensors."""
     c = ck.config
-    first, count = expert_range or (0, c.num_experts)
+    first, count = expert_range or ExpertPlacement(c.num_experts).range
     if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
         raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {ck.path}")
     with torch.device("meta"):
@@ -116,7 +116,7 @@ def assign_tensors(ck: Checkpoint, model, names: list[str], stacked: set[str], *
                    expert_range: tuple[int, int] | None) -> int:
     """Read tensors `names` of `model` (only the rows of `expert_range` of stacked experts) into
     their places, one tensor in flight; returns the bytes placed."""
-    first, count = expert_range or (0, ck.config.num_experts)
+    first, count = expert_range or ExpertPlacement(ck.config.num_experts).range
     placed = 0
     for name in names:
         module, _, attr = name.rpartition(".")

@@ -30,18 +30,18 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         qk = self.nope + self.rope
-        H = c.hidden_size
+        D = c.hidden_size
         if c.q_lora_rank:
-            self.q_a_proj = Linear(H, c.q_lora_rank)
+            self.q_a_proj = Linear(D, c.q_lora_rank)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk)
         else:
-            self.q_proj = Linear(H, c.num_heads * qk)
-        self.kv_a_proj_with_mqa = Linear(H, c.kv_lora_rank + self.rope)
+            self.q_proj = Linear(D, c.num_heads * qk)
+        self.kv_a_proj_with_mqa = Linear(D, c.kv_lora_rank + self.rope)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (self.nope + self.v_dim))
-        self.o_proj = Linear(c.num_heads * self.v_dim, H)
-        self.g_proj = Linear(H, c.num_heads * self.v_dim) if output_gate else None
+        self.o_proj = Linear(c.num_heads * self.v_dim, D)
+        self.g_proj = Linear(D, c.num_heads * self.v_dim) if output_gate else None
         self.use_rope = not nope
         self.scale = qk ** -0.5 * (1.0 if nope else yarn_softmax_scale(c.rope_scaling))
         self.q_lora = bool(c.q_lora_rank)

@@ -17,8 +17,8 @@ from eprt.models.layers import Linear, RMSNorm, silu_mul
 
 
 class Experts(nn.Module):
-    """Experts [first, first + count) of num_experts, stacked: w13 [count, 2I, H] (gate rows,
-    then up rows), w2 [count, H, I]; each computes w2 act(gate x, up x), act silu(gate) * up unless given."""
+    """Experts [first, first + count) of num_experts, stacked: w13 [count, 2I, D] (gate rows,
+    then up rows), w2 [count, D, I]; each computes w2 act(gate x, up x), act silu(gate) * up unless given."""
 
     def __init__(self, num_experts: int, first: int, count: int, hidden: int, width: int, act=silu_mul):
         super().__init__()
@@ -131,7 +131,7 @@ class LatentMoE(MoE):
         topk_ids_TK, topk_weights_TK = self.gate(x_TD)
         return self.routed_expert_down_proj(x_TD), topk_ids_TK, topk_weights_TK
 
-    def routed_out(self, y_TL: torch.Tensor) -> torch.Tensor:
+    def routed_out(self, y_TZ: torch.Tensor) -> torch.Tensor:
         if self.routed_expert_norm is not None:
-            y_TL = self.routed_expert_norm(y_TL)
-        return self.routed_expert_up_proj(y_TL)
+            y_TZ = self.routed_expert_norm(y_TZ)
+        return self.routed_expert_up_proj(y_TZ)

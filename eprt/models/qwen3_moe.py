@@ -8,11 +8,12 @@ from eprt.models.decoder import CausalLM, DecoderLayer
 from eprt.models.layers import GatedMLP
 from eprt.models.moe import Experts, MoE
 from eprt.models.router import SoftmaxRouter
+from eprt.parallel.placement import ExpertPlacement
 
 
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        first, count = expert_range or (0, c.num_experts)
+        first, count = expert_range or ExpertPlacement(c.num_experts).range
 
         def mlp(i: int):
             if not c.is_moe(i):

@@ -18,16 +18,17 @@ from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.layers import GatedMLP, ZeroCenteredRMSNorm
 from eprt.models.moe import Experts, GatedSharedExpertMoE
 from eprt.models.router import SoftmaxRouter
+from eprt.parallel.placement import ExpertPlacement
 
 
 def mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Module:
-    H = c.hidden_size
+    D = c.hidden_size
     if not c.is_moe(i):
-        return GatedMLP(H, c.intermediate_size)
-    first, count = expert_range or (0, c.num_experts)
-    return GatedSharedExpertMoE(SoftmaxRouter(c.num_experts, H, c.num_experts_per_tok, c.norm_topk_prob),
-                                Experts(c.num_experts, first, count, H, c.moe_intermediate_size),
-                                GatedMLP(H, c.qwen_next.shared_expert_intermediate_size), H)
+        return GatedMLP(D, c.intermediate_size)
+    first, count = expert_range or ExpertPlacement(c.num_experts).range
+    return GatedSharedExpertMoE(SoftmaxRouter(c.num_experts, D, c.num_experts_per_tok, c.norm_topk_prob),
+                                Experts(c.num_experts, first, count, D, c.moe_intermediate_size),
+                                GatedMLP(D, c.qwen_next.shared_expert_intermediate_size), D)
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.kernels import combine, permute
+from eprt.parallel.placement import ExpertPlacement
 from eprt.parallel.state import ParallelState
 
 
@@ -23,16 +24,12 @@ class EPDispatcher:
     """
 
     def __init__(self, state: ParallelState):
-        self.group, self.ep_size, self.ep_rank = state.ep_group, state.ep_size, state.ep_rank
+        self.state, self.group, self.ep_size = state, state.ep_group, state.ep_size
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor, experts) -> torch.Tensor:
-        E, L = experts.num_experts, experts.count
-        if L * self.ep_size != E or experts.first != self.ep_rank * L:
-            raise ValueError(
-                f"ep rank {self.ep_rank} of {self.ep_size} must hold experts "
-                f"[{self.ep_rank * E // self.ep_size}, {(self.ep_rank + 1) * E // self.ep_size}) "
-                f"of {E}, but holds [{experts.first}, {experts.first + L})")
+        E = experts.num_experts
+        _check_holds(self.state.placement(E), experts)
         # Rows sorted by global expert are grouped by destination rank, since rank r holds
         # the r-th block of experts: [dest rank][local expert].
         x_sorted, tokens_per_expert_E, order = permute(x_TD, topk_ids_TK, E)
@@ -51,34 +48,43 @@ class EPDispatcher:
     def _exchange(self, x_sorted, tokens_per_expert_E, experts) -> torch.Tensor:
         """Run this rank's routed rows on their owners' experts; return results in x_sorted's order."""
         ep, L = self.ep_size, experts.count
-        sent_SL = tokens_per_expert_E.view(ep, L)
-        recv_SL = torch.empty_like(sent_SL)  # [source rank][local expert]
-        dist.all_to_all_single(recv_SL, sent_SL, group=self.group)
-        send_splits = sent_SL.sum(1).tolist()
-        recv_splits = recv_SL.sum(1).tolist()
+        sent_PL = tokens_per_expert_E.view(ep, L)
+        recv_PL = torch.empty_like(sent_PL)  # [source rank][local expert]
+        dist.all_to_all_single(recv_PL, sent_PL, group=self.group)
+        send_splits = sent_PL.sum(1).tolist()
+        recv_splits = recv_PL.sum(1).tolist()
 
         x_recv = _all_to_all_rows(x_sorted, recv_splits, send_splits, self.group)
-        to_local = source_to_expert_order(recv_SL)
-        y_local = experts(x_recv[to_local], recv_SL.sum(0))
+        to_local = source_to_expert_order(recv_PL)
+        y_local = experts(x_recv[to_local], recv_PL.sum(0))
         y_recv = torch.empty_like(y_local)
         y_recv[to_local] = y_local
         return _all_to_all_rows(y_recv, send_splits, recv_splits, self.group)
 
 
-def source_to_expert_order(counts_SL: torch.Tensor) -> torch.Tensor:
+def _check_holds(place: ExpertPlacement, experts) -> None:
+    """Refuse experts other than the ones `place` gives this rank: the exchanges assume them."""
+    if (experts.first, experts.count) != place.range:
+        first, count = place.range
+        raise ValueError(
+            f"ep rank {place.ep_rank} of {place.ep_size} must hold experts [{first}, {first + count}) "
+            f"of {place.num_experts}, but holds [{experts.first}, {experts.first + experts.count})")
+
+
+def source_to_expert_order(counts_PL: torch.Tensor) -> torch.Tensor:
     """Row gather that turns [source rank][local expert] blocks into [local expert][source rank].
 
-    counts_SL[s, l] rows of local expert l came from rank s. Within a block rows keep their order.
+    counts_PL[p, l] rows of local expert l came from peer rank p. Within a block rows keep their order.
     """
-    S, L = counts_SL.shape
-    counts = counts_SL.reshape(-1)
-    starts_SL = (torch.cumsum(counts, 0) - counts).view(S, L)
-    counts_LS, starts_LS = counts_SL.T.reshape(-1), starts_SL.T.reshape(-1)
+    P, L = counts_PL.shape
+    counts = counts_PL.reshape(-1)
+    starts_PL = (torch.cumsum(counts, 0) - counts).view(P, L)
+    counts_LP, starts_LP = counts_PL.T.reshape(-1), starts_PL.T.reshape(-1)
     n = int(counts.sum())
-    block_of_row = torch.repeat_interleave(torch.arange(S * L, device=counts.device), counts_LS, output_size=n)
-    first_row_LS = torch.cumsum(counts_LS, 0) - counts_LS
-    offset_in_block = torch.arange(n, device=counts.device) - first_row_LS[block_of_row]
-    return starts_LS[block_of_row] + offset_in_block
+    block_of_row = torch.repeat_interleave(torch.arange(P * L, device=counts.device), counts_LP, output_size=n)
+    first_row_LP = torch.cumsum(counts_LP, 0) - counts_LP
+    offset_in_block = torch.arange(n, device=counts.device) - first_row_LP[block_of_row]
+    return starts_LP[block_of_row] + offset_in_block
 
 
 def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -116,14 +122,15 @@ class UnitDispatcher:
         unit_T: each token's global group; units: (first, count) of the groups this step holds
         (the same on every rank)."""
         st, E, L = self.state, experts.num_experts, experts.count
+        place = st.placement(E)
+        _check_holds(place, experts)
         first_unit, U = units
         K = topk_ids_TK.shape[1]
         ids_R = topk_ids_TK.reshape(-1)
         unit_R = (unit_T - first_unit).repeat_interleave(K)
-        owner_ep_R = ids_R // L
-        dest_R = ((unit_R + first_unit) % st.edp_size) * st.ep_size + owner_ep_R
+        dest_R = place.owner_of(ids_R, unit_R + first_unit)
         # the owner sorts what it receives by (local expert, unit, key): one int64 says it all
-        sort_key_R = ((ids_R % L) * U + unit_R) * self.keyspace + key_TK.reshape(-1)
+        sort_key_R = (place.local_of(ids_R) * U + unit_R) * self.keyspace + key_TK.reshape(-1)
         order_R = torch.argsort(dest_R, stable=True)
         x_sent = x_TD.index_select(0, order_R // K)
         key_sent = sort_key_R.index_select(0, order_R)

@@ -2,8 +2,8 @@
 
 The world factors as edp x ep for the routed experts, ep innermost (Megatron's order): with
 world 8 and ep 4 the ep groups are [0-3], [4-7] and the edp groups [0,4], [1,5], [2,6], [3,7].
-Rank r of an ep group holds experts [r*E/ep, (r+1)*E/ep); the edp group of a rank is the set of
-ranks holding the same experts. The dense part is data parallel over the whole world.
+Rank r of an ep group holds the r-th block of E/ep experts (`ParallelState.placement`); the edp
+group of a rank is the set of ranks holding the same experts. The dense part is data parallel over the whole world.
 
 Beside the process groups, every rank keeps a client of the run's key-value store.
 The fail-together guard reports outcomes through it, so a report still gets through when a
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.errors import ConfigError
+from eprt.parallel.placement import ExpertPlacement
 from eprt.parallel.liveness import (Heartbeat, install_signal_handlers, peer_timeout_s, post,
                                     restore_signal_handlers, stopping, wait_posted)
 
@@ -167,11 +168,10 @@ class ParallelState:
         """Refuse, alike on every rank, a layer whose routed experts do not split over ep."""
         check_ep(self.world, self.ep_size, num_experts)
 
-    def expert_range(self, num_experts: int) -> tuple[int, int]:
-        """(first, count): this rank holds routed experts [first, first + count)."""
+    def placement(self, num_experts: int) -> ExpertPlacement:
+        """Where this rank's routed experts, and every expert's owner, are in this layout."""
         self.check_experts(num_experts)
-        count = num_experts // self.ep_size
-        return self.ep_rank * count, count
+        return ExpertPlacement(num_experts, self.ep_size, self.ep_rank, self.edp_size, self.edp_rank)
 
     def all_reduce(self, tensor: torch.Tensor, over: str = "dp",
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> torch.Tensor:

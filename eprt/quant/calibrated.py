@@ -94,11 +94,11 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
     save_tensors(os.path.join(tmp, DENSE_FILE), dense)
     metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration", (Part(DENSE_FILE, n, (0, 0)),), t.dtype)
              for n, t in dense.items()]
-    E, ep = ck.config.num_experts, state.ep_size
+    place = state.placement(ck.config.num_experts)
     for n, t in experts.items():
-        count = E // ep
-        parts = tuple(Part(experts_file(r), n, (r * count, (r + 1) * count)) for r in range(ep))
-        metas.append(TensorMeta(n, t.dtype, (E,), "raw", "calibration", parts, t.dtype))
+        parts = tuple(Part(experts_file(r), n, (first, first + count))
+                      for r, (first, count) in enumerate(place.ranges()))
+        metas.append(TensorMeta(n, t.dtype, (place.num_experts,), "raw", "calibration", parts, t.dtype))
     write_manifest(tmp, manifest(
         ck.family, ck.config, ck.source_config, metas, ck.hf_files,
         base=base_reference(out, ck.path),

@@ -113,7 +113,7 @@ class LayerEngine:
         self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
         self.samples, self.progress = samples, progress
         c = ck.config
-        self.expert_range = state.expert_range(c.num_experts) if c.moe_layers else None
+        self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
         self.model, self.stacked = meta_model(ck, self.expert_range)
         ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()

@@ -136,30 +136,30 @@ class Planner:
     def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
              baseline: int) -> MemoryPlan:
         c, b = self.ck.config, self.dtype.itemsize
-        H, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
+        D, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
         n_mine = len(own_sequences(num_sequences, rank, world))
         block_size = c.extra.get("attn_res_block_size") or 0
         snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
-        hidden = n_mine * T * H * b * (1 + snapshots)
+        hidden = n_mine * T * D * b * (1 + snapshots)
         layer, reading = self._layer(ep)
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        D = c.extra.get("latent_size") or H  # the routed experts' width
+        W = c.extra.get("latent_size") or D  # the routed experts' width
         widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
         R = t * K if c.moe_layers else 0
         # kept until the step's exchange returns, per token: the residual and the MLP input, the
         # experts' input per sequence and concatenated
-        pending = t * (2 * H + 2 * D) * b
+        pending = t * (2 * D + 2 * W) * b
         # one sequence's attention transients, and of a dense MLP
-        attention = 6 * T * H * b + 2 * c.num_heads * T * T * 4
+        attention = 6 * T * D * b + 2 * c.num_heads * T * T * 4
         dense_mlp = 3 * T * widest * b
         # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
         # activation and outputs; then the returns, gathered and widened to fp32 to combine;
         # with a handful of int64 indices per copy throughout
         moved = 3 if world == 1 else 4
-        routed = R * (max(moved * D * b + widest * b, 3 * D * b + 4 * D) + 8 * 8) + t * D * 4
-        snapshot = n_mine * T * H * b if snapshots else 0
+        routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
+        snapshot = n_mine * T * D * b if snapshots else 0
         step = pending + attention + dense_mlp + routed + snapshot
         return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
 

@@ -139,8 +139,8 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
                       format_bytes(plan.step), format_bytes(plan.baseline))
     if not a.preview:
         return plan, False
-    first, count = state.expert_range(c.num_experts) if c.moe_layers else (0, 0)
-    whole = sum(weight_bytes(ck, dtype=RUN_DTYPES[a.dtype], expert_range=(first, count) if c.moe_layers else None))
+    mine = state.placement(c.num_experts).range if c.moe_layers else None
+    whole = sum(weight_bytes(ck, dtype=RUN_DTYPES[a.dtype], expert_range=mine))
     fits = plan.peak + whole <= limit
     if not fits and state.rank == 0:
         logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
@@ -189,7 +189,7 @@ def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
     """Rank 0 prints, per MoE layer, the tokens each expert received and the experts none reached."""
     log = logger()
     for module, tokens in cal.expert_tokens.items():
-        first = state.ep_rank * tokens.shape[0]
+        first = state.placement(num_experts).first
         full = torch.zeros(num_experts, dtype=torch.int64)
         full[first:first + tokens.shape[0]] = tokens
         state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM)
