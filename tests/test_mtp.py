@@ -12,7 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from eprt.hf.convert import convert_hf
 from eprt.models.deepseek_v3 import load_mtp
+from eprt.models.loader import load_model
 from eprt.models.rope import Rotary
+from eprt.parallel import ParallelState
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.engine import LayerEngine, Schedule
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 
@@ -79,3 +83,47 @@ def test_the_mtp_layer_runs_as_the_engines_do(tiny, tmp_path):
     stacked = {n for n in names if n.endswith((".w13", ".w2"))}
     hf_names = {n for n in t if n.startswith(p)}
     assert {n for n in hf_names if ".experts." not in n} == names - stacked
+
+
+def mtp_targets(layers: int) -> list[str]:
+    """The MTP layer's quantizable Linears the engine runs (its shared head is the model's head's
+    kind and stays unquantized), its routed experts as one module."""
+    p = f"model.layers.{layers}."
+    attn = ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+            "self_attn.o_proj"]
+    mlp = ["mlp.experts", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]
+    return [p + n for n in ["eh_proj", *attn, *mlp]]
+
+
+def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(tiny):
+    """After the last decoder layer the engine runs the MTP layer on the final hidden states (before
+    the final norm) and the next tokens, recording its input amax, expert amax and tokens and KV amax
+    as one forward of the whole batch through the MTP layer does."""
+    _, ck_dir = tiny
+    samples = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(0))
+    names = mtp_targets(LAYERS)
+    model = load_model(ck_dir, dtype=torch.float32)
+    captured = {}
+    model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=out))
+    with Checkpoint(ck_dir) as ck, torch.inference_mode():
+        model(samples)
+        mtp = load_mtp(ck, 0, dtype=torch.float32, device="cpu")
+        whole = Calibrator(None, names, kv=True)
+        whole.observe(mtp, f"model.layers.{LAYERS}.")
+        mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
+        layered = Calibrator(None, names, kv=True)
+        engine = LayerEngine(ParallelState.single("cpu"), ck, layered, samples, dtype=torch.float32,
+                             schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
+        engine.run(0, engine.embed())
+    assert set(whole.input_amax) == set(names) - {f"model.layers.{LAYERS}.mlp.experts"}
+    for name, amax in whole.input_amax.items():
+        assert amax > 0, name
+        torch.testing.assert_close(layered.input_amax[name], amax, rtol=1e-5, atol=0, msg=name)
+    mtp_kv = f"model.layers.{LAYERS}.self_attn"
+    assert mtp_kv in layered.kv_amax
+    torch.testing.assert_close(torch.stack(layered.kv_amax[mtp_kv]), torch.stack(whole.kv_amax[mtp_kv]), rtol=1e-5,
+                               atol=0)
+    experts = f"model.layers.{LAYERS}.mlp.experts"
+    torch.testing.assert_close(torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]),
+                               rtol=1e-5, atol=0)
+    assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])

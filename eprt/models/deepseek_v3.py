@@ -59,15 +59,15 @@ class DeepseekV3MTP(DecoderLayer):
         self.eh_proj = Linear(2 * H, H)
         self.shared_head = SharedHead(c)
 
-    def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The decoder layer's input for sequences `input_ids` [B, T] whose last decoder layer gave
-        `hidden` [B, T, H] (before the final norm): at position t,
-        eh_proj(cat(enorm(embed(token[t + 1])), hnorm(hidden[t]))), the embedding first, as vLLM's
-        deepseek_mtp.py and DeepSeek's own inference code concatenate. The last position has no
-        next token in a calibration sample: its embedding is zero, as vLLM zeroes one it has none for."""
-        next_ids = input_ids[:, 1:]
-        emb = self.embed_tokens(next_ids)
-        emb = torch.cat([emb, emb.new_zeros(emb.shape[0], 1, emb.shape[2])], dim=1)
+    def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """The decoder layer's input for sequences `input_ids` [B, T] whose last decoder layer (or
+        previous MTP layer) gave `hidden` [B, T, H] (before the final norm): at position t,
+        eh_proj(cat(enorm(embed(token[t + shift])), hnorm(hidden[t]))), the embedding first, as vLLM's
+        deepseek_mtp.py and DeepSeek's own inference code concatenate (MTP layer k predicts with
+        shift k + 1). The last positions have no such token in a calibration sample: their
+        embedding is zero, as vLLM zeroes one it has none for."""
+        emb = self.embed_tokens(input_ids[:, shift:])
+        emb = torch.cat([emb, emb.new_zeros(emb.shape[0], input_ids.shape[1] - emb.shape[1], emb.shape[2])], dim=1)
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
 
 
