@@ -127,3 +127,16 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
     torch.testing.assert_close(torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]),
                                rtol=1e-5, atol=0)
     assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
+
+
+def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
+    """An expert-parallel rank builds the MTP layer with its own routed experts, stacked as the
+    decoder layers hold theirs: rows [first, first + count) of the whole layer's."""
+    _, ck_dir = tiny
+    with Checkpoint(ck_dir) as ck:
+        whole = load_mtp(ck, 0, dtype=torch.float32, device="cpu")
+        half = load_mtp(ck, 0, dtype=torch.float32, device="cpu", expert_range=(4, 4))
+    for name in ("w13", "w2"):
+        torch.testing.assert_close(getattr(half.mlp.experts, name), getattr(whole.mlp.experts, name)[4:8],
+                                   rtol=0, atol=0)
+    assert half.mlp.experts.w13.shape[0] == 4
