@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from eprt.config import Fields, ModelConfig, read_rope
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
@@ -83,6 +85,21 @@ def mtp_passthrough(c: ModelConfig) -> tuple[str, ...]:
     """The multi-token-prediction layers follow the decoder layers; the causal LM does not run them,
     but export must write them back, so convert carries them through as they are."""
     return tuple(rf"model\.layers\.{c.num_layers + k}\..+" for k in range(c.num_nextn_predict_layers))
+
+
+def mtp_layout(c: ModelConfig, k: int, attention=mla_attention) -> Layout:
+    """MTP layer k's tensors as the releases store them (`model.layers.{num_hidden_layers + k}`):
+    a decoder layer (MoE when the model has MoE layers, as DeepSeek-V3's last layer is) plus its
+    own embedding table, enorm, hnorm, eh_proj and shared head."""
+    H, index = c.hidden_size, c.num_layers + k
+    p = f"model.layers.{index}"
+    moe = replace(c, moe_layers=c.moe_layers + (index,)) if c.moe_layers else c
+    specs = [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+    specs += attention(f"{p}.self_attn", c) + mlp(p, moe, index)
+    specs += [plain(f"{p}.enorm.weight", H), plain(f"{p}.hnorm.weight", H), plain(f"{p}.eh_proj.weight", H, 2 * H),
+              plain(f"{p}.embed_tokens.weight", c.vocab_size, H), plain(f"{p}.shared_head.norm.weight", H),
+              plain(f"{p}.shared_head.head.weight", c.vocab_size, H)]
+    return Layout(tuple(specs))
 
 
 def decoder_layout(c: ModelConfig, attention) -> Layout:

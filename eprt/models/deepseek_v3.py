@@ -3,11 +3,14 @@ the first `first_k_dense_replace` layers dense."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from eprt.config import ModelConfig
-from eprt.models.decoder import CausalLM, DecoderLayer
-from eprt.models.layers import GatedMLP
+from eprt.families import family
+from eprt.families.deepseek_v3 import mtp_layout
+from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
+from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE
 from eprt.models.router import SigmoidGroupRouter
@@ -26,7 +29,68 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     shared = GatedMLP(c.hidden_size, I * c.num_shared_experts) if c.num_shared_experts else None
     return MoE(gate, Experts(c.num_experts, first, count, c.hidden_size, I), shared)
 
+
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, [DecoderLayer(c, MLAttention(c), deepseek_mlp(c, i, expert_range))
                              for i in range(c.num_layers)])
+
+
+class SharedHead(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = Linear(c.hidden_size, c.vocab_size)
+
+
+class DeepseekV3MTP(DecoderLayer):
+    """One multi-token-prediction layer (`model.layers.{num_hidden_layers + k}`): its own embedding
+    table, two norms and `eh_proj` in front of a full decoder layer (MLA attention, the MoE of the
+    last decoder layer's kind), and a shared head behind it. Its tensors sit beside the decoder
+    layer's, under the same prefix, as the released checkpoints store them."""
+
+    def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
+        # the MTP layer is MoE whenever the model has MoE layers (DeepSeek-V3's last layer is)
+        mlp_layer = c.moe_layers[-1] if c.moe_layers else 0
+        super().__init__(c, MLAttention(c), deepseek_mlp(c, mlp_layer, expert_range))
+        H = c.hidden_size
+        self.embed_tokens = Embedding(c.vocab_size, H)
+        self.enorm = RMSNorm(H, c.rms_norm_eps)
+        self.hnorm = RMSNorm(H, c.rms_norm_eps)
+        self.eh_proj = Linear(2 * H, H)
+        self.shared_head = SharedHead(c)
+
+    def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """The decoder layer's input for sequences `input_ids` [B, T] whose last decoder layer (or
+        previous MTP layer) gave `hidden` [B, T, H] (before the final norm): at position t,
+        eh_proj(cat(enorm(embed(token[t + shift])), hnorm(hidden[t]))), the embedding first, as vLLM's
+        deepseek_mtp.py and DeepSeek's own inference code concatenate (MTP layer k predicts with
+        shift k + 1). The last positions have no such token in a calibration sample: their
+        embedding is zero, as vLLM zeroes one it has none for."""
+        emb = self.embed_tokens(input_ids[:, shift:])
+        emb = torch.cat([emb, emb.new_zeros(emb.shape[0], input_ids.shape[1] - emb.shape[1], emb.shape[2])], dim=1)
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+
+
+def load_mtp(ck, k: int, *, dtype: torch.dtype, device, expert_range: tuple[int, int] | None = None) -> DeepseekV3MTP:
+    """MTP layer k of checkpoint `ck` (`eprt.storage.checkpoint.Checkpoint`), built from the tensors
+    convert carries through under their Hugging Face names: the routed experts of `expert_range`
+    stacked as the decoder layers hold theirs, the router's tensors in fp32 as everywhere."""
+    c = ck.config
+    first, count = expert_range or (0, c.num_experts)
+    with torch.device("meta"):
+        mtp = DeepseekV3MTP(c, (first, count))
+    mtp.requires_grad_(False)
+    prefix = f"model.layers.{c.num_layers + k}."
+    fam = family(c.family)
+    for spec in mtp_layout(c, k).specs:
+        if spec.stacked:
+            rows = [torch.cat([ck.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
+                    for e in range(first, first + count)]
+            t = torch.stack(rows)
+        else:
+            t = ck.read(spec.name)
+        t = t.to(device=device, dtype=torch.float32 if fam.keeps_fp32(spec.name) else dtype)
+        module, _, attr = spec.name[len(prefix):].rpartition(".")
+        mtp.get_submodule(module).load_state_dict({attr: t}, strict=False, assign=True)
+    return mtp

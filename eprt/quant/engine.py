@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt.storage.checkpoint import Checkpoint
+from eprt.models.deepseek_v3 import load_mtp
 from eprt.models.loader import assign_tensors, meta_model
 from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
@@ -147,7 +148,38 @@ class LayerEngine:
                 ls = self.run_layer(i, ls, pb)
                 if after_layer is not None:
                     after_layer(i, ls)
+            self.run_mtp(ls)
         return ls
+
+    def mtp_prefixes(self) -> list[str]:
+        """The multi-token-prediction layers the recipe quantizes a module of (DeepSeek-V3's
+        `model.layers.{num_hidden_layers + k}`), in order; the chain stops at the first it skips."""
+        c = self.ck.config
+        out = []
+        for k in range(c.num_nextn_predict_layers):
+            prefix = f"{self.prefix}layers.{c.num_layers + k}."
+            if not any(t.startswith(prefix) for t in self.cal.targets):
+                break
+            out.append(prefix)
+        return out
+
+    def run_mtp(self, ls: LayerState) -> None:
+        """After the last decoder layer, each MTP layer the recipe quantizes, as the engines run
+        them: on the final hidden states (before the final norm) and the next tokens' embeddings,
+        its decoder layer over the same steps and work units as the others. `ls` is left as it is."""
+        ids = self.samples[self.mine].to(self.state.device)
+        hidden = ls.hidden
+        for k, prefix in enumerate(self.mtp_prefixes()):
+            mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
+            self.cal.observe(mtp, prefix)
+            try:
+                mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
+                for step in range(self.schedule.num_steps):
+                    self._run_step(mtp, step, mtp_ls)
+            finally:
+                self.cal.close()
+            hidden = mtp_ls.hidden
+            mtp.to_empty(device="meta")
 
     def run_layer(self, i: int, ls: LayerState, pb) -> LayerState:
         layer = self.decoder.layers[i]

@@ -57,16 +57,18 @@ def mtp_modules(layout: Layout, modules: dict) -> list[str]:
 
 
 def refuse_mtp_rules(layout: Layout, modules: dict, recipe: Recipe, where: str) -> None:
-    """The MTP layers are carried through unquantized (calibrating them needs their forward on the
-    last layer's hidden states, which eprt does not run): a rule written for them alone, one that
+    """The MTP layers are carried through unquantized: the layer-major engine can run them on the
+    last layer's hidden states (LayerEngine.run_mtp), but convert carries their tensors under
+    their Hugging Face names outside the layout, and export has no companions for them yet. A
+    rule written for them alone, one that
     quantizes an MTP module and none of the model's own, is refused by name. A rule matching both
     leaves the MTP layers unquantized, excluded by name in the export."""
     for mtp in mtp_modules(layout, modules):
         rule = next(((p, f) for p, f in recipe.rules if fnmatch.fnmatchcase(mtp, p)), None)
         if rule and rule[1] != "none" and not any(fnmatch.fnmatchcase(m, rule[0]) for m in modules):
             raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule[0]!r}, format: "
-                              f"{rule[1]}}}), a multi-token-prediction layer; eprt cannot calibrate MTP layers yet "
-                              "and exports them unquantized: drop the rule or give it format none")
+                              f"{rule[1]}}}), a multi-token-prediction layer; eprt cannot export MTP layers quantized yet "
+                              "and writes them back unquantized: drop the rule or give it format none")
 
 
 def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
