@@ -94,11 +94,12 @@ _QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q,
 
 
 def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of f/4 for fp32 `f` (4x, exact): one table lookup per element instead of a
-    comparison per midpoint. floor(f) + ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping
-    to [-Q, Q-1] first keeps both where every code saturates."""
-    f = f.clamp(-_Q, _Q - 1)
-    key = torch.floor(f).add_(torch.ceil(f)).to(torch.int32).add_(2 * _Q)
+    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites (no fresh buffers: they
+    cost more than the arithmetic): one table lookup per element instead of a comparison per
+    midpoint. floor(f) + ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to
+    [-Q, Q-1] first keeps both where every code saturates."""
+    f.clamp_(-_Q, _Q - 1)
+    key = torch.floor(f).add_(f.ceil_()).to(torch.int32).add_(2 * _Q)
     return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
 
 
@@ -117,7 +118,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     # Each pair of codes read as one little-endian int16 is c0 + 256*c1 (codes < 16), so
     # (v | v >> 4) holds c0 | c1 << 4 in its low byte: one pass, not two strided ones.
     pairs = codes.view(torch.int16)
-    return (pairs | (pairs >> 4)).bitwise_and_(0xFF).to(torch.uint8)
+    return (pairs >> 4).bitwise_or_(pairs).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
