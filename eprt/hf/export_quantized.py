@@ -76,28 +76,36 @@ class QuantizedExport:
 
     # --- quantization -----------------------------------------------------------------------
     @functools.lru_cache(maxsize=2)
+    def quantized_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
+        """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call,
+        with the per-tensor scale they share: rows quantize independently, so each piece is a
+        slice of it, the same bytes as quantized alone."""
+        fmt = self.scales.formats[module]
+        w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
+        if fmt == "fp8":
+            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
+            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
+            return {"weight": quantize_fp8(w.to(self.ck.meta(name).source_dtype), w_scale), "weight_scale": w_scale}
+        q, block_scale = quantize_nvfp4(w, w_scale)
+        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+
+    @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
         """Every tensor of one quantized Linear, by its ModelOpt suffix (weight, weight_scale, ...)."""
         if hf_weight in self.experts:
             x = self.experts[hf_weight]
-            module, fmt = x.module, self.scales.formats[x.module]
-            row = self.expert_row(x.spec.name, x.expert)
-            h = row.shape[0] // x.spec.per_row
-            w = row[x.piece * h:(x.piece + 1) * h]
-            w_scale = self.expert_weight_scale(x.spec.name, x.module, x.expert)
+            row = self.quantized_row(x.spec.name, x.module, x.expert)
+            h = row["weight"].shape[0] // x.spec.per_row
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
-            in_scale = self.scales.scale(module, self.scales.expert_input_amax(module, kind))
-        else:
-            module = hf_weight[: -len(".weight")]
-            fmt = self.scales.formats[module]
-            w = self.ck.read(hf_weight)
-            w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
+            in_scale = self.scales.scale(x.module, self.scales.expert_input_amax(x.module, kind))
+            rows = slice(x.piece * h, (x.piece + 1) * h)
+            return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
+        module = hf_weight[: -len(".weight")]
+        w = self.ck.read(hf_weight)
+        w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
         out = {"input_scale": in_scale}
-        if fmt == "fp8":
-            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
-            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
-            source_dtype = self.ck.meta(x.spec.name if hf_weight in self.experts else hf_weight).source_dtype
-            out.update(weight=quantize_fp8(w.to(source_dtype), w_scale), weight_scale=w_scale)
+        if self.scales.formats[module] == "fp8":
+            out.update(weight=quantize_fp8(w.to(self.ck.meta(hf_weight).source_dtype), w_scale), weight_scale=w_scale)
         else:
             q, block_scale = quantize_nvfp4(w, w_scale)
             out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)

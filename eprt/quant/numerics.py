@@ -57,4 +57,8 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     The clamp comes first because torch's own cast saturates in some versions and on some devices
     and gives NaN beyond 448 in others; clamped, the cast only rounds.
     """
-    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    # Clamped in x's own dtype where +-448 is exact (no fp32 copy of a bf16 weight): the clamp
+    # changes no value and the cast rounds the same (every bf16 and fp16 value checked).
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)

@@ -33,15 +33,34 @@ def nvfp4_scale(amax) -> torch.Tensor:
     return per_tensor_scale(amax, E2M1_MAX * FP8_E4M3_MAX, zero_amax=E2M1_MAX)
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """x as fp32 [..., in/16, 16]; refuses an input dim that is not a multiple of 16."""
+def _check_blocks(x: torch.Tensor) -> None:
+    """Refuses an input dim that is not a multiple of 16."""
     if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(
             f"NVFP4 quantizes blocks of {BLOCK_SIZE} consecutive elements along the last (input) dim: "
             f"shape {tuple(x.shape)} has an input dim that is not a multiple of {BLOCK_SIZE}; "
             "exclude this module from NVFP4 quantization"
         )
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def _as_blocks(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+
+# The sign bit and the same-width signed integer of each float dtype: with the sign bit cleared,
+# the bit patterns of IEEE floats sort as their magnitudes do (infinity and NaN above every finite
+# value), so a block's abs-amax is one integer max over a view, without an fp32 copy and `abs`.
+_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
+         torch.float16: (torch.int16, 0x7FFF)}
+
+
+def _block_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., in/16]: the largest magnitude of each block of x [..., in] (NaN where a block holds one)."""
+    if x.dtype not in _BITS:
+        return _as_blocks(x.float()).abs().amax(dim=-1)
+    int_dtype, magnitude = _BITS[x.dtype]
+    bits = _as_blocks(x.contiguous().view(int_dtype)).bitwise_and(magnitude).amax(dim=-1)
+    return bits.view(x.dtype).float()
 
 
 def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -75,11 +94,12 @@ _QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q,
 
 
 def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites: one table lookup per
-    element instead of a comparison per midpoint."""
-    n = f.floor()
-    above = f.gt_(n)  # in place: 1.0 where 4x is strictly above its floor
-    key = n.clamp_(-_Q, _Q - 1).add_(_Q).mul_(2).add_(above).to(torch.int32)
+    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites (no fresh buffers: they
+    cost more than the arithmetic): one table lookup per element instead of a comparison per
+    midpoint. floor(f) + ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to
+    [-Q, Q-1] first keeps both where every code saturates."""
+    f.clamp_(-_Q, _Q - 1)
+    key = torch.floor(f).add_(f.ceil_()).to(torch.int32).add_(2 * _Q)
     return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
 
 
@@ -93,7 +113,12 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n/2] from codes [..., n]: element 2j in the low nibble, 2j+1 in the high one."""
     if codes.shape[-1] % 2 != 0:
         raise ValueError(f"packing two FP4 codes a byte needs an even last dim, got shape {tuple(codes.shape)}")
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    if codes.dtype != torch.uint8 or not codes.is_contiguous():
+        codes = codes.to(torch.uint8).contiguous()
+    # Each pair of codes read as one little-endian int16 is c0 + 256*c1 (codes < 16), so
+    # (v | v >> 4) holds c0 | c1 << 4 in its low byte: one pass, not two strided ones.
+    pairs = codes.view(torch.int16)
+    return (pairs >> 4).bitwise_or_(pairs).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -109,12 +134,12 @@ def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor
     projections, so it may come from a larger amax than w's own). Any leading dims are kept, so
     stacked experts [E, out, in] quantize in one call. Computed in fp32 whatever w's dtype.
     """
-    blocks = _blocks(w)
-    block_amax = blocks.abs().amax(dim=-1)
+    _check_blocks(w)
+    block_amax = _block_amax(w)
     check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
     scale_2 = as_scale(scale_2, w.device)
     block_scale = _block_scales(block_amax, scale_2)
-    quarters = (blocks / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
+    quarters = (_as_blocks(w.float()) / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
     codes = _encode_quarters(quarters)
     return pack_fp4(codes.reshape(w.shape)), block_scale
 
