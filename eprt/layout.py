@@ -3,6 +3,11 @@
 Every eprt tensor keeps its Hugging Face name except the routed experts, which are stacked
 per layer with the expert index leading: `...experts.w13` [E, 2I, H] (each expert's gate rows,
 then its up rows) and `...experts.w2` [E, H, I]. Both conversion and export read this one table.
+
+A source may hold a layer's experts already stacked, one 3-D tensor per projection (`experts.gate_up_proj`
+[E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]): Qwen3.5-MoE as released, and the
+parameters of transformers 5's MoE modules. A stacked spec names that tensor in `fused`; its
+bytes are the eprt tensor's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ class TensorSpec:
     # model reads (padding after them): Kimi-K3's A_log holds one per head, padded to 128 in the
     # release. The eprt tensor keeps the stored length; the model reads the first `shape[0]`.
     padded_per: str | None = None
+    # A stacked tensor: the Hugging Face name of the one tensor that may hold it whole, in this
+    # shape and orientation, in place of `sources`.
+    fused: str | None = None
 
     def source_shape(self) -> tuple[int, ...]:
         if not self.stacked:
@@ -102,12 +110,17 @@ def layer_of(name: str) -> int | None:
 
 def stacked_experts(prefix: str, num_experts: int, width: int, hidden: int,
                     gate: str, up: str, down: str, suffix: str = ".weight") -> list[TensorSpec]:
-    """The two stacked expert tensors of one MoE layer, from per-expert `prefix.E.{gate,up,down}`."""
+    """The two stacked expert tensors of one MoE layer, from per-expert `prefix.E.{gate,up,down}`,
+    or from transformers' fused `prefix.gate_up_proj` and `prefix.down_proj` where the per-expert
+    names are transformers' too (a family with its own names has no fused form to read)."""
     gate_up = tuple(f"{prefix}.{e}.{p}{suffix}" for e in range(num_experts) for p in (gate, up))
     down_src = tuple(f"{prefix}.{e}.{down}{suffix}" for e in range(num_experts))
+    transformers_names = (gate, up, down, suffix) == ("gate_proj", "up_proj", "down_proj", ".weight")
+    fused_w13, fused_w2 = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj") if transformers_names else (None, None)
     return [
-        TensorSpec(f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2),
-        TensorSpec(f"{prefix}.w2", (num_experts, hidden, width), down_src, stacked=True, per_row=1),
+        TensorSpec(f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2,
+                   fused=fused_w13),
+        TensorSpec(f"{prefix}.w2", (num_experts, hidden, width), down_src, stacked=True, per_row=1, fused=fused_w2),
     ]
 
 

@@ -111,6 +111,20 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
         assert check_export(out, hf) == []
 
 
+def test_experts_held_fused_are_exported_per_expert(sources, tmp_path):
+    """Qwen3.5-MoE as released holds each layer's experts fused (experts.gate_up_proj, down_proj);
+    the engines' Qwen3.5 loaders read quantized experts per expert (experts.E.gate_proj.weight
+    and its scales), so the export is that of the same model stored per expert."""
+    per_expert_hf, _ = sources["qwen3_5_moe_text"]
+    hf = make_tiny("qwen3_5_moe_text", str(tmp_path / "hf"), fused_experts=True)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", calib_size=2, seq_len=16, progress=False))
+    out = export_hf(q, q + "-hf", progress=False)
+    assert exported_names(out) == predicted_names(per_expert_hf, "nvfp4", True)
+    assert check_export(out, hf) == []
+
+
 @pytest.fixture(scope="module")
 def export(sources, tmp_path_factory):
     hf, ck = sources["qwen3_moe"]

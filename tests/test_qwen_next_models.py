@@ -4,7 +4,7 @@ gated delta rule against its recurrence; the config fields in both transformers 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+from transformers import (AutoConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
                           Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 import eprt
@@ -193,18 +193,51 @@ def test_qwen3_5_moe_configs():
         parse_hf_config({"model_type": "qwen3_5_moe"})
 
 
-def test_experts_stored_fused_are_refused_by_name(tmp_path):
-    """Qwen3.5's released checkpoints hold each layer's experts in experts.gate_up_proj and
-    experts.down_proj: refused with the way out, before anything is written."""
-    hf = make_tiny("qwen3_5_moe_text", str(tmp_path / "hf"))
-    tensors = load_file(f"{hf}/model.safetensors")
-    p = "model.layers.2.mlp.experts"
-    tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}.{e}.{w}_proj.weight")
-                                                           for w in ("gate", "up")]) for e in range(8)])
-    tensors[f"{p}.down_proj"] = torch.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(8)])
-    save_file(tensors, f"{hf}/model.safetensors", metadata={"format": "pt"})
+def save_as_released(model, hf_dir) -> None:
+    """The model's parameters as they are, each layer's experts fused (experts.gate_up_proj,
+    experts.down_proj), as Qwen publishes Qwen3.5-MoE; transformers' save_pretrained would split them."""
+    hf_dir.mkdir()
+    model.config.save_pretrained(hf_dir)
+    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(hf_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def test_experts_stored_fused_convert_and_export_back_byte_for_byte(tmp_path):
+    torch.manual_seed(0)
+    m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**qwen3_5_text())).eval()
+    randomize(m)
+    save_as_released(m, tmp_path / "hf")
+    source = read_hf_tensors(str(tmp_path / "hf"))
+    assert {n for n in source if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{p}" for i in range(4)
+                                                       for p in ("gate_up_proj", "down_proj")}
+    ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
+    em = eprt.load_model(ck, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = m(input_ids=ids).logits, em(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
+    assert set(exported) == set(source)
+    for n in source:
+        assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_5_moe_text"])
+def test_tiny_fused_experts_are_the_transformers_parameters(tmp_path, family):
+    hf = make_tiny(family, str(tmp_path / "hf"), fused_experts=True)
+    model_cls = Qwen3_5MoeForConditionalGeneration if family == "qwen3_5_moe" else Qwen3_5MoeForCausalLM
+    with torch.device("meta"):
+        model = model_cls(AutoConfig.from_pretrained(hf))
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items() if ".experts." in n}
+    assert {n: tuple(t.shape) for n, t in read_hf_tensors(hf).items() if ".experts." in n} == want
+
+
+def test_experts_stored_both_fused_and_per_expert_are_refused(tmp_path):
+    hf = make_tiny("qwen3_5_moe_text", str(tmp_path / "hf"), fused_experts=True)
+    add_tensors(tmp_path / "hf", {"model.layers.2.mlp.experts.3.up_proj.weight": torch.zeros(16, 32)})
     with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.gate_up_proj' holds every expert .* "
-                                              r"split gate_up_proj"):
+                                              r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' holds one"):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not (tmp_path / "ck").exists()
 

@@ -59,6 +59,7 @@ def layout(c: ModelConfig) -> Layout:
     text = qwen3_next.layout(c)
     return Layout(
         tuple(dataclasses.replace(s, name=under_language_model(s.name),
-                                  sources=tuple(map(under_language_model, s.sources))) for s in text.specs),
+                                  sources=tuple(map(under_language_model, s.sources)),
+                                  fused=s.fused and under_language_model(s.fused)) for s in text.specs),
         passthrough=(*text.passthrough, *CARRIED, *VISION),
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from eprt.errors import EprtError
-from eprt.families import parse_hf_config, reader_for
+from eprt.families import load_hf_config, parse_hf_config, reader_for
 from eprt.hf.source import HFSource
 from eprt.storage.hf_files import CONFIG
 
@@ -57,9 +57,23 @@ def decoded_names(names) -> set[str]:
 def source_names_from_dir(source_dir: str) -> SourceNames:
     src = HFSource(source_dir)
     try:
-        return SourceNames(decoded_names(src.tensors), exact=True)
+        return SourceNames(per_expert_names(decoded_names(src.tensors), source_dir), exact=True)
     finally:
         src.close()
+
+
+def per_expert_names(names: set[str], source_dir: str) -> set[str]:
+    """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
+    names the quantized export writes them under: engines load a quantized expert per expert."""
+    try:
+        _, cfg = load_hf_config(source_dir)
+        layout = reader_for(cfg.model_type, source_dir).layout(cfg)
+    except EprtError:
+        return names
+    for spec in layout.specs:
+        if spec.fused in names:
+            names = (names - {spec.fused}) | set(spec.sources)
+    return names
 
 
 def source_names_from_config(config: dict | None) -> SourceNames | None:

@@ -3,7 +3,9 @@
 Every check (config, headers, names, shapes, dtypes, encodings) runs before the first byte is
 written; then each output file is filled tensor by tensor. A stacked expert tensor [E, 2I, H] is
 the per-expert gate and up tensors laid end to end, so it is written by copying each source
-tensor in turn: memory holds one source tensor, never a layer.
+tensor in turn: memory holds one source tensor, never a layer. A source that holds a layer's
+experts already stacked (`experts.gate_up_proj`, eprt.layout.TensorSpec.fused) is copied as one
+tensor, and the manifest names it so that export writes it back whole.
 
 Weights the source stores encoded (compressed-tensors, block FP8: eprt.storage.encodings) stay
 encoded: each of their source tensors (packed values, scales, ...) is stacked the same way as a
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -55,6 +57,7 @@ class Planned:
     encoded: tuple[Encoded, ...] = ()  # an encoded tensor: one per source of `spec`
     # an encoded tensor: each component's dtype and shape in one source
     components: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    fused: bool = False  # stacked experts read whole from the one source tensor in spec.sources
 
     def stored(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(key in the file, dtype, shape) of each tensor written for it."""
@@ -146,16 +149,17 @@ def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     return found[0]
 
 
-def refuse_fused_experts(src: HFSource, experts: str) -> None:
-    """Some checkpoints (Qwen3.5-MoE as released) hold a layer's experts in two 3-D tensors,
-    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]: name them and the way out."""
-    for fused in (f"{experts}.gate_up_proj", f"{experts}.down_proj"):
-        if fused in src.tensors:
-            f, _ = src.tensors[fused]
-            raise CheckpointError(
-                f"{f.path}: tensor {fused!r} holds every expert of {experts} in one tensor; eprt reads one "
-                f"tensor per expert: split gate_up_proj into {experts}.E.gate_proj.weight (each expert's first "
-                "half of rows) and .up_proj.weight, and down_proj into .E.down_proj.weight (vLLM loads either form)")
+def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
+    """`spec` as the source stores it, and whether that is fused: stacked experts the source holds
+    whole in `spec.fused` become one plain tensor of the stacked shape, read from there."""
+    if spec.fused is None or spec.fused not in src.tensors:
+        return spec, False
+    again = [s for s in spec.sources if s in src.tensors]
+    if again:
+        f, _ = src.tensors[spec.fused]
+        raise CheckpointError(f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
+                              f"but {again[0]!r} holds one of them again; keep one of the two forms")
+    return replace(spec, sources=(spec.fused,), stacked=False, per_row=1), True
 
 
 class Planner:
@@ -184,6 +188,11 @@ class Planner:
         src = self.src
         planned, claimed = [], set()
         for spec in self.layout.specs:
+            spec, fused = as_source_holds(src, spec)
+            if fused:
+                planned.append(replace(self.plan_raw(spec), fused=True))
+                claimed.add(spec.fused)
+                continue
             encs = [self.encoded.get(module_of(s)) for s in spec.sources]
             if any(encs):
                 planned.append(self.plan_encoded(spec, encs, "model"))
@@ -221,10 +230,10 @@ class Planner:
         src, where = self.src, self.where
         missing = [s for s in spec.sources if s not in src.tensors]
         if missing:
-            if spec.stacked:
-                refuse_fused_experts(src, spec.name.rsplit(".", 1)[0])
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise CheckpointError(f"{where}: tensor {missing[0]!r}{more} is missing; config.json says the model has it")
+            fused = f", nor is {spec.fused!r}, which may hold them all" if spec.fused else ""
+            raise CheckpointError(f"{where}: tensor {missing[0]!r}{more} is missing{fused}; config.json says the "
+                                  "model has it")
         dtypes = set()
         for s in spec.sources:
             f, info = src.tensors[s]
@@ -375,7 +384,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
-                      p.source_dtype)
+                      p.source_dtype, fused_source=p.spec.sources[0] if p.fused else None)
 
 
 def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:

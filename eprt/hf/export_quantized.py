@@ -140,7 +140,7 @@ class QuantizedExport:
     def tensors(self) -> list[OutTensor]:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
-        for t in source_tensors(self.ck, dequantize=True):
+        for t in source_tensors(self.ck, dequantize=True, per_expert=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         if self.recipe.kv_cache:
             for attn, amax in sorted(self.state.kv_amax.items()):

@@ -29,7 +29,7 @@ class OutTensor:
         return self.dtype.itemsize * math.prod(self.shape)
 
 
-def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutTensor]:
+def source_tensors(ck: Checkpoint, *, dequantize: bool = False, per_expert: bool = False) -> Iterator[OutTensor]:
     """Every source tensor under its Hugging Face name and dtype, stacked experts split back.
 
     Only the source's tensors (roles `model` and `passthrough`): a calibrated checkpoint's
@@ -38,7 +38,10 @@ def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutT
 
     A weight the source stores encoded (compressed, block FP8) is written back as its source
     tensors, byte for byte; with `dequantize`, as the one decoded weight instead (in the dtype it
-    decodes to), refused up front if it cannot be decoded here."""
+    decodes to), refused up front if it cannot be decoded here.
+
+    Routed experts the source held fused (one tensor per projection) are written back fused,
+    unless `per_expert` (the quantized export: engines load quantized experts per expert)."""
     layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
     specs = {s.name: s for s in layout.specs}
     if dequantize:
@@ -58,9 +61,10 @@ def source_tensors(ck: Checkpoint, *, dequantize: bool = False) -> Iterator[OutT
             continue
         dtype = meta.source_dtype
         as_stored = meta.dtype == dtype and not meta.encoded
-        if spec is None or not spec.stacked:
+        if spec is None or not spec.stacked or (meta.fused_source and not per_expert):
             stored = (lambda n=name: ck.byte_range(n)) if as_stored and len(meta.parts) == 1 else None
-            yield OutTensor(name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d), stored)
+            yield OutTensor(meta.fused_source or name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d),
+                            stored)
             continue
         h = spec.source_shape()[0]
         for j, src in enumerate(spec.sources):

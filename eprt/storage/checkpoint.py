@@ -87,6 +87,9 @@ class TensorMeta:
     scheme: str | None = None  # encoded: the entry of the manifest's `schemes`
     per_row: int | None = None  # encoded stacked experts: source weights per expert row
     components: dict[str, Component] | None = None  # encoded: the source tensors, by local name
+    # stacked experts the source held whole in one tensor of this shape (eprt.layout.TensorSpec.fused):
+    # its Hugging Face name, under which export writes them back
+    fused_source: str | None = None
 
     @property
     def encoded(self) -> bool:
@@ -98,6 +101,8 @@ class TensorMeta:
             "shape": list(self.shape), "encoding": self.encoding, "role": self.role,
             "parts": parts_json(self.parts),
         }
+        if self.fused_source is not None:
+            d["fused_source"] = self.fused_source
         if self.encoded:
             d["scheme"] = self.scheme
             if self.per_row is not None:
@@ -114,7 +119,8 @@ class TensorMeta:
             components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
                                        parts_from_json(x["parts"])) for c, x in d["components"].items()}
         return cls(name, SAFETENSORS_DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
-                   SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components)
+                   SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components,
+                   d.get("fused_source"))
 
 
 def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],

@@ -103,11 +103,14 @@ def mtp_layout(hf: dict) -> Layout:
 
 
 def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
-              overwrite: bool = False, source_format: str | None = None, **overrides) -> str:
+              overwrite: bool = False, source_format: str | None = None, fused_experts: bool = False,
+              **overrides) -> str:
     """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
-    INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3)."""
+    INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3).
+    fused_experts stores each layer's routed experts as Qwen3.5-MoE is released (and as transformers
+    5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]."""
     hf = tiny_config(family, **overrides)
     hf["torch_dtype"] = WEIGHT_DTYPE_NAMES[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")
@@ -119,6 +122,9 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for spec in specs:
+        if fused_experts and spec.fused:
+            tensors[spec.fused] = init(spec.fused, spec.shape, g).to(WEIGHT_DTYPES[dtype])
+            continue
         for src in spec.sources:
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
