@@ -34,6 +34,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MiB = 2**20
 
 
+def add_model_args(p, vocab: int = 512) -> None:
+    """The options of make_checkpoint's random Qwen3-MoE, shared by the benchmarks that build one."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--width", type=int, default=256, help="moe_intermediate_size")
+    p.add_argument("--vocab", type=int, default=vocab, help="at most the tiny tokenizer's 512 where text is tokenized")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+
+
 def make_checkpoint(args, directory: str) -> str:
     heads = args.hidden // 64
     hf = make_tiny("qwen3_moe", os.path.join(directory, "hf"), dtype=args.dtype, vocab_size=args.vocab,
@@ -91,13 +102,7 @@ def rank_run(ck: str, ep: int, ids: torch.Tensor, dtype_name: str, iters: int) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--width", type=int, default=256, help="moe_intermediate_size")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    add_model_args(p, vocab=4096)
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--batch", type=int, default=8, help="global batch: sequences over all ranks")
     p.add_argument("--seq", type=int, default=128)

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.ep import DTYPES, make_checkpoint  # noqa: E402
+from bench.ep import add_model_args, make_checkpoint  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
@@ -38,13 +38,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipes", nargs="+", default=["fp8", "nvfp4"])
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--width", type=int, default=256, help="moe_intermediate_size")
-    p.add_argument("--vocab", type=int, default=512, help="at most the tiny tokenizer's 512")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    add_model_args(p)
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as d:

@@ -17,7 +17,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.ep import DTYPES, MiB, make_checkpoint, peak_rss, reset_peak, rss  # noqa: E402
+from bench.ep import MiB, add_model_args, make_checkpoint, peak_rss, reset_peak, rss  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
 
 
@@ -41,13 +41,7 @@ def main() -> None:
     p.add_argument("--calib-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--width", type=int, default=256, help="moe_intermediate_size")
-    p.add_argument("--vocab", type=int, default=512, help="at most the tiny tokenizer's 512")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    add_model_args(p)
     args = p.parse_args()
 
     results = {}
