@@ -9,9 +9,11 @@ import torch
 
 import eprt
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 
 E = 8  # routed experts of the tiny configs
@@ -20,6 +22,15 @@ SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens);
 # that bf16 rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 LAYOUTS = ["w2-ep2", "w4-ep2"]
+
+
+def tiny_checkpoints(root, family: str) -> dict[str, tuple[str, str]]:
+    """{dtype: (Hugging Face dir, eprt checkpoint)} of the built-in tiny `family`, in fp32 and bf16, under root."""
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        hf = make_tiny(family, str(root / f"hf-{dtype}"), dtype=dtype)
+        out[dtype] = hf, convert_hf(hf, str(root / f"ck-{dtype}"), progress=False)
+    return out
 
 
 def tokens(rank: int, seq_len: int | None = None) -> torch.Tensor:

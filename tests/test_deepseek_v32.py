@@ -18,7 +18,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.models.registry import model_class
 from eprt.testing.tiny import make_tiny
-from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant
+from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints
 from tests.hf_utils import raw, read_hf_tensors
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference
 from tests.test_roundtrip import assert_same_checkpoint
@@ -118,13 +118,7 @@ def test_parameter_names_are_the_layout_names():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """{dtype: (Hugging Face dir, eprt checkpoint)} of the built-in tiny DeepSeek-V3.2."""
-    root = tmp_path_factory.mktemp(FAMILY)
-    out = {}
-    for dtype in ("fp32", "bf16"):
-        hf = make_tiny(FAMILY, str(root / f"hf-{dtype}"), dtype=dtype)
-        out[dtype] = hf, convert_hf(hf, str(root / f"ck-{dtype}"), progress=False)
-    return out
+    return tiny_checkpoints(tmp_path_factory.mktemp(FAMILY), FAMILY)
 
 
 @pytest.mark.timeout(150)

@@ -8,10 +8,8 @@ import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 from eprt.families import parse_hf_config, reader_for
-from eprt.hf.convert import convert_hf
 from eprt.models.registry import model_class
-from eprt.testing.tiny import make_tiny
-from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant
+from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints
 from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, assert_matches_transformers, build
 
 FAMILY = "glm4_moe"
@@ -76,13 +74,7 @@ def test_parameter_names_are_the_layout_names(qk_norm):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """{dtype: (Hugging Face dir, eprt checkpoint)} of the built-in tiny GLM-4.5."""
-    root = tmp_path_factory.mktemp(FAMILY)
-    out = {}
-    for dtype in ("fp32", "bf16"):
-        hf = make_tiny(FAMILY, str(root / f"hf-{dtype}"), dtype=dtype)
-        out[dtype] = hf, convert_hf(hf, str(root / f"ck-{dtype}"), progress=False)
-    return out
+    return tiny_checkpoints(tmp_path_factory.mktemp(FAMILY), FAMILY)
 
 
 @pytest.mark.timeout(150)
