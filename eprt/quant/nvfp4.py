@@ -134,14 +134,24 @@ def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor
     projections, so it may come from a larger amax than w's own). Any leading dims are kept, so
     stacked experts [E, out, in] quantize in one call. Computed in fp32 whatever w's dtype.
     """
+    block_scale = nvfp4_block_scales(w, scale_2)
+    return pack_fp4(encode_with_scales(w, block_scale, scale_2)), block_scale
+
+
+def nvfp4_block_scales(w: torch.Tensor, scale_2) -> torch.Tensor:
+    """float8_e4m3fn block scales [..., in/16] of w [..., in] under `scale_2` (the export's rule)."""
     _check_blocks(w)
     block_amax = _block_amax(w)
     check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
+    return _block_scales(block_amax, as_scale(scale_2, w.device))
+
+
+def encode_with_scales(w: torch.Tensor, block_scale: torch.Tensor, scale_2) -> torch.Tensor:
+    """uint8 E2M1 codes [..., in] of w [..., in] under given block scales [..., in/16] (unpacked):
+    the export's rounding, also for block scales fixed from another weight (GPTQ's columns)."""
     scale_2 = as_scale(scale_2, w.device)
-    block_scale = _block_scales(block_amax, scale_2)
     quarters = (_as_blocks(w.float()) / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
-    codes = _encode_quarters(quarters)
-    return pack_fp4(codes.reshape(w.shape)), block_scale
+    return _encode_quarters(quarters).reshape(w.shape)
 
 
 def dequantize_nvfp4(
