@@ -64,10 +64,10 @@ def refuse_mtp_rules(layout: Layout, modules: dict, recipe: Recipe, where: str) 
     quantizes an MTP module and none of the model's own, is refused by name. A rule matching both
     leaves the MTP layers unquantized, excluded by name in the export."""
     for mtp in mtp_modules(layout, modules):
-        rule = next(((p, f) for p, f in recipe.rules if fnmatch.fnmatchcase(mtp, p)), None)
-        if rule and rule[1] != "none" and not any(fnmatch.fnmatchcase(m, rule[0]) for m in modules):
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule[0]!r}, format: "
-                              f"{rule[1]}}}), a multi-token-prediction layer; eprt cannot export MTP layers quantized yet "
+        rule = recipe.rule_of(mtp)
+        if rule and rule.format != "none" and not any(fnmatch.fnmatchcase(m, rule.pattern) for m in modules):
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule.pattern!r}, format: "
+                              f"{rule.format}}}), a multi-token-prediction layer; eprt cannot export MTP layers quantized yet "
                               "and writes them back unquantized: drop the rule or give it format none")
 
 
@@ -117,7 +117,7 @@ def spec_name(spec: TensorSpec) -> str:
 def unmatched_hint(recipe: Recipe, modules: list[str]) -> str:
     """For each quantizing pattern that matches no module: the module names closest to it."""
     hints = []
-    for pattern, fmt in recipe.rules:
+    for pattern, fmt, _ in recipe.rules:
         if fmt == "none" or any(fnmatch.fnmatchcase(m, pattern) for m in modules):
             continue
         close = difflib.get_close_matches(pattern, modules, n=SUGGESTIONS, cutoff=0.0)

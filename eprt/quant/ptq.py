@@ -28,7 +28,7 @@ from eprt.quant.feasibility import quantized_modules
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
-from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
 from eprt.quant.workdir import WorkDir
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint, manifest_digest
@@ -56,6 +56,7 @@ class PTQArgs:
     max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
     resume: bool = False
     work_dir: str | None = None  # default: OUT.work beside OUT
+    algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
@@ -68,7 +69,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
-        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache)
+        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
         if a.dtype not in RUN_DTYPES:
@@ -101,7 +102,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
-        summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
+        summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
@@ -152,7 +153,7 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dic
     """What a saved layer boundary depends on: a run resumes only from its own (batch and chunk
     sizes change no bit, so they may differ)."""
     return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
-            "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
+            "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
             "group_tokens": a.group_tokens}
 
 
@@ -168,10 +169,12 @@ def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tens
     return done
 
 
-def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None) -> tuple[Recipe, list[str]]:
-    """The recipe `spec` and the modules it quantizes in `ck`, from the manifest alone: whatever
-    export would refuse about this recipe and this model is refused here, before a weight is read."""
-    recipe = load_recipe(spec, kv_cache)
+def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None,
+                algorithm: str | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe `spec` (its rules that name no algorithm get `algorithm`) and the modules it
+    quantizes in `ck`, from the manifest alone: whatever export would refuse about this recipe
+    and this model is refused here, before a weight is read."""
+    recipe = load_recipe(spec, kv_cache, algorithm)
     layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
     return recipe, list(quantized_modules(layout, recipe, ck.path))
 
