@@ -22,6 +22,7 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.plan import Planner, format_bytes, memory_in_use, parse_size
 from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq, schedule
+from eprt.quant.gptq_layer import DEFAULT_MIN_TOKENS
 from eprt.quant.recipe import ALGORITHMS
 
 
@@ -36,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--algorithm", choices=ALGORITHMS, default=ALGORITHMS[0],
                     help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
                          f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
+    ap.add_argument("--gptq-min-tokens", type=int, default=DEFAULT_MIN_TOKENS,
+                    help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding and is "
+                         f"listed (default {DEFAULT_MIN_TOKENS})")
     ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
@@ -67,7 +71,7 @@ def ptq() -> None:
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir, algorithm=a.algorithm)
+                       work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens)
         if a.dry_run:
             if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
                 plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm)

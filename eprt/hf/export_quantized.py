@@ -22,10 +22,10 @@ from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
-from eprt.quant.fp8 import fp8_scale, quantize_fp8
-from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
+from eprt.quant.fp8 import fp8_scale
+from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.scales import Scales
+from eprt.quant.scales import Scales, quantize_weight
 from eprt.storage.checkpoint import Checkpoint
 
 # hf_quant_config.json's per-module quantization, by eprt format
@@ -80,14 +80,11 @@ class QuantizedExport:
         """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call,
         with the per-tensor scale they share: rows quantize independently, so each piece is a
         slice of it, the same bytes as quantized alone."""
-        fmt = self.scales.formats[module]
         w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
-        if fmt == "fp8":
-            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
-            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
-            return {"weight": quantize_fp8(w.to(self.ck.meta(name).source_dtype), w_scale), "weight_scale": w_scale}
-        q, block_scale = quantize_nvfp4(w, w_scale)
-        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+        out = quantize_weight(self.scales.formats[module], w, w_scale, self.ck.meta(name).source_dtype)
+        if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
+            out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
+        return out
 
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
@@ -103,12 +100,10 @@ class QuantizedExport:
         module = hf_weight[: -len(".weight")]
         w = self.ck.read(hf_weight)
         w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
-        out = {"input_scale": in_scale}
-        if self.scales.formats[module] == "fp8":
-            out.update(weight=quantize_fp8(w.to(self.ck.meta(hf_weight).source_dtype), w_scale), weight_scale=w_scale)
-        else:
-            q, block_scale = quantize_nvfp4(w, w_scale)
-            out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
+        out = {"input_scale": in_scale,
+               **quantize_weight(self.scales.formats[module], w, w_scale, self.ck.meta(hf_weight).source_dtype)}
+        if module in self.state.gptq_dense:  # GPTQ's codes, under the same scales
+            out["weight"] = self.state.read_gptq(self.ck, module)
         return out
 
     def format_of(self, hf_weight: str) -> str:

@@ -30,9 +30,16 @@ class Experts(nn.Module):
         # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
         # projections; calibration installs one to record each expert's input amax.
         self.observer = None
+        # Called as unit_observer(x_sorted, h_sorted, rows_per_unit_LU) by `forward_units`: each
+        # (expert, work unit)'s rows of both projections' inputs (GPTQ's Hessians).
+        self.unit_observer = None
+        # quant_input(x) -> x as a quantized engine reads it (fake quantization), before w13.
+        self.quant_input = None
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
+        if self.quant_input is not None:
+            x_sorted = self.quant_input(x_sorted)
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         gate, up = grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
         h = self.act(gate, up)
@@ -46,9 +53,13 @@ class Experts(nn.Module):
         Each (expert, unit) block is computed as if alone (`unit_mlp`): the rows a matmul sees are
         the unit's, whatever else this call holds, so a deterministic kernel gives every layout
         the same bits."""
+        if self.quant_input is not None:
+            x_sorted = self.quant_input(x_sorted)
         h, y = unit_mlp(x_sorted, self.w13, self.w2, self.act, rows_per_unit_LU)
         if self.observer is not None:
             self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
+        if self.unit_observer is not None:
+            self.unit_observer(x_sorted, h, rows_per_unit_LU)
         return y
 
 

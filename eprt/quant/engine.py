@@ -34,6 +34,7 @@ from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
+from eprt.quant.gptq_layer import GPTQRun, LayerGPTQ
 
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer.
@@ -110,8 +111,10 @@ class LayerEngine:
     """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike."""
 
     def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
-                 schedule: Schedule, progress: bool = True):
+                 schedule: Schedule, progress: bool = True, gptq: GPTQRun | None = None):
         self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
+        # with GPTQ, each layer runs three passes (max, Hessians, quantized) and passes on its quantized output
+        self.gptq = gptq
         self.samples, self.progress = samples, progress
         c = ck.config
         self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
@@ -141,7 +144,7 @@ class LayerEngine:
     def run(self, first_layer: int, ls: LayerState, after_layer=None) -> LayerState:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
-        steps = self.schedule.num_steps
+        steps = self.schedule.num_steps * (3 if self.gptq is not None else 1)
         with one_cpu_thread(self.state.device), \
                 bar((len(layers) - first_layer) * steps, "calibrate", unit="step", enabled=self.progress) as pb:
             for i in range(first_layer, len(layers)):
@@ -172,12 +175,14 @@ class LayerEngine:
         for k, prefix in enumerate(self.mtp_prefixes()):
             mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
             self.cal.observe(mtp, prefix)
+            mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
             try:
-                mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
                 for step in range(self.schedule.num_steps):
-                    self._run_step(mtp, step, mtp_ls)
+                    self._run_step(mtp, step, mtp_ls, write=self.gptq is None)
             finally:
                 self.cal.close()
+            if self.gptq is not None:
+                self._gptq_layer(mtp, prefix, mtp_ls, None)
             hidden = mtp_ls.hidden
             mtp.to_empty(device="meta")
 
@@ -194,11 +199,13 @@ class LayerEngine:
         snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
         try:
             for step in range(self.schedule.num_steps):
-                self._run_step(layer, step, ls)
+                self._run_step(layer, step, ls, write=self.gptq is None)
                 pb.set_postfix_str(f"layer {i + 1}/{len(self.decoder.layers)}", refresh=False)
                 pb.update(1)
         finally:
             self.cal.close()
+        if self.gptq is not None:
+            self._gptq_layer(layer, prefix, ls, pb)
         if snapshot is not None:
             ls.blocks.append(snapshot)
         layer.to_empty(device="meta")
@@ -208,9 +215,35 @@ class LayerEngine:
                           placed / 2**20, compute_s, sent / 2**20)
         return ls
 
-    def _run_step(self, layer, step: int, ls: LayerState) -> None:
+    def _gptq_layer(self, layer, prefix: str, ls: LayerState, pb) -> None:
+        """After the max pass over `layer`: the Hessian pass, GPTQ, and the quantized pass, whose
+        output replaces `ls.hidden` (eprt.quant.gptq_layer)."""
+        g = LayerGPTQ(self.gptq, layer, prefix, self.cal)
+        if g.needs_hessians:
+            g.observe()
+            try:
+                self._steps(layer, ls, pb, write=False)
+            finally:
+                g.close()
+        elif pb is not None:
+            pb.update(self.schedule.num_steps)
+        g.quantize()
+        undo = g.fake_quantize_inputs()
+        try:
+            self._steps(layer, ls, pb, write=True)
+        finally:
+            undo()
+
+    def _steps(self, layer, ls: LayerState, pb, write: bool) -> None:
+        for step in range(self.schedule.num_steps):
+            self._run_step(layer, step, ls, write=write)
+            if pb is not None:
+                pb.update(1)
+
+    def _run_step(self, layer, step: int, ls: LayerState, write: bool = True) -> None:
         """One step of one layer: its sequences' dense parts one sequence each, the routed experts
-        over the step's work units; each output replaces its sequence's hidden state."""
+        over the step's work units; each output replaces its sequence's hidden state (unless not
+        `write`: a pass that only observes)."""
         T = self.schedule.seq_len
         ffn = layer.ffn()
         mine = [(s, self.local[s]) for s in self.schedule.step_sequences(step) if s in self.local]
@@ -220,7 +253,9 @@ class LayerEngine:
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
             carry, m = layer.attend(ls.hidden[li:li + 1], *args)
             if not isinstance(ffn, MoE):
-                ls.hidden[li] = (carry + ffn(m))[0]
+                out = (carry + ffn(m))[0]
+                if write:
+                    ls.hidden[li] = out
                 continue
             m_TD = m.reshape(T, -1)
             pending.append((s, li, carry, m_TD, *ffn.route(m_TD)))
@@ -228,7 +263,9 @@ class LayerEngine:
             return
         routed = self._routed(ffn, step, pending)
         for (s, li, carry, m_TD, *_), routed_TD in zip(pending, routed):
-            ls.hidden[li] = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+            out = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+            if write:
+                ls.hidden[li] = out
 
     def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
         """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""

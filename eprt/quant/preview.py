@@ -38,35 +38,58 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state) -> None:
+FAKES = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
+
+
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, gptq=None) -> None:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
     export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
-    the routed experts."""
+    the routed experts. `gptq` (eprt.quant.gptq_layer.GPTQResults): the weights GPTQ chose,
+    where it ran."""
     scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
                     lambda m: model.get_submodule(m).weight.detach())
-    fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
     dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module, fake = model.get_submodule(m), fakes[scales.formats[m]]
+            module, fake = model.get_submodule(m), FAKES[scales.formats[m]]
             w_scale, in_scale = resolved[m]
-            module.weight.copy_(fake(module.weight, w_scale))
-            module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fake: (f(args[0], s), *args[1:]))
+            if gptq is not None and m in gptq.dense:
+                module.weight.copy_(gptq.weight(m))
+            else:
+                module.weight.copy_(fake(module.weight, w_scale))
+            fake_inputs(module, scales.formats[m], in_scale)
         for m in targets:
             experts = model.get_submodule(m)
             if not isinstance(experts, Experts):
                 continue
-            fake = fakes[scales.formats[m]]
-            for w in (experts.w13, experts.w2):  # per expert, gate and up under one scale
+            fake = FAKES[scales.formats[m]]
+            for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
-                    w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
+                    if gptq is not None and m in gptq.experts:
+                        w[e].copy_(gptq.expert_weight(m, kind, e))
+                    else:
+                        w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            experts.register_forward_pre_hook(lambda _m, args, s=in_scale["w13"], f=fake: (f(args[0], s), *args[1:]))
-            # w2 reads act(gate, up): quantized where it is made
-            experts.act = lambda gate, up, act=experts.act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
+            fake_expert_inputs(experts, scales.formats[m], in_scale["w13"], in_scale["w2"])
+
+
+def fake_inputs(module, fmt: str, scale: torch.Tensor):
+    """A dense Linear's input through its input scale from now on; returns the undo."""
+    return module.register_forward_pre_hook(lambda _m, args, s=scale, f=FAKES[fmt]: (f(args[0], s), *args[1:])).remove
+
+
+def fake_expert_inputs(experts: Experts, fmt: str, scale_w13: torch.Tensor, scale_w2: torch.Tensor):
+    """Both projections' inputs of routed experts through the layer's input scales; returns the undo."""
+    fake, act = FAKES[fmt], experts.act
+    experts.quant_input = lambda x: fake(x, scale_w13)
+    experts.act = lambda gate, up: fake(act(gate, up), scale_w2)  # w2 reads act(gate, up): quantized where it is made
+
+    def undo():
+        experts.quant_input, experts.act = None, act
+    return undo

@@ -25,6 +25,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
@@ -57,6 +58,7 @@ class PTQArgs:
     resume: bool = False
     work_dir: str | None = None  # default: OUT.work beside OUT
     algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
+    gptq_min_tokens: int = DEFAULT_MIN_TOKENS  # a routed expert with fewer tokens keeps max rounding under GPTQ
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
@@ -75,6 +77,8 @@ def run_ptq(state, a: PTQArgs) -> dict:
         if a.dtype not in RUN_DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
         warn_beyond_positions(cfg, a.seq_len, state.rank)
+        if a.gptq_min_tokens < 1:
+            raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
         samples = calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
                                       vocab_size=cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
@@ -88,23 +92,31 @@ def run_ptq(state, a: PTQArgs) -> dict:
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
+        gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
+                       min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
             work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
-            resumed = calibrate_layers(state, ck, cal, samples, a, work)
+            resumed = calibrate_layers(state, ck, cal, samples, a, work, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         report_coverage(cal, state, cfg.num_experts)
         if preview:
-            fake_quantize(model, targets, recipe, cal, state)
+            first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
+            fake_quantize(model, targets, recipe, cal, state,
+                          gptq.results.decoder(ck, gptq.formats, first) if gptq is not None else None)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
         summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
-        write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
+        if gptq is not None:
+            summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
+        results = gptq.results if gptq is not None else None
+        write_together(state, a.out,
+                       lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, results),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
         with fail_together(state, "removing the work directory"):
             work.remove()
@@ -154,18 +166,20 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dic
     sizes change no bit, so they may differ)."""
     return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
             "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
-            "group_tokens": a.group_tokens}
+            "group_tokens": a.group_tokens, "gptq_min_tokens": a.gptq_min_tokens}
 
 
 def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
-                     work: WorkDir) -> int:
+                     work: WorkDir, gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
-    `work`; with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the
+    layer it resumed after (-1: none)."""
     engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
-                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress)
+                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress, gptq=gptq)
+    results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device) if done >= 0 else engine.embed()
-    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal))
+    ls = work.load(done, cal, state.device, results) if done >= 0 else engine.embed()
+    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, results))
     return done
 
 

@@ -36,7 +36,7 @@ FORMATS = ("fp8", "nvfp4", "none")
 KV_FORMATS = (None, "fp8")
 RECIPE_KEYS = ("name", "quantize", "kv_cache")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
-ALGORITHMS = ("max", "mse")
+ALGORITHMS = ("max", "mse", "gptq")
 RULE_KEYS = ("pattern", "format", "algorithm")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 

@@ -17,9 +17,9 @@ from typing import Callable, Mapping
 import torch
 
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fp8_scale
+from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
-from eprt.quant.nvfp4 import nvfp4_scale
+from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
 EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts module
@@ -60,3 +60,20 @@ class Scales:
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2."""
         return self.scale(module, row.abs().amax().float())
+
+
+def quantize_weight(fmt: str, w: torch.Tensor, scale: torch.Tensor, source_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A weight's export tensors by ModelOpt suffix, rounded to nearest under its per-tensor
+    `scale`: FP8 rounds the quotient to the source's dtype first (eprt.quant.fp8), as the source
+    is held when loaded as it is, whatever dtype eprt converted it to."""
+    if fmt == "fp8":
+        return {"weight": quantize_fp8(w.to(source_dtype), scale), "weight_scale": scale}
+    q, block_scale = quantize_nvfp4(w, scale)
+    return {"weight": q, "weight_scale": block_scale, "weight_scale_2": scale}
+
+
+def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weight an engine computes with, from its export tensors (`quantize_weight`'s)."""
+    if fmt == "fp8":
+        return dequantize_fp8(t["weight"], t["weight_scale"], dtype)
+    return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)

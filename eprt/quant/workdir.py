@@ -53,9 +53,11 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator) -> None:
+    def save(self, layer: int, ls: LayerState, cal: Calibrator, gptq=None) -> None:
+        """`gptq`: eprt.quant.gptq_layer.GPTQResults so far, saved with the boundary."""
         os.makedirs(self.mine, exist_ok=True)
-        tensors = {"hidden": ls.hidden, **{f"block.{j}": b for j, b in enumerate(ls.blocks)}, **stats(cal)}
+        tensors = {"hidden": ls.hidden, **{f"block.{j}": b for j, b in enumerate(ls.blocks)}, **stats(cal),
+                   **(gptq.tensors() if gptq is not None else {})}
         tmp = self._file(layer) + ".partial"
         save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                      {"fingerprint": self.fingerprint})
@@ -67,7 +69,7 @@ class WorkDir:
             if old < layer:
                 os.remove(self._file(old))
 
-    def load(self, layer: int, cal: Calibrator, device) -> LayerState:
+    def load(self, layer: int, cal: Calibrator, device, gptq=None) -> LayerState:
         path = self._file(layer)
         from safetensors import safe_open
 
@@ -79,6 +81,8 @@ class WorkDir:
         tensors = load_file(path, device=str(device))
         blocks = [tensors[f"block.{j}"] for j in range(sum(k.startswith("block.") for k in tensors))]
         load_stats(cal, tensors)
+        if gptq is not None:
+            gptq.load(tensors)
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
         return LayerState(tensors["hidden"], blocks)
