@@ -1,11 +1,27 @@
 """GPTQ (eprt.quant.gptq): exact layout-free Hessians, the solve in the export's numerics."""
 
+import hashlib
+from datetime import timedelta
+
 import pytest
 import torch
 
-from eprt.quant.fp8 import fp8_scale, quantize_fp8, dequantize_fp8
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.hf.export_quantized import QuantizedExport
+from eprt.parallel import ParallelState
+from eprt.quant.engine import LayerEngine
+from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.gptq import HessianSum, columns_of, gptq
+from eprt.quant.gptq_layer import LayerGPTQ
 from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.scales import EXPERT_KINDS, dequantize_weight, quantize_weight
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+from tests.ep_checks import same_files
+from tests.multiproc import run_world
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
 
@@ -85,3 +101,152 @@ def test_hessian_refuses_rows_above_the_amax_it_was_sized_for():
     hs = HessianSum(4, 1.0, 10)
     with pytest.raises(ValueError, match="above the calibrated input amax"):
         hs.add(torch.tensor([[0.5, 2.0, 0.0, 0.0]]))
+
+
+# --- GPTQ in the engine, on a tiny Qwen3-MoE -------------------------------------------------
+
+CALIB = dict(calib_size=24, seq_len=64)  # ~380 tokens per routed expert: most have 256 or more
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gptq")
+    hf = make_tiny("qwen3_moe", str(root / "hf"), dtype="bf16")
+    return hf, convert_hf(hf, str(root / "ck"), progress=False)
+
+
+def hessians_of_run(monkeypatch) -> dict:
+    """The Hessians GPTQ solved with (summed over the ranks), by module (and local expert, kind),
+    with each expert's token count."""
+    seen = {}
+    quantize = LayerGPTQ.quantize
+
+    def spy(self):
+        quantize(self)
+        seen.update({m: hs.hessian() for m, hs in self.hessians.items()})
+        for m, sums in self.expert_hessians.items():
+            for l, pair in sums.items():
+                for kind, hs in zip(EXPERT_KINDS, pair):
+                    seen[(m, l, kind)] = (hs.hessian(), int(self.stats.expert_tokens[m][l]))
+
+    monkeypatch.setattr(LayerGPTQ, "quantize", spy)
+    return seen
+
+
+def output_error(w_q: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
+    """||X w_q^T - X w^T||^2 over the rows X whose sum of x x^T is h."""
+    d = (w_q.double() - w.double())
+    return torch.einsum("oi,ij,oj->", d, h, d).item()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_gptq_layer_output_error_is_below_max_rounding(tiny, tmp_path, monkeypatch, recipe):
+    """On its calibration inputs, each Linear's output error under GPTQ's weight is below max
+    rounding's (the export's encoding of the source weight, under the same scales): on every dense
+    Linear, and on at least 90% of the routed experts' projections with 256 tokens or more."""
+    _, ck = tiny
+    hessians = hessians_of_run(monkeypatch)
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", algorithm="gptq", progress=False,
+                                            **CALIB))
+    with Checkpoint(q) as cq:
+        exp = QuantizedExport(cq)
+        fmt = recipe
+        dense = [m for m in exp.quantized if m in exp.state.gptq_dense]
+        assert len(dense) == len([m for m in exp.quantized if not m.endswith(".experts")]) > 0
+        for m in dense:
+            w = cq.read(f"{m}.weight")
+            got = dequantize_weight(fmt, exp.quantize(f"{m}.weight"), torch.float32)
+            rtn = dequantize_weight(fmt, quantize_weight(fmt, w, exp.scales.weight_scale(m),
+                                                         cq.meta(f"{m}.weight").source_dtype), torch.float32)
+            assert output_error(got, w, hessians[m]) < output_error(rtn, w, hessians[m]), m
+        better = total = 0
+        for (m, e, kind), (h, tokens) in ((k, v) for k, v in hessians.items() if isinstance(k, tuple)):
+            if tokens < 256:
+                continue
+            name = f"{m}.{kind}"
+            row = cq.read(name, rows=(e, e + 1))[0]
+            got = dequantize_weight(fmt, exp.quantized_row(name, m, e), torch.float32)
+            rtn = dequantize_weight(fmt, quantize_weight(fmt, row, exp.scales.expert_weight_scale(m, row),
+                                                         cq.meta(name).source_dtype), torch.float32)
+            better += output_error(got, row, h) < output_error(rtn, row, h)
+            total += 1
+    assert total >= 16, total  # two MoE layers of 8 experts, two projections each, most with enough tokens
+    assert better >= 0.9 * total, (better, total)
+
+
+def digest(hs: HessianSum) -> str:
+    return hashlib.sha256(hs.total.numpy().tobytes()).hexdigest()
+
+
+def record_hessians() -> dict:
+    """Patches LayerGPTQ.quantize (in this process) to record the bytes of every Hessian it sums
+    over the ranks, by module (dense) or (module, global expert, kind)."""
+    seen = {}
+    quantize = LayerGPTQ.quantize
+
+    def spy(self):
+        quantize(self)
+        seen.update({m: digest(hs) for m, hs in self.hessians.items()})
+        for m, sums in self.expert_hessians.items():
+            first = self._module(m).first
+            for l, pair in sums.items():
+                seen.update({(m, first + l, kind): digest(hs) for kind, hs in zip(EXPERT_KINDS, pair)})
+
+    LayerGPTQ.quantize = spy
+    return seen
+
+
+def _calibrate_gptq(ck: str, out: str, ep: int) -> dict:
+    seen = record_hessians()
+    with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, PTQArgs(ck, "nvfp4", out, kv_cache="fp8", algorithm="gptq", batch_size=2, progress=False,
+                               gptq_min_tokens=300, **CALIB))
+    return seen
+
+
+def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tiny, tmp_path, monkeypatch):
+    """(world, ep) (1, 1) and (2, 2): the same Hessians to the bit, the same export bytes."""
+    hf, ck = tiny
+    one = str(tmp_path / "w1")
+    monkeypatch.setattr(LayerGPTQ, "quantize", LayerGPTQ.quantize)  # restored after the test
+    want = record_hessians()
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", one, kv_cache="fp8", algorithm="gptq", batch_size=3,
+                                            progress=False, gptq_min_tokens=300, **CALIB))
+    ranks = run_world(_calibrate_gptq, 2, ck, str(tmp_path / "w2"), 2, timeout=200)
+    assert {k: v for r in ranks for k, v in r.items()} == want
+    with Checkpoint(one) as cq:  # some experts kept max rounding, and are listed
+        skipped = cq.quantization["calibration"]["gptq_skipped_experts"]
+        assert skipped and all(isinstance(e, int) for ids in skipped.values() for e in ids), skipped
+    exports = [export_hf(q, str(tmp_path / f"export-{i}"), progress=False)
+               for i, q in enumerate((one, str(tmp_path / "w2")))]
+    assert check_export(exports[0], hf) == []
+    assert same_files(*exports)
+    # GPTQ changed the weights: not the max export's
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "max"), kv_cache="fp8", progress=False,
+                                            **CALIB))
+    assert not same_files(exports[0], export_hf(str(tmp_path / "max"), str(tmp_path / "export-max"),
+                                                progress=False))
+
+
+def test_gptq_resumes_after_its_last_completed_layer_with_the_same_bytes(tiny, tmp_path, monkeypatch):
+    """GPTQ's codes of the layers done are saved with each layer boundary: a run stopped in layer 2
+    resumes after layer 1 and writes what a run never stopped writes."""
+    _, ck = tiny
+    args = lambda out, **kw: PTQArgs(ck, "fp8", str(tmp_path / out), algorithm="gptq", progress=False,  # noqa: E731
+                                     **CALIB, **kw)
+    run_ptq(ParallelState.single(), args("whole"))
+    run_layer = LayerEngine.run_layer
+
+    def stopping(self, i, ls, pb):
+        if i == 2:
+            raise RuntimeError("stopped in layer 2")
+        return run_layer(self, i, ls, pb)
+
+    monkeypatch.setattr(LayerEngine, "run_layer", stopping)
+    with pytest.raises(Exception, match="stopped in layer 2"):
+        run_ptq(ParallelState.single(), args("q"))
+    monkeypatch.setattr(LayerEngine, "run_layer", run_layer)
+    assert run_ptq(ParallelState.single(), args("q", resume=True))["resumed_after"] == 1
+    exports = [export_hf(str(tmp_path / q), str(tmp_path / f"export-{q}"), progress=False) for q in ("whole", "q")]
+    assert same_files(*exports)
