@@ -43,10 +43,10 @@ def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
 
 
 @pytest.mark.parametrize("d, algorithm, message", [
-    ({"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "gptq"}]}, None,
-     "r.yaml: quantize[0] algorithm 'gptq': unknown algorithm; choose one of max, mse"),
+    ({"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "awq"}]}, None,
+     "r.yaml: quantize[0] algorithm 'awq': unknown algorithm; choose one of max, mse, gptq"),
     ({"quantize": [{"pattern": "*", "format": "nvfp4"}]}, "awq",
-     "--algorithm 'awq': unknown algorithm; choose one of max, mse"),
+     "--algorithm 'awq': unknown algorithm; choose one of max, mse, gptq"),
 ])
 def test_an_unknown_algorithm_is_refused_by_name_with_the_choices(d, algorithm, message):
     with pytest.raises(ConfigError) as e:
@@ -55,10 +55,10 @@ def test_an_unknown_algorithm_is_refused_by_name_with_the_choices(d, algorithm, 
 
 
 def test_the_flag_refuses_an_unknown_algorithm_with_the_choices(qwen):
-    r = subprocess.run([sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "gptq"],
+    r = subprocess.run([sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "awq"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2
-    assert "--algorithm: invalid choice: 'gptq' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
+    assert "--algorithm: invalid choice: 'awq' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
 
 
 def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
