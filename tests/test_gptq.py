@@ -1,10 +1,12 @@
 """GPTQ (eprt.quant.gptq): exact layout-free Hessians, the solve in the export's numerics."""
 
 import hashlib
+import os
 from datetime import timedelta
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
@@ -179,6 +181,11 @@ def digest(hs: HessianSum) -> str:
     return hashlib.sha256(hs.total.numpy().tobytes()).hexdigest()
 
 
+def load_dir(d: str) -> dict[str, torch.Tensor]:
+    return {n: t for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+            for n, t in load_file(os.path.join(d, f)).items()}
+
+
 def record_hessians() -> dict:
     """Patches LayerGPTQ.quantize (in this process) to record the bytes of every Hessian it sums
     over the ranks, by module (dense) or (module, global expert, kind)."""
@@ -222,6 +229,12 @@ def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tin
                for i, q in enumerate((one, str(tmp_path / "w2")))]
     assert check_export(exports[0], hf) == []
     assert same_files(*exports)
+    # compressed-tensors' layout carries the same codes
+    ct = export_hf(one, str(tmp_path / "export-ct"), progress=False, fmt="compressed-tensors")
+    assert check_export(ct, hf) == []
+    modelopt, packed = load_dir(exports[0]), load_dir(ct)
+    codes = {n: t for n, t in modelopt.items() if n.endswith(".weight") and t.dtype == torch.uint8}
+    assert codes and all(torch.equal(packed[n + "_packed"], t) for n, t in codes.items())
     # GPTQ changed the weights: not the max export's
     run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "max"), kv_cache="fp8", progress=False,
                                             **CALIB))

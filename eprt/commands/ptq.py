@@ -22,7 +22,7 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.plan import Planner, format_bytes, memory_in_use, parse_size
 from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq, schedule
-from eprt.quant.gptq_layer import DEFAULT_MIN_TOKENS
+from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS
 from eprt.quant.recipe import ALGORITHMS
 
 
@@ -88,7 +88,9 @@ def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None
         c = ck.config
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
-        plan = Planner.of(ck, dtype, state.device).plan(
+        recipe = plan_recipe(ck, args.recipe, args.kv_cache, args.algorithm)[0] if args.recipe else None
+        gptq = recipe is not None and ALGORITHM in recipe.algorithms  # its Hessians count
+        plan = Planner.of(ck, dtype, state.device, gptq).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
             baseline=memory_in_use(state.device))

@@ -81,10 +81,13 @@ class MemoryPlan:
     layer: int  # the largest layer's weights (dense + this rank's experts)
     reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
     step: int  # one step's activations and exchange buffers
+    gptq: int = 0  # with GPTQ: a layer's Hessians (int64) and one solve's working set, beside the layer
+    codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.hidden + max(self.embedding, self.reading, self.layer + self.step)
+        return self.baseline + self.hidden + self.codes + max(self.embedding, self.reading,
+                                                               self.layer + self.step + self.gptq)
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,16 @@ class Planner:
     reads: dict[int, list[tuple[int, int, bool]]]
     embedding: int
     kernel_cache: int
+    # with GPTQ, per layer its Linears' (Hessian bytes, solve bytes, weight elements, routed experts),
+    # every 2-D weight counted (an upper bound: not every one is quantized)
+    hessians: dict[int, list[tuple[int, int, int, bool]]] | None = None
+    device: str = "cpu"
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device) -> Planner:
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, gptq: bool = False) -> Planner:
+        """`gptq`: the recipe runs GPTQ on some module (eprt.quant.gptq_layer)."""
         b = dtype.itemsize
+        hessians: dict[int, list[tuple[int, int, int, bool]]] | None = {} if gptq else None
         model, stacked = meta_model(ck, None)
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool]]] = {}
@@ -118,8 +127,27 @@ class Planner:
             run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked))
+            if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
+                count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
+                # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
+                # working block, and the fp32 result
+                solve = 4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8
+                hessians.setdefault(int(m.group(1)), []).append(
+                    (count * in_dim * in_dim * 8, solve, t.numel(), name in stacked))
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
-        return cls(ck, dtype, reads, embedding, cache)
+        return cls(ck, dtype, reads, embedding, cache, hessians, device.type)
+
+    def _gptq(self, ep: int) -> tuple[int, int]:
+        """(the most a layer's Hessians and one solve hold, GPTQ's codes of every layer at one
+        byte a weight) on one rank; (0, 0) without GPTQ."""
+        if self.hessians is None:
+            return 0, 0
+        most = codes = 0
+        for linears in self.hessians.values():
+            held = sum(h // (ep if expert else 1) for h, _, _, expert in linears)
+            most = max(most, held + max(solve for _, solve, _, _ in linears))
+            codes += sum(n // (ep if expert else 1) for _, _, n, expert in linears)
+        return most, codes if self.device == "cpu" else 0
 
     def _layer(self, ep: int) -> tuple[int, int]:
         """(the largest layer's weights, the most any layer holds while it is read) on one rank."""
@@ -161,7 +189,8 @@ class Planner:
         routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
         snapshot = n_mine * T * D * b if snapshots else 0
         step = pending + attention + dense_mlp + routed + snapshot
-        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
+        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step,
+                          *self._gptq(ep))
 
 
 def parse_size(text: str) -> int:

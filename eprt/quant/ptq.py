@@ -84,7 +84,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, samples, a)
+            plan, preview = plan_run(state, ck, samples, a, ALGORITHM in recipe.algorithms)
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
@@ -134,11 +134,13 @@ def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
                        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
 
-def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[MemoryPlan, bool]:
+def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, gptq: bool = False
+             ) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
-    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
+    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not).
+    `gptq`: the recipe runs GPTQ, whose Hessians the plan counts."""
     c = ck.config
-    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device)
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, gptq)
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
                         baseline=memory_in_use(state.device))
@@ -147,9 +149,11 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
                  num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
                  schedule_of=lambda n: schedule(a, state, c, n))
     if state.rank == 0:
-        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
+        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
-                      format_bytes(plan.step), format_bytes(plan.baseline))
+                      format_bytes(plan.step), format_bytes(plan.baseline),
+                      f", GPTQ's Hessians {format_bytes(plan.gptq)}, its codes {format_bytes(plan.codes)}"
+                      if gptq else "")
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
