@@ -117,9 +117,10 @@ def tiny(tmp_path_factory):
     return hf, convert_hf(hf, str(root / "ck"), progress=False)
 
 
-def hessians_of_run(monkeypatch) -> dict:
-    """The Hessians GPTQ solved with (summed over the ranks), by module (and local expert, kind),
-    with each expert's token count."""
+def hessians_of_run(setattr_) -> dict:
+    """Patches LayerGPTQ.quantize through `setattr_` (pytest's monkeypatch.setattr, or setattr) to
+    record the Hessians GPTQ solves with (summed over the ranks), by dense module or (module,
+    local expert, kind) with the expert's token count."""
     seen = {}
     quantize = LayerGPTQ.quantize
 
@@ -131,7 +132,7 @@ def hessians_of_run(monkeypatch) -> dict:
                 for kind, hs in zip(EXPERT_KINDS, pair):
                     seen[(m, l, kind)] = (hs.hessian(), int(self.stats.expert_tokens[m][l]))
 
-    monkeypatch.setattr(LayerGPTQ, "quantize", spy)
+    setattr_(LayerGPTQ, "quantize", spy)
     return seen
 
 
@@ -141,40 +142,48 @@ def output_error(w_q: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
     return torch.einsum("oi,ij,oj->", d, h, d).item()
 
 
+def layer_output_errors(q: str, hessians: dict) -> list[tuple[str, int | None, float, float]]:
+    """(Linear, tokens (None: dense), GPTQ's output error, max rounding's) of every Linear GPTQ ran
+    on in single-process calibrated checkpoint q, on the inputs of `hessians_of_run`. Max rounding
+    is the export's encoding of the source weight under the same scales."""
+    out = []
+    with Checkpoint(q) as cq:
+        exp = QuantizedExport(cq)
+        for key, h in hessians.items():
+            if isinstance(key, str):
+                name, tokens = f"{key}.weight", None
+                w, fmt = cq.read(name), exp.scales.formats[key]
+                got, scale = exp.quantize(name), exp.scales.weight_scale(key)
+            else:
+                (m, e, kind), (h, tokens) = key, h
+                name, fmt = f"{m}.{kind}", exp.scales.formats[m]
+                w = cq.read(name, rows=(e, e + 1))[0]
+                got, scale = exp.quantized_row(name, m, e), exp.scales.expert_weight_scale(m, w)
+            rtn = quantize_weight(fmt, w, scale, cq.meta(name).source_dtype)
+            out.append((f"{name}[{key[1]}]" if tokens is not None else name, tokens,
+                        output_error(dequantize_weight(fmt, got, torch.float32), w, h),
+                        output_error(dequantize_weight(fmt, rtn, torch.float32), w, h)))
+    return out
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_gptq_layer_output_error_is_below_max_rounding(tiny, tmp_path, monkeypatch, recipe):
     """On its calibration inputs, each Linear's output error under GPTQ's weight is below max
-    rounding's (the export's encoding of the source weight, under the same scales): on every dense
-    Linear, and on at least 90% of the routed experts' projections with 256 tokens or more."""
+    rounding's: on every dense Linear, and on at least 90% of the routed experts' projections
+    with 256 tokens or more."""
     _, ck = tiny
-    hessians = hessians_of_run(monkeypatch)
+    hessians = hessians_of_run(monkeypatch.setattr)
     q = str(tmp_path / "q")
     run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", algorithm="gptq", progress=False,
                                             **CALIB))
-    with Checkpoint(q) as cq:
-        exp = QuantizedExport(cq)
-        fmt = recipe
-        dense = [m for m in exp.quantized if m in exp.state.gptq_dense]
-        assert len(dense) == len([m for m in exp.quantized if not m.endswith(".experts")]) > 0
-        for m in dense:
-            w = cq.read(f"{m}.weight")
-            got = dequantize_weight(fmt, exp.quantize(f"{m}.weight"), torch.float32)
-            rtn = dequantize_weight(fmt, quantize_weight(fmt, w, exp.scales.weight_scale(m),
-                                                         cq.meta(f"{m}.weight").source_dtype), torch.float32)
-            assert output_error(got, w, hessians[m]) < output_error(rtn, w, hessians[m]), m
-        better = total = 0
-        for (m, e, kind), (h, tokens) in ((k, v) for k, v in hessians.items() if isinstance(k, tuple)):
-            if tokens < 256:
-                continue
-            name = f"{m}.{kind}"
-            row = cq.read(name, rows=(e, e + 1))[0]
-            got = dequantize_weight(fmt, exp.quantized_row(name, m, e), torch.float32)
-            rtn = dequantize_weight(fmt, quantize_weight(fmt, row, exp.scales.expert_weight_scale(m, row),
-                                                         cq.meta(name).source_dtype), torch.float32)
-            better += output_error(got, row, h) < output_error(rtn, row, h)
-            total += 1
-    assert total >= 16, total  # two MoE layers of 8 experts, two projections each, most with enough tokens
-    assert better >= 0.9 * total, (better, total)
+    errors = layer_output_errors(q, hessians)
+    dense = [(name, g, m) for name, tokens, g, m in errors if tokens is None]
+    with Checkpoint(q) as cq:  # every dense Linear the recipe quantizes
+        assert len(dense) == len([m for m in QuantizedExport(cq).quantized if not m.endswith(".experts")]) > 0
+    assert all(g < m for _, g, m in dense), [d for d in dense if d[1] >= d[2]]
+    experts = [(g, m) for _, tokens, g, m in errors if tokens is not None and tokens >= 256]
+    assert len(experts) >= 16, len(experts)  # two MoE layers of 8 experts, two projections each, most with enough tokens
+    assert sum(g < m for g, m in experts) >= 0.9 * len(experts), experts
 
 
 def digest(hs: HessianSum) -> str:
