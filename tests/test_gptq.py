@@ -272,3 +272,11 @@ def test_gptq_resumes_after_its_last_completed_layer_with_the_same_bytes(tiny, t
     assert run_ptq(ParallelState.single(), args("q", resume=True))["resumed_after"] == 1
     exports = [export_hf(str(tmp_path / q), str(tmp_path / f"export-{q}"), progress=False) for q in ("whole", "q")]
     assert same_files(*exports)
+
+
+def test_a_min_token_count_below_one_is_refused_by_name(tiny, tmp_path):
+    _, ck = tiny
+    with pytest.raises(Exception, match="ConfigError: --gptq-min-tokens 0 must be positive"):
+        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), algorithm="gptq",
+                                                gptq_min_tokens=0, progress=False, **CALIB))
+    assert not os.path.exists(tmp_path / "q")
