@@ -52,16 +52,16 @@ def test_gptq_beats_round_to_nearest_and_is_representable(fmt):
     x = correlated_inputs(600, 160, seed=1)
     hs = HessianSum(160, x.abs().max().item(), x.shape[0])
     hs.add(x)
-    cols = columns_of(fmt, w, SCALE[fmt](w.abs().amax()))
-    q = gptq(w, hs.hessian(), cols, block=64)  # more than one lazy-batch block
+    cols = columns_of(fmt, w[None], SCALE[fmt](w.abs().amax()).reshape(1))
+    q = gptq(w[None], hs.hessian()[None], cols, block=64)  # more than one lazy-batch block
     err = lambda wq: torch.linalg.norm(x @ wq.T - x @ w.T).item()  # noqa: E731
-    assert err(q) < 0.9 * err(round_to_nearest(fmt, w)), (err(q), err(round_to_nearest(fmt, w)))
+    assert err(q[0]) < 0.9 * err(round_to_nearest(fmt, w)), (err(q[0]), err(round_to_nearest(fmt, w)))
     # exactly representable: the export's encoder, under the scales fixed from w, gives codes
     # that decode to GPTQ's weight bit for bit
     codes = cols.encode(q)
     assert torch.equal(cols.decode(codes), q)
     if fmt == "nvfp4":  # the block scales are the export's, from the original weight
-        assert torch.equal(cols.block_scale.view(torch.uint8),
+        assert torch.equal(cols.block_scale[0].view(torch.uint8),
                            quantize_nvfp4(w, SCALE[fmt](w.abs().amax()))[1].view(torch.uint8))
 
 
@@ -71,9 +71,23 @@ def test_gptq_zero_inputs_leave_dead_columns_zero():
     x[:, 5] = 0  # a channel no token uses
     hs = HessianSum(32, x.abs().max().item(), 64)
     hs.add(x)
-    q = gptq(w, hs.hessian(), columns_of("nvfp4", w, nvfp4_scale(w.abs().amax())))
-    assert torch.all(q[:, 5] == 0)
+    q = gptq(w[None], hs.hessian()[None], columns_of("nvfp4", w[None], nvfp4_scale(w.abs().amax()).reshape(1)))
+    assert torch.all(q[0, :, 5] == 0)
     assert torch.isfinite(q).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gptq_of_a_stack_is_each_weight_solved_alone(fmt):
+    """A rank solves its routed experts together: each comes out the same bits as alone, so which
+    experts share a rank (the ep degree) changes nothing."""
+    torch.manual_seed(3)
+    w = torch.randn(3, 16, 48)
+    h = torch.stack([(lambda x: x.T @ x)(correlated_inputs(100, 48, seed=s).double()) for s in range(3)])
+    scales = torch.stack([SCALE[fmt](x.abs().amax()) for x in w])
+    together = gptq(w, h, columns_of(fmt, w, scales), block=32)
+    for b in range(3):
+        alone = gptq(w[b:b + 1], h[b:b + 1], columns_of(fmt, w[b:b + 1], scales[b:b + 1]), block=32)
+        assert torch.equal(together[b], alone[0]), b
 
 
 def test_hessian_is_the_same_bits_for_any_split_of_the_units():
@@ -92,7 +106,8 @@ def test_hessian_is_the_same_bits_for_any_split_of_the_units():
     total = split[2].total + split[0].total + split[1].total
     assert torch.equal(one.total, total)
     # what the fixed point is for: plain fp64 partial sums depend on the order
-    plain = lambda order: sum((u.double().T @ u.double() for u in order), torch.zeros(48, 48, dtype=torch.float64))  # noqa: E731
+    plain = lambda order: sum((u.double().T @ u.double() for u in order),  # noqa: E731
+                              torch.zeros(48, 48, dtype=torch.float64))
     assert not torch.equal(plain(units), plain(reversed(units)))
     # and it is the Hessian: within fp64's rounding of the partials
     want = x.double().T @ x.double()
@@ -182,7 +197,8 @@ def test_gptq_layer_output_error_is_below_max_rounding(tiny, tmp_path, monkeypat
         assert len(dense) == len([m for m in QuantizedExport(cq).quantized if not m.endswith(".experts")]) > 0
     assert all(g < m for _, g, m in dense), [d for d in dense if d[1] >= d[2]]
     experts = [(g, m) for _, tokens, g, m in errors if tokens is not None and tokens >= 256]
-    assert len(experts) >= 16, len(experts)  # two MoE layers of 8 experts, two projections each, most with enough tokens
+    # two MoE layers of 8 experts, two projections each, most with enough tokens
+    assert len(experts) >= 16, len(experts)
     assert sum(g < m for g, m in experts) >= 0.9 * len(experts), experts
 
 

@@ -119,7 +119,8 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
         return
     dense = cs.dense_tensors()
     save_tensors(os.path.join(tmp, DENSE_FILE), dense)
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration", (Part(DENSE_FILE, n, (0, t.shape[0] if t.dim() else 0)),), t.dtype)
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration",
+                        (Part(DENSE_FILE, n, (0, t.shape[0] if t.dim() else 0)),), t.dtype)
              for n, t in dense.items()]
     place = state.placement(ck.config.num_experts)
     for n, t in experts.items():

@@ -31,7 +31,7 @@ import torch
 from eprt.quant.fp8 import dequantize_fp8
 from eprt.quant.nvfp4 import (BLOCK_SIZE, dequantize_nvfp4, e2m1_decode, e2m1_encode, encode_with_scales,
                               nvfp4_block_scales, pack_fp4)
-from eprt.quant.numerics import as_scale, to_e4m3
+from eprt.quant.numerics import to_e4m3
 
 BLOCK = 128  # columns per lazy-batch block
 DAMP = 0.01  # damping, a fraction of the mean diagonal
@@ -74,74 +74,85 @@ class HessianSum:
 
 
 class Fp8Columns:
-    """FP8 per tensor: `scale` (the export's weight_scale, from the original weight); a column is
-    rounded to nearest E4M3 once, from its fp32 quotient."""
+    """FP8 per tensor, for a stack of weights [L, out, in]: `scales` [L] (each the export's
+    weight_scale, from its original weight); a column is rounded to nearest E4M3 once, from its
+    fp32 quotient."""
 
-    def __init__(self, scale):
-        self.scale = as_scale(scale, "cpu")
+    def __init__(self, scales: torch.Tensor):
+        self.scales = scales.float()
 
-    def round(self, j: int, col: torch.Tensor) -> torch.Tensor:
-        return dequantize_fp8(to_e4m3(col.float() / self.scale.to(col.device)), self.scale)
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        s = self.scales.to(col_LO.device)[:, None]
+        return to_e4m3(col_LO.float() / s).float() * s  # `dequantize_fp8`'s product
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
-        """float8_e4m3fn codes of GPTQ's (exactly representable) weight."""
-        return to_e4m3(q.float() / self.scale.to(q.device))
+        """float8_e4m3fn codes [L, out, in] of GPTQ's (exactly representable) weights."""
+        return to_e4m3(q.float() / self.scales.to(q.device)[:, None, None])
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return dequantize_fp8(codes, self.scale)
+        return torch.stack([dequantize_fp8(c, s) for c, s in zip(codes, self.scales)])
 
 
 class Nvfp4Columns:
-    """NVFP4: weight_scale_2 `scale_2` and the E4M3 block scales fixed from the original weight
-    `w` (the export's, from its blocks' amax); column j is rounded with its rows' block scale by
-    the export's E2M1 rule (nearest, ties to even, saturating at 6)."""
+    """NVFP4, for a stack of original weights w [L, out, in]: weight_scale_2 `scales` [L] and the
+    E4M3 block scales fixed from w (the export's, from its blocks' amax); column j is rounded with
+    its rows' block scale by the export's E2M1 rule (nearest, ties to even, saturating at 6)."""
 
-    def __init__(self, w: torch.Tensor, scale_2):
-        self.scale_2 = as_scale(scale_2, w.device)
-        self.block_scale = nvfp4_block_scales(w, self.scale_2)
-        self.step = self.block_scale.float() * self.scale_2  # the export's divisor of each block
+    def __init__(self, w: torch.Tensor, scales: torch.Tensor):
+        self.scales = scales.float().to(w.device)
+        self.block_scale = torch.stack([nvfp4_block_scales(x, s) for x, s in zip(w, self.scales)])
+        self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
 
-    def round(self, j: int, col: torch.Tensor) -> torch.Tensor:
-        bs = self.block_scale[:, j // BLOCK_SIZE].float()
-        values = e2m1_decode(e2m1_encode(col.float() / self.step[:, j // BLOCK_SIZE]))
-        return values * bs * self.scale_2  # as `dequantize_nvfp4`: value x block scale is exact
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        bs = self.block_scale[:, :, j // BLOCK_SIZE].float()
+        values = e2m1_decode(e2m1_encode(col_LO.float() / self.step[:, :, j // BLOCK_SIZE]))
+        return values * bs * self.scales[:, None]  # as `dequantize_nvfp4`: value x block scale is exact
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
-        """Packed E2M1 codes (uint8 [out, in/2]) of GPTQ's weight, by the export's encoder."""
-        return pack_fp4(encode_with_scales(q, self.block_scale, self.scale_2))
+        """Packed E2M1 codes (uint8 [L, out, in/2]) of GPTQ's weights, by the export's encoder."""
+        return torch.stack([pack_fp4(encode_with_scales(x, b, s))
+                            for x, b, s in zip(q, self.block_scale, self.scales)])
 
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
-        return dequantize_nvfp4(packed, self.block_scale, self.scale_2)
+        return torch.stack([dequantize_nvfp4(p, b, s) for p, b, s in zip(packed, self.block_scale, self.scales)])
 
 
-def columns_of(fmt: str, w: torch.Tensor, scale):
-    """The column rounding of format `fmt` for original weight w with its per-tensor scale."""
-    return Fp8Columns(scale) if fmt == "fp8" else Nvfp4Columns(w, scale)
+def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
+    """The column rounding of format `fmt` for original weights w [L, out, in] with their
+    per-tensor scales [L]."""
+    return Fp8Columns(scales) if fmt == "fp8" else Nvfp4Columns(w, scales)
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, cols, block: int = BLOCK, damp: float = DAMP) -> torch.Tensor:
-    """GPTQ's weight (fp32 [out, in], each value exactly representable by `cols`) for w [out, in]
-    and the Hessian h [in, in] of its inputs."""
+    """GPTQ's weights (fp32 [L, out, in], each value exactly representable by `cols`) for a stack
+    of weights w [L, out, in] and the Hessians h [L, in, in] of their inputs.
+
+    Each weight of the stack comes out the same bits as solved alone (so a rank's experts may be
+    solved together, whichever they are): the column sweep is elementwise over the stack (the
+    rank-1 updates are outer products, one rounding per element), and what reduces (the
+    factorization, the lazy-batch updates) runs on one weight at a time."""
     W = w.detach().to(torch.float64).clone()
     H = h.detach().to(device=W.device, dtype=torch.float64).clone()
-    n = W.shape[1]
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    Hinv = _inverse_factor(H, damp)
+    n = W.shape[-1]
+    for Wb, Hb in zip(W, H):
+        dead = torch.diag(Hb) == 0
+        Hb[dead, dead] = 1.0
+        Wb[:, dead] = 0.0
+    Hinv = torch.stack([_inverse_factor(Hb, damp) for Hb in H])
     Q = torch.zeros_like(W, dtype=torch.float32)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        W1, Hinv1 = W[:, :, i1:i2].clone(), Hinv[:, i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
-            w_col, d = W1[:, i], Hinv1[i, i]
+            w_col, d = W1[:, :, i], Hinv1[:, i, i]
             q = cols.round(i1 + i, w_col)
-            Q[:, i1 + i] = q
-            err = (w_col - q.double()) / d
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            Q[:, :, i1 + i] = q
+            err = (w_col - q.double()) / d[:, None]
+            W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
+            Err1[:, :, i] = err
+        for b in range(W.shape[0]):
+            W[b, :, i2:] -= Err1[b] @ Hinv[b, i1:i2, i2:]
     return Q
 
 

@@ -32,6 +32,9 @@ from eprt.storage.checkpoint import Checkpoint
 
 ALGORITHM = "gptq"
 DEFAULT_MIN_TOKENS = 128  # a routed expert with fewer keeps max rounding
+# Routed experts solved together: the column sweep's Python loop runs once per stack, not per
+# expert; each comes out as if alone (eprt.quant.gptq.gptq), so the stack size changes no bit.
+EXPERT_STACK = 16
 
 
 class GPTQResults:
@@ -90,7 +93,7 @@ class GPTQWeights:
 
 def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 weight of GPTQ's `codes` under the scales the export takes from original weight w."""
-    return columns_of(fmt, w, scale).decode(codes.to(w.device))
+    return columns_of(fmt, w[None], scale.reshape(1)).decode(codes.to(w.device)[None])[0]
 
 
 class GPTQRun:
@@ -194,30 +197,38 @@ class LayerGPTQ:
         if hs is None:
             t = quantize_weight(fmt, w, scale, self.run.ck.meta(name).source_dtype)
             return None, dequantize_weight(fmt, t, torch.float32)
-        cols = columns_of(fmt, w, scale)
-        q = gptq(w, hs.hessian(), cols)
-        return cols.encode(q), q
+        cols = columns_of(fmt, w[None], scale.reshape(1))
+        q = gptq(w[None], hs.hessian()[None], cols)
+        return cols.encode(q)[0], q[0]
 
     def _quantize_experts(self, m: str) -> None:
+        """Every local expert's w13 and w2 as exported: GPTQ's (solved EXPERT_STACK at a time) for
+        the experts with enough tokens, max rounding's for the others."""
         run, experts = self.run, self._module(m)
         first, L = experts.first, experts.count
         sums = self.expert_hessians.get(m)
-        codes = {kind: [] for kind in EXPERT_KINDS}
-        for kind, param in zip(EXPERT_KINDS, (experts.w13, experts.w2)):
-            name = f"{m}.{kind}"
+        codes = {}
+        for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
+            name, fmt = f"{m}.{kind}", run.formats[m]
             rows = run.ck.read(name, rows=(first, first + L)).to(param.device)
-            for l in range(L):
-                hs = sums[l][EXPERT_KINDS.index(kind)] if sums is not None and l in sums else None
-                c, deq = self._quantize(m, rows[l], self.scales.expert_weight_scale(m, rows[l]), name, hs)
-                if sums is not None and c is None:  # kept at max rounding: the export's own codes
-                    c = quantize_weight(run.formats[m], rows[l], self.scales.expert_weight_scale(m, rows[l]),
-                                        run.ck.meta(name).source_dtype)["weight"]
-                if sums is not None:
-                    codes[kind].append(c.cpu())
-                param[l].copy_(deq.to(param.dtype))
+            scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
+            deq = torch.empty(rows.shape, dtype=torch.float32, device=param.device)
+            kept = [l for l in range(L) if sums is None or l not in sums]
+            for l in kept:  # the export's own codes
+                t = quantize_weight(fmt, rows[l], scales[l], run.ck.meta(name).source_dtype)
+                deq[l], codes[(kind, l)] = dequantize_weight(fmt, t, torch.float32), t["weight"]
+            solved = sorted(sums) if sums is not None else []
+            for j in range(0, len(solved), EXPERT_STACK):
+                ids = solved[j:j + EXPERT_STACK]
+                cols = columns_of(fmt, rows[ids], scales[ids])
+                q = gptq(rows[ids], torch.stack([sums[l][k].hessian() for l in ids]), cols)
+                deq[ids] = q
+                for l, code in zip(ids, cols.encode(q)):
+                    codes[(kind, l)] = code
+            param.copy_(deq.to(param.dtype))
         if sums is None:
             return
-        run.results.experts[m] = tuple(torch.stack(codes[k]) for k in EXPERT_KINDS)
+        run.results.experts[m] = tuple(torch.stack([codes[(k, l)].cpu() for l in range(L)]) for k in EXPERT_KINDS)
         # the experts kept at max rounding, over every ep rank
         skipped = torch.zeros(experts.num_experts, dtype=torch.int64, device=experts.w13.device)
         for l in range(L):

@@ -21,6 +21,7 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences
+from eprt.quant.gptq_layer import EXPERT_STACK
 
 
 def current_rss() -> int:
@@ -130,8 +131,8 @@ class Planner:
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
                 count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
                 # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
-                # working block, and the fp32 result
-                solve = 4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8
+                # working block, and the fp32 result; routed experts EXPERT_STACK at a time
+                solve = (4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8) * (EXPERT_STACK if name in stacked else 1)
                 hessians.setdefault(int(m.group(1)), []).append(
                     (count * in_dim * in_dim * 8, solve, t.numel(), name in stacked))
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0

@@ -62,7 +62,8 @@ class Scales:
         return self.scale(module, row.abs().amax().float())
 
 
-def quantize_weight(fmt: str, w: torch.Tensor, scale: torch.Tensor, source_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def quantize_weight(fmt: str, w: torch.Tensor, scale: torch.Tensor, source_dtype: torch.dtype
+                    ) -> dict[str, torch.Tensor]:
     """A weight's export tensors by ModelOpt suffix, rounded to nearest under its per-tensor
     `scale`: FP8 rounds the quotient to the source's dtype first (eprt.quant.fp8), as the source
     is held when loaded as it is, whatever dtype eprt converted it to."""
