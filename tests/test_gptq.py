@@ -238,22 +238,24 @@ def _calibrate_gptq(ck: str, out: str, ep: int) -> dict:
 
 
 def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tiny, tmp_path, monkeypatch):
-    """(world, ep) (1, 1) and (2, 2): the same Hessians to the bit, the same export bytes."""
+    """(world, ep) (1, 1), (2, 2) and (2, 1) (each expert's units split over two replicas): the
+    same Hessians to the bit, the same export bytes."""
     hf, ck = tiny
     one = str(tmp_path / "w1")
     monkeypatch.setattr(LayerGPTQ, "quantize", LayerGPTQ.quantize)  # restored after the test
     want = record_hessians()
     run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", one, kv_cache="fp8", algorithm="gptq", batch_size=3,
                                             progress=False, gptq_min_tokens=300, **CALIB))
-    ranks = run_world(_calibrate_gptq, 2, ck, str(tmp_path / "w2"), 2, timeout=200)
-    assert {k: v for r in ranks for k, v in r.items()} == want
+    for ep in (2, 1):
+        ranks = run_world(_calibrate_gptq, 2, ck, str(tmp_path / f"w2-ep{ep}"), ep, timeout=200)
+        assert {k: v for r in ranks for k, v in r.items()} == want, ep
     with Checkpoint(one) as cq:  # some experts kept max rounding, and are listed
         skipped = cq.quantization["calibration"]["gptq_skipped_experts"]
         assert skipped and all(isinstance(e, int) for ids in skipped.values() for e in ids), skipped
     exports = [export_hf(q, str(tmp_path / f"export-{i}"), progress=False)
-               for i, q in enumerate((one, str(tmp_path / "w2")))]
+               for i, q in enumerate((one, str(tmp_path / "w2-ep2"), str(tmp_path / "w2-ep1")))]
     assert check_export(exports[0], hf) == []
-    assert same_files(*exports)
+    assert same_files(exports[0], exports[1]) and same_files(exports[0], exports[2])
     # compressed-tensors' layout carries the same codes
     ct = export_hf(one, str(tmp_path / "export-ct"), progress=False, fmt="compressed-tensors")
     assert check_export(ct, hf) == []

@@ -87,8 +87,10 @@ def fake_inputs(module, fmt: str, scale: torch.Tensor):
 def fake_expert_inputs(experts: Experts, fmt: str, scale_w13: torch.Tensor, scale_w2: torch.Tensor):
     """Both projections' inputs of routed experts through the layer's input scales; returns the undo."""
     fake, act = FAKES[fmt], experts.act
-    experts.quant_input = lambda x: fake(x, scale_w13)
-    experts.act = lambda gate, up: fake(act(gate, up), scale_w2)  # w2 reads act(gate, up): quantized where it is made
+    # a rank may receive no rows in a step: nothing to quantize (NVFP4 cannot block an empty tensor)
+    quant = lambda x, s: fake(x, s) if x.numel() else x  # noqa: E731
+    experts.quant_input = lambda x: quant(x, scale_w13)
+    experts.act = lambda gate, up: quant(act(gate, up), scale_w2)  # w2 reads act(gate, up): quantized where it is made
 
     def undo():
         experts.quant_input, experts.act = None, act
