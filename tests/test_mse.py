@@ -3,26 +3,74 @@ in the calibrated checkpoint, refused by name when unknown."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
 
 from eprt.errors import ConfigError
+from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.nvfp4 import dequantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe
 from eprt.testing.tiny import make_tiny
+from tests.hf_utils import read_hf_tensors
+from tests.multiproc import free_port, run_world
+from tests.test_ptq import same_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORMATS = ("fp8", "nvfp4")
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def source(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen")
-    return convert_hf(make_tiny("qwen3_moe", str(d / "hf")), str(d / "ck"), progress=False)
+    hf = make_tiny("qwen3_moe", str(d / "hf"))
+    return hf, convert_hf(hf, str(d / "ck"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def qwen(source):
+    return source[1]
+
+
+def calibrate_and_export(ck: str, recipe: str, algorithm: str, out: str) -> str:
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, out, calib_size=2, seq_len=8, algorithm=algorithm,
+                                            progress=False))
+    return export_hf(out, out + "-hf", progress=False)
+
+
+@pytest.fixture(scope="module")
+def exports(source, tmp_path_factory):
+    """{(format, algorithm): the export of the tiny model quantized whole in that format}."""
+    d = tmp_path_factory.mktemp("exports")
+    return {(fmt, a): calibrate_and_export(source[1], fmt, a, str(d / f"{fmt}-{a}")) for fmt in FORMATS
+            for a in ALGORITHMS}
+
+
+def weight_errors(export: str, src: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Squared quantization error of every quantized weight of `export` against the source weights,
+    summed per scale holder: a dense Linear, a routed expert's gate and up together (they share
+    one scale, as w13), its down."""
+    t = read_hf_tensors(export)
+    out: dict[str, float] = {}
+    for name, w in t.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or f"{module}.weight_scale" not in t:
+            continue
+        if w.dtype == torch.float8_e4m3fn:
+            deq = w.double() * t[f"{module}.weight_scale"].double()
+        else:
+            deq = dequantize_nvfp4(w, t[f"{module}.weight_scale"], t[f"{module}.weight_scale_2"]).double()
+        holder = re.sub(r"\.(gate|up)_proj$", ".w13", module) if ".experts." in module else module
+        out[holder] = out.get(holder, 0.0) + (src[name].double() - deq).square().sum().item()
+    return out
 
 
 # --- the recipe's algorithm and the flag ---------------------------------------------------------
@@ -79,3 +127,36 @@ def test_a_run_resumes_only_from_a_run_with_its_own_algorithm(qwen):
         prints = [fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples)
                   for a in ALGORITHMS]
     assert len({json.dumps(p, sort_keys=True) for p in prints}) == len(ALGORITHMS)
+
+
+# --- the mse search --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mse_error_is_at_most_max_error_on_every_weight_and_below_it_somewhere(source, exports, fmt):
+    src = read_hf_tensors(source[0])
+    by_max, by_mse = (weight_errors(exports[(fmt, a)], src) for a in ("max", "mse"))
+    assert by_max.keys() == by_mse.keys()
+    assert any(".experts." in h for h in by_max) and any(".self_attn." in h for h in by_max)
+    # float64 sums of the same squares in another order: equal up to the last bits
+    worse = {h: (by_mse[h], by_max[h]) for h in by_max if by_mse[h] > by_max[h] * (1 + 1e-12)}
+    assert worse == {}
+    assert sum(by_mse.values()) < sum(by_max.values())
+    improved = [h for h in by_max if by_mse[h] < by_max[h] * (1 - 1e-9)]
+    assert any(".experts." in h for h in improved) and any(".experts." not in h for h in improved)
+    assert check_export(exports[(fmt, "mse")], source[0]) == []
+
+
+def _calibrate_mse(ck: str, out: str, port: int) -> None:
+    os.environ["MASTER_PORT"] = str(port)
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, PTQArgs(ck, "nvfp4_experts_fp8_attention", out, calib_size=4, seq_len=8, batch_size=1,
+                               algorithm="mse", progress=False))
+
+
+def test_mse_exports_are_the_same_bytes_at_every_layout(qwen, tmp_path):
+    one = str(tmp_path / "w1-ep1")
+    run_ptq(ParallelState.single(), PTQArgs(qwen, "nvfp4_experts_fp8_attention", one, calib_size=4, seq_len=8,
+                                            batch_size=2, algorithm="mse", progress=False))
+    run_world(_calibrate_mse, 2, qwen, str(tmp_path / "w2-ep2"), free_port(), timeout=200)
+    a, b = (export_hf(str(tmp_path / q), str(tmp_path / f"{q}-hf"), progress=False) for q in ("w1-ep1", "w2-ep2"))
+    assert same_files(a, b)

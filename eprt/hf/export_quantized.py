@@ -59,15 +59,24 @@ class QuantizedExport:
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         self.state = CalibrationState.read(ck)
-        self.scales = Scales({m: self.recipe.format_of(m) for m in self.quantized}, self.state,
-                             lambda m: ck.read(f"{m}.weight"))
+        formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        self.scales = Scales(formats, self.state, lambda m: self.as_quantized(f"{m}.weight", formats[m],
+                                                                              ck.read(f"{m}.weight")),
+                             {m: self.recipe.algorithm_of(m) for m in self.quantized})
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
 
+    def as_quantized(self, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
+        """Weight `name` as `fmt` quantizes it: FP8 rounds the quotient to the weight's dtype first
+        (eprt.quant.fp8), the source's dtype, as the source is held when loaded as it is, whatever
+        dtype eprt converted it to."""
+        return w.to(self.ck.meta(name).source_dtype) if fmt == "fp8" else w
+
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
-        return self.ck.read(name, rows=(e, e + 1))[0]
+        module = name.rsplit(".", 1)[0]
+        return self.as_quantized(name, self.scales.formats[module], self.ck.read(name, rows=(e, e + 1))[0])
 
     @functools.lru_cache(maxsize=4)
     def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
@@ -80,13 +89,14 @@ class QuantizedExport:
         """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call,
         with the per-tensor scale they share: rows quantize independently, so each piece is a
         slice of it, the same bytes as quantized alone."""
-        fmt = self.scales.formats[module]
         w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
-        if fmt == "fp8":
-            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
-            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
-            return {"weight": quantize_fp8(w.to(self.ck.meta(name).source_dtype), w_scale), "weight_scale": w_scale}
-        q, block_scale = quantize_nvfp4(w, w_scale)
+        return self.quantized_weight(module, w, w_scale)
+
+    def quantized_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The weight tensors of `w` (a weight of `module` as it is quantized) under per-tensor `w_scale`."""
+        if self.scales.formats[module] == "fp8":
+            return {"weight": quantize_fp8(w, w_scale), "weight_scale": w_scale}
+        q, block_scale = quantize_nvfp4(w, w_scale, self.scales.block_scale(module, w, w_scale))
         return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
 
     @functools.lru_cache(maxsize=2)
@@ -101,15 +111,9 @@ class QuantizedExport:
             rows = slice(x.piece * h, (x.piece + 1) * h)
             return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
         module = hf_weight[: -len(".weight")]
-        w = self.ck.read(hf_weight)
-        w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
-        out = {"input_scale": in_scale}
-        if self.scales.formats[module] == "fp8":
-            out.update(weight=quantize_fp8(w.to(self.ck.meta(hf_weight).source_dtype), w_scale), weight_scale=w_scale)
-        else:
-            q, block_scale = quantize_nvfp4(w, w_scale)
-            out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
-        return out
+        w = self.as_quantized(hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
+        return {"input_scale": self.scales.input_scale(module),
+                **self.quantized_weight(module, w, self.scales.weight_scale(module))}
 
     def format_of(self, hf_weight: str) -> str:
         x = self.experts.get(hf_weight)

@@ -43,8 +43,14 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
     the routed experts."""
     scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
-                    lambda m: model.get_submodule(m).weight.detach())
+                    lambda m: model.get_submodule(m).weight.detach(), {m: recipe.algorithm_of(m) for m in targets})
     fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
+
+    def fake_weight(m: str, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        if scales.formats[m] == "fp8":
+            return fake_quant_fp8(w, w_scale)
+        return fake_quant_nvfp4(w, w_scale, scales.block_scale(m, w, w_scale))
+
     dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
@@ -52,7 +58,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
         for m in dense:
             module, fake = model.get_submodule(m), fakes[scales.formats[m]]
             w_scale, in_scale = resolved[m]
-            module.weight.copy_(fake(module.weight, w_scale))
+            module.weight.copy_(fake_weight(m, module.weight, w_scale))
             module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fake: (f(args[0], s), *args[1:]))
         for m in targets:
             experts = model.get_submodule(m)
@@ -61,7 +67,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             fake = fakes[scales.formats[m]]
             for w in (experts.w13, experts.w2):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
-                    w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
+                    w[e].copy_(fake_weight(m, w[e], scales.expert_weight_scale(m, w[e])))
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()

@@ -7,6 +7,10 @@ the weights: the one rule the preview, both export layouts and the checks follow
 - Gate and up of one routed expert (one row of w13) share one weight amax; down (w2) has its own.
 - Every expert of a layer gets the layer's largest input amax per projection (w13, w2), also the
   experts no token reached, because the engines load one input scale per fused MoE.
+- Under a module's `mse` algorithm (eprt.quant.mse), its FP8 weight scale and its NVFP4 block
+  scales are the searched ones; NVFP4's weight_scale_2 stays the one above (fused siblings and
+  gate/up keep sharing it). Under `max` the block scales follow from the block amax
+  (eprt.quant.nvfp4).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import fp8_scale
 from eprt.quant.fusion import siblings
+from eprt.quant.mse import fp8_mse_scale, nvfp4_mse_block_scale
 from eprt.quant.nvfp4 import nvfp4_scale
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
@@ -27,10 +32,18 @@ EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts modu
 
 class Scales:
     """`formats`: each quantized module (dense Linear or experts module) -> its format;
-    `weight(module)`: a dense Linear's weight, read when its scale is first asked for."""
+    `weight(module)`: a dense Linear's weight as it is quantized, read when its scale is first
+    asked for; `algorithms`: each quantized module -> its algorithm (eprt.quant.recipe.ALGORITHMS;
+    `max` where it names none)."""
 
-    def __init__(self, formats: Mapping[str, str], state: CalibrationState, weight: Callable[[str], torch.Tensor]):
+    def __init__(self, formats: Mapping[str, str], state: CalibrationState, weight: Callable[[str], torch.Tensor],
+                 algorithms: Mapping[str, str] | None = None):
         self.formats, self.state, self.weight = formats, state, weight
+        self.algorithms = algorithms or {}
+
+    def searched(self, module: str) -> bool:
+        """Whether `module`'s weight scales come from the mse search."""
+        return self.algorithms.get(module, "max") == "mse"
 
     def scale(self, module: str, amax: torch.Tensor) -> torch.Tensor:
         return SCALE[self.formats[module]](amax)
@@ -45,9 +58,23 @@ class Scales:
     def input_amax(self, module: str) -> torch.Tensor:
         return max(self.state.input_amax[m] for m in self.group(module))
 
+    @functools.lru_cache(maxsize=None)
     def weight_scale(self, module: str) -> torch.Tensor:
         """A dense Linear's per-tensor weight scale (NVFP4: weight_scale_2)."""
-        return self.scale(module, self.weight_amax(module))
+        return self.per_tensor_weight_scale(module, self.weight(module), self.weight_amax(module))
+
+    def per_tensor_weight_scale(self, module: str, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """The per-tensor weight scale of `w` (a weight of `module`) from the `amax` it shares."""
+        if self.formats[module] == "fp8" and self.searched(module):
+            return fp8_mse_scale(w, amax)
+        return self.scale(module, amax)
+
+    def block_scale(self, module: str, w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor | None:
+        """NVFP4 block scales of `w` (a weight of `module`, or an expert's row) under `scale_2`:
+        the searched ones under mse, else None (quantize_nvfp4 derives them from the block amax)."""
+        if self.formats[module] == "nvfp4" and self.searched(module):
+            return nvfp4_mse_block_scale(w, scale_2)
+        return None
 
     def input_scale(self, module: str) -> torch.Tensor:
         return self.scale(module, self.input_amax(module))
@@ -58,5 +85,5 @@ class Scales:
         return self.state.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
-        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2."""
-        return self.scale(module, row.abs().amax().float())
+        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
+        return self.per_tensor_weight_scale(module, row, row.abs().amax().float())
