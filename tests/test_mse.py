@@ -16,16 +16,18 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.fp8 import fp8_scale
+from eprt.quant.mse import fp8_mse_scale
 from eprt.quant.nvfp4 import dequantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe
 from eprt.testing.tiny import make_tiny
-from tests.hf_utils import read_hf_tensors
+from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
+from tests.test_compressed_tensors_export import expected_from_modelopt
 from tests.test_ptq import same_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ("fp8", "nvfp4")
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +42,29 @@ def qwen(source):
     return source[1]
 
 
-def calibrate_and_export(ck: str, recipe: str, algorithm: str, out: str) -> str:
-    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, out, calib_size=2, seq_len=8, algorithm=algorithm,
-                                            progress=False))
-    return export_hf(out, out + "-hf", progress=False)
+# Both formats on both kinds of weight: layer 0's experts and attention in FP8, the rest (layer 2's
+# experts, layer 1's dense MLP, fused q/k/v) in NVFP4.
+BY_LAYER = "name: by_layer\nquantize:\n  - {pattern: 'model.layers.0.*', format: fp8}\n  - {pattern: '*', format: nvfp4}\n"
+CALIB = {"calib_size": 4, "seq_len": 8, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def exports(source, tmp_path_factory):
-    """{(format, algorithm): the export of the tiny model quantized whole in that format}."""
+def recipe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recipe") / "by_layer.yaml"
+    path.write_text(BY_LAYER)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def exports(qwen, recipe, tmp_path_factory):
+    """{algorithm: (calibrated checkpoint, its export)} of the tiny model under the by-layer recipe."""
     d = tmp_path_factory.mktemp("exports")
-    return {(fmt, a): calibrate_and_export(source[1], fmt, a, str(d / f"{fmt}-{a}")) for fmt in FORMATS
-            for a in ALGORITHMS}
+    out = {}
+    for a in ALGORITHMS:
+        q = str(d / a)
+        run_ptq(ParallelState.single(), PTQArgs(qwen, recipe, q, batch_size=2, algorithm=a, **CALIB))
+        out[a] = q, export_hf(q, q + "-hf", progress=False)
+    return out
 
 
 def weight_errors(export: str, src: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -131,32 +144,44 @@ def test_a_run_resumes_only_from_a_run_with_its_own_algorithm(qwen):
 
 # --- the mse search --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_mse_error_is_at_most_max_error_on_every_weight_and_below_it_somewhere(source, exports, fmt):
+def test_mse_error_is_at_most_max_error_on_every_weight_and_below_it_somewhere(source, exports):
     src = read_hf_tensors(source[0])
-    by_max, by_mse = (weight_errors(exports[(fmt, a)], src) for a in ("max", "mse"))
+    by_max, by_mse = (weight_errors(exports[a][1], src) for a in ("max", "mse"))
     assert by_max.keys() == by_mse.keys()
-    assert any(".experts." in h for h in by_max) and any(".self_attn." in h for h in by_max)
     # float64 sums of the same squares in another order: equal up to the last bits
     worse = {h: (by_mse[h], by_max[h]) for h in by_max if by_mse[h] > by_max[h] * (1 + 1e-12)}
     assert worse == {}
-    assert sum(by_mse.values()) < sum(by_max.values())
-    improved = [h for h in by_max if by_mse[h] < by_max[h] * (1 - 1e-9)]
-    assert any(".experts." in h for h in improved) and any(".experts." not in h for h in improved)
-    assert check_export(exports[(fmt, "mse")], source[0]) == []
+    improved = {h for h in by_max if by_mse[h] < by_max[h] * (1 - 1e-9)}
+    for layer, fmt in ((0, "fp8"), (2, "nvfp4")):  # routed experts (per expert) and dense Linears, each format
+        mine = [h for h in by_max if h.startswith(f"model.layers.{layer}.")]
+        assert any(".experts." in h for h in improved & set(mine)), fmt
+        assert any(".experts." not in h for h in improved & set(mine)), fmt
+        assert sum(by_mse[h] for h in mine) < sum(by_max[h] for h in mine), fmt
+    assert check_export(exports["mse"][1], source[0]) == []
 
 
-def _calibrate_mse(ck: str, out: str, port: int) -> None:
+def _calibrate_mse(ck: str, recipe: str, out: str, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, "nvfp4_experts_fp8_attention", out, calib_size=4, seq_len=8, batch_size=1,
-                               algorithm="mse", progress=False))
+        run_ptq(state, PTQArgs(ck, recipe, out, batch_size=1, algorithm="mse", **CALIB))
 
 
-def test_mse_exports_are_the_same_bytes_at_every_layout(qwen, tmp_path):
-    one = str(tmp_path / "w1-ep1")
-    run_ptq(ParallelState.single(), PTQArgs(qwen, "nvfp4_experts_fp8_attention", one, calib_size=4, seq_len=8,
-                                            batch_size=2, algorithm="mse", progress=False))
-    run_world(_calibrate_mse, 2, qwen, str(tmp_path / "w2-ep2"), free_port(), timeout=200)
-    a, b = (export_hf(str(tmp_path / q), str(tmp_path / f"{q}-hf"), progress=False) for q in ("w1-ep1", "w2-ep2"))
-    assert same_files(a, b)
+def test_mse_exports_are_the_same_bytes_at_every_layout_and_in_compressed_tensors(qwen, recipe, exports, tmp_path):
+    q, one = exports["mse"]
+    run_world(_calibrate_mse, 2, qwen, recipe, str(tmp_path / "w2-ep2"), free_port(), timeout=200)
+    assert same_files(one, export_hf(str(tmp_path / "w2-ep2"), str(tmp_path / "w2-ep2-hf"), progress=False))
+    # the compressed-tensors layout (checked as it is written) holds the same searched values
+    ct = read_hf_tensors(export_hf(q, str(tmp_path / "ct"), progress=False, fmt="compressed-tensors"))
+    want = expected_from_modelopt(read_hf_tensors(one))
+    assert set(ct) == set(want)
+    assert all(raw(ct[n]) == raw(want[n]) for n in want)
+
+
+def test_fp8_mse_keeps_max_scale_where_it_quantizes_exactly():
+    """Max's candidate is in the list: a weight that max's scale quantizes without error (every
+    E4M3 value, both signs) keeps it, where every other multiplier would lose some value."""
+    values = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    w = torch.cat([values, -values]).bfloat16().reshape(12, 21)
+    amax = w.abs().amax().float()
+    assert torch.equal(fp8_mse_scale(w, amax), fp8_scale(amax))
+    assert torch.equal(fp8_mse_scale(w * 0.75, amax * 0.75), fp8_scale(amax * 0.75))  # 0.75: exact in bf16

@@ -27,8 +27,9 @@ from eprt.quant.nvfp4 import BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 FP8_MULTIPLIERS = torch.cat([torch.ones(1), torch.linspace(0.25, 4.0, steps=math.ceil((4.0 - 0.25) / 0.1) + 1)])
 # Every positive finite E4M3 value, ascending: the bit patterns 1..126 (127 is NaN).
 BLOCK_SCALES = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
-# Elements per step of the NVFP4 search: bounds its working memory (a few float64 copies), not its result.
-CHUNK_ELEMENTS = 1 << 20
+# Weight elements per step of the NVFP4 search, which quantizes them once per candidate in one
+# call: bounds its working memory (a few float64 copies of 126 x this), not its result.
+CHUNK_ELEMENTS = 1 << 13
 
 
 def fp8_mse_scale(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def fp8_mse_scale(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def nvfp4_mse_block_scale(w: torch.Tensor, scale_2) -> torch.Tensor:
     """float8_e4m3fn block scales [..., in/16] of least squared error for w [..., in] under
     weight_scale_2 `scale_2`: each block's own choice among BLOCK_SCALES. Rows are independent,
-    so they are searched a chunk at a time."""
+    so they are searched a chunk of rows at a time, every candidate in one quantize call."""
     rows = w.reshape(-1, w.shape[-1])
     blocks = rows.shape[-1] // BLOCK_SIZE
     out = torch.empty(rows.shape[0], blocks, dtype=torch.float8_e4m3fn, device=w.device)
@@ -55,15 +56,10 @@ def nvfp4_mse_block_scale(w: torch.Tensor, scale_2) -> torch.Tensor:
     candidates = BLOCK_SCALES.to(w.device)
     for first in range(0, rows.shape[0], step):
         chunk = rows[first:first + step]
-        x = chunk.double().reshape(chunk.shape[0], blocks, BLOCK_SIZE)
-        best_err = torch.full(x.shape[:-1], math.inf, dtype=torch.float64, device=w.device)
-        best = torch.zeros(x.shape[:-1], dtype=torch.long, device=w.device)
-        for k in range(candidates.numel()):
-            scale = candidates[k:k + 1].expand(x.shape[:-1])
-            xq = dequantize_nvfp4(quantize_nvfp4(chunk, scale_2, scale)[0], scale, scale_2)
-            err = (x - xq.double().reshape(x.shape)).square_().sum(-1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best.masked_fill_(better, k)
-        out[first:first + step] = candidates[best]
+        scale = candidates.view(-1, 1, 1).expand(candidates.numel(), chunk.shape[0], blocks)
+        xq = dequantize_nvfp4(quantize_nvfp4(chunk.expand(candidates.numel(), *chunk.shape), scale_2, scale)[0],
+                              scale, scale_2)
+        x = chunk.double().reshape(1, chunk.shape[0], blocks, BLOCK_SIZE)
+        err = (xq.double().reshape(-1, chunk.shape[0], blocks, BLOCK_SIZE) - x).square_().sum(-1)
+        out[first:first + step] = candidates[err.argmin(dim=0)]  # argmin: the first of equal errors
     return out.reshape(*w.shape[:-1], blocks)
