@@ -1,5 +1,7 @@
 """`--algorithm max|mse` and a recipe rule's `algorithm`: how weight scales are chosen, recorded
-in the calibrated checkpoint, refused by name when unknown."""
+in the calibrated checkpoint, refused by name when unknown; the mse search never above max's
+error and below it somewhere, the same bytes at every layout and in both export layouts, and
+the preview's weights the export's."""
 
 import json
 import os
@@ -7,20 +9,25 @@ import re
 import subprocess
 import sys
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import eprt
 from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.fp8 import fp8_scale
+from eprt.quant.calibrated import CalibrationState
+from eprt.quant.fp8 import dequantize_fp8, fp8_scale
 from eprt.quant.mse import fp8_mse_scale
 from eprt.quant.nvfp4 import dequantize_nvfp4
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.preview import fake_quantize
+from eprt.quant.ptq import PTQArgs, fingerprint, plan_recipe, run_ptq
 from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe
+from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
@@ -132,9 +139,6 @@ def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
 
 
 def test_a_run_resumes_only_from_a_run_with_its_own_algorithm(qwen):
-    from eprt.quant.ptq import fingerprint
-    from eprt.storage.checkpoint import Checkpoint
-
     samples = torch.zeros(2, 8, dtype=torch.int64)
     with Checkpoint(qwen) as ck:
         prints = [fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples)
@@ -185,3 +189,35 @@ def test_fp8_mse_keeps_max_scale_where_it_quantizes_exactly():
     amax = w.abs().amax().float()
     assert torch.equal(fp8_mse_scale(w, amax), fp8_scale(amax))
     assert torch.equal(fp8_mse_scale(w * 0.75, amax * 0.75), fp8_scale(amax * 0.75))  # 0.75: exact in bf16
+
+
+def test_the_preview_fake_quantizes_with_the_exported_mse_scales(qwen, recipe, exports):
+    """--preview's model holds, for every quantized weight, the export's dequantized mse weight."""
+    q, out = exports["mse"]
+    with Checkpoint(q) as ck:
+        rec, targets = plan_recipe(ck, recipe, algorithm="mse")
+        st = CalibrationState.read(ck)
+    cal = SimpleNamespace(input_amax=st.input_amax, expert_amax=st.expert_input_amax, expert_tokens=st.expert_tokens,
+                          kv_amax=st.kv_amax)
+    model = eprt.load_model(qwen, dtype=torch.bfloat16)
+    fake_quantize(model, targets, rec, cal, ParallelState.single())
+    t = read_hf_tensors(out)
+
+    def exported(module: str) -> torch.Tensor:
+        w = t[f"{module}.weight"]
+        if w.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8(w, t[f"{module}.weight_scale"], dtype=torch.bfloat16)
+        return dequantize_nvfp4(w, t[f"{module}.weight_scale"], t[f"{module}.weight_scale_2"], dtype=torch.bfloat16)
+
+    checked = 0
+    for m in targets:
+        module = model.get_submodule(m)
+        if m.endswith(".experts"):
+            for e in range(module.w13.shape[0]):
+                want = torch.cat([exported(f"{m}.{e}.gate_proj"), exported(f"{m}.{e}.up_proj")])
+                assert torch.equal(module.w13[e], want) and torch.equal(module.w2[e], exported(f"{m}.{e}.down_proj"))
+                checked += 1
+        else:
+            assert torch.equal(module.weight, exported(m)), m
+            checked += 1
+    assert checked > 20
