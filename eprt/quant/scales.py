@@ -41,9 +41,9 @@ class Scales:
         self.formats, self.state, self.weight = formats, state, weight
         self.algorithms = algorithms or {}
 
-    def searched(self, module: str) -> bool:
-        """Whether `module`'s weight scales come from the mse search."""
-        return self.algorithms.get(module, "max") == "mse"
+    def searched(self, module: str, fmt: str) -> bool:
+        """Whether `module` is quantized in `fmt` with its weight scales from the mse search."""
+        return self.formats[module] == fmt and self.algorithms.get(module, "max") == "mse"
 
     def scale(self, module: str, amax: torch.Tensor) -> torch.Tensor:
         return SCALE[self.formats[module]](amax)
@@ -61,20 +61,13 @@ class Scales:
     @functools.lru_cache(maxsize=None)
     def weight_scale(self, module: str) -> torch.Tensor:
         """A dense Linear's per-tensor weight scale (NVFP4: weight_scale_2)."""
-        return self.per_tensor_weight_scale(module, self.weight(module), self.weight_amax(module))
-
-    def per_tensor_weight_scale(self, module: str, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        """The per-tensor weight scale of `w` (a weight of `module`) from the `amax` it shares."""
-        if self.formats[module] == "fp8" and self.searched(module):
-            return fp8_mse_scale(w, amax)
-        return self.scale(module, amax)
+        amax = self.weight_amax(module)  # FP8's group is the module alone
+        return fp8_mse_scale(self.weight(module), amax) if self.searched(module, "fp8") else self.scale(module, amax)
 
     def block_scale(self, module: str, w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor | None:
         """NVFP4 block scales of `w` (a weight of `module`, or an expert's row) under `scale_2`:
         the searched ones under mse, else None (quantize_nvfp4 derives them from the block amax)."""
-        if self.formats[module] == "nvfp4" and self.searched(module):
-            return nvfp4_mse_block_scale(w, scale_2)
-        return None
+        return nvfp4_mse_block_scale(w, scale_2) if self.searched(module, "nvfp4") else None
 
     def input_scale(self, module: str) -> torch.Tensor:
         return self.scale(module, self.input_amax(module))
@@ -86,4 +79,5 @@ class Scales:
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
-        return self.per_tensor_weight_scale(module, row, row.abs().amax().float())
+        amax = row.abs().amax().float()
+        return fp8_mse_scale(row, amax) if self.searched(module, "fp8") else self.scale(module, amax)
