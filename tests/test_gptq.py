@@ -19,7 +19,7 @@ from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.gptq_layer import LayerGPTQ
 from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.scales import EXPERT_KINDS, dequantize_weight, quantize_weight
+from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
@@ -166,15 +166,16 @@ def layer_output_errors(q: str, hessians: dict) -> list[tuple[str, int | None, f
         exp = QuantizedExport(cq)
         for key, h in hessians.items():
             if isinstance(key, str):
-                name, tokens = f"{key}.weight", None
-                w, fmt = cq.read(name), exp.scales.formats[key]
-                got, scale = exp.quantize(name), exp.scales.weight_scale(key)
+                m, name, tokens = key, f"{key}.weight", None
+                w = as_quantized(cq, name, exp.scales.formats[m], cq.read(name))
+                got, scale = exp.quantize(name), exp.scales.weight_scale(m)
             else:
                 (m, e, kind), (h, tokens) = key, h
-                name, fmt = f"{m}.{kind}", exp.scales.formats[m]
-                w = cq.read(name, rows=(e, e + 1))[0]
+                name = f"{m}.{kind}"
+                w = exp.expert_row(name, e)
                 got, scale = exp.quantized_row(name, m, e), exp.scales.expert_weight_scale(m, w)
-            rtn = quantize_weight(fmt, w, scale, cq.meta(name).source_dtype)
+            fmt = exp.scales.formats[m]
+            rtn = exp.scales.quantize_weight(m, w, scale)
             out.append((f"{name}[{key[1]}]" if tokens is not None else name, tokens,
                         output_error(dequantize_weight(fmt, got, torch.float32), w, h),
                         output_error(dequantize_weight(fmt, rtn, torch.float32), w, h)))

@@ -25,7 +25,7 @@ from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fp8 import fp8_scale
 from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.scales import Scales, quantize_weight
+from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
 # hf_quant_config.json's per-module quantization, by eprt format
@@ -59,15 +59,17 @@ class QuantizedExport:
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         self.state = CalibrationState.read(ck)
-        self.scales = Scales({m: self.recipe.format_of(m) for m in self.quantized}, self.state,
-                             lambda m: ck.read(f"{m}.weight"))
+        formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        self.scales = Scales.of_checkpoint(ck, formats, self.state,
+                                           {m: self.recipe.algorithm_of(m) for m in self.quantized})
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
 
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
-        return self.ck.read(name, rows=(e, e + 1))[0]
+        module = name.rsplit(".", 1)[0]
+        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read(name, rows=(e, e + 1))[0])
 
     @functools.lru_cache(maxsize=4)
     def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
@@ -81,7 +83,7 @@ class QuantizedExport:
         with the per-tensor scale they share: rows quantize independently, so each piece is a
         slice of it, the same bytes as quantized alone."""
         w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
-        out = quantize_weight(self.scales.formats[module], w, w_scale, self.ck.meta(name).source_dtype)
+        out = self.scales.quantize_weight(module, w, w_scale)
         if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
             out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
         return out
@@ -98,10 +100,9 @@ class QuantizedExport:
             rows = slice(x.piece * h, (x.piece + 1) * h)
             return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
         module = hf_weight[: -len(".weight")]
-        w = self.ck.read(hf_weight)
-        w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
-        out = {"input_scale": in_scale,
-               **quantize_weight(self.scales.formats[module], w, w_scale, self.ck.meta(hf_weight).source_dtype)}
+        w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
+        out = {"input_scale": self.scales.input_scale(module),
+               **self.scales.quantize_weight(module, w, self.scales.weight_scale(module))}
         if module in self.state.gptq_dense:  # GPTQ's codes, under the same scales
             out["weight"] = self.state.read_gptq(self.ck, module)
         return out

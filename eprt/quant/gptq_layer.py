@@ -27,7 +27,7 @@ from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.preview import fake_expert_inputs, fake_inputs
-from eprt.quant.scales import EXPERT_KINDS, Scales, dequantize_weight, quantize_weight
+from eprt.quant.scales import EXPERT_KINDS, Scales, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
 
 ALGORITHM = "gptq"
@@ -78,15 +78,16 @@ class GPTQWeights:
 
     def __init__(self, results: GPTQResults, ck: Checkpoint, formats: dict[str, str], first_expert: int):
         self.dense, self.experts, self.ck, self.first = results.dense, results.experts, ck, first_expert
-        self.formats, self.scales = formats, Scales(formats, CalibrationState(), lambda m: ck.read(f"{m}.weight"))
+        self.formats, self.scales = formats, Scales.of_checkpoint(ck, formats, CalibrationState())
 
     def weight(self, module: str) -> torch.Tensor:
-        w = self.ck.read(f"{module}.weight")
+        w = as_quantized(self.ck, f"{module}.weight", self.formats[module], self.ck.read(f"{module}.weight"))
         return _decode(self.formats[module], self.dense[module], w, self.scales.weight_scale(module))
 
     def expert_weight(self, module: str, kind: str, local: int) -> torch.Tensor:
         e = self.first + local
-        row = self.ck.read(f"{module}.{kind}", rows=(e, e + 1))[0]
+        name = f"{module}.{kind}"
+        row = as_quantized(self.ck, name, self.formats[module], self.ck.read(name, rows=(e, e + 1))[0])
         codes = self.experts[module][EXPERT_KINDS.index(kind)][local]
         return _decode(self.formats[module], codes, row, self.scales.expert_weight_scale(module, row))
 
@@ -103,6 +104,7 @@ class GPTQRun:
                  min_tokens: int = DEFAULT_MIN_TOKENS):
         self.state, self.ck, self.recipe, self.dtype = state, ck, recipe, dtype
         self.formats = {m: recipe.format_of(m) for m in targets}
+        self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
         self.tokens, self.min_tokens = tokens, min_tokens  # tokens: every dense Linear's rows, over the run
         self.results = GPTQResults()
 
@@ -126,7 +128,7 @@ class LayerGPTQ:
         tokens = {m: reduce(cal.expert_tokens[m], "edp", dist.ReduceOp.SUM) for m in self.experts}
         self.kv = {a: tuple(reduce(t, "dp") for t in cal.kv_amax[a]) for a in mine(cal.kv_amax)}
         self.stats = CalibrationState(input_amax, expert_amax, tokens)
-        self.scales = Scales(run.formats, self.stats, lambda m: run.ck.read(f"{m}.weight"))
+        self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
         self.hessians: dict[str, HessianSum] = {}
@@ -135,6 +137,10 @@ class LayerGPTQ:
 
     def _module(self, name: str):
         return self.layer.get_submodule(name[len(self.prefix):])
+
+    def _read(self, module: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Original weight `name` of `module` (or its rows), as the export quantizes it."""
+        return as_quantized(self.run.ck, name, self.run.formats[module], self.run.ck.read(name, rows))
 
     @property
     def needs_hessians(self) -> bool:
@@ -182,7 +188,7 @@ class LayerGPTQ:
         with torch.no_grad():
             for m in self.dense:
                 module = self._module(m)
-                w = run.ck.read(f"{m}.weight").to(module.weight.device)
+                w = self._read(m, f"{m}.weight").to(module.weight.device)
                 codes, deq = self._quantize(m, w, self.scales.weight_scale(m), f"{m}.weight",
                                             self.hessians.get(m))
                 if codes is not None:
@@ -195,8 +201,7 @@ class LayerGPTQ:
         """(GPTQ's codes or None, the dequantized weight in fp32) of weight `name` of module m."""
         fmt = self.run.formats[m]
         if hs is None:
-            t = quantize_weight(fmt, w, scale, self.run.ck.meta(name).source_dtype)
-            return None, dequantize_weight(fmt, t, torch.float32)
+            return None, dequantize_weight(fmt, self.scales.quantize_weight(m, w, scale), torch.float32)
         cols = columns_of(fmt, w[None], scale.reshape(1))
         q = gptq(w[None], hs.hessian()[None], cols)
         return cols.encode(q)[0], q[0]
@@ -210,12 +215,12 @@ class LayerGPTQ:
         codes = {}
         for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
             name, fmt = f"{m}.{kind}", run.formats[m]
-            rows = run.ck.read(name, rows=(first, first + L)).to(param.device)
+            rows = self._read(m, name, (first, first + L)).to(param.device)
             scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
             deq = torch.empty(rows.shape, dtype=torch.float32, device=param.device)
             kept = [l for l in range(L) if sums is None or l not in sums]
             for l in kept:  # the export's own codes
-                t = quantize_weight(fmt, rows[l], scales[l], run.ck.meta(name).source_dtype)
+                t = self.scales.quantize_weight(m, rows[l], scales[l])
                 deq[l], codes[(kind, l)] = dequantize_weight(fmt, t, torch.float32), t["weight"]
             solved = sorted(sums) if sums is not None else []
             for j in range(0, len(solved), EXPERT_STACK):

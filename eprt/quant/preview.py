@@ -44,33 +44,38 @@ FAKES = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
 def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, gptq=None) -> None:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
     export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
-    the routed experts. `gptq` (eprt.quant.gptq_layer.GPTQResults): the weights GPTQ chose,
+    the routed experts. `gptq` (eprt.quant.gptq_layer.GPTQWeights): the weights GPTQ chose,
     where it ran."""
     scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
-                    lambda m: model.get_submodule(m).weight.detach())
+                    lambda m: model.get_submodule(m).weight.detach(), {m: recipe.algorithm_of(m) for m in targets})
+
+    def fake_weight(m: str, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        if scales.formats[m] == "fp8":
+            return fake_quant_fp8(w, w_scale)
+        return fake_quant_nvfp4(w, w_scale, scales.block_scale(m, w, w_scale))
+
     dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module, fake = model.get_submodule(m), FAKES[scales.formats[m]]
+            module = model.get_submodule(m)
             w_scale, in_scale = resolved[m]
             if gptq is not None and m in gptq.dense:
                 module.weight.copy_(gptq.weight(m))
             else:
-                module.weight.copy_(fake(module.weight, w_scale))
+                module.weight.copy_(fake_weight(m, module.weight, w_scale))
             fake_inputs(module, scales.formats[m], in_scale)
         for m in targets:
             experts = model.get_submodule(m)
             if not isinstance(experts, Experts):
                 continue
-            fake = FAKES[scales.formats[m]]
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
                     if gptq is not None and m in gptq.experts:
                         w[e].copy_(gptq.expert_weight(m, kind, e))
                     else:
-                        w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
+                        w[e].copy_(fake_weight(m, w[e], scales.expert_weight_scale(m, w[e])))
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
