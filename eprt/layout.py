@@ -2,7 +2,7 @@
 
 Every eprt tensor keeps its Hugging Face name except the routed experts, which are stacked
 per layer with the expert index leading: `...experts.w13` [E, 2I, D] (each expert's gate rows,
-then its up rows) and `...experts.w2` [E, D, I] (I: an expert's intermediate width). Both conversion and export read this one table.
+then its up rows) and `...experts.w2` [E, D, I]. Both conversion and export read this one table.
 
 A source may hold a layer's experts already stacked, one 3-D tensor per projection (`experts.gate_up_proj`
 [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]): Qwen3.5-MoE as released, and the

@@ -150,6 +150,6 @@ def test_a_checkpoint_of_the_previous_format_is_refused_with_the_way_out(tmp_pat
     with pytest.raises(CheckpointError, match=r"eprt\.json: corrupt manifest: config\.moe\.num_experts: is a string"):
         Checkpoint(ck)
     rewrite_manifest(ck, lambda m: m.update(version=1))
-    with pytest.raises(CheckpointError, match=r"eprt\.json: format version 1, written by an older eprt; this eprt reads "
-                                              r"version 2, .*: convert the source again \(tools/convert_hf\.py\)"):
+    with pytest.raises(CheckpointError, match=r"eprt\.json: format version 1, written by an older eprt; this eprt "
+                                              r"reads version 2, .*: convert the source again \(tools/convert_hf\.py\)"):
         Checkpoint(ck)

@@ -73,8 +73,10 @@ def mlp(p: str, c: ModelConfig, i: int) -> list:
     D, m = c.hidden_size, c.moe
     if not c.is_moe(i):
         return gated_mlp(f"{p}.mlp", D, c.intermediate_size)
-    specs = [plain(f"{p}.mlp.gate.weight", m.num_experts, D), plain(f"{p}.mlp.gate.e_score_correction_bias", m.num_experts)]
-    specs += stacked_experts(f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D, "gate_proj", "up_proj", "down_proj")
+    specs = [plain(f"{p}.mlp.gate.weight", m.num_experts, D),
+             plain(f"{p}.mlp.gate.e_score_correction_bias", m.num_experts)]
+    specs += stacked_experts(f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D,
+                             "gate_proj", "up_proj", "down_proj")
     if m.num_shared_experts:
         specs += gated_mlp(f"{p}.mlp.shared_experts", D, m.intermediate_size * m.num_shared_experts)
     return specs

@@ -2,7 +2,8 @@
 
 q = q_b(norm(q_a x)) (or q_proj x), per head [nope | rope]; the latent [c | k_pe] = kv_a x,
 c normalized and expanded by kv_b into per-head [k_nope | v]; k_pe is one rope head shared by all.
-In NoPE mode nothing rotates: the "rope" parts are plain dimensions of q and of the shared key.
+Without RoPE (NoPE: `config.rope` None) nothing rotates: the "rope" parts are plain dimensions
+of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
 """
