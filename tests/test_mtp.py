@@ -72,7 +72,7 @@ def test_the_mtp_layer_runs_as_the_engines_do(tiny, tmp_path):
     finally:
         ck.close()
     c = ck.config
-    cos, sin = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)(10, torch.float32, "cpu")
+    cos, sin = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)(10, torch.float32, "cpu")
     with torch.no_grad():
         x_got = mtp.mtp_input(ids, h_last)
         got = mtp(x_got, cos, sin)

@@ -55,7 +55,7 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.rotary = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

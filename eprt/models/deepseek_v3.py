@@ -22,12 +22,13 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     (this process holding `expert_range`) plus the shared experts."""
     if not c.is_moe(i):
         return GatedMLP(c.hidden_size, c.intermediate_size)
-    first, count = expert_range or ExpertPlacement(c.num_experts).range
-    I = c.moe_intermediate_size
-    gate = SigmoidGroupRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.n_group,
-                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-    shared = GatedMLP(c.hidden_size, I * c.num_shared_experts) if c.num_shared_experts else None
-    return MoE(gate, Experts(c.num_experts, first, count, c.hidden_size, I), shared)
+    m = c.moe
+    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    I = m.intermediate_size
+    gate = SigmoidGroupRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.n_group,
+                              m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+    shared = GatedMLP(c.hidden_size, I * m.num_shared_experts) if m.num_shared_experts else None
+    return MoE(gate, Experts(m.num_experts, first, count, c.hidden_size, I), shared)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -53,16 +54,16 @@ class DeepseekV3MTP(DecoderLayer):
         # the MTP layer is MoE whenever the model has MoE layers (DeepSeek-V3's last layer is)
         mlp_layer = c.moe_layers[-1] if c.moe_layers else 0
         super().__init__(c, MLAttention(c), deepseek_mlp(c, mlp_layer, expert_range))
-        H = c.hidden_size
-        self.embed_tokens = Embedding(c.vocab_size, H)
-        self.enorm = RMSNorm(H, c.rms_norm_eps)
-        self.hnorm = RMSNorm(H, c.rms_norm_eps)
-        self.eh_proj = Linear(2 * H, H)
+        D = c.hidden_size
+        self.embed_tokens = Embedding(c.vocab_size, D)
+        self.enorm = RMSNorm(D, c.rms_norm_eps)
+        self.hnorm = RMSNorm(D, c.rms_norm_eps)
+        self.eh_proj = Linear(2 * D, D)
         self.shared_head = SharedHead(c)
 
     def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """The decoder layer's input for sequences `input_ids` [B, T] whose last decoder layer (or
-        previous MTP layer) gave `hidden` [B, T, H] (before the final norm): at position t,
+        previous MTP layer) gave `hidden` [B, T, D] (before the final norm): at position t,
         eh_proj(cat(enorm(embed(token[t + shift])), hnorm(hidden[t]))), the embedding first, as vLLM's
         deepseek_mtp.py and DeepSeek's own inference code concatenate (MTP layer k predicts with
         shift k + 1). The last positions have no such token in a calibration sample: their

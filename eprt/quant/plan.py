@@ -138,15 +138,15 @@ class Planner:
         c, b = self.ck.config, self.dtype.itemsize
         D, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
         n_mine = len(own_sequences(num_sequences, rank, world))
-        block_size = c.extra.get("attn_res_block_size") or 0
+        block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
         snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
         hidden = n_mine * T * D * b * (1 + snapshots)
         layer, reading = self._layer(ep)
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        W = c.extra.get("latent_size") or D  # the routed experts' width
-        widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
+        W = (c.moe.latent_size or D) if c.moe else D  # the routed experts' width
+        widest = max(c.moe.intermediate_size if c.moe else 0, c.intermediate_size)
         R = t * K if c.moe_layers else 0
         # kept until the step's exchange returns, per token: the residual and the MLP input, the
         # experts' input per sequence and concatenated
