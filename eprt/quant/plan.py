@@ -5,7 +5,8 @@ eprt; measured when the plan is made, so the plan covers it), the hidden states 
 sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
 first hidden states are formed, or one decoder layer's weights with one step's buffers (the
 per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
-intermediate rows, the fp32 combine) and the largest tensor in flight as it is read.
+intermediate rows, the fp32 combine; with --calibrate-all-experts, the larger of those and the
+statistics pass's) and the largest tensor in flight as it is read.
 """
 
 from __future__ import annotations
@@ -171,12 +172,12 @@ class Planner:
         """--calibrate-all-experts' statistics pass, which ends before the routed exchange starts:
         this rank's t tokens sent once to each of ep ranks; received, the step's tokens of the
         groups of one edp replica, and their sorted copy; then, one expert at a time, gate/up,
-        the activation and its absolute value, with the input's absolute value beside them. A
-        handful of int64 indices per row throughout."""
+        the activation's temporary, the activation and its absolute value, with the input's
+        absolute value beside them. A handful of int64 indices per row throughout."""
         b, I = self.dtype.itemsize, self.ck.config.moe_intermediate_size
         replica_groups = math.ceil(schedule.groups_per_step / (world // ep))
         r = min(replica_groups * schedule.group_size, num_sequences) * T
-        return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (4 * I * b + W * b)
+        return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
 
 
 def parse_size(text: str) -> int:
