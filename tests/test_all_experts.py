@@ -100,8 +100,10 @@ def _calibrate(ck: str, out: str, ep: int, port: int) -> None:
 
 
 def args(ck: str, out: str, **kw) -> PTQArgs:
-    return PTQArgs(ck, "nvfp4", out, kv_cache="fp8", calib_size=5, seq_len=6, batch_size=2, dtype="bf16",
-                   progress=False, calibrate_all_experts=True, **kw)
+    """5 sequences in groups of 2: 3 work-unit groups, shared by the replicas of a layout with edp 2."""
+    return PTQArgs(ck, "nvfp4", out, **{"kv_cache": "fp8", "calib_size": 5, "seq_len": 6, "batch_size": 2,
+                                        "group_tokens": 12, "dtype": "bf16", "progress": False,
+                                        "calibrate_all_experts": True, **kw})
 
 
 def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, caplog):
@@ -126,3 +128,37 @@ def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, 
     coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
     assert len(coverage) == len(state.expert_input_amax)
     assert all(f"tokens per expert min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
+
+
+def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, monkeypatch, caplog):
+    """DeepSeek-V3 (layer 0 dense, 1 and 2 MoE), killed in layer 2: the resume restores the
+    all-experts counts of layer 1 with the rest, and refuses a work directory of a run without
+    the switch."""
+    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"),
+                    progress=False)
+    single = ParallelState.single("cpu")
+    run_ptq(single, args(ck, str(tmp_path / "whole")))
+    out = str(tmp_path / "q")
+    run_step = LayerEngine._run_step
+
+    def dying(self, layer, step, ls):
+        if layer is self.decoder.layers[2]:
+            raise RuntimeError("killed")
+        return run_step(self, layer, step, ls)
+
+    monkeypatch.setattr(LayerEngine, "_run_step", dying)
+    with pytest.raises(Exception, match="killed"):
+        run_ptq(single, args(ck, out))
+    monkeypatch.setattr(LayerEngine, "_run_step", run_step)
+    with pytest.raises(Exception, match="other arguments"):
+        run_ptq(single, args(ck, out, resume=True, calibrate_all_experts=False))
+    log = logging.getLogger("eprt")
+    log.addHandler(caplog.handler)
+    try:
+        assert run_ptq(single, args(ck, out, resume=True))["resumed_after"] == 1
+    finally:
+        log.removeHandler(caplog.handler)
+    coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
+    assert len(coverage) == 2 and all(f"min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
+    assert same_files(export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),
+                      export_hf(out, str(tmp_path / "export-q"), progress=False))
