@@ -13,6 +13,8 @@ import eprt
 from eprt.families import reader_for
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.kernels import unit_act, unit_mlp
+from eprt.models.layers import silu_mul
 from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
@@ -162,3 +164,16 @@ def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, mo
     assert len(coverage) == 2 and all(f"min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
     assert same_files(export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),
                       export_hf(out, str(tmp_path / "export-q"), progress=False))
+
+
+def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
+    """unit_act's act(gate, up) of each unit has the bits unit_mlp gives the same rows of one expert."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 16, generator=g).bfloat16()
+    w13, w2 = torch.randn(2, 2 * 8, 16, generator=g).bfloat16(), torch.randn(2, 16, 8, generator=g).bfloat16()
+    units = torch.tensor([17, 0, 23])
+    h = unit_act(x, w13[1:2], silu_mul, units)
+    h_routed, _ = unit_mlp(x, w13[1:2], w2[1:2], silu_mul, units[None])
+    assert torch.equal(h, h_routed)
+    torch.testing.assert_close(h, silu_mul(*(x.float() @ w13[1].float().T).chunk(2, dim=-1)).bfloat16(),
+                               rtol=2e-2, atol=1e-2)
