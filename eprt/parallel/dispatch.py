@@ -152,7 +152,6 @@ class UnitDispatcher:
             return y_sent.new_zeros(0, y_sent.shape[1], dtype=torch.float32)
         return combine(y_sent, order_R, topk_weights_TK)
 
-
     def every_expert_rows(self, x_TD: torch.Tensor, key_T: torch.Tensor, unit_T: torch.Tensor,
                           units: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """For statistics over every expert (--calibrate-all-experts): the rows this rank runs

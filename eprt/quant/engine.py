@@ -245,35 +245,34 @@ class LayerEngine:
         leaves the experts unquantized."""
         if moe.experts.all_observer is None:
             return
-        x_TD, seq_T = self._step_tokens(moe, pending)
-        T = self.schedule.seq_len
-        key_T = seq_T * T + torch.arange(T, device=x_TD.device).repeat(len(pending))
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
         x_sorted, rows_per_unit_U = self.dispatcher.every_expert_rows(
             x_TD, key_T, seq_T // self.schedule.group_size, self.schedule.step_groups(step))
         moe.experts.observe_every_expert(x_sorted, rows_per_unit_U)
 
-    def _step_tokens(self, moe: MoE, pending: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed experts' input of the step's pending sequences [T, width] and each token's sequence [T]."""
+    def _step_tokens(self, moe: MoE, pending: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed experts' input of the step's pending sequences [T, width], each token's
+        global sequence [T] and its global key, sequence x seq_len + position [T]."""
         T, dev = self.schedule.seq_len, self.state.device
-        if not pending:
-            width = moe.experts.w13.shape[-1]
-            return torch.empty(0, width, dtype=self.dtype, device=dev), torch.empty(0, dtype=torch.int64, device=dev)
-        seq_T = torch.tensor([p[0] for p in pending], device=dev).repeat_interleave(T)
-        return torch.cat([p[4] for p in pending]), seq_T
+        if pending:
+            x_TD = torch.cat([p[4] for p in pending])
+        else:
+            x_TD = torch.empty(0, moe.experts.w13.shape[-1], dtype=self.dtype, device=dev)
+        seq_T = torch.tensor([p[0] for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
+        return x_TD, seq_T, seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
 
     def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
         """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""
         T, K = self.schedule.seq_len, self.ck.config.num_experts_per_tok
         dev = self.state.device
-        x_TD, seq_T = self._step_tokens(moe, pending)
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
         if pending:
             ids_TK = torch.cat([p[5] for p in pending])
             w_TK = torch.cat([p[6] for p in pending])
         else:
             ids_TK = torch.empty(0, K, dtype=torch.int64, device=dev)
             w_TK = torch.empty(0, K, dtype=torch.float32, device=dev)
-        pos_T = torch.arange(T, device=dev).repeat(len(pending))
-        key_TK = ((seq_T * T + pos_T) * K)[:, None] + torch.arange(K, device=dev)
+        key_TK = (key_T * K)[:, None] + torch.arange(K, device=dev)
         y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
                                self.schedule.step_groups(step), moe.experts)
         return list(y_TD.split(T)) if pending else []

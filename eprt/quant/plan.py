@@ -166,7 +166,6 @@ class Planner:
         step = pending + attention + dense_mlp + routed + snapshot
         return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
 
-
     def _every_expert(self, schedule: Schedule, world: int, ep: int, num_sequences: int, T: int, t: int,
                       W: int) -> int:
         """--calibrate-all-experts' statistics pass, which ends before the routed exchange starts:
