@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
                     help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
     ap.add_argument("--chunk-size", type=int, help="calibration sequences per step of each layer, over all ranks "
                                                    "(default: --batch-size x the world size); changes no result")
+    ap.add_argument("--calibrate-all-experts", action="store_true",
+                    help="also run every token through every routed expert of its layer, for the statistics only "
+                         "(the layer's output still uses its top-k): no expert goes uncalibrated")
     ap.add_argument("--max-memory", type=parse_size, help="refuse a run whose planned peak per rank exceeds this "
                                                          "(e.g. 64GiB; default: the host's available RAM, or the "
                                                          "device's free memory)")
@@ -63,7 +66,7 @@ def ptq() -> None:
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir)
+                       work_dir=a.work_dir, calibrate_all_experts=a.calibrate_all_experts)
         if a.dry_run:
             if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
                 plan_recipe(ck, a.recipe, a.kv_cache)
@@ -83,7 +86,7 @@ def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None
         plan = Planner.of(ck, dtype, state.device).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
-            baseline=memory_in_use(state.device))
+            baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts)
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
                 "experts": {layer: held for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,

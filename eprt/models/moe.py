@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from eprt.errors import ConfigError
-from eprt.kernels import combine, grouped_mm, permute, unit_mlp
+from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
 from eprt.models.layers import Linear, RMSNorm, silu_mul
 
 
@@ -30,6 +30,9 @@ class Experts(nn.Module):
         # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
         # projections; calibration installs one to record each expert's input amax.
         self.observer = None
+        # Called as all_observer(local expert, x_rows, h_rows) by `observe_every_expert`, with
+        # --calibrate-all-experts: statistics of tokens the router did not send to the expert.
+        self.all_observer = None
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
@@ -50,6 +53,15 @@ class Experts(nn.Module):
         if self.observer is not None:
             self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
         return y
+
+    def observe_every_expert(self, x_sorted: torch.Tensor, rows_per_unit_U: torch.Tensor) -> None:
+        """Statistics only: every expert held here over all the rows (sorted by work unit,
+        rows_per_unit_U [U]), each (expert, unit) computed as if alone (`unit_act`); each
+        expert's act(gate, up) goes to `all_observer` and is dropped, no down projection runs."""
+        if self.all_observer is None or not x_sorted.shape[0]:
+            return
+        for e in range(self.count):
+            self.all_observer(e, x_sorted, unit_act(x_sorted, self.w13[e:e + 1], self.act, rows_per_unit_U))
 
 
 class LocalDispatcher:

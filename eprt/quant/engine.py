@@ -16,6 +16,11 @@ matmul sees rows that are a function of the model and the data alone.
   position, k) order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
 - A token's top-k outputs are summed in k order, in fp32.
 A step holds whole groups, so neither the world, ep, edp, batch nor chunk size changes a bit.
+
+With --calibrate-all-experts every token also runs through every routed expert of its layer,
+for the statistics only (`LayerEngine._observe_every_expert`): expert e's statistics unit for
+group g holds all of g's tokens in (sequence, position) order, as one matmul on the rank that
+computes the routed unit (e, g). The layer's output still comes from its top-k alone.
 """
 
 from __future__ import annotations
@@ -226,27 +231,48 @@ class LayerEngine:
             pending.append((s, li, carry, m_TD, *ffn.route(m_TD)))
         if not isinstance(ffn, MoE):
             return
+        self._observe_every_expert(ffn, step, pending)
         routed = self._routed(ffn, step, pending)
         for (s, li, carry, m_TD, *_), routed_TD in zip(pending, routed):
             ls.hidden[li] = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+
+    def _observe_every_expert(self, moe: MoE, step: int, pending: list) -> None:
+        """--calibrate-all-experts: every token of the step through every routed expert, for the
+        observers only (the layer's output is the routed one, untouched). Each expert's rows are
+        whole groups of sequences in (sequence, position) order, each group one matmul on the
+        rank that computes the expert's routed unit of that group: the rows are a function of
+        the data alone, as the routed units' are. Skipped, on every rank alike, where the recipe
+        leaves the experts unquantized."""
+        if moe.experts.all_observer is None:
+            return
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
+        x_sorted, rows_per_unit_U = self.dispatcher.every_expert_rows(
+            x_TD, key_T, seq_T // self.schedule.group_size, self.schedule.step_groups(step))
+        moe.experts.observe_every_expert(x_sorted, rows_per_unit_U)
+
+    def _step_tokens(self, moe: MoE, pending: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed experts' input of the step's pending sequences [T, width], each token's
+        global sequence [T] and its global key, sequence x seq_len + position [T]."""
+        T, dev = self.schedule.seq_len, self.state.device
+        if pending:
+            x_TD = torch.cat([p[4] for p in pending])
+        else:
+            x_TD = torch.empty(0, moe.experts.w13.shape[-1], dtype=self.dtype, device=dev)
+        seq_T = torch.tensor([p[0] for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
+        return x_TD, seq_T, seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
 
     def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
         """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""
         T, K = self.schedule.seq_len, self.ck.config.num_experts_per_tok
         dev = self.state.device
-        width = moe.experts.w13.shape[-1]
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
         if pending:
-            x_TD = torch.cat([p[4] for p in pending])
             ids_TK = torch.cat([p[5] for p in pending])
             w_TK = torch.cat([p[6] for p in pending])
-            seq_T = torch.tensor([p[0] for p in pending], device=dev).repeat_interleave(T)
         else:
-            x_TD = torch.empty(0, width, dtype=self.dtype, device=dev)
             ids_TK = torch.empty(0, K, dtype=torch.int64, device=dev)
             w_TK = torch.empty(0, K, dtype=torch.float32, device=dev)
-            seq_T = torch.empty(0, dtype=torch.int64, device=dev)
-        pos_T = torch.arange(T, device=dev).repeat(len(pending))
-        key_TK = ((seq_T * T + pos_T) * K)[:, None] + torch.arange(K, device=dev)
+        key_TK = (key_T * K)[:, None] + torch.arange(K, device=dev)
         y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
                                self.schedule.step_groups(step), moe.experts)
         return list(y_TD.split(T)) if pending else []

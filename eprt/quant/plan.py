@@ -5,7 +5,8 @@ eprt; measured when the plan is made, so the plan covers it), the hidden states 
 sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
 first hidden states are formed, or one decoder layer's weights with one step's buffers (the
 per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
-intermediate rows, the fp32 combine) and the largest tensor in flight as it is read.
+intermediate rows, the fp32 combine; with --calibrate-all-experts, the larger of those and the
+statistics pass's) and the largest tensor in flight as it is read.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Planner:
         return layer, reading
 
     def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
-             baseline: int) -> MemoryPlan:
+             baseline: int, all_experts: bool = False) -> MemoryPlan:
         c, b = self.ck.config, self.dtype.itemsize
         D, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
         n_mine = len(own_sequences(num_sequences, rank, world))
@@ -160,8 +161,22 @@ class Planner:
         moved = 3 if world == 1 else 4
         routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
         snapshot = n_mine * T * D * b if snapshots else 0
+        if all_experts and c.moe_layers:
+            routed = max(routed, self._every_expert(schedule, world, ep, num_sequences, T, t, W))
         step = pending + attention + dense_mlp + routed + snapshot
         return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
+
+    def _every_expert(self, schedule: Schedule, world: int, ep: int, num_sequences: int, T: int, t: int,
+                      W: int) -> int:
+        """--calibrate-all-experts' statistics pass, which ends before the routed exchange starts:
+        this rank's t tokens sent once to each of ep ranks; received, the step's tokens of the
+        groups of one edp replica, and their sorted copy; then, one expert at a time, gate/up,
+        the activation's temporary, the activation and its absolute value, with the input's
+        absolute value beside them. A handful of int64 indices per row throughout."""
+        b, I = self.dtype.itemsize, self.ck.config.moe_intermediate_size
+        replica_groups = math.ceil(schedule.groups_per_step / (world // ep))
+        r = min(replica_groups * schedule.group_size, num_sequences) * T
+        return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
 
 
 def parse_size(text: str) -> int:
@@ -183,7 +198,7 @@ def format_bytes(n: int) -> str:
 
 
 def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
-                 num_experts: int, num_sequences: int, seq_len: int, schedule_of) -> None:
+                 num_experts: int, num_sequences: int, seq_len: int, schedule_of, all_experts: bool = False) -> None:
     """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
     --calib-size that fit (`schedule_of(num_sequences)` gives the run's schedule for a size)."""
     if plan.peak <= limit:
@@ -192,7 +207,7 @@ def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, w
 
     def peak(ep_: int, n: int) -> int:
         return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=seq_len,
-                            schedule=schedule_of(n), baseline=plan.baseline).peak
+                            schedule=schedule_of(n), baseline=plan.baseline, all_experts=all_experts).peak
 
     ways = []
     fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]

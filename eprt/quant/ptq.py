@@ -56,6 +56,7 @@ class PTQArgs:
     max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
     resume: bool = False
     work_dir: str | None = None  # default: OUT.work beside OUT
+    calibrate_all_experts: bool = False  # every token through every routed expert, for the statistics only
 
 
 def run_ptq(state, a: PTQArgs) -> dict:
@@ -86,7 +87,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
+        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8", all_experts=a.calibrate_all_experts)
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
             work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
@@ -102,7 +103,8 @@ def run_ptq(state, a: PTQArgs) -> dict:
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
         summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
-                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
+                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus",
+                   "all_experts": a.calibrate_all_experts}
         write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
         with fail_together(state, "removing the work directory"):
@@ -128,11 +130,11 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[
     planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device)
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
-                        baseline=memory_in_use(state.device))
+                        baseline=memory_in_use(state.device), all_experts=a.calibrate_all_experts)
     limit = a.max_memory or available_memory(state.device)
     check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
                  num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
-                 schedule_of=lambda n: schedule(a, state, c, n))
+                 schedule_of=lambda n: schedule(a, state, c, n), all_experts=a.calibrate_all_experts)
     if state.rank == 0:
         logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
@@ -153,7 +155,7 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dic
     sizes change no bit, so they may differ)."""
     return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
             "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
-            "group_tokens": a.group_tokens}
+            "group_tokens": a.group_tokens, "all_experts": a.calibrate_all_experts}
 
 
 def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
@@ -186,16 +188,30 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
-    """Rank 0 prints, per MoE layer, the tokens each expert received and the experts none reached."""
+    """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
+    reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only."""
     log = logger()
     for module, tokens in cal.expert_tokens.items():
-        first = state.placement(num_experts).first
-        full = torch.zeros(num_experts, dtype=torch.int64)
-        full[first:first + tokens.shape[0]] = tokens
-        state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM)
+        full = every_expert(tokens, state, num_experts)
+        seen = every_expert(cal.expert_all_tokens[module], state, num_experts) if cal.all_experts else None
         if state.rank != 0:
             continue
         unreached = (full == 0).nonzero().view(-1).tolist()
+        if seen is not None:
+            unreached_note = f"; the router sent no token to experts {unreached}" if unreached else ""
+            log.info("%s: routed tokens per expert min %d / median %d / max %d%s; all-experts statistics: "
+                     "tokens per expert min %d / max %d", module, int(full.min()), int(full.median()),
+                     int(full.max()), unreached_note, int(seen.min()), int(seen.max()))
+            continue
         log.info("%s: tokens per expert min %d / median %d / max %d%s", module, int(full.min()),
                  int(full.median()), int(full.max()),
-                 f"; no token reached experts {unreached} (they get the layer's input scale)" if unreached else "")
+                 f"; no token reached experts {unreached} (they get the layer's input scale; "
+                 "--calibrate-all-experts calibrates them)" if unreached else "")
+
+
+def every_expert(rows: torch.Tensor, state, num_experts: int) -> torch.Tensor:
+    """A per-expert count of this rank's experts (reduced over edp) as one for all of them, on every rank."""
+    first = state.placement(num_experts).first
+    full = torch.zeros(num_experts, dtype=torch.int64, device=rows.device)
+    full[first:first + rows.shape[0]] = rows
+    return state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM).cpu()

@@ -95,6 +95,7 @@ def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
     out = {f"input_amax/{n}": t for n, t in cal.input_amax.items()}
     for n, (w13, w2) in cal.expert_amax.items():
         out[f"w13_amax/{n}"], out[f"w2_amax/{n}"], out[f"tokens/{n}"] = w13, w2, cal.expert_tokens[n]
+    out.update({f"all_tokens/{n}": t for n, t in cal.expert_all_tokens.items()})
     for n, (k, v) in cal.kv_amax.items():
         out[f"k_amax/{n}"], out[f"v_amax/{n}"] = k, v
     return out
@@ -102,7 +103,7 @@ def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
 
 def load_stats(cal: Calibrator, tensors: dict[str, torch.Tensor]) -> None:
     """Refill the statistics `stats` saved (observers installed later keep adding to them)."""
-    got = {kind: {} for kind in ("input_amax", "w13_amax", "w2_amax", "tokens", "k_amax", "v_amax")}
+    got = {kind: {} for kind in ("input_amax", "w13_amax", "w2_amax", "tokens", "all_tokens", "k_amax", "v_amax")}
     for key, t in tensors.items():
         kind, _, name = key.partition("/")
         if kind in got:
@@ -110,4 +111,5 @@ def load_stats(cal: Calibrator, tensors: dict[str, torch.Tensor]) -> None:
     cal.input_amax.update(got["input_amax"])
     cal.expert_amax.update({n: (t, got["w2_amax"][n]) for n, t in got["w13_amax"].items()})
     cal.expert_tokens.update(got["tokens"])
+    cal.expert_all_tokens.update(got["all_tokens"])
     cal.kv_amax.update({n: (t, got["v_amax"][n]) for n, t in got["k_amax"].items()})
