@@ -173,7 +173,7 @@ class Planner:
         groups of one edp replica, and their sorted copy; then, one expert at a time, gate/up,
         the activation's temporary, the activation and its absolute value, with the input's
         absolute value beside them. A handful of int64 indices per row throughout."""
-        b, I = self.dtype.itemsize, self.ck.config.moe_intermediate_size
+        b, I = self.dtype.itemsize, self.ck.config.moe.intermediate_size
         replica_groups = math.ceil(schedule.groups_per_step / (world // ep))
         r = min(replica_groups * schedule.group_size, num_sequences) * T
         return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
