@@ -118,4 +118,7 @@ def decoder_layout(c: ModelConfig, attention) -> Layout:
 
 
 def layout(c: ModelConfig) -> Layout:
-    return decoder_layout(c, mla_attention)
+    """The decoder, with the MTP layers eprt runs (eprt.models.deepseek_v3.DeepseekV3MTP) for a
+    recipe that quantizes them (GLM-4.5's and DeepSeek-V3.2's stay carried only)."""
+    mtp = tuple(s for k in range(c.num_nextn_predict_layers) for s in mtp_layout(c, k).specs)
+    return replace(decoder_layout(c, mla_attention), mtp=mtp)

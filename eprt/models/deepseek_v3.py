@@ -85,9 +85,7 @@ def load_mtp(ck, k: int, *, dtype: torch.dtype, device, expert_range: tuple[int,
     fam = family(c.family)
     for spec in mtp_layout(c, k).specs:
         if spec.stacked:
-            rows = [torch.cat([ck.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
-                    for e in range(first, first + count)]
-            t = torch.stack(rows)
+            t = torch.stack([ck.read_expert(spec, e) for e in range(first, first + count)])
         else:
             t = ck.read(spec.name)
         t = t.to(device=device, dtype=torch.float32 if fam.keeps_fp32(spec.name) else dtype)
