@@ -114,11 +114,11 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
         assert check_export(out, hf) == []
 
 
-@pytest.mark.parametrize("kv", [None, "fp8"])
-def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, kv, tmp_path):
-    """nvfp4_experts_fp8_attention_mtp (mtp: true): DeepSeek-V3's MTP layer as the decoder's layers,
-    its KV scales with an FP8 KV cache."""
-    hf, ck = sources["deepseek_v3"]
+@pytest.mark.parametrize("family, kv", [("deepseek_v3", None), ("deepseek_v3", "fp8"), ("glm4_moe", "fp8")])
+def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, tmp_path):
+    """nvfp4_experts_fp8_attention_mtp (mtp: true): DeepSeek-V3's and GLM-4.5's MTP layer as the
+    decoder's layers, its KV scales with an FP8 KV cache."""
+    hf, ck = sources[family]
     q = str(tmp_path / "q")
     run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4_experts_fp8_attention_mtp", q, kv_cache=kv, calib_size=2,
                                             seq_len=16, progress=False))

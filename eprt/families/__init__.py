@@ -64,7 +64,7 @@ DEEPSEEK_V3 = Family(
     unquantized=(*COMMON_UNQUANTIZED, r".*\.embed_tokens", r".*\.shared_head\.head", r".*\.eh_proj"))
 GLM4_MOE = Family("glm4_moe", ("glm4_moe",), glm4_moe.parse, glm4_moe.layout,
                   "eprt.models.glm4_moe:Glm4MoeForCausalLM",
-                  fp32=DEEPSEEK_V3.fp32)  # DeepSeek-V3's router
+                  fp32=DEEPSEEK_V3.fp32, unquantized=DEEPSEEK_V3.unquantized)  # DeepSeek-V3's router and MTP layer
 DEEPSEEK_V32 = Family(
     "deepseek_v32", ("deepseek_v32",), deepseek_v32.parse, deepseek_v32.layout,
     "eprt.models.deepseek_v32:DeepseekV32ForCausalLM",

@@ -67,16 +67,17 @@ def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, Tens
     are carried through byte for byte, and a rule written for them alone (one that quantizes an
     MTP module and none of the model's own) is refused by name. Under `mtp: true`, the modules of
     `layout.mtp` a family allows (its eh_proj, own embedding and shared head stay unquantized);
-    refused for a model whose MTP layers eprt carries through without running them (GLM-4.5,
-    DeepSeek-V3.2: their calibration needs their forward)."""
+    refused for a model whose MTP layers eprt carries through without running them (DeepSeek-V3.2's,
+    with its indexer: their calibration needs their forward)."""
     modules = layout.linear_modules()
     carried = mtp_modules(layout, modules)
     if recipe.mtp:
         if carried and not layout.mtp:
             layers = sorted({".".join(m.split(".")[:3]) for m in carried})
             raise RecipeError(f"{where}: recipe {recipe.name!r} says mtp: true, but eprt does not run this model's "
-                              f"multi-token-prediction layers ({', '.join(layers)}; it runs DeepSeek-V3's and "
-                              "Kimi-K2's) and carries them through unquantized: remove `mtp: true` from the recipe")
+                              f"multi-token-prediction layers ({', '.join(layers)}; it runs DeepSeek-V3's, "
+                              "Kimi-K2's and GLM-4.5's) and carries them through unquantized: remove `mtp: true` "
+                              "from the recipe")
         return layout.linear_modules(mtp=True)
     for mtp in carried:
         rule = next(((p, f) for p, f in recipe.rules if fnmatch.fnmatchcase(mtp, p)), None)
