@@ -21,6 +21,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import RecipeError
 from eprt.quant.nvfp4 import nvfp4_scale
+from eprt.quant.plan import Planner
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
 from eprt.quant.recipe import parse_recipe
 from eprt.storage.checkpoint import Checkpoint
@@ -188,3 +189,19 @@ def test_eprt_check_refuses_a_quantized_eh_proj_or_shared_head():
         check_names(tensors, {module: COMPANIONS["FP8"]}, (), None, problems)
         assert problems == [f"{module}.weight: quantized, but vLLM and SGLang build a multi-token-prediction "
                             f"layer's {leaf} unquantized and cannot load it; keep it in the source dtype"]
+
+
+def test_the_memory_plan_prices_the_mtp_layer_a_recipe_runs(tiny):
+    """Loaded whole, with its own embedding and shared head, the MTP layer is the tiny model's
+    largest: the plan of a recipe that runs it holds its bytes (its routed experts shared by ep)."""
+    _, hf, ck = tiny
+    fp32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router computes in fp32
+    size = {n: t.numel() * (4 if n.endswith(fp32) else 2) for n, t in read_hf_tensors(hf).items()
+            if n.startswith(MTP + ".")}
+    experts = sum(v for n, v in size.items() if ".experts." in n)
+    with Checkpoint(ck) as c:
+        plain = Planner.of(c, torch.bfloat16, torch.device("cpu"))
+        planned = Planner.of(c, torch.bfloat16, torch.device("cpu"), mtp=True)
+    for ep in (1, 2):
+        assert planned._layer(ep)[0] == sum(size.values()) - experts + experts // ep
+        assert plain._layer(ep)[0] < planned._layer(ep)[0]
