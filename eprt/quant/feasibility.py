@@ -63,9 +63,9 @@ def mtp_modules(layout: Layout, modules: dict) -> list[str]:
 
 
 def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, TensorSpec]:
-    """The MTP modules `recipe` may quantize: none unless it says `mtp: true`, where the MTP layers
-    are carried through byte for byte, and a rule written for them alone (one that quantizes an
-    MTP module and none of the model's own) is refused by name. Under `mtp: true`, the modules of
+    """The MTP modules `recipe` may quantize: none unless it says `mtp: true` (without it the MTP
+    layers are carried through byte for byte, and a rule written for them alone, one that quantizes
+    an MTP module and none of the model's own, is refused by name). Under `mtp: true`, the modules of
     `layout.mtp` a family allows (its eh_proj, own embedding and shared head stay unquantized);
     refused for a model whose MTP layers eprt carries through without running them (DeepSeek-V3.2's,
     with its indexer: their calibration needs their forward)."""
