@@ -205,3 +205,23 @@ def test_the_memory_plan_prices_the_mtp_layer_a_recipe_runs(tiny):
     for ep in (1, 2):
         assert planned._layer(ep)[0] == sum(size.values()) - experts + experts // ep
         assert plain._layer(ep)[0] < planned._layer(ep)[0]
+
+
+def test_the_compressed_tensors_layout_quantizes_the_mtp_layer_too(tiny, calibrated, tmp_path):
+    """The same values in llm-compressor's layout: the MTP layer's unquantized Linears (the recipe
+    leaves shared experts unquantized) ignored by name, not the whole layer by prefix."""
+    _, hf, _ = tiny
+    q, _ = calibrated
+    out = export_hf(q, str(tmp_path / "ct"), progress=False, fmt="compressed-tensors")
+    assert check_export(out, hf) == []
+    qc = json.loads(Path(out, "config.json").read_text())["quantization_config"]
+    assert sorted(e for e in qc["ignore"] if MTP in e.replace("\\", "")) == [
+        f"{MTP}.eh_proj", f"{MTP}.embed_tokens", f"{MTP}.mlp.gate",
+        *(f"{MTP}.mlp.shared_experts.{p}_proj" for p in ("down", "gate", "up")), f"{MTP}.shared_head.head"]
+    assert tensors(out)[f"{MTP}.mlp.experts.7.up_proj.weight_packed"].dtype == torch.uint8
+
+
+def test_the_preview_runs_beside_an_mtp_recipe(tiny, tmp_path):
+    """The causal LM the preview fake-quantizes has no MTP layer: its targets are left out there."""
+    _, _, ck = tiny
+    run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, str(tmp_path / "q"), preview="Hello", **CALIB))
