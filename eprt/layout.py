@@ -73,14 +73,19 @@ class Layout:
     precise: tuple[str, ...] = ()  # regexes over eprt names
     # and modules no recipe quantizes.
     unquantized: tuple[str, ...] = ()  # regexes over module names
+    # The multi-token-prediction layers eprt runs and may quantize (DeepSeek-V3's, GLM-4.5's), as convert
+    # carries them (their names also match `passthrough`): under their Hugging Face names, each
+    # routed expert apart; a stacked spec here names them in `sources`, no eprt tensor holds them.
+    mtp: tuple[TensorSpec, ...] = ()
 
-    def linear_modules(self) -> dict[str, TensorSpec]:
-        """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.
+    def linear_modules(self, mtp: bool = False) -> dict[str, TensorSpec]:
+        """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts;
+        with `mtp`, those of the multi-token-prediction layers instead.
 
         A MoE layer's routed experts are one module (`...experts`), with the stacked `w13`
         (gate and up of each expert) and `w2` (down)."""
         out = {}
-        for spec in self.specs:
+        for spec in self.mtp if mtp else self.specs:
             if spec.stacked:
                 out.setdefault(spec.name.rsplit(".", 1)[0], spec)
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:

@@ -214,9 +214,9 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
 
 @pytest.mark.parametrize("recipe,message", [
     ({"name": "r", "quantize": [{"pattern": "*", "format": "nvfp4"}], "kv-cache": "fp8"},
-     "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache"),
+     "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp"),
     ({"quantise": [{"pattern": "*", "format": "nvfp4"}]},
-     "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache"),
+     "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp"),
     ({"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},
      "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format"),
 ])

@@ -68,22 +68,23 @@ def ptq() -> None:
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
                        work_dir=a.work_dir, calibrate_all_experts=a.calibrate_all_experts)
         if a.dry_run:
-            if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
-                plan_recipe(ck, a.recipe, a.kv_cache)
-            dry_run(state, ck, RUN_DTYPES[a.dtype], args)
+            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP layers
+            mtp = bool(a.recipe) and plan_recipe(ck, a.recipe, a.kv_cache)[0].mtp
+            dry_run(state, ck, RUN_DTYPES[a.dtype], args, mtp)
             return
         run_ptq(state, args)
 
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None:
-    """Every rank works out its own share and memory plan from the manifest; rank 0 prints them all."""
+def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs, mtp: bool = False) -> None:
+    """Every rank works out its own share and memory plan from the manifest (with the MTP layers
+    when the recipe runs them); rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
-        plan = Planner.of(ck, dtype, state.device).plan(
+        plan = Planner.of(ck, dtype, state.device, mtp=mtp).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
             baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts)

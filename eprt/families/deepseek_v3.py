@@ -118,5 +118,13 @@ def decoder_layout(c: ModelConfig, attention) -> Layout:
     return Layout(tuple(specs), passthrough=mtp_passthrough(c))
 
 
+def with_mtp(c: ModelConfig, attention) -> Layout:
+    """The decoder with `attention(prefix, c)` in each layer, and its MTP layers as a recipe may
+    quantize them (`Layout.mtp`): those eprt runs (eprt.models.deepseek_v3.DeepseekV3MTP, MLA or
+    GQA attention; DeepSeek-V3.2's, with its indexer, stay carried only)."""
+    mtp = tuple(s for k in range(c.num_nextn_predict_layers) for s in mtp_layout(c, k, attention).specs)
+    return replace(decoder_layout(c, attention), mtp=mtp)
+
+
 def layout(c: ModelConfig) -> Layout:
-    return decoder_layout(c, mla_attention)
+    return with_mtp(c, mla_attention)

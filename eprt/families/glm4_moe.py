@@ -61,4 +61,4 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def layout(c: ModelConfig) -> Layout:
-    return deepseek_v3.decoder_layout(c, gqa_attention)
+    return deepseek_v3.with_mtp(c, gqa_attention)

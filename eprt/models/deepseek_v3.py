@@ -8,7 +8,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.families import family
-from eprt.families.deepseek_v3 import mtp_layout
+from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
@@ -46,14 +46,16 @@ class SharedHead(nn.Module):
 
 class DeepseekV3MTP(DecoderLayer):
     """One multi-token-prediction layer (`model.layers.{num_hidden_layers + k}`): its own embedding
-    table, two norms and `eh_proj` in front of a full decoder layer (MLA attention, the MoE of the
-    last decoder layer's kind), and a shared head behind it. Its tensors sit beside the decoder
-    layer's, under the same prefix, as the released checkpoints store them."""
+    table, two norms and `eh_proj` in front of a full decoder layer (the model's attention: MLA,
+    or GLM-4.5's GQA; the MoE of the last decoder layer's kind), and a shared head behind it. Its
+    tensors sit beside the decoder layer's, under the same prefix, as the released checkpoints
+    store them."""
 
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         # the MTP layer is MoE whenever the model has MoE layers (DeepSeek-V3's last layer is)
         mlp_layer = c.moe_layers[-1] if c.moe_layers else 0
-        super().__init__(c, MLAttention(c), deepseek_mlp(c, mlp_layer, expert_range))
+        attention = MLAttention(c) if c.mla else GQAttention(c)
+        super().__init__(c, attention, deepseek_mlp(c, mlp_layer, expert_range))
         D = c.hidden_size
         self.embed_tokens = Embedding(c.vocab_size, D)
         self.enorm = RMSNorm(D, c.rms_norm_eps)
@@ -84,11 +86,9 @@ def load_mtp(ck, k: int, *, dtype: torch.dtype, device, expert_range: tuple[int,
     mtp.requires_grad_(False)
     prefix = f"model.layers.{c.num_layers + k}."
     fam = family(c.family)
-    for spec in mtp_layout(c, k).specs:
+    for spec in (s for s in fam.layout(c).mtp if s.name.startswith(prefix)):
         if spec.stacked:
-            rows = [torch.cat([ck.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
-                    for e in range(first, first + count)]
-            t = torch.stack(rows)
+            t = torch.stack([ck.read_expert(spec, e) for e in range(first, first + count)])
         else:
             t = ck.read(spec.name)
         t = t.to(device=device, dtype=torch.float32 if fam.keeps_fp32(spec.name) else dtype)

@@ -175,6 +175,7 @@ class LayerEngine:
         ids = self.samples[self.mine].to(self.state.device)
         hidden = ls.hidden
         for k, prefix in enumerate(self.mtp_prefixes()):
+            start, sent_before = time.perf_counter(), self.dispatcher.bytes_sent
             mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
             self.cal.observe(mtp, prefix)
             try:
@@ -185,6 +186,9 @@ class LayerEngine:
                 self.cal.close()
             hidden = mtp_ls.hidden
             mtp.to_empty(device="meta")
+            if self.state.rank == 0:
+                self.log.info("MTP layer %s: read and compute %.2f s, exchanged %.1f MiB", prefix.rstrip("."),
+                              time.perf_counter() - start, (self.dispatcher.bytes_sent - sent_before) / 2**20)
 
     def run_layer(self, i: int, ls: LayerState, pb) -> LayerState:
         layer = self.decoder.layers[i]

@@ -20,6 +20,8 @@ import torch
 
 from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
+from eprt.families import reader_for
+from eprt.layout import layer_of
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences
 
@@ -101,7 +103,9 @@ class Planner:
     kernel_cache: int
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device) -> Planner:
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, mtp: bool = False) -> Planner:
+        """With `mtp`, the multi-token-prediction layers too, which the engine runs after the last
+        decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp)."""
         b = dtype.itemsize
         model, stacked = meta_model(ck, None)
         prefix, _ = model.decoder()
@@ -119,6 +123,8 @@ class Planner:
             run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked))
+        if mtp:
+            mtp_reads(ck, dtype, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
         return cls(ck, dtype, reads, embedding, cache)
 
@@ -177,6 +183,23 @@ class Planner:
         replica_groups = math.ceil(schedule.groups_per_step / (world // ep))
         r = min(replica_groups * schedule.group_size, num_sequences) * T
         return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
+
+
+def mtp_reads(ck: Checkpoint, dtype: torch.dtype, reads: dict[int, list[tuple[int, int, bool]]]) -> None:
+    """Each MTP layer's tensors as `Planner.reads` holds a layer's. An MTP layer is loaded whole (its
+    own embedding and shared head too); its routed experts are read expert by expert from their
+    source tensors and stacked, the rows in flight beside the stacked copy."""
+    c = ck.config
+    fam = reader_for(c.model_type, ck.path)
+    for spec in fam.layout(c).mtp:
+        run_dtype = torch.float32 if fam.keeps_fp32(spec.name) else dtype
+        n = math.prod(spec.shape) * run_dtype.itemsize
+        if spec.stacked:
+            flight = n
+        else:
+            meta = ck.meta(spec.name)
+            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else math.prod(spec.shape) * meta.dtype.itemsize
+        reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked))
 
 
 def parse_size(text: str) -> int:

@@ -41,7 +41,9 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
 def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state) -> None:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
     export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
-    the routed experts."""
+    the routed experts. The causal LM runs no multi-token-prediction layer: their targets are left out."""
+    present = dict(model.named_modules())
+    targets = [m for m in targets if m in present]
     scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
                     lambda m: model.get_submodule(m).weight.detach())
     fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}

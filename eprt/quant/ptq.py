@@ -80,7 +80,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, samples, a)
+            plan, preview = plan_run(state, ck, samples, a, mtp=recipe.mtp)
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
@@ -123,11 +123,12 @@ def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
                        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
 
-def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs) -> tuple[MemoryPlan, bool]:
+def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, mtp: bool = False) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
-    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not)."""
+    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not).
+    `mtp`: the recipe runs the multi-token-prediction layers."""
     c = ck.config
-    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device)
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, mtp=mtp)
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
                         baseline=memory_in_use(state.device), all_experts=a.calibrate_all_experts)

@@ -35,6 +35,7 @@ import torch
 
 from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
+from eprt.layout import TensorSpec
 from eprt.storage import encodings
 from eprt.storage.paths import check_relative, resolve_inside
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
@@ -231,6 +232,14 @@ class Checkpoint:
         if not t.shape:
             return self._read_part(t.dtype, t.shape, t.parts[0], None)
         return self._read_parts(t.dtype, t.shape, t.parts, a, b)
+
+    def read_expert(self, spec: TensorSpec, e: int) -> torch.Tensor:
+        """Expert e's row of stacked `spec`: from the stacked tensor, or, where convert carried the
+        layer through under its Hugging Face names (a multi-token-prediction layer, `Layout.mtp`),
+        from the expert's source tensors end to end, as the stacked row holds them."""
+        if spec.name in self.tensors:
+            return self.read(spec.name, rows=(e, e + 1))[0]
+        return torch.cat([self.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
 
     def read_component(self, name: str, component: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One stored source tensor of encoded tensor `name` as it lies on disk (or rows [a, b) of it)."""
