@@ -305,9 +305,11 @@ class LayerEngine:
                 snapshot = ls.hidden.clone() if starts_block else None
                 undo = None
                 if ls is held.quant:
-                    errors, undo = held.report.quantize(layer, prefix, self.cal)
+                    errors, undo = held.report.quantize(layer, prefix, self.cal, self.schedule.num_groups)
                 try:
                     for step in range(self.schedule.num_steps):
+                        if errors is not None:
+                            errors.first_unit = self.schedule.step_groups(step)[0]
                         self._run_step(layer, step, ls)
                 finally:
                     if undo is not None:

@@ -17,9 +17,9 @@ as calibration. This module holds what the report measures:
 - after the final norm and the head: per token KL(p_ref || p_q), its mean and 99th percentile,
   top-1 agreement, and the perplexity (next-token NLL) of both streams.
 
-Per-sequence and per-token numbers are filed at their global index and summed over the ranks
-(adding zeros is exact), so they are the same at every layout; per-module sums are fp64 sums,
-equal up to the last bits of fp64.
+Every number is summed per held-out sequence (a dense module's, per call: one sequence's tokens)
+or per expert work unit, filed at its global index, summed over the ranks (adding zeros is
+exact) and then in index order, so the report is the same bytes at every layout.
 """
 
 from __future__ import annotations
@@ -41,17 +41,27 @@ TOP = 5  # modules or experts listed per layer
 
 
 class ModuleErrors:
-    """Sums of squared output error, squared reference output and rows, per quantized module (and
-    per routed expert, this rank's rows), of the quantized stream through one layer."""
+    """Sums of squared output error, squared reference output and rows of the quantized stream
+    through one layer: per call of each dense quantized module (the calls come one sequence at a
+    time, in sequence order), and per routed expert and work unit of this rank's experts."""
 
-    def __init__(self):
-        self.dense: dict[str, torch.Tensor] = {}  # module -> fp64 [err, ref, rows]
-        self.experts: dict[str, tuple[Experts, torch.Tensor]] = {}  # module -> (experts, fp64 [3, count])
+    def __init__(self, num_units: int):
+        self.num_units = num_units
+        self.dense: dict[str, list[torch.Tensor]] = {}  # module -> fp64 [err, ref, rows] per call
+        self.experts: dict[str, tuple[Experts, torch.Tensor]] = {}  # module -> (experts, fp64 [3, count, units])
+        self.first_unit = 0  # the global index of the running step's first work unit
 
-    def add(self, sums: torch.Tensor, y: torch.Tensor, y_ref: torch.Tensor) -> None:
-        rows = y.numel() // y.shape[-1] if y.dim() else 0
-        sums += torch.stack([(y.double() - y_ref.double()).square().sum(), y_ref.double().square().sum(),
-                             torch.tensor(rows, dtype=torch.float64, device=y.device)])
+
+def _sums(d_R: torch.Tensor, ref_R: torch.Tensor) -> torch.Tensor:
+    """[err, ref, rows] of rows' squared errors and squared reference norms."""
+    return torch.stack([d_R.sum(), ref_R.sum(), torch.tensor(float(d_R.numel()), dtype=torch.float64,
+                                                               device=d_R.device)])
+
+
+def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the squared error and the squared reference norm, in fp64."""
+    y, y_ref = y.reshape(-1, y.shape[-1]).double(), y_ref.reshape(-1, y_ref.shape[-1]).double()
+    return (y - y_ref).square().sum(-1), y_ref.square().sum(-1)
 
 
 def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) -> Callable[[], None]:
@@ -67,15 +77,15 @@ def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) ->
             undo.append(_probe_experts(m, module, errors))
             continue
         weight = module.weight.detach().clone()
-        sums = errors.dense.setdefault(m, torch.zeros(3, dtype=torch.float64, device=weight.device))
+        calls = errors.dense.setdefault(m, [])
         seen = []
 
         # registered before fake_quantize's input hook, so it sees the input as the module receives it
         def keep_input(_module, args, seen=seen):
             seen.append(args[0])
 
-        def measure(module, _args, y, seen=seen, weight=weight, sums=sums):
-            errors.add(sums, y, linear(seen.pop(), weight, module.bias))
+        def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
+            calls.append(_sums(*_row_sums(y, linear(seen.pop(), weight, module.bias))))
 
         undo += [module.register_forward_pre_hook(keep_input).remove, module.register_forward_hook(measure).remove]
     return lambda: [u() for u in undo]
@@ -83,15 +93,17 @@ def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) ->
 
 def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callable[[], None]:
     w13, w2, act = experts.w13.detach().clone(), experts.w2.detach().clone(), experts.act
-    sums = torch.zeros(3, experts.count, dtype=torch.float64, device=w13.device)
+    sums = torch.zeros(3, experts.count, errors.num_units, dtype=torch.float64, device=w13.device)
     errors.experts[name] = (experts, sums)
 
     def probe(x_sorted, rows_per_unit_LU, y):
         _, y_ref = unit_mlp(x_sorted, w13, w2, act, rows_per_unit_LU)
-        expert_of_row = torch.repeat_interleave(torch.arange(experts.count, device=y.device), rows_per_unit_LU.sum(1))
-        sums[0].index_add_(0, expert_of_row, (y.double() - y_ref.double()).square().sum(-1))
-        sums[1].index_add_(0, expert_of_row, y_ref.double().square().sum(-1))
-        sums[2].index_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.float64))
+        U = rows_per_unit_LU.shape[1]
+        counts = rows_per_unit_LU.reshape(-1).tolist()
+        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran
+        for j, (d_R, ref_R) in enumerate(zip(*(t.split(counts) for t in _row_sums(y, y_ref)))):
+            if counts[j]:
+                sums[:, j // U, errors.first_unit + j % U] = _sums(d_R, ref_R)
 
     experts.probe = probe
     return lambda: setattr(experts, "probe", None)
@@ -113,10 +125,11 @@ class QualityReport:
     def tokens(self) -> int:
         return self.eval_ids.numel()
 
-    def quantize(self, layer, prefix: str, cal) -> tuple[ModuleErrors, Callable[[], None]]:
+    def quantize(self, layer, prefix: str, cal, num_units: int) -> tuple[ModuleErrors, Callable[[], None]]:
         """Probe and fake-quantize one layer in place, as the export will quantize it; returns the
-        probes' sums and what removes the probes and the quantization's hooks."""
-        errors = ModuleErrors()
+        probes' sums (the engine sets their `first_unit` each step) and what removes the probes
+        and the quantization's hooks."""
+        errors = ModuleErrors(num_units)
         unprobe = probe_layer(layer, prefix, self.targets, errors)
         unquantize = fake_quantize(layer, self.targets, self.recipe, cal, self.state, prefix=prefix,
                                    source_dtype=lambda name: self.ck.meta(name).source_dtype, on_weight=self.on_weight)
@@ -140,14 +153,16 @@ class QualityReport:
         ref = y_ref[local].double().square().flatten(1).sum(1)
         err, ref = self._global(n, mine, err).sum(), self._global(n, mine, ref).sum()
         modules = []  # (name, relative error, token share)
-        for name, sums in errors.dense.items():
-            self.state.all_reduce(sums, over="dp", op=dist.ReduceOp.SUM)
-            modules.append((name, *_relative(sums)))
+        for name, calls in errors.dense.items():
+            # each sequence makes the same calls: [sequences, calls per sequence, 3]
+            per_seq = torch.stack(calls).view(len(mine), -1, 3).sum(1) if calls else torch.zeros(len(mine), 3, device=self.state.device)
+            modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
         E = self.ck.config.num_experts
         for name, (experts, sums) in errors.experts.items():
-            full = torch.zeros(3, E, dtype=torch.float64, device=sums.device)
+            full = torch.zeros(3, E, errors.num_units, dtype=torch.float64, device=sums.device)
             full[:, experts.first:experts.first + experts.count] = sums
-            self.state.all_reduce(full, over="dp", op=dist.ReduceOp.SUM)  # the edp replicas' units add up
+            # each (expert, unit) was computed on one rank: the others add zeros
+            full = self.state.all_reduce(full, over="dp", op=dist.ReduceOp.SUM).sum(-1)
             modules += [(f"{name}.{e}", *_relative(full[:, e])) for e in range(E) if full[2, e] > 0]
         ranked = sorted(modules, key=lambda m: (-(m[1] ** 2) * m[2] / self.tokens, m[0]))
         self.layers.append({
