@@ -22,6 +22,7 @@ from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
+from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.nvfp4 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
@@ -95,6 +96,12 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
             state.input_amax, state.expert_input_amax, state.expert_tokens, state.kv_amax)
         fake_quantize(q_model, targets, recipe, cal, ParallelState.single("cpu"),
                       source_dtype=lambda name: base.meta(name).source_dtype)
+    # the keys and values attention consumes are on the FP8 grid of the export's k/v scales
+    kv = []
+    for name, attn in q_model.named_modules():
+        if name in cal.kv_amax:
+            scales = [fp8_scale(a) for a in cal.kv_amax[name]]
+            attn.kv_quant = lambda k, v, quant=attn.kv_quant, s=scales: kv.append((quant(k, v), s)) or kv[-1][0]
     outs = {}
     for tag, model in (("ref", ref_model), ("q", q_model)):
         for i, layer in enumerate(model.model.layers):
@@ -102,6 +109,10 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
     with torch.inference_mode():
         logp_ref = torch.log_softmax(ref_model(eval_ids).float(), -1)
         logp_q = torch.log_softmax(q_model(eval_ids).float(), -1)
+    assert len(kv) == len(cal.kv_amax) > 0
+    for pair, scales in kv:
+        for x, scale in zip(pair, scales):
+            assert not torch.equal(x, torch.zeros_like(x)) and torch.equal(fake_quant_fp8(x, scale), x)
     kl = (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).double().flatten()
     nll = lambda logp: -logp[:, :-1].gather(-1, eval_ids[:, 1:, None]).double().mean()  # noqa: E731
     layers = [((outs["q", i] - outs["ref", i]).double().norm() / outs["ref", i].double().norm()).item()
