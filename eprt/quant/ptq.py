@@ -150,9 +150,11 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: 
                  schedule_of=lambda n: schedule(a, state, c, n), eval_sequences=n_eval,
                  eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
     if state.rank == 0:
-        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s)",
+        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
-                      format_bytes(plan.step), format_bytes(plan.baseline))
+                      format_bytes(plan.step), format_bytes(plan.baseline),
+                      f", quality report: layer with its copy {format_bytes(plan.eval_layer)}, held-out step "
+                      f"{format_bytes(plan.eval_step)}, head {format_bytes(plan.head)}" if n_eval else "")
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
