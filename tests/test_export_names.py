@@ -117,7 +117,7 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
     state = ParallelState.single()
     for recipe, kv in [(r, kv) for r in RECIPES for kv in (None, "fp8")] + [(r, "fp8") for r in MIXED_RECIPES]:
         q = str(tmp_path / f"{recipe}-{kv}")
-        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
+        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, eval_size=2, progress=False))
         out = export_hf(q, q + "-hf", progress=False)
         got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
         assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
