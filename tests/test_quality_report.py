@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
+from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
@@ -196,3 +198,12 @@ def test_eval_size_0_writes_no_report_and_eval_reads_its_own_file(ckpts, tmp_pat
     np.save(ids, np.arange(3 * SEQ_LEN) % 500)
     report = run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "file"), eval=ids, eval_size=3))["quality"]
     assert report["eval"] == {"sequences": 3, "seq_len": SEQ_LEN, "tokens": 3 * SEQ_LEN, "data": ids}
+
+
+@pytest.mark.parametrize("kw, message", [({"eval_size": -1}, "--eval-size -1: give a positive size, or 0"),
+                                         ({"eval": "missing.npy"}, "--eval missing.npy: no such file"),
+                                         ({"eval": "x.npy", "eval_size": 0}, "--eval x.npy with --eval-size 0")])
+def test_bad_report_settings_are_refused_by_name(ckpts, tmp_path, kw, message):
+    with pytest.raises(RankFailure, match=re.escape(message)):
+        run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], str(tmp_path / "q"), **kw))
+    assert not os.path.exists(tmp_path / "q")
