@@ -114,4 +114,5 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
         write_json(os.path.join(tmp, CONFIG), config)
     report = (ck.quantization or {}).get("quality")
     if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
-        shutil.copyfile(resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)"), os.path.join(tmp, QUALITY))
+        src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
+        shutil.copyfile(src, os.path.join(tmp, QUALITY))

@@ -328,8 +328,9 @@ class LayerEngine:
             self._assign(prefix)
 
         def logits_of(li: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return tuple(self.model.logits(self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks]))[0]
-                         for ls in (held.ref, held.quant))
+            out = (self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks])
+                   for ls in (held.ref, held.quant))
+            return tuple(self.model.logits(h)[0] for h in out)
 
         held.report.finish(held.pairs, logits_of)
         for module in sorted({n.rpartition(".")[0] for n in names}):

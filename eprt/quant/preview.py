@@ -57,7 +57,8 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     what removes the input and KV hooks (the weights stay replaced)."""
     sub = lambda m: model.get_submodule(m[len(prefix):])  # noqa: E731
     targets = [m for m in targets if m.startswith(prefix)]
-    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal), lambda m: sub(m).weight.detach())
+    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
+                    lambda m: sub(m).weight.detach())
     fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
 
     def fake_weight(fmt: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -77,8 +78,8 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             module.weight.copy_(fake_weight(fmt, f"{m}.weight", module.weight, w_scale))
             if on_weight is not None:
                 on_weight(f"{m}.weight", module.weight)
-            hook = module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fakes[fmt]: (f(args[0], s), *args[1:]))
-            undo.append(hook.remove)
+            quant_input = lambda _m, args, s=in_scale, f=fakes[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
+            undo.append(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
             experts = sub(m)
             if not isinstance(experts, Experts):

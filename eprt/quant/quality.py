@@ -155,7 +155,8 @@ class QualityReport:
         modules = []  # (name, relative error, token share)
         for name, calls in errors.dense.items():
             # each sequence makes the same calls: [sequences, calls per sequence, 3]
-            per_seq = torch.stack(calls).view(len(mine), -1, 3).sum(1) if calls else torch.zeros(len(mine), 3, device=self.state.device)
+            per_seq = (torch.stack(calls).view(len(mine), -1, 3).sum(1) if calls
+                       else torch.zeros(len(mine), 3, device=self.state.device))
             modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
         E = self.ck.config.num_experts
         for name, (experts, sums) in errors.experts.items():
@@ -170,7 +171,8 @@ class QualityReport:
             "top": [{"module": name, "relative_error": rel, "token_share": rows / self.tokens}
                     for name, rel, rows in ranked[:TOP]]})
 
-    def finish(self, mine: list[tuple[int, int]], logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def finish(self, mine: list[tuple[int, int]],
+               logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """The whole report, from each held-out sequence's logits `logits_of(local index)` ->
         (reference [T, V], quantized [T, V])."""
         n, T = self.eval_ids.shape
