@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.models.moe import Experts
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import fake_quant_nvfp4
@@ -67,10 +67,16 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
         src = source_dtype(name) if source_dtype else w.dtype
         return dequantize_fp8(quantize_fp8(w.to(src), scale), scale, dtype=w.dtype)
 
+    def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        try:
+            return compute()
+        except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
+            raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
+
     undo = []
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
-    resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
+    resolved = {m: (weight_scale(m, lambda m=m: scales.weight_scale(m)), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
             module, fmt = sub(m), scales.formats[m]
@@ -88,7 +94,9 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             fake = fakes[fmt]
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
-                    w[e].copy_(fake_weight(fmt, f"{m}.{kind}", w[e], scales.expert_weight_scale(m, w[e])))
+                    scale = weight_scale(f"{m}.{kind} (expert {experts.first + e})",
+                                         lambda row=w[e]: scales.expert_weight_scale(m, row))
+                    w[e].copy_(fake_weight(fmt, f"{m}.{kind}", w[e], scale))
                 if on_weight is not None:
                     on_weight(f"{m}.{kind}", w)
             in_scale = {}
