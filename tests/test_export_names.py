@@ -91,6 +91,19 @@ def exported_names(out: str) -> set[str]:
     return set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"])
 
 
+def exported_files(out: str) -> set[str]:
+    return {p.name for p in Path(out).iterdir()}
+
+
+def predicted_files(hf_dir: str, out: str) -> set[str]:
+    """The source's files but its weights, the export's shards and index, ModelOpt's
+    hf_quant_config.json and the PTQ quality report (a file no engine reads)."""
+    source = {p.name for p in Path(hf_dir).iterdir() if not p.name.startswith("model.safetensors")
+              and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name)}
+    shards = set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"].values())
+    return source | shards | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json"}
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     d = tmp_path_factory.mktemp("names")
@@ -107,10 +120,11 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
     state = ParallelState.single()
     for recipe, kv in [(r, kv) for r in RECIPES for kv in (None, "fp8")] + [(r, "fp8") for r in MIXED_RECIPES]:
         q = str(tmp_path / f"{recipe}-{kv}")
-        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
+        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, eval_size=2, progress=False))
         out = export_hf(q, q + "-hf", progress=False)
         got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
         assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
+        assert exported_files(out) == predicted_files(hf, out)
         assert check_export(out, hf) == []
 
 

@@ -35,6 +35,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    ap.add_argument("--eval-size", type=int, default=8,
+                    help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, per-layer "
+                         "errors; docs/quality.md), taken after the calibration sequences unless --eval; 0: no report")
+    ap.add_argument("--eval", help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead "
+                                   "of the sequences after the calibration ones")
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward on each rank")
     ap.add_argument("--dtype", choices=list(RUN_DTYPES), default="bf16", help="the dtype the model runs in")
     ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
@@ -66,28 +71,32 @@ def ptq() -> None:
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir, calibrate_all_experts=a.calibrate_all_experts)
+                       work_dir=a.work_dir, calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size,
+                       eval=a.eval)
         if a.dry_run:
             # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP layers
-            mtp = bool(a.recipe) and plan_recipe(ck, a.recipe, a.kv_cache)[0].mtp
-            dry_run(state, ck, RUN_DTYPES[a.dtype], args, mtp)
+            recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache) if a.recipe else (None, [])
+            dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp))
             return
         run_ptq(state, args)
 
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs, mtp: bool = False) -> None:
+def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs, targets: list[str],
+            mtp: bool = False) -> None:
     """Every rank works out its own share and memory plan from the manifest (with the MTP layers
     when the recipe runs them); rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
-        plan = Planner.of(ck, dtype, state.device, mtp=mtp).plan(
+        n_eval = max(args.eval_size, 0)
+        plan = Planner.of(ck, dtype, state.device, targets, mtp=mtp).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
-            baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts)
+            baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts, eval_sequences=n_eval,
+            eval_schedule=schedule(args, state, c, n_eval) if n_eval else None)
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
                 "experts": {layer: held for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,

@@ -48,6 +48,9 @@ class GQAttention(nn.Module):
         self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
         self.kv_observer = None
+        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
+        # (eprt.quant.preview installs it with the export's k/v scales).
+        self.kv_quant = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -62,6 +65,8 @@ class GQAttention(nn.Module):
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         o = causal_attention(q, k, v, self.head_dim ** -0.5)
         if self.output_gate:
             o = o * torch.sigmoid(gate.flatten(-2))

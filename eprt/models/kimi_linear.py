@@ -110,6 +110,10 @@ class KimiDecoder(nn.Module):
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             x = layer(x, blocks)
+        return self.final(x, blocks)
+
+    def final(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The output from the last layer's hidden states and the block snapshots: what the head reads."""
         if self.attn_res:
             x = attn_res_mix(blocks, x, self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(x)

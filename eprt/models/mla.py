@@ -52,6 +52,9 @@ class MLAttention(nn.Module):
         self.indexer = indexer
         # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
         self.kv_observer = None
+        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
+        # (eprt.quant.preview installs it with the export's k/v scales).
+        self.kv_quant = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,6 +73,8 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         keep = self.indexer(x_BTD, q_latent, cos, sin) if self.indexer is not None else None
         o = causal_attention(q, k, v, self.scale, keep)
         if self.g_proj is not None:

@@ -143,10 +143,11 @@ class Calibrator:
             out[f"{m} (keys)"], out[f"{m} (values)"] = k, v
         return out
 
-    def check_finite(self, rank: int) -> None:
-        """Refuse a NaN or infinite amax: its scale would be NaN, and export would fail only at the end."""
+    def check_finite(self, rank: int, prefix: str = "") -> None:
+        """Refuse a NaN or infinite amax (of the modules under `prefix`): its scale would be NaN,
+        and export would fail only at the end."""
         for what, t in self.amax_by_name().items():
-            if not torch.isfinite(t).all():
+            if what.startswith(prefix) and not torch.isfinite(t).all():
                 raise CalibrationError(
                     f"{what}: calibration on rank {rank} recorded a non-finite amax ({t.max().item()}); the model "
                     "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
@@ -162,6 +163,18 @@ class Calibrator:
             state.all_reduce(self.expert_tokens[name], over="edp", op=dist.ReduceOp.SUM)
             if name in self.expert_all_tokens:
                 state.all_reduce(self.expert_all_tokens[name], over="edp", op=dist.ReduceOp.SUM)
+
+    def reduce_amax(self, state, prefix: str) -> None:
+        """The amax of the modules under `prefix` (one layer, once its steps are done) made final
+        before the run ends, as `reduce` makes them: the quality report quantizes the layer with
+        them. Max is exact and idempotent, so `reduce` at the end changes them no further; token
+        counts are summed there only. A rank's non-finite amax is refused first, as at the end."""
+        self.check_finite(state.rank, prefix)
+        under = lambda d: [v for m, v in d.items() if m.startswith(prefix)]  # noqa: E731
+        for t in [*under(self.input_amax), *(x for pair in under(self.kv_amax) for x in pair)]:
+            state.all_reduce(t, over="dp", op=dist.ReduceOp.MAX)
+        for t in (x for pair in under(self.expert_amax) for x in pair):
+            state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
 
     def close(self) -> None:
         for undo in self._undo:

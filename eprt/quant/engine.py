@@ -39,6 +39,7 @@ from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
+from eprt.quant.quality import QualityReport
 
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer.
@@ -111,11 +112,33 @@ def own_sequences(num_sequences: int, rank: int, world: int) -> list[int]:
     return list(range(rank, num_sequences, world))
 
 
+class Held:
+    """The held-out sequences of the quality report on this rank: their schedule, their share,
+    their own work units' dispatcher, and two streams (reference, quantized) at a layer boundary."""
+
+    def __init__(self, state, report: QualityReport, schedule: Schedule, top_k: int):
+        n, T = report.eval_ids.shape
+        self.report, self.schedule = report, schedule
+        self.mine = own_sequences(n, state.rank, state.world)
+        self.local = {s: i for i, s in enumerate(self.mine)}
+        self.dispatcher = UnitDispatcher(state, n * T * max(top_k, 1))
+        self.ref: LayerState | None = None
+        self.quant: LayerState | None = None
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(self.local.items())
+
+
 class LayerEngine:
-    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike."""
+    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike.
+
+    With `quality` (and its `eval_schedule`), each layer then runs the held-out sequences too,
+    unquantized and quantized, for the report (eprt.quant.quality)."""
 
     def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
-                 schedule: Schedule, progress: bool = True):
+                 schedule: Schedule, progress: bool = True, quality: QualityReport | None = None,
+                 eval_schedule: Schedule | None = None):
         self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
         self.samples, self.progress = samples, progress
         c = ck.config
@@ -127,6 +150,7 @@ class LayerEngine:
         self.mine = own_sequences(samples.shape[0], state.rank, state.world)
         self.local = {s: i for i, s in enumerate(self.mine)}
         self.dispatcher = UnitDispatcher(state, samples.shape[0] * samples.shape[1] * max(c.num_experts_per_tok, 1))
+        self.held = Held(state, quality, eval_schedule, c.num_experts_per_tok) if quality is not None else None
         self.log = logger()
 
     def _assign(self, prefix: str) -> int:
@@ -140,6 +164,9 @@ class LayerEngine:
         self._assign(self.prefix + "embed_tokens.")
         ids = self.samples[self.mine].to(self.state.device)
         hidden = table(ids)
+        if self.held is not None:
+            held = table(self.held.report.eval_ids[self.held.mine].to(self.state.device))
+            self.held.ref, self.held.quant = LayerState(held, []), LayerState(held.clone(), [])
         table.to_empty(device="meta")
         return LayerState(hidden, [])
 
@@ -153,6 +180,8 @@ class LayerEngine:
                 ls = self.run_layer(i, ls, pb)
                 if after_layer is not None:
                     after_layer(i, ls)
+            if self.held is not None:
+                self._evaluate_head()
             self.run_mtp(ls)
         return ls
 
@@ -210,6 +239,8 @@ class LayerEngine:
             self.cal.close()
         if snapshot is not None:
             ls.blocks.append(snapshot)
+        if self.held is not None:
+            self._evaluate_layer(i, layer, prefix)
         layer.to_empty(device="meta")
         compute_s, sent = time.perf_counter() - start, self.dispatcher.bytes_sent - sent_before
         if self.state.rank == 0:
@@ -280,3 +311,57 @@ class LayerEngine:
         y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
                                self.schedule.step_groups(step), moe.experts)
         return list(y_TD.split(T)) if pending else []
+
+    # --- the quality report (eprt.quant.quality) ----------------------------------------------
+    @contextlib.contextmanager
+    def _over_held(self):
+        """Steps run over the held-out sequences, with their own schedule and work units."""
+        held, saved = self.held, (self.schedule, self.local, self.dispatcher)
+        self.schedule, self.local, self.dispatcher = held.schedule, held.local, held.dispatcher
+        try:
+            yield
+        finally:
+            self.schedule, self.local, self.dispatcher = saved
+
+    def _evaluate_layer(self, i: int, layer, prefix: str) -> None:
+        """Once layer i is calibrated: its amax made final, the reference stream through the layer
+        as it is, then the quantized stream through the layer fake-quantized in place."""
+        held = self.held
+        self.cal.reduce_amax(self.state, prefix)
+        starts_block = getattr(layer, "attn_res", False) and layer.starts_block
+        errors = None
+        with self._over_held():
+            for ls in (held.ref, held.quant):
+                snapshot = ls.hidden.clone() if starts_block else None
+                undo = None
+                if ls is held.quant:
+                    errors, undo = held.report.quantize(layer, prefix, self.cal, self.schedule.num_groups)
+                try:
+                    for step in range(self.schedule.num_steps):
+                        if errors is not None:
+                            errors.first_unit = self.schedule.step_groups(step)[0]
+                        self._run_step(layer, step, ls)
+                finally:
+                    if undo is not None:
+                        undo()
+                if snapshot is not None:
+                    ls.blocks.append(snapshot)
+        held.report.finish_layer(i, prefix, held.pairs, held.ref.hidden, held.quant.hidden, errors)
+
+    def _evaluate_head(self) -> None:
+        """After the last layer: the decoder's final step and the head over both streams."""
+        held, layers = self.held, self.prefix + "layers."
+        tied = self.model.config.tie_word_embeddings
+        names = [n for n in self.names if not n.startswith(layers)
+                 and (tied or not n.startswith(self.prefix + "embed_tokens."))]
+        for prefix in sorted({n.rpartition(".")[0] + "." for n in names}):
+            self._assign(prefix)
+
+        def logits_of(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out = (self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks])
+                   for ls in (held.ref, held.quant))
+            return tuple(self.model.logits(h)[0] for h in out)
+
+        held.report.finish(held.pairs, logits_of)
+        for module in sorted({n.rpartition(".")[0] for n in names}):
+            self.model.get_submodule(module).to_empty(device="meta")

@@ -1,22 +1,24 @@
 """A glance at the model before and after quantization: a short greedy continuation of a prompt.
 
 After calibration the quantized modules are fake-quantized in place (weights quantized and
-dequantized with the export's scales, inputs through their calibrated input scale), so
-the continuation shows what the engine will compute. The model is not used afterwards:
-export reads the weights from the checkpoint.
+dequantized with the export's scales, inputs through their calibrated input scale, the KV
+cache through its k/v scales), so the continuation shows what the engine will compute. The
+model is not used afterwards: export reads the weights from the checkpoint. The quality report
+(eprt.quant.quality) fake-quantizes each decoder layer the same way.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from eprt.models.moe import Experts
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fake_quant_fp8
+from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import fake_quant_nvfp4
 from eprt.quant.recipe import Recipe
 from eprt.quant.scales import EXPERT_KINDS, Scales
@@ -38,37 +40,81 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state) -> None:
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, *, prefix: str = "",
+                  source_dtype: Callable[[str], torch.dtype] | None = None,
+                  on_weight: Callable[[str, torch.Tensor], None] | None = None) -> Callable[[], None]:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
-    export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
-    the routed experts. The causal LM runs no multi-token-prediction layer: their targets are left out."""
-    present = dict(model.named_modules())
-    targets = [m for m in targets if m in present]
+    export's scales (eprt.quant.scales): dense Linears' inputs, both projections' inputs of the
+    routed experts, and with an FP8 KV cache the keys and values where calibration observed them.
+
+    `model` holds the modules named `prefix` + their name in it (the whole model, or one decoder
+    layer of a layer-by-layer run): only the targets it holds are quantized (the causal LM runs no
+    multi-token-prediction layer), and the expert input scales are reduced over the ep group, so
+    every rank must call it alike.
+    `source_dtype(tensor name)` is the dtype the export rounds an FP8 quotient to (the source's;
+    default the weight's own), so that the weights are the export's dequantized, bit for bit
+    wherever the run's dtype holds the checkpoint's weights exactly. `on_weight(tensor name,
+    weight)` sees each weight as replaced (a routed-experts tensor: this rank's rows). Returns
+    what removes the input and KV hooks (the weights stay replaced)."""
+    sub = lambda m: model.get_submodule(m[len(prefix):])  # noqa: E731
+    present = {prefix + name for name, _ in model.named_modules()}
+    targets = [m for m in targets if m.startswith(prefix) and m in present]
     scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
-                    lambda m: model.get_submodule(m).weight.detach())
+                    lambda m: sub(m).weight.detach())
     fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
-    dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
+
+    def fake_weight(fmt: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if fmt == "nvfp4":  # computed in fp32 whatever w's dtype
+            return fake_quant_nvfp4(w, scale)
+        src = source_dtype(name) if source_dtype else w.dtype
+        return dequantize_fp8(quantize_fp8(w.to(src), scale), scale, dtype=w.dtype)
+
+    def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        try:
+            return compute()
+        except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
+            raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
+
+    undo = []
+    dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
-    resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
+    resolved = {m: (weight_scale(m, lambda m=m: scales.weight_scale(m)), scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module, fake = model.get_submodule(m), fakes[scales.formats[m]]
+            module, fmt = sub(m), scales.formats[m]
             w_scale, in_scale = resolved[m]
-            module.weight.copy_(fake(module.weight, w_scale))
-            module.register_forward_pre_hook(lambda _m, args, s=in_scale, f=fake: (f(args[0], s), *args[1:]))
+            module.weight.copy_(fake_weight(fmt, f"{m}.weight", module.weight, w_scale))
+            if on_weight is not None:
+                on_weight(f"{m}.weight", module.weight)
+            quant_input = lambda _m, args, s=in_scale, f=fakes[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
+            undo.append(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
-            experts = model.get_submodule(m)
+            experts = sub(m)
             if not isinstance(experts, Experts):
                 continue
-            fake = fakes[scales.formats[m]]
-            for w in (experts.w13, experts.w2):  # per expert, gate and up under one scale
+            fmt = scales.formats[m]
+            fake = fakes[fmt]
+            for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 for e in range(w.shape[0]):
-                    w[e].copy_(fake(w[e], scales.expert_weight_scale(m, w[e])))
+                    scale = weight_scale(f"{m}.{kind} (expert {experts.first + e})",
+                                         lambda row=w[e]: scales.expert_weight_scale(m, row))
+                    w[e].copy_(fake_weight(fmt, f"{m}.{kind}", w[e], scale))
+                if on_weight is not None:
+                    on_weight(f"{m}.{kind}", w)
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            experts.register_forward_pre_hook(lambda _m, args, s=in_scale["w13"], f=fake: (f(args[0], s), *args[1:]))
+            experts.input_quant = lambda x, s=in_scale["w13"], f=fake: f(x, s)
             # w2 reads act(gate, up): quantized where it is made
-            experts.act = lambda gate, up, act=experts.act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
+            act = experts.act
+            experts.act = lambda gate, up, act=act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
+            undo += [lambda e=experts: setattr(e, "input_quant", None), lambda e=experts, a=act: setattr(e, "act", a)]
+    if recipe.kv_cache == "fp8":
+        for name, attn in model.named_modules(prefix=prefix.rstrip(".")):
+            if name in cal.kv_amax:
+                k_scale, v_scale = (fp8_scale(a) for a in cal.kv_amax[name])
+                attn.kv_quant = lambda k, v, ks=k_scale, vs=v_scale: (fake_quant_fp8(k, ks), fake_quant_fp8(v, vs))
+                undo.append(lambda a=attn: setattr(a, "kv_quant", None))
+    return lambda: [u() for u in undo]

@@ -53,12 +53,16 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator) -> None:
+    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None) -> None:
+        """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
+        streams and what the report measured so far are saved too."""
         os.makedirs(self.mine, exist_ok=True)
-        tensors = {"hidden": ls.hidden, **{f"block.{j}": b for j, b in enumerate(ls.blocks)}, **stats(cal)}
+        tensors, metadata = {**states("", ls), **stats(cal)}, {"fingerprint": self.fingerprint}
+        if held is not None:
+            tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
+            metadata["quality"] = held.report.saved()
         tmp = self._file(layer) + ".partial"
-        save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                     {"fingerprint": self.fingerprint})
+        save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
         os.replace(tmp, self._file(layer))
         fsync_dir(self.mine)
         # every rank now holds `layer`: the older files are no longer the common last layer
@@ -67,21 +71,24 @@ class WorkDir:
             if old < layer:
                 os.remove(self._file(old))
 
-    def load(self, layer: int, cal: Calibrator, device) -> LayerState:
+    def load(self, layer: int, cal: Calibrator, device, held=None) -> LayerState:
         path = self._file(layer)
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
-            found = (f.metadata() or {}).get("fingerprint")
+            metadata = f.metadata() or {}
+        found = metadata.get("fingerprint")
         if found != self.fingerprint:
             raise ConfigError(f"{path}: saved by a run with other arguments ({found}); run without --resume, "
                               f"or remove {self.path}")
         tensors = load_file(path, device=str(device))
-        blocks = [tensors[f"block.{j}"] for j in range(sum(k.startswith("block.") for k in tensors))]
         load_stats(cal, tensors)
+        if held is not None:
+            held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
+            held.report.restore(metadata["quality"])
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
-        return LayerState(tensors["hidden"], blocks)
+        return from_states("", tensors)
 
     def remove(self) -> None:
         """Once the output is written: every rank drops its own files, rank 0 the directory."""
@@ -89,6 +96,15 @@ class WorkDir:
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         if self.state.rank == 0:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def states(prefix: str, ls: LayerState) -> dict[str, torch.Tensor]:
+    return {f"{prefix}hidden": ls.hidden, **{f"{prefix}block.{j}": b for j, b in enumerate(ls.blocks)}}
+
+
+def from_states(prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
+    count = sum(k.startswith(f"{prefix}block.") for k in tensors)
+    return LayerState(tensors[f"{prefix}hidden"], [tensors[f"{prefix}block.{j}"] for j in range(count)])
 
 
 def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
