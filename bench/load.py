@@ -70,7 +70,7 @@ def rank_load(ck: str, ep: int) -> dict:
         c = model.config
         first, count = state.placement(c.num_experts).range
         dense, experts = weight_bytes(Checkpoint(ck), dtype=torch.bfloat16, expert_range=(first, count))
-        layer = count * 3 * c.moe_intermediate_size * c.hidden_size * 2
+        layer = count * 3 * c.moe.intermediate_size * c.hidden_size * 2
     return {"import": imported, "seconds": seconds, "peak": peak, "held": dense + experts, "layer": layer}
 
 

@@ -9,22 +9,62 @@ where a field is absent, the value is the one the family's reference implementat
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass
 from typing import Any
 
 from eprt.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class YarnConfig:
+    """YaRN RoPE scaling, its parameters as the file gives them (None: absent; the reference's
+    default applies where it is used, eprt.models.rope)."""
+    original_max_position_embeddings: int
+    factor: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings: the base `theta`, and YaRN scaling or none (`yarn` None)."""
+    theta: float
+    yarn: YarnConfig | None = None
+
+
+@dataclass(frozen=True)
 class GQAConfig:
-    """Grouped-query attention beyond Qwen3's (GLM-4.5, Qwen3-Next): RoPE on the leading
-    `rotary_dim` dims of each head only, per-head q/k RMSNorm optional, the output projection
-    without the bias that q/k/v carry under attention_bias, and with `output_gate` (Qwen3-Next)
+    """Grouped-query attention (Qwen3, GLM-4.5, Qwen3-Next): `num_kv_heads` key/value heads of
+    `head_dim`, each shared by num_heads / num_kv_heads query heads; RoPE on the leading
+    `rotary_dim` dims of each head; per-head q/k RMSNorm under `qk_norm`; biases on q/k/v under
+    `qkv_bias`, on the output projection under `output_bias`; and with `output_gate` (Qwen3-Next)
     q_proj giving each head a gate beside its query, sigmoid(gate) scaling the head's output."""
+    num_kv_heads: int
+    head_dim: int
     rotary_dim: int
     qk_norm: bool
+    qkv_bias: bool
     output_bias: bool
     output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3, Kimi): q through a low-rank pair of `q_lora_rank`
+    (None: one q_proj), keys and values expanded from a shared latent of `kv_lora_rank`. Each
+    head's query/key is `qk_nope_head_dim` plain dims then `qk_rope_head_dim` rope dims (plain too
+    where the model has no RoPE), its value `v_head_dim`; one key/value head per query head."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +74,40 @@ class IndexerConfig:
     n_heads: int
     head_dim: int
     topk: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts of the MoE layers (`layers`, at least one; the other layers are dense).
+    Each token goes to `num_experts_per_tok` of `num_experts` experts of width `intermediate_size`,
+    chosen by a "softmax" (Qwen) or "sigmoid" (DeepSeek-V3's noaux_tc: scores plus a correction
+    bias, the best `topk_group` of `n_group` groups, weights times `routed_scaling_factor`) router;
+    `norm_topk_prob` renormalizes the chosen weights. `num_shared_experts` DeepSeek-style shared
+    experts of `intermediate_size` each run on every token (Qwen-Next's gated shared expert is
+    `QwenNextConfig`'s). With `latent_size` (Kimi-K3) the routed experts compute in a latent of
+    that width, projected down from and up to the hidden state, normalized first under `latent_norm`."""
+    layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    num_shared_experts: int
+    router: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    latent_size: int | None = None
+    latent_norm: bool = False
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ConfigError("MoEConfig with no MoE layers: a dense model has moe None")
+
+
+def moe_or_dense(layers, **fields) -> MoEConfig | None:
+    """The MoE config of a model whose MoE layers are `layers`, or None where it has none."""
+    layers = tuple(layers)
+    return MoEConfig(layers, **fields) if layers else None
 
 
 @dataclass(frozen=True)
@@ -59,76 +133,148 @@ class QwenNextConfig:
     gated_delta_net: GatedDeltaNetConfig
     shared_expert_intermediate_size: int
 
-    @classmethod
-    def from_json(cls, d: dict) -> "QwenNextConfig":
-        gdn = d["gated_delta_net"]
-        return cls(**{**d, "gated_delta_net": GatedDeltaNetConfig(**{**gdn, "layers": tuple(gdn["layers"])})})
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (Kimi-Linear, Kimi-K3): which layers run it (the others run MLA) and
+    their sizes. `a_log_shape` is A_log's: Moonshot's [1, 1, heads, 1], or Kimi-K3's [heads], a
+    vector the release pads. Kimi-K3 adds a lower bound on the forget gate (`gate_lower_bound`,
+    None: unbounded) and a full-rank output gate (g_proj in place of g_a_proj, g_b_proj)."""
+    layers: tuple[int, ...]
+    heads: int
+    head_dim: int
+    conv_kernel: int
+    a_log_shape: tuple[int, ...]
+    gate_lower_bound: float | None
+    full_rank_gate: bool
+
+
+@dataclass(frozen=True)
+class SiTUConfig:
+    """Kimi-K3's SiTU activation in place of SiLU: its `beta` and the bound of its linear part
+    (`linear_beta`, None: unbounded)."""
+    beta: float
+    linear_beta: float | None
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig:
+    """What Kimi-Linear and Kimi-K3's language model add to an MLA decoder without RoPE: KDA
+    layers, and the K3 options: the MLA output gate, SiTU (`situ` None: SiLU), and attention
+    residuals over blocks of `attn_res_block_size` layers (None: plain residuals)."""
+    kda: KDAConfig
+    mla_output_gate: bool
+    situ: SiTUConfig | None
+    attn_res_block_size: int | None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model as eprt runs it: what every family has, then one typed part per kind of block.
+    Attention is `gqa` or `mla` (exactly one); `moe` is None for a dense model; `rope` None where
+    no layer rotates (Kimi's MLA)."""
     family: str  # the eprt family that runs it ("qwen3_moe", "deepseek_v3")
     model_type: str  # the source's own model_type ("kimi_k2" runs as deepseek_v3)
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_heads: int
+    num_heads: int  # attention (query) heads
     rms_norm_eps: float
     tie_word_embeddings: bool
-    intermediate_size: int  # width of the dense MLP layers
-    # attention: "gqa" (Qwen3: per-head q/k norm) or "mla" (DeepSeek-V3)
-    attention: str
-    num_kv_heads: int
-    head_dim: int  # gqa head dim; for mla the rope part (as transformers sets it)
-    attention_bias: bool
-    rope_theta: float
-    # None, or {"type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", ...}
-    rope_scaling: dict | None
+    intermediate_size: int  # width of the dense MLP layers (0 where there are none)
     max_position_embeddings: int
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # mixture of experts
-    moe_layers: tuple[int, ...] = ()
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    num_shared_experts: int = 0
-    router: str = "softmax"  # "softmax" (Qwen3) or "sigmoid" (noaux_tc, DeepSeek-V3)
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-    hidden_act: str = "silu"
+    rope: RopeConfig | None
+    gqa: GQAConfig | None = None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
-    qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE only
-    extra: dict = field(default_factory=dict)
-    gqa: GQAConfig | None = None  # None: Qwen3's (full rotary, q/k norm, every projection biased alike)
-    indexer: IndexerConfig | None = None
+    indexer: IndexerConfig | None = None  # DeepSeek-V3.2 (on MLA)
+    qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE (on GQA)
+    kimi_linear: KimiLinearConfig | None = None  # Kimi-Linear and Kimi-K3 (on MLA)
+
+    def __post_init__(self):
+        if (self.gqa is None) == (self.mla is None):
+            raise ConfigError("a ModelConfig has exactly one attention: gqa or mla")
+
+    # The common reads of `moe`, a dense model's answer where it has none.
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 0
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.moe.num_experts_per_tok if self.moe else 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.layers if self.moe else ()
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
     @property
     def rotary_dim(self) -> int:
-        """How many dims of each head RoPE rotates (head_dim is the rope part already for MLA)."""
-        return self.gqa.rotary_dim if self.gqa else self.head_dim
+        """How many dims of each head RoPE rotates."""
+        return self.gqa.rotary_dim if self.gqa else self.mla.qk_rope_head_dim
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "ModelConfig":
-        d = dict(d)
-        d["moe_layers"] = tuple(d["moe_layers"])
-        for name, sub in (("gqa", GQAConfig), ("indexer", IndexerConfig)):
-            if d.get(name) is not None:
-                d[name] = sub(**d[name])
-        if d.get("qwen_next"):
-            d["qwen_next"] = QwenNextConfig.from_json(d["qwen_next"])
-        return cls(**d)
+    def from_json(cls, d: Any, source: str = "config") -> "ModelConfig":
+        """The config `to_json` wrote; a field missing, unknown or of the wrong type is refused by
+        its path under `source` (`config.moe.num_experts`)."""
+        return typed_from_json(cls, d, source)
+
+
+def typed_from_json(cls: type, d: Any, where: str):
+    """Dataclass `cls` from its `dataclasses.asdict` JSON, every field checked against its type."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: is {json_type(d)}, not an object of {cls.__name__} fields")
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(d) - {f.name for f in fields})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field {unknown[0]!r}; {cls.__name__} has "
+                          f"{', '.join(f.name for f in fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in fields:
+        if f.name not in d:
+            raise ConfigError(f"{where}.{f.name}: missing")
+        values[f.name] = typed_value(hints[f.name], d[f.name], f"{where}.{f.name}")
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def typed_value(tp: Any, v: Any, where: str) -> Any:
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType):  # `X | None`, the only union a config has
+        if v is None:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return typed_value(tp, v, where)
+    if dataclasses.is_dataclass(tp):
+        return typed_from_json(tp, v, where)
+    if typing.get_origin(tp) is tuple:  # tuple[int, ...]
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{where}: is {json_type(v)}, not a list")
+        return tuple(typed_value(args[0], x, f"{where}[{i}]") for i, x in enumerate(v))
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp is float and number:
+        return float(v)
+    if tp is int and number and float(v).is_integer():
+        return int(v)
+    if tp in (bool, str) and isinstance(v, tp):
+        return v
+    wanted = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}[tp]
+    raise ConfigError(f"{where}: is {json_type(v)} ({v!r}), not {wanted}")
+
+
+def json_type(v: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            tuple: "a list", dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 # Fields whose value is a count or a size, and fields that are any real number: a string or a
@@ -149,7 +295,7 @@ REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", 
                          "activation_situ_linear_beta", "gate_lower_bound",
                          "partial_rotary_factor",
                          # the RoPE scaling parameters (rope_scaling / rope_parameters)
-                         "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"})
+                         "factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"})
 
 
 class Fields:
@@ -179,7 +325,9 @@ class Fields:
         if name in REAL_FIELDS and not number:
             raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a number: "
                               "write it as a JSON number")
-        return int(value) if name in INTEGER_FIELDS else value
+        if name in INTEGER_FIELDS:
+            return int(value)
+        return float(value) if name in REAL_FIELDS else value
 
     def experts_per_token(self, num_experts: int, *names: str, default: int) -> int:
         """How many routed experts each token goes to: 1 to `num_experts` in a model with experts."""
@@ -194,26 +342,30 @@ class Fields:
         return ConfigError(f"{self.source}: {msg}")
 
 
-def read_rope(f: Fields, default_theta: float = 10000.0) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from either spelling: v4 `rope_theta` + `rope_scaling`, v5 `rope_parameters`."""
+def read_rope(f: Fields, default_theta: float = 10000.0) -> RopeConfig:
+    """RoPE from either spelling: v4 `rope_theta` + `rope_scaling`, v5 `rope_parameters`."""
     params = dict(rope_object(f, "rope_parameters") or {})
     scaling = rope_object(f, "rope_scaling")
     if scaling:
         params = {**params, **scaling}
     # each parameter has the type its field needs, named where it stands
     scoped = Fields(params, f"{f.source} (rope parameters)")
-    params = {k: scoped.checked(k, v) if v is not None else v for k, v in params.items()}
+    params = {k: scoped.checked(k, v) for k, v in params.items() if v is not None}
     theta = float(params.pop("rope_theta", f.get("rope_theta", default=default_theta)))
     params.pop("partial_rotary_factor", None)  # how many dims rotate, not how: see read_rotary_dim
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if kind == "default":
-        return theta, None
+        return RopeConfig(theta)
     if kind != "yarn":
         raise f.refuse(f"rope scaling type {kind!r} is not supported (eprt runs default RoPE and yarn)")
     if "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = f.get("original_max_position_embeddings")
-    return theta, {"type": "yarn", **params}
+    if not isinstance(params.get("truncate", True), bool):
+        raise scoped.refuse(f"field 'truncate' is {params['truncate']!r}; it must be true or false")
+    # parameters YaRN does not take are ignored, as the reference ignores them
+    known = {x.name for x in dataclasses.fields(YarnConfig)}
+    return RopeConfig(theta, YarnConfig(**{k: v for k, v in params.items() if k in known}))
 
 
 def rope_object(f: Fields, name: str) -> dict | None:

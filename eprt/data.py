@@ -139,6 +139,27 @@ def calibration_samples(path: str | None, hf_dir: str, *, num_samples: int, seq_
     return pack(token_stream(path, hf_dir), num_samples, seq_len, vocab_size, path or BUILTIN)
 
 
+def held_out_samples(path: str | None, hf_dir: str, *, num_samples: int, held_out: int, seq_len: int,
+                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the calibration sequences, `held_out` sequences after them): the first are exactly
+    `calibration_samples`' (holding out changes no calibration statistic). A stream too short
+    for both repeats from its start, so the held-out windows then repeat calibration tokens:
+    said once."""
+    stream = token_stream(path, hf_dir)
+    source = path or BUILTIN
+    calib = pack(stream, num_samples, seq_len, vocab_size, source)
+    if held_out < 1:
+        raise ConfigError(f"--eval-size {held_out}: give a positive size, or 0 for no quality report")
+    need = (num_samples + held_out) * seq_len
+    if stream.size < need:
+        if rank() == 0:
+            logger().warning("%s: %d tokens for %d calibration and %d held-out sequences of %d; the held-out ones "
+                             "repeat calibration tokens: give more data, or held-out data with --eval",
+                             source, stream.size, num_samples, held_out, seq_len)
+        stream = np.resize(stream, need)
+    return calib, pack(stream[num_samples * seq_len:need], held_out, seq_len, vocab_size, source)
+
+
 def rank_batches(samples: torch.Tensor, rank: int, world: int, batch_size: int) -> list[torch.Tensor]:
     """This rank's share (sequences rank, rank + world, ...) in batches of at most `batch_size`.
 

@@ -1,11 +1,11 @@
 """How a family's Hugging Face tensors map onto eprt tensors.
 
 Every eprt tensor keeps its Hugging Face name except the routed experts, which are stacked
-per layer with the expert index leading: `...experts.w13` [E, 2I, H] (each expert's gate rows,
-then its up rows) and `...experts.w2` [E, H, I]. Both conversion and export read this one table.
+per layer with the expert index leading: `...experts.w13` [E, 2I, D] (each expert's gate rows,
+then its up rows) and `...experts.w2` [E, D, I]. Both conversion and export read this one table.
 
 A source may hold a layer's experts already stacked, one 3-D tensor per projection (`experts.gate_up_proj`
-[E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]): Qwen3.5-MoE as released, and the
+[E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]): Qwen3.5-MoE as released, and the
 parameters of transformers 5's MoE modules. A stacked spec names that tensor in `fused`; its
 bytes are the eprt tensor's.
 """
@@ -73,14 +73,19 @@ class Layout:
     precise: tuple[str, ...] = ()  # regexes over eprt names
     # and modules no recipe quantizes.
     unquantized: tuple[str, ...] = ()  # regexes over module names
+    # The multi-token-prediction layers eprt runs and may quantize (DeepSeek-V3's, GLM-4.5's), as convert
+    # carries them (their names also match `passthrough`): under their Hugging Face names, each
+    # routed expert apart; a stacked spec here names them in `sources`, no eprt tensor holds them.
+    mtp: tuple[TensorSpec, ...] = ()
 
-    def linear_modules(self) -> dict[str, TensorSpec]:
-        """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts.
+    def linear_modules(self, mtp: bool = False) -> dict[str, TensorSpec]:
+        """Every module a recipe may quantize, by module name: 2-D `.weight`s and stacked experts;
+        with `mtp`, those of the multi-token-prediction layers instead.
 
         A MoE layer's routed experts are one module (`...experts`), with the stacked `w13`
         (gate and up of each expert) and `w2` (down)."""
         out = {}
-        for spec in self.specs:
+        for spec in self.mtp if mtp else self.specs:
             if spec.stacked:
                 out.setdefault(spec.name.rsplit(".", 1)[0], spec)
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:
@@ -136,36 +141,37 @@ def gated_mlp(prefix: str, hidden: int, width: int) -> list[TensorSpec]:
 
 def mla_attention(prefix: str, c) -> list[TensorSpec]:
     """Multi-head latent attention's tensors (DeepSeek-V3, Kimi): q through a low-rank pair when
-    `q_lora_rank` is set, the shared latent for keys and values, the output projection."""
-    H, nh = c.hidden_size, c.num_heads
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    if c.q_lora_rank:
-        specs = [plain(f"{prefix}.q_a_proj.weight", c.q_lora_rank, H),
-                 plain(f"{prefix}.q_a_layernorm.weight", c.q_lora_rank),
-                 plain(f"{prefix}.q_b_proj.weight", nh * qk, c.q_lora_rank)]
+    `c.mla.q_lora_rank` is set, the shared latent for keys and values, the output projection."""
+    m, D, H = c.mla, c.hidden_size, c.num_heads
+    d = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank:
+        specs = [plain(f"{prefix}.q_a_proj.weight", m.q_lora_rank, D),
+                 plain(f"{prefix}.q_a_layernorm.weight", m.q_lora_rank),
+                 plain(f"{prefix}.q_b_proj.weight", H * d, m.q_lora_rank)]
     else:
-        specs = [plain(f"{prefix}.q_proj.weight", nh * qk, H)]
+        specs = [plain(f"{prefix}.q_proj.weight", H * d, D)]
     return specs + [
-        plain(f"{prefix}.kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, H),
-        plain(f"{prefix}.kv_a_layernorm.weight", c.kv_lora_rank),
-        plain(f"{prefix}.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        plain(f"{prefix}.o_proj.weight", H, nh * c.v_head_dim),
+        plain(f"{prefix}.kv_a_proj_with_mqa.weight", m.kv_lora_rank + m.qk_rope_head_dim, D),
+        plain(f"{prefix}.kv_a_layernorm.weight", m.kv_lora_rank),
+        plain(f"{prefix}.kv_b_proj.weight", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        plain(f"{prefix}.o_proj.weight", D, H * m.v_head_dim),
     ]
 
 
 def gqa_attention(prefix: str, c) -> list[TensorSpec]:
     """Grouped-query attention's tensors (Qwen3, GLM-4.5, Qwen3-Next): q/k/v/o, the per-head q/k
-    norms unless `c.gqa` turns them off, biases under attention_bias (on o too unless `c.gqa` says
-    not); under `c.gqa.output_gate` q_proj holds each head's gate beside its query."""
-    H, hd, q, kv = c.hidden_size, c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q_rows = 2 * q if c.gqa is not None and c.gqa.output_gate else q
-    specs = [plain(f"{prefix}.q_proj.weight", q_rows, H), plain(f"{prefix}.k_proj.weight", kv, H),
-             plain(f"{prefix}.v_proj.weight", kv, H), plain(f"{prefix}.o_proj.weight", H, q)]
-    if c.gqa is None or c.gqa.qk_norm:
-        specs += [plain(f"{prefix}.q_norm.weight", hd), plain(f"{prefix}.k_norm.weight", hd)]
-    if c.attention_bias:
+    norms under `c.gqa.qk_norm`, biases under `qkv_bias` and `output_bias`; under
+    `c.gqa.output_gate` q_proj holds each head's gate beside its query."""
+    g, D = c.gqa, c.hidden_size
+    q, kv = c.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    q_rows = 2 * q if g.output_gate else q
+    specs = [plain(f"{prefix}.q_proj.weight", q_rows, D), plain(f"{prefix}.k_proj.weight", kv, D),
+             plain(f"{prefix}.v_proj.weight", kv, D), plain(f"{prefix}.o_proj.weight", D, q)]
+    if g.qk_norm:
+        specs += [plain(f"{prefix}.q_norm.weight", g.head_dim), plain(f"{prefix}.k_norm.weight", g.head_dim)]
+    if g.qkv_bias:
         specs += [plain(f"{prefix}.q_proj.bias", q_rows), plain(f"{prefix}.k_proj.bias", kv),
                   plain(f"{prefix}.v_proj.bias", kv)]
-        if c.gqa is None or c.gqa.output_bias:
-            specs.append(plain(f"{prefix}.o_proj.bias", H))
+    if g.output_bias:
+        specs.append(plain(f"{prefix}.o_proj.bias", D))
     return specs

@@ -1,10 +1,17 @@
-"""config.json in transformers 4 and 5 spellings reads to the same ModelConfig; bad configs are refused by name."""
+"""config.json in transformers 4 and 5 spellings reads to the same ModelConfig; bad configs are refused by name;
+the typed ModelConfig goes through the checkpoint manifest's JSON and back, refusing a bad one by the field's path."""
+
+import json
+import os
 
 import pytest
 
-from eprt.errors import ConfigError
+from eprt.config import MLAConfig, ModelConfig, MoEConfig
+from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
-from eprt.testing.tiny import tiny_config
+from eprt.hf.convert import convert_hf
+from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.testing.tiny import families, make_tiny, tiny_config
 
 
 def v5_spelling(hf: dict, renames: dict) -> dict:
@@ -33,12 +40,12 @@ def test_transformers_4_and_5_spellings_agree(family, renames):
 
 def test_fields_come_from_the_file_not_defaults():
     qwen = tiny_config("qwen3_moe")
-    assert parse_hf_config(qwen).norm_topk_prob is True  # the library default would be False
+    assert parse_hf_config(qwen).moe.norm_topk_prob is True  # the library default would be False
     del qwen["norm_topk_prob"]
-    assert parse_hf_config(qwen).norm_topk_prob is False
+    assert parse_hf_config(qwen).moe.norm_topk_prob is False
     ds = parse_hf_config(tiny_config("deepseek_v3"))
-    assert ds.rope_scaling["type"] == "yarn" and ds.rope_scaling["mscale_all_dim"] == 1.0
-    assert ds.moe_layers == (1, 2) and ds.n_group == 4 and ds.topk_group == 2
+    assert ds.rope.yarn.mscale_all_dim == 1.0
+    assert ds.moe_layers == (1, 2) and ds.moe.n_group == 4 and ds.moe.topk_group == 2
 
 
 def test_layer_kinds():
@@ -64,3 +71,85 @@ def test_kimi_k2_runs_as_deepseek_v3():
 def test_refusals_name_the_setting(fields, message):
     with pytest.raises(ConfigError, match="^config.json: " + message.replace("(", r"\(")):
         parse_hf_config({**tiny_config("deepseek_v3"), **fields})
+
+
+# --- the typed config ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", families())
+def test_every_family_round_trips_through_the_manifest_json(family):
+    c = parse_hf_config(tiny_config(family))
+    assert ModelConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_each_fact_has_one_place():
+    """Attention is GQA or MLA, each with its own head sizes; a dense model has no MoE part and
+    answers 0 experts; a model without RoPE says so with rope None."""
+    qwen = parse_hf_config(tiny_config("qwen3_moe"))
+    assert qwen.mla is None and qwen.gqa.head_dim == tiny_config("qwen3_moe")["head_dim"] == qwen.rotary_dim
+    ds = parse_hf_config(tiny_config("deepseek_v3"))
+    assert ds.gqa is None and ds.mla == MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                                  qk_rope_head_dim=8, v_head_dim=16)
+    assert ds.rotary_dim == ds.mla.qk_rope_head_dim and ds.rope.theta > 0
+    kimi = parse_hf_config(tiny_config("kimi_linear"))
+    assert kimi.rope is None and kimi.mla is not None
+    dense = parse_hf_config(tiny_config("qwen3_moe", num_experts=0))
+    assert dense.moe is None and (dense.num_experts, dense.num_experts_per_tok, dense.moe_layers) == (0, 0, ())
+    assert not dense.is_moe(0) and ModelConfig.from_json(dense.to_json()) == dense
+    with pytest.raises(ConfigError, match="a dense model has moe None"):
+        MoEConfig(layers=(), num_experts=8, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=0,
+                  router="softmax", norm_topk_prob=True)
+
+
+def with_field(d: dict, path: str, value) -> dict:
+    """`d` (a config's JSON) with the field at dotted `path` set to `value`, or removed for `...`."""
+    d = json.loads(json.dumps(d))
+    *parents, name = path.split(".")
+    node = d
+    for p in parents:
+        node = node[p]
+    if value is ...:
+        del node[name]
+    else:
+        node[name] = value
+    return d
+
+
+@pytest.mark.parametrize("family,path,value,message", [
+    ("qwen3_moe", "moe.num_experts", ..., r"config\.moe\.num_experts: missing"),
+    ("qwen3_moe", "moe.num_experts", "8", r"config\.moe\.num_experts: is a string \('8'\), not an integer"),
+    ("qwen3_moe", "moe.num_experts", 8.5, r"config\.moe\.num_experts: is a number \(8\.5\), not an integer"),
+    ("qwen3_moe", "gqa.qk_norm", 1, r"config\.gqa\.qk_norm: is a number \(1\), not a boolean"),
+    ("qwen3_moe", "hidden_size", True, r"config\.hidden_size: is a boolean \(True\), not an integer"),
+    ("qwen3_moe", "moe.layers", 3, r"config\.moe\.layers: is a number, not a list"),
+    ("qwen3_moe", "moe.layers", [0, "1"], r"config\.moe\.layers\[1\]: is a string \('1'\), not an integer"),
+    ("deepseek_v3", "rope.yarn.factor", [4], r"config\.rope\.yarn\.factor: is a list \(\[4\]\), not a number"),
+    ("kimi_k3", "kimi_linear.kda", None, r"config\.kimi_linear\.kda: is null, not an object of KDAConfig fields"),
+    # the flat config of format version 1 is no typed config
+    ("kimi_linear", "extra", {}, r"config: unknown field 'extra'; ModelConfig has family, "),
+    ("deepseek_v3", "mla", None, r"config: a ModelConfig has exactly one attention: gqa or mla"),
+])
+def test_a_bad_config_json_is_refused_by_the_field_path(family, path, value, message):
+    d = with_field(parse_hf_config(tiny_config(family)).to_json(), path, value)
+    with pytest.raises(ConfigError, match="^" + message):
+        ModelConfig.from_json(d)
+
+
+def rewrite_manifest(ck: str, change) -> None:
+    path = os.path.join(ck, MANIFEST)
+    with open(path) as f:
+        m = json.load(f)
+    change(m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_with_the_way_out(tmp_path):
+    ck = convert_hf(make_tiny("qwen3_moe", str(tmp_path / "hf")), str(tmp_path / "ck"), progress=False)
+    assert Checkpoint(ck).config == parse_hf_config(tiny_config("qwen3_moe") | {"torch_dtype": "bfloat16"})
+    rewrite_manifest(ck, lambda m: m["config"]["moe"].update(num_experts="8"))
+    with pytest.raises(CheckpointError, match=r"eprt\.json: corrupt manifest: config\.moe\.num_experts: is a string"):
+        Checkpoint(ck)
+    rewrite_manifest(ck, lambda m: m.update(version=1))
+    with pytest.raises(CheckpointError, match=r"eprt\.json: format version 1, written by an older eprt; this eprt "
+                                              r"reads version 2, .*: convert the source again \(tools/convert_hf\.py\)"):
+        Checkpoint(ck)

@@ -41,11 +41,13 @@ COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
 # latent expert projections and attention-residual queries, the vision towers and projector,
 # DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear),
 # Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
-# them into in_proj_ba, unquantized).
+# them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
+# vLLM and SGLang) and shared head (an lm head).
 NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
                              r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
                              r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
-                             r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*)")
+                             r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
+                             r"|.*\.eh_proj|.*\.shared_head\.head)")
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
 
@@ -59,18 +61,19 @@ def text_layers(hf_dir: str) -> int:
 
 
 def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
-    rules = yaml.safe_load((RECIPE_DIR / f"{recipe}.yaml").read_text())["quantize"]
+    spec = yaml.safe_load((RECIPE_DIR / f"{recipe}.yaml").read_text())
+    rules, mtp = spec["quantize"], spec.get("mtp", False)  # mtp: the rules quantize the MTP layers too
     layers = text_layers(hf_dir)
     sources = source_names(hf_dir)
     out = set()
     for name, shape in sources.items():
         module, _, leaf = name.rpartition(".")
         layer = re.search(r"layers\.(\d+)\.", name)
-        is_mtp = layer is not None and int(layer.group(1)) >= layers  # DeepSeek's MTP layers: carried
+        carried = layer is not None and int(layer.group(1)) >= layers and not mtp  # DeepSeek's MTP layers
         expert = EXPERT.fullmatch(module)
         as_recipe_sees = expert.group(1) if expert else module
         chosen = next((r["format"] for r in rules if fnmatch.fnmatchcase(as_recipe_sees, r["pattern"])), "none")
-        if leaf == "weight" and len(shape) == 2 and not is_mtp and not NEVER_QUANTIZED.fullmatch(module) \
+        if leaf == "weight" and len(shape) == 2 and not carried and not NEVER_QUANTIZED.fullmatch(module) \
                 and chosen != "none":
             out |= {f"{module}.{c}" for c in COMPANIONS[chosen]}
         else:
@@ -79,13 +82,26 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
         # attentions with a KV cache: softmax attention (q/k/v or MLA), not Kimi's delta attention (A_log)
         attns = {m.group(1) for n in sources if (m := re.match(r"(.*\.self_attn)\.(k_proj|kv_a_proj_with_mqa)\.", n))}
         attns -= {n.rsplit(".", 1)[0] for n in sources if n.endswith(".A_log")}
-        attns = {a for a in attns if int(re.search(r"layers\.(\d+)\.", a).group(1)) < layers}
+        attns = {a for a in attns if int(re.search(r"layers\.(\d+)\.", a).group(1)) < layers or mtp}
         out |= {f"{a}.k_proj.k_scale" for a in attns} | {f"{a}.v_proj.v_scale" for a in attns}
     return out
 
 
 def exported_names(out: str) -> set[str]:
     return set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def exported_files(out: str) -> set[str]:
+    return {p.name for p in Path(out).iterdir()}
+
+
+def predicted_files(hf_dir: str, out: str) -> set[str]:
+    """The source's files but its weights, the export's shards and index, ModelOpt's
+    hf_quant_config.json and the PTQ quality report (a file no engine reads)."""
+    source = {p.name for p in Path(hf_dir).iterdir() if not p.name.startswith("model.safetensors")
+              and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name)}
+    shards = set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"].values())
+    return source | shards | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json"}
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +120,27 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
     state = ParallelState.single()
     for recipe, kv in [(r, kv) for r in RECIPES for kv in (None, "fp8")] + [(r, "fp8") for r in MIXED_RECIPES]:
         q = str(tmp_path / f"{recipe}-{kv}")
-        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, progress=False))
+        run_ptq(state, PTQArgs(ck, recipe, q, kv_cache=kv, calib_size=2, seq_len=16, eval_size=2, progress=False))
         out = export_hf(q, q + "-hf", progress=False)
         got, want = exported_names(out), predicted_names(hf, recipe, kv is not None)
         assert got == want, (recipe, kv, sorted(got - want), sorted(want - got))
+        assert exported_files(out) == predicted_files(hf, out)
         assert check_export(out, hf) == []
+
+
+@pytest.mark.parametrize("family, kv", [("deepseek_v3", None), ("deepseek_v3", "fp8"), ("glm4_moe", "fp8")])
+def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, tmp_path):
+    """nvfp4_experts_fp8_attention_mtp (mtp: true): DeepSeek-V3's and GLM-4.5's MTP layer as the
+    decoder's layers, its KV scales with an FP8 KV cache."""
+    hf, ck = sources[family]
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4_experts_fp8_attention_mtp", q, kv_cache=kv, calib_size=2,
+                                            seq_len=16, progress=False))
+    out = export_hf(q, q + "-hf", progress=False)
+    got, want = exported_names(out), predicted_names(hf, "nvfp4_experts_fp8_attention_mtp", kv is not None)
+    assert got == want, (kv, sorted(got - want), sorted(want - got))
+    assert {n for n in want if n.startswith("model.layers.3.") and n.endswith("_scale")}  # the MTP layer's
+    assert check_export(out, hf) == []
 
 
 def test_experts_held_fused_are_exported_per_expert(sources, tmp_path):

@@ -39,7 +39,7 @@ def test_glm4_moe_logits(tmp_path, case):
     em, _ = assert_matches_transformers(tmp_path, build(cfg, cls=Glm4MoeForCausalLM))
     c = em.config
     assert c.gqa.rotary_dim == int(16 * cfg.rope_parameters["partial_rotary_factor"])
-    assert c.gqa.qk_norm == cfg.use_qk_norm and c.attention_bias == cfg.attention_bias
+    assert c.gqa.qk_norm == cfg.use_qk_norm and c.gqa.qkv_bias == cfg.attention_bias
     assert [i for i, _ in em.moe_blocks()] == list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
     assert_groups_and_bias_matter(em, cfg)
 
@@ -54,7 +54,7 @@ def test_the_transformers_4_spelling_reads_the_same(tmp_path):
     v5_mtp = {**{k: v for k, v in v5.items() if k != "num_nextn_predict_layers"}, "num_mtp_layers": 1}
     a, b, c = (parse_hf_config(d) for d in (v5, v4, v5_mtp))
     assert a == b == c
-    assert a.gqa.rotary_dim == 4 and a.rope_theta == 5000.0 and a.num_nextn_predict_layers == 1
+    assert a.gqa.rotary_dim == 4 and a.rope.theta == 5000.0 and a.num_nextn_predict_layers == 1
 
 
 def test_a_rotary_width_that_cannot_rotate_is_refused():

@@ -214,9 +214,9 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
 
 @pytest.mark.parametrize("recipe,message", [
     ({"name": "r", "quantize": [{"pattern": "*", "format": "nvfp4"}], "kv-cache": "fp8"},
-     "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache"),
+     "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp"),
     ({"quantise": [{"pattern": "*", "format": "nvfp4"}]},
-     "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache"),
+     "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp"),
     ({"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},
      "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm"),
 ])
@@ -293,7 +293,11 @@ def test_export_refuses_by_the_same_rule(deepseek_24, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_non_finite_amax_is_refused_at_ptq_naming_module_and_rank(qwen_hf, tmp_path):
+@pytest.mark.parametrize("eval_size, message", [
+    (0, r"model\.layers\.2\.self_attn\.q_proj \(input\): calibration on rank 0 recorded a non-finite amax"),
+    # the quality report quantizes layer 1 as soon as it is calibrated: its weight is named first
+    (2, r"model\.layers\.1\.mlp\.down_proj: weight scale: amax is inf.*check the checkpoint's weights")])
+def test_a_non_finite_amax_is_refused_at_ptq_naming_module_and_rank(qwen_hf, tmp_path, eval_size, message):
     """Weights that turn to infinity after convert checked them: the calibration is refused, not published."""
     ck = convert_hf(qwen_hf, str(tmp_path / "ck"), progress=False)
     c = Checkpoint(ck)
@@ -303,9 +307,8 @@ def test_a_non_finite_amax_is_refused_at_ptq_naming_module_and_rank(qwen_hf, tmp
     with open(path, "r+b") as out:
         out.seek(offset)
         out.write(torch.full((n // 2,), float("inf"), dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
-    with pytest.raises(EprtError, match=r"model\.layers\.2\.self_attn\.q_proj \(input\): calibration on rank 0 "
-                                        r"recorded a non-finite amax"):
-        calibrate(ck, str(tmp_path / "q"))
+    with pytest.raises(EprtError, match=message):
+        calibrate(ck, str(tmp_path / "q"), eval_size=eval_size)
     assert not (tmp_path / "q").exists()
 
 

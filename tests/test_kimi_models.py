@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM
 
 import eprt
+from eprt.config import SiTUConfig
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config, reader_for
 from eprt.hf.convert import convert_hf
@@ -128,14 +129,15 @@ def test_kimi_linear_refusals_name_the_setting(fields, message):
 
 def test_kimi_configs():
     linear = parse_hf_config(tiny_config("kimi_linear"))
-    assert linear.extra["kda_layers"] == [0, 2] and linear.moe_layers == (1, 2)
-    assert linear.extra["kda_a_log_shape"] == [1, 1, 4, 1] and linear.extra["attn_res_block_size"] is None
+    assert linear.kimi_linear.kda.layers == (0, 2) and linear.moe_layers == (1, 2)
+    assert linear.kimi_linear.kda.a_log_shape == (1, 1, 4, 1) and linear.kimi_linear.attn_res_block_size is None
+    assert linear.rope is None and linear.kimi_linear.situ is None  # NoPE, SiLU
     k3 = parse_hf_config(tiny_config("kimi_k3"))
-    assert (k3.family, k3.model_type, k3.hidden_act) == ("kimi_k3", "kimi_k3", "situ")
+    assert (k3.family, k3.model_type, k3.kimi_linear.situ) == ("kimi_k3", "kimi_k3", SiTUConfig(4.0, 25.0))
     # A_log one entry per head; the checkpoints pad it (tests below)
-    assert k3.extra["kda_a_log_shape"] == [4] and k3.extra["latent_size"] == 32
+    assert k3.kimi_linear.kda.a_log_shape == (4,) and (k3.moe.latent_size, k3.moe.latent_norm) == (32, True)
     k25 = parse_hf_config(tiny_config("kimi_k25"))
-    assert (k25.family, k25.model_type, k25.n_group) == ("kimi_k25", "kimi_k25", 1)
+    assert (k25.family, k25.model_type, k25.moe.n_group) == ("kimi_k25", "kimi_k25", 1)
     names = [s.name for s in reader_for("kimi_k25", "test").layout(k25).specs]
     assert all(n.startswith("language_model.") for n in names)
 
@@ -189,7 +191,7 @@ def test_kimi_k3_logits_equal_mlx_lm(tmp_path, case, seed):
     hf = k3_checkpoint(tmp_path, seed, **K3_CASES[case])
     em = eprt.load_model(convert_hf(hf, str(tmp_path / "ck"), progress=False), dtype=torch.float32)
     c = em.config
-    assert c.extra["kda_layers"] and len(c.extra["kda_layers"]) < c.num_layers
+    assert c.kimi_linear.kda.layers and len(c.kimi_linear.kda.layers) < c.num_layers
     assert [i for i, _ in em.moe_blocks()] == list(range(1, c.num_layers))  # first_k_dense_replace 1
     ids = torch.randint(0, c.vocab_size, (2, 40), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

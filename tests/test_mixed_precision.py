@@ -95,8 +95,14 @@ def test_a_rule_for_the_mtp_layers_alone_is_refused_by_name(tmp_path):
     ds = layout(tmp_path, "deepseek_v3")  # 3 decoder layers, MTP layer 3
     for_mtp = parse_recipe({"name": "mtp", "quantize": [{"pattern": "model.layers.3.*", "format": "fp8"},
                                                         {"pattern": "*", "format": "nvfp4"}]}, "mtp.yaml")
-    with pytest.raises(RecipeError, match=r"quantizes model\.layers\.3\.eh_proj .*multi-token-prediction"):
+    with pytest.raises(RecipeError, match=r"quantizes model\.layers\.3\.eh_proj .*multi-token-prediction.*"
+                                          r"add `mtp: true` to the recipe"):
         quantized_modules(ds, for_mtp, "tiny")
     # a rule that also matches the model's own modules leaves the MTP layer unquantized
     shipped = load_recipe("nvfp4_experts_fp8_attention")
     assert not [m for m in quantized_modules(ds, shipped, "tiny") if m.startswith("model.layers.3.")]
+    # unless the recipe says mtp: true; eh_proj, the MTP layer's embedding and shared head stay unquantized
+    with_mtp = load_recipe("nvfp4_experts_fp8_attention_mtp")
+    assert [m for m in quantized_modules(ds, with_mtp, "tiny") if m.startswith("model.layers.3.")] == [
+        f"model.layers.3.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    ] + ["model.layers.3.mlp.experts"]

@@ -117,7 +117,7 @@ def test_qwen3_moe_logits(tmp_path, case):
     moe = [i for i, _ in em.moe_blocks()]
     assert moe == ([1] if case == "sparse_step_2_mlp_only" else [0, 1])
     sums = torch.cat([w.sum(-1) for _, _, w in routes.values()])
-    if em.config.norm_topk_prob:
+    if em.config.moe.norm_topk_prob:
         torch.testing.assert_close(sums, torch.ones_like(sums))
     else:
         assert (sums < 0.999).all()
@@ -142,7 +142,7 @@ def test_kimi_k2_logits(tmp_path):
     """Kimi-K2 is DeepSeek-V3 with model_type kimi_k2, one expert group and its own YaRN settings."""
     cfg = deepseek(n_group=1, topk_group=1, rope_parameters=KIMI_YARN, routed_scaling_factor=2.827)
     em, _ = assert_matches_transformers(tmp_path, build(cfg), model_type="kimi_k2")
-    assert em.config.model_type == "kimi_k2" and em.config.n_group == 1
+    assert em.config.model_type == "kimi_k2" and em.config.moe.n_group == 1
     assert_groups_and_bias_matter(em, cfg)
 
 

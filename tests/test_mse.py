@@ -141,7 +141,7 @@ def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
 def test_a_run_resumes_only_from_a_run_with_its_own_algorithm(qwen):
     samples = torch.zeros(2, 8, dtype=torch.int64)
     with Checkpoint(qwen) as ck:
-        prints = [fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples)
+        prints = [fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples, None)
                   for a in ALGORITHMS]
     assert len({json.dumps(p, sort_keys=True) for p in prints}) == len(ALGORITHMS)
 

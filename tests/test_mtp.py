@@ -1,4 +1,5 @@
-"""DeepSeek-V3's multi-token-prediction layer, built from the tensors convert carries through:
+"""DeepSeek-V3's multi-token-prediction layer (and GLM-4.5's, the same around GQA attention), built
+from the tensors convert carries through:
 its forward against transformers' decoder layer (the MTP block is a decoder layer of the
 model's own kind) behind a plain-torch enorm/hnorm/eh_proj front, from the Hugging Face tensors."""
 
@@ -48,7 +49,17 @@ def rms(x, w, eps=1e-6):
 
 
 def test_the_mtp_layer_runs_as_the_engines_do(tiny, tmp_path):
-    hf, ck_dir = tiny
+    assert_runs_as_the_engines_do(*tiny, tmp_path, eps=1e-6)
+
+
+def test_glm45s_mtp_layer_runs_as_the_engines_do(tmp_path):
+    """GLM-4.5's MTP layer: DeepSeek-V3's front and shared head around its GQA decoder layer
+    (partial rotary, q/k norms, q/k/v biases), as vLLM's glm4_moe_mtp builds it."""
+    hf = make_tiny("glm4_moe", str(tmp_path / "hf"), dtype="fp32")
+    assert_runs_as_the_engines_do(hf, convert_hf(hf, str(tmp_path / "ck"), progress=False), tmp_path, eps=1e-5)
+
+
+def assert_runs_as_the_engines_do(hf: str, ck_dir: str, tmp_path, eps: float) -> None:
     t = load_file(os.path.join(hf, "model.safetensors"))
     p = f"model.layers.{LAYERS}."
     g = torch.Generator().manual_seed(1)
@@ -58,7 +69,8 @@ def test_the_mtp_layer_runs_as_the_engines_do(tiny, tmp_path):
     # reference: embedding of the next token (none after the last position: zero), enorm, hnorm, embedding first
     emb = t[p + "embed_tokens.weight"][ids[:, 1:]]
     emb = torch.cat([emb, torch.zeros(2, 1, 64)], 1)
-    x = torch.cat([rms(emb, t[p + "enorm.weight"]), rms(h_last, t[p + "hnorm.weight"])], -1) @ t[p + "eh_proj.weight"].T
+    x = torch.cat([rms(emb, t[p + "enorm.weight"], eps), rms(h_last, t[p + "hnorm.weight"], eps)], -1) \
+        @ t[p + "eh_proj.weight"].T
     m = transformers_layer(hf, str(tmp_path / "tf"))
     pos = torch.arange(10)[None].expand(2, -1)
     with torch.no_grad():
@@ -72,7 +84,7 @@ def test_the_mtp_layer_runs_as_the_engines_do(tiny, tmp_path):
     finally:
         ck.close()
     c = ck.config
-    cos, sin = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)(10, torch.float32, "cpu")
+    cos, sin = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)(10, torch.float32, "cpu")
     with torch.no_grad():
         x_got = mtp.mtp_input(ids, h_last)
         got = mtp(x_got, cos, sin)

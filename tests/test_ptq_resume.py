@@ -1,14 +1,17 @@
 """--resume: a calibration killed mid-layer continues from its last completed layer and exports
 the same bytes as a run never stopped."""
 
+import json
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.calibrated import QUALITY_FILE
 from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
@@ -60,6 +63,9 @@ def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
     assert not os.path.exists(work)
     export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False)
     export_hf(out, str(tmp_path / "export-q"), progress=False)
+    # the quality report too: its held-out streams and what it measured were saved with each layer
+    report = lambda d: json.loads(Path(d, QUALITY_FILE).read_text())  # noqa: E731
+    assert report(out) == report(tmp_path / "whole")
     assert same_files(str(tmp_path / "export-whole"), str(tmp_path / "export-q"))
 
 

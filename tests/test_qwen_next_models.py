@@ -169,7 +169,7 @@ def test_qwen3_5_moe_text_logits(tmp_path):
     randomize(m)
     m.save_pretrained(tmp_path / "hf")
     em = eprt.load_model(convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False), dtype=torch.float32)
-    assert em.config.model_type == "qwen3_5_moe_text" and em.config.norm_topk_prob
+    assert em.config.model_type == "qwen3_5_moe_text" and em.config.moe.norm_topk_prob
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = m(input_ids=ids).logits, em(ids)
@@ -183,7 +183,7 @@ def test_qwen3_5_moe_configs():
     for c in (vlm, text):
         g = c.qwen_next.gated_delta_net
         assert g.split_projections and g.layers == (0, 1, 2) and c.rotary_dim == 8
-        assert c.moe_layers == (0, 1, 2, 3) and c.norm_topk_prob and c.rope_theta == 1e7
+        assert c.moe_layers == (0, 1, 2, 3) and c.moe.norm_topk_prob and c.rope.theta == 1e7
     # the VLM's top-level tie_word_embeddings reaches the text model
     tied = tiny_config("qwen3_5_moe")
     tied = {**tied, "tie_word_embeddings": True, "text_config": {k: v for k, v in tied["text_config"].items()
@@ -262,8 +262,8 @@ def test_qwen3_next_config_in_both_spellings():
     g = c4.qwen_next.gated_delta_net
     assert (g.layers, g.key_heads, g.value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == \
         ((0, 2), 2, 4, 16, 16, 4)
-    assert (c4.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope_theta) == (8, 48, 1e7)
-    assert c4.moe_layers == (0, 1, 3) and c4.norm_topk_prob and c4.num_experts_per_tok == 2
+    assert (c4.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope.theta) == (8, 48, 1e7)
+    assert c4.moe_layers == (0, 1, 3) and c4.moe.norm_topk_prob and c4.num_experts_per_tok == 2
     # the manifest's JSON brings the typed sub-config back
     assert ModelConfig.from_json(c4.to_json()) == c4
     # transformers' default interval is 4

@@ -43,12 +43,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    ap.add_argument("--eval-size", type=int, default=8,
+                    help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, per-layer "
+                         "errors; docs/quality.md), taken after the calibration sequences unless --eval; 0: no report")
+    ap.add_argument("--eval", help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead "
+                                   "of the sequences after the calibration ones")
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward on each rank")
     ap.add_argument("--dtype", choices=list(RUN_DTYPES), default="bf16", help="the dtype the model runs in")
     ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
                     help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
     ap.add_argument("--chunk-size", type=int, help="calibration sequences per step of each layer, over all ranks "
                                                    "(default: --batch-size x the world size); changes no result")
+    ap.add_argument("--calibrate-all-experts", action="store_true",
+                    help="also run every token through every routed expert of its layer, for the statistics only "
+                         "(the layer's output still uses its top-k): no expert goes uncalibrated")
     ap.add_argument("--max-memory", type=parse_size, help="refuse a run whose planned peak per rank exceeds this "
                                                          "(e.g. 64GiB; default: the host's available RAM, or the "
                                                          "device's free memory)")
@@ -71,29 +79,34 @@ def ptq() -> None:
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens)
+                       work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens,
+                       calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size, eval=a.eval)
         if a.dry_run:
-            if a.recipe:  # what PTQ would refuse about this recipe and model, refused now
-                plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm)
-            dry_run(state, ck, RUN_DTYPES[a.dtype], args)
+            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
+            # layers and counts GPTQ's Hessians
+            recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
+            dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp),
+                    gptq=bool(recipe and ALGORITHM in recipe.algorithms))
             return
         run_ptq(state, args)
 
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs) -> None:
-    """Every rank works out its own share and memory plan from the manifest; rank 0 prints them all."""
+def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs, targets: list[str],
+            mtp: bool = False, gptq: bool = False) -> None:
+    """Every rank works out its own share and memory plan from the manifest (with the MTP layers
+    when the recipe runs them, GPTQ's Hessians when it runs GPTQ); rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
-        recipe = plan_recipe(ck, args.recipe, args.kv_cache, args.algorithm)[0] if args.recipe else None
-        gptq = recipe is not None and ALGORITHM in recipe.algorithms  # its Hessians count
-        plan = Planner.of(ck, dtype, state.device, gptq).plan(
+        n_eval = max(args.eval_size, 0)
+        plan = Planner.of(ck, dtype, state.device, targets, mtp=mtp, gptq=gptq).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
-            baseline=memory_in_use(state.device))
+            baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts, eval_sequences=n_eval,
+            eval_schedule=schedule(args, state, c, n_eval) if n_eval else None)
         mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
                 "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
                 "experts": {layer: held for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,

@@ -58,10 +58,13 @@ DEEPSEEK_V3 = Family(
     "deepseek_v3", ("deepseek_v3", "kimi_k2"), deepseek_v3.parse, deepseek_v3.layout,
     "eprt.models.deepseek_v3:DeepseekV3ForCausalLM",
     # the router computes in fp32, with its correction bias
-    fp32=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"))
+    fp32=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"),
+    # an MTP layer's own embedding and head are an embedding and an lm_head; vLLM and SGLang build
+    # its eh_proj as a plain torch Linear, which cannot load a quantized weight
+    unquantized=(*COMMON_UNQUANTIZED, r".*\.embed_tokens", r".*\.shared_head\.head", r".*\.eh_proj"))
 GLM4_MOE = Family("glm4_moe", ("glm4_moe",), glm4_moe.parse, glm4_moe.layout,
                   "eprt.models.glm4_moe:Glm4MoeForCausalLM",
-                  fp32=DEEPSEEK_V3.fp32)  # DeepSeek-V3's router
+                  fp32=DEEPSEEK_V3.fp32, unquantized=DEEPSEEK_V3.unquantized)  # DeepSeek-V3's router and MTP layer
 DEEPSEEK_V32 = Family(
     "deepseek_v32", ("deepseek_v32",), deepseek_v32.parse, deepseek_v32.layout,
     "eprt.models.deepseek_v32:DeepseekV32ForCausalLM",

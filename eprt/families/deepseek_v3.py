@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from eprt.config import Fields, ModelConfig, read_rope
+from eprt.config import Fields, MLAConfig, ModelConfig, moe_or_dense, read_rope
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 
@@ -30,7 +30,6 @@ def parse(hf: dict, source: str) -> ModelConfig:
         raise f.refuse("num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
                        "one key/value head per attention head")
     n_experts = f.get("n_routed_experts", "num_local_experts", default=256)
-    theta, rope_scaling = read_rope(f)
     return ModelConfig(
         family="deepseek_v3",
         model_type=hf["model_type"],
@@ -41,43 +40,45 @@ def parse(hf: dict, source: str) -> ModelConfig:
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=f.get("intermediate_size", default=18432),
-        attention="mla",
-        num_kv_heads=n_heads,
-        head_dim=f.get("qk_rope_head_dim", default=64),
-        attention_bias=False,
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
         max_position_embeddings=f.get("max_position_embeddings", default=4096),
-        q_lora_rank=f.get("q_lora_rank", default=None),
-        kv_lora_rank=f.get("kv_lora_rank", default=512),
-        qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
-        qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
-        v_head_dim=f.get("v_head_dim", default=128),
-        moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and n_experts > 0),
-        num_experts=n_experts,
-        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
-        moe_intermediate_size=f.get("moe_intermediate_size", default=2048),
-        num_shared_experts=f.get("n_shared_experts", default=1),
-        router="sigmoid",
-        norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
-        routed_scaling_factor=float(f.get("routed_scaling_factor", default=2.5)),
-        n_group=f.get("n_group", default=8),
-        topk_group=f.get("topk_group", default=4),
+        rope=read_rope(f),
+        mla=read_mla(f),
+        moe=moe_or_dense(
+            (i for i in range(n_layers) if i >= first_dense and n_experts > 0),
+            num_experts=n_experts,
+            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
+            intermediate_size=f.get("moe_intermediate_size", default=2048),
+            num_shared_experts=f.get("n_shared_experts", default=1),
+            router="sigmoid",
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
+            routed_scaling_factor=float(f.get("routed_scaling_factor", default=2.5)),
+            n_group=f.get("n_group", default=8),
+            topk_group=f.get("topk_group", default=4)),
         num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=0),
     )
+
+
+def read_mla(f: Fields) -> MLAConfig:
+    """MLA's sizes, where absent DeepSeek-V3's (Kimi's reference assumes the same)."""
+    return MLAConfig(q_lora_rank=f.get("q_lora_rank", default=None) or None,  # 0 in a file: no low-rank q
+                     kv_lora_rank=f.get("kv_lora_rank", default=512),
+                     qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
+                     qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
+                     v_head_dim=f.get("v_head_dim", default=128))
 
 
 def mlp(p: str, c: ModelConfig, i: int) -> list:
     """Layer i's MLP: DeepSeek-V3's MoE (a sigmoid router with its correction bias, the stacked
     routed experts, the shared experts) or, in the first dense layers, a gated MLP."""
-    H = c.hidden_size
+    D, m = c.hidden_size, c.moe
     if not c.is_moe(i):
-        return gated_mlp(f"{p}.mlp", H, c.intermediate_size)
-    I, S = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts
-    specs = [plain(f"{p}.mlp.gate.weight", c.num_experts, H), plain(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts)]
-    specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, I, H, "gate_proj", "up_proj", "down_proj")
-    if c.num_shared_experts:
-        specs += gated_mlp(f"{p}.mlp.shared_experts", H, S)
+        return gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+    specs = [plain(f"{p}.mlp.gate.weight", m.num_experts, D),
+             plain(f"{p}.mlp.gate.e_score_correction_bias", m.num_experts)]
+    specs += stacked_experts(f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D,
+                             "gate_proj", "up_proj", "down_proj")
+    if m.num_shared_experts:
+        specs += gated_mlp(f"{p}.mlp.shared_experts", D, m.intermediate_size * m.num_shared_experts)
     return specs
 
 
@@ -91,31 +92,39 @@ def mtp_layout(c: ModelConfig, k: int, attention=mla_attention) -> Layout:
     """MTP layer k's tensors as the releases store them (`model.layers.{num_hidden_layers + k}`):
     a decoder layer (MoE when the model has MoE layers, as DeepSeek-V3's last layer is) plus its
     own embedding table, enorm, hnorm, eh_proj and shared head."""
-    H, index = c.hidden_size, c.num_layers + k
+    D, index = c.hidden_size, c.num_layers + k
     p = f"model.layers.{index}"
-    moe = replace(c, moe_layers=c.moe_layers + (index,)) if c.moe_layers else c
-    specs = [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+    moe = replace(c, moe=replace(c.moe, layers=c.moe.layers + (index,))) if c.moe else c
+    specs = [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
     specs += attention(f"{p}.self_attn", c) + mlp(p, moe, index)
-    specs += [plain(f"{p}.enorm.weight", H), plain(f"{p}.hnorm.weight", H), plain(f"{p}.eh_proj.weight", H, 2 * H),
-              plain(f"{p}.embed_tokens.weight", c.vocab_size, H), plain(f"{p}.shared_head.norm.weight", H),
-              plain(f"{p}.shared_head.head.weight", c.vocab_size, H)]
+    specs += [plain(f"{p}.enorm.weight", D), plain(f"{p}.hnorm.weight", D), plain(f"{p}.eh_proj.weight", D, 2 * D),
+              plain(f"{p}.embed_tokens.weight", c.vocab_size, D), plain(f"{p}.shared_head.norm.weight", D),
+              plain(f"{p}.shared_head.head.weight", c.vocab_size, D)]
     return Layout(tuple(specs))
 
 
 def decoder_layout(c: ModelConfig, attention) -> Layout:
     """DeepSeek-V3's decoder with `attention(prefix, c)`'s tensors in each layer (GLM-4.5 has GQA there)."""
-    H = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    D = c.hidden_size
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
         specs += attention(f"{p}.self_attn", c)
         specs += mlp(p, c, i)
-    specs.append(plain("model.norm.weight", H))
+    specs.append(plain("model.norm.weight", D))
     if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, H))
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
     return Layout(tuple(specs), passthrough=mtp_passthrough(c))
 
 
+def with_mtp(c: ModelConfig, attention) -> Layout:
+    """The decoder with `attention(prefix, c)` in each layer, and its MTP layers as a recipe may
+    quantize them (`Layout.mtp`): those eprt runs (eprt.models.deepseek_v3.DeepseekV3MTP, MLA or
+    GQA attention; DeepSeek-V3.2's, with its indexer, stay carried only)."""
+    mtp = tuple(s for k in range(c.num_nextn_predict_layers) for s in mtp_layout(c, k, attention).specs)
+    return replace(decoder_layout(c, attention), mtp=mtp)
+
+
 def layout(c: ModelConfig) -> Layout:
-    return decoder_layout(c, mla_attention)
+    return with_mtp(c, mla_attention)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from eprt.config import Fields, IndexerConfig, ModelConfig
+from eprt.config import Fields, IndexerConfig, ModelConfig, MoEConfig
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, mla_attention, plain
 
@@ -14,39 +14,41 @@ from eprt.layout import Layout, mla_attention, plain
 def parse(hf: dict, source: str) -> ModelConfig:
     c = deepseek_v3.parse(hf, source)
     f = Fields(hf, source)
-    if not c.q_lora_rank:
+    if c.mla.q_lora_rank is None:
         raise f.refuse("q_lora_rank is missing or 0; DeepSeek-V3.2's indexer reads the low-rank query "
                        "(q_a_layernorm(q_a_proj x)), so the checkpoint must have one")
     indexer = IndexerConfig(n_heads=f.get("index_n_heads", default=64), head_dim=f.get("index_head_dim", default=128),
                             topk=f.get("index_topk", default=2048))
-    if not c.qk_rope_head_dim <= indexer.head_dim:
-        raise f.refuse(f"index_head_dim {indexer.head_dim} is less than qk_rope_head_dim {c.qk_rope_head_dim}; the "
+    if not c.mla.qk_rope_head_dim <= indexer.head_dim:
+        raise f.refuse(f"index_head_dim {indexer.head_dim} is less than qk_rope_head_dim {c.mla.qk_rope_head_dim}; the "
                        "indexer rotates the leading qk_rope_head_dim dims of each of its heads")
     if indexer.topk < 1 or indexer.n_heads < 1:
         raise f.refuse("index_topk and index_n_heads must be at least 1")
-    return dataclasses.replace(c, family="deepseek_v32", moe_layers=moe_layers(f, c), indexer=indexer)
+    return dataclasses.replace(c, family="deepseek_v32", moe=moe(f, c), indexer=indexer)
 
 
-def moe_layers(f: Fields, c: ModelConfig) -> tuple[int, ...]:
-    """transformers 5 writes `mlp_layer_types` ("dense" / "sparse" per layer) and follows it over
-    first_k_dense_replace; older files have only the latter."""
+def moe(f: Fields, c: ModelConfig) -> MoEConfig | None:
+    """DeepSeek-V3's MoE, its layers as `mlp_layer_types` lists them where the file has it
+    ("dense" / "sparse" per layer: transformers 5 writes it and follows it over
+    first_k_dense_replace; older files have only the latter)."""
     types = f.get("mlp_layer_types", default=None)
-    if types is None:
-        return c.moe_layers
+    if types is None or c.moe is None:
+        return c.moe
     if not isinstance(types, list) or len(types) != c.num_layers or not set(types) <= {"dense", "sparse"}:
         raise f.refuse(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_layers} layers")
-    return tuple(i for i, t in enumerate(types) if t == "sparse" and c.num_experts > 0)
+    layers = tuple(i for i, t in enumerate(types) if t == "sparse")
+    return dataclasses.replace(c.moe, layers=layers) if layers else None
 
 
 def attention(prefix: str, c: ModelConfig) -> list:
     """MLA's tensors, then the indexer's: its query from MLA's low-rank query, one key head with a
     LayerNorm, and a weight per head and token."""
-    ix, H = c.indexer, c.hidden_size
+    ix, D = c.indexer, c.hidden_size
     p = f"{prefix}.indexer"
     return mla_attention(prefix, c) + [
-        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.q_lora_rank), plain(f"{p}.wk.weight", ix.head_dim, H),
+        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.mla.q_lora_rank), plain(f"{p}.wk.weight", ix.head_dim, D),
         plain(f"{p}.k_norm.weight", ix.head_dim), plain(f"{p}.k_norm.bias", ix.head_dim),
-        plain(f"{p}.weights_proj.weight", ix.n_heads, H)]
+        plain(f"{p}.weights_proj.weight", ix.n_heads, D)]
 
 
 def layout(c: ModelConfig) -> Layout:

@@ -4,7 +4,7 @@ grouped-query attention with partial rotary, optional q/k norm and q/k/v biases.
 
 from __future__ import annotations
 
-from eprt.config import Fields, GQAConfig, ModelConfig, read_rope, read_rotary_dim
+from eprt.config import Fields, GQAConfig, ModelConfig, moe_or_dense, read_rope, read_rotary_dim
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, gqa_attention
 
@@ -27,8 +27,6 @@ def parse(hf: dict, source: str) -> ModelConfig:
     if n_experts % n_group or not 1 <= topk_group <= n_group:
         raise f.refuse(f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} routed experts into "
                        "equal groups of which topk_group are kept: fix n_group or topk_group")
-    theta, rope_scaling = read_rope(f)
-    attention_bias = bool(f.get("attention_bias", default=False))
     return ModelConfig(
         family="glm4_moe",
         model_type=hf["model_type"],
@@ -39,30 +37,28 @@ def parse(hf: dict, source: str) -> ModelConfig:
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-5)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=f.get("intermediate_size", default=10944),
-        attention="gqa",
-        num_kv_heads=n_kv,
-        head_dim=head_dim,
-        attention_bias=attention_bias,
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
         max_position_embeddings=f.get("max_position_embeddings", default=131072),
-        moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and n_experts > 0),
-        num_experts=n_experts,
-        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
-        moe_intermediate_size=f.get("moe_intermediate_size", default=1408),
-        num_shared_experts=f.get("n_shared_experts", default=1),
-        router="sigmoid",
-        norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
-        routed_scaling_factor=float(f.get("routed_scaling_factor", default=1.0)),
-        n_group=n_group,
-        topk_group=topk_group,
+        rope=read_rope(f),
+        # transformers 5 still assumes half the head rotates where the file says nothing
+        gqa=GQAConfig(num_kv_heads=n_kv, head_dim=head_dim,
+                      rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.5),
+                      qk_norm=bool(f.get("use_qk_norm", default=False)),
+                      qkv_bias=bool(f.get("attention_bias", default=False)), output_bias=False),
+        moe=moe_or_dense(
+            (i for i in range(n_layers) if i >= first_dense and n_experts > 0),
+            num_experts=n_experts,
+            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
+            intermediate_size=f.get("moe_intermediate_size", default=1408),
+            num_shared_experts=f.get("n_shared_experts", default=1),
+            router="sigmoid",
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
+            routed_scaling_factor=float(f.get("routed_scaling_factor", default=1.0)),
+            n_group=n_group,
+            topk_group=topk_group),
         # transformers assumes one MTP layer where the file names none; absent tensors carry nothing
         num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=1),
-        # transformers 5 still assumes half the head rotates where the file says nothing
-        gqa=GQAConfig(rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.5),
-                      qk_norm=bool(f.get("use_qk_norm", default=False)), output_bias=False),
     )
 
 
 def layout(c: ModelConfig) -> Layout:
-    return deepseek_v3.decoder_layout(c, gqa_attention)
+    return deepseek_v3.with_mtp(c, gqa_attention)

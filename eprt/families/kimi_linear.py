@@ -8,7 +8,8 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 
 from __future__ import annotations
 
-from eprt.config import Fields, ModelConfig
+from eprt.config import Fields, KDAConfig, KimiLinearConfig, ModelConfig, SiTUConfig, moe_or_dense
+from eprt.families import deepseek_v3
 from eprt.layout import Layout, TensorSpec, gated_mlp, mla_attention, plain, stacked_experts
 
 # Where a field is absent: transformers' KimiLinearConfig for Kimi-Linear, mlx-lm's kimi_k3 for
@@ -63,6 +64,10 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
     else:
         moe_layers = tuple(i for i in range(n_layers) if n_experts and i >= first_dense and i % freq == 0)
     latent = f.get("routed_expert_hidden_size", default=None)
+    situ = None
+    if act == "situ":
+        situ = SiTUConfig(beta=float(f.get("activation_situ_beta", default=1.0)),
+                          linear_beta=f.get("activation_situ_linear_beta", default=None))
     return ModelConfig(
         family=family,
         model_type=model_type or hf["model_type"],
@@ -73,105 +78,92 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-5)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=f.get("intermediate_size"),
-        attention="mla",  # the full-attention layers; extra["kda_layers"] are linear attention
-        num_kv_heads=n_heads,
-        head_dim=f.get("qk_rope_head_dim", default=64),
-        attention_bias=False,
-        rope_theta=0.0,  # NoPE: no layer rotates
-        rope_scaling=None,
         max_position_embeddings=f.get("model_max_length", "max_position_embeddings", default=1048576),
-        q_lora_rank=f.get("q_lora_rank", default=None),
-        kv_lora_rank=f.get("kv_lora_rank", default=512),
-        qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
-        qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
-        v_head_dim=f.get("v_head_dim", default=128),
-        moe_layers=moe_layers,
-        num_experts=n_experts,
-        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_token", "num_experts_per_tok",
-                                                default=defaults["num_experts_per_token"]),
-        moe_intermediate_size=f.get("moe_intermediate_size", default=0),
-        num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=0),
-        router="sigmoid",
-        norm_topk_prob=bool(f.get("moe_renormalize", "norm_topk_prob", default=True)),
-        routed_scaling_factor=float(f.get("routed_scaling_factor", default=defaults["routed_scaling_factor"])),
-        n_group=f.get("num_expert_group", "n_group", default=1),
-        topk_group=f.get("topk_group", default=1),
-        hidden_act=act,
-        extra={
-            "kda_layers": kda_layers,
-            "kda_heads": heads,
-            "kda_head_dim": head_dim,
-            "kda_conv_kernel": kernel,
-            "kda_a_log_shape": [heads] if flat_a_log else [1, 1, heads, 1],
-            "kda_gate_lower_bound": lin.get("gate_lower_bound", default=None),
-            "kda_full_rank_gate": bool(lin.get("use_full_rank_gate", default=False)),
-            "mla_output_gate": bool(f.get("mla_use_output_gate", default=False)),
-            "situ_beta": float(f.get("activation_situ_beta", default=1.0)),
-            "situ_linear_beta": f.get("activation_situ_linear_beta", default=None),
-            "attn_res_block_size": f.get("attn_res_block_size", default=None),
-            "latent_size": latent,
-            "latent_norm": bool(latent and f.get("latent_moe_use_norm", default=False)),
-        },
+        rope=None,  # NoPE: no layer rotates
+        mla=deepseek_v3.read_mla(f),  # the full-attention layers; kimi_linear.kda.layers are linear attention
+        moe=moe_or_dense(
+            moe_layers,
+            num_experts=n_experts,
+            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_token", "num_experts_per_tok",
+                                                    default=defaults["num_experts_per_token"]),
+            intermediate_size=f.get("moe_intermediate_size", default=0),
+            num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=0),
+            router="sigmoid",
+            norm_topk_prob=bool(f.get("moe_renormalize", "norm_topk_prob", default=True)),
+            routed_scaling_factor=float(f.get("routed_scaling_factor", default=defaults["routed_scaling_factor"])),
+            n_group=f.get("num_expert_group", "n_group", default=1),
+            topk_group=f.get("topk_group", default=1),
+            latent_size=latent,
+            latent_norm=bool(latent and f.get("latent_moe_use_norm", default=False))),
+        kimi_linear=KimiLinearConfig(
+            kda=KDAConfig(layers=tuple(kda_layers), heads=heads, head_dim=head_dim, conv_kernel=kernel,
+                          a_log_shape=(heads,) if flat_a_log else (1, 1, heads, 1),
+                          gate_lower_bound=lin.get("gate_lower_bound", default=None),
+                          full_rank_gate=bool(lin.get("use_full_rank_gate", default=False))),
+            mla_output_gate=bool(f.get("mla_use_output_gate", default=False)),
+            situ=situ,
+            attn_res_block_size=f.get("attn_res_block_size", default=None)),
     )
 
 
 def layout(c: ModelConfig) -> Layout:
-    x = c.extra
-    H, nh, P, Dk = c.hidden_size, c.num_heads, x["kda_heads"] * x["kda_head_dim"], x["kda_head_dim"]
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
-    res = ["self_attention_res", "mlp_res"] if x["attn_res_block_size"] else []
+    k, kda = c.kimi_linear, c.kimi_linear.kda
+    D, H = c.hidden_size, c.num_heads
+    width, d = kda.heads * kda.head_dim, kda.head_dim  # KDA's q/k/v width over all heads, one head's
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
+    res = ["self_attention_res", "mlp_res"] if k.attn_res_block_size else []
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
         for r in res:
-            specs += [plain(f"{p}.{r}_norm.weight", H), plain(f"{p}.{r}_proj.weight", 1, H)]
-        if i in x["kda_layers"]:
-            specs += [plain(f"{a}.{n}_proj.weight", P, H) for n in "qkv"]
-            specs += [plain(f"{a}.{n}_conv1d.weight", P, 1, x["kda_conv_kernel"]) for n in "qkv"]
+            specs += [plain(f"{p}.{r}_norm.weight", D), plain(f"{p}.{r}_proj.weight", 1, D)]
+        if i in kda.layers:
+            specs += [plain(f"{a}.{n}_proj.weight", width, D) for n in "qkv"]
+            specs += [plain(f"{a}.{n}_conv1d.weight", width, 1, kda.conv_kernel) for n in "qkv"]
             specs += [
-                a_log(f"{a}.A_log", x["kda_a_log_shape"]),
-                plain(f"{a}.dt_bias", P),
-                plain(f"{a}.f_a_proj.weight", Dk, H),
-                plain(f"{a}.f_b_proj.weight", P, Dk),
-                plain(f"{a}.b_proj.weight", x["kda_heads"], H),
+                a_log(f"{a}.A_log", kda.a_log_shape),
+                plain(f"{a}.dt_bias", width),
+                plain(f"{a}.f_a_proj.weight", d, D),
+                plain(f"{a}.f_b_proj.weight", width, d),
+                plain(f"{a}.b_proj.weight", kda.heads, D),
             ]
-            if x["kda_full_rank_gate"]:
-                specs.append(plain(f"{a}.g_proj.weight", P, H))
+            if kda.full_rank_gate:
+                specs.append(plain(f"{a}.g_proj.weight", width, D))
             else:
-                specs += [plain(f"{a}.g_a_proj.weight", Dk, H), plain(f"{a}.g_b_proj.weight", P, Dk)]
-            specs += [plain(f"{a}.o_norm.weight", Dk), plain(f"{a}.o_proj.weight", H, P)]
+                specs += [plain(f"{a}.g_a_proj.weight", d, D), plain(f"{a}.g_b_proj.weight", width, d)]
+            specs += [plain(f"{a}.o_norm.weight", d), plain(f"{a}.o_proj.weight", D, width)]
         else:
             specs += mla_attention(a, c)
-            if x["mla_output_gate"]:
-                specs.append(plain(f"{a}.g_proj.weight", nh * c.v_head_dim, H))
+            if k.mla_output_gate:
+                specs.append(plain(f"{a}.g_proj.weight", H * c.mla.v_head_dim, D))
         if c.is_moe(i):
-            m = f"{p}.block_sparse_moe"
-            I, S, L = c.moe_intermediate_size, c.moe_intermediate_size * c.num_shared_experts, x["latent_size"]
-            specs += [plain(f"{m}.gate.weight", c.num_experts, H),
-                      plain(f"{m}.gate.e_score_correction_bias", c.num_experts)]
-            specs += stacked_experts(f"{m}.experts", c.num_experts, I, L or H, "w1", "w3", "w2")
-            if c.num_shared_experts:
-                specs += gated_mlp(f"{m}.shared_experts", H, S)
-            if L:
-                specs += [plain(f"{m}.routed_expert_down_proj.weight", L, H),
-                          plain(f"{m}.routed_expert_up_proj.weight", H, L)]
-                if x["latent_norm"]:
-                    specs.append(plain(f"{m}.routed_expert_norm.weight", L))
+            m, moe = f"{p}.block_sparse_moe", c.moe
+            Z = moe.latent_size
+            specs += [plain(f"{m}.gate.weight", moe.num_experts, D),
+                      plain(f"{m}.gate.e_score_correction_bias", moe.num_experts)]
+            specs += stacked_experts(f"{m}.experts", moe.num_experts, moe.intermediate_size, Z or D, "w1", "w3", "w2")
+            if moe.num_shared_experts:
+                specs += gated_mlp(f"{m}.shared_experts", D, moe.intermediate_size * moe.num_shared_experts)
+            if Z:
+                specs += [plain(f"{m}.routed_expert_down_proj.weight", Z, D),
+                          plain(f"{m}.routed_expert_up_proj.weight", D, Z)]
+                if moe.latent_norm:
+                    specs.append(plain(f"{m}.routed_expert_norm.weight", Z))
         else:
-            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
-    if x["attn_res_block_size"]:
-        specs += [plain("model.output_attn_res_norm.weight", H), plain("model.output_attn_res_proj.weight", 1, H)]
-    specs.append(plain("model.norm.weight", H))
+            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+    if k.attn_res_block_size:
+        specs += [plain("model.output_attn_res_norm.weight", D), plain("model.output_attn_res_proj.weight", 1, D)]
+    specs.append(plain("model.norm.weight", D))
     if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, H))
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
     return Layout(tuple(specs))
 
 
-def a_log(name: str, shape: list[int]) -> TensorSpec:
+def a_log(name: str, shape: tuple[int, ...]) -> TensorSpec:
     """Kimi-Linear's A_log is [1, 1, heads, 1] exactly (transformers and mlx-lm load no other
     shape). Kimi-K3's is a vector whose first entries are the heads' and the rest padding (128
     entries for 96 heads in the release): mlx-lm and SGLang read the first `heads` of any length."""
     if len(shape) > 1:
         return plain(name, *shape)
-    return TensorSpec(name, tuple(shape), (name,), padded_per="KDA head")
+    return TensorSpec(name, shape, (name,), padded_per="KDA head")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import Fields, ModelConfig, read_rope
+from eprt.config import Fields, GQAConfig, ModelConfig, moe_or_dense, read_rope
 from eprt.layout import Layout, gated_mlp, gqa_attention, plain, stacked_experts
 
 
@@ -20,9 +20,10 @@ def parse(hf: dict, source: str) -> ModelConfig:
     act = f.get("hidden_act", default="silu")
     if act != "silu":
         raise f.refuse(f"hidden_act {act!r} is not supported (Qwen3-MoE uses silu)")
-    theta, rope_scaling = read_rope(f)
     n_heads = f.get("num_attention_heads")
     hidden = f.get("hidden_size")
+    head_dim = f.get("head_dim", default=hidden // n_heads)
+    attention_bias = bool(f.get("attention_bias", default=False))
     return ModelConfig(
         family="qwen3_moe",
         model_type=hf["model_type"],
@@ -33,37 +34,37 @@ def parse(hf: dict, source: str) -> ModelConfig:
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=f.get("intermediate_size", default=6144),
-        attention="gqa",
-        num_kv_heads=f.get("num_key_value_heads", default=n_heads),
-        head_dim=f.get("head_dim", default=hidden // n_heads),
-        attention_bias=bool(f.get("attention_bias", default=False)),
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
-        moe_layers=moe_layers,
-        num_experts=n_experts,
-        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
-        moe_intermediate_size=f.get("moe_intermediate_size", default=768),
-        router="softmax",
-        # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.
-        norm_topk_prob=bool(f.get("norm_topk_prob", default=False)),
+        rope=read_rope(f),
+        # Qwen3's attention: full rotary, per-head q/k norm, every projection biased alike
+        gqa=GQAConfig(num_kv_heads=f.get("num_key_value_heads", default=n_heads), head_dim=head_dim,
+                      rotary_dim=head_dim, qk_norm=True, qkv_bias=attention_bias, output_bias=attention_bias),
+        moe=moe_or_dense(
+            moe_layers,
+            num_experts=n_experts,
+            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
+            intermediate_size=f.get("moe_intermediate_size", default=768),
+            num_shared_experts=0,
+            router="softmax",
+            # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=False))),
     )
 
 
 def layout(c: ModelConfig) -> Layout:
-    H = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    D = c.hidden_size
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
         specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
-            specs.append(plain(f"{p}.mlp.gate.weight", c.num_experts, H))
-            specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,
+            specs.append(plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D))
+            specs += stacked_experts(f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D,
                                      "gate_proj", "up_proj", "down_proj")
         else:
-            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
-    specs.append(plain("model.norm.weight", H))
+            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+    specs.append(plain("model.norm.weight", D))
     if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, H))
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
     return Layout(tuple(specs))

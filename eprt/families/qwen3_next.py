@@ -7,7 +7,8 @@ is softmax-routed experts plus one shared expert scaled by a sigmoid gate (`shar
 
 from __future__ import annotations
 
-from eprt.config import Fields, GatedDeltaNetConfig, GQAConfig, ModelConfig, QwenNextConfig, read_rope, read_rotary_dim
+from eprt.config import (Fields, GatedDeltaNetConfig, GQAConfig, ModelConfig, QwenNextConfig, moe_or_dense, read_rope,
+                         read_rotary_dim)
 from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
 
 
@@ -41,7 +42,6 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
         raise f.refuse(f"hidden_act {act!r} is not supported (Qwen3-Next uses silu)")
     if f.get("attention_bias", default=False):
         raise f.refuse("attention_bias is true; eprt runs Qwen3-Next attention without biases (as released)")
-    theta, rope_scaling = read_rope(f)
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
     head_dim = f.get("head_dim", default=256)
     k_heads, v_heads = f.get("linear_num_key_heads", default=16), f.get("linear_num_value_heads", default=32)
@@ -63,66 +63,65 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
         intermediate_size=0 if every_layer_moe else f.get("intermediate_size", default=5632),
-        attention="gqa",
-        num_kv_heads=f.get("num_key_value_heads", default=2),
-        head_dim=head_dim,
-        attention_bias=False,
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
-        moe_layers=moe_layers,
-        num_experts=n_experts,
-        num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8 if every_layer_moe else 10),
-        moe_intermediate_size=f.get("moe_intermediate_size", default=512),
-        num_shared_experts=1,
-        router="softmax",
-        norm_topk_prob=True if every_layer_moe else bool(f.get("norm_topk_prob", default=True)),
+        rope=read_rope(f),
         # transformers' default partial_rotary_factor is 0.25; q_proj holds each head's output gate
-        gqa=GQAConfig(rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.25), qk_norm=True, output_bias=False,
-                      output_gate=True),
+        gqa=GQAConfig(num_kv_heads=f.get("num_key_value_heads", default=2), head_dim=head_dim,
+                      rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.25), qk_norm=True, qkv_bias=False,
+                      output_bias=False, output_gate=True),
+        moe=moe_or_dense(
+            moe_layers,
+            num_experts=n_experts,
+            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok",
+                                                    default=8 if every_layer_moe else 10),
+            intermediate_size=f.get("moe_intermediate_size", default=512),
+            num_shared_experts=0,  # its shared expert is gated: qwen_next's
+            router="softmax",
+            norm_topk_prob=True if every_layer_moe else bool(f.get("norm_topk_prob", default=True))),
         qwen_next=QwenNextConfig(gated_delta_net=gdn,
                                  shared_expert_intermediate_size=f.get("shared_expert_intermediate_size", default=512)),
     )
 
 
 def gated_delta_net(prefix: str, c: ModelConfig) -> list[TensorSpec]:
-    g, H = c.qwen_next.gated_delta_net, c.hidden_size
-    K, V = g.key_heads * g.key_head_dim, g.value_heads * g.value_head_dim
+    g, D = c.qwen_next.gated_delta_net, c.hidden_size
+    keys, values = g.key_heads * g.key_head_dim, g.value_heads * g.value_head_dim  # widths of all heads
     if g.split_projections:
-        specs = [plain(f"{prefix}.in_proj_qkv.weight", 2 * K + V, H), plain(f"{prefix}.in_proj_z.weight", V, H),
-                 plain(f"{prefix}.in_proj_b.weight", g.value_heads, H),
-                 plain(f"{prefix}.in_proj_a.weight", g.value_heads, H)]
+        specs = [plain(f"{prefix}.in_proj_qkv.weight", 2 * keys + values, D),
+                 plain(f"{prefix}.in_proj_z.weight", values, D),
+                 plain(f"{prefix}.in_proj_b.weight", g.value_heads, D),
+                 plain(f"{prefix}.in_proj_a.weight", g.value_heads, D)]
     else:
-        specs = [plain(f"{prefix}.in_proj_qkvz.weight", 2 * K + 2 * V, H),
-                 plain(f"{prefix}.in_proj_ba.weight", 2 * g.value_heads, H)]
+        specs = [plain(f"{prefix}.in_proj_qkvz.weight", 2 * keys + 2 * values, D),
+                 plain(f"{prefix}.in_proj_ba.weight", 2 * g.value_heads, D)]
     return specs + [
-        plain(f"{prefix}.conv1d.weight", 2 * K + V, 1, g.conv_kernel),
+        plain(f"{prefix}.conv1d.weight", 2 * keys + values, 1, g.conv_kernel),
         plain(f"{prefix}.dt_bias", g.value_heads),
         plain(f"{prefix}.A_log", g.value_heads),
         plain(f"{prefix}.norm.weight", g.value_head_dim),
-        plain(f"{prefix}.out_proj.weight", H, V),
+        plain(f"{prefix}.out_proj.weight", D, values),
     ]
 
 
 def layout(c: ModelConfig) -> Layout:
-    H = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, H)]
+    D = c.hidden_size
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", H), plain(f"{p}.post_attention_layernorm.weight", H)]
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
         if i in c.qwen_next.gated_delta_net.layers:
             specs += gated_delta_net(f"{p}.linear_attn", c)
         else:
             specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
-            specs += [plain(f"{p}.mlp.gate.weight", c.num_experts, H)]
-            specs += stacked_experts(f"{p}.mlp.experts", c.num_experts, c.moe_intermediate_size, H,
+            specs += [plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D)]
+            specs += stacked_experts(f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D,
                                      "gate_proj", "up_proj", "down_proj")
-            specs += gated_mlp(f"{p}.mlp.shared_expert", H, c.qwen_next.shared_expert_intermediate_size)
-            specs.append(plain(f"{p}.mlp.shared_expert_gate.weight", 1, H))
+            specs += gated_mlp(f"{p}.mlp.shared_expert", D, c.qwen_next.shared_expert_intermediate_size)
+            specs.append(plain(f"{p}.mlp.shared_expert_gate.weight", 1, D))
         else:
-            specs += gated_mlp(f"{p}.mlp", H, c.intermediate_size)
-    specs.append(plain("model.norm.weight", H))
+            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+    specs.append(plain("model.norm.weight", D))
     if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, H))
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
     return Layout(tuple(specs))

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from eprt.errors import EprtError
 from eprt.hf.check_names import (COMPANIONS, KV_COMPANIONS, check_names, source_names_from_config,
                                   source_names_from_dir)
-from eprt.storage.hf_files import CONFIG, INDEX, QUANT_CONFIG, SINGLE
+from eprt.storage.hf_files import CONFIG, INDEX, QUALITY, QUANT_CONFIG, SINGLE
 
 QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
 ALGO_OF_DTYPE = {v: k for k, v in QUANTIZED_DTYPE.items()}
@@ -75,6 +75,8 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         return [f"{out}: not a directory"]
     problems: list[str] = []
     config = _read_json(out / CONFIG, problems)
+    if (out / QUALITY).exists():  # the PTQ quality report: engines ignore it, but it must be what it says
+        _read_json(out / QUALITY, problems)
     if is_compressed_tensors(config):
         from eprt.hf.check_compressed_tensors import check_compressed_tensors
 

@@ -29,6 +29,9 @@ ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
 ENCODED_PARTS = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point",
                  "weight_global_scale")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
+# A multi-token-prediction layer's Linears the engines build without quantization, whatever the
+# config says: vLLM and SGLang make eh_proj a plain torch Linear and shared_head.head an lm head.
+MTP_UNQUANTIZED = re.compile(r".*\.layers\.\d+\.(eh_proj|shared_head\.head)")
 
 
 class SourceNames:
@@ -83,7 +86,11 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
         layout = reader_for(cfg.model_type, CONFIG).layout(cfg)
     except (EprtError, KeyError, TypeError, ValueError):
         return None
-    return SourceNames({s for spec in layout.specs for s in spec.sources}, layout.passthrough)
+    # the MTP layers eprt models are known name by name (their fused-experts form too, as a source
+    # may hold it): their passthrough patterns would admit anything under their prefix
+    mtp = {s for spec in layout.mtp for s in (*spec.sources, *([spec.fused] if spec.fused else []))}
+    passthrough = tuple(p for p in layout.passthrough if not any(re.fullmatch(p, n) for n in mtp))
+    return SourceNames({s for spec in layout.specs for s in spec.sources} | mtp, passthrough)
 
 
 def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_companions: tuple[str, ...],
@@ -98,6 +105,9 @@ def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_compan
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
         if module in quantized and leaf in companions[module]:
+            if leaf == "weight" and (m := MTP_UNQUANTIZED.fullmatch(module)):
+                problems.append(f"{name}: quantized, but vLLM and SGLang build a multi-token-prediction layer's "
+                                f"{m.group(1)} unquantized and cannot load it; keep it in the source dtype")
             if source is not None and f"{module}.weight" not in source:
                 problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
             continue

@@ -7,6 +7,7 @@ unquantized and the quantized export share sharding, indexing and atomic output.
 from __future__ import annotations
 
 import os
+import shutil
 
 from eprt.errors import EprtError
 from eprt.hf.check_export import check_export
@@ -17,7 +18,8 @@ from eprt.progress import bar, logger
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
 from eprt.storage.checkpoint import Checkpoint
-from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.hf_files import CONFIG, QUALITY, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -110,3 +112,7 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
     copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == CONFIG)], tmp)
     if rewrite:
         write_json(os.path.join(tmp, CONFIG), config)
+    report = (ck.quantization or {}).get("quality")
+    if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
+        src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
+        shutil.copyfile(src, os.path.join(tmp, QUALITY))

@@ -58,18 +58,23 @@ class QuantizedExport:
         self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
+        # The multi-token-prediction layers the recipe quantizes a module of are modeled like the
+        # decoder's (their Linears quantized or excluded by name); the others travel through whole.
+        self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
+        self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.state = CalibrationState.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
         self.scales = Scales.of_checkpoint(ck, formats, self.state,
                                            {m: self.recipe.algorithm_of(m) for m in self.quantized})
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
-                        for spec in self.layout.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
+                        for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
+        self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
 
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         module = name.rsplit(".", 1)[0]
-        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read(name, rows=(e, e + 1))[0])
+        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read_expert(self.stacked[name], e))
 
     @functools.lru_cache(maxsize=4)
     def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
@@ -153,7 +158,7 @@ class QuantizedExport:
         """(quantized, unquantized) Linear-like modules under their Hugging Face names, each routed
         expert's projections one by one."""
         quantized, unquantized = set(), set()
-        for spec in self.layout.specs:
+        for spec in self.specs:
             if spec.stacked:
                 modules = {src[: -len(".weight")] for src in spec.sources}
                 (quantized if spec.name.rsplit(".", 1)[0] in self.quantized else unquantized).update(modules)
@@ -167,14 +172,15 @@ class QuantizedExport:
         return [*self.experts, *(f"{m}.weight" for m in self.quantized if m not in self.stacked_modules())]
 
     def stacked_modules(self) -> set[str]:
-        return {spec.name.rsplit(".", 1)[0] for spec in self.layout.specs if spec.stacked}
+        return {name.rsplit(".", 1)[0] for name in self.stacked}
 
     def passthrough_prefixes(self) -> set[str]:
-        """What travels through unquantized and unmodeled (DeepSeek's MTP layers, a vision tower):
-        one module prefix each (`model.layers.61`, `vision_tower`, `model.visual`: see `carried`)."""
+        """What travels through unquantized and unmodeled (DeepSeek's MTP layers the recipe leaves
+        whole, a vision tower): one module prefix each (`model.layers.61`, `vision_tower`,
+        `model.visual`: see `carried`)."""
         quantized, _ = self.linear_sets()
-        return {re.sub(r"(layers\.\d+)\..*", r"\1", name) if layer_of(name) is not None else carried(name, quantized)
-                for name in self.ck.names(role="passthrough")}
+        return {layer_prefix(name) if layer_of(name) is not None else carried(name, quantized)
+                for name in self.ck.names(role="passthrough") if layer_prefix(name) not in self.mtp_layers}
 
     def excluded(self) -> list[str]:
         """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
@@ -210,7 +216,7 @@ class QuantizedExport:
                   "producer": PRODUCER}
         else:
             quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv, "quantized_layers": layers}
-            # what travels through unmodeled (MTP layers) is excluded by prefix, as ModelOpt adds it
+            # what travels through unmodeled (MTP layers left whole) is excluded by prefix, as ModelOpt adds it
             passthrough = sorted(f"{p}.*" for p in self.passthrough_prefixes())
             if passthrough:
                 quant["exclude_modules"] = passthrough
@@ -225,6 +231,11 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
         config = {**self.ck.source_config, "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def layer_prefix(name: str) -> str:
+    """The layer a name is under (`model.layers.61` of `model.layers.61.eh_proj.weight`), else the name."""
+    return re.sub(r"(layers\.\d+)\..*", r"\1", name)
 
 
 def carried(name: str, quantized: set[str]) -> str:

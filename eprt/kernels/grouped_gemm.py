@@ -139,11 +139,36 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
             if n:
                 # where a unit starts in x depends on the units before it: the BLAS sees it
                 # aligned, as it would alone
-                h_u = act(*_unit_rows_mm(x[start:start + n], w13_e).chunk(2, dim=-1))
+                h_u = _unit_act(x[start:start + n], w13_e, act)
                 h[start:start + n] = h_u
                 y[start:start + n] = _unit_rows_mm(h_u, w2_e)
                 start += n
     return h, y
+
+
+def unit_act(x: torch.Tensor, w13: torch.Tensor, act, rows_per_unit_U: torch.Tensor) -> torch.Tensor:
+    """h = act(gate, up) of [gate | up] = x @ w13[0].T for ONE expert (w13: [1, 2I, K]) over rows
+    sorted by work unit (rows_per_unit_U [U] row counts): each unit's h has the bits `unit_mlp`
+    gives that unit, its rows alone. No down projection: what reads h only measures it."""
+    offsets = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+    check_grouped_mm_args(x, w13, offsets)
+    if use_triton(x):
+        from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
+
+        return act(*grouped_mm_triton(x, w13, offsets).chunk(2, dim=-1))
+    h = x.new_empty(x.shape[0], w13.shape[1] // 2)
+    w13_e = _canonical_layout(w13[0])
+    start = 0
+    for n in rows_per_unit_U.tolist():
+        if n:
+            h[start:start + n] = _unit_act(x[start:start + n], w13_e, act)
+            start += n
+    return h
+
+
+def _unit_act(x_u: torch.Tensor, w13_e: torch.Tensor, act) -> torch.Tensor:
+    """One unit's act(gate, up) on CPU, its rows alone (`_unit_rows_mm`), the activation on them alone."""
+    return act(*_unit_rows_mm(x_u, w13_e).chunk(2, dim=-1))
 
 
 # A unit's rows go to the BLAS zero-padded to a multiple of this many. oneDNN (bf16 on CPU)

@@ -28,28 +28,28 @@ def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.T
 
 
 class GQAttention(nn.Module):
-    """Qwen3's by default; `c.gqa` (GLM-4.5, Qwen3-Next) makes the q/k norm optional, RoPE partial
-    (the cos/sin tables are then narrower than a head), the output projection unbiased and, with
-    `output_gate`, q_proj gives each head a gate beside its query: the attention output is
-    multiplied by sigmoid(gate) before o_proj. `norm` is the q/k norm's kind."""
+    """As `c.gqa` says (Qwen3, GLM-4.5, Qwen3-Next): the q/k norm optional, RoPE partial (the
+    cos/sin tables are then narrower than a head), biases optional and, with `output_gate`, q_proj
+    giving each head a gate beside its query: the attention output is multiplied by sigmoid(gate)
+    before o_proj. `norm` is the q/k norm's kind."""
 
     def __init__(self, c: ModelConfig, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        assert c.num_heads % c.num_kv_heads == 0, (c.num_heads, c.num_kv_heads)
-        hd = c.head_dim
-        qk_norm = c.gqa.qk_norm if c.gqa else True
-        output_bias = c.gqa.output_bias if c.gqa else c.attention_bias
-        self.output_gate = bool(c.gqa and c.gqa.output_gate)
-        self.q_proj = Linear(c.hidden_size, c.num_heads * hd * (2 if self.output_gate else 1), bias=c.attention_bias)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
-        self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=output_bias)
-        self.q_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
-        self.k_norm = norm(hd, c.rms_norm_eps) if qk_norm else None
+        g = c.gqa
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, g.num_kv_heads, g.head_dim
+        assert c.num_heads % g.num_kv_heads == 0, (c.num_heads, g.num_kv_heads)
+        hd = g.head_dim
+        self.output_gate = g.output_gate
+        self.q_proj = Linear(c.hidden_size, c.num_heads * hd * (2 if self.output_gate else 1), bias=g.qkv_bias)
+        self.k_proj = Linear(c.hidden_size, g.num_kv_heads * hd, bias=g.qkv_bias)
+        self.v_proj = Linear(c.hidden_size, g.num_kv_heads * hd, bias=g.qkv_bias)
+        self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=g.output_bias)
+        self.q_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
+        self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
         self.kv_observer = None
-        # kv_quant(k, v) -> (k, v) as an FP8 KV cache holds them (GPTQ's quantized stream).
+        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
+        # (eprt.quant.preview installs it with the export's k/v scales).
         self.kv_quant = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

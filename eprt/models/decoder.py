@@ -55,13 +55,18 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary = Rotary(c.rotary_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.rotary = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(input_ids.shape[1], x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        return self.final(x, [])
+
+    def final(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The decoder's output from the last layer's hidden states (and block snapshots): what
+        the head reads. A layer-by-layer run calls it after its last layer."""
         return self.norm(x)
 
     def layer_args(self, seq_len: int, dtype: torch.dtype, device, blocks: list[torch.Tensor]) -> tuple:
@@ -80,8 +85,12 @@ class CausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.model(input_ids))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head over the decoder's output."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(self.model(input_ids), head.weight)
+        return linear(h, head.weight)
 
     def keeps_fp32(self, name: str) -> bool:
         """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""

@@ -8,7 +8,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.families import family
-from eprt.families.deepseek_v3 import mtp_layout
+from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
@@ -22,12 +22,13 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     (this process holding `expert_range`) plus the shared experts."""
     if not c.is_moe(i):
         return GatedMLP(c.hidden_size, c.intermediate_size)
-    first, count = expert_range or ExpertPlacement(c.num_experts).range
-    I = c.moe_intermediate_size
-    gate = SigmoidGroupRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.n_group,
-                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-    shared = GatedMLP(c.hidden_size, I * c.num_shared_experts) if c.num_shared_experts else None
-    return MoE(gate, Experts(c.num_experts, first, count, c.hidden_size, I), shared)
+    m = c.moe
+    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    I = m.intermediate_size
+    gate = SigmoidGroupRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.n_group,
+                              m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+    shared = GatedMLP(c.hidden_size, I * m.num_shared_experts) if m.num_shared_experts else None
+    return MoE(gate, Experts(m.num_experts, first, count, c.hidden_size, I), shared)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -45,24 +46,26 @@ class SharedHead(nn.Module):
 
 class DeepseekV3MTP(DecoderLayer):
     """One multi-token-prediction layer (`model.layers.{num_hidden_layers + k}`): its own embedding
-    table, two norms and `eh_proj` in front of a full decoder layer (MLA attention, the MoE of the
-    last decoder layer's kind), and a shared head behind it. Its tensors sit beside the decoder
-    layer's, under the same prefix, as the released checkpoints store them."""
+    table, two norms and `eh_proj` in front of a full decoder layer (the model's attention: MLA,
+    or GLM-4.5's GQA; the MoE of the last decoder layer's kind), and a shared head behind it. Its
+    tensors sit beside the decoder layer's, under the same prefix, as the released checkpoints
+    store them."""
 
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         # the MTP layer is MoE whenever the model has MoE layers (DeepSeek-V3's last layer is)
         mlp_layer = c.moe_layers[-1] if c.moe_layers else 0
-        super().__init__(c, MLAttention(c), deepseek_mlp(c, mlp_layer, expert_range))
-        H = c.hidden_size
-        self.embed_tokens = Embedding(c.vocab_size, H)
-        self.enorm = RMSNorm(H, c.rms_norm_eps)
-        self.hnorm = RMSNorm(H, c.rms_norm_eps)
-        self.eh_proj = Linear(2 * H, H)
+        attention = MLAttention(c) if c.mla else GQAttention(c)
+        super().__init__(c, attention, deepseek_mlp(c, mlp_layer, expert_range))
+        D = c.hidden_size
+        self.embed_tokens = Embedding(c.vocab_size, D)
+        self.enorm = RMSNorm(D, c.rms_norm_eps)
+        self.hnorm = RMSNorm(D, c.rms_norm_eps)
+        self.eh_proj = Linear(2 * D, D)
         self.shared_head = SharedHead(c)
 
     def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """The decoder layer's input for sequences `input_ids` [B, T] whose last decoder layer (or
-        previous MTP layer) gave `hidden` [B, T, H] (before the final norm): at position t,
+        previous MTP layer) gave `hidden` [B, T, D] (before the final norm): at position t,
         eh_proj(cat(enorm(embed(token[t + shift])), hnorm(hidden[t]))), the embedding first, as vLLM's
         deepseek_mtp.py and DeepSeek's own inference code concatenate (MTP layer k predicts with
         shift k + 1). The last positions have no such token in a calibration sample: their
@@ -83,11 +86,9 @@ def load_mtp(ck, k: int, *, dtype: torch.dtype, device, expert_range: tuple[int,
     mtp.requires_grad_(False)
     prefix = f"model.layers.{c.num_layers + k}."
     fam = family(c.family)
-    for spec in mtp_layout(c, k).specs:
+    for spec in (s for s in fam.layout(c).mtp if s.name.startswith(prefix)):
         if spec.stacked:
-            rows = [torch.cat([ck.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
-                    for e in range(first, first + count)]
-            t = torch.stack(rows)
+            t = torch.stack([ck.read_expert(spec, e) for e in range(first, first + count)])
         else:
             t = ck.read(spec.name)
         t = t.to(device=device, dtype=torch.float32 if fam.keeps_fp32(spec.name) else dtype)

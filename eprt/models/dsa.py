@@ -41,7 +41,7 @@ class Indexer(nn.Module):
         super().__init__()
         ix = c.indexer
         self.n_heads, self.head_dim, self.topk = ix.n_heads, ix.head_dim, ix.topk
-        self.wq_b = Linear(c.q_lora_rank, ix.n_heads * ix.head_dim)
+        self.wq_b = Linear(c.mla.q_lora_rank, ix.n_heads * ix.head_dim)
         self.wk = Linear(c.hidden_size, ix.head_dim)
         self.k_norm = LayerNorm(ix.head_dim, KEY_NORM_EPS)
         self.weights_proj = Linear(c.hidden_size, ix.n_heads)

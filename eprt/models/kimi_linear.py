@@ -23,28 +23,28 @@ from eprt.parallel.placement import ExpertPlacement
 
 
 def activation(c: ModelConfig):
-    x = c.extra
-    return SiTU(x["situ_beta"], x["situ_linear_beta"]) if c.hidden_act == "situ" else silu_mul
+    situ = c.kimi_linear.situ
+    return SiTU(situ.beta, situ.linear_beta) if situ else silu_mul
 
 
 def attention(c: ModelConfig, i: int) -> nn.Module:
-    x = c.extra
-    if i in x["kda_layers"]:
-        return KimiDeltaAttention(c.hidden_size, x["kda_heads"], x["kda_head_dim"], x["kda_conv_kernel"],
-                                  tuple(x["kda_a_log_shape"]), x["kda_gate_lower_bound"], x["kda_full_rank_gate"],
-                                  c.rms_norm_eps)
-    return MLAttention(c, nope=True, output_gate=x["mla_output_gate"])
+    k, kda = c.kimi_linear, c.kimi_linear.kda
+    if i in kda.layers:
+        return KimiDeltaAttention(c.hidden_size, kda.heads, kda.head_dim, kda.conv_kernel, kda.a_log_shape,
+                                  kda.gate_lower_bound, kda.full_rank_gate, c.rms_norm_eps)
+    return MLAttention(c, output_gate=k.mla_output_gate)
 
 
 def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
-    first, count = expert_range or ExpertPlacement(c.num_experts).range
-    D, I, latent = c.hidden_size, c.moe_intermediate_size, c.extra["latent_size"]
-    gate = SigmoidGroupRouter(c.num_experts, D, c.num_experts_per_tok, c.n_group, c.topk_group,
-                              c.norm_topk_prob, c.routed_scaling_factor)
-    shared = GatedMLP(D, I * c.num_shared_experts, activation(c)) if c.num_shared_experts else None
-    experts = Experts(c.num_experts, first, count, latent or D, I, activation(c))
-    if latent:
-        return LatentMoE(gate, experts, shared, D, latent, c.rms_norm_eps if c.extra["latent_norm"] else None)
+    m = c.moe
+    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    D, I, Z = c.hidden_size, m.intermediate_size, m.latent_size
+    gate = SigmoidGroupRouter(m.num_experts, D, m.num_experts_per_tok, m.n_group, m.topk_group,
+                              m.norm_topk_prob, m.routed_scaling_factor)
+    shared = GatedMLP(D, I * m.num_shared_experts, activation(c)) if m.num_shared_experts else None
+    experts = Experts(m.num_experts, first, count, Z or D, I, activation(c))
+    if Z:
+        return LatentMoE(gate, experts, shared, D, Z, c.rms_norm_eps if m.latent_norm else None)
     return MoE(gate, experts, shared)
 
 
@@ -60,7 +60,7 @@ class KimiDecoderLayer(nn.Module):
             self.block_sparse_moe = sparse_moe(c, expert_range)
         else:
             self.mlp = GatedMLP(D, c.intermediate_size, activation(c))
-        block_size = c.extra["attn_res_block_size"]
+        block_size = c.kimi_linear.attn_res_block_size
         self.attn_res = bool(block_size)
         if self.attn_res:
             self.starts_block = i % block_size == 0
@@ -100,7 +100,7 @@ class KimiDecoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn_res = bool(c.extra["attn_res_block_size"])
+        self.attn_res = bool(c.kimi_linear.attn_res_block_size)
         if self.attn_res:
             self.output_attn_res_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.output_attn_res_proj = Linear(c.hidden_size, 1)
@@ -110,6 +110,10 @@ class KimiDecoder(nn.Module):
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             x = layer(x, blocks)
+        return self.final(x, blocks)
+
+    def final(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The output from the last layer's hidden states and the block snapshots: what the head reads."""
         if self.attn_res:
             x = attn_res_mix(blocks, x, self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(x)

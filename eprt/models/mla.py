@@ -2,7 +2,8 @@
 
 q = q_b(norm(q_a x)) (or q_proj x), per head [nope | rope]; the latent [c | k_pe] = kv_a x,
 c normalized and expanded by kv_b into per-head [k_nope | v]; k_pe is one rope head shared by all.
-In NoPE mode nothing rotates: the "rope" parts are plain dimensions of q and of the shared key.
+Without RoPE (NoPE: `config.rope` None) nothing rotates: the "rope" parts are plain dimensions
+of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
 """
@@ -23,33 +24,36 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, c: ModelConfig, nope: bool = False, output_gate: bool = False,
-                 indexer: nn.Module | None = None):
+    """`c.mla`'s attention, rotating the rope dims where the model has RoPE (`c.rope`)."""
+
+    def __init__(self, c: ModelConfig, output_gate: bool = False, indexer: nn.Module | None = None):
         super().__init__()
+        m = c.mla
         self.num_heads = c.num_heads
-        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.kv_lora_rank = c.kv_lora_rank
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank = m.kv_lora_rank
         qk = self.nope + self.rope
         D = c.hidden_size
-        if c.q_lora_rank:
-            self.q_a_proj = Linear(D, c.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk)
+        if m.q_lora_rank:
+            self.q_a_proj = Linear(D, m.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(m.q_lora_rank, c.num_heads * qk)
         else:
             self.q_proj = Linear(D, c.num_heads * qk)
-        self.kv_a_proj_with_mqa = Linear(D, c.kv_lora_rank + self.rope)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (self.nope + self.v_dim))
+        self.kv_a_proj_with_mqa = Linear(D, m.kv_lora_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(m.kv_lora_rank, c.num_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(c.num_heads * self.v_dim, D)
         self.g_proj = Linear(D, c.num_heads * self.v_dim) if output_gate else None
-        self.use_rope = not nope
-        self.scale = qk ** -0.5 * (1.0 if nope else yarn_softmax_scale(c.rope_scaling))
-        self.q_lora = bool(c.q_lora_rank)
+        self.use_rope = c.rope is not None
+        self.scale = qk ** -0.5 * (yarn_softmax_scale(c.rope.yarn) if self.use_rope else 1.0)
+        self.q_lora = bool(m.q_lora_rank)
         # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
         self.indexer = indexer
         # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
         self.kv_observer = None
-        # kv_quant(k, v) -> (k, v) as an FP8 KV cache holds them (GPTQ's quantized stream).
+        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
+        # (eprt.quant.preview installs it with the export's k/v scales).
         self.kv_quant = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None,

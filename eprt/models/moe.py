@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from eprt.errors import ConfigError
-from eprt.kernels import combine, grouped_mm, permute, unit_mlp
+from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
 from eprt.models.layers import Linear, RMSNorm, silu_mul
 
 
@@ -30,18 +30,26 @@ class Experts(nn.Module):
         # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
         # projections; calibration installs one to record each expert's input amax.
         self.observer = None
+        # Called as all_observer(local expert, x_rows, h_rows) by `observe_every_expert`, with
+        # --calibrate-all-experts: statistics of tokens the router did not send to the expert.
+        self.all_observer = None
         # Called as unit_observer(x_sorted, h_sorted, rows_per_unit_LU) by `forward_units`: each
         # (expert, work unit)'s rows of both projections' inputs (GPTQ's Hessians).
         self.unit_observer = None
-        # quant_input(x) -> x as a quantized engine reads it (fake quantization), before w13.
-        self.quant_input = None
+        # input_quant(x_sorted) -> what gate/up read: fake quantization of the experts' input
+        # (eprt.quant.preview), in both forwards alike, where a pre-hook would miss forward_units.
+        self.input_quant = None
+        # Called as probe(x_sorted, rows_per_unit_LU, y_sorted) after forward_units, with the rows
+        # as received (before input_quant): the quality report measures each expert's error with it.
+        self.probe = None
+
+    def _input(self, x_sorted: torch.Tensor) -> torch.Tensor:
+        return x_sorted if self.input_quant is None else self.input_quant(x_sorted)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
-        if self.quant_input is not None:
-            x_sorted = self.quant_input(x_sorted)
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate, up = grouped_mm(x_sorted, self.w13, offsets).chunk(2, dim=-1)
+        gate, up = grouped_mm(self._input(x_sorted), self.w13, offsets).chunk(2, dim=-1)
         h = self.act(gate, up)
         if self.observer is not None:
             self.observer(x_sorted, h, tokens_per_expert)
@@ -53,14 +61,23 @@ class Experts(nn.Module):
         Each (expert, unit) block is computed as if alone (`unit_mlp`): the rows a matmul sees are
         the unit's, whatever else this call holds, so a deterministic kernel gives every layout
         the same bits."""
-        if self.quant_input is not None:
-            x_sorted = self.quant_input(x_sorted)
-        h, y = unit_mlp(x_sorted, self.w13, self.w2, self.act, rows_per_unit_LU)
+        h, y = unit_mlp(self._input(x_sorted), self.w13, self.w2, self.act, rows_per_unit_LU)
         if self.observer is not None:
             self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
         if self.unit_observer is not None:
             self.unit_observer(x_sorted, h, rows_per_unit_LU)
+        if self.probe is not None:
+            self.probe(x_sorted, rows_per_unit_LU, y)
         return y
+
+    def observe_every_expert(self, x_sorted: torch.Tensor, rows_per_unit_U: torch.Tensor) -> None:
+        """Statistics only: every expert held here over all the rows (sorted by work unit,
+        rows_per_unit_U [U]), each (expert, unit) computed as if alone (`unit_act`); each
+        expert's act(gate, up) goes to `all_observer` and is dropped, no down projection runs."""
+        if self.all_observer is None or not x_sorted.shape[0]:
+            return
+        for e in range(self.count):
+            self.all_observer(e, x_sorted, unit_act(x_sorted, self.w13[e:e + 1], self.act, rows_per_unit_U))
 
 
 class LocalDispatcher:

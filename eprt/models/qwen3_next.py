@@ -25,9 +25,10 @@ def mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Modu
     D = c.hidden_size
     if not c.is_moe(i):
         return GatedMLP(D, c.intermediate_size)
-    first, count = expert_range or ExpertPlacement(c.num_experts).range
-    return GatedSharedExpertMoE(SoftmaxRouter(c.num_experts, D, c.num_experts_per_tok, c.norm_topk_prob),
-                                Experts(c.num_experts, first, count, D, c.moe_intermediate_size),
+    m = c.moe
+    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    return GatedSharedExpertMoE(SoftmaxRouter(m.num_experts, D, m.num_experts_per_tok, m.norm_topk_prob),
+                                Experts(m.num_experts, first, count, D, m.intermediate_size),
                                 GatedMLP(D, c.qwen_next.shared_expert_intermediate_size), D)
 
 

@@ -11,34 +11,36 @@ import math
 
 import torch
 
+from eprt.config import YarnConfig
+
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_frequencies(dim: int, theta: float, scaling: dict | None,
+def rope_frequencies(dim: int, theta: float, scaling: YarnConfig | None,
                      max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [dim/2] fp32, attention factor that scales cos and sin)."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     if scaling is None:
         return 1.0 / pos_freqs, 1.0
-    orig = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position_embeddings / orig
-    attention_factor = scaling.get("attention_factor")
+    orig = scaling.original_max_position_embeddings
+    factor = scaling.factor or max_position_embeddings / orig
+    attention_factor = scaling.attention_factor
     if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        mscale, mscale_all_dim = scaling.mscale, scaling.mscale_all_dim
         if mscale and mscale_all_dim:
             attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
             attention_factor = yarn_mscale(factor)
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
+    beta_fast = scaling.beta_fast or 32
+    beta_slow = scaling.beta_slow or 1
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
+    if scaling.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -49,17 +51,17 @@ def rope_frequencies(dim: int, theta: float, scaling: dict | None,
     return inv_freq, float(attention_factor)
 
 
-def yarn_softmax_scale(scaling: dict | None) -> float:
+def yarn_softmax_scale(scaling: YarnConfig | None) -> float:
     """DeepSeek's extra factor on the attention softmax scale under YaRN: mscale(factor, mscale_all_dim)^2."""
-    if scaling is None or not scaling.get("mscale_all_dim"):
+    if scaling is None or not scaling.mscale_all_dim:
         return 1.0
-    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
 
 
 class Rotary:
     """cos/sin tables [T, dim] (each frequency twice, [f | f]) for positions 0..T-1."""
 
-    def __init__(self, dim: int, theta: float, scaling: dict | None, max_position_embeddings: int):
+    def __init__(self, dim: int, theta: float, scaling: YarnConfig | None, max_position_embeddings: int):
         self.inv_freq, self.attention_factor = rope_frequencies(dim, theta, scaling, max_position_embeddings)
 
     def __call__(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,9 @@ class LanguageModelOf(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model(input_ids)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.language_model.logits(h)
+
     def keeps_fp32(self, name: str) -> bool:
         """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
         return family(self.config.family).keeps_fp32(name)

@@ -152,6 +152,38 @@ class UnitDispatcher:
             return y_sent.new_zeros(0, y_sent.shape[1], dtype=torch.float32)
         return combine(y_sent, order_R, topk_weights_TK)
 
+    def every_expert_rows(self, x_TD: torch.Tensor, key_T: torch.Tensor, unit_T: torch.Tensor,
+                          units: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For statistics over every expert (--calibrate-all-experts): the rows this rank runs
+        through each expert it holds, sorted by (unit, key), and the row count of each of the
+        step's units [U].
+
+        The all-experts unit (expert e, group g) holds every token of group g, in key order
+        (sequence, position), and is computed by the rank that computes the routed unit (e, g):
+        so each token goes once to every ep rank of edp replica g % edp, which runs it through
+        all its experts. key_T: each token's global key, below the keyspace. Every rank must call
+        it for every step, even with no rows: the exchanges are collective."""
+        st, P = self.state, self.state.ep_size
+        first_unit, U = units
+        dest_R = (unit_T % st.edp_size * P)[:, None].add(torch.arange(P, device=unit_T.device)).view(-1)
+        order_R = torch.argsort(dest_R, stable=True)
+        x_sent = x_TD.index_select(0, order_R // P)
+        key_sent = ((unit_T - first_unit) * self.keyspace + key_T).index_select(0, order_R // P)
+        if st.world == 1:
+            x_recv, key_recv = x_sent, key_sent
+        else:
+            sent = torch.bincount(dest_R, minlength=st.world)
+            recv = torch.empty_like(sent)
+            dist.all_to_all_single(recv, sent, group=st.dp_group)
+            send_splits, recv_splits = sent.tolist(), recv.tolist()
+            x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
+            key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
+            own = sent[st.rank].item()  # rows that stay on this rank cross no wire
+            self.bytes_sent += (x_sent.shape[0] - own) * (x_sent.shape[1] * x_sent.element_size() + 8)
+        order = torch.argsort(key_recv)
+        rows_per_unit_U = torch.bincount(key_recv // self.keyspace, minlength=U)
+        return x_recv.index_select(0, order), rows_per_unit_U
+
 
 def _run_units(x_R: torch.Tensor, sort_key_R: torch.Tensor, L: int, U: int, keyspace: int, experts) -> torch.Tensor:
     """The rows this rank received, through their units, returned in the order they came."""

@@ -3,6 +3,9 @@
 Dense modules record one amax per module; each rank's routed experts record one amax per
 expert and per projection (gate/up read the expert's input, down reads the gated activation),
 from exactly the tokens routed to that expert, plus how many tokens each expert received.
+With --calibrate-all-experts the layer-major engine also runs every token through every expert
+for statistics only, so an expert's amax covers all of its layer's tokens, and no expert is
+left without one.
 Max is exact, so reducing dense amax over the world and expert amax over the edp replicas gives
 the same result at every layout, given bitwise-identical activations.
 """
@@ -45,13 +48,17 @@ class Calibrator:
     """Installs observers on a model for the modules a recipe quantizes; `close()` removes them.
 
     `targets` are module names (dense Linears and `...experts` modules); `kv` adds the keys and
-    values of every attention layer.
+    values of every attention layer; `all_experts` (--calibrate-all-experts) also takes into each
+    expert's amax the tokens the layer-major engine runs through every expert for statistics
+    (`Experts.observe_every_expert`), counted apart in `expert_all_tokens`.
     """
 
-    def __init__(self, model: nn.Module | None, targets: list[str], kv: bool):
+    def __init__(self, model: nn.Module | None, targets: list[str], kv: bool, all_experts: bool = False):
         self.input_amax: dict[str, torch.Tensor] = {}
         self.expert_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.expert_tokens: dict[str, torch.Tensor] = {}
+        self.expert_tokens: dict[str, torch.Tensor] = {}  # tokens the router sent to each expert
+        self.expert_all_tokens: dict[str, torch.Tensor] = {}  # tokens each expert saw for statistics only
+        self.all_experts = all_experts
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.targets, self.kv = targets, kv
         self._undo = []
@@ -96,6 +103,23 @@ class Calibrator:
 
         experts.observer = observer
         self._undo.append(lambda: setattr(experts, "observer", None))
+        if self.all_experts:
+            self._observe_every_expert(name, experts)
+
+    def _observe_every_expert(self, name: str, experts: Experts) -> None:
+        """The statistics-only rows of --calibrate-all-experts go into the same amax as the
+        routed ones (a max of both), their count into `expert_all_tokens`."""
+        self.expert_all_tokens.setdefault(
+            name, torch.zeros(experts.count, dtype=torch.int64, device=device_of(experts)))
+
+        def all_observer(e, x, h):
+            w13_in, w2_in = self.expert_amax[name]
+            w13_in[e] = torch.maximum(w13_in[e], x.detach().abs().amax().float())
+            w2_in[e] = torch.maximum(w2_in[e], h.detach().abs().amax().float())
+            self.expert_all_tokens[name][e] += x.shape[0]
+
+        experts.all_observer = all_observer
+        self._undo.append(lambda: setattr(experts, "all_observer", None))
 
     def _observe_kv(self, name: str, attn: nn.Module) -> None:
         zero = lambda: torch.zeros((), dtype=torch.float32, device=device_of(attn))  # noqa: E731
@@ -119,10 +143,11 @@ class Calibrator:
             out[f"{m} (keys)"], out[f"{m} (values)"] = k, v
         return out
 
-    def check_finite(self, rank: int) -> None:
-        """Refuse a NaN or infinite amax: its scale would be NaN, and export would fail only at the end."""
+    def check_finite(self, rank: int, prefix: str = "") -> None:
+        """Refuse a NaN or infinite amax (of the modules under `prefix`): its scale would be NaN,
+        and export would fail only at the end."""
         for what, t in self.amax_by_name().items():
-            if not torch.isfinite(t).all():
+            if what.startswith(prefix) and not torch.isfinite(t).all():
                 raise CalibrationError(
                     f"{what}: calibration on rank {rank} recorded a non-finite amax ({t.max().item()}); the model "
                     "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
@@ -136,6 +161,20 @@ class Calibrator:
             for t in pair:
                 state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
             state.all_reduce(self.expert_tokens[name], over="edp", op=dist.ReduceOp.SUM)
+            if name in self.expert_all_tokens:
+                state.all_reduce(self.expert_all_tokens[name], over="edp", op=dist.ReduceOp.SUM)
+
+    def reduce_amax(self, state, prefix: str) -> None:
+        """The amax of the modules under `prefix` (one layer, once its steps are done) made final
+        before the run ends, as `reduce` makes them: the quality report quantizes the layer with
+        them. Max is exact and idempotent, so `reduce` at the end changes them no further; token
+        counts are summed there only. A rank's non-finite amax is refused first, as at the end."""
+        self.check_finite(state.rank, prefix)
+        under = lambda d: [v for m, v in d.items() if m.startswith(prefix)]  # noqa: E731
+        for t in [*under(self.input_amax), *(x for pair in under(self.kv_amax) for x in pair)]:
+            state.all_reduce(t, over="dp", op=dist.ReduceOp.MAX)
+        for t in (x for pair in under(self.expert_amax) for x in pair):
+            state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
 
     def close(self) -> None:
         for undo in self._undo:

@@ -9,6 +9,7 @@ experts' rows of the stacked per-expert state, so nothing is gathered.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -20,6 +21,7 @@ from eprt.storage.checkpoint import Checkpoint, Part, TensorMeta, base_reference
 from eprt.storage.safetensors_io import save_tensors
 
 DENSE_FILE = "calibration.safetensors"
+QUALITY_FILE = "quality.json"  # the quality report (eprt.quant.quality)
 
 
 def experts_file(ep_rank: int) -> str:
@@ -109,8 +111,11 @@ class CalibrationState:
 
 
 def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint, recipe: Recipe,
-                     summary: dict, gptq=None) -> None:
-    """Every rank calls this with the same shared temp directory `tmp` (published later as `out`)."""
+                     summary: dict, quality: dict | None = None, gptq=None) -> None:
+    """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
+    The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
+    quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
+    codes, when it ran."""
     cs = CalibrationState.of(cal, gptq)
     experts = cs.expert_tensors()
     if experts and state.edp_rank == 0:
@@ -127,7 +132,11 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
         parts = tuple(Part(experts_file(r), n, (first, first + count))
                       for r, (first, count) in enumerate(place.ranges()))
         metas.append(TensorMeta(n, t.dtype, (place.num_experts, *t.shape[1:]), "raw", "calibration", parts, t.dtype))
+    quantization = {"recipe": recipe.to_json(), "calibration": summary}
+    if quality is not None:
+        with open(os.path.join(tmp, QUALITY_FILE), "w", encoding="utf-8") as f:
+            json.dump(quality, f, indent=1)
+        quantization["quality"] = QUALITY_FILE
     write_manifest(tmp, manifest(
         ck.family, ck.config, ck.source_config, metas, ck.hf_files,
-        base=base_reference(out, ck.path),
-        quantization={"recipe": recipe.to_json(), "calibration": summary}))
+        base=base_reference(out, ck.path), quantization=quantization))

@@ -16,6 +16,11 @@ matmul sees rows that are a function of the model and the data alone.
   position, k) order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
 - A token's top-k outputs are summed in k order, in fp32.
 A step holds whole groups, so neither the world, ep, edp, batch nor chunk size changes a bit.
+
+With --calibrate-all-experts every token also runs through every routed expert of its layer,
+for the statistics only (`LayerEngine._observe_every_expert`): expert e's statistics unit for
+group g holds all of g's tokens in (sequence, position) order, as one matmul on the rank that
+computes the routed unit (e, g). The layer's output still comes from its top-k alone.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.gptq_layer import GPTQRun, LayerGPTQ
+from eprt.quant.preview import fake_quantize
+from eprt.quant.quality import QualityReport
+from eprt.quant.scales import source_dtype
 
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer.
@@ -107,11 +115,33 @@ def own_sequences(num_sequences: int, rank: int, world: int) -> list[int]:
     return list(range(rank, num_sequences, world))
 
 
+class Held:
+    """The held-out sequences of the quality report on this rank: their schedule, their share,
+    their own work units' dispatcher, and two streams (reference, quantized) at a layer boundary."""
+
+    def __init__(self, state, report: QualityReport, schedule: Schedule, top_k: int):
+        n, T = report.eval_ids.shape
+        self.report, self.schedule = report, schedule
+        self.mine = own_sequences(n, state.rank, state.world)
+        self.local = {s: i for i, s in enumerate(self.mine)}
+        self.dispatcher = UnitDispatcher(state, n * T * max(top_k, 1))
+        self.ref: LayerState | None = None
+        self.quant: LayerState | None = None
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(self.local.items())
+
+
 class LayerEngine:
-    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike."""
+    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike.
+
+    With `quality` (and its `eval_schedule`), each layer then runs the held-out sequences too,
+    unquantized and quantized, for the report (eprt.quant.quality)."""
 
     def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
-                 schedule: Schedule, progress: bool = True, gptq: GPTQRun | None = None):
+                 schedule: Schedule, progress: bool = True, quality: QualityReport | None = None,
+                 eval_schedule: Schedule | None = None, gptq: GPTQRun | None = None):
         self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
         # with GPTQ, each layer runs three passes (max, Hessians, quantized) and passes on its quantized output
         self.gptq = gptq
@@ -125,6 +155,7 @@ class LayerEngine:
         self.mine = own_sequences(samples.shape[0], state.rank, state.world)
         self.local = {s: i for i, s in enumerate(self.mine)}
         self.dispatcher = UnitDispatcher(state, samples.shape[0] * samples.shape[1] * max(c.num_experts_per_tok, 1))
+        self.held = Held(state, quality, eval_schedule, c.num_experts_per_tok) if quality is not None else None
         self.log = logger()
 
     def _assign(self, prefix: str) -> int:
@@ -138,6 +169,9 @@ class LayerEngine:
         self._assign(self.prefix + "embed_tokens.")
         ids = self.samples[self.mine].to(self.state.device)
         hidden = table(ids)
+        if self.held is not None:
+            held = table(self.held.report.eval_ids[self.held.mine].to(self.state.device))
+            self.held.ref, self.held.quant = LayerState(held, []), LayerState(held.clone(), [])
         table.to_empty(device="meta")
         return LayerState(hidden, [])
 
@@ -151,6 +185,8 @@ class LayerEngine:
                 ls = self.run_layer(i, ls, pb)
                 if after_layer is not None:
                     after_layer(i, ls)
+            if self.held is not None:
+                self._evaluate_head()
             self.run_mtp(ls)
         return ls
 
@@ -173,6 +209,7 @@ class LayerEngine:
         ids = self.samples[self.mine].to(self.state.device)
         hidden = ls.hidden
         for k, prefix in enumerate(self.mtp_prefixes()):
+            start, sent_before = time.perf_counter(), self.dispatcher.bytes_sent
             mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
             self.cal.observe(mtp, prefix)
             mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
@@ -181,10 +218,12 @@ class LayerEngine:
                     self._run_step(mtp, step, mtp_ls, write=self.gptq is None)
             finally:
                 self.cal.close()
-            if self.gptq is not None:
-                self._gptq_layer(mtp, prefix, mtp_ls, None)
+            self._quantize_layer(None, mtp, prefix, mtp_ls, None)
             hidden = mtp_ls.hidden
             mtp.to_empty(device="meta")
+            if self.state.rank == 0:
+                self.log.info("MTP layer %s: read and compute %.2f s, exchanged %.1f MiB", prefix.rstrip("."),
+                              time.perf_counter() - start, (self.dispatcher.bytes_sent - sent_before) / 2**20)
 
     def run_layer(self, i: int, ls: LayerState, pb) -> LayerState:
         layer = self.decoder.layers[i]
@@ -204,8 +243,7 @@ class LayerEngine:
                 pb.update(1)
         finally:
             self.cal.close()
-        if self.gptq is not None:
-            self._gptq_layer(layer, prefix, ls, pb)
+        self._quantize_layer(i, layer, prefix, ls, pb)
         if snapshot is not None:
             ls.blocks.append(snapshot)
         layer.to_empty(device="meta")
@@ -215,24 +253,54 @@ class LayerEngine:
                           placed / 2**20, compute_s, sent / 2**20)
         return ls
 
-    def _gptq_layer(self, layer, prefix: str, ls: LayerState, pb) -> None:
-        """After the max pass over `layer`: the Hessian pass, GPTQ, and the quantized pass, whose
-        output replaces `ls.hidden` (eprt.quant.gptq_layer)."""
-        g = LayerGPTQ(self.gptq, layer, prefix, self.cal)
-        if g.needs_hessians:
+    def _quantize_layer(self, i: int | None, layer, prefix: str, ls: LayerState, pb) -> None:
+        """Once the max pass over `layer` (decoder layer i; None: an MTP layer, which the quality
+        report does not cover) is done, with GPTQ or the quality report: the layer's amax made
+        final over the ranks; the report's reference stream through the layer as it is; GPTQ's
+        Hessian pass; then the layer quantized in place as the export writes it (GPTQ's weights
+        where it ran, eprt.quant.preview.fake_quantize for the rest, the inputs and the KV cache),
+        through which run the report's quantized stream and GPTQ's quantized pass, whose output
+        replaces `ls.hidden` (eprt.quant.gptq_layer). One quantization serves both."""
+        held = self.held if i is not None else None
+        if self.gptq is None and held is None:
+            return
+        self.cal.reduce_amax(self.state, prefix)
+        if held is not None:
+            self._held_pass(layer, held.ref)
+        g = LayerGPTQ(self.gptq, layer, prefix, self.cal) if self.gptq is not None else None
+        if g is not None and g.needs_hessians:
             g.observe()
             try:
                 self._steps(layer, ls, pb, write=False)
             finally:
                 g.close()
-        elif pb is not None:
+        elif g is not None and pb is not None:
             pb.update(self.schedule.num_steps)
-        g.quantize()
-        undo = g.fake_quantize_inputs()
+        # the probes keep the original weights: installed before any is replaced
+        errors, unprobe = held.report.probe(layer, prefix, held.schedule.num_groups) if held else (None, None)
+        unquantize = None
         try:
-            self._steps(layer, ls, pb, write=True)
+            if g is not None:
+                g.quantize()
+                g.free()
+            report = self.held.report if self.held is not None else None
+            unquantize = fake_quantize(layer, self.cal.targets, (report or self.gptq).recipe, self.cal, self.state,
+                                       prefix=prefix, source_dtype=lambda name: source_dtype(self.ck, name),
+                                       on_weight=report.on_weight if held is not None else None,
+                                       quantized=g.modules if g is not None else ())
+            if held is not None:
+                self._held_pass(layer, held.quant, errors)
+                unprobe()
+                unprobe = None
+            if g is not None:  # the probes measure the held-out sequences only
+                self._steps(layer, ls, pb, write=True)
         finally:
-            undo()
+            if unprobe is not None:
+                unprobe()
+            if unquantize is not None:
+                unquantize()
+        if held is not None:
+            held.report.finish_layer(i, prefix, held.pairs, held.ref.hidden, held.quant.hidden, errors)
 
     def _steps(self, layer, ls: LayerState, pb, write: bool) -> None:
         for step in range(self.schedule.num_steps):
@@ -261,29 +329,91 @@ class LayerEngine:
             pending.append((s, li, carry, m_TD, *ffn.route(m_TD)))
         if not isinstance(ffn, MoE):
             return
+        self._observe_every_expert(ffn, step, pending)
         routed = self._routed(ffn, step, pending)
         for (s, li, carry, m_TD, *_), routed_TD in zip(pending, routed):
             out = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
             if write:
                 ls.hidden[li] = out
 
+    def _observe_every_expert(self, moe: MoE, step: int, pending: list) -> None:
+        """--calibrate-all-experts: every token of the step through every routed expert, for the
+        observers only (the layer's output is the routed one, untouched). Each expert's rows are
+        whole groups of sequences in (sequence, position) order, each group one matmul on the
+        rank that computes the expert's routed unit of that group: the rows are a function of
+        the data alone, as the routed units' are. Skipped, on every rank alike, where the recipe
+        leaves the experts unquantized."""
+        if moe.experts.all_observer is None:
+            return
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
+        x_sorted, rows_per_unit_U = self.dispatcher.every_expert_rows(
+            x_TD, key_T, seq_T // self.schedule.group_size, self.schedule.step_groups(step))
+        moe.experts.observe_every_expert(x_sorted, rows_per_unit_U)
+
+    def _step_tokens(self, moe: MoE, pending: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed experts' input of the step's pending sequences [T, width], each token's
+        global sequence [T] and its global key, sequence x seq_len + position [T]."""
+        T, dev = self.schedule.seq_len, self.state.device
+        if pending:
+            x_TD = torch.cat([p[4] for p in pending])
+        else:
+            x_TD = torch.empty(0, moe.experts.w13.shape[-1], dtype=self.dtype, device=dev)
+        seq_T = torch.tensor([p[0] for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
+        return x_TD, seq_T, seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
+
     def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
         """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""
         T, K = self.schedule.seq_len, self.ck.config.num_experts_per_tok
         dev = self.state.device
-        width = moe.experts.w13.shape[-1]
+        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
         if pending:
-            x_TD = torch.cat([p[4] for p in pending])
             ids_TK = torch.cat([p[5] for p in pending])
             w_TK = torch.cat([p[6] for p in pending])
-            seq_T = torch.tensor([p[0] for p in pending], device=dev).repeat_interleave(T)
         else:
-            x_TD = torch.empty(0, width, dtype=self.dtype, device=dev)
             ids_TK = torch.empty(0, K, dtype=torch.int64, device=dev)
             w_TK = torch.empty(0, K, dtype=torch.float32, device=dev)
-            seq_T = torch.empty(0, dtype=torch.int64, device=dev)
-        pos_T = torch.arange(T, device=dev).repeat(len(pending))
-        key_TK = ((seq_T * T + pos_T) * K)[:, None] + torch.arange(K, device=dev)
+        key_TK = (key_T * K)[:, None] + torch.arange(K, device=dev)
         y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
                                self.schedule.step_groups(step), moe.experts)
         return list(y_TD.split(T)) if pending else []
+
+    # --- the quality report (eprt.quant.quality) ----------------------------------------------
+    @contextlib.contextmanager
+    def _over_held(self):
+        """Steps run over the held-out sequences, with their own schedule and work units."""
+        held, saved = self.held, (self.schedule, self.local, self.dispatcher)
+        self.schedule, self.local, self.dispatcher = held.schedule, held.local, held.dispatcher
+        try:
+            yield
+        finally:
+            self.schedule, self.local, self.dispatcher = saved
+
+    def _held_pass(self, layer, ls: LayerState, errors=None) -> None:
+        """One stream of the held-out sequences through `layer` (`errors`: the quantized stream's
+        probes, told each step's first work unit)."""
+        snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
+        with self._over_held():
+            for step in range(self.schedule.num_steps):
+                if errors is not None:
+                    errors.first_unit = self.schedule.step_groups(step)[0]
+                self._run_step(layer, step, ls)
+        if snapshot is not None:
+            ls.blocks.append(snapshot)
+
+    def _evaluate_head(self) -> None:
+        """After the last layer: the decoder's final step and the head over both streams."""
+        held, layers = self.held, self.prefix + "layers."
+        tied = self.model.config.tie_word_embeddings
+        names = [n for n in self.names if not n.startswith(layers)
+                 and (tied or not n.startswith(self.prefix + "embed_tokens."))]
+        for prefix in sorted({n.rpartition(".")[0] + "." for n in names}):
+            self._assign(prefix)
+
+        def logits_of(li: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out = (self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks])
+                   for ls in (held.ref, held.quant))
+            return tuple(self.model.logits(h)[0] for h in out)
+
+        held.report.finish(held.pairs, logits_of)
+        for module in sorted({n.rpartition(".")[0] for n in names}):
+            self.model.get_submodule(module).to_empty(device="meta")

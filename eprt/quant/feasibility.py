@@ -15,7 +15,7 @@ import fnmatch
 import re
 
 from eprt.errors import ConfigError
-from eprt.layout import Layout, TensorSpec
+from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.fusion import FUSED_SIBLINGS
 from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import Recipe
@@ -29,15 +29,18 @@ class RecipeError(ConfigError):
 
 def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, TensorSpec]:
     """The modules `recipe` quantizes in `layout`, by name; refuses a recipe that quantizes none,
-    or a module its format cannot quantize. `where` names the checkpoint in the refusal."""
-    modules = layout.linear_modules()
+    or a module its format cannot quantize. `where` names the checkpoint in the refusal. The
+    multi-token-prediction layers count only for a recipe that says `mtp: true` (`mtp_candidates`)."""
+    modules = {**layout.linear_modules(), **mtp_candidates(layout, recipe, where)}
     quantized = {m: spec for m, spec in modules.items() if recipe.format_of(m)}
     if not quantized:
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
-    refuse_mtp_rules(layout, modules, recipe, where)
     refuse_split_fusion(modules, quantized, recipe, where)
-    refuse_unblockable(layout, {m: s for m, s in quantized.items() if recipe.format_of(m) == "nvfp4"}, recipe, where)
+    refuse_unblockable((*layout.specs, *layout.mtp),
+                       {m: s for m, s in quantized.items() if recipe.format_of(m) == "nvfp4"}, recipe, where)
+    if recipe.mtp:
+        refuse_mtp_gaps(layout, quantized, recipe, where)
     return quantized
 
 
@@ -45,9 +48,12 @@ MTP_LAYER = re.compile(r"^model\\\.layers\\\.(\d+)\\\.")  # a passthrough regex 
 
 
 def mtp_modules(layout: Layout, modules: dict) -> list[str]:
-    """The Linear modules of the multi-token-prediction layers the layout carries through
-    (DeepSeek-V3's `model.layers.N`, N >= num_hidden_layers): a decoder layer's modules under the
-    MTP layer's index, plus its eh_proj and shared head."""
+    """The Linear modules of the multi-token-prediction layers (DeepSeek-V3's `model.layers.N`,
+    N >= num_hidden_layers): those of `layout.mtp` where eprt runs them, else, for layers it only
+    carries through, a decoder layer's modules under the MTP layer's index plus its eh_proj and
+    shared head."""
+    if layout.mtp:
+        return sorted({module_of(s) for s in layout.mtp if s.stacked or len(s.shape) == 2} - {None})
     layers = [int(m.group(1)) for p in layout.passthrough if (m := MTP_LAYER.match(p))]
     if not layers:
         return []
@@ -56,19 +62,45 @@ def mtp_modules(layout: Layout, modules: dict) -> list[str]:
     return [f"model.layers.{n}.{leaf}" for n in layers for leaf in sorted(in_layer | {"eh_proj", "shared_head.head"})]
 
 
-def refuse_mtp_rules(layout: Layout, modules: dict, recipe: Recipe, where: str) -> None:
-    """The MTP layers are carried through unquantized: the layer-major engine can run them on the
-    last layer's hidden states (LayerEngine.run_mtp), but convert carries their tensors under
-    their Hugging Face names outside the layout, and export has no companions for them yet. A
-    rule written for them alone, one that
-    quantizes an MTP module and none of the model's own, is refused by name. A rule matching both
-    leaves the MTP layers unquantized, excluded by name in the export."""
-    for mtp in mtp_modules(layout, modules):
+def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, TensorSpec]:
+    """The MTP modules `recipe` may quantize: none unless it says `mtp: true` (without it the MTP
+    layers are carried through byte for byte, and a rule written for them alone, one that quantizes
+    an MTP module and none of the model's own, is refused by name). Under `mtp: true`, the modules of
+    `layout.mtp` a family allows (its eh_proj, own embedding and shared head stay unquantized);
+    refused for a model whose MTP layers eprt carries through without running them (DeepSeek-V3.2's,
+    with its indexer: their calibration needs their forward)."""
+    modules = layout.linear_modules()
+    carried = mtp_modules(layout, modules)
+    if recipe.mtp:
+        if carried and not layout.mtp:
+            layers = sorted({".".join(m.split(".")[:3]) for m in carried})
+            raise RecipeError(f"{where}: recipe {recipe.name!r} says mtp: true, but eprt does not run this model's "
+                              f"multi-token-prediction layers ({', '.join(layers)}; it runs DeepSeek-V3's, "
+                              "Kimi-K2's and GLM-4.5's) and carries them through unquantized: remove `mtp: true` "
+                              "from the recipe")
+        return layout.linear_modules(mtp=True)
+    for mtp in carried:
         rule = recipe.rule_of(mtp)
         if rule and rule.format != "none" and not any(fnmatch.fnmatchcase(m, rule.pattern) for m in modules):
+            way_out = ("add `mtp: true` to the recipe to quantize the MTP layers by its rules, or drop the rule"
+                       if layout.mtp else "eprt carries this model's MTP layers through unquantized: drop the rule "
+                       "or give it format none")
             raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule.pattern!r}, format: "
-                              f"{rule.format}}}), a multi-token-prediction layer; eprt cannot export MTP layers quantized yet "
-                              "and writes them back unquantized: drop the rule or give it format none")
+                              f"{rule.format}}}), a multi-token-prediction layer, but does not say mtp: true; {way_out}")
+    return {}
+
+
+def refuse_mtp_gaps(layout: Layout, quantized: dict, recipe: Recipe, where: str) -> None:
+    """Under `mtp: true` each MTP layer quantizes a module: MTP layer k runs on layer k - 1's output,
+    so calibrating one needs every one before it, and a layer the recipe leaves whole is a recipe
+    that meant something else."""
+    candidates = layout.linear_modules(mtp=True)
+    for n in sorted({layer_of(s.name) for s in layout.mtp}):
+        if not any(layer_of(m) == n for m in quantized):
+            some = ", ".join(sorted(m for m in candidates if layer_of(m) == n)[:3])
+            raise RecipeError(f"{where}: recipe {recipe.name!r} says mtp: true but quantizes no module of the "
+                              f"multi-token-prediction layer model.layers.{n}: make a rule match its modules "
+                              f"({some}, ...), or remove `mtp: true`")
 
 
 def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
@@ -89,9 +121,9 @@ def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: s
             raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; {fused}")
 
 
-def refuse_unblockable(layout: Layout, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
-    """Every quantized weight whose input dim NVFP4 cannot split into blocks, refused at once."""
-    bad = [(module, spec) for spec in layout.specs for module in [module_of(spec)]
+def refuse_unblockable(specs, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
+    """Every quantized weight of `specs` whose input dim NVFP4 cannot split into blocks, refused at once."""
+    bad = [(module, spec) for spec in specs for module in [module_of(spec)]
            if module in quantized and spec.shape[-1] % BLOCK_SIZE]
     if not bad:
         return

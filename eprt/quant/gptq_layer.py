@@ -1,32 +1,35 @@
 """GPTQ inside the layer-major engine (eprt.quant.engine): one decoder layer at a time.
 
 For each layer, after the max pass has recorded its inputs' amax (inputs are the quantized stream
-of the layers before it):
-1. `LayerGPTQ` reduces a copy of that layer's statistics over the ranks (the run's own
-   statistics are reduced once at the end, as without GPTQ);
+of the layers before it) and the engine has reduced them over the ranks (Calibrator.reduce_amax):
+1. `LayerGPTQ` sums the layer's routed token counts over the ranks, on copies (the run's own are
+   summed once at the end, as without GPTQ);
 2. a Hessian pass: each quantized Linear GPTQ runs on sums x x^T over its inputs, one canonical
    unit at a time (dense: one sequence; a routed expert: one work unit, w13 on the expert's input,
    w2 on the gated activation), exactly (eprt.quant.gptq.HessianSum), then over the ranks (dense:
    the world; experts: the edp replicas that computed the expert's other units);
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
-   rounding and is listed), each rank alike for what it holds;
-4. the layer is fake-quantized in place with the export's numerics (weights as exported, GPTQ's
-   where it ran; inputs through their input scales; keys and values through FP8 with an FP8 KV
-   cache) and run again to make the next layer's input.
+   rounding and is listed), each rank alike for what it holds, its weights set in place to what
+   the export writes;
+4. the engine fake-quantizes the rest of the layer with the export's numerics
+   (eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
+   and values through FP8 with an FP8 KV cache) and runs it again to make the next layer's input.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from eprt.families import reader_for
+from eprt.layout import TensorSpec
 from eprt.models.moe import Experts
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.preview import fake_expert_inputs, fake_inputs
 from eprt.quant.scales import EXPERT_KINDS, Scales, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
 
@@ -46,9 +49,6 @@ class GPTQResults:
         self.dense: dict[str, torch.Tensor] = {}
         self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skipped: dict[str, list[int]] = {}
-
-    def decoder(self, ck: Checkpoint, formats: dict[str, str], first_expert: int) -> "GPTQWeights":
-        return GPTQWeights(self, ck, formats, first_expert)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a layer boundary saves for --resume (eprt.quant.workdir)."""
@@ -71,25 +71,33 @@ class GPTQResults:
     def summary(self) -> dict:
         return {m: ids for m, ids in self.skipped.items() if ids}
 
-
-class GPTQWeights:
-    """GPTQ's weights dequantized (for the preview), with the export's scales from the original
-    weights in the checkpoint; `first_expert`: the global id of this rank's first expert."""
-
-    def __init__(self, results: GPTQResults, ck: Checkpoint, formats: dict[str, str], first_expert: int):
-        self.dense, self.experts, self.ck, self.first = results.dense, results.experts, ck, first_expert
-        self.formats, self.scales = formats, Scales.of_checkpoint(ck, formats, CalibrationState())
-
-    def weight(self, module: str) -> torch.Tensor:
-        w = as_quantized(self.ck, f"{module}.weight", self.formats[module], self.ck.read(f"{module}.weight"))
-        return _decode(self.formats[module], self.dense[module], w, self.scales.weight_scale(module))
-
-    def expert_weight(self, module: str, kind: str, local: int) -> torch.Tensor:
-        e = self.first + local
-        name = f"{module}.{kind}"
-        row = as_quantized(self.ck, name, self.formats[module], self.ck.read(name, rows=(e, e + 1))[0])
-        codes = self.experts[module][EXPERT_KINDS.index(kind)][local]
-        return _decode(self.formats[module], codes, row, self.scales.expert_weight_scale(module, row))
+    def apply(self, model, ck: Checkpoint, formats: dict[str, str], first_expert: int) -> set[str]:
+        """Set GPTQ's weights (dequantized, under the export's scales from the original weights in
+        `ck`) into `model`'s modules (routed experts: this rank's, the first global id
+        `first_expert`); returns the modules set, for eprt.quant.preview.fake_quantize."""
+        scales = Scales.of_checkpoint(ck, formats, CalibrationState())
+        present = {name for name, _ in model.named_modules()}
+        done = set()
+        with torch.no_grad():
+            for m, codes in self.dense.items():
+                if m in present:
+                    w = as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight"))
+                    weight = model.get_submodule(m).weight
+                    weight.copy_(_decode(formats[m], codes, w, scales.weight_scale(m)).to(weight.dtype))
+                    done.add(m)
+            for m, pair in self.experts.items():
+                if m not in present:
+                    continue
+                experts = model.get_submodule(m)
+                for kind, codes, param in zip(EXPERT_KINDS, pair, (experts.w13, experts.w2)):
+                    name = f"{m}.{kind}"
+                    for local in range(param.shape[0]):
+                        e = first_expert + local
+                        row = as_quantized(ck, name, formats[m], ck.read(name, rows=(e, e + 1))[0])
+                        w = _decode(formats[m], codes[local], row, scales.expert_weight_scale(m, row))
+                        param[local].copy_(w.to(param.dtype))
+                done.add(m)
+        return done
 
 
 def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -111,9 +119,17 @@ class GPTQRun:
     def uses_gptq(self, module: str) -> bool:
         return self.recipe.algorithm_of(module) == ALGORITHM
 
+    @functools.cached_property
+    def mtp_stacked(self) -> dict[str, TensorSpec]:
+        """The stacked tensors of the multi-token-prediction layers, which convert carries through
+        under their Hugging Face names (read expert by expert from their source tensors)."""
+        c = self.ck.config
+        return {s.name: s for s in reader_for(c.model_type, self.ck.path).layout(c).mtp if s.stacked}
+
 
 class LayerGPTQ:
-    """GPTQ of one decoder layer `layer`, whose modules are named `prefix` + their name in it."""
+    """GPTQ of one decoder layer `layer`, whose modules are named `prefix` + their name in it;
+    `cal`'s amax of the layer already reduced over the ranks (Calibrator.reduce_amax)."""
 
     def __init__(self, run: GPTQRun, layer, prefix: str, cal: Calibrator):
         self.run, self.layer, self.prefix = run, layer, prefix
@@ -121,13 +137,10 @@ class LayerGPTQ:
         mine = lambda names: [n for n in names if n.startswith(prefix)]  # noqa: E731
         self.dense = [m for m in mine(cal.targets) if not isinstance(self._module(m), Experts)]
         self.experts = [m for m in mine(cal.targets) if isinstance(self._module(m), Experts)]
-        # this layer's statistics reduced over the ranks, on copies
-        reduce = lambda t, over, op=dist.ReduceOp.MAX: st.all_reduce(t.clone(), over=over, op=op)  # noqa: E731
-        input_amax = {m: reduce(cal.input_amax[m], "dp") for m in self.dense}
-        expert_amax = {m: tuple(reduce(t, "edp") for t in cal.expert_amax[m]) for m in self.experts}
-        tokens = {m: reduce(cal.expert_tokens[m], "edp", dist.ReduceOp.SUM) for m in self.experts}
-        self.kv = {a: tuple(reduce(t, "dp") for t in cal.kv_amax[a]) for a in mine(cal.kv_amax)}
-        self.stats = CalibrationState(input_amax, expert_amax, tokens)
+        # this layer's routed token counts summed over the ranks, on copies
+        tokens = {m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM)
+                  for m in self.experts}
+        self.stats = CalibrationState(cal.input_amax, cal.expert_amax, tokens)
         self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
@@ -140,7 +153,13 @@ class LayerGPTQ:
 
     def _read(self, module: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Original weight `name` of `module` (or its rows), as the export quantizes it."""
-        return as_quantized(self.run.ck, name, self.run.formats[module], self.run.ck.read(name, rows))
+        ck = self.run.ck
+        if rows is not None and name not in ck.tensors:  # an MTP layer's experts
+            spec = self.run.mtp_stacked[name]
+            w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
+        else:
+            w = ck.read(name, rows)
+        return as_quantized(ck, name, self.run.formats[module], w)
 
     @property
     def needs_hessians(self) -> bool:
@@ -175,9 +194,14 @@ class LayerGPTQ:
         self._undo.clear()
 
     # --- the solve and the quantized layer ----------------------------------------------------
+    @property
+    def modules(self) -> set[str]:
+        """The modules GPTQ runs on: `quantize` sets their weights (the engine fake-quantizes the others)."""
+        return {*self.gptq_dense, *self.gptq_experts}
+
     def quantize(self) -> None:
-        """Sum the Hessians over the ranks, then set every quantized weight of the layer to what the
-        export writes (GPTQ's where it ran) and record GPTQ's codes."""
+        """Sum the Hessians over the ranks, run GPTQ, set the weights of `modules` to what the
+        export writes and record their codes."""
         st, run = self.run.state, self.run
         for hs in self.hessians.values():
             st.all_reduce(hs.total, over="dp", op=dist.ReduceOp.SUM)
@@ -186,53 +210,44 @@ class LayerGPTQ:
                 for hs in pair:
                     st.all_reduce(hs.total, over="edp", op=dist.ReduceOp.SUM)
         with torch.no_grad():
-            for m in self.dense:
+            for m in self.gptq_dense:
                 module = self._module(m)
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
-                codes, deq = self._quantize(m, w, self.scales.weight_scale(m), f"{m}.weight",
-                                            self.hessians.get(m))
-                if codes is not None:
-                    run.results.dense[m] = codes.cpu()
-                module.weight.copy_(deq.to(module.weight.dtype))
-            for m in self.experts:
+                cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
+                q = gptq(w[None], self.hessians[m].hessian()[None], cols)
+                run.results.dense[m] = cols.encode(q)[0].cpu()
+                module.weight.copy_(q[0].to(module.weight.dtype))
+            for m in self.gptq_experts:
                 self._quantize_experts(m)
 
-    def _quantize(self, m: str, w: torch.Tensor, scale: torch.Tensor, name: str, hs: HessianSum | None):
-        """(GPTQ's codes or None, the dequantized weight in fp32) of weight `name` of module m."""
-        fmt = self.run.formats[m]
-        if hs is None:
-            return None, dequantize_weight(fmt, self.scales.quantize_weight(m, w, scale), torch.float32)
-        cols = columns_of(fmt, w[None], scale.reshape(1))
-        q = gptq(w[None], hs.hessian()[None], cols)
-        return cols.encode(q)[0], q[0]
+    def free(self) -> None:
+        """Drop the Hessians, once solved: the quantized streams run without them."""
+        self.hessians.clear()
+        self.expert_hessians.clear()
 
     def _quantize_experts(self, m: str) -> None:
         """Every local expert's w13 and w2 as exported: GPTQ's (solved EXPERT_STACK at a time) for
-        the experts with enough tokens, max rounding's for the others."""
+        the experts with enough tokens, max rounding's (the module's scales) for the others."""
         run, experts = self.run, self._module(m)
         first, L = experts.first, experts.count
-        sums = self.expert_hessians.get(m)
+        sums = self.expert_hessians[m]
         codes = {}
         for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
             name, fmt = f"{m}.{kind}", run.formats[m]
             rows = self._read(m, name, (first, first + L)).to(param.device)
             scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
-            deq = torch.empty(rows.shape, dtype=torch.float32, device=param.device)
-            kept = [l for l in range(L) if sums is None or l not in sums]
-            for l in kept:  # the export's own codes
+            for l in (l for l in range(L) if l not in sums):  # the export's own codes
                 t = self.scales.quantize_weight(m, rows[l], scales[l])
-                deq[l], codes[(kind, l)] = dequantize_weight(fmt, t, torch.float32), t["weight"]
-            solved = sorted(sums) if sums is not None else []
+                param[l].copy_(dequantize_weight(fmt, t, param.dtype))
+                codes[(kind, l)] = t["weight"]
+            solved = sorted(sums)
             for j in range(0, len(solved), EXPERT_STACK):
                 ids = solved[j:j + EXPERT_STACK]
                 cols = columns_of(fmt, rows[ids], scales[ids])
                 q = gptq(rows[ids], torch.stack([sums[l][k].hessian() for l in ids]), cols)
-                deq[ids] = q
+                param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
-            param.copy_(deq.to(param.dtype))
-        if sums is None:
-            return
         run.results.experts[m] = tuple(torch.stack([codes[(k, l)].cpu() for l in range(L)]) for k in EXPERT_KINDS)
         # the experts kept at max rounding, over every ep rank
         skipped = torch.zeros(experts.num_experts, dtype=torch.int64, device=experts.w13.device)
@@ -243,26 +258,6 @@ class LayerGPTQ:
         if run.results.skipped[m] and run.state.rank == 0:
             logger().info("%s: GPTQ kept max rounding for experts %s (fewer than %d tokens, --gptq-min-tokens)",
                           m, run.results.skipped[m], run.min_tokens)
-
-    def fake_quantize_inputs(self):
-        """Every quantized module's input (and an FP8 KV cache's keys and values) through its
-        scale, as the engines compute; returns the undo."""
-        undo = []
-        for m in self.dense:
-            undo.append(fake_inputs(self._module(m), self.run.formats[m], self.scales.input_scale(m)))
-        for m in self.experts:
-            s = {}
-            for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
-                amax = self.scales.expert_input_amax(m, kind).clone()
-                self.run.state.all_reduce(amax, over="ep", op=dist.ReduceOp.MAX)
-                s[kind] = self.scales.scale(m, amax)
-            undo.append(fake_expert_inputs(self._module(m), self.run.formats[m], s["w13"], s["w2"]))
-        for attn, (k_amax, v_amax) in self.kv.items():
-            module = self._module(attn)
-            ks, vs = fp8_scale(k_amax), fp8_scale(v_amax)
-            module.kv_quant = lambda k, v, ks=ks, vs=vs: (fake_quant_fp8(k, ks), fake_quant_fp8(v, vs))
-            undo.append(lambda module=module: setattr(module, "kv_quant", None))
-        return lambda: [u() for u in undo]
 
 
 def _add_units(sums: dict[int, tuple[HessianSum, HessianSum]], x_sorted: torch.Tensor, h_sorted: torch.Tensor,

@@ -176,7 +176,8 @@ def dequantize_nvfp4(
     the multiplication by scale_2.
     """
     values = e2m1_decode(unpack_fp4(packed))
-    blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
+    # the block count spelled out: a tensor of no rows (a rank given none) has no -1 to infer
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     if blocks.shape[:-1] != block_scale.shape:
         raise ValueError(
             f"block scale shape {tuple(block_scale.shape)} does not fit packed weight "

@@ -5,7 +5,14 @@ eprt; measured when the plan is made, so the plan covers it), the hidden states 
 sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
 first hidden states are formed, or one decoder layer's weights with one step's buffers (the
 per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
-intermediate rows, the fp32 combine) and the largest tensor in flight as it is read.
+intermediate rows, the fp32 combine; with --calibrate-all-experts, the larger of those and the
+statistics pass's) and the largest tensor in flight as it is read.
+
+The quality report (eprt.quant.quality) adds the hidden states of its held-out sequences, twice
+(a reference and a quantized stream); while a layer runs them quantized, a copy of the layer's
+quantized weights as they were (its probes compare against them) and one held-out step's
+buffers with the probes' reference outputs; and at the end the final norm and the head, with
+one sequence's logits of both streams.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 
 from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
+from eprt.families import reader_for
+from eprt.layout import layer_of
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences
 from eprt.quant.gptq_layer import EXPERT_STACK
@@ -84,11 +93,15 @@ class MemoryPlan:
     step: int  # one step's activations and exchange buffers
     gptq: int = 0  # with GPTQ: a layer's Hessians (int64) and one solve's working set, beside the layer
     codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written
+    eval_layer: int = 0  # the quality report: the largest layer's weights with the copy of its quantized ones
+    eval_step: int = 0  # one held-out step's buffers, with the probes'
+    head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
 
     @property
     def peak(self) -> int:
         return self.baseline + self.hidden + self.codes + max(self.embedding, self.reading,
-                                                               self.layer + self.step + self.gptq)
+                                                               self.layer + self.step + self.gptq,
+                                                               self.eval_layer + self.eval_step, self.head)
 
 
 @dataclass(frozen=True)
@@ -98,36 +111,45 @@ class Planner:
     ck: Checkpoint
     dtype: torch.dtype
     # per layer, its tensors in the order they are read: (bytes placed, bytes in flight beside
-    # them while read, routed experts: a rank holds 1/ep of both)
-    reads: dict[int, list[tuple[int, int, bool]]]
+    # them while read, routed experts: a rank holds 1/ep of both, quantized: the quality report
+    # keeps a copy)
+    reads: dict[int, list[tuple[int, int, bool, bool]]]
     embedding: int
     kernel_cache: int
-    # with GPTQ, per layer its Linears' (Hessian bytes, solve bytes, weight elements, routed experts),
-    # every 2-D weight counted (an upper bound: not every one is quantized)
+    head: int = 0  # what the decoder's final step and the head read after the last layer
+    # with GPTQ, per decoder layer its Linears' (Hessian bytes, solve bytes, weight elements, routed
+    # experts), every 2-D weight counted (an upper bound: not every one is quantized); an MTP
+    # layer is a decoder layer's size
     hessians: dict[int, list[tuple[int, int, int, bool]]] | None = None
     device: str = "cpu"
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, gptq: bool = False) -> Planner:
-        """`gptq`: the recipe runs GPTQ on some module (eprt.quant.gptq_layer)."""
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
+           gptq: bool = False) -> Planner:
+        """`targets`: the modules the recipe quantizes (the quality report copies their weights);
+        with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
+        decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
+        the recipe runs GPTQ on some module (eprt.quant.gptq_layer)."""
         b = dtype.itemsize
         hessians: dict[int, list[tuple[int, int, int, bool]]] | None = {} if gptq else None
         model, stacked = meta_model(ck, None)
         prefix, _ = model.decoder()
-        reads: dict[int, list[tuple[int, int, bool]]] = {}
-        embedding = 0
+        reads: dict[int, list[tuple[int, int, bool, bool]]] = {}
+        embedding = head = 0
+        weights = {f"{m}.{leaf}" for m in targets for leaf in ("weight", "w13", "w2")}
         for name, t in model.state_dict().items():
             n = t.numel() * (4 if model.keeps_fp32(name) else b)
             m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
             if not m:
                 embedding += n if name.startswith(prefix + "embed_tokens.") else 0
+                head += n if not name.startswith(prefix + "embed_tokens.") or model.config.tie_word_embeddings else 0
                 continue
             meta = ck.meta(name)
             # read as stored, then cast into place: a stored copy in another dtype (or an
             # encoded one's decoded rows) is in flight beside it
             run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
-            reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked))
+            reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
                 count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
                 # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
@@ -135,8 +157,10 @@ class Planner:
                 solve = (4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8) * (EXPERT_STACK if name in stacked else 1)
                 hessians.setdefault(int(m.group(1)), []).append(
                     (count * in_dim * in_dim * 8, solve, t.numel(), name in stacked))
+        if mtp:
+            mtp_reads(ck, dtype, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
-        return cls(ck, dtype, reads, embedding, cache, hessians, device.type)
+        return cls(ck, dtype, reads, embedding, cache, head, hessians, device.type)
 
     def _gptq(self, ep: int) -> tuple[int, int]:
         """(the most a layer's Hessians and one solve hold, GPTQ's codes of every layer at one
@@ -150,32 +174,55 @@ class Planner:
             codes += sum(n // (ep if expert else 1) for _, _, n, expert in linears)
         return most, codes if self.device == "cpu" else 0
 
-    def _layer(self, ep: int) -> tuple[int, int]:
-        """(the largest layer's weights, the most any layer holds while it is read) on one rank."""
-        layer = reading = 0
+    def _layer(self, ep: int) -> tuple[int, int, int]:
+        """(the largest layer's weights, the most any layer holds while it is read, the most a
+        layer holds with the copy of its quantized weights) on one rank."""
+        layer = reading = copied = 0
         for tensors in self.reads.values():
-            placed = 0
-            for n, flight, expert in tensors:
+            placed = copy = 0
+            for n, flight, expert, quantized in tensors:
                 share = ep if expert else 1
                 reading = max(reading, placed + (n + flight) // share)
                 placed += n // share
-            layer = max(layer, placed)
-        return layer, reading
+                copy += n // share if quantized else 0
+            layer, copied = max(layer, placed), max(copied, placed + copy)
+        return layer, reading, copied
 
     def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
-             baseline: int) -> MemoryPlan:
+             baseline: int, all_experts: bool = False, eval_sequences: int = 0,
+             eval_schedule: Schedule | None = None) -> MemoryPlan:
+        c, b = self.ck.config, self.dtype.itemsize
+        D, T = c.hidden_size, seq_len
+        block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
+        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
+        hidden = len(own_sequences(num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        layer, reading, copied = self._layer(ep)
+        step = self._step(rank, world, num_sequences, seq_len, schedule, probes=False, all_experts=all_experts,
+                          ep=ep)
+        gptq, codes = self._gptq(ep)
+        if not eval_sequences:
+            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes)
+        hidden += 2 * len(own_sequences(eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        eval_step = self._step(rank, world, eval_sequences, seq_len, eval_schedule, probes=True)
+        # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
+        head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
+        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
+                          copied, eval_step, head)
+
+    def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
+              probes: bool, all_experts: bool = False, ep: int = 1) -> int:
+        """One step's buffers on this rank; with `probes` (the quality report's quantized stream),
+        the reference outputs its probes compute beside each quantized module's; with
+        `all_experts`, the larger of the routed exchange's and the statistics pass's."""
         c, b = self.ck.config, self.dtype.itemsize
         D, T, K = c.hidden_size, seq_len, max(c.num_experts_per_tok, 1)
         n_mine = len(own_sequences(num_sequences, rank, world))
-        block_size = c.extra.get("attn_res_block_size") or 0
-        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
-        hidden = n_mine * T * D * b * (1 + snapshots)
-        layer, reading = self._layer(ep)
+        block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        W = c.extra.get("latent_size") or D  # the routed experts' width
-        widest = max(c.moe_intermediate_size or 0, c.intermediate_size or 0)
+        W = (c.moe.latent_size or D) if c.moe else D  # the routed experts' width
+        widest = max(c.moe.intermediate_size if c.moe else 0, c.intermediate_size)
         R = t * K if c.moe_layers else 0
         # kept until the step's exchange returns, per token: the residual and the MLP input, the
         # experts' input per sequence and concatenated
@@ -188,10 +235,41 @@ class Planner:
         # with a handful of int64 indices per copy throughout
         moved = 3 if world == 1 else 4
         routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
-        snapshot = n_mine * T * D * b if snapshots else 0
-        step = pending + attention + dense_mlp + routed + snapshot
-        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step,
-                          *self._gptq(ep))
+        if probes:  # the experts' reference rows (activation and output) and their fp64 errors
+            routed += R * (widest * b + W * b + 2 * W * 8)
+        if all_experts and c.moe_layers:
+            routed = max(routed, self._every_expert(schedule, world, ep, num_sequences, T, t, W))
+        snapshot = n_mine * T * D * b if block_size else 0
+        return pending + attention + dense_mlp + routed + snapshot
+
+    def _every_expert(self, schedule: Schedule, world: int, ep: int, num_sequences: int, T: int, t: int,
+                      W: int) -> int:
+        """--calibrate-all-experts' statistics pass, which ends before the routed exchange starts:
+        this rank's t tokens sent once to each of ep ranks; received, the step's tokens of the
+        groups of one edp replica, and their sorted copy; then, one expert at a time, gate/up,
+        the activation's temporary, the activation and its absolute value, with the input's
+        absolute value beside them. A handful of int64 indices per row throughout."""
+        b, I = self.dtype.itemsize, self.ck.config.moe.intermediate_size
+        replica_groups = math.ceil(schedule.groups_per_step / (world // ep))
+        r = min(replica_groups * schedule.group_size, num_sequences) * T
+        return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
+
+
+def mtp_reads(ck: Checkpoint, dtype: torch.dtype, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
+    """Each MTP layer's tensors as `Planner.reads` holds a layer's. An MTP layer is loaded whole (its
+    own embedding and shared head too); its routed experts are read expert by expert from their
+    source tensors and stacked, the rows in flight beside the stacked copy."""
+    c = ck.config
+    fam = reader_for(c.model_type, ck.path)
+    for spec in fam.layout(c).mtp:
+        run_dtype = torch.float32 if fam.keeps_fp32(spec.name) else dtype
+        n = math.prod(spec.shape) * run_dtype.itemsize
+        if spec.stacked:
+            flight = n
+        else:
+            meta = ck.meta(spec.name)
+            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else math.prod(spec.shape) * meta.dtype.itemsize
+        reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked, False))
 
 
 def parse_size(text: str) -> int:
@@ -213,7 +291,8 @@ def format_bytes(n: int) -> str:
 
 
 def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
-                 num_experts: int, num_sequences: int, seq_len: int, schedule_of) -> None:
+                 num_experts: int, num_sequences: int, seq_len: int, schedule_of, all_experts: bool = False,
+                 eval_sequences: int = 0, eval_schedule: Schedule | None = None) -> None:
     """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
     --calib-size that fit (`schedule_of(num_sequences)` gives the run's schedule for a size)."""
     if plan.peak <= limit:
@@ -222,7 +301,8 @@ def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, w
 
     def peak(ep_: int, n: int) -> int:
         return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=seq_len,
-                            schedule=schedule_of(n), baseline=plan.baseline).peak
+                            schedule=schedule_of(n), baseline=plan.baseline, all_experts=all_experts,
+                            eval_sequences=eval_sequences, eval_schedule=eval_schedule).peak
 
     ways = []
     fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]

@@ -1,25 +1,28 @@
 """A glance at the model before and after quantization: a short greedy continuation of a prompt.
 
 After calibration the quantized modules are fake-quantized in place (weights quantized and
-dequantized with the export's scales, inputs through their calibrated input scale), so
-the continuation shows what the engine will compute. The model is not used afterwards:
-export reads the weights from the checkpoint.
+dequantized with the export's scales, inputs through their calibrated input scale, the KV
+cache through its k/v scales), so the continuation shows what the engine will compute. The
+model is not used afterwards: export reads the weights from the checkpoint. The quality report
+(eprt.quant.quality) and GPTQ's quantized stream (eprt.quant.gptq_layer) fake-quantize each
+decoder layer the same way, the weights GPTQ chose in place of max's or mse's.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Collection
 
 import torch
 import torch.distributed as dist
 
 from eprt.models.moe import Experts
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fake_quant_fp8
+from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.nvfp4 import fake_quant_nvfp4
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import EXPERT_KINDS, Scales
+from eprt.quant.scales import EXPERT_KINDS, Scales, dequantize_weight
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
 
@@ -41,62 +44,91 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
 FAKES = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
 
 
-def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, gptq=None) -> None:
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, *, prefix: str = "",
+                  source_dtype: Callable[[str], torch.dtype] | None = None,
+                  on_weight: Callable[[str, torch.Tensor], None] | None = None,
+                  quantized: Collection[str] = ()) -> Callable[[], None]:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
-    export's scales (eprt.quant.scales): dense Linears' inputs, and both projections' inputs of
-    the routed experts. `gptq` (eprt.quant.gptq_layer.GPTQWeights): the weights GPTQ chose,
-    where it ran."""
-    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
-                    lambda m: model.get_submodule(m).weight.detach(), {m: recipe.algorithm_of(m) for m in targets})
+    export's scales and numerics (eprt.quant.scales: each module's algorithm, max or mse): dense
+    Linears' inputs, both projections' inputs of the routed experts, and with an FP8 KV cache the
+    keys and values where calibration observed them.
 
-    def fake_weight(m: str, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-        if scales.formats[m] == "fp8":
-            return fake_quant_fp8(w, w_scale)
-        return fake_quant_nvfp4(w, w_scale, scales.block_scale(m, w, w_scale))
+    `model` holds the modules named `prefix` + their name in it (the whole model, or one decoder
+    layer of a layer-by-layer run): only the targets it holds are quantized (the causal LM runs no
+    multi-token-prediction layer), and the expert input scales are reduced over the ep group, so
+    every rank must call it alike.
+    `source_dtype(tensor name)` is the dtype the export rounds an FP8 quotient to (the source's;
+    default the weight's own), so that the weights are the export's dequantized, bit for bit
+    wherever the run's dtype holds the checkpoint's weights exactly. `quantized`: the modules whose
+    weights already hold what the export writes (GPTQ's, eprt.quant.gptq_layer), left as they are.
+    `on_weight(tensor name, weight)` sees each weight as replaced (a routed-experts tensor: this
+    rank's rows). Returns what removes the input and KV hooks (the weights stay replaced)."""
+    sub = lambda m: model.get_submodule(m[len(prefix):])  # noqa: E731
+    present = {prefix + name for name, _ in model.named_modules()}
+    targets = [m for m in targets if m.startswith(prefix) and m in present]
+    formats = {m: recipe.format_of(m) for m in targets}
 
-    dense = [m for m in targets if not isinstance(model.get_submodule(m), Experts)]
+    def as_quantized(name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
+        """w as the export quantizes it (eprt.quant.scales.as_quantized)."""
+        return w.to(source_dtype(name)) if fmt == "fp8" and source_dtype is not None else w
+
+    scales = Scales(formats, CalibrationState.of(cal),
+                    lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
+                    {m: recipe.algorithm_of(m) for m in targets})
+
+    def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        t = scales.quantize_weight(m, as_quantized(name, formats[m], w), scale)
+        return dequantize_weight(formats[m], t, w.dtype)
+
+    def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        try:
+            return compute()
+        except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
+            raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
+
+    undo = []
+    dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
-    resolved = {m: (scales.weight_scale(m), scales.input_scale(m)) for m in dense}
+    resolved = {m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)),
+                    scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module = model.get_submodule(m)
+            module, fmt = sub(m), formats[m]
             w_scale, in_scale = resolved[m]
-            if gptq is not None and m in gptq.dense:
-                module.weight.copy_(gptq.weight(m))
-            else:
-                module.weight.copy_(fake_weight(m, module.weight, w_scale))
-            fake_inputs(module, scales.formats[m], in_scale)
+            if m not in quantized:
+                module.weight.copy_(fake_weight(m, f"{m}.weight", module.weight, w_scale))
+            if on_weight is not None:
+                on_weight(f"{m}.weight", module.weight)
+            quant_input = lambda _m, args, s=in_scale, f=FAKES[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
+            undo.append(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
-            experts = model.get_submodule(m)
+            experts = sub(m)
             if not isinstance(experts, Experts):
                 continue
+            fake = FAKES[formats[m]]
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
-                for e in range(w.shape[0]):
-                    if gptq is not None and m in gptq.experts:
-                        w[e].copy_(gptq.expert_weight(m, kind, e))
-                    else:
-                        w[e].copy_(fake_weight(m, w[e], scales.expert_weight_scale(m, w[e])))
+                name = f"{m}.{kind}"
+                for e in range(0 if m in quantized else w.shape[0]):
+                    row = as_quantized(name, formats[m], w[e])
+                    scale = weight_scale(f"{name} (expert {experts.first + e})",
+                                         lambda row=row: scales.expert_weight_scale(m, row))
+                    w[e].copy_(fake_weight(m, name, w[e], scale))
+                if on_weight is not None:
+                    on_weight(name, w)
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            fake_expert_inputs(experts, scales.formats[m], in_scale["w13"], in_scale["w2"])
-
-
-def fake_inputs(module, fmt: str, scale: torch.Tensor):
-    """A dense Linear's input through its input scale from now on; returns the undo."""
-    return module.register_forward_pre_hook(lambda _m, args, s=scale, f=FAKES[fmt]: (f(args[0], s), *args[1:])).remove
-
-
-def fake_expert_inputs(experts: Experts, fmt: str, scale_w13: torch.Tensor, scale_w2: torch.Tensor):
-    """Both projections' inputs of routed experts through the layer's input scales; returns the undo."""
-    fake, act = FAKES[fmt], experts.act
-    # a rank may receive no rows in a step: nothing to quantize (NVFP4 cannot block an empty tensor)
-    quant = lambda x, s: fake(x, s) if x.numel() else x  # noqa: E731
-    experts.quant_input = lambda x: quant(x, scale_w13)
-    experts.act = lambda gate, up: quant(act(gate, up), scale_w2)  # w2 reads act(gate, up): quantized where it is made
-
-    def undo():
-        experts.quant_input, experts.act = None, act
-    return undo
+            experts.input_quant = lambda x, s=in_scale["w13"], f=fake: f(x, s)
+            # w2 reads act(gate, up): quantized where it is made
+            act = experts.act
+            experts.act = lambda gate, up, act=act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
+            undo += [lambda e=experts: setattr(e, "input_quant", None), lambda e=experts, a=act: setattr(e, "act", a)]
+    if recipe.kv_cache == "fp8":
+        for name, attn in model.named_modules(prefix=prefix.rstrip(".")):
+            if name in cal.kv_amax:
+                k_scale, v_scale = (fp8_scale(a) for a in cal.kv_amax[name])
+                attn.kv_quant = lambda k, v, ks=k_scale, vs=v_scale: (fake_quant_fp8(k, ks), fake_quant_fp8(v, vs))
+                undo.append(lambda a=attn: setattr(a, "kv_quant", None))
+    return lambda: [u() for u in undo]

@@ -8,13 +8,14 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from eprt.data import calibration_samples, rank_batches
+from eprt.data import calibration_samples, held_out_samples, rank_batches
 from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.models.loader import load_model, weight_bytes
@@ -29,7 +30,9 @@ from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
+from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
+from eprt.quant.scales import source_dtype
 from eprt.quant.workdir import WorkDir
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint, manifest_digest
@@ -59,11 +62,16 @@ class PTQArgs:
     work_dir: str | None = None  # default: OUT.work beside OUT
     algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
     gptq_min_tokens: int = DEFAULT_MIN_TOKENS  # a routed expert with fewer tokens keeps max rounding under GPTQ
+    calibrate_all_experts: bool = False  # every token through every routed expert, for the statistics only
+    eval_size: int = 8  # held-out sequences of the quality report (0: no report)
+    eval: str | None = None  # the held-out sequences' data (default: held out from the calibration data)
 
 
-def run_ptq(state, a: PTQArgs) -> dict:
+def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
-    "resumed_after" (the layer a --resume continued after, -1 for none)}."""
+    "resumed_after" (the layer a --resume continued after, -1 for none), "quality" (the report,
+    None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
+    fake-quantizes it (this rank's rows of routed experts)."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
@@ -79,44 +87,53 @@ def run_ptq(state, a: PTQArgs) -> dict:
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
-        samples = calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
-                                      vocab_size=cfg.vocab_size)
+        samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, samples, a, ALGORITHM in recipe.algorithms)
+            plan, preview = plan_run(state, ck, samples, a, targets, eval_ids, mtp=recipe.mtp,
+                                     gptq=ALGORITHM in recipe.algorithms)
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8")
+        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8", all_experts=a.calibrate_all_experts)
         gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
                        min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state, fingerprint(ck, a, state, samples))
-            resumed = calibrate_layers(state, ck, cal, samples, a, work, gptq)
+            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state,
+                           fingerprint(ck, a, state, samples, eval_ids))
+            report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
+                                   f"{a.calib_size + a.eval_size} sequences of {a.calib or 'the built-in corpus'}, "
+                                   "held out of calibration", on_weight) if eval_ids is not None else None
+            resumed = calibrate_layers(state, ck, cal, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         report_coverage(cal, state, cfg.num_experts)
+        quality = report.result if report is not None else None
+        if report is not None:
+            report.log()
         if preview:
             first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
-            fake_quantize(model, targets, recipe, cal, state,
-                          gptq.results.decoder(ck, gptq.formats, first) if gptq is not None else None)
+            quantized = gptq.results.apply(model, ck, gptq.formats, first) if gptq is not None else ()
+            fake_quantize(model, targets, recipe, cal, state, source_dtype=lambda name: source_dtype(ck, name),
+                          quantized=quantized)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
         summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
-                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus"}
+                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus",
+                   "all_experts": a.calibrate_all_experts}
         if gptq is not None:
             summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
         results = gptq.results if gptq is not None else None
         write_together(state, a.out,
-                       lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, results),
+                       lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
         with fail_together(state, "removing the work directory"):
             work.remove()
@@ -124,7 +141,7 @@ def run_ptq(state, a: PTQArgs) -> dict:
         log.info("calibrated %d tokens in %.2f s (%.0f tokens/s)", samples.numel(), seconds, samples.numel() / seconds)
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches),
-            "resumed_after": resumed}
+            "resumed_after": resumed, "quality": quality}
 
 
 def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
@@ -134,26 +151,32 @@ def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
                        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
 
-def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, gptq: bool = False
-             ) -> tuple[MemoryPlan, bool]:
+def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: list[str],
+             eval_ids: torch.Tensor | None, mtp: bool = False, gptq: bool = False) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
     plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not).
-    `gptq`: the recipe runs GPTQ, whose Hessians the plan counts."""
+    `mtp`: the recipe runs the multi-token-prediction layers; `gptq`: it runs GPTQ, whose Hessians
+    the plan counts."""
     c = ck.config
-    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, gptq)
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
+    n_eval = eval_ids.shape[0] if eval_ids is not None else 0
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
-                        baseline=memory_in_use(state.device))
+                        baseline=memory_in_use(state.device), all_experts=a.calibrate_all_experts,
+                        eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
     limit = a.max_memory or available_memory(state.device)
     check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
                  num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
-                 schedule_of=lambda n: schedule(a, state, c, n))
+                 schedule_of=lambda n: schedule(a, state, c, n), all_experts=a.calibrate_all_experts,
+                 eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
     if state.rank == 0:
         logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
                       format_bytes(plan.step), format_bytes(plan.baseline),
-                      f", GPTQ's Hessians {format_bytes(plan.gptq)}, its codes {format_bytes(plan.codes)}"
-                      if gptq else "")
+                      (f", GPTQ's Hessians {format_bytes(plan.gptq)}, its codes {format_bytes(plan.codes)}"
+                       if gptq else "")
+                      + (f", quality report: layer with its copy {format_bytes(plan.eval_layer)}, held-out step "
+                         f"{format_bytes(plan.eval_step)}, head {format_bytes(plan.head)}" if n_eval else ""))
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
@@ -165,26 +188,50 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, gptq: boo
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor) -> dict:
+def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_ids: torch.Tensor | None) -> dict:
     """What a saved layer boundary depends on: a run resumes only from its own (batch and chunk
     sizes change no bit, so they may differ)."""
+    held = hashlib.sha256(eval_ids.numpy().tobytes()).hexdigest() if eval_ids is not None else None
     return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
-            "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
-            "group_tokens": a.group_tokens, "gptq_min_tokens": a.gptq_min_tokens}
+            "eval": held,
+            "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache,
+            "world": state.world, "ep": state.ep_size, "group_tokens": a.group_tokens,
+            "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts}
 
 
 def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
-                     work: WorkDir, gptq: GPTQRun | None = None) -> int:
-    """The layer-major engine over this rank's share of `samples`, each layer boundary saved in
-    `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the
-    layer it resumed after (-1: none)."""
+                     work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
+    """The layer-major engine over this rank's share of `samples` (and with `report`, of the
+    held-out sequences), each layer boundary saved in `work` (with GPTQ's results so far); with
+    --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
     engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
-                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress, gptq=gptq)
+                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress,
+                         quality=report,
+                         eval_schedule=schedule(a, state, ck.config, report.eval_ids.shape[0]) if report else None,
+                         gptq=gptq)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device, results) if done >= 0 else engine.embed()
-    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, results))
+    ls = work.load(done, cal, state.device, engine.held, results) if done >= 0 else engine.embed()
+    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, engine.held, results))
     return done
+
+def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the calibration sequences, the quality report's held-out ones or None): the last
+    --eval-size of calib_size + eval_size sequences of the data, or --eval-size of --eval FILE."""
+    if a.eval_size < 0:
+        raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
+    if a.eval_size == 0:
+        if a.eval is not None:
+            raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
+        return calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
+                                   vocab_size=vocab_size), None
+    if a.eval is None:
+        return held_out_samples(a.calib, hf_dir, num_samples=a.calib_size, held_out=a.eval_size, seq_len=a.seq_len,
+                                vocab_size=vocab_size)
+    if not os.path.isfile(a.eval):
+        raise ConfigError(f"--eval {a.eval}: no such file")
+    return (calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len, vocab_size=vocab_size),
+            calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len, vocab_size=vocab_size))
 
 
 def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None,
@@ -207,16 +254,30 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
 
 
 def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
-    """Rank 0 prints, per MoE layer, the tokens each expert received and the experts none reached."""
+    """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
+    reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only."""
     log = logger()
     for module, tokens in cal.expert_tokens.items():
-        first = state.placement(num_experts).first
-        full = torch.zeros(num_experts, dtype=torch.int64)
-        full[first:first + tokens.shape[0]] = tokens
-        state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM)
+        full = every_expert(tokens, state, num_experts)
+        seen = every_expert(cal.expert_all_tokens[module], state, num_experts) if cal.all_experts else None
         if state.rank != 0:
             continue
         unreached = (full == 0).nonzero().view(-1).tolist()
+        if seen is not None:
+            unreached_note = f"; the router sent no token to experts {unreached}" if unreached else ""
+            log.info("%s: routed tokens per expert min %d / median %d / max %d%s; all-experts statistics: "
+                     "tokens per expert min %d / max %d", module, int(full.min()), int(full.median()),
+                     int(full.max()), unreached_note, int(seen.min()), int(seen.max()))
+            continue
         log.info("%s: tokens per expert min %d / median %d / max %d%s", module, int(full.min()),
                  int(full.median()), int(full.max()),
-                 f"; no token reached experts {unreached} (they get the layer's input scale)" if unreached else "")
+                 f"; no token reached experts {unreached} (they get the layer's input scale; "
+                 "--calibrate-all-experts calibrates them)" if unreached else "")
+
+
+def every_expert(rows: torch.Tensor, state, num_experts: int) -> torch.Tensor:
+    """A per-expert count of this rank's experts (reduced over edp) as one for all of them, on every rank."""
+    first = state.placement(num_experts).first
+    full = torch.zeros(num_experts, dtype=torch.int64, device=rows.device)
+    full[first:first + rows.shape[0]] = rows
+    return state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM).cpu()

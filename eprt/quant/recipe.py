@@ -7,6 +7,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
       - {pattern: "*.experts", format: nvfp4, algorithm: mse}
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8
+    mtp: false                     # true: the rules quantize the multi-token-prediction layers too
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
@@ -17,6 +18,10 @@ A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weigh
 `max` (from the weight's amax) or `mse` (a search for the least squared quantization error).
 A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
 records every rule's.
+
+The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
+carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
+wins, decide their modules' formats too (eprt.quant.feasibility).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from eprt.errors import ConfigError
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = ("fp8", "nvfp4", "none")
 KV_FORMATS = (None, "fp8")
-RECIPE_KEYS = ("name", "quantize", "kv_cache")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
 ALGORITHMS = ("max", "mse", "gptq")
 RULE_KEYS = ("pattern", "format", "algorithm")
@@ -52,6 +57,7 @@ class Recipe:
     name: str
     rules: tuple[Rule, ...]
     kv_cache: str | None
+    mtp: bool = False  # the rules apply to the multi-token-prediction layers too
 
     def rule_of(self, module: str) -> Rule | None:
         """The first rule whose pattern matches `module`, or None."""
@@ -76,7 +82,9 @@ class Recipe:
         return sorted({r.algorithm for r in self.rules if r.format != "none"})
 
     def to_json(self) -> dict:
-        return {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
+        out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
+        # written only when set, so a recipe without it reads back (and pins) as before
+        return {**out, "mtp": True} if self.mtp else out
 
 
 def available() -> list[str]:
@@ -120,7 +128,11 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
         raise ConfigError(f"{source}: kv_cache {kv!r}; choose fp8 or null")
-    return Recipe(str(d.get("name", os.path.basename(source))), tuple(rules), kv)
+    mtp = d.get("mtp", False)
+    if not isinstance(mtp, bool):
+        raise ConfigError(f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
+                          "rules) or false (carry them through unquantized, the default)")
+    return Recipe(str(d.get("name", os.path.basename(source))), tuple(rules), kv, mtp)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

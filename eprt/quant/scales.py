@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from eprt.families import reader_for
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
@@ -103,7 +104,17 @@ def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.
     """Weight `name` of `ck` as `fmt` quantizes it: FP8 rounds the quotient to the weight's dtype
     first (eprt.quant.fp8), the source's dtype, as the source is held when loaded as it is,
     whatever dtype eprt converted it to."""
-    return w.to(ck.meta(name).source_dtype) if fmt == "fp8" else w
+    return w.to(source_dtype(ck, name)) if fmt == "fp8" else w
+
+
+def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
+    """The dtype the source holds tensor `name` in; a stacked tensor of a multi-token-prediction
+    layer, which convert carries through under its Hugging Face names (`Layout.mtp`): its
+    experts' source tensors'."""
+    if name in ck.tensors:
+        return ck.meta(name).source_dtype
+    spec = next(s for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).mtp if s.name == name)
+    return ck.meta(spec.sources[0]).source_dtype
 
 
 def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -53,14 +53,19 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator, gptq=None) -> None:
-        """`gptq`: eprt.quant.gptq_layer.GPTQResults so far, saved with the boundary."""
+    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None) -> None:
+        """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
+        streams and what the report measured so far are saved too; with `gptq`
+        (eprt.quant.gptq_layer.GPTQResults), GPTQ's codes so far."""
         os.makedirs(self.mine, exist_ok=True)
-        tensors = {"hidden": ls.hidden, **{f"block.{j}": b for j, b in enumerate(ls.blocks)}, **stats(cal),
-                   **(gptq.tensors() if gptq is not None else {})}
+        tensors, metadata = {**states("", ls), **stats(cal)}, {"fingerprint": self.fingerprint}
+        if held is not None:
+            tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
+            metadata["quality"] = held.report.saved()
+        if gptq is not None:
+            tensors.update(gptq.tensors())
         tmp = self._file(layer) + ".partial"
-        save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                     {"fingerprint": self.fingerprint})
+        save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
         os.replace(tmp, self._file(layer))
         fsync_dir(self.mine)
         # every rank now holds `layer`: the older files are no longer the common last layer
@@ -69,23 +74,26 @@ class WorkDir:
             if old < layer:
                 os.remove(self._file(old))
 
-    def load(self, layer: int, cal: Calibrator, device, gptq=None) -> LayerState:
+    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
         path = self._file(layer)
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
-            found = (f.metadata() or {}).get("fingerprint")
+            metadata = f.metadata() or {}
+        found = metadata.get("fingerprint")
         if found != self.fingerprint:
             raise ConfigError(f"{path}: saved by a run with other arguments ({found}); run without --resume, "
                               f"or remove {self.path}")
         tensors = load_file(path, device=str(device))
-        blocks = [tensors[f"block.{j}"] for j in range(sum(k.startswith("block.") for k in tensors))]
         load_stats(cal, tensors)
+        if held is not None:
+            held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
+            held.report.restore(metadata["quality"])
         if gptq is not None:
             gptq.load(tensors)
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
-        return LayerState(tensors["hidden"], blocks)
+        return from_states("", tensors)
 
     def remove(self) -> None:
         """Once the output is written: every rank drops its own files, rank 0 the directory."""
@@ -95,10 +103,20 @@ class WorkDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+def states(prefix: str, ls: LayerState) -> dict[str, torch.Tensor]:
+    return {f"{prefix}hidden": ls.hidden, **{f"{prefix}block.{j}": b for j, b in enumerate(ls.blocks)}}
+
+
+def from_states(prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
+    count = sum(k.startswith(f"{prefix}block.") for k in tensors)
+    return LayerState(tensors[f"{prefix}hidden"], [tensors[f"{prefix}block.{j}"] for j in range(count)])
+
+
 def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
     out = {f"input_amax/{n}": t for n, t in cal.input_amax.items()}
     for n, (w13, w2) in cal.expert_amax.items():
         out[f"w13_amax/{n}"], out[f"w2_amax/{n}"], out[f"tokens/{n}"] = w13, w2, cal.expert_tokens[n]
+    out.update({f"all_tokens/{n}": t for n, t in cal.expert_all_tokens.items()})
     for n, (k, v) in cal.kv_amax.items():
         out[f"k_amax/{n}"], out[f"v_amax/{n}"] = k, v
     return out
@@ -106,7 +124,7 @@ def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
 
 def load_stats(cal: Calibrator, tensors: dict[str, torch.Tensor]) -> None:
     """Refill the statistics `stats` saved (observers installed later keep adding to them)."""
-    got = {kind: {} for kind in ("input_amax", "w13_amax", "w2_amax", "tokens", "k_amax", "v_amax")}
+    got = {kind: {} for kind in ("input_amax", "w13_amax", "w2_amax", "tokens", "all_tokens", "k_amax", "v_amax")}
     for key, t in tensors.items():
         kind, _, name = key.partition("/")
         if kind in got:
@@ -114,4 +132,5 @@ def load_stats(cal: Calibrator, tensors: dict[str, torch.Tensor]) -> None:
     cal.input_amax.update(got["input_amax"])
     cal.expert_amax.update({n: (t, got["w2_amax"][n]) for n, t in got["w13_amax"].items()})
     cal.expert_tokens.update(got["tokens"])
+    cal.expert_all_tokens.update(got["all_tokens"])
     cal.kv_amax.update({n: (t, got["v_amax"][n]) for n, t in got["k_amax"].items()})

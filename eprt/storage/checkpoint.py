@@ -1,4 +1,4 @@
-"""The eprt checkpoint format, version 1.
+"""The eprt checkpoint format, version 2.
 
 A directory holding
 - `eprt.json`, the manifest: format name and version, family, the normalized config, the
@@ -35,12 +35,15 @@ import torch
 
 from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
+from eprt.layout import TensorSpec
 from eprt.storage import encodings
 from eprt.storage.paths import check_relative, resolve_inside
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
-VERSION = 1
+# Version 1 stored the config flat (MLA, MoE and Kimi fields side by side, Kimi's in `extra`);
+# an older version is refused by name, with the way out, rather than read.
+VERSION = 2
 MANIFEST = "eprt.json"
 HF_FILES = "hf"
 
@@ -151,12 +154,20 @@ class Checkpoint:
                 m = json.load(f)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{mpath}: corrupt manifest ({e})") from None
+        older = m.get("version") if m.get("format") == FORMAT else None
+        if type(older) is int and 0 < older < VERSION:
+            raise CheckpointError(f"{mpath}: format version {older}, written by an older eprt; this eprt reads "
+                                  f"version {VERSION}, whose config it holds typed: convert the source again "
+                                  "(tools/convert_hf.py), and calibrate again from that")
         if m.get("format") != FORMAT or m.get("version") != VERSION:
             raise CheckpointError(f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}; "
                                   f"this eprt reads {FORMAT!r} version {VERSION}")
         self.manifest = m
         self.family: str = m["family"]
-        self.config = ModelConfig.from_json(m["config"])
+        try:
+            self.config = ModelConfig.from_json(m.get("config"), "config")
+        except ConfigError as e:
+            raise CheckpointError(f"{mpath}: corrupt manifest: {e}; convert the checkpoint again") from None
         self.source_config: dict = m["source_config"]
         try:
             own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
@@ -221,6 +232,14 @@ class Checkpoint:
         if not t.shape:
             return self._read_part(t.dtype, t.shape, t.parts[0], None)
         return self._read_parts(t.dtype, t.shape, t.parts, a, b)
+
+    def read_expert(self, spec: TensorSpec, e: int) -> torch.Tensor:
+        """Expert e's row of stacked `spec`: from the stacked tensor, or, where convert carried the
+        layer through under its Hugging Face names (a multi-token-prediction layer, `Layout.mtp`),
+        from the expert's source tensors end to end, as the stacked row holds them."""
+        if spec.name in self.tensors:
+            return self.read(spec.name, rows=(e, e + 1))[0]
+        return torch.cat([self.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
 
     def read_component(self, name: str, component: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One stored source tensor of encoded tensor `name` as it lies on disk (or rows [a, b) of it)."""

@@ -13,6 +13,7 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER = "tokenizer.json"
 QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's description of a quantized export
+QUALITY = "eprt_quality.json"  # the PTQ quality report an export carries (eprt.quant.quality); no engine reads it
 SINGLE = "model.safetensors"  # the weights in one file
 INDEX = "model.safetensors.index.json"  # the weights in shards: which shard holds each tensor
 

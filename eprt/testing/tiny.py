@@ -91,14 +91,14 @@ def mtp_layout(hf: dict) -> Layout:
     """DeepSeek-V3's multi-token-prediction layers: a decoder layer plus its own norms and projection."""
     n, k = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 0)
     big = parse_hf_config({**hf, "num_hidden_layers": n + k, "num_nextn_predict_layers": 0})
-    H, V = big.hidden_size, big.vocab_size
+    D, vocab = big.hidden_size, big.vocab_size
     specs = []
     for layer in range(n, n + k):
         p = f"model.layers.{layer}."
         specs += [s for s in reader_for(big.model_type, "tiny").layout(big).specs if s.name.startswith(p)]
-        specs += [plain(p + "enorm.weight", H), plain(p + "hnorm.weight", H), plain(p + "eh_proj.weight", H, 2 * H),
-                  plain(p + "embed_tokens.weight", V, H), plain(p + "shared_head.norm.weight", H),
-                  plain(p + "shared_head.head.weight", V, H)]
+        specs += [plain(p + "enorm.weight", D), plain(p + "hnorm.weight", D), plain(p + "eh_proj.weight", D, 2 * D),
+                  plain(p + "embed_tokens.weight", vocab, D), plain(p + "shared_head.norm.weight", D),
+                  plain(p + "shared_head.head.weight", vocab, D)]
     return Layout(tuple(specs))
 
 
@@ -110,7 +110,7 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
     INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3).
     fused_experts stores each layer's routed experts as Qwen3.5-MoE is released (and as transformers
-    5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]."""
+    5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I]."""
     hf = tiny_config(family, **overrides)
     hf["torch_dtype"] = WEIGHT_DTYPE_NAMES[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")

@@ -1,0 +1,228 @@
+"""The quality report of a PTQ run: how far the quantized model is from the unquantized one on
+held-out sequences, computed inside the layer-major calibration (eprt.quant.engine).
+
+The engine runs two streams of the held-out sequences through each layer once the layer's
+calibration is done and its amax reduced over the ranks (so its scales are the export's): the
+reference stream through the layer as it is, then the quantized stream through the same layer
+fake-quantized in place with the export's scales and numerics (eprt.quant.preview.fake_quantize:
+weights, activations and the FP8 KV cache; each module's algorithm: max's or mse's scales, and
+where GPTQ ran its weights, the codes the export writes), routed experts through the same
+canonical work units as calibration. This module holds what the report measures:
+
+- per layer, the relative error ||y_q - y_ref|| / ||y_ref|| of the layer's output (accumulated
+  through the layers: each stream runs on its own output of the layer before), and the quantized
+  modules and experts that contribute most: each one's relative output error on the quantized
+  stream's input (the module with its original against its fake-quantized weights and input),
+  ranked by that error squared times the share of the tokens the module sees, so an expert a
+  handful of tokens reach does not top the list on a few rows;
+- after the final norm and the head: per token KL(p_ref || p_q), its mean and 99th percentile,
+  top-1 agreement, and the perplexity (next-token NLL) of both streams.
+
+Every number is summed per held-out sequence (a dense module's, per call: one sequence's tokens)
+or per expert work unit, filed at its global index, summed over the ranks (adding zeros is
+exact) and then in index order, so the report is the same bytes at every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from eprt.kernels import unit_mlp
+from eprt.models.layers import linear
+from eprt.models.moe import Experts
+from eprt.progress import logger
+
+TOP = 5  # modules or experts listed per layer
+
+
+class ModuleErrors:
+    """Sums of squared output error, squared reference output and rows of the quantized stream
+    through one layer: per call of each dense quantized module (the calls come one sequence at a
+    time, in sequence order), and per routed expert and work unit of this rank's experts."""
+
+    def __init__(self, num_units: int):
+        self.num_units = num_units
+        self.dense: dict[str, list[torch.Tensor]] = {}  # module -> fp64 [err, ref, rows] per call
+        self.experts: dict[str, tuple[Experts, torch.Tensor]] = {}  # module -> (experts, fp64 [3, count, units])
+        self.first_unit = 0  # the global index of the running step's first work unit
+
+
+def _sums(d_R: torch.Tensor, ref_R: torch.Tensor) -> torch.Tensor:
+    """[err, ref, rows] of rows' squared errors and squared reference norms."""
+    return torch.stack([d_R.sum(), ref_R.sum(), torch.tensor(float(d_R.numel()), dtype=torch.float64,
+                                                               device=d_R.device)])
+
+
+def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the squared error and the squared reference norm, in fp64."""
+    y, y_ref = y.reshape(-1, y.shape[-1]).double(), y_ref.reshape(-1, y_ref.shape[-1]).double()
+    return (y - y_ref).square().sum(-1), y_ref.square().sum(-1)
+
+
+def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) -> Callable[[], None]:
+    """Before the layer is fake-quantized: keep each quantized module's original weights and
+    measure, on every call of the quantized stream, the module's output against the original's on
+    the same input. Returns what removes the probes and drops the originals."""
+    undo = []
+    for m in targets:
+        if not m.startswith(prefix):
+            continue
+        module = layer.get_submodule(m[len(prefix):])
+        if isinstance(module, Experts):
+            undo.append(_probe_experts(m, module, errors))
+            continue
+        weight = module.weight.detach().clone()
+        calls = errors.dense.setdefault(m, [])
+        seen = []
+
+        # registered before fake_quantize's input hook, so it sees the input as the module receives it
+        def keep_input(_module, args, seen=seen):
+            seen.append(args[0])
+
+        def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
+            calls.append(_sums(*_row_sums(y, linear(seen.pop(), weight, module.bias))))
+
+        undo += [module.register_forward_pre_hook(keep_input).remove, module.register_forward_hook(measure).remove]
+    return lambda: [u() for u in undo]
+
+
+def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callable[[], None]:
+    w13, w2, act = experts.w13.detach().clone(), experts.w2.detach().clone(), experts.act
+    sums = torch.zeros(3, experts.count, errors.num_units, dtype=torch.float64, device=w13.device)
+    errors.experts[name] = (experts, sums)
+
+    def probe(x_sorted, rows_per_unit_LU, y):
+        _, y_ref = unit_mlp(x_sorted, w13, w2, act, rows_per_unit_LU)
+        U = rows_per_unit_LU.shape[1]
+        counts = rows_per_unit_LU.reshape(-1).tolist()
+        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran
+        for j, (d_R, ref_R) in enumerate(zip(*(t.split(counts) for t in _row_sums(y, y_ref)))):
+            if counts[j]:
+                sums[:, j // U, errors.first_unit + j % U] = _sums(d_R, ref_R)
+
+    experts.probe = probe
+    return lambda: setattr(experts, "probe", None)
+
+
+class QualityReport:
+    """The report's state on one rank: its eval ids (the global [n, T] ids), what each finished
+    layer measured, and the head's per-token numbers. Every rank calls every method alike: they
+    reduce over the ranks."""
+
+    def __init__(self, state, ck, recipe, targets: list[str], eval_ids: torch.Tensor, source: str,
+                 on_weight: Callable[[str, torch.Tensor], None] | None = None):
+        self.state, self.ck, self.recipe, self.targets = state, ck, recipe, targets
+        self.eval_ids, self.source, self.on_weight = eval_ids, source, on_weight
+        self.layers: list[dict] = []
+        self.result: dict | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.eval_ids.numel()
+
+    def probe(self, layer, prefix: str, num_units: int) -> tuple[ModuleErrors, Callable[[], None]]:
+        """Probe one layer before the engine quantizes it in place as the export will
+        (eprt.quant.preview.fake_quantize, with this report's `on_weight`); returns the probes'
+        sums (the engine sets their `first_unit` each step) and what removes the probes."""
+        errors = ModuleErrors(num_units)
+        return errors, probe_layer(layer, prefix, self.targets, errors)
+
+    def _global(self, shape, mine: list[tuple[int, int]], values: torch.Tensor) -> torch.Tensor:
+        """`values` [local sequences, ...] filed at their global indices and summed over the world."""
+        out = torch.zeros(shape, dtype=torch.float64, device=self.state.device)
+        if mine:
+            out[torch.tensor([s for s, _ in mine], device=out.device)] = values.double()
+        return self.state.all_reduce(out, over="dp", op=dist.ReduceOp.SUM)
+
+    def finish_layer(self, i: int, prefix: str, mine: list[tuple[int, int]], y_ref: torch.Tensor,
+                     y_q: torch.Tensor, errors: ModuleErrors) -> None:
+        """File layer i's numbers: its output's relative error over every held-out sequence
+        (`mine`: this rank's (global, local) sequences; y_*: their hidden states after the layer)
+        and the top contributors."""
+        n = self.eval_ids.shape[0]
+        local = [li for _, li in mine]
+        err = (y_q[local].double() - y_ref[local].double()).square().flatten(1).sum(1)
+        ref = y_ref[local].double().square().flatten(1).sum(1)
+        err, ref = self._global(n, mine, err).sum(), self._global(n, mine, ref).sum()
+        modules = []  # (name, relative error, token share)
+        for name, calls in errors.dense.items():
+            # each sequence makes the same calls: [sequences, calls per sequence, 3]
+            per_seq = (torch.stack(calls).view(len(mine), -1, 3).sum(1) if calls
+                       else torch.zeros(len(mine), 3, device=self.state.device))
+            modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
+        E = self.ck.config.num_experts
+        for name, (experts, sums) in errors.experts.items():
+            full = torch.zeros(3, E, errors.num_units, dtype=torch.float64, device=sums.device)
+            full[:, experts.first:experts.first + experts.count] = sums
+            # each (expert, unit) was computed on one rank: the others add zeros
+            full = self.state.all_reduce(full, over="dp", op=dist.ReduceOp.SUM).sum(-1)
+            modules += [(f"{name}.{e}", *_relative(full[:, e])) for e in range(E) if full[2, e] > 0]
+        ranked = sorted(modules, key=lambda m: (-(m[1] ** 2) * m[2] / self.tokens, m[0]))
+        self.layers.append({
+            "layer": i, "relative_error": _ratio(err, ref),
+            "top": [{"module": name, "relative_error": rel, "token_share": rows / self.tokens}
+                    for name, rel, rows in ranked[:TOP]]})
+
+    def finish(self, mine: list[tuple[int, int]],
+               logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """The whole report, from each held-out sequence's logits `logits_of(local index)` ->
+        (reference [T, V], quantized [T, V])."""
+        n, T = self.eval_ids.shape
+        kl, agree = torch.zeros(len(mine), T), torch.zeros(len(mine), T)
+        nll = torch.zeros(2, len(mine), max(T - 1, 0))
+        for j, (s, li) in enumerate(mine):
+            logp = [torch.log_softmax(x.float(), dim=-1) for x in logits_of(li)]
+            kl[j] = (logp[0].exp() * (logp[0] - logp[1])).sum(-1).cpu()
+            agree[j] = (logp[0].argmax(-1) == logp[1].argmax(-1)).cpu().float()
+            nxt = self.eval_ids[s, 1:].to(logp[0].device)[:, None]
+            for k in range(2):
+                nll[k, j] = -logp[k][:-1].gather(-1, nxt)[:, 0].cpu()
+        kl = self._global((n, T), mine, kl.to(self.state.device)).flatten()
+        agree = self._global((n, T), mine, agree.to(self.state.device))
+        nll_ref, nll_q = (self._global((n, T - 1), mine, nll[k].to(self.state.device)) for k in range(2))
+        self.result = {
+            "eval": {"sequences": n, "seq_len": T, "tokens": n * T, "data": self.source},
+            "kl_mean": kl.mean().item(), "kl_p99": torch.quantile(kl, 0.99).item(),
+            "top1_agreement": agree.mean().item(),
+            "perplexity": {"unquantized": math.exp(nll_ref.mean().item()), "quantized": math.exp(nll_q.mean().item())},
+            "layers": self.layers,
+            "notes": ["KL(unquantized || quantized) per token, natural log; relative errors are "
+                      "||y_q - y_ref|| / ||y_ref||, a layer's accumulated through the layers before it, "
+                      "a module's on the quantized stream's own input",
+                      "multi-token-prediction layers are calibrated but not in the report"],
+        }
+        return self.result
+
+    # --- saved at each layer boundary, for --resume ---------------------------------------------
+    def saved(self) -> str:
+        return json.dumps(self.layers)
+
+    def restore(self, saved: str) -> None:
+        self.layers = json.loads(saved)
+
+    def log(self) -> None:
+        """Rank 0 prints the report, compactly."""
+        if self.state.rank != 0 or self.result is None:
+            return
+        r, log = self.result, logger()
+        ppl = r["perplexity"]
+        log.info("quality on %d held-out tokens: KL mean %.4g, p99 %.4g; top-1 agreement %.2f%%; perplexity %.4g "
+                 "-> %.4g", r["eval"]["tokens"], r["kl_mean"], r["kl_p99"], 100 * r["top1_agreement"],
+                 ppl["unquantized"], ppl["quantized"])
+        for layer in r["layers"]:
+            top = ", ".join(f"{t['module'].rsplit('layers.', 1)[-1]} {t['relative_error']:.3g}" for t in layer["top"])
+            log.info("  layer %d: relative error %.3g; most: %s", layer["layer"], layer["relative_error"], top or "-")
+
+
+def _relative(sums: torch.Tensor) -> tuple[float, float]:
+    """(relative error, rows) from [err, ref, rows] sums."""
+    return _ratio(sums[0], sums[1]), sums[2].item()
+
+
+def _ratio(err: torch.Tensor, ref: torch.Tensor) -> float:
+    return math.sqrt(err.item() / ref.item()) if ref.item() > 0 else (0.0 if err.item() == 0 else math.inf)

@@ -1,0 +1,189 @@
+"""--calibrate-all-experts: every token also runs through every routed expert of its layer, for the
+statistics only, so that no expert goes uncalibrated; the layer's output, and every other statistic,
+stay what they are without it, and the export is the same bytes at every layout."""
+
+import logging
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+import eprt
+from eprt.families import reader_for
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.kernels import unit_act, unit_mlp
+from eprt.models.layers import silu_mul
+from eprt.models.moe import MoE
+from eprt.parallel import ParallelState
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrated import CalibrationState
+from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+from tests.ep_checks import same_files
+from tests.multiproc import free_port, run_world
+
+# so few tokens that the router leaves some experts of a layer without one (8 experts, top-2)
+N, T = 2, 3
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "kimi_k3"])
+def ckpt(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    return convert_hf(make_tiny(request.param, str(d / "hf"), dtype="fp32"), str(d / "ck"), progress=False)
+
+
+def calibrate(ck_dir: str, samples: torch.Tensor, all_experts: bool):
+    """(the calibrator, the final hidden states) of the layer-major engine over `samples`, in fp32."""
+    with Checkpoint(ck_dir) as ck:
+        targets = reader_for(ck.config.model_type, ck_dir).layout(ck.config).linear_modules()
+        cal = Calibrator(None, targets, kv=True, all_experts=all_experts)
+        with torch.inference_mode():
+            engine = LayerEngine(ParallelState.single("cpu"), ck, cal, samples, dtype=torch.float32,
+                                 schedule=Schedule.of(N, T, 1, group_tokens=T), progress=False)
+            return cal, engine.run(0, engine.embed()).hidden
+
+
+def every_expert_amax(ck_dir: str, samples: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each MoE layer's experts module -> (w13 input amax [E], w2 input amax [E]), computed directly:
+    the whole model's forward, then every expert on every token its routed experts read."""
+    model = eprt.load_model(ck_dir, dtype=torch.float32)
+    inputs = {}
+    for name, moe in model.named_modules():
+        if isinstance(moe, MoE):
+            moe.register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
+    with torch.inference_mode():
+        model(samples)
+        out = {}
+        for name, x in inputs.items():
+            moe = model.get_submodule(name)
+            z = moe.route(x.reshape(-1, x.shape[-1]))[0]
+            h = [moe.experts.act(*(z @ w13.T).chunk(2, dim=-1)) for w13 in moe.experts.w13]
+            out[f"{name}.experts"] = (z.abs().amax().expand(len(h)), torch.stack([h_e.abs().amax() for h_e in h]))
+    return out
+
+
+def test_every_expert_is_calibrated_on_every_token_and_nothing_else_changes(ckpt):
+    samples = torch.randint(0, 200, (N, T), generator=torch.Generator().manual_seed(0))
+    routed, hidden = calibrate(ckpt, samples, all_experts=False)
+    every, every_hidden = calibrate(ckpt, samples, all_experts=True)
+    want = every_expert_amax(ckpt, samples)
+
+    # without the switch, an expert the router sent nothing has nothing to be calibrated with
+    unreached = {name: (tokens == 0) for name, tokens in routed.expert_tokens.items()}
+    assert any(u.any() for u in unreached.values()), "the data must leave some expert without a token"
+    for name, u in unreached.items():
+        assert not any(amax[u].any() for amax in routed.expert_amax[name]), name
+
+    # with it, every expert's amax is that of every token of its layer, through it
+    assert every.expert_amax.keys() == want.keys() and want
+    for name, (w13_in, w2_in) in want.items():
+        got = every.expert_amax[name]
+        assert (got[0] > 0).all() and (got[1] > 0).all(), name
+        torch.testing.assert_close(torch.stack(got), torch.stack([w13_in, w2_in]), rtol=1e-5, atol=0, msg=name)
+        assert torch.equal(every.expert_all_tokens[name], torch.full((8,), N * T)), name
+
+    # the layer outputs, so every dense statistic, and the routed counts are those of a run without it
+    assert torch.equal(every_hidden, hidden)
+    assert every.input_amax.keys() == routed.input_amax.keys()
+    assert all(torch.equal(every.input_amax[n], t) for n, t in routed.input_amax.items())
+    assert all(torch.equal(torch.stack(every.kv_amax[n]), torch.stack(kv)) for n, kv in routed.kv_amax.items())
+    assert all(torch.equal(every.expert_tokens[n], t) for n, t in routed.expert_tokens.items())
+    assert not routed.expert_all_tokens
+
+
+def _calibrate(ck: str, out: str, ep: int, port: int) -> None:
+    os.environ["MASTER_PORT"] = str(port)
+    with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, args(ck, os.path.join(out, f"w{state.world}-ep{ep}")))
+
+
+def args(ck: str, out: str, **kw) -> PTQArgs:
+    """5 sequences in groups of 2: 3 work-unit groups, shared by the replicas of a layout with edp 2."""
+    return PTQArgs(ck, "nvfp4", out, **{"kv_cache": "fp8", "calib_size": 5, "seq_len": 6, "batch_size": 2,
+                                        "group_tokens": 12, "dtype": "bf16", "progress": False,
+                                        "calibrate_all_experts": True, **kw})
+
+
+def calibration_state(path: str) -> dict[str, torch.Tensor]:
+    """Every expert's statistics of a calibrated checkpoint, by tensor name."""
+    with Checkpoint(path) as ck:
+        return CalibrationState.read(ck).expert_tensors()
+
+
+def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, caplog):
+    log = logging.getLogger("eprt")  # eprt's logger does not propagate: caplog listens on it directly
+    log.addHandler(caplog.handler)
+    try:
+        run_ptq(ParallelState.single("cpu"), args(ckpt, str(tmp_path / "w1-ep1")))
+    finally:
+        log.removeHandler(caplog.handler)
+    run_ptq(ParallelState.single("cpu"), args(ckpt, str(tmp_path / "chunk1"), chunk_size=1))
+    run_world(_calibrate, 2, ckpt, str(tmp_path), 2, free_port(), timeout=200)
+    run_world(_calibrate, 2, ckpt, str(tmp_path), 1, free_port(), timeout=200)
+    ref = export_hf(str(tmp_path / "w1-ep1"), str(tmp_path / "export-w1-ep1"), progress=False)
+    state = calibration_state(str(tmp_path / "w1-ep1"))
+    for other in ("chunk1", "w2-ep2", "w2-ep1"):
+        assert same_files(ref, export_hf(str(tmp_path / other), str(tmp_path / f"export-{other}"), progress=False)), other
+        # the export keeps only the layer's largest expert amax: every expert's must agree too
+        got = calibration_state(str(tmp_path / other))
+        assert got.keys() == state.keys() and all(torch.equal(got[n], t) for n, t in state.items()), other
+
+    # the switch is recorded with the calibration, and the coverage report gives both counts
+    with Checkpoint(str(tmp_path / "w1-ep1")) as ck:
+        assert ck.quantization["calibration"]["all_experts"] is True
+    amax = [t for n, t in state.items() if n.endswith("_input_amax")]
+    assert amax and all((t > 0).all() for t in amax)
+    coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
+    assert len(coverage) == len(amax) // 2
+    assert all(f"tokens per expert min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
+
+
+def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, monkeypatch, caplog):
+    """DeepSeek-V3 (layer 0 dense, 1 and 2 MoE), killed in layer 2: the resume restores the
+    all-experts counts of layer 1 with the rest, and refuses a work directory of a run without
+    the switch."""
+    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"),
+                    progress=False)
+    single = ParallelState.single("cpu")
+    run_ptq(single, args(ck, str(tmp_path / "whole")))
+    out = str(tmp_path / "q")
+    run_step = LayerEngine._run_step
+
+    def dying(self, layer, step, ls, **kw):
+        if layer is self.decoder.layers[2]:
+            raise RuntimeError("killed")
+        return run_step(self, layer, step, ls, **kw)
+
+    monkeypatch.setattr(LayerEngine, "_run_step", dying)
+    with pytest.raises(Exception, match="killed"):
+        run_ptq(single, args(ck, out))
+    monkeypatch.setattr(LayerEngine, "_run_step", run_step)
+    with pytest.raises(Exception, match="other arguments"):
+        run_ptq(single, args(ck, out, resume=True, calibrate_all_experts=False))
+    log = logging.getLogger("eprt")
+    log.addHandler(caplog.handler)
+    try:
+        assert run_ptq(single, args(ck, out, resume=True))["resumed_after"] == 1
+    finally:
+        log.removeHandler(caplog.handler)
+    coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
+    assert len(coverage) == 2 and all(f"min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
+    assert same_files(export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),
+                      export_hf(out, str(tmp_path / "export-q"), progress=False))
+
+
+def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
+    """unit_act's act(gate, up) of each unit has the bits unit_mlp gives the same rows of one expert."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 16, generator=g).bfloat16()
+    w13, w2 = torch.randn(2, 2 * 8, 16, generator=g).bfloat16(), torch.randn(2, 16, 8, generator=g).bfloat16()
+    units = torch.tensor([17, 0, 23])
+    h = unit_act(x, w13[1:2], silu_mul, units)
+    h_routed, _ = unit_mlp(x, w13[1:2], w2[1:2], silu_mul, units[None])
+    assert torch.equal(h, h_routed)
+    torch.testing.assert_close(h, silu_mul(*(x.float() @ w13[1].float().T).chunk(2, dim=-1)).bfloat16(),
+                               rtol=2e-2, atol=1e-2)

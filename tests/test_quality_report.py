@@ -1,0 +1,213 @@
+"""The PTQ quality report: its fake quantization is the export's numerics bit for bit, its numbers
+are those of the whole model run unquantized and fake-quantized, it is written into the
+calibrated checkpoint and the export and printed on rank 0, and every layout reports the same."""
+
+import json
+import logging
+import math
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eprt.data import held_out_samples
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.models.loader import load_model
+from eprt.parallel import ParallelState
+from eprt.parallel.guard import RankFailure
+from eprt.progress import logger
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
+from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
+from eprt.quant.nvfp4 import E2M1_VALUES, unpack_fp4
+from eprt.quant.preview import fake_quantize
+from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
+from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.storage.hf_files import QUALITY
+from eprt.testing.tiny import make_tiny
+from tests.hf_utils import read_hf_tensors
+from tests.multiproc import run_world
+
+SEQ_LEN, CALIB, EVAL = 24, 9, 6
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quality")
+    # qwen3_moe: GQA, routed experts in layers 0 and 2, a dense MLP in layer 1; deepseek_v3: MLA,
+    # shared experts, a dense first layer
+    return {f: convert_hf(make_tiny(f, str(d / f / "hf")), str(d / f / "ck"), progress=False)
+            for f in ("qwen3_moe", "deepseek_v3")}
+
+
+def args(ck, out, recipe="nvfp4", dtype="fp32", **kw):
+    return PTQArgs(ck, recipe, out, kv_cache="fp8", calib_size=CALIB, seq_len=SEQ_LEN, group_tokens=48, dtype=dtype,
+                   progress=False, **{"eval_size": EVAL, **kw})
+
+
+def dequantized(tensors: dict, module: str) -> torch.Tensor:
+    """A quantized Linear's weight from the export's bytes: FP8 x weight_scale, or NVFP4's E2M1
+    value x its FP8 block scale x weight_scale_2."""
+    w, scale = tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"]
+    if w.dtype == torch.float8_e4m3fn:
+        return w.float() * scale
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    values = table[unpack_fp4(w).long()].reshape(w.shape[0], -1, 16)
+    return (values * scale.float()[..., None] * tensors[f"{module}.weight_scale_2"]).reshape(w.shape[0], -1)
+
+
+@pytest.mark.parametrize("recipe, dtype, algorithm", [("fp8", "fp32", "max"), ("nvfp4", "bf16", "max"),
+                                                      ("nvfp4", "bf16", "mse"), ("fp8", "fp32", "gptq"),
+                                                      ("nvfp4", "bf16", "gptq")])
+def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_path, recipe, dtype, algorithm):
+    """fp32 from a bf16 source: FP8 rounds its quotient to the source's dtype, as the export does.
+    With mse, the searched scales; with gptq, GPTQ's codes (every routed expert's too)."""
+    seen = {}
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], q, recipe, dtype, algorithm=algorithm,
+                                              gptq_min_tokens=1),
+            on_weight=lambda name, w: seen.setdefault(name, w.detach().clone()))
+    exported = read_hf_tensors(export_hf(q, q + "-hf", progress=False))
+    dense = [n for n in seen if n.endswith(".weight")]
+    experts = [n for n in seen if n.endswith(".w13")]
+    assert dense and experts and len(seen) == len(dense) + 2 * len(experts)
+    run_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    for name in dense:
+        assert seen[name].dtype == run_dtype
+        assert torch.equal(dequantized(exported, name[: -len(".weight")]).to(run_dtype), seen[name]), name
+    for name in experts:
+        module = name[: -len(".w13")]
+        w13, w2 = seen[name], seen[module + ".w2"]
+        for e in range(w13.shape[0]):
+            gate_up = torch.cat([dequantized(exported, f"{module}.{e}.{p}") for p in ("gate_proj", "up_proj")])
+            assert torch.equal(gate_up.to(run_dtype), w13[e]), (name, e)
+            assert torch.equal(dequantized(exported, f"{module}.{e}.down_proj").to(run_dtype), w2[e]), (name, e)
+
+
+def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
+    """The numbers computed directly: the whole model unquantized, and fake-quantized with the
+    calibrated checkpoint's state (eprt.quant.preview), over the held-out ids at once."""
+    ref_model, q_model = load_model(ck, dtype=torch.float32), load_model(ck, dtype=torch.float32)
+    with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
+        recipe, targets = plan_recipe(base, "nvfp4", "fp8")
+        state = CalibrationState.read(calibrated)
+        cal = Calibrator(None, targets, kv=True)
+        cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
+            state.input_amax, state.expert_input_amax, state.expert_tokens, state.kv_amax)
+        fake_quantize(q_model, targets, recipe, cal, ParallelState.single("cpu"),
+                      source_dtype=lambda name: base.meta(name).source_dtype)
+    # the keys and values attention consumes are on the FP8 grid of the export's k/v scales
+    kv = []
+    for name, attn in q_model.named_modules():
+        if name in cal.kv_amax:
+            scales = [fp8_scale(a) for a in cal.kv_amax[name]]
+            attn.kv_quant = lambda k, v, quant=attn.kv_quant, s=scales: kv.append((quant(k, v), s)) or kv[-1][0]
+    outs = {}
+    for tag, model in (("ref", ref_model), ("q", q_model)):
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_hook(lambda _m, _a, y, i=i, tag=tag: outs.__setitem__((tag, i), y))
+    with torch.inference_mode():
+        logp_ref = torch.log_softmax(ref_model(eval_ids).float(), -1)
+        logp_q = torch.log_softmax(q_model(eval_ids).float(), -1)
+    assert len(kv) == len(cal.kv_amax) > 0
+    for pair, scales in kv:
+        for x, scale in zip(pair, scales):
+            assert not torch.equal(x, torch.zeros_like(x)) and torch.equal(fake_quant_fp8(x, scale), x)
+    kl = (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).double().flatten()
+    nll = lambda logp: -logp[:, :-1].gather(-1, eval_ids[:, 1:, None]).double().mean()  # noqa: E731
+    layers = [((outs["q", i] - outs["ref", i]).double().norm() / outs["ref", i].double().norm()).item()
+              for i in range(len(ref_model.model.layers))]
+    return {"kl_mean": kl.mean().item(), "kl_p99": torch.quantile(kl, 0.99).item(),
+            "top1_agreement": (logp_ref.argmax(-1) == logp_q.argmax(-1)).double().mean().item(),
+            "ppl": (math.exp(nll(logp_ref)), math.exp(nll(logp_q))), "layers": layers}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_numbers_are_the_whole_models(ckpts, tmp_path, family):
+    ck, q = ckpts[family], str(tmp_path / "q")
+    report = run_ptq(ParallelState.single("cpu"), args(ck, q))["quality"]
+    with Checkpoint(ck) as c:
+        calib, eval_ids = held_out_samples(None, c.hf_files_dir(), num_samples=CALIB, held_out=EVAL, seq_len=SEQ_LEN,
+                                           vocab_size=c.config.vocab_size)
+    want = whole_model_report(ck, q, eval_ids)
+    assert report["eval"]["tokens"] == EVAL * SEQ_LEN
+    assert report["kl_mean"] > 0  # the quantization changes something, or the test would prove nothing
+    for key in ("kl_mean", "kl_p99"):
+        assert report[key] == pytest.approx(want[key], rel=1e-3), key
+    assert report["top1_agreement"] == pytest.approx(want["top1_agreement"], abs=1.5 / (EVAL * SEQ_LEN))
+    ppl = report["perplexity"]
+    assert (ppl["unquantized"], ppl["quantized"]) == pytest.approx(want["ppl"], rel=1e-5)
+    assert [layer["relative_error"] for layer in report["layers"]] == pytest.approx(want["layers"], rel=1e-3)
+    for layer in report["layers"]:
+        assert 0 < len(layer["top"]) <= 5
+        assert all(t["module"].startswith(f"model.layers.{layer['layer']}.") for t in layer["top"])
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def calibrate_logged(state, ck, out, **kw):
+    lines = Lines()
+    logger().addHandler(lines)
+    try:
+        report = run_ptq(state, args(ck, out, **kw))["quality"]
+    finally:
+        logger().removeHandler(lines)
+    return report, [line for line in lines.lines if "quality on" in line or line.startswith("  layer ")]
+
+
+def world_two(ck, out):
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        return calibrate_logged(state, ck, out, batch_size=3)
+
+
+def test_the_report_is_saved_exported_printed_and_the_same_at_every_layout(ckpts, tmp_path):
+    ck = ckpts["qwen3_moe"]
+    one = str(tmp_path / "one")
+    report, printed = calibrate_logged(ParallelState.single("cpu"), ck, one)
+    assert len(printed) == 1 + len(report["layers"]) and "top-1 agreement" in printed[0]
+    manifest = json.loads(Path(one, MANIFEST).read_text())
+    assert manifest["quantization"]["quality"] == QUALITY_FILE
+    assert json.loads(Path(one, QUALITY_FILE).read_text()) == report
+    out = export_hf(one, one + "-hf", progress=False)
+    assert Path(out, QUALITY).read_bytes() == Path(one, QUALITY_FILE).read_bytes()
+    assert check_export(out) == []
+
+    (rank0, printed0), (rank1, printed1) = run_world(world_two, 2, ck, str(tmp_path / "two"), timeout=120)
+    assert printed0 == printed and printed1 == []  # rank 0 prints, the others do not
+    assert rank0 == rank1 == report  # every number summed per sequence or work unit, then in order
+
+
+def test_eval_size_0_writes_no_report_and_eval_reads_its_own_file(ckpts, tmp_path):
+    ck = ckpts["qwen3_moe"]
+    off = str(tmp_path / "off")
+    assert run_ptq(ParallelState.single("cpu"), args(ck, off, eval_size=0))["quality"] is None
+    assert not os.path.exists(Path(off, QUALITY_FILE))
+    assert "quality" not in json.loads(Path(off, MANIFEST).read_text())["quantization"]
+    assert not os.path.exists(Path(export_hf(off, off + "-hf", progress=False), QUALITY))
+
+    ids = str(tmp_path / "eval.npy")
+    np.save(ids, np.arange(3 * SEQ_LEN) % 500)
+    report = run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "file"), eval=ids, eval_size=3))["quality"]
+    assert report["eval"] == {"sequences": 3, "seq_len": SEQ_LEN, "tokens": 3 * SEQ_LEN, "data": ids}
+
+
+@pytest.mark.parametrize("kw, message", [({"eval_size": -1}, "--eval-size -1: give a positive size, or 0"),
+                                         ({"eval": "missing.npy"}, "--eval missing.npy: no such file"),
+                                         ({"eval": "x.npy", "eval_size": 0}, "--eval x.npy with --eval-size 0")])
+def test_bad_report_settings_are_refused_by_name(ckpts, tmp_path, kw, message):
+    with pytest.raises(RankFailure, match=re.escape(message)):
+        run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], str(tmp_path / "q"), **kw))
+    assert not os.path.exists(tmp_path / "q")
