@@ -153,10 +153,10 @@ def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, mo
     out = str(tmp_path / "q")
     run_step = LayerEngine._run_step
 
-    def dying(self, layer, step, ls):
+    def dying(self, layer, step, ls, **kw):
         if layer is self.decoder.layers[2]:
             raise RuntimeError("killed")
-        return run_step(self, layer, step, ls)
+        return run_step(self, layer, step, ls, **kw)
 
     monkeypatch.setattr(LayerEngine, "_run_step", dying)
     with pytest.raises(Exception, match="killed"):

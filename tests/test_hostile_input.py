@@ -218,7 +218,7 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
     ({"quantise": [{"pattern": "*", "format": "nvfp4"}]},
      "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp"),
     ({"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},
-     "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format"),
+     "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm"),
 ])
 def test_a_recipe_with_an_unknown_key_names_it_and_the_valid_ones(recipe, message):
     with pytest.raises(ConfigError) as e:

@@ -225,3 +225,24 @@ def test_the_preview_runs_beside_an_mtp_recipe(tiny, tmp_path):
     """The causal LM the preview fake-quantizes has no MTP layer: its targets are left out there."""
     _, _, ck = tiny
     run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, str(tmp_path / "q"), preview="Hello", **CALIB))
+
+
+def test_gptq_quantizes_the_mtp_layer_beside_all_experts_calibration(tiny, calibrated, tmp_path):
+    """--algorithm gptq with --calibrate-all-experts and the quality report: GPTQ runs on the MTP
+    layer too (its routed experts read from their source tensors), the export writes its codes
+    and passes the checks, and differs from max rounding's there."""
+    _, hf, ck = tiny
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, q, algorithm="gptq", gptq_min_tokens=1,
+                                            calibrate_all_experts=True, **CALIB))
+    with Checkpoint(q) as c:
+        state = CalibrationState.read(c)
+        assert c.quantization["calibration"]["all_experts"] is True
+    assert f"{MTP}.mlp.experts" in state.gptq_experts and f"{MTP}.self_attn.o_proj" in state.gptq_dense
+    out = export_hf(q, str(tmp_path / "q-hf"), progress=False)
+    assert check_export(out, hf) == []
+    got, plain = tensors(out), tensors(calibrated[1])
+    # the weight scales follow from the weights alone: the codes differ by GPTQ's rounding
+    for name in (f"{MTP}.self_attn.o_proj.weight", f"{MTP}.mlp.experts.5.down_proj.weight"):
+        assert raw(got[name.replace("weight", "weight_scale")]) == raw(plain[name.replace("weight", "weight_scale")])
+        assert raw(got[name]) != raw(plain[name]), name

@@ -29,10 +29,10 @@ def killed_mid_layer(ck, out):
     """Rank 1 dies in step KILL_STEP of layer KILL_LAYER, as a killed process does: no cleanup."""
     run_step = LayerEngine._run_step
 
-    def dying(self, layer, step, ls):
+    def dying(self, layer, step, ls, **kw):
         if self.state.rank == 1 and layer is self.decoder.layers[KILL_LAYER] and step == KILL_STEP:
             os._exit(9)
-        return run_step(self, layer, step, ls)
+        return run_step(self, layer, step, ls, **kw)
 
     LayerEngine._run_step = dying
     with ParallelState.from_env(timeout=timedelta(seconds=10)) as state:

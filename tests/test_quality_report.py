@@ -62,12 +62,16 @@ def dequantized(tensors: dict, module: str) -> torch.Tensor:
     return (values * scale.float()[..., None] * tensors[f"{module}.weight_scale_2"]).reshape(w.shape[0], -1)
 
 
-@pytest.mark.parametrize("recipe, dtype", [("fp8", "fp32"), ("nvfp4", "bf16")])
-def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_path, recipe, dtype):
-    """fp32 from a bf16 source: FP8 rounds its quotient to the source's dtype, as the export does."""
+@pytest.mark.parametrize("recipe, dtype, algorithm", [("fp8", "fp32", "max"), ("nvfp4", "bf16", "max"),
+                                                      ("nvfp4", "bf16", "mse"), ("fp8", "fp32", "gptq"),
+                                                      ("nvfp4", "bf16", "gptq")])
+def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_path, recipe, dtype, algorithm):
+    """fp32 from a bf16 source: FP8 rounds its quotient to the source's dtype, as the export does.
+    With mse, the searched scales; with gptq, GPTQ's codes (every routed expert's too)."""
     seen = {}
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], q, recipe, dtype),
+    run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], q, recipe, dtype, algorithm=algorithm,
+                                              gptq_min_tokens=1),
             on_weight=lambda name, w: seen.setdefault(name, w.detach().clone()))
     exported = read_hf_tensors(export_hf(q, q + "-hf", progress=False))
     dense = [n for n in seen if n.endswith(".weight")]

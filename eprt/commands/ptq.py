@@ -22,6 +22,8 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.plan import Planner, format_bytes, memory_in_use, parse_size
 from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq, schedule
+from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS
+from eprt.quant.recipe import ALGORITHMS
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,6 +34,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ep", type=int, help="expert-parallel degree; divides the world size and the routed "
                                            "experts (default: the world size)")
     ap.add_argument("--kv-cache", choices=["fp8"], help="also quantize the KV cache")
+    ap.add_argument("--algorithm", choices=ALGORITHMS, default=ALGORITHMS[0],
+                    help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
+                         f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
+    ap.add_argument("--gptq-min-tokens", type=int, default=DEFAULT_MIN_TOKENS,
+                    help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding and is "
+                         f"listed (default {DEFAULT_MIN_TOKENS})")
     ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
@@ -71,12 +79,14 @@ def ptq() -> None:
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir, calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size,
-                       eval=a.eval)
+                       work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens,
+                       calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size, eval=a.eval)
         if a.dry_run:
-            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP layers
-            recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache) if a.recipe else (None, [])
-            dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp))
+            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
+            # layers and counts GPTQ's Hessians
+            recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
+            dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp),
+                    gptq=bool(recipe and ALGORITHM in recipe.algorithms))
             return
         run_ptq(state, args)
 
@@ -84,15 +94,15 @@ def ptq() -> None:
 # --- dry run ---------------------------------------------------------------------------------
 
 def dry_run(state: ParallelState, ck, dtype: torch.dtype, args: PTQArgs, targets: list[str],
-            mtp: bool = False) -> None:
+            mtp: bool = False, gptq: bool = False) -> None:
     """Every rank works out its own share and memory plan from the manifest (with the MTP layers
-    when the recipe runs them); rank 0 prints them all."""
+    when the recipe runs them, GPTQ's Hessians when it runs GPTQ); rank 0 prints them all."""
     with fail_together(state, "planning the layout"):
         c = ck.config
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
         n_eval = max(args.eval_size, 0)
-        plan = Planner.of(ck, dtype, state.device, targets, mtp=mtp).plan(
+        plan = Planner.of(ck, dtype, state.device, targets, mtp=mtp, gptq=gptq).plan(
             rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=args.calib_size,
             seq_len=args.seq_len, schedule=schedule(args, state, c, args.calib_size),
             baseline=memory_in_use(state.device), all_experts=args.calibrate_all_experts, eval_sequences=n_eval,

@@ -22,10 +22,10 @@ from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
-from eprt.quant.fp8 import fp8_scale, quantize_fp8
-from eprt.quant.nvfp4 import BLOCK_SIZE, quantize_nvfp4
+from eprt.quant.fp8 import fp8_scale
+from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.scales import Scales
+from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
 # hf_quant_config.json's per-module quantization, by eprt format
@@ -63,8 +63,9 @@ class QuantizedExport:
         self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.state = CalibrationState.read(ck)
-        self.scales = Scales({m: self.recipe.format_of(m) for m in self.quantized}, self.state,
-                             lambda m: ck.read(f"{m}.weight"))
+        formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        self.scales = Scales.of_checkpoint(ck, formats, self.state,
+                                           {m: self.recipe.algorithm_of(m) for m in self.quantized})
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
@@ -72,11 +73,8 @@ class QuantizedExport:
 
     @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
-        return self.ck.read_expert(self.stacked[name], e)
-
-    def source_dtype(self, name: str) -> torch.dtype:
-        """The dtype the source holds stacked `name`'s experts in (an MTP layer's: its source tensors')."""
-        return self.ck.meta(name if name in self.ck.tensors else self.stacked[name].sources[0]).source_dtype
+        module = name.rsplit(".", 1)[0]
+        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read_expert(self.stacked[name], e))
 
     @functools.lru_cache(maxsize=4)
     def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
@@ -89,14 +87,11 @@ class QuantizedExport:
         """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call,
         with the per-tensor scale they share: rows quantize independently, so each piece is a
         slice of it, the same bytes as quantized alone."""
-        fmt = self.scales.formats[module]
         w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
-        if fmt == "fp8":
-            # FP8 rounds the quotient to the weight's dtype first (eprt.quant.fp8): the source's
-            # dtype, as the source is held when loaded as it is, whatever dtype eprt converted it to.
-            return {"weight": quantize_fp8(w.to(self.source_dtype(name)), w_scale), "weight_scale": w_scale}
-        q, block_scale = quantize_nvfp4(w, w_scale)
-        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+        out = self.scales.quantize_weight(module, w, w_scale)
+        if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
+            out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
+        return out
 
     @functools.lru_cache(maxsize=2)
     def quantize(self, hf_weight: str) -> dict[str, torch.Tensor]:
@@ -110,14 +105,11 @@ class QuantizedExport:
             rows = slice(x.piece * h, (x.piece + 1) * h)
             return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
         module = hf_weight[: -len(".weight")]
-        w = self.ck.read(hf_weight)
-        w_scale, in_scale = self.scales.weight_scale(module), self.scales.input_scale(module)
-        out = {"input_scale": in_scale}
-        if self.scales.formats[module] == "fp8":
-            out.update(weight=quantize_fp8(w.to(self.ck.meta(hf_weight).source_dtype), w_scale), weight_scale=w_scale)
-        else:
-            q, block_scale = quantize_nvfp4(w, w_scale)
-            out.update(weight=q, weight_scale=block_scale, weight_scale_2=w_scale)
+        w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
+        out = {"input_scale": self.scales.input_scale(module),
+               **self.scales.quantize_weight(module, w, self.scales.weight_scale(module))}
+        if module in self.state.gptq_dense:  # GPTQ's codes, under the same scales
+            out["weight"] = self.state.read_gptq(self.ck, module)
         return out
 
     def format_of(self, hf_weight: str) -> str:

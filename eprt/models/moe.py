@@ -33,6 +33,9 @@ class Experts(nn.Module):
         # Called as all_observer(local expert, x_rows, h_rows) by `observe_every_expert`, with
         # --calibrate-all-experts: statistics of tokens the router did not send to the expert.
         self.all_observer = None
+        # Called as unit_observer(x_sorted, h_sorted, rows_per_unit_LU) by `forward_units`: each
+        # (expert, work unit)'s rows of both projections' inputs (GPTQ's Hessians).
+        self.unit_observer = None
         # input_quant(x_sorted) -> what gate/up read: fake quantization of the experts' input
         # (eprt.quant.preview), in both forwards alike, where a pre-hook would miss forward_units.
         self.input_quant = None
@@ -61,6 +64,8 @@ class Experts(nn.Module):
         h, y = unit_mlp(self._input(x_sorted), self.w13, self.w2, self.act, rows_per_unit_LU)
         if self.observer is not None:
             self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
+        if self.unit_observer is not None:
+            self.unit_observer(x_sorted, h, rows_per_unit_LU)
         if self.probe is not None:
             self.probe(x_sorted, rows_per_unit_LU, y)
         return y

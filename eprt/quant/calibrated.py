@@ -33,19 +33,32 @@ class CalibrationState:
 
     input_amax: dense Linear -> scalar amax of its input; expert_input_amax: experts module ->
     (w13 input amax [E], w2 input amax [E]), one row per expert; expert_tokens: experts module ->
-    tokens routed to each expert [E]; kv_amax: attention module -> (k amax, v amax)."""
+    tokens routed to each expert [E]; kv_amax: attention module -> (k amax, v amax).
+
+    With GPTQ (eprt.quant.gptq), the quantized weight of each module it changed, in the export's
+    encoding (FP8: float8_e4m3fn codes; NVFP4: packed E2M1 codes, the scales being the export's
+    from the original weight): gptq_dense: dense Linear -> codes [out, in or in/2]; gptq_experts:
+    experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
+    (the whole model's weights): their values are None and `read_gptq` reads one at a time."""
 
     INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = "input_amax", "w13_input_amax", "w2_input_amax", "tokens", "k_amax", "v_amax"
+    GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2 = "gptq_weight", "gptq_w13", "gptq_w2"
+    GPTQ = (GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2)
 
-    def __init__(self, input_amax=None, expert_input_amax=None, expert_tokens=None, kv_amax=None):
+    def __init__(self, input_amax=None, expert_input_amax=None, expert_tokens=None, kv_amax=None, gptq_dense=None,
+                 gptq_experts=None):
         self.input_amax: dict[str, torch.Tensor] = input_amax or {}
         self.expert_input_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = expert_input_amax or {}
         self.expert_tokens: dict[str, torch.Tensor] = expert_tokens or {}
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = kv_amax or {}
+        self.gptq_dense: dict[str, torch.Tensor | None] = gptq_dense or {}
+        self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
 
     @classmethod
-    def of(cls, cal: Calibrator) -> "CalibrationState":
-        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax)
+    def of(cls, cal: Calibrator, gptq=None) -> "CalibrationState":
+        """`gptq`: eprt.quant.gptq_layer.GPTQResults, when GPTQ ran."""
+        dense, experts = (gptq.dense, gptq.experts) if gptq is not None else (None, None)
+        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts)
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-expert state tensor (this rank's rows, during calibration), by name."""
@@ -54,41 +67,56 @@ class CalibrationState:
             out[f"{module}.{self.W13_INPUT}"] = w13_in
             out[f"{module}.{self.W2_INPUT}"] = w2_in
             out[f"{module}.{self.TOKENS}"] = self.expert_tokens[module]
+        for module, (w13, w2) in self.gptq_experts.items():
+            out[f"{module}.{self.GPTQ_W13}"], out[f"{module}.{self.GPTQ_W2}"] = w13, w2
         return out
 
     def dense_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"{m}.{self.INPUT}": t for m, t in self.input_amax.items()}
         for attn, (k, v) in self.kv_amax.items():
             out[f"{attn}.{self.K}"], out[f"{attn}.{self.V}"] = k, v
+        out.update({f"{m}.{self.GPTQ_WEIGHT}": t for m, t in self.gptq_dense.items()})
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "CalibrationState":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor | None]) -> "CalibrationState":
         """The state back from its tensors by name (what `expert_tensors` and `dense_tensors` wrote)."""
         by: dict[str, dict[str, torch.Tensor]] = {}  # leaf -> module -> tensor
         for name, t in tensors.items():
             module, leaf = name.rsplit(".", 1)
             by.setdefault(leaf, {})[module] = t
         get = lambda leaf: by.get(leaf, {})  # noqa: E731
-        unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V}
+        unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V, *cls.GPTQ}
         if unknown:
             raise CheckpointError(f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; "
                                   "calibrate again with this eprt")
         experts = {m: (w13, get(cls.W2_INPUT)[m]) for m, w13 in get(cls.W13_INPUT).items()}
         kv = {m: (k, get(cls.V)[m]) for m, k in get(cls.K).items()}
-        return cls(dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv)
+        gptq_experts = {m: (w13, get(cls.GPTQ_W2)[m]) for m, w13 in get(cls.GPTQ_W13).items()}
+        return cls(dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts)
 
     @classmethod
     def read(cls, ck: Checkpoint) -> "CalibrationState":
-        return cls.from_tensors({n: ck.read(n) for n in ck.names(role="calibration")})
+        """The state of a calibrated checkpoint; GPTQ's weights by name only (`read_gptq`)."""
+        return cls.from_tensors({n: None if n.rsplit(".", 1)[1] in cls.GPTQ else ck.read(n)
+                                 for n in ck.names(role="calibration")})
+
+    def read_gptq(self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
+                  ) -> torch.Tensor:
+        """GPTQ's codes of dense Linear `module`, or of routed expert `expert`'s `kind` (w13, w2)."""
+        if kind is None:
+            return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
+        leaf = {"w13": self.GPTQ_W13, "w2": self.GPTQ_W2}[kind]
+        return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
 
 
 def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint, recipe: Recipe,
-                     summary: dict, quality: dict | None = None) -> None:
+                     summary: dict, quality: dict | None = None, gptq=None) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
-    quantization section names (`quality`)."""
-    cs = CalibrationState.of(cal)
+    quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
+    codes, when it ran."""
+    cs = CalibrationState.of(cal, gptq)
     experts = cs.expert_tensors()
     if experts and state.edp_rank == 0:
         save_tensors(os.path.join(tmp, experts_file(state.ep_rank)), experts)
@@ -96,13 +124,14 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
         return
     dense = cs.dense_tensors()
     save_tensors(os.path.join(tmp, DENSE_FILE), dense)
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration", (Part(DENSE_FILE, n, (0, 0)),), t.dtype)
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration",
+                        (Part(DENSE_FILE, n, (0, t.shape[0] if t.dim() else 0)),), t.dtype)
              for n, t in dense.items()]
     place = state.placement(ck.config.num_experts)
     for n, t in experts.items():
         parts = tuple(Part(experts_file(r), n, (first, first + count))
                       for r, (first, count) in enumerate(place.ranges()))
-        metas.append(TensorMeta(n, t.dtype, (place.num_experts,), "raw", "calibration", parts, t.dtype))
+        metas.append(TensorMeta(n, t.dtype, (place.num_experts, *t.shape[1:]), "raw", "calibration", parts, t.dtype))
     quantization = {"recipe": recipe.to_json(), "calibration": summary}
     if quality is not None:
         with open(os.path.join(tmp, QUALITY_FILE), "w", encoding="utf-8") as f:

@@ -39,7 +39,10 @@ from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
 from eprt.quant.calibrate import Calibrator
+from eprt.quant.gptq_layer import GPTQRun, LayerGPTQ
+from eprt.quant.preview import fake_quantize
 from eprt.quant.quality import QualityReport
+from eprt.quant.scales import source_dtype
 
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer.
@@ -138,8 +141,10 @@ class LayerEngine:
 
     def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
                  schedule: Schedule, progress: bool = True, quality: QualityReport | None = None,
-                 eval_schedule: Schedule | None = None):
+                 eval_schedule: Schedule | None = None, gptq: GPTQRun | None = None):
         self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
+        # with GPTQ, each layer runs three passes (max, Hessians, quantized) and passes on its quantized output
+        self.gptq = gptq
         self.samples, self.progress = samples, progress
         c = ck.config
         self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
@@ -173,7 +178,7 @@ class LayerEngine:
     def run(self, first_layer: int, ls: LayerState, after_layer=None) -> LayerState:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
-        steps = self.schedule.num_steps
+        steps = self.schedule.num_steps * (3 if self.gptq is not None else 1)
         with one_cpu_thread(self.state.device), \
                 bar((len(layers) - first_layer) * steps, "calibrate", unit="step", enabled=self.progress) as pb:
             for i in range(first_layer, len(layers)):
@@ -207,12 +212,13 @@ class LayerEngine:
             start, sent_before = time.perf_counter(), self.dispatcher.bytes_sent
             mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
             self.cal.observe(mtp, prefix)
+            mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
             try:
-                mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
                 for step in range(self.schedule.num_steps):
-                    self._run_step(mtp, step, mtp_ls)
+                    self._run_step(mtp, step, mtp_ls, write=self.gptq is None)
             finally:
                 self.cal.close()
+            self._quantize_layer(None, mtp, prefix, mtp_ls, None)
             hidden = mtp_ls.hidden
             mtp.to_empty(device="meta")
             if self.state.rank == 0:
@@ -232,15 +238,14 @@ class LayerEngine:
         snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
         try:
             for step in range(self.schedule.num_steps):
-                self._run_step(layer, step, ls)
+                self._run_step(layer, step, ls, write=self.gptq is None)
                 pb.set_postfix_str(f"layer {i + 1}/{len(self.decoder.layers)}", refresh=False)
                 pb.update(1)
         finally:
             self.cal.close()
+        self._quantize_layer(i, layer, prefix, ls, pb)
         if snapshot is not None:
             ls.blocks.append(snapshot)
-        if self.held is not None:
-            self._evaluate_layer(i, layer, prefix)
         layer.to_empty(device="meta")
         compute_s, sent = time.perf_counter() - start, self.dispatcher.bytes_sent - sent_before
         if self.state.rank == 0:
@@ -248,9 +253,65 @@ class LayerEngine:
                           placed / 2**20, compute_s, sent / 2**20)
         return ls
 
-    def _run_step(self, layer, step: int, ls: LayerState) -> None:
+    def _quantize_layer(self, i: int | None, layer, prefix: str, ls: LayerState, pb) -> None:
+        """Once the max pass over `layer` (decoder layer i; None: an MTP layer, which the quality
+        report does not cover) is done, with GPTQ or the quality report: the layer's amax made
+        final over the ranks; the report's reference stream through the layer as it is; GPTQ's
+        Hessian pass; then the layer quantized in place as the export writes it (GPTQ's weights
+        where it ran, eprt.quant.preview.fake_quantize for the rest, the inputs and the KV cache),
+        through which run the report's quantized stream and GPTQ's quantized pass, whose output
+        replaces `ls.hidden` (eprt.quant.gptq_layer). One quantization serves both."""
+        held = self.held if i is not None else None
+        if self.gptq is None and held is None:
+            return
+        self.cal.reduce_amax(self.state, prefix)
+        if held is not None:
+            self._held_pass(layer, held.ref)
+        g = LayerGPTQ(self.gptq, layer, prefix, self.cal) if self.gptq is not None else None
+        if g is not None and g.needs_hessians:
+            g.observe()
+            try:
+                self._steps(layer, ls, pb, write=False)
+            finally:
+                g.close()
+        elif g is not None and pb is not None:
+            pb.update(self.schedule.num_steps)
+        # the probes keep the original weights: installed before any is replaced
+        errors, unprobe = held.report.probe(layer, prefix, held.schedule.num_groups) if held else (None, None)
+        unquantize = None
+        try:
+            if g is not None:
+                g.quantize()
+                g.free()
+            report = self.held.report if self.held is not None else None
+            unquantize = fake_quantize(layer, self.cal.targets, (report or self.gptq).recipe, self.cal, self.state,
+                                       prefix=prefix, source_dtype=lambda name: source_dtype(self.ck, name),
+                                       on_weight=report.on_weight if held is not None else None,
+                                       quantized=g.modules if g is not None else ())
+            if held is not None:
+                self._held_pass(layer, held.quant, errors)
+                unprobe()
+                unprobe = None
+            if g is not None:  # the probes measure the held-out sequences only
+                self._steps(layer, ls, pb, write=True)
+        finally:
+            if unprobe is not None:
+                unprobe()
+            if unquantize is not None:
+                unquantize()
+        if held is not None:
+            held.report.finish_layer(i, prefix, held.pairs, held.ref.hidden, held.quant.hidden, errors)
+
+    def _steps(self, layer, ls: LayerState, pb, write: bool) -> None:
+        for step in range(self.schedule.num_steps):
+            self._run_step(layer, step, ls, write=write)
+            if pb is not None:
+                pb.update(1)
+
+    def _run_step(self, layer, step: int, ls: LayerState, write: bool = True) -> None:
         """One step of one layer: its sequences' dense parts one sequence each, the routed experts
-        over the step's work units; each output replaces its sequence's hidden state."""
+        over the step's work units; each output replaces its sequence's hidden state (unless not
+        `write`: a pass that only observes)."""
         T = self.schedule.seq_len
         ffn = layer.ffn()
         mine = [(s, self.local[s]) for s in self.schedule.step_sequences(step) if s in self.local]
@@ -260,7 +321,9 @@ class LayerEngine:
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
             carry, m = layer.attend(ls.hidden[li:li + 1], *args)
             if not isinstance(ffn, MoE):
-                ls.hidden[li] = (carry + ffn(m))[0]
+                out = (carry + ffn(m))[0]
+                if write:
+                    ls.hidden[li] = out
                 continue
             m_TD = m.reshape(T, -1)
             pending.append((s, li, carry, m_TD, *ffn.route(m_TD)))
@@ -269,7 +332,9 @@ class LayerEngine:
         self._observe_every_expert(ffn, step, pending)
         routed = self._routed(ffn, step, pending)
         for (s, li, carry, m_TD, *_), routed_TD in zip(pending, routed):
-            ls.hidden[li] = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+            out = (carry + ffn.finish(m_TD, routed_TD).view_as(carry))[0]
+            if write:
+                ls.hidden[li] = out
 
     def _observe_every_expert(self, moe: MoE, step: int, pending: list) -> None:
         """--calibrate-all-experts: every token of the step through every routed expert, for the
@@ -323,30 +388,17 @@ class LayerEngine:
         finally:
             self.schedule, self.local, self.dispatcher = saved
 
-    def _evaluate_layer(self, i: int, layer, prefix: str) -> None:
-        """Once layer i is calibrated: its amax made final, the reference stream through the layer
-        as it is, then the quantized stream through the layer fake-quantized in place."""
-        held = self.held
-        self.cal.reduce_amax(self.state, prefix)
-        starts_block = getattr(layer, "attn_res", False) and layer.starts_block
-        errors = None
+    def _held_pass(self, layer, ls: LayerState, errors=None) -> None:
+        """One stream of the held-out sequences through `layer` (`errors`: the quantized stream's
+        probes, told each step's first work unit)."""
+        snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
         with self._over_held():
-            for ls in (held.ref, held.quant):
-                snapshot = ls.hidden.clone() if starts_block else None
-                undo = None
-                if ls is held.quant:
-                    errors, undo = held.report.quantize(layer, prefix, self.cal, self.schedule.num_groups)
-                try:
-                    for step in range(self.schedule.num_steps):
-                        if errors is not None:
-                            errors.first_unit = self.schedule.step_groups(step)[0]
-                        self._run_step(layer, step, ls)
-                finally:
-                    if undo is not None:
-                        undo()
-                if snapshot is not None:
-                    ls.blocks.append(snapshot)
-        held.report.finish_layer(i, prefix, held.pairs, held.ref.hidden, held.quant.hidden, errors)
+            for step in range(self.schedule.num_steps):
+                if errors is not None:
+                    errors.first_unit = self.schedule.step_groups(step)[0]
+                self._run_step(layer, step, ls)
+        if snapshot is not None:
+            ls.blocks.append(snapshot)
 
     def _evaluate_head(self) -> None:
         """After the last layer: the decoder's final step and the head over both streams."""

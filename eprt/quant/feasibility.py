@@ -80,13 +80,13 @@ def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, Tens
                               "from the recipe")
         return layout.linear_modules(mtp=True)
     for mtp in carried:
-        rule = next(((p, f) for p, f in recipe.rules if fnmatch.fnmatchcase(mtp, p)), None)
-        if rule and rule[1] != "none" and not any(fnmatch.fnmatchcase(m, rule[0]) for m in modules):
+        rule = recipe.rule_of(mtp)
+        if rule and rule.format != "none" and not any(fnmatch.fnmatchcase(m, rule.pattern) for m in modules):
             way_out = ("add `mtp: true` to the recipe to quantize the MTP layers by its rules, or drop the rule"
                        if layout.mtp else "eprt carries this model's MTP layers through unquantized: drop the rule "
                        "or give it format none")
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule[0]!r}, format: "
-                              f"{rule[1]}}}), a multi-token-prediction layer, but does not say mtp: true; {way_out}")
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule.pattern!r}, format: "
+                              f"{rule.format}}}), a multi-token-prediction layer, but does not say mtp: true; {way_out}")
     return {}
 
 
@@ -149,7 +149,7 @@ def spec_name(spec: TensorSpec) -> str:
 def unmatched_hint(recipe: Recipe, modules: list[str]) -> str:
     """For each quantizing pattern that matches no module: the module names closest to it."""
     hints = []
-    for pattern, fmt in recipe.rules:
+    for pattern, fmt, _ in recipe.rules:
         if fmt == "none" or any(fnmatch.fnmatchcase(m, pattern) for m in modules):
             continue
         close = difflib.get_close_matches(pattern, modules, n=SUGGESTIONS, cutoff=0.0)

@@ -127,21 +127,44 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight uint8 [..., in/2], weight_scale float8_e4m3fn [..., in/16]) for w [..., in].
 
     `scale_2` is the fp32 per-tensor weight_scale_2 (from `nvfp4_scale`; shared by fused
     projections, so it may come from a larger amax than w's own). Any leading dims are kept, so
     stacked experts [E, out, in] quantize in one call. Computed in fp32 whatever w's dtype.
+    `block_scale` (float8_e4m3fn [..., in/16], positive): block scales chosen elsewhere (the
+    `mse` search, eprt.quant.mse) instead of the block-amax rule above.
     """
+    block_amax = _checked_block_amax(w)
+    scale_2 = as_scale(scale_2, w.device)
+    if block_scale is None:
+        block_scale = _block_scales(block_amax, scale_2)
+    elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != block_amax.shape:
+        raise ValueError(f"block scales {block_scale.dtype} {tuple(block_scale.shape)} do not fit weight "
+                         f"{tuple(w.shape)}: expected float8_e4m3fn {tuple(block_amax.shape)}")
+    return pack_fp4(encode_with_scales(w, block_scale, scale_2)), block_scale
+
+
+def _checked_block_amax(w: torch.Tensor) -> torch.Tensor:
     _check_blocks(w)
     block_amax = _block_amax(w)
     check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
+    return block_amax
+
+
+def nvfp4_block_scales(w: torch.Tensor, scale_2) -> torch.Tensor:
+    """float8_e4m3fn block scales [..., in/16] of w [..., in] under `scale_2` (the export's rule)."""
+    return _block_scales(_checked_block_amax(w), as_scale(scale_2, w.device))
+
+
+def encode_with_scales(w: torch.Tensor, block_scale: torch.Tensor, scale_2) -> torch.Tensor:
+    """uint8 E2M1 codes [..., in] of w [..., in] under given block scales [..., in/16] (unpacked):
+    the export's rounding, also for block scales fixed from another weight (GPTQ's columns)."""
     scale_2 = as_scale(scale_2, w.device)
-    block_scale = _block_scales(block_amax, scale_2)
     quarters = (_as_blocks(w.float()) / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
-    codes = _encode_quarters(quarters)
-    return pack_fp4(codes.reshape(w.shape)), block_scale
+    return _encode_quarters(quarters).reshape(w.shape)
 
 
 def dequantize_nvfp4(
@@ -164,11 +187,12 @@ def dequantize_nvfp4(
     return w.reshape(values.shape).to(dtype)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, scale_2) -> torch.Tensor:
+def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize over the last dim, in x's dtype.
 
-    For weights pass weight_scale_2; for activations pass input_scale: the engines compute an
-    activation's block scales at run time by the same block rule.
+    For weights pass weight_scale_2 (and the block scales where they were chosen elsewhere: see
+    `quantize_nvfp4`); for activations pass input_scale: the engines compute an activation's
+    block scales at run time by the same block rule.
     """
-    packed, block_scale = quantize_nvfp4(x, scale_2)
+    packed, block_scale = quantize_nvfp4(x, scale_2, block_scale)
     return dequantize_nvfp4(packed, block_scale, scale_2, dtype=x.dtype)

@@ -30,6 +30,7 @@ from eprt.families import reader_for
 from eprt.layout import layer_of
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences
+from eprt.quant.gptq_layer import EXPERT_STACK
 
 
 def current_rss() -> int:
@@ -90,14 +91,17 @@ class MemoryPlan:
     layer: int  # the largest layer's weights (dense + this rank's experts)
     reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
     step: int  # one step's activations and exchange buffers
+    gptq: int = 0  # with GPTQ: a layer's Hessians (int64) and one solve's working set, beside the layer
+    codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written
     eval_layer: int = 0  # the quality report: the largest layer's weights with the copy of its quantized ones
     eval_step: int = 0  # one held-out step's buffers, with the probes'
     head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.hidden + max(self.embedding, self.reading, self.layer + self.step,
-                                                 self.eval_layer + self.eval_step, self.head)
+        return self.baseline + self.hidden + self.codes + max(self.embedding, self.reading,
+                                                               self.layer + self.step + self.gptq,
+                                                               self.eval_layer + self.eval_step, self.head)
 
 
 @dataclass(frozen=True)
@@ -113,13 +117,21 @@ class Planner:
     embedding: int
     kernel_cache: int
     head: int = 0  # what the decoder's final step and the head read after the last layer
+    # with GPTQ, per decoder layer its Linears' (Hessian bytes, solve bytes, weight elements, routed
+    # experts), every 2-D weight counted (an upper bound: not every one is quantized); an MTP
+    # layer is a decoder layer's size
+    hessians: dict[int, list[tuple[int, int, int, bool]]] | None = None
+    device: str = "cpu"
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False) -> Planner:
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
+           gptq: bool = False) -> Planner:
         """`targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
-        decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp)."""
+        decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
+        the recipe runs GPTQ on some module (eprt.quant.gptq_layer)."""
         b = dtype.itemsize
+        hessians: dict[int, list[tuple[int, int, int, bool]]] | None = {} if gptq else None
         model, stacked = meta_model(ck, None)
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}
@@ -138,10 +150,29 @@ class Planner:
             run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
+            if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
+                count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
+                # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
+                # working block, and the fp32 result; routed experts EXPERT_STACK at a time
+                solve = (4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8) * (EXPERT_STACK if name in stacked else 1)
+                hessians.setdefault(int(m.group(1)), []).append(
+                    (count * in_dim * in_dim * 8, solve, t.numel(), name in stacked))
         if mtp:
             mtp_reads(ck, dtype, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
-        return cls(ck, dtype, reads, embedding, cache, head)
+        return cls(ck, dtype, reads, embedding, cache, head, hessians, device.type)
+
+    def _gptq(self, ep: int) -> tuple[int, int]:
+        """(the most a layer's Hessians and one solve hold, GPTQ's codes of every layer at one
+        byte a weight) on one rank; (0, 0) without GPTQ."""
+        if self.hessians is None:
+            return 0, 0
+        most = codes = 0
+        for linears in self.hessians.values():
+            held = sum(h // (ep if expert else 1) for h, _, _, expert in linears)
+            most = max(most, held + max(solve for _, solve, _, _ in linears))
+            codes += sum(n // (ep if expert else 1) for _, _, n, expert in linears)
+        return most, codes if self.device == "cpu" else 0
 
     def _layer(self, ep: int) -> tuple[int, int, int]:
         """(the largest layer's weights, the most any layer holds while it is read, the most a
@@ -168,14 +199,15 @@ class Planner:
         layer, reading, copied = self._layer(ep)
         step = self._step(rank, world, num_sequences, seq_len, schedule, probes=False, all_experts=all_experts,
                           ep=ep)
+        gptq, codes = self._gptq(ep)
         if not eval_sequences:
-            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step)
+            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes)
         hidden += 2 * len(own_sequences(eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, eval_sequences, seq_len, eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
-        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, copied,
-                          eval_step, head)
+        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
+                          copied, eval_step, head)
 
     def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
               probes: bool, all_experts: bool = False, ep: int = 1) -> int:

@@ -4,13 +4,14 @@ After calibration the quantized modules are fake-quantized in place (weights qua
 dequantized with the export's scales, inputs through their calibrated input scale, the KV
 cache through its k/v scales), so the continuation shows what the engine will compute. The
 model is not used afterwards: export reads the weights from the checkpoint. The quality report
-(eprt.quant.quality) fake-quantizes each decoder layer the same way.
+(eprt.quant.quality) and GPTQ's quantized stream (eprt.quant.gptq_layer) fake-quantize each
+decoder layer the same way, the weights GPTQ chose in place of max's or mse's.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -18,10 +19,10 @@ import torch.distributed as dist
 from eprt.models.moe import Experts
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
+from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.nvfp4 import fake_quant_nvfp4
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import EXPERT_KINDS, Scales
+from eprt.quant.scales import EXPERT_KINDS, Scales, dequantize_weight
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
 
@@ -40,12 +41,17 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
+FAKES = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
+
+
 def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, *, prefix: str = "",
                   source_dtype: Callable[[str], torch.dtype] | None = None,
-                  on_weight: Callable[[str, torch.Tensor], None] | None = None) -> Callable[[], None]:
+                  on_weight: Callable[[str, torch.Tensor], None] | None = None,
+                  quantized: Collection[str] = ()) -> Callable[[], None]:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
-    export's scales (eprt.quant.scales): dense Linears' inputs, both projections' inputs of the
-    routed experts, and with an FP8 KV cache the keys and values where calibration observed them.
+    export's scales and numerics (eprt.quant.scales: each module's algorithm, max or mse): dense
+    Linears' inputs, both projections' inputs of the routed experts, and with an FP8 KV cache the
+    keys and values where calibration observed them.
 
     `model` holds the modules named `prefix` + their name in it (the whole model, or one decoder
     layer of a layer-by-layer run): only the targets it holds are quantized (the causal LM runs no
@@ -53,21 +59,26 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     every rank must call it alike.
     `source_dtype(tensor name)` is the dtype the export rounds an FP8 quotient to (the source's;
     default the weight's own), so that the weights are the export's dequantized, bit for bit
-    wherever the run's dtype holds the checkpoint's weights exactly. `on_weight(tensor name,
-    weight)` sees each weight as replaced (a routed-experts tensor: this rank's rows). Returns
-    what removes the input and KV hooks (the weights stay replaced)."""
+    wherever the run's dtype holds the checkpoint's weights exactly. `quantized`: the modules whose
+    weights already hold what the export writes (GPTQ's, eprt.quant.gptq_layer), left as they are.
+    `on_weight(tensor name, weight)` sees each weight as replaced (a routed-experts tensor: this
+    rank's rows). Returns what removes the input and KV hooks (the weights stay replaced)."""
     sub = lambda m: model.get_submodule(m[len(prefix):])  # noqa: E731
     present = {prefix + name for name, _ in model.named_modules()}
     targets = [m for m in targets if m.startswith(prefix) and m in present]
-    scales = Scales({m: recipe.format_of(m) for m in targets}, CalibrationState.of(cal),
-                    lambda m: sub(m).weight.detach())
-    fakes = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
+    formats = {m: recipe.format_of(m) for m in targets}
 
-    def fake_weight(fmt: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if fmt == "nvfp4":  # computed in fp32 whatever w's dtype
-            return fake_quant_nvfp4(w, scale)
-        src = source_dtype(name) if source_dtype else w.dtype
-        return dequantize_fp8(quantize_fp8(w.to(src), scale), scale, dtype=w.dtype)
+    def as_quantized(name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
+        """w as the export quantizes it (eprt.quant.scales.as_quantized)."""
+        return w.to(source_dtype(name)) if fmt == "fp8" and source_dtype is not None else w
+
+    scales = Scales(formats, CalibrationState.of(cal),
+                    lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
+                    {m: recipe.algorithm_of(m) for m in targets})
+
+    def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        t = scales.quantize_weight(m, as_quantized(name, formats[m], w), scale)
+        return dequantize_weight(formats[m], t, w.dtype)
 
     def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         try:
@@ -78,29 +89,32 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     undo = []
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
-    resolved = {m: (weight_scale(m, lambda m=m: scales.weight_scale(m)), scales.input_scale(m)) for m in dense}
+    resolved = {m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)),
+                    scales.input_scale(m)) for m in dense}
     with torch.no_grad():
         for m in dense:
-            module, fmt = sub(m), scales.formats[m]
+            module, fmt = sub(m), formats[m]
             w_scale, in_scale = resolved[m]
-            module.weight.copy_(fake_weight(fmt, f"{m}.weight", module.weight, w_scale))
+            if m not in quantized:
+                module.weight.copy_(fake_weight(m, f"{m}.weight", module.weight, w_scale))
             if on_weight is not None:
                 on_weight(f"{m}.weight", module.weight)
-            quant_input = lambda _m, args, s=in_scale, f=fakes[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
+            quant_input = lambda _m, args, s=in_scale, f=FAKES[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
             undo.append(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
             experts = sub(m)
             if not isinstance(experts, Experts):
                 continue
-            fmt = scales.formats[m]
-            fake = fakes[fmt]
+            fake = FAKES[formats[m]]
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
-                for e in range(w.shape[0]):
-                    scale = weight_scale(f"{m}.{kind} (expert {experts.first + e})",
-                                         lambda row=w[e]: scales.expert_weight_scale(m, row))
-                    w[e].copy_(fake_weight(fmt, f"{m}.{kind}", w[e], scale))
+                name = f"{m}.{kind}"
+                for e in range(0 if m in quantized else w.shape[0]):
+                    row = as_quantized(name, formats[m], w[e])
+                    scale = weight_scale(f"{name} (expert {experts.first + e})",
+                                         lambda row=row: scales.expert_weight_scale(m, row))
+                    w[e].copy_(fake_weight(m, name, w[e], scale))
                 if on_weight is not None:
-                    on_weight(f"{m}.{kind}", w)
+                    on_weight(name, w)
             in_scale = {}
             for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()

@@ -26,11 +26,13 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
 from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.quality import QualityReport
-from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
+from eprt.quant.scales import source_dtype
 from eprt.quant.workdir import WorkDir
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint, manifest_digest
@@ -58,6 +60,8 @@ class PTQArgs:
     max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
     resume: bool = False
     work_dir: str | None = None  # default: OUT.work beside OUT
+    algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
+    gptq_min_tokens: int = DEFAULT_MIN_TOKENS  # a routed expert with fewer tokens keeps max rounding under GPTQ
     calibrate_all_experts: bool = False  # every token through every routed expert, for the statistics only
     eval_size: int = 8  # held-out sequences of the quality report (0: no report)
     eval: str | None = None  # the held-out sequences' data (default: held out from the calibration data)
@@ -75,17 +79,20 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
-        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache)
+        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
         if a.dtype not in RUN_DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
         warn_beyond_positions(cfg, a.seq_len, state.rank)
+        if a.gptq_min_tokens < 1:
+            raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
         samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
     with ck:
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, samples, a, targets, eval_ids, mtp=recipe.mtp)
+            plan, preview = plan_run(state, ck, samples, a, targets, eval_ids, mtp=recipe.mtp,
+                                     gptq=ALGORITHM in recipe.algorithms)
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
@@ -93,6 +100,8 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8", all_experts=a.calibrate_all_experts)
+        gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
+                       min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
             work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state,
@@ -100,7 +109,7 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
             report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
                                    f"{a.calib_size + a.eval_size} sequences of {a.calib or 'the built-in corpus'}, "
                                    "held out of calibration", on_weight) if eval_ids is not None else None
-            resumed = calibrate_layers(state, ck, cal, samples, a, work, report)
+            resumed = calibrate_layers(state, ck, cal, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
         seconds = time.perf_counter() - start
@@ -110,14 +119,21 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         if report is not None:
             report.log()
         if preview:
-            fake_quantize(model, targets, recipe, cal, state, source_dtype=lambda name: ck.meta(name).source_dtype)
+            first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
+            quantized = gptq.results.apply(model, ck, gptq.formats, first) if gptq is not None else ()
+            fake_quantize(model, targets, recipe, cal, state, source_dtype=lambda name: source_dtype(ck, name),
+                          quantized=quantized)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
-        summary = {"algorithm": "max", "samples": a.calib_size, "seq_len": a.seq_len,
+        summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
                    "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus",
                    "all_experts": a.calibrate_all_experts}
-        write_together(state, a.out, lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality),
+        if gptq is not None:
+            summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
+        results = gptq.results if gptq is not None else None
+        write_together(state, a.out,
+                       lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results),
                        overwrite=a.overwrite, inputs=ck.input_dirs())
         with fail_together(state, "removing the work directory"):
             work.remove()
@@ -136,12 +152,13 @@ def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
 
 
 def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: list[str],
-             eval_ids: torch.Tensor | None, mtp: bool = False) -> tuple[MemoryPlan, bool]:
+             eval_ids: torch.Tensor | None, mtp: bool = False, gptq: bool = False) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
     plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not).
-    `mtp`: the recipe runs the multi-token-prediction layers."""
+    `mtp`: the recipe runs the multi-token-prediction layers; `gptq`: it runs GPTQ, whose Hessians
+    the plan counts."""
     c = ck.config
-    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp)
+    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
     n_eval = eval_ids.shape[0] if eval_ids is not None else 0
     plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
                         seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
@@ -156,8 +173,10 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: 
         logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
                       format_bytes(plan.step), format_bytes(plan.baseline),
-                      f", quality report: layer with its copy {format_bytes(plan.eval_layer)}, held-out step "
-                      f"{format_bytes(plan.eval_step)}, head {format_bytes(plan.head)}" if n_eval else "")
+                      (f", GPTQ's Hessians {format_bytes(plan.gptq)}, its codes {format_bytes(plan.codes)}"
+                       if gptq else "")
+                      + (f", quality report: layer with its copy {format_bytes(plan.eval_layer)}, held-out step "
+                         f"{format_bytes(plan.eval_step)}, head {format_bytes(plan.head)}" if n_eval else ""))
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
@@ -175,24 +194,26 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_i
     held = hashlib.sha256(eval_ids.numpy().tobytes()).hexdigest() if eval_ids is not None else None
     return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
             "eval": held,
-            "dtype": a.dtype, "recipe": a.recipe, "kv_cache": a.kv_cache, "world": state.world, "ep": state.ep_size,
-            "group_tokens": a.group_tokens, "all_experts": a.calibrate_all_experts}
+            "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache,
+            "world": state.world, "ep": state.ep_size, "group_tokens": a.group_tokens,
+            "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts}
 
 
 def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
-                     work: WorkDir, report: QualityReport | None = None) -> int:
+                     work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
-    held-out sequences), each layer boundary saved in `work`; with --resume, from the last one
-    saved. Returns the layer it resumed after (-1: none)."""
+    held-out sequences), each layer boundary saved in `work` (with GPTQ's results so far); with
+    --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
     engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
                          schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress,
                          quality=report,
-                         eval_schedule=schedule(a, state, ck.config, report.eval_ids.shape[0]) if report else None)
+                         eval_schedule=schedule(a, state, ck.config, report.eval_ids.shape[0]) if report else None,
+                         gptq=gptq)
+    results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device, engine.held) if done >= 0 else engine.embed()
-    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, engine.held))
+    ls = work.load(done, cal, state.device, engine.held, results) if done >= 0 else engine.embed()
+    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, engine.held, results))
     return done
-
 
 def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the calibration sequences, the quality report's held-out ones or None): the last
@@ -213,10 +234,12 @@ def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor,
             calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len, vocab_size=vocab_size))
 
 
-def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None) -> tuple[Recipe, list[str]]:
-    """The recipe `spec` and the modules it quantizes in `ck`, from the manifest alone: whatever
-    export would refuse about this recipe and this model is refused here, before a weight is read."""
-    recipe = load_recipe(spec, kv_cache)
+def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None,
+                algorithm: str | None = None) -> tuple[Recipe, list[str]]:
+    """The recipe `spec` (its rules that name no algorithm get `algorithm`) and the modules it
+    quantizes in `ck`, from the manifest alone: whatever export would refuse about this recipe
+    and this model is refused here, before a weight is read."""
+    recipe = load_recipe(spec, kv_cache, algorithm)
     layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
     return recipe, list(quantized_modules(layout, recipe, ck.path))
 

@@ -5,8 +5,9 @@ The engine runs two streams of the held-out sequences through each layer once th
 calibration is done and its amax reduced over the ranks (so its scales are the export's): the
 reference stream through the layer as it is, then the quantized stream through the same layer
 fake-quantized in place with the export's scales and numerics (eprt.quant.preview.fake_quantize:
-weights, activations and the FP8 KV cache), routed experts through the same canonical work units
-as calibration. This module holds what the report measures:
+weights, activations and the FP8 KV cache; each module's algorithm: max's or mse's scales, and
+where GPTQ ran its weights, the codes the export writes), routed experts through the same
+canonical work units as calibration. This module holds what the report measures:
 
 - per layer, the relative error ||y_q - y_ref|| / ||y_ref|| of the layer's output (accumulated
   through the layers: each stream runs on its own output of the layer before), and the quantized
@@ -35,7 +36,6 @@ from eprt.kernels import unit_mlp
 from eprt.models.layers import linear
 from eprt.models.moe import Experts
 from eprt.progress import logger
-from eprt.quant.preview import fake_quantize
 
 TOP = 5  # modules or experts listed per layer
 
@@ -125,15 +125,12 @@ class QualityReport:
     def tokens(self) -> int:
         return self.eval_ids.numel()
 
-    def quantize(self, layer, prefix: str, cal, num_units: int) -> tuple[ModuleErrors, Callable[[], None]]:
-        """Probe and fake-quantize one layer in place, as the export will quantize it; returns the
-        probes' sums (the engine sets their `first_unit` each step) and what removes the probes
-        and the quantization's hooks."""
+    def probe(self, layer, prefix: str, num_units: int) -> tuple[ModuleErrors, Callable[[], None]]:
+        """Probe one layer before the engine quantizes it in place as the export will
+        (eprt.quant.preview.fake_quantize, with this report's `on_weight`); returns the probes'
+        sums (the engine sets their `first_unit` each step) and what removes the probes."""
         errors = ModuleErrors(num_units)
-        unprobe = probe_layer(layer, prefix, self.targets, errors)
-        unquantize = fake_quantize(layer, self.targets, self.recipe, cal, self.state, prefix=prefix,
-                                   source_dtype=lambda name: self.ck.meta(name).source_dtype, on_weight=self.on_weight)
-        return errors, lambda: (unquantize(), unprobe())
+        return errors, probe_layer(layer, prefix, self.targets, errors)
 
     def _global(self, shape, mine: list[tuple[int, int]], values: torch.Tensor) -> torch.Tensor:
         """`values` [local sequences, ...] filed at their global indices and summed over the world."""

@@ -4,7 +4,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
 
     name: nvfp4_experts_only
     quantize:                      # the first pattern that matches a module decides
-      - {pattern: "*.experts", format: nvfp4}
+      - {pattern: "*.experts", format: nvfp4, algorithm: mse}
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
@@ -13,6 +13,11 @@ Different patterns may give different formats (mixed precision: NVFP4 experts, F
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
 layer's routed experts are one module (`model.layers.3.mlp.experts`). Whatever a recipe says,
 a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unquantized.
+
+A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'):
+`max` (from the weight's amax) or `mse` (a search for the least squared quantization error).
+A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
+records every rule's.
 
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
@@ -24,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import yaml
 
@@ -34,30 +40,49 @@ RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 FORMATS = ("fp8", "nvfp4", "none")
 KV_FORMATS = (None, "fp8")
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
-RULE_KEYS = ("pattern", "format")
+# How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
+ALGORITHMS = ("max", "mse", "gptq")
+RULE_KEYS = ("pattern", "format", "algorithm")
+REQUIRED_RULE_KEYS = ("pattern", "format")
+
+
+class Rule(NamedTuple):
+    pattern: str  # a glob over module names
+    format: str  # one of FORMATS
+    algorithm: str  # one of ALGORITHMS
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    rules: tuple[tuple[str, str], ...]  # (glob, format)
+    rules: tuple[Rule, ...]
     kv_cache: str | None
     mtp: bool = False  # the rules apply to the multi-token-prediction layers too
 
+    def rule_of(self, module: str) -> Rule | None:
+        """The first rule whose pattern matches `module`, or None."""
+        return next((r for r in self.rules if fnmatch.fnmatchcase(module, r.pattern)), None)
+
     def format_of(self, module: str) -> str | None:
-        for pattern, fmt in self.rules:
-            if fnmatch.fnmatchcase(module, pattern):
-                return None if fmt == "none" else fmt
-        return None
+        rule = self.rule_of(module)
+        return None if rule is None or rule.format == "none" else rule.format
+
+    def algorithm_of(self, module: str) -> str | None:
+        """How `module`'s weight scales are chosen (ALGORITHMS); None where it is not quantized."""
+        return self.rule_of(module).algorithm if self.format_of(module) else None
 
     @property
     def formats(self) -> list[str]:
         """The quantized formats the recipe uses: more than one makes a mixed-precision export."""
-        return sorted({f for _, f in self.rules} - {"none"})
+        return sorted({r.format for r in self.rules} - {"none"})
+
+    @property
+    def algorithms(self) -> list[str]:
+        """The algorithms of the rules that quantize."""
+        return sorted({r.algorithm for r in self.rules if r.format != "none"})
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "quantize": [{"pattern": p, "format": f} for p, f in self.rules],
-               "kv_cache": self.kv_cache}
+        out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
         # written only when set, so a recipe without it reads back (and pins) as before
         return {**out, "mtp": True} if self.mtp else out
 
@@ -73,7 +98,15 @@ def refuse_unknown_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the valid keys are {', '.join(valid)}")
 
 
-def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
+def check_algorithm(algorithm, where: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"{where} {algorithm!r}: unknown algorithm; choose one of {', '.join(ALGORITHMS)}")
+
+
+def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
+    """`algorithm`: what a rule that names none gets (default ALGORITHMS[0])."""
+    default = ALGORITHMS[0] if algorithm is None else algorithm
+    check_algorithm(default, "--algorithm")
     if isinstance(d, dict):
         refuse_unknown_keys(d, RECIPE_KEYS, source)
     if not isinstance(d, dict) or not isinstance(d.get("quantize"), list) or not d["quantize"]:
@@ -82,12 +115,14 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
     for i, r in enumerate(d["quantize"]):
         if isinstance(r, dict):
             refuse_unknown_keys(r, RULE_KEYS, f"{source}: quantize[{i}]")
-        if not isinstance(r, dict) or set(r) != set(RULE_KEYS):
-            raise ConfigError(f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}}}")
+        if not isinstance(r, dict) or not set(REQUIRED_RULE_KEYS) <= set(r):
+            raise ConfigError(f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}"
+                              f"[, algorithm: {'|'.join(ALGORITHMS)}]}}")
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
-        rules.append((str(r["pattern"]), r["format"]))
-    if not {f for _, f in rules} - {"none"}:
+        check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
+        rules.append(Rule(str(r["pattern"]), r["format"], r.get("algorithm", default)))
+    if not {r.format for r in rules} - {"none"}:
         raise ConfigError(f"{source}: a recipe quantizes with at least one format, found none; "
                           f"give a rule a format of {', '.join(FORMATS[:-1])}")
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
@@ -100,7 +135,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None) -> Recipe:
     return Recipe(str(d.get("name", os.path.basename(source))), tuple(rules), kv, mtp)
 
 
-def load_recipe(spec: str, kv_cache: str | None = None) -> Recipe:
+def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
     """A recipe by name (eprt/configs/ptq/NAME.yaml) or by path."""
     path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
     if not os.path.isfile(path):
@@ -110,4 +145,4 @@ def load_recipe(spec: str, kv_cache: str | None = None) -> Recipe:
             d = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    return parse_recipe(d, path, kv_cache)
+    return parse_recipe(d, path, kv_cache, algorithm)

@@ -7,6 +7,10 @@ the weights: the one rule the preview, both export layouts and the checks follow
 - Gate and up of one routed expert (one row of w13) share one weight amax; down (w2) has its own.
 - Every expert of a layer gets the layer's largest input amax per projection (w13, w2), also the
   experts no token reached, because the engines load one input scale per fused MoE.
+- Under a module's `mse` algorithm (eprt.quant.mse), its FP8 weight scale and its NVFP4 block
+  scales are the searched ones; NVFP4's weight_scale_2 stays the one above (fused siblings and
+  gate/up keep sharing it). Under `max` the block scales follow from the block amax
+  (eprt.quant.nvfp4).
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from typing import Callable, Mapping
 
 import torch
 
+from eprt.families import reader_for
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fp8_scale
+from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
-from eprt.quant.nvfp4 import nvfp4_scale
+from eprt.quant.mse import fp8_mse_scale, nvfp4_mse_block_scale
+from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
+from eprt.storage.checkpoint import Checkpoint
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
 EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts module
@@ -27,10 +34,25 @@ EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts modu
 
 class Scales:
     """`formats`: each quantized module (dense Linear or experts module) -> its format;
-    `weight(module)`: a dense Linear's weight, read when its scale is first asked for."""
+    `weight(module)`: a dense Linear's weight as it is quantized, read when its scale is first
+    asked for; `algorithms`: each quantized module -> its algorithm (eprt.quant.recipe.ALGORITHMS;
+    `max` where it names none)."""
 
-    def __init__(self, formats: Mapping[str, str], state: CalibrationState, weight: Callable[[str], torch.Tensor]):
+    def __init__(self, formats: Mapping[str, str], state: CalibrationState, weight: Callable[[str], torch.Tensor],
+                 algorithms: Mapping[str, str] | None = None):
         self.formats, self.state, self.weight = formats, state, weight
+        self.algorithms = algorithms or {}
+
+    @classmethod
+    def of_checkpoint(cls, ck: Checkpoint, formats: Mapping[str, str], state: CalibrationState,
+                      algorithms: Mapping[str, str] | None = None) -> "Scales":
+        """The export's scales: over `state`, from the original weights of `ck` as they are quantized."""
+        return cls(formats, state, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")),
+                   algorithms)
+
+    def searched(self, module: str, fmt: str) -> bool:
+        """Whether `module` is quantized in `fmt` with its weight scales from the mse search."""
+        return self.formats[module] == fmt and self.algorithms.get(module, "max") == "mse"
 
     def scale(self, module: str, amax: torch.Tensor) -> torch.Tensor:
         return SCALE[self.formats[module]](amax)
@@ -45,9 +67,16 @@ class Scales:
     def input_amax(self, module: str) -> torch.Tensor:
         return max(self.state.input_amax[m] for m in self.group(module))
 
+    @functools.lru_cache(maxsize=None)
     def weight_scale(self, module: str) -> torch.Tensor:
         """A dense Linear's per-tensor weight scale (NVFP4: weight_scale_2)."""
-        return self.scale(module, self.weight_amax(module))
+        amax = self.weight_amax(module)  # FP8's group is the module alone
+        return fp8_mse_scale(self.weight(module), amax) if self.searched(module, "fp8") else self.scale(module, amax)
+
+    def block_scale(self, module: str, w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor | None:
+        """NVFP4 block scales of `w` (a weight of `module`, or an expert's row) under `scale_2`:
+        the searched ones under mse, else None (quantize_nvfp4 derives them from the block amax)."""
+        return nvfp4_mse_block_scale(w, scale_2) if self.searched(module, "nvfp4") else None
 
     def input_scale(self, module: str) -> torch.Tensor:
         return self.scale(module, self.input_amax(module))
@@ -58,5 +87,38 @@ class Scales:
         return self.state.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
-        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2."""
-        return self.scale(module, row.abs().amax().float())
+        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
+        amax = row.abs().amax().float()
+        return fp8_mse_scale(row, amax) if self.searched(module, "fp8") else self.scale(module, amax)
+
+    def quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The export tensors (by ModelOpt suffix) of `w`, a weight of `module` as it is quantized
+        (`as_quantized`), under per-tensor `w_scale`."""
+        if self.formats[module] == "fp8":
+            return {"weight": quantize_fp8(w, w_scale), "weight_scale": w_scale}
+        q, block_scale = quantize_nvfp4(w, w_scale, self.block_scale(module, w, w_scale))
+        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+
+
+def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """Weight `name` of `ck` as `fmt` quantizes it: FP8 rounds the quotient to the weight's dtype
+    first (eprt.quant.fp8), the source's dtype, as the source is held when loaded as it is,
+    whatever dtype eprt converted it to."""
+    return w.to(source_dtype(ck, name)) if fmt == "fp8" else w
+
+
+def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
+    """The dtype the source holds tensor `name` in; a stacked tensor of a multi-token-prediction
+    layer, which convert carries through under its Hugging Face names (`Layout.mtp`): its
+    experts' source tensors'."""
+    if name in ck.tensors:
+        return ck.meta(name).source_dtype
+    spec = next(s for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).mtp if s.name == name)
+    return ck.meta(spec.sources[0]).source_dtype
+
+
+def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weight an engine computes with, from its export tensors (`Scales.quantize_weight`'s)."""
+    if fmt == "fp8":
+        return dequantize_fp8(t["weight"], t["weight_scale"], dtype)
+    return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)

@@ -53,14 +53,17 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None) -> None:
+    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None) -> None:
         """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
-        streams and what the report measured so far are saved too."""
+        streams and what the report measured so far are saved too; with `gptq`
+        (eprt.quant.gptq_layer.GPTQResults), GPTQ's codes so far."""
         os.makedirs(self.mine, exist_ok=True)
         tensors, metadata = {**states("", ls), **stats(cal)}, {"fingerprint": self.fingerprint}
         if held is not None:
             tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
             metadata["quality"] = held.report.saved()
+        if gptq is not None:
+            tensors.update(gptq.tensors())
         tmp = self._file(layer) + ".partial"
         save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
         os.replace(tmp, self._file(layer))
@@ -71,7 +74,7 @@ class WorkDir:
             if old < layer:
                 os.remove(self._file(old))
 
-    def load(self, layer: int, cal: Calibrator, device, held=None) -> LayerState:
+    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
         path = self._file(layer)
         from safetensors import safe_open
 
@@ -86,6 +89,8 @@ class WorkDir:
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
+        if gptq is not None:
+            gptq.load(tensors)
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
         return from_states("", tensors)

@@ -1,0 +1,175 @@
+"""GPTQ (Frantar et al., 2022) in the export's numerics, with a Hessian that is the same bits at
+every layout.
+
+The Hessian of a Linear is H = sum over its calibration rows of x x^T. Floating-point sums are not
+associative, so a sum whose order follows the world, ep, batch or chunk split would change its last
+bits with the layout, and GPTQ's rounding decisions with them. `HessianSum` sums exactly instead:
+each canonical unit's partial X^T X (dense: one calibration sequence; routed experts: one
+(expert, group) work unit of the engine) is computed in fp64 on its own, then turned into int64
+fixed point with a power-of-two scale 2^shift (multiplying by it is exact; rounding to an integer
+is the one, per-unit, rounding), and the integers are summed, locally and by all_reduce SUM, in any
+order, with the same result. The shift depends only on the module's input amax (max over the
+world: exact under any order) and its token count: every row has |x| <= amax, so every entry of
+the whole sum is below tokens * amax^2 < 2^(62 - shift), which int64 holds with room for the
+per-unit roundings. The quantum is then 2^-62 of that bound: far below fp64's own rounding of a
+partial.
+
+`gptq` is the standard algorithm (no act-order): dead columns (zero diagonal) are zeroed, 1% of the
+mean diagonal is added as damping, the upper Cholesky factor of H^-1 drives a column sweep in
+lazy-batch blocks of 128, each column rounded and its error spread over the columns not yet
+rounded. It computes in fp64. Each column is rounded in the export's numerics, with scales fixed
+from the original weight before the sweep (`Fp8Columns`, `Nvfp4Columns`): what GPTQ returns is
+exactly representable, and the export writes its codes beside the scales it computes anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eprt.quant.fp8 import dequantize_fp8
+from eprt.quant.nvfp4 import (BLOCK_SIZE, dequantize_nvfp4, e2m1_decode, e2m1_encode, encode_with_scales,
+                              nvfp4_block_scales, pack_fp4)
+from eprt.quant.numerics import to_e4m3
+
+BLOCK = 128  # columns per lazy-batch block
+DAMP = 0.01  # damping, a fraction of the mean diagonal
+FIXED_POINT_BITS = 62  # an entry of the whole sum stays below 2^62: int64 keeps a bit for the roundings
+
+
+def fixed_point_shift(amax: float, tokens: int) -> int:
+    """The power of two an int64 Hessian is scaled by: the largest that keeps tokens * amax^2 below 2^62.
+
+    Computed from two numbers every layout agrees on, with exact float arithmetic (frexp)."""
+    bound = float(tokens) * float(amax) ** 2
+    if not bound > 0.0 or not math.isfinite(bound):
+        return 0
+    return FIXED_POINT_BITS - math.frexp(bound)[1]
+
+
+class HessianSum:
+    """sum x x^T over rows x [dim] with |x| <= amax, at most `tokens` rows, added one canonical unit
+    at a time (`add`), the same bits whatever the order of the units or how the totals of
+    several ranks are summed (int64 `total`, all_reduce SUM)."""
+
+    def __init__(self, dim: int, amax: float, tokens: int, device=None):
+        self.amax, self.shift = float(amax), fixed_point_shift(amax, tokens)
+        self.scale = 2.0 ** self.shift
+        self.total = torch.zeros(dim, dim, dtype=torch.int64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        """One canonical unit's rows x [n, dim]."""
+        if x.shape[0] == 0:
+            return
+        if x.abs().max().item() > self.amax:  # the bound the shift was chosen for would not hold
+            raise ValueError(f"a row reaches {x.abs().max().item()}, above the calibrated input amax {self.amax}: "
+                             "the Hessian pass saw other inputs than the max pass")
+        x = x.double()
+        self.total += torch.round(x.T @ x * self.scale).to(torch.int64)
+
+    def hessian(self) -> torch.Tensor:
+        """fp64 [dim, dim]: the sum."""
+        return self.total.double() / self.scale
+
+
+class Fp8Columns:
+    """FP8 per tensor, for a stack of weights [L, out, in]: `scales` [L] (each the export's
+    weight_scale, from its original weight); a column is rounded to nearest E4M3 once, from its
+    fp32 quotient."""
+
+    def __init__(self, scales: torch.Tensor):
+        self.scales = scales.float()
+
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        s = self.scales.to(col_LO.device)[:, None]
+        return to_e4m3(col_LO.float() / s).float() * s  # `dequantize_fp8`'s product
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        """float8_e4m3fn codes [L, out, in] of GPTQ's (exactly representable) weights."""
+        return to_e4m3(q.float() / self.scales.to(q.device)[:, None, None])
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dequantize_fp8(c, s) for c, s in zip(codes, self.scales)])
+
+
+class Nvfp4Columns:
+    """NVFP4, for a stack of original weights w [L, out, in]: weight_scale_2 `scales` [L] and the
+    E4M3 block scales fixed from w (the export's, from its blocks' amax); column j is rounded with
+    its rows' block scale by the export's E2M1 rule (nearest, ties to even, saturating at 6)."""
+
+    def __init__(self, w: torch.Tensor, scales: torch.Tensor):
+        self.scales = scales.float().to(w.device)
+        self.block_scale = torch.stack([nvfp4_block_scales(x, s) for x, s in zip(w, self.scales)])
+        self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
+
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        bs = self.block_scale[:, :, j // BLOCK_SIZE].float()
+        values = e2m1_decode(e2m1_encode(col_LO.float() / self.step[:, :, j // BLOCK_SIZE]))
+        return values * bs * self.scales[:, None]  # as `dequantize_nvfp4`: value x block scale is exact
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        """Packed E2M1 codes (uint8 [L, out, in/2]) of GPTQ's weights, by the export's encoder."""
+        return torch.stack([pack_fp4(encode_with_scales(x, b, s))
+                            for x, b, s in zip(q, self.block_scale, self.scales)])
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dequantize_nvfp4(p, b, s) for p, b, s in zip(packed, self.block_scale, self.scales)])
+
+
+def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
+    """The column rounding of format `fmt` for original weights w [L, out, in] with their
+    per-tensor scales [L]."""
+    return Fp8Columns(scales) if fmt == "fp8" else Nvfp4Columns(w, scales)
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, cols, block: int = BLOCK, damp: float = DAMP) -> torch.Tensor:
+    """GPTQ's weights (fp32 [L, out, in], each value exactly representable by `cols`) for a stack
+    of weights w [L, out, in] and the Hessians h [L, in, in] of their inputs.
+
+    Each weight of the stack comes out the same bits as solved alone (so a rank's experts may be
+    solved together, whichever they are): the column sweep is elementwise over the stack (the
+    rank-1 updates are outer products, one rounding per element), and what reduces (the
+    factorization, the lazy-batch updates) runs on one weight at a time."""
+    W = w.detach().to(torch.float64).clone()
+    H = h.detach().to(device=W.device, dtype=torch.float64).clone()
+    n = W.shape[-1]
+    for Wb, Hb in zip(W, H):
+        dead = torch.diag(Hb) == 0
+        Hb[dead, dead] = 1.0
+        Wb[:, dead] = 0.0
+    Hinv = torch.stack([_inverse_factor(Hb, damp) for Hb in H])
+    Q = torch.zeros_like(W, dtype=torch.float32)
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        W1, Hinv1 = W[:, :, i1:i2].clone(), Hinv[:, i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            w_col, d = W1[:, :, i], Hinv1[:, i, i]
+            q = cols.round(i1 + i, w_col)
+            Q[:, :, i1 + i] = q
+            err = (w_col - q.double()) / d[:, None]
+            W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
+            Err1[:, :, i] = err
+        for b in range(W.shape[0]):
+            W[b, :, i2:] -= Err1[b] @ Hinv[b, i1:i2, i2:]
+    return Q
+
+
+def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damping)^-1. A Hessian that is not positive definite
+    after damping (rank-deficient in fp64) gets ten times the damping, up to three times."""
+    diag = torch.arange(H.shape[0], device=H.device)
+    mean = torch.mean(torch.diag(H)).item()
+    for attempt in range(4):
+        Hd = H.clone()
+        Hd[diag, diag] += damp * 10**attempt * mean
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info.item() == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0:
+                return U
+    raise ValueError(f"GPTQ: the Hessian ({H.shape[0]} columns) is not positive definite even with "
+                     f"{damp * 1000:g} x its mean diagonal as damping; calibrate with more tokens")
+
+
