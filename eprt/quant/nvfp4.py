@@ -16,7 +16,8 @@ Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 
 import torch
 
-from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor_scale, to_e4m3
+from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, e4m3_values, per_tensor_scale, row_chunks,
+                                 to_e4m3)
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -59,8 +60,13 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in _BITS:
         return _as_blocks(x.float()).abs().amax(dim=-1)
     int_dtype, magnitude = _BITS[x.dtype]
-    bits = _as_blocks(x.contiguous().view(int_dtype)).bitwise_and(magnitude).amax(dim=-1)
-    return bits.view(x.dtype).float()
+    rows = x.contiguous().view(int_dtype).reshape(-1, x.shape[-1])
+    amax = torch.empty(rows.shape[0], rows.shape[1] // BLOCK_SIZE, dtype=int_dtype, device=x.device)
+    step, chunks = row_chunks(*rows.shape, x.device)
+    bits = torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device)
+    for a, b in chunks:
+        torch.amax(_as_blocks(torch.bitwise_and(rows[a:b], magnitude, out=bits[: b - a])), dim=-1, out=amax[a:b])
+    return amax.view(x.dtype).float().reshape(*x.shape[:-1], -1)
 
 
 def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -93,14 +99,48 @@ _QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q,
                               dtype=torch.uint8)
 
 
-def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites (no fresh buffers: they
-    cost more than the arithmetic): one table lookup per element instead of a comparison per
-    midpoint. floor(f) + ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to
-    [-Q, Q-1] first keeps both where every code saturates."""
+# The packed byte of two neighbouring codes, by both their keys: `_PAIR_CODES[k0 + 4Q*k1]`
+# (keys counted from 0), so a pair of elements is packed by the same lookup that encodes it.
+_PAIR_CODES = (_QUARTER_CODES[None, :] | (_QUARTER_CODES[:, None] << 4)).reshape(-1)
+_PAIR_OFFSET = 2 * _Q * (1 + 4 * _Q)  # of a pair's signed keys
+
+
+def _quarter_keys(f: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Into fp32 `out`: 2n + (f > n) for n = floor(f) of fp32 `f` (4x, exact), which it
+    overwrites: a table lookup per element instead of a comparison per midpoint. floor(f) +
+    ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to [-Q, Q-1] first keeps both where
+    every code saturates, so the keys lie in [-2Q, 2Q)."""
     f.clamp_(-_Q, _Q - 1)
-    key = torch.floor(f).add_(f.ceil_()).to(torch.int32).add_(2 * _Q)
+    return torch.floor(f, out=out).add_(f.ceil_())
+
+
+def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites."""
+    key = _quarter_keys(f, torch.empty_like(f)).to(torch.int32).add_(2 * _Q)
     return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
+
+
+def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16]:
+    w / (block scale * scale_2) in fp32 (ModelOpt's quotient), times 4 (exact: a power of two),
+    encoded and packed a chunk of rows at a time (eprt.quant.numerics.row_chunks)."""
+    rows = w.reshape(-1, w.shape[-1])
+    n, width = rows.shape
+    denom = e4m3_values(block_scale).mul_(scale_2).reshape(n, -1, 1)
+    packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
+    step, chunks = row_chunks(n, width, w.device)
+    quarters, keys = (torch.empty(step, width, dtype=torch.float32, device=w.device) for _ in range(2))
+    pair_keys = torch.empty(step, width // 2, dtype=torch.float32, device=w.device)
+    pair_index = torch.empty(step, width // 2, dtype=torch.int32, device=w.device)
+    table = _PAIR_CODES.to(w.device)
+    for a, b in chunks:
+        f = quarters[: b - a].copy_(rows[a:b])
+        _as_blocks(f).div_(denom[a:b])
+        key = _quarter_keys(f.mul_(4), keys[: b - a]).view(b - a, -1, 2)
+        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys[: b - a]).add_(_PAIR_OFFSET)
+        index = pair_index[: b - a].copy_(pair)
+        torch.index_select(table, 0, index.view(-1), out=packed[a:b].view(-1))
+    return packed.reshape(*w.shape[:-1], width // 2)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -136,12 +176,10 @@ def quantize_nvfp4(w: torch.Tensor, scale_2) -> tuple[torch.Tensor, torch.Tensor
     """
     _check_blocks(w)
     block_amax = _block_amax(w)
-    check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
+    check_finite(block_amax.amax(), w.shape)  # a NaN or infinity shows in its block's amax, and amax keeps NaN
     scale_2 = as_scale(scale_2, w.device)
     block_scale = _block_scales(block_amax, scale_2)
-    quarters = (_as_blocks(w.float()) / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
-    codes = _encode_quarters(quarters)
-    return pack_fp4(codes.reshape(w.shape)), block_scale
+    return _encode_packed(w, block_scale, scale_2), block_scale
 
 
 def dequantize_nvfp4(

@@ -19,6 +19,7 @@ import torch
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import fp8_scale
 from eprt.quant.fusion import siblings
+from eprt.quant.numerics import abs_amax
 from eprt.quant.nvfp4 import nvfp4_scale
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
@@ -40,7 +41,7 @@ class Scales:
 
     @functools.lru_cache(maxsize=None)
     def weight_amax(self, module: str) -> torch.Tensor:
-        return max(self.weight(m).abs().amax().float() for m in self.group(module))
+        return max(abs_amax(self.weight(m)) for m in self.group(module))
 
     def input_amax(self, module: str) -> torch.Tensor:
         return max(self.state.input_amax[m] for m in self.group(module))
@@ -59,4 +60,4 @@ class Scales:
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2."""
-        return self.scale(module, row.abs().amax().float())
+        return self.scale(module, abs_amax(row))
