@@ -245,23 +245,29 @@ def test_nvfp4_shared_scale_2_and_stacked_experts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_quantization_matches_reference(dtype, monkeypatch):
-    # On CPU the quantizers walk a weight a chunk at a time; chunk edges, a shorter last chunk
-    # included, change no byte, and a NaN in the last chunk is still refused.
+@pytest.mark.parametrize("workers", [1, 3])
+def test_chunked_quantization_matches_reference(dtype, workers, monkeypatch):
+    # On CPU the quantizers walk a weight a chunk at a time, on one thread or on several that
+    # take whole chunks; chunk edges, a shorter last chunk included, change no byte, and a NaN
+    # in the last chunk is still refused.
     monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 5 * 64)  # NVFP4: rows 0-4, 5-9, 10-11; FP8: 320, 320, 128
     w = torch.stack([_weights(dtype, seed=s) for s in (3, 4)])
     amax = w.float().abs().max().item()
-    packed, block_scale = quantize_nvfp4(w, nvfp4_scale(amax))
-    q = quantize_fp8(w, fp8_scale(amax))
-    for e in range(2):
-        ref_packed, ref_scales = ref_nvfp4(w[e], nvfp4_scale(amax).item())
-        assert torch.equal(packed[e], ref_packed) and torch.equal(u8(block_scale[e]), ref_scales)
-        assert torch.equal(u8(q[e]), ref_fp8(w[e], amax)[1])
-    w[1, -1, -1] = float("nan")
-    with pytest.raises(ValueError, match="NaN or infinite"):
-        quantize_fp8(w, 1.0)
-    with pytest.raises(ValueError, match="NaN or infinite"):
-        quantize_nvfp4(w, 1.0)
+    threads = torch.get_num_threads()
+    with numerics.chunk_workers(workers):
+        assert torch.get_num_threads() == 1  # the workers, not torch's own threads, split the work
+        packed, block_scale = quantize_nvfp4(w, nvfp4_scale(amax))
+        q = quantize_fp8(w, fp8_scale(amax))
+        for e in range(2):
+            ref_packed, ref_scales = ref_nvfp4(w[e], nvfp4_scale(amax).item())
+            assert torch.equal(packed[e], ref_packed) and torch.equal(u8(block_scale[e]), ref_scales)
+            assert torch.equal(u8(q[e]), ref_fp8(w[e], amax)[1])
+        w[1, -1, -1] = float("nan")
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            quantize_fp8(w, 1.0)
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            quantize_nvfp4(w, 1.0)
+    assert torch.get_num_threads() == threads
 
 
 def _one_block(values, fill=0.0):

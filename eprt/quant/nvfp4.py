@@ -16,8 +16,8 @@ Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 
 import torch
 
-from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, e4m3_values, per_tensor_scale, row_chunks,
-                                 to_e4m3)
+from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, e4m3_values, for_chunks, per_tensor_scale,
+                                 row_chunks, to_e4m3)
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -63,9 +63,11 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
     rows = x.contiguous().view(int_dtype).reshape(-1, x.shape[-1])
     amax = torch.empty(rows.shape[0], rows.shape[1] // BLOCK_SIZE, dtype=int_dtype, device=x.device)
     step, chunks = row_chunks(*rows.shape, x.device)
-    bits = torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device)
-    for a, b in chunks:
+
+    def block_amax(a: int, b: int, bits: torch.Tensor) -> None:
         torch.amax(_as_blocks(torch.bitwise_and(rows[a:b], magnitude, out=bits[: b - a])), dim=-1, out=amax[a:b])
+
+    for_chunks(chunks, lambda: torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device), block_amax)
     return amax.view(x.dtype).float().reshape(*x.shape[:-1], -1)
 
 
@@ -129,17 +131,22 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
     denom = e4m3_values(block_scale).mul_(scale_2).reshape(n, -1, 1)
     packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
     step, chunks = row_chunks(n, width, w.device)
-    quarters, keys = (torch.empty(step, width, dtype=torch.float32, device=w.device) for _ in range(2))
-    pair_keys = torch.empty(step, width // 2, dtype=torch.float32, device=w.device)
-    pair_index = torch.empty(step, width // 2, dtype=torch.int32, device=w.device)
     table = _PAIR_CODES.to(w.device)
-    for a, b in chunks:
-        f = quarters[: b - a].copy_(rows[a:b])
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        f32 = {"dtype": torch.float32, "device": w.device}
+        return (torch.empty(step, width, **f32), torch.empty(step, width, **f32),
+                torch.empty(step, width // 2, **f32), torch.empty(step, width // 2, dtype=torch.int32, device=w.device))
+
+    def encode(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        quarters, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
+        f = quarters.copy_(rows[a:b])
         _as_blocks(f).div_(denom[a:b])
-        key = _quarter_keys(f.mul_(4), keys[: b - a]).view(b - a, -1, 2)
-        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys[: b - a]).add_(_PAIR_OFFSET)
-        index = pair_index[: b - a].copy_(pair)
-        torch.index_select(table, 0, index.view(-1), out=packed[a:b].view(-1))
+        key = _quarter_keys(f.mul_(4), keys).view(b - a, -1, 2)
+        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
+        torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
+
+    for_chunks(chunks, buffers, encode)
     return packed.reshape(*w.shape[:-1], width // 2)
 
 
