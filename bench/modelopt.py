@@ -159,7 +159,7 @@ def main() -> None:
 
     row("ptq wall (start -> written), ep 1", runs[1]["wall_s"], mo["ptq_s"], "s")
     row("export wall", json.loads(export["stdout"])["export_s"], mo["export_s"], "s")
-    row("  eprt's process whole (start, imports)", export_process["wall_s"], mo["export_s"], "s")
+    row("  eprt's whole export process", export_process["wall_s"], mo["export_s"], "s")
     row("peak RSS, ep 1", runs[1]["peak"], mo["peak"], "M", MiB)
     if 2 in runs:
         row("peak RSS per rank, ep 2", runs[2]["peak"], mo["peak"], "M", MiB)
