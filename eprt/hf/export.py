@@ -114,10 +114,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
         tensors = exp.tensors() if exp else list(source_tensors(ck, dequantize=dequantize))
 
         def write(tmp: str) -> None:
-            # torch's thread count (OMP_NUM_THREADS; 1 a rank under torchrun) in workers that quantize whole chunks
-            with chunk_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
-                write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress,
-                             rank=state.rank, world=state.world)
+            write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress,
+                         rank=state.rank, world=state.world)
             if state.rank == 0:
                 write_configs(ck, exp, tmp, dequantize)
 
@@ -127,7 +125,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
                 raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
                                 + "\n  ".join(problems))
 
-        write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(), check_fn=check if exp else None)
+        # torch's thread count (OMP_NUM_THREADS; 1 a rank under torchrun) in workers that quantize
+        # whole chunks; the check's many small operations also run best on one intra-op thread
+        with chunk_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
+            write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(),
+                           check_fn=check if exp else None)
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir
