@@ -9,7 +9,10 @@ max calibration on the same 64 x 256 token ids, and export the ModelOpt HF layou
 measured step runs in a fresh process of its own:
 - ptq wall: eprt's `tools/ptq.py` from process start to its output written, against ModelOpt's
   model load + `mtq.quantize` (from process start, the same clock);
-- export wall: `tools/export_hf.py` whole, against `export_hf_checkpoint` alone;
+- export wall: eprt's `export_hf` call (reading the calibrated checkpoint, quantizing, writing,
+  syncing to disk and checking the output), against `export_hf_checkpoint` alone (from the
+  calibrated model in memory, no sync): both after their process has started and imported its
+  libraries; `tools/export_hf.py` whole (process start, imports) is shown beside it;
 - peak RSS: the process's high-water mark (per rank under torchrun: the largest rank);
 - eprt's calibration tokens/s at ep 1, 2, 4 (world = ep, one thread a rank), and at ep 1 with
   --calib-size 8x smaller, to show the rate does not fall as the data grows.
@@ -63,7 +66,8 @@ print(json.dumps({"ptq_s": ptq_s, "export_s": export_s, "peak": hwm * 1024}))
 
 # Run as a child: one command, timed from its start to its end, with the peak RSS of its
 # largest descendant (a torchrun rank: ru_maxrss of the children, which this small process
-# forks after its own exec, so no large parent's mark leaks in). Prints one JSON line.
+# forks after its own exec, so no large parent's mark leaks in). Prints one JSON line, with the
+# command's own last stdout line.
 WALL_CHILD = r"""
 import json, resource, subprocess, sys, time
 start = time.perf_counter()
@@ -73,7 +77,16 @@ sys.stderr.write(r.stderr)
 if r.returncode:
     sys.exit(r.returncode)
 print(json.dumps({"wall_s": wall, "peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
-                  "stderr": r.stderr}))
+                  "stderr": r.stderr, "stdout": (r.stdout.strip().splitlines() or [""])[-1]}))
+"""
+
+# Run as a child: eprt's export, the export call timed as ModelOpt's is (after the imports).
+EPRT_EXPORT_CHILD = r"""
+import json, sys, time
+from eprt.hf.export import export_hf
+start = time.perf_counter()
+export_hf(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"export_s": time.perf_counter() - start}))
 """
 
 
@@ -130,8 +143,10 @@ def main() -> None:
         for ep in args.ep:
             runs[ep] = eprt_ptq(ck, ids_st, os.path.join(d, f"q{ep}"), ep, args.calib_size, args.seq_len)
         small = eprt_ptq(ck, ids_st, os.path.join(d, "q-small"), 1, max(1, args.calib_size // 8), args.seq_len)
-        export = child_json(["-c", WALL_CHILD, sys.executable, os.path.join(ROOT, "tools", "export_hf.py"),
+        export = child_json(["-c", WALL_CHILD, sys.executable, "-c", EPRT_EXPORT_CHILD,
                              os.path.join(d, f"q{args.ep[0]}"), os.path.join(d, "export")])
+        export_process = child_json(["-c", WALL_CHILD, sys.executable, os.path.join(ROOT, "tools", "export_hf.py"),
+                                     os.path.join(d, f"q{args.ep[0]}"), os.path.join(d, "export-process")])
 
     tokens = args.calib_size * args.seq_len
     print(f"Qwen3-MoE {args.layers} layers x {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
@@ -143,7 +158,8 @@ def main() -> None:
         print(f"{name:<34}{ours / scale:>9.1f}{unit}{theirs / scale:>9.1f}{unit}{ours / theirs:>8.2f}x")
 
     row("ptq wall (start -> written), ep 1", runs[1]["wall_s"], mo["ptq_s"], "s")
-    row("export wall", export["wall_s"], mo["export_s"], "s")
+    row("export wall", json.loads(export["stdout"])["export_s"], mo["export_s"], "s")
+    row("  eprt's whole export process", export_process["wall_s"], mo["export_s"], "s")
     row("peak RSS, ep 1", runs[1]["peak"], mo["peak"], "M", MiB)
     if 2 in runs:
         row("peak RSS per rank, ep 2", runs[2]["peak"], mo["peak"], "M", MiB)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from eprt.quant import numerics
 from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import (
     dequantize_nvfp4,
@@ -243,6 +244,32 @@ def test_nvfp4_shared_scale_2_and_stacked_experts():
         assert torch.equal(u8(block_scale[e]), ref_scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_chunked_quantization_matches_reference(dtype, workers, monkeypatch):
+    # On CPU the quantizers walk a weight a chunk at a time, on one thread or on several that
+    # take whole chunks; chunk edges, a shorter last chunk included, change no byte, and a NaN
+    # in the last chunk is still refused.
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 5 * 64)  # NVFP4: rows 0-4, 5-9, 10-11; FP8: 320, 320, 128
+    w = torch.stack([_weights(dtype, seed=s) for s in (3, 4)])
+    amax = w.float().abs().max().item()
+    threads = torch.get_num_threads()
+    with numerics.chunk_workers(workers):
+        assert torch.get_num_threads() == 1  # the workers, not torch's own threads, split the work
+        packed, block_scale = quantize_nvfp4(w, nvfp4_scale(amax))
+        q = quantize_fp8(w, fp8_scale(amax))
+        for e in range(2):
+            ref_packed, ref_scales = ref_nvfp4(w[e], nvfp4_scale(amax).item())
+            assert torch.equal(packed[e], ref_packed) and torch.equal(u8(block_scale[e]), ref_scales)
+            assert torch.equal(u8(q[e]), ref_fp8(w[e], amax)[1])
+        w[1, -1, -1] = float("nan")
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            quantize_fp8(w, 1.0)
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            quantize_nvfp4(w, 1.0)
+    assert torch.get_num_threads() == threads
+
+
 def _one_block(values, fill=0.0):
     return torch.tensor(list(values) + [fill] * (16 - len(values)), dtype=torch.float32)[None]
 
@@ -322,3 +349,15 @@ def test_nvfp4_zero_weight_and_refusals():
         quantize_nvfp4(torch.ones(4, 24), 1.0)
     with pytest.raises(ValueError, match="NaN or infinite"):
         quantize_nvfp4(torch.full((1, 16), float("inf")), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_no_rows_quantize_to_no_rows(dtype):
+    """A rank given no rows in a step (its share of a layout) quantizes an empty [0, in] input,
+    in both formats, to empty outputs of the right widths."""
+    x, scale = torch.empty(0, 32, dtype=dtype), torch.tensor(0.01)
+    q, block_scale = quantize_nvfp4(x, scale)
+    assert (q.shape, block_scale.shape) == ((0, 16), (0, 2))
+    assert fake_quant_nvfp4(x, scale).shape == (0, 32)
+    assert quantize_fp8(x, scale).shape == (0, 32)
+    assert fake_quant_fp8(x, scale).shape == (0, 32)

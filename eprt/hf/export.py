@@ -6,8 +6,15 @@ unquantized and the quantized export share sharding, indexing and atomic output.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import torch
 
 from eprt.errors import EprtError
 from eprt.hf.check_export import check_export
@@ -15,6 +22,7 @@ from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
+from eprt.quant.numerics import chunk_workers
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
 from eprt.storage.checkpoint import Checkpoint
@@ -23,6 +31,7 @@ from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+PRODUCE_AHEAD_BYTES = 64 * 1024**2  # of output tensors computed ahead of the writing
 
 
 def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -36,6 +45,31 @@ def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     return shards + [cur] if cur else shards
 
 
+def produced_ahead(tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BYTES
+                   ) -> Iterator[tuple[OutTensor, object]]:
+    """Each tensor with what its writing needs (its bytes, or where they lie as stored), in order,
+    computed on a second thread up to `ahead_bytes` of tensors ahead of the caller: reading and
+    quantizing the next tensors overlaps writing this one (torch's kernels and the file system
+    calls release the GIL). That one thread makes every call, in order, as the producers' caches
+    of a row they share expect, and it alone reads the checkpoint."""
+    pending: deque = deque()
+    queued = 0
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eprt-export")
+    try:
+        for t in tensors:
+            pending.append((t, pool.submit(t.stored or t.produce)))
+            queued += t.nbytes
+            while queued > ahead_bytes:
+                done, result = pending.popleft()
+                queued -= done.nbytes
+                yield done, result.result()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool,
                  rank: int = 0, world: int = 1) -> None:
     """Write the shards (this rank's: every world-th) and, on rank 0, the index into `tmp`.
@@ -45,14 +79,15 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
     shards = shard(tensors, max_shard_bytes)
     names = [shard_name(i, len(shards)) for i in range(len(shards))]
     mine = range(rank, len(shards), world)
-    with bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb:
+    with bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb, \
+            contextlib.closing(produced_ahead([t for i in mine for t in shards[i]])) as ahead:
         for i in mine:
             w = SafetensorsWriter(os.path.join(tmp, names[i]), [(t.name, t.dtype, t.shape) for t in shards[i]])
-            for t in shards[i]:
+            for t, got in itertools.islice(ahead, len(shards[i])):
                 if t.stored is not None:
-                    w.copy_range(t.name, *t.stored())
+                    w.copy_range(t.name, *got)
                 else:
-                    w.write(t.name, t.produce())
+                    w.write(t.name, got)
                 pb.update(t.nbytes)
             w.close()
     if rank == 0:
@@ -92,7 +127,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
                 raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
                                 + "\n  ".join(problems))
 
-        write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(), check_fn=check if exp else None)
+        # torch's thread count (OMP_NUM_THREADS; 1 a rank under torchrun) in workers that quantize
+        # whole chunks; the check's many small operations also run best on one intra-op thread
+        with chunk_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
+            write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(),
+                           check_fn=check if exp else None)
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir

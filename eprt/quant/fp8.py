@@ -8,7 +8,7 @@ E4M3 nearest-even, saturated at +-448 (the `quantize_fp8` rule).
 
 import torch
 
-from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor_scale, to_e4m3
+from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, for_chunks, per_tensor_scale, row_chunks, to_e4m3
 
 
 def fp8_scale(amax) -> torch.Tensor:
@@ -28,8 +28,22 @@ def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
     float8_e4m3fn after). Rounding once, straight from fp32, differs by one E4M3 step in a few
     percent of the elements (double rounding on the bf16 grid), so the bytes would not match.
     """
-    check_finite(w, w.shape)
-    return to_e4m3((w.float() / as_scale(scale, w.device)).to(w.dtype))
+    scale = as_scale(scale, w.device)
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    flat, q = w.reshape(-1), out.view(-1)
+    step, chunks = row_chunks(flat.numel(), 1, w.device)
+
+    def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+        quotient = torch.empty(step, dtype=torch.float32, device=w.device)
+        return quotient, quotient if w.dtype == torch.float32 else torch.empty_like(quotient, dtype=w.dtype)
+
+    def quantize(a: int, b: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        f = bufs[0][: b - a].copy_(flat[a:b])
+        check_finite(torch.stack(torch.aminmax(f)), w.shape)  # the extremes: NaN propagates to them
+        to_e4m3(bufs[1][: b - a].copy_(f.div_(scale)), out=q[a:b])
+
+    for_chunks(chunks, buffers, quantize)
+    return out
 
 
 def dequantize_fp8(q: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:

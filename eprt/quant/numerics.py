@@ -10,10 +10,21 @@ calibration fault and is refused.
 Everything here is elementwise or a reduction in fp32, so the result is the same on every device.
 """
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
 import torch
 
 FP8_E4M3_MAX = 448.0
 FP32_TINY = torch.finfo(torch.float32).tiny
+# On CPU each elementwise step over a whole weight would write a fresh full-size temporary, and
+# touching its new pages costs more than the arithmetic: the quantizers walk a weight a chunk of
+# rows at a time through buffers they reuse (which also stay in cache). Elsewhere the caching
+# allocator reuses memory and kernel launches cost more, so a chunk is the whole weight.
+CHUNK_ELEMENTS = 1 << 18
+_chunk_pool: ThreadPoolExecutor | None = None  # and its number of workers: see `chunk_workers`
+_chunk_pool_workers = 1
 
 
 def per_tensor_scale(amax, max_value: float, zero_amax: float) -> torch.Tensor:
@@ -44,6 +55,71 @@ def as_scale(scale, device) -> torch.Tensor:
     return scale.reshape(())
 
 
+# Every float8_e4m3fn value by its byte: decoding by lookup is several times faster on CPU than
+# torch's own cast, which converts element by element.
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def e4m3_values(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values of float8_e4m3fn x (the same as x.float())."""
+    index = x.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return _E4M3_VALUES.to(x.device).index_select(0, index).view(x.shape)
+
+
+def row_chunks(rows: int, row_len: int, device: torch.device) -> tuple[int, list[tuple[int, int]]]:
+    """(rows a chunk holds at most, the chunks [a, b) of `rows` rows of `row_len` elements)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, row_len)) if device.type == "cpu" else max(1, rows)
+    if _chunk_pool is not None and device.type == "cpu":  # a few chunks a worker, so that none waits long for the last
+        step = max(1, min(step, -(-rows // (4 * _chunk_pool_workers))))
+    return step, [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def for_chunks(chunks: list[tuple[int, int]], buffers: Callable[[], object],
+               body: Callable[[int, int, object], None]) -> None:
+    """body(a, b, bufs) for every chunk [a, b), with `bufs` from buffers() reused from chunk to
+    chunk: in order here, or on the workers of `chunk_workers`, each with buffers of its own."""
+    if _chunk_pool is None or len(chunks) == 1:
+        bufs = buffers()
+        for a, b in chunks:
+            body(a, b, bufs)
+        return
+    todo = iter(chunks)  # shared: each worker takes the next chunk left (one step under the GIL)
+
+    def work() -> None:
+        bufs = buffers()
+        for a, b in todo:
+            body(a, b, bufs)
+
+    for f in [_chunk_pool.submit(work) for _ in range(min(_chunk_pool_workers, len(chunks)))]:
+        f.result()
+
+
+@contextlib.contextmanager
+def chunk_workers(workers: int) -> Iterator[None]:
+    """Quantize on CPU with `workers` threads, each taking whole chunks, and torch's own
+    intra-op threads at 1 meanwhile: the chunks of a weight are independent, so one thread runs
+    a chunk's steps without waiting for another after each step (torch's threads meet after every
+    operation, which on a busy machine costs more than it saves). The bytes do not change."""
+    global _chunk_pool, _chunk_pool_workers
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="eprt-quantize") if workers > 1 else None
+    torch.set_num_threads(1)
+    _chunk_pool, _chunk_pool_workers = pool, max(1, workers)
+    try:
+        yield
+    finally:
+        _chunk_pool, _chunk_pool_workers = None, 1
+        torch.set_num_threads(threads)
+        if pool is not None:
+            pool.shutdown()
+
+
+def abs_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 0-dim largest magnitude of x (NaN if x holds one): one pass, without an |x| copy."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, -lo).float()
+
+
 def check_finite(values: torch.Tensor, shape) -> None:
     """Refuse NaN and infinity in a tensor of `shape` (`values`: the tensor, or a max over it):
     rounding would turn them into plausible-looking codes."""
@@ -51,8 +127,9 @@ def check_finite(values: torch.Tensor, shape) -> None:
         raise ValueError(f"tensor of shape {tuple(shape)} holds NaN or infinite values; refusing to quantize it")
 
 
-def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round to float8_e4m3fn, nearest-even, saturating at +-448.
+def to_e4m3(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Round to float8_e4m3fn, nearest-even, saturating at +-448; with `out` (float8_e4m3fn, x's
+    shape), into it, clamping x in place (a buffer of the caller's: no temporary).
 
     The clamp comes first because torch's own cast saturates in some versions and on some devices
     and gives NaN beyond 448 in others; clamped, the cast only rounds.
@@ -61,4 +138,6 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     # changes no value and the cast rounds the same (every bf16 and fp16 value checked).
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
-    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    if out is None:
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return out.copy_(x.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))

@@ -16,7 +16,8 @@ Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 
 import torch
 
-from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, per_tensor_scale, to_e4m3
+from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, e4m3_values, for_chunks, per_tensor_scale,
+                                 row_chunks, to_e4m3)
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -58,9 +59,18 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
     """fp32 [..., in/16]: the largest magnitude of each block of x [..., in] (NaN where a block holds one)."""
     if x.dtype not in _BITS:
         return _as_blocks(x.float()).abs().amax(dim=-1)
+    if not x.numel():  # no rows (a rank given none this step): no blocks, and no shape to infer
+        return torch.zeros(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, device=x.device)
     int_dtype, magnitude = _BITS[x.dtype]
-    bits = _as_blocks(x.contiguous().view(int_dtype)).bitwise_and(magnitude).amax(dim=-1)
-    return bits.view(x.dtype).float()
+    rows = x.contiguous().view(int_dtype).reshape(-1, x.shape[-1])
+    amax = torch.empty(rows.shape[0], rows.shape[1] // BLOCK_SIZE, dtype=int_dtype, device=x.device)
+    step, chunks = row_chunks(*rows.shape, x.device)
+
+    def block_amax(a: int, b: int, bits: torch.Tensor) -> None:
+        torch.amax(_as_blocks(torch.bitwise_and(rows[a:b], magnitude, out=bits[: b - a])), dim=-1, out=amax[a:b])
+
+    for_chunks(chunks, lambda: torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device), block_amax)
+    return amax.view(x.dtype).float().reshape(*x.shape[:-1], -1)
 
 
 def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -93,14 +103,55 @@ _QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q,
                               dtype=torch.uint8)
 
 
-def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites (no fresh buffers: they
-    cost more than the arithmetic): one table lookup per element instead of a comparison per
-    midpoint. floor(f) + ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to
-    [-Q, Q-1] first keeps both where every code saturates."""
+# The packed byte of two neighbouring codes, by both their keys: `_PAIR_CODES[k0 + 4Q*k1]`
+# (keys counted from 0), so a pair of elements is packed by the same lookup that encodes it.
+_PAIR_CODES = (_QUARTER_CODES[None, :] | (_QUARTER_CODES[:, None] << 4)).reshape(-1)
+_PAIR_OFFSET = 2 * _Q * (1 + 4 * _Q)  # of a pair's signed keys
+
+
+def _quarter_keys(f: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Into fp32 `out`: 2n + (f > n) for n = floor(f) of fp32 `f` (4x, exact), which it
+    overwrites: a table lookup per element instead of a comparison per midpoint. floor(f) +
+    ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to [-Q, Q-1] first keeps both where
+    every code saturates, so the keys lie in [-2Q, 2Q)."""
     f.clamp_(-_Q, _Q - 1)
-    key = torch.floor(f).add_(f.ceil_()).to(torch.int32).add_(2 * _Q)
+    return torch.floor(f, out=out).add_(f.ceil_())
+
+
+def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites."""
+    key = _quarter_keys(f, torch.empty_like(f)).to(torch.int32).add_(2 * _Q)
     return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
+
+
+def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16]:
+    w / (block scale * scale_2) in fp32 (ModelOpt's quotient), times 4 (exact: a power of two),
+    encoded and packed a chunk of rows at a time (eprt.quant.numerics.row_chunks)."""
+    rows = w.reshape(-1, w.shape[-1])
+    n, width = rows.shape
+    if not n:
+        return torch.empty(*w.shape[:-1], width // 2, dtype=torch.uint8, device=w.device)
+    denom = e4m3_values(block_scale).mul_(scale_2).reshape(n, -1, 1)
+    packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
+    step, chunks = row_chunks(n, width, w.device)
+    table = _PAIR_CODES.to(w.device)
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        f32 = {"dtype": torch.float32, "device": w.device}
+        return (torch.empty(step, width, **f32), torch.empty(step, width, **f32),
+                torch.empty(step, width // 2, **f32), torch.empty(step, width // 2, dtype=torch.int32, device=w.device))
+
+    def encode(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        quarters, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
+        f = quarters.copy_(rows[a:b])
+        _as_blocks(f).div_(denom[a:b])
+        key = _quarter_keys(f.mul_(4), keys).view(b - a, -1, 2)
+        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
+        torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
+
+    for_chunks(chunks, buffers, encode)
+    return packed.reshape(*w.shape[:-1], width // 2)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -144,13 +195,14 @@ def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = 
     elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != block_amax.shape:
         raise ValueError(f"block scales {block_scale.dtype} {tuple(block_scale.shape)} do not fit weight "
                          f"{tuple(w.shape)}: expected float8_e4m3fn {tuple(block_amax.shape)}")
-    return pack_fp4(encode_with_scales(w, block_scale, scale_2)), block_scale
+    return _encode_packed(w, block_scale, scale_2), block_scale
 
 
 def _checked_block_amax(w: torch.Tensor) -> torch.Tensor:
     _check_blocks(w)
     block_amax = _block_amax(w)
-    check_finite(block_amax, w.shape)  # a NaN or infinity shows in its block's amax
+    if block_amax.numel():  # a NaN or infinity shows in its block's amax, and amax keeps NaN
+        check_finite(block_amax.amax(), w.shape)
     return block_amax
 
 

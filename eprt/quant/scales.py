@@ -25,6 +25,7 @@ from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
 from eprt.quant.mse import fp8_mse_scale, nvfp4_mse_block_scale
+from eprt.quant.numerics import abs_amax
 from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.storage.checkpoint import Checkpoint
 
@@ -62,7 +63,7 @@ class Scales:
 
     @functools.lru_cache(maxsize=None)
     def weight_amax(self, module: str) -> torch.Tensor:
-        return max(self.weight(m).abs().amax().float() for m in self.group(module))
+        return max(abs_amax(self.weight(m)) for m in self.group(module))
 
     def input_amax(self, module: str) -> torch.Tensor:
         return max(self.state.input_amax[m] for m in self.group(module))
@@ -88,7 +89,7 @@ class Scales:
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
-        amax = row.abs().amax().float()
+        amax = abs_amax(row)
         return fp8_mse_scale(row, amax) if self.searched(module, "fp8") else self.scale(module, amax)
 
     def quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
