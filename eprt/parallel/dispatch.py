@@ -137,20 +137,29 @@ class UnitDispatcher:
         if st.world == 1:
             y_sent = _run_units(x_sent, key_sent, L, U, self.keyspace, experts)
         else:
-            sent = torch.bincount(dest_R, minlength=st.world)
-            recv = torch.empty_like(sent)
-            dist.all_to_all_single(recv, sent, group=st.dp_group)
-            send_splits, recv_splits = sent.tolist(), recv.tolist()
-            x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
-            key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
+            x_recv, key_recv, send_splits, recv_splits = self._send(dest_R, x_sent, key_sent)
             y_recv = _run_units(x_recv, key_recv, L, U, self.keyspace, experts)
             y_sent = _all_to_all_rows(y_recv, send_splits, recv_splits, st.dp_group)
-            own = sent[st.rank].item()  # rows that stay on this rank cross no wire
-            row_bytes = x_sent.shape[1] * x_sent.element_size()
-            self.bytes_sent += (x_sent.shape[0] - own) * (row_bytes + 8) + (y_recv.shape[0] - own) * row_bytes
+            # the rows that stay on this rank cross no wire
+            self.bytes_sent += (y_recv.shape[0] - recv_splits[st.rank]) * y_recv.shape[1] * y_recv.element_size()
         if x_TD.shape[0] == 0:
             return y_sent.new_zeros(0, y_sent.shape[1], dtype=torch.float32)
         return combine(y_sent, order_R, topk_weights_TK)
+
+    def _send(self, dest_R: torch.Tensor, x_sent: torch.Tensor, key_sent: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Rows sorted by destination rank (dest_R) to their ranks, each with its int64 key:
+        (rows received, their keys, rows sent to each rank, rows received from each rank),
+        counting the bytes that cross the wire (the rows that stay on this rank do not)."""
+        st = self.state
+        sent = torch.bincount(dest_R, minlength=st.world)
+        recv = torch.empty_like(sent)
+        dist.all_to_all_single(recv, sent, group=st.dp_group)
+        send_splits, recv_splits = sent.tolist(), recv.tolist()
+        x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
+        key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
+        self.bytes_sent += (x_sent.shape[0] - send_splits[st.rank]) * (x_sent.shape[1] * x_sent.element_size() + 8)
+        return x_recv, key_recv, send_splits, recv_splits
 
     def every_expert_rows(self, x_TD: torch.Tensor, key_T: torch.Tensor, unit_T: torch.Tensor,
                           units: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,14 +181,7 @@ class UnitDispatcher:
         if st.world == 1:
             x_recv, key_recv = x_sent, key_sent
         else:
-            sent = torch.bincount(dest_R, minlength=st.world)
-            recv = torch.empty_like(sent)
-            dist.all_to_all_single(recv, sent, group=st.dp_group)
-            send_splits, recv_splits = sent.tolist(), recv.tolist()
-            x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
-            key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
-            own = sent[st.rank].item()  # rows that stay on this rank cross no wire
-            self.bytes_sent += (x_sent.shape[0] - own) * (x_sent.shape[1] * x_sent.element_size() + 8)
+            x_recv, key_recv, _, _ = self._send(dest_R, x_sent, key_sent)
         order = torch.argsort(key_recv)
         rows_per_unit_U = torch.bincount(key_recv // self.keyspace, minlength=U)
         return x_recv.index_select(0, order), rows_per_unit_U
