@@ -17,6 +17,7 @@ import re
 from collections import defaultdict
 
 from eprt.hf.check_names import SourceNames, check_names
+from eprt.quant.nvfp4 import BLOCK_SIZE as NVFP4_GROUP
 
 # compressed-tensors format -> (the tensors of a quantized Linear: leaf -> dtype)
 LAYOUT = {
@@ -27,7 +28,6 @@ LAYOUT = {
 PER_TENSOR = {"float-quantized": ("weight_scale", "input_scale"),
               "nvfp4-pack-quantized": ("weight_global_scale", "input_global_scale")}
 SCALE_LEAVES = {leaf for layout in LAYOUT.values() for leaf in layout if leaf not in ("weight", "weight_packed")}
-NVFP4_GROUP = 16
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
 # Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.

@@ -30,18 +30,16 @@ from safetensors import safe_open
 from eprt.errors import EprtError
 from eprt.hf.check_names import (COMPANIONS, KV_COMPANIONS, check_names, source_names_from_config,
                                   source_names_from_dir)
+from eprt.hf.check_quant_config import MIXED, NVFP4_GROUP, QUANTIZED_DTYPE, check_configs, quantized_layers
 from eprt.storage.hf_files import CONFIG, INDEX, QUALITY, QUANT_CONFIG, SINGLE
 
-QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}
 ALGO_OF_DTYPE = {v: k for k, v in QUANTIZED_DTYPE.items()}
-MIXED = "MIXED_PRECISION"  # each module's quant_algo in quantized_layers; an unlisted module is unquantized
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 # Per-tensor scales every quantized Linear carries (NVFP4's weight_scale is the block-scale grid).
 PER_TENSOR_SCALES = {"FP8": ("weight_scale", "input_scale"), "NVFP4": ("weight_scale_2", "input_scale")}
 LINEAR_SCALES = ("weight_scale", "weight_scale_2", "input_scale")
 CT_SCALES = ("weight_global_scale", "input_global_scale")  # compressed-tensors' NVFP4 (reciprocal) scales
 KV_SCALES = {"k_scale": "k_proj", "v_scale": "v_proj"}
-NVFP4_GROUP = 16
 
 # Linears that read one input and that vLLM loads as one fused weight (its packed_modules_mapping).
 FUSED = {
@@ -84,7 +82,7 @@ def check_export(out_dir, source_dir=None) -> list[str]:
                                  problems)
         return problems
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
-    algo, kv_algo, exclude = _check_configs(config, hf_quant, problems)
+    algo, kv_algo, exclude = check_configs(config, hf_quant, problems)
     tensors = _read_tensors(out, problems)
     if algo is not None and tensors:
         modules = _Modules(tensors, algo, exclude, problems,
@@ -196,144 +194,6 @@ def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) ->
                     t.bad_block_scales = int(((raw == 0) | (raw >= 0x7F)).sum())
             tensors[name] = t
     return names
-
-
-# ---------------------------------------------------------------------------------- configs
-
-
-def _check_configs(
-    config: dict | None, hf_quant: dict | None, problems: list[str]
-) -> tuple[str | None, str | None, list[str]]:
-    """(quant_algo, kv_cache_quant_algo, exclude list) after checking both configs agree.
-
-    quant_algo is None when the modules cannot be checked against it.
-    """
-    qc = None
-    if config is not None:
-        qc = config.get("quantization_config")
-        if qc is None and isinstance(config.get("text_config"), dict):
-            qc = config["text_config"].get("quantization_config")
-        if not isinstance(qc, dict):
-            problems.append("config.json: no quantization_config; engines choose the loader from it")
-            qc = None
-        elif qc.get("quant_method") != "modelopt":
-            problems.append(f"config.json quantization_config.quant_method: {qc.get('quant_method')!r}, not 'modelopt'")
-    q = None
-    if hf_quant is not None:
-        q = hf_quant.get("quantization")
-        if not isinstance(q, dict):
-            problems.append(f"{QUANT_CONFIG}: no 'quantization' object")
-            q = None
-    if q is None and qc is None:
-        return None, None, []
-
-    algo = (q or qc).get("quant_algo")
-    if algo not in QUANTIZED_DTYPE and algo != MIXED:
-        problems.append(f"quant_algo {algo!r}: this checker covers FP8, NVFP4 and {MIXED} of them")
-        algo = None
-    kv_algo = q.get("kv_cache_quant_algo") if q is not None else ("FP8" if qc.get("kv_cache_scheme") else None)
-    if kv_algo not in (None, "FP8"):
-        problems.append(f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports FP8 or null")
-    exclude = q.get("exclude_modules", []) if q is not None else qc.get("ignore", [])
-    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
-        problems.append(f"{QUANT_CONFIG} quantization.exclude_modules: not a list of names")
-        exclude = []
-
-    if q is not None and algo == "NVFP4":
-        for key in ("group_size", "kv_cache_quant_algo", "exclude_modules"):
-            if key not in q:
-                problems.append(f"{QUANT_CONFIG} quantization.{key}: missing; vLLM requires it for NVFP4")
-        if "group_size" in q and q["group_size"] != NVFP4_GROUP:
-            problems.append(
-                f"{QUANT_CONFIG} quantization.group_size: {q['group_size']!r}, NVFP4 blocks are {NVFP4_GROUP}"
-            )
-    if algo == MIXED:
-        _check_quantized_layers(q, qc, problems)
-    if q is None or qc is None:
-        return algo, kv_algo, exclude
-
-    if qc.get("quant_algo") != q.get("quant_algo"):
-        problems.append(
-            f"quant_algo: config.json quantization_config says {qc.get('quant_algo')!r}, "
-            f"{QUANT_CONFIG} says {q.get('quant_algo')!r}"
-        )
-    if algo != MIXED:
-        _check_config_groups(qc, algo, q.get("group_size"), problems)
-    scheme = qc.get("kv_cache_scheme")
-    scheme_is_fp8 = isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
-    if (kv_algo == "FP8") != scheme_is_fp8 or (kv_algo is None and scheme is not None):
-        problems.append(
-            f"kv_cache: {QUANT_CONFIG} kv_cache_quant_algo is {kv_algo!r} but config.json "
-            f"quantization_config.kv_cache_scheme is {scheme!r}"
-        )
-    ignore = qc.get("ignore", [])
-    if not isinstance(ignore, list) or set(ignore) != set(exclude):
-        ignore = set(ignore) if isinstance(ignore, list) else set()
-        problems.append(
-            f"exclusions: config.json quantization_config.ignore and {QUANT_CONFIG} exclude_modules differ "
-            f"(only in ignore: {sorted(ignore - set(exclude))}; "
-            f"only in exclude_modules: {sorted(set(exclude) - ignore)})"
-        )
-    return algo, kv_algo, exclude
-
-
-def quantized_layers(config: dict | None, hf_quant: dict | None) -> dict[str, str]:
-    """A MIXED_PRECISION export's quantized_layers: module -> quant_algo (empty when absent)."""
-    q = (hf_quant or {}).get("quantization") if isinstance(hf_quant, dict) else None
-    layers = (q or {}).get("quantized_layers")
-    if not isinstance(layers, dict):
-        layers = ((config or {}).get("quantization_config") or {}).get("quantized_layers")
-    if not isinstance(layers, dict):
-        return {}
-    return {m: c.get("quant_algo") for m, c in layers.items() if isinstance(c, dict)}
-
-
-def _check_quantized_layers(q: dict | None, qc: dict | None, problems: list[str]) -> None:
-    """MIXED_PRECISION: each module's quant_algo (and NVFP4's group_size) in quantized_layers, the
-    same in both configs, each config group's bits those of the modules it targets."""
-    layers = (q or qc).get("quantized_layers")
-    if not isinstance(layers, dict) or not layers:
-        problems.append(f"quantized_layers: missing; a {MIXED} export names each quantized module's quant_algo")
-        return
-    for module, layer in sorted(layers.items()):
-        algo = layer.get("quant_algo") if isinstance(layer, dict) else None
-        if algo not in QUANTIZED_DTYPE:
-            problems.append(f"quantized_layers.{module}: quant_algo {algo!r}; eprt exports FP8 or NVFP4")
-        elif algo == "NVFP4" and layer.get("group_size") != NVFP4_GROUP:
-            problems.append(f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, NVFP4 blocks are "
-                            f"{NVFP4_GROUP}")
-    if q is not None and qc is not None and qc.get("quantized_layers") != q.get("quantized_layers"):
-        problems.append(f"quantized_layers: config.json quantization_config and {QUANT_CONFIG} differ")
-    groups = (qc or {}).get("config_groups") or {}
-    for name, group in sorted(groups.items()):
-        bits = {8 if layers.get(t, {}).get("quant_algo") == "FP8" else 4 for t in group.get("targets", []) if t in layers}
-        declared = (group.get("weights") or {}).get("num_bits")
-        if len(bits) > 1 or (bits and declared not in bits):
-            problems.append(f"config.json quantization_config.config_groups.{name}: num_bits {declared!r} for "
-                            f"targets quantized with {sorted(bits)} bits")
-
-
-def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[str]) -> None:
-    if algo is None:
-        return
-    groups = qc.get("config_groups")
-    group = groups.get("group_0") if isinstance(groups, dict) else None
-    if not isinstance(group, dict):
-        problems.append("config.json quantization_config.config_groups.group_0: missing")
-        return
-    bits = 8 if algo == "FP8" else 4
-    for part in ("weights", "input_activations"):
-        spec = group.get(part)
-        where = f"config.json quantization_config.config_groups.group_0.{part}"
-        if not isinstance(spec, dict):
-            problems.append(f"{where}: missing")
-            continue
-        if spec.get("num_bits") != bits or spec.get("type") != "float":
-            problems.append(
-                f"{where}: num_bits {spec.get('num_bits')!r} type {spec.get('type')!r}, {algo} is {bits}-bit float"
-            )
-        if algo == "NVFP4" and spec.get("group_size") != group_size:
-            problems.append(f"{where}.group_size: {spec.get('group_size')!r}, {QUANT_CONFIG} says {group_size!r}")
 
 
 # ---------------------------------------------------------------------------------- modules
