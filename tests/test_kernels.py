@@ -3,14 +3,20 @@ loops, and bitwise batch invariance of the grouped GEMM (docs/architecture.md, '
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from eprt.kernels import combine, grouped_mm, permute
-from eprt.kernels.backend import triton_available, use_triton
+import torch.nn.functional as F
+
+from eprt.kernels import combine, grouped_mm, permute, unit_mlp
+from eprt.kernels.backend import matmul_dtype, triton_available, use_triton
+from eprt.kernels.cpu_workers import cpu_workers, for_each
 from eprt.kernels.grouped_gemm import grouped_mm_loop, grouped_mm_torch
 from eprt.kernels.permute import combine_torch, permute_torch
+from eprt.models.layers import linear, silu_mul
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -87,15 +93,19 @@ def test_triton_small_blocks_match_loop():
 # ---------------------------------------------------------------- grouped GEMM: batch invariance
 
 
-def _assert_batch_invariant(fn, N, K, dtype, device="cpu", weight_views=None, seed=0):
+def _assert_batch_invariant(fn, N, K, dtype, device="cpu", weight_views=None, seed=0, integers=False):
     """Every row's output equals, bit for bit, the same row computed alone.
 
     Rows are drawn with repeats from a pool and placed at varied positions in two experts
     whose counts straddle tile edges, so a row is seen at many tile positions and batch sizes.
+    `integers`: small integer values, whose products and sums are exact in any order, so that
+    only the kernel's indexing and masking can make a row differ.
     """
     g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(48, K, generator=g).to(dtype).to(device)
-    w = torch.randn(2, N, K, generator=g).to(dtype).to(device)
+    draw = (lambda *shape: torch.randint(-4, 5, shape, generator=g).float()) if integers else \
+        (lambda *shape: torch.randn(*shape, generator=g))
+    pool = draw(48, K).to(dtype).to(device)
+    w = draw(2, N, K).to(dtype).to(device)
     alone = [
         torch.cat([fn(pool[i : i + 1], w, _offsets([1, 0] if e == 0 else [0, 1], device)) for i in range(len(pool))])
         for e in (0, 1)
@@ -134,11 +144,17 @@ def test_grouped_mm_dispatches_cpu_to_the_invariant_fallback():
     _assert_batch_invariant(grouped_mm, 24, 40, torch.float32)
 
 
+# Under the interpreter a tile's dot is numpy's matmul, whose sums on some CPUs follow a row's
+# place in the tile: there the kernel's own part, which rows and columns each tile reads and
+# writes, is checked with values every summation order adds exactly.
+INTERPRETED = TRITON_DEVICE == "cpu"
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("N,K", [(40, 72), (7, 5)])
 def test_triton_batch_invariant(N, K, dtype):
-    _assert_batch_invariant(_grouped_mm_triton, N, K, dtype, device=TRITON_DEVICE)
+    _assert_batch_invariant(_grouped_mm_triton, N, K, dtype, device=TRITON_DEVICE, integers=INTERPRETED)
 
 
 @needs_triton
@@ -146,7 +162,7 @@ def test_triton_batch_invariant_small_blocks():
     def small_blocks(x, w, offsets):
         return _grouped_mm_triton(x, w, offsets, block_m=16, block_n=16, block_k=16)
 
-    _assert_batch_invariant(small_blocks, 20, 100, torch.float32, device=TRITON_DEVICE)
+    _assert_batch_invariant(small_blocks, 20, 100, torch.float32, device=TRITON_DEVICE, integers=INTERPRETED)
 
 
 # ---------------------------------------------------------------- grouped GEMM: refusals
@@ -297,3 +313,74 @@ def test_kernels_import_and_run_without_triton():
         "assert 'triton' not in {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- CPU: matmul dtype, worker threads
+
+
+def test_a_cpu_bf16_matmul_is_its_fp32_product_rounded_once():
+    """On a CPU without bf16 arithmetic every bf16 matmul (dense and experts) multiplies in fp32
+    and rounds once to bf16; where the CPU has it, the BLAS's own bf16 GEMM runs. Either way the
+    result is the exact product to within bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    # wide enough that the BLAS's bf16 GEMM sums some outputs in another order than the fp32 one
+    x, w13 = torch.randn(128, 1024, generator=g).bfloat16(), torch.randn(1, 1152, 1024, generator=g).bfloat16()
+    w2 = torch.randn(1, 1024, 576, generator=g).bfloat16()
+    cpu = torch.device("cpu")
+    native = any(getattr(torch.cpu, probe, lambda: False)() for probe in
+                 ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    assert matmul_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if native else torch.float32)
+    assert matmul_dtype(torch.float32, cpu) == torch.float32
+    y = linear(x, w13[0])
+    h, y_units = unit_mlp(x, w13, w2, silu_mul, torch.tensor([[128]]))
+    assert y.dtype == h.dtype == y_units.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), x.double() @ w13[0].double().T, rtol=2 ** -7, atol=0.2)
+    if not native:
+        assert torch.equal(y, F.linear(x.float(), w13[0].float()).bfloat16())
+        assert torch.equal(h, silu_mul(*y.chunk(2, dim=-1)))
+        assert torch.equal(y_units, F.linear(h.float(), w2[0].float()).bfloat16())
+
+
+def test_unit_mlp_gives_the_same_bits_on_any_number_of_workers():
+    """Experts of one call run on eprt.kernels.cpu_workers' threads, each whole on one: the bits
+    do not depend on how many there are."""
+    g = torch.Generator().manual_seed(1)
+    E, U, D, I = 6, 3, 64, 48
+    counts = torch.randint(0, 40, (E, U), generator=g)
+    counts[2] = 0  # an expert no row reaches
+    x = torch.randn(int(counts.sum()), D, generator=g).bfloat16()
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g).bfloat16(), torch.randn(E, D, I, generator=g).bfloat16()
+    alone = unit_mlp(x, w13, w2, silu_mul, counts)
+    for workers in (2, 3):
+        with cpu_workers(workers):
+            assert torch.get_num_threads() == 1
+            got = unit_mlp(x, w13, w2, silu_mul, counts)
+        assert all(torch.equal(a, b) for a, b in zip(alone, got)), workers
+
+
+def test_cpu_workers_run_every_piece_once_and_raise_a_pieces_error_after_all_stop():
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    seen, names = [], set()
+
+    def body(i, bufs):
+        bufs.append(i)  # each worker's own buffers
+        seen.append(i)
+        names.add(threading.current_thread().name)
+        time.sleep(0.002)
+
+    with cpu_workers(2):
+        for_each(range(40), list, body, cpu)
+    assert sorted(seen) == list(range(40)) and len(names) == 2
+    assert torch.get_num_threads() == threads
+
+    done = []
+
+    def failing(i, _):
+        if i == 1:
+            raise ValueError("piece 1 failed")
+        time.sleep(0.01)
+        done.append(i)
+
+    with cpu_workers(2), pytest.raises(ValueError, match="piece 1 failed"):
+        for_each(range(6), lambda: None, failing, cpu)
+    assert sorted(done) == [0, 2, 3, 4, 5]  # the other worker went on; nothing ran after the raise

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from eprt.kernels.cpu_workers import cpu_workers
 from eprt.quant import numerics
 from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import (
@@ -254,7 +255,7 @@ def test_chunked_quantization_matches_reference(dtype, workers, monkeypatch):
     w = torch.stack([_weights(dtype, seed=s) for s in (3, 4)])
     amax = w.float().abs().max().item()
     threads = torch.get_num_threads()
-    with numerics.chunk_workers(workers):
+    with cpu_workers(workers):
         assert torch.get_num_threads() == 1  # the workers, not torch's own threads, split the work
         packed, block_scale = quantize_nvfp4(w, nvfp4_scale(amax))
         q = quantize_fp8(w, fp8_scale(amax))

@@ -18,11 +18,11 @@ import torch
 
 from eprt.errors import EprtError
 from eprt.hf.check_export import check_export
+from eprt.kernels.cpu_workers import cpu_workers
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
-from eprt.quant.numerics import chunk_workers
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
 from eprt.storage.checkpoint import Checkpoint
@@ -129,7 +129,7 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
 
         # torch's thread count (OMP_NUM_THREADS; 1 a rank under torchrun) in workers that quantize
         # whole chunks; the check's many small operations also run best on one intra-op thread
-        with chunk_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
+        with cpu_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
             write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(),
                            check_fn=check if exp else None)
     if state.rank == 0:

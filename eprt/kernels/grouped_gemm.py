@@ -6,10 +6,13 @@ the row sits among them. The project's layout-independent quantization scales re
 (docs/architecture.md, 'Layout-invariant calibration').
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
-from eprt.kernels.backend import check_values, use_triton
+from eprt.kernels.backend import check_values, matmul_dtype, use_triton
+from eprt.kernels.cpu_workers import for_each
 
 # Rows per tile of the CPU fallback. Every BLAS call it makes multiplies one expert's weight by
 # one [CPU_BLOCK_M, K] tile of a zero-padded, 64-byte aligned buffer, so the library sees the
@@ -63,19 +66,20 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     along the BLAS's vectorized output dimension, where every lane runs the same sequence of
     multiply-adds. The direct form x_tile @ w[e].T puts them along the other output dimension,
     and there MKL's fp32 kernels for small N give rows a result that depends on their position
-    modulo 4. bf16 and fp16 tiles go to the BLAS as they are (MKL/oneDNN accumulate them in
-    fp32 and round once); fp32 stays fp32.
+    modulo 4. bf16 and fp16 tiles go to the BLAS in `matmul_dtype` (accumulated in fp32 either
+    way) and are rounded once to x's dtype.
     """
     M, K = x.shape
     N = w.shape[1]
     ends = offsets.tolist()
     bm = CPU_BLOCK_M
+    wide = matmul_dtype(x.dtype, x.device)
     out = x.new_empty(M, N)
-    x_tile = x.new_zeros(bm, K)
-    y_tile_T = x.new_empty(N, bm)
+    x_tile = x.new_zeros(bm, K, dtype=wide)
+    y_tile_T = x.new_empty(N, bm, dtype=wide)
     start = 0
     for e, end in enumerate(ends):
-        w_e = _canonical_layout(w[e]) if end > start else None
+        w_e = _canonical_weight(w[e], wide) if end > start else None
         for row in range(start, end, bm):
             rows = min(bm, end - row)
             x_tile[:rows].copy_(x[row : row + rows])
@@ -84,6 +88,12 @@ def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
             out[row : row + rows].copy_(y_tile_T[:, :rows].T)
         start = end
     return out
+
+
+def _canonical_weight(w_e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's weight as the CPU matmuls take it: in `dtype` (a fresh, aligned copy when
+    widened), else in the canonical layout."""
+    return w_e.to(dtype) if w_e.dtype != dtype else _canonical_layout(w_e)
 
 
 def _canonical_layout(w_e: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,9 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
     elementwise kernels that treat every element alike); on CPU one plain BLAS matmul per unit
     and projection, and the activation per unit too, because the CPU's vectorized elementwise
     loops give an element other bits in the scalar tail than in a vector lane, and where an
-    element falls depends on everything before it in the call."""
+    element falls depends on everything before it in the call. The CPU matmuls run in
+    `matmul_dtype` (fp32 for bf16 on a CPU without bf16 arithmetic), each result rounded once to
+    x's dtype before the activation, as the low-precision GEMM rounds it."""
     offsets = torch.cumsum(rows_per_unit_LU.sum(1), dim=0, dtype=torch.int32)
     check_grouped_mm_args(x, w13, offsets)
     if use_triton(x):
@@ -130,19 +142,22 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
         return h, grouped_mm_triton(h, w2, offsets)
     h = x.new_empty(x.shape[0], w13.shape[1] // 2)
     y = x.new_empty(x.shape[0], w2.shape[1])
-    start = 0
-    for e, counts in enumerate(rows_per_unit_LU.tolist()):
-        if not any(counts):
-            continue
-        w13_e, w2_e = _canonical_layout(w13[e]), _canonical_layout(w2[e])
-        for n in counts:
+    wide = matmul_dtype(x.dtype, x.device)
+    counts_EU = rows_per_unit_LU.tolist()
+    starts = list(itertools.accumulate((sum(c) for c in counts_EU), initial=0))
+
+    def expert(e: int, _) -> None:
+        w13_e, w2_e = _canonical_weight(w13[e], wide), _canonical_weight(w2[e], wide)
+        start = starts[e]
+        for n in counts_EU[e]:
             if n:
-                # where a unit starts in x depends on the units before it: the BLAS sees it
-                # aligned, as it would alone
                 h_u = _unit_act(x[start:start + n], w13_e, act)
                 h[start:start + n] = h_u
                 y[start:start + n] = _unit_rows_mm(h_u, w2_e)
                 start += n
+
+    # experts write disjoint rows: on CPU they may run on eprt.kernels.cpu_workers' threads
+    for_each([e for e in range(len(counts_EU)) if starts[e + 1] > starts[e]], lambda: None, expert, x.device)
     return h, y
 
 
@@ -157,7 +172,7 @@ def unit_act(x: torch.Tensor, w13: torch.Tensor, act, rows_per_unit_U: torch.Ten
 
         return act(*grouped_mm_triton(x, w13, offsets).chunk(2, dim=-1))
     h = x.new_empty(x.shape[0], w13.shape[1] // 2)
-    w13_e = _canonical_layout(w13[0])
+    w13_e = _canonical_weight(w13[0], matmul_dtype(x.dtype, x.device))
     start = 0
     for n in rows_per_unit_U.tolist():
         if n:
@@ -171,17 +186,21 @@ def _unit_act(x_u: torch.Tensor, w13_e: torch.Tensor, act) -> torch.Tensor:
     return act(*_unit_rows_mm(x_u, w13_e).chunk(2, dim=-1))
 
 
-# A unit's rows go to the BLAS zero-padded to a multiple of this many. oneDNN (bf16 on CPU)
-# caches a primitive, with its buffers, for every distinct row count it is given, and units
-# come in every count: unpadded, the cache grows by ~0.7 MB per count until it holds hundreds
-# of MB. Padded, a layer's units take a few dozen shapes.
+# A unit's rows go to a low-precision BLAS zero-padded to a multiple of this many. oneDNN (bf16
+# on CPU) caches a primitive, with its buffers, for every distinct row count it is given, and
+# units come in every count: unpadded, the cache grows by ~0.7 MB per count until it holds
+# hundreds of MB. Padded, a layer's units take a few dozen shapes.
 UNIT_ROW_BUCKET = 32
 
 
 def _unit_rows_mm(x_u: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
-    """x_u @ w_e.T as the BLAS computes it for these rows alone, wherever x_u starts (through
-    F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed weight). The
-    padding is a function of the row count alone, so every layout pads a unit alike."""
+    """x_u @ w_e.T in x_u's dtype, as the BLAS computes it for these rows alone, wherever x_u
+    starts. Through F.linear: for bf16 on CPU about twice as fast as torch.mm of the transposed
+    weight. A wider w_e (`_canonical_weight`) widens the rows into a fresh buffer, which the
+    fp32 GEMM takes without a primitive cache; a low-precision unit is padded, by a function
+    of its row count alone, so every layout pads it alike."""
+    if w_e.dtype != x_u.dtype:
+        return F.linear(x_u.to(w_e.dtype), w_e).to(x_u.dtype)
     n = x_u.shape[0]
     if n % UNIT_ROW_BUCKET == 0:
         return F.linear(_canonical_layout(x_u), w_e)

@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eprt.kernels.backend import matmul_dtype
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). Every dense matmul of every model goes through here, so a
-    batch-invariant kernel can replace it in one place."""
-    return F.linear(x, weight, bias)
+    """x @ weight.T (+ bias), in x's dtype. Every dense matmul of every model goes through here,
+    so a kernel can replace it in one place: on a CPU without bf16 arithmetic, bf16 operands are
+    multiplied in fp32 (eprt.kernels.backend.matmul_dtype)."""
+    wide = matmul_dtype(x.dtype, x.device)
+    if wide == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(x.dtype)
 
 
 class Linear(nn.Module):

@@ -134,8 +134,15 @@ class fail_together:
         outcome = "" if exc is None else _kind(exc) + _describe(exc)
         if exc is not None and not isinstance(exc, Exception):
             # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
-            _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
-            return False
+            told = _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
+            if told or str(exc) != "SIGTERM":
+                return False
+            # SIGTERM with the store gone: torchrun's agent ending its workers because the node
+            # serving the store went down, which is the cause to name, not the signal
+            state.peers_lost = True
+            verdict = _alone(state, outcome)
+            raise RankFailure(self.what, {}, dead=verdict["dead"], store_lost=True,
+                              stopped=verdict["stopped"]) from exc
         verdict = _decide(state, self.key, outcome, self.wait)
         if any(verdict[kind] for kind in ("failures", "timeouts", "missing", "dead", "stopped")):
             if verdict["dead"] or verdict["store_lost"]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eprt.kernels.cpu_workers import cpu_workers
 from eprt.storage.checkpoint import Checkpoint
 from eprt.models.deepseek_v3 import load_mtp
 from eprt.models.loader import assign_tensors, meta_model
@@ -86,20 +87,14 @@ class Schedule:
         return range(first * self.group_size, min(self.num_sequences, (first + count) * self.group_size))
 
 
-@contextlib.contextmanager
-def one_cpu_thread(device: torch.device):
-    """On CPU, compute with one thread, as torchrun starts its ranks: the CPU's reductions (the
-    norms' means) and the BLAS's small matmuls split their work by the thread count, and the
-    last bits follow the split. Ranks, not threads, parallelize a CPU run."""
+def cpu_threads(device: torch.device):
+    """On CPU, torch's threads (OMP_NUM_THREADS; torchrun starts its ranks with 1) as workers
+    that take whole experts of a matmul call, and every operation itself on one thread: the
+    CPU's reductions (the norms' means) and the BLAS's small matmuls split their work by the
+    thread count, and the last bits follow the split (eprt.kernels.cpu_workers)."""
     if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+        return contextlib.nullcontext()
+    return cpu_workers(torch.get_num_threads())
 
 
 class LayerState:
@@ -179,7 +174,7 @@ class LayerEngine:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
         steps = self.schedule.num_steps * (3 if self.gptq is not None else 1)
-        with one_cpu_thread(self.state.device), \
+        with cpu_threads(self.state.device), \
                 bar((len(layers) - first_layer) * steps, "calibrate", unit="step", enabled=self.progress) as pb:
             for i in range(first_layer, len(layers)):
                 ls = self.run_layer(i, ls, pb)

@@ -42,7 +42,7 @@ def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
         check_finite(torch.stack(torch.aminmax(f)), w.shape)  # the extremes: NaN propagates to them
         to_e4m3(bufs[1][: b - a].copy_(f.div_(scale)), out=q[a:b])
 
-    for_chunks(chunks, buffers, quantize)
+    for_chunks(chunks, buffers, quantize, w.device)
     return out
 
 

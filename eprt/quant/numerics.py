@@ -10,11 +10,11 @@ calibration fault and is refused.
 Everything here is elementwise or a reduction in fp32, so the result is the same on every device.
 """
 
-import contextlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
+
+from eprt.kernels.cpu_workers import for_each, worker_count
 
 FP8_E4M3_MAX = 448.0
 FP32_TINY = torch.finfo(torch.float32).tiny
@@ -23,8 +23,6 @@ FP32_TINY = torch.finfo(torch.float32).tiny
 # rows at a time through buffers they reuse (which also stay in cache). Elsewhere the caching
 # allocator reuses memory and kernel launches cost more, so a chunk is the whole weight.
 CHUNK_ELEMENTS = 1 << 18
-_chunk_pool: ThreadPoolExecutor | None = None  # and its number of workers: see `chunk_workers`
-_chunk_pool_workers = 1
 
 
 def per_tensor_scale(amax, max_value: float, zero_amax: float) -> torch.Tensor:
@@ -69,49 +67,17 @@ def e4m3_values(x: torch.Tensor) -> torch.Tensor:
 def row_chunks(rows: int, row_len: int, device: torch.device) -> tuple[int, list[tuple[int, int]]]:
     """(rows a chunk holds at most, the chunks [a, b) of `rows` rows of `row_len` elements)."""
     step = max(1, CHUNK_ELEMENTS // max(1, row_len)) if device.type == "cpu" else max(1, rows)
-    if _chunk_pool is not None and device.type == "cpu":  # a few chunks a worker, so that none waits long for the last
-        step = max(1, min(step, -(-rows // (4 * _chunk_pool_workers))))
+    workers = worker_count(device)
+    if workers > 1:  # a few chunks a worker, so that none waits long for the last
+        step = max(1, min(step, -(-rows // (4 * workers))))
     return step, [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def for_chunks(chunks: list[tuple[int, int]], buffers: Callable[[], object],
-               body: Callable[[int, int, object], None]) -> None:
+               body: Callable[[int, int, object], None], device: torch.device) -> None:
     """body(a, b, bufs) for every chunk [a, b), with `bufs` from buffers() reused from chunk to
-    chunk: in order here, or on the workers of `chunk_workers`, each with buffers of its own."""
-    if _chunk_pool is None or len(chunks) == 1:
-        bufs = buffers()
-        for a, b in chunks:
-            body(a, b, bufs)
-        return
-    todo = iter(chunks)  # shared: each worker takes the next chunk left (one step under the GIL)
-
-    def work() -> None:
-        bufs = buffers()
-        for a, b in todo:
-            body(a, b, bufs)
-
-    for f in [_chunk_pool.submit(work) for _ in range(min(_chunk_pool_workers, len(chunks)))]:
-        f.result()
-
-
-@contextlib.contextmanager
-def chunk_workers(workers: int) -> Iterator[None]:
-    """Quantize on CPU with `workers` threads, each taking whole chunks, and torch's own
-    intra-op threads at 1 meanwhile: the chunks of a weight are independent, so one thread runs
-    a chunk's steps without waiting for another after each step (torch's threads meet after every
-    operation, which on a busy machine costs more than it saves). The bytes do not change."""
-    global _chunk_pool, _chunk_pool_workers
-    threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="eprt-quantize") if workers > 1 else None
-    torch.set_num_threads(1)
-    _chunk_pool, _chunk_pool_workers = pool, max(1, workers)
-    try:
-        yield
-    finally:
-        _chunk_pool, _chunk_pool_workers = None, 1
-        torch.set_num_threads(threads)
-        if pool is not None:
-            pool.shutdown()
+    chunk: in order, or on the workers of eprt.kernels.cpu_workers, each with buffers of its own."""
+    for_each(chunks, buffers, lambda ab, bufs: body(*ab, bufs), device)
 
 
 def abs_amax(x: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,8 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
     def block_amax(a: int, b: int, bits: torch.Tensor) -> None:
         torch.amax(_as_blocks(torch.bitwise_and(rows[a:b], magnitude, out=bits[: b - a])), dim=-1, out=amax[a:b])
 
-    for_chunks(chunks, lambda: torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device), block_amax)
+    for_chunks(chunks, lambda: torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device), block_amax,
+               x.device)
     return amax.view(x.dtype).float().reshape(*x.shape[:-1], -1)
 
 
@@ -150,7 +151,7 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
         pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
         torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
 
-    for_chunks(chunks, buffers, encode)
+    for_chunks(chunks, buffers, encode, w.device)
     return packed.reshape(*w.shape[:-1], width // 2)
 
 

@@ -100,10 +100,11 @@ def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callabl
         _, y_ref = unit_mlp(x_sorted, w13, w2, act, rows_per_unit_LU)
         U = rows_per_unit_LU.shape[1]
         counts = rows_per_unit_LU.reshape(-1).tolist()
-        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran
-        for j, (d_R, ref_R) in enumerate(zip(*(t.split(counts) for t in _row_sums(y, y_ref)))):
+        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran; in
+        # fp64 a unit at a time, so that the widened copies are a unit's, not the call's
+        for j, (y_u, ref_u) in enumerate(zip(y.split(counts), y_ref.split(counts))):
             if counts[j]:
-                sums[:, j // U, errors.first_unit + j % U] = _sums(d_R, ref_R)
+                sums[:, j // U, errors.first_unit + j % U] = _sums(*_row_sums(y_u, ref_u))
 
     experts.probe = probe
     return lambda: setattr(experts, "probe", None)
