@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eprt.errors import EprtError
-from eprt.parallel.liveness import post, wait_posted
+from eprt.parallel.liveness import Interrupted, post, wait_posted
 from eprt.parallel.state import ParallelState
 
 # A failure report keeps the exception's type and message, not its traceback (that stays on the
@@ -135,7 +135,7 @@ class fail_together:
         if exc is not None and not isinstance(exc, Exception):
             # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
             told = _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
-            if told or str(exc) != "SIGTERM":
+            if told or not (isinstance(exc, Interrupted) and exc.signal == "SIGTERM"):
                 return False
             # SIGTERM with the store gone: torchrun's agent ending its workers because the node
             # serving the store went down, which is the cause to name, not the signal

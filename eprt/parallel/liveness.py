@@ -35,6 +35,11 @@ POLL_S = 0.25
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived: the run is stopping."""
 
+    @property
+    def signal(self) -> str:
+        """The signal's name: "SIGINT" or "SIGTERM"."""
+        return self.args[0]
+
 
 def peer_timeout_s() -> float:
     """Seconds without a heartbeat after which a peer is dead (env EPRT_PEER_TIMEOUT)."""
