@@ -29,6 +29,7 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.quant import ptq
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.storage import safetensors_io
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
 
@@ -327,6 +328,21 @@ def test_a_full_disk_during_convert_names_the_file(qwen_hf, tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "sendfile", full)
+    out = tmp_path / "ck"
+    lines = refusal_of(lambda: convert_hf(qwen_hf, str(out), progress=False), capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/.ck.partial-") and \
+        "safetensors: the disk is full: free space or write the output elsewhere" in lines[0], lines
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_found_while_syncing_behind_names_the_file(qwen_hf, tmp_path, monkeypatch, capsys):
+    """The writer has the disk write what it wrote while it goes on (safetensors_io.SYNC_BEHIND_BYTES):
+    a disk that refuses then is reported as any refused write."""
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors_io, "SYNC_BEHIND_BYTES", 4096)
+    monkeypatch.setattr(os, "fdatasync", full)
     out = tmp_path / "ck"
     lines = refusal_of(lambda: convert_hf(qwen_hf, str(out), progress=False), capsys)
     assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/.ck.partial-") and \

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from eprt.kernels import combine, grouped_mm, permute, unit_mlp
 from eprt.kernels.backend import matmul_dtype, triton_available, use_triton
 from eprt.kernels.cpu_workers import cpu_workers, for_each
+from eprt.quant.numerics import chunk_buffer
 from eprt.kernels.grouped_gemm import grouped_mm_loop, grouped_mm_torch
 from eprt.kernels.permute import combine_torch, permute_torch
 from eprt.models.layers import linear, silu_mul
@@ -384,3 +385,23 @@ def test_cpu_workers_run_every_piece_once_and_raise_a_pieces_error_after_all_sto
     with cpu_workers(2), pytest.raises(ValueError, match="piece 1 failed"):
         for_each(range(6), lambda: None, failing, cpu)
     assert sorted(done) == [0, 2, 3, 4, 5]  # the other worker went on; nothing ran after the raise
+
+
+def test_chunk_buffers_are_each_threads_own_and_kept_from_call_to_call():
+    """The quantizers' chunk buffers (eprt.quant.numerics.chunk_buffer): a thread gets its own
+    memory back on its next call, and no two threads share one."""
+    cpu = torch.device("cpu")
+    first = chunk_buffer("test.slot", (4, 8), torch.float32, cpu)
+    again = chunk_buffer("test.slot", (2, 8), torch.float32, cpu)
+    assert again.shape == (2, 8) and again.data_ptr() == first.data_ptr()
+    assert chunk_buffer("test.other", (4, 8), torch.float32, cpu).data_ptr() != first.data_ptr()
+    assert chunk_buffer("test.slot", (4, 8), torch.int32, cpu).data_ptr() != first.data_ptr()
+    elsewhere = []
+    t = threading.Thread(target=lambda: elsewhere.append(chunk_buffer("test.slot", (4, 8), torch.float32, cpu)))
+    t.start()
+    t.join()
+    assert elsewhere[0].data_ptr() != first.data_ptr()
+    assert chunk_buffer("test.slot", (16, 8), torch.float32, cpu).shape == (16, 8)  # grows when asked for more
+    with torch.inference_mode():  # made in inference mode, written out of it (the export after calibration)
+        chunk_buffer("test.fresh", (4, 8), torch.float32, cpu).zero_()
+    chunk_buffer("test.fresh", (4, 8), torch.float32, cpu).zero_()

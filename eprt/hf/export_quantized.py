@@ -19,6 +19,7 @@ from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
+from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
@@ -32,6 +33,7 @@ from eprt.storage.checkpoint import Checkpoint
 LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
 MIXED = "MIXED_PRECISION"
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
+ROWS_PER_WORKER = 2  # expert rows quantized at once, per CPU worker
 
 
 @dataclass(frozen=True)
@@ -70,25 +72,35 @@ class QuantizedExport:
                         for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
         self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
+        self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
-    @functools.lru_cache(maxsize=4)
     def expert_row(self, name: str, e: int) -> torch.Tensor:
         module = name.rsplit(".", 1)[0]
         return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read_expert(self.stacked[name], e))
 
-    @functools.lru_cache(maxsize=4)
-    def expert_weight_scale(self, name: str, module: str, e: int) -> torch.Tensor:
-        """Gate and up of one expert (one row of w13) share one weight scale: computed once for both."""
-        return self.scales.expert_weight_scale(module, self.expert_row(name, e))
-
     # --- quantization -----------------------------------------------------------------------
-    @functools.lru_cache(maxsize=2)
     def quantized_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
-        """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call,
-        with the per-tensor scale they share: rows quantize independently, so each piece is a
-        slice of it, the same bytes as quantized alone."""
-        w, w_scale = self.expert_row(name, e), self.expert_weight_scale(name, module, e)
-        out = self.scales.quantize_weight(module, w, w_scale)
+        """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call
+        under the per-tensor scale gate and up share: rows quantize independently, so each piece
+        is a slice of it, the same bytes as quantized alone.
+
+        The export asks for rows in order: e comes with the next rows of `name`, each read and
+        quantized whole on a CPU worker (eprt.kernels.cpu_workers). Whole rows side by side keep
+        the cores busy, where the steps of one row, split in chunks, leave them waiting on each
+        other."""
+        if (name, e) not in self._rows:
+            experts = self.stacked[name].shape[0]
+            batch = range(e, min(experts, e + ROWS_PER_WORKER * worker_count(torch.device("cpu"))))
+            rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+            for_each(batch, lambda: None,
+                     lambda j, _: rows.__setitem__((name, j), self._quantize_row(name, module, j)),
+                     torch.device("cpu"))
+            self._rows = rows
+        return self._rows[(name, e)]
+
+    def _quantize_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
+        w = self.expert_row(name, e)
+        out = self.scales.quantize_weight(module, w, self.scales.expert_weight_scale(module, w))
         if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
             out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
         return out

@@ -42,8 +42,13 @@ def cpu_workers(workers: int) -> Iterator[None]:
 
 
 def worker_count(device: torch.device) -> int:
-    """How many threads `for_each` spreads pieces on `device` over."""
-    return _workers if device.type == "cpu" else 1
+    """How many threads `for_each` spreads pieces on `device` over (1 on a worker itself, where
+    they run in order)."""
+    return _workers if device.type == "cpu" and not _on_worker() else 1
+
+
+def _on_worker() -> bool:
+    return threading.current_thread().name.startswith(_PREFIX)
 
 
 def for_each(pieces: Iterable[T], buffers: Callable[[], object], body: Callable[[T, object], None],
@@ -53,8 +58,7 @@ def for_each(pieces: Iterable[T], buffers: Callable[[], object], body: Callable[
     must write disjoint outputs; a worker's exception is raised here once all have stopped."""
     pieces = list(pieces)
     # a piece that itself splits runs its parts in order: its worker must not wait on the pool
-    nested = threading.current_thread().name.startswith(_PREFIX)
-    if _pool is None or device.type != "cpu" or len(pieces) < 2 or nested:
+    if _pool is None or device.type != "cpu" or len(pieces) < 2 or _on_worker():
         bufs = buffers()
         for piece in pieces:
             body(piece, bufs)

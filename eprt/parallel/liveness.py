@@ -28,7 +28,9 @@ from eprt.errors import ConfigError
 
 PEER_TIMEOUT_ENV = "EPRT_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 30.0
-# How often a wait on other ranks looks at the store again.
+# How often a wait on other ranks looks at the store again: soon at first, since the ranks of a
+# step mostly arrive together and every guard of a run waits once, then less often up to POLL_S.
+FIRST_POLL_S = 0.001
 POLL_S = 0.25
 
 
@@ -114,6 +116,7 @@ def wait_posted(store: dist.Store, prefix: str, ranks: list[int], heartbeat: Hea
     The first death ends the wait: the live ranks still behind may be busy for long (or stuck
     in a collective with the dead rank), and they learn the outcome when they get here."""
     deadline = time.monotonic() + wait.total_seconds()
+    pause = FIRST_POLL_S
     while True:
         # One counter read per poll while all is well; who is behind is looked up only when a
         # peer has died or the wait has run out.
@@ -126,7 +129,8 @@ def wait_posted(store: dist.Store, prefix: str, ranks: list[int], heartbeat: Hea
             dead = [r for r in pending if r in dead_peers]
             if out_of_time or dead:
                 return [r for r in pending if r not in dead], dead
-        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, POLL_S)
 
 
 _stopping = False

@@ -8,7 +8,8 @@ E4M3 nearest-even, saturated at +-448 (the `quantize_fp8` rule).
 
 import torch
 
-from eprt.quant.numerics import FP8_E4M3_MAX, as_scale, check_finite, for_chunks, per_tensor_scale, row_chunks, to_e4m3
+from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, chunk_buffer, for_chunks, per_tensor_scale,
+                                 row_chunks, to_e4m3)
 
 
 def fp8_scale(amax) -> torch.Tensor:
@@ -34,8 +35,8 @@ def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
     step, chunks = row_chunks(flat.numel(), 1, w.device)
 
     def buffers() -> tuple[torch.Tensor, torch.Tensor]:
-        quotient = torch.empty(step, dtype=torch.float32, device=w.device)
-        return quotient, quotient if w.dtype == torch.float32 else torch.empty_like(quotient, dtype=w.dtype)
+        quotient = chunk_buffer("fp8.quotient", (step,), torch.float32, w.device)
+        return quotient, quotient if w.dtype == torch.float32 else chunk_buffer("fp8.rounded", (step,), w.dtype, w.device)
 
     def quantize(a: int, b: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
         f = bufs[0][: b - a].copy_(flat[a:b])

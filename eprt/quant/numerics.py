@@ -10,6 +10,8 @@ calibration fault and is refused.
 Everything here is elementwise or a reduction in fp32, so the result is the same on every device.
 """
 
+import math
+import threading
 from typing import Callable
 
 import torch
@@ -71,6 +73,24 @@ def row_chunks(rows: int, row_len: int, device: torch.device) -> tuple[int, list
     if workers > 1:  # a few chunks a worker, so that none waits long for the last
         step = max(1, min(step, -(-rows // (4 * workers))))
     return step, [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+_kept = threading.local()  # each thread's chunk buffers, by slot and dtype
+
+
+def chunk_buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized buffer of `shape` for the chunks of `for_chunks`: on CPU the calling
+    thread's own under `slot`, kept from call to call (fresh pages cost more than the arithmetic
+    on them; a chunk bounds its size), elsewhere a new one (the caching allocator reuses memory).
+    One call's buffers of a slot are the next call's on that thread: use them within the call."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = math.prod(shape)
+    kept = _kept.__dict__.get((slot, dtype))
+    if kept is None or kept.numel() < n:
+        with torch.inference_mode(False):  # a normal tensor, written inside inference mode and out of it
+            kept = _kept.__dict__[(slot, dtype)] = torch.empty(n, dtype=dtype)
+    return kept[:n].view(shape)
 
 
 def for_chunks(chunks: list[tuple[int, int]], buffers: Callable[[], object],

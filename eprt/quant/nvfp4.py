@@ -15,15 +15,18 @@ Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 """
 
 import torch
+import torch.nn.functional as F
 
-from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, e4m3_values, for_chunks, per_tensor_scale,
-                                 row_chunks, to_e4m3)
+from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, chunk_buffer, e4m3_values, for_chunks,
+                                 per_tensor_scale, row_chunks, to_e4m3)
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Smallest block scale: the smallest E4M3 subnormal, so no block scale is ever zero.
 MIN_BLOCK_SCALE = 2.0**-9
+# Weight dtypes divided by an fp32 block scale as they are: torch widens them to fp32 exactly.
+WIDENED = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def nvfp4_scale(amax) -> torch.Tensor:
@@ -48,30 +51,21 @@ def _as_blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
 
 
-# The sign bit and the same-width signed integer of each float dtype: with the sign bit cleared,
-# the bit patterns of IEEE floats sort as their magnitudes do (infinity and NaN above every finite
-# value), so a block's abs-amax is one integer max over a view, without an fp32 copy and `abs`.
-_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
-         torch.float16: (torch.int16, 0x7FFF)}
-
-
 def _block_amax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., in/16]: the largest magnitude of each block of x [..., in] (NaN where a block holds one)."""
-    if x.dtype not in _BITS:
-        return _as_blocks(x.float()).abs().amax(dim=-1)
-    if not x.numel():  # no rows (a rank given none this step): no blocks, and no shape to infer
-        return torch.zeros(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, device=x.device)
-    int_dtype, magnitude = _BITS[x.dtype]
-    rows = x.contiguous().view(int_dtype).reshape(-1, x.shape[-1])
-    amax = torch.empty(rows.shape[0], rows.shape[1] // BLOCK_SIZE, dtype=int_dtype, device=x.device)
+    """fp32 [..., in/16]: the largest magnitude of each block of x [..., in] (NaN where a block
+    holds one: max pooling keeps NaN), a chunk of rows at a time through an fp32 buffer."""
+    blocks = x.shape[-1] // BLOCK_SIZE  # spelled out: a tensor of no rows (a rank given none) has no -1 to infer
+    rows = x.reshape(-1, x.shape[-1])
+    amax = torch.empty(rows.shape[0], blocks, device=x.device)
     step, chunks = row_chunks(*rows.shape, x.device)
 
-    def block_amax(a: int, b: int, bits: torch.Tensor) -> None:
-        torch.amax(_as_blocks(torch.bitwise_and(rows[a:b], magnitude, out=bits[: b - a])), dim=-1, out=amax[a:b])
+    def block_amax(a: int, b: int, f32: torch.Tensor) -> None:
+        f = f32[: b - a].copy_(rows[a:b]).abs_()
+        amax[a:b] = F.max_pool1d(f.unsqueeze(0), BLOCK_SIZE)[0]  # a block's max in one vectorized pass
 
-    for_chunks(chunks, lambda: torch.empty(step, rows.shape[1], dtype=int_dtype, device=x.device), block_amax,
-               x.device)
-    return amax.view(x.dtype).float().reshape(*x.shape[:-1], -1)
+    for_chunks(chunks, lambda: chunk_buffer("nvfp4.amax", (step, rows.shape[1]), torch.float32, x.device),
+               block_amax, x.device)
+    return amax.reshape(*x.shape[:-1], blocks)
 
 
 def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -129,6 +123,8 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
     """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16]:
     w / (block scale * scale_2) in fp32 (ModelOpt's quotient), times 4 (exact: a power of two),
     encoded and packed a chunk of rows at a time (eprt.quant.numerics.row_chunks)."""
+    if w.dtype not in WIDENED:  # float8 (torch divides it by nothing) and float64: as their fp32 values
+        w = w.float()
     rows = w.reshape(-1, w.shape[-1])
     n, width = rows.shape
     if not n:
@@ -139,14 +135,13 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
     table = _PAIR_CODES.to(w.device)
 
     def buffers() -> tuple[torch.Tensor, ...]:
-        f32 = {"dtype": torch.float32, "device": w.device}
-        return (torch.empty(step, width, **f32), torch.empty(step, width, **f32),
-                torch.empty(step, width // 2, **f32), torch.empty(step, width // 2, dtype=torch.int32, device=w.device))
+        return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // halves), dtype, w.device)
+                     for slot, halves, dtype in (("quotient", 1, torch.float32), ("keys", 1, torch.float32),
+                                                 ("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32)))
 
     def encode(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
-        quarters, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
-        f = quarters.copy_(rows[a:b])
-        _as_blocks(f).div_(denom[a:b])
+        f, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
+        torch.div(_as_blocks(rows[a:b]), denom[a:b], out=_as_blocks(f))  # widened exactly, then divided
         key = _quarter_keys(f.mul_(4), keys).view(b - a, -1, 2)
         pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
         torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))

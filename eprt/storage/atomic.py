@@ -4,9 +4,9 @@ A failed run leaves nothing that looks finished, and an existing output is repla
 when asked (`overwrite`), and only once the new one is complete. A run touches no path it did
 not create: its temp directory and the old output it replaces get names unique to the run
 (pid and random), so two runs writing one output, or a user's own `OUT.old`, are safe; a run
-that is killed leaves its hidden `.OUT.partial-*` behind, for the user to remove. Writers do not fsync file by
-file: the whole directory is synced once, before the rename, so the kernel writes one file back
-while the next is being written.
+that is killed leaves its hidden `.OUT.partial-*` behind, for the user to remove. The whole
+directory is synced once, before the rename; a writer meanwhile has the disk write what it wrote
+(eprt.storage.safetensors_io.SYNC_BEHIND_BYTES), so little is left for that sync.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +194,8 @@ class Checkpoint:
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
         self._decoders: dict[str, object] = {}
+        # threads may read side by side (the export's CPU workers): files and decoders open once
+        self._opening = threading.Lock()
 
     @property
     def quantization(self) -> dict | None:
@@ -208,9 +211,10 @@ class Checkpoint:
         return self.tensors[name]
 
     def file(self, name: str) -> SafetensorsFile:
-        if name not in self._files:
-            self._files[name] = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
-        return self._files[name]
+        with self._opening:
+            if name not in self._files:
+                self._files[name] = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
+            return self._files[name]
 
     def weight_files(self) -> list[str]:
         """The files this checkpoint's own tensors are stored in (not its base's), relative, sorted."""
@@ -279,9 +283,11 @@ class Checkpoint:
         t = self.meta(name)
         if name not in self._own:
             return self.base.decoder(name)
-        if t.scheme not in self._decoders:
-            self._decoders[t.scheme] = encodings.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
-        return self._decoders[t.scheme]
+        with self._opening:
+            if t.scheme not in self._decoders:
+                self._decoders[t.scheme] = encodings.decoder(t.encoding, self.schemes[t.scheme],
+                                                             f"{self.path} ({name})")
+            return self._decoders[t.scheme]
 
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
         dec = self.decoder(t.name)

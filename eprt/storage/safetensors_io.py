@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self.bytes_read = 0
+        self._counting = threading.Lock()  # threads may read one file side by side
         self._fd = -1
         try:
             self._fd = os.open(path, os.O_RDONLY)
@@ -67,8 +69,12 @@ class SafetensorsFile:
 
     def _pread(self, n: int, offset: int) -> bytes:
         data = os.pread(self._fd, n, offset)
-        self.bytes_read += len(data)
+        self.count_read(len(data))
         return data
+
+    def count_read(self, n: int) -> None:
+        with self._counting:
+            self.bytes_read += n
 
     def _read_header(self) -> tuple[dict[str, TensorInfo], dict]:
         size = os.fstat(self._fd).st_size
@@ -136,7 +142,7 @@ class SafetensorsFile:
             if n == 0:
                 raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + got}")
             got += n
-        self.bytes_read += got
+        self.count_read(got)
 
     def byte_range(self, name: str, rows: tuple[int, int] | None = None) -> tuple[int, int]:
         """(offset, length) in the file of the tensor, or of rows [a, b) of it along dim 0."""
@@ -179,12 +185,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+SYNC_BEHIND_BYTES = 64 * 1024**2  # written before the writer has the kernel write them to disk
+
+
 class SafetensorsWriter:
     """Streams tensors into a new safetensors file whose entries are declared up front.
 
     `entries` lists (name, dtype, shape) in file order; `write` must then be called for each
     entry in that order (a tensor may arrive in several row chunks). The output directory is
-    synced as a whole once it is complete (eprt.storage.atomic), not file by file.
+    synced as a whole once it is complete (eprt.storage.atomic); meanwhile, every
+    SYNC_BEHIND_BYTES a thread of the writer's own flushes what was written so far, so the
+    disk writes while the next tensors are computed and the final sync finds little left.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
@@ -205,12 +216,29 @@ class SafetensorsWriter:
         self._next, self._pending = 0, 0
         self._copy_run: tuple[SafetensorsFile, int, int] | None = None  # (file, offset, length) not yet copied
         self.total = offset
+        self._unsynced = 0
+        self._syncing: threading.Thread | None = None
+        self._sync_error: OSError | None = None
 
     def write(self, name: str, data: torch.Tensor | memoryview | bytes) -> None:
         buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
         self._claim(name, buf.nbytes)
         self._flush_copy()
         self._f.write(buf)
+        self._wrote(buf.nbytes)
+
+    def _wrote(self, nbytes: int) -> None:
+        self._unsynced += nbytes
+        if self._unsynced >= SYNC_BEHIND_BYTES and not (self._syncing and self._syncing.is_alive()):
+            self._unsynced = 0
+            self._syncing = threading.Thread(target=self._sync, name="eprt-sync", daemon=True)
+            self._syncing.start()
+
+    def _sync(self) -> None:
+        try:
+            os.fdatasync(self._f.fileno())
+        except OSError as e:  # raised by close(), on the writing thread
+            self._sync_error = e
 
     def _claim(self, name: str, nbytes: int) -> None:
         """Check that `nbytes` more of tensor `name` come next in the declared order."""
@@ -252,13 +280,21 @@ class SafetensorsWriter:
             if n == 0:
                 raise CheckpointError(f"{src.path}: unexpected end of file at byte {offset + done}")
             done += n
-        src.bytes_read += nbytes
+        src.count_read(nbytes)
+        self._wrote(nbytes)
 
     def close(self) -> None:
         if self._pending or self._next != len(self._sizes):
-            self._f.close()
+            self._close()
             raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
         self._flush_copy()
+        self._close()
+        if self._sync_error is not None:  # a refused write, named like one (eprt.cli)
+            raise OSError(self._sync_error.errno, self._sync_error.strerror, self.path)
+
+    def _close(self) -> None:
+        if self._syncing is not None:
+            self._syncing.join()
         self._f.close()
 
 
