@@ -25,6 +25,7 @@ FP32_TINY = torch.finfo(torch.float32).tiny
 # rows at a time through buffers they reuse (which also stay in cache). Elsewhere the caching
 # allocator reuses memory and kernel launches cost more, so a chunk is the whole weight.
 CHUNK_ELEMENTS = 1 << 18
+MIN_SHARED_ELEMENTS = 1 << 15  # the least a chunk holds that goes to a worker of its own
 
 
 def per_tensor_scale(amax, max_value: float, zero_amax: float) -> torch.Tensor:
@@ -70,8 +71,10 @@ def row_chunks(rows: int, row_len: int, device: torch.device) -> tuple[int, list
     """(rows a chunk holds at most, the chunks [a, b) of `rows` rows of `row_len` elements)."""
     step = max(1, CHUNK_ELEMENTS // max(1, row_len)) if device.type == "cpu" else max(1, rows)
     workers = worker_count(device)
-    if workers > 1:  # a few chunks a worker, so that none waits long for the last
-        step = max(1, min(step, -(-rows // (4 * workers))))
+    if workers > 1:  # a few chunks a worker, so that none waits long for the last, none so small
+        # that handing it to a worker costs more than its work
+        least = max(1, MIN_SHARED_ELEMENTS // max(1, row_len))
+        step = max(1, min(step, max(least, -(-rows // (4 * workers)))))
     return step, [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
