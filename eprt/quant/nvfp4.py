@@ -151,9 +151,6 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
 
 
 _E2M1_SIGNED = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-# Both values of every packed byte, the low nibble's first: a byte decodes by one lookup, through
-# an int32 index (an int64 one would be twice the size of the fp32 values it fetches).
-_PAIR_VALUES = torch.stack((_E2M1_SIGNED[torch.arange(256) & 0x0F], _E2M1_SIGNED[torch.arange(256) >> 4]), dim=-1)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -178,6 +175,11 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., 2n] from packed uint8 [..., n]; inverse of `pack_fp4`."""
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
     return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+# Both values of every packed byte, the low nibble's first: a byte decodes by one lookup, through
+# an int32 index (an int64 one would be twice the size of the fp32 values it fetches).
+_PAIR_VALUES = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
 
 
 def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
