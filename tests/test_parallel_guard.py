@@ -148,3 +148,62 @@ def test_identical_reports_read_as_one_line():
     assert str(same) == "ranks 0, 1 failed while writing the output: OutputExistsError: out exists"
     mixed = RankFailure("loading", {0: "E: a", 2: "E: b", 3: "E: a"})
     assert str(mixed).splitlines() == ["ranks 0, 2, 3 failed while loading:", "  ranks 0, 3: E: a", "  rank 2: E: b"]
+
+
+def _store_served_elsewhere():
+    """A run's store served by another process (as torchrun's first agent serves it), and a
+    client of it."""
+    import subprocess
+    import sys
+
+    from tests.multiproc import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import time, datetime, torch.distributed as dist\n"
+        f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True, timeout=datetime.timedelta(seconds=30))\n"
+        "time.sleep(600)\n")])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return server, dist.TCPStore("127.0.0.1", port, is_master=False,
+                                         timeout=timedelta(seconds=2))
+        except dist.DistError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise
+
+
+@pytest.mark.parametrize("store_goes", [True, False])
+def test_sigterm_while_waiting_names_the_cause(monkeypatch, store_goes):
+    """torchrun's agent sends SIGTERM to rank 1 while it waits in a guard for rank 0. When the store
+    went down with rank 0's node first (the agent's reason), the guard names rank 0 and the lost
+    store; when the store still answers, the signal is the user's stop and goes on as one."""
+    from eprt.parallel import guard
+    from eprt.parallel.liveness import Interrupted
+
+    server, store = _store_served_elsewhere()
+    try:
+        def wait_until_signalled(*args):
+            if store_goes:
+                server.kill()
+                server.wait()
+            raise Interrupted("SIGTERM")
+        monkeypatch.setattr(guard, "wait_posted", wait_until_signalled)
+        state = ParallelState(rank=1, world=2, store=store)
+        with pytest.raises((RankFailure, Interrupted)) as info:
+            with fail_together(state, "calibrating"):
+                raise RuntimeError("Connection closed by peer")
+        if store_goes:
+            assert isinstance(info.value, RankFailure) and state.peers_lost
+            assert str(info.value).splitlines() == [
+                "rank 0 could not be heard from while calibrating: the run's store stopped answering "
+                "(the node serving it, with torchrun's first agent or rank 0, went down)",
+                "rank 1 then timed out waiting in a collective, or lost a peer there "
+                "(rank 1: RuntimeError: Connection closed by peer)"]
+            assert isinstance(info.value.__cause__, RuntimeError)
+        else:
+            assert type(info.value) is Interrupted and not state.peers_lost
+    finally:
+        server.kill()
+        server.wait()

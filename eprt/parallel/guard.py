@@ -162,7 +162,14 @@ def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> di
     verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "dead": [], "store_lost": False}
     try:
         post(store, key, state.rank, outcome.encode())
-        behind, verdict["dead"] = wait_posted(store, key, list(range(world)), state.heartbeat, wait)
+        try:
+            behind, verdict["dead"] = wait_posted(store, key, list(range(world)), state.heartbeat, wait)
+        except Interrupted as stop:
+            # SIGTERM in the wait with the store gone: torchrun's agent ending this rank because
+            # the node serving the store went down before this rank's next poll found it gone
+            if stop.signal != "SIGTERM" or _try(lambda: store.check([f"{key}/count"])):
+                raise
+            return _alone(state, outcome)
         # After a death, the live ranks behind are not late: they have not got here yet.
         verdict["missing"] = [] if verdict["dead"] else behind
         posted = [r for r in range(world) if r not in behind + verdict["dead"]]
