@@ -271,6 +271,20 @@ def test_combine_matches_loop_bitwise(case, impl):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_combine_in_pieces_on_workers_matches_loop_bitwise(workers):
+    """The CPU combine sums COMBINE_TOKENS tokens a piece, on the workers: a step of many
+    tokens, cut in pieces and summed on any thread, gives the bits of the one-pass loop."""
+    from eprt.kernels.permute import COMBINE_TOKENS
+
+    T, K, D, E = 2 * COMBINE_TOKENS + 13, 3, 24, 6
+    x, ids, weights = _routing(T, K, D, E, E, seed=1)
+    y_sorted, _, order = permute_torch(x, ids, E)
+    with cpu_workers(workers):
+        got = combine_torch(y_sorted * 3, order, weights)
+    assert torch.equal(got, _combine_loop(y_sorted * 3, order, weights))
+
+
 @pytest.mark.parametrize("impl", _permute_impls(), ids=lambda i: i[0])
 def test_combine_ignores_where_copies_sit(impl):
     """A token's sum is the same bits whatever rows its copies occupy and whoever else is in the call."""

@@ -18,6 +18,7 @@ from eprt.quant.nvfp4 import (
     e2m1_decode,
     e2m1_encode,
     fake_quant_nvfp4,
+    nvfp4_block_scales,
     nvfp4_scale,
     pack_fp4,
     quantize_nvfp4,
@@ -362,3 +363,50 @@ def test_no_rows_quantize_to_no_rows(dtype):
     assert fake_quant_nvfp4(x, scale).shape == (0, 32)
     assert quantize_fp8(x, scale).shape == (0, 32)
     assert fake_quant_fp8(x, scale).shape == (0, 32)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_nvfp4_fake_quant_is_dequantize_of_quantize_bitwise(dtype, workers):
+    """The one-pass quantize-dequantize gives the bits of decoding the export's codes, signs of
+    zero included, with the block-amax rule and with block scales given, in any output dtype,
+    in chunks on any number of workers."""
+    g = torch.Generator().manual_seed(3)
+    # magnitudes over 30 decades, exact zeros, negative zeros and values that round to -0
+    x = (torch.randn(300, 256, generator=g, dtype=torch.float64)
+         * torch.logspace(-30, 3, 256, dtype=torch.float64)).to(dtype)
+    x.view(-1)[::7], x.view(-1)[::11] = -0.0, 0.0
+    x.view(-1)[::13] *= 1e-4
+    amax = x.double().abs().max()
+    given = nvfp4_block_scales(x * 0.5, nvfp4_scale(amax))
+    with cpu_workers(workers):
+        for scale_2, block_scale in ((nvfp4_scale(amax), None), (nvfp4_scale(1e-20), None),
+                                     (nvfp4_scale(amax), given)):
+            packed, used = quantize_nvfp4(x, scale_2, block_scale)
+            for out_dtype in (None, torch.float32):
+                want = dequantize_nvfp4(packed, used, scale_2, dtype=out_dtype or dtype)
+                got = fake_quant_nvfp4(x, scale_2, block_scale, dtype=out_dtype)
+                assert got.dtype == want.dtype and torch.equal(got, want)
+                assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_segment_amax_is_each_experts_abs_max(workers):
+    """Each expert's largest magnitude over its rows alone (on CPU one expert a worker), 0 for an
+    expert given none, and +0.0 for rows that are all negative zeros."""
+    from eprt.quant.calibrate import segment_amax
+
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.tensor([3, 0, 5, 1, 0, 4])
+    x = torch.randn(int(tokens.sum()), 40, generator=g).bfloat16()
+    x[8] = -0.0  # expert 3's only row
+    x[2, 5] = -9.0  # expert 0's largest magnitude is negative
+    with cpu_workers(workers):
+        got = segment_amax(x, tokens)
+    want = torch.zeros(len(tokens))
+    for e, rows in enumerate(x.split(tokens.tolist())):
+        if rows.shape[0]:
+            want[e] = rows.float().abs().max()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.signbit(got).any()
+    assert torch.equal(segment_amax(x[:0], torch.zeros(3, dtype=torch.int64)), torch.zeros(3))

@@ -3,6 +3,7 @@
 import torch
 
 from eprt.kernels.backend import check_values, use_triton
+from eprt.kernels.cpu_workers import for_each
 from eprt.kernels.expert_order import slots, sort_by_expert
 
 
@@ -55,11 +56,25 @@ def permute_torch(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: 
     return x_TD.index_select(0, order // expert_ids_TK.shape[1]), tokens_per_expert, order
 
 
+# Tokens a piece of the CPU combine sums: its copies' fp32 temporaries stay small (fresh pages
+# for a whole step's copies cost more than the sums), and a step still makes a few pieces a worker.
+COMBINE_TOKENS = 64
+
+
 def combine_torch(y_sorted: torch.Tensor, order: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     T, K = weights_TK.shape
-    D = y_sorted.shape[1]
-    y_TKD = y_sorted.index_select(0, slots(order)).float().view(T, K, D)
-    out = torch.zeros(T, D, dtype=torch.float32, device=y_sorted.device)
-    for k in range(K):
-        out += weights_TK[:, k, None].float() * y_TKD[:, k]
+    slot_TK = slots(order).view(T, K)
+    w_TK = weights_TK.float()
+    out = torch.zeros(T, y_sorted.shape[1], dtype=torch.float32, device=y_sorted.device)
+
+    # each product and each sum rounds once, wherever the token sits: pieces of tokens give the
+    # bits of one pass over all of them
+    def tokens(ab: tuple[int, int], _) -> None:
+        a, b = ab
+        out_t = out[a:b]
+        for k in range(K):
+            out_t += w_TK[a:b, k, None] * y_sorted.index_select(0, slot_TK[a:b, k]).float()
+
+    step = COMBINE_TOKENS if y_sorted.device.type == "cpu" else max(T, 1)
+    for_each([(a, min(a + step, T)) for a in range(0, T, step)], lambda: None, tokens, y_sorted.device)
     return out

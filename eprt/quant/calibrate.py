@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from eprt.errors import EprtError
+from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
+from eprt.quant.numerics import abs_amax
 
 
 class CalibrationError(EprtError):
@@ -30,9 +32,19 @@ def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> tor
     """abs-max of each expert's rows: [count] fp32 (0 for an expert with no rows)."""
     count = tokens_per_expert.shape[0]
     out = torch.zeros(count, dtype=torch.float32, device=x_sorted.device)
-    if x_sorted.shape[0]:
+    if not x_sorted.shape[0]:
+        return out
+    if x_sorted.device.type != "cpu":  # one pass over every row, as one kernel
         expert_of_row = torch.repeat_interleave(torch.arange(count, device=x_sorted.device), tokens_per_expert)
-        out.scatter_reduce_(0, expert_of_row, x_sorted.abs().amax(dim=-1).float(), "amax")
+        return out.scatter_reduce_(0, expert_of_row, x_sorted.abs().amax(dim=-1).float(), "amax")
+    # on CPU each expert's rows on a worker, without an |x| copy (a max is exact: the same value)
+    ends = torch.cumsum(tokens_per_expert, 0).tolist()
+    starts = [0, *ends[:-1]]
+
+    def expert(e: int, _) -> None:
+        out[e] = abs_amax(x_sorted[starts[e]:ends[e]])
+
+    for_each([e for e in range(count) if ends[e] > starts[e]], lambda: None, expert, x_sorted.device)
     return out
 
 

@@ -106,7 +106,8 @@ def for_chunks(chunks: list[tuple[int, int]], buffers: Callable[[], object],
 def abs_amax(x: torch.Tensor) -> torch.Tensor:
     """fp32 0-dim largest magnitude of x (NaN if x holds one): one pass, without an |x| copy."""
     lo, hi = torch.aminmax(x)
-    return torch.maximum(hi, -lo).float()
+    # abs: of -0.0 and 0.0 maximum may keep either, and |x|'s max is +0.0 where x is all zeros
+    return torch.maximum(hi, -lo).abs().float()
 
 
 def check_finite(values: torch.Tensor, shape) -> None:

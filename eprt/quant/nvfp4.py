@@ -119,13 +119,32 @@ def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
     return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
 
 
+def _rows_of(w: torch.Tensor) -> torch.Tensor:
+    """w [..., in] as rows [n, in] the quotient divides as they are: float8 (torch divides it by
+    nothing) and float64 as their fp32 values."""
+    return (w if w.dtype in WIDENED else w.float()).reshape(-1, w.shape[-1])
+
+
+def _chunk_keys(rows: torch.Tensor, denom: torch.Tensor, f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The quarter keys (`_quarter_keys`) of a chunk of rows [c, in] under its blocks' denominators
+    [c, in/16, 1] (block scale * scale_2): the quotient in fp32 (ModelOpt's), widened exactly and
+    then divided, into `f`, times 4 (exact: a power of two); the keys into `keys`."""
+    torch.div(_as_blocks(rows), denom, out=_as_blocks(f))
+    return _quarter_keys(f.mul_(4), keys)
+
+
+def _chunk_buffers(step: int, width: int, device: torch.device, *slots) -> tuple[torch.Tensor, ...]:
+    """This thread's kept buffers of `slots` ((name, divisor of width, dtype)) for chunks of `step` rows."""
+    return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // halves), dtype, device) for slot, halves, dtype in slots)
+
+
+_KEY_SLOTS = (("quotient", 1, torch.float32), ("keys", 1, torch.float32))
+
+
 def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16]:
-    w / (block scale * scale_2) in fp32 (ModelOpt's quotient), times 4 (exact: a power of two),
+    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16],
     encoded and packed a chunk of rows at a time (eprt.quant.numerics.row_chunks)."""
-    if w.dtype not in WIDENED:  # float8 (torch divides it by nothing) and float64: as their fp32 values
-        w = w.float()
-    rows = w.reshape(-1, w.shape[-1])
+    rows = _rows_of(w)
     n, width = rows.shape
     if not n:
         return torch.empty(*w.shape[:-1], width // 2, dtype=torch.uint8, device=w.device)
@@ -133,20 +152,15 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
     packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
     step, chunks = row_chunks(n, width, w.device)
     table = _PAIR_CODES.to(w.device)
-
-    def buffers() -> tuple[torch.Tensor, ...]:
-        return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // halves), dtype, w.device)
-                     for slot, halves, dtype in (("quotient", 1, torch.float32), ("keys", 1, torch.float32),
-                                                 ("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32)))
+    slots = (*_KEY_SLOTS, ("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32))
 
     def encode(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
         f, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
-        torch.div(_as_blocks(rows[a:b]), denom[a:b], out=_as_blocks(f))  # widened exactly, then divided
-        key = _quarter_keys(f.mul_(4), keys).view(b - a, -1, 2)
+        key = _chunk_keys(rows[a:b], denom[a:b], f, keys).view(b - a, -1, 2)
         pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
         torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
 
-    for_chunks(chunks, buffers, encode, w.device)
+    for_chunks(chunks, lambda: _chunk_buffers(step, width, w.device, *slots), encode, w.device)
     return packed.reshape(*w.shape[:-1], width // 2)
 
 
@@ -180,6 +194,8 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 # Both values of every packed byte, the low nibble's first: a byte decodes by one lookup, through
 # an int32 index (an int64 one would be twice the size of the fp32 values it fetches).
 _PAIR_VALUES = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
+# The value of every quarter key (counted from 0), for quantize-dequantize in one pass.
+_QUARTER_VALUES = e2m1_decode(_QUARTER_CODES)
 
 
 def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
@@ -192,14 +208,20 @@ def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = 
     `block_scale` (float8_e4m3fn [..., in/16], positive): block scales chosen elsewhere (the
     `mse` search, eprt.quant.mse) instead of the block-amax rule above.
     """
+    scale_2, block_scale = _scales_of(w, scale_2, block_scale)
+    return _encode_packed(w, block_scale, scale_2), block_scale
+
+
+def _scales_of(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale_2 as an fp32 0-dim tensor, the block scales: given, checked, or by the block-amax rule)."""
     block_amax = _checked_block_amax(w)
     scale_2 = as_scale(scale_2, w.device)
     if block_scale is None:
-        block_scale = _block_scales(block_amax, scale_2)
-    elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != block_amax.shape:
+        return scale_2, _block_scales(block_amax, scale_2)
+    if block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != block_amax.shape:
         raise ValueError(f"block scales {block_scale.dtype} {tuple(block_scale.shape)} do not fit weight "
                          f"{tuple(w.shape)}: expected float8_e4m3fn {tuple(block_amax.shape)}")
-    return _encode_packed(w, block_scale, scale_2), block_scale
+    return scale_2, block_scale
 
 
 def _checked_block_amax(w: torch.Tensor) -> torch.Tensor:
@@ -245,12 +267,36 @@ def dequantize_nvfp4(
     return values.view(*packed.shape[:-1], width).to(dtype)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize over the last dim, in x's dtype.
+def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quantize-dequantize over the last dim, in `dtype` (default x's).
 
     For weights pass weight_scale_2 (and the block scales where they were chosen elsewhere: see
     `quantize_nvfp4`); for activations pass input_scale: the engines compute an activation's
     block scales at run time by the same block rule.
+
+    The bits of `dequantize_nvfp4(*quantize_nvfp4(x, ...), dtype)`, a chunk of rows at a time without
+    the codes: each quotient's key looks its value up directly, which is then scaled as
+    `dequantize_nvfp4` scales it.
     """
-    packed, block_scale = quantize_nvfp4(x, scale_2, block_scale)
-    return dequantize_nvfp4(packed, block_scale, scale_2, dtype=x.dtype)
+    scale_2, block_scale = _scales_of(x, scale_2, block_scale)
+    rows = _rows_of(x)
+    n, width = rows.shape
+    out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
+    if not n:
+        return out
+    block = e4m3_values(block_scale).reshape(n, -1, 1)
+    denom = block * scale_2
+    out_rows = out.view(n, width)
+    step, chunks = row_chunks(n, width, x.device)
+    table = _QUARTER_VALUES.to(x.device)
+    slots = (*_KEY_SLOTS, ("value_index", 1, torch.int32))
+
+    def fake(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        f, keys, index = (t[: b - a] for t in bufs)
+        key = _chunk_keys(rows[a:b], denom[a:b], f, keys)
+        torch.index_select(table, 0, index.copy_(key).add_(2 * _Q).view(-1), out=f.view(-1))
+        out_rows[a:b] = _as_blocks(f).mul_(block[a:b]).mul_(scale_2).view(b - a, width)
+
+    for_chunks(chunks, lambda: _chunk_buffers(step, width, x.device, *slots), fake, x.device)
+    return out

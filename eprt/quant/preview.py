@@ -16,13 +16,14 @@ from typing import Callable, Collection
 import torch
 import torch.distributed as dist
 
+from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.nvfp4 import fake_quant_nvfp4
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import EXPERT_KINDS, Scales, dequantize_weight
+from eprt.quant.scales import EXPERT_KINDS, Scales
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
 
@@ -77,8 +78,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                     {m: recipe.algorithm_of(m) for m in targets})
 
     def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        t = scales.quantize_weight(m, as_quantized(name, formats[m], w), scale)
-        return dequantize_weight(formats[m], t, w.dtype)
+        return scales.fake_quantize_weight(m, as_quantized(name, formats[m], w), scale, w.dtype)
 
     def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         try:
@@ -108,11 +108,15 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             fake = FAKES[formats[m]]
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 name = f"{m}.{kind}"
-                for e in range(0 if m in quantized else w.shape[0]):
+
+                def expert(e: int, _, m=m, name=name, w=w, first=experts.first) -> None:
                     row = as_quantized(name, formats[m], w[e])
-                    scale = weight_scale(f"{name} (expert {experts.first + e})",
-                                         lambda row=row: scales.expert_weight_scale(m, row))
+                    scale = weight_scale(f"{name} (expert {first + e})",
+                                         lambda: scales.expert_weight_scale(m, row))
                     w[e].copy_(fake_weight(m, name, w[e], scale))
+
+                # each expert whole on one of eprt.kernels.cpu_workers' threads (one elsewhere)
+                for_each(range(0 if m in quantized else w.shape[0]), lambda: None, expert, w.device)
                 if on_weight is not None:
                     on_weight(name, w)
             in_scale = {}

@@ -25,6 +25,7 @@ exact) and then in index order, so the report is the same bytes at every layout.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Callable
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.kernels import unit_mlp
+from eprt.kernels.cpu_workers import for_each
 from eprt.models.layers import linear
 from eprt.models.moe import Experts
 from eprt.progress import logger
@@ -100,11 +102,15 @@ def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callabl
         _, y_ref = unit_mlp(x_sorted, w13, w2, act, rows_per_unit_LU)
         U = rows_per_unit_LU.shape[1]
         counts = rows_per_unit_LU.reshape(-1).tolist()
-        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran; in
-        # fp64 a unit at a time, so that the widened copies are a unit's, not the call's
-        for j, (y_u, ref_u) in enumerate(zip(y.split(counts), y_ref.split(counts))):
-            if counts[j]:
-                sums[:, j // U, errors.first_unit + j % U] = _sums(*_row_sums(y_u, ref_u))
+        starts = list(itertools.accumulate(counts, initial=0))
+
+        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran, on
+        # whichever worker; in fp64 a unit at a time, so that the widened copies are a unit's
+        def unit(j: int, _) -> None:
+            a, b = starts[j], starts[j + 1]
+            sums[:, j // U, errors.first_unit + j % U] = _sums(*_row_sums(y[a:b], y_ref[a:b]))
+
+        for_each([j for j, n in enumerate(counts) if n], lambda: None, unit, y.device)
 
     experts.probe = probe
     return lambda: setattr(experts, "probe", None)

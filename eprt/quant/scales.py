@@ -26,7 +26,7 @@ from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.fusion import siblings
 from eprt.quant.mse import fp8_mse_scale, nvfp4_mse_block_scale
 from eprt.quant.numerics import abs_amax
-from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
+from eprt.quant.nvfp4 import dequantize_nvfp4, fake_quant_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.storage.checkpoint import Checkpoint
 
 SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
@@ -99,6 +99,14 @@ class Scales:
             return {"weight": quantize_fp8(w, w_scale), "weight_scale": w_scale}
         q, block_scale = quantize_nvfp4(w, w_scale, self.block_scale(module, w, w_scale))
         return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+
+    def fake_quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor,
+                             dtype: torch.dtype) -> torch.Tensor:
+        """The weight an engine computes with (`dequantize_weight` of `quantize_weight`'s
+        tensors) in `dtype`; NVFP4's in one pass, without the codes."""
+        if self.formats[module] == "fp8":
+            return dequantize_weight("fp8", self.quantize_weight(module, w, w_scale), dtype)
+        return fake_quant_nvfp4(w, w_scale, self.block_scale(module, w, w_scale), dtype)
 
 
 def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
