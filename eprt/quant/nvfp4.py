@@ -125,42 +125,46 @@ def _rows_of(w: torch.Tensor) -> torch.Tensor:
     return (w if w.dtype in WIDENED else w.float()).reshape(-1, w.shape[-1])
 
 
-def _chunk_keys(rows: torch.Tensor, denom: torch.Tensor, f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The quarter keys (`_quarter_keys`) of a chunk of rows [c, in] under its blocks' denominators
-    [c, in/16, 1] (block scale * scale_2): the quotient in fp32 (ModelOpt's), widened exactly and
-    then divided, into `f`, times 4 (exact: a power of two); the keys into `keys`."""
-    torch.div(_as_blocks(rows), denom, out=_as_blocks(f))
-    return _quarter_keys(f.mul_(4), keys)
+def _for_key_chunks(rows: torch.Tensor, denom: torch.Tensor, slots: tuple, body) -> None:
+    """body(a, b, key, f, bufs) for every chunk [a, b) of rows [n, in] (eprt.quant.numerics.row_chunks):
+    `key` the chunk's quarter keys (`_quarter_keys`) under its blocks' denominators `denom`
+    [n, in/16, 1] (block scale * scale_2), of the quotient in fp32 (ModelOpt's: widened exactly,
+    then divided) times 4 (exact: a power of two), held in `f`, which body may overwrite;
+    `bufs` this thread's kept buffers of `slots` ((name, divisor of in, dtype)) for the chunk."""
+    n, width = rows.shape
+    step, chunks = row_chunks(n, width, rows.device)
+    slots = (("quotient", 1, torch.float32), ("keys", 1, torch.float32), *slots)
 
+    def buffers() -> tuple[torch.Tensor, ...]:
+        return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // part), dtype, rows.device)
+                     for slot, part, dtype in slots)
 
-def _chunk_buffers(step: int, width: int, device: torch.device, *slots) -> tuple[torch.Tensor, ...]:
-    """This thread's kept buffers of `slots` ((name, divisor of width, dtype)) for chunks of `step` rows."""
-    return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // halves), dtype, device) for slot, halves, dtype in slots)
+    def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
+        f, keys, *bufs = (t[: b - a] for t in kept)
+        torch.div(_as_blocks(rows[a:b]), denom[a:b], out=_as_blocks(f))
+        body(a, b, _quarter_keys(f.mul_(4), keys), f, bufs)
 
-
-_KEY_SLOTS = (("quotient", 1, torch.float32), ("keys", 1, torch.float32))
+    for_chunks(chunks, buffers, chunk, rows.device)
 
 
 def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its block scales [..., in/16],
-    encoded and packed a chunk of rows at a time (eprt.quant.numerics.row_chunks)."""
+    encoded and packed a chunk of rows at a time."""
     rows = _rows_of(w)
     n, width = rows.shape
     if not n:
         return torch.empty(*w.shape[:-1], width // 2, dtype=torch.uint8, device=w.device)
     denom = e4m3_values(block_scale).mul_(scale_2).reshape(n, -1, 1)
     packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
-    step, chunks = row_chunks(n, width, w.device)
     table = _PAIR_CODES.to(w.device)
-    slots = (*_KEY_SLOTS, ("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32))
 
-    def encode(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
-        f, keys, pair_keys, pair_index = (t[: b - a] for t in bufs)
-        key = _chunk_keys(rows[a:b], denom[a:b], f, keys).view(b - a, -1, 2)
+    def encode(a: int, b: int, key: torch.Tensor, _f, bufs: list[torch.Tensor]) -> None:
+        pair_keys, pair_index = bufs
+        key = key.view(b - a, -1, 2)
         pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
         torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
 
-    for_chunks(chunks, lambda: _chunk_buffers(step, width, w.device, *slots), encode, w.device)
+    _for_key_chunks(rows, denom, (("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32)), encode)
     return packed.reshape(*w.shape[:-1], width // 2)
 
 
@@ -286,17 +290,13 @@ def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None 
     if not n:
         return out
     block = e4m3_values(block_scale).reshape(n, -1, 1)
-    denom = block * scale_2
     out_rows = out.view(n, width)
-    step, chunks = row_chunks(n, width, x.device)
     table = _QUARTER_VALUES.to(x.device)
-    slots = (*_KEY_SLOTS, ("value_index", 1, torch.int32))
 
-    def fake(a: int, b: int, bufs: tuple[torch.Tensor, ...]) -> None:
-        f, keys, index = (t[: b - a] for t in bufs)
-        key = _chunk_keys(rows[a:b], denom[a:b], f, keys)
+    def fake(a: int, b: int, key: torch.Tensor, f: torch.Tensor, bufs: list[torch.Tensor]) -> None:
+        index, = bufs
         torch.index_select(table, 0, index.copy_(key).add_(2 * _Q).view(-1), out=f.view(-1))
         out_rows[a:b] = _as_blocks(f).mul_(block[a:b]).mul_(scale_2).view(b - a, width)
 
-    for_chunks(chunks, lambda: _chunk_buffers(step, width, x.device, *slots), fake, x.device)
+    _for_key_chunks(rows, block * scale_2, (("value_index", 1, torch.int32),), fake)
     return out
