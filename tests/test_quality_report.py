@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -211,3 +212,69 @@ def test_bad_report_settings_are_refused_by_name(ckpts, tmp_path, kw, message):
     with pytest.raises(RankFailure, match=re.escape(message)):
         run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], str(tmp_path / "q"), **kw))
     assert not os.path.exists(tmp_path / "q")
+
+
+def in_reverse(pieces, buffers, body, device):
+    """eprt.kernels.cpu_workers.for_each with the pieces run last first, on the calling thread."""
+    bufs = buffers()
+    for piece in reversed(list(pieces)):
+        body(piece, bufs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_sequences_dense_parts_run_in_any_order(ckpts, tmp_path, monkeypatch, family):
+    """The engine runs a step's sequences' dense parts side by side: whatever order they come in,
+    the calibration (amax, GPTQ's Hessians and codes) and the report (its probes' calls filed per
+    sequence) are the same bytes."""
+    def calibrate(out):
+        run_ptq(ParallelState.single("cpu"), args(ckpts[family], out, algorithm="gptq", gptq_min_tokens=1,
+                                                  chunk_size=CALIB))
+        return {p.name: p.read_bytes() for p in Path(out).iterdir()}
+
+    as_they_come = calibrate(str(tmp_path / "threads"))
+    monkeypatch.setattr("eprt.quant.engine.for_each", in_reverse)
+    assert calibrate(str(tmp_path / "reversed")) == as_they_come
+
+
+def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
+    """Two threads run two sequences through a probed Linear, the second thread's call landing
+    while the first is inside its sequence: each call is filed under its own sequence."""
+    from eprt.models.layers import GatedMLP
+    from eprt.quant.quality import ModuleErrors, probe_layer
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(8, 16)
+    for p in mlp.parameters():
+        p.data.normal_()
+    x = torch.randn(2, 5, 8)
+    errors = ModuleErrors(num_units=1)
+    unprobe = probe_layer(mlp, "mlp.", ["mlp.up_proj"], errors)
+    reference = mlp.up_proj.weight.detach().clone()
+    mlp.up_proj.weight.data.mul_(1.5)  # as fake quantization replaces it
+    entered, called = threading.Event(), threading.Event()
+
+    def first():
+        errors.enter(0)
+        entered.set()
+        called.wait()  # the other thread's call comes while this one is inside sequence 0
+        mlp(x[0])
+
+    def second():
+        entered.wait()
+        errors.enter(1)
+        mlp(x[1])
+        called.set()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    unprobe()
+    assert sorted(errors.dense["mlp.up_proj"]) == [0, 1]
+    for s in (0, 1):
+        y_ref = x[s] @ reference.T
+        expected = torch.stack([(0.5 * y_ref).double().square().sum(), y_ref.double().square().sum(),
+                                torch.tensor(5.0, dtype=torch.float64)])
+        [got] = errors.dense["mlp.up_proj"][s]
+        torch.testing.assert_close(got, expected)

@@ -131,13 +131,15 @@ class UnitDispatcher:
         dest_R = place.owner_of(ids_R, unit_R + first_unit)
         # the owner sorts what it receives by (local expert, unit, key): one int64 says it all
         sort_key_R = (place.local_of(ids_R) * U + unit_R) * self.keyspace + key_TK.reshape(-1)
-        order_R = torch.argsort(dest_R, stable=True)
-        x_sent = x_TD.index_select(0, order_R // K)
-        key_sent = sort_key_R.index_select(0, order_R)
         if st.world == 1:
-            y_sent = _run_units(x_sent, key_sent, L, U, self.keyspace, experts)
+            # nothing travels: the copies go into unit order by one gather, and back by the combine
+            order_R = torch.argsort(sort_key_R)
+            y_sent = _units(x_TD.index_select(0, order_R // K), sort_key_R.index_select(0, order_R), L, U,
+                            self.keyspace, experts)
         else:
-            x_recv, key_recv, send_splits, recv_splits = self._send(dest_R, x_sent, key_sent)
+            order_R = torch.argsort(dest_R, stable=True)
+            x_sent = x_TD.index_select(0, order_R // K)
+            x_recv, key_recv, send_splits, recv_splits = self._send(dest_R, x_sent, sort_key_R.index_select(0, order_R))
             y_recv = _run_units(x_recv, key_recv, L, U, self.keyspace, experts)
             y_sent = _all_to_all_rows(y_recv, send_splits, recv_splits, st.dp_group)
             # the rows that stay on this rank cross no wire
@@ -190,9 +192,13 @@ class UnitDispatcher:
 def _run_units(x_R: torch.Tensor, sort_key_R: torch.Tensor, L: int, U: int, keyspace: int, experts) -> torch.Tensor:
     """The rows this rank received, through their units, returned in the order they came."""
     order = torch.argsort(sort_key_R)
-    unit_of_row = sort_key_R.index_select(0, order) // keyspace
-    rows_per_unit_LU = torch.bincount(unit_of_row, minlength=L * U).view(L, U)
-    y_sorted = experts.forward_units(x_R.index_select(0, order), rows_per_unit_LU)
+    y_sorted = _units(x_R.index_select(0, order), sort_key_R.index_select(0, order), L, U, keyspace, experts)
     y_R = torch.empty_like(y_sorted)
     y_R[order] = y_sorted
     return y_R
+
+
+def _units(x_sorted: torch.Tensor, key_sorted: torch.Tensor, L: int, U: int, keyspace: int, experts) -> torch.Tensor:
+    """Rows already in their sort keys' order (local expert, unit, key) through their units."""
+    rows_per_unit_LU = torch.bincount(key_sorted // keyspace, minlength=L * U).view(L, U)
+    return experts.forward_units(x_sorted, rows_per_unit_LU)

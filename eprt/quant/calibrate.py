@@ -13,6 +13,7 @@ the same result at every layout, given bitwise-identical activations.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ def device_of(module: nn.Module) -> torch.device:
 
 class Calibrator:
     """Installs observers on a model for the modules a recipe quantizes; `close()` removes them.
+    The observers of dense modules and of the KV cache may be called from several threads at once.
 
     `targets` are module names (dense Linears and `...experts` modules); `kv` adds the keys and
     values of every attention layer; `all_experts` (--calibrate-all-experts) also takes into each
@@ -73,6 +75,9 @@ class Calibrator:
         self.all_experts = all_experts
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.targets, self.kv = targets, kv
+        # the dense modules and the attention run one sequence per thread, side by side: a max is
+        # the same in any order, but an update in place must not interleave with another
+        self._lock = threading.Lock()
         self._undo = []
         if model is not None:
             self.observe(model)
@@ -98,7 +103,9 @@ class Calibrator:
         def hook(_module, args):
             x = args[0]
             if x.numel():
-                torch.maximum(self.input_amax[name], x.detach().abs().amax().float(), out=self.input_amax[name])
+                amax = abs_amax(x.detach())
+                with self._lock:
+                    torch.maximum(self.input_amax[name], amax, out=self.input_amax[name])
 
         self._undo.append(module.register_forward_pre_hook(hook).remove)
 
@@ -140,8 +147,10 @@ class Calibrator:
         def observer(k, v):
             k_amax, v_amax = self.kv_amax[name]
             if k.numel():
-                torch.maximum(k_amax, k.detach().abs().amax().float(), out=k_amax)
-                torch.maximum(v_amax, v.detach().abs().amax().float(), out=v_amax)
+                k_new, v_new = abs_amax(k.detach()), abs_amax(v.detach())
+                with self._lock:
+                    torch.maximum(k_amax, k_new, out=k_amax)
+                    torch.maximum(v_amax, v_new, out=v_amax)
 
         attn.kv_observer = observer
         self._undo.append(lambda: setattr(attn, "kv_observer", None))

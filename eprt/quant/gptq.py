@@ -25,6 +25,7 @@ exactly representable, and the export writes its codes beside the scales it comp
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -57,6 +58,7 @@ class HessianSum:
         self.amax, self.shift = float(amax), fixed_point_shift(amax, tokens)
         self.scale = 2.0 ** self.shift
         self.total = torch.zeros(dim, dim, dtype=torch.int64, device=device)
+        self._lock = threading.Lock()
 
     def add(self, x: torch.Tensor) -> None:
         """One canonical unit's rows x [n, dim]."""
@@ -66,7 +68,9 @@ class HessianSum:
             raise ValueError(f"a row reaches {x.abs().max().item()}, above the calibrated input amax {self.amax}: "
                              "the Hessian pass saw other inputs than the max pass")
         x = x.double()
-        self.total += torch.round(x.T @ x * self.scale).to(torch.int64)
+        unit = torch.round(x.T @ x * self.scale).to(torch.int64)
+        with self._lock:  # units may come from several threads at once; an int64 sum is the same in any order
+            self.total += unit
 
     def hessian(self) -> torch.Tensor:
         """fp64 [dim, dim]: the sum."""

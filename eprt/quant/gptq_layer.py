@@ -173,7 +173,7 @@ class LayerGPTQ:
             hs = HessianSum(module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens,
                             module.weight.device)
             self.hessians[m] = hs
-            # the dense part runs one sequence at a time: each call is one unit
+            # the dense part runs one sequence a call (calls side by side): each call is one unit
             hook = lambda _m, args, hs=hs: hs.add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
             self._undo.append(module.register_forward_pre_hook(hook).remove)
         for m in self.gptq_experts:

@@ -4,9 +4,10 @@ A rank holds, at its peak, what it held before the run (the process: interpreter
 eprt; measured when the plan is made, so the plan covers it), the hidden states of its own
 sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
 first hidden states are formed, or one decoder layer's weights with one step's buffers (the
-per-sequence activations, the routed copies sent, received, sorted and returned, the experts'
-intermediate rows, the fp32 combine; with --calibrate-all-experts, the larger of those and the
-statistics pass's) and the largest tensor in flight as it is read.
+activations of the sequences whose dense parts run side by side, the routed copies sent,
+received, sorted and returned, the experts' intermediate rows, the fp32 combine; with
+--calibrate-all-experts, the larger of those and the statistics pass's) and the largest tensor
+in flight as it is read.
 
 The quality report (eprt.quant.quality) adds the hidden states of its held-out sequences, twice
 (a reference and a quantized stream); while a layer runs them quantized, a copy of the layer's
@@ -122,6 +123,9 @@ class Planner:
     # layer is a decoder layer's size
     hessians: dict[int, list[tuple[int, int, int, bool]]] | None = None
     device: str = "cpu"
+    # sequences whose dense parts run side by side: on CPU one a worker thread (the engine's
+    # eprt.kernels.cpu_workers, as many as torch's threads)
+    workers: int = 1
 
     @classmethod
     def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
@@ -160,7 +164,8 @@ class Planner:
         if mtp:
             mtp_reads(ck, dtype, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
-        return cls(ck, dtype, reads, embedding, cache, head, hessians, device.type)
+        workers = torch.get_num_threads() if device.type == "cpu" else 1
+        return cls(ck, dtype, reads, embedding, cache, head, hessians, device.type, workers)
 
     def _gptq(self, ep: int) -> tuple[int, int]:
         """(the most a layer's Hessians and one solve hold, GPTQ's codes of every layer at one
@@ -227,9 +232,10 @@ class Planner:
         # kept until the step's exchange returns, per token: the residual and the MLP input, the
         # experts' input per sequence and concatenated
         pending = t * (2 * D + 2 * W) * b
-        # one sequence's attention transients, and of a dense MLP
-        attention = 6 * T * D * b + 2 * c.num_heads * T * T * 4
-        dense_mlp = 3 * T * widest * b
+        # one sequence's attention transients, and of a dense MLP, for each sequence run side by side
+        side_by_side = max(1, min(self.workers, t // T))
+        attention = (6 * T * D * b + 2 * c.num_heads * T * T * 4) * side_by_side
+        dense_mlp = 3 * T * widest * b * side_by_side
         # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
         # activation and outputs; then the returns, gathered and widened to fp32 to combine;
         # with a handful of int64 indices per copy throughout

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -44,14 +45,21 @@ TOP = 5  # modules or experts listed per layer
 
 class ModuleErrors:
     """Sums of squared output error, squared reference output and rows of the quantized stream
-    through one layer: per call of each dense quantized module (the calls come one sequence at a
-    time, in sequence order), and per routed expert and work unit of this rank's experts."""
+    through one layer: per call of each dense quantized module, filed under the sequence it came
+    from (the engine runs the sequences' dense parts side by side, each on one thread, and says
+    which one a thread runs: `enter`), and per routed expert and work unit of this rank's experts."""
 
     def __init__(self, num_units: int):
         self.num_units = num_units
-        self.dense: dict[str, list[torch.Tensor]] = {}  # module -> fp64 [err, ref, rows] per call
+        # module -> local sequence -> fp64 [err, ref, rows] per call, in the sequence's call order
+        self.dense: dict[str, dict[int, list[torch.Tensor]]] = {}
         self.experts: dict[str, tuple[Experts, torch.Tensor]] = {}  # module -> (experts, fp64 [3, count, units])
         self.first_unit = 0  # the global index of the running step's first work unit
+        self.thread = threading.local()  # .sequence: the local sequence this thread runs
+
+    def enter(self, local_sequence: int) -> None:
+        """The calls this thread makes next come from `local_sequence`."""
+        self.thread.sequence = local_sequence
 
 
 def _sums(d_R: torch.Tensor, ref_R: torch.Tensor) -> torch.Tensor:
@@ -79,15 +87,16 @@ def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) ->
             undo.append(_probe_experts(m, module, errors))
             continue
         weight = module.weight.detach().clone()
-        calls = errors.dense.setdefault(m, [])
-        seen = []
+        calls = errors.dense.setdefault(m, {})
+        seen = threading.local()  # the input of the call this thread is in
 
         # registered before fake_quantize's input hook, so it sees the input as the module receives it
         def keep_input(_module, args, seen=seen):
-            seen.append(args[0])
+            seen.x = args[0]
 
         def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
-            calls.append(_sums(*_row_sums(y, linear(seen.pop(), weight, module.bias))))
+            sums = _sums(*_row_sums(y, linear(seen.x, weight, module.bias)))
+            calls.setdefault(errors.thread.sequence, []).append(sums)
 
         undo += [module.register_forward_pre_hook(keep_input).remove, module.register_forward_hook(measure).remove]
     return lambda: [u() for u in undo]
@@ -159,7 +168,7 @@ class QualityReport:
         modules = []  # (name, relative error, token share)
         for name, calls in errors.dense.items():
             # each sequence makes the same calls: [sequences, calls per sequence, 3]
-            per_seq = (torch.stack(calls).view(len(mine), -1, 3).sum(1) if calls
+            per_seq = (torch.stack([torch.stack(calls[li]) for li in local]).sum(1) if calls
                        else torch.zeros(len(mine), 3, device=self.state.device))
             modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
         E = self.ck.config.num_experts
