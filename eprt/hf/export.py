@@ -57,7 +57,7 @@ def produced_ahead(tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BY
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eprt-export")
     try:
         for t in tensors:
-            pending.append((t, pool.submit(t.stored or t.produce)))
+            pending.append((t, pool.submit(_inference, t.stored or t.produce)))
             queued += t.nbytes
             while queued > ahead_bytes:
                 done, result = pending.popleft()
@@ -68,6 +68,13 @@ def produced_ahead(tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BY
             yield done, result.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _inference(produce):
+    """What the producing thread runs: torch's inference mode is a thread's own, and without
+    autograd's bookkeeping the quantizers' many small operations dispatch faster."""
+    with torch.inference_mode():
+        return produce()
 
 
 def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool,
