@@ -141,7 +141,9 @@ def _for_key_chunks(rows: torch.Tensor, denom: torch.Tensor, slots: tuple, body)
 
     def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
         f, keys, *bufs = (t[: b - a] for t in kept)
-        torch.div(_as_blocks(rows[a:b]), denom[a:b], out=_as_blocks(f))
+        # widened into f first, then divided in place: a division of bf16 by fp32 would widen
+        # into a fresh temporary of its own each chunk
+        _as_blocks(f.copy_(rows[a:b])).div_(denom[a:b])
         body(a, b, _quarter_keys(f.mul_(4), keys), f, bufs)
 
     for_chunks(chunks, buffers, chunk, rows.device)
