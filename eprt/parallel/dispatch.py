@@ -128,7 +128,6 @@ class UnitDispatcher:
         K = topk_ids_TK.shape[1]
         ids_R = topk_ids_TK.reshape(-1)
         unit_R = (unit_T - first_unit).repeat_interleave(K)
-        dest_R = place.owner_of(ids_R, unit_R + first_unit)
         # the owner sorts what it receives by (local expert, unit, key): one int64 says it all
         sort_key_R = (place.local_of(ids_R) * U + unit_R) * self.keyspace + key_TK.reshape(-1)
         if st.world == 1:
@@ -137,6 +136,7 @@ class UnitDispatcher:
             y_sent = _units(x_TD.index_select(0, order_R // K), sort_key_R.index_select(0, order_R), L, U,
                             self.keyspace, experts)
         else:
+            dest_R = place.owner_of(ids_R, unit_R + first_unit)
             order_R = torch.argsort(dest_R, stable=True)
             x_sent = x_TD.index_select(0, order_R // K)
             x_recv, key_recv, send_splits, recv_splits = self._send(dest_R, x_sent, sort_key_R.index_select(0, order_R))
