@@ -72,7 +72,8 @@ def e4m3_values(x: torch.Tensor) -> torch.Tensor:
 
 def row_chunks(rows: int, row_len: int, device: torch.device) -> tuple[int, list[tuple[int, int]]]:
     """(rows a chunk holds at most, the chunks [a, b) of `rows` rows of `row_len` elements)."""
-    step = max(1, CHUNK_ELEMENTS // max(1, row_len)) if device.type == "cpu" else max(1, rows)
+    # no more rows than there are: the buffers a chunk is given are sized by it
+    step = max(1, min(rows, CHUNK_ELEMENTS // max(1, row_len))) if device.type == "cpu" else max(1, rows)
     workers = worker_count(device)
     if workers > 1:  # a few chunks a worker, so that none waits long for the last, none so small
         # that handing it to a worker costs more than its work
