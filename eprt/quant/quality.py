@@ -95,7 +95,8 @@ def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) ->
             seen.x = args[0]
 
         def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
-            sums = _sums(*_row_sums(y, linear(seen.x, weight, module.bias)))
+            x, seen.x = seen.x, None  # not held past its call
+            sums = _sums(*_row_sums(y, linear(x, weight, module.bias)))
             calls.setdefault(errors.thread.sequence, []).append(sums)
 
         undo += [module.register_forward_pre_hook(keep_input).remove, module.register_forward_hook(measure).remove]
