@@ -69,9 +69,11 @@ def _sums(d_R: torch.Tensor, ref_R: torch.Tensor) -> torch.Tensor:
 
 
 def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the squared error and the squared reference norm, in fp64."""
-    y, y_ref = y.reshape(-1, y.shape[-1]).double(), y_ref.reshape(-1, y_ref.shape[-1]).double()
-    return (y - y_ref).square().sum(-1), y_ref.square().sum(-1)
+    """Per row: the squared error and the squared reference norm, in fp64 (worked in place on
+    two fp64 copies: fresh temporaries of every step cost more than the arithmetic)."""
+    y = y.reshape(-1, y.shape[-1]).to(torch.float64, copy=True)
+    y_ref = y_ref.reshape(-1, y_ref.shape[-1]).to(torch.float64, copy=True)
+    return y.sub_(y_ref).square_().sum(-1), y_ref.square_().sum(-1)
 
 
 def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) -> Callable[[], None]:
