@@ -19,6 +19,7 @@ from eprt.data import held_out_samples
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.layers import GatedMLP
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
@@ -29,6 +30,7 @@ from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.nvfp4 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
+from eprt.quant.quality import ModuleErrors, probe_layer
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny
@@ -239,9 +241,6 @@ def test_the_sequences_dense_parts_run_in_any_order(ckpts, tmp_path, monkeypatch
 def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
     """Two threads run two sequences through a probed Linear, the second thread's call landing
     while the first is inside its sequence: each call is filed under its own sequence."""
-    from eprt.models.layers import GatedMLP
-    from eprt.quant.quality import ModuleErrors, probe_layer
-
     torch.manual_seed(0)
     mlp = GatedMLP(8, 16)
     for p in mlp.parameters():

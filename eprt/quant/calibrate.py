@@ -97,15 +97,18 @@ class Calibrator:
                 if hasattr(sub, "kv_observer"):
                     self._observe_kv(name, sub)
 
+    def _raise(self, held: torch.Tensor, amax: torch.Tensor) -> None:
+        """held = max(held, amax), in place: from several threads at once, one at a time."""
+        with self._lock:
+            torch.maximum(held, amax, out=held)
+
     def _observe_input(self, name: str, module: nn.Module) -> None:
         self.input_amax.setdefault(name, torch.zeros((), dtype=torch.float32, device=device_of(module)))
 
         def hook(_module, args):
             x = args[0]
             if x.numel():
-                amax = abs_amax(x.detach())
-                with self._lock:
-                    torch.maximum(self.input_amax[name], amax, out=self.input_amax[name])
+                self._raise(self.input_amax[name], abs_amax(x.detach()))
 
         self._undo.append(module.register_forward_pre_hook(hook).remove)
 
@@ -147,10 +150,8 @@ class Calibrator:
         def observer(k, v):
             k_amax, v_amax = self.kv_amax[name]
             if k.numel():
-                k_new, v_new = abs_amax(k.detach()), abs_amax(v.detach())
-                with self._lock:
-                    torch.maximum(k_amax, k_new, out=k_amax)
-                    torch.maximum(v_amax, v_new, out=v_amax)
+                self._raise(k_amax, abs_amax(k.detach()))
+                self._raise(v_amax, abs_amax(v.detach()))
 
         attn.kv_observer = observer
         self._undo.append(lambda: setattr(attn, "kv_observer", None))
