@@ -56,7 +56,7 @@ def test_every_layout_calibrates_the_same_sequences(world, batch):
 
 
 @pytest.mark.parametrize("content,message", [
-    ('{"text": "a"}\nnot json\n', r"c\.jsonl:2: not JSON"),
+    ('{"text": "a"}\nnot json\n', r"c\.jsonl:2: not valid JSON"),
     ('{"txt": "a"}\n', r"c\.jsonl:1: each line needs a string field \"text\""),
 ])
 def test_bad_jsonl_names_the_line(tmp_path, content, message):

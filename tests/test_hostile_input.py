@@ -193,7 +193,7 @@ def test_random_bytes_as_calibration_data_name_the_file_and_what_was_expected(tm
 def test_a_damaged_generation_config_is_named_when_text_is_tokenized(tmp_path):
     shutil.copy(os.path.join(TINY_DIR, "tokenizer.json"), tmp_path)
     (tmp_path / "generation_config.json").write_bytes(b'{"eos_token_id": 0,')
-    with pytest.raises(ConfigError, match=rf"{tmp_path}/generation_config\.json: not UTF-8 JSON"):
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/generation_config\.json: not valid JSON"):
         calibration_samples(None, str(tmp_path), num_samples=2, seq_len=8, vocab_size=512)
 
 

@@ -132,7 +132,10 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
     if not isinstance(mtp, bool):
         raise ConfigError(f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
                           "rules) or false (carry them through unquantized, the default)")
-    return Recipe(str(d.get("name", os.path.basename(source))), tuple(rules), kv, mtp)
+    name = d.get("name", os.path.basename(source))
+    if not isinstance(name, str):
+        raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
+    return Recipe(name, tuple(rules), kv, mtp)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
@@ -140,9 +143,34 @@ def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = 
     path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path")
-    with open(path) as f:
-        try:
-            d = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    return parse_recipe(d, path, kv_cache, algorithm)
+    with open(path, "rb") as f:
+        return parse_recipe(read_yaml(f, path), path, kv_cache, algorithm)
+
+
+class PlainYAMLLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*name` repeats a node without copying it, so a few hundred
+    bytes of nested aliases stand for a structure of billions of entries that anything walking
+    it (a str(), a comparison) would then build. A recipe has no use for them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(f"{self.name}:{event.start_mark.line + 1}: the YAML alias *{event.anchor} is not "
+                              "allowed in a recipe; write the value out")
+        return super().compose_node(parent, index)
+
+
+def read_yaml(stream, path: str):
+    """The YAML document of `stream` (the file `path`), without aliases, refused by name when it
+    is not YAML."""
+    loader = PlainYAMLLoader(stream)
+    loader.name = path
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a recipe (thousands of levels of lists or "
+                          "mappings); write it as a list of {pattern, format} rules") from None
+    finally:
+        loader.dispose()

@@ -38,6 +38,7 @@ from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
 from eprt.layout import TensorSpec
 from eprt.storage import encodings
+from eprt.storage.bounded import read_json_object
 from eprt.storage.paths import check_relative, resolve_inside
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
 
@@ -91,8 +92,9 @@ class TensorMeta:
     scheme: str | None = None  # encoded: the entry of the manifest's `schemes`
     per_row: int | None = None  # encoded stacked experts: source weights per expert row
     components: dict[str, Component] | None = None  # encoded: the source tensors, by local name
-    # stacked experts the source held whole in one tensor of this shape (eprt.layout.TensorSpec.fused):
-    # its Hugging Face name, under which export writes them back
+    # the Hugging Face name the source held this tensor under, where it is not this one, and under
+    # which export writes it back: stacked experts held whole in one tensor of this shape
+    # (eprt.layout.TensorSpec.fused), or a tensor the source spells otherwise (TensorSpec.alias)
     fused_source: str | None = None
 
     @property
@@ -120,11 +122,19 @@ class TensorMeta:
     def from_json(cls, name: str, d: dict) -> "TensorMeta":
         components = None
         if "components" in d:
-            components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], tuple(x["shape"]), tuple(x["source_shape"]),
+            components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], dims(x["shape"]), dims(x["source_shape"]),
                                        parts_from_json(x["parts"])) for c, x in d["components"].items()}
-        return cls(name, SAFETENSORS_DTYPES[d["dtype"]], tuple(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
+        return cls(name, SAFETENSORS_DTYPES[d["dtype"]], dims(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
                    SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components,
                    d.get("fused_source"))
+
+
+def dims(shape: list) -> tuple[int, ...]:
+    """A manifest's shape: a list of sizes, each a non-negative integer (ValueError otherwise: a
+    crafted size would otherwise be allocated by)."""
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"shape {shape!r:.80} is not a list of sizes")
+    return tuple(shape)
 
 
 def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],
@@ -150,11 +160,7 @@ class Checkpoint:
         mpath = os.path.join(path, MANIFEST)
         if not os.path.isfile(mpath):
             raise CheckpointError(f"{path}: no {MANIFEST}; not an eprt checkpoint (convert one with tools/convert_hf.py)")
-        try:
-            with open(mpath) as f:
-                m = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{mpath}: corrupt manifest ({e})") from None
+        m = read_json_object(mpath, "the manifest is corrupt: convert the checkpoint again", CheckpointError)
         older = m.get("version") if m.get("format") == FORMAT else None
         if type(older) is int and 0 < older < VERSION:
             raise CheckpointError(f"{mpath}: format version {older}, written by an older eprt; this eprt reads "
@@ -164,13 +170,13 @@ class Checkpoint:
             raise CheckpointError(f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}; "
                                   f"this eprt reads {FORMAT!r} version {VERSION}")
         self.manifest = m
-        self.family: str = m["family"]
         try:
             self.config = ModelConfig.from_json(m.get("config"), "config")
         except ConfigError as e:
             raise CheckpointError(f"{mpath}: corrupt manifest: {e}; convert the checkpoint again") from None
-        self.source_config: dict = m["source_config"]
         try:
+            self.family: str = m["family"]
+            self.source_config: dict = m["source_config"]
             own = {n: TensorMeta.from_json(n, d) for n, d in m["tensors"].items()}
             for rel in m["files"]:
                 check_relative(rel, f"{mpath} (files)")
@@ -196,6 +202,8 @@ class Checkpoint:
         self._decoders: dict[str, object] = {}
         # threads may read side by side (the export's CPU workers): files and decoders open once
         self._opening = threading.Lock()
+        # each own weight file's pin, taken as it was opened for reading: what a run computed from
+        self.read_pins: dict[str, dict] = {}
 
     @property
     def quantization(self) -> dict | None:
@@ -213,7 +221,9 @@ class Checkpoint:
     def file(self, name: str) -> SafetensorsFile:
         with self._opening:
             if name not in self._files:
-                self._files[name] = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
+                f = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
+                self.read_pins[name] = weight_pin(f.path)
+                self._files[name] = f
             return self._files[name]
 
     def weight_files(self) -> list[str]:
@@ -414,6 +424,16 @@ def weight_pin(path: str) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sampled_sha256": h.hexdigest()}
 
 
+def pin_changes(then: dict, now: dict | None) -> list[str]:
+    """What differs between two pins of one file: size, mtime_ns, sampled_sha256 (all, for a file gone)."""
+    return [k for k in ("size", "mtime_ns", "sampled_sha256") if now is None or now[k] != then.get(k)]
+
+
+def weight_pins(ck: Checkpoint) -> dict[str, dict]:
+    """A pin of each of `ck`'s own weight files, as they are now."""
+    return {f: weight_pin(resolve_inside(ck.path, f, os.path.join(ck.path, MANIFEST))) for f in ck.weight_files()}
+
+
 def manifest_digest(path: str) -> str:
     with open(os.path.join(path, MANIFEST), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -423,10 +443,9 @@ def base_reference(out: str, base: str) -> dict:
     """How a checkpoint written at `out` refers to the checkpoint `base` whose tensors it reuses."""
     base = os.path.realpath(base)
     with Checkpoint(base) as ck:
-        files = ck.weight_files()
+        pins = weight_pins(ck)
     return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base,
-            "manifest_sha256": manifest_digest(base),
-            "weights": {f: weight_pin(resolve_inside(base, f, os.path.join(base, MANIFEST))) for f in files}}
+            "manifest_sha256": manifest_digest(base), "weights": pins}
 
 
 def open_base(path: str, ref: dict) -> Checkpoint:
@@ -457,8 +476,7 @@ def check_weight_pins(path: str, base: Checkpoint, pinned: dict) -> None:
         raise CheckpointError(f"{path}: it pins the weight files {sorted(pinned)} of its base {base.path}, which "
                               f"stores its weights in {base.weight_files()}: calibrate again from the current base")
     for f, pin in pinned.items():
-        now = weight_pin(resolve_inside(base.path, f, os.path.join(base.path, MANIFEST)))
-        changed = [k for k in ("size", "mtime_ns", "sampled_sha256") if now[k] != pin.get(k)]
+        changed = pin_changes(pin, weight_pin(resolve_inside(base.path, f, os.path.join(base.path, MANIFEST))))
         if changed:
             raise CheckpointError(f"{path}: its base's weight file {os.path.join(base.path, f)} changed since "
                                   f"calibration ({', '.join(changed)} differ), so its calibration may not fit the "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt.errors import CheckpointError
+from eprt.storage.bounded import parse_json
 
 # safetensors' dtype codes in headers and manifests ("BF16") -> torch dtypes
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -84,10 +85,8 @@ class SafetensorsFile:
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(self._pread(n, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.path}: corrupt header ({e})") from None
+        header = parse_json(self._pread(n, 8), self.path, "a corrupt header: download the file again",
+                            CheckpointError)
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt header (not a JSON object)")
         metadata = header.pop("__metadata__", None) or {}
@@ -96,8 +95,10 @@ class SafetensorsFile:
         for name, h in header.items():
             try:
                 dtype = SAFETENSORS_DTYPES[h["dtype"]]
-                shape = tuple(int(d) for d in h["shape"])
-                begin, end = (int(x) for x in h["data_offsets"])
+                shape = tuple(h["shape"])
+                begin, end = h["data_offsets"]
+                if not all(type(x) is int and x >= 0 for x in (*shape, begin, end)):
+                    raise ValueError("sizes and offsets are non-negative integers")
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}: {h!r}") from None
             want = dtype.itemsize * math.prod(shape)
