@@ -1,17 +1,25 @@
-# One command each: `make demo` sets up and runs the pipeline on the built-in tiny model;
-# `make test` sets up and runs the test suite. TORCH pins the CPU build this machine has on
-# disk; on a GPU machine install torch first and pass TORCH=torch.
-PYTHON ?= python3
+# One command each, on a fresh machine: `make demo` sets up and runs the pipeline on the built-in
+# tiny model; `make test` sets up and runs the test suite. Both install into a venv of their own
+# (.venv, made from BASE_PYTHON on first use), so nothing the machine already has is relied on;
+# PYTHON=... installs into another interpreter instead. TORCH pins the CPU build this machine has
+# on disk; on a GPU machine install torch first and pass TORCH=torch.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO ?= demo
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup setup-test demo test gpu-check gpu-wheels
+.PHONY: venv setup setup-test demo test gpu-check gpu-wheels
 
-setup:
+# the venv, made only where PYTHON is its interpreter and it does not exist yet
+venv:
+	@if [ "$(PYTHON)" = "$(VENV)/bin/python" ] && [ ! -x "$(PYTHON)" ]; then $(BASE_PYTHON) -m venv $(VENV); fi
+
+setup: venv
 	$(PIP) "$(TORCH)" -e .
 
-setup-test:
+setup-test: venv
 	$(PIP) "$(TORCH)" -e ".[test]"
 
 # The whole pipeline on the built-in tiny Qwen3-MoE: make it, convert it, calibrate it on 2
@@ -19,7 +27,7 @@ setup-test:
 demo: setup
 	$(PYTHON) tools/make_tiny.py qwen3_moe $(DEMO)/hf --overwrite
 	$(PYTHON) tools/convert_hf.py $(DEMO)/hf $(DEMO)/ckpt --overwrite
-	$(PYTHON) -m torch.distributed.run --nproc-per-node 2 tools/ptq.py $(DEMO)/ckpt --recipe nvfp4 \
+	$(PYTHON) tools/ptq.py --nproc-per-node 2 $(DEMO)/ckpt --recipe nvfp4 \
 		--kv-cache fp8 --calib-size 16 --seq-len 128 --preview --out $(DEMO)/ptq --overwrite
 	$(PYTHON) tools/export_hf.py $(DEMO)/ptq $(DEMO)/export --overwrite
 	$(PYTHON) tools/check_export.py $(DEMO)/export
@@ -29,12 +37,13 @@ test: setup-test
 
 # The prepared GPU check (docs/gpu-check.md): CUDA tests and GPU benchmarks in under 8 minutes,
 # figures in $$OUT/gpu-check.json (else ./gpu-check.json). Installs eprt and the wheels of
-# wheels/ it needs into $(PYTHON) itself, without network. Without CUDA: the parts a CPU can run.
+# wheels/ it needs into BASE_PYTHON itself (the GPU machine's torch), without network. Without
+# CUDA: the parts a CPU can run.
 gpu-check:
-	$(PYTHON) bench/gpu_check.py
+	$(BASE_PYTHON) bench/gpu_check.py
 
 # On a networked machine: fill wheels/ with what the GPU machine lacks (CPython 3.12, x86-64).
 gpu-wheels:
-	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	$(BASE_PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels -r bench/gpu_wheels.txt

@@ -41,8 +41,10 @@ setup(
             "pytest-timeout",
             "transformers>=5.0",
             "compressed-tensors>=0.20",
-            # ModelOpt's own export is the oracle for the quantized export's bytes
+            # ModelOpt's own export is the oracle for the quantized export's bytes; its import needs
+            # requests, which it does not declare
             "nvidia-modelopt==0.47.0",
+            "requests",
             "triton>=3.0",
             # mlx-lm's kimi_k3 is the outside implementation Kimi-K3's logits are checked against
             "mlx[cpu]>=0.32",

@@ -346,6 +346,7 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true", help="the CPU mode even where CUDA is there")
     a = p.parse_args()
     json_path = os.path.abspath(a.json or os.path.join(os.environ.get("OUT") or ".", "gpu-check.json"))
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
 
     start = time.monotonic()
     facts = probe(child_env(cuda=not a.cpu))

@@ -1,7 +1,9 @@
-"""What every command-line tool shares: refusals print as one clear line and exit 2.
+"""What every command-line tool shares: logging set up once, and refusals as one clear line, exit 2.
 
 In a multi-rank run every rank prints its own line, saying which rank speaks. A process alone
 prints the refusal itself, not the fail-together report around it ("rank 0 failed while ...").
+A rank started by a launcher also files its line where the launcher reads it
+(TORCHELASTIC_ERROR_FILE), so the launcher can end with the cause (eprt.commands.launch).
 
 A file system that refuses a write (read-only, full, over quota, not permitted) is the user's
 to fix, not a bug: it prints as one line naming the path. Any other OSError keeps its traceback.
@@ -10,11 +12,14 @@ to fix, not a bug: it prints as one line naming the path. Any other OSError keep
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
+import time
 from typing import Callable, TypeVar
 
 from eprt.errors import EprtError
+from eprt.progress import configure_logging
 
 T = TypeVar("T")
 
@@ -31,6 +36,7 @@ USER_OS_ERRORS = {
 
 def run(main: Callable[[], T]) -> T:
     """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line."""
+    configure_logging()
     try:
         return main()
     except EprtError as e:
@@ -41,8 +47,12 @@ def run(main: Callable[[], T]) -> T:
         refuse(user_os_error(e) or str(e))
     except OSError as e:
         if not user_os_error(e):
+            file_verdict(f"{type(e).__name__}: {e} (a bug in eprt; its traceback is above)")
             raise
         refuse(user_os_error(e))
+    except Exception as e:  # a bug: its traceback stays, and a launcher learns its one line
+        file_verdict(f"{type(e).__name__}: {e} (a bug in eprt; its traceback is above)")
+        raise
 
 
 def user_os_error(e: BaseException | None) -> str | None:
@@ -55,7 +65,22 @@ def user_os_error(e: BaseException | None) -> str | None:
 
 def refuse(message: str) -> None:
     print(f"error{_speaker()}: {message}", file=sys.stderr)
+    file_verdict(message)
     sys.exit(2)
+
+
+def file_verdict(message: str) -> None:
+    """Leave this rank's one-line verdict where the launcher that started it reads it: torch's error
+    file (its `message` and `timestamp`), with the time to the microsecond to tell the first failure."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(now), "eprt_time": now}, f)
+    except OSError:  # the verdict is also on stderr; a launcher without it says how the rank ended
+        pass
 
 
 def _speaker() -> str:

@@ -19,12 +19,23 @@ def bar(total: float, desc: str, *, unit: str = "it", enabled: bool = True, **kw
                 file=sys.stderr, dynamic_ncols=True, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000, **kw)
 
 
-def logger(name: str = "eprt") -> logging.Logger:
-    log = logging.getLogger(name)
-    if not log.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter(f"[eprt rank {rank()}] %(message)s"))
-        log.addHandler(h)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
+def logger() -> logging.Logger:
+    """eprt's logger, as the process has configured it: a library that configured it on first use
+    would let whichever caller came first decide (configure_logging is the commands')."""
+    return logging.getLogger("eprt")
+
+
+class RankHandler(logging.StreamHandler):
+    """eprt's lines on stderr, each saying which rank speaks."""
+
+
+def configure_logging() -> None:
+    """Once, by the command that runs: INFO and up on stderr as `[eprt rank R] message`. Again in one
+    process (commands run in-process), the handler is replaced, not added: one line per record."""
+    log = logging.getLogger("eprt")
+    for h in [h for h in log.handlers if isinstance(h, RankHandler)]:
+        log.removeHandler(h)
+    h = RankHandler(sys.stderr)
+    h.setFormatter(logging.Formatter(f"[eprt rank {rank()}] %(message)s"))
+    log.addHandler(h)
+    log.setLevel(logging.INFO)

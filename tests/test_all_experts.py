@@ -115,12 +115,9 @@ def calibration_state(path: str) -> dict[str, torch.Tensor]:
 
 
 def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, caplog):
-    log = logging.getLogger("eprt")  # eprt's logger does not propagate: caplog listens on it directly
-    log.addHandler(caplog.handler)
-    try:
+    with caplog.at_level(logging.INFO, logger="eprt"):
         run_ptq(ParallelState.single("cpu"), args(ckpt, str(tmp_path / "w1-ep1")))
-    finally:
-        log.removeHandler(caplog.handler)
+    coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
     run_ptq(ParallelState.single("cpu"), args(ckpt, str(tmp_path / "chunk1"), chunk_size=1))
     run_world(_calibrate, 2, ckpt, str(tmp_path), 2, free_port(), timeout=200)
     run_world(_calibrate, 2, ckpt, str(tmp_path), 1, free_port(), timeout=200)
@@ -137,7 +134,6 @@ def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, 
         assert ck.quantization["calibration"]["all_experts"] is True
     amax = [t for n, t in state.items() if n.endswith("_input_amax")]
     assert amax and all((t > 0).all() for t in amax)
-    coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
     assert len(coverage) == len(amax) // 2
     assert all(f"tokens per expert min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
 
@@ -164,12 +160,9 @@ def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, mo
     monkeypatch.setattr(LayerEngine, "_run_step", run_step)
     with pytest.raises(Exception, match="other arguments"):
         run_ptq(single, args(ck, out, resume=True, calibrate_all_experts=False))
-    log = logging.getLogger("eprt")
-    log.addHandler(caplog.handler)
-    try:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eprt"):
         assert run_ptq(single, args(ck, out, resume=True))["resumed_after"] == 1
-    finally:
-        log.removeHandler(caplog.handler)
     coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
     assert len(coverage) == 2 and all(f"min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
     assert same_files(export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),

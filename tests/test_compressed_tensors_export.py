@@ -24,19 +24,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-from transformers.utils.quantization_config import CompressedTensorsConfig
 
-from eprt.hf.convert import convert_hf
-from eprt.errors import ConfigError
-from eprt.hf.check_export import check_export
-from eprt.hf.export import export_hf
-from eprt.parallel import ParallelState
-from eprt.quant.fp8 import dequantize_fp8
-from eprt.quant.nvfp4 import dequantize_nvfp4
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.testing.tiny import make_tiny
-from tests.hf_utils import raw, read_hf_tensors
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
+
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.errors import ConfigError  # noqa: E402
+from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.fp8 import dequantize_fp8  # noqa: E402
+from eprt.quant.nvfp4 import dequantize_nvfp4  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe"]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key

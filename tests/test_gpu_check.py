@@ -16,10 +16,12 @@ CPU_PARTS = {"kernel_tests_interpreted", "cpu_export", "gemm_bench", "ptq_bench"
 
 
 def gpu_check(tmp_path, *args):
-    """The script as the Makefile runs it, with $OUT set as on the GPU machine."""
+    """The script as the Makefile runs it, with $OUT set as on the GPU machine, to a folder that does
+    not exist yet (the script makes it)."""
+    out = tmp_path / "out" / "gpu"
     r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)})
-    return r, json.load(open(tmp_path / "gpu-check.json"))
+                       text=True, timeout=600, env={**os.environ, "OUT": str(out)})
+    return r, json.load(open(out / "gpu-check.json"))
 
 
 def test_cpu_mode_runs_what_a_cpu_can_and_names_the_rest(tmp_path):

@@ -5,6 +5,7 @@ tree's own code writes."""
 import hashlib
 import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -27,7 +28,8 @@ def files_digest(d: str) -> dict[str, str]:
 
 def installed_venv(tmp_path) -> str:
     """A venv holding eprt from a wheel built from setup.py and eprt/ alone; torch and the rest come
-    from the system site-packages (whose eprt, an editable install, must not be the one imported)."""
+    from the site-packages of the interpreter running the tests (a venv's, when pytest runs in one),
+    whose eprt, an editable install, must not be the one imported."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(os.path.join(ROOT, "setup.py"), src)
@@ -37,8 +39,16 @@ def installed_venv(tmp_path) -> str:
                     "-w", str(tmp_path / "wheels"), str(src)], check=True, env=env, cwd=tmp_path)
     (wheel,) = (tmp_path / "wheels").iterdir()
     venv = str(tmp_path / "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "--python", os.path.join(venv, "bin", "python"), "install",
+    python = os.path.join(venv, "bin", "python")
+    # --system-site-packages would show the base interpreter's packages, not those of the venv pytest
+    # may run in; a .pth listing this interpreter's site-packages shows exactly its own. Listed as
+    # plain paths, their own .pth hooks (the editable eprt's among them) do not run in the new venv.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(purelib, "tested-interpreter.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install",
                     "--quiet", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True, env=env)
     return venv
 
@@ -68,10 +78,9 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     assert where.startswith(os.path.join(venv, "lib")), where
     assert sh("eprt-make-tiny", "qwen3_moe", "hf").stdout.strip() == "hf"
     sh("eprt-convert", "hf", "ck", "--no-progress")
-    # the form the README gives for torchrun, world 2; and torchrun's -m, world 1
+    # the README's form, two local ranks; and torchrun's -m, world 1
+    sh("eprt-ptq", "--nproc-per-node", "2", "ck", *PTQ, "--out", "q")
     torchrun = [python, "-m", "torch.distributed.run"]
-    sh(*torchrun, "--nproc-per-node", "2", f"--master-port={free_port()}", shutil.which("eprt-ptq", path=env["PATH"]),
-       "ck", *PTQ, "--out", "q")
     dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.ptq", "ck",
              "--dry-run")
     assert "world 1 = edp 1 x ep 1" in dry.stdout

@@ -19,7 +19,11 @@ from eprt.kernels.grouped_gemm import grouped_mm_loop, grouped_mm_torch
 from eprt.kernels.permute import combine_torch, permute_torch
 from eprt.models.layers import linear, silu_mul
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+@pytest.fixture
+def triton():
+    """The Triton kernels' tests skip, as every test of an optional package does, where it is not installed."""
+    return pytest.importorskip("triton")
 
 # The Triton tests run the real kernels where there is a GPU and the interpreter elsewhere.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,10 +75,9 @@ def test_fallback_matches_loop(case, dtype):
     torch.testing.assert_close(y.float(), grouped_mm_loop(x, w, offsets).float(), **TOL[dtype])
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", GMM_CASES)
-def test_triton_matches_fallback_and_loop(case, dtype):
+def test_triton_matches_fallback_and_loop(triton, case, dtype):
     x, w, offsets = _problem(*GMM_CASES[case], dtype, device=TRITON_DEVICE)
     y = _grouped_mm_triton(x, w, offsets)
     assert y.dtype == dtype and y.shape == (x.shape[0], w.shape[1])
@@ -83,8 +86,7 @@ def test_triton_matches_fallback_and_loop(case, dtype):
     torch.testing.assert_close(y.cpu().float(), on_cpu.float(), **TOL[dtype])
 
 
-@needs_triton
-def test_triton_small_blocks_match_loop():
+def test_triton_small_blocks_match_loop(triton):
     """Many tiles per expert and many K steps, with every edge ragged."""
     x, w, offsets = _problem([37, 0, 1, 50], 45, 83, torch.float32, device=TRITON_DEVICE)
     y = _grouped_mm_triton(x, w, offsets, block_m=16, block_n=16, block_k=16)
@@ -151,15 +153,13 @@ def test_grouped_mm_dispatches_cpu_to_the_invariant_fallback():
 INTERPRETED = TRITON_DEVICE == "cpu"
 
 
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("N,K", [(40, 72), (7, 5)])
-def test_triton_batch_invariant(N, K, dtype):
+def test_triton_batch_invariant(triton, N, K, dtype):
     _assert_batch_invariant(_grouped_mm_triton, N, K, dtype, device=TRITON_DEVICE, integers=INTERPRETED)
 
 
-@needs_triton
-def test_triton_batch_invariant_small_blocks():
+def test_triton_batch_invariant_small_blocks(triton):
     def small_blocks(x, w, offsets):
         return _grouped_mm_triton(x, w, offsets, block_m=16, block_n=16, block_k=16)
 

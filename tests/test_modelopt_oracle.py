@@ -24,18 +24,22 @@ from pathlib import Path
 import pytest
 import torch
 
-import modelopt.torch.quantization as mtq
-from modelopt.torch.export import export_hf_checkpoint
-from modelopt.torch.quantization.utils.core_utils import update_quant_cfg_with_kv_cache_quant
-from transformers import AutoModelForCausalLM
+pytest.importorskip("modelopt")
 
-from eprt.data import calibration_samples
-from eprt.hf.convert import convert_hf
-from eprt.hf.export import export_hf
-from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.testing.tiny import make_tiny
-from tests.hf_utils import read_hf_tensors
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+import modelopt.torch.quantization as mtq  # noqa: E402
+from modelopt.torch.export import export_hf_checkpoint  # noqa: E402
+from modelopt.torch.quantization.utils.core_utils import update_quant_cfg_with_kv_cache_quant  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from eprt.data import calibration_samples  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
+from tests.hf_utils import read_hf_tensors  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
 def experts_nvfp4_attention_fp8() -> dict:

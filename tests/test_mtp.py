@@ -9,17 +9,20 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from eprt.hf.convert import convert_hf
-from eprt.models.deepseek_v3 import load_mtp
-from eprt.models.loader import load_model
-from eprt.models.rope import Rotary
-from eprt.parallel import ParallelState
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Schedule
-from eprt.storage.checkpoint import Checkpoint
-from eprt.testing.tiny import make_tiny
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.models.deepseek_v3 import load_mtp  # noqa: E402
+from eprt.models.loader import load_model  # noqa: E402
+from eprt.models.rope import Rotary  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.calibrate import Calibrator  # noqa: E402
+from eprt.quant.engine import LayerEngine, Schedule  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 
 LAYERS = 3  # the tiny DeepSeek-V3's decoder layers: its MTP layer is model.layers.3
 

@@ -4,20 +4,23 @@ gated delta rule against its recurrence; the config fields in both transformers 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+from transformers import (AutoConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,  # noqa: E402
                           Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
-import eprt
-from eprt.config import ModelConfig
-from eprt.errors import CheckpointError, ConfigError
-from eprt.families import parse_hf_config, reader_for
-from eprt.hf.convert import convert_hf
-from eprt.hf.export import export_hf
-from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule
-from eprt.models.kda import chunk_size, l2norm
-from eprt.models.registry import model_class
-from eprt.testing.tiny import make_tiny, tiny_config
-from tests.hf_utils import raw, read_hf_tensors
+import eprt  # noqa: E402
+from eprt.config import ModelConfig  # noqa: E402
+from eprt.errors import CheckpointError, ConfigError  # noqa: E402
+from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule  # noqa: E402
+from eprt.models.kda import chunk_size, l2norm  # noqa: E402
+from eprt.models.registry import model_class  # noqa: E402
+from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
 VOCAB = 96
 

@@ -1,8 +1,8 @@
 """Post-training quantization of an eprt checkpoint, expert parallel over the ranks of a run.
 
-    torchrun --nproc-per-node N $(which eprt-ptq) CKPT --recipe nvfp4 --out OUT [--ep E] [--kv-cache fp8]
-    torchrun --nproc-per-node N -m eprt.commands.ptq CKPT --ep E --dry-run    (or tools/ptq.py)
-    eprt-ptq CKPT --dry-run                                                   # a world of one
+    eprt-ptq --nproc-per-node N CKPT --recipe nvfp4 --out OUT [--ep E] [--kv-cache fp8]   # N local ranks
+    eprt-ptq CKPT --dry-run                                                              # a world of one
+    torchrun --nnodes M --nproc-per-node N ... $(which eprt-ptq) CKPT ...                # several nodes
 
 The world factors as edp x ep: the ranks of an ep group hold one share of the routed experts
 each and exchange tokens; ep defaults to the world size. --dry-run prints the layout, each
@@ -11,11 +11,13 @@ reading a weight, and exits.
 """
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
 
 from eprt.cli import run
+from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
@@ -26,9 +28,11 @@ from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS
 from eprt.quant.recipe import ALGORITHMS
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", help="the eprt checkpoint to quantize (eprt-convert writes one)")
+    ap.add_argument("--nproc-per-node", type=int, metavar="N",
+                    help="start N ranks on this machine and run on them (one machine; several nodes use torchrun)")
     ap.add_argument("--recipe", help="a recipe of eprt/configs/ptq (fp8, nvfp4, nvfp4_experts_only) or a YAML path")
     ap.add_argument("--out", help="where to write the quantized eprt checkpoint")
     ap.add_argument("--ep", type=int, help="expert-parallel degree; divides the world size and the routed "
@@ -66,14 +70,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the layout, each rank's weight bytes and planned "
                                                            "peak memory, and exit")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
-def ptq() -> None:
-    """Join the run, read the checkpoint's manifest on every rank, then the dry run or calibration."""
-    a = parse_args()
+def ptq() -> int:
+    """Start the local ranks (--nproc-per-node), or join the run, read the checkpoint's manifest
+    on every rank, then the dry run or calibration."""
+    argv = sys.argv[1:]
+    a = parse_args(argv)
     if not a.dry_run and not (a.recipe and a.out):
         raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
+    if a.nproc_per_node is not None:
+        return launch("eprt.commands.ptq", without_nproc(argv), a.nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state:
         ck = open_checkpoint(a.ckpt, state)
         args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
@@ -87,8 +95,22 @@ def ptq() -> None:
             recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
             dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp),
                     gptq=bool(recipe and ALGORITHM in recipe.algorithms))
-            return
+            return 0
         run_ptq(state, args)
+    return 0
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line each rank runs: the same, less --nproc-per-node and its value."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
 
 
 # --- dry run ---------------------------------------------------------------------------------
@@ -171,9 +193,13 @@ def group(ranks) -> str:
 size = format_bytes
 
 
-def main() -> None:
-    run(ptq)
+def main() -> int:
+    try:
+        return run(ptq)
+    except Stopped as e:  # the ranks stop on their own signal, each removing its partial output
+        print(f"error: stopped by {e}; every rank was stopped and no output was written", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
