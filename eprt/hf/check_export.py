@@ -16,6 +16,7 @@ not be matched by any engine's reading (broad reading, substrings included).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -27,11 +28,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eprt.errors import EprtError
+from eprt.errors import CheckpointError, EprtError
+from eprt.families import read_hf_config
+from eprt.hf import compressed_tensors_export as ct
+from eprt.hf import modelopt_layout as modelopt
 from eprt.hf.check_names import (COMPANIONS, KV_COMPANIONS, check_names, source_names_from_config,
                                   source_names_from_dir)
 from eprt.hf.check_quant_config import MIXED, NVFP4_GROUP, QUANTIZED_DTYPE, check_configs, quantized_layers
+from eprt.hf.check_scale_range import Scale, check_kv, check_linear
+from eprt.hf.check_shapes import check_shapes, source_specs
+from eprt.storage.encodings import without_quantization
 from eprt.storage.hf_files import CONFIG, INDEX, QUALITY, QUANT_CONFIG, SINGLE
+from eprt.storage.paths import resolve_inside
 
 ALGO_OF_DTYPE = {v: k for k, v in QUANTIZED_DTYPE.items()}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -60,6 +68,7 @@ class _Tensor:
     shape: tuple[int, ...]
     value: float | None = None  # one-element scales: the value
     bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
+    block_range: tuple[float, float] | None = None  # block-scale grids: the smallest and largest valid scale
 
 
 def check_export(out_dir, source_dir=None) -> list[str]:
@@ -78,8 +87,12 @@ def check_export(out_dir, source_dir=None) -> list[str]:
     if is_compressed_tensors(config):
         from eprt.hf.check_compressed_tensors import check_compressed_tensors
 
-        check_compressed_tensors(config, _read_tensors(out, problems), _source_names(config, source_dir, problems),
-                                 problems)
+        tensors = _read_tensors(out, problems)
+        check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems)
+        formats = _ct_formats(tensors)
+        _check_ct_scale_range(tensors, formats, problems)
+        _check_shapes(config, source_dir, tensors,
+                      {m: functools.partial(ct.companions, f) for m, f in formats.items()}, problems)
         return problems
     hf_quant = _read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = check_configs(config, hf_quant, problems)
@@ -92,12 +105,67 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         source = _source_names(config, source_dir, problems)
         check_names(tensors, {m: COMPANIONS[a] for m, a in modules.algo_of.items()}, KV_COMPANIONS if kv_algo else (),
                     source, problems)
+        _check_shapes(config, source_dir, tensors,
+                      {m: functools.partial(modelopt.companions, a.lower()) for m, a in modules.algo_of.items()},
+                      problems)
     return problems
+
+
+def _check_shapes(config: dict | None, source_dir, tensors: dict[str, _Tensor], companions: dict,
+                  problems: list[str]) -> None:
+    """Every tensor's shape against the export's config.json, which the engines build the model
+    from, and, where it says otherwise, against the source's."""
+    specs = source_specs(config)
+    if specs is not None:
+        check_shapes(tensors, companions, specs, CONFIG, problems)
+    if source_dir is None:
+        return
+    try:
+        source_config = read_hf_config(source_dir)
+    except EprtError:
+        return  # said by the name check's --source line
+    if specs is None or without_quantization(source_config) != without_quantization(config):
+        source_specs_ = source_specs(source_config)
+        if source_specs_ is not None:
+            check_shapes(tensors, companions, source_specs_, str(Path(source_dir, CONFIG)), problems)
 
 
 def is_compressed_tensors(config: dict | None) -> bool:
     return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict) \
         and config["quantization_config"].get("quant_method") == "compressed-tensors"
+
+
+def _ct_formats(tensors: dict[str, _Tensor]) -> dict[str, str]:
+    """Each quantized Linear of a compressed-tensors export -> its eprt format, as its tensors say."""
+    formats = {}
+    for name, t in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            formats[module] = "nvfp4"
+        elif leaf == "weight" and t.dtype == "F8_E4M3":
+            formats[module] = "fp8"
+    return formats
+
+
+def _check_ct_scale_range(tensors: dict[str, _Tensor], formats: dict[str, str], problems: list[str]) -> None:
+    """The range checks of eprt.hf.check_scale_range on a compressed-tensors export: its NVFP4 global
+    scales stand for their reciprocals. A scale missing, misshapen or not finite and positive is
+    check_compressed_tensors' to name."""
+    def scale(name: str, reciprocal: bool = False) -> Scale | None:
+        t = tensors.get(name)
+        ok = t is not None and t.dtype == "F32" and t.value is not None and math.isfinite(t.value) and t.value > 0
+        return Scale(name, t.value, reciprocal) if ok else None
+
+    for module, fmt in sorted(formats.items()):
+        if fmt == "nvfp4":
+            grid = tensors.get(f"{module}.weight_scale")
+            check_linear(module, fmt, scale(f"{module}.weight_global_scale", True),
+                         scale(f"{module}.input_global_scale", True), grid.block_range if grid else None, problems)
+        else:
+            check_linear(module, fmt, scale(f"{module}.weight_scale"), scale(f"{module}.input_scale"), None, problems)
+    for name in sorted(tensors):
+        if name.rpartition(".")[2] in KV_SCALES and (kv := scale(name)) is not None:
+            check_kv(kv, problems)
 
 
 def _source_names(config: dict | None, source_dir, problems: list[str]):
@@ -114,6 +182,8 @@ def _source_names(config: dict | None, source_dir, problems: list[str]):
 def _read_json(path: Path, problems: list[str]) -> dict | None:
     if not path.exists():
         problems.append(f"{path.name}: missing")
+        return None
+    if not _inside(path.parent, path.name, path.name, problems):
         return None
     try:
         data = json.loads(path.read_text())
@@ -136,12 +206,13 @@ def _read_tensors(out: Path, problems: list[str]) -> dict[str, _Tensor]:
         if not isinstance(weight_map, dict):
             problems.append(f"{INDEX}: no weight_map object")
             return {}
-        shards = sorted(set(weight_map.values()))
+        shards = _indexed_shards(out, weight_map, problems)
+        named = {s for s in weight_map.values() if isinstance(s, str)}
         for name in on_disk:
-            if name not in shards:
+            if name not in named:
                 problems.append(f"{name}: shard not named in {INDEX} weight_map; engines load only indexed shards")
     elif (out / SINGLE).exists():
-        shards = [SINGLE]
+        shards = [SINGLE] if _inside(out, SINGLE, SINGLE, problems) else []
         for name in on_disk:
             if name != SINGLE:
                 problems.append(f"{name}: shard beside {SINGLE} without {INDEX}")
@@ -164,15 +235,36 @@ def _read_tensors(out: Path, problems: list[str]) -> dict[str, _Tensor]:
         if weight_map is not None:
             for name in names:
                 mapped = weight_map.get(name)
-                if mapped is None:
+                if name not in weight_map:
                     problems.append(f"{name}: in {shard} but not in {INDEX} weight_map")
-                elif mapped != shard:
+                elif isinstance(mapped, str) and mapped != shard:  # not a file name: said above
                     problems.append(f"{name}: in {shard} but {INDEX} weight_map says {mapped}")
     if weight_map is not None:
         for name, shard in sorted(weight_map.items()):
             if name not in tensors and shard in read:
                 problems.append(f"{name}: in {INDEX} weight_map but not in {shard}")
     return tensors
+
+
+def _indexed_shards(out: Path, weight_map: dict, problems: list[str]) -> list[str]:
+    """The shards the index names that an engine would read from inside the export: a name that is
+    not a file name, or one that leaves the directory (`../x`, a link out), is refused and not read."""
+    named = set()
+    for name, shard in sorted(weight_map.items()):
+        if isinstance(shard, str):
+            named.add(shard)
+        else:
+            problems.append(f"{INDEX}: weight_map maps {name} to {shard!r}, not a shard's file name")
+    return [s for s in sorted(named) if _inside(out, s, INDEX, problems)]
+
+
+def _inside(out: Path, rel: str, where: str, problems: list[str]) -> bool:
+    try:
+        resolve_inside(str(out), rel, where)
+    except CheckpointError as e:
+        problems.append(str(e))
+        return False
+    return True
 
 
 def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) -> list[str]:
@@ -191,7 +283,12 @@ def _read_shard(path: Path, tensors: dict[str, _Tensor], problems: list[str]) ->
                 elif t.dtype == "F8_E4M3":
                     raw = f.get_tensor(name).view(torch.uint8)
                     # 0x00/0x80 are zeros, 0x7F/0xFF NaN, and 0x80 upwards negative.
-                    t.bad_block_scales = int(((raw == 0) | (raw >= 0x7F)).sum())
+                    bad = (raw == 0) | (raw >= 0x7F)
+                    t.bad_block_scales = int(bad.sum())
+                    valid = raw[~bad] if t.bad_block_scales else raw
+                    if valid.numel():  # positive E4M3 codes order as their values
+                        codes = torch.stack([valid.min(), valid.max()]).view(torch.float8_e4m3fn).float()
+                        t.block_range = (codes[0].item(), codes[1].item())
             tensors[name] = t
     return names
 
@@ -255,8 +352,10 @@ class _Modules:
     def _check_scales(self, module: str) -> None:
         weight = self.tensors[f"{module}.weight"]
         algo = self.algo_of[module]
-        for leaf in PER_TENSOR_SCALES[algo]:
-            self._check_per_tensor(f"{module}.{leaf}")
+        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") for leaf in PER_TENSOR_SCALES[algo])
+        grid = self.tensors.get(f"{module}.weight_scale") if algo == "NVFP4" else None
+        check_linear(module, algo.lower(), weight_scale, input_scale, grid.block_range if grid else None,
+                     self.problems)
         if algo == "NVFP4":
             out, packed = weight.shape
             name = f"{module}.weight_scale"
@@ -277,12 +376,13 @@ class _Modules:
         elif f"{module}.weight_scale_2" in self.tensors:
             self.problems.append(f"{module}.weight_scale_2: not part of an FP8 export")
 
-    def _check_per_tensor(self, name: str) -> None:
+    def _per_tensor(self, name: str) -> Scale | None:
+        """The per-tensor scale `name`, or None when it is missing or refused (said in problems)."""
         t = self.tensors.get(name)
         if t is None:
             self.problems.append(f"{name}: missing (quantized module {name.rpartition('.')[0]})")
-        else:
-            _check_scalar_scale(name, t, self.problems)
+            return None
+        return _scalar_scale(name, t, self.problems)
 
     def _check_stray_scales(self) -> None:
         for name in sorted(self.tensors):
@@ -492,13 +592,17 @@ def _check_kv_scales(tensors: dict[str, _Tensor], kv_algo: str | None, exclude: 
             t = tensors.get(name)
             if t is None:
                 problems.append(f"{name}: missing; kv_cache_quant_algo is FP8")
-            else:
-                _check_scalar_scale(name, t, problems)
+            elif (scale := _scalar_scale(name, t, problems)) is not None:
+                check_kv(scale, problems)
 
 
-def _check_scalar_scale(name: str, t: _Tensor, problems: list[str]) -> None:
-    """A per-tensor scale: 0-dim fp32, finite and positive (engines divide by it and invert it)."""
+def _scalar_scale(name: str, t: _Tensor, problems: list[str]) -> Scale | None:
+    """A per-tensor scale: 0-dim fp32, finite and positive (engines divide by it and invert it);
+    None, said in problems, when it is not."""
     if t.dtype != "F32" or t.shape != ():
         problems.append(f"{name}: {t.dtype} {list(t.shape)}, expected a 0-dim F32 scale")
     elif not (math.isfinite(t.value) and t.value > 0):
         problems.append(f"{name}: {t.value}, a scale must be finite and positive")
+    else:
+        return Scale(name, t.value)
+    return None

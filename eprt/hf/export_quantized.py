@@ -19,6 +19,7 @@ from eprt import __version__
 from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
+from eprt.hf import modelopt_layout as modelopt
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
@@ -140,15 +141,8 @@ class QuantizedExport:
             return [OutTensor(f"{module}.{k}", dtype, shape,
                               lambda w=t.name, k=k, f=fmt: ct.from_modelopt(f, self.quantize(w))[k])
                     for k, (dtype, shape) in ct.companions(fmt, out_dim, in_dim).items()]
-        if fmt == "fp8":
-            shapes = {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
-                      "input_scale": (torch.float32, ())}
-        else:
-            shapes = {"weight": (torch.uint8, (out_dim, in_dim // 2)),
-                      "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
-                      "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
         return [OutTensor(f"{module}.{k}", dtype, shape, lambda w=t.name, k=k: self.quantize(w)[k])
-                for k, (dtype, shape) in shapes.items()]
+                for k, (dtype, shape) in modelopt.companions(fmt, out_dim, in_dim).items()]
 
     def is_quantized(self, hf_name: str) -> bool:
         return hf_name in self.experts or (hf_name.endswith(".weight") and hf_name[: -len(".weight")] in self.quantized)
