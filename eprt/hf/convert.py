@@ -360,16 +360,35 @@ EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.in
                  torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
-def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
-    """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it
-    here. One pass over the bits in numpy (single-threaded, vectorized): torch's parallel
-    reductions stall when the cores are busy, and this check must stay cheap next to a copy."""
+def holds_non_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds a NaN or an infinity. One pass over the bits in numpy (single-threaded,
+    vectorized): torch's parallel reductions stall when the cores are busy, and this check must
+    stay cheap next to a copy."""
     if t.dtype not in EXPONENT_BITS or not t.numel():
-        return
+        return False
     int_dtype, exponent = EXPONENT_BITS[t.dtype]
-    if int(np.bitwise_and(t.view(-1).view(int_dtype).numpy(), exponent).max()) == exponent:
+    return int(np.bitwise_and(t.reshape(-1).view(int_dtype).numpy(), exponent).max()) == exponent
+
+
+def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
+    """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it here."""
+    if holds_non_finite(t):
         raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
                               "weights cannot be calibrated: fix or re-download the source")
+
+
+def cast_finite(path: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` (finite) cast to `dtype`, refused where a value lies beyond `dtype`'s range: the cast
+    rounds it to infinity, which convert would otherwise write as if it were the weight."""
+    cast = t.to(dtype)
+    if holds_non_finite(cast):
+        choice = next(k for k, v in DTYPE_CHOICES.items() if v == dtype)
+        ways = [f"--dtype {k}" for k, v in DTYPE_CHOICES.items()
+                if v != dtype and (v is None or torch.finfo(v).max >= torch.finfo(dtype).max)]
+        raise CheckpointError(f"{path}: tensor {name!r} holds values up to {t.abs().max().item():.6g} in magnitude, "
+                              f"beyond {choice}'s largest ({torch.finfo(dtype).max:.6g}): --dtype {choice} would "
+                              f"write them as infinity; convert with {' or '.join(ways)}")
+    return cast
 
 
 def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
@@ -380,7 +399,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
         if info.dtype == p.dtype:
             w.copy_range(p.spec.name, f, info.start, info.nbytes)  # from the page cache the read just filled
         else:
-            w.write(p.spec.name, t.to(p.dtype))
+            w.write(p.spec.name, cast_finite(f.path, s, t, p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
