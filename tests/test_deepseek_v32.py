@@ -1,9 +1,11 @@
-"""DeepSeek-V3.2 (`deepseek_v32`): logits equal transformers' DeepseekV32ForCausalLM (fp32) on
-sequences longer than index_topk, where the lightning indexer masks keys, and shorter ones, where
-it keeps every key; both config spellings; expert-parallel logits equal the single-process ones;
+"""DeepSeek-V3.2 (`deepseek_v32`): logits equal transformers' DeepseekV32ForCausalLM (fp32) at its
+init on sequences longer than index_topk, where the lightning indexer masks keys (ties among its
+scores to the lowest position, as DeepSeek's reference), and shorter ones, where it keeps every
+key; both config spellings; expert-parallel logits equal the single-process ones;
 PTQ exports are the same bytes at every (world, ep), with the indexer unquantized and excluded."""
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -38,49 +40,99 @@ def v32(**kw) -> DeepseekV32Config:
     return DeepseekV32Config(**{**base, **kw})
 
 
-def spread_indexer(m) -> None:
-    """Indexer weights large enough that its scores are far from ties (the default init is small)."""
+# torch's own topk, kept before a test patches it into the indexers
+NATIVE_TOPK = torch.Tensor.topk
+
+
+def lowest_position_topk(scores: torch.Tensor, k: int, dim: int = -1, **_) -> torch.return_types.topk:
+    """torch.topk keeping, among scores equal to the k-th, the lowest positions: what DeepSeek's own
+    inference code gets from torch.topk on CUDA, which gathers the values equal to the k-th in index
+    order. On the CPU torch.topk takes them in no fixed order."""
+    picked = torch.sort(scores, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+    return torch.return_types.topk((scores.gather(dim, picked), picked))
+
+
+def logits_with_ties_to_the_lowest_position(m, ids) -> tuple[torch.Tensor, list[tuple[torch.Tensor, int]]]:
+    """transformers' logits with its indexers' topk as `lowest_position_topk`, and each indexer's
+    scores [B, S, T] with its k. The routers' topk stays transformers' own."""
+    index_scores = []
+
+    def topk(scores, k, *args, **kwargs):
+        index_scores.append((scores.clone(), k))
+        return lowest_position_topk(scores, k, *args, **kwargs)
+
+    for layer in m.model.layers:
+        indexer = layer.self_attn.indexer
+
+        def forward(*args, _forward=indexer.forward, **kwargs):
+            with mock.patch.object(torch.Tensor, "topk", topk):
+                return _forward(*args, **kwargs)
+        indexer.forward = forward
     with torch.no_grad():
-        for layer in m.model.layers:
-            ix = layer.self_attn.indexer
-            for lin in (ix.wq_b, ix.wk, ix.weights_proj):
-                lin.weight.normal_(0, 0.5)
-            ix.k_norm.bias.normal_(0, 0.1)
+        return m(ids).logits, index_scores
 
 
+def keys_chosen_differently(index_scores: list[tuple[torch.Tensor, int]]) -> tuple[int, int]:
+    """(keys transformers' own topk chooses differently from the lowest positions, queries that leave
+    out a key tied with their k-th score) over the indexers' scores; asserts that every key chosen
+    differently is tied with its query's k-th score."""
+    differently = left_out_ties = 0
+    for scores, k in index_scores:
+        T = scores.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        kth = scores.masked_fill(~causal, float("-inf")).sort(-1, descending=True).values[..., k - 1:k]
+        tied = (scores == kth) & causal
+
+        def chosen(picked):
+            return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picked, True) & causal
+        lowest, native = chosen(lowest_position_topk(scores, k).indices), chosen(NATIVE_TOPK(scores, k).indices)
+        assert not ((lowest ^ native) & ~tied).any(), "a key chosen differently without a tie"
+        differently += int((lowest ^ native).sum())
+        left_out_ties += int((tied & ~lowest).any(-1).sum())
+    return differently, left_out_ties
+
+
+# (config, tokens, whether some query leaves out keys tied with its k-th score). Weights at
+# transformers' init (std 0.02): with few index heads many keys score exactly 0 (every head's
+# q . k <= 0), and the top k often ends inside those ties.
 CASES = {
-    "groups_yarn": dict(rope_parameters=YARN),
-    "two_shared_all_moe_tied": dict(n_shared_experts=2, first_k_dense_replace=0, num_hidden_layers=2,
-                                    tie_word_embeddings=True, norm_topk_prob=False, n_group=2, topk_group=1),
+    "two_index_heads_top8": (dict(index_n_heads=2, index_topk=8), 37, True),
+    "two_index_heads_groups_yarn": (dict(index_n_heads=2, n_group=2, topk_group=1, rope_parameters=YARN), 16, True),
+    "eight_index_heads_top4": (dict(), 8, False),
+    "groups_yarn": (dict(rope_parameters=YARN), 12, False),
+    "two_shared_all_moe_tied": (dict(n_shared_experts=2, first_k_dense_replace=0, num_hidden_layers=2,
+                                     tie_word_embeddings=True, norm_topk_prob=False, n_group=2, topk_group=1), 12, False),
+    "no_longer_than_index_topk": (dict(rope_parameters=YARN), 4, False),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("T", [12, 4])
-def test_deepseek_v32_logits(tmp_path, case, T):
-    """T = 12 > index_topk = 4: the indexer masks all but 4 earlier keys from the later queries.
-    T = 4: it keeps every key, and the model is DeepSeek-V3's MLA (calibration prompts no longer
-    than index_topk run dense attention)."""
-    cfg = v32(**CASES[case])
+def test_deepseek_v32_logits(tmp_path, case):
+    """Longer than index_topk, the indexer masks all but index_topk earlier keys from the later
+    queries: eprt's logits are transformers' once ties among the index scores go to the lowest
+    position, as in DeepSeek's reference; transformers' own CPU topk differs only in which tied keys
+    it keeps. No longer than index_topk, the indexer keeps every key, and the model is DeepSeek-V3's
+    MLA (calibration prompts no longer than index_topk run dense attention)."""
+    overrides, T, ties = CASES[case]
+    cfg = v32(initializer_range=0.02, **overrides)
     m = build(cfg, cls=DeepseekV32ForCausalLM)
-    spread_indexer(m)
     em = eprt.load_model(to_eprt(tmp_path, m), dtype=torch.float32)
     ids = tokens(2, T)
-    indexers = [layer.self_attn.indexer for layer in em.model.layers]
-    assert all(ix.topk == 4 and ix.n_heads == 8 for ix in indexers)
+    want, index_scores = logits_with_ties_to_the_lowest_position(m, ids)
     with torch.no_grad():
-        want, got = m(ids).logits, em(ids)
+        got = em(ids)
         for layer in em.model.layers:
             layer.self_attn.indexer = None
         dense = em(ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    differently, left_out_ties = keys_chosen_differently(index_scores)
+    assert (left_out_ties > 0) == ties, (differently, left_out_ties)
     if T > cfg.index_topk:
         assert not torch.allclose(dense, want, rtol=1e-3, atol=1e-3)  # the mask changes the logits
+        assert_groups_and_bias_matter(eprt.load_model(str(tmp_path / "ck"), dtype=torch.float32), cfg)
     else:
         torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-5)
     assert [i for i, _ in em.moe_blocks()] == list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
-    if T > cfg.index_topk:
-        assert_groups_and_bias_matter(eprt.load_model(str(tmp_path / "ck"), dtype=torch.float32), cfg)
 
 
 def test_the_transformers_4_spelling_reads_the_same():

@@ -5,7 +5,9 @@ From MLA's low-rank query latent and the layer input x, per token t and earlier 
     each with rotate-half RoPE on its leading qk_rope_head_dim dims (MLA itself rotates interleaved),
     I(t, s) = sum_h w_th * relu(q_th . k_s * d^-0.5),  w_t = weights_proj(x_t) * n^-0.5,
 and query t attends to the `topk` keys s <= t of highest I(t, s); with t + 1 <= topk keys before it,
-to all of them. Scores are fp32. Among equal scores the lower position wins (the routers' rule).
+to all of them. Scores are fp32. Among equal scores the lower position wins, as in DeepSeek's own
+inference code, whose torch.topk on CUDA fills the places left at the k-th score in index order.
+Ties are common: a key scores exactly 0 wherever every head's q . k is negative.
 The reference runs the Hadamard rotation and FP8 scoring of DeepSeek's kernels in full precision:
 the rotation leaves the dot products unchanged, and eprt does the same.
 """
