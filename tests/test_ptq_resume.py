@@ -14,6 +14,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.calibrated import QUALITY_FILE
 from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.workdir import MARKER
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
 from tests.test_ptq import same_files
@@ -53,8 +54,8 @@ def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
         run_world(killed_mid_layer, 2, ck, out, timeout=120)
     assert not os.path.exists(out)
     work = out + ".work"
-    assert sorted(os.listdir(work)) == ["rank-00000", "rank-00001"]
-    for rank_dir in os.listdir(work):  # the last layer both ranks completed, and nothing half-written
+    assert sorted(os.listdir(work)) == [MARKER, "rank-00000", "rank-00001"]
+    for rank_dir in ("rank-00000", "rank-00001"):  # the last layer both ranks completed, and nothing half-written
         assert os.listdir(os.path.join(work, rank_dir)) == [f"layer-{KILL_LAYER - 1:05d}.safetensors"]
 
     with pytest.raises(AssertionError, match="other arguments"):  # a resume of another run is refused

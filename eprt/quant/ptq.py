@@ -7,7 +7,7 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +26,8 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, Schedule, group_tokens
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
+                                    run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
                              memory_in_use)
@@ -33,9 +35,9 @@ from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
 from eprt.quant.scales import source_dtype
-from eprt.quant.workdir import WorkDir
-from eprt.storage.atomic import check_output_dir
-from eprt.storage.checkpoint import Checkpoint, manifest_digest
+from eprt.quant.workdir import WorkDir, check_work_dir
+from eprt.storage.atomic import check_output_dir, naming_refused_writes
+from eprt.storage.checkpoint import MANIFEST, Checkpoint
 
 # `--dtype`: the dtype the model runs in
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -89,7 +91,11 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
         samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
+        work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
+        identity = fingerprint(ck, a, state, recipe, samples, eval_ids)
     with ck:
+        with fail_together(state, "comparing the ranks' inputs"):
+            agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
         with fail_together(state, "planning memory"):
             plan, preview = plan_run(state, ck, samples, a, targets, eval_ids, mtp=recipe.mtp,
                                      gptq=ALGORITHM in recipe.algorithms)
@@ -102,16 +108,20 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8", all_experts=a.calibrate_all_experts)
         gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
                        min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
+        work = WorkDir(work_path, state, identity, ck.path)
+        with fail_together(state, "preparing the work directory"):
+            work.prepare(a.resume)
+        with fail_together(state, "preparing the work directory"):
+            work.check_shared()
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            work = WorkDir(a.work_dir or a.out.rstrip("/") + ".work", state,
-                           fingerprint(ck, a, state, samples, eval_ids))
             report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
                                    f"{a.calib_size + a.eval_size} sequences of {a.calib or 'the built-in corpus'}, "
                                    "held out of calibration", on_weight) if eval_ids is not None else None
             resumed = calibrate_layers(state, ck, cal, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
+            check_base_unchanged(ck, identity)
         seconds = time.perf_counter() - start
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         report_coverage(cal, state, cfg.num_experts)
@@ -132,9 +142,13 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         if gptq is not None:
             summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
         results = gptq.results if gptq is not None else None
-        write_together(state, a.out,
-                       lambda tmp: write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results),
-                       overwrite=a.overwrite, inputs=ck.input_dirs())
+
+        def write(tmp: str) -> None:
+            with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
+                write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results)
+
+        write_together(state, a.out, write, overwrite=a.overwrite, inputs=ck.input_dirs(),
+                       check_fn=lambda tmp: check_pinned_as_read(tmp, ck, identity))
         with fail_together(state, "removing the work directory"):
             work.remove()
     if state.rank == 0:
@@ -188,15 +202,27 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: 
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_ids: torch.Tensor | None) -> dict:
-    """What a saved layer boundary depends on: a run resumes only from its own (batch and chunk
-    sizes change no bit, so they may differ)."""
-    held = hashlib.sha256(eval_ids.numpy().tobytes()).hexdigest() if eval_ids is not None else None
-    return {"ckpt": manifest_digest(ck.path), "samples": hashlib.sha256(samples.numpy().tobytes()).hexdigest(),
-            "eval": held,
-            "dtype": a.dtype, "recipe": a.recipe, "algorithm": a.algorithm, "kv_cache": a.kv_cache,
-            "world": state.world, "ep": state.ep_size, "group_tokens": a.group_tokens,
-            "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts}
+def fingerprint(ck: Checkpoint, a: PTQArgs, state, recipe: Recipe, samples: torch.Tensor,
+                eval_ids: torch.Tensor | None) -> dict:
+    """What a saved layer boundary and the output depend on (eprt.quant.fingerprint): a run
+    resumes only from its own (batch and chunk sizes change no bit, so they may differ)."""
+    return run_fingerprint(ck, recipe, samples, eval_ids, {
+        "dtype": a.dtype, "world": state.world, "ep": state.ep_size,
+        "group_size": schedule(a, state, ck.config, samples.shape[0]).group_size,
+        "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts})
+
+
+def run_inputs(ck: Checkpoint, a: PTQArgs) -> tuple[str, ...]:
+    """Every path the run reads: the checkpoint (with its base), the data, a recipe given as a file."""
+    files = (a.calib, a.eval, a.recipe if os.path.isfile(a.recipe) else None)
+    return (*ck.input_dirs(), *(f for f in files if f is not None))
+
+
+def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
+    """The output about to appear pins the base as it was when this run started and read it."""
+    with open(os.path.join(tmp, MANIFEST)) as f:
+        pins = json.load(f)["base"]["weights"]
+    check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
 def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
@@ -212,7 +238,12 @@ def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tens
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
     ls = work.load(done, cal, state.device, engine.held, results) if done >= 0 else engine.embed()
-    engine.run(done + 1, ls, after_layer=lambda i, ls_: work.save(i, ls_, cal, engine.held, results))
+
+    def after_layer(i: int, ls_) -> None:
+        check_base_read(ck, work.fingerprint)  # the files this layer read are the ones pinned at the start
+        work.save(i, ls_, cal, engine.held, results)
+
+    engine.run(done + 1, ls, after_layer=after_layer)
     return done
 
 def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,38 +1,110 @@
 """The work directory of a layer-major calibration: what a killed run resumes from.
 
 After each decoder layer, every rank saves, atomically, its sequences' hidden states (and block
-snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`.
-A rank drops its previous layer's file only once every rank has saved the new one, so the
-ranks always share a last completed layer. A run started again with the same arguments and
-`--resume` continues after it, and computes the same bits as a run never stopped.
+snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`:
+written beside, synced, renamed. A rank drops its previous layer's file only once every rank has
+saved the new one durably, so the ranks always share a last completed layer. A run started again
+with the same arguments and inputs (eprt.quant.fingerprint) and `--resume` continues after it, and
+computes the same bits as a run never stopped.
+
+The directory is removed when the run ends, so eprt works only in one it made: a new (or empty)
+directory, which it marks with MARKER, or one that holds that marker. It refuses a directory that
+holds other files, and one that is, lies inside or holds an input or the output. It removes only
+what it wrote there (its layer files, their rank directories, the marker), and the directory
+itself only where it made it and nothing else is left. The ranks share it (rank 0 marks it), so it
+must lie on a file system every rank sees, as the output does.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-import shutil
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from eprt.storage.atomic import fsync_dir
-from eprt.errors import ConfigError
+from eprt.errors import ConfigError, EprtError
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerState
+from eprt.quant.fingerprint import differences, saved_fingerprint
+from eprt.storage.atomic import fsync_dir, fsync_file, naming_refused_writes, read_dirs
+from eprt.storage.paths import within
 from eprt.storage.safetensors_io import save_tensors
 
+MARKER = ".eprt-work-dir.json"
+RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
+PARTIAL_FILE = re.compile(r"layer-\d{5}\.safetensors\.partial")
+
+
+def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
+    """Refuse, before anything is written, a work directory eprt may not remove what it writes in:
+    one that overlaps (is, lies inside, or holds) an input or the output, or that exists holding
+    files without MARKER. Returns its real path."""
+    work = os.path.realpath(path)
+    for src in read_dirs(inputs):
+        if within(work, src) or within(src, work):
+            raise ConfigError(f"--work-dir {path} overlaps {src}, which this run reads; the work directory is "
+                              "removed when the run ends: give a --work-dir outside every input (and not holding "
+                              "one)")
+    out = os.path.realpath(out)
+    if within(work, out) or within(out, work):
+        raise ConfigError(f"--work-dir {path} overlaps the output {out}; the work directory is removed when the run "
+                          "ends: give a --work-dir outside the output and not holding it (the default is OUT.work)")
+    if os.path.lexists(work):
+        if not os.path.isdir(work):
+            raise ConfigError(f"--work-dir {path} exists and is not a directory: give a new directory")
+        if os.listdir(work) and not os.path.isfile(os.path.join(work, MARKER)):
+            raise ConfigError(f"--work-dir {path} exists and holds files eprt did not write (it has no {MARKER}); "
+                              "eprt removes its work directory when the run ends: give a new or empty directory")
+    return work
 
 
 class WorkDir:
-    def __init__(self, path: str, state, fingerprint: dict):
-        self.path, self.state = path, state
-        self.fingerprint = json.dumps(fingerprint, sort_keys=True)
+    def __init__(self, path: str, state, fingerprint: dict, base: str):
+        """`path`: checked by `check_work_dir` on every rank; `base`: the checkpoint the
+        fingerprint pins, named in a refused resume."""
+        self.path, self.state, self.base = path, state, base
+        self.fingerprint = fingerprint
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
+
+    def prepare(self, resume: bool) -> None:
+        """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
+        drop an earlier run's files. Every rank then calls `check_shared` (in a later guard)."""
+        if self.state.rank != 0:
+            return
+        marker = os.path.join(self.path, MARKER)
+        if os.path.isfile(marker):
+            if not resume:
+                for rank_dir in self._rank_dirs():
+                    remove_own_files(rank_dir)
+            return
+        created = not os.path.isdir(self.path)
+        with self.refused_writes(marker):
+            os.makedirs(self.path, exist_ok=True)
+            with open(marker, "w") as f:
+                json.dump({"eprt": "work directory", "created": created}, f)
+            fsync_file(marker)
+            fsync_dir(self.path)
+            fsync_dir(os.path.dirname(self.path))
+
+    def check_shared(self) -> None:
+        """Refuse a work directory rank 0 made that this rank does not see."""
+        if not os.path.isfile(os.path.join(self.path, MARKER)):
+            raise EprtError(f"--work-dir {self.path}, made by rank 0, is not visible here; give a --work-dir on a "
+                            "file system every rank shares")
+
+    def refused_writes(self, path: str):
+        return naming_refused_writes(path, f"the work directory {self.path}",
+                                     "give a --work-dir on another disk (it holds one layer's hidden states)")
+
+    def _rank_dirs(self) -> list[str]:
+        return [os.path.join(self.path, d) for d in sorted(os.listdir(self.path)) if RANK_DIR.fullmatch(d)]
 
     def _layers(self) -> list[int]:
         if not os.path.isdir(self.mine):
@@ -43,12 +115,8 @@ class WorkDir:
         return os.path.join(self.mine, f"layer-{layer:05d}.safetensors")
 
     def last_completed(self, resume: bool) -> int:
-        """The last layer every rank has saved (-1: none), agreed over the world; without
-        `resume`, -1 and this rank's files of an earlier run dropped."""
-        if not resume:
-            shutil.rmtree(self.mine, ignore_errors=True)
-            return -1
-        layers = self._layers()
+        """The last layer every rank has saved (-1: none, and always without `resume`), agreed over the world."""
+        layers = self._layers() if resume else []
         last = torch.tensor(layers[-1] if layers else -1, device=self.state.device)
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
@@ -57,18 +125,23 @@ class WorkDir:
         """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
         streams and what the report measured so far are saved too; with `gptq`
         (eprt.quant.gptq_layer.GPTQResults), GPTQ's codes so far."""
-        os.makedirs(self.mine, exist_ok=True)
-        tensors, metadata = {**states("", ls), **stats(cal)}, {"fingerprint": self.fingerprint}
+        tensors = {**states("", ls), **stats(cal)}
+        metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
             tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
             metadata["quality"] = held.report.saved()
         if gptq is not None:
             tensors.update(gptq.tensors())
         tmp = self._file(layer) + ".partial"
-        save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
-        os.replace(tmp, self._file(layer))
-        fsync_dir(self.mine)
-        # every rank now holds `layer`: the older files are no longer the common last layer
+        with self.refused_writes(tmp):
+            if not os.path.isdir(self.mine):
+                os.mkdir(self.mine)
+                fsync_dir(self.path)
+            save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+            fsync_file(tmp)  # durable before it takes the layer's name: a crash leaves the old or the new
+            os.replace(tmp, self._file(layer))
+            fsync_dir(self.mine)
+        # every rank now holds `layer` durably: the older files are no longer the common last layer
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         for old in self._layers():
             if old < layer:
@@ -76,15 +149,19 @@ class WorkDir:
 
     def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
         path = self._file(layer)
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            metadata = f.metadata() or {}
-        found = metadata.get("fingerprint")
-        if found != self.fingerprint:
-            raise ConfigError(f"{path}: saved by a run with other arguments ({found}); run without --resume, "
-                              f"or remove {self.path}")
-        tensors = load_file(path, device=str(device))
+        try:
+            with safe_open(path, "pt") as f:
+                metadata = f.metadata() or {}
+            found = saved_fingerprint(metadata.get("fingerprint"))
+            differ = differences(found, self.fingerprint, self.base)
+            if differ:
+                raise ConfigError(f"{path}: saved by a run with other arguments or inputs ({'; '.join(differ)} "
+                                  f"differ); run without --resume to start over, or resume with the arguments and "
+                                  "inputs of the run that saved it")
+            tensors = load_file(path, device=str(device))
+        except SafetensorError as e:
+            raise ConfigError(f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start "
+                              "over") from None
         load_stats(cal, tensors)
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
@@ -96,11 +173,43 @@ class WorkDir:
         return from_states("", tensors)
 
     def remove(self) -> None:
-        """Once the output is written: every rank drops its own files, rank 0 the directory."""
-        shutil.rmtree(self.mine, ignore_errors=True)
+        """Once the output is written: every rank drops its own files, then rank 0 the marker and
+        the directory, where eprt made it and nothing else is left in it."""
+        remove_own_files(self.mine)
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
-        if self.state.rank == 0:
-            shutil.rmtree(self.path, ignore_errors=True)
+        if self.state.rank != 0:
+            return
+        marker = os.path.join(self.path, MARKER)
+        created = read_marker(marker).get("created") is True
+        if os.path.isfile(marker):
+            os.remove(marker)
+        if created:
+            try:
+                os.rmdir(self.path)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+
+
+def read_marker(path: str) -> dict:
+    """What MARKER says, or {} where it is gone or unreadable (then the directory is left in place)."""
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def remove_own_files(rank_dir: str) -> None:
+    """A rank directory's layer files (whole or half-written), then the directory if nothing else is in it."""
+    if not os.path.isdir(rank_dir):
+        return
+    for name in os.listdir(rank_dir):
+        if LAYER_FILE.fullmatch(name) or PARTIAL_FILE.fullmatch(name):
+            os.remove(os.path.join(rank_dir, name))
+    if not os.listdir(rank_dir):
+        os.rmdir(rank_dir)
 
 
 def states(prefix: str, ls: LayerState) -> dict[str, torch.Tensor]:

@@ -1,7 +1,11 @@
 """Outputs appear atomically: written into a sibling temp directory, fsynced, then renamed.
 
 A failed run leaves nothing that looks finished, and an existing output is replaced only
-when asked (`overwrite`), and only once the new one is complete. A run touches no path it did
+when asked (`overwrite`), and only once the new one is complete: the new directory and the old
+output exchange names in one step (Linux `renameat2(RENAME_EXCHANGE)`), so a run killed at any
+moment leaves the old output or the new one at OUT, never neither. Where the file system cannot
+exchange names, the old output is first moved aside to `.OUT.old-*`; a kill between that and the
+next rename leaves it there, complete, for the user to move back. A run touches no path it did
 not create: its temp directory and the old output it replaces get names unique to the run
 (pid and random), so two runs writing one output, or a user's own `OUT.old`, are safe; a run
 that is killed leaves its hidden `.OUT.partial-*` behind, for the user to remove. The whole
@@ -11,10 +15,12 @@ directory is synced once, before the rename; a writer meanwhile has the disk wri
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
 import shutil
+import sys
 from contextlib import contextmanager
 
 from eprt.errors import EprtError, OutputExistsError
@@ -59,7 +65,35 @@ def temp_dir_for(out: str) -> str:
     return unique_sibling(out, "partial")
 
 
+# errnos by which a file system refuses a write: the user's to fix, named with the path and whose it is
+REFUSED_WRITES = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                  errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                  errno.EPERM: "operation not permitted"}
+
+
+@contextmanager
+def naming_refused_writes(path: str, what: str, elsewhere: str):
+    """A write the file system refuses (full, over quota, read-only, forbidden) becomes one line
+    naming the path (the OSError's own, else `path`), `what` it was writing (the output, a work
+    directory) and the way out: free space, or `elsewhere`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in REFUSED_WRITES:
+            raise
+        raise EprtError(f"{e.filename or path}: {REFUSED_WRITES[e.errno]} writing {what} ({e.strerror}): free space "
+                        f"or fix its permissions, or {elsewhere}") from None
+
+
 def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -71,11 +105,7 @@ def sync_tree(root: str) -> None:
     """fsync every file and directory under `root`: what was written there is on disk."""
     for d, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(d, name))
         fsync_dir(d)
 
 
@@ -91,8 +121,8 @@ def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
 
 def publish(tmp: str, out: str, overwrite: bool = False) -> None:
     """Sync the finished temp directory and move it into place. An output that exists by then
-    (another run may have made it meanwhile) is replaced only with `overwrite`: moved aside to a
-    name unique to this run, and removed once the new one is in place."""
+    (another run may have made it meanwhile) is replaced only with `overwrite`: the two exchange
+    names, and the old one, now under the temp name, is removed."""
     sync_tree(tmp)
     try:
         os.rename(tmp, out)  # succeeds when `out` is absent or an empty directory
@@ -103,13 +133,43 @@ def publish(tmp: str, out: str, overwrite: bool = False) -> None:
             raise OutputExistsError(f"output {out} appeared, not empty, while this run wrote it (another run?); "
                                     "it was left as it is: pass --overwrite to replace it, or choose another "
                                     "output") from None
-        old = unique_sibling(out, "old")
-        os.rename(out, old)
-        os.rename(tmp, out)
+        old = tmp if exchange_names(tmp, out) else replace_aside(tmp, out)
         fsync_dir(os.path.dirname(out))
         shutil.rmtree(old, ignore_errors=True)
         return
     fsync_dir(os.path.dirname(out))
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
+# errnos by which a kernel or file system says it cannot exchange two names
+EXCHANGE_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def exchange_names(a: str, b: str) -> bool:
+    """Swap the directories `a` and `b` in one step; False where this system cannot (nothing moved)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:  # glibc before 2.28, or not Linux
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def replace_aside(tmp: str, out: str) -> str:
+    """Without an exchange: `out` moved aside to a name unique to this run, then `tmp` into its
+    place (the old output is moved back if that fails); returns where the old output is."""
+    old = unique_sibling(out, "old")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    return old
 
 
 @contextmanager
