@@ -4,6 +4,10 @@ Every eprt tensor keeps its Hugging Face name except the routed experts, which a
 per layer with the expert index leading: `...experts.w13` [E, 2I, D] (each expert's gate rows,
 then its up rows) and `...experts.w2` [E, D, I]. Both conversion and export read this one table.
 
+A tensor may have two Hugging Face spellings (`alias`): transformers 5 saves Kimi-Linear's dense MLP
+under `block_sparse_moe.`, Moonshot's code and the release under `mlp.`. Convert reads either, and
+the export writes it back under the one the source used.
+
 A source may hold a layer's experts already stacked, one 3-D tensor per projection (`experts.gate_up_proj`
 [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]): Qwen3.5-MoE as released, and the
 parameters of transformers 5's MoE modules. A stacked spec names that tensor in `fused`; its
@@ -32,6 +36,8 @@ class TensorSpec:
     # A stacked tensor: the Hugging Face name of the one tensor that may hold it whole, in this
     # shape and orientation, in place of `sources`.
     fused: str | None = None
+    # A plain tensor: the other Hugging Face name the source may hold it under, in its place.
+    alias: str | None = None
 
     def source_shape(self) -> tuple[int, ...]:
         if not self.stacked:
@@ -133,10 +139,12 @@ def plain(name: str, *shape: int) -> TensorSpec:
     return TensorSpec(name, tuple(shape), (name,))
 
 
-def gated_mlp(prefix: str, hidden: int, width: int) -> list[TensorSpec]:
-    """`prefix.{gate,up,down}_proj`: a dense MLP or the shared experts."""
-    return [plain(f"{prefix}.gate_proj.weight", width, hidden), plain(f"{prefix}.up_proj.weight", width, hidden),
-            plain(f"{prefix}.down_proj.weight", hidden, width)]
+def gated_mlp(prefix: str, hidden: int, width: int, alias: str | None = None) -> list[TensorSpec]:
+    """`prefix.{gate,up,down}_proj`: a dense MLP or the shared experts; the source may spell
+    `prefix` as `alias` instead."""
+    shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    return [TensorSpec(f"{prefix}.{p}.weight", shape, (f"{prefix}.{p}.weight",),
+                       alias=f"{alias}.{p}.weight" if alias else None) for p, shape in shapes.items()]
 
 
 def mla_attention(prefix: str, c) -> list[TensorSpec]:

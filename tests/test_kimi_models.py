@@ -2,6 +2,7 @@
 real layout: Kimi-Linear and Kimi-K2.5 against transformers, Kimi-K3 against mlx-lm's kimi_k3
 (transformers has no K3), all in float32; and the chunked KDA against its recurrence."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,13 @@ from eprt.config import SiTUConfig
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config, reader_for
 from eprt.hf.convert import convert_hf
+from eprt.hf.check_export import check_export
 from eprt.hf.export import export_hf
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm
 from eprt.models.mla import MLAttention
 from eprt.models.registry import model_class
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
@@ -94,9 +98,7 @@ def test_kimi_linear_logits(tmp_path, case):
     torch.manual_seed(0)
     m = KimiLinearForCausalLM(kimi_linear(**overrides)).eval()
     spread_routers(m.model.layers, "mlp")
-    m.save_pretrained(tmp_path / "hf")
-    # transformers saves the dense layer 0 under block_sparse_moe; the released checkpoints say mlp
-    rename_tensors(tmp_path / "hf", lambda n: n.replace("layers.0.block_sparse_moe.", "layers.0.mlp."))
+    m.save_pretrained(tmp_path / "hf")  # the dense layer 0 under block_sparse_moe, as transformers saves it
     em = eprt.load_model(convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False), dtype=torch.float32)
     kinds = [type(layer.self_attn) for layer in em.model.layers]
     assert kinds == [KimiDeltaAttention, MLAttention, KimiDeltaAttention]
@@ -105,6 +107,63 @@ def test_kimi_linear_logits(tmp_path, case):
     with torch.no_grad():
         want, got = m(ids).logits, em(ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# the dense layer's MLP as Moonshot's code and the release name it, and as transformers 5 saves it
+DENSE_MLP_SPELLINGS = {"mlp": lambda n: n, "block_sparse_moe": lambda n: n.replace(".0.mlp.", ".0.block_sparse_moe.")}
+# the dense MLP quantized in FP8, the routed experts in NVFP4: its modules are named in the config's quantized_layers
+DENSE_FP8_EXPERTS_NVFP4 = """
+quantize:
+  - {pattern: "*.experts", format: nvfp4}
+  - {pattern: "*.mlp.*", format: fp8}
+  - {pattern: "*", format: none}
+"""
+
+
+@pytest.mark.parametrize("spelling", DENSE_MLP_SPELLINGS)
+def test_kimi_linear_exports_the_dense_mlp_as_the_source_spells_it(tmp_path, spelling):
+    hf = tmp_path / "hf"
+    make_tiny("kimi_linear", str(hf))
+    rename_tensors(hf, DENSE_MLP_SPELLINGS[spelling])
+    source = read_hf_tensors(str(hf))
+    assert {n for n in source if n.startswith("model.layers.0.") and "_proj.weight" in n and "self_attn" not in n} \
+        == {f"model.layers.0.{spelling}.{p}_proj.weight" for p in ("gate", "up", "down")}
+    ck = convert_hf(str(hf), str(tmp_path / "ck"), progress=False)
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
+    assert set(exported) == set(source)
+    for n, t in source.items():
+        assert exported[n].dtype == t.dtype and raw(exported[n]) == raw(t), n
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(DENSE_FP8_EXPERTS_NVFP4)
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, str(recipe), q, calib_size=2, seq_len=16, progress=False))
+    out = export_hf(q, q + "-hf", progress=False)
+    dense = {f"model.layers.0.{spelling}.{p}_proj" for p in ("gate", "up", "down")}
+    experts = {f"model.layers.{i}.block_sparse_moe.experts.{e}.w{k}" for i in (1, 2) for e in range(8) for k in (1, 2, 3)}
+    want = {n for n in source if n.rsplit(".", 1)[0] not in dense | experts}
+    want |= {f"{m}.{c}" for m in dense for c in ("weight", "weight_scale", "input_scale")}
+    want |= {f"{m}.{c}" for m in experts for c in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+    assert set(read_hf_tensors(out)) == want
+    layers = json.loads((Path(out) / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    assert layers == {**{m: {"quant_algo": "FP8"} for m in sorted(dense)},
+                      **{f"model.layers.{i}.block_sparse_moe.experts": {"quant_algo": "NVFP4", "group_size": 16}
+                         for i in (1, 2)}}
+    assert check_export(out, str(hf)) == []
+
+
+def test_kimi_linear_holding_both_spellings_of_a_tensor_is_refused(tmp_path):
+    hf = tmp_path / "hf"
+    make_tiny("kimi_linear", str(hf))
+    path = hf / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.block_sparse_moe.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' and "
+                                              r"'model\.layers\.0\.block_sparse_moe\.up_proj\.weight' are one tensor "
+                                              r"under its two spellings, and the checkpoint holds both; keep one"):
+        convert_hf(str(hf), str(tmp_path / "ck"), progress=False)
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "kimi_k25"])

@@ -151,7 +151,8 @@ def layout(c: ModelConfig) -> Layout:
                 if moe.latent_norm:
                     specs.append(plain(f"{m}.routed_expert_norm.weight", Z))
         else:
-            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+            # transformers 5 saves a dense layer's MLP under the MoE layers' name
+            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size, alias=f"{p}.block_sparse_moe")
     if k.attn_res_block_size:
         specs += [plain("model.output_attn_res_norm.weight", D), plain("model.output_attn_res_proj.weight", 1, D)]
     specs.append(plain("model.norm.weight", D))

@@ -60,6 +60,7 @@ def layout(c: ModelConfig) -> Layout:
     return Layout(
         tuple(dataclasses.replace(s, name=under_language_model(s.name),
                                   sources=tuple(map(under_language_model, s.sources)),
-                                  fused=s.fused and under_language_model(s.fused)) for s in text.specs),
+                                  fused=s.fused and under_language_model(s.fused),
+                                  alias=s.alias and under_language_model(s.alias)) for s in text.specs),
         passthrough=(*text.passthrough, *CARRIED, *VISION),
     )

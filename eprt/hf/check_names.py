@@ -90,7 +90,9 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     # may hold it): their passthrough patterns would admit anything under their prefix
     mtp = {s for spec in layout.mtp for s in (*spec.sources, *([spec.fused] if spec.fused else []))}
     passthrough = tuple(p for p in layout.passthrough if not any(re.fullmatch(p, n) for n in mtp))
-    return SourceNames({s for spec in layout.specs for s in spec.sources} | mtp, passthrough)
+    # a tensor spelled two ways (eprt.layout.TensorSpec.alias) may be under either name
+    aliases = {spec.alias for spec in layout.specs if spec.alias}
+    return SourceNames({s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough)
 
 
 def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_companions: tuple[str, ...],

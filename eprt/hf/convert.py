@@ -162,6 +162,20 @@ def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
     return replace(spec, sources=(spec.fused,), stacked=False, per_row=1), True
 
 
+def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec, where: str) -> TensorSpec:
+    """`spec` read from its other spelling (`spec.alias`) where the source holds it under that name,
+    plain or encoded."""
+    def held(name: str) -> bool:
+        return name in src.tensors or module_of(name) in encoded
+
+    if spec.alias is None or not held(spec.alias):
+        return spec
+    if held(spec.sources[0]):
+        raise CheckpointError(f"{where}: {spec.sources[0]!r} and {spec.alias!r} are one tensor under its two "
+                              "spellings, and the checkpoint holds both; keep one of them")
+    return replace(spec, sources=(spec.alias,))
+
+
 class Planner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
@@ -188,7 +202,7 @@ class Planner:
         src = self.src
         planned, claimed = [], set()
         for spec in self.layout.specs:
-            spec, fused = as_source_holds(src, spec)
+            spec, fused = as_source_holds(src, as_source_spells(src, self.encoded, spec, self.where))
             if fused:
                 planned.append(replace(self.plan_raw(spec), fused=True))
                 claimed.add(spec.fused)
@@ -231,7 +245,8 @@ class Planner:
         missing = [s for s in spec.sources if s not in src.tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            fused = f", nor is {spec.fused!r}, which may hold them all" if spec.fused else ""
+            fused = (f", nor is {spec.fused!r}, which may hold them all" if spec.fused else
+                     f", nor is its other spelling {spec.alias!r}" if spec.alias else "")
             raise CheckpointError(f"{where}: tensor {missing[0]!r}{more} is missing{fused}; config.json says the "
                                   "model has it")
         dtypes = set()
@@ -403,7 +418,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
-                      p.source_dtype, fused_source=p.spec.sources[0] if p.fused else None)
+                      p.source_dtype, fused_source=p.spec.sources[0] if p.fused or renamed(p.spec) else None)
 
 
 def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
@@ -417,7 +432,13 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
     first = p.encoded[0]
     return TensorMeta(p.spec.name, p.dtype, p.spec.shape, first.encoding, p.role, (), p.source_dtype, first.scheme,
-                      p.spec.per_row if p.spec.stacked else None, components)
+                      p.spec.per_row if p.spec.stacked else None, components,
+                      fused_source=p.spec.sources[0] if renamed(p.spec) else None)
+
+
+def renamed(spec: TensorSpec) -> bool:
+    """Whether the source spelled this tensor otherwise (eprt.layout.TensorSpec.alias): export writes that name back."""
+    return spec.alias is not None and spec.sources == (spec.alias,)
 
 
 def copy_hf_files(hf_dir: str, tmp: str) -> list[str]:

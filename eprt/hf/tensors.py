@@ -81,7 +81,7 @@ def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -
     `M.weight`), each copied from where it lies."""
     name = meta.name
     if meta.per_row is None:
-        module = name[: -len(".weight")]
+        module = (meta.fused_source or name)[: -len(".weight")]
         for c, x in meta.components.items():
             yield OutTensor(f"{module}.{c}", x.dtype, x.source_shape, partial(ck.read_component, name, c),
                             partial(ck.byte_range, name, None, c))
