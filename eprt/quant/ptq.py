@@ -92,7 +92,7 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
         batches = rank_batches(samples, state.rank, state.world, a.batch_size)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
-        identity = fingerprint(ck, a, state, recipe, samples, eval_ids)
+        identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
     with ck:
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
@@ -202,10 +202,12 @@ def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: 
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state, recipe: Recipe, samples: torch.Tensor,
-                eval_ids: torch.Tensor | None) -> dict:
+def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_ids: torch.Tensor | None,
+                recipe: Recipe | None = None) -> dict:
     """What a saved layer boundary and the output depend on (eprt.quant.fingerprint): a run
-    resumes only from its own (batch and chunk sizes change no bit, so they may differ)."""
+    resumes only from its own (batch and chunk sizes change no bit, so they may differ).
+    `recipe`: as the run parsed it (default: `a`'s, parsed now)."""
+    recipe = recipe or load_recipe(a.recipe, a.kv_cache, a.algorithm)
     return run_fingerprint(ck, recipe, samples, eval_ids, {
         "dtype": a.dtype, "world": state.world, "ep": state.ep_size,
         "group_size": schedule(a, state, ck.config, samples.shape[0]).group_size,
