@@ -9,22 +9,25 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-import eprt
-from eprt.families import parse_hf_config, reader_for
-from eprt.hf.convert import convert_hf
-from eprt.hf.check_export import check_export
-from eprt.hf.export import export_hf
-from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.models.registry import model_class
-from eprt.testing.tiny import make_tiny
-from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints
-from tests.hf_utils import raw, read_hf_tensors
-from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference
-from tests.test_roundtrip import assert_same_checkpoint
-from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
+
+import eprt  # noqa: E402
+from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.models.registry import model_class  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
+from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
+from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
+from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
+from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 
 FAMILY = "deepseek_v32"
 INDEXER = ("wq_b", "wk", "weights_proj")
