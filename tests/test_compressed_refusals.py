@@ -17,7 +17,9 @@ import eprt  # noqa: E402
 from eprt.errors import EprtError  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.testing.tiny import compress_weight, make_tiny  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.testing.tiny import compress_weight, make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import tree_digest  # noqa: E402
 
 KIMI_K2 = dict(model_type="kimi_k2", num_nextn_predict_layers=0)
@@ -107,6 +109,19 @@ def unscaled_fp8(src):
     edit_tensors(src, lambda t, qc: t.pop("model.layers.0.mlp.down_proj.weight_scale_inv"))
 
 
+PLUGIN = "/tmp/x/plugin.py:x"  # a format the library's registry would import as a plugin
+
+
+def top_level_format_not_decoded(src):
+    """Every group names its format, so the top-level one decodes nothing here, but a consumer of the
+    config (the library's registry imports a `path/file.py:name` format as a plugin) reads it."""
+    def edit(qc, _):
+        for group in qc["config_groups"].values():
+            group["format"] = qc["format"]
+        qc["format"] = PLUGIN
+    edit_config(src, edit)
+
+
 CASES = [
     ("fp8", per_tensor_fp8, r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
                             r"per-tensor FP8.*dequantize it to bf16 first"),
@@ -128,6 +143,9 @@ CASES = [
                           r"scale \(weight_scale_inv\)"),
     ("fp8", no_quantization_config, r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' is a block-FP8 "
                                     r"scale, but config\.json declares no block-FP8 quantization_config"),
+    ("int4", top_level_format_not_decoded,
+     r"config\.json \(quantization_config\) format: compressed-tensors format '/tmp/x/plugin\.py:x' is not "
+     r"one eprt decodes \(pack-quantized, .*\); dequantize the checkpoint to bf16 first"),
 ]
 
 
@@ -191,3 +209,23 @@ print(sorted(m for m in ("compressed_tensors", "transformers") if m in sys.modul
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4_experts_only"])
+def test_a_quantized_export_writes_no_string_of_the_source_quantization_config(tmp_path, recipe):
+    """Kimi-K2.5 keeps its quantization_config in text_config; a field compressed-tensors ignores
+    passes every check, and the export's configs replace the source's instead of carrying it."""
+    text = {**tiny_config("kimi_k25")["text_config"], "moe_intermediate_size": 32}  # INT4 groups of 32
+    src = make_tiny("kimi_k25", str(tmp_path / "hf"), source_format="int4", text_config=text)
+    path = os.path.join(src, "config.json")
+    cfg = json.load(open(path))
+    cfg["text_config"]["quantization_config"] = {**cfg.pop("quantization_config"), "plugin": PLUGIN}
+    json.dump(cfg, open(path, "w"))
+    ck = convert_hf(src, str(tmp_path / "ck"), progress=False)
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, calib_size=2, seq_len=16, progress=False))
+    for fmt in ("modelopt", "compressed-tensors"):
+        out = export_hf(q, str(tmp_path / fmt), progress=False, fmt=fmt)
+        configs = {f: open(os.path.join(out, f)).read() for f in os.listdir(out) if f.endswith(".json")}
+        assert [f for f, text in configs.items() if PLUGIN in text] == []
+        assert "quantization_config" not in json.loads(configs["config.json"])["text_config"]

@@ -30,6 +30,7 @@ from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.encodings import without_quantization
 
 # hf_quant_config.json's per-module quantization, by eprt format
 LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
@@ -77,6 +78,10 @@ class QuantizedExport:
                         for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
                         for j, src in enumerate(spec.sources)}
         self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
+        # weights the source spells otherwise (eprt.layout.TensorSpec.alias): the export keeps its names
+        self.source_name = {s.name: ck.meta(s.name).fused_source for s in self.layout.specs
+                            if s.alias and ck.meta(s.name).fused_source}
+        self.eprt_name = {hf: name for name, hf in self.source_name.items()}
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
     def expert_row(self, name: str, e: int) -> torch.Tensor:
@@ -121,6 +126,7 @@ class QuantizedExport:
             in_scale = self.scales.scale(x.module, self.scales.expert_input_amax(x.module, kind))
             rows = slice(x.piece * h, (x.piece + 1) * h)
             return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
+        hf_weight = self.eprt_name.get(hf_weight, hf_weight)
         module = hf_weight[: -len(".weight")]
         w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
         out = {"input_scale": self.scales.input_scale(module),
@@ -131,7 +137,7 @@ class QuantizedExport:
 
     def format_of(self, hf_weight: str) -> str:
         x = self.experts.get(hf_weight)
-        return self.scales.formats[x.module if x else hf_weight[: -len(".weight")]]
+        return self.scales.formats[x.module if x else self.eprt_name.get(hf_weight, hf_weight)[: -len(".weight")]]
 
     def quantized_out(self, t: OutTensor) -> list[OutTensor]:
         module = t.name[: -len(".weight")]
@@ -145,7 +151,12 @@ class QuantizedExport:
                 for k, (dtype, shape) in modelopt.companions(fmt, out_dim, in_dim).items()]
 
     def is_quantized(self, hf_name: str) -> bool:
-        return hf_name in self.experts or (hf_name.endswith(".weight") and hf_name[: -len(".weight")] in self.quantized)
+        name = self.eprt_name.get(hf_name, hf_name)
+        return name in self.experts or (name.endswith(".weight") and name[: -len(".weight")] in self.quantized)
+
+    def hf_module(self, module: str) -> str:
+        """A module's name in the export: the source's spelling of it."""
+        return self.source_name.get(f"{module}.weight", f"{module}.weight")[: -len(".weight")]
 
     # --- the whole export -------------------------------------------------------------------
     def tensors(self) -> list[OutTensor]:
@@ -174,12 +185,12 @@ class QuantizedExport:
                 (quantized if spec.name.rsplit(".", 1)[0] in self.quantized else unquantized).update(modules)
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:
                 module = spec.name[: -len(".weight")]
-                (quantized if module in self.quantized else unquantized).add(module)
+                (quantized if module in self.quantized else unquantized).add(self.hf_module(module))
         return quantized, unquantized
 
     def hf_weights(self) -> list[str]:
         """The Hugging Face weight of every quantized Linear, each routed expert's projections one by one."""
-        return [*self.experts, *(f"{m}.weight" for m in self.quantized if m not in self.stacked_modules())]
+        return [*self.experts, *(f"{self.hf_module(m)}.weight" for m in self.quantized if m not in self.stacked_modules())]
 
     def stacked_modules(self) -> set[str]:
         return {name.rsplit(".", 1)[0] for name in self.stacked}
@@ -200,7 +211,8 @@ class QuantizedExport:
         return sorted(names | {f"{p}.*" for p in self.passthrough_prefixes()})
 
     def ct_config(self) -> dict:
-        """config.json: the source's, with compressed-tensors' quantization_config."""
+        """config.json: the source's, its own quantization configs replaced by compressed-tensors'
+        quantization_config."""
         _, unquantized = self.linear_sets()
         experts = self.stacked_modules() - set(self.quantized)
         dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
@@ -208,15 +220,16 @@ class QuantizedExport:
         by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
         qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
                                     self.recipe.kv_cache, ct.targets(by_linear, unquantized))
-        return {**self.ck.source_config, "quantization_config": qc}
+        return {**without_quantization(self.ck.source_config), "quantization_config": qc}
 
     def configs(self) -> tuple[dict, dict]:
         """(config.json, hf_quant_config.json), as ModelOpt writes them: one quant_algo with its
         exclude_modules, or MIXED_PRECISION with each quantized module's own (`quantized_layers`,
         the routed experts of a layer as one `...experts` module), where a module it does not list
-        is unquantized and only what travels through unmodeled is excluded."""
+        is unquantized and only what travels through unmodeled is excluded. The source's own
+        quantization configs (a VLM's text_config one too) describe its weights, not these: dropped."""
         kv = "FP8" if self.recipe.kv_cache == "fp8" else None
-        layers = {m: LAYER_CONFIG[fmt] for m, fmt in self.scales.formats.items()}  # in module order
+        layers = {self.hf_module(m): LAYER_CONFIG[fmt] for m, fmt in self.scales.formats.items()}  # in module order
         if len(set(self.scales.formats.values())) == 1:
             algo, excluded = next(iter(layers.values()))["quant_algo"], self.excluded()
             quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded,
@@ -232,14 +245,14 @@ class QuantizedExport:
                 quant["exclude_modules"] = passthrough
             by_config: dict[str, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
             for m, fmt in self.scales.formats.items():
-                by_config.setdefault(fmt, []).append(m)
+                by_config.setdefault(fmt, []).append(self.hf_module(m))
             groups = {f"group_{i}": {**group_config(LAYER_CONFIG[fmt]), "targets": sorted(ms)}
                       for i, (fmt, ms) in enumerate(by_config.items())}
             qc = {"quant_method": "modelopt", "quant_algo": MIXED, "config_groups": groups, "ignore": passthrough,
                   "quantized_layers": layers, "producer": PRODUCER}
         if kv:
             qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-        config = {**self.ck.source_config, "quantization_config": qc}
+        config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
 
 

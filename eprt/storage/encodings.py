@@ -55,6 +55,8 @@ def library(where: str):
 # and run, so a checkpoint could name a Python file of its own.
 CT_FORMATS = ("pack-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized", "int-quantized",
               "float-quantized", "naive-quantized")
+# compressed-tensors' top-level format of a config whose groups each name their own
+MIXED_FORMAT = "mixed-precision"
 
 
 def is_known(encoding) -> bool:
@@ -95,6 +97,9 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
              hf.get("text_config") or {})) if h.get("quantization_config")]
     if not found:
         return None
+    if len(found) > 1 and found[0][1] != found[1][1]:
+        raise ConfigError(f"{where}: quantization_config and text_config.quantization_config differ, so which one "
+                          "describes the weights is ambiguous; keep the one that does")
     key, qc = found[0]
     where = f"{where} ({key})"
     method = qc.get("quant_method")
@@ -115,6 +120,9 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
         groups = qc.get("config_groups")
         if not groups or not isinstance(groups, dict) or not all(isinstance(d, dict) for d in groups.values()):
             raise ConfigError(f"{where}: no config_groups, so no scheme to decode the compressed weights with")
+        # the top-level format too: a consumer of the config (an export written back as stored) reads it
+        if qc.get("format") not in (None, MIXED_FORMAT):
+            check_ct_format(qc["format"], f"{where} format")
         for group, d in SourceQuantization(method, qc, where).groups().items():
             check_ct_format(d["format"], f"{where} config group {group!r}")
         try:

@@ -162,7 +162,8 @@ SOURCE_FORMATS = {
         "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
                                       "weights": {**_GROUP32, "type": "int"}}},
         "format": "pack-quantized",
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*vision_tower.*", "re:.*mm_projector.*"],  # K2.5's vision tower and projector stay bf16
         "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
     "mxfp4": {  # Kimi-K3
         "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "input_activations": None,
