@@ -11,9 +11,11 @@ import torch
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import TOKENIZER_FILES, make_tiny
-from tests.hf_utils import raw, read_hf_tensors
+from tests.hf_utils import raw, read_hf_tensors, tree_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,3 +100,29 @@ def test_command_line_round_trip(tmp_path):
     tool("convert_hf.py", str(tmp_path / "hf"), str(tmp_path / "ck"))
     tool("export_hf.py", str(tmp_path / "ck"), str(tmp_path / "out"))
     assert_same_checkpoint(str(tmp_path / "hf"), str(tmp_path / "out"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """An unquantized tiny checkpoint (nothing stored encoded) and a calibration of it."""
+    d = tmp_path_factory.mktemp("options")
+    ck = convert_hf(make_tiny("qwen3_moe", str(d / "hf")), str(d / "ck"), progress=False)
+    q = str(d / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, "fp8", q, calib_size=2, seq_len=16, eval_size=0, progress=False))
+    return {"unquantized": ck, "calibrated": q}
+
+
+@pytest.mark.parametrize("which, options", [
+    ("unquantized", ["--format", "compressed-tensors"]),  # its export is the source layout, never quantized
+    ("unquantized", ["--format", "modelopt"]),
+    ("unquantized", ["--dequantize"]),  # nothing stored encoded, no quantization_config: nothing to decode
+    ("calibrated", ["--dequantize"]),  # a quantized export always starts from the decoded weights
+])
+def test_an_export_option_that_cannot_apply_is_refused(checkpoints, tmp_path, which, options):
+    before = tree_digest(checkpoints[which])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "export_hf.py"), checkpoints[which],
+                        str(tmp_path / "out"), *options, "--no-progress"], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {options[0]}") and checkpoints[which] in lines[0], r.stderr
+    assert not (tmp_path / "out").exists() and tree_digest(checkpoints[which]) == before

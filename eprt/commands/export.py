@@ -20,10 +20,11 @@ def export() -> None:
     ap.add_argument("out")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     ap.add_argument("--dequantize", action="store_true",
-                    help="write weights the source stored compressed or in block FP8 decoded (bf16), and "
-                         "config.json without its quantization_config (default: as the source stored them)")
-    ap.add_argument("--format", default="modelopt", choices=FORMATS,
-                    help="the quantized layout of a calibrated checkpoint: modelopt (hf_quant_config.json, "
+                    help="an unquantized checkpoint only: write weights the source stored compressed or in block "
+                         "FP8 decoded (bf16), and config.json without its quantization_config (default: as the "
+                         "source stored them)")
+    ap.add_argument("--format", choices=FORMATS,
+                    help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
                          "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from eprt.errors import EprtError
+from eprt.errors import ConfigError, EprtError
 from eprt.hf.check_export import check_export
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.hf.export_quantized import QuantizedExport
@@ -104,10 +104,11 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
 
 def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               overwrite: bool = False, progress: bool = True, dequantize: bool = False,
-              parallel: ParallelState | None = None, fmt: str = "modelopt") -> str:
+              parallel: ParallelState | None = None, fmt: str | None = None) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
-    unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt or
-    compressed-tensors; checked before it appears).
+    unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt, the
+    default, or compressed-tensors; checked before it appears). An option that cannot apply to
+    the checkpoint is refused rather than ignored (`refuse_inapplicable`).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;
     with `dequantize`, decoded (bf16), under a config.json without its quantization_config. A
@@ -119,7 +120,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
     with fail_together(state, "reading the checkpoint"):
         ck = Checkpoint(ckpt_dir)
     with ck:
-        exp = QuantizedExport(ck, fmt) if ck.quantization is not None else None
+        refuse_inapplicable(ck, fmt, dequantize)
+        exp = QuantizedExport(ck, fmt or "modelopt") if ck.quantization is not None else None
         tensors = exp.tensors() if exp else list(source_tensors(ck, dequantize=dequantize))
 
         def write(tmp: str) -> None:
@@ -142,6 +144,24 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir
+
+
+def refuse_inapplicable(ck: Checkpoint, fmt: str | None, dequantize: bool) -> None:
+    """Refuse an option the export of `ck` would silently do nothing with: a quantized layout for an
+    unquantized checkpoint (its export is the source layout), --dequantize for a calibrated one (a
+    quantized export always starts from the decoded weights) or for one with nothing to decode."""
+    if ck.quantization is None and fmt is not None:
+        raise ConfigError(f"--format {fmt}: {ck.path} is not calibrated, so its export is the source's own layout, "
+                          f"not a quantized one; calibrate it first (eprt-ptq), or export without --format")
+    if ck.quantization is not None and dequantize:
+        raise ConfigError(f"--dequantize: {ck.path} is calibrated, and its quantized export always starts from the "
+                          "decoded weights; export without --dequantize, or export the checkpoint it was "
+                          "calibrated from with --dequantize for its weights in bf16")
+    if dequantize and not any(meta.encoded for meta in ck.tensors.values()) \
+            and encodings.without_quantization(ck.source_config) == ck.source_config:
+        raise ConfigError(f"--dequantize: {ck.path} holds no weight stored compressed or in block FP8 and its "
+                          "config.json no quantization_config, so there is nothing to decode; export without "
+                          "--dequantize")
 
 
 def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool) -> None:
