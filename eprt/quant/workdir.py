@@ -66,9 +66,9 @@ def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
 
 
 class WorkDir:
-    def __init__(self, path: str, state, fingerprint: dict, base: str):
+    def __init__(self, path: str, state, fingerprint: dict, base: str = ""):
         """`path`: checked by `check_work_dir` on every rank; `base`: the checkpoint the
-        fingerprint pins, named in a refused resume."""
+        fingerprint pins, whose files a refused resume names."""
         self.path, self.state, self.base = path, state, base
         self.fingerprint = fingerprint
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
@@ -135,7 +135,7 @@ class WorkDir:
         tmp = self._file(layer) + ".partial"
         with self.refused_writes(tmp):
             if not os.path.isdir(self.mine):
-                os.mkdir(self.mine)
+                os.makedirs(self.mine)
                 fsync_dir(self.path)
             save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
             fsync_file(tmp)  # durable before it takes the layer's name: a crash leaves the old or the new
