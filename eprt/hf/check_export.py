@@ -3,7 +3,10 @@ loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors).
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
 key at fault; an empty list means the export passed. Only headers and scale tensors are read,
-never the quantized weights.
+never the quantized weights. What the checker passes, an engine loads, so beside the layout's own
+rules: every file it reads lies inside the export (eprt.storage.paths), every tensor has the shape
+config.json gives it (eprt.hf.check_shapes), and every scale survives the engines' fp32
+arithmetic (eprt.hf.check_scale_range), in both layouts.
 
 Exclusion matching follows the engines. vLLM skips a module when an exclude entry equals its name,
 is a substring of it, or matches it as an fnmatch pattern (after splitting a pattern `X*` into `X`

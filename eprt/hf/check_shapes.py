@@ -45,8 +45,8 @@ def _by_source(layout: Layout) -> dict[str, TensorSpec]:
             out.update(dict.fromkeys(spec.sources, one))
             if spec.fused:
                 out[spec.fused] = replace(spec, sources=(spec.fused,), stacked=False, per_row=1)
-        else:
-            out.update(dict.fromkeys(spec.sources, spec))
+        else:  # a tensor spelled two ways (Kimi-Linear's dense MLP) has one shape under either name
+            out.update(dict.fromkeys((*spec.sources, *([spec.alias] if spec.alias else [])), spec))
     return out
 
 
