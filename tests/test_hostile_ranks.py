@@ -6,6 +6,7 @@ Run as a script, this file is the worker torchrun starts (`worker`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -29,21 +30,24 @@ INTERRUPT_BOUND_S = 10
 
 
 def worker(work: Path, out: str, phase: str) -> None:
-    """One rank: records its pid, then calibrates (an all-reduce loop that never ends), or writes
-    an output: rank 0 makes the partial output and waits in a guard for the others, which are
-    still busy with an earlier step, outside any guard, for ever."""
+    """One rank: records its pid, then calibrates (an all-reduce loop that never ends; with phase
+    "oom", rank 1 runs out of memory between two all-reduces), or writes an output: rank 0 makes
+    the partial output and waits in a guard for the others, which are still busy with an earlier
+    step, outside any guard, for ever."""
     import torch
 
     from eprt.parallel import ParallelState, fail_together, write_together
 
     with ParallelState.from_env() as state:
         (work / f"rank-{state.rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")
-        if phase == "calibrate":
+        if phase in ("calibrate", "oom"):
             with fail_together(state, "calibrating"):
                 total = torch.zeros(1)
-                while True:
+                for step in itertools.count():
                     state.all_reduce(total)
                     time.sleep(0.05)
+                    if phase == "oom" and state.rank == 1 and step == 20:
+                        raise MemoryError()
         if state.rank != 0:
             (work / f"rank-{state.rank}.busy").write_text("")
             while True:
@@ -158,8 +162,8 @@ def test_rank_killed_on_the_other_node(tmp_path, agents):
     assert took < DEATH_BOUND_S, logs
     node_a = (tmp_path / "node-a.log").read_text()
     # Rank 3 may be named too: its agent ends it once rank 2 has died.
-    report = re.search(r"RankFailure: (ranks? 2(, 3)? died while preparing the output: no heartbeat for "
-                       rf"{PEER_TIMEOUT_S} s)", node_a)
+    report = re.search(r"error \(rank 0 of 4\): ranks? 2(, 3)? died while preparing the output: no heartbeat "
+                       rf"for {PEER_TIMEOUT_S} s", node_a)
     # The report is what ends rank 0, not a traceback of leaving the run.
     assert report and "DistStoreError" not in node_a, logs
     assert _left_behind(tmp_path, [p for pair in ranks.values() for p in pair]) == ([], []), logs
@@ -202,4 +206,6 @@ def test_ctrl_c_ends_every_rank_and_removes_the_partial_output(tmp_path, agents)
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    from eprt.cli import run
+
+    run(lambda: worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))

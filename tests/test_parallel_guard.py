@@ -96,7 +96,9 @@ def test_fail_together(tmp_path):
                            "  rank 3: ValueError: bad tensor on rank 3")
 
         kind, message, ranks, _, cause = out["nested"]
-        assert message == "rank 2 failed while building layer 3: MemoryError: out of memory"
+        assert message == ("rank 2 failed while building layer 3: ran out of memory (MemoryError: out of "
+                           "memory); use more ranks (a larger --ep) or more memory per rank, and tell the "
+                           "plan what a rank may use (--max-memory)")
 
         kind, message, ranks, seconds, cause = out["forward"]
         assert ranks == [1] and seconds < 2 * TIMEOUT_S + 5

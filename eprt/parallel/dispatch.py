@@ -11,7 +11,6 @@ are batch invariant.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from eprt.kernels import combine, permute
 from eprt.parallel.placement import ExpertPlacement
@@ -24,7 +23,7 @@ class EPDispatcher:
     """
 
     def __init__(self, state: ParallelState):
-        self.state, self.group, self.ep_size = state, state.ep_group, state.ep_size
+        self.state, self.ep_size = state, state.ep_size
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor, experts) -> torch.Tensor:
@@ -50,16 +49,16 @@ class EPDispatcher:
         ep, L = self.ep_size, experts.count
         sent_PL = tokens_per_expert_E.view(ep, L)
         recv_PL = torch.empty_like(sent_PL)  # [source rank][local expert]
-        dist.all_to_all_single(recv_PL, sent_PL, group=self.group)
+        self.state.all_to_all_single(recv_PL, sent_PL, over="ep")
         send_splits = sent_PL.sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
 
-        x_recv = _all_to_all_rows(x_sorted, recv_splits, send_splits, self.group)
+        x_recv = _all_to_all_rows(x_sorted, recv_splits, send_splits, self.state, "ep")
         to_local = source_to_expert_order(recv_PL)
         y_local = experts(x_recv[to_local], recv_PL.sum(0))
         y_recv = torch.empty_like(y_local)
         y_recv[to_local] = y_local
-        return _all_to_all_rows(y_recv, send_splits, recv_splits, self.group)
+        return _all_to_all_rows(y_recv, send_splits, recv_splits, self.state, "ep")
 
 
 def _check_holds(place: ExpertPlacement, experts) -> None:
@@ -88,13 +87,12 @@ def source_to_expert_order(counts_PL: torch.Tensor) -> torch.Tensor:
 
 
 def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                     group: dist.ProcessGroup) -> torch.Tensor:
+                     state: ParallelState, over: str = "dp") -> torch.Tensor:
     """Exchange rows with uneven (possibly zero) splits, as raw bytes: gloo refuses float8, and
     the bytes of any dtype travel unchanged."""
     x = x.contiguous()
     out = torch.empty(sum(out_splits), *x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), out_splits, in_splits,
-                           group=group)
+    state.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), out_splits, in_splits, over)
     return out
 
 
@@ -141,7 +139,7 @@ class UnitDispatcher:
             x_sent = x_TD.index_select(0, order_R // K)
             x_recv, key_recv, send_splits, recv_splits = self._send(dest_R, x_sent, sort_key_R.index_select(0, order_R))
             y_recv = _run_units(x_recv, key_recv, L, U, self.keyspace, experts)
-            y_sent = _all_to_all_rows(y_recv, send_splits, recv_splits, st.dp_group)
+            y_sent = _all_to_all_rows(y_recv, send_splits, recv_splits, st)
             # the rows that stay on this rank cross no wire
             self.bytes_sent += (y_recv.shape[0] - recv_splits[st.rank]) * y_recv.shape[1] * y_recv.element_size()
         if x_TD.shape[0] == 0:
@@ -156,10 +154,10 @@ class UnitDispatcher:
         st = self.state
         sent = torch.bincount(dest_R, minlength=st.world)
         recv = torch.empty_like(sent)
-        dist.all_to_all_single(recv, sent, group=st.dp_group)
+        st.all_to_all_single(recv, sent)
         send_splits, recv_splits = sent.tolist(), recv.tolist()
-        x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st.dp_group)
-        key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st.dp_group)[:, 0]
+        x_recv = _all_to_all_rows(x_sent, recv_splits, send_splits, st)
+        key_recv = _all_to_all_rows(key_sent[:, None], recv_splits, send_splits, st)[:, 0]
         self.bytes_sent += (x_sent.shape[0] - send_splits[st.rank]) * (x_sent.shape[1] * x_sent.element_size() + 8)
         return x_recv, key_recv, send_splits, recv_splits
 

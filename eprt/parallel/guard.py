@@ -11,14 +11,17 @@ stays visible there.
 The outcomes travel through the store, not a process group, so they get through even when the
 step's own collectives are stuck or broken. The guard cannot pull a rank out of a collective a
 failing peer never joins (a forward that raises on one rank before an all-to-all the others are
-in); that collective's timeout does, and the rank then posts the timeout as its outcome, which
-the verdict lists apart from the failure that caused it. So the guard waits twice the collective
-timeout for outcomes; a rank that has posted none by then (hung outside any collective) is named
-as missing. A rank that dies is named as soon as its heartbeat stops (`eprt.parallel.liveness`,
-EPRT_PEER_TIMEOUT seconds), and a collective that broke because it did (gloo's "Connection
-closed by peer") counts, like a timeout, as a consequence rather than a cause. When the store
-itself is gone (the node serving it went down), every rank decides alone and names the others
-as unreachable.
+in) by itself; the collective's wait does (`ParallelState.finish`), as soon as the failing rank
+has posted its outcome, and the rank then posts that it gave up (or, for a collective not waited
+for so, its timeout) as its outcome, which the verdict lists apart from the failure that caused
+it. The guard waits twice the collective timeout for outcomes; a rank that has posted none by
+then (hung outside any collective) is named as missing. A rank that dies is named as soon as its
+heartbeat stops (`eprt.parallel.liveness`, EPRT_PEER_TIMEOUT seconds), and a collective that
+broke because it did (gloo's "Connection closed by peer") counts, like a timeout, as a
+consequence rather than a cause. When the store itself is gone (the node serving it went down),
+every rank decides alone and names the others as unreachable. A rank that SIGTERM ends (torchrun's agent ends the other ranks of its node as
+soon as one dies) names the peers whose heartbeat has stopped, a few beats after the signal,
+rather than the signal. A step that runs out of memory says so, and the way out.
 
 The first rank to decide writes the verdict once (compare-and-set) and every rank obeys it, so
 a rank that posts after the others gave up on it raises the same error they did.
@@ -32,7 +35,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eprt.errors import EprtError
-from eprt.parallel.liveness import Interrupted, post, wait_posted
+from eprt.parallel.liveness import (HOW_RANKS_DIE, Interrupted, PeerLost, begin_stopping, name_ranks,
+                                    post, wait_posted)
 from eprt.parallel.state import ParallelState
 
 # A failure report keeps the exception's type and message, not its traceback (that stays on the
@@ -46,7 +50,7 @@ class RankFailure(EprtError):
     `failures` maps each rank whose step raised to "ExceptionType: message"; `timeouts` the ranks
     that then timed out (or lost their connection) in a collective waiting for them; `missing`
     lists the live ranks that posted no outcome within `waited_s` seconds; `dead` the ranks whose
-    heartbeat stopped for `peer_timeout_s` before they posted one, or, with `store_lost`, the
+    heartbeat had stopped for `silent_s` before they posted one, or, with `store_lost`, the
     ranks this one could not hear from once the run's store stopped answering; `stopped` the
     ranks a signal ended (Ctrl-C, or torchrun's agent ending the other ranks of a failed node).
     `ranks` are the ranks to look at first.
@@ -54,17 +58,17 @@ class RankFailure(EprtError):
 
     def __init__(self, what: str, failures: dict[int, str], timeouts: dict[int, str] | None = None,
                  missing: list[int] = (), waited_s: float = 0.0, dead: list[int] = (),
-                 peer_timeout_s: float = 0.0, store_lost: bool = False,
+                 silent_s: float = 0.0, store_lost: bool = False,
                  stopped: dict[int, str] | None = None):
         self.what, self.failures = what, dict(failures)
         self.timeouts, self.missing, self.waited_s = dict(timeouts or {}), list(missing), waited_s
-        self.dead, self.peer_timeout_s, self.store_lost = list(dead), peer_timeout_s, store_lost
+        self.dead, self.silent_s, self.store_lost = list(dead), silent_s, store_lost
         self.stopped = dict(stopped or {})
         super().__init__(self._message())
 
     def __reduce__(self):
         return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s,
-                            self.dead, self.peer_timeout_s, self.store_lost, self.stopped)
+                            self.dead, self.silent_s, self.store_lost, self.stopped)
 
     @property
     def ranks(self) -> list[int]:
@@ -78,29 +82,29 @@ class RankFailure(EprtError):
             by_report.setdefault(self.failures[r], []).append(r)
         if len(by_report) == 1:  # one rank, or every failing rank saying the same
             (report, ranks), = by_report.items()
-            lines.append(f"{_ranks(ranks)} failed while {self.what}: {report}")
+            lines.append(f"{name_ranks(ranks)} failed while {self.what}: {report}")
         elif by_report:
             lines.append(f"ranks {_names(self.failures)} failed while {self.what}:")
-            lines += [f"  {_ranks(ranks)}: {report}" for report, ranks in by_report.items()]
+            lines += [f"  {name_ranks(ranks)}: {report}" for report, ranks in by_report.items()]
         if self.dead and self.store_lost:
-            lines.append(f"{_ranks(self.dead)} could not be heard from while {self.what}: the run's "
+            lines.append(f"{name_ranks(self.dead)} could not be heard from while {self.what}: the run's "
                          "store stopped answering (the node serving it, with torchrun's first agent "
                          "or rank 0, went down)")
         elif self.dead:
-            lines.append(f"{_ranks(self.dead)} died while {self.what}: no heartbeat for "
-                         f"{self.peer_timeout_s:g} s (killed, crashed, or its node went down)")
+            lines.append(f"{name_ranks(self.dead)} died while {self.what}: no heartbeat for "
+                         f"{self.silent_s:g} s ({HOW_RANKS_DIE})")
         if self.missing:
-            lines.append(f"{_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
+            lines.append(f"{name_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
                          f"{self.what} (hung outside a collective)")
         if self.stopped:
             when = "then" if self.failures or self.missing or self.dead else f"while {self.what}"
-            lines.append(f"{_ranks(self.stopped)} {when} stopped on a signal "
+            lines.append(f"{name_ranks(self.stopped)} {when} stopped on a signal "
                          f"({', '.join(sorted(set(self.stopped.values())))})")
         if self.timeouts:
             first = min(self.timeouts)
             caused = self.failures or self.missing or self.dead or self.stopped
             when = "then" if caused else f"while {self.what}"
-            lines.append(f"{_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
+            lines.append(f"{name_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
                          f"a peer there (rank {first}: {self.timeouts[first]})")
         return "\n".join(lines)
 
@@ -121,11 +125,20 @@ class fail_together:
     def __enter__(self) -> fail_together:
         self.state.guards_entered += 1
         self.key = f"guard/{self.state.guards_entered}"
+        self.state.open_guards.append(self.key)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self.state.open_guards.remove(self.key)
         if isinstance(exc, RankFailure):
             return False
+        try:
+            return self._conclude(exc)
+        except RankFailure:
+            begin_stopping()  # the run ends on it: no signal may replace it
+            raise
+
+    def _conclude(self, exc: BaseException | None) -> bool:
         state = self.state
         if state.world == 1 or state.store is None:
             if exc is not None:
@@ -135,23 +148,40 @@ class fail_together:
         if exc is not None and not isinstance(exc, Exception):
             # An interrupt or exit: tell the others, but do not hold the user up waiting for them.
             told = _try(lambda: post(state.store, self.key, state.rank, outcome.encode()))
-            if told or not (isinstance(exc, Interrupted) and exc.signal == "SIGTERM"):
+            if not (isinstance(exc, Interrupted) and exc.signal == "SIGTERM"):
                 return False
+            if told:
+                verdict = _signalled(state, outcome)
+                if verdict is None:  # every peer beats: the stop was asked for, and goes on
+                    return False
+                self._fail(verdict, exc)
             # SIGTERM with the store gone: torchrun's agent ending its workers because the node
             # serving the store went down, which is the cause to name, not the signal
             state.peers_lost = True
             verdict = _alone(state, outcome)
             raise RankFailure(self.what, {}, dead=verdict["dead"], store_lost=True,
                               stopped=verdict["stopped"]) from exc
-        verdict = _decide(state, self.key, outcome, self.wait)
+        try:
+            verdict = _decide(state, self.key, outcome, self.wait)
+        except Interrupted as stop:
+            # SIGTERM in the wait: torchrun's agent ending this rank because a peer died
+            if stop.signal != "SIGTERM":
+                raise
+            verdict = _signalled(state, outcome)
+            if verdict is None:
+                raise
         if any(verdict[kind] for kind in ("failures", "timeouts", "missing", "dead", "stopped")):
-            if verdict["dead"] or verdict["store_lost"]:
-                state.peers_lost = True
-            peer_timeout_s = state.heartbeat.timeout_s if state.heartbeat is not None else 0.0
-            raise RankFailure(self.what, verdict["failures"], verdict["timeouts"],
-                              verdict["missing"], self.wait.total_seconds(), verdict["dead"],
-                              peer_timeout_s, verdict["store_lost"], verdict["stopped"]) from exc
+            self._fail(verdict, exc)
         return False
+
+    def _fail(self, verdict: dict, exc: BaseException | None) -> None:
+        """Raise the verdict's RankFailure on this rank."""
+        if verdict["dead"] or verdict["store_lost"]:
+            self.state.peers_lost = True
+        silent_s = verdict.get("silent_s") or (self.state.heartbeat.timeout_s if self.state.heartbeat else 0.0)
+        raise RankFailure(self.what, verdict["failures"], verdict["timeouts"], verdict["missing"],
+                          self.wait.total_seconds(), verdict["dead"], silent_s, verdict["store_lost"],
+                          verdict["stopped"]) from exc
 
 
 def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> dict:
@@ -190,6 +220,25 @@ def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> di
     return decided
 
 
+def _signalled(state: ParallelState, outcome: str) -> dict | None:
+    """The verdict of a rank SIGTERM is ending: the peers whose heartbeat stays still a few beats
+    (`Heartbeat.fallen_silent`) died first, and torchrun's agent is ending this rank for it; None
+    when every peer still beats."""
+    if state.heartbeat is None:
+        return None
+    try:
+        dead = state.heartbeat.fallen_silent()
+    except dist.DistError:
+        return _alone(state, outcome)
+    if not dead:
+        return None
+    verdict = {"failures": {}, "timeouts": {}, "stopped": {state.rank: "SIGTERM"}, "missing": [],
+               "dead": dead, "store_lost": False, "silent_s": state.heartbeat.signalled_silence_s}
+    if outcome[:1] in ("F", "T"):
+        verdict[_VERDICT_OF[outcome[0]]][state.rank] = outcome[1:]
+    return verdict
+
+
 def _alone(state: ParallelState, outcome: str) -> dict:
     """The verdict from this rank's outcome alone, for when the store cannot be reached."""
     verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "store_lost": True,
@@ -211,15 +260,28 @@ def _kind(exc: BaseException) -> str:
 
 def _describe(exc: BaseException) -> str:
     message = str(exc)[:MAX_REPORT_CHARS]
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    described = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if _out_of_memory(exc):
+        return (f"ran out of memory ({described}); use more ranks (a larger --ep) or more memory per "
+                "rank, and tell the plan what a rank may use (--max-memory)")
+    return described
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, or torch's failed allocation (CPU: "not enough memory", CUDA: "out of
+    memory"; a C++ allocation: "bad_alloc")."""
+    message = str(exc).lower()
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and any(
+        words in message for words in ("out of memory", "not enough memory", "can't allocate memory",
+                                       "bad_alloc")))
 
 
 def _is_timeout(exc: BaseException) -> bool:
     """A collective that gave up waiting for a peer (gloo says "Timed out", NCCL's watchdog
-    "timeout") or lost it (gloo: "Connection closed by peer", "Connection reset by peer"), as
-    opposed to a failure of the step itself."""
+    "timeout", eprt's wait PeerLost) or lost it (gloo: "Connection closed by peer", "Connection
+    reset by peer"), as opposed to a failure of the step itself."""
     message = str(exc).lower()
-    return (isinstance(exc, RuntimeError) and any(
+    return isinstance(exc, PeerLost) or (isinstance(exc, RuntimeError) and any(
         words in message for words in ("timed out", "closed by peer", "reset by peer"))) or \
         (isinstance(exc, dist.DistBackendError) and "timeout" in message)
 
@@ -234,7 +296,3 @@ def _try(op) -> bool:
 
 def _names(ranks) -> str:
     return ", ".join(map(str, sorted(ranks)))
-
-
-def _ranks(ranks) -> str:
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {_names(ranks)}"

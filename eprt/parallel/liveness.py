@@ -6,12 +6,15 @@ moved for `EPRT_PEER_TIMEOUT` seconds (default 30), as this rank watches it, is 
 crashed, or its node is gone. Counters, not timestamps, so that the nodes' clocks need not agree.
 
 `wait_posted` waits for every rank to post a key, and gives up on the ranks that die meanwhile,
-so that no wait on a dead rank lasts longer than the peer timeout.
+so that no wait on a dead rank lasts longer than the peer timeout; a collective is waited for
+alike (`ParallelState.finish`), and given up with `PeerLost`.
 
 Signals: SIGINT (Ctrl-C) and SIGTERM (torchrun's agent ending its workers) raise `Interrupted`,
 once, so that the guards tell the other ranks and every `finally` removes what it started;
 a second signal while that cleanup runs (torchrun forwards Ctrl-C as a second SIGINT) is
-ignored rather than cutting the cleanup short.
+ignored rather than cutting the cleanup short, and so is any signal once the rank is failing
+(`begin_stopping`): torchrun's agent ends the other ranks as soon as a failed one exits, and the
+failure is what each of them must report.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from eprt.errors import ConfigError
+from eprt.errors import ConfigError, EprtError
 
 PEER_TIMEOUT_ENV = "EPRT_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 30.0
@@ -32,6 +35,11 @@ DEFAULT_PEER_TIMEOUT_S = 30.0
 # step mostly arrive together and every guard of a run waits once, then less often up to POLL_S.
 FIRST_POLL_S = 0.001
 POLL_S = 0.25
+# A signalled rank names the peers whose heartbeat stays still for this many beats: torchrun's
+# agent ends its other ranks at once when one dies, long before the peer timeout.
+SIGNALLED_SILENCE_BEATS = 3
+# What the dead are: the way a rank dies without a word (the OOM killer is the commonest).
+HOW_RANKS_DIE = "killed, crashed, out of memory, or its node went down"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -41,6 +49,11 @@ class Interrupted(KeyboardInterrupt):
     def signal(self) -> str:
         """The signal's name: "SIGINT" or "SIGTERM"."""
         return self.args[0]
+
+
+class PeerLost(EprtError):
+    """This rank gave up waiting in a collective: a peer died, or failed or stopped its step, and
+    will not join it."""
 
 
 def peer_timeout_s() -> float:
@@ -74,31 +87,51 @@ class Heartbeat:
         beat_store.add(self._key, 1)
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._stop = threading.Event()
-        self._interval = min(1.0, timeout_s / 5)
+        self.interval = min(1.0, timeout_s / 5)  # between beats
         self._thread = threading.Thread(target=self._run, name=f"eprt-heartbeat-{rank}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(self.interval):
             try:
                 self._beat_store.add(self._key, 1)
             except dist.DistError:
                 return  # the store is gone; the main thread finds out at its next wait
 
-    def dead(self) -> list[int]:
-        """The peers whose heartbeat has not moved for the peer timeout (raises DistError when
-        the store cannot be reached)."""
+    def dead(self, silent_s: float | None = None) -> list[int]:
+        """The peers whose heartbeat has not moved for `silent_s` (default: the peer timeout), as
+        this rank has watched it (raises DistError when the store cannot be reached)."""
+        silent_s = self.timeout_s if silent_s is None else silent_s
         peers = [r for r in range(self.world) if r != self.rank]
         counts = self.store.multi_get([f"alive/{r}" for r in peers])
         now = time.monotonic()
         for r, count in zip(peers, counts):
             if self._seen.get(r, (None,))[0] != count:
                 self._seen[r] = (count, now)
-        return [r for r in peers if now - self._seen[r][1] > self.timeout_s]
+        return [r for r in peers if now - self._seen[r][1] > silent_s]
+
+    def fallen_silent(self) -> list[int]:
+        """The peers whose heartbeat stays still for SIGNALLED_SILENCE_BEATS beats from now (or
+        already had): for a rank that a signal is ending, the peers that died first."""
+        silent_s = self.signalled_silence_s
+        deadline = time.monotonic() + silent_s + self.interval
+        while time.monotonic() < deadline:
+            time.sleep(self.interval / 2)
+            dead = self.dead(silent_s)
+        return dead
+
+    @property
+    def signalled_silence_s(self) -> float:
+        return SIGNALLED_SILENCE_BEATS * self.interval
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(self._interval + 1)
+        self._thread.join(self.interval + 1)
+
+
+def name_ranks(ranks) -> str:
+    """"rank 2", or "ranks 0, 3"."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, sorted(ranks)))}"
 
 
 def post(store: dist.Store, prefix: str, rank: int, value: bytes = b"") -> None:
@@ -164,6 +197,13 @@ def restore_signal_handlers(previous: dict | None) -> None:
         signal.signal(sig, handler)
 
 
+def begin_stopping() -> None:
+    """This process is ending on a failure: from here on a signal does not cut its cleanup short,
+    nor replace the failure it reports."""
+    global _stopping
+    _stopping = True
+
+
 def stopping() -> bool:
-    """Whether a signal has started stopping this process."""
+    """Whether a signal, or a failure (`begin_stopping`), has started stopping this process."""
     return _stopping

@@ -10,12 +10,20 @@ The fail-together guard reports outcomes through it, so a report still gets thro
 process group is stuck or broken by a timed-out collective. Every rank also beats a heartbeat
 there (`eprt.parallel.liveness`), so that no wait on a rank that died outlasts the peer timeout,
 and turns SIGINT and SIGTERM into an exception, so that an interrupted run cleans up after itself.
+
+Collectives go through `all_reduce` and `all_to_all_single`, which wait for them the way a guard
+waits for outcomes: a rank waiting in one gives it up (`PeerLost`) once a peer has died, or has
+failed or stopped its step (posted a failure to a guard this rank is in, or left the run failing),
+instead of waiting the collective's own timeout for a peer that never comes. A process group with
+a collective given up is never torn down: tearing it down waits out that collective's timeout.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,10 +32,16 @@ import torch.distributed as dist
 
 from eprt.errors import ConfigError
 from eprt.parallel.placement import ExpertPlacement
-from eprt.parallel.liveness import (Heartbeat, install_signal_handlers, peer_timeout_s, post,
+from eprt.parallel.liveness import (HOW_RANKS_DIE, PEER_TIMEOUT_ENV, Heartbeat, PeerLost,
+                                    install_signal_handlers, name_ranks, peer_timeout_s, post,
                                     restore_signal_handlers, stopping, wait_posted)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+# The least time a rank gives rank 0 to serve the run's store without torchrun's agent: ranks
+# of a manual launch start seconds apart.
+MIN_JOIN_S = 5.0
+# What gloo raises when a timed wait for a collective ends before the collective does.
+_POLL_EXPIRED = "Operation timed out!"
 
 
 def valid_ep(world: int, num_experts: int | None = None) -> list[int]:
@@ -89,6 +103,8 @@ class ParallelState:
     guards_entered: int = field(default=0, repr=False)  # names each guard's keys in the store
     heartbeat: Heartbeat | None = field(default=None, repr=False)
     peers_lost: bool = field(default=False, repr=False)  # a guard found a rank dead, or the store gone
+    open_guards: list[str] = field(default_factory=list, repr=False)  # the keys of the guards this rank is in
+    abandoned: bool = field(default=False, repr=False)  # a collective was given up (PeerLost)
     _signal_handlers: dict | None = field(default=None, repr=False)  # to restore on close
 
     @classmethod
@@ -129,8 +145,7 @@ class ParallelState:
         # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT (a fresh one for
         # each restart); without an agent, rank 0 serves it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        tcp_store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
-                                  timeout=timeout, wait_for_workers=False)
+        tcp_store = _join_store(addr, port, world, rank, rank == 0 and not agent_store, timeout, peer_timeout)
         store = dist.PrefixStore("eprt", tcp_store)
         # The heartbeat's own client (Store.clone is newer than the torch we support).
         beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -176,11 +191,62 @@ class ParallelState:
     def all_reduce(self, tensor: torch.Tensor, over: str = "dp",
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> torch.Tensor:
         """Reduce `tensor` in place over the "dp" (world), "ep" or "edp" group; a no-op alone."""
-        size, group = {"dp": (self.world, self.dp_group), "ep": (self.ep_size, self.ep_group),
-                       "edp": (self.edp_size, self.edp_group)}[over]
+        size, group = self._group(over)
         if size > 1:
-            dist.all_reduce(tensor, op=op, group=group)
+            self.finish(dist.all_reduce(tensor, op=op, group=group, async_op=True))
         return tensor
+
+    def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
+                          in_splits: list[int] | None = None, over: str = "dp") -> torch.Tensor:
+        """`dist.all_to_all_single` over the "dp", "ep" or "edp" group, waited for by `finish`."""
+        self.finish(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._group(over)[1],
+                                           async_op=True))
+        return out
+
+    def _group(self, over: str) -> tuple[int, dist.ProcessGroup | None]:
+        return {"dp": (self.world, self.dp_group), "ep": (self.ep_size, self.ep_group),
+                "edp": (self.edp_size, self.edp_group)}[over]
+
+    def finish(self, work: dist.Work) -> None:
+        """Wait for a collective this rank has started (`async_op=True`); raise PeerLost, and give
+        it up, once a peer has died or has failed or stopped its step.
+
+        gloo's timed wait leaves the collective running, so this rank looks at its peers between
+        waits of one heartbeat. (NCCL's timed wait would abort the communicator: it keeps its
+        plain wait, which the watchdog of ProcessGroupNCCL bounds.)"""
+        if self.backend != "gloo" or self.heartbeat is None:
+            work.wait()
+            return
+        beat = timedelta(seconds=self.heartbeat.interval)
+        while True:
+            try:
+                work.wait(beat)
+                return
+            except RuntimeError as e:
+                if str(e) != _POLL_EXPIRED:
+                    raise
+            lost = self._peer_lost()
+            if lost:
+                self.abandoned = True
+                raise PeerLost(f"{lost}; rank {self.rank} gave up waiting for it in a collective")
+
+    def _peer_lost(self) -> str | None:
+        """Why no collective can complete any more: a peer died, or failed or stopped its step;
+        None while every peer may still come."""
+        dead = self.heartbeat.dead()
+        if dead:
+            return (f"{name_ranks(dead)} died: no heartbeat for {self.heartbeat.timeout_s:g} s "
+                    f"({HOW_RANKS_DIE})")
+        for key in self.open_guards:
+            # A guard's outcome that is not empty is a failure, a timeout or a signal.
+            if int(self.store.add(f"{key}/count", 0)):
+                failed = [r for r in range(self.world)
+                          if self.store.check([f"{key}/{r}"]) and self.store.get(f"{key}/{r}")]
+                if failed:
+                    return f"{name_ranks(failed)} failed or stopped its step"
+        if int(self.store.add("failing/count", 0)):
+            return "a rank is leaving the run on a failure"
+        return None
 
     def close(self, failing: bool = False) -> None:
         """Leave the run: wait for every live rank, then tear the process groups down.
@@ -195,6 +261,8 @@ class ParallelState:
             return
         failing = failing or stopping()
         try:
+            if failing:  # a peer still waiting in a collective for this rank gives it up
+                post(self.store, "failing", self.rank)
             if not self.peers_lost:
                 self._leave_together(failing)
         except dist.DistError:
@@ -205,7 +273,9 @@ class ParallelState:
                 self.heartbeat.stop()
             if not stopping():  # a stopping process keeps ignoring repeated signals to the end
                 restore_signal_handlers(self._signal_handlers)
-            if dist.is_initialized():
+            if self.abandoned:
+                _keep_to_the_end(self.ep_group, self.edp_group, self.dp_group)
+            elif dist.is_initialized():
                 dist.destroy_process_group()
             self.store = None
 
@@ -223,6 +293,55 @@ class ParallelState:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(failing=exc is not None)
+
+
+def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeout: timedelta,
+                peer_timeout: float) -> dist.TCPStore:
+    """The run's store at addr:port: served by this rank (`serve`), or joined.
+
+    A port another program holds is refused by name. A rank that cannot join within the peer
+    timeout (at least MIN_JOIN_S) gives up: rank 0 never served the store, or what answers at the
+    port is not it. The client is made on a thread of its own, since one that reached something
+    other than a store waits for its answer for ever."""
+    if serve:
+        try:
+            return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise ConfigError(
+                f"rank 0 cannot serve the run's store on port {port} (MASTER_ADDR={addr}, "
+                f"MASTER_PORT={port}): the port is already in use, by another run or program; "
+                "launch again with a free MASTER_PORT") from None
+    join_s = max(peer_timeout, MIN_JOIN_S)
+    joined: list = []
+
+    def join() -> None:
+        try:
+            joined.append(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=join_s),
+                                        wait_for_workers=False))
+        except dist.DistError as e:
+            joined.append(e)
+
+    thread = threading.Thread(target=join, name=f"eprt-join-{rank}", daemon=True)
+    thread.start()
+    thread.join(join_s + 1)
+    if not joined or isinstance(joined[0], dist.DistError):
+        raise ConfigError(
+            f"rank {rank} could not reach the run's store at {addr}:{port} (MASTER_ADDR, MASTER_PORT) "
+            f"within {join_s:g} s: rank 0 serves it there, so check that rank 0 started, and that "
+            f"MASTER_PORT {port} is free for it; ranks that start further apart need a larger "
+            f"{PEER_TIMEOUT_ENV}")
+    joined[0].set_timeout(timeout)
+    return joined[0]
+
+
+def _keep_to_the_end(*groups: dist.ProcessGroup | None) -> None:
+    """Never tear `groups` down: one with a collective given up would wait, tearing down or at
+    the process's exit, for that collective's own timeout (minutes) before the process may end."""
+    for group in groups:
+        if group is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def check_devices(reports: list[tuple[int, int, str]]) -> None:
