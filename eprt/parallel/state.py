@@ -299,9 +299,10 @@ def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeou
                 peer_timeout: float) -> dist.TCPStore:
     """The run's store at addr:port: served by this rank (`serve`), or joined.
 
-    A port another program holds is refused by name. A rank that cannot join within the peer
+    A port another program holds is refused by name. A rank that cannot join within twice the peer
     timeout (at least MIN_JOIN_S) gives up: rank 0 never served the store, or what answers at the
-    port is not it. The client is made on a thread of its own, since one that reached something
+    port is not it. Ranks of a manual launch (srun starting every rank) must therefore start within
+    that of rank 0: time for a node to import torch from a shared file system. The client is made on a thread of its own, since one that reached something
     other than a store waits for its answer for ever."""
     if serve:
         try:
@@ -313,7 +314,7 @@ def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeou
                 f"rank 0 cannot serve the run's store on port {port} (MASTER_ADDR={addr}, "
                 f"MASTER_PORT={port}): the port is already in use, by another run or program; "
                 "launch again with a free MASTER_PORT") from None
-    join_s = max(peer_timeout, MIN_JOIN_S)
+    join_s = max(2 * peer_timeout, MIN_JOIN_S)
     joined: list = []
 
     def join() -> None:
