@@ -97,10 +97,11 @@ class MemoryPlan:
     eval_layer: int = 0  # the quality report: the largest layer's weights with the copy of its quantized ones
     eval_step: int = 0  # one held-out step's buffers, with the probes'
     head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
+    tokens: int = 0  # the calibration (and held-out) token ids, as read and as packed into sequences
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.hidden + self.codes + max(self.embedding, self.reading,
+        return self.baseline + self.hidden + self.tokens + self.codes + max(self.embedding, self.reading,
                                                                self.layer + self.step + self.gptq,
                                                                self.eval_layer + self.eval_step, self.head)
 
@@ -205,14 +206,16 @@ class Planner:
         step = self._step(rank, world, num_sequences, seq_len, schedule, probes=False, all_experts=all_experts,
                           ep=ep)
         gptq, codes = self._gptq(ep)
+        tokens = 2 * (num_sequences + eval_sequences) * T * 8  # int64, read then packed
         if not eval_sequences:
-            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes)
+            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
+                              tokens=tokens)
         hidden += 2 * len(own_sequences(eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, eval_sequences, seq_len, eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
         return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
-                          copied, eval_step, head)
+                          copied, eval_step, head, tokens)
 
     def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
               probes: bool, all_experts: bool = False, ep: int = 1) -> int:
@@ -298,30 +301,48 @@ def format_bytes(n: int) -> str:
 
 def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
                  num_experts: int, num_sequences: int, seq_len: int, schedule_of, all_experts: bool = False,
-                 eval_sequences: int = 0, eval_schedule: Schedule | None = None) -> None:
+                 eval_sequences: int = 0, eval_schedule: Schedule | None = None, schedule_at=None) -> None:
     """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
-    --calib-size that fit (`schedule_of(num_sequences)` gives the run's schedule for a size)."""
+    --calib-size that fit, or, where not one sequence fits, the largest --seq-len
+    (`schedule_of(num_sequences)` gives the run's schedule for a size; `schedule_at(num_sequences,
+    seq_len)` for a size and another length, without which no --seq-len is named).
+
+    It needs only the sizes, not the data: call it before the calibration data is read, so that a
+    run too large for its memory is refused before it builds anything of that size."""
     if plan.peak <= limit:
         return
     from eprt.parallel.state import valid_ep
 
-    def peak(ep_: int, n: int) -> int:
-        return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=seq_len,
-                            schedule=schedule_of(n), baseline=plan.baseline, all_experts=all_experts,
-                            eval_sequences=eval_sequences, eval_schedule=eval_schedule).peak
+    def peak(ep_: int, n: int, T: int = seq_len) -> int:
+        at = schedule_at if T != seq_len else lambda n_, _: schedule_of(n_)
+        return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=T, schedule=at(n, T),
+                            baseline=plan.baseline, all_experts=all_experts, eval_sequences=eval_sequences,
+                            eval_schedule=(eval_schedule if T == seq_len else at(eval_sequences, T))
+                            if eval_sequences else None).peak
 
     ways = []
     fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]
     if fitting_ep:
         ways.append(f"--ep {fitting_ep[0]}")
-    lo, hi = 0, num_sequences - 1  # the largest size that fits, by bisection (the peak grows with it)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if peak(ep, mid) <= limit else (lo, mid - 1)
-    if lo:
-        ways.append(f"--calib-size {lo}")
+    size = largest_fitting(num_sequences - 1, lambda n: peak(ep, n) <= limit)
+    if size:
+        ways.append(f"--calib-size {size}")
+    elif schedule_at is not None:  # not even one sequence of this length fits: the length is what is too large
+        length = largest_fitting(seq_len - 1, lambda T: peak(ep, num_sequences, T) <= limit)
+        if length:
+            ways.append(f"--seq-len {length}")
     way = " or ".join(ways) if ways else "more memory per rank (more ranks, a larger --ep)"
     raise ConfigError(f"rank {rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
                       f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
-                      f"{format_bytes(plan.step)}, process {format_bytes(plan.baseline)}), over --max-memory "
-                      f"{format_bytes(limit)}: use {way}")
+                      f"{format_bytes(plan.step)}, token ids {format_bytes(plan.tokens)}, process "
+                      f"{format_bytes(plan.baseline)}), over --max-memory {format_bytes(limit)}: use {way}")
+
+
+def largest_fitting(most: int, fits) -> int:
+    """The largest n in [1, most] with fits(n), 0 for none; by bisection (the peak grows with n)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
