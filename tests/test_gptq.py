@@ -13,6 +13,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
+from eprt.quant import workdir
 from eprt.quant.engine import LayerEngine
 from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.gptq import HessianSum, columns_of, gptq
@@ -271,7 +272,7 @@ def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tin
 
 
 def test_gptq_resumes_after_its_last_completed_layer_with_the_same_bytes(tiny, tmp_path, monkeypatch):
-    """GPTQ's codes of the layers done are saved with each layer boundary: a run stopped in layer 2
+    """GPTQ's codes of each layer done are saved at its layer boundary: a run stopped in layer 2
     resumes after layer 1 and writes what a run never stopped writes."""
     _, ck = tiny
     args = lambda out, **kw: PTQArgs(ck, "fp8", str(tmp_path / out), algorithm="gptq", progress=False,  # noqa: E731
@@ -288,9 +289,38 @@ def test_gptq_resumes_after_its_last_completed_layer_with_the_same_bytes(tiny, t
     with pytest.raises(Exception, match="stopped in layer 2"):
         run_ptq(ParallelState.single(), args("q"))
     monkeypatch.setattr(LayerEngine, "run_layer", run_layer)
+    # each completed layer's codes in a file of their own, the last completed layer's states beside them
+    work = tmp_path / "q.work" / "rank-00000"
+    assert sorted(os.listdir(work)) == ["gptq-00000.safetensors", "gptq-00001.safetensors", "layer-00001.safetensors"]
     assert run_ptq(ParallelState.single(), args("q", resume=True))["resumed_after"] == 1
+    assert not os.path.exists(tmp_path / "q.work")  # the codes' files removed with the rest
     exports = [export_hf(str(tmp_path / q), str(tmp_path / f"export-{q}"), progress=False) for q in ("whole", "q")]
     assert same_files(*exports)
+
+
+def gptq_bytes_per_layer_boundary(tmp_path, layers: int, monkeypatch) -> list[int]:
+    """The bytes of GPTQ codes each layer boundary writes to the work directory, in a run of a
+    tiny Qwen3-MoE of `layers` like layers."""
+    written = []
+    save = workdir.save_tensors
+
+    def counting(path, tensors, metadata=None):
+        written.append(sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith("gptq")))
+        return save(path, tensors, metadata)
+
+    monkeypatch.setattr(workdir, "save_tensors", counting)
+    hf = make_tiny("qwen3_moe", str(tmp_path / f"hf{layers}"), num_hidden_layers=layers, mlp_only_layers=[])
+    ck = convert_hf(hf, str(tmp_path / f"ck{layers}"), progress=False)
+    run_ptq(ParallelState.single(), PTQArgs(ck, "fp8", str(tmp_path / f"q{layers}"), algorithm="gptq",
+                                            calib_size=4, seq_len=16, progress=False))
+    return [n for n in written if n]
+
+
+def test_gptq_work_dir_writes_each_layers_codes_once(tmp_path, monkeypatch):
+    """At 4 layers and at 16 every layer boundary writes one layer's codes: the work written grows
+    with the layers, not with their square."""
+    four, sixteen = (gptq_bytes_per_layer_boundary(tmp_path, n, monkeypatch) for n in (4, 16))
+    assert four == four[:1] * 4 and sixteen == four[:1] * 16, (four, sixteen)
 
 
 def test_a_min_token_count_below_one_is_refused_by_name(tiny, tmp_path):

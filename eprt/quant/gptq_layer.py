@@ -50,10 +50,13 @@ class GPTQResults:
         self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skipped: dict[str, list[int]] = {}
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What a layer boundary saves for --resume (eprt.quant.workdir)."""
-        out = {f"gptq/{m}": t for m, t in self.dense.items()}
-        for m, (w13, w2) in self.experts.items():
+    def modules(self) -> set[str]:
+        return set(self.dense) | set(self.experts)
+
+    def tensors(self, modules: set[str]) -> dict[str, torch.Tensor]:
+        """What a layer boundary saves of `modules` for --resume (eprt.quant.workdir)."""
+        out = {f"gptq/{m}": t for m, t in self.dense.items() if m in modules}
+        for m, (w13, w2) in ((m, pair) for m, pair in self.experts.items() if m in modules):
             out[f"gptq_w13/{m}"], out[f"gptq_w2/{m}"] = w13, w2
             out[f"gptq_skipped/{m}"] = torch.tensor(self.skipped.get(m, []), dtype=torch.int64)
         return out

@@ -3,14 +3,17 @@
 After each decoder layer, every rank saves, atomically, its sequences' hidden states (and block
 snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`:
 written beside, synced, renamed. A rank drops its previous layer's file only once every rank has
-saved the new one durably, so the ranks always share a last completed layer. A run started again
-with the same arguments and inputs (eprt.quant.fingerprint) and `--resume` continues after it, and
-computes the same bits as a run never stopped.
+saved the new one durably, so the ranks always share a last completed layer. GPTQ's codes of the
+layer go, once, to their own `rank-RRRRR/gptq-NNNNN.safetensors`, written the same way before the
+layer file and kept to the end: the work written grows with the layers, not with their square. A
+run started again with the same arguments and inputs (eprt.quant.fingerprint) and `--resume`
+continues after the last layer file, with the codes of every layer up to it, and computes the same
+bits as a run never stopped.
 
 The directory is removed when the run ends, so eprt works only in one it made: a new (or empty)
 directory, which it marks with MARKER, or one that holds that marker. It refuses a directory that
 holds other files, and one that is, lies inside or holds an input or the output. It removes only
-what it wrote there (its layer files, their rank directories, the marker), and the directory
+what it wrote there (its layer and GPTQ files, their rank directories, the marker), and the directory
 itself only where it made it and nothing else is left. The ranks share it (rank 0 marks it), so it
 must lie on a file system every rank sees, as the output does.
 """
@@ -39,7 +42,8 @@ from eprt.storage.safetensors_io import save_tensors
 MARKER = ".eprt-work-dir.json"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
-PARTIAL_FILE = re.compile(r"layer-\d{5}\.safetensors\.partial")
+GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
+PARTIAL_FILE = re.compile(r"(layer|gptq)-\d{5}\.safetensors\.partial")
 
 
 def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
@@ -72,6 +76,7 @@ class WorkDir:
         self.path, self.state, self.base = path, state, base
         self.fingerprint = fingerprint
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
+        self.gptq_saved: set[str] = set()  # the modules whose GPTQ codes a gptq file holds
 
     def prepare(self, resume: bool) -> None:
         """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
@@ -114,6 +119,15 @@ class WorkDir:
     def _file(self, layer: int) -> str:
         return os.path.join(self.mine, f"layer-{layer:05d}.safetensors")
 
+    def _gptq_file(self, layer: int) -> str:
+        return os.path.join(self.mine, f"gptq-{layer:05d}.safetensors")
+
+    def _gptq_layers(self, last: int) -> list[int]:
+        """The layers up to `last` whose GPTQ codes this rank saved (a later one's, from a layer not
+        every rank completed, is written again when that layer is)."""
+        found = (GPTQ_FILE.fullmatch(f) for f in os.listdir(self.mine))
+        return sorted(n for m in found if m and (n := int(m.group(1))) <= last)
+
     def last_completed(self, resume: bool) -> int:
         """The last layer every rank has saved (-1: none, and always without `resume`), agreed over the world."""
         layers = self._layers() if resume else []
@@ -124,31 +138,39 @@ class WorkDir:
     def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None) -> None:
         """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
         streams and what the report measured so far are saved too; with `gptq`
-        (eprt.quant.gptq_layer.GPTQResults), GPTQ's codes so far."""
+        (eprt.quant.gptq_layer.GPTQResults), the codes of the modules it gained since the last save,
+        in the layer's gptq file."""
         tensors = {**states("", ls), **stats(cal)}
         metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
             tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
             metadata["quality"] = held.report.saved()
-        if gptq is not None:
-            tensors.update(gptq.tensors())
-        tmp = self._file(layer) + ".partial"
-        with self.refused_writes(tmp):
-            if not os.path.isdir(self.mine):
+        if not os.path.isdir(self.mine):
+            with self.refused_writes(self.mine):
                 os.makedirs(self.mine)
                 fsync_dir(self.path)
-            save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
-            fsync_file(tmp)  # durable before it takes the layer's name: a crash leaves the old or the new
-            os.replace(tmp, self._file(layer))
-            fsync_dir(self.mine)
+        if gptq is not None:
+            new = gptq.modules() - self.gptq_saved
+            if new:  # written before the layer file, which vouches for it
+                self._write(self._gptq_file(layer), gptq.tensors(new), metadata)
+                self.gptq_saved |= new
+        self._write(self._file(layer), tensors, metadata)
         # every rank now holds `layer` durably: the older files are no longer the common last layer
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
 
-    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
-        path = self._file(layer)
+    def _write(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        tmp = path + ".partial"
+        with self.refused_writes(tmp):
+            save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+            fsync_file(tmp)  # durable before it takes its name: a crash leaves the old or the new
+            os.replace(tmp, path)
+            fsync_dir(self.mine)
+
+    def _read(self, path: str, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A saved file's tensors and metadata, refused when another run saved it or it is damaged."""
         try:
             with safe_open(path, "pt") as f:
                 metadata = f.metadata() or {}
@@ -158,16 +180,21 @@ class WorkDir:
                 raise ConfigError(f"{path}: saved by a run with other arguments or inputs ({'; '.join(differ)} "
                                   f"differ); run without --resume to start over, or resume with the arguments and "
                                   "inputs of the run that saved it")
-            tensors = load_file(path, device=str(device))
+            return load_file(path, device=str(device)), metadata
         except SafetensorError as e:
             raise ConfigError(f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start "
                               "over") from None
+
+    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
+        tensors, metadata = self._read(self._file(layer), device)
         load_stats(cal, tensors)
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
         if gptq is not None:
-            gptq.load(tensors)
+            for done in self._gptq_layers(layer):
+                gptq.load(self._read(self._gptq_file(done), "cpu")[0])
+            self.gptq_saved = gptq.modules()
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
         return from_states("", tensors)
@@ -202,11 +229,11 @@ def read_marker(path: str) -> dict:
 
 
 def remove_own_files(rank_dir: str) -> None:
-    """A rank directory's layer files (whole or half-written), then the directory if nothing else is in it."""
+    """A rank directory's layer and GPTQ files (whole or half-written), then the directory if nothing else is in it."""
     if not os.path.isdir(rank_dir):
         return
     for name in os.listdir(rank_dir):
-        if LAYER_FILE.fullmatch(name) or PARTIAL_FILE.fullmatch(name):
+        if LAYER_FILE.fullmatch(name) or GPTQ_FILE.fullmatch(name) or PARTIAL_FILE.fullmatch(name):
             os.remove(os.path.join(rank_dir, name))
     if not os.listdir(rank_dir):
         os.rmdir(rank_dir)
