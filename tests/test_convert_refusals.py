@@ -54,6 +54,16 @@ def missing_tensor(src):
     json.dump(index, open(path, "w"))
 
 
+def deep_index(src):
+    with open(os.path.join(src, "model.safetensors.index.json"), "wb") as f:
+        f.write(b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+def index_not_utf8(src):
+    with open(os.path.join(src, "model.safetensors.index.json"), "wb") as f:
+        f.write(b'{"weight_map": {"caf\xe9": "x"}}')
+
+
 def index_disagrees(src):
     edit_shard(src, lambda t: t.pop("model.norm.weight"))
 
@@ -75,6 +85,8 @@ CASES = [
     (truncate, rf"{SHARD}: .*truncated"),
     (corrupt_header, rf"{SHARD}: .*corrupt header"),
     (missing_tensor, r"tensor 'model\.norm\.weight' is missing"),
+    (deep_index, r"model\.safetensors\.index\.json: nested too deeply to be read"),
+    (index_not_utf8, r"model\.safetensors\.index\.json: not UTF-8 text \(byte \d+\)"),
     (index_disagrees, rf"{SHARD}: the index lists tensor 'model\.norm\.weight' but the file lacks it"),
     (extra_tensor, rf"{SHARD}: tensor 'model\.layers\.9\.mlp\.gate\.weight': nothing in the model reads it"),
     (wrong_shape, rf"{SHARD}: tensor 'model\.norm\.weight' has shape \[48\] but config\.json implies \[64\]"),

@@ -163,7 +163,8 @@ def test_a_wrong_type_in_the_rope_parameters_names_the_parameter(rope_scaling, m
 @pytest.mark.parametrize("content,message", [
     (b'{"model_type": "qwen3_moe", "name": "caf\xe9"}', r"config\.json: not UTF-8 text \(byte \d+\)"),
     (b'{"model_type": "qwen3_moe",', r"config\.json: not valid JSON"),
-    (b'["qwen3_moe"]', r"config\.json: holds a JSON list, not an object of fields"),
+    (b'["qwen3_moe"]', r"config\.json: holds a JSON list, not an object; a config\.json is a UTF-8 JSON object"),
+    (b'{"model_type": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", r"config\.json: nested too deeply to be read"),
 ])
 def test_a_config_json_that_is_not_a_json_object_of_text(tmp_path, content, message):
     (tmp_path / "config.json").write_bytes(content)

@@ -280,3 +280,17 @@ def test_a_seq_len_too_long_for_memory_is_refused_naming_the_longest_that_fits(c
     assert m, str(e.value)
     fits = int(m.group(1))
     assert plan(fits).peak <= limit < plan(fits + 1).peak
+
+
+def test_the_ptq_run_refuses_a_seq_len_too_long_before_reading_any_data(ckpt, tmp_path):
+    """The run plans from the sizes alone: 64 sequences of 5e7 tokens are refused before the tokens
+    (25 GB of ids) or anything of their size is built, and the refusal names --seq-len."""
+    out, grew = peak_growth(f"""
+        from eprt.parallel import ParallelState
+        from eprt.quant.ptq import PTQArgs, run_ptq
+        run_ptq(ParallelState.single("cpu"), PTQArgs({ckpt!r}, "nvfp4", {str(tmp_path / 'q')!r}, seq_len=5 * 10**7,
+                                                    max_memory=512 * 2**20, progress=False))
+    """)
+    assert re.search(r"over --max-memory 512\.00 MiB: use --seq-len \d+$", out), out
+    assert grew < 64 * MiB, grew
+    assert not (tmp_path / "q").exists()

@@ -9,7 +9,6 @@ as "module:Class", imported on first use (eprt.models.registry.model_class).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from eprt.config import ModelConfig
 from eprt.errors import ConfigError
+from eprt.storage.bounded import read_json_object
 from eprt.families import (deepseek_v3, deepseek_v32, glm4_moe, kimi_k3, kimi_k25, kimi_linear, qwen3_5_moe, qwen3_moe,
                            qwen3_next)
 from eprt.layout import Layout
@@ -132,16 +132,7 @@ def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, CONFIG)
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: missing; a Hugging Face checkpoint directory holds a {CONFIG}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a {CONFIG} is UTF-8 JSON") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}, not an object of fields")
-    return hf
+    return read_json_object(path, f"a {CONFIG} is a UTF-8 JSON object of fields")
 
 
 def parse_hf_config(hf: dict, source: str = CONFIG) -> ModelConfig:

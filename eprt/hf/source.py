@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from eprt.errors import CheckpointError
+from eprt.storage.bounded import read_json_object
 from eprt.storage.hf_files import INDEX, SINGLE
 from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsFile, TensorInfo
@@ -40,11 +40,11 @@ class HFSource:
         self.dir = hf_dir
         index_path = os.path.join(hf_dir, INDEX)
         if os.path.isfile(index_path):
+            index = read_json_object(index_path, "download the checkpoint again", CheckpointError)
             try:
-                with open(index_path) as f:
-                    weight_map = dict(json.load(f)["weight_map"])
+                weight_map = dict(index["weight_map"])
                 shards = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{index_path}: corrupt index ({e!r})") from None
         elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
             weight_map, shards = None, [SINGLE]

@@ -89,16 +89,18 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
-        samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
-        batches = rank_batches(samples, state.rank, state.world, a.batch_size)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
-        identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
     with ck:
+        # planned from the sizes alone, before the data is read: a run too large for its memory
+        # builds nothing of that size
+        with fail_together(state, "planning memory"):
+            plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=ALGORITHM in recipe.algorithms)
+        with fail_together(state, "reading the calibration data"):
+            samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
+            batches = rank_batches(samples, state.rank, state.world, a.batch_size)
+            identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
-        with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, samples, a, targets, eval_ids, mtp=recipe.mtp,
-                                     gptq=ALGORITHM in recipe.algorithms)
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
@@ -158,31 +160,33 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
             "resumed_after": resumed, "quality": quality}
 
 
-def schedule(a: PTQArgs, state, config, num_sequences: int) -> Schedule:
+def schedule(a: PTQArgs, state, config, num_sequences: int, seq_len: int | None = None) -> Schedule:
+    """The steps and expert work units of `num_sequences` sequences of `seq_len` (default --seq-len)."""
     if a.chunk_size is not None and a.chunk_size < 1:
         raise ConfigError(f"--chunk-size {a.chunk_size} must be positive")
-    return Schedule.of(num_sequences, a.seq_len, a.chunk_size or a.batch_size * state.world,
+    return Schedule.of(num_sequences, seq_len or a.seq_len, a.chunk_size or a.batch_size * state.world,
                        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
 
 
-def plan_run(state, ck: Checkpoint, samples: torch.Tensor, a: PTQArgs, targets: list[str],
-             eval_ids: torch.Tensor | None, mtp: bool = False, gptq: bool = False) -> tuple[MemoryPlan, bool]:
-    """Refuse, before any weight is read, a run whose planned peak exceeds --max-memory; the
-    plan, and whether the preview's whole model fits beside it (rank 0 says so when it does not).
-    `mtp`: the recipe runs the multi-token-prediction layers; `gptq`: it runs GPTQ, whose Hessians
-    the plan counts."""
+def plan_run(state, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
+             gptq: bool = False) -> tuple[MemoryPlan, bool]:
+    """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory;
+    the plan, and whether the preview's whole model fits beside it (rank 0 says so when it does
+    not). `mtp`: the recipe runs the multi-token-prediction layers; `gptq`: it runs GPTQ, whose
+    Hessians the plan counts."""
     c = ck.config
     planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
-    n_eval = eval_ids.shape[0] if eval_ids is not None else 0
-    plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=samples.shape[0],
-                        seq_len=a.seq_len, schedule=schedule(a, state, ck.config, samples.shape[0]),
+    n_eval = max(a.eval_size, 0)
+    plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=a.calib_size,
+                        seq_len=a.seq_len, schedule=schedule(a, state, ck.config, a.calib_size),
                         baseline=memory_in_use(state.device), all_experts=a.calibrate_all_experts,
                         eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
     limit = a.max_memory or available_memory(state.device)
     check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
-                 num_experts=c.num_experts, num_sequences=samples.shape[0], seq_len=a.seq_len,
+                 num_experts=c.num_experts, num_sequences=a.calib_size, seq_len=a.seq_len,
                  schedule_of=lambda n: schedule(a, state, c, n), all_experts=a.calibrate_all_experts,
-                 eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
+                 eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None,
+                 schedule_at=lambda n, T: schedule(a, state, c, n, T))
     if state.rank == 0:
         logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
                       format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
