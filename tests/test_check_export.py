@@ -9,15 +9,22 @@ import json
 import runpy
 import subprocess
 import sys
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+import eprt.hf.check_export as check_export_module
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
 from eprt.quant.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.nvfp4 import nvfp4_scale, quantize_nvfp4
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
 
 H, VOCAB, EXPERTS = 32, 64, 4
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_export.py"
@@ -330,3 +337,23 @@ def test_tool_passes_a_valid_export(tmp_path, monkeypatch, capsys):
         runpy.run_path(str(TOOL), run_name="__main__")
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"{good}: ok\n"
+
+
+def fnmatch_calls_checking_an_export(tmp_path, layers: int, monkeypatch) -> int:
+    """The fnmatch calls checking a Qwen3-MoE export of `layers` layers, which lists one router
+    pattern per layer."""
+    hf = make_tiny("qwen3_moe", str(tmp_path / f"hf{layers}"), num_hidden_layers=layers, mlp_only_layers=[])
+    ck = convert_hf(hf, str(tmp_path / f"ck{layers}"), progress=False)
+    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / f"q{layers}"), calib_size=2, seq_len=16,
+                                            progress=False))
+    out = export_hf(str(tmp_path / f"q{layers}"), str(tmp_path / f"e{layers}"), progress=False)
+    calls = []
+    monkeypatch.setattr(check_export_module, "fnmatchcase", lambda name, p: calls.append(p) or fnmatchcase(name, p))
+    assert check_export(out) == []
+    return len(calls)
+
+
+def test_check_export_matches_patterns_in_time_linear_in_the_layers(tmp_path, monkeypatch):
+    """Each layer adds as many pattern matches as the one before, not one more per exclusion."""
+    two, four, eight = (fnmatch_calls_checking_an_export(tmp_path, n, monkeypatch) for n in (2, 4, 8))
+    assert eight - four == 2 * (four - two), (two, four, eight)

@@ -104,7 +104,7 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         modules = _Modules(tensors, algo, exclude, problems,
                            quantized_layers(config, hf_quant) if algo == MIXED else None)
         modules.check()
-        _check_kv_scales(tensors, kv_algo, exclude, problems)
+        _check_kv_scales(tensors, kv_algo, modules.entries, problems)
         source = _source_names(config, source_dir, problems)
         check_names(tensors, {m: COMPANIONS[a] for m, a in modules.algo_of.items()}, KV_COMPANIONS if kv_algo else (),
                     source, problems)
@@ -309,13 +309,7 @@ class _Modules:
         self.layers = layers  # MIXED_PRECISION: module (routed experts as `...experts`) -> quant_algo
         self.exclude = exclude
         self.exact = set(exclude)
-        # (entry, pattern): vLLM rewrites a pattern `X*` (not `X.*`) as `X` and `X.*` before matching.
-        self._narrow_pairs = []
-        for e in exclude:
-            if len(e) >= 2 and e.endswith("*") and e[-2] != ".":
-                self._narrow_pairs += [(e, e[:-1]), (e, e[:-1] + ".*")]
-            else:
-                self._narrow_pairs.append((e, e))
+        self.entries = _Exclusions(exclude)
         self.problems = problems
         self.quantized: set[str] = set()
         self.algo_of: dict[str, str] = {}  # each quantized module's format, from its weight's dtype
@@ -478,31 +472,28 @@ class _Modules:
 
     def _listed(self, name: str) -> bool:
         """Every engine finds `name` in the exclusions: an exact name or a `*` pattern."""
-        return name in self.exact or any(fnmatchcase(name, p) for _, p in self._narrow_pairs)
+        return name in self.exact or bool(self.entries.split_matching(name))
 
     def _skipped_by_any(self, name: str) -> list[str]:
         """Exclude entries some engine would skip `name` for: exact, pattern or substring."""
-        return [e for e in self.exclude if e in name or fnmatchcase(name, e)]
+        found = self.entries.inside(name) | self.entries.matching(name)
+        return [e for e in self.exclude if e in found] if found else []
 
     def _vllm_skip_reason(self, fused: str) -> str | None:
         """Why vLLM would load the fused module `fused` unquantized, or None when it would not:
         every shard listed exactly, an entry naming an expert of the layer (routed experts), or
         an entry that is a substring of the fused name or a pattern matching it."""
         leaf = fused.rpartition(".")[2]
-        if leaf == "experts":
-            for e in self.exclude:
-                if "experts" in e and fused in e:
-                    return f"exclude entry {e!r} names an expert of it"
+        if leaf == "experts" and fused in self.entries.expert_holders:
+            return f"exclude entry {self.entries.expert_holders[fused]!r} names an expert of it"
         if leaf in FUSED:
             present = self._shards(fused)
             if present and all(s in self.exact for s in present):
                 return f"every shard is listed ({present})"
-        for e in self.exclude:
-            if e != fused and e in fused:
-                return f"exclude entry {e!r} is a substring of it"
-        for e, p in self._narrow_pairs:
-            if fnmatchcase(fused, p):
-                return f"exclude entry {e!r} matches it"
+        if inside := self.entries.inside(fused) - {fused}:
+            return f"exclude entry {self.entries.first(inside)!r} is a substring of it"
+        if matching := self.entries.split_matching(fused):
+            return f"exclude entry {self.entries.first(matching)!r} matches it"
         return None
 
     def _shards(self, fused: str) -> list[str]:
@@ -555,6 +546,75 @@ class _Modules:
                 )
 
 
+class _Exclusions:
+    """The exclude entries, looked up at a cost that does not grow with their number (an export
+    lists one router pattern per layer): literal entries and prefix wildcards `P*` by the lengths
+    they come in, only the other patterns one by one with fnmatch. Each method returns entries."""
+
+    def __init__(self, entries: list[str]):
+        self.order = {}
+        for i, e in enumerate(entries):
+            self.order.setdefault(e, i)
+        self.literal = {e for e in self.order if not _MAGIC.search(e)}
+        prefixed = {e for e in self.order if e.endswith("*") and not _MAGIC.search(e[:-1])}
+        self.prefixed = _Prefixes([(e[:-1], e) for e in prefixed])
+        self.patterns = [e for e in self.order if e not in self.literal and e not in prefixed]
+        self.literal_lengths = sorted({len(e) for e in self.literal})
+        # vLLM's reading: a pattern `X*` (not `X.*`) is rewritten as `X` and `X.*`
+        self.split_exact = {e[:-1]: e for e in prefixed if len(e) >= 2 and e[-2] != "."}
+        self.split_prefixed = _Prefixes([(e[:-1] + "." if e[:-1] in self.split_exact else e[:-1], e) for e in prefixed])
+        self.split_patterns = [(e, p) for e in self.patterns
+                               for p in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "."
+                                         else (e,))]
+
+    def first(self, found: set[str]) -> str:
+        return min(found, key=self.order.__getitem__)
+
+    def inside(self, name: str) -> set[str]:
+        """The entries that are substrings of `name` (vLLM's reading)."""
+        found = {name[i:i + n] for n in self.literal_lengths for i in range(len(name) - n + 1)} & self.literal
+        if _MAGIC.search(name):  # a wildcard entry is a substring only of a name holding its wildcard
+            found |= {e for e in self.order if e not in self.literal and e in name}
+        return found
+
+    def matching(self, name: str) -> set[str]:
+        """The entries `name` matches as fnmatch patterns (SGLang's reading; a literal: equal)."""
+        return ({name} & self.literal) | self.prefixed.of(name) | {
+            e for e in self.patterns if fnmatchcase(name, e)}
+
+    def split_matching(self, name: str) -> set[str]:
+        """The entries `name` matches after vLLM splits each `X*` into `X` and `X.*`."""
+        return ({name} & self.literal) | ({self.split_exact[name]} if name in self.split_exact else set()) | self.split_prefixed.of(name) | {
+            e for e, p in self.split_patterns if fnmatchcase(name, p)}
+
+    @functools.cached_property
+    def expert_holders(self) -> dict[str, str]:
+        """Each name ending in `experts` that some entry holds -> the first such entry."""
+        holders = {}
+        for e in self.order:
+            for m in re.finditer("experts", e):
+                for i in range(m.start() + 1):
+                    holders.setdefault(e[i:m.end()], e)
+        return holders
+
+
+_MAGIC = re.compile(r"[*?\[]")
+
+
+class _Prefixes:
+    """Entries that match the names starting with their prefix, found by the prefix lengths there are.
+    Two entries may share a prefix (vLLM reads `X*` and `X.*` both as `X.*`)."""
+
+    def __init__(self, pairs: list[tuple[str, str]]):
+        self.by_prefix: dict[str, set[str]] = defaultdict(set)
+        for p, e in pairs:
+            self.by_prefix[p].add(e)
+        self.lengths = sorted({len(p) for p in self.by_prefix})
+
+    def of(self, name: str) -> set[str]:
+        return {e for n in self.lengths if name[:n] in self.by_prefix for e in self.by_prefix[name[:n]]}
+
+
 # ------------------------------------------------------------------------------- KV cache
 
 
@@ -562,7 +622,7 @@ class _Modules:
 VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.")
 
 
-def _check_kv_scales(tensors: dict[str, _Tensor], kv_algo: str | None, exclude: list[str],
+def _check_kv_scales(tensors: dict[str, _Tensor], kv_algo: str | None, exclude: _Exclusions,
                      problems: list[str]) -> None:
     """k_scale/v_scale on every attention layer with a KV cache when kv_cache_quant_algo is FP8.
 
@@ -588,7 +648,7 @@ def _check_kv_scales(tensors: dict[str, _Tensor], kv_algo: str | None, exclude: 
     if kv_algo != "FP8":
         return
     for attn in sorted(attention):
-        if any(fnmatchcase(attn, e) for e in exclude if "*" in e):
+        if any("*" in e for e in exclude.matching(attn)):
             continue
         for leaf, proj in KV_SCALES.items():
             name = f"{attn}.{proj}.{leaf}"
