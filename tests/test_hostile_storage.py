@@ -95,7 +95,7 @@ def test_a_quantization_config_format_naming_a_python_file_is_refused_at_convert
         for g in qc["config_groups"].values():
             g.pop("format", None)
     edit_json(os.path.join(hf, "config.json"), plant)
-    with pytest.raises(EprtError, match=r"config\.json \(quantization_config\) config group 'group_0': "
+    with pytest.raises(EprtError, match=r"config\.json \(quantization_config\) format: "
                                         r"compressed-tensors format 'plugin\.py:payload' is not one eprt decodes") as e:
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     one_line(e)

@@ -162,12 +162,16 @@ class Lines(logging.Handler):
 
 
 def calibrate_logged(state, ck, out, **kw):
-    lines = Lines()
-    logger().addHandler(lines)
+    """The report, and the lines it printed at INFO (which a command sets up; here, the test)."""
+    lines, log = Lines(), logger()
+    level = log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
     try:
         report = run_ptq(state, args(ck, out, **kw))["quality"]
     finally:
-        logger().removeHandler(lines)
+        log.removeHandler(lines)
+        log.setLevel(level)
     return report, [line for line in lines.lines if "quality on" in line or line.startswith("  layer ")]
 
 

@@ -21,6 +21,7 @@ from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
+from tests.test_workdir_safety import stop_after_layer
 
 RECIPE = "quantize:\n- pattern: '*'\n  format: {fmt}\n"
 
@@ -50,19 +51,7 @@ def setup(made, tmp_path):
 
 def stopped_after_layer(a: PTQArgs, layer: int) -> None:
     """A run that stops once `layer` is saved, as a killed one does: its work directory stays."""
-    run_layer = LayerEngine.run_layer
-
-    def stopping(self, i, ls, pb):
-        if i == layer + 1:
-            raise KeyboardInterrupt
-        return run_layer(self, i, ls, pb)
-
-    LayerEngine.run_layer = stopping
-    try:
-        with pytest.raises(BaseException, match="KeyboardInterrupt"):
-            run_ptq(ParallelState.single("cpu"), a)
-    finally:
-        LayerEngine.run_layer = run_layer
+    stop_after_layer(lambda: run_ptq(ParallelState.single("cpu"), a), layer)
     assert os.listdir(f"{a.out}.work/rank-00000") == [f"layer-{layer:05d}.safetensors"]
 
 

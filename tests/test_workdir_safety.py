@@ -111,8 +111,8 @@ def test_the_default_work_directory_is_gone_once_the_output_is_written(ck, tmp_p
     assert sorted(os.listdir(tmp_path)) == ["q"]
 
 
-def killed_after_layer(ck: str, out: str, layer: int, **kw) -> None:
-    """A run that stops once `layer` is saved, as a killed one does: its work directory stays."""
+def stop_after_layer(run, layer: int) -> None:
+    """`run()` stopped once `layer` is saved, as a killed run is: its work directory stays."""
     run_layer = LayerEngine.run_layer
 
     def stopping(self, i, ls, pb):
@@ -122,10 +122,14 @@ def killed_after_layer(ck: str, out: str, layer: int, **kw) -> None:
 
     LayerEngine.run_layer = stopping
     try:
-        with pytest.raises(BaseException):
-            ptq(ck, out, **kw)
+        with pytest.raises(BaseException, match="KeyboardInterrupt"):
+            run()
     finally:
         LayerEngine.run_layer = run_layer
+
+
+def killed_after_layer(ck: str, out: str, layer: int, **kw) -> None:
+    stop_after_layer(lambda: ptq(ck, out, **kw), layer)
 
 
 # --- an output replaced with --overwrite is always at OUT ----------------------------------------

@@ -89,6 +89,7 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
+        check_data_settings(a)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
     with ck:
         # planned from the sizes alone, before the data is read: a run too large for its memory
@@ -252,21 +253,26 @@ def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tens
     engine.run(done + 1, ls, after_layer=after_layer)
     return done
 
+def check_data_settings(a: PTQArgs) -> None:
+    """Refuse the data settings before the memory plan, which runs before any data is read."""
+    if a.eval_size < 0:
+        raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
+    if a.eval_size == 0 and a.eval is not None:
+        raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
+    for flag, path in (("--calib", a.calib), ("--eval", a.eval)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: no such file")
+
+
 def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the calibration sequences, the quality report's held-out ones or None): the last
     --eval-size of calib_size + eval_size sequences of the data, or --eval-size of --eval FILE."""
-    if a.eval_size < 0:
-        raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
     if a.eval_size == 0:
-        if a.eval is not None:
-            raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
         return calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
                                    vocab_size=vocab_size), None
     if a.eval is None:
         return held_out_samples(a.calib, hf_dir, num_samples=a.calib_size, held_out=a.eval_size, seq_len=a.seq_len,
                                 vocab_size=vocab_size)
-    if not os.path.isfile(a.eval):
-        raise ConfigError(f"--eval {a.eval}: no such file")
     return (calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len, vocab_size=vocab_size),
             calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len, vocab_size=vocab_size))
 

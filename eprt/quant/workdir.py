@@ -35,7 +35,7 @@ from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerState
 from eprt.quant.fingerprint import differences, saved_fingerprint
-from eprt.storage.atomic import fsync_dir, fsync_file, naming_refused_writes, read_dirs
+from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs
 from eprt.storage.paths import within
 from eprt.storage.safetensors_io import save_tensors
 
@@ -94,9 +94,9 @@ class WorkDir:
             os.makedirs(self.path, exist_ok=True)
             with open(marker, "w") as f:
                 json.dump({"eprt": "work directory", "created": created}, f)
-            fsync_file(marker)
-            fsync_dir(self.path)
-            fsync_dir(os.path.dirname(self.path))
+            fsync_path(marker)
+            fsync_path(self.path)
+            fsync_path(os.path.dirname(self.path))
 
     def check_shared(self) -> None:
         """Refuse a work directory rank 0 made that this rank does not see."""
@@ -148,7 +148,7 @@ class WorkDir:
         if not os.path.isdir(self.mine):
             with self.refused_writes(self.mine):
                 os.makedirs(self.mine)
-                fsync_dir(self.path)
+                fsync_path(self.path)
         if gptq is not None:
             new = gptq.modules() - self.gptq_saved
             if new:  # written before the layer file, which vouches for it
@@ -165,9 +165,9 @@ class WorkDir:
         tmp = path + ".partial"
         with self.refused_writes(tmp):
             save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
-            fsync_file(tmp)  # durable before it takes its name: a crash leaves the old or the new
+            fsync_path(tmp)  # durable before it takes its name: a crash leaves the old or the new
             os.replace(tmp, path)
-            fsync_dir(self.mine)
+            fsync_path(self.mine)
 
     def _read(self, path: str, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A saved file's tensors and metadata, refused when another run saved it or it is damaged."""

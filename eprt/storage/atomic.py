@@ -85,15 +85,8 @@ def naming_refused_writes(path: str, what: str, elsewhere: str):
                         f"or fix its permissions, or {elsewhere}") from None
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Make a file's bytes, or a directory's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -105,8 +98,8 @@ def sync_tree(root: str) -> None:
     """fsync every file and directory under `root`: what was written there is on disk."""
     for d, _, files in os.walk(root):
         for name in files:
-            fsync_file(os.path.join(d, name))
-        fsync_dir(d)
+            fsync_path(os.path.join(d, name))
+        fsync_path(d)
 
 
 def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
@@ -134,10 +127,10 @@ def publish(tmp: str, out: str, overwrite: bool = False) -> None:
                                     "it was left as it is: pass --overwrite to replace it, or choose another "
                                     "output") from None
         old = tmp if exchange_names(tmp, out) else replace_aside(tmp, out)
-        fsync_dir(os.path.dirname(out))
+        fsync_path(os.path.dirname(out))
         shutil.rmtree(old, ignore_errors=True)
         return
-    fsync_dir(os.path.dirname(out))
+    fsync_path(os.path.dirname(out))
 
 
 RENAME_EXCHANGE = 2  # linux/fs.h
