@@ -9,22 +9,25 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM
 
-import eprt
-from eprt.config import SiTUConfig
-from eprt.errors import CheckpointError, ConfigError
-from eprt.families import parse_hf_config, reader_for
-from eprt.hf.convert import convert_hf
-from eprt.hf.check_export import check_export
-from eprt.hf.export import export_hf
-from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm
-from eprt.models.mla import MLAttention
-from eprt.models.registry import model_class
-from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.testing.tiny import make_tiny, tiny_config
-from tests.hf_utils import raw, read_hf_tensors
+# an oracle of the tests, skipped by name where it is not installed
+pytest.importorskip("transformers")
+from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+
+import eprt  # noqa: E402
+from eprt.config import SiTUConfig  # noqa: E402
+from eprt.errors import CheckpointError, ConfigError  # noqa: E402
+from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
+from eprt.models.mla import MLAttention  # noqa: E402
+from eprt.models.registry import model_class  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
 VOCAB = 96
 
