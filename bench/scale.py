@@ -1,0 +1,191 @@
+"""Scale without the weights: Kimi-K2's and DeepSeek-V3's real tensor counts and real dims, on any machine.
+
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3] [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
+
+Two checkpoints per model, neither holding weight bytes worth the name:
+- real counts: the model's layers, experts and MTP layers at tiny dims (Kimi-K2: 139,583 tensors in 62
+  shards). Make, convert, the dry run at each world and the unquantized export are timed: every step must
+  grow about linearly in the tensor count.
+- real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
+  data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
+  the dry run plans each rank's peak memory from it, for max calibration and for GPTQ.
+Prints one table. The step's own progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.storage.checkpoint import MANIFEST  # noqa: E402
+from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
+
+# The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
+# DeepSeek-V3 config: rope, scoring, norms).
+REAL = {
+    "kimi_k2": dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, num_hidden_layers=61,
+                    num_nextn_predict_layers=0, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384, n_shared_experts=1,
+                    num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                    max_position_embeddings=131072),
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+                        num_nextn_predict_layers=1, num_attention_heads=128, num_key_value_heads=128,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+                        max_position_embeddings=163840),
+}
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163}
+# Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
+TINY_DIMS = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+                 moe_intermediate_size=32, max_position_embeddings=4096)
+DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def timed(fn, *args, **kw) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - start
+
+
+def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """eprt name -> shape, for every tensor the family's layout gives the real config (MTP layers included)."""
+    cfg = parse_hf_config(hf, "the real config")
+    layout = reader_for(cfg.model_type, "the real config").layout(cfg)
+    return {s.name: s.shape for s in (*layout.specs, *layout.mtp)}
+
+
+def inflate(ck: str, hf: dict, out: str) -> int:
+    """Write `ck` (converted at tiny dims) again at the real dims of `hf` into `out`, every tensor's data a file
+    hole; returns the apparent bytes of the weight files."""
+    with open(os.path.join(ck, MANIFEST)) as f:
+        m = json.load(f)
+    shapes = real_shapes(hf)
+    cfg = parse_hf_config(hf, "the real config")
+    m["config"], m["source_config"] = cfg.to_json(), hf
+    by_file: dict[str, list[tuple[str, str, list[int]]]] = {}
+    for name, t in m["tensors"].items():
+        if name not in shapes:
+            raise SystemExit(f"{name}: not in the real layout; the tiny and the real configs disagree")
+        t["shape"] = list(shapes[name])
+        for part in t["parts"]:  # converted checkpoints write one whole part per tensor
+            part["rows"] = [0, t["shape"][0] if t["shape"] else 0]
+            by_file.setdefault(part["file"], []).append((part["key"], t["dtype"], t["shape"]))
+    os.makedirs(os.path.join(out, "hf"))
+    total = 0
+    for fname, entries in by_file.items():
+        total += write_holes(os.path.join(out, fname), entries)
+    for rel in m["files"]:
+        src, dst = os.path.join(ck, "hf", rel), os.path.join(out, "hf", rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(src, "rb") as f, open(dst, "wb") as g:
+            g.write(json.dumps(hf).encode() if rel == "config.json" else f.read())
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(m, f)
+    return total
+
+
+def write_holes(path: str, entries: list[tuple[str, str, list[int]]]) -> int:
+    """A safetensors file whose header describes `entries` and whose data is one hole."""
+    header, offset = {}, 0
+    for key, dtype, shape in entries:
+        n = SAFETENSORS_DTYPES[dtype].itemsize * math.prod(shape)
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int) -> tuple[list[str], float]:
+    """The planned peak of each rank, as the dry run prints it, and the run's wall time."""
+    cmd = [sys.executable, os.path.join(REPO, "tools", "ptq.py"), "--nproc-per-node", str(world), ck, "--dry-run",
+           "--seq-len", str(seq_len), "--calib-size", str(calib_size), "--eval-size", "0", *extra]
+    start = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.perf_counter() - start
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    rows = [line.split() for line in p.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\[", line)]
+    return [" ".join(r[-2:]) for r in rows], took
+
+
+def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
+    real = REAL[model]
+    root = os.path.join(tmp, model)
+    rows = []
+    say(f"{model}: making the real-count checkpoint")
+    hf, t_make = timed(make_tiny, "deepseek_v3", os.path.join(root, "hf"), shards=SHARDS[model],
+                       **{**real, **TINY_DIMS})
+    ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
+    with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+        n_source = len(json.load(f)["weight_map"])
+    with open(os.path.join(ck, MANIFEST)) as f:
+        n_tensors = len(json.load(f)["tensors"])
+    rows += [(f"{model} real counts", f"{n_source:,} tensors in {SHARDS[model]} shards, {n_tensors:,} in eprt's layout"),
+             ("  make (s)", f"{t_make:.1f}"), ("  convert (s)", f"{t_convert:.1f}")]
+    _, t_export = timed(export_hf, ck, os.path.join(root, "export"), progress=False)
+    rows.append(("  unquantized export (s)", f"{t_export:.1f}"))
+    for world in worlds:
+        _, took = dry_run(ck, world, [], 64, world)
+        rows.append((f"  dry run, world {world} (s)", f"{took:.1f}"))
+    say(f"{model}: inflating to the real dims")
+    big = os.path.join(root, "real")
+    apparent = inflate(ck, {**make_config(hf), **real}, big)
+    disk = sum(os.stat(os.path.join(big, f)).st_blocks * 512 for f in os.listdir(big) if f.endswith(".safetensors"))
+    rows.append((f"{model} real dims", f"{apparent / 2**40:.2f} TiB of weights in {disk / 2**20:.1f} MiB on disk"))
+    for world in worlds:
+        for label, extra in DRY_RUNS:
+            peaks, took = dry_run(big, world, extra, seq_len, calib_size)
+            rows.append((f"  {label} at world {world}, {calib_size} x {seq_len} tokens: planned peak per rank",
+                         f"{', '.join(sorted(set(peaks)))} ({took:.1f} s)"))
+    return rows
+
+
+def make_config(hf_dir: str) -> dict:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", choices=sorted(REAL), help="default: all")
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--calib-size", type=int, default=64, help="calibration sequences of the real-dims plans")
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in a.model or sorted(REAL):
+            rows += scale(model, a.worlds, a.seq_len, a.calib_size, tmp)
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
