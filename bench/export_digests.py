@@ -88,7 +88,7 @@ def all_digests(families: list[str], recipes: list[str], algorithms: list[str]) 
             root = os.path.join(tmp, name)
             ck = convert_hf(make_tiny(family, os.path.join(root, "hf"), **kw), os.path.join(root, "ck"), progress=False)
             digests[f"{name}/unquantized"] = digest_dir(export_hf(ck, os.path.join(root, "rt"), progress=False))
-            if kw:
+            if "source_format" in kw:  # a source stored compressed or in block FP8 decodes
                 digests[f"{name}/decoded"] = digest_dir(export_hf(ck, os.path.join(root, "rt-bf16"), progress=False,
                                                                   dequantize=True))
             for recipe in recipes if name == family else recipes[:1]:

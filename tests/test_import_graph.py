@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "eprt"
 # Low to high: a module may import from its own layer and the layers below it, never above.
 # A module (or package) is placed by its longest listed prefix.
 LAYERS = (
-    ("foundation", ("eprt.errors", "eprt.units", "eprt.progress")),
+    ("foundation", ("eprt.errors", "eprt.units", "eprt.flags", "eprt.progress")),
     ("model description", ("eprt.config", "eprt.layout")),  # pure Python: no torch, no files
     ("storage", ("eprt.storage",)),  # checkpoint, safetensors, encodings, HF file names, atomic output
     ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets

@@ -22,7 +22,8 @@ from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.quant.engine import Schedule
-from eprt.quant.plan import Planner, check_memory, parse_size
+from eprt.quant.plan import Planner, check_memory
+from eprt.units import parse_size
 from eprt.quant.recipe import load_recipe
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile

@@ -19,84 +19,43 @@ import torch.distributed as dist
 from eprt.cli import run
 from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
+from eprt.flags import add_flags, from_flags
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.parallel import ParallelState, fail_together
-from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.plan import Planner, format_bytes, memory_in_use, parse_size
+from eprt.quant.plan import Planner, memory_in_use
 from eprt.quant.ptq import RUN_DTYPES, PTQArgs, plan_recipe, run_ptq, schedule
-from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS
-from eprt.quant.recipe import ALGORITHMS
+from eprt.quant.gptq_layer import ALGORITHM
+from eprt.units import format_bytes
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[PTQArgs, int | None]:
+    """The run's settings and --nproc-per-node (the launcher's, not the run's)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ckpt", help="the eprt checkpoint to quantize (eprt-convert writes one)")
     ap.add_argument("--nproc-per-node", type=int, metavar="N",
                     help="start N ranks on this machine and run on them (one machine; several nodes use torchrun)")
-    ap.add_argument("--recipe", help="a recipe of eprt/configs/ptq (fp8, nvfp4, nvfp4_experts_only) or a YAML path")
-    ap.add_argument("--out", help="where to write the quantized eprt checkpoint")
-    ap.add_argument("--ep", type=int, help="expert-parallel degree; divides the world size and the routed "
-                                           "experts (default: the world size)")
-    ap.add_argument("--kv-cache", choices=["fp8"], help="also quantize the KV cache")
-    ap.add_argument("--algorithm", choices=ALGORITHMS, default=ALGORITHMS[0],
-                    help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
-                         f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
-    ap.add_argument("--gptq-min-tokens", type=int, default=DEFAULT_MIN_TOKENS,
-                    help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding and is "
-                         f"listed (default {DEFAULT_MIN_TOKENS})")
-    ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
-    ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
-    ap.add_argument("--eval-size", type=int, default=8,
-                    help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, per-layer "
-                         "errors; docs/quality.md), taken after the calibration sequences unless --eval; 0: no report")
-    ap.add_argument("--eval", help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead "
-                                   "of the sequences after the calibration ones")
-    ap.add_argument("--batch-size", type=int, default=1, help="sequences per forward on each rank")
-    ap.add_argument("--dtype", choices=list(RUN_DTYPES), default="bf16", help="the dtype the model runs in")
-    ap.add_argument("--preview", nargs="?", const=DEFAULT_PROMPT, metavar="PROMPT",
-                    help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization")
-    ap.add_argument("--chunk-size", type=int, help="calibration sequences per step of each layer, over all ranks "
-                                                   "(default: --batch-size x the world size); changes no result")
-    ap.add_argument("--calibrate-all-experts", action="store_true",
-                    help="also run every token through every routed expert of its layer, for the statistics only "
-                         "(the layer's output still uses its top-k): no expert goes uncalibrated")
-    ap.add_argument("--max-memory", type=parse_size, help="refuse a run whose planned peak per rank exceeds this "
-                                                         "(e.g. 64GiB; default: the host's available RAM, or the "
-                                                         "device's free memory)")
-    ap.add_argument("--work-dir", help="where each layer boundary is saved for --resume (default: OUT.work)")
-    ap.add_argument("--resume", action="store_true", help="continue a killed run (same arguments) after its last "
-                                                          "completed layer")
-    ap.add_argument("--dry-run", action="store_true", help="print the layout, each rank's weight bytes and planned "
-                                                           "peak memory, and exit")
-    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
-    return ap.parse_args(argv)
+    add_flags(ap, PTQArgs)
+    ns = ap.parse_args(argv)
+    return from_flags(PTQArgs, ns), ns.nproc_per_node
 
 
 def ptq() -> int:
     """Start the local ranks (--nproc-per-node), or join the run, read the checkpoint's manifest
     on every rank, then the dry run or calibration."""
     argv = sys.argv[1:]
-    a = parse_args(argv)
+    a, nproc_per_node = parse_args(argv)
     if not a.dry_run and not (a.recipe and a.out):
         raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
-    if a.nproc_per_node is not None:
-        return launch("eprt.commands.ptq", without_nproc(argv), a.nproc_per_node)
-    with ParallelState.from_env(ep=a.ep) as state:
-        ck = open_checkpoint(a.ckpt, state)
-        args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
-                       seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
-                       overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
-                       work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens,
-                       calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size, eval=a.eval)
+    if nproc_per_node is not None:
+        return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
+    with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:
         if a.dry_run:
             # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
             # layers and counts GPTQ's Hessians
             recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
-            dry_run(state, ck, RUN_DTYPES[a.dtype], args, targets, mtp=bool(recipe and recipe.mtp),
+            dry_run(state, ck, RUN_DTYPES[a.dtype], a, targets, mtp=bool(recipe and recipe.mtp),
                     gptq=bool(recipe and ALGORITHM in recipe.algorithms))
             return 0
-        run_ptq(state, args)
+        run_ptq(state, a, ck=ck)
     return 0
 
 

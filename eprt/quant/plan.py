@@ -32,6 +32,7 @@ from eprt.layout import layer_of
 from eprt.models.loader import meta_model
 from eprt.quant.engine import Schedule, own_sequences
 from eprt.quant.gptq_layer import EXPERT_STACK
+from eprt.units import format_bytes
 
 
 def current_rss() -> int:
@@ -279,24 +280,6 @@ def mtp_reads(ck: Checkpoint, dtype: torch.dtype, reads: dict[int, list[tuple[in
             meta = ck.meta(spec.name)
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else math.prod(spec.shape) * meta.dtype.itemsize
         reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked, False))
-
-
-def parse_size(text: str) -> int:
-    """'64GiB', '500MB', '1.5TB', or bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"--max-memory {text!r}: give a size such as 64GiB, 500MB or a byte count")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from eprt.data import calibration_samples, held_out_samples, rank_batches
 from eprt.errors import ConfigError
+from eprt.flags import flag
 from eprt.families import reader_for
 from eprt.models.loader import load_model, weight_bytes
+from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
@@ -29,55 +31,79 @@ from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
                                     run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
-from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
-                             memory_in_use)
-from eprt.quant.preview import fake_quantize, greedy
+from eprt.quant.plan import MemoryPlan, Planner, available_memory, check_memory, measured_peak, memory_in_use
+from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
 from eprt.quant.scales import source_dtype
 from eprt.quant.workdir import WorkDir, check_work_dir
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.units import format_bytes, parse_size
 
 # `--dtype`: the dtype the model runs in
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _max_memory(text: str) -> int:
+    return parse_size(text, "--max-memory")
+
+
 @dataclass(frozen=True)
 class PTQArgs:
-    ckpt: str
-    recipe: str
-    out: str
-    kv_cache: str | None = None
-    calib: str | None = None
-    calib_size: int = 64
-    seq_len: int = 256
-    batch_size: int = 1
-    dtype: str = "bf16"
-    preview: str | None = None  # a prompt, or None for no preview
-    overwrite: bool = False
+    """A PTQ run's settings; each flag field is also its command-line flag (eprt.flags)."""
+
+    ckpt: str = flag(help="the eprt checkpoint to quantize (eprt-convert writes one)", positional=True)
+    recipe: str | None = flag(help="a recipe of eprt/configs/ptq (fp8, nvfp4, nvfp4_experts_only) or a YAML path")
+    out: str | None = flag(help="where to write the quantized eprt checkpoint")
+    ep: int | None = flag(help="expert-parallel degree; divides the world size and the routed experts (default: the "
+                               "world size)")
+    kv_cache: str | None = flag(choices=["fp8"], help="also quantize the KV cache")
+    algorithm: str = flag(ALGORITHMS[0], choices=ALGORITHMS,
+                          help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
+                               f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
+    gptq_min_tokens: int = flag(DEFAULT_MIN_TOKENS,
+                                help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
+                                     f"and is listed (default {DEFAULT_MIN_TOKENS})")
+    calib: str | None = flag(help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
+    calib_size: int = flag(64, help="calibration sequences, over all ranks")
+    seq_len: int = flag(256, help="tokens per calibration sequence")
+    eval_size: int = flag(8, help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, "
+                                  "per-layer errors; docs/quality.md), taken after the calibration sequences unless "
+                                  "--eval; 0: no report")
+    eval: str | None = flag(help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead of "
+                                 "the sequences after the calibration ones")
+    batch_size: int = flag(1, help="sequences per forward on each rank")
+    dtype: str = flag("bf16", choices=list(RUN_DTYPES), help="the dtype the model runs in")
+    preview: str | None = flag(const=DEFAULT_PROMPT, metavar="PROMPT",
+                               help="print the greedy continuation of PROMPT (or of a built-in one) before and after "
+                                    "quantization")
+    chunk_size: int | None = flag(help="calibration sequences per step of each layer, over all ranks (default: "
+                                       "--batch-size x the world size); changes no result")
+    calibrate_all_experts: bool = flag(False, help="also run every token through every routed expert of its layer, "
+                                                   "for the statistics only (the layer's output still uses its "
+                                                   "top-k): no expert goes uncalibrated")
+    max_memory: int | None = flag(type=_max_memory,
+                                  help="refuse a run whose planned peak per rank exceeds this (e.g. 64GiB; "
+                                       "default: the host's available RAM, or the device's free memory)")
+    work_dir: str | None = flag(help="where each layer boundary is saved for --resume (default: OUT.work)")
+    resume: bool = flag(False, help="continue a killed run (same arguments) after its last completed layer")
+    dry_run: bool = flag(False, help="print the layout, each rank's weight bytes and planned peak memory, and exit")
+    overwrite: bool = flag(False, help="replace a non-empty OUT once the new one is complete")
     progress: bool = True
-    chunk_size: int | None = None  # global sequences per step of a layer (default batch_size x world)
     group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
-    max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
-    resume: bool = False
-    work_dir: str | None = None  # default: OUT.work beside OUT
-    algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
-    gptq_min_tokens: int = DEFAULT_MIN_TOKENS  # a routed expert with fewer tokens keeps max rounding under GPTQ
-    calibrate_all_experts: bool = False  # every token through every routed expert, for the statistics only
-    eval_size: int = 8  # held-out sequences of the quality report (0: no report)
-    eval: str | None = None  # the held-out sequences' data (default: held out from the calibration data)
 
 
-def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
+def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
     "resumed_after" (the layer a --resume continued after, -1 for none), "quality" (the report,
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
-    fake-quantizes it (this rank's rows of routed experts)."""
+    fake-quantizes it (this rank's rows of routed experts). `ck`: `a.ckpt` as the command opened
+    it (default: opened here); the run closes it."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
-        ck = Checkpoint(a.ckpt)
+        ck = ck if ck is not None else Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
