@@ -4,8 +4,8 @@ Every module under eprt/ is parsed with `ast` (nothing is imported, so no import
 hide an edge). Every `import` statement counts wherever it stands: at module level, inside a
 function (a lazy import is still a dependency), under `if TYPE_CHECKING`. Importing a module's own
 parent package (`from eprt import __version__`) is no edge: Python has run that package's
-`__init__` before the module anyway. A reference to a module by name in a string (the family
-table's model classes, resolved with importlib) is not an import and is not seen here.
+`__init__` before the module anyway. A reference to a module by name in a string (importlib) is
+not an import and is not seen here.
 """
 
 from __future__ import annotations

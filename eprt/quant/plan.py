@@ -33,9 +33,9 @@ import torch
 
 from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
-from eprt.families import reader_for
 from eprt.layout import layer_of
-from eprt.models.loader import meta_model
+from eprt.models.loader import checked_meta
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.engine import Schedule, own_sequences
 from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import EXPERT_STACK
@@ -209,9 +209,9 @@ class Planner:
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
         for none."""
-        b = dtype.itemsize
         hessians: dict[int, list[tuple[int, int, bool]]] | None = {} if gptq is not None else None
-        model, stacked = meta_model(ck, None)
+        rc = ResolvedCheckpoint.of(ck, dtype)
+        model, stacked = checked_meta(rc), rc.stacked
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}
         embedding = head = 0
@@ -219,7 +219,8 @@ class Planner:
         weights = {f"{m}.{leaf}" for m in targets for leaf in ("weight", "w13", "w2")}
         for name, t in model.state_dict().items():
             meta = ck.meta(name)
-            n = t.numel() * (4 if model.keeps_fp32(name) else b)
+            run_dtype = rc.run_dtype(name)
+            n = t.numel() * run_dtype.itemsize
             # on its way to a GPU a tensor is read on the host, as stored (or decoded), then cast
             stored = n if meta.encoded else math.prod(meta.shape) * meta.dtype.itemsize
             largest_read[name in stacked] = max(largest_read[name in stacked], n, stored)
@@ -230,7 +231,6 @@ class Planner:
                 continue
             # read as stored, then cast into place: a stored copy in another dtype (or an
             # encoded one's decoded rows) is in flight beside it
-            run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
@@ -243,7 +243,7 @@ class Planner:
             if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
                 codes[name in stacked] += int(t.numel() * code_bytes(gptq[module]))
         if mtp:
-            mtp_reads(ck, dtype, reads)
+            mtp_reads(rc, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
         workers = torch.get_num_threads() if device.type == "cpu" else 1
         return cls(ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type,
@@ -354,20 +354,19 @@ class Planner:
         return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
 
 
-def mtp_reads(ck: Checkpoint, dtype: torch.dtype, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
+def mtp_reads(rc: ResolvedCheckpoint, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
     """Each MTP layer's tensors as `Planner.reads` holds a layer's. An MTP layer is loaded whole (its
     own embedding and shared head too); its routed experts are read expert by expert from their
     source tensors and stacked, the rows in flight beside the stacked copy."""
-    c = ck.config
-    fam = reader_for(c.model_type, ck.path)
-    for spec in fam.layout(c).mtp:
-        run_dtype = torch.float32 if fam.keeps_fp32(spec.name) else dtype
+    for spec in rc.layout.mtp:
+        run_dtype = rc.run_dtype(spec.name)
         n = math.prod(spec.shape) * run_dtype.itemsize
         if spec.stacked:
             flight = n
         else:
-            meta = ck.meta(spec.name)
-            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else math.prod(spec.shape) * meta.dtype.itemsize
+            meta = rc.ck.meta(spec.name)
+            stored = math.prod(spec.shape) * meta.dtype.itemsize
+            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else stored
         reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked, False))
 
 
