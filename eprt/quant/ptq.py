@@ -253,7 +253,7 @@ def plan_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_ids: torch.Tensor | None,
+def fingerprint(ck: Checkpoint, a: PTQArgs, state: ParallelState, samples: torch.Tensor, eval_ids: torch.Tensor | None,
                 recipe: Recipe | None = None) -> dict:
     """What a saved layer boundary and the output depend on (eprt.quant.fingerprint): a run
     resumes only from its own (batch and chunk sizes change no bit, so they may differ).
@@ -278,7 +278,7 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
     check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
-def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
+def calibrate_layers(state: ParallelState, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
                      work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), each layer boundary saved in `work` (with GPTQ's results so far); with
@@ -341,7 +341,7 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
                          cfg.max_position_embeddings)
 
 
-def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
+def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int) -> None:
     """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
     reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only."""
     log = logger()
@@ -363,7 +363,7 @@ def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
                  "--calibrate-all-experts calibrates them)" if unreached else "")
 
 
-def every_expert(rows: torch.Tensor, state, num_experts: int) -> torch.Tensor:
+def every_expert(rows: torch.Tensor, state: ParallelState, num_experts: int) -> torch.Tensor:
     """A per-expert count of this rank's experts (reduced over edp) as one for all of them, on every rank."""
     first = state.placement(num_experts).first
     full = torch.zeros(num_experts, dtype=torch.int64, device=rows.device)
