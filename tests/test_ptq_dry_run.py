@@ -132,3 +132,13 @@ def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
     assert re.fullmatch(r"error: rank 0 would hold [\d.]+ MiB of host memory \(process .*\); with the 1 ranks on "
                         r"its host, [\d.]+ MiB, over --max-host-memory 1.00 MiB: use fewer ranks on each host, or "
                         r"a host with more memory free\n", r.stderr), r.stderr
+
+
+def test_device_is_for_the_dry_run_a_run_uses_its_ranks_own(ckpts, tmp_path):
+    ck8, _ = ckpts
+    r = run([sys.executable, PTQ, ck8, "--recipe", "fp8", "--out", str(tmp_path / "q"), "--device", "cuda"],
+            env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2
+    assert r.stderr == ("error: --device cuda: this rank runs on cpu; --device plans for another machine with "
+                        "--dry-run, a run uses its ranks' own devices\n"), r.stderr
+    assert not (tmp_path / "q").exists()
