@@ -7,10 +7,12 @@ setting is written once, in the field, and a flag is added by adding a field.
         ckpt: str = flag(help="the checkpoint", positional=True)
         seq_len: int = flag(256, help="tokens per sequence")       # --seq-len, int, default 256
         resume: bool = flag(False, help="continue a killed run")   # --resume, store_true
+        data: tuple[str, ...] = flag((), help="a data file")        # --data, repeated: each one appended
         progress: bool = True                                      # not a flag: set by callers only
 
 A field's flag is `--` and its name with `-` for `_`; its argparse type is the field's own
-(int, float, str, bool as a switch) unless `type` says otherwise.
+(int, float, str, bool as a switch, a tuple for a flag given again and again) unless `type`
+says otherwise.
 """
 
 from __future__ import annotations
@@ -56,15 +58,26 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if hints[f.name] is bool:
             parser.add_argument(flag_name(f.name), action="store_true", **kwargs)
             continue
-        kwargs["type"] = spec["type"] or _scalar(hints[f.name])
+        repeated = typing.get_origin(hints[f.name]) is tuple
+        if repeated:  # appended to a list of its own, not to the default (argparse would extend it)
+            kwargs["action"] = "append"
+        kwargs["type"] = spec["type"] or _scalar(typing.get_args(hints[f.name])[0] if repeated else hints[f.name])
         if spec["const"] is not _NO_DEFAULT:
             kwargs.update(nargs="?", const=spec["const"])
-        parser.add_argument(flag_name(f.name), default=f.default, **kwargs)
+        parser.add_argument(flag_name(f.name), default=None if repeated else f.default, **kwargs)
 
 
 def from_flags(cls: type, namespace: argparse.Namespace, **others: Any) -> Any:
     """The `cls` that the flags in `namespace` spell (`others`: its fields that are no flag)."""
-    return cls(**{f.name: getattr(namespace, f.name) for f in flag_fields(cls)}, **others)
+    values = {}
+    for f in flag_fields(cls):
+        value = getattr(namespace, f.name)
+        if isinstance(value, list):  # a repeated flag's values
+            value = tuple(value)
+        elif value is None and isinstance(f.default, tuple):  # a repeated flag not given
+            value = f.default
+        values[f.name] = value
+    return cls(**values, **others)
 
 
 def flag_name(field_name: str) -> str:

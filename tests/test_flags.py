@@ -1,10 +1,14 @@
 """A setting is written once: eprt-ptq's parser is built from PTQArgs' fields, so what the command line
 reads is the run's argument object, defaults and all; sizes read as the README writes them."""
 
+import argparse
+from dataclasses import dataclass
+
 import pytest
 
 from eprt.commands.ptq import parse_args
 from eprt.errors import ConfigError
+from eprt.flags import add_flags, flag, from_flags
 from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.ptq import PTQArgs
 from eprt.units import parse_size
@@ -34,3 +38,16 @@ def test_sizes_are_decimal_with_kb_to_tb_and_binary_with_kib_to_tib(text, size):
 def test_a_size_in_no_known_unit_is_refused_naming_the_flag():
     with pytest.raises(ConfigError, match=r"^--max-memory '64 gigs': write a number with an optional unit"):
         parse_args(["CKPT", "--max-memory", "64 gigs"])
+
+
+def test_a_tuple_field_is_a_flag_given_again_and_again():
+    @dataclass(frozen=True)
+    class Args:
+        data: tuple[str, ...] = flag(("built-in",), help="data files")
+        shares: tuple[float, ...] = flag((), help="their shares")
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Args)
+    assert from_flags(Args, parser.parse_args([])) == Args()
+    assert from_flags(Args, parser.parse_args(["--data", "a", "--data", "b", "--shares", "0.5"])) == \
+        Args(("a", "b"), (0.5,))
