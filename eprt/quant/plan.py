@@ -23,6 +23,7 @@ On a CPU rank the host is the device, and those terms are in its one plan.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -429,6 +430,7 @@ def fitting_ep(shape: RunShape, num_experts: int, fits) -> int | None:
 CODE_PROBE = 64  # weights encoded to measure a format's codes: whole blocks of every format
 
 
+@functools.cache
 def code_bytes(fmt: str) -> float:
     """The bytes GPTQ keeps per weight of format `fmt`, as the format's own encoder writes them
     (NVFP4 packs two weights a byte, FP8 one)."""
