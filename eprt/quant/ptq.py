@@ -304,9 +304,9 @@ def check_data_settings(a: PTQArgs) -> None:
         raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
     if a.eval_size == 0 and a.eval is not None:
         raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
-    for flag, path in (("--calib", a.calib), ("--eval", a.eval)):
+    for setting, path in (("--calib", a.calib), ("--eval", a.eval)):
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path}: no such file")
+            raise ConfigError(f"{setting} {path}: no such file")
 
 
 def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
