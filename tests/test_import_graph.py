@@ -4,8 +4,8 @@ Every module under eprt/ is parsed with `ast` (nothing is imported, so no import
 hide an edge). Every `import` statement counts wherever it stands: at module level, inside a
 function (a lazy import is still a dependency), under `if TYPE_CHECKING`. Importing a module's own
 parent package (`from eprt import __version__`) is no edge: Python has run that package's
-`__init__` before the module anyway. A reference to a module by name in a string (the family
-table's model classes, resolved with importlib) is not an import and is not seen here.
+`__init__` before the module anyway. A reference to a module by name in a string (importlib) is
+not an import and is not seen here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "eprt"
 # Low to high: a module may import from its own layer and the layers below it, never above.
 # A module (or package) is placed by its longest listed prefix.
 LAYERS = (
-    ("foundation", ("eprt.errors", "eprt.units", "eprt.progress")),
+    ("foundation", ("eprt.errors", "eprt.units", "eprt.flags", "eprt.progress")),
     ("model description", ("eprt.config", "eprt.layout")),  # pure Python: no torch, no files
     ("storage", ("eprt.storage",)),  # checkpoint, safetensors, encodings, HF file names, atomic output
     ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets

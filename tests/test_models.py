@@ -273,3 +273,10 @@ def test_bf16_logits_close_to_transformers_bf16(tmp_path, cfg):
         t = int(first_change[b])
         if t:
             assert (got[b, :t] - want[b, :t]).abs().max() <= bound
+
+
+def test_every_family_of_the_table_has_its_model_class():
+    from eprt.families import FAMILIES
+    from eprt.models.registry import MODEL_CLASSES
+
+    assert set(MODEL_CLASSES) == {f.name for f in FAMILIES}

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.deepseek_v3 import load_mtp  # noqa: E402
+from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.loader import load_model  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
@@ -83,7 +84,7 @@ def assert_runs_as_the_engines_do(hf: str, ck_dir: str, tmp_path, eps: float) ->
 
     ck = Checkpoint(ck_dir)
     try:
-        mtp = load_mtp(ck, 0, dtype=torch.float32, device="cpu")
+        mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
     finally:
         ck.close()
     c = ck.config
@@ -122,7 +123,7 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
     model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=out))
     with Checkpoint(ck_dir) as ck, torch.inference_mode():
         model(samples)
-        mtp = load_mtp(ck, 0, dtype=torch.float32, device="cpu")
+        mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
         whole = Calibrator(None, names, kv=True)
         whole.observe(mtp, f"model.layers.{LAYERS}.")
         mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
@@ -149,8 +150,8 @@ def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
     decoder layers hold theirs: rows [first, first + count) of the whole layer's."""
     _, ck_dir = tiny
     with Checkpoint(ck_dir) as ck:
-        whole = load_mtp(ck, 0, dtype=torch.float32, device="cpu")
-        half = load_mtp(ck, 0, dtype=torch.float32, device="cpu", expert_range=(4, 4))
+        whole = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
+        half = load_mtp(ResolvedCheckpoint.of(ck, torch.float32, (4, 4)), 0, device="cpu")
     for name in ("w13", "w2"):
         torch.testing.assert_close(getattr(half.mlp.experts, name), getattr(whole.mlp.experts, name)[4:8],
                                    rtol=0, atol=0)

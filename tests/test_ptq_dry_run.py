@@ -11,6 +11,7 @@ import pytest
 
 from eprt.commands.ptq import size
 from eprt.hf.convert import convert_hf
+from eprt.quant.ptq import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
@@ -101,3 +102,43 @@ def test_refuses_an_ep_that_does_not_split_the_experts_on_every_rank(ckpts):
     r = run([sys.executable, PTQ, ck3, "--ep", "2", "--dry-run"])
     assert r.returncode == 2
     assert r.stderr == "error: ep=2 does not divide the world size 1; valid ep for world 1: 1\n"
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
+    """A login node without GPUs plans the GPU run: the device's terms, and the host memory GPTQ's codes
+    take beside the process (NVFP4: half a byte a weight), in the table and in the plan's line."""
+    ck8, _ = ckpts
+    r = run([sys.executable, PTQ, ck8, "--dry-run", "--recipe", "nvfp4", "--algorithm", "gptq", "--device", "cuda"],
+            env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "planned peak on cuda" in r.stdout
+    (row,) = rows(r.stdout)
+    assert len(row) == 9 and re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", row[8])  # the host's column
+    line = next(line for line in r.stdout.splitlines() if line.startswith("memory plan on cuda: rank 0 peaks at "))
+    m = re.fullmatch(r"memory plan on cuda: rank 0 peaks at (\S+ \S+) \(layer .*, hidden states .*, step .*, "
+                     r"process 0 B, GPTQ's Hessians [^,]*, quality report: .* head [^)]*\); on the host (\S+ \S+) "
+                     r"\(process .*, token ids .*, a tensor as read .*, GPTQ's codes (\S+ \S+)\)", line)
+    assert m, line
+    assert (m.group(1), m.group(2)) == (row[7], row[8])
+    with Checkpoint(ck8) as ck:  # every weight of every Linear the recipe quantizes
+        _, targets = plan_recipe(ck, "nvfp4")
+        weights = sum(math.prod(ck.meta(n).shape) for n in ck.names() if n.rpartition(".")[0] in targets)
+    assert m.group(3) == size(weights // 2)
+
+    r = run([sys.executable, PTQ, ck8, "--dry-run", "--recipe", "nvfp4", "--algorithm", "gptq", "--device", "cuda",
+             "--max-host-memory", "1MiB"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2
+    assert re.fullmatch(r"error: rank 0 would hold [\d.]+ MiB of host memory \(process .*\); with the 1 ranks on "
+                        r"its host, [\d.]+ MiB, over --max-host-memory 1.00 MiB: use fewer ranks on each host, or "
+                        r"a host with more memory free\n", r.stderr), r.stderr
+
+
+def test_device_is_for_the_dry_run_a_run_uses_its_ranks_own(ckpts, tmp_path):
+    ck8, _ = ckpts
+    r = run([sys.executable, PTQ, ck8, "--recipe", "fp8", "--out", str(tmp_path / "q"), "--device", "cuda"],
+            env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2
+    assert r.stderr == ("error: --device cuda: this rank runs on cpu; --device plans for another machine with "
+                        "--dry-run, a run uses its ranks' own devices\n"), r.stderr
+    assert not (tmp_path / "q").exists()

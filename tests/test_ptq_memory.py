@@ -5,6 +5,7 @@ eprt) as its baseline, plus the terms of the layer-major run. The model is sized
 terms are as large as the baseline: 16 experts of 512 x 2048 in fp32, 200 MB per MoE layer.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -15,8 +16,8 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
-from eprt.quant.engine import Schedule
-from eprt.quant.plan import Planner, check_memory
+from eprt.quant.ptq import plan_recipe
+from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port
@@ -24,6 +25,7 @@ from tests.multiproc import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTQ = os.path.join(ROOT, "tools", "ptq.py")
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+MiB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +79,75 @@ def test_the_refusal_names_the_smallest_ep_and_the_largest_calib_size_that_fit(c
     with Checkpoint(ckpt) as ck:
         planner = Planner.of(ck, torch.float32, torch.device("cpu"))
 
+        def shape(ep, n):
+            return RunShape(rank=0, world=4, ep=ep, num_sequences=n, seq_len=256, step_sequences=4, group_tokens=512)
+
         def peak(ep, n):
-            return planner.plan(rank=0, world=4, ep=ep, num_sequences=n, seq_len=256,
-                                schedule=Schedule.of(n, 256, 4, 512), baseline=0).peak
+            return planner.plan(shape(ep, n), baseline=0).peak
 
         limit = peak(1, 16)  # at ep 1, 16 sequences fit and 64 do not; ep 2 halves the largest layer
         assert peak(2, 64) <= limit < peak(1, 64)
         with pytest.raises(ConfigError) as e:
-            check_memory(planner, planner.plan(rank=0, world=4, ep=1, num_sequences=64, seq_len=256,
-                                               schedule=Schedule.of(64, 256, 4, 512), baseline=0),
-                         limit, rank=0, world=4, ep=1, num_experts=16, num_sequences=64, seq_len=256,
-                         schedule_of=lambda n: Schedule.of(n, 256, 4, 512))
+            check_memory(planner, planner.plan(shape(1, 64), baseline=0), limit, shape(1, 64), num_experts=16)
     m = re.search(r"use --ep (\d+) or --calib-size (\d+)$", str(e.value))
     assert m, str(e.value)
     assert int(m.group(1)) == 2
     fits = int(m.group(2))
     assert 16 <= fits < 64 and peak(1, fits) <= limit < peak(1, fits + 1)
+
+
+def gptq_planner(ck: Checkpoint, fmt: str, device: str) -> Planner:
+    """The plan of a recipe that runs GPTQ in `fmt` on every Linear it quantizes."""
+    _, targets = plan_recipe(ck, fmt)
+    return Planner.of(ck, torch.float32, torch.device(device), targets, gptq={m: fmt for m in targets})
+
+
+def test_gptq_codes_are_planned_at_their_formats_size_on_the_device_or_on_the_host(ckpt):
+    """NVFP4's codes pack two weights a byte, FP8's take one; a CPU rank holds them in its one plan,
+    a GPU rank on the host, beside the process (not on the device)."""
+    shape = RunShape(rank=0, world=2, ep=2, num_sequences=16, seq_len=64, step_sequences=2, group_tokens=512)
+    with Checkpoint(ckpt) as ck:
+        _, targets = plan_recipe(ck, "fp8")
+        dense = sum(math.prod(ck.meta(n).shape) for n in ck.names()
+                    if n.rpartition(".")[0] in targets and not n.endswith(("w13", "w2")))
+        experts = sum(math.prod(ck.meta(n).shape) for n in ck.names()
+                      if n.rpartition(".")[0] in targets and n.endswith(("w13", "w2")))
+        fp8 = gptq_planner(ck, "fp8", "cpu").plan(shape, baseline=0)
+        nvfp4 = gptq_planner(ck, "nvfp4", "cpu").plan(shape, baseline=0)
+        gpu = gptq_planner(ck, "nvfp4", "cuda").plan(shape, baseline=0, host_baseline=100 * MiB)
+    assert fp8.codes == dense + experts // 2  # a byte a weight, this rank's half of the experts
+    assert nvfp4.codes == fp8.codes // 2 and nvfp4.host is None
+    assert gpu.codes == 0 and gpu.host.codes == nvfp4.codes
+    assert gpu.host.peak == 100 * MiB + gpu.tokens + gpu.host.reading + gpu.host.codes
+
+
+def test_a_gpu_rank_over_the_hosts_memory_is_refused_naming_the_setting_and_the_ep_that_fits(ckpt):
+    """The host is shared: its ranks' host plans together are checked against --max-host-memory, and
+    a larger ep, which splits the experts' codes, is named where it fits."""
+    with Checkpoint(ckpt) as ck:
+        planner = gptq_planner(ck, "fp8", "cuda")
+
+        def shape(ep):
+            return RunShape(rank=0, world=4, ep=ep, num_sequences=16, seq_len=64, step_sequences=4, group_tokens=512)
+
+        def host(ep):
+            return planner.plan(shape(ep), baseline=0, host_baseline=0).host.peak
+
+        limit = 4 * host(2)
+        assert limit < 4 * host(1)
+        check_host_memory(planner, planner.plan(shape(2), baseline=0), limit, shape(2), 16, ranks_on_host=4)
+        with pytest.raises(ConfigError) as e:
+            check_host_memory(planner, planner.plan(shape(1), baseline=0), limit, shape(1), 16, ranks_on_host=4)
+    assert re.fullmatch(r"rank 0 would hold [\d.]+ MiB of host memory \(process 0 B, token ids .*, GPTQ's codes "
+                        r"[\d.]+ MiB\); with the 4 ranks on its host, [\d.]+ MiB, over --max-host-memory [\d.]+ MiB: "
+                        r"use --ep 2, or fewer ranks on each host, or a host with more memory free", str(e.value))
+
+
+@pytest.mark.cuda
+def test_a_gpu_run_over_the_hosts_memory_is_refused_before_reading_data(ckpt, tmp_path):
+    r = ptq([ckpt, "--recipe", "nvfp4", "--algorithm", "gptq", "--max-host-memory", "1MiB", "--calib", "missing",
+             "--out", str(tmp_path / "q")], 1, tmp_path)
+    assert r.returncode == 2
+    assert re.fullmatch(r"error: rank 0 would hold .* of host memory \(.*\); with the 1 ranks on its host, .*, over "
+                        r"--max-host-memory 1.00 MiB: use .*", r.stderr.strip().splitlines()[-1]), r.stderr
+    assert not os.path.exists(tmp_path / "q")

@@ -21,8 +21,8 @@ from eprt.data import calibration_samples
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
-from eprt.quant.engine import Schedule
-from eprt.quant.plan import Planner, check_memory, parse_size
+from eprt.quant.plan import Planner, RunShape, check_memory
+from eprt.units import parse_size
 from eprt.quant.recipe import load_recipe
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile
@@ -269,13 +269,13 @@ def test_a_seq_len_too_long_for_memory_is_refused_naming_the_longest_that_fits(c
         planner = Planner.of(ck, torch.float32, torch.device("cpu"))
 
         def plan(T):
-            return planner.plan(rank=0, world=1, ep=1, num_sequences=64, seq_len=T,
-                                schedule=Schedule.of(64, T, 1, 512), baseline=0)
+            return planner.plan(RunShape(rank=0, world=1, ep=1, num_sequences=64, seq_len=T, step_sequences=1,
+                                         group_tokens=512), baseline=0)
 
         with pytest.raises(ConfigError) as e:
-            check_memory(planner, plan(seq_len), limit, rank=0, world=1, ep=1, num_experts=8, num_sequences=64,
-                         seq_len=seq_len, schedule_of=lambda n: Schedule.of(n, seq_len, 1, 512),
-                         schedule_at=lambda n, T: Schedule.of(n, T, 1, 512))
+            check_memory(planner, plan(seq_len), limit, RunShape(rank=0, world=1, ep=1, num_sequences=64,
+                                                                 seq_len=seq_len, step_sequences=1, group_tokens=512),
+                         num_experts=8)
     m = re.search(r"over --max-memory 512\.00 MiB: use --seq-len (\d+)$", str(e.value))
     assert m, str(e.value)
     fits = int(m.group(1))

@@ -8,7 +8,7 @@ the compressed-tensors quantized layout). Under torchrun every rank writes its s
 import argparse
 
 from eprt.cli import run
-from eprt.hf.export import export_hf
+from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
 from eprt.hf.export_quantized import FORMATS
 from eprt.parallel import ParallelState
 from eprt.units import parse_size
@@ -18,7 +18,8 @@ def export() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt")
     ap.add_argument("out")
-    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    ap.add_argument("--max-shard-size", help="largest safetensors shard, e.g. 4GiB, 500MB (default 5GiB, "
+                                             "5 x 1024^3 bytes)")
     ap.add_argument("--dequantize", action="store_true",
                     help="an unquantized checkpoint only: write weights the source stored compressed or in block "
                          "FP8 decoded (bf16), and config.json without its quantization_config (default: as the "
@@ -30,7 +31,8 @@ def export() -> None:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     with ParallelState.from_env() as state:
-        export_hf(a.ckpt, a.out, max_shard_bytes=parse_size(a.max_shard_size), overwrite=a.overwrite,
+        shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES
+        export_hf(a.ckpt, a.out, max_shard_bytes=shard, overwrite=a.overwrite,
                   progress=not a.no_progress, dequantize=a.dequantize, parallel=state, fmt=a.format)
 
 

@@ -1,10 +1,10 @@
 """The family table: every `model_type` eprt reads, and all eprt knows of its family, in one entry.
 
 Adding a family is adding its reader (`eprt/families/<name>.py`: `parse` a config.json, the
-tensor `layout`), its model code (`eprt/models/<name>.py`) and one entry in FAMILIES.
-
-The table sits below the model code (eprt/models imports it), so an entry names its model class
-as "module:Class", imported on first use (eprt.models.registry.model_class).
+tensor `layout`), one entry in FAMILIES, and its model code (`eprt/models/<name>.py`) with its
+class in eprt.models.registry. The table sits below the model code, which asks it nothing: what
+a run needs of the table (the layout, the tensors kept in fp32) it resolves once
+(eprt.models.resolved).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class Family:
     model_types: tuple[str, ...]  # the config.json `model_type`s it reads
     parse: Callable[[dict, str], ModelConfig]  # (config.json, its path for messages) -> ModelConfig
     tensors: Callable[[ModelConfig], Layout]  # the tensor layout: specs and what is only carried through
-    model: str  # "module:Class" of the model code: Class(config, expert_range=None)
     # Regexes over tensor names the reference keeps in fp32 whatever the model dtype: the model
     # holds them in fp32, and a `--dtype` conversion leaves them in their source dtype.
     fp32: tuple[str, ...] = ()
@@ -45,29 +44,25 @@ class Family:
         return any(re.fullmatch(p, name) for p in self.fp32)
 
 
-def language_model_of(text: Family, name: str, model_types: tuple[str, ...], parse, tensors, model: str) -> Family:
+def language_model_of(text: Family, name: str, model_types: tuple[str, ...], parse, tensors) -> Family:
     """A vision-language family whose language model is `text`'s, under `language_model.`."""
     under = kimi_k25.under_language_model
-    return Family(name, model_types, parse, tensors, model, fp32=under(text.fp32),
+    return Family(name, model_types, parse, tensors, fp32=under(text.fp32),
                   unquantized=under(text.unquantized))
 
 
-QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), qwen3_moe.parse, qwen3_moe.layout,
-                   "eprt.models.qwen3_moe:Qwen3MoeForCausalLM")
+QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), qwen3_moe.parse, qwen3_moe.layout)
 DEEPSEEK_V3 = Family(
     "deepseek_v3", ("deepseek_v3", "kimi_k2"), deepseek_v3.parse, deepseek_v3.layout,
-    "eprt.models.deepseek_v3:DeepseekV3ForCausalLM",
     # the router computes in fp32, with its correction bias
     fp32=(r".*\.mlp\.gate\.weight", r".*\.e_score_correction_bias"),
     # an MTP layer's own embedding and head are an embedding and an lm_head; vLLM and SGLang build
     # its eh_proj as a plain torch Linear, which cannot load a quantized weight
     unquantized=(*COMMON_UNQUANTIZED, r".*\.embed_tokens", r".*\.shared_head\.head", r".*\.eh_proj"))
 GLM4_MOE = Family("glm4_moe", ("glm4_moe",), glm4_moe.parse, glm4_moe.layout,
-                  "eprt.models.glm4_moe:Glm4MoeForCausalLM",
                   fp32=DEEPSEEK_V3.fp32, unquantized=DEEPSEEK_V3.unquantized)  # DeepSeek-V3's router and MTP layer
 DEEPSEEK_V32 = Family(
     "deepseek_v32", ("deepseek_v32",), deepseek_v32.parse, deepseek_v32.layout,
-    "eprt.models.deepseek_v32:DeepseekV32ForCausalLM",
     fp32=DEEPSEEK_V3.fp32,  # DeepSeek-V3's router
     # The lightning indexer's projections stay unquantized in every recipe: vLLM fuses `wk` with
     # `weights_proj` into one unquantized Linear (a block-FP8 `wk` is upcast to bf16 as it loads)
@@ -76,7 +71,6 @@ DEEPSEEK_V32 = Family(
     unquantized=(*COMMON_UNQUANTIZED, r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"))
 KIMI_LINEAR = Family(
     "kimi_linear", ("kimi_linear",), kimi_linear.parse, kimi_linear.layout,
-    "eprt.models.kimi_linear:KimiLinearForCausalLM",
     # the router, its correction bias and KDA's decay parameters compute in fp32
     fp32=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias", r".*\.self_attn\.A_log",
           r".*\.self_attn\.dt_bias"),
@@ -84,27 +78,23 @@ KIMI_LINEAR = Family(
     # projections of the routed experts, the attention-residual queries
     unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate", r".*\.routed_expert_(down|up)_proj",
                  r".*_res_proj"))
-KIMI_K25 = language_model_of(DEEPSEEK_V3, "kimi_k25", ("kimi_k25",), kimi_k25.parse, kimi_k25.layout,
-                             "eprt.models.kimi_k25:KimiK25ForConditionalGeneration")
-KIMI_K3 = language_model_of(KIMI_LINEAR, "kimi_k3", ("kimi_k3",), kimi_k3.parse, kimi_k3.layout,
-                            "eprt.models.kimi_k3:KimiK3ForConditionalGeneration")
+KIMI_K25 = language_model_of(DEEPSEEK_V3, "kimi_k25", ("kimi_k25",), kimi_k25.parse, kimi_k25.layout)
+KIMI_K3 = language_model_of(KIMI_LINEAR, "kimi_k3", ("kimi_k3",), kimi_k3.parse, kimi_k3.layout)
 QWEN3_NEXT = Family(
-    "qwen3_next", ("qwen3_next",), qwen3_next.parse, qwen3_next.layout, "eprt.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_next", ("qwen3_next",), qwen3_next.parse, qwen3_next.layout,
     # vLLM builds these without quantization: the shared expert's gate (one output) and the linear
     # attention's b/a projections (merged into in_proj_ba, quant_config=None); conv1d is no Linear.
     unquantized=(*COMMON_UNQUANTIZED, r".*\.mlp\.shared_expert_gate", r".*\.linear_attn\.in_proj_(ba|b|a)"))
 # Qwen3.5-MoE's language model saved alone: Qwen3-Next's model, projections stored apart, MTP carried
 QWEN3_5_MOE_TEXT = Family("qwen3_5_moe_text", ("qwen3_5_moe_text",), qwen3_5_moe.parse_text, qwen3_5_moe.text_layout,
-                          "eprt.models.qwen3_next:Qwen3NextForCausalLM", unquantized=QWEN3_NEXT.unquantized)
+                          unquantized=QWEN3_NEXT.unquantized)
 # Qwen3.5-MoE as released: that language model under `model.language_model.`, the vision tower carried
 QWEN3_5_MOE = Family("qwen3_5_moe", ("qwen3_5_moe",), qwen3_5_moe.parse, qwen3_5_moe.layout,
-                     "eprt.models.qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
                      unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized))
 
 FAMILIES = (QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, DEEPSEEK_V32, KIMI_LINEAR, KIMI_K25, KIMI_K3, QWEN3_NEXT, QWEN3_5_MOE_TEXT,
             QWEN3_5_MOE)
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
-_BY_NAME = {f.name: f for f in FAMILIES}
 
 
 def supported_model_types() -> list[str]:
@@ -119,13 +109,6 @@ def reader_for(model_type: str, source: str) -> Family:
             f"{', '.join(supported_model_types())}"
         )
     return _BY_MODEL_TYPE[model_type]
-
-
-def family(name: str) -> Family:
-    """The family a ModelConfig runs as (`ModelConfig.family`)."""
-    if name not in _BY_NAME:
-        raise ConfigError(f"no model code for family {name!r}; eprt runs {', '.join(sorted(_BY_NAME))}")
-    return _BY_NAME[name]
 
 
 def read_hf_config(hf_dir: str) -> dict:

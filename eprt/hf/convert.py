@@ -78,7 +78,8 @@ def stored_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (spec.shape[0], spec.per_row * (shape[0] if shape else 1), *shape[1:])
 
 
-def module_of(hf_weight: str) -> str | None:
+def source_module(hf_weight: str) -> str | None:
+    """The module a source weight belongs to (its name without `.weight`); None for any other tensor."""
     return hf_weight[: -len(".weight")] if hf_weight.endswith(".weight") else None
 
 
@@ -166,7 +167,7 @@ def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpe
     """`spec` read from its other spelling (`spec.alias`) where the source holds it under that name,
     plain or encoded."""
     def held(name: str) -> bool:
-        return name in src.tensors or module_of(name) in encoded
+        return name in src.tensors or source_module(name) in encoded
 
     if spec.alias is None or not held(spec.alias):
         return spec
@@ -176,7 +177,7 @@ def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpe
     return replace(spec, sources=(spec.alias,))
 
 
-class Planner:
+class ConversionPlanner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
     def __init__(self, src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str,
@@ -207,7 +208,7 @@ class Planner:
                 planned.append(replace(self.plan_raw(spec), fused=True))
                 claimed.add(spec.fused)
                 continue
-            encs = [self.encoded.get(module_of(s)) for s in spec.sources]
+            encs = [self.encoded.get(source_module(s)) for s in spec.sources]
             if any(encs):
                 planned.append(self.plan_encoded(spec, encs, "model"))
                 claimed.update(n for e in encs for n in e.components.values())
@@ -297,8 +298,8 @@ class Planner:
                                           f"{spec.name!r} disagree on their scheme; store every expert of a layer alike")
         dtype, shape = self.probe(first)
         if shape != spec.source_shape():
-            raise CheckpointError(f"{self.where}: {module_of(src0)} ({first.encoding}) decodes to shape {list(shape)} "
-                                  f"but config.json implies {list(spec.source_shape())}")
+            raise CheckpointError(f"{self.where}: {source_module(src0)} ({first.encoding}) decodes to shape "
+                                  f"{list(shape)} but config.json implies {list(spec.source_shape())}")
         return Planned(spec, dtype, dtype, role, tuple(encs), components)
 
     def probe(self, e: Encoded) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -334,7 +335,7 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
     quant = encodings.source_quantization(hf_cfg, os.path.join(hf_dir, CONFIG))
     src = HFSource(hf_dir)
     try:
-        planner = Planner(src, layout, DTYPE_CHOICES[dtype], hf_dir, quant)
+        planner = ConversionPlanner(src, layout, DTYPE_CHOICES[dtype], hf_dir, quant)
         planned = planner.plan()
         schemes = planner.schemes(planned)
         by_file: dict[str, list[Planned]] = defaultdict(list)

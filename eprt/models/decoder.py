@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.config import ModelConfig
-from eprt.families import family
 from eprt.models.layers import Linear, RMSNorm, linear
 from eprt.models.moe import MoE
 from eprt.models.rope import Rotary
@@ -91,10 +90,6 @@ class CausalLM(nn.Module):
         """The head over the decoder's output."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return linear(h, head.weight)
-
-    def keeps_fp32(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
-        return family(self.config.family).keeps_fp32(name)
 
     def decoder(self) -> tuple[str, nn.Module]:
         """(the prefix of its tensor names, the decoder): what a layer-by-layer run walks."""

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from eprt.config import ModelConfig
-from eprt.families import family
 from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE
+from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.router import SigmoidGroupRouter
 from eprt.parallel.placement import ExpertPlacement
 
@@ -75,23 +75,14 @@ class DeepseekV3MTP(DecoderLayer):
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
 
 
-def load_mtp(ck, k: int, *, dtype: torch.dtype, device, expert_range: tuple[int, int] | None = None) -> DeepseekV3MTP:
-    """MTP layer k of checkpoint `ck` (`eprt.storage.checkpoint.Checkpoint`), built from the tensors
-    convert carries through under their Hugging Face names: the routed experts of `expert_range`
-    stacked as the decoder layers hold theirs, the router's tensors in fp32 as everywhere."""
-    c = ck.config
-    first, count = expert_range or (0, c.num_experts)
+def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> DeepseekV3MTP:
+    """MTP layer k of the checkpoint `rc` resolves, built from the tensors convert carries through
+    under their Hugging Face names: the routed experts of its range stacked as the decoder layers
+    hold theirs, in its run dtypes (the router's tensors in fp32, as everywhere)."""
+    c = rc.ck.config
     with torch.device("meta"):
-        mtp = DeepseekV3MTP(c, (first, count))
+        mtp = DeepseekV3MTP(c, rc.expert_range)
     mtp.requires_grad_(False)
     prefix = f"model.layers.{c.num_layers + k}."
-    fam = family(c.family)
-    for spec in (s for s in fam.layout(c).mtp if s.name.startswith(prefix)):
-        if spec.stacked:
-            t = torch.stack([ck.read_expert(spec, e) for e in range(first, first + count)])
-        else:
-            t = ck.read(spec.name)
-        t = t.to(device=device, dtype=torch.float32 if fam.keeps_fp32(spec.name) else dtype)
-        module, _, attr = spec.name[len(prefix):].rpartition(".")
-        mtp.get_submodule(module).load_state_dict({attr: t}, strict=False, assign=True)
+    place_tensors(rc, mtp, [s.name for s in rc.layout.mtp if s.name.startswith(prefix)], device=device, prefix=prefix)
     return mtp

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from eprt.errors import CheckpointError, ConfigError
-from eprt.families import reader_for
+from eprt.errors import CheckpointError
 from eprt.models.decoder import CausalLM
 from eprt.models.registry import model_class
-from eprt.parallel import EPDispatcher, ExpertPlacement, ParallelState, fail_together
+from eprt.models.resolved import ResolvedCheckpoint, place_tensors
+from eprt.parallel import EPDispatcher, ParallelState, fail_together
 from eprt.storage.checkpoint import Checkpoint
 
 
@@ -71,71 +71,54 @@ def open_checkpoint(ckpt_dir: str, parallel: ParallelState) -> Checkpoint:
 def weight_bytes(ck: Checkpoint, *, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> tuple[int, int]:
     """(dense, routed experts): bytes of the weights `load_model` holds for `expert_range`, in
     `dtype` as it loads them, from the manifest alone (no weight is read)."""
-    model, stacked = _meta_model(ck, expert_range)
+    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
+    model = build_meta(rc)
     dense = experts = 0
     for name, t in model.state_dict().items():
-        n = t.numel() * (torch.float32 if model.keeps_fp32(name) else dtype).itemsize
-        if name in stacked:
+        n = t.numel() * rc.run_dtype(name).itemsize
+        if name in rc.stacked:
             experts += n
         else:
             dense += n
     return dense, experts
 
 
-def _meta_model(ck: Checkpoint, expert_range) -> tuple[CausalLM, set[str]]:
-    """The model built on the meta device for `expert_range`, and the names of its stacked expert tensors."""
-    c = ck.config
-    first, count = expert_range or ExpertPlacement(c.num_experts).range
-    if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
-        raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {ck.path}")
+def build_meta(rc: ResolvedCheckpoint) -> CausalLM:
+    """The model of `rc` built on the meta device, holding its range of the routed experts."""
     with torch.device("meta"):
-        model = model_class(c.family)(c, expert_range=(first, count))
+        model = model_class(rc.ck.config.family)(rc.ck.config, expert_range=rc.expert_range)
     model.requires_grad_(False)
-    stacked = {s.name for s in reader_for(c.model_type, ck.path).layout(c).specs if s.is_expert}
-    return model, stacked
-
-
-def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
-    model, stacked = _meta_model(ck, expert_range)
-    wanted = model.state_dict()
-    _check_tensors(ck, wanted, stacked)
-    ck.check_decode(dtype)
-    assign_tensors(ck, model, list(wanted), stacked, dtype=dtype, device=device, expert_range=expert_range)
     return model
 
 
-def meta_model(ck: Checkpoint, expert_range: tuple[int, int] | None = None) -> tuple[CausalLM, set[str]]:
+def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
+    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
+    model = build_meta(rc)
+    wanted = model.state_dict()
+    _check_tensors(rc, wanted)
+    ck.check_decode(dtype)
+    place_tensors(rc, model, list(wanted), device=device)
+    return model
+
+
+def meta_model(ck: Checkpoint, expert_range: tuple[int, int] | None,
+               dtype: torch.dtype) -> tuple[CausalLM, ResolvedCheckpoint]:
     """The model on the meta device, checked against the checkpoint's tensors (nothing is read),
-    and the names of its stacked expert tensors: `assign_tensors` then fills any part of it."""
-    model, stacked = _meta_model(ck, expert_range)
-    _check_tensors(ck, model.state_dict(), stacked)
-    return model, stacked
+    and the checkpoint resolved for it: `place_tensors` then fills any part of it."""
+    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
+    return checked_meta(rc), rc
 
 
-def assign_tensors(ck: Checkpoint, model, names: list[str], stacked: set[str], *, dtype: torch.dtype, device,
-                   expert_range: tuple[int, int] | None) -> int:
-    """Read tensors `names` of `model` (only the rows of `expert_range` of stacked experts) into
-    their places, one tensor in flight; returns the bytes placed."""
-    first, count = expert_range or ExpertPlacement(ck.config.num_experts).range
-    placed = 0
-    for name in names:
-        module, _, attr = name.rpartition(".")
-        slot = getattr(model.get_submodule(module), attr)
-        if name in stacked:
-            rows = (first, first + count)
-        elif slot.shape and ck.meta(name).shape[0] > slot.shape[0]:
-            rows = (0, slot.shape[0])  # a padded tensor (Kimi-K3's A_log): the model's entries lead
-        else:
-            rows = None
-        t = ck.read(name, rows=rows)
-        t = t.to(device=device, dtype=torch.float32 if model.keeps_fp32(name) else dtype)
-        model.get_submodule(module).load_state_dict({attr: t}, strict=False, assign=True)
-        placed += t.numel() * t.element_size()
-    return placed
+def checked_meta(rc: ResolvedCheckpoint) -> CausalLM:
+    """The model of `rc` on the meta device, checked against the checkpoint's tensors (nothing is read)."""
+    model = build_meta(rc)
+    _check_tensors(rc, model.state_dict())
+    return model
 
 
-def _check_tensors(ck: Checkpoint, wanted: dict[str, torch.Tensor], stacked: set[str]) -> None:
+def _check_tensors(rc: ResolvedCheckpoint, wanted: dict[str, torch.Tensor]) -> None:
     """Refuse before reading anything if the checkpoint's tensors are not the model's."""
+    ck = rc.ck
     have = set(ck.names())
     missing = [n for n in wanted if n not in have]
     extra = sorted(have - set(wanted))
@@ -143,10 +126,10 @@ def _check_tensors(ck: Checkpoint, wanted: dict[str, torch.Tensor], stacked: set
         raise CheckpointError(f"{ck.path}: the checkpoint's tensors do not match the {ck.config.family} model: "
                               f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                               f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
-    padded = {s.name for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).specs if s.padded_per}
+    padded = {s.name for s in rc.layout.specs if s.padded_per}
     for name, slot in wanted.items():
         expected = tuple(slot.shape)
-        if name in stacked:  # the model holds a range of the experts; the checkpoint holds them all
+        if name in rc.stacked:  # the model holds a range of the experts; the checkpoint holds them all
             expected = (ck.config.num_experts, *expected[1:])
         stored = tuple(ck.meta(name).shape)
         if name in padded and len(stored) == len(expected) and stored[0] >= expected[0]:

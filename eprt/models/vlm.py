@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eprt.families import family
 from eprt.models.decoder import CausalLM
 from eprt.models.moe import MoE
 
@@ -27,10 +26,6 @@ class LanguageModelOf(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.language_model.logits(h)
-
-    def keeps_fp32(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` stays fp32 whatever the model dtype (the family table says)."""
-        return family(self.config.family).keeps_fp32(name)
 
     def decoder(self) -> tuple[str, nn.Module]:
         prefix, decoder = self.language_model.decoder()

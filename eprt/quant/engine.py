@@ -35,7 +35,8 @@ import torch
 from eprt.kernels.cpu_workers import cpu_workers, for_each
 from eprt.storage.checkpoint import Checkpoint
 from eprt.models.deepseek_v3 import load_mtp
-from eprt.models.loader import assign_tensors, meta_model
+from eprt.models.loader import meta_model
+from eprt.models.resolved import place_tensors
 from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
@@ -147,7 +148,7 @@ class LayerEngine:
         self.samples, self.progress = samples, progress
         c = ck.config
         self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
-        self.model, self.stacked = meta_model(ck, self.expert_range)
+        self.model, self.rc = meta_model(ck, self.expert_range, dtype)
         ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
         self.names = list(self.model.state_dict())
@@ -159,8 +160,7 @@ class LayerEngine:
 
     def _assign(self, prefix: str) -> int:
         names = [n for n in self.names if n.startswith(prefix)]
-        return assign_tensors(self.ck, self.model, names, self.stacked, dtype=self.dtype, device=self.state.device,
-                              expert_range=self.expert_range)
+        return place_tensors(self.rc, self.model, names, device=self.state.device)
 
     def embed(self) -> LayerState:
         """The hidden states entering layer 0."""
@@ -209,7 +209,7 @@ class LayerEngine:
         hidden = ls.hidden
         for k, prefix in enumerate(self.mtp_prefixes()):
             start, sent_before = time.perf_counter(), self.dispatcher.bytes_sent
-            mtp = load_mtp(self.ck, k, dtype=self.dtype, device=self.state.device, expert_range=self.expert_range)
+            mtp = load_mtp(self.rc, k, device=self.state.device)
             self.cal.observe(mtp, prefix)
             mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
             try:

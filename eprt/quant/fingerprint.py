@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.errors import CheckpointError, ConfigError
+from eprt.parallel import ParallelState
 from eprt.storage.checkpoint import MANIFEST, Checkpoint, manifest_digest, pin_changes, weight_pins
 
 # options that change a byte of the result, and how the user names each
@@ -73,7 +74,7 @@ def differences(then: dict, now: dict, base: str, times: bool = True) -> list[st
     return out
 
 
-def agree_over_ranks(state, fingerprint: dict, base: str) -> None:
+def agree_over_ranks(state: ParallelState, fingerprint: dict, base: str) -> None:
     """Refuse, on every rank alike, a run whose ranks read different checkpoints, recipes or data.
     Every rank of `state` must call it (it gathers every rank's fingerprint)."""
     if state.world == 1:

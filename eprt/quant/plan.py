@@ -14,24 +14,33 @@ The quality report (eprt.quant.quality) adds the hidden states of its held-out s
 quantized weights as they were (its probes compare against them) and one held-out step's
 buffers with the probes' reference outputs; and at the end the final norm and the head, with
 one sequence's logits of both streams.
+
+A GPU rank also holds host memory, planned apart and checked against the host's own limit: the
+process, the token ids, a tensor as it is read before it moves to the device, and GPTQ's codes,
+which move to the host as each layer is rounded and stay there until the output is written.
+On a CPU rank the host is the device, and those terms are in its one plan.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
 from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
-from eprt.families import reader_for
 from eprt.layout import layer_of
-from eprt.models.loader import meta_model
+from eprt.models.loader import checked_meta
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.engine import Schedule, own_sequences
+from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import EXPERT_STACK
+from eprt.units import format_bytes
 
 
 def current_rss() -> int:
@@ -93,17 +102,80 @@ class MemoryPlan:
     reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
     step: int  # one step's activations and exchange buffers
     gptq: int = 0  # with GPTQ: a layer's Hessians (int64) and one solve's working set, beside the layer
-    codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written
+    codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written (on GPU: `host`)
     eval_layer: int = 0  # the quality report: the largest layer's weights with the copy of its quantized ones
     eval_step: int = 0  # one held-out step's buffers, with the probes'
     head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
     tokens: int = 0  # the calibration (and held-out) token ids, as read and as packed into sequences
+    host: HostPlan | None = None  # on a GPU rank, what it holds in host memory; None on CPU (the host is the device)
 
     @property
     def peak(self) -> int:
         return self.baseline + self.hidden + self.tokens + self.codes + max(self.embedding, self.reading,
                                                                self.layer + self.step + self.gptq,
                                                                self.eval_layer + self.eval_step, self.head)
+
+    def summary(self) -> str:
+        """'peaks at X (its terms)', and on a GPU what the host holds: the run logs it, the dry run prints it."""
+        host = f"; on the host {format_bytes(self.host.peak)} ({self.host.terms()})" if self.host else ""
+        return f"peaks at {format_bytes(self.peak)} ({self.terms()}){host}"
+
+    def terms(self) -> str:
+        text = (f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
+                f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}")
+        if self.gptq:
+            text += f", GPTQ's Hessians {format_bytes(self.gptq)}"
+            text += f", its codes {format_bytes(self.codes)}" if self.codes else ""  # on a GPU: the host's
+        if self.eval_layer:
+            text += (f", quality report: layer with its copy {format_bytes(self.eval_layer)}, held-out step "
+                     f"{format_bytes(self.eval_step)}, head {format_bytes(self.head)}")
+        return text
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What a GPU rank holds in host memory at its peak."""
+
+    baseline: int  # the process's resident set before the run
+    tokens: int  # the token ids, as read and as packed
+    reading: int  # the largest tensor as read, before it moves to the device
+    codes: int  # GPTQ's codes of every layer, kept until the output is written
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.tokens + self.reading + self.codes
+
+    def terms(self) -> str:
+        return (f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
+                f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a plan prices besides the model: where the rank sits, the data's sizes and the steps
+    that cut them."""
+
+    rank: int
+    world: int
+    ep: int
+    num_sequences: int
+    seq_len: int
+    step_sequences: int  # sequences per step of a layer, over all ranks
+    group_tokens: int  # tokens per expert work unit's group of sequences
+    all_experts: bool = False  # --calibrate-all-experts' statistics pass
+    eval_sequences: int = 0  # the quality report's held-out sequences (0: no report)
+
+    def schedule_of(self, num_sequences: int) -> Schedule:
+        """The steps and expert work units of `num_sequences` sequences of this shape's length."""
+        return Schedule.of(num_sequences, self.seq_len, self.step_sequences, self.group_tokens)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.schedule_of(self.num_sequences)
+
+    @property
+    def eval_schedule(self) -> Schedule | None:
+        return self.schedule_of(self.eval_sequences) if self.eval_sequences else None
 
 
 @dataclass(frozen=True)
@@ -119,10 +191,12 @@ class Planner:
     embedding: int
     kernel_cache: int
     head: int = 0  # what the decoder's final step and the head read after the last layer
-    # with GPTQ, per decoder layer its Linears' (Hessian bytes, solve bytes, weight elements, routed
-    # experts), every 2-D weight counted (an upper bound: not every one is quantized); an MTP
-    # layer is a decoder layer's size
-    hessians: dict[int, list[tuple[int, int, int, bool]]] | None = None
+    # with GPTQ, per decoder layer its Linears' (Hessian bytes, solve bytes, routed experts), every
+    # 2-D weight counted (an upper bound: not every one is quantized); an MTP layer is a decoder
+    # layer's size
+    hessians: dict[int, list[tuple[int, int, bool]]] | None = None
+    codes: tuple[int, int] = (0, 0)  # GPTQ's codes of the modules it rounds: (dense bytes, routed experts' bytes)
+    largest_read: tuple[int, int] = (0, 0)  # the largest tensor as stored: (dense bytes, routed experts' bytes)
     device: str = "cpu"
     # sequences whose dense parts run side by side: on CPU one a worker thread (the engine's
     # eprt.kernels.cpu_workers, as many as torch's threads)
@@ -130,29 +204,34 @@ class Planner:
 
     @classmethod
     def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
-           gptq: bool = False) -> Planner:
+           gptq: Mapping[str, str] | None = None) -> Planner:
         """`targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
-        the recipe runs GPTQ on some module (eprt.quant.gptq_layer)."""
-        b = dtype.itemsize
-        hessians: dict[int, list[tuple[int, int, int, bool]]] | None = {} if gptq else None
-        model, stacked = meta_model(ck, None)
+        the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
+        for none."""
+        hessians: dict[int, list[tuple[int, int, bool]]] | None = {} if gptq is not None else None
+        rc = ResolvedCheckpoint.of(ck, dtype)
+        model, stacked = checked_meta(rc), rc.stacked
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}
         embedding = head = 0
+        codes, largest_read = [0, 0], [0, 0]
         weights = {f"{m}.{leaf}" for m in targets for leaf in ("weight", "w13", "w2")}
         for name, t in model.state_dict().items():
-            n = t.numel() * (4 if model.keeps_fp32(name) else b)
+            meta = ck.meta(name)
+            run_dtype = rc.run_dtype(name)
+            n = t.numel() * run_dtype.itemsize
+            # on its way to a GPU a tensor is read on the host, as stored (or decoded), then cast
+            stored = n if meta.encoded else math.prod(meta.shape) * meta.dtype.itemsize
+            largest_read[name in stacked] = max(largest_read[name in stacked], n, stored)
             m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
             if not m:
                 embedding += n if name.startswith(prefix + "embed_tokens.") else 0
                 head += n if not name.startswith(prefix + "embed_tokens.") or model.config.tie_word_embeddings else 0
                 continue
-            meta = ck.meta(name)
             # read as stored, then cast into place: a stored copy in another dtype (or an
             # encoded one's decoded rows) is in flight beside it
-            run_dtype = torch.float32 if model.keeps_fp32(name) else dtype
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
@@ -160,25 +239,34 @@ class Planner:
                 # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
                 # working block, and the fp32 result; routed experts EXPERT_STACK at a time
                 solve = (4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8) * (EXPERT_STACK if name in stacked else 1)
-                hessians.setdefault(int(m.group(1)), []).append(
-                    (count * in_dim * in_dim * 8, solve, t.numel(), name in stacked))
+                hessians.setdefault(int(m.group(1)), []).append((count * in_dim * in_dim * 8, solve, name in stacked))
+            module, _, leaf = name.rpartition(".")
+            if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
+                codes[name in stacked] += int(t.numel() * code_bytes(gptq[module]))
         if mtp:
-            mtp_reads(ck, dtype, reads)
+            mtp_reads(rc, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-        return cls(ck, dtype, reads, embedding, cache, head, hessians, device.type, workers)
+        return cls(ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type,
+                   workers)
 
-    def _gptq(self, ep: int) -> tuple[int, int]:
-        """(the most a layer's Hessians and one solve hold, GPTQ's codes of every layer at one
-        byte a weight) on one rank; (0, 0) without GPTQ."""
-        if self.hessians is None:
-            return 0, 0
-        most = codes = 0
-        for linears in self.hessians.values():
-            held = sum(h // (ep if expert else 1) for h, _, _, expert in linears)
-            most = max(most, held + max(solve for _, solve, _, _ in linears))
-            codes += sum(n // (ep if expert else 1) for _, _, n, expert in linears)
-        return most, codes if self.device == "cpu" else 0
+    def _gptq(self, ep: int) -> int:
+        """The most a layer's Hessians and one solve hold on one rank; 0 without GPTQ."""
+        most = 0
+        for linears in (self.hessians or {}).values():
+            held = sum(h // (ep if expert else 1) for h, _, expert in linears)
+            most = max(most, held + max(solve for _, solve, _ in linears))
+        return most
+
+    def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
+        """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""
+        dense, experts = self.largest_read
+        return HostPlan(baseline, tokens, max(dense, experts // shape.ep), self._codes(shape.ep))
+
+    def _codes(self, ep: int) -> int:
+        """GPTQ's codes of every layer on one rank: its share of the routed experts' and every dense module's."""
+        dense, experts = self.codes
+        return dense + experts // ep
 
     def _layer(self, ep: int) -> tuple[int, int, int]:
         """(the largest layer's weights, the most any layer holds while it is read, the most a
@@ -194,28 +282,31 @@ class Planner:
             layer, copied = max(layer, placed), max(copied, placed + copy)
         return layer, reading, copied
 
-    def plan(self, *, rank: int, world: int, ep: int, num_sequences: int, seq_len: int, schedule: Schedule,
-             baseline: int, all_experts: bool = False, eval_sequences: int = 0,
-             eval_schedule: Schedule | None = None) -> MemoryPlan:
+    def plan(self, shape: RunShape, baseline: int, host_baseline: int = 0) -> MemoryPlan:
+        """The plan of one rank of `shape`, whose process holds `baseline` on its device before the
+        run (and on a GPU, `host_baseline` on the host)."""
         c, b = self.ck.config, self.dtype.itemsize
-        D, T = c.hidden_size, seq_len
+        rank, world, ep = shape.rank, shape.world, shape.ep
+        D, T = c.hidden_size, shape.seq_len
         block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
         snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
-        hidden = len(own_sequences(num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        hidden = len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
         layer, reading, copied = self._layer(ep)
-        step = self._step(rank, world, num_sequences, seq_len, schedule, probes=False, all_experts=all_experts,
-                          ep=ep)
-        gptq, codes = self._gptq(ep)
-        tokens = 2 * (num_sequences + eval_sequences) * T * 8  # int64, read then packed
-        if not eval_sequences:
+        step = self._step(rank, world, shape.num_sequences, T, shape.schedule, probes=False,
+                          all_experts=shape.all_experts, ep=ep)
+        gptq = self._gptq(ep)
+        tokens = 2 * (shape.num_sequences + shape.eval_sequences) * T * 8  # int64, read then packed
+        on_cpu = self.device == "cpu"
+        codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
+        if not shape.eval_sequences:
             return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
-                              tokens=tokens)
-        hidden += 2 * len(own_sequences(eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
-        eval_step = self._step(rank, world, eval_sequences, seq_len, eval_schedule, probes=True)
+                              tokens=tokens, host=host)
+        hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
         return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
-                          copied, eval_step, head, tokens)
+                          copied, eval_step, head, tokens, host)
 
     def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
               probes: bool, all_experts: bool = False, ep: int = 1) -> int:
@@ -264,78 +355,87 @@ class Planner:
         return t * ep * (W * b + 4 * 8) + r * (2 * W * b + 3 * 8) + r * (5 * I * b + W * b)
 
 
-def mtp_reads(ck: Checkpoint, dtype: torch.dtype, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
+def mtp_reads(rc: ResolvedCheckpoint, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
     """Each MTP layer's tensors as `Planner.reads` holds a layer's. An MTP layer is loaded whole (its
     own embedding and shared head too); its routed experts are read expert by expert from their
     source tensors and stacked, the rows in flight beside the stacked copy."""
-    c = ck.config
-    fam = reader_for(c.model_type, ck.path)
-    for spec in fam.layout(c).mtp:
-        run_dtype = torch.float32 if fam.keeps_fp32(spec.name) else dtype
+    for spec in rc.layout.mtp:
+        run_dtype = rc.run_dtype(spec.name)
         n = math.prod(spec.shape) * run_dtype.itemsize
         if spec.stacked:
             flight = n
         else:
-            meta = ck.meta(spec.name)
-            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else math.prod(spec.shape) * meta.dtype.itemsize
+            meta = rc.ck.meta(spec.name)
+            stored = math.prod(spec.shape) * meta.dtype.itemsize
+            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else stored
         reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked, False))
 
 
-def parse_size(text: str) -> int:
-    """'64GiB', '500MB', '1.5TB', or bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"--max-memory {text!r}: give a size such as 64GiB, 500MB or a byte count")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def check_memory(planner: Planner, plan: MemoryPlan, limit: int, *, rank: int, world: int, ep: int,
-                 num_experts: int, num_sequences: int, seq_len: int, schedule_of, all_experts: bool = False,
-                 eval_sequences: int = 0, eval_schedule: Schedule | None = None, schedule_at=None) -> None:
+def check_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape, num_experts: int) -> None:
     """Refuse a plan whose peak exceeds `limit`, naming the smallest ep and the largest
-    --calib-size that fit, or, where not one sequence fits, the largest --seq-len
-    (`schedule_of(num_sequences)` gives the run's schedule for a size; `schedule_at(num_sequences,
-    seq_len)` for a size and another length, without which no --seq-len is named).
+    --calib-size that fit, or, where not one sequence fits, the largest --seq-len.
 
     It needs only the sizes, not the data: call it before the calibration data is read, so that a
     run too large for its memory is refused before it builds anything of that size."""
     if plan.peak <= limit:
         return
-    from eprt.parallel.state import valid_ep
 
-    def peak(ep_: int, n: int, T: int = seq_len) -> int:
-        at = schedule_at if T != seq_len else lambda n_, _: schedule_of(n_)
-        return planner.plan(rank=rank, world=world, ep=ep_, num_sequences=n, seq_len=T, schedule=at(n, T),
-                            baseline=plan.baseline, all_experts=all_experts, eval_sequences=eval_sequences,
-                            eval_schedule=(eval_schedule if T == seq_len else at(eval_sequences, T))
-                            if eval_sequences else None).peak
+    def fits(**change) -> bool:
+        return planner.plan(replace(shape, **change), plan.baseline).peak <= limit
 
     ways = []
-    fitting_ep = [e for e in valid_ep(world, num_experts or None) if e > ep and peak(e, num_sequences) <= limit]
-    if fitting_ep:
-        ways.append(f"--ep {fitting_ep[0]}")
-    size = largest_fitting(num_sequences - 1, lambda n: peak(ep, n) <= limit)
+    ep = fitting_ep(shape, num_experts, lambda e: fits(ep=e))
+    if ep:
+        ways.append(f"--ep {ep}")
+    size = largest_fitting(shape.num_sequences - 1, lambda n: fits(num_sequences=n))
     if size:
         ways.append(f"--calib-size {size}")
-    elif schedule_at is not None:  # not even one sequence of this length fits: the length is what is too large
-        length = largest_fitting(seq_len - 1, lambda T: peak(ep, num_sequences, T) <= limit)
+    else:  # not even one sequence of this length fits: the length is what is too large
+        length = largest_fitting(shape.seq_len - 1, lambda T: fits(seq_len=T))
         if length:
             ways.append(f"--seq-len {length}")
     way = " or ".join(ways) if ways else "more memory per rank (more ranks, a larger --ep)"
-    raise ConfigError(f"rank {rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
+    raise ConfigError(f"rank {shape.rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
                       f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
                       f"{format_bytes(plan.step)}, token ids {format_bytes(plan.tokens)}, process "
                       f"{format_bytes(plan.baseline)}), over --max-memory {format_bytes(limit)}: use {way}")
+
+
+def check_host_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape, num_experts: int,
+                      ranks_on_host: int) -> None:
+    """Refuse a GPU rank whose host plan, times the ranks that share its host, exceeds `limit`
+    (the host's, for all of them), naming the smallest ep that fits. Like `check_memory`, before
+    the data is read."""
+    if plan.host is None or plan.host.peak * ranks_on_host <= limit:
+        return
+    host = plan.host
+
+    def fits(ep: int) -> bool:
+        return planner.plan(replace(shape, ep=ep), plan.baseline, host.baseline).host.peak * ranks_on_host <= limit
+
+    ep = fitting_ep(shape, num_experts, fits)
+    way = (f"--ep {ep}, or " if ep else "") + "fewer ranks on each host, or a host with more memory free"
+    raise ConfigError(f"rank {shape.rank} would hold {format_bytes(host.peak)} of host memory ({host.terms()}); "
+                      f"with the {ranks_on_host} ranks on its host, {format_bytes(host.peak * ranks_on_host)}, over "
+                      f"--max-host-memory {format_bytes(limit)}: use {way}")
+
+
+def fitting_ep(shape: RunShape, num_experts: int, fits) -> int | None:
+    """The smallest ep above the shape's, of the world and the experts, with fits(ep); None for none."""
+    from eprt.parallel.state import valid_ep
+
+    return next((e for e in valid_ep(shape.world, num_experts or None) if e > shape.ep and fits(e)), None)
+
+
+CODE_PROBE = 64  # weights encoded to measure a format's codes: whole blocks of every format
+
+
+@functools.cache
+def code_bytes(fmt: str) -> float:
+    """The bytes GPTQ keeps per weight of format `fmt`, as the format's own encoder writes them
+    (NVFP4 packs two weights a byte, FP8 one)."""
+    probe = torch.ones(1, 1, CODE_PROBE)
+    return columns_of(fmt, probe, torch.ones(1)).encode(probe).nbytes / CODE_PROBE
 
 
 def largest_fitting(most: int, fits) -> int:

@@ -17,67 +17,108 @@ import torch.distributed as dist
 
 from eprt.data import calibration_samples, held_out_samples, rank_batches
 from eprt.errors import ConfigError
+from eprt.flags import flag
 from eprt.families import reader_for
 from eprt.models.loader import load_model, weight_bytes
+from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.engine import LayerEngine, Schedule, group_tokens
+from eprt.quant.engine import LayerEngine, group_tokens
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
                                     run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
-from eprt.quant.plan import (MemoryPlan, Planner, available_memory, check_memory, format_bytes, measured_peak,
-                             memory_in_use)
-from eprt.quant.preview import fake_quantize, greedy
+from eprt.quant.plan import (MemoryPlan, Planner, RunShape, available_memory, check_host_memory, check_memory,
+                             current_rss, measured_peak, memory_in_use)
+from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
 from eprt.quant.scales import source_dtype
 from eprt.quant.workdir import WorkDir, check_work_dir
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.units import format_bytes, parse_size
 
 # `--dtype`: the dtype the model runs in
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _max_memory(text: str) -> int:
+    return parse_size(text, "--max-memory")
+
+
+def _max_host_memory(text: str) -> int:
+    return parse_size(text, "--max-host-memory")
+
+
 @dataclass(frozen=True)
 class PTQArgs:
-    ckpt: str
-    recipe: str
-    out: str
-    kv_cache: str | None = None
-    calib: str | None = None
-    calib_size: int = 64
-    seq_len: int = 256
-    batch_size: int = 1
-    dtype: str = "bf16"
-    preview: str | None = None  # a prompt, or None for no preview
-    overwrite: bool = False
+    """A PTQ run's settings; each flag field is also its command-line flag (eprt.flags)."""
+
+    ckpt: str = flag(help="the eprt checkpoint to quantize (eprt-convert writes one)", positional=True)
+    recipe: str | None = flag(help="a recipe of eprt/configs/ptq (fp8, nvfp4, nvfp4_experts_only) or a YAML path")
+    out: str | None = flag(help="where to write the quantized eprt checkpoint")
+    ep: int | None = flag(help="expert-parallel degree; divides the world size and the routed experts (default: the "
+                               "world size)")
+    kv_cache: str | None = flag(choices=["fp8"], help="also quantize the KV cache")
+    algorithm: str = flag(ALGORITHMS[0], choices=ALGORITHMS,
+                          help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
+                               f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
+    gptq_min_tokens: int = flag(DEFAULT_MIN_TOKENS,
+                                help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
+                                     f"and is listed (default {DEFAULT_MIN_TOKENS})")
+    calib: str | None = flag(help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
+    calib_size: int = flag(64, help="calibration sequences, over all ranks")
+    seq_len: int = flag(256, help="tokens per calibration sequence")
+    eval_size: int = flag(8, help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, "
+                                  "per-layer errors; docs/quality.md), taken after the calibration sequences unless "
+                                  "--eval; 0: no report")
+    eval: str | None = flag(help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead of "
+                                 "the sequences after the calibration ones")
+    batch_size: int = flag(1, help="sequences per forward on each rank")
+    dtype: str = flag("bf16", choices=list(RUN_DTYPES), help="the dtype the model runs in")
+    preview: str | None = flag(const=DEFAULT_PROMPT, metavar="PROMPT",
+                               help="print the greedy continuation of PROMPT (or of a built-in one) before and after "
+                                    "quantization")
+    chunk_size: int | None = flag(help="calibration sequences per step of each layer, over all ranks (default: "
+                                       "--batch-size x the world size); changes no result")
+    calibrate_all_experts: bool = flag(False, help="also run every token through every routed expert of its layer, "
+                                                   "for the statistics only (the layer's output still uses its "
+                                                   "top-k): no expert goes uncalibrated")
+    max_memory: int | None = flag(type=_max_memory,
+                                  help="refuse a run whose planned peak per rank on its device exceeds this (e.g. "
+                                       "64GiB; default: the device's free memory, or on CPU the host's available "
+                                       "RAM)")
+    max_host_memory: int | None = flag(type=_max_host_memory,
+                                       help="with GPUs, refuse a run whose ranks on one host together plan more "
+                                            "host memory than this (e.g. 1TiB; default: the host's available RAM)")
+    work_dir: str | None = flag(help="where each layer boundary is saved for --resume (default: OUT.work)")
+    resume: bool = flag(False, help="continue a killed run (same arguments) after its last completed layer")
+    dry_run: bool = flag(False, help="print the layout, each rank's weight bytes and planned peak memory, and exit")
+    device: str | None = flag(choices=["cpu", "cuda"],
+                              help="with --dry-run, plan for ranks on this device (default: this machine's), e.g. "
+                                   "GPU ranks planned from a login node without GPUs")
+    overwrite: bool = flag(False, help="replace a non-empty OUT once the new one is complete")
     progress: bool = True
-    chunk_size: int | None = None  # global sequences per step of a layer (default batch_size x world)
     group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
-    max_memory: int | None = None  # bytes per rank (default: what the host or device has free)
-    resume: bool = False
-    work_dir: str | None = None  # default: OUT.work beside OUT
-    algorithm: str = ALGORITHMS[0]  # how the weight scales of a recipe rule that names none are chosen
-    gptq_min_tokens: int = DEFAULT_MIN_TOKENS  # a routed expert with fewer tokens keeps max rounding under GPTQ
-    calibrate_all_experts: bool = False  # every token through every routed expert, for the statistics only
-    eval_size: int = 8  # held-out sequences of the quality report (0: no report)
-    eval: str | None = None  # the held-out sequences' data (default: held out from the calibration data)
 
 
-def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
+def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
     "resumed_after" (the layer a --resume continued after, -1 for none), "quality" (the report,
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
-    fake-quantizes it (this rank's rows of routed experts)."""
+    fake-quantizes it (this rank's rows of routed experts). `ck`: `a.ckpt` as the command opened
+    it (default: opened here); the run closes it."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
-        ck = Checkpoint(a.ckpt)
+        if a.device is not None and a.device != state.device.type:
+            raise ConfigError(f"--device {a.device}: this rank runs on {state.device.type}; --device plans for "
+                              "another machine with --dry-run, a run uses its ranks' own devices")
+        ck = ck if ck is not None else Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
@@ -95,7 +136,7 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
         # planned from the sizes alone, before the data is read: a run too large for its memory
         # builds nothing of that size
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=ALGORITHM in recipe.algorithms)
+            plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
             batches = rank_batches(samples, state.rank, state.world, a.batch_size)
@@ -161,41 +202,46 @@ def run_ptq(state, a: PTQArgs, on_weight=None) -> dict:
             "resumed_after": resumed, "quality": quality}
 
 
-def schedule(a: PTQArgs, state, config, num_sequences: int, seq_len: int | None = None) -> Schedule:
-    """The steps and expert work units of `num_sequences` sequences of `seq_len` (default --seq-len)."""
+def run_shape(a: PTQArgs, state: ParallelState, config) -> RunShape:
+    """This rank's place and the run's data sizes and steps, as the plan and the engine take them."""
     if a.chunk_size is not None and a.chunk_size < 1:
         raise ConfigError(f"--chunk-size {a.chunk_size} must be positive")
-    return Schedule.of(num_sequences, seq_len or a.seq_len, a.chunk_size or a.batch_size * state.world,
-                       a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok))
+    return RunShape(state.rank, state.world, state.ep_size, a.calib_size, a.seq_len,
+                    a.chunk_size or a.batch_size * state.world,
+                    a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok),
+                    a.calibrate_all_experts, max(a.eval_size, 0))
 
 
-def plan_run(state, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
-             gptq: bool = False) -> tuple[MemoryPlan, bool]:
-    """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory;
-    the plan, and whether the preview's whole model fits beside it (rank 0 says so when it does
-    not). `mtp`: the recipe runs the multi-token-prediction layers; `gptq`: it runs GPTQ, whose
-    Hessians the plan counts."""
+def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:
+    """The modules `recipe` runs GPTQ on, each with its format; None where it runs GPTQ on none."""
+    if ALGORITHM not in recipe.algorithms:
+        return None
+    return {m: recipe.format_of(m) for m in targets if recipe.algorithm_of(m) == ALGORITHM}
+
+
+def ranks_on_this_host(state: ParallelState) -> int:
+    """The ranks that share this rank's host memory: torchrun's LOCAL_WORLD_SIZE (the world, where
+    no launcher says)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", state.world))
+
+
+def plan_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
+             gptq: dict[str, str] | None = None) -> tuple[MemoryPlan, bool]:
+    """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
+    (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
+    whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
+    recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
+    formats (the plan counts their Hessians and codes)."""
     c = ck.config
     planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
-    n_eval = max(a.eval_size, 0)
-    plan = planner.plan(rank=state.rank, world=state.world, ep=state.ep_size, num_sequences=a.calib_size,
-                        seq_len=a.seq_len, schedule=schedule(a, state, ck.config, a.calib_size),
-                        baseline=memory_in_use(state.device), all_experts=a.calibrate_all_experts,
-                        eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None)
+    shape = run_shape(a, state, c)
+    plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss())
     limit = a.max_memory or available_memory(state.device)
-    check_memory(planner, plan, limit, rank=state.rank, world=state.world, ep=state.ep_size,
-                 num_experts=c.num_experts, num_sequences=a.calib_size, seq_len=a.seq_len,
-                 schedule_of=lambda n: schedule(a, state, c, n), all_experts=a.calibrate_all_experts,
-                 eval_sequences=n_eval, eval_schedule=schedule(a, state, c, n_eval) if n_eval else None,
-                 schedule_at=lambda n, T: schedule(a, state, c, n, T))
+    check_memory(planner, plan, limit, shape, c.num_experts)
+    check_host_memory(planner, plan, a.max_host_memory or available_memory(torch.device("cpu")), shape,
+                      c.num_experts, ranks_on_this_host(state))
     if state.rank == 0:
-        logger().info("memory plan: rank 0 peaks at %s (layer %s, hidden states %s, step %s, process %s%s)",
-                      format_bytes(plan.peak), format_bytes(plan.layer), format_bytes(plan.hidden),
-                      format_bytes(plan.step), format_bytes(plan.baseline),
-                      (f", GPTQ's Hessians {format_bytes(plan.gptq)}, its codes {format_bytes(plan.codes)}"
-                       if gptq else "")
-                      + (f", quality report: layer with its copy {format_bytes(plan.eval_layer)}, held-out step "
-                         f"{format_bytes(plan.eval_step)}, head {format_bytes(plan.head)}" if n_eval else ""))
+        logger().info("memory plan: rank 0 %s", plan.summary())
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
@@ -207,7 +253,7 @@ def plan_run(state, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = 
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_ids: torch.Tensor | None,
+def fingerprint(ck: Checkpoint, a: PTQArgs, state: ParallelState, samples: torch.Tensor, eval_ids: torch.Tensor | None,
                 recipe: Recipe | None = None) -> dict:
     """What a saved layer boundary and the output depend on (eprt.quant.fingerprint): a run
     resumes only from its own (batch and chunk sizes change no bit, so they may differ).
@@ -215,7 +261,7 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state, samples: torch.Tensor, eval_i
     recipe = recipe or load_recipe(a.recipe, a.kv_cache, a.algorithm)
     return run_fingerprint(ck, recipe, samples, eval_ids, {
         "dtype": a.dtype, "world": state.world, "ep": state.ep_size,
-        "group_size": schedule(a, state, ck.config, samples.shape[0]).group_size,
+        "group_size": run_shape(a, state, ck.config).schedule_of(samples.shape[0]).group_size,
         "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts})
 
 
@@ -232,16 +278,15 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
     check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
-def calibrate_layers(state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
+def calibrate_layers(state: ParallelState, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
                      work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), each layer boundary saved in `work` (with GPTQ's results so far); with
     --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    shape = run_shape(a, state, ck.config)
     engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
-                         schedule=schedule(a, state, ck.config, samples.shape[0]), progress=a.progress,
-                         quality=report,
-                         eval_schedule=schedule(a, state, ck.config, report.eval_ids.shape[0]) if report else None,
-                         gptq=gptq)
+                         schedule=shape.schedule_of(samples.shape[0]), progress=a.progress, quality=report,
+                         eval_schedule=shape.schedule_of(report.eval_ids.shape[0]) if report else None, gptq=gptq)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
     ls = work.load(done, cal, state.device, engine.held, results) if done >= 0 else engine.embed()
@@ -259,9 +304,9 @@ def check_data_settings(a: PTQArgs) -> None:
         raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
     if a.eval_size == 0 and a.eval is not None:
         raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
-    for flag, path in (("--calib", a.calib), ("--eval", a.eval)):
+    for setting, path in (("--calib", a.calib), ("--eval", a.eval)):
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path}: no such file")
+            raise ConfigError(f"{setting} {path}: no such file")
 
 
 def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,7 +341,7 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
                          cfg.max_position_embeddings)
 
 
-def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
+def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int) -> None:
     """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
     reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only."""
     log = logger()
@@ -318,7 +363,7 @@ def report_coverage(cal: Calibrator, state, num_experts: int) -> None:
                  "--calibrate-all-experts calibrates them)" if unreached else "")
 
 
-def every_expert(rows: torch.Tensor, state, num_experts: int) -> torch.Tensor:
+def every_expert(rows: torch.Tensor, state: ParallelState, num_experts: int) -> torch.Tensor:
     """A per-expert count of this rank's experts (reduced over edp) as one for all of them, on every rank."""
     first = state.placement(num_experts).first
     full = torch.zeros(num_experts, dtype=torch.int64, device=rows.device)

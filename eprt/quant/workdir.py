@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eprt.errors import ConfigError, EprtError
+from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerState
@@ -70,7 +71,7 @@ def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
 
 
 class WorkDir:
-    def __init__(self, path: str, state, fingerprint: dict, base: str = ""):
+    def __init__(self, path: str, state: ParallelState, fingerprint: dict, base: str = ""):
         """`path`: checked by `check_work_dir` on every rank; `base`: the checkpoint the
         fingerprint pins, whose files a refused resume names."""
         self.path, self.state, self.base = path, state, base

@@ -1,0 +1,80 @@
+"""A checkpoint as a run reads it, resolved once: the family that reads it, its tensor layout, the
+routed experts this rank holds and the dtype each tensor runs in.
+
+What builds, loads or prices the model asks this object, not the family table: the model code
+needs nothing from the table, and `place_tensors` is the one path that reads tensors into a
+model's places, the decoder layers' and the multi-token-prediction layers' alike.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eprt.errors import ConfigError
+from eprt.families import Family, reader_for
+from eprt.layout import Layout, TensorSpec
+from eprt.parallel import ExpertPlacement
+from eprt.storage.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class ResolvedCheckpoint:
+    ck: Checkpoint
+    family: Family
+    layout: Layout
+    expert_range: tuple[int, int]  # (first, count) of the routed experts this rank holds
+    dtype: torch.dtype  # the dtype the model runs in, but for the tensors the reference keeps in fp32
+
+    @classmethod
+    def of(cls, ck: Checkpoint, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> ResolvedCheckpoint:
+        """`ck` resolved for a model in `dtype` holding routed experts `expert_range` (default: all)."""
+        c = ck.config
+        fam = reader_for(c.model_type, ck.path)
+        first, count = expert_range or ExpertPlacement(c.num_experts).range
+        if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
+            raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {ck.path}")
+        return cls(ck, fam, fam.layout(c), (first, count), dtype)
+
+    def run_dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor `name` runs in: fp32 where the reference keeps it so, else the run's."""
+        return torch.float32 if self.family.keeps_fp32(name) else self.dtype
+
+    @functools.cached_property
+    def stacked(self) -> frozenset[str]:
+        """The decoder layers' stacked routed-expert tensors, of which a rank reads its rows."""
+        return frozenset(s.name for s in self.layout.specs if s.is_expert)
+
+    @functools.cached_property
+    def mtp_stacked(self) -> dict[str, TensorSpec]:
+        """The MTP layers' stacked routed experts, which convert carries through under their Hugging
+        Face names: read expert by expert from their source tensors."""
+        return {s.name: s for s in self.layout.mtp if s.stacked}
+
+    def read(self, name: str, slot: torch.Tensor) -> torch.Tensor:
+        """Tensor `name` as stored, the part of it `slot` holds: this rank's rows of routed experts,
+        the model's leading entries of a padded tensor (Kimi-K3's A_log)."""
+        first, count = self.expert_range
+        if name in self.stacked:
+            return self.ck.read(name, rows=(first, first + count))
+        if name in self.mtp_stacked:
+            return torch.stack([self.ck.read_expert(self.mtp_stacked[name], e) for e in range(first, first + count)])
+        if slot.shape and self.ck.meta(name).shape[0] > slot.shape[0]:
+            return self.ck.read(name, rows=(0, slot.shape[0]))
+        return self.ck.read(name)
+
+
+def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "") -> int:
+    """Read checkpoint tensors `names` into their places in `model` (where tensor `prefix + x` is
+    model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed."""
+    placed = 0
+    for name in names:
+        module, _, attr = name[len(prefix):].rpartition(".")
+        owner = model.get_submodule(module)
+        t = rc.read(name, getattr(owner, attr)).to(device=device, dtype=rc.run_dtype(name))
+        owner.load_state_dict({attr: t}, strict=False, assign=True)
+        placed += t.numel() * t.element_size()
+    return placed
