@@ -35,7 +35,7 @@ from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
 from eprt.hf.check_scale_range import Scale, check_kv, check_linear
 from eprt.hf.check_shapes import check_shapes, source_specs
 from eprt.quant.formats import WeightFormat
-from eprt.quant.formats.kv import Fp8KvCache, kv_by_ct_scheme
+from eprt.quant.formats.kv import KvCacheFormat, kv_by_ct_scheme
 from eprt.storage.encodings import without_quantization
 from eprt.storage.hf_files import CONFIG, QUALITY, QUANT_CONFIG
 
@@ -111,8 +111,8 @@ def _ct_formats(tensors: dict[str, StoredTensor]) -> dict[str, WeightFormat]:
     return {m: fmt for m, ls in leaves.items() if (fmt := stored_format(m, ls, tensors)) is not None}
 
 
-def _check_ct_scale_range(tensors: dict[str, StoredTensor], formats: dict[str, WeightFormat], kv: Fp8KvCache | None,
-                          problems: list[str]) -> None:
+def _check_ct_scale_range(tensors: dict[str, StoredTensor], formats: dict[str, WeightFormat],
+                          kv: KvCacheFormat | None, problems: list[str]) -> None:
     """The range checks of eprt.hf.check_scale_range on a compressed-tensors export: a format's
     scales stored as reciprocals (NVFP4's global scales) stand for them; the KV scales under the
     config's KV format `kv`. A scale missing, misshapen or not finite and positive, or a KV scale

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.quant.formats import WeightFormat
-from eprt.quant.formats.kv import Fp8KvCache
+from eprt.quant.formats.kv import KvCacheFormat
 
 SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
@@ -82,7 +82,7 @@ def check_linear(module: str, fmt: WeightFormat, weight: Scale | None, inputs: S
                             f"{_what(smallest)} in fp32, and those blocks load as zeros: {way_out}")
 
 
-def check_kv(scale: Scale, kv: Fp8KvCache, problems: list[str]) -> None:
+def check_kv(scale: Scale, kv: KvCacheFormat, problems: list[str]) -> None:
     """A k_scale or v_scale of KV format `kv`."""
     _check_one(scale, kv.largest, "largest cached value", "calibrate again, or leave the KV cache unquantized "
                f"(no --kv-cache {kv.name})", problems)

@@ -40,7 +40,8 @@ def quantize_fp8(w: torch.Tensor, scale) -> torch.Tensor:
 
     def buffers() -> tuple[torch.Tensor, torch.Tensor]:
         quotient = chunk_buffer("fp8.quotient", (step,), torch.float32, w.device)
-        return quotient, quotient if w.dtype == torch.float32 else chunk_buffer("fp8.rounded", (step,), w.dtype, w.device)
+        rounded = quotient if w.dtype == torch.float32 else chunk_buffer("fp8.rounded", (step,), w.dtype, w.device)
+        return quotient, rounded
 
     def quantize(a: int, b: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
         f = bufs[0][: b - a].copy_(flat[a:b])
