@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import eprt.hf.check_export as check_export_module
+import eprt.hf.check_exclusions as check_exclusions_module
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.fp8 import fp8_scale, quantize_fp8
-from eprt.quant.nvfp4 import nvfp4_scale, quantize_nvfp4
+from eprt.quant.formats.fp8 import fp8_scale, quantize_fp8
+from eprt.quant.formats.nvfp4 import nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 
@@ -348,7 +348,7 @@ def fnmatch_calls_checking_an_export(tmp_path, layers: int, monkeypatch) -> int:
                                             progress=False))
     out = export_hf(str(tmp_path / f"q{layers}"), str(tmp_path / f"e{layers}"), progress=False)
     calls = []
-    monkeypatch.setattr(check_export_module, "fnmatchcase", lambda name, p: calls.append(p) or fnmatchcase(name, p))
+    monkeypatch.setattr(check_exclusions_module, "fnmatchcase", lambda name, p: calls.append(p) or fnmatchcase(name, p))
     assert check_export(out) == []
     return len(calls)
 

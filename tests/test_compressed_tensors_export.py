@@ -35,8 +35,8 @@ from eprt.errors import ConfigError  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.fp8 import dequantize_fp8  # noqa: E402
-from eprt.quant.nvfp4 import dequantize_nvfp4  # noqa: E402
+from eprt.quant.formats.fp8 import dequantize_fp8  # noqa: E402
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402

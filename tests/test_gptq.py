@@ -15,10 +15,10 @@ from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
 from eprt.quant import workdir
 from eprt.quant.engine import LayerEngine
-from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
+from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.gptq_layer import LayerGPTQ
-from eprt.quant.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint

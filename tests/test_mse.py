@@ -21,9 +21,8 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import dequantize_fp8, fp8_scale
-from eprt.quant.mse import fp8_mse_scale
-from eprt.quant.nvfp4 import dequantize_nvfp4
+from eprt.quant.formats.fp8 import dequantize_fp8, fp8_mse_scale, fp8_scale
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, fingerprint, plan_recipe, run_ptq
 from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe

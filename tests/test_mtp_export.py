@@ -14,13 +14,14 @@ from safetensors import safe_open
 
 from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
-from eprt.hf.check_names import COMPANIONS, check_names
+from eprt.hf.check_names import check_names
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import RecipeError
-from eprt.quant.nvfp4 import nvfp4_scale
+from eprt.quant.formats.fp8 import FP8
+from eprt.quant.formats.nvfp4 import nvfp4_scale
 from eprt.quant.plan import Planner
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
 from eprt.quant.recipe import parse_recipe
@@ -184,9 +185,9 @@ def test_eprt_check_refuses_a_quantized_eh_proj_or_shared_head():
     """vLLM and SGLang build an MTP layer's eh_proj as a plain torch Linear and its shared head as an
     lm head: a quantized one cannot load, whatever the configs say."""
     for module, leaf in ((f"{MTP}.eh_proj", "eh_proj"), (f"{MTP}.shared_head.head", "shared_head.head")):
-        tensors = {f"{module}.{c}": SimpleNamespace(dtype="F32") for c in COMPANIONS["FP8"]}
+        tensors = {f"{module}.{c}": SimpleNamespace(dtype="F32") for c in FP8.modelopt_leaves}
         problems = []
-        check_names(tensors, {module: COMPANIONS["FP8"]}, (), None, problems)
+        check_names(tensors, {module: FP8.modelopt_leaves}, (), None, problems)
         assert problems == [f"{module}.weight: quantized, but vLLM and SGLang build a multi-token-prediction "
                             f"layer's {leaf} unquantized and cannot load it; keep it in the source dtype"]
 

@@ -26,8 +26,8 @@ from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
-from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.nvfp4 import E2M1_VALUES, unpack_fp4
+from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
+from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
 from eprt.quant.quality import ModuleErrors, probe_layer

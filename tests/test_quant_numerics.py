@@ -12,18 +12,9 @@ import torch
 
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.quant import numerics
-from eprt.quant.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
-from eprt.quant.nvfp4 import (
-    dequantize_nvfp4,
-    e2m1_decode,
-    e2m1_encode,
-    fake_quant_nvfp4,
-    nvfp4_block_scales,
-    nvfp4_scale,
-    pack_fp4,
-    quantize_nvfp4,
-    unpack_fp4,
-)
+from eprt.quant.formats.e2m1 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from eprt.quant.formats.fp8 import dequantize_fp8, fake_quant_fp8, fp8_scale, quantize_fp8
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4, fake_quant_nvfp4, nvfp4_block_scales, nvfp4_scale, quantize_nvfp4
 
 F32 = np.float32
 

@@ -9,7 +9,7 @@ import argparse
 
 from eprt.cli import run
 from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
-from eprt.hf.export_quantized import FORMATS
+from eprt.hf.export_quantized import LAYOUTS
 from eprt.parallel import ParallelState
 from eprt.units import parse_size
 
@@ -24,7 +24,7 @@ def export() -> None:
                     help="an unquantized checkpoint only: write weights the source stored compressed or in block "
                          "FP8 decoded (bf16), and config.json without its quantization_config (default: as the "
                          "source stored them)")
-    ap.add_argument("--format", choices=FORMATS,
+    ap.add_argument("--format", choices=LAYOUTS,
                     help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
                          "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")

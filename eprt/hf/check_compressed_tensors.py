@@ -2,12 +2,13 @@
 (transformers, vLLM's and SGLang's `compressed-tensors` methods) rely on.
 
 The quantization_config must parse with compressed-tensors' own classes, be `compressed`, and
-give each config group a format eprt writes (`float-quantized` FP8, `nvfp4-pack-quantized`
-NVFP4). Each Linear is then matched as the library matches it (`ignore` first, then each
-group's `targets`: class `Linear`, an exact name or a `re:` regex) and must carry exactly its
-group's tensors with valid scales; an ignored or unmatched Linear keeps a float `weight` and no
-scale. Linears the engines fuse must agree on their per-tensor scales under NVFP4 (one global
-scale per fused weight), and every routed expert of a layer on its input scale per projection.
+give each config group a format eprt writes (a weight format's `ct_format`: `float-quantized`
+FP8, `nvfp4-pack-quantized` NVFP4). Each Linear is then matched as the library matches it
+(`ignore` first, then each group's `targets`: class `Linear`, an exact name or a `re:` regex) and
+must carry exactly its group's tensors with valid scales; an ignored or unmatched Linear keeps a
+float `weight` and no scale. Linears the engines fuse must agree on their per-tensor scales in a format that shares
+them (NVFP4: one global scale per fused weight), and every routed expert of a layer on its input
+scale per projection.
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ import re
 from collections import defaultdict
 
 from eprt.hf.check_names import SourceNames, check_names
-from eprt.quant.nvfp4 import BLOCK_SIZE as NVFP4_GROUP
+from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format
 
-# compressed-tensors format -> (the tensors of a quantized Linear: leaf -> dtype)
-LAYOUT = {
-    "float-quantized": {"weight": "F8_E4M3", "weight_scale": "F32", "input_scale": "F32"},
-    "nvfp4-pack-quantized": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32",
-                             "input_global_scale": "F32"},
-}
-PER_TENSOR = {"float-quantized": ("weight_scale", "input_scale"),
-              "nvfp4-pack-quantized": ("weight_global_scale", "input_global_scale")}
-SCALE_LEAVES = {leaf for layout in LAYOUT.values() for leaf in layout if leaf not in ("weight", "weight_packed")}
+CT_FORMATS = tuple(f.ct_format for f in WEIGHT_FORMATS.values())
+SCALE_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in list(f.ct_leaves)[1:]}
+# every leaf a quantized Linear has in either layout: one of another format's is out of place
+QUANTIZED_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in (*f.ct_leaves, *f.modelopt_leaves)}
+# the formats whose stored weight has a leaf of its own (weight_packed) first: that leaf names them
+BY_STORED_LEAF = sorted(WEIGHT_FORMATS.values(), key=lambda f: f.ct_weight_leaf == "weight")
+PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
 # Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.
@@ -45,30 +44,35 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
         return
     ignore, by_format = groups
     linears = _linears(tensors)
-    companions = {}
+    formats: dict[str, WeightFormat] = {}
     for module, leaves in sorted(linears.items()):
         fmt = _declared_format(module, ignore, by_format)
-        stored = "nvfp4-pack-quantized" if "weight_packed" in leaves else (
-            "float-quantized" if tensors.get(f"{module}.weight") and tensors[f"{module}.weight"].dtype == "F8_E4M3"
-            else None)
+        stored = stored_format(module, leaves, tensors)
         if fmt is None:
             if stored is not None:
-                problems.append(f"{module}: quantized ({stored}) but the quantization_config "
+                problems.append(f"{module}: quantized ({stored.ct_format}) but the quantization_config "
                                 f"{'ignores it' if _ignored(module, ignore) else 'targets it in no group'}; "
                                 "the loaders would read it as a float weight")
             else:
                 for leaf in sorted(leaves & SCALE_LEAVES):
                     problems.append(f"{module}.{leaf}: unquantized module {module} carries a scale")
             continue
-        if stored != fmt:
-            problems.append(f"{module}: its config group is {fmt} but it stores "
-                            f"{stored or 'a ' + _dtype(tensors, module) + ' weight'}")
+        if stored is not fmt:
+            problems.append(f"{module}: its config group is {fmt.ct_format} but it stores "
+                            f"{stored.ct_format if stored else 'a ' + _dtype(tensors, module) + ' weight'}")
             continue
-        companions[module] = tuple(LAYOUT[fmt])
+        formats[module] = fmt
         _check_module(module, fmt, tensors, problems)
-    _check_shared(companions, tensors, problems)
+    _check_shared(formats, tensors, problems)
     kv = _check_kv(config["quantization_config"], ignore, tensors, problems)
-    check_names(tensors, companions, kv, source, problems)
+    check_names(tensors, {m: tuple(f.ct_leaves) for m, f in formats.items()}, kv, source, problems)
+
+
+def stored_format(module: str, leaves: set[str], tensors: dict) -> WeightFormat | None:
+    """The format Linear `module` is stored in, by its leaves: a format's own stored-weight leaf
+    (weight_packed) names it, a `weight` only by its dtype (a float one is unquantized)."""
+    return next((f for f in BY_STORED_LEAF if f.ct_weight_leaf in leaves and (
+        f.ct_weight_leaf != "weight" or tensors[f"{module}.weight"].dtype == f.ct_leaves["weight"])), None)
 
 
 def _parse_config(qc: dict, problems: list[str]):
@@ -87,24 +91,26 @@ def _parse_config(qc: dict, problems: list[str]):
     if str(getattr(parsed.quantization_status, "value", parsed.quantization_status)) != "compressed":
         problems.append(f"config.json quantization_config.quantization_status: "
                         f"{qc.get('quantization_status')!r}; the weights are stored compressed")
-    by_format: dict[str, list[str]] = defaultdict(list)
+    by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
-        fmt = group.format or parsed.format
+        ct_format = group.format or parsed.format
+        fmt = by_ct_format(ct_format)
         where = f"config.json quantization_config.config_groups.{name}"
-        if fmt not in LAYOUT:
-            problems.append(f"{where}.format: {fmt!r}; eprt writes {' or '.join(LAYOUT)}")
+        if fmt is None:
+            problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
             continue
-        bits = 8 if fmt == "float-quantized" else 4
+        bits = fmt.num_bits
         w = group.weights
-        if w is None or w.num_bits != bits or w.type != "float" or (bits == 4 and w.group_size != NVFP4_GROUP):
-            problems.append(f"{where}.weights: not the {bits}-bit float weights of {fmt}")
+        if w is None or w.num_bits != bits or w.type != "float" or (
+                fmt.group_size is not None and w.group_size != fmt.group_size):
+            problems.append(f"{where}.weights: not the {bits}-bit float weights of {ct_format}")
         a = group.input_activations
         if a is None or a.num_bits != bits or a.type != "float":
-            problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {fmt}")
+            problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {ct_format}")
         by_format[fmt] += group.targets
     if len(by_format) > 1 and parsed.format != "mixed-precision":
         problems.append(f"config.json quantization_config.format: {parsed.format!r}, its groups use "
-                        f"{sorted(by_format)}: mixed-precision")
+                        f"{sorted(f.ct_format for f in by_format)}: mixed-precision")
     return list(parsed.ignore or []), dict(by_format)
 
 
@@ -115,7 +121,7 @@ def _linears(tensors: dict) -> dict[str, set[str]]:
         module, _, leaf = name.rpartition(".")
         leaves[module].add(leaf)
     return {m: ls for m, ls in leaves.items() if "embed_tokens" not in m and (
-        "weight_packed" in ls or ("weight" in ls and len(tensors[f"{m}.weight"].shape) == 2))}
+        ls & PACKED_LEAVES or ("weight" in ls and len(tensors[f"{m}.weight"].shape) == 2))}
 
 
 def _ignored(module: str, ignore: list[str]) -> bool:
@@ -124,7 +130,7 @@ def _ignored(module: str, ignore: list[str]) -> bool:
     return any(match_name(module, entry) for entry in ignore)
 
 
-def _declared_format(module: str, ignore: list[str], by_format: dict[str, list[str]]) -> str | None:
+def _declared_format(module: str, ignore: list[str], by_format: dict[WeightFormat, list[str]]) -> WeightFormat | None:
     """The format compressed-tensors applies to Linear `module`: None when ignored or untargeted."""
     from compressed_tensors.utils.match import match_name
 
@@ -141,14 +147,14 @@ def _dtype(tensors: dict, module: str) -> str:
     return t.dtype if t is not None else "missing"
 
 
-def _check_module(module: str, fmt: str, tensors: dict, problems: list[str]) -> None:
-    for leaf, dtype in LAYOUT[fmt].items():
+def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[str]) -> None:
+    for leaf, dtype in fmt.ct_leaves.items():
         t = tensors.get(f"{module}.{leaf}")
         if t is None:
-            problems.append(f"{module}.{leaf}: missing ({fmt} module {module})")
+            problems.append(f"{module}.{leaf}: missing ({fmt.ct_format} module {module})")
         elif t.dtype != dtype:
-            problems.append(f"{module}.{leaf}: {t.dtype}, {fmt} stores {dtype}")
-    for leaf in PER_TENSOR[fmt]:
+            problems.append(f"{module}.{leaf}: {t.dtype}, {fmt.ct_format} stores {dtype}")
+    for leaf in fmt.ct_per_tensor_scales:
         t = tensors.get(f"{module}.{leaf}")
         if t is None or t.dtype != "F32":
             continue
@@ -156,18 +162,20 @@ def _check_module(module: str, fmt: str, tensors: dict, problems: list[str]) -> 
             problems.append(f"{module}.{leaf}: shape {list(t.shape)}, a per-tensor scale is [1]")
         elif not (math.isfinite(t.value) and t.value > 0):
             problems.append(f"{module}.{leaf}: {t.value}, a scale must be finite and positive")
-    if fmt == "nvfp4-pack-quantized":
-        packed, grid = tensors.get(f"{module}.weight_packed"), tensors.get(f"{module}.weight_scale")
-        if packed is not None and grid is not None and grid.dtype == "F8_E4M3":
-            want = (packed.shape[0], packed.shape[1] * 2 // NVFP4_GROUP)
-            if len(packed.shape) != 2 or (packed.shape[1] * 2) % NVFP4_GROUP or grid.shape != want:
-                problems.append(f"{module}.weight_scale: {list(grid.shape)}, expected {list(want)} block scales "
-                                f"for weight_packed {list(packed.shape)}")
+    if fmt.block_scale_leaf:
+        packed, grid = tensors.get(f"{module}.{fmt.ct_weight_leaf}"), tensors.get(f"{module}.{fmt.block_scale_leaf}")
+        if packed is not None and grid is not None and grid.dtype == fmt.ct_leaves[fmt.block_scale_leaf]:
+            in_dim = fmt.in_dim_of_stored(packed.shape[1]) if len(packed.shape) == 2 else 0
+            want = (packed.shape[0], in_dim // fmt.group_size)
+            if len(packed.shape) != 2 or in_dim % fmt.group_size or grid.shape != want:
+                problems.append(f"{module}.{fmt.block_scale_leaf}: {list(grid.shape)}, expected {list(want)} block "
+                                f"scales for {fmt.ct_weight_leaf} {list(packed.shape)}")
             elif grid.bad_block_scales:
-                problems.append(f"{module}.weight_scale: {grid.bad_block_scales} block scale(s) zero, negative or NaN")
-    extra = {n.rpartition(".")[2] for n in tensors if n.rpartition(".")[0] == module} - set(LAYOUT[fmt]) - {"bias"}
-    for leaf in sorted(extra & (SCALE_LEAVES | {"weight", "weight_packed", "weight_scale_2"})):
-        problems.append(f"{module}.{leaf}: not part of a {fmt} module")
+                problems.append(f"{module}.{fmt.block_scale_leaf}: {grid.bad_block_scales} block scale(s) zero, "
+                                "negative or NaN")
+    extra = {n.rpartition(".")[2] for n in tensors if n.rpartition(".")[0] == module} - set(fmt.ct_leaves) - {"bias"}
+    for leaf in sorted(extra & QUANTIZED_LEAVES):
+        problems.append(f"{module}.{leaf}: not part of a {fmt.ct_format} module")
 
 
 def _value(tensors: dict, name: str):
@@ -175,23 +183,23 @@ def _value(tensors: dict, name: str):
     return None if t is None else t.value
 
 
-def _check_shared(companions: dict[str, tuple[str, ...]], tensors: dict, problems: list[str]) -> None:
-    """Fused siblings agree on the per-tensor scales the engine keeps one of (NVFP4); routed experts
-    of a layer on their input scale per projection (both formats)."""
-    nvfp4 = {m for m, leaves in companions.items() if "weight_packed" in leaves}
-    for module in sorted(nvfp4):
+def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: list[str]) -> None:
+    """Fused siblings agree on the per-tensor scales the engine keeps one of (in a format that
+    shares them); routed experts of a layer on their input scale per projection (every format)."""
+    for module in sorted(m for m, f in formats.items() if f.shares_fused_scales):
+        fmt = formats[module]
         parent, _, leaf = module.rpartition(".")
         group = next((g for g in SAME_INPUT if leaf in g), ())
-        first = next((f"{parent}.{x}" for x in group if f"{parent}.{x}" in nvfp4), module)
-        for scale in PER_TENSOR["nvfp4-pack-quantized"]:
+        first = next((f"{parent}.{x}" for x in group if formats.get(f"{parent}.{x}") is fmt), module)
+        for scale in fmt.ct_per_tensor_scales:
             a, b = _value(tensors, f"{first}.{scale}"), _value(tensors, f"{module}.{scale}")
             if a is not None and b is not None and a != b:
                 problems.append(f"{module}.{scale}: {b} differs from {first}.{scale} {a}; "
                                 f"{'/'.join(group)} are loaded fused with one {scale}")
     layer_inputs: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    for module, leaves in companions.items():
+    for module, fmt in formats.items():
         m = ROUTED_EXPERT.match(module)
-        scale = "input_global_scale" if "weight_packed" in leaves else "input_scale"
+        scale = fmt.ct_input_scale_leaf
         value = _value(tensors, f"{module}.{scale}")
         if m and value is not None:
             layer_inputs[m["moe"], EXPERT_KIND[m["kind"]]][f"{module}.{scale}"] = value

@@ -1,8 +1,8 @@
 """The name check of a quantized export: every tensor is one an engine loads.
 
 An export holds the source's tensors, with each quantized Linear's `weight` replaced by its
-format's companions (ModelOpt: `weight`, `weight_scale`, [`weight_scale_2`], `input_scale`), plus
-the KV-cache scales of an attention under an FP8 KV cache, and nothing else:
+format's companions (`WeightFormat.modelopt_leaves`: `weight`, `weight_scale`, [`weight_scale_2`],
+`input_scale`), plus the KV-cache scales of an attention under a quantized KV cache, and nothing else:
 vLLM refuses a checkpoint holding a tensor its model has no parameter for.
 
 The source's names come from the source directory when one is given (then the export must hold
@@ -21,8 +21,6 @@ from eprt.families import load_hf_config, parse_hf_config, reader_for
 from eprt.hf.source import HFSource
 from eprt.storage.hf_files import CONFIG
 
-COMPANIONS = {"FP8": ("weight", "weight_scale", "input_scale"),
-              "NVFP4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
 # A source Linear stored encoded (compressed-tensors, block FP8) is exported decoded, as `weight`.
 ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")

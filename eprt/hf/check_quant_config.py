@@ -4,11 +4,25 @@ two agree. eprt.hf.check_export checks the tensors against what these configs sa
 
 from __future__ import annotations
 
-from eprt.quant.nvfp4 import BLOCK_SIZE as NVFP4_GROUP
+from eprt.quant.formats import WEIGHT_FORMATS, by_quant_algo
+from eprt.quant.formats.kv import KV_CACHE_FORMATS, kv_by_quant_algo
 from eprt.storage.hf_files import QUANT_CONFIG
 
-QUANTIZED_DTYPE = {"FP8": "F8_E4M3", "NVFP4": "U8"}  # a quantized weight's safetensors dtype by quant_algo
 MIXED = "MIXED_PRECISION"  # each module's quant_algo in quantized_layers; an unlisted module is unquantized
+
+
+ALGOS = tuple(f.quant_algo for f in WEIGHT_FORMATS.values())  # the quant_algos eprt writes
+
+
+def _bits(algo) -> int | None:
+    fmt = by_quant_algo(algo)
+    return fmt.num_bits if fmt is not None else None
+
+
+def _kv_algo_of_scheme(scheme) -> str | None:
+    """The kv_cache_quant_algo config.json's kv_cache_scheme stands for (None: no scheme eprt writes)."""
+    return next((f.quant_algo for f in KV_CACHE_FORMATS.values() if isinstance(scheme, dict)
+                 and all(scheme.get(k) == v for k, v in f.modelopt_scheme.items() if k != "dynamic")), None)
 
 
 def check_configs(
@@ -38,24 +52,26 @@ def check_configs(
         return None, None, []
 
     algo = (q or qc).get("quant_algo")
-    if algo not in QUANTIZED_DTYPE and algo != MIXED:
-        problems.append(f"quant_algo {algo!r}: this checker covers FP8, NVFP4 and {MIXED} of them")
+    if by_quant_algo(algo) is None and algo != MIXED:
+        problems.append(f"quant_algo {algo!r}: this checker covers {', '.join(ALGOS)} and {MIXED} of them")
         algo = None
-    kv_algo = q.get("kv_cache_quant_algo") if q is not None else ("FP8" if qc.get("kv_cache_scheme") else None)
-    if kv_algo not in (None, "FP8"):
-        problems.append(f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports FP8 or null")
+    kv_algo = q.get("kv_cache_quant_algo") if q is not None else _kv_algo_of_scheme(qc.get("kv_cache_scheme"))
+    if kv_algo is not None and kv_by_quant_algo(kv_algo) is None:
+        problems.append(f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports "
+                        f"{' or '.join(f.quant_algo for f in KV_CACHE_FORMATS.values())} or null")
     exclude = q.get("exclude_modules", []) if q is not None else qc.get("ignore", [])
     if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
         problems.append(f"{QUANT_CONFIG} quantization.exclude_modules: not a list of names")
         exclude = []
 
-    if q is not None and algo == "NVFP4":
+    fmt = by_quant_algo(algo)
+    if q is not None and fmt is not None and fmt.group_size is not None:
         for key in ("group_size", "kv_cache_quant_algo", "exclude_modules"):
             if key not in q:
-                problems.append(f"{QUANT_CONFIG} quantization.{key}: missing; vLLM requires it for NVFP4")
-        if "group_size" in q and q["group_size"] != NVFP4_GROUP:
+                problems.append(f"{QUANT_CONFIG} quantization.{key}: missing; vLLM requires it for {algo}")
+        if "group_size" in q and q["group_size"] != fmt.group_size:
             problems.append(
-                f"{QUANT_CONFIG} quantization.group_size: {q['group_size']!r}, NVFP4 blocks are {NVFP4_GROUP}"
+                f"{QUANT_CONFIG} quantization.group_size: {q['group_size']!r}, {algo} blocks are {fmt.group_size}"
             )
     if algo == MIXED:
         _check_quantized_layers(q, qc, problems)
@@ -70,8 +86,8 @@ def check_configs(
     if algo != MIXED:
         _check_config_groups(qc, algo, q.get("group_size"), problems)
     scheme = qc.get("kv_cache_scheme")
-    scheme_is_fp8 = isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
-    if (kv_algo == "FP8") != scheme_is_fp8 or (kv_algo is None and scheme is not None):
+    known_kv = kv_algo if kv_by_quant_algo(kv_algo) is not None else None  # an unknown one is said above
+    if known_kv != _kv_algo_of_scheme(scheme) or (kv_algo is None and scheme is not None):
         problems.append(
             f"kv_cache: {QUANT_CONFIG} kv_cache_quant_algo is {kv_algo!r} but config.json "
             f"quantization_config.kv_cache_scheme is {scheme!r}"
@@ -107,16 +123,17 @@ def _check_quantized_layers(q: dict | None, qc: dict | None, problems: list[str]
         return
     for module, layer in sorted(layers.items()):
         algo = layer.get("quant_algo") if isinstance(layer, dict) else None
-        if algo not in QUANTIZED_DTYPE:
-            problems.append(f"quantized_layers.{module}: quant_algo {algo!r}; eprt exports FP8 or NVFP4")
-        elif algo == "NVFP4" and layer.get("group_size") != NVFP4_GROUP:
-            problems.append(f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, NVFP4 blocks are "
-                            f"{NVFP4_GROUP}")
+        fmt = by_quant_algo(algo)
+        if fmt is None:
+            problems.append(f"quantized_layers.{module}: quant_algo {algo!r}; eprt exports {' or '.join(ALGOS)}")
+        elif fmt.group_size is not None and layer.get("group_size") != fmt.group_size:
+            problems.append(f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, {algo} blocks are "
+                            f"{fmt.group_size}")
     if q is not None and qc is not None and qc.get("quantized_layers") != q.get("quantized_layers"):
         problems.append(f"quantized_layers: config.json quantization_config and {QUANT_CONFIG} differ")
     groups = (qc or {}).get("config_groups") or {}
     for name, group in sorted(groups.items()):
-        bits = {8 if layers.get(t, {}).get("quant_algo") == "FP8" else 4 for t in group.get("targets", []) if t in layers}
+        bits = {_bits(layers[t].get("quant_algo")) for t in group.get("targets", []) if t in layers}
         declared = (group.get("weights") or {}).get("num_bits")
         if len(bits) > 1 or (bits and declared not in bits):
             problems.append(f"config.json quantization_config.config_groups.{name}: num_bits {declared!r} for "
@@ -131,7 +148,8 @@ def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[
     if not isinstance(group, dict):
         problems.append("config.json quantization_config.config_groups.group_0: missing")
         return
-    bits = 8 if algo == "FP8" else 4
+    fmt = by_quant_algo(algo)
+    bits = fmt.num_bits
     for part in ("weights", "input_activations"):
         spec = group.get(part)
         where = f"config.json quantization_config.config_groups.group_0.{part}"
@@ -142,5 +160,5 @@ def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[
             problems.append(
                 f"{where}: num_bits {spec.get('num_bits')!r} type {spec.get('type')!r}, {algo} is {bits}-bit float"
             )
-        if algo == "NVFP4" and spec.get("group_size") != group_size:
+        if fmt.group_size is not None and spec.get("group_size") != group_size:
             problems.append(f"{where}.group_size: {spec.get('group_size')!r}, {QUANT_CONFIG} says {group_size!r}")

@@ -16,12 +16,14 @@ scales); `Scale.reciprocal` says so, and the rules apply to the scale they stand
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-FP8_MAX = 448.0  # E4M3's largest: an FP8 code's, and an NVFP4 block scale's
-E2M1_MAX = 6.0  # an NVFP4 code's largest
+from eprt.quant.formats import WeightFormat
+from eprt.quant.formats.kv import KvCacheFormat
+
 SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
@@ -57,15 +59,14 @@ def _what(x: np.float32) -> str:
     return "inf" if not np.isfinite(x) else f"{float(x):g}, subnormal and flushed to zero"
 
 
-def check_linear(module: str, fmt: str, weight: Scale | None, inputs: Scale | None,
+def check_linear(module: str, fmt: WeightFormat, weight: Scale | None, inputs: Scale | None,
                  blocks: tuple[float, float] | None, problems: list[str]) -> None:
-    """The per-tensor scales of one quantized Linear (`fmt` fp8 or nvfp4): `weight` (FP8's
-    weight_scale, NVFP4's weight_scale_2), `inputs` (input_scale); None for one already refused.
-    `blocks`: NVFP4's smallest and largest block scale, when known."""
+    """The per-tensor scales of one Linear quantized in `fmt`: `weight` (FP8's weight_scale,
+    NVFP4's weight_scale_2), `inputs` (input_scale); None for one already refused. `blocks`: the
+    smallest and largest block scale of a block format, when known."""
     way_out = f"calibrate again (a scale this far out comes of broken weights or inputs), or leave {module} unquantized"
-    largest_block = blocks[1] if blocks else FP8_MAX
-    code_max = FP8_MAX if fmt == "fp8" else E2M1_MAX * largest_block
-    input_max = FP8_MAX if fmt == "fp8" else E2M1_MAX * FP8_MAX
+    code_max = fmt.largest_code(blocks[1] if blocks else None)
+    input_max = fmt.largest_input
     ok_w = weight is not None and _check_one(weight, code_max, "largest weight", way_out, problems)
     ok_x = inputs is not None and _check_one(inputs, input_max, "largest input", way_out, problems)
     if ok_w and ok_x:
@@ -81,9 +82,10 @@ def check_linear(module: str, fmt: str, weight: Scale | None, inputs: Scale | No
                             f"{_what(smallest)} in fp32, and those blocks load as zeros: {way_out}")
 
 
-def check_kv(scale: Scale, problems: list[str]) -> None:
-    _check_one(scale, FP8_MAX, "largest cached value", "calibrate again, or leave the KV cache unquantized "
-               "(no --kv-cache fp8)", problems)
+def check_kv(scale: Scale, kv: KvCacheFormat, problems: list[str]) -> None:
+    """A k_scale or v_scale of KV format `kv`."""
+    _check_one(scale, kv.largest, "largest cached value", "calibrate again, or leave the KV cache unquantized "
+               f"(no --kv-cache {kv.name})", problems)
 
 
 def _check_one(scale: Scale, largest: float, largest_what: str, way_out: str, problems: list[str]) -> bool:
@@ -105,3 +107,15 @@ def _check_one(scale: Scale, largest: float, largest_what: str, way_out: str, pr
                         f"{scale.leaf}, is inf in fp32: {way_out}")
         return False
     return True
+
+
+def scalar_scale(name: str, t, problems: list[str]) -> Scale | None:
+    """A per-tensor scale: 0-dim fp32, finite and positive (engines divide by it and invert it);
+    None, said in problems, when it is not."""
+    if t.dtype != "F32" or t.shape != ():
+        problems.append(f"{name}: {t.dtype} {list(t.shape)}, expected a 0-dim F32 scale")
+    elif not (math.isfinite(t.value) and t.value > 0):
+        problems.append(f"{name}: {t.value}, a scale must be finite and positive")
+    else:
+        return Scale(name, t.value)
+    return None

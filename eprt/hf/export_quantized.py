@@ -19,21 +19,19 @@ from eprt import __version__
 from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
-from eprt.hf import modelopt_layout as modelopt
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.feasibility import quantized_modules
-from eprt.quant.fp8 import fp8_scale
-from eprt.quant.nvfp4 import BLOCK_SIZE
+from eprt.quant.formats import WeightFormat
+from eprt.quant.formats.base import CT_SCALAR
+from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import without_quantization
 
-# hf_quant_config.json's per-module quantization, by eprt format
-LAYER_CONFIG = {"fp8": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE}}
 MIXED = "MIXED_PRECISION"
 PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
 # Expert rows quantized at once: at least one a CPU worker, up to this many weights. At the end
@@ -51,15 +49,15 @@ class ExpertWeight:
     piece: int
 
 
-FORMATS = ("modelopt", ct.NAME)  # the layouts an export is written in
+LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--format`)
 
 
 class QuantizedExport:
-    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (FORMATS)."""
+    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (LAYOUTS)."""
 
     def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
-        if layout not in FORMATS:
-            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(FORMATS)}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(LAYOUTS)}")
         if layout == ct.NAME:
             ct.require()
         self.ck, self.target = ck, layout
@@ -135,9 +133,9 @@ class QuantizedExport:
             out["weight"] = self.state.read_gptq(self.ck, module)
         return out
 
-    def format_of(self, hf_weight: str) -> str:
+    def format_of(self, hf_weight: str) -> WeightFormat:
         x = self.experts.get(hf_weight)
-        return self.scales.formats[x.module if x else self.eprt_name.get(hf_weight, hf_weight)[: -len(".weight")]]
+        return self.scales.format(x.module if x else self.eprt_name.get(hf_weight, hf_weight)[: -len(".weight")])
 
     def quantized_out(self, t: OutTensor) -> list[OutTensor]:
         module = t.name[: -len(".weight")]
@@ -145,10 +143,10 @@ class QuantizedExport:
         fmt = self.format_of(t.name)
         if self.target == ct.NAME:
             return [OutTensor(f"{module}.{k}", dtype, shape,
-                              lambda w=t.name, k=k, f=fmt: ct.from_modelopt(f, self.quantize(w))[k])
-                    for k, (dtype, shape) in ct.companions(fmt, out_dim, in_dim).items()]
+                              lambda w=t.name, k=k, f=fmt: f.to_compressed_tensors(self.quantize(w))[k])
+                    for k, (dtype, shape) in fmt.compressed_tensors_tensors(out_dim, in_dim).items()]
         return [OutTensor(f"{module}.{k}", dtype, shape, lambda w=t.name, k=k: self.quantize(w)[k])
-                for k, (dtype, shape) in modelopt.companions(fmt, out_dim, in_dim).items()]
+                for k, (dtype, shape) in fmt.modelopt_tensors(out_dim, in_dim).items()]
 
     def is_quantized(self, hf_name: str) -> bool:
         name = self.eprt_name.get(hf_name, hf_name)
@@ -164,15 +162,16 @@ class QuantizedExport:
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
         for t in source_tensors(self.ck, dequantize=True, per_expert=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
-        if self.recipe.kv_cache:
+        kv = kv_cache_format(self.recipe.kv_cache)
+        if kv is not None:
             for attn, amax in sorted(self.state.kv_amax.items()):
                 for kind, a in zip("kv", amax):
                     if self.target == ct.NAME:
-                        out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, ct.SCALAR,
-                                             lambda s=fp8_scale(a): s.reshape(ct.SCALAR)))
+                        out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, CT_SCALAR,
+                                             lambda s=kv.scale(a): s.reshape(CT_SCALAR)))
                     else:
                         out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (),
-                                             lambda s=fp8_scale(a): s))
+                                             lambda s=kv.scale(a): s))
         return out
 
     def linear_sets(self) -> tuple[set[str], set[str]]:
@@ -216,7 +215,7 @@ class QuantizedExport:
         _, unquantized = self.linear_sets()
         experts = self.stacked_modules() - set(self.quantized)
         dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
-        formats = set(self.scales.formats.values())
+        formats = {self.scales.format(m) for m in self.scales.formats}
         by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
         qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
                                     self.recipe.kv_cache, ct.targets(by_linear, unquantized))
@@ -228,30 +227,33 @@ class QuantizedExport:
         the routed experts of a layer as one `...experts` module), where a module it does not list
         is unquantized and only what travels through unmodeled is excluded. The source's own
         quantization configs (a VLM's text_config one too) describe its weights, not these: dropped."""
-        kv = "FP8" if self.recipe.kv_cache == "fp8" else None
-        layers = {self.hf_module(m): LAYER_CONFIG[fmt] for m, fmt in self.scales.formats.items()}  # in module order
-        if len(set(self.scales.formats.values())) == 1:
-            algo, excluded = next(iter(layers.values()))["quant_algo"], self.excluded()
-            quant = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": excluded,
-                     **{k: v for k, v in next(iter(layers.values())).items() if k != "quant_algo"}}
-            groups = {"group_0": {"targets": ["Linear"], **group_config(next(iter(layers.values())))}}
+        kv = kv_cache_format(self.recipe.kv_cache)
+        kv_algo = kv.quant_algo if kv is not None else None
+        formats = {m: self.scales.format(m) for m in self.scales.formats}
+        layers = {self.hf_module(m): fmt.modelopt_layer() for m, fmt in formats.items()}  # in module order
+        if len(set(formats.values())) == 1:
+            fmt, excluded = next(iter(formats.values())), self.excluded()
+            algo = fmt.quant_algo
+            quant = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo, "exclude_modules": excluded,
+                     **{k: v for k, v in fmt.modelopt_layer().items() if k != "quant_algo"}}
+            groups = {"group_0": {"targets": ["Linear"], **group_config(fmt)}}
             qc = {"quant_method": "modelopt", "quant_algo": algo, "config_groups": groups, "ignore": excluded,
                   "producer": PRODUCER}
         else:
-            quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv, "quantized_layers": layers}
+            quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv_algo, "quantized_layers": layers}
             # what travels through unmodeled (MTP layers left whole) is excluded by prefix, as ModelOpt adds it
             passthrough = sorted(f"{p}.*" for p in self.passthrough_prefixes())
             if passthrough:
                 quant["exclude_modules"] = passthrough
-            by_config: dict[str, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
-            for m, fmt in self.scales.formats.items():
+            by_config: dict[WeightFormat, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
+            for m, fmt in formats.items():
                 by_config.setdefault(fmt, []).append(self.hf_module(m))
-            groups = {f"group_{i}": {**group_config(LAYER_CONFIG[fmt]), "targets": sorted(ms)}
+            groups = {f"group_{i}": {**group_config(fmt), "targets": sorted(ms)}
                       for i, (fmt, ms) in enumerate(by_config.items())}
             qc = {"quant_method": "modelopt", "quant_algo": MIXED, "config_groups": groups, "ignore": passthrough,
                   "quantized_layers": layers, "producer": PRODUCER}
-        if kv:
-            qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        if kv is not None:
+            qc["kv_cache_scheme"] = dict(kv.modelopt_scheme)
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
 
@@ -268,12 +270,9 @@ def carried(name: str, quantized: set[str]) -> str:
     return next((name[:i] for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
 
 
-def group_config(layer: dict) -> dict:
+def group_config(fmt: WeightFormat) -> dict:
     """A config group's weights and input_activations for one module's quantization."""
-    bits = {"FP8": {"num_bits": 8}, "NVFP4": {"num_bits": 4, "group_size": BLOCK_SIZE}}[layer["quant_algo"]]
-    args = {"dynamic": False, **bits, "type": "float"}
-    args = {k: args[k] for k in ("dynamic", "num_bits", "type", "group_size") if k in args}
-    return {"weights": args, "input_activations": dict(args)}
+    return {"weights": fmt.modelopt_group(), "input_activations": fmt.modelopt_group()}
 
 
 def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:

@@ -3,9 +3,9 @@ start (and `--dry-run`), before a weight is read, and export checks again before
 
 A recipe must quantize at least one module; Linears the engines load as one fused module
 (eprt.quant.fusion) must be quantized all or none; and each module it quantizes must fit its
-format: NVFP4 packs blocks of 16 consecutive elements along the input dim (eprt.quant.nvfp4),
-so every weight of the module (both stacked tensors of a MoE layer's experts) needs an input dim
-that is a multiple of 16. FP8 per-tensor quantizes any shape.
+format: a block format (NVFP4's blocks of 16 consecutive elements along the input dim) needs every
+weight of the module (both stacked tensors of a MoE layer's experts) to have an input dim its
+blocks fill (`WeightFormat.unfit_input_dim`). FP8 per-tensor quantizes any shape.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import re
 
 from eprt.errors import ConfigError
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.fusion import FUSED_SIBLINGS
-from eprt.quant.nvfp4 import BLOCK_SIZE
 from eprt.quant.recipe import Recipe
 
 SUGGESTIONS = 3  # close module names shown for a pattern that matches none
@@ -37,8 +37,7 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
     refuse_split_fusion(modules, quantized, recipe, where)
-    refuse_unblockable((*layout.specs, *layout.mtp),
-                       {m: s for m, s in quantized.items() if recipe.format_of(m) == "nvfp4"}, recipe, where)
+    refuse_unblockable((*layout.specs, *layout.mtp), quantized, recipe, where)
     if recipe.mtp:
         refuse_mtp_gaps(layout, quantized, recipe, where)
     return quantized
@@ -122,17 +121,20 @@ def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: s
 
 
 def refuse_unblockable(specs, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
-    """Every quantized weight of `specs` whose input dim NVFP4 cannot split into blocks, refused at once."""
+    """Every quantized weight of `specs` whose input dim its format cannot split into blocks, refused
+    at once (naming the first format that refuses one)."""
     bad = [(module, spec) for spec in specs for module in [module_of(spec)]
-           if module in quantized and spec.shape[-1] % BLOCK_SIZE]
+           if module in quantized and weight_format(recipe.format_of(module)).unfit_input_dim(spec.shape[-1])]
     if not bad:
         return
     module, spec = bad[0]
+    fmt = weight_format(recipe.format_of(module))
+    fits = " or ".join(f.name for f in WEIGHT_FORMATS.values() if not f.unfit_input_dim(spec.shape[-1]))
     more = f" (and {len(bad) - 1} more: {', '.join(spec_name(s) for _, s in bad[1:4])}{'...' if len(bad) > 4 else ''})" \
         if len(bad) > 1 else ""
-    raise RecipeError(f"{where}: {spec_name(spec)}: input dim {spec.shape[-1]} is not a multiple of {BLOCK_SIZE}; "
-                      f"NVFP4 cannot quantize it{more}: exclude it in recipe {recipe.name!r} "
-                      f"({{pattern: \"{module}\", format: none}} before the rule that matches it) or use fp8")
+    raise RecipeError(f"{where}: {spec_name(spec)}: input dim {spec.shape[-1]} is not a multiple of "
+                      f"{fmt.group_size}; {fmt.quant_algo} cannot quantize it{more}: exclude it in recipe "
+                      f"{recipe.name!r} ({{pattern: \"{module}\", format: none}} before the rule that matches it) or use {fits}")
 
 
 def module_of(spec: TensorSpec) -> str | None:

@@ -18,8 +18,9 @@ partial.
 mean diagonal is added as damping, the upper Cholesky factor of H^-1 drives a column sweep in
 lazy-batch blocks of 128, each column rounded and its error spread over the columns not yet
 rounded. It computes in fp64. Each column is rounded in the export's numerics, with scales fixed
-from the original weight before the sweep (`Fp8Columns`, `Nvfp4Columns`): what GPTQ returns is
-exactly representable, and the export writes its codes beside the scales it computes anyway.
+from the original weight before the sweep (the format's `columns`, eprt.quant.formats): what GPTQ
+returns is exactly representable, and the export writes its codes beside the scales it computes
+anyway.
 """
 
 from __future__ import annotations
@@ -29,10 +30,7 @@ import threading
 
 import torch
 
-from eprt.quant.fp8 import dequantize_fp8
-from eprt.quant.nvfp4 import (BLOCK_SIZE, dequantize_nvfp4, e2m1_decode, e2m1_encode, encode_with_scales,
-                              nvfp4_block_scales, pack_fp4)
-from eprt.quant.numerics import to_e4m3
+from eprt.quant.formats import weight_format
 
 BLOCK = 128  # columns per lazy-batch block
 DAMP = 0.01  # damping, a fraction of the mean diagonal
@@ -77,54 +75,10 @@ class HessianSum:
         return self.total.double() / self.scale
 
 
-class Fp8Columns:
-    """FP8 per tensor, for a stack of weights [L, out, in]: `scales` [L] (each the export's
-    weight_scale, from its original weight); a column is rounded to nearest E4M3 once, from its
-    fp32 quotient."""
-
-    def __init__(self, scales: torch.Tensor):
-        self.scales = scales.float()
-
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
-        s = self.scales.to(col_LO.device)[:, None]
-        return to_e4m3(col_LO.float() / s).float() * s  # `dequantize_fp8`'s product
-
-    def encode(self, q: torch.Tensor) -> torch.Tensor:
-        """float8_e4m3fn codes [L, out, in] of GPTQ's (exactly representable) weights."""
-        return to_e4m3(q.float() / self.scales.to(q.device)[:, None, None])
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return torch.stack([dequantize_fp8(c, s) for c, s in zip(codes, self.scales)])
-
-
-class Nvfp4Columns:
-    """NVFP4, for a stack of original weights w [L, out, in]: weight_scale_2 `scales` [L] and the
-    E4M3 block scales fixed from w (the export's, from its blocks' amax); column j is rounded with
-    its rows' block scale by the export's E2M1 rule (nearest, ties to even, saturating at 6)."""
-
-    def __init__(self, w: torch.Tensor, scales: torch.Tensor):
-        self.scales = scales.float().to(w.device)
-        self.block_scale = torch.stack([nvfp4_block_scales(x, s) for x, s in zip(w, self.scales)])
-        self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
-
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
-        bs = self.block_scale[:, :, j // BLOCK_SIZE].float()
-        values = e2m1_decode(e2m1_encode(col_LO.float() / self.step[:, :, j // BLOCK_SIZE]))
-        return values * bs * self.scales[:, None]  # as `dequantize_nvfp4`: value x block scale is exact
-
-    def encode(self, q: torch.Tensor) -> torch.Tensor:
-        """Packed E2M1 codes (uint8 [L, out, in/2]) of GPTQ's weights, by the export's encoder."""
-        return torch.stack([pack_fp4(encode_with_scales(x, b, s))
-                            for x, b, s in zip(q, self.block_scale, self.scales)])
-
-    def decode(self, packed: torch.Tensor) -> torch.Tensor:
-        return torch.stack([dequantize_nvfp4(p, b, s) for p, b, s in zip(packed, self.block_scale, self.scales)])
-
-
 def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
     """The column rounding of format `fmt` for original weights w [L, out, in] with their
     per-tensor scales [L]."""
-    return Fp8Columns(scales) if fmt == "fp8" else Nvfp4Columns(w, scales)
+    return weight_format(fmt).columns(w, scales)
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, cols, block: int = BLOCK, damp: float = DAMP) -> torch.Tensor:

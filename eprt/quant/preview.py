@@ -20,8 +20,8 @@ from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.nvfp4 import fake_quant_nvfp4
+from eprt.quant.formats import weight_format
+from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import Recipe
 from eprt.quant.scales import EXPERT_KINDS, Scales
 
@@ -40,9 +40,6 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
         nxt = model(ids)[:, -1].float().argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
     return tok.decode(ids[0, start:].tolist())
-
-
-FAKES = {"fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
 
 
 def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, *, prefix: str = "",
@@ -71,7 +68,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
 
     def as_quantized(name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
         """w as the export quantizes it (eprt.quant.scales.as_quantized)."""
-        return w.to(source_dtype(name)) if fmt == "fp8" and source_dtype is not None else w
+        return w.to(source_dtype(name)) if weight_format(fmt).rounds_in_weight_dtype and source_dtype is not None else w
 
     scales = Scales(formats, CalibrationState.of(cal),
                     lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
@@ -99,13 +96,14 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 module.weight.copy_(fake_weight(m, f"{m}.weight", module.weight, w_scale))
             if on_weight is not None:
                 on_weight(f"{m}.weight", module.weight)
-            quant_input = lambda _m, args, s=in_scale, f=FAKES[fmt]: (f(args[0], s), *args[1:])  # noqa: E731
+            quant_input = lambda _m, args, s=in_scale, f=weight_format(fmt).fake_quantize_input: (  # noqa: E731
+                f(args[0], s), *args[1:])
             undo.append(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
             experts = sub(m)
             if not isinstance(experts, Experts):
                 continue
-            fake = FAKES[formats[m]]
+            fake = weight_format(formats[m]).fake_quantize_input
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 name = f"{m}.{kind}"
 
@@ -129,10 +127,11 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
             act = experts.act
             experts.act = lambda gate, up, act=act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
             undo += [lambda e=experts: setattr(e, "input_quant", None), lambda e=experts, a=act: setattr(e, "act", a)]
-    if recipe.kv_cache == "fp8":
+    kv = kv_cache_format(recipe.kv_cache)
+    if kv is not None:
         for name, attn in model.named_modules(prefix=prefix.rstrip(".")):
             if name in cal.kv_amax:
-                k_scale, v_scale = (fp8_scale(a) for a in cal.kv_amax[name])
-                attn.kv_quant = lambda k, v, ks=k_scale, vs=v_scale: (fake_quant_fp8(k, ks), fake_quant_fp8(v, vs))
+                k_scale, v_scale = (kv.scale(a) for a in cal.kv_amax[name])
+                attn.kv_quant = lambda k, v, ks=k_scale, vs=v_scale: (kv.fake_quantize(k, ks), kv.fake_quantize(v, vs))
                 undo.append(lambda a=attn: setattr(a, "kv_quant", None))
     return lambda: [u() for u in undo]

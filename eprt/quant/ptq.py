@@ -28,6 +28,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine, group_tokens
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
                                     run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
@@ -63,7 +64,7 @@ class PTQArgs:
     out: str | None = flag(help="where to write the quantized eprt checkpoint")
     ep: int | None = flag(help="expert-parallel degree; divides the world size and the routed experts (default: the "
                                "world size)")
-    kv_cache: str | None = flag(choices=["fp8"], help="also quantize the KV cache")
+    kv_cache: str | None = flag(choices=sorted(KV_CACHE_FORMATS), help="also quantize the KV cache")
     algorithm: str = flag(ALGORITHMS[0], choices=ALGORITHMS,
                           help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
                                f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
@@ -149,7 +150,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(None, targets, kv=recipe.kv_cache == "fp8", all_experts=a.calibrate_all_experts)
+        cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
         gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
                        min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
         work = WorkDir(work_path, state, identity, ck.path)

@@ -6,7 +6,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
     quantize:                      # the first pattern that matches a module decides
       - {pattern: "*.experts", format: nvfp4, algorithm: mse}
       - {pattern: "*", format: none}
-    kv_cache: null                 # or fp8
+    kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
@@ -34,11 +34,13 @@ from typing import NamedTuple
 import yaml
 
 from eprt.errors import ConfigError
+from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats.kv import KV_CACHE_FORMATS
 
 # Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
-FORMATS = ("fp8", "nvfp4", "none")
-KV_FORMATS = (None, "fp8")
+FORMATS = (*WEIGHT_FORMATS, "none")
+KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
 ALGORITHMS = ("max", "mse", "gptq")
@@ -48,7 +50,7 @@ REQUIRED_RULE_KEYS = ("pattern", "format")
 
 class Rule(NamedTuple):
     pattern: str  # a glob over module names
-    format: str  # one of FORMATS
+    format: str  # one of FORMATS: a weight format's name (eprt.quant.formats) or none
     algorithm: str  # one of ALGORITHMS
 
 
@@ -127,7 +129,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
                           f"give a rule a format of {', '.join(FORMATS[:-1])}")
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
-        raise ConfigError(f"{source}: kv_cache {kv!r}; choose fp8 or null")
+        raise ConfigError(f"{source}: kv_cache {kv!r}; choose {' or '.join(KV_FORMATS[1:])} or null")
     mtp = d.get("mtp", False)
     if not isinstance(mtp, bool):
         raise ConfigError(f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "

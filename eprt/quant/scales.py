@@ -7,10 +7,9 @@ the weights: the one rule the preview, both export layouts and the checks follow
 - Gate and up of one routed expert (one row of w13) share one weight amax; down (w2) has its own.
 - Every expert of a layer gets the layer's largest input amax per projection (w13, w2), also the
   experts no token reached, because the engines load one input scale per fused MoE.
-- Under a module's `mse` algorithm (eprt.quant.mse), its FP8 weight scale and its NVFP4 block
-  scales are the searched ones; NVFP4's weight_scale_2 stays the one above (fused siblings and
-  gate/up keep sharing it). Under `max` the block scales follow from the block amax
-  (eprt.quant.nvfp4).
+- Under a module's `mse` algorithm, its format searches the scales it searches (FP8 the
+  per-tensor weight scale, NVFP4 the block scales: eprt.quant.formats); NVFP4's weight_scale_2
+  stays the one above (fused siblings and gate/up keep sharing it).
 """
 
 from __future__ import annotations
@@ -22,14 +21,11 @@ import torch
 
 from eprt.families import reader_for
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
+from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.fusion import siblings
-from eprt.quant.mse import fp8_mse_scale, nvfp4_mse_block_scale
 from eprt.quant.numerics import abs_amax
-from eprt.quant.nvfp4 import dequantize_nvfp4, fake_quant_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.storage.checkpoint import Checkpoint
 
-SCALE = {"fp8": fp8_scale, "nvfp4": nvfp4_scale}
 EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts module
 
 
@@ -51,15 +47,18 @@ class Scales:
         return cls(formats, state, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")),
                    algorithms)
 
-    def searched(self, module: str, fmt: str) -> bool:
-        """Whether `module` is quantized in `fmt` with its weight scales from the mse search."""
-        return self.formats[module] == fmt and self.algorithms.get(module, "max") == "mse"
+    def format(self, module: str) -> WeightFormat:
+        return weight_format(self.formats[module])
+
+    def searched(self, module: str) -> bool:
+        """Whether `module`'s weight scales come from the mse search."""
+        return self.algorithms.get(module, "max") == "mse"
 
     def scale(self, module: str, amax: torch.Tensor) -> torch.Tensor:
-        return SCALE[self.formats[module]](amax)
+        return self.format(module).scale(amax)
 
     def group(self, module: str) -> list[str]:
-        return siblings(module, self.formats, self.formats[module])
+        return siblings(module, self.formats, self.format(module))
 
     @functools.lru_cache(maxsize=None)
     def weight_amax(self, module: str) -> torch.Tensor:
@@ -71,13 +70,7 @@ class Scales:
     @functools.lru_cache(maxsize=None)
     def weight_scale(self, module: str) -> torch.Tensor:
         """A dense Linear's per-tensor weight scale (NVFP4: weight_scale_2)."""
-        amax = self.weight_amax(module)  # FP8's group is the module alone
-        return fp8_mse_scale(self.weight(module), amax) if self.searched(module, "fp8") else self.scale(module, amax)
-
-    def block_scale(self, module: str, w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor | None:
-        """NVFP4 block scales of `w` (a weight of `module`, or an expert's row) under `scale_2`:
-        the searched ones under mse, else None (quantize_nvfp4 derives them from the block amax)."""
-        return nvfp4_mse_block_scale(w, scale_2) if self.searched(module, "nvfp4") else None
+        return self._weight_scale(module, self.weight_amax(module), lambda: self.weight(module))
 
     def input_scale(self, module: str) -> torch.Tensor:
         return self.scale(module, self.input_amax(module))
@@ -89,31 +82,30 @@ class Scales:
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
-        amax = abs_amax(row)
-        return fp8_mse_scale(row, amax) if self.searched(module, "fp8") else self.scale(module, amax)
+        return self._weight_scale(module, abs_amax(row), lambda: row)
+
+    def _weight_scale(self, module: str, amax: torch.Tensor, weight: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The per-tensor scale of `amax`, or under mse the format's search over the weight (read only then)."""
+        fmt = self.format(module)
+        return fmt.mse_weight_scale(weight(), amax) if self.searched(module) else fmt.scale(amax)
 
     def quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The export tensors (by ModelOpt suffix) of `w`, a weight of `module` as it is quantized
+        """The export tensors (by ModelOpt leaf) of `w`, a weight of `module` as it is quantized
         (`as_quantized`), under per-tensor `w_scale`."""
-        if self.formats[module] == "fp8":
-            return {"weight": quantize_fp8(w, w_scale), "weight_scale": w_scale}
-        q, block_scale = quantize_nvfp4(w, w_scale, self.block_scale(module, w, w_scale))
-        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+        return self.format(module).quantize(w, w_scale, self.searched(module))
 
     def fake_quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor,
                              dtype: torch.dtype) -> torch.Tensor:
         """The weight an engine computes with (`dequantize_weight` of `quantize_weight`'s
-        tensors) in `dtype`; NVFP4's in one pass, without the codes."""
-        if self.formats[module] == "fp8":
-            return dequantize_weight("fp8", self.quantize_weight(module, w, w_scale), dtype)
-        return fake_quant_nvfp4(w, w_scale, self.block_scale(module, w, w_scale), dtype)
+        tensors) in `dtype`."""
+        return self.format(module).fake_quantize_weight(w, w_scale, self.searched(module), dtype)
 
 
 def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
-    """Weight `name` of `ck` as `fmt` quantizes it: FP8 rounds the quotient to the weight's dtype
-    first (eprt.quant.fp8), the source's dtype, as the source is held when loaded as it is,
+    """Weight `name` of `ck` as format `fmt` quantizes it: one that rounds the quotient to the
+    weight's dtype first (FP8) gets the source's dtype, as the source is held when loaded as it is,
     whatever dtype eprt converted it to."""
-    return w.to(source_dtype(ck, name)) if fmt == "fp8" else w
+    return w.to(source_dtype(ck, name)) if weight_format(fmt).rounds_in_weight_dtype else w
 
 
 def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
@@ -128,6 +120,4 @@ def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
 
 def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The weight an engine computes with, from its export tensors (`Scales.quantize_weight`'s)."""
-    if fmt == "fp8":
-        return dequantize_fp8(t["weight"], t["weight_scale"], dtype)
-    return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)
+    return weight_format(fmt).dequantize(t, dtype)

@@ -4,12 +4,9 @@ Two-level scaling over blocks of 16 consecutive elements along the last (input) 
   weight_scale_2 = w_amax / (6*448)                                   fp32 0-dim
   block_scale    = e4m3(clamp(block_amax / (6*weight_scale_2), 2^-9, 448)), 1.0 for a zero block
   code           = E2M1(w / (float(block_scale) * weight_scale_2)), ties to even, saturating at 6
-An E2M1 code has the sign in bit 3 and an index into E2M1_VALUES in bits 0-2; two codes share a
-byte, the even element in the low nibble. input_scale = in_amax / (6*448) has the weight_scale_2
-formula, and activations are quantized by the same block rule at run time.
-
-The sign bit is set for values below zero, as ModelOpt's `_cast_fp4` does (`weight < 0`): a
-negative value that rounds to zero is code 8 (negative zero), an input of -0.0 is code 0.
+(E2M1 codes and their packing: eprt.quant.formats.e2m1). input_scale = in_amax / (6*448) has the
+weight_scale_2 formula, and activations are quantized by the same block rule at run time. Under
+`mse` each block's scale is searched (`nvfp4_mse_block_scale`); weight_scale_2 stays max's.
 
 Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 """
@@ -17,12 +14,13 @@ Zero amax gives scale 1/448, and scales have a floor: see `eprt.quant.numerics`.
 import torch
 import torch.nn.functional as F
 
+from eprt.quant.formats.base import CT_SCALAR, Tensors, WeightFormat
+from eprt.quant.formats.e2m1 import (E2M1_MAX, PAIR_CODES, PAIR_OFFSET, PAIR_VALUES, Q, QUARTER_VALUES,
+                                     e2m1_decode, e2m1_encode, encode_quarters, pack_fp4, quarter_keys)
 from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, chunk_buffer, e4m3_values, for_chunks,
                                  per_tensor_scale, row_chunks, to_e4m3)
 
 BLOCK_SIZE = 16
-E2M1_MAX = 6.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Smallest block scale: the smallest E4M3 subnormal, so no block scale is ever zero.
 MIN_BLOCK_SCALE = 2.0**-9
 # Weight dtypes divided by an fp32 block scale as they are: torch widens them to fp32 exactly.
@@ -74,51 +72,6 @@ def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tens
     return to_e4m3(torch.where(block_amax == 0, 1.0, scale))
 
 
-def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes (0..15) of finite x, rounded to nearest with ties to even, saturating at +-6."""
-    return _encode_quarters(x.float() * 4)
-
-
-# Every E2M1 midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a whole number of quarters, so the
-# code of x depends only on floor(4x) and on whether 4x lies strictly above it: no midpoint falls
-# inside (n, n+1), and at n itself the tie is decided once, here. `_QUARTER_CODES[2*(n+Q) + above]`
-# holds those codes for n in [-Q, Q), built by the rounding rule spelled out on the values
-# themselves (beyond +-6.5 every code saturates).
-_Q = 26
-
-
-def _code_of(v: float) -> int:
-    """The E2M1 code of one value: nearest, a tie to the even index, saturating; sign set below zero."""
-    a = min(abs(v), E2M1_MAX)
-    index = min(range(len(E2M1_VALUES)), key=lambda i: (abs(E2M1_VALUES[i] - a), i % 2))
-    return index | (8 if v < 0 else 0)
-
-
-_QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-_Q, _Q) for above in (0, 1)],
-                              dtype=torch.uint8)
-
-
-# The packed byte of two neighbouring codes, by both their keys: `_PAIR_CODES[k0 + 4Q*k1]`
-# (keys counted from 0), so a pair of elements is packed by the same lookup that encodes it.
-_PAIR_CODES = (_QUARTER_CODES[None, :] | (_QUARTER_CODES[:, None] << 4)).reshape(-1)
-_PAIR_OFFSET = 2 * _Q * (1 + 4 * _Q)  # of a pair's signed keys
-
-
-def _quarter_keys(f: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Into fp32 `out`: 2n + (f > n) for n = floor(f) of fp32 `f` (4x, exact), which it
-    overwrites: a table lookup per element instead of a comparison per midpoint. floor(f) +
-    ceil(f) is 2n at f = n and 2n+1 inside (n, n+1); clamping to [-Q, Q-1] first keeps both where
-    every code saturates, so the keys lie in [-2Q, 2Q)."""
-    f.clamp_(-_Q, _Q - 1)
-    return torch.floor(f, out=out).add_(f.ceil_())
-
-
-def _encode_quarters(f: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of f/4 for fp32 `f` (4x, exact), which it overwrites."""
-    key = _quarter_keys(f, torch.empty_like(f)).to(torch.int32).add_(2 * _Q)
-    return _QUARTER_CODES.to(f.device).index_select(0, key.reshape(-1)).reshape(f.shape)
-
-
 def _rows_of(w: torch.Tensor) -> torch.Tensor:
     """w [..., in] as rows [n, in] the quotient divides as they are: float8 (torch divides it by
     nothing) and float64 as their fp32 values."""
@@ -127,7 +80,7 @@ def _rows_of(w: torch.Tensor) -> torch.Tensor:
 
 def _for_key_chunks(rows: torch.Tensor, denom: torch.Tensor, slots: tuple, body) -> None:
     """body(a, b, key, f, bufs) for every chunk [a, b) of rows [n, in] (eprt.quant.numerics.row_chunks):
-    `key` the chunk's quarter keys (`_quarter_keys`) under its blocks' denominators `denom`
+    `key` the chunk's quarter keys (`quarter_keys`) under its blocks' denominators `denom`
     [n, in/16, 1] (block scale * scale_2), of the quotient in fp32 (ModelOpt's: widened exactly,
     then divided) times 4 (exact: a power of two), held in `f`, which body may overwrite;
     `bufs` this thread's kept buffers of `slots` ((name, divisor of in, dtype)) for the chunk."""
@@ -144,7 +97,7 @@ def _for_key_chunks(rows: torch.Tensor, denom: torch.Tensor, slots: tuple, body)
         # widened into f first, then divided in place: a division of bf16 by fp32 would widen
         # into a fresh temporary of its own each chunk
         _as_blocks(f.copy_(rows[a:b])).div_(denom[a:b])
-        body(a, b, _quarter_keys(f.mul_(4), keys), f, bufs)
+        body(a, b, quarter_keys(f.mul_(4), keys), f, bufs)
 
     for_chunks(chunks, buffers, chunk, rows.device)
 
@@ -158,50 +111,16 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
         return torch.empty(*w.shape[:-1], width // 2, dtype=torch.uint8, device=w.device)
     denom = e4m3_values(block_scale).mul_(scale_2).reshape(n, -1, 1)
     packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
-    table = _PAIR_CODES.to(w.device)
+    table = PAIR_CODES.to(w.device)
 
     def encode(a: int, b: int, key: torch.Tensor, _f, bufs: list[torch.Tensor]) -> None:
         pair_keys, pair_index = bufs
         key = key.view(b - a, -1, 2)
-        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * _Q, out=pair_keys).add_(_PAIR_OFFSET)
+        pair = torch.add(key[..., 0], key[..., 1], alpha=4 * Q, out=pair_keys).add_(PAIR_OFFSET)
         torch.index_select(table, 0, pair_index.copy_(pair).view(-1), out=packed[a:b].view(-1))
 
     _for_key_chunks(rows, denom, (("pair_keys", 2, torch.float32), ("pair_index", 2, torch.int32)), encode)
     return packed.reshape(*w.shape[:-1], width // 2)
-
-
-_E2M1_SIGNED = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values of uint8 E2M1 codes (0..15); code 8 is -0.0."""
-    index = codes.reshape(-1).to(torch.int32)
-    return _E2M1_SIGNED.to(codes.device).index_select(0, index).view(codes.shape)
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n/2] from codes [..., n]: element 2j in the low nibble, 2j+1 in the high one."""
-    if codes.shape[-1] % 2 != 0:
-        raise ValueError(f"packing two FP4 codes a byte needs an even last dim, got shape {tuple(codes.shape)}")
-    if codes.dtype != torch.uint8 or not codes.is_contiguous():
-        codes = codes.to(torch.uint8).contiguous()
-    # Each pair of codes read as one little-endian int16 is c0 + 256*c1 (codes < 16), so
-    # (v | v >> 4) holds c0 | c1 << 4 in its low byte: one pass, not two strided ones.
-    pairs = codes.view(torch.int16)
-    return (pairs >> 4).bitwise_or_(pairs).bitwise_and_(0xFF).to(torch.uint8)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., 2n] from packed uint8 [..., n]; inverse of `pack_fp4`."""
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
-    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
-# Both values of every packed byte, the low nibble's first: a byte decodes by one lookup, through
-# an int32 index (an int64 one would be twice the size of the fp32 values it fetches).
-_PAIR_VALUES = e2m1_decode(unpack_fp4(torch.arange(256, dtype=torch.uint8).view(256, 1)))
-# The value of every quarter key (counted from 0), for quantize-dequantize in one pass.
-_QUARTER_VALUES = e2m1_decode(_QUARTER_CODES)
 
 
 def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
@@ -212,7 +131,7 @@ def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = 
     projections, so it may come from a larger amax than w's own). Any leading dims are kept, so
     stacked experts [E, out, in] quantize in one call. Computed in fp32 whatever w's dtype.
     `block_scale` (float8_e4m3fn [..., in/16], positive): block scales chosen elsewhere (the
-    `mse` search, eprt.quant.mse) instead of the block-amax rule above.
+    `mse` search, `nvfp4_mse_block_scale`) instead of the block-amax rule above.
     """
     scale_2, block_scale = _scales_of(w, scale_2, block_scale)
     return _encode_packed(w, block_scale, scale_2), block_scale
@@ -248,7 +167,7 @@ def encode_with_scales(w: torch.Tensor, block_scale: torch.Tensor, scale_2) -> t
     the export's rounding, also for block scales fixed from another weight (GPTQ's columns)."""
     scale_2 = as_scale(scale_2, w.device)
     quarters = (_as_blocks(w.float()) / (block_scale.float() * scale_2).unsqueeze(-1)).mul_(4)  # exact: a power of two
-    return _encode_quarters(quarters).reshape(w.shape)
+    return encode_quarters(quarters).reshape(w.shape)
 
 
 def dequantize_nvfp4(
@@ -268,7 +187,7 @@ def dequantize_nvfp4(
             f"{tuple(packed.shape)}: expected {blocks_shape}"
         )
     index = packed.reshape(-1).to(torch.int32)
-    values = _PAIR_VALUES.to(packed.device).index_select(0, index).view(*blocks_shape, BLOCK_SIZE)
+    values = PAIR_VALUES.to(packed.device).index_select(0, index).view(*blocks_shape, BLOCK_SIZE)
     values.mul_(e4m3_values(block_scale).unsqueeze(-1)).mul_(as_scale(scale_2, packed.device))
     return values.view(*packed.shape[:-1], width).to(dtype)
 
@@ -293,12 +212,132 @@ def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None 
         return out
     block = e4m3_values(block_scale).reshape(n, -1, 1)
     out_rows = out.view(n, width)
-    table = _QUARTER_VALUES.to(x.device)
+    table = QUARTER_VALUES.to(x.device)
 
     def fake(a: int, b: int, key: torch.Tensor, f: torch.Tensor, bufs: list[torch.Tensor]) -> None:
         index, = bufs
-        torch.index_select(table, 0, index.copy_(key).add_(2 * _Q).view(-1), out=f.view(-1))
+        torch.index_select(table, 0, index.copy_(key).add_(2 * Q).view(-1), out=f.view(-1))
         out_rows[a:b] = _as_blocks(f).mul_(block[a:b]).mul_(scale_2).view(b - a, width)
 
     _for_key_chunks(rows, block * scale_2, (("value_index", 1, torch.int32),), fake)
     return out
+
+
+# Every positive finite E4M3 value, ascending: the bit patterns 1..126 (127 is NaN).
+MSE_BLOCK_SCALES = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+# Weight elements per step of the block-scale search, which quantizes them once per candidate in
+# one call: bounds its working memory (a few float64 copies of 126 x this), not its result.
+MSE_CHUNK_ELEMENTS = 1 << 13
+
+
+def nvfp4_mse_block_scale(w: torch.Tensor, scale_2) -> torch.Tensor:
+    """float8_e4m3fn block scales [..., in/16] of least squared error for w [..., in] under
+    weight_scale_2 `scale_2`: each block's own choice among MSE_BLOCK_SCALES (ModelOpt's FP8 scale
+    sweep, `NVFP4MSECalibrator`), which includes max's own, so a tie (argmin keeps the first)
+    never leaves mse's error above max's. Errors are summed in float64. Rows are independent, so
+    they are searched a chunk of rows at a time, every candidate in one quantize call."""
+    rows = w.reshape(-1, w.shape[-1])
+    blocks = rows.shape[-1] // BLOCK_SIZE
+    out = torch.empty(rows.shape[0], blocks, dtype=torch.float8_e4m3fn, device=w.device)
+    step = max(1, MSE_CHUNK_ELEMENTS // rows.shape[-1])
+    candidates = MSE_BLOCK_SCALES.to(w.device)
+    for first in range(0, rows.shape[0], step):
+        chunk = rows[first:first + step]
+        scale = candidates.view(-1, 1, 1).expand(candidates.numel(), chunk.shape[0], blocks)
+        xq = dequantize_nvfp4(quantize_nvfp4(chunk.expand(candidates.numel(), *chunk.shape), scale_2, scale)[0],
+                              scale, scale_2)
+        x = chunk.double().reshape(1, chunk.shape[0], blocks, BLOCK_SIZE)
+        err = (xq.double().reshape(-1, chunk.shape[0], blocks, BLOCK_SIZE) - x).square_().sum(-1)
+        out[first:first + step] = candidates[err.argmin(dim=0)]  # argmin: the first of equal errors
+    return out.reshape(*w.shape[:-1], blocks)
+
+
+class Nvfp4Columns:
+    """GPTQ's columns in NVFP4, for a stack of original weights w [L, out, in]: weight_scale_2
+    `scales` [L] and the E4M3 block scales fixed from w (the export's, from its blocks' amax);
+    column j is rounded with its rows' block scale by the export's E2M1 rule (nearest, ties to
+    even, saturating at 6)."""
+
+    def __init__(self, w: torch.Tensor, scales: torch.Tensor):
+        self.scales = scales.float().to(w.device)
+        self.block_scale = torch.stack([nvfp4_block_scales(x, s) for x, s in zip(w, self.scales)])
+        self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
+
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        bs = self.block_scale[:, :, j // BLOCK_SIZE].float()
+        values = e2m1_decode(e2m1_encode(col_LO.float() / self.step[:, :, j // BLOCK_SIZE]))
+        return values * bs * self.scales[:, None]  # as `dequantize_nvfp4`: value x block scale is exact
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        """Packed E2M1 codes (uint8 [L, out, in/2]) of GPTQ's weights, by the export's encoder."""
+        return torch.stack([pack_fp4(encode_with_scales(x, b, s))
+                            for x, b, s in zip(q, self.block_scale, self.scales)])
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        return torch.stack([dequantize_nvfp4(p, b, s) for p, b, s in zip(packed, self.block_scale, self.scales)])
+
+
+class Nvfp4(WeightFormat):
+    """NVFP4: E2M1 codes in 16-element blocks with E4M3 block scales and an fp32 per-tensor scale
+    (weight_scale_2); inputs by the same block rule under a static per-tensor input_scale."""
+
+    name = "nvfp4"
+    quant_algo = "NVFP4"
+    num_bits = 4
+    group_size = BLOCK_SIZE
+    shares_fused_scales = True
+    weight_scale_leaf = "weight_scale_2"
+    block_scale_leaf = "weight_scale"
+    ct_preset, ct_format = "NVFP4", "nvfp4-pack-quantized"
+    # compressed-tensors dequantizes a block as value * weight_scale / weight_global_scale
+    ct_weight_scale_leaf, ct_input_scale_leaf = "weight_global_scale", "input_global_scale"
+    ct_reciprocal = True
+    largest_input = E2M1_MAX * FP8_E4M3_MAX
+
+    def scale(self, amax) -> torch.Tensor:
+        return nvfp4_scale(amax)
+
+    def block_scale(self, w: torch.Tensor, scale_2: torch.Tensor, mse: bool) -> torch.Tensor | None:
+        """The searched block scales under mse, else None (`quantize_nvfp4` derives them from the block amax)."""
+        return nvfp4_mse_block_scale(w, scale_2) if mse else None
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        q, block_scale = quantize_nvfp4(w, w_scale, self.block_scale(w, w_scale, mse))
+        return {"weight": q, "weight_scale": block_scale, "weight_scale_2": w_scale}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)
+
+    def fake_quantize_weight(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool,
+                             dtype: torch.dtype) -> torch.Tensor:
+        return fake_quant_nvfp4(w, w_scale, self.block_scale(w, w_scale, mse), dtype)  # in one pass, without the codes
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_nvfp4(x, scale)
+
+    def columns(self, w: torch.Tensor, scales: torch.Tensor) -> Nvfp4Columns:
+        return Nvfp4Columns(w, scales)
+
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {"weight": (torch.uint8, (out_dim, in_dim // 2)),
+                "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
+                "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {"weight_packed": (torch.uint8, (out_dim, in_dim // 2)),
+                "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
+                "weight_global_scale": (torch.float32, CT_SCALAR), "input_global_scale": (torch.float32, CT_SCALAR)}
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"weight_packed": t["weight"], "weight_scale": t["weight_scale"],
+                "weight_global_scale": (1 / t["weight_scale_2"]).reshape(CT_SCALAR),
+                "input_global_scale": (1 / t["input_scale"]).reshape(CT_SCALAR)}
+
+    def in_dim_of_stored(self, stored_in_dim: int) -> int:
+        return 2 * stored_in_dim  # two codes a byte
+
+    def largest_code(self, largest_block: float | None) -> float:
+        return E2M1_MAX * (FP8_E4M3_MAX if largest_block is None else largest_block)
+
+
+NVFP4 = Nvfp4()

@@ -1,0 +1,150 @@
+"""What a weight format is to eprt: the one object every other module asks about it.
+
+A format (one module of this package, registered in `eprt.quant.formats.WEIGHT_FORMATS` under its
+recipe name) owns
+- its numerics: the per-tensor scale from an amax (`scale`), the per-tensor weight scale under `mse`
+  (`mse_weight_scale`), the export tensors of a weight (`quantize`, keyed by ModelOpt leaf), their
+  decoding (`dequantize`), the values an engine computes with (`fake_quantize_weight`,
+  `fake_quantize_input`) and GPTQ's column quantizer (`columns`);
+- its export tensors: leaf names, dtypes and shapes from the weight's [out, in] in the ModelOpt
+  layout (`modelopt_tensors`) and in compressed-tensors' (`compressed_tensors_tensors`, with
+  `to_compressed_tensors` mapping one onto the other);
+- its layout descriptions: ModelOpt's `quant_algo`, config-group arguments and per-module
+  config (`modelopt_group`, `modelopt_layer`), compressed-tensors' preset scheme and `format`;
+- what the checks need: the leaves holding the per-tensor scales, the block-scale grid, the largest
+  code and input a scale stands for.
+
+`mse` (a rule's `algorithm: mse`, docs/export.md, 'Weight scales') asks the format for the scales
+of least squared error: each format decides which of its scales are searched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eprt.storage.safetensors_io import dtype_name
+
+# leaf -> (dtype, shape) of one quantized Linear's tensors in an export layout
+Tensors = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+CT_SCALAR = (1,)  # compressed-tensors stores a per-tensor scale as [1], ModelOpt as []
+
+
+class WeightFormat:
+    """One weight format; subclasses set the attributes and implement the methods below."""
+
+    name: str  # the recipe's `format:`
+    quant_algo: str  # ModelOpt's quant_algo, also how messages name the format
+    num_bits: int  # of a code, as the layouts' config groups declare it
+    group_size: int | None = None  # elements sharing a block scale along the input dim; None: per tensor
+    # Linears the engines fuse (eprt.quant.fusion) share the per-tensor weight and input amax: the
+    # engine keeps one per-tensor weight scale and one input scale for the fused weight
+    shares_fused_scales: bool = False
+    # the quotient is rounded to the weight's dtype before the format's own rounding, as ModelOpt
+    # divides a bf16 weight (eprt.quant.scales.as_quantized quantizes the source's dtype then)
+    rounds_in_weight_dtype: bool = False
+    weight_scale_leaf: str  # ModelOpt's per-tensor weight scale (weight_scale_2 beside NVFP4's block scales)
+    block_scale_leaf: str | None = None  # ModelOpt's and compressed-tensors' block-scale grid
+    ct_preset: str  # compressed-tensors' preset scheme
+    ct_format: str  # compressed-tensors' compression format
+    ct_weight_scale_leaf: str
+    ct_input_scale_leaf: str
+    ct_reciprocal: bool = False  # compressed-tensors stores the per-tensor scales as 1/scale
+    largest_input: float  # what input_scale stands for: the largest input code times the scale
+
+    # --- numerics ---------------------------------------------------------------------------
+    def scale(self, amax) -> torch.Tensor:
+        """The per-tensor scale (fp32 0-dim) of an amax: a weight's (max) or an input's."""
+        raise NotImplementedError
+
+    def mse_weight_scale(self, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """w's per-tensor weight scale under `mse`, from `amax` (its own, or its fused group's):
+        the scale of `amax` where the format searches only other scales."""
+        return self.scale(amax)
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        """The ModelOpt tensors of w but input_scale, keyed by leaf, under per-tensor `w_scale`."""
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The weight an engine computes with, from `quantize`'s tensors."""
+        raise NotImplementedError
+
+    def fake_quantize_weight(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool,
+                             dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize(quantize(...))` in `dtype`."""
+        return self.dequantize(self.quantize(w, w_scale, mse), dtype)
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """An input as the engine quantizes it at run time under its input_scale, in x's dtype."""
+        raise NotImplementedError
+
+    def columns(self, w: torch.Tensor, scales: torch.Tensor):
+        """GPTQ's column quantizer (eprt.quant.gptq) for original weights w [L, out, in] with
+        their per-tensor weight scales [L]: `round(j, col_LO)`, `encode(q)`, `decode(codes)`."""
+        raise NotImplementedError
+
+    def unfit_input_dim(self, in_dim: int) -> bool:
+        """Whether a weight with this input dim cannot be quantized (blocks must fill it)."""
+        return self.group_size is not None and in_dim % self.group_size != 0
+
+    # --- export tensors ---------------------------------------------------------------------
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        """The ModelOpt tensors of a Linear of weight [out_dim, in_dim], the stored weight first."""
+        raise NotImplementedError
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        """compressed-tensors' tensors of a Linear of weight [out_dim, in_dim], the stored weight first."""
+        raise NotImplementedError
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One Linear's compressed-tensors tensors from its ModelOpt ones (the same quantized values)."""
+        raise NotImplementedError
+
+    # --- layout descriptions ----------------------------------------------------------------
+    def modelopt_group(self) -> dict:
+        """A config group's `weights` (and `input_activations`) arguments in config.json."""
+        args = {"dynamic": False, "num_bits": self.num_bits, "type": "float"}
+        return args if self.group_size is None else {**args, "group_size": self.group_size}
+
+    def modelopt_layer(self) -> dict:
+        """hf_quant_config.json's quantization of one module (a MIXED_PRECISION entry)."""
+        layer = {"quant_algo": self.quant_algo}
+        return layer if self.group_size is None else {**layer, "group_size": self.group_size}
+
+    # --- what the checks read ---------------------------------------------------------------
+    @property
+    def modelopt_leaves(self) -> tuple[str, ...]:
+        return tuple(self.modelopt_tensors(1, 1))
+
+    @property
+    def modelopt_weight_dtype(self) -> str:
+        """The stored weight's safetensors dtype in the ModelOpt layout."""
+        return dtype_name(next(iter(self.modelopt_tensors(1, 1).values()))[0])
+
+    @property
+    def modelopt_per_tensor_scales(self) -> tuple[str, str]:
+        """(weight, input) per-tensor scale leaves in the ModelOpt layout."""
+        return self.weight_scale_leaf, "input_scale"
+
+    @property
+    def ct_leaves(self) -> dict[str, str]:
+        """compressed-tensors' leaves -> their safetensors dtypes, the stored weight first."""
+        return {leaf: dtype_name(dtype) for leaf, (dtype, _) in self.compressed_tensors_tensors(1, 1).items()}
+
+    @property
+    def ct_weight_leaf(self) -> str:
+        return next(iter(self.ct_leaves))
+
+    @property
+    def ct_per_tensor_scales(self) -> tuple[str, str]:
+        """(weight, input) per-tensor scale leaves in the compressed-tensors layout."""
+        return self.ct_weight_scale_leaf, self.ct_input_scale_leaf
+
+    def in_dim_of_stored(self, stored_in_dim: int) -> int:
+        """The input dim of a weight whose stored tensor is `stored_in_dim` wide (codes packed a byte)."""
+        return stored_in_dim
+
+    def largest_code(self, largest_block: float | None) -> float:
+        """The largest weight a per-tensor weight scale of 1 stands for, given the largest block
+        scale where known."""
+        raise NotImplementedError

@@ -1,0 +1,65 @@
+"""The KV-cache formats, by the name a recipe's `kv_cache:` (or `--kv-cache`) gives them: how cached
+keys and values are scaled (one fp32 k_scale and v_scale per attention) and how each export layout
+declares it. A registry apart from the weight formats: a KV format quantizes no weight, and an
+export may combine any weight format with any KV format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
+from eprt.quant.numerics import FP8_E4M3_MAX
+
+
+class KvCacheFormat:
+    """One KV-cache format; subclasses set the attributes and implement the methods."""
+
+    name: str  # the recipe's `kv_cache:`
+    quant_algo: str  # hf_quant_config.json's kv_cache_quant_algo
+    largest: float  # the largest cached value a scale of 1 stands for (eprt.hf.check_scale_range)
+    modelopt_scheme: dict  # config.json's kv_cache_scheme (ModelOpt)
+    ct_args: dict  # compressed-tensors' QuantizationArgs of its kv_cache_scheme
+
+    def scale(self, amax) -> torch.Tensor:
+        """k_scale or v_scale (fp32 0-dim) of the keys' or values' amax."""
+        raise NotImplementedError
+
+    def fake_quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Keys or values as the engine caches them, in x's dtype."""
+        raise NotImplementedError
+
+
+class Fp8KvCache(KvCacheFormat):
+    """Keys and values in FP8 E4M3 under a static per-tensor scale each (amax / 448)."""
+
+    name = "fp8"
+    quant_algo = "FP8"  # hf_quant_config.json's kv_cache_quant_algo
+    largest = FP8_E4M3_MAX
+    modelopt_scheme = {"dynamic": False, "num_bits": 8, "type": "float"}
+    ct_args = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+    def scale(self, amax) -> torch.Tensor:
+        return fp8_scale(amax)
+
+    def fake_quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_fp8(x, scale)
+
+
+KV_CACHE_FORMATS: dict[str, KvCacheFormat] = {f.name: f for f in (Fp8KvCache(),)}
+
+
+def kv_cache_format(name: str | None) -> KvCacheFormat | None:
+    """The KV format a recipe names, None for an unquantized KV cache."""
+    return None if name is None else KV_CACHE_FORMATS[name]
+
+
+def kv_by_quant_algo(quant_algo) -> KvCacheFormat | None:
+    """The KV format ModelOpt's kv_cache_quant_algo names, or None (null, or one eprt does not write)."""
+    return next((f for f in KV_CACHE_FORMATS.values() if f.quant_algo == quant_algo), None)
+
+
+def kv_by_ct_scheme(scheme) -> KvCacheFormat | None:
+    """The KV format of compressed-tensors' kv_cache_scheme (a dict of QuantizationArgs), or None."""
+    return next((f for f in KV_CACHE_FORMATS.values() if isinstance(scheme, dict)
+                 and all(scheme.get(k) == f.ct_args[k] for k in ("num_bits", "type"))), None)

@@ -1,0 +1,72 @@
+"""Each registered weight format's descriptions agree with what its numerics produce: the exporter
+writes the tensors `quantize` returns under the names, dtypes and shapes `modelopt_tensors` and
+`compressed_tensors_tensors` declare, and the checkers trust those declarations, so a format whose
+declaration and numerics disagree would export files its own checker refuses (or passes wrongly)."""
+
+import pytest
+import torch
+
+from eprt.errors import ConfigError
+from eprt.quant.formats import WEIGHT_FORMATS, by_ct_format, by_modelopt_weight_dtype, by_quant_algo
+from eprt.quant.numerics import abs_amax
+from eprt.quant.recipe import FORMATS, parse_recipe
+
+OUT, IN = 32, 64
+
+
+def quantized(fmt, w: torch.Tensor, mse: bool = False) -> dict[str, torch.Tensor]:
+    """Every ModelOpt tensor of w, input_scale included, as the exporter assembles them."""
+    return {"input_scale": fmt.scale(torch.tensor(3.0)), **fmt.quantize(w, fmt.scale(abs_amax(w)), mse)}
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS.values(), ids=WEIGHT_FORMATS)
+@pytest.mark.parametrize("mse", [False, True])
+def test_quantize_writes_what_the_layouts_declare(fmt, mse):
+    w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)).bfloat16()
+    modelopt = quantized(fmt, w, mse)
+    declared = fmt.modelopt_tensors(OUT, IN)
+    assert set(modelopt) == set(declared)
+    for leaf, (dtype, shape) in declared.items():
+        assert (modelopt[leaf].dtype, tuple(modelopt[leaf].shape)) == (dtype, shape), leaf
+    ct = fmt.to_compressed_tensors(modelopt)
+    ct_declared = fmt.compressed_tensors_tensors(OUT, IN)
+    assert list(ct) == list(ct_declared)
+    for leaf, (dtype, shape) in ct_declared.items():
+        assert (ct[leaf].dtype, tuple(ct[leaf].shape)) == (dtype, shape), leaf
+    stored = next(iter(declared.values()))[1][1]
+    assert fmt.in_dim_of_stored(stored) == IN
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS.values(), ids=WEIGHT_FORMATS)
+def test_fake_quantize_is_dequantize_of_quantize(fmt):
+    """The preview and the quality report compute with the weights the export writes, bit for bit."""
+    w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    scale = fmt.scale(abs_amax(w))
+    for mse in (False, True):
+        expected = fmt.dequantize(fmt.quantize(w, scale, mse), torch.bfloat16)
+        assert torch.equal(fmt.fake_quantize_weight(w, scale, mse, torch.bfloat16), expected)
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS.values(), ids=WEIGHT_FORMATS)
+def test_gptq_columns_round_to_what_the_export_encodes(fmt):
+    """Rounding every column with the format's GPTQ columns gives values its codes hold exactly."""
+    w_LOI = torch.randn(2, OUT, IN, generator=torch.Generator().manual_seed(2))
+    scales = torch.stack([fmt.scale(abs_amax(x)) for x in w_LOI])
+    cols = fmt.columns(w_LOI, scales)
+    q = torch.stack([cols.round(j, w_LOI[:, :, j]) for j in range(IN)], dim=-1)
+    assert torch.equal(cols.decode(cols.encode(q)), q)
+
+
+def test_the_checkers_tell_the_formats_apart():
+    """The checkers find a module's format by its ModelOpt weight dtype, its quant_algo and its
+    compressed-tensors format name: each must name one format."""
+    for fmt in WEIGHT_FORMATS.values():
+        assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype) is fmt
+        assert by_quant_algo(fmt.quant_algo) is fmt
+        assert by_ct_format(fmt.ct_format) is fmt
+
+
+def test_a_recipe_names_a_registered_format_or_none():
+    assert FORMATS == (*WEIGHT_FORMATS, "none")
+    with pytest.raises(ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, none"):
+        parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")
