@@ -3,9 +3,9 @@
     python bench/scale.py [--model kimi_k2 --model deepseek_v3] [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
-- real counts: the model's layers, experts and MTP layers at tiny dims (Kimi-K2: 139,583 tensors in 62
-  shards). Make, convert, the dry run at each world and the unquantized export are timed: every step must
-  grow about linearly in the tensor count.
+- real counts: the model's layers, experts and MTP layers at tiny dims, in block FP8 as released (Kimi-K2:
+  139,583 tensors in 62 shards). Make, convert, the dry run at each world and the export (as it came) are
+  timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
   the dry run plans each rank's peak memory from it, for max calibration and for GPTQ.
@@ -57,6 +57,7 @@ TINY_DIMS = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_
                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
                  moe_intermediate_size=32, max_position_embeddings=4096)
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
+GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
 
 def say(msg: str) -> None:
@@ -121,8 +122,8 @@ def write_holes(path: str, entries: list[tuple[str, str, list[int]]]) -> int:
     return offset
 
 
-def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int) -> tuple[list[str], float]:
-    """The planned peak of each rank, as the dry run prints it, and the run's wall time."""
+def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int) -> tuple[list[list[str]], str, float]:
+    """Each rank's row of the dry run's table (split in words), rank 0's plan by its terms, and the run's wall time."""
     cmd = [sys.executable, os.path.join(REPO, "tools", "ptq.py"), "--nproc-per-node", str(world), ck, "--dry-run",
            "--seq-len", str(seq_len), "--calib-size", str(calib_size), "--eval-size", "0", *extra]
     start = time.perf_counter()
@@ -131,16 +132,17 @@ def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     rows = [line.split() for line in p.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\[", line)]
-    return [" ".join(r[-2:]) for r in rows], took
+    terms = next((line for line in p.stdout.splitlines() if line.startswith("memory plan")), "")
+    return rows, terms, took
 
 
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
     real = REAL[model]
     root = os.path.join(tmp, model)
     rows = []
-    say(f"{model}: making the real-count checkpoint")
+    say(f"{model}: making the real-count checkpoint, in block FP8 as released")
     hf, t_make = timed(make_tiny, "deepseek_v3", os.path.join(root, "hf"), shards=SHARDS[model],
-                       **{**real, **TINY_DIMS})
+                       source_format="fp8-block", **{**real, **TINY_DIMS})
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         n_source = len(json.load(f)["weight_map"])
@@ -149,20 +151,26 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     rows += [(f"{model} real counts", f"{n_source:,} tensors in {SHARDS[model]} shards, {n_tensors:,} in eprt's layout"),
              ("  make (s)", f"{t_make:.1f}"), ("  convert (s)", f"{t_convert:.1f}")]
     _, t_export = timed(export_hf, ck, os.path.join(root, "export"), progress=False)
-    rows.append(("  unquantized export (s)", f"{t_export:.1f}"))
+    rows.append(("  export as it came (s)", f"{t_export:.1f}"))
     for world in worlds:
-        _, took = dry_run(ck, world, [], 64, world)
+        *_, took = dry_run(ck, world, [], 64, world)
         rows.append((f"  dry run, world {world} (s)", f"{took:.1f}"))
     say(f"{model}: inflating to the real dims")
+    # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
+    plain = convert_hf(make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+                       os.path.join(root, "ck-bf16"), progress=False)
     big = os.path.join(root, "real")
-    apparent = inflate(ck, {**make_config(hf), **real}, big)
+    apparent = inflate(plain, {**make_config(hf), **real}, big)
     disk = sum(os.stat(os.path.join(big, f)).st_blocks * 512 for f in os.listdir(big) if f.endswith(".safetensors"))
     rows.append((f"{model} real dims", f"{apparent / 2**40:.2f} TiB of weights in {disk / 2**20:.1f} MiB on disk"))
     for world in worlds:
         for label, extra in DRY_RUNS:
-            peaks, took = dry_run(big, world, extra, seq_len, calib_size)
-            rows.append((f"  {label} at world {world}, {calib_size} x {seq_len} tokens: planned peak per rank",
-                         f"{', '.join(sorted(set(peaks)))} ({took:.1f} s)"))
+            ranks, terms, took = dry_run(big, world, [*GPU, *extra], seq_len, calib_size)
+            device = sorted({" ".join(r[-4:-2]) for r in ranks})
+            host = sorted({" ".join(r[-2:]) for r in ranks})
+            rows.append((f"  {label} at world {world}, {calib_size} x {seq_len} tokens: peak per GPU; host",
+                         f"{', '.join(device)}; {', '.join(host)} ({took:.1f} s)"))
+            rows.append(("    rank 0's plan", terms.split(": ", 1)[-1]))
     return rows
 
 
