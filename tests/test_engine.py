@@ -11,7 +11,8 @@ from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.engine import LayerEngine, Schedule, own_sequences
+from eprt.quant.passes import layer_passes
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 
@@ -41,7 +42,7 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
         model(samples)
     layered = Calibrator(None, names, kv=True)
     with Checkpoint(ckpt) as ck, torch.inference_mode():
-        engine = LayerEngine(ParallelState.single("cpu"), ck, layered, samples, dtype=torch.float32,
+        engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(layered), dtype=torch.float32,
                              schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
         engine.run(0, engine.embed())
     assert layered.input_amax.keys() == whole.input_amax.keys() and whole.input_amax
@@ -54,6 +55,12 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
     for name, pair in whole.expert_amax.items():
         torch.testing.assert_close(torch.stack(layered.expert_amax[name]), torch.stack(pair), rtol=1e-5, atol=0)
         assert torch.equal(layered.expert_tokens[name], whole.expert_tokens[name]), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_layout_calibrates_each_sequence_on_exactly_one_rank(world):
+    shares = [own_sequences(7, r, world) for r in range(world)]
+    assert sorted(s for share in shares for s in share) == list(range(7))
 
 
 def test_a_schedule_steps_over_whole_groups():
