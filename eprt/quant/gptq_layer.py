@@ -1,7 +1,8 @@
-"""GPTQ inside the layer-major engine (eprt.quant.engine): one decoder layer at a time.
+"""GPTQ inside the layer-major engine (eprt.quant.engine; its pass: eprt.quant.passes.gptq): one
+decoder layer at a time.
 
-For each layer, after the max pass has recorded its inputs' amax (inputs are the quantized stream
-of the layers before it) and the engine has reduced them over the ranks (Calibrator.reduce_amax):
+For each layer, after the statistics run has recorded its inputs' amax (inputs are the quantized
+stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax):
 1. `LayerGPTQ` sums the layer's routed token counts over the ranks, on copies (the run's own are
    summed once at the end, as without GPTQ);
 2. a Hessian pass: each quantized Linear GPTQ runs on sums x x^T over its inputs, one canonical
@@ -11,9 +12,9 @@ of the layers before it) and the engine has reduced them over the ranks (Calibra
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
    the export writes;
-4. the engine fake-quantizes the rest of the layer with the export's numerics
-   (eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
-   and values through FP8 with an FP8 KV cache) and runs it again to make the next layer's input.
+4. the rest of the layer is fake-quantized with the export's numerics (eprt.quant.passes.quantized_layer,
+   eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
+   and values through FP8 with an FP8 KV cache) and runs again to make the next layer's input.
 """
 
 from __future__ import annotations
