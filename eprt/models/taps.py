@@ -56,7 +56,7 @@ class KVTaps:
     replace: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
 
-class tapped(contextlib.AbstractContextManager):  # noqa: N801 (used as a function: `with tapped(...)`)
+class tapped(contextlib.AbstractContextManager):  # lower case, as contextlib.suppress: read as `with tapped(...)`
     """Set `taps` (field=callable) on `module.taps` from entering the context to leaving it. A tap
     already set is refused: two callers would otherwise each believe theirs is the one called.
     A class, not a generator: a context entered and never left (the preview's fake quantization
