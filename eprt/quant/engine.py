@@ -341,13 +341,16 @@ class LayerEngine:
 
     def _through(self, work: LayerWork, passes: list[Pass], inputs: Callable[[], LayerState]) -> None:
         """One loaded layer through every hook of `passes`, on the calibration sequences `inputs()`."""
+        def on_routed(routed: RoutedStep) -> None:
+            for p in passes:
+                p.on_routed(work, routed)
+
         with work.kept:
             with contextlib.ExitStack() as taps:
                 for p in passes:
                     taps.enter_context(p.observe(work))
                 work.hidden = inputs()  # under the taps: an MTP layer's input projection (eh_proj) is the layer's
-                work.run_calibration(write=not any(p.rewrites for p in passes),
-                                     on_routed=lambda routed: [p.on_routed(work, routed) for p in passes])
+                work.run_calibration(write=not any(p.rewrites for p in passes), on_routed=on_routed)
             for p in passes:
                 p.reference(work)
             for p in passes:
