@@ -1,7 +1,8 @@
-"""Calibration data: text, JSONL or token ids, packed into sequences, split over ranks.
+"""Calibration data: text, JSONL or token ids, packed into sequences.
 
-The global list of sequences depends only on the data and (num_samples, seq_len); each rank
-takes every world-th sequence of it, so the set calibrated is the same at every layout.
+The global list of sequences depends only on the data and (num_samples, seq_len); the layer-major
+engine gives each rank every world-th sequence of it (eprt.quant.engine.own_sequences), so the
+set calibrated is the same at every layout.
 """
 
 from __future__ import annotations
@@ -276,16 +277,3 @@ def held_out_samples(path: str | None, hf_dir: str, *, num_samples: int, held_ou
                              source, stream.size, num_samples, held_out, seq_len)
         stream = np.resize(stream, need)
     return calib, pack(stream[num_samples * seq_len:need], held_out, seq_len, vocab_size, source)
-
-
-def rank_batches(samples: torch.Tensor, rank: int, world: int, batch_size: int) -> list[torch.Tensor]:
-    """This rank's share (sequences rank, rank + world, ...) in batches of at most `batch_size`.
-
-    Every rank gets the same number of batches, some possibly empty, because every batch is a
-    step in which all ranks exchange tokens.
-    """
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size {batch_size} must be positive")
-    mine = samples[rank::world]
-    steps = -(-(-(-samples.shape[0] // world)) // batch_size)
-    return [mine[i * batch_size:(i + 1) * batch_size] for i in range(steps)]

@@ -20,6 +20,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.passes import layer_passes
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -42,7 +43,7 @@ def calibrate(ck_dir: str, samples: torch.Tensor, all_experts: bool):
         targets = reader_for(ck.config.model_type, ck_dir).layout(ck.config).linear_modules()
         cal = Calibrator(None, targets, kv=True, all_experts=all_experts)
         with torch.inference_mode():
-            engine = LayerEngine(ParallelState.single("cpu"), ck, cal, samples, dtype=torch.float32,
+            engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(cal), dtype=torch.float32,
                                  schedule=Schedule.of(N, T, 1, group_tokens=T), progress=False)
             return cal, engine.run(0, engine.embed()).hidden
 

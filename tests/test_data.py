@@ -9,7 +9,7 @@ import torch
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from eprt.data import calibration_samples, rank_batches
+from eprt.data import calibration_samples
 from eprt.errors import ConfigError
 from eprt.testing.tiny import TINY_DIR
 
@@ -43,16 +43,6 @@ def test_jsonl_text_npy_and_safetensors_agree(tmp_path):
 def test_builtin_corpus_serves_the_demo():
     s = calibration_samples(None, TINY_DIR, num_samples=8, seq_len=32, vocab_size=512)
     assert s.shape == (8, 32) and len(set(s.view(-1).tolist())) > 50
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch", [1, 2, 5])
-def test_every_layout_calibrates_the_same_sequences(world, batch):
-    data = torch.arange(7 * 4).view(7, 4)
-    per_rank = [rank_batches(data, r, world, batch) for r in range(world)]
-    assert len({len(b) for b in per_rank}) == 1  # the same number of steps everywhere
-    seen = sorted(tuple(row.tolist()) for b in per_rank for x in b for row in x)
-    assert seen == sorted(tuple(row.tolist()) for row in data)
 
 
 @pytest.mark.parametrize("content,message", [

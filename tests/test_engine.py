@@ -1,5 +1,7 @@
 """The layer-major engine against the whole-model forward, its schedule, and its work units."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.engine import LayerEngine, Pass, Schedule, own_sequences
+from eprt.quant.passes import layer_passes
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 
@@ -41,7 +44,7 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
         model(samples)
     layered = Calibrator(None, names, kv=True)
     with Checkpoint(ckpt) as ck, torch.inference_mode():
-        engine = LayerEngine(ParallelState.single("cpu"), ck, layered, samples, dtype=torch.float32,
+        engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(layered), dtype=torch.float32,
                              schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
         engine.run(0, engine.embed())
     assert layered.input_amax.keys() == whole.input_amax.keys() and whole.input_amax
@@ -54,6 +57,12 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
     for name, pair in whole.expert_amax.items():
         torch.testing.assert_close(torch.stack(layered.expert_amax[name]), torch.stack(pair), rtol=1e-5, atol=0)
         assert torch.equal(layered.expert_tokens[name], whole.expert_tokens[name]), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_layout_calibrates_each_sequence_on_exactly_one_rank(world):
+    shares = [own_sequences(7, r, world) for r in range(world)]
+    assert sorted(s for share in shares for s in share) == list(range(7))
 
 
 def test_a_schedule_steps_over_whole_groups():
@@ -81,3 +90,60 @@ def test_a_work_unit_computes_as_if_alone():
     for a, b, e in ((4, 7, 0), (7, 16, 2), (16, 22, 2)):
         h_alone, y_alone = unit_mlp(x[a:b].clone(), w13[e:e + 1], w2[e:e + 1], silu_mul, torch.tensor([[b - a]]))
         assert torch.equal(h[a:b], h_alone) and torch.equal(y[a:b], y_alone), (a, b)
+
+
+class Recording(Pass):
+    """A pass that changes nothing and records when each hook runs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, embed):
+        self.calls.append(("begin",))
+
+    @contextlib.contextmanager
+    def observe(self, layer):
+        self.calls.append(("observe", layer.index))
+        yield
+        self.calls.append(("observed", layer.index))
+
+    def on_routed(self, layer, routed):
+        if self.calls[-1] != ("routed", layer.index):
+            self.calls.append(("routed", layer.index))
+
+    def reference(self, layer):
+        self.calls.append(("reference", layer.index))
+
+    def quantize(self, layer):
+        self.calls.append(("quantize", layer.index))
+
+    def on_quantized(self, layer):
+        self.calls.append(("on_quantized", layer.index))
+
+    def finish(self, engine, ls):
+        self.calls.append(("finish",))
+
+
+def test_a_pass_sees_each_layer_through_its_hooks_in_order_and_changes_nothing_it_does_not_touch(tmp_path):
+    """An algorithm added as a pass: registered beside the others, its hooks run on every layer in
+    order (the routed steps between the statistics run's taps), and the hidden states are those of
+    a run without it."""
+    ck_dir = convert_hf(make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"),
+                        progress=False)
+    samples = torch.randint(0, 200, (3, 8), generator=torch.Generator().manual_seed(0))
+    outs, recording = [], Recording()
+    with Checkpoint(ck_dir) as ck, torch.inference_mode():
+        for extra in ([], [recording]):
+            engine = LayerEngine(ParallelState.single("cpu"), ck, samples,
+                                 layer_passes(Calibrator(None, targets(ck_dir), kv=True)) + extra,
+                                 dtype=torch.float32, schedule=Schedule.of(3, 8, 2, group_tokens=8), progress=False)
+            outs.append(engine.run(0, engine.embed()).hidden)
+        layers = range(ck.config.num_layers)
+    assert torch.equal(*outs)
+    moe = {i for i in layers if i in ck.config.moe_layers}
+    assert moe and moe != set(layers)  # both kinds of layer seen
+    expected = [("begin",)]
+    for i in layers:
+        expected += [("observe", i), *([("routed", i)] if i in moe else []), ("observed", i), ("reference", i),
+                     ("quantize", i), ("on_quantized", i)]
+    assert recording.calls == [*expected, ("finish",)]

@@ -22,6 +22,7 @@ from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.calibrate import Calibrator  # noqa: E402
 from eprt.quant.engine import LayerEngine, Schedule  # noqa: E402
+from eprt.quant.passes import layer_passes  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
@@ -128,7 +129,7 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
         whole.observe(mtp, f"model.layers.{LAYERS}.")
         mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
         layered = Calibrator(None, names, kv=True)
-        engine = LayerEngine(ParallelState.single("cpu"), ck, layered, samples, dtype=torch.float32,
+        engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(layered), dtype=torch.float32,
                              schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
         engine.run(0, engine.embed())
     assert set(whole.input_amax) == set(names) - {f"model.layers.{LAYERS}.mlp.experts"}

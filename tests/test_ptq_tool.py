@@ -86,6 +86,7 @@ def test_preview_and_the_demo_pipeline_on_two_local_ranks(tmp_path):
     (["--recipe", "int3", "--out", "OUT"], "--recipe 'int3': no such recipe; choose one of fp8, kimi_k3_release, nvfp4, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only"),
     (["--out", "OUT"], "--recipe and --out are required"),
     (["--recipe", "fp8", "--out", "OUT", "--calib", "missing.jsonl"], "--calib missing.jsonl: no such file"),
+    (["--recipe", "fp8", "--out", "OUT", "--batch-size", "0"], "--batch-size 0 must be positive"),
 ])
 def test_refusals_name_the_setting(qwen, tmp_path, args, message):
     args = [a.replace("OUT", str(tmp_path / "q")) for a in args]

@@ -30,7 +30,7 @@ from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
-from eprt.quant.quality import ModuleErrors, probe_layer
+from eprt.quant.quality import Probes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny
@@ -110,7 +110,7 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
     for name, attn in q_model.named_modules():
         if name in cal.kv_amax:
             scales = [fp8_scale(a) for a in cal.kv_amax[name]]
-            attn.kv_quant = lambda k, v, quant=attn.kv_quant, s=scales: kv.append((quant(k, v), s)) or kv[-1][0]
+            attn.taps.replace = lambda k, v, quant=attn.taps.replace, s=scales: kv.append((quant(k, v), s)) or kv[-1][0]
     outs = {}
     for tag, model in (("ref", ref_model), ("q", q_model)):
         for i, layer in enumerate(model.model.layers):
@@ -250,8 +250,8 @@ def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
     for p in mlp.parameters():
         p.data.normal_()
     x = torch.randn(2, 5, 8)
-    errors = ModuleErrors(num_units=1)
-    unprobe = probe_layer(mlp, "mlp.", ["mlp.up_proj"], errors)
+    probes = Probes(mlp, "mlp.", ["mlp.up_proj"], num_units=1)
+    errors = probes.errors
     reference = mlp.up_proj.weight.detach().clone()
     mlp.up_proj.weight.data.mul_(1.5)  # as fake quantization replaces it
     entered, called = threading.Event(), threading.Event()
@@ -269,11 +269,11 @@ def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
         called.set()
 
     threads = [threading.Thread(target=f) for f in (first, second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    unprobe()
+    with probes.measuring():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert sorted(errors.dense["mlp.up_proj"]) == [0, 1]
     for s in (0, 1):
         y_ref = x[s] @ reference.T

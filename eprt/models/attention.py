@@ -9,6 +9,7 @@ from torch import nn
 from eprt.config import ModelConfig
 from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_rotate_half
+from eprt.models.taps import KVTaps
 
 
 def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float,
@@ -46,11 +47,7 @@ class GQAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=g.output_bias)
         self.q_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
-        # observer(k, v) sees the keys and values as attention consumes them (KV-cache calibration).
-        self.kv_observer = None
-        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
-        # (eprt.quant.preview installs it with the export's k/v scales).
-        self.kv_quant = None
+        self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -63,10 +60,10 @@ class GQAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
-        if self.kv_observer is not None:
-            self.kv_observer(k, v)
-        if self.kv_quant is not None:
-            k, v = self.kv_quant(k, v)
+        if self.taps.observe is not None:
+            self.taps.observe(k, v)
+        if self.taps.replace is not None:
+            k, v = self.taps.replace(k, v)
         o = causal_attention(q, k, v, self.head_dim ** -0.5)
         if self.output_gate:
             o = o * torch.sigmoid(gate.flatten(-2))

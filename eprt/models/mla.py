@@ -17,6 +17,7 @@ from eprt.config import ModelConfig
 from eprt.models.attention import causal_attention
 from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_interleaved, yarn_softmax_scale
+from eprt.models.taps import KVTaps
 
 # The reference builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # rms_norm_eps (DeepSeek's own inference code does the same).
@@ -50,11 +51,7 @@ class MLAttention(nn.Module):
         self.q_lora = bool(m.q_lora_rank)
         # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
         self.indexer = indexer
-        # observer(k, v) sees the expanded per-head keys and values (KV-cache calibration).
-        self.kv_observer = None
-        # kv_quant(k, v) -> (k, v): the FP8 KV cache's quantize-dequantize, where the observer looks
-        # (eprt.quant.preview installs it with the export's k/v scales).
-        self.kv_quant = None
+        self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None,
                 sin: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,10 +68,10 @@ class MLAttention(nn.Module):
             q_pe, k_pe = rope_interleaved(q_pe, cos, sin), rope_interleaved(k_pe, cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
-        if self.kv_observer is not None:
-            self.kv_observer(k, v)
-        if self.kv_quant is not None:
-            k, v = self.kv_quant(k, v)
+        if self.taps.observe is not None:
+            self.taps.observe(k, v)
+        if self.taps.replace is not None:
+            k, v = self.taps.replace(k, v)
         keep = self.indexer(x_BTD, q_latent, cos, sin) if self.indexer is not None else None
         o = causal_attention(q, k, v, self.scale, keep)
         if self.g_proj is not None:

@@ -14,6 +14,7 @@ from torch import nn
 from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
 from eprt.models.layers import Linear, RMSNorm, silu_mul
+from eprt.models.taps import ExpertsTaps
 
 
 class Experts(nn.Module):
@@ -27,32 +28,23 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(count, 2 * width, hidden))
         self.w2 = nn.Parameter(torch.empty(count, hidden, width))
         self.act = act
-        # Called as observer(x_sorted, h_sorted, tokens_per_expert) with the inputs of both
-        # projections; calibration installs one to record each expert's input amax.
-        self.observer = None
-        # Called as all_observer(local expert, x_rows, h_rows) by `observe_every_expert`, with
-        # --calibrate-all-experts: statistics of tokens the router did not send to the expert.
-        self.all_observer = None
-        # Called as unit_observer(x_sorted, h_sorted, rows_per_unit_LU) by `forward_units`: each
-        # (expert, work unit)'s rows of both projections' inputs (GPTQ's Hessians).
-        self.unit_observer = None
-        # input_quant(x_sorted) -> what gate/up read: fake quantization of the experts' input
-        # (eprt.quant.preview), in both forwards alike, where a pre-hook would miss forward_units.
-        self.input_quant = None
-        # Called as probe(x_sorted, rows_per_unit_LU, y_sorted) after forward_units, with the rows
-        # as received (before input_quant): the quality report measures each expert's error with it.
-        self.probe = None
+        self.taps = ExpertsTaps()  # where quantization observes or replaces a tensor (eprt.models.taps)
 
     def _input(self, x_sorted: torch.Tensor) -> torch.Tensor:
-        return x_sorted if self.input_quant is None else self.input_quant(x_sorted)
+        return x_sorted if self.taps.input is None else self.taps.input(x_sorted)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate, up), as the down projection reads it."""
+        h = self.act(gate, up)
+        return h if self.taps.activation is None else self.taps.activation(h)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         gate, up = grouped_mm(self._input(x_sorted), self.w13, offsets).chunk(2, dim=-1)
-        h = self.act(gate, up)
-        if self.observer is not None:
-            self.observer(x_sorted, h, tokens_per_expert)
+        h = self._act(gate, up)
+        if self.taps.routed is not None:
+            self.taps.routed(x_sorted, h, tokens_per_expert)
         return grouped_mm(h, self.w2, offsets)
 
     def forward_units(self, x_sorted: torch.Tensor, rows_per_unit_LU: torch.Tensor) -> torch.Tensor:
@@ -61,23 +53,23 @@ class Experts(nn.Module):
         Each (expert, unit) block is computed as if alone (`unit_mlp`): the rows a matmul sees are
         the unit's, whatever else this call holds, so a deterministic kernel gives every layout
         the same bits."""
-        h, y = unit_mlp(self._input(x_sorted), self.w13, self.w2, self.act, rows_per_unit_LU)
-        if self.observer is not None:
-            self.observer(x_sorted, h, rows_per_unit_LU.sum(1))
-        if self.unit_observer is not None:
-            self.unit_observer(x_sorted, h, rows_per_unit_LU)
-        if self.probe is not None:
-            self.probe(x_sorted, rows_per_unit_LU, y)
+        h, y = unit_mlp(self._input(x_sorted), self.w13, self.w2, self._act, rows_per_unit_LU)
+        if self.taps.routed is not None:
+            self.taps.routed(x_sorted, h, rows_per_unit_LU.sum(1))
+        if self.taps.units is not None:
+            self.taps.units(x_sorted, h, rows_per_unit_LU)
+        if self.taps.units_output is not None:
+            self.taps.units_output(x_sorted, rows_per_unit_LU, y)
         return y
 
     def observe_every_expert(self, x_sorted: torch.Tensor, rows_per_unit_U: torch.Tensor) -> None:
         """Statistics only: every expert held here over all the rows (sorted by work unit,
         rows_per_unit_U [U]), each (expert, unit) computed as if alone (`unit_act`); each
-        expert's act(gate, up) goes to `all_observer` and is dropped, no down projection runs."""
-        if self.all_observer is None or not x_sorted.shape[0]:
+        expert's act(gate, up) goes to the `every_expert` tap and is dropped, no down projection runs."""
+        if self.taps.every_expert is None or not x_sorted.shape[0]:
             return
         for e in range(self.count):
-            self.all_observer(e, x_sorted, unit_act(x_sorted, self.w13[e:e + 1], self.act, rows_per_unit_U))
+            self.taps.every_expert(e, x_sorted, unit_act(x_sorted, self.w13[e:e + 1], self._act, rows_per_unit_U))
 
 
 class LocalDispatcher:

@@ -12,8 +12,10 @@ the same result at every layout, given bitwise-identical activations.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch import nn
 from eprt.errors import EprtError
 from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
+from eprt.models.taps import KVTaps, tapped
 from eprt.quant.numerics import abs_amax
 
 
@@ -62,9 +65,9 @@ class Calibrator:
     The observers of dense modules and of the KV cache may be called from several threads at once.
 
     `targets` are module names (dense Linears and `...experts` modules); `kv` adds the keys and
-    values of every attention layer; `all_experts` (--calibrate-all-experts) also takes into each
-    expert's amax the tokens the layer-major engine runs through every expert for statistics
-    (`Experts.observe_every_expert`), counted apart in `expert_all_tokens`.
+    values of every attention layer; `all_experts` (--calibrate-all-experts): each expert's amax
+    also takes the tokens the layer-major engine runs through every expert for statistics
+    (`every_expert_observer`, eprt.quant.passes.all_experts), counted apart in `expert_all_tokens`.
     """
 
     def __init__(self, model: nn.Module | None, targets: list[str], kv: bool, all_experts: bool = False):
@@ -78,7 +81,7 @@ class Calibrator:
         # the dense modules and the attention run one sequence per thread, side by side: a max is
         # the same in any order, but an update in place must not interleave with another
         self._lock = threading.Lock()
-        self._undo = []
+        self._taps = contextlib.ExitStack()
         if model is not None:
             self.observe(model)
 
@@ -94,8 +97,17 @@ class Calibrator:
                     self._observe_input(name, target)
         if self.kv:
             for name, sub in module.named_modules(prefix=prefix.rstrip(".")):
-                if hasattr(sub, "kv_observer"):
+                if isinstance(getattr(sub, "taps", None), KVTaps):
                     self._observe_kv(name, sub)
+
+    @contextlib.contextmanager
+    def observing(self, module: nn.Module, prefix: str = "") -> Iterator[None]:
+        """`observe` while the context lasts."""
+        self.observe(module, prefix)
+        try:
+            yield
+        finally:
+            self.close()
 
     def _raise(self, held: torch.Tensor, amax: torch.Tensor) -> None:
         """held = max(held, amax), in place: from several threads at once, one at a time."""
@@ -110,7 +122,7 @@ class Calibrator:
             if x.numel():
                 self._raise(self.input_amax[name], abs_amax(x.detach()))
 
-        self._undo.append(module.register_forward_pre_hook(hook).remove)
+        self._taps.callback(module.register_forward_pre_hook(hook).remove)
 
     def _observe_experts(self, name: str, experts: Experts) -> None:
         zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype, device=device_of(experts))  # noqa: E731
@@ -123,25 +135,22 @@ class Calibrator:
             torch.maximum(w2_in, segment_amax(h_sorted.detach(), tokens_per_expert), out=w2_in)
             self.expert_tokens[name] += tokens_per_expert.to(torch.int64)
 
-        experts.observer = observer
-        self._undo.append(lambda: setattr(experts, "observer", None))
-        if self.all_experts:
-            self._observe_every_expert(name, experts)
+        self._taps.enter_context(tapped(experts, routed=observer))
 
-    def _observe_every_expert(self, name: str, experts: Experts) -> None:
-        """The statistics-only rows of --calibrate-all-experts go into the same amax as the
-        routed ones (a max of both), their count into `expert_all_tokens`."""
+    def every_expert_observer(self, name: str, experts: Experts) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """The `every_expert` tap of experts module `name`: the statistics-only rows of
+        --calibrate-all-experts go into the same amax as the routed ones (a max of both), their
+        count into `expert_all_tokens`."""
         self.expert_all_tokens.setdefault(
             name, torch.zeros(experts.count, dtype=torch.int64, device=device_of(experts)))
 
-        def all_observer(e, x, h):
+        def observer(e, x, h):
             w13_in, w2_in = self.expert_amax[name]
             w13_in[e] = torch.maximum(w13_in[e], x.detach().abs().amax().float())
             w2_in[e] = torch.maximum(w2_in[e], h.detach().abs().amax().float())
             self.expert_all_tokens[name][e] += x.shape[0]
 
-        experts.all_observer = all_observer
-        self._undo.append(lambda: setattr(experts, "all_observer", None))
+        return observer
 
     def _observe_kv(self, name: str, attn: nn.Module) -> None:
         zero = lambda: torch.zeros((), dtype=torch.float32, device=device_of(attn))  # noqa: E731
@@ -153,8 +162,7 @@ class Calibrator:
                 self._raise(k_amax, abs_amax(k.detach()))
                 self._raise(v_amax, abs_amax(v.detach()))
 
-        attn.kv_observer = observer
-        self._undo.append(lambda: setattr(attn, "kv_observer", None))
+        self._taps.enter_context(tapped(attn, observe=observer))
 
     def amax_by_name(self) -> dict[str, torch.Tensor]:
         """Every recorded amax, named as the module and what it measures."""
@@ -199,6 +207,4 @@ class Calibrator:
             state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
 
     def close(self) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
+        self._taps.close()

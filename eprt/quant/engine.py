@@ -1,11 +1,11 @@
-"""Layer-major calibration: one decoder layer resident at a time.
+"""Layer-major calibration: one decoder layer resident at a time, taken through a list of passes.
 
 Every rank holds the hidden states of its own calibration sequences (rank r: sequences r,
 r + world, ...). For each decoder layer in order it reads that layer's dense weights and its own
 routed experts, runs the layer over its sequences step by step, sends each routed token to the
-rank computing its work unit and back, records the calibration statistics, frees the layer and
-goes on. Every weight byte is read once; a rank's peak is one layer's weights, the hidden states
-and one step's exchange buffers.
+rank computing its work unit and back, lets the passes record and change what they own, frees the
+layer and goes on. Every weight byte is read once; a rank's peak is one layer's weights, the hidden
+states and one step's exchange buffers.
 
 Layout invariance comes from canonical work units, not from batch-invariant kernels: every
 matmul sees rows that are a function of the model and the data alone.
@@ -17,10 +17,16 @@ matmul sees rows that are a function of the model and the data alone.
 - A token's top-k outputs are summed in k order, in fp32.
 A step holds whole groups, so neither the world, ep, edp, batch nor chunk size changes a bit.
 
-With --calibrate-all-experts every token also runs through every routed expert of its layer,
-for the statistics only (`LayerEngine._observe_every_expert`): expert e's statistics unit for
-group g holds all of g's tokens in (sequence, position) order, as one matmul on the rank that
-computes the routed unit (e, g). The layer's output still comes from its top-k alone.
+The passes (`Pass`; the run's list: eprt.quant.passes.layer_passes) are what an algorithm adds.
+Each hook is called on every pass, in list order, on every rank alike, for each layer:
+1. `observe`: a context around the statistics run, the calibration sequences through the layer
+   as it is (their output becomes the hidden states, unless a pass `rewrites` them); its taps see
+   what they need, `on_routed` each step's routed tokens. On leaving it the statistics are final.
+2. `reference`: the layer as it is, its statistics final (more runs of their own sequences).
+3. `quantize`: the layer made, in place, what the export computes.
+4. `on_quantized`: runs through the quantized layer.
+`begin` comes before layer 0 (a pass's own sequences are embedded), `finish` after the last.
+A pass runs its sequences through the layer with `LayerWork.run`, never by changing the engine.
 """
 
 from __future__ import annotations
@@ -28,23 +34,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from eprt.kernels.cpu_workers import cpu_workers, for_each
-from eprt.storage.checkpoint import Checkpoint
 from eprt.models.deepseek_v3 import load_mtp
 from eprt.models.loader import meta_model
 from eprt.models.resolved import place_tensors
 from eprt.models.moe import MoE
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.progress import bar, logger
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.gptq_layer import GPTQRun, LayerGPTQ
-from eprt.quant.preview import fake_quantize
-from eprt.quant.quality import QualityReport
-from eprt.quant.scales import source_dtype
+from eprt.storage.checkpoint import Checkpoint
 
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer. On a CPU with bf16 arithmetic (AMX)
@@ -111,51 +114,161 @@ class LayerState:
 
 
 def own_sequences(num_sequences: int, rank: int, world: int) -> list[int]:
-    """The global indices of this rank's sequences (eprt.data.rank_batches takes the same)."""
+    """The global indices of this rank's sequences."""
     return list(range(rank, num_sequences, world))
 
 
-class Held:
-    """The held-out sequences of the quality report on this rank: their schedule, their share,
-    their own work units' dispatcher, and two streams (reference, quantized) at a layer boundary."""
+class Sequences:
+    """Sequences that go through the layers together (the calibration ones, the quality report's
+    held-out ones): their schedule, the same on every rank; this rank's share, `local` giving each
+    global index its row in the hidden states; and the dispatcher of their own work units."""
 
-    def __init__(self, state, report: QualityReport, schedule: Schedule, top_k: int):
-        n, T = report.eval_ids.shape
-        self.report, self.schedule = report, schedule
-        self.mine = own_sequences(n, state.rank, state.world)
+    def __init__(self, state, schedule: Schedule, top_k: int):
+        self.schedule = schedule
+        self.mine = own_sequences(schedule.num_sequences, state.rank, state.world)
         self.local = {s: i for i, s in enumerate(self.mine)}
-        self.dispatcher = UnitDispatcher(state, n * T * max(top_k, 1))
-        self.ref: LayerState | None = None
-        self.quant: LayerState | None = None
+        self.dispatcher = UnitDispatcher(state, schedule.num_sequences * schedule.seq_len * max(top_k, 1))
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
+        """This rank's (global, local) sequences."""
         return list(self.local.items())
 
 
+@dataclass
+class Pending:
+    """A sequence of a step between its dense part and its routed experts."""
+
+    sequence: int  # global index
+    local: int  # row in the hidden states
+    carry: torch.Tensor  # the residual the MLP's output is added to [1, T, D]
+    mlp_in_TD: torch.Tensor  # the MLP's input
+    experts_in_TD: torch.Tensor  # what the routed experts read
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+
+
+@dataclass
+class RoutedStep:
+    """A step's tokens as the routed experts of `moe` read them: x [T, width] of the step's
+    sequences on this rank, each token's global sequence [T] and global key, sequence x seq_len +
+    position [T]."""
+
+    moe: MoE
+    sequences: Sequences
+    step: int
+    x_TD: torch.Tensor
+    seq_T: torch.Tensor
+    key_T: torch.Tensor
+
+    @property
+    def unit_T(self) -> torch.Tensor:
+        """Each token's global group."""
+        return self.seq_T // self.sequences.schedule.group_size
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(first, count) of the step's groups."""
+        return self.sequences.schedule.step_groups(self.step)
+
+
+def _nothing(*_) -> None:
+    return None
+
+
+@dataclass
+class LayerWork:
+    """One layer in the loop as the passes see it: the module, the prefix of its modules' names,
+    its index (None: a multi-token-prediction layer), and what the passes settle for its quantized
+    form. `kept` holds what stays installed until the layer is done."""
+
+    engine: LayerEngine
+    module: nn.Module
+    prefix: str
+    index: int | None
+    tick: Callable[[], None]  # one calibration step done (the progress bar)
+    hidden: LayerState | None = None  # the calibration sequences at the layer's input, from the statistics run on
+    exported: set[str] = field(default_factory=set)  # modules whose weights hold the export's (GPTQ's)
+    on_weight: Callable[[str, torch.Tensor], None] | None = None  # sees each weight as quantized in place
+    kept: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    ticks: int = 0
+
+    @property
+    def state(self):
+        return self.engine.state
+
+    def run(self, sequences: Sequences, ls: LayerState, *, write: bool = True,
+            on_sequence: Callable[[int], None] = _nothing, on_step: Callable[[int], None] = _nothing,
+            on_routed: Callable[[RoutedStep], None] = _nothing, tick: Callable[[], None] = _nothing) -> None:
+        """`sequences` (at `ls`) through the layer, step by step; with `write`, each output replaces
+        its sequence's hidden state (else the run only feeds the taps). `on_step(step)` before each
+        step; `on_sequence(local index)` on the thread about to run that sequence's dense part."""
+        layer = self.module
+        # a block's first layer files its input as the block's snapshot
+        snapshots = [ls.hidden.clone()] if write and getattr(layer, "attn_res", False) and layer.starts_block else []
+        for step in range(sequences.schedule.num_steps):
+            on_step(step)
+            self.engine._run_step(layer, step, ls, sequences=sequences, write=write, on_sequence=on_sequence,
+                                  on_routed=on_routed)
+            tick()
+        ls.blocks += snapshots
+
+    def run_calibration(self, *, write: bool, on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
+        """The calibration sequences through the layer (counted on the progress bar)."""
+        self.run(self.engine.calibration, self.hidden, write=write, on_routed=on_routed, tick=self._tick)
+
+    def _tick(self) -> None:
+        self.ticks += 1
+        self.tick()
+
+
+class Pass:
+    """An algorithm's part in the layer loop: its hooks (the module docstring says when each runs;
+    a hook may reduce over the ranks, every rank calls it alike). The defaults do nothing."""
+
+    rewrites = False  # its runs make the calibration sequences' output: the statistics run only observes
+    covers_mtp = True  # runs on the multi-token-prediction layers too
+    calibration_runs = 0  # runs of the calibration sequences it adds per layer (for the progress bar)
+
+    def begin(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Before layer 0 (not on a resume): `embed(ids [n, T])` -> the hidden states entering it."""
+
+    def observe(self, layer: LayerWork) -> contextlib.AbstractContextManager[None]:
+        """The statistics run happens inside this context."""
+        return contextlib.nullcontext()
+
+    def on_routed(self, layer: LayerWork, routed: RoutedStep) -> None:
+        """Each step of the statistics run, between the router and the routed experts."""
+
+    def reference(self, layer: LayerWork) -> None:
+        """The layer as it is, its statistics final."""
+
+    def quantize(self, layer: LayerWork) -> None:
+        """Make the layer, in place, what the export computes."""
+
+    def on_quantized(self, layer: LayerWork) -> None:
+        """The layer quantized."""
+
+    def finish(self, engine: LayerEngine, ls: LayerState) -> None:
+        """After the last decoder layer; `ls`: the calibration sequences' final hidden states."""
+
+
 class LayerEngine:
-    """Calibrates one rank's share, layer by layer. Every rank of `state` runs it alike.
+    """Calibrates one rank's share of `samples`, layer by layer, through `passes` (their order is
+    their hooks'). Every rank of `state` runs it alike."""
 
-    With `quality` (and its `eval_schedule`), each layer then runs the held-out sequences too,
-    unquantized and quantized, for the report (eprt.quant.quality)."""
-
-    def __init__(self, state, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, *, dtype: torch.dtype,
-                 schedule: Schedule, progress: bool = True, quality: QualityReport | None = None,
-                 eval_schedule: Schedule | None = None, gptq: GPTQRun | None = None):
-        self.state, self.ck, self.cal, self.dtype, self.schedule = state, ck, cal, dtype, schedule
-        # with GPTQ, each layer runs three passes (max, Hessians, quantized) and passes on its quantized output
-        self.gptq = gptq
-        self.samples, self.progress = samples, progress
+    def __init__(self, state, ck: Checkpoint, samples: torch.Tensor, passes: list[Pass], *, dtype: torch.dtype,
+                 schedule: Schedule, progress: bool = True):
+        self.state, self.ck, self.samples, self.passes, self.dtype = state, ck, samples, passes, dtype
+        self.progress = progress
         c = ck.config
         self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
         self.model, self.rc = meta_model(ck, self.expert_range, dtype)
         ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
         self.names = list(self.model.state_dict())
-        self.mine = own_sequences(samples.shape[0], state.rank, state.world)
-        self.local = {s: i for i, s in enumerate(self.mine)}
-        self.dispatcher = UnitDispatcher(state, samples.shape[0] * samples.shape[1] * max(c.num_experts_per_tok, 1))
-        self.held = Held(state, quality, eval_schedule, c.num_experts_per_tok) if quality is not None else None
+        self.calibration = Sequences(state, schedule, c.num_experts_per_tok)
+        self.steps_per_layer = schedule.num_steps * (1 + sum(p.calibration_runs for p in passes))
         self.log = logger()
 
     def _assign(self, prefix: str) -> int:
@@ -163,66 +276,27 @@ class LayerEngine:
         return place_tensors(self.rc, self.model, names, device=self.state.device)
 
     def embed(self) -> LayerState:
-        """The hidden states entering layer 0."""
-        table = self.decoder.embed_tokens
+        """The hidden states entering layer 0 (and the passes' own sequences')."""
+        table, device = self.decoder.embed_tokens, self.state.device
         self._assign(self.prefix + "embed_tokens.")
-        ids = self.samples[self.mine].to(self.state.device)
-        hidden = table(ids)
-        if self.held is not None:
-            held = table(self.held.report.eval_ids[self.held.mine].to(self.state.device))
-            self.held.ref, self.held.quant = LayerState(held, []), LayerState(held.clone(), [])
+        hidden = table(self.samples[self.calibration.mine].to(device))
+        for p in self.passes:
+            p.begin(lambda ids: table(ids.to(device)))
         table.to_empty(device="meta")
         return LayerState(hidden, [])
 
-    def run(self, first_layer: int, ls: LayerState, after_layer=None) -> LayerState:
+    def run(self, first_layer: int, ls: LayerState,
+            after_layer: Callable[[int, LayerState], None] = _nothing) -> LayerState:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
-        steps = self.schedule.num_steps * (3 if self.gptq is not None else 1)
-        with cpu_threads(self.state.device), \
-                bar((len(layers) - first_layer) * steps, "calibrate", unit="step", enabled=self.progress) as pb:
+        with cpu_threads(self.state.device), bar((len(layers) - first_layer) * self.steps_per_layer, "calibrate",
+                                                 unit="step", enabled=self.progress) as pb:
             for i in range(first_layer, len(layers)):
                 ls = self.run_layer(i, ls, pb)
-                if after_layer is not None:
-                    after_layer(i, ls)
-            if self.held is not None:
-                self._evaluate_head()
-            self.run_mtp(ls)
+                after_layer(i, ls)
+            for p in self.passes:
+                p.finish(self, ls)
         return ls
-
-    def mtp_prefixes(self) -> list[str]:
-        """The multi-token-prediction layers the recipe quantizes a module of (DeepSeek-V3's
-        `model.layers.{num_hidden_layers + k}`), in order; the chain stops at the first it skips."""
-        c = self.ck.config
-        out = []
-        for k in range(c.num_nextn_predict_layers):
-            prefix = f"{self.prefix}layers.{c.num_layers + k}."
-            if not any(t.startswith(prefix) for t in self.cal.targets):
-                break
-            out.append(prefix)
-        return out
-
-    def run_mtp(self, ls: LayerState) -> None:
-        """After the last decoder layer, each MTP layer the recipe quantizes, as the engines run
-        them: on the final hidden states (before the final norm) and the next tokens' embeddings,
-        its decoder layer over the same steps and work units as the others. `ls` is left as it is."""
-        ids = self.samples[self.mine].to(self.state.device)
-        hidden = ls.hidden
-        for k, prefix in enumerate(self.mtp_prefixes()):
-            start, sent_before = time.perf_counter(), self.dispatcher.bytes_sent
-            mtp = load_mtp(self.rc, k, device=self.state.device)
-            self.cal.observe(mtp, prefix)
-            mtp_ls = LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), [])
-            try:
-                for step in range(self.schedule.num_steps):
-                    self._run_step(mtp, step, mtp_ls, write=self.gptq is None)
-            finally:
-                self.cal.close()
-            self._quantize_layer(None, mtp, prefix, mtp_ls, None)
-            hidden = mtp_ls.hidden
-            mtp.to_empty(device="meta")
-            if self.state.rank == 0:
-                self.log.info("MTP layer %s: read and compute %.2f s, exchanged %.1f MiB", prefix.rstrip("."),
-                              time.perf_counter() - start, (self.dispatcher.bytes_sent - sent_before) / 2**20)
 
     def run_layer(self, i: int, ls: LayerState, pb) -> LayerState:
         layer = self.decoder.layers[i]
@@ -230,87 +304,86 @@ class LayerEngine:
         start = time.perf_counter()
         placed = self._assign(prefix)
         read_s = time.perf_counter() - start
-        sent_before = self.dispatcher.bytes_sent
+        sent_before = self.calibration.dispatcher.bytes_sent
         start = time.perf_counter()
-        self.cal.observe(layer, prefix)
-        # a block's first layer files its input as the block's snapshot
-        snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
-        try:
-            for step in range(self.schedule.num_steps):
-                self._run_step(layer, step, ls, write=self.gptq is None)
-                pb.set_postfix_str(f"layer {i + 1}/{len(self.decoder.layers)}", refresh=False)
-                pb.update(1)
-        finally:
-            self.cal.close()
-        self._quantize_layer(i, layer, prefix, ls, pb)
-        if snapshot is not None:
-            ls.blocks.append(snapshot)
+
+        def tick() -> None:
+            pb.set_postfix_str(f"layer {i + 1}/{len(self.decoder.layers)}", refresh=False)
+            pb.update(1)
+
+        work = LayerWork(self, layer, prefix, i, tick)
+        self._through(work, self.passes, lambda: ls)
+        pb.update(self.steps_per_layer - work.ticks)  # the runs a pass skipped on this layer
         layer.to_empty(device="meta")
-        compute_s, sent = time.perf_counter() - start, self.dispatcher.bytes_sent - sent_before
+        compute_s, sent = time.perf_counter() - start, self.calibration.dispatcher.bytes_sent - sent_before
         if self.state.rank == 0:
             self.log.info("layer %d: read %.2f s (%.1f MiB), compute %.2f s, exchanged %.1f MiB", i, read_s,
                           placed / 2**20, compute_s, sent / 2**20)
         return ls
 
-    def _quantize_layer(self, i: int | None, layer, prefix: str, ls: LayerState, pb) -> None:
-        """Once the max pass over `layer` (decoder layer i; None: an MTP layer, which the quality
-        report does not cover) is done, with GPTQ or the quality report: the layer's amax made
-        final over the ranks; the report's reference stream through the layer as it is; GPTQ's
-        Hessian pass; then the layer quantized in place as the export writes it (GPTQ's weights
-        where it ran, eprt.quant.preview.fake_quantize for the rest, the inputs and the KV cache),
-        through which run the report's quantized stream and GPTQ's quantized pass, whose output
-        replaces `ls.hidden` (eprt.quant.gptq_layer). One quantization serves both."""
-        held = self.held if i is not None else None
-        if self.gptq is None and held is None:
-            return
-        self.cal.reduce_amax(self.state, prefix)
-        if held is not None:
-            self._held_pass(layer, held.ref)
-        g = LayerGPTQ(self.gptq, layer, prefix, self.cal) if self.gptq is not None else None
-        if g is not None and g.needs_hessians:
-            g.observe()
-            try:
-                self._steps(layer, ls, pb, write=False)
-            finally:
-                g.close()
-        elif g is not None and pb is not None:
-            pb.update(self.schedule.num_steps)
-        # the probes keep the original weights: installed before any is replaced
-        errors, unprobe = held.report.probe(layer, prefix, held.schedule.num_groups) if held else (None, None)
-        unquantize = None
+    def run_mtp(self, k: int, prefix: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Multi-token-prediction layer k (named `prefix`), as the engines run it: on `hidden` (the
+        final hidden states before the final norm, or MTP layer k - 1's output) and the embeddings
+        of the tokens k + 1 ahead, through the passes that cover MTP layers, over the calibration
+        steps and work units. Returns its output."""
+        start, sent_before = time.perf_counter(), self.calibration.dispatcher.bytes_sent
+        device = self.state.device
+        mtp = load_mtp(self.rc, k, device=device)
+        ids = self.samples[self.calibration.mine].to(device)
+        work = LayerWork(self, mtp, prefix, None, _nothing)
+        self._through(work, [p for p in self.passes if p.covers_mtp],
+                      lambda: LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), []))
+        mtp.to_empty(device="meta")
+        if self.state.rank == 0:
+            self.log.info("MTP layer %s: read and compute %.2f s, exchanged %.1f MiB", prefix.rstrip("."),
+                          time.perf_counter() - start, (self.calibration.dispatcher.bytes_sent - sent_before) / 2**20)
+        return work.hidden.hidden
+
+    def _through(self, work: LayerWork, passes: list[Pass], inputs: Callable[[], LayerState]) -> None:
+        """One loaded layer through every hook of `passes`, on the calibration sequences `inputs()`."""
+        def on_routed(routed: RoutedStep) -> None:
+            for p in passes:
+                p.on_routed(work, routed)
+
+        with work.kept:
+            with contextlib.ExitStack() as taps:
+                for p in passes:
+                    taps.enter_context(p.observe(work))
+                work.hidden = inputs()  # under the taps: an MTP layer's input projection (eh_proj) is the layer's
+                work.run_calibration(write=not any(p.rewrites for p in passes), on_routed=on_routed)
+            for p in passes:
+                p.reference(work)
+            for p in passes:
+                p.quantize(work)
+            for p in passes:
+                p.on_quantized(work)
+
+    @contextlib.contextmanager
+    def head(self) -> Iterator[Callable[[LayerState, int], torch.Tensor]]:
+        """The decoder's final step and the head, read for the context: `logits(ls, local index)`
+        -> that sequence's logits [T, V] from the hidden states after the last layer."""
+        layers = self.prefix + "layers."
+        tied = self.model.config.tie_word_embeddings
+        names = [n for n in self.names if not n.startswith(layers)
+                 and (tied or not n.startswith(self.prefix + "embed_tokens."))]
+        for prefix in sorted({n.rpartition(".")[0] + "." for n in names}):
+            self._assign(prefix)
+
+        def logits(ls: LayerState, li: int) -> torch.Tensor:
+            return self.model.logits(self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks]))[0]
+
         try:
-            if g is not None:
-                g.quantize()
-                g.free()
-            report = self.held.report if self.held is not None else None
-            unquantize = fake_quantize(layer, self.cal.targets, (report or self.gptq).recipe, self.cal, self.state,
-                                       prefix=prefix, source_dtype=lambda name: source_dtype(self.ck, name),
-                                       on_weight=report.on_weight if held is not None else None,
-                                       quantized=g.modules if g is not None else ())
-            if held is not None:
-                self._held_pass(layer, held.quant, errors)
-                unprobe()
-                unprobe = None
-            if g is not None:  # the probes measure the held-out sequences only
-                self._steps(layer, ls, pb, write=True)
+            yield logits
         finally:
-            if unprobe is not None:
-                unprobe()
-            if unquantize is not None:
-                unquantize()
-        if held is not None:
-            held.report.finish_layer(i, prefix, held.pairs, held.ref.hidden, held.quant.hidden, errors)
+            for module in sorted({n.rpartition(".")[0] for n in names}):
+                self.model.get_submodule(module).to_empty(device="meta")
 
-    def _steps(self, layer, ls: LayerState, pb, write: bool) -> None:
-        for step in range(self.schedule.num_steps):
-            self._run_step(layer, step, ls, write=write)
-            if pb is not None:
-                pb.update(1)
-
-    def _run_step(self, layer, step: int, ls: LayerState, write: bool = True, on_sequence=None) -> None:
+    def _run_step(self, layer: nn.Module, step: int, ls: LayerState, *, sequences: Sequences, write: bool = True,
+                  on_sequence: Callable[[int], None] = _nothing,
+                  on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
         """One step of one layer: its sequences' dense parts one sequence each, the routed experts
         over the step's work units; each output replaces its sequence's hidden state (unless not
-        `write`: a pass that only observes).
+        `write`: a run that only feeds the taps).
 
         Each sequence's dense part runs whole on one thread, on eprt.kernels.cpu_workers' threads
         side by side: its rows are the sequence's whatever thread runs it, so the bits are the
@@ -318,17 +391,15 @@ class LayerEngine:
         depend on the order of the calls. `on_sequence(local index)` is told, on the thread that
         runs it, which sequence's dense part comes next (the quality report files its probes'
         calls per sequence)."""
-        T = self.schedule.seq_len
+        T = sequences.schedule.seq_len
         ffn = layer.ffn()
         moe = isinstance(ffn, MoE)
-        mine = [(s, self.local[s]) for s in self.schedule.step_sequences(step) if s in self.local]
-        # per sequence: (global index, local index, residual, MLP input, routed experts' input, top-k ids, weights)
-        pending: list = [None] * len(mine)
+        mine = [(s, sequences.local[s]) for s in sequences.schedule.step_sequences(step) if s in sequences.local]
+        pending: list[Pending] = [None] * len(mine)  # filled by `dense`, one per sequence, on the workers
 
         def dense(j: int, _) -> None:
             s, li = mine[j]
-            if on_sequence is not None:
-                on_sequence(li)
+            on_sequence(li)
             blocks = [b[li:li + 1] for b in ls.blocks]
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
             carry, m = layer.attend(ls.hidden[li:li + 1], *args)
@@ -338,102 +409,44 @@ class LayerEngine:
                     ls.hidden[li] = out
                 return
             m_TD = m.reshape(T, -1)
-            pending[j] = (s, li, carry, m_TD, *ffn.route(m_TD))
+            pending[j] = Pending(s, li, carry, m_TD, *ffn.route(m_TD))
 
         for_each(range(len(mine)), lambda: None, dense, self.state.device)
         if not moe:
             return
-        self._observe_every_expert(ffn, step, pending)
-        routed = self._routed(ffn, step, pending)
+        routed_step = self._step_tokens(ffn, sequences, step, pending)
+        on_routed(routed_step)
+        routed = self._routed(routed_step, pending)
 
         def finish(j: int, _) -> None:
-            s, li, carry, m_TD, *_ = pending[j]
-            if on_sequence is not None:
-                on_sequence(li)
-            out = (carry + ffn.finish(m_TD, routed[j]).view_as(carry))[0]
+            p = pending[j]
+            on_sequence(p.local)
+            out = (p.carry + ffn.finish(p.mlp_in_TD, routed[j]).view_as(p.carry))[0]
             if write:
-                ls.hidden[li] = out
+                ls.hidden[p.local] = out
 
         for_each(range(len(pending)), lambda: None, finish, self.state.device)
 
-    def _observe_every_expert(self, moe: MoE, step: int, pending: list) -> None:
-        """--calibrate-all-experts: every token of the step through every routed expert, for the
-        observers only (the layer's output is the routed one, untouched). Each expert's rows are
-        whole groups of sequences in (sequence, position) order, each group one matmul on the
-        rank that computes the expert's routed unit of that group: the rows are a function of
-        the data alone, as the routed units' are. Skipped, on every rank alike, where the recipe
-        leaves the experts unquantized."""
-        if moe.experts.all_observer is None:
-            return
-        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
-        x_sorted, rows_per_unit_U = self.dispatcher.every_expert_rows(
-            x_TD, key_T, seq_T // self.schedule.group_size, self.schedule.step_groups(step))
-        moe.experts.observe_every_expert(x_sorted, rows_per_unit_U)
-
-    def _step_tokens(self, moe: MoE, pending: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The routed experts' input of the step's pending sequences [T, width], each token's
-        global sequence [T] and its global key, sequence x seq_len + position [T]."""
-        T, dev = self.schedule.seq_len, self.state.device
+    def _step_tokens(self, moe: MoE, sequences: Sequences, step: int, pending: list[Pending]) -> RoutedStep:
+        T, dev = sequences.schedule.seq_len, self.state.device
         if pending:
-            x_TD = torch.cat([p[4] for p in pending])
+            x_TD = torch.cat([p.experts_in_TD for p in pending])
         else:
             x_TD = torch.empty(0, moe.experts.w13.shape[-1], dtype=self.dtype, device=dev)
-        seq_T = torch.tensor([p[0] for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
-        return x_TD, seq_T, seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
+        seq_T = torch.tensor([p.sequence for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
+        key_T = seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
+        return RoutedStep(moe, sequences, step, x_TD, seq_T, key_T)
 
-    def _routed(self, moe: MoE, step: int, pending: list) -> list[torch.Tensor]:
+    def _routed(self, rs: RoutedStep, pending: list[Pending]) -> list[torch.Tensor]:
         """Each pending sequence's fp32 routed sum, through the step's work units on their ranks."""
-        T, K = self.schedule.seq_len, self.ck.config.num_experts_per_tok
+        T, K = rs.sequences.schedule.seq_len, self.ck.config.num_experts_per_tok
         dev = self.state.device
-        x_TD, seq_T, key_T = self._step_tokens(moe, pending)
         if pending:
-            ids_TK = torch.cat([p[5] for p in pending])
-            w_TK = torch.cat([p[6] for p in pending])
+            ids_TK = torch.cat([p.topk_ids_TK for p in pending])
+            w_TK = torch.cat([p.topk_weights_TK for p in pending])
         else:
             ids_TK = torch.empty(0, K, dtype=torch.int64, device=dev)
             w_TK = torch.empty(0, K, dtype=torch.float32, device=dev)
-        key_TK = (key_T * K)[:, None] + torch.arange(K, device=dev)
-        y_TD = self.dispatcher(x_TD, ids_TK, w_TK, key_TK, seq_T // self.schedule.group_size,
-                               self.schedule.step_groups(step), moe.experts)
+        key_TK = (rs.key_T * K)[:, None] + torch.arange(K, device=dev)
+        y_TD = rs.sequences.dispatcher(rs.x_TD, ids_TK, w_TK, key_TK, rs.unit_T, rs.groups, rs.moe.experts)
         return list(y_TD.split(T)) if pending else []
-
-    # --- the quality report (eprt.quant.quality) ----------------------------------------------
-    @contextlib.contextmanager
-    def _over_held(self):
-        """Steps run over the held-out sequences, with their own schedule and work units."""
-        held, saved = self.held, (self.schedule, self.local, self.dispatcher)
-        self.schedule, self.local, self.dispatcher = held.schedule, held.local, held.dispatcher
-        try:
-            yield
-        finally:
-            self.schedule, self.local, self.dispatcher = saved
-
-    def _held_pass(self, layer, ls: LayerState, errors=None) -> None:
-        """One stream of the held-out sequences through `layer` (`errors`: the quantized stream's
-        probes, told each step's first work unit)."""
-        snapshot = ls.hidden.clone() if getattr(layer, "attn_res", False) and layer.starts_block else None
-        with self._over_held():
-            for step in range(self.schedule.num_steps):
-                if errors is not None:
-                    errors.first_unit = self.schedule.step_groups(step)[0]
-                self._run_step(layer, step, ls, on_sequence=errors.enter if errors is not None else None)
-        if snapshot is not None:
-            ls.blocks.append(snapshot)
-
-    def _evaluate_head(self) -> None:
-        """After the last layer: the decoder's final step and the head over both streams."""
-        held, layers = self.held, self.prefix + "layers."
-        tied = self.model.config.tie_word_embeddings
-        names = [n for n in self.names if not n.startswith(layers)
-                 and (tied or not n.startswith(self.prefix + "embed_tokens."))]
-        for prefix in sorted({n.rpartition(".")[0] + "." for n in names}):
-            self._assign(prefix)
-
-        def logits_of(li: int) -> tuple[torch.Tensor, torch.Tensor]:
-            out = (self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks])
-                   for ls in (held.ref, held.quant))
-            return tuple(self.model.logits(h)[0] for h in out)
-
-        held.report.finish(held.pairs, logits_of)
-        for module in sorted({n.rpartition(".")[0] for n in names}):
-            self.model.get_submodule(module).to_empty(device="meta")

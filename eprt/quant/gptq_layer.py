@@ -1,7 +1,8 @@
-"""GPTQ inside the layer-major engine (eprt.quant.engine): one decoder layer at a time.
+"""GPTQ inside the layer-major engine (eprt.quant.engine; its pass: eprt.quant.passes.gptq): one
+decoder layer at a time.
 
-For each layer, after the max pass has recorded its inputs' amax (inputs are the quantized stream
-of the layers before it) and the engine has reduced them over the ranks (Calibrator.reduce_amax):
+For each layer, after the statistics run has recorded its inputs' amax (inputs are the quantized
+stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax):
 1. `LayerGPTQ` sums the layer's routed token counts over the ranks, on copies (the run's own are
    summed once at the end, as without GPTQ);
 2. a Hessian pass: each quantized Linear GPTQ runs on sums x x^T over its inputs, one canonical
@@ -11,14 +12,16 @@ of the layers before it) and the engine has reduced them over the ranks (Calibra
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
    the export writes;
-4. the engine fake-quantizes the rest of the layer with the export's numerics
-   (eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
-   and values through FP8 with an FP8 KV cache) and runs it again to make the next layer's input.
+4. the rest of the layer is fake-quantized with the export's numerics (eprt.quant.passes.quantized_layer,
+   eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
+   and values through FP8 with an FP8 KV cache) and runs again to make the next layer's input.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from eprt.families import reader_for
 from eprt.layout import TensorSpec
 from eprt.models.moe import Experts
+from eprt.models.taps import tapped
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationState
@@ -149,7 +153,6 @@ class LayerGPTQ:
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
         self.hessians: dict[str, HessianSum] = {}
         self.expert_hessians: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}  # local expert -> sums
-        self._undo = []
 
     def _module(self, name: str):
         return self.layer.get_submodule(name[len(self.prefix):])
@@ -169,8 +172,14 @@ class LayerGPTQ:
         return bool(self.gptq_dense or self.gptq_experts)
 
     # --- the Hessian pass -------------------------------------------------------------------
-    def observe(self) -> None:
-        """Hooks that add each canonical unit's inputs to the Hessians (`close` removes them)."""
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        """While the context lasts, each canonical unit's inputs go into the Hessians."""
+        with contextlib.ExitStack() as taps:
+            self._observe(taps)
+            yield
+
+    def _observe(self, taps: contextlib.ExitStack) -> None:
         for m in self.gptq_dense:
             module = self._module(m)
             hs = HessianSum(module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens,
@@ -178,7 +187,7 @@ class LayerGPTQ:
             self.hessians[m] = hs
             # the dense part runs one sequence a call (calls side by side): each call is one unit
             hook = lambda _m, args, hs=hs: hs.add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
-            self._undo.append(module.register_forward_pre_hook(hook).remove)
+            taps.callback(module.register_forward_pre_hook(hook).remove)
         for m in self.gptq_experts:
             experts = self._module(m)
             w13_amax, w2_amax = self.stats.expert_input_amax[m]
@@ -188,13 +197,7 @@ class LayerGPTQ:
                         HessianSum(I, w2_amax[l].item(), n, experts.w13.device))
                     for l, n in enumerate(tokens) if n >= self.run.min_tokens}
             self.expert_hessians[m] = sums
-            experts.unit_observer = lambda x, h, rows_LU, sums=sums: _add_units(sums, x, h, rows_LU)
-            self._undo.append(lambda e=experts: setattr(e, "unit_observer", None))
-
-    def close(self) -> None:
-        for undo in self._undo:
-            undo()
-        self._undo.clear()
+            taps.enter_context(tapped(experts, units=lambda x, h, rows_LU, sums=sums: _add_units(sums, x, h, rows_LU)))
 
     # --- the solve and the quantized layer ----------------------------------------------------
     @property

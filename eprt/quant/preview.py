@@ -10,6 +10,7 @@ decoder layer the same way, the weights GPTQ chose in place of max's or mse's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Collection
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
+from eprt.models.taps import tapped
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationState
 from eprt.quant.formats import weight_format
@@ -83,7 +85,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
         except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
             raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
 
-    undo = []
+    taps = contextlib.ExitStack()
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)),
@@ -98,7 +100,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 on_weight(f"{m}.weight", module.weight)
             quant_input = lambda _m, args, s=in_scale, f=weight_format(fmt).fake_quantize_input: (  # noqa: E731
                 f(args[0], s), *args[1:])
-            undo.append(module.register_forward_pre_hook(quant_input).remove)
+            taps.callback(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
             experts = sub(m)
             if not isinstance(experts, Experts):
@@ -122,16 +124,14 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            experts.input_quant = lambda x, s=in_scale["w13"], f=fake: f(x, s)
             # w2 reads act(gate, up): quantized where it is made
-            act = experts.act
-            experts.act = lambda gate, up, act=act, s=in_scale["w2"], f=fake: f(act(gate, up), s)
-            undo += [lambda e=experts: setattr(e, "input_quant", None), lambda e=experts, a=act: setattr(e, "act", a)]
+            taps.enter_context(tapped(experts, input=lambda x, s=in_scale["w13"], f=fake: f(x, s),
+                                      activation=lambda h, s=in_scale["w2"], f=fake: f(h, s)))
     kv = kv_cache_format(recipe.kv_cache)
     if kv is not None:
         for name, attn in model.named_modules(prefix=prefix.rstrip(".")):
             if name in cal.kv_amax:
                 k_scale, v_scale = (kv.scale(a) for a in cal.kv_amax[name])
-                attn.kv_quant = lambda k, v, ks=k_scale, vs=v_scale: (kv.fake_quantize(k, ks), kv.fake_quantize(v, vs))
-                undo.append(lambda a=attn: setattr(a, "kv_quant", None))
-    return lambda: [u() for u in undo]
+                taps.enter_context(tapped(
+                    attn, replace=lambda k, v, ks=k_scale, vs=v_scale: (kv.fake_quantize(k, ks), kv.fake_quantize(v, vs))))
+    return taps.close

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eprt.data import calibration_samples, held_out_samples, rank_batches
+from eprt.data import calibration_samples, held_out_samples
 from eprt.errors import ConfigError
 from eprt.flags import flag
 from eprt.families import reader_for
@@ -26,12 +26,14 @@ from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.engine import LayerEngine, group_tokens
+from eprt.quant.engine import LayerEngine, group_tokens, own_sequences
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
                                     run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
+from eprt.quant.passes import layer_passes
+from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import (MemoryPlan, Planner, RunShape, available_memory, check_host_memory, check_memory,
                              current_rss, measured_peak, memory_in_use)
 from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
@@ -140,7 +142,6 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
-            batches = rank_batches(samples, state.rank, state.world, a.batch_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
@@ -163,7 +164,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
                                    f"{a.calib_size + a.eval_size} sequences of {a.calib or 'the built-in corpus'}, "
                                    "held out of calibration", on_weight) if eval_ids is not None else None
-            resumed = calibrate_layers(state, ck, cal, samples, a, work, report, gptq)
+            resumed = calibrate_layers(state, ck, cal, recipe, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
             check_base_unchanged(ck, identity)
@@ -199,7 +200,8 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
     if state.rank == 0:
         log.info("calibrated %d tokens in %.2f s (%.0f tokens/s)", samples.numel(), seconds, samples.numel() / seconds)
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
-    return {"out": a.out, "calibration_s": seconds, "tokens": sum(b.numel() for b in batches),
+    mine = len(own_sequences(samples.shape[0], state.rank, state.world)) * samples.shape[1]
+    return {"out": a.out, "calibration_s": seconds, "tokens": mine,
             "resumed_after": resumed, "quality": quality}
 
 
@@ -279,28 +281,33 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
     check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
-def calibrate_layers(state: ParallelState, ck: Checkpoint, cal: Calibrator, samples: torch.Tensor, a: PTQArgs,
-                     work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
+def calibrate_layers(state: ParallelState, ck: Checkpoint, cal: Calibrator, recipe: Recipe, samples: torch.Tensor,
+                     a: PTQArgs, work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
-    held-out sequences), each layer boundary saved in `work` (with GPTQ's results so far); with
-    --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
+    `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the layer
+    it resumed after (-1: none)."""
     shape = run_shape(a, state, ck.config)
-    engine = LayerEngine(state, ck, cal, samples, dtype=RUN_DTYPES[a.dtype],
-                         schedule=shape.schedule_of(samples.shape[0]), progress=a.progress, quality=report,
-                         eval_schedule=shape.schedule_of(report.eval_ids.shape[0]) if report else None, gptq=gptq)
+    quality = QualityStreams(state, report, shape.schedule_of(report.eval_ids.shape[0])) if report else None
+    passes = layer_passes(cal, recipe, ck, quality=quality, gptq=gptq)
+    engine = LayerEngine(state, ck, samples, passes, dtype=RUN_DTYPES[a.dtype],
+                         schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device, engine.held, results) if done >= 0 else engine.embed()
+    ls = work.load(done, cal, state.device, quality, results) if done >= 0 else engine.embed()
 
     def after_layer(i: int, ls_) -> None:
         check_base_read(ck, work.fingerprint)  # the files this layer read are the ones pinned at the start
-        work.save(i, ls_, cal, engine.held, results)
+        work.save(i, ls_, cal, quality, results)
 
     engine.run(done + 1, ls, after_layer=after_layer)
     return done
 
+
 def check_data_settings(a: PTQArgs) -> None:
     """Refuse the data settings before the memory plan, which runs before any data is read."""
+    if a.batch_size < 1:
+        raise ConfigError(f"--batch-size {a.batch_size} must be positive")
     if a.eval_size < 0:
         raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
     if a.eval_size == 0 and a.eval is not None:

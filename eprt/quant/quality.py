@@ -25,19 +25,23 @@ exact) and then in index order, so the report is the same bytes at every layout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import threading
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from eprt.kernels import unit_mlp
 from eprt.kernels.cpu_workers import for_each
 from eprt.models.layers import linear
 from eprt.models.moe import Experts
+from eprt.models.taps import tapped
 from eprt.progress import logger
 
 TOP = 5  # modules or experts listed per layer
@@ -76,36 +80,51 @@ def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch
     return y.sub_(y_ref).square_().sum(-1), y_ref.square_().sum(-1)
 
 
-def probe_layer(layer, prefix: str, targets: list[str], errors: ModuleErrors) -> Callable[[], None]:
-    """Before the layer is fake-quantized: keep each quantized module's original weights and
-    measure, on every call of the quantized stream, the module's output against the original's on
-    the same input. Returns what removes the probes and drops the originals."""
-    undo = []
-    for m in targets:
-        if not m.startswith(prefix):
-            continue
-        module = layer.get_submodule(m[len(prefix):])
-        if isinstance(module, Experts):
-            undo.append(_probe_experts(m, module, errors))
-            continue
-        weight = module.weight.detach().clone()
-        calls = errors.dense.setdefault(m, {})
-        seen = threading.local()  # the input of the call this thread is in
+class Probes:
+    """The original weights of one layer's quantized modules, kept before the layer is quantized
+    in place; while `measuring`, each module's output on every call of the quantized stream is
+    measured against the original's on the same input, into `errors`."""
 
-        # registered before fake_quantize's input hook, so it sees the input as the module receives it
-        def keep_input(_module, args, seen=seen):
-            seen.x = args[0]
+    def __init__(self, layer, prefix: str, targets: list[str], num_units: int):
+        self.errors = ModuleErrors(num_units)
+        self.dense: list[tuple[str, nn.Module, torch.Tensor]] = []  # (name, Linear, its original weight)
+        self.experts: list[tuple[Experts, Callable]] = []  # (experts, its units_output tap)
+        for m in targets:
+            if not m.startswith(prefix):
+                continue
+            module = layer.get_submodule(m[len(prefix):])
+            if isinstance(module, Experts):
+                self.experts.append((module, _expert_probe(m, module, self.errors)))
+            else:
+                self.errors.dense.setdefault(m, {})
+                self.dense.append((m, module, module.weight.detach().clone()))
 
-        def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
-            x, seen.x = seen.x, None  # not held past its call
-            sums = _sums(*_row_sums(y, linear(x, weight, module.bias)))
-            calls.setdefault(errors.thread.sequence, []).append(sums)
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        errors = self.errors
+        with contextlib.ExitStack() as taps:
+            for m, module, weight in self.dense:
+                calls = errors.dense[m]
+                seen = threading.local()  # the input of the call this thread is in
 
-        undo += [module.register_forward_pre_hook(keep_input).remove, module.register_forward_hook(measure).remove]
-    return lambda: [u() for u in undo]
+                # ahead of the fake quantization's input hook: it sees the input as the module receives it
+                def keep_input(_module, args, seen=seen):
+                    seen.x = args[0]
+
+                def measure(module, _args, y, seen=seen, weight=weight, calls=calls):
+                    x, seen.x = seen.x, None  # not held past its call
+                    sums = _sums(*_row_sums(y, linear(x, weight, module.bias)))
+                    calls.setdefault(errors.thread.sequence, []).append(sums)
+
+                taps.callback(module.register_forward_pre_hook(keep_input, prepend=True).remove)
+                taps.callback(module.register_forward_hook(measure).remove)
+            for experts, probe in self.experts:
+                taps.enter_context(tapped(experts, units_output=probe))
+            yield
 
 
-def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callable[[], None]:
+def _expert_probe(name: str, experts: Experts, errors: ModuleErrors) -> Callable:
+    """The `units_output` tap that files each (expert, work unit)'s error against the experts' original weights."""
     w13, w2, act = experts.w13.detach().clone(), experts.w2.detach().clone(), experts.act
     sums = torch.zeros(3, experts.count, errors.num_units, dtype=torch.float64, device=w13.device)
     errors.experts[name] = (experts, sums)
@@ -124,8 +143,7 @@ def _probe_experts(name: str, experts: Experts, errors: ModuleErrors) -> Callabl
 
         for_each([j for j, n in enumerate(counts) if n], lambda: None, unit, y.device)
 
-    experts.probe = probe
-    return lambda: setattr(experts, "probe", None)
+    return probe
 
 
 class QualityReport:
@@ -144,12 +162,11 @@ class QualityReport:
     def tokens(self) -> int:
         return self.eval_ids.numel()
 
-    def probe(self, layer, prefix: str, num_units: int) -> tuple[ModuleErrors, Callable[[], None]]:
-        """Probe one layer before the engine quantizes it in place as the export will
-        (eprt.quant.preview.fake_quantize, with this report's `on_weight`); returns the probes'
-        sums (the engine sets their `first_unit` each step) and what removes the probes."""
-        errors = ModuleErrors(num_units)
-        return errors, probe_layer(layer, prefix, self.targets, errors)
+    def probes(self, layer, prefix: str, num_units: int) -> Probes:
+        """One layer's probes, made before the layer is quantized in place as the export will
+        (eprt.quant.preview.fake_quantize, with this report's `on_weight`); their `errors`'
+        `first_unit` is set each step."""
+        return Probes(layer, prefix, self.targets, num_units)
 
     def _global(self, shape, mine: list[tuple[int, int]], values: torch.Tensor) -> torch.Tensor:
         """`values` [local sequences, ...] filed at their global indices and summed over the world."""

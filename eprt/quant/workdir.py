@@ -137,7 +137,7 @@ class WorkDir:
         return int(last)
 
     def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None) -> None:
-        """With `held` (the quality report's held-out streams, eprt.quant.engine.Held), its two
+        """With `held` (the quality report's held-out streams, eprt.quant.passes.quality.QualityStreams), its two
         streams and what the report measured so far are saved too; with `gptq`
         (eprt.quant.gptq_layer.GPTQResults), the codes of the modules it gained since the last save,
         in the layer's gptq file."""

@@ -1,0 +1,39 @@
+"""The passes of the layer loop (eprt.quant.engine), one algorithm each, and the one place that
+lists a run's passes in the order their hooks run (docs/adding-an-algorithm.md)."""
+
+from __future__ import annotations
+
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.engine import Pass
+from eprt.quant.gptq_layer import GPTQRun
+from eprt.quant.passes.all_experts import EveryExpertStatistics
+from eprt.quant.passes.gptq import GPTQ
+from eprt.quant.passes.max_statistics import MaxStatistics
+from eprt.quant.passes.mtp import MTPLayers
+from eprt.quant.passes.quality import QualityStreams
+from eprt.quant.passes.quantized_layer import QuantizedLayer
+from eprt.quant.recipe import Recipe
+from eprt.storage.checkpoint import Checkpoint
+
+
+def layer_passes(cal: Calibrator, recipe: Recipe | None = None, ck: Checkpoint | None = None, *,
+                 quality: QualityStreams | None = None, gptq: GPTQRun | None = None) -> list[Pass]:
+    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
+    quality report's streams (`quality`) and GPTQ (`gptq`), which run through the layer quantized
+    with `recipe` (the export's numerics, the source dtypes of `ck`); the MTP layers last.
+
+    The order is the hooks': the report's probes keep the layer's original weights before GPTQ's
+    solve replaces them, and the quantized layer is made after both."""
+    passes: list[Pass] = [MaxStatistics(cal)]
+    if cal.all_experts:
+        passes.append(EveryExpertStatistics(cal))
+    if quality is not None:
+        passes.append(quality)
+    if gptq is not None:
+        passes.append(GPTQ(gptq, cal))
+    if quality is not None or gptq is not None:
+        if recipe is None or ck is None:
+            raise ValueError("the quality report and GPTQ run through the quantized layer: give its recipe and ck")
+        passes.append(QuantizedLayer(cal, recipe, ck, covers_mtp=gptq is not None))
+    passes.append(MTPLayers(cal.targets))
+    return passes
