@@ -44,7 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gptq-min-tokens", type=int, default=DEFAULT_MIN_TOKENS,
                     help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding and is "
                          f"listed (default {DEFAULT_MIN_TOKENS})")
-    ap.add_argument("--calib", help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
+    ap.add_argument("--calib", action="append", metavar="DATA[:SHARE]",
+                    help="calibration data: .txt, .jsonl (text or chat messages), .parquet, a saved dataset "
+                         "directory, .npy or .safetensors (default: built-in text); repeat with a share each to "
+                         "mix sources (--calib chat.jsonl:0.7 --calib code.txt:0.3)")
+    ap.add_argument("--calib-column", help="the column (JSONL field) of the data to read (default: text, else "
+                                           "messages, rendered with the checkpoint's chat template)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     ap.add_argument("--eval-size", type=int, default=8,
@@ -84,11 +89,13 @@ def ptq() -> int:
         return launch("eprt.commands.ptq", without_nproc(argv), a.nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state:
         ck = open_checkpoint(a.ckpt, state)
-        args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=a.calib, calib_size=a.calib_size,
+        args = PTQArgs(a.ckpt, a.recipe, a.out, kv_cache=a.kv_cache, calib=tuple(a.calib) if a.calib else None,
+                       calib_size=a.calib_size,
                        seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype, preview=a.preview,
                        overwrite=a.overwrite, chunk_size=a.chunk_size, max_memory=a.max_memory, resume=a.resume,
                        work_dir=a.work_dir, algorithm=a.algorithm, gptq_min_tokens=a.gptq_min_tokens,
-                       calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size, eval=a.eval)
+                       calibrate_all_experts=a.calibrate_all_experts, eval_size=a.eval_size, eval=a.eval,
+                       calib_column=a.calib_column)
         if a.dry_run:
             # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
             # layers and counts GPTQ's Hessians
