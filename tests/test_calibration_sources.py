@@ -4,6 +4,7 @@ Parquet files and saved datasets, several sources mixed by share; each refusal n
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -145,6 +146,14 @@ def test_a_saved_dataset_reads_as_jsonl_does(tmp_path):
     assert torch.equal(read(str(tmp_path / "dd"), n=3, t=16).samples, expected([chatml(m) for m in CHATS], 3, 16))
     with pytest.raises(ConfigError, match=r"ds: no column 'body'; its columns are text"):
         read(str(tmp_path / "ds"), column="body")
+
+
+def test_a_table_without_its_library_names_the_extra_to_install(tmp_path, monkeypatch):
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"t\.parquet: reading Parquet needs the pyarrow library: pip install "
+                                          r"\"eprt\[data\]\""):
+        read(str(tmp_path / "t.parquet"))
 
 
 def test_files_that_are_not_what_their_name_says_are_refused(tmp_path):

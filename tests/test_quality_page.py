@@ -22,6 +22,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.calibrated import QUALITY_FILE
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.report import render
+from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY, QUALITY_PAGE
 from eprt.testing.tiny import make_tiny
 
@@ -105,6 +106,8 @@ def test_the_report_records_what_the_page_shows(runs):
     assert r["recipe"]["name"] == "nvfp4" and {g["format"] for g in r["groups"]} == {"nvfp4"}
     (source,) = r["calibration"]["sources"]
     assert source["path"].endswith("chat.jsonl") and source["documents"] > 1 and source["sequences"] == 6
+    manifest = json.loads(Path(runs["gptq"][0], MANIFEST).read_text())  # the calibrated checkpoint records it too
+    assert manifest["quantization"]["calibration"]["sources"] == [source]
     assert r["preview"]["prompt"] == "The river" and r["preview"]["before"] and r["preview"]["after"]
     assert [e["module"] for e in r["experts"]] == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
     for e in r["experts"]:  # 6 x 24 tokens top-2 over 8 experts: none reaches 128, so GPTQ falls back for each
@@ -187,6 +190,8 @@ def test_eprt_report_refusals(runs, tmp_path, monkeypatch, capsys):
     assert code == 2 and "bad.json: kl_p99 is missing or not a float: not an eprt quality report" in out
     code, out = eprt_report(monkeypatch, capsys, tmp_path)
     assert code == 2 and f"{tmp_path}: holds no quality report" in out
+    code, out = eprt_report(monkeypatch, capsys, tmp_path / "missing")
+    assert code == 2 and "missing: no such file or directory" in out
 
 
 # --- a real browser -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 2em; border-bottom:
 table { border-collapse: collapse; margin: 0.5em 0 1em; } caption { text-align: left; font-weight: 600; }
 td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
-.side { display: flex; flex-wrap: wrap; gap: 2em; } .side > div { flex: 1 1 30em; min-width: 0; }
+.side { display: flex; flex-wrap: wrap; gap: 2em; } .side > div { flex: 1 1 30em; min-width: 0; overflow-x: auto; }
 img.chart { max-width: 100%; } pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; }
 .note { color: #555; font-style: italic; }
 """

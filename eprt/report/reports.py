@@ -25,6 +25,8 @@ REQUIRED = ((("kl_mean",), float), (("kl_p99",), float), (("top1_agreement",), f
 
 def report_path(path: str) -> str:
     """The report's JSON of `path`: an export, a calibrated checkpoint, or the file itself."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such file or directory; {WAY_OUT}")
     if os.path.isfile(path):
         return path
     if os.path.isfile(os.path.join(path, QUALITY)):
