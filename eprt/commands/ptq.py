@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="calibration data: .txt, .jsonl (text or chat messages), .parquet, a saved dataset "
                          "directory, .npy or .safetensors (default: built-in text); repeat with a share each to "
                          "mix sources (--calib chat.jsonl:0.7 --calib code.txt:0.3)")
-    ap.add_argument("--calib-column", help="the column (JSONL field) of the data to read (default: text, else "
-                                           "messages, rendered with the checkpoint's chat template)")
+    ap.add_argument("--calib-column", help="the column (JSONL field) of every --calib source to read (default: "
+                                           "text, else messages, rendered with the checkpoint's chat template)")
     ap.add_argument("--calib-size", type=int, default=64, help="calibration sequences, over all ranks")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     ap.add_argument("--eval-size", type=int, default=8,
