@@ -8,6 +8,7 @@ tokens of a table, never the whole of a large one.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -24,8 +25,9 @@ def is_saved_dataset(path: str) -> bool:
 
 
 def _need(module: str, what: str) -> Any:
+    """The optional library `module`, or a refusal naming `what` needs it and the extra to install."""
     try:
-        return __import__(module, fromlist=["_"])
+        return importlib.import_module(module)
     except ImportError:
         raise ConfigError(f"{what} needs the {module.split('.')[0]} library: pip install \"eprt[data]\"") from None
 
