@@ -23,7 +23,8 @@ setup-test: venv
 	$(PIP) "$(TORCH)" -e ".[test]"
 
 # The whole pipeline on the built-in tiny Qwen3-MoE: make it, convert it, calibrate it on 2
-# expert-parallel CPU processes (NVFP4 weights, FP8 KV cache), export and check the export.
+# expert-parallel CPU processes (NVFP4 weights, FP8 KV cache), export and check the export; the
+# export's quality page is eprt_quality.html.
 demo: setup
 	$(PYTHON) tools/make_tiny.py qwen3_moe $(DEMO)/hf --overwrite
 	$(PYTHON) tools/convert_hf.py $(DEMO)/hf $(DEMO)/ckpt --overwrite
@@ -31,6 +32,7 @@ demo: setup
 		--kv-cache fp8 --calib-size 16 --seq-len 128 --preview --out $(DEMO)/ptq --overwrite
 	$(PYTHON) tools/export_hf.py $(DEMO)/ptq $(DEMO)/export --overwrite
 	$(PYTHON) tools/check_export.py $(DEMO)/export
+	@echo "the quality report: $(DEMO)/export/eprt_quality.html (open it in a browser)"
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests

@@ -18,6 +18,7 @@ setup(
             "eprt-export = eprt.commands.export:main",
             "eprt-check = eprt.commands.check:main",
             "eprt-make-tiny = eprt.commands.make_tiny:main",
+            "eprt-report = eprt.commands.report:main",
         ],
     },
     python_requires=">=3.10",
@@ -33,6 +34,10 @@ setup(
         # Triton kernels run on CUDA, and under TRITON_INTERPRET=1 in the tests.
         "triton": ["triton>=3.0"],
         "compressed": ["compressed-tensors>=0.20"],
+        # the quality page's charts (eprt-report, and the page PTQ writes); without it, tables only
+        "report": ["matplotlib>=3.7"],
+        # calibration data as tables: .parquet files, datasets saved with save_to_disk
+        "data": ["pyarrow>=14", "datasets>=2.14"],
         # bench/modelopt.py: the transformers + ModelOpt baseline eprt is measured against
         "bench": ["nvidia-modelopt>=0.47", "transformers>=5.0"],
         # transformers is only an oracle for the tests; eprt never imports it.
@@ -49,6 +54,10 @@ setup(
             # mlx-lm's kimi_k3 is the outside implementation Kimi-K3's logits are checked against
             "mlx[cpu]>=0.32",
             "mlx-lm>=0.32",
+            # the quality page's charts and the table data sources are tested, not skipped
+            "matplotlib>=3.7",
+            "pyarrow>=14",
+            "datasets>=2.14",
         ],
     },
 )

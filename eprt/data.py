@@ -1,8 +1,11 @@
-"""Calibration data: text, JSONL or token ids, packed into sequences.
+"""Calibration data: text, JSONL, chat conversations, tables or token ids, packed into sequences.
 
-The global list of sequences depends only on the data and (num_samples, seq_len); the layer-major
-engine gives each rank every world-th sequence of it (eprt.quant.engine.own_sequences), so the
-set calibrated is the same at every layout.
+A source is a file or a saved dataset; several may be given, each with its share of the
+sequences (`--calib chat.jsonl:0.7 --calib code.txt:0.3`). The global list of sequences depends
+only on the data and (num_samples, seq_len); the layer-major engine gives each rank every
+world-th sequence of it (eprt.quant.engine.own_sequences), so the set calibrated is the same at
+every layout. What was taken of each source is recorded (`SourceUse`): the calibrated checkpoint
+and the quality report keep it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import codecs
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,10 +24,15 @@ import torch
 from eprt.errors import CheckpointError, ConfigError
 from eprt.progress import logger, rank
 from eprt.storage.bounded import parse_json, read_json
+from eprt.storage.chat_template import chat_renderer
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER
 from eprt.storage.safetensors_io import SafetensorsFile
+from eprt.storage.tables import dataset_rows, is_saved_dataset, parquet_rows
 
 BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calib.txt")
+TOKEN_ID_FILES = (".npy", ".safetensors")
+# the columns (JSONL fields) read by default, in order: plain text, else a conversation
+TEXT, MESSAGES = "text", "messages"
 
 
 # A document is tokenized a prefix at a time: the first holds this many characters, plus this
@@ -31,24 +41,142 @@ FIRST_CHARS = 4096
 CHARS_PER_TOKEN = 16
 
 
-def documents(path: str) -> Iterator[Callable[[int], str]]:
-    """Each document of a .txt file (the whole file) or a .jsonl file (one {"text": ...} a line),
-    as a reader giving the next n characters of its text ('' at its end). The file is read as
-    far as its documents are asked for."""
-    with open(path, "rb") as f:
-        if not path.endswith(".jsonl"):
+@dataclass(frozen=True)
+class Source:
+    """One --calib: a path and its share of the sequences."""
+    path: str
+    share: float
+
+
+@dataclass
+class SourceUse:
+    """What calibration took from one source, as recorded in the calibrated checkpoint and the report."""
+    path: str
+    share: float
+    sequences: int = 0  # calibration sequences from it
+    held_out: int = 0  # the quality report's held-out sequences from it
+    tokens: int = 0  # tokens read from it (the end-of-sequence token after each document included)
+    documents: int | None = None  # texts or conversations read (None: token ids)
+    truncated: int = 0  # documents cut short because the tokens needed ended inside them
+    repeated: bool = False  # the source held fewer tokens than its sequences: they repeat it from its start
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def parse_sources(calib: str | Sequence[str] | None) -> list[Source]:
+    """The sources of --calib: one path (its share the whole), or several `path:share` whose shares
+    sum to 1. None: the built-in corpus."""
+    specs = [calib] if isinstance(calib, str) else list(calib or [BUILTIN])
+    parsed = []
+    for spec in specs:
+        path, sep, share = spec.rpartition(":")
+        try:
+            parsed.append((path, float(share)) if sep and path else (spec, None))
+        except ValueError:  # a ':' that is part of the path
+            parsed.append((spec, None))
+    if len(parsed) == 1 and parsed[0][1] is None:
+        return [Source(parsed[0][0], 1.0)]
+    missing = [p for p, share in parsed if share is None]
+    if missing:
+        raise ConfigError(f"--calib {missing[0]}: with several --calib, give each its share of the sequences "
+                          f"(--calib {missing[0]}:0.5)")
+    bad = [(p, share) for p, share in parsed if not 0 < share <= 1]
+    if bad:
+        raise ConfigError(f"--calib {bad[0][0]}:{bad[0][1]:g}: a share is a fraction in (0, 1]")
+    total = sum(share for _, share in parsed)
+    if not math.isclose(total, 1.0, abs_tol=1e-6):
+        raise ConfigError(f"--calib shares sum to {total:g}; they are fractions of the sequences and sum to 1")
+    return [Source(p, share) for p, share in parsed]
+
+
+def check_sources(calib: str | Sequence[str] | None, flag: str = "--calib") -> list[Source]:
+    """The sources, each refused by name where it is not a file or a saved dataset."""
+    sources = parse_sources(calib)
+    for s in sources:
+        if os.path.isdir(s.path) and not is_saved_dataset(s.path):
+            raise ConfigError(f"{flag} {s.path}: a directory, but not a dataset saved with the datasets library's "
+                              "save_to_disk (it has no state.json or dataset_dict.json)")
+        if not os.path.exists(s.path):
+            raise ConfigError(f"{flag} {s.path}: no such file")
+    return sources
+
+
+def split_counts(n: int, shares: Sequence[float]) -> list[int]:
+    """`n` split by `shares` (largest remainders; a tie goes to the source given first)."""
+    exact = [n * s for s in shares]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def choose_column(column: str | None) -> Callable[[list[str]], str]:
+    """Which column of a table to read: `column` (--calib-column), else text, else messages."""
+    def choose(columns: list[str]) -> str:
+        if column is not None:
+            return column
+        return MESSAGES if TEXT not in columns and MESSAGES in columns else TEXT
+    return choose
+
+
+def jsonl_rows(f, path: str, column: str | None) -> Iterator[tuple[str, Any]]:
+    """(line, the value of its field) of each non-blank line of the open .jsonl file `f`."""
+    offset = 0
+    for i, raw in enumerate(f, 1):
+        line = decode_utf8(raw, path, offset)
+        offset += len(raw)
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        row = parse_json(line, where, "each line is one JSON object {\"text\": ...} or {\"messages\": [...]}")
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: each line needs a string field \"text\" or a list \"messages\"")
+        key = column or (TEXT if TEXT in row or MESSAGES not in row else MESSAGES)
+        if key not in row:
+            raise ConfigError(f"{where}: each line needs a string field \"text\" or a list \"messages\"" if column
+                              is None else f"{where}: no field {key!r} (--calib-column {key})")
+        yield where, row[key]
+
+
+def documents(path: str, hf_dir: str, column: str | None = None) -> Iterator[Callable[[int], str]]:
+    """Each document of a source, as a reader giving the next n characters of its text ('' at its
+    end): a .txt file (the whole file), or each row of a .jsonl file, a .parquet file or a saved
+    dataset: a string (`text`) or a conversation (`messages`: a list of {"role", "content"}),
+    rendered with the checkpoint's chat template. The source is read as far as its documents are
+    asked for."""
+    if os.path.isdir(path):
+        rows: Iterator[tuple[str, Any]] = ((f"{path} row {i}", v) for i, v in enumerate(
+            dataset_rows(path, choose_column(column))))
+    elif path.endswith(".parquet"):
+        rows = ((f"{path} row {i}", v) for i, v in enumerate(parquet_rows(path, choose_column(column))))
+    elif path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            yield from row_documents(jsonl_rows(f, path, column), path, hf_dir)
+        return
+    else:
+        with open(path, "rb") as f:
             yield utf8_reader(f, path)
-            return
-        offset = 0
-        for i, raw in enumerate(f, 1):
-            line = decode_utf8(raw, path, offset)
-            offset += len(raw)
-            if not line.strip():
-                continue
-            row = parse_json(line, f"{path}:{i}", "each line is one JSON object {\"text\": ...}")
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ConfigError(f"{path}:{i}: each line needs a string field \"text\"")
-            yield text_reader(row["text"])
+        return
+    yield from row_documents(rows, path, hf_dir)
+
+
+def row_documents(rows: Iterator[tuple[str, Any]], path: str, hf_dir: str) -> Iterator[Callable[[int], str]]:
+    """Each row's text: a string as it is, a conversation through the chat template (read once, when
+    the first conversation comes)."""
+    render = None
+    for where, value in rows:
+        if isinstance(value, str):
+            yield text_reader(value)
+            continue
+        if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                  for m in value):
+            raise ConfigError(f"{where}: holds a {type(value).__name__}, neither text (a string) nor a conversation "
+                              "(a list of {\"role\": ..., \"content\": ...}); name the right column with "
+                              "--calib-column")
+        render = render or chat_renderer(hf_dir, path)
+        yield text_reader(render(value, where))
 
 
 def text_reader(text: str) -> Callable[[int], str]:
@@ -95,9 +223,10 @@ def utf8_reader(f, path: str) -> Callable[[int], str]:
     return read
 
 
-def leading_tokens(tok, read: Callable[[int], str], need: int) -> list[int]:
-    """The first `need` tokens of the document `read` gives (all of them where it has fewer),
-    tokenizing a few times the text they span, never the whole of a long document.
+def leading_tokens(tok, read: Callable[[int], str], need: int) -> tuple[list[int], bool]:
+    """The first `need` tokens of the document `read` gives (all of them where it has fewer), and
+    whether the document goes on past them, tokenizing a few times the text they span, never the
+    whole of a long document.
 
     A prefix of a text tokenizes as the whole text does except near the cut, where a word (or a
     merge) may go on past it: the first `need` tokens of a prefix are taken once they are more
@@ -107,11 +236,11 @@ def leading_tokens(tok, read: Callable[[int], str], need: int) -> list[int]:
     while True:
         more = read(len(text))
         if not more:
-            return ids[:need]
+            return ids[:need], len(ids) > need
         text += more
         longer = tok.encode(text, add_special_tokens=False).ids
         if len(ids) > need and longer[:need] == ids[:need]:
-            return ids[:need]
+            return ids[:need], True
         ids = longer
 
 
@@ -205,21 +334,26 @@ def load_tokenizer(hf_dir: str):
                           "model's tokenizer.json in again (or pass token ids as .npy / .safetensors)") from None
 
 
-def token_stream(path: str | None, hf_dir: str, need: int) -> np.ndarray:
-    """The first `need` calibration tokens in order (all of them where the data holds fewer);
-    documents joined by the end-of-sequence token. The data is read only as far as they reach."""
-    path = path or BUILTIN
-    if not os.path.isfile(path):
-        raise ConfigError(f"--calib {path}: no such file")
-    if path.endswith((".npy", ".safetensors")):
-        return read_token_ids(path, need)
+class Tokens(NamedTuple):
+    ids: np.ndarray
+    documents: int | None  # None: token ids
+    truncated: int
+
+
+def token_stream(path: str, hf_dir: str, need: int, column: str | None = None) -> Tokens:
+    """The first `need` calibration tokens of one source in order (all of them where it holds
+    fewer); documents joined by the end-of-sequence token. The data is read only as far as they
+    reach."""
+    if path.endswith(TOKEN_ID_FILES):
+        return Tokens(read_token_ids(path, need), None, 0)
     tok = load_tokenizer(hf_dir)
     eos = eos_id(hf_dir)
     pieces: list[list[int]] = []
-    taken = text_tokens = 0
-    for read in documents(path):
-        doc_ids = leading_tokens(tok, read, need - taken)
+    taken = text_tokens = truncated = 0
+    for read in documents(path, hf_dir, column):
+        doc_ids, cut = leading_tokens(tok, read, need - taken)
         text_tokens += len(doc_ids)
+        truncated += cut
         pieces.append(doc_ids + ([eos] if eos is not None else []))
         taken += len(pieces[-1])
         if taken >= need:
@@ -228,7 +362,8 @@ def token_stream(path: str | None, hf_dir: str, need: int) -> np.ndarray:
         within = f" in its first {need} tokens" if taken >= need else ""
         raise ConfigError(f"{path}: holds no text to calibrate on{within}; give a file with text, or leave out "
                           "--calib for the built-in corpus")
-    return np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=taken)[:need]
+    ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=taken)[:need]
+    return Tokens(ids, len(pieces), truncated)
 
 
 def pack(stream: np.ndarray, num_samples: int, seq_len: int, vocab_size: int, source: str) -> torch.Tensor:
@@ -252,28 +387,60 @@ def check_sizes(num_samples: int, seq_len: int) -> None:
         raise ConfigError(f"--calib-size {num_samples} and --seq-len {seq_len} must be positive")
 
 
-def calibration_samples(path: str | None, hf_dir: str, *, num_samples: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+class Calibration(NamedTuple):
+    samples: torch.Tensor  # [num_samples, seq_len]
+    held_out: torch.Tensor | None  # [held_out, seq_len], or None where none was asked for
+    used: list[SourceUse]  # what each source gave
+
+
+def read_calibration(calib: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, seq_len: int,
+                     vocab_size: int, held_out: int = 0, column: str | None = None) -> Calibration:
+    """The calibration sequences and, with `held_out`, that many more after them: each source gives
+    its share of both, its calibration sequences first, its held-out ones after them (so holding
+    out changes no calibration sequence); the sources' sequences follow in the order given. A
+    source too short for its sequences repeats from its start (said once; its held-out windows
+    then repeat calibration tokens)."""
     check_sizes(num_samples, seq_len)
-    return pack(token_stream(path, hf_dir, num_samples * seq_len), num_samples, seq_len, vocab_size, path or BUILTIN)
+    sources = check_sources(calib)
+    shares = [s.share for s in sources]
+    calib_parts, held_parts, used = [], [], []
+    for s, n, h in zip(sources, split_counts(num_samples, shares), split_counts(held_out, shares)):
+        use = SourceUse(s.path if s.path != BUILTIN else "built-in corpus", s.share, n, h)
+        used.append(use)
+        if n + h == 0:
+            continue
+        need = (n + h) * seq_len
+        stream = token_stream(s.path, hf_dir, need, column)
+        use.tokens, use.documents, use.truncated = int(stream.ids.size), stream.documents, stream.truncated
+        use.repeated = stream.ids.size < need
+        if n:
+            calib_parts.append(pack(stream.ids, n, seq_len, vocab_size, s.path))
+        ids = stream.ids
+        if h and ids.size < need:
+            if rank() == 0:
+                logger().warning("%s: %d tokens for %d calibration and %d held-out sequences of %d; the held-out ones "
+                                 "repeat calibration tokens: give more data, or held-out data with --eval",
+                                 s.path, ids.size, n, h, seq_len)
+            ids = np.resize(ids, need)
+        if h:
+            held_parts.append(pack(ids[n * seq_len:need], h, seq_len, vocab_size, s.path))
+    samples = torch.cat(calib_parts) if len(calib_parts) > 1 else calib_parts[0]
+    held = (torch.cat(held_parts) if len(held_parts) > 1 else held_parts[0]) if held_out else None
+    return Calibration(samples, held, used)
 
 
-def held_out_samples(path: str | None, hf_dir: str, *, num_samples: int, held_out: int, seq_len: int,
+def calibration_samples(path: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, seq_len: int,
+                        vocab_size: int, column: str | None = None) -> torch.Tensor:
+    return read_calibration(path, hf_dir, num_samples=num_samples, seq_len=seq_len, vocab_size=vocab_size,
+                            column=column).samples
+
+
+def held_out_samples(path: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, held_out: int, seq_len: int,
                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the calibration sequences, `held_out` sequences after them): the first are exactly
-    `calibration_samples`' (holding out changes no calibration statistic). A stream too short
-    for both repeats from its start, so the held-out windows then repeat calibration tokens:
-    said once."""
-    check_sizes(num_samples, seq_len)
+    `calibration_samples`' (holding out changes no calibration statistic)."""
     if held_out < 1:
         raise ConfigError(f"--eval-size {held_out}: give a positive size, or 0 for no quality report")
-    stream = token_stream(path, hf_dir, (num_samples + held_out) * seq_len)
-    source = path or BUILTIN
-    calib = pack(stream, num_samples, seq_len, vocab_size, source)
-    need = (num_samples + held_out) * seq_len
-    if stream.size < need:
-        if rank() == 0:
-            logger().warning("%s: %d tokens for %d calibration and %d held-out sequences of %d; the held-out ones "
-                             "repeat calibration tokens: give more data, or held-out data with --eval",
-                             source, stream.size, num_samples, held_out, seq_len)
-        stream = np.resize(stream, need)
-    return calib, pack(stream[num_samples * seq_len:need], held_out, seq_len, vocab_size, source)
+    c = read_calibration(path, hf_dir, num_samples=num_samples, held_out=held_out, seq_len=seq_len,
+                         vocab_size=vocab_size)
+    return c.samples, c.held_out

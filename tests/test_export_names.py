@@ -97,11 +97,12 @@ def exported_files(out: str) -> set[str]:
 
 def predicted_files(hf_dir: str, out: str) -> set[str]:
     """The source's files but its weights, the export's shards and index, ModelOpt's
-    hf_quant_config.json and the PTQ quality report (a file no engine reads)."""
+    hf_quant_config.json and the PTQ quality report with its page (files no engine reads)."""
     source = {p.name for p in Path(hf_dir).iterdir() if not p.name.startswith("model.safetensors")
               and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name)}
     shards = set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"].values())
-    return source | shards | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json"}
+    return source | shards | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json",
+                                      "eprt_quality.html"}
 
 
 @pytest.fixture(scope="module")

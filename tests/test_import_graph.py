@@ -21,6 +21,7 @@ LAYERS = (
     ("foundation", ("eprt.errors", "eprt.units", "eprt.flags", "eprt.progress")),
     ("model description", ("eprt.config", "eprt.layout")),  # pure Python: no torch, no files
     ("storage", ("eprt.storage",)),  # checkpoint, safetensors, encodings, HF file names, atomic output
+    ("report", ("eprt.report",)),  # the quality report as a page: rendering only, from its JSON
     ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets
     ("kernels", ("eprt.kernels",)),
     ("parallel", ("eprt.parallel",)),

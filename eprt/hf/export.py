@@ -23,10 +23,11 @@ from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
+from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
 from eprt.storage.checkpoint import Checkpoint
-from eprt.storage.hf_files import CONFIG, QUALITY, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.hf_files import CONFIG, QUALITY, QUALITY_PAGE, QUANT_CONFIG, shard_name, write_index, write_json
 from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsWriter
 
@@ -182,3 +183,6 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
     if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
         src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
         shutil.copyfile(src, os.path.join(tmp, QUALITY))
+        if os.path.isfile(os.path.join(ck.path, page_path(report))):  # its page, where the run wrote one
+            page = resolve_inside(ck.path, page_path(report), f"{ck.path} (the quality report's page)")
+            shutil.copyfile(page, os.path.join(tmp, QUALITY_PAGE))

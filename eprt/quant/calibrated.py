@@ -17,6 +17,7 @@ import torch
 from eprt.errors import CheckpointError
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
+from eprt.report import label, page_path, write_page
 from eprt.storage.checkpoint import Checkpoint, Part, TensorMeta, base_reference, manifest, write_manifest
 from eprt.storage.safetensors_io import save_tensors
 
@@ -136,6 +137,7 @@ def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint,
     if quality is not None:
         with open(os.path.join(tmp, QUALITY_FILE), "w", encoding="utf-8") as f:
             json.dump(quality, f, indent=1)
+        write_page(page_path(os.path.join(tmp, QUALITY_FILE)), [(label(quality), quality)])  # as a page too
         quantization["quality"] = QUALITY_FILE
     write_manifest(tmp, manifest(
         ck.family, ck.config, ck.source_config, metas, ck.hf_files,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from eprt.data import calibration_samples, held_out_samples
+from eprt.data import Calibration, calibration_samples, check_sources, parse_sources, read_calibration
 from eprt.errors import ConfigError
 from eprt.flags import flag
 from eprt.families import reader_for
@@ -73,7 +73,12 @@ class PTQArgs:
     gptq_min_tokens: int = flag(DEFAULT_MIN_TOKENS,
                                 help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
                                      f"and is listed (default {DEFAULT_MIN_TOKENS})")
-    calib: str | None = flag(help="calibration data: .txt, .jsonl, .npy or .safetensors (default: built-in text)")
+    calib: tuple[str, ...] = flag((), metavar="DATA[:SHARE]",
+                                  help="calibration data: .txt, .jsonl (text or chat messages), .parquet, a saved "
+                                       "dataset directory, .npy or .safetensors (default: built-in text); repeat with "
+                                       "a share each to mix sources (--calib chat.jsonl:0.7 --calib code.txt:0.3)")
+    calib_column: str | None = flag(help="the column (JSONL field) of every --calib source to read (default: text, "
+                                         "else messages, rendered with the checkpoint's chat template)")
     calib_size: int = flag(64, help="calibration sequences, over all ranks")
     seq_len: int = flag(256, help="tokens per calibration sequence")
     eval_size: int = flag(8, help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, "
@@ -141,14 +146,14 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         with fail_together(state, "planning memory"):
             plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
         with fail_together(state, "reading the calibration data"):
-            samples, eval_ids = report_data(a, hf_dir, cfg.vocab_size)
+            samples, eval_ids, used = report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
         model = None
         if preview:
             model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
-            text = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
+            text = before = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
@@ -161,16 +166,17 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             work.check_shared()
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
+            data = describe_calib(a.calib) or "the built-in corpus"
             report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
-                                   f"{a.calib_size + a.eval_size} sequences of {a.calib or 'the built-in corpus'}, "
-                                   "held out of calibration", on_weight) if eval_ids is not None else None
+                                   f"{a.calib_size + a.eval_size} sequences of {data}, held out of calibration",
+                                   on_weight) if eval_ids is not None else None
             resumed = calibrate_layers(state, ck, cal, recipe, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
             check_base_unchanged(ck, identity)
         seconds = time.perf_counter() - start
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
-        report_coverage(cal, state, cfg.num_experts)
+        coverage = report_coverage(cal, state, cfg.num_experts)
         quality = report.result if report is not None else None
         if report is not None:
             report.log()
@@ -183,10 +189,14 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
         summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
-                   "tokens": a.calib_size * a.seq_len, "data": a.calib or "built-in corpus",
+                   "tokens": a.calib_size * a.seq_len, "data": describe_calib(a.calib) or "built-in corpus",
                    "all_experts": a.calibrate_all_experts}
         if gptq is not None:
             summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
+        summary["sources"] = [u.to_json() for u in used]
+        if report is not None:  # the page's additions to the report (eprt.report)
+            report.describe_run(summary, starved_experts(coverage, summary),
+                                {"prompt": a.preview, "before": before, "after": text} if preview else None)
         results = gptq.results if gptq is not None else None
 
         def write(tmp: str) -> None:
@@ -270,7 +280,8 @@ def fingerprint(ck: Checkpoint, a: PTQArgs, state: ParallelState, samples: torch
 
 def run_inputs(ck: Checkpoint, a: PTQArgs) -> tuple[str, ...]:
     """Every path the run reads: the checkpoint (with its base), the data, a recipe given as a file."""
-    files = (a.calib, a.eval, a.recipe if os.path.isfile(a.recipe) else None)
+    calib = [s.path for s in parse_sources(a.calib)] if a.calib else []
+    files = (*calib, a.eval, a.recipe if os.path.isfile(a.recipe) else None)
     return (*ck.input_dirs(), *(f for f in files if f is not None))
 
 
@@ -312,22 +323,26 @@ def check_data_settings(a: PTQArgs) -> None:
         raise ConfigError(f"--eval-size {a.eval_size}: give a positive size, or 0 for no quality report")
     if a.eval_size == 0 and a.eval is not None:
         raise ConfigError(f"--eval {a.eval} with --eval-size 0: give a positive --eval-size, or leave out --eval")
-    for setting, path in (("--calib", a.calib), ("--eval", a.eval)):
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{setting} {path}: no such file")
+    check_sources(a.calib)
+    if a.eval is not None:
+        check_sources(a.eval, "--eval")
 
 
-def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the calibration sequences, the quality report's held-out ones or None): the last
-    --eval-size of calib_size + eval_size sequences of the data, or --eval-size of --eval FILE."""
-    if a.eval_size == 0:
-        return calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len,
-                                   vocab_size=vocab_size), None
-    if a.eval is None:
-        return held_out_samples(a.calib, hf_dir, num_samples=a.calib_size, held_out=a.eval_size, seq_len=a.seq_len,
-                                vocab_size=vocab_size)
-    return (calibration_samples(a.calib, hf_dir, num_samples=a.calib_size, seq_len=a.seq_len, vocab_size=vocab_size),
-            calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len, vocab_size=vocab_size))
+def describe_calib(calib: str | tuple[str, ...] | None) -> str | None:
+    """--calib as given, for the report and the summary."""
+    return calib if isinstance(calib, str) or calib is None else ", ".join(calib)
+
+
+def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> Calibration:
+    """The calibration sequences, the quality report's held-out ones (None with --eval-size 0) and
+    what each source gave: the last --eval-size of calib_size + eval_size sequences of the data
+    (of each source, its share), or --eval-size of --eval FILE."""
+    data = read_calibration(a.calib, hf_dir, num_samples=a.calib_size, held_out=a.eval_size if a.eval is None else 0,
+                            seq_len=a.seq_len, vocab_size=vocab_size, column=a.calib_column)
+    if a.eval_size and a.eval is not None:
+        data = data._replace(held_out=calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len,
+                                                          vocab_size=vocab_size, column=a.calib_column))
+    return data
 
 
 def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None,
@@ -349,13 +364,17 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
                          cfg.max_position_embeddings)
 
 
-def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int) -> None:
+def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
-    reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only."""
+    reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only.
+    Returns both counts per MoE module, on every rank."""
     log = logger()
+    counts = {}
     for module, tokens in cal.expert_tokens.items():
         full = every_expert(tokens, state, num_experts)
         seen = every_expert(cal.expert_all_tokens[module], state, num_experts) if cal.all_experts else None
+        counts[module] = full, seen
         if state.rank != 0:
             continue
         unreached = (full == 0).nonzero().view(-1).tolist()
@@ -369,6 +388,22 @@ def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int) -> 
                  int(full.median()), int(full.max()),
                  f"; no token reached experts {unreached} (they get the layer's input scale; "
                  "--calibrate-all-experts calibrates them)" if unreached else "")
+    return counts
+
+
+def starved_experts(coverage: dict[str, tuple[torch.Tensor, torch.Tensor | None]], summary: dict) -> list[dict]:
+    """Per MoE module, for the quality report: the calibration tokens the router sent each expert,
+    those --calibrate-all-experts gave it, and what was done for the experts that starved."""
+    gptq_skipped = summary.get("gptq_skipped_experts", {})
+    out = []
+    for module, (full, seen) in coverage.items():
+        unreached = (full == 0).nonzero().view(-1).tolist()
+        out.append({"module": module, "tokens": full.tolist(), "all_experts_tokens": None if seen is None
+                    else seen.tolist(), "unreached": unreached, "gptq_max_rounding": gptq_skipped.get(module, []),
+                    "unreached_handling": "" if not unreached else "calibrated on every token of the layer "
+                    "(--calibrate-all-experts)" if seen is not None else "the layer's input scale (no token reached "
+                    "them; --calibrate-all-experts calibrates them)"})
+    return out
 
 
 def every_expert(rows: torch.Tensor, state: ParallelState, num_experts: int) -> torch.Tensor:

@@ -26,9 +26,11 @@ exact) and then in index order, so the report is the same bytes at every layout.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import math
+import re
 import threading
 from collections.abc import Iterator
 from typing import Callable
@@ -233,6 +235,22 @@ class QualityReport:
                       "multi-token-prediction layers are calibrated but not in the report"],
         }
         return self.result
+
+    def describe_run(self, calibration: dict, experts: list[dict], preview: dict | None) -> None:
+        """Add to the finished report what its page shows beside the numbers (eprt.report): the
+        recipe and the format of each module group, the data calibrated on, the calibration tokens
+        of every routed expert and what was done for those that starved, the preview's texts, and
+        the held-out ids' digest (reports on the same digest compare on the same data). Added after
+        the numbers, so the keys above keep their bytes."""
+        groups: dict[tuple, int] = {}  # (module name with its layer index left out, format, algorithm) -> modules
+        for m in self.targets:
+            key = (re.sub(r"\.layers\.\d+\.", ".layers.*.", m), self.recipe.format_of(m), self.recipe.algorithm_of(m))
+            groups[key] = groups.get(key, 0) + 1
+        self.result.update({
+            "recipe": self.recipe.to_json(),
+            "groups": [{"group": g, "format": f, "algorithm": a, "modules": n} for (g, f, a), n in groups.items()],
+            "calibration": calibration, "experts": experts, "preview": preview,
+            "eval_ids_sha256": hashlib.sha256(self.eval_ids.cpu().numpy().tobytes()).hexdigest()})
 
     # --- saved at each layer boundary, for --resume ---------------------------------------------
     def saved(self) -> str:

@@ -12,8 +12,11 @@ import os
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # its special tokens, and the chat template calibration renders with
+CHAT_TEMPLATE = "chat_template.jinja"  # the chat template as a file of its own (it then wins over tokenizer_config's)
 QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's description of a quantized export
 QUALITY = "eprt_quality.json"  # the PTQ quality report an export carries (eprt.quant.quality); no engine reads it
+QUALITY_PAGE = "eprt_quality.html"  # the same report as a page (eprt.report), beside it
 SINGLE = "model.safetensors"  # the weights in one file
 INDEX = "model.safetensors.index.json"  # the weights in shards: which shard holds each tensor
 

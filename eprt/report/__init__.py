@@ -1,0 +1,8 @@
+"""The PTQ quality report (eprt.quant.quality writes its JSON) as a page people look at:
+`render` draws one report or several side by side, `write_page` writes it beside its JSON, and
+`read_report` finds the JSON of an export, a calibrated checkpoint or a file."""
+
+from eprt.report.page import render
+from eprt.report.reports import label, page_path, read_report, same_held_out, write_page
+
+__all__ = ["label", "page_path", "read_report", "render", "same_held_out", "write_page"]

@@ -1,0 +1,87 @@
+"""The quality page's charts, drawn by matplotlib (an optional extra: `pip install "eprt[report]"`).
+
+Each chart is an SVG document, embedded in the page as a data URI: the page stays one file, and
+one chart's ids cannot collide with another's. The SVG carries no date and a fixed hash salt,
+so the same report draws the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+# an expert marked on the heatmap: (marker, colour, what it means)
+UNREACHED = ("x", "#d62728", "no calibration token")
+MAX_ROUNDING = ("o", "#1f77b4", "GPTQ kept max rounding")
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _svg_uri(fig) -> str:
+    import matplotlib
+
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "eprt"}):
+        fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
+    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def layer_errors(series: dict[str, list[tuple[int, float]]]) -> str:
+    """Per-layer relative error, one line per report (label -> [(layer, error)])."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 3.2))
+    ax = fig.add_subplot()
+    for label, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative error of the layer's output")
+    ax.set_yscale("log" if all(p[1] > 0 for pts in series.values() for p in pts) else "linear")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    return _svg_uri(fig)
+
+
+def expert_tokens(experts: list[dict]) -> str:
+    """Layers x experts heatmap of the calibration tokens the router sent each expert, the experts
+    that got none marked with a cross, and those GPTQ left at max rounding with a circle."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    tokens = np.array([e["tokens"] for e in experts], dtype=float)
+    rows, cols = tokens.shape
+    fig = Figure(figsize=(min(2 + cols * 0.25, 16), min(1.5 + rows * 0.35, 12)))
+    ax = fig.add_subplot()
+    reached = tokens[tokens > 0]
+    low = reached.min() if reached.size else 1.0
+    image = ax.imshow(np.where(tokens > 0, tokens, np.nan), aspect="auto", cmap="viridis",
+                      norm=LogNorm(vmin=low, vmax=max(tokens.max(), low * 10)))
+    fig.colorbar(image, ax=ax, label="calibration tokens")
+    for (marker, colour, meaning), key in ((UNREACHED, "unreached"), (MAX_ROUNDING, "gptq_max_rounding")):
+        points = [(x, y) for y, e in enumerate(experts) for x in e[key]]
+        if points:
+            # a cross is all edge; a circle is hollow, so the cell's colour shows through
+            ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, s=30, label=meaning,
+                       **({"color": colour} if marker == "x" else {"facecolors": "none", "edgecolors": colour}))
+    ax.set_yticks(range(rows), [short_module(e["module"]) for e in experts])
+    ax.set_xlabel("expert")
+    if any(e["unreached"] or e["gptq_max_rounding"] for e in experts):
+        ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, frameon=False)
+    return _svg_uri(fig)
+
+
+def short_module(name: str) -> str:
+    """`model.layers.3.mlp.experts` -> `layer 3`."""
+    m = re.search(r"layers\.(\d+)\.", name)
+    return f"layer {m.group(1)}" if m else name
