@@ -50,7 +50,8 @@ class Export:
 
 EXPORTS = [Export("unquantized", None, "source"), Export("fp8", "fp8", "modelopt"),
            Export("nvfp4", "nvfp4", "modelopt"), Export("nvfp4-ct", "nvfp4", "compressed-tensors"),
-           Export("mixed", "nvfp4_experts_fp8_attention", "modelopt")]
+           Export("mixed", "nvfp4_experts_fp8_attention", "modelopt"),
+           Export("nvfp4-experts-only", "nvfp4_experts_only", "modelopt")]
 
 # What each kernel vLLM may choose does with a module's input: (format, module kind, semantics).
 KERNELS = {
@@ -64,7 +65,7 @@ KERNELS = {
 # Tolerances (docs/engine-check.md, "Tolerances"): bf16 keeps 8 significant bits, so one rounding of
 # a value moves it by up to 2^-9 of it; the engine and the reference round in different places.
 LOGPROB_TOL = 0.02  # nats
-LAYER_TOL = 2 ** -5  # mean |engine - reference| / mean |reference| of a decoder layer's output on a prompt
+LAYER_TOL = 2 ** -6  # mean |engine - reference| / mean |reference| of the first decoder layer's output
 TIE_MARGIN = 0.02  # a greedy mismatch where the reference's top two are closer than this is a tie
 
 
@@ -156,7 +157,7 @@ def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[s
     for name in sorted(os.listdir(export)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(export, name)))
-    weights, quantized = {}, {}
+    weights, quantized, fp8_scales = {}, {}, {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
         if leaf == "weight_packed":  # compressed-tensors NVFP4: global scales are reciprocals
@@ -170,10 +171,25 @@ def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[s
         elif leaf == "weight" and t.dtype == torch.float8_e4m3fn:  # FP8, both layouts
             weights[name] = t.float() * tensors[f"{module}.weight_scale"].item()
             quantized[module] = ("FP8", tensors[f"{module}.input_scale"].item())
+            fp8_scales[module] = tensors[f"{module}.weight_scale"].item()
         elif leaf not in {"weight_scale", "weight_scale_2", "input_scale", "weight_global_scale",
                           "input_global_scale", "k_scale", "v_scale"}:
             weights[name] = t
+    for module, scale in fp8_scales.items():
+        fused = max(fp8_scales.get(m, scale) for m in fused_siblings(module))
+        if scale < fused:  # the engine's fused FP8 module holds one scale: requantized to the largest
+            weights[f"{module}.weight"] = e4m3(weights[f"{module}.weight"] / fused) * fused
     return {n: t.to(torch.bfloat16) if n.rpartition(".")[0] in quantized else t for n, t in weights.items()}, quantized
+
+
+FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa")]
+
+
+def fused_siblings(module: str) -> list[str]:
+    """The Linears vLLM loads as one module with `module` (qkv_proj, gate_up_proj, fused_qkv_a_proj)."""
+    prefix, _, leaf = module.rpartition(".")
+    group = next((g for g in FUSED if leaf in g), (leaf,))
+    return [f"{prefix}.{m}" for m in group]
 
 
 def reference_model(export: str, work: str):
@@ -234,7 +250,7 @@ def experts_forward(module, fmt: str, in_scale_13: float, in_scale_2: float):
 def compare(model, engine: dict) -> dict:
     """Teacher-forced on the engine's tokens: greedy agreement, logprob and layer-output differences."""
     layers = model.model.layers
-    worst_logprob, worst_layer, mismatches, ties = 0.0, 0.0, 0, 0
+    worst_logprob, worst_first, worst_layer, mismatches, ties = 0.0, 0.0, 0.0, 0, 0
     for p in engine["prompts"]:
         ids = torch.tensor([p["prompt"] + p["tokens"][:-1]])
         captured = []
@@ -254,12 +270,15 @@ def compare(model, engine: dict) -> dict:
                 else:
                     mismatches += 1
         n = len(p["prompt"])
-        for ref, eng in zip(captured, p["layers"]):
-            ref = ref[:n]
-            worst_layer = max(worst_layer, ((torch.tensor(eng) - ref).abs().mean() / ref.abs().mean()).item())
-    ok = mismatches == 0 and worst_logprob <= LOGPROB_TOL and worst_layer <= LAYER_TOL
+        diffs = [((torch.tensor(eng) - ref[:n]).abs().mean() / ref[:n].abs().mean()).item()
+                 for ref, eng in zip(captured, p["layers"])]
+        worst_first, worst_layer = max(worst_first, diffs[0]), max(worst_layer, *diffs)
+    # Only the first layer is held to LAYER_TOL: it sees the same embeddings in both, so its difference
+    # is that layer's arithmetic alone; later layers add up the differences of every layer before them.
+    ok = mismatches == 0 and worst_logprob <= LOGPROB_TOL and worst_first <= LAYER_TOL
     return {"result": "pass" if ok else "FAIL", "token_mismatches": mismatches, "ties": ties,
-            "max_logprob_diff": worst_logprob, "max_layer_rel_diff": worst_layer}
+            "max_logprob_diff": worst_logprob, "first_layer_rel_diff": worst_first,
+            "max_layer_rel_diff": worst_layer}
 
 
 def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
@@ -297,7 +316,8 @@ def check(family: str, work: str, names: list[str]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["family", "export", "format", "layout", "semantics", "result", "max_logprob_diff", "max_layer_rel_diff"]
+    cols = ["family", "export", "format", "layout", "semantics", "result", "token_mismatches", "ties",
+            "max_logprob_diff", "first_layer_rel_diff", "max_layer_rel_diff"]
     cells = [[c for c in cols]] + [[(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
                                     for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]

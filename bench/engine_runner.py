@@ -183,7 +183,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=a.export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
-              max_num_seqs=1, gpu_memory_utilization=0.2, seed=0)
+              max_num_seqs=1, gpu_memory_utilization=0.2, enable_prefix_caching=False, seed=0)
     prompts = json.loads(a.prompts)
     results = []
     for ids in prompts:  # one prompt at a time, so each layer output is that prompt's prefill
