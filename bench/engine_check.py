@@ -71,12 +71,12 @@ TIE_MARGIN = 0.02  # a greedy mismatch where the reference's top two are closer 
 
 def tool(*args: str) -> None:
     """An eprt command from this clone, in this interpreter; its output only when it fails."""
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=False)
     if r.returncode:
         sys.exit(f"{' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
 
-def build_exports(family: str, work: str) -> dict[str, str]:
+def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
     """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}."""
     from eprt.testing.tiny import make_tiny
 
@@ -85,7 +85,7 @@ def build_exports(family: str, work: str) -> dict[str, str]:
     make_tiny(family, hf, overwrite=True, **FAMILIES[family])
     tool("tools/convert_hf.py", hf, ckpt, "--overwrite")
     out, calibrated = {}, set()
-    for ex in EXPORTS:
+    for ex in [e for e in EXPORTS if e.name in names]:
         src = ckpt
         if ex.recipe:
             src = os.path.join(base, f"ptq-{ex.recipe}")
@@ -102,7 +102,7 @@ def build_exports(family: str, work: str) -> dict[str, str]:
 def run_engine(export: str, result: str) -> dict:
     """vLLM on one export, in a child process (the shims stay there): its result JSON."""
     r = subprocess.run([sys.executable, RUNNER, export, "--prompts", json.dumps(PROMPTS), "--max-tokens",
-                        str(MAX_TOKENS), "--out", result], cwd=ROOT, capture_output=True, text=True)
+                        str(MAX_TOKENS), "--out", result], cwd=ROOT, capture_output=True, text=True, check=False)
     if r.returncode:
         return {"error": (r.stdout + r.stderr).strip().splitlines()[-1]}
     with open(result) as f:
@@ -254,7 +254,7 @@ def compare(model, engine: dict) -> dict:
     for p in engine["prompts"]:
         ids = torch.tensor([p["prompt"] + p["tokens"][:-1]])
         captured = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(
+        hooks = [layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(
             (out[0] if isinstance(out, tuple) else out)[0].float())) for layer in layers]
         with torch.no_grad():
             logits = model(ids).logits[0].float()
@@ -296,8 +296,9 @@ def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
 
 
 def check(family: str, work: str, names: list[str]) -> list[dict]:
+    """The table's rows of one family: each named export in vLLM and in the reference, compared."""
     rows = []
-    exports = build_exports(family, work)
+    exports = build_exports(family, work, names)
     for ex in [e for e in EXPORTS if e.name in names]:
         start = time.monotonic()
         engine = run_engine(exports[ex.name], os.path.join(work, family, f"engine-{ex.name}.json"))
@@ -333,7 +334,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", ROOT), "engine-check.json"))
     a = ap.parse_args()
     start = time.monotonic()
-    rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, a.export or [e.name for e in EXPORTS])]
+    names = a.export or [e.name for e in EXPORTS]
+    rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, names)]
     print_table(rows)
     with open(a.out, "w") as f:
         json.dump({"rows": rows, "tolerances": {"logprob": LOGPROB_TOL, "layer_rel": LAYER_TOL, "tie": TIE_MARGIN},

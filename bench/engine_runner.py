@@ -19,7 +19,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
 NVFP4_BLOCK = 16
 FP8_MAX = 448.0
@@ -188,7 +188,7 @@ def main() -> None:
     results = []
     for ids in prompts:  # one prompt at a time, so each layer output is that prompt's prefill
         captured: list[torch.Tensor] = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(_layer_output(out)))
+        hooks = [layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(_layer_output(out)))
                  for layer in decoder_layers(llm)]
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
                            SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=0))[0].outputs[0]
