@@ -57,19 +57,20 @@ class ModelOptModules:
         self.format_of: dict[str, WeightFormat] = {}  # each quantized module's format, from its weight's dtype
         self.unquantized: set[str] = set()  # modules with a 2-D float weight, embeddings aside
         formats = list(WEIGHT_FORMATS.values()) if algo == MIXED else [by_quant_algo(algo)]
+        stores = "/".join(sorted({f.modelopt_weight_dtype for f in formats}))
         for name, t in tensors.items():
             module, _, leaf = name.rpartition(".")
             if leaf != "weight" or len(t.shape) != 2:
                 continue
-            fmt = by_modelopt_weight_dtype(t.dtype)
-            if fmt in formats:
+            scale = tensors.get(f"{module}.weight_scale")
+            fmt = by_modelopt_weight_dtype(t.dtype, len(scale.shape) if scale is not None else None, formats)
+            if fmt is not None:
                 self.quantized.add(module)
                 self.format_of[module] = fmt
             elif t.dtype in FLOAT_DTYPES:
                 if "embed_tokens" not in module:
                     self.unquantized.add(module)
             else:
-                stores = "/".join(f.modelopt_weight_dtype for f in formats)
                 problems.append(
                     f"{name}: dtype {t.dtype}; a {algo} export stores {stores} (quantized) "
                     f"or {'/'.join(FLOAT_DTYPES)} (excluded) Linear weights"
@@ -93,16 +94,18 @@ class ModelOptModules:
     def _check_scales(self, module: str) -> None:
         weight = self.tensors[f"{module}.weight"]
         fmt = self.format_of[module]
-        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") for leaf in fmt.modelopt_per_tensor_scales)
+        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") if leaf else None
+                                     for leaf in fmt.modelopt_per_tensor_scales)
         grid = self.tensors.get(f"{module}.{fmt.block_scale_leaf}") if fmt.block_scale_leaf else None
-        check_linear(module, fmt, weight_scale, input_scale, grid.block_range if grid else None, self.problems)
+        check_linear(module, fmt, weight_scale, input_scale, grid.block_range if grid else None, self.problems,
+                     grid=f"{module}.{fmt.block_scale_leaf}")
         if fmt.block_scale_leaf:
             out, stored = weight.shape
             in_dim = fmt.in_dim_of_stored(stored)
             name = f"{module}.{fmt.block_scale_leaf}"
             dtype, shape = fmt.modelopt_tensors(out, in_dim)[fmt.block_scale_leaf]
             t = self.tensors.get(name)
-            if in_dim % fmt.group_size != 0:
+            if fmt.unfit_input_dim(in_dim):
                 self.problems.append(
                     f"{module}.weight: shape {list(weight.shape)} packs an input dim not a multiple of {fmt.group_size}"
                 )

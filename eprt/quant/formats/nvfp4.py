@@ -289,6 +289,7 @@ class Nvfp4(WeightFormat):
     weight_scale_leaf = "weight_scale_2"
     block_scale_leaf = "weight_scale"
     ct_preset, ct_format = "NVFP4", "nvfp4-pack-quantized"
+    ct_strategy = "tensor_group"
     # compressed-tensors dequantizes a block as value * weight_scale / weight_global_scale
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_global_scale", "input_global_scale"
     ct_reciprocal = True
