@@ -56,8 +56,10 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
                     problems.append(f"{module}.{leaf}: unquantized module {module} carries a scale")
             continue
         if stored is not fmt:
-            problems.append(f"{module}: its config group is {fmt.ct_format} but it stores "
-                            f"{stored.ct_format if stored else 'a ' + _dtype(tensors, module) + ' weight'}")
+            # formats of one compressed-tensors `format` (float-quantized) are told apart by their scales
+            said = (f"{stored.name}'s tensors" if stored and stored.ct_format == fmt.ct_format
+                    else stored.ct_format if stored else f"a {_dtype(tensors, module)} weight")
+            problems.append(f"{module}: its config group is {fmt.ct_format} ({fmt.name}) but it stores {said}")
             continue
         formats[module] = fmt
         _check_module(module, fmt, tensors, problems)

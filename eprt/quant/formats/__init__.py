@@ -12,9 +12,10 @@ from typing import Iterable
 from eprt.quant.formats.base import WeightFormat
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.fp8_block import FP8_BLOCK
+from eprt.quant.formats.fp8_channel import FP8_CHANNEL
 from eprt.quant.formats.nvfp4 import NVFP4
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP8, NVFP4, FP8_BLOCK)}
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL)}
 
 
 def weight_format(name: str) -> WeightFormat:
