@@ -95,7 +95,7 @@ def _parse_config(qc: dict, problems: list[str]):
     by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
         ct_format = group.format or parsed.format
-        fmt = by_ct_format(ct_format, getattr(group.weights, "strategy", None))
+        fmt = by_ct_format(ct_format, getattr(group.weights, "strategy", None), group.input_activations is not None)
         where = f"config.json quantization_config.config_groups.{name}"
         if fmt is None:
             problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
@@ -193,7 +193,7 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
         parent, _, leaf = module.rpartition(".")
         group = next((g for g in SAME_INPUT if leaf in g), ())
         first = next((f"{parent}.{x}" for x in group if formats.get(f"{parent}.{x}") is fmt), module)
-        for scale in fmt.ct_per_tensor_scales:
+        for scale in filter(None, fmt.ct_per_tensor_scales):
             a, b = _value(tensors, f"{first}.{scale}"), _value(tensors, f"{module}.{scale}")
             if a is not None and b is not None and a != b:
                 problems.append(f"{module}.{scale}: {b} differs from {first}.{scale} {a}; "

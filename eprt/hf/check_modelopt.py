@@ -63,7 +63,11 @@ class ModelOptModules:
             if leaf != "weight" or len(t.shape) != 2:
                 continue
             scale = tensors.get(f"{module}.weight_scale")
-            fmt = by_modelopt_weight_dtype(t.dtype, len(scale.shape) if scale is not None else None, formats)
+            # MIXED_PRECISION: the format quantized_layers declares first, where it stores this weight
+            # (NVFP4 and NVFP4 weights only store the same tensors but input_scale)
+            declared = by_quant_algo((layers or {}).get(m["moe"] if (m := ROUTED_EXPERT.match(module)) else module))
+            among = [declared, *formats] if declared in formats else formats
+            fmt = by_modelopt_weight_dtype(t.dtype, len(scale.shape) if scale is not None else None, among)
             if fmt is not None:
                 self.quantized.add(module)
                 self.format_of[module] = fmt
@@ -157,7 +161,7 @@ class ModelOptModules:
             for group in SAME_INPUT:
                 members = [f"{parent}.{leaf}" for leaf in group if f"{parent}.{leaf}" in modules]
                 for module in members[1:]:
-                    for scale in fmt.modelopt_per_tensor_scales:
+                    for scale in filter(None, fmt.modelopt_per_tensor_scales):
                         a, b = self._value(f"{members[0]}.{scale}"), self._value(f"{module}.{scale}")
                         if a is not None and b is not None and a != b:
                             self.problems.append(
