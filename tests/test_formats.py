@@ -15,8 +15,10 @@ OUT, IN = 32, 64
 
 
 def quantized(fmt, w: torch.Tensor, mse: bool = False) -> dict[str, torch.Tensor]:
-    """Every ModelOpt tensor of w, input_scale included, as the exporter assembles them."""
-    return {"input_scale": fmt.scale(torch.tensor(3.0)), **fmt.quantize(w, fmt.scale(abs_amax(w)), mse)}
+    """Every ModelOpt tensor of w, input_scale included where the format has one, as the exporter
+    assembles them (it writes the declared ones)."""
+    inputs = {"input_scale": fmt.scale(torch.tensor(3.0))} if fmt.modelopt_per_tensor_scales[1] else {}
+    return {**inputs, **fmt.quantize(w, fmt.scale(abs_amax(w)), mse)}
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS.values(), ids=WEIGHT_FORMATS)
@@ -47,7 +49,10 @@ def test_fake_quantize_is_dequantize_of_quantize(fmt):
         assert torch.equal(fmt.fake_quantize_weight(w, scale, mse, torch.bfloat16), expected)
 
 
-@pytest.mark.parametrize("fmt", WEIGHT_FORMATS.values(), ids=WEIGHT_FORMATS)
+GPTQ_FORMATS = {n: f for n, f in WEIGHT_FORMATS.items() if "gptq" in f.algorithms}
+
+
+@pytest.mark.parametrize("fmt", GPTQ_FORMATS.values(), ids=GPTQ_FORMATS)
 def test_gptq_columns_round_to_what_the_export_encodes(fmt):
     """Rounding every column with the format's GPTQ columns gives values its codes hold exactly."""
     w_LOI = torch.randn(2, OUT, IN, generator=torch.Generator().manual_seed(2))
@@ -58,15 +63,19 @@ def test_gptq_columns_round_to_what_the_export_encodes(fmt):
 
 
 def test_the_checkers_tell_the_formats_apart():
-    """The checkers find a module's format by its ModelOpt weight dtype, its quant_algo and its
-    compressed-tensors format name: each must name one format."""
+    """The checkers find a module's format by its ModelOpt tensors (the weight's dtype, the rank of
+    its first scale, and its leaves: NVFP4 and NVFP4 weights only differ by input_scale, which the
+    checks look up by the quant_algo the configs declare), its quant_algo and its compressed-tensors
+    config group (format name, weights' strategy, quantized inputs or not): each must name one format."""
+    signs = {(f.modelopt_weight_dtype, f.modelopt_scale_rank, f.modelopt_leaves) for f in WEIGHT_FORMATS.values()}
+    assert len(signs) == len(WEIGHT_FORMATS)
     for fmt in WEIGHT_FORMATS.values():
-        assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype) is fmt
+        assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype, fmt.modelopt_scale_rank, [fmt]) is fmt
         assert by_quant_algo(fmt.quant_algo) is fmt
-        assert by_ct_format(fmt.ct_format) is fmt
+        assert by_ct_format(fmt.ct_format, fmt.ct_strategy, fmt.modelopt_input_group() is not None) is fmt
 
 
 def test_a_recipe_names_a_registered_format_or_none():
     assert FORMATS == (*WEIGHT_FORMATS, "none")
-    with pytest.raises(ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, none"):
+    with pytest.raises(ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, none"):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

@@ -88,9 +88,9 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     assert sh("eprt-check", "out").stdout.strip() == "out: ok"
     refused = sh("eprt-ptq", "ck", "--recipe", "int3", "--out", "q2", check=False)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: --recipe 'int3': no such recipe; choose one of fp8, kimi_k3_release, "
-                                     "nvfp4, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, "
-                                     "nvfp4_experts_only")
+    assert refused.stderr.startswith("error: --recipe 'int3': no such recipe; choose one of fp8, fp8_block, "
+                                     "fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, "
+                                     "nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only")
 
     # the same pipeline by the source tree's code, in this process: the same bytes
     hf = make_tiny("qwen3_moe", str(tmp_path / "hf"))

@@ -18,14 +18,12 @@ import re
 from collections import defaultdict
 
 from eprt.hf.check_names import SourceNames, check_names
-from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format
+from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format, by_ct_weight
 
-CT_FORMATS = tuple(f.ct_format for f in WEIGHT_FORMATS.values())
+CT_FORMATS = tuple(dict.fromkeys(f.ct_format for f in WEIGHT_FORMATS.values()))
 SCALE_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in list(f.ct_leaves)[1:]}
 # every leaf a quantized Linear has in either layout: one of another format's is out of place
 QUANTIZED_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in (*f.ct_leaves, *f.modelopt_leaves)}
-# the formats whose stored weight has a leaf of its own (weight_packed) first: that leaf names them
-BY_STORED_LEAF = sorted(WEIGHT_FORMATS.values(), key=lambda f: f.ct_weight_leaf == "weight")
 PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
@@ -47,7 +45,7 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
     formats: dict[str, WeightFormat] = {}
     for module, leaves in sorted(linears.items()):
         fmt = _declared_format(module, ignore, by_format)
-        stored = stored_format(module, leaves, tensors)
+        stored = stored_format(module, leaves, tensors, fmt)
         if fmt is None:
             if stored is not None:
                 problems.append(f"{module}: quantized ({stored.ct_format}) but the quantization_config "
@@ -58,8 +56,10 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
                     problems.append(f"{module}.{leaf}: unquantized module {module} carries a scale")
             continue
         if stored is not fmt:
-            problems.append(f"{module}: its config group is {fmt.ct_format} but it stores "
-                            f"{stored.ct_format if stored else 'a ' + _dtype(tensors, module) + ' weight'}")
+            # formats of one compressed-tensors `format` (float-quantized) are told apart by their scales
+            said = (f"{stored.name}'s tensors" if stored and stored.ct_format == fmt.ct_format
+                    else stored.ct_format if stored else f"a {_dtype(tensors, module)} weight")
+            problems.append(f"{module}: its config group is {fmt.ct_format} ({fmt.name}) but it stores {said}")
             continue
         formats[module] = fmt
         _check_module(module, fmt, tensors, problems)
@@ -68,11 +68,12 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
     check_names(tensors, {m: tuple(f.ct_leaves) for m, f in formats.items()}, kv, source, problems)
 
 
-def stored_format(module: str, leaves: set[str], tensors: dict) -> WeightFormat | None:
-    """The format Linear `module` is stored in, by its leaves: a format's own stored-weight leaf
-    (weight_packed) names it, a `weight` only by its dtype (a float one is unquantized)."""
-    return next((f for f in BY_STORED_LEAF if f.ct_weight_leaf in leaves and (
-        f.ct_weight_leaf != "weight" or tensors[f"{module}.weight"].dtype == f.ct_leaves["weight"])), None)
+def stored_format(module: str, leaves: set[str], tensors: dict, declared: WeightFormat | None = None
+                  ) -> WeightFormat | None:
+    """The format Linear `module` is stored in, by its leaves (eprt.quant.formats.by_ct_weight), the
+    `declared` one of those that store the same where its scales are misshapen."""
+    return by_ct_weight(leaves, lambda leaf: (tensors[f"{module}.{leaf}"].dtype, tensors[f"{module}.{leaf}"].shape),
+                        declared)
 
 
 def _parse_config(qc: dict, problems: list[str]):
@@ -94,7 +95,7 @@ def _parse_config(qc: dict, problems: list[str]):
     by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
         ct_format = group.format or parsed.format
-        fmt = by_ct_format(ct_format)
+        fmt = by_ct_format(ct_format, getattr(group.weights, "strategy", None), group.input_activations is not None)
         where = f"config.json quantization_config.config_groups.{name}"
         if fmt is None:
             problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
@@ -105,7 +106,7 @@ def _parse_config(qc: dict, problems: list[str]):
                 fmt.group_size is not None and w.group_size != fmt.group_size):
             problems.append(f"{where}.weights: not the {bits}-bit float weights of {ct_format}")
         a = group.input_activations
-        if a is None or a.num_bits != bits or a.type != "float":
+        if fmt.modelopt_input_group() is not None and (a is None or a.num_bits != bits or a.type != "float"):
             problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {ct_format}")
         by_format[fmt] += group.targets
     if len(by_format) > 1 and parsed.format != "mixed-precision":
@@ -154,7 +155,7 @@ def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[
             problems.append(f"{module}.{leaf}: missing ({fmt.ct_format} module {module})")
         elif t.dtype != dtype:
             problems.append(f"{module}.{leaf}: {t.dtype}, {fmt.ct_format} stores {dtype}")
-    for leaf in fmt.ct_per_tensor_scales:
+    for leaf in filter(None, fmt.ct_per_tensor_scales):
         t = tensors.get(f"{module}.{leaf}")
         if t is None or t.dtype != "F32":
             continue
@@ -166,8 +167,9 @@ def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[
         packed, grid = tensors.get(f"{module}.{fmt.ct_weight_leaf}"), tensors.get(f"{module}.{fmt.block_scale_leaf}")
         if packed is not None and grid is not None and grid.dtype == fmt.ct_leaves[fmt.block_scale_leaf]:
             in_dim = fmt.in_dim_of_stored(packed.shape[1]) if len(packed.shape) == 2 else 0
-            want = (packed.shape[0], in_dim // fmt.group_size)
-            if len(packed.shape) != 2 or in_dim % fmt.group_size or grid.shape != want:
+            want = fmt.compressed_tensors_tensors(packed.shape[0], in_dim)[fmt.block_scale_leaf][1] \
+                if len(packed.shape) == 2 else ()
+            if len(packed.shape) != 2 or fmt.unfit_input_dim(in_dim) or grid.shape != want:
                 problems.append(f"{module}.{fmt.block_scale_leaf}: {list(grid.shape)}, expected {list(want)} block "
                                 f"scales for {fmt.ct_weight_leaf} {list(packed.shape)}")
             elif grid.bad_block_scales:
@@ -191,7 +193,7 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
         parent, _, leaf = module.rpartition(".")
         group = next((g for g in SAME_INPUT if leaf in g), ())
         first = next((f"{parent}.{x}" for x in group if formats.get(f"{parent}.{x}") is fmt), module)
-        for scale in fmt.ct_per_tensor_scales:
+        for scale in filter(None, fmt.ct_per_tensor_scales):
             a, b = _value(tensors, f"{first}.{scale}"), _value(tensors, f"{module}.{scale}")
             if a is not None and b is not None and a != b:
                 problems.append(f"{module}.{scale}: {b} differs from {first}.{scale} {a}; "
@@ -200,7 +202,7 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
     for module, fmt in formats.items():
         m = ROUTED_EXPERT.match(module)
         scale = fmt.ct_input_scale_leaf
-        value = _value(tensors, f"{module}.{scale}")
+        value = _value(tensors, f"{module}.{scale}") if scale else None
         if m and value is not None:
             layer_inputs[m["moe"], EXPERT_KIND[m["kind"]]][f"{module}.{scale}"] = value
     for (moe, kind), values in sorted(layer_inputs.items()):

@@ -124,8 +124,10 @@ def _check_ct_scale_range(tensors: dict[str, StoredTensor], formats: dict[str, W
 
     for module, fmt in sorted(formats.items()):
         grid = tensors.get(f"{module}.{fmt.block_scale_leaf}") if fmt.block_scale_leaf else None
-        weight, inputs = (scale(f"{module}.{leaf}", fmt.ct_reciprocal) for leaf in fmt.ct_per_tensor_scales)
-        check_linear(module, fmt, weight, inputs, grid.block_range if grid else None, problems)
+        weight, inputs = (scale(f"{module}.{leaf}", fmt.ct_reciprocal) if leaf else None
+                          for leaf in fmt.ct_per_tensor_scales)
+        check_linear(module, fmt, weight, inputs, grid.block_range if grid else None, problems,
+                     grid=f"{module}.{fmt.block_scale_leaf}")
     for name in sorted(tensors):
         if kv is not None and name.rpartition(".")[2] in KV_SCALES and (s := scale(name)) is not None:
             check_kv(s, kv, problems)

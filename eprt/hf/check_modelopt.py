@@ -57,19 +57,24 @@ class ModelOptModules:
         self.format_of: dict[str, WeightFormat] = {}  # each quantized module's format, from its weight's dtype
         self.unquantized: set[str] = set()  # modules with a 2-D float weight, embeddings aside
         formats = list(WEIGHT_FORMATS.values()) if algo == MIXED else [by_quant_algo(algo)]
+        stores = "/".join(sorted({f.modelopt_weight_dtype for f in formats}))
         for name, t in tensors.items():
             module, _, leaf = name.rpartition(".")
             if leaf != "weight" or len(t.shape) != 2:
                 continue
-            fmt = by_modelopt_weight_dtype(t.dtype)
-            if fmt in formats:
+            scale = tensors.get(f"{module}.weight_scale")
+            # MIXED_PRECISION: the format quantized_layers declares first, where it stores this weight
+            # (NVFP4 and NVFP4 weights only store the same tensors but input_scale)
+            declared = by_quant_algo((layers or {}).get(m["moe"] if (m := ROUTED_EXPERT.match(module)) else module))
+            among = [declared, *formats] if declared in formats else formats
+            fmt = by_modelopt_weight_dtype(t.dtype, len(scale.shape) if scale is not None else None, among)
+            if fmt is not None:
                 self.quantized.add(module)
                 self.format_of[module] = fmt
             elif t.dtype in FLOAT_DTYPES:
                 if "embed_tokens" not in module:
                     self.unquantized.add(module)
             else:
-                stores = "/".join(f.modelopt_weight_dtype for f in formats)
                 problems.append(
                     f"{name}: dtype {t.dtype}; a {algo} export stores {stores} (quantized) "
                     f"or {'/'.join(FLOAT_DTYPES)} (excluded) Linear weights"
@@ -93,16 +98,18 @@ class ModelOptModules:
     def _check_scales(self, module: str) -> None:
         weight = self.tensors[f"{module}.weight"]
         fmt = self.format_of[module]
-        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") for leaf in fmt.modelopt_per_tensor_scales)
+        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") if leaf else None
+                                     for leaf in fmt.modelopt_per_tensor_scales)
         grid = self.tensors.get(f"{module}.{fmt.block_scale_leaf}") if fmt.block_scale_leaf else None
-        check_linear(module, fmt, weight_scale, input_scale, grid.block_range if grid else None, self.problems)
+        check_linear(module, fmt, weight_scale, input_scale, grid.block_range if grid else None, self.problems,
+                     grid=f"{module}.{fmt.block_scale_leaf}")
         if fmt.block_scale_leaf:
             out, stored = weight.shape
             in_dim = fmt.in_dim_of_stored(stored)
             name = f"{module}.{fmt.block_scale_leaf}"
             dtype, shape = fmt.modelopt_tensors(out, in_dim)[fmt.block_scale_leaf]
             t = self.tensors.get(name)
-            if in_dim % fmt.group_size != 0:
+            if fmt.unfit_input_dim(in_dim):
                 self.problems.append(
                     f"{module}.weight: shape {list(weight.shape)} packs an input dim not a multiple of {fmt.group_size}"
                 )
@@ -154,7 +161,7 @@ class ModelOptModules:
             for group in SAME_INPUT:
                 members = [f"{parent}.{leaf}" for leaf in group if f"{parent}.{leaf}" in modules]
                 for module in members[1:]:
-                    for scale in fmt.modelopt_per_tensor_scales:
+                    for scale in filter(None, fmt.modelopt_per_tensor_scales):
                         a, b = self._value(f"{members[0]}.{scale}"), self._value(f"{module}.{scale}")
                         if a is not None and b is not None and a != b:
                             self.problems.append(

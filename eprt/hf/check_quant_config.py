@@ -150,7 +150,7 @@ def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[
         return
     fmt = by_quant_algo(algo)
     bits = fmt.num_bits
-    for part in ("weights", "input_activations"):
+    for part in ("weights", "input_activations") if fmt.modelopt_input_group() is not None else ("weights",):
         spec = group.get(part)
         where = f"config.json quantization_config.config_groups.group_0.{part}"
         if not isinstance(spec, dict):

@@ -60,12 +60,17 @@ def _what(x: np.float32) -> str:
 
 
 def check_linear(module: str, fmt: WeightFormat, weight: Scale | None, inputs: Scale | None,
-                 blocks: tuple[float, float] | None, problems: list[str]) -> None:
+                 blocks: tuple[float, float] | None, problems: list[str], grid: str | None = None) -> None:
     """The per-tensor scales of one Linear quantized in `fmt`: `weight` (FP8's weight_scale,
-    NVFP4's weight_scale_2), `inputs` (input_scale); None for one already refused. `blocks`: the
-    smallest and largest block scale of a block format, when known."""
+    NVFP4's weight_scale_2), `inputs` (input_scale); None for one already refused or one the
+    format lacks. `blocks`: the smallest and largest block scale of a block format, when known,
+    from the grid named `grid`: where the format has no per-tensor weight scale (FP8 block), the
+    block scales are what the engines divide and multiply by, each held to the same rules."""
     way_out = f"calibrate again (a scale this far out comes of broken weights or inputs), or leave {module} unquantized"
     code_max = fmt.largest_code(blocks[1] if blocks else None)
+    if fmt.weight_scale_leaf is None and blocks and grid:
+        for value in sorted(set(blocks)):
+            _check_one(Scale(grid, value), code_max, "largest weight", way_out, problems)
     input_max = fmt.largest_input
     ok_w = weight is not None and _check_one(weight, code_max, "largest weight", way_out, problems)
     ok_x = inputs is not None and _check_one(inputs, input_max, "largest input", way_out, problems)

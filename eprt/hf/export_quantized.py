@@ -108,7 +108,11 @@ class QuantizedExport:
 
     def _quantize_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
         w = self.expert_row(name, e)
-        out = self.scales.quantize_weight(module, w, self.scales.expert_weight_scale(module, w))
+        scale = self.scales.expert_weight_scale(module, w)
+        if self.scales.format(module).blocks_span_rows:  # gate and up each in blocks of their own
+            pieces = [self.scales.quantize_weight(module, p, scale) for p in w.chunk(self.stacked[name].per_row)]
+            return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+        out = self.scales.quantize_weight(module, w, scale)
         if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
             out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
         return out
@@ -119,11 +123,11 @@ class QuantizedExport:
         if hf_weight in self.experts:
             x = self.experts[hf_weight]
             row = self.quantized_row(x.spec.name, x.module, x.expert)
-            h = row["weight"].shape[0] // x.spec.per_row
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
             in_scale = self.scales.scale(x.module, self.scales.expert_input_amax(x.module, kind))
-            rows = slice(x.piece * h, (x.piece + 1) * h)
-            return {"input_scale": in_scale, **{k: t[rows] if t.dim() else t for k, t in row.items()}}
+            # each tensor's own piece: rows of codes, rows of a block-scale grid
+            return {"input_scale": in_scale, **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t
+                                                for k, t in row.items()}}
         hf_weight = self.eprt_name.get(hf_weight, hf_weight)
         module = hf_weight[: -len(".weight")]
         w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
@@ -271,8 +275,10 @@ def carried(name: str, quantized: set[str]) -> str:
 
 
 def group_config(fmt: WeightFormat) -> dict:
-    """A config group's weights and input_activations for one module's quantization."""
-    return {"weights": fmt.modelopt_group(), "input_activations": fmt.modelopt_group()}
+    """A config group's weights and input_activations (none where inputs stay unquantized) for one
+    module's quantization."""
+    inputs = fmt.modelopt_input_group()
+    return {"weights": fmt.modelopt_group(), **({"input_activations": inputs} if inputs is not None else {})}
 
 
 def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:

@@ -37,6 +37,7 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
         raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
                           f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
     refuse_split_fusion(modules, quantized, recipe, where)
+    refuse_unimplemented_algorithms(quantized, recipe, where)
     refuse_unblockable((*layout.specs, *layout.mtp), quantized, recipe, where)
     if recipe.mtp:
         refuse_mtp_gaps(layout, quantized, recipe, where)
@@ -118,6 +119,19 @@ def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: s
         if other:
             said = ", ".join(f"{m} with {recipe.format_of(m)}" for m in other)
             raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} with {fmt} but {said}; {fused}")
+
+
+def refuse_unimplemented_algorithms(quantized: dict, recipe: Recipe, where: str) -> None:
+    """A format with nothing for `mse` to search or GPTQ to round by (FP8 block: its scales are each
+    block's own amax, its inputs the engine's) runs `max` only: another algorithm is refused by name,
+    not run as `max`."""
+    for module in quantized:
+        fmt, algorithm = weight_format(recipe.format_of(module)), recipe.algorithm_of(module)
+        if algorithm not in fmt.algorithms:
+            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} in {fmt.name} with algorithm "
+                              f"{algorithm}, which {fmt.name} does not implement (it runs {', '.join(fmt.algorithms)}: "
+                              f"its scales come from the weights alone); use --algorithm "
+                              f"{' or '.join(fmt.algorithms)} or another format for it")
 
 
 def refuse_unblockable(specs, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:

@@ -4,7 +4,9 @@ vLLM and SGLang fuse Linears that read the same input (q/k/v into qkv_proj, gate
 gate_up_proj, DeepSeek's q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj) and give the
 fused weight, in a format that says so (`shares_fused_scales`: NVFP4), one per-tensor weight scale
 (weight_scale_2) and one input_scale: the members must agree, or the engine mis-scales all but one
-of them. FP8 per-tensor keeps separate scales (vLLM requantizes).
+of them. FP8 per-tensor keeps separate scales (vLLM requantizes). FP8 block and FP8 per channel
+have no per-tensor scale and scale inputs at run time: each member keeps its own block or row
+scales, which the engines stack into the fused weight's, so they share nothing.
 """
 
 from __future__ import annotations

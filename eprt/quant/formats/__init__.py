@@ -7,11 +7,16 @@ formats are a registry of their own (eprt.quant.formats.kv): a recipe names them
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from eprt.quant.formats.base import WeightFormat
 from eprt.quant.formats.fp8 import FP8
+from eprt.quant.formats.fp8_block import FP8_BLOCK
+from eprt.quant.formats.fp8_channel import FP8_CHANNEL
 from eprt.quant.formats.nvfp4 import NVFP4
+from eprt.quant.formats.nvfp4_a16 import NVFP4_A16
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP8, NVFP4)}
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16)}
 
 
 def weight_format(name: str) -> WeightFormat:
@@ -24,11 +29,43 @@ def by_quant_algo(quant_algo) -> WeightFormat | None:
     return next((f for f in WEIGHT_FORMATS.values() if f.quant_algo == quant_algo), None)
 
 
-def by_modelopt_weight_dtype(dtype: str) -> WeightFormat | None:
-    """The format whose ModelOpt weight is stored in safetensors dtype `dtype` (F8_E4M3, U8), or None."""
-    return next((f for f in WEIGHT_FORMATS.values() if f.modelopt_weight_dtype == dtype), None)
+def by_modelopt_weight_dtype(dtype: str, scale_rank: int | None = None,
+                             among: Iterable[WeightFormat] | None = None) -> WeightFormat | None:
+    """The format (of `among`, default all) whose ModelOpt weight is stored in safetensors dtype
+    `dtype` (F8_E4M3, U8), or None; of two that store the same dtype (FP8 and FP8 block), the one
+    whose `weight_scale` has rank `scale_rank` (0-dim per tensor, a 2-D grid), else the first."""
+    candidates = [f for f in (WEIGHT_FORMATS.values() if among is None else among) if f.modelopt_weight_dtype == dtype]
+    return next((f for f in candidates if f.modelopt_scale_rank == scale_rank), next(iter(candidates), None))
 
 
-def by_ct_format(ct_format) -> WeightFormat | None:
-    """The format compressed-tensors calls `ct_format` (float-quantized, ...), or None."""
-    return next((f for f in WEIGHT_FORMATS.values() if f.ct_format == ct_format), None)
+def by_ct_format(ct_format, strategy: str | None = None, inputs: bool = True) -> WeightFormat | None:
+    """The format compressed-tensors calls `ct_format` (float-quantized, ...), or None; of several of
+    one `format` (FP8, FP8 block, FP8 per channel; NVFP4 and NVFP4 weights only), the one whose
+    weights' `strategy` (tensor, block, channel) it is and that quantizes `inputs` or not, else the first."""
+    candidates = [f for f in WEIGHT_FORMATS.values() if f.ct_format == ct_format]
+    return next((f for f in candidates if f.ct_strategy == strategy and (f.modelopt_input_group() is not None) == inputs),
+                next(iter(candidates), None))
+
+
+def by_ct_weight(leaves: set[str], header_of, prefer: WeightFormat | None = None) -> WeightFormat | None:
+    """The format a compressed-tensors Linear is stored in, by its leaves (`header_of(leaf)`: its
+    safetensors dtype and shape), or None: a format's own stored-weight leaf (weight_packed) names
+    it, a `weight` only by its dtype (a float one is unquantized). Of several that store the same
+    (FP8, FP8 block, FP8 per channel; NVFP4 and NVFP4 weights only), in this order: `prefer` (the
+    format the config declares) where its first scale has the shape it declares for the weight
+    (FP8's [1], a block grid, a column of row scales), so that a missing scale is named as such; one
+    whose first scale has that shape and whose leaves are all there (NVFP4's input_global_scale);
+    one whose first scale has the shape; `prefer` (a misshapen scale is named as such); the first."""
+    candidates = [f for f in sorted(WEIGHT_FORMATS.values(), key=lambda f: f.ct_weight_leaf == "weight")
+                  if f.ct_weight_leaf in leaves and (f.ct_weight_leaf != "weight" or header_of("weight")[0] == f.ct_leaves["weight"])]
+
+    def scale_fits(f: WeightFormat) -> bool:
+        out, stored = header_of(f.ct_weight_leaf)[1] if len(header_of(f.ct_weight_leaf)[1]) == 2 else (0, 0)
+        leaf, (_, shape) = list(f.compressed_tensors_tensors(out, f.in_dim_of_stored(stored)).items())[1]
+        return leaf in leaves and tuple(header_of(leaf)[1]) == tuple(shape)
+
+    # sorted is stable: the registry's order decides among equals
+    ranked = sorted(candidates, key=lambda f: (not (f is prefer and scale_fits(f)),
+                                               not (scale_fits(f) and set(f.ct_leaves) <= leaves),
+                                               not scale_fits(f), f is not prefer))
+    return next(iter(ranked), None)

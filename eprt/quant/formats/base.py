@@ -42,14 +42,21 @@ class WeightFormat:
     # the quotient is rounded to the weight's dtype before the format's own rounding, as ModelOpt
     # divides a bf16 weight (eprt.quant.scales.as_quantized quantizes the source's dtype then)
     rounds_in_weight_dtype: bool = False
-    weight_scale_leaf: str  # ModelOpt's per-tensor weight scale (weight_scale_2 beside NVFP4's block scales)
+    # ModelOpt's per-tensor weight scale (weight_scale_2 beside NVFP4's block scales); None: none
+    weight_scale_leaf: str | None
     block_scale_leaf: str | None = None  # ModelOpt's and compressed-tensors' block-scale grid
+    # a row's codes depend on other rows (a block spans them): gate and up, stacked as one routed
+    # expert's w13, are quantized apart, each in its own blocks, as the releases store them
+    blocks_span_rows: bool = False
+    algorithms: tuple[str, ...] = ("max", "mse", "gptq")  # the recipe algorithms it implements
     ct_preset: str  # compressed-tensors' preset scheme
     ct_format: str  # compressed-tensors' compression format
-    ct_weight_scale_leaf: str
-    ct_input_scale_leaf: str
+    ct_strategy: str  # its weights' strategy: tensor, tensor_group, block, channel
+    ct_weight_scale_leaf: str | None  # None: the format has no per-tensor scale
+    ct_input_scale_leaf: str | None  # None: no static input scale (dynamic or unquantized inputs)
     ct_reciprocal: bool = False  # compressed-tensors stores the per-tensor scales as 1/scale
-    largest_input: float  # what input_scale stands for: the largest input code times the scale
+    # what input_scale stands for: the largest input code times the scale; None: no input_scale
+    largest_input: float | None
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:
@@ -106,6 +113,10 @@ class WeightFormat:
         args = {"dynamic": False, "num_bits": self.num_bits, "type": "float"}
         return args if self.group_size is None else {**args, "group_size": self.group_size}
 
+    def modelopt_input_group(self) -> dict | None:
+        """A config group's `input_activations` in config.json; None for inputs left unquantized."""
+        return self.modelopt_group()
+
     def modelopt_layer(self) -> dict:
         """hf_quant_config.json's quantization of one module (a MIXED_PRECISION entry)."""
         layer = {"quant_algo": self.quant_algo}
@@ -122,9 +133,14 @@ class WeightFormat:
         return dtype_name(next(iter(self.modelopt_tensors(1, 1).values()))[0])
 
     @property
-    def modelopt_per_tensor_scales(self) -> tuple[str, str]:
-        """(weight, input) per-tensor scale leaves in the ModelOpt layout."""
-        return self.weight_scale_leaf, "input_scale"
+    def modelopt_per_tensor_scales(self) -> tuple[str | None, str | None]:
+        """(weight, input) per-tensor scale leaves in the ModelOpt layout, None for one it lacks."""
+        return self.weight_scale_leaf, "input_scale" if "input_scale" in self.modelopt_leaves else None
+
+    @property
+    def modelopt_scale_rank(self) -> int:
+        """The rank of the ModelOpt layout's first scale (FP8's 0-dim weight_scale, a block grid's 2)."""
+        return len(list(self.modelopt_tensors(1, 1).values())[1][1])
 
     @property
     def ct_leaves(self) -> dict[str, str]:
@@ -136,8 +152,8 @@ class WeightFormat:
         return next(iter(self.ct_leaves))
 
     @property
-    def ct_per_tensor_scales(self) -> tuple[str, str]:
-        """(weight, input) per-tensor scale leaves in the compressed-tensors layout."""
+    def ct_per_tensor_scales(self) -> tuple[str | None, str | None]:
+        """(weight, input) per-tensor scale leaves in the compressed-tensors layout, None for one it lacks."""
         return self.ct_weight_scale_leaf, self.ct_input_scale_leaf
 
     def in_dim_of_stored(self, stored_in_dim: int) -> int:

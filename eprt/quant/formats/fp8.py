@@ -110,6 +110,7 @@ class Fp8(WeightFormat):
     rounds_in_weight_dtype = True
     weight_scale_leaf = "weight_scale"
     ct_preset, ct_format = "FP8", "float-quantized"
+    ct_strategy = "tensor"
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_scale", "input_scale"
     largest_input = FP8_E4M3_MAX
 

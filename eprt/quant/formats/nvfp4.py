@@ -289,6 +289,7 @@ class Nvfp4(WeightFormat):
     weight_scale_leaf = "weight_scale_2"
     block_scale_leaf = "weight_scale"
     ct_preset, ct_format = "NVFP4", "nvfp4-pack-quantized"
+    ct_strategy = "tensor_group"
     # compressed-tensors dequantizes a block as value * weight_scale / weight_global_scale
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_global_scale", "input_global_scale"
     ct_reciprocal = True
@@ -331,7 +332,7 @@ class Nvfp4(WeightFormat):
     def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"weight_packed": t["weight"], "weight_scale": t["weight_scale"],
                 "weight_global_scale": (1 / t["weight_scale_2"]).reshape(CT_SCALAR),
-                "input_global_scale": (1 / t["input_scale"]).reshape(CT_SCALAR)}
+                **({"input_global_scale": (1 / t["input_scale"]).reshape(CT_SCALAR)} if self.ct_input_scale_leaf else {})}
 
     def in_dim_of_stored(self, stored_in_dim: int) -> int:
         return 2 * stored_in_dim  # two codes a byte

@@ -1,0 +1,141 @@
+"""FP8 E4M3 weights in 128x128 blocks, one fp32 scale a block, with inputs the engine quantizes
+at run time per token in groups of 128: the block FP8 DeepSeek-V3, Qwen3 and Kimi-K2 ship, which
+Hopper and Ampere engines run (docs/export.md, 'FP8 block').
+
+A block's scale is its own amax / 448 (a zero block: 1.0, ModelOpt's export rule for a zero amax).
+A weight dimension that is not a multiple of 128 ends in a partial block whose scale comes from its
+own values, as the releases store them (`weight_scale_inv` [ceil(out/128), ceil(in/128)]). A
+quantized value is fp32(w) / its block's scale, rounded once to E4M3 nearest-even: the quotient
+of a bf16 weight by a scale tensor is fp32 by torch's type promotion, as ModelOpt's FP8_PB_WO
+export divides it. No calibrated statistic enters: the weight scales come from the weights and
+the inputs are scaled by the engine, token by token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.numerics import FP8_E4M3_MAX, FP32_TINY, check_finite, to_e4m3
+from eprt.storage.encodings import expand_blocks
+
+BLOCK = 128  # a weight block is BLOCK x BLOCK, an input group BLOCK consecutive elements of a token
+
+
+def grid_shape(out_dim: int, in_dim: int) -> tuple[int, int]:
+    """The block-scale grid of a weight [out_dim, in_dim]: partial edge blocks count."""
+    return math.ceil(out_dim / BLOCK), math.ceil(in_dim / BLOCK)
+
+
+def block_amax(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., ceil(out/128), ceil(in/128)] abs-max of each block of w [..., out, in]; the padding
+    of a partial block is zeros, which leave its amax its own values'."""
+    *lead, out_dim, in_dim = w.shape
+    rows, cols = grid_shape(out_dim, in_dim)
+    padded = torch.nn.functional.pad(w.float().abs(), (0, cols * BLOCK - in_dim, 0, rows * BLOCK - out_dim))
+    return padded.reshape(*lead, rows, BLOCK, cols, BLOCK).amax(dim=(-3, -1))
+
+
+def fp8_block_scales(w: torch.Tensor) -> torch.Tensor:
+    """fp32 block scales [..., ceil(out/128), ceil(in/128)] of w [..., out, in]: amax / 448, a zero
+    block's 1.0. Raises ValueError for a weight holding NaN or infinity."""
+    return fp8_scales(block_amax(w), w.shape)
+
+
+def fp8_scales(amax: torch.Tensor, shape) -> torch.Tensor:
+    """The fp32 scales of fp32 amaxes of a weight of `shape` (each block's, each row's): amax / 448,
+    as ModelOpt's export computes them: a zero amax counts as 448, any other as at least the
+    smallest normal fp32. Raises ValueError for an amax of NaN or infinity (the weight held one)."""
+    if amax.numel():
+        check_finite(amax.amax(), shape)
+    return torch.where(amax == 0, FP8_E4M3_MAX, amax).clamp_(min=FP32_TINY).div_(FP8_E4M3_MAX)
+
+
+def per_element(scales: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Block scales [..., rows, cols] spread to one per element of a weight of `shape` [..., out, in]."""
+    flat = scales.reshape(-1, *scales.shape[-2:])
+    return torch.stack([expand_blocks(s, tuple(shape[-2:]), (BLOCK, BLOCK)) for s in flat]).reshape(shape)
+
+
+def quantize_fp8_block(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes of w [..., out, in] under its block scales (`fp8_block_scales`)."""
+    return to_e4m3(w.float() / per_element(scales, w.shape))
+
+
+def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes times their block's scale, in fp32, returned as `dtype`."""
+    want = (*q.shape[:-2], *grid_shape(*q.shape[-2:]))
+    if tuple(scales.shape) != want:
+        raise ValueError(f"block scales {list(scales.shape)} do not fit FP8 weight {list(q.shape)}: expected {list(want)}")
+    return (q.float() * per_element(scales.float(), q.shape)).to(dtype)
+
+
+def fake_quant_input_groups(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
+    """x [..., in] as an FP8 engine quantizes it at run time, in x's dtype: each token's groups of
+    `group` (the last one partial; a group of `in` is the whole token) under their own scale,
+    amax / 448 (DeepSeek-V3's `act_quant`)."""
+    width = x.shape[-1]
+    groups = math.ceil(width / group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - width)).reshape(*x.shape[:-1], groups, group)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax == 0, FP8_E4M3_MAX, amax).div_(FP8_E4M3_MAX)
+    out = to_e4m3(padded / scale).float().mul_(scale)
+    return out.reshape(*x.shape[:-1], groups * group)[..., :width].to(x.dtype)
+
+
+class Fp8Block(WeightFormat):
+    """FP8 E4M3 weights in 128x128 blocks with fp32 block scales; inputs quantized by the engine,
+    per token in groups of 128. Nothing per tensor, so nothing for fused Linears to share."""
+
+    name = "fp8_block"
+    quant_algo = "FP8_PB_WO"  # ModelOpt's FP8 per-block, its weights only: the inputs are the engine's
+    num_bits = 8
+    block_scale_leaf = "weight_scale"
+    blocks_span_rows = True
+    algorithms = ("max",)
+    weight_scale_leaf = None
+    ct_preset, ct_format = "FP8_BLOCK", "float-quantized"
+    ct_strategy = "block"
+    ct_weight_scale_leaf = ct_input_scale_leaf = None
+    largest_input = None
+
+    def scale(self, amax) -> torch.Tensor:
+        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
+        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        scales = fp8_block_scales(w)
+        return {"weight": quantize_fp8_block(w, scales), "weight_scale": scales}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_block(t["weight"], t["weight_scale"], dtype)
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_input_groups(x)
+
+    def unfit_input_dim(self, in_dim: int) -> bool:
+        return False  # a partial last block
+
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
+                "weight_scale": (torch.float32, grid_shape(out_dim, in_dim))}
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return self.modelopt_tensors(out_dim, in_dim)
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"weight": t["weight"], "weight_scale": t["weight_scale"]}
+
+    def modelopt_group(self) -> dict:
+        return {"dynamic": False, "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [BLOCK, BLOCK]}
+
+    def modelopt_input_group(self) -> dict | None:
+        return {"dynamic": True, "num_bits": 8, "type": "float", "strategy": "group", "group_size": BLOCK}
+
+    def largest_code(self, largest_block: float | None) -> float:
+        return FP8_E4M3_MAX
+
+
+FP8_BLOCK = Fp8Block()
