@@ -13,11 +13,11 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
-from eprt.quant import workdir
+from eprt.quant import gptq_layer, plan, workdir
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.gptq_layer import LayerGPTQ
+from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED, LayerGPTQ
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
@@ -329,3 +329,23 @@ def test_a_min_token_count_below_one_is_refused_by_name(tiny, tmp_path):
         run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), algorithm="gptq",
                                                 gptq_min_tokens=0, progress=False, **CALIB))
     assert not os.path.exists(tmp_path / "q")
+
+
+def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monkeypatch):
+    """A run whose memory allows one expert at a time writes what a run that solves them 16 at a
+    time writes."""
+    _, ck = tiny
+    stacks = []
+    solve = gptq_layer.gptq
+    monkeypatch.setattr(gptq_layer, "gptq", lambda w, h, cols: (stacks.append(w.shape[0]), solve(w, h, cols))[1])
+    exports = []
+    for most in (MOST_EXPERTS_STACKED, 1):
+        monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)
+        q = str(tmp_path / f"q{most}")
+        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", algorithm="gptq", progress=False,
+                                                **CALIB))
+        exports.append(export_hf(q, str(tmp_path / f"export{most}"), progress=False))
+        stacks.append(None)
+    together, alone = stacks[:stacks.index(None)], stacks[stacks.index(None) + 1:-1]
+    assert max(together) > 1 and set(alone) == {1}, stacks
+    assert same_files(*exports)
