@@ -72,9 +72,21 @@ def test_gptq_zero_inputs_leave_dead_columns_zero():
     x[:, 5] = 0  # a channel no token uses
     hs = HessianSum(32, x.abs().max().item(), 64)
     hs.add(x)
-    q = gptq(w[None], hs.hessian()[None], columns_of("nvfp4", w[None], nvfp4_scale(w.abs().amax()).reshape(1)))
+    h = hs.hessian()[None]
+    q = gptq(w[None], h, columns_of("nvfp4", w[None], nvfp4_scale(w.abs().amax()).reshape(1)))
     assert torch.all(q[0, :, 5] == 0)
     assert torch.isfinite(q).all()
+    assert torch.equal(h, hs.hessian()[None])  # the caller's Hessian as it was: a stack may be solved again
+
+
+def test_gptq_takes_the_hessians_one_at_a_time_with_the_same_bits():
+    """A generator of Hessians (each made as it is factored, one held at a time) solves as the stack does."""
+    w = torch.randn(3, 16, 48)
+    h = torch.stack([(lambda x: x.T @ x)(correlated_inputs(100, 48, seed=s).double()) for s in range(3)])
+    cols = columns_of("fp8", w, torch.stack([fp8_scale(x.abs().amax()) for x in w]))
+    assert torch.equal(gptq(w, (hb.clone() for hb in h), cols), gptq(w, h, cols))
+    with pytest.raises(ValueError, match="GPTQ: 2 Hessians for a stack of 3 weights"):
+        gptq(w, h[:2], cols)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

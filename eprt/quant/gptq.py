@@ -98,9 +98,10 @@ def gptq(w: torch.Tensor, hessians: Iterable[torch.Tensor], cols, block: int = B
     Hinv = torch.empty(L, n, n, dtype=torch.float64, device=W.device)
     count = 0
     for b, h in enumerate(hessians):
+        h = h.to(device=W.device, dtype=torch.float64)
         dead = torch.diag(h) == 0
         W[b][:, dead] = 0.0
-        Hinv[b] = _inverse_factor(h.to(device=W.device, dtype=torch.float64), dead, damp)
+        Hinv[b] = _inverse_factor(h, dead, damp)
         count += 1
     if count != L:
         raise ValueError(f"GPTQ: {count} Hessians for a stack of {L} weights")
