@@ -14,9 +14,15 @@ def rank() -> int:
 
 
 def bar(total: float, desc: str, *, unit: str = "it", enabled: bool = True, **kw) -> tqdm:
-    """A progress bar on stderr, shown on rank 0 only, so a multi-rank job prints one."""
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled or rank() != 0,
-                file=sys.stderr, dynamic_ncols=True, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000, **kw)
+    """A progress bar on stderr, shown on rank 0 only, so a multi-rank job prints one.
+
+    Its remaining time is what is left at the average rate since the start (tqdm's smoothing 0), not at a
+    moving average of the last updates: a calibration's steps come in bursts between the work each layer
+    does besides them (reading it, GPTQ's solve), which the last steps' rate would leave out; once a layer
+    is done, the average holds one of each."""
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled or rank() != 0, file=sys.stderr,
+                dynamic_ncols=True, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
+                **{"smoothing": 0, **kw})
 
 
 def logger() -> logging.Logger:

@@ -13,11 +13,11 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
-from eprt.quant import workdir
+from eprt.quant import gptq_layer, plan, workdir
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.gptq_layer import LayerGPTQ
+from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED, LayerGPTQ
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
@@ -72,9 +72,21 @@ def test_gptq_zero_inputs_leave_dead_columns_zero():
     x[:, 5] = 0  # a channel no token uses
     hs = HessianSum(32, x.abs().max().item(), 64)
     hs.add(x)
-    q = gptq(w[None], hs.hessian()[None], columns_of("nvfp4", w[None], nvfp4_scale(w.abs().amax()).reshape(1)))
+    h = hs.hessian()[None]
+    q = gptq(w[None], h, columns_of("nvfp4", w[None], nvfp4_scale(w.abs().amax()).reshape(1)))
     assert torch.all(q[0, :, 5] == 0)
     assert torch.isfinite(q).all()
+    assert torch.equal(h, hs.hessian()[None])  # the caller's Hessian as it was: a stack may be solved again
+
+
+def test_gptq_takes_the_hessians_one_at_a_time_with_the_same_bits():
+    """A generator of Hessians (each made as it is factored, one held at a time) solves as the stack does."""
+    w = torch.randn(3, 16, 48)
+    h = torch.stack([(lambda x: x.T @ x)(correlated_inputs(100, 48, seed=s).double()) for s in range(3)])
+    cols = columns_of("fp8", w, torch.stack([fp8_scale(x.abs().amax()) for x in w]))
+    assert torch.equal(gptq(w, (hb.clone() for hb in h), cols), gptq(w, h, cols))
+    with pytest.raises(ValueError, match="GPTQ: 2 Hessians for a stack of 3 weights"):
+        gptq(w, h[:2], cols)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -329,3 +341,23 @@ def test_a_min_token_count_below_one_is_refused_by_name(tiny, tmp_path):
         run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), algorithm="gptq",
                                                 gptq_min_tokens=0, progress=False, **CALIB))
     assert not os.path.exists(tmp_path / "q")
+
+
+def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monkeypatch):
+    """A run whose memory allows one expert at a time writes what a run that solves them 16 at a
+    time writes."""
+    _, ck = tiny
+    stacks = []
+    solve = gptq_layer.gptq
+    monkeypatch.setattr(gptq_layer, "gptq", lambda w, h, cols: (stacks.append(w.shape[0]), solve(w, h, cols))[1])
+    exports = []
+    for most in (MOST_EXPERTS_STACKED, 1):
+        monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)
+        q = str(tmp_path / f"q{most}")
+        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", algorithm="gptq", progress=False,
+                                                **CALIB))
+        exports.append(export_hf(q, str(tmp_path / f"export{most}"), progress=False))
+        stacks.append(None)
+    together, alone = stacks[:stacks.index(None)], stacks[stacks.index(None) + 1:-1]
+    assert max(together) > 1 and set(alone) == {1}, stacks
+    assert same_files(*exports)

@@ -16,10 +16,12 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
+from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.ptq import plan_recipe
 from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
+from eprt.units import format_bytes
 from tests.multiproc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,3 +153,21 @@ def test_a_gpu_run_over_the_hosts_memory_is_refused_before_reading_data(ckpt, tm
     assert re.fullmatch(r"error: rank 0 would hold .* of host memory \(.*\); with the 1 ranks on its host, .*, over "
                         r"--max-host-memory 1.00 MiB: use .*", r.stderr.strip().splitlines()[-1]), r.stderr
     assert not os.path.exists(tmp_path / "q")
+
+
+def test_gptq_solves_as_many_experts_at_a_time_as_the_memory_allows(ckpt):
+    """The expert stack is the largest that keeps the plan within the limit (at least one, at most
+    MOST_EXPERTS_STACKED, the most where no limit is known): each expert added costs its solve."""
+    shape = RunShape(rank=0, world=1, ep=1, num_sequences=16, seq_len=64, step_sequences=1, group_tokens=512)
+    with Checkpoint(ckpt) as ck:
+        planner = gptq_planner(ck, "nvfp4", "cpu")
+        unlimited = planner.plan(shape, baseline=0)
+        one = planner.plan(shape, baseline=0, limit=1)  # nothing fits: still one at a time
+        step = planner.plan(shape, baseline=0, limit=one.peak + 1).peak - one.peak  # nothing more fits yet
+        limit = one.peak + (unlimited.peak - one.peak) // 2
+        half = planner.plan(shape, baseline=0, limit=limit)
+    assert unlimited.expert_stack == MOST_EXPERTS_STACKED == 16 and one.expert_stack == 1 and step == 0
+    assert 1 < half.expert_stack < 16 and half.peak <= limit
+    per_expert = (unlimited.peak - one.peak) // 15
+    assert half.peak + per_expert > limit
+    assert f"GPTQ's Hessians {format_bytes(half.gptq)} (experts solved {half.expert_stack} at a time)" in half.terms()

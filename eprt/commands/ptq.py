@@ -92,8 +92,8 @@ def dry_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str]
         dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
         planner = Planner.of(ck, dtype, device, targets, mtp=mtp, gptq=gptq)
         shape = run_shape(a, state, c)
-        plan = planner.plan(shape, memory_in_use(device) if here else 0, host_baseline=current_rss())
         limit = a.max_memory or (available_memory(device) if here else None)
+        plan = planner.plan(shape, memory_in_use(device) if here else 0, host_baseline=current_rss(), limit=limit)
         if limit is not None:
             check_memory(planner, plan, limit, shape, c.num_experts)
         host_limit = a.max_host_memory or (available_memory(torch.device("cpu")) if here else None)

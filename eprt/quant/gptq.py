@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -71,8 +72,8 @@ class HessianSum:
             self.total += unit
 
     def hessian(self) -> torch.Tensor:
-        """fp64 [dim, dim]: the sum."""
-        return self.total.double() / self.scale
+        """fp64 [dim, dim]: the sum (divided in place: one fp64 matrix, not two, at its peak)."""
+        return self.total.double().div_(self.scale)
 
 
 def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
@@ -81,22 +82,29 @@ def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
     return weight_format(fmt).columns(w, scales)
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, cols, block: int = BLOCK, damp: float = DAMP) -> torch.Tensor:
+def gptq(w: torch.Tensor, hessians: Iterable[torch.Tensor], cols, block: int = BLOCK,
+         damp: float = DAMP) -> torch.Tensor:
     """GPTQ's weights (fp32 [L, out, in], each value exactly representable by `cols`) for a stack
-    of weights w [L, out, in] and the Hessians h [L, in, in] of their inputs.
+    of weights w [L, out, in] and the Hessians [in, in] of their inputs, in order: a stack
+    [L, in, in], or a generator that makes each as it is factored, so that one is held at a time
+    beside the factors (none is changed).
 
     Each weight of the stack comes out the same bits as solved alone (so a rank's experts may be
     solved together, whichever they are): the column sweep is elementwise over the stack (the
     rank-1 updates are outer products, one rounding per element), and what reduces (the
     factorization, the lazy-batch updates) runs on one weight at a time."""
-    W = w.detach().to(torch.float64).clone()
-    H = h.detach().to(device=W.device, dtype=torch.float64).clone()
-    n = W.shape[-1]
-    for Wb, Hb in zip(W, H):
-        dead = torch.diag(Hb) == 0
-        Hb[dead, dead] = 1.0
-        Wb[:, dead] = 0.0
-    Hinv = torch.stack([_inverse_factor(Hb, damp) for Hb in H])
+    W = w.detach().to(torch.float64, copy=True)
+    L, n = W.shape[0], W.shape[-1]
+    Hinv = torch.empty(L, n, n, dtype=torch.float64, device=W.device)
+    count = 0
+    for b, h in enumerate(hessians):
+        h = h.to(device=W.device, dtype=torch.float64)
+        dead = torch.diag(h) == 0
+        W[b][:, dead] = 0.0
+        Hinv[b] = _inverse_factor(h, dead, damp)
+        count += 1
+    if count != L:
+        raise ValueError(f"GPTQ: {count} Hessians for a stack of {L} weights")
     Q = torch.zeros_like(W, dtype=torch.float32)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
@@ -114,15 +122,15 @@ def gptq(w: torch.Tensor, h: torch.Tensor, cols, block: int = BLOCK, damp: float
     return Q
 
 
-def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """The upper Cholesky factor of (H + damping)^-1. A Hessian that is not positive definite
-    after damping (rank-deficient in fp64) gets ten times the damping, up to three times."""
+def _inverse_factor(H: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damping)^-1, the dead columns' diagonal taken as 1. A
+    Hessian that is not positive definite after damping (rank-deficient in fp64) gets ten times
+    the damping, up to three times. Beside H it holds at most three matrices of its size at once
+    (the factor, the inverse, its factor: the damped copy is dropped once factored)."""
     diag = torch.arange(H.shape[0], device=H.device)
-    mean = torch.mean(torch.diag(H)).item()
+    mean = torch.mean(torch.where(dead, 1.0, torch.diag(H))).item()
     for attempt in range(4):
-        Hd = H.clone()
-        Hd[diag, diag] += damp * 10**attempt * mean
-        L, info = torch.linalg.cholesky_ex(Hd)
+        L, info = torch.linalg.cholesky_ex(_damped(H, dead, damp * 10**attempt * mean, diag))
         if info.item() == 0:
             U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
             if info.item() == 0:
@@ -131,3 +139,9 @@ def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
                      f"{damp * 1000:g} x its mean diagonal as damping; calibrate with more tokens")
 
 
+def _damped(H: torch.Tensor, dead: torch.Tensor, damping: float, diag: torch.Tensor) -> torch.Tensor:
+    """A copy of H with the dead columns' diagonal set to 1, then `damping` added to the diagonal."""
+    Hd = H.clone()
+    Hd[dead, dead] = 1.0
+    Hd[diag, diag] += damping
+    return Hd

@@ -40,8 +40,10 @@ from eprt.storage.checkpoint import Checkpoint
 ALGORITHM = "gptq"
 DEFAULT_MIN_TOKENS = 128  # a routed expert with fewer keeps max rounding
 # Routed experts solved together: the column sweep's Python loop runs once per stack, not per
-# expert; each comes out as if alone (eprt.quant.gptq.gptq), so the stack size changes no bit.
-EXPERT_STACK = 16
+# expert; each comes out as if alone (eprt.quant.gptq.gptq), so the stack size changes no bit. The
+# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.plan), up to
+# this many: beyond it the loop's share of the solve is already small.
+MOST_EXPERTS_STACKED = 16
 
 
 class GPTQResults:
@@ -116,8 +118,9 @@ class GPTQRun:
     """What every layer's GPTQ shares: the run, the recipe, the results so far."""
 
     def __init__(self, state, ck: Checkpoint, recipe, targets: list[str], *, dtype: torch.dtype, tokens: int,
-                 min_tokens: int = DEFAULT_MIN_TOKENS):
+                 min_tokens: int = DEFAULT_MIN_TOKENS, expert_stack: int = MOST_EXPERTS_STACKED):
         self.state, self.ck, self.recipe, self.dtype = state, ck, recipe, dtype
+        self.expert_stack = expert_stack  # routed experts solved at once: the memory plan's (MemoryPlan.expert_stack)
         self.formats = {m: recipe.format_of(m) for m in targets}
         self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
         self.tokens, self.min_tokens = tokens, min_tokens  # tokens: every dense Linear's rows, over the run
@@ -232,7 +235,7 @@ class LayerGPTQ:
         self.expert_hessians.clear()
 
     def _quantize_experts(self, m: str) -> None:
-        """Every local expert's w13 and w2 as exported: GPTQ's (solved EXPERT_STACK at a time) for
+        """Every local expert's w13 and w2 as exported: GPTQ's (solved the run's expert_stack at a time) for
         the experts with enough tokens, max rounding's (the module's scales) for the others."""
         run, experts = self.run, self._module(m)
         first, L = experts.first, experts.count
@@ -247,10 +250,12 @@ class LayerGPTQ:
                 param[l].copy_(dequantize_weight(fmt, t, param.dtype))
                 codes[(kind, l)] = t["weight"]
             solved = sorted(sums)
-            for j in range(0, len(solved), EXPERT_STACK):
-                ids = solved[j:j + EXPERT_STACK]
+            stack = run.expert_stack
+            for j in range(0, len(solved), stack):
+                ids = solved[j:j + stack]
                 cols = columns_of(fmt, rows[ids], scales[ids])
-                q = gptq(rows[ids], torch.stack([sums[l][k].hessian() for l in ids]), cols)
+                # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
+                q = gptq(rows[ids], (sums[l][k].hessian() for l in ids), cols)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code

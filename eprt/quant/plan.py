@@ -39,7 +39,7 @@ from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.engine import Schedule, own_sequences
 from eprt.quant.gptq import columns_of
-from eprt.quant.gptq_layer import EXPERT_STACK
+from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.units import format_bytes
 
 
@@ -108,6 +108,7 @@ class MemoryPlan:
     head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
     tokens: int = 0  # the calibration (and held-out) token ids, as read and as packed into sequences
     host: HostPlan | None = None  # on a GPU rank, what it holds in host memory; None on CPU (the host is the device)
+    expert_stack: int = MOST_EXPERTS_STACKED  # with GPTQ: routed experts solved at once (the run takes it from here)
 
     @property
     def peak(self) -> int:
@@ -124,7 +125,7 @@ class MemoryPlan:
         text = (f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
                 f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}")
         if self.gptq:
-            text += f", GPTQ's Hessians {format_bytes(self.gptq)}"
+            text += f", GPTQ's Hessians {format_bytes(self.gptq)} (experts solved {self.expert_stack} at a time)"
             text += f", its codes {format_bytes(self.codes)}" if self.codes else ""  # on a GPU: the host's
         if self.eval_layer:
             text += (f", quality report: layer with its copy {format_bytes(self.eval_layer)}, held-out step "
@@ -148,6 +149,38 @@ class HostPlan:
     def terms(self) -> str:
         return (f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
                 f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}")
+
+
+@dataclass(frozen=True)
+class GPTQLinear:
+    """What GPTQ holds for one Linear of a layer (a routed experts' weight: all its experts)."""
+
+    hessian: int  # the int64 sums of all its experts
+    weight: int  # one weight as read for the solve, in fp32
+    weight_solve: int  # what one weight's solve holds for its whole length
+    factoring: int  # what factoring one Hessian holds for a moment beside the solve
+    experts: int  # its routed experts; 0 for a dense Linear
+
+    @classmethod
+    def of(cls, count: int, out_dim: int, in_dim: int, routed: bool) -> GPTQLinear:
+        # per weight solved: the fp64 inverse factor, W in fp64 with its working block, the fp32
+        # result and the stack's copies of the weights as read; factoring: the fp64 Hessian, its
+        # Cholesky factor, the inverse and its factor (eprt.quant.gptq._inverse_factor)
+        square = in_dim * in_dim * 8
+        return cls(count * square, out_dim * in_dim * 4, square + 3 * out_dim * in_dim * 8, 4 * square,
+                   count if routed else 0)
+
+    def held(self, ep: int) -> int:
+        """The Hessians one rank holds: its share of the routed experts'."""
+        return self.hessian // ep if self.experts else self.hessian
+
+    def solve(self, ep: int, stack: int) -> int:
+        """One solve's peak on a rank of `ep`: every weight it holds as read (the stacks are cut from
+        them), and routed experts solved `stack` at a time (at most the rank's own)."""
+        if not self.experts:
+            return self.weight + self.weight_solve + self.factoring
+        mine = self.experts // ep
+        return mine * self.weight + min(stack, mine) * self.weight_solve + self.factoring
 
 
 @dataclass(frozen=True)
@@ -191,10 +224,9 @@ class Planner:
     embedding: int
     kernel_cache: int
     head: int = 0  # what the decoder's final step and the head read after the last layer
-    # with GPTQ, per decoder layer its Linears' (Hessian bytes, solve bytes, routed experts), every
-    # 2-D weight counted (an upper bound: not every one is quantized); an MTP layer is a decoder
-    # layer's size
-    hessians: dict[int, list[tuple[int, int, bool]]] | None = None
+    # with GPTQ, per decoder layer its Linears' Hessians and solves, every 2-D weight counted (an
+    # upper bound: not every one is quantized); an MTP layer is a decoder layer's size
+    hessians: dict[int, list[GPTQLinear]] | None = None
     codes: tuple[int, int] = (0, 0)  # GPTQ's codes of the modules it rounds: (dense bytes, routed experts' bytes)
     largest_read: tuple[int, int] = (0, 0)  # the largest tensor as stored: (dense bytes, routed experts' bytes)
     device: str = "cpu"
@@ -210,7 +242,7 @@ class Planner:
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
         for none."""
-        hessians: dict[int, list[tuple[int, int, bool]]] | None = {} if gptq is not None else None
+        hessians: dict[int, list[GPTQLinear]] | None = {} if gptq is not None else None
         rc = ResolvedCheckpoint.of(ck, dtype)
         model, stacked = checked_meta(rc), rc.stacked
         prefix, _ = model.decoder()
@@ -236,10 +268,7 @@ class Planner:
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
                 count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
-                # int64 sums, then fp64: the Hessian, its damped copy, factor and inverse, W, its
-                # working block, and the fp32 result; routed experts EXPERT_STACK at a time
-                solve = (4 * in_dim * in_dim * 8 + 3 * out_dim * in_dim * 8) * (EXPERT_STACK if name in stacked else 1)
-                hessians.setdefault(int(m.group(1)), []).append((count * in_dim * in_dim * 8, solve, name in stacked))
+                hessians.setdefault(int(m.group(1)), []).append(GPTQLinear.of(count, out_dim, in_dim, name in stacked))
             module, _, leaf = name.rpartition(".")
             if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
                 codes[name in stacked] += int(t.numel() * code_bytes(gptq[module]))
@@ -250,13 +279,28 @@ class Planner:
         return cls(ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type,
                    workers)
 
-    def _gptq(self, ep: int) -> int:
-        """The most a layer's Hessians and one solve hold on one rank; 0 without GPTQ."""
+    def _gptq(self, ep: int, stack: int) -> int:
+        """The most a layer's Hessians and one solve (routed experts `stack` at a time) hold on one
+        rank; 0 without GPTQ."""
         most = 0
         for linears in (self.hessians or {}).values():
-            held = sum(h // (ep if expert else 1) for h, _, expert in linears)
-            most = max(most, held + max(solve for _, solve, _ in linears))
+            held = sum(linear.held(ep) for linear in linears)
+            most = max(most, held + max(linear.solve(ep, stack) for linear in linears))
         return most
+
+    def _sized_stack(self, plan: MemoryPlan, ep: int, limit: int | None) -> MemoryPlan:
+        """`plan` with GPTQ's routed experts solved as many at a time as fit in `limit` (at least one,
+        at most MOST_EXPERTS_STACKED; the most where no limit is known): the one place the stack is
+        sized, for the plan and the run alike."""
+        if not self.hessians:
+            return plan
+
+        def stacked(stack: int) -> MemoryPlan:
+            return replace(plan, gptq=self._gptq(ep, stack), expert_stack=stack)
+
+        if limit is None:
+            return stacked(MOST_EXPERTS_STACKED)
+        return stacked(largest_fitting(MOST_EXPERTS_STACKED, lambda s: stacked(s).peak <= limit) or 1)
 
     def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
         """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""
@@ -282,9 +326,10 @@ class Planner:
             layer, copied = max(layer, placed), max(copied, placed + copy)
         return layer, reading, copied
 
-    def plan(self, shape: RunShape, baseline: int, host_baseline: int = 0) -> MemoryPlan:
+    def plan(self, shape: RunShape, baseline: int, host_baseline: int = 0, limit: int | None = None) -> MemoryPlan:
         """The plan of one rank of `shape`, whose process holds `baseline` on its device before the
-        run (and on a GPU, `host_baseline` on the host)."""
+        run (and on a GPU, `host_baseline` on the host), GPTQ's expert stack sized to `limit` (the
+        device's memory for the rank, when known)."""
         c, b = self.ck.config, self.dtype.itemsize
         rank, world, ep = shape.rank, shape.world, shape.ep
         D, T = c.hidden_size, shape.seq_len
@@ -294,19 +339,19 @@ class Planner:
         layer, reading, copied = self._layer(ep)
         step = self._step(rank, world, shape.num_sequences, T, shape.schedule, probes=False,
                           all_experts=shape.all_experts, ep=ep)
-        gptq = self._gptq(ep)
+        gptq = 0  # priced with the expert stack it sizes (_sized_stack)
         tokens = 2 * (shape.num_sequences + shape.eval_sequences) * T * 8  # int64, read then packed
         on_cpu = self.device == "cpu"
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
         if not shape.eval_sequences:
-            return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
-                              tokens=tokens, host=host)
+            return self._sized_stack(MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading,
+                                                step, gptq, codes, tokens=tokens, host=host), ep, limit)
         hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
-        return MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step, gptq, codes,
-                          copied, eval_step, head, tokens, host)
+        return self._sized_stack(MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step,
+                                            gptq, codes, copied, eval_step, head, tokens, host), ep, limit)
 
     def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
               probes: bool, all_experts: bool = False, ep: int = 1) -> int:
@@ -381,7 +426,7 @@ def check_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape
         return
 
     def fits(**change) -> bool:
-        return planner.plan(replace(shape, **change), plan.baseline).peak <= limit
+        return planner.plan(replace(shape, **change), plan.baseline, limit=limit).peak <= limit
 
     ways = []
     ep = fitting_ep(shape, num_experts, lambda e: fits(ep=e))

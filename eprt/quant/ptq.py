@@ -158,7 +158,8 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
         gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
-                       min_tokens=a.gptq_min_tokens) if ALGORITHM in recipe.algorithms else None
+                       min_tokens=a.gptq_min_tokens,
+                       expert_stack=plan.expert_stack) if ALGORITHM in recipe.algorithms else None
         work = WorkDir(work_path, state, identity, ck.path)
         with fail_together(state, "preparing the work directory"):
             work.prepare(a.resume)
@@ -248,8 +249,8 @@ def plan_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str
     c = ck.config
     planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
     shape = run_shape(a, state, c)
-    plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss())
     limit = a.max_memory or available_memory(state.device)
+    plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
     check_memory(planner, plan, limit, shape, c.num_experts)
     check_host_memory(planner, plan, a.max_host_memory or available_memory(torch.device("cpu")), shape,
                       c.num_experts, ranks_on_this_host(state))
