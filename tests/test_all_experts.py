@@ -19,7 +19,8 @@ from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationState
-from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.engine import LayerEngine
+from eprt.quant.sequences import Schedule
 from eprt.quant.passes import layer_passes
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint

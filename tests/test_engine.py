@@ -13,7 +13,8 @@ from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Pass, Schedule, own_sequences
+from eprt.quant.engine import LayerEngine, Pass
+from eprt.quant.sequences import Schedule, own_sequences
 from eprt.quant.passes import layer_passes
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny

@@ -37,7 +37,7 @@ from eprt.errors import ConfigError
 from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.engine import Schedule, own_sequences
+from eprt.quant.sequences import Schedule, own_sequences
 from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import EXPERT_STACK
 from eprt.units import format_bytes

@@ -26,7 +26,8 @@ from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.engine import LayerEngine, group_tokens, own_sequences
+from eprt.quant.engine import LayerEngine
+from eprt.quant.sequences import group_tokens, own_sequences
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,

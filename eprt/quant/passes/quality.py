@@ -7,7 +7,8 @@ layers are not in the report."""
 
 from __future__ import annotations
 
-from eprt.quant.engine import LayerEngine, LayerState, LayerWork, Pass, Schedule, Sequences
+from eprt.quant.engine import LayerEngine, LayerWork, Pass
+from eprt.quant.sequences import LayerState, Schedule, Sequences
 from eprt.quant.quality import Probes, QualityReport
 
 
