@@ -17,7 +17,7 @@ from torch import nn
 from eprt.errors import ConfigError
 from eprt.families import Family, reader_for
 from eprt.layout import Layout, TensorSpec
-from eprt.parallel import ExpertPlacement
+from eprt.models.moe import held_experts
 from eprt.storage.checkpoint import Checkpoint
 
 
@@ -34,7 +34,7 @@ class ResolvedCheckpoint:
         """`ck` resolved for a model in `dtype` holding routed experts `expert_range` (default: all)."""
         c = ck.config
         fam = reader_for(c.model_type, ck.path)
-        first, count = expert_range or ExpertPlacement(c.num_experts).range
+        first, count = held_experts(expert_range, c.num_experts)
         if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
             raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {ck.path}")
         return cls(ck, fam, fam.layout(c), (first, count), dtype)
