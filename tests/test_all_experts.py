@@ -18,7 +18,7 @@ from eprt.models.layers import silu_mul
 from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.engine import LayerEngine
 from eprt.quant.sequences import Schedule
 from eprt.quant.passes import layer_passes
@@ -113,7 +113,7 @@ def args(ck: str, out: str, **kw) -> PTQArgs:
 def calibration_state(path: str) -> dict[str, torch.Tensor]:
     """Every expert's statistics of a calibrated checkpoint, by tensor name."""
     with Checkpoint(path) as ck:
-        return CalibrationState.read(ck).expert_tensors()
+        return CalibrationRecord.read(ck).expert_tensors()
 
 
 def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, caplog):

@@ -18,7 +18,7 @@ from eprt.hf.check_names import check_names
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
@@ -100,7 +100,7 @@ def test_the_mtp_experts_input_scales_come_from_the_mtp_calibration(calibrated):
     (not zero, not the last decoder layer's), and every expert's input_scale is the layer's max."""
     q, out = calibrated
     with Checkpoint(q) as ck:
-        state = CalibrationState.read(ck)
+        state = CalibrationRecord.read(ck)
     mtp_w13, mtp_w2 = state.expert_input_amax[f"{MTP}.mlp.experts"]
     last_w13, _ = state.expert_input_amax["model.layers.2.mlp.experts"]
     assert mtp_w13.max() > 0 and mtp_w2.max() > 0
@@ -237,7 +237,7 @@ def test_gptq_quantizes_the_mtp_layer_beside_all_experts_calibration(tiny, calib
     run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, q, algorithm="gptq", gptq_min_tokens=1,
                                             calibrate_all_experts=True, **CALIB))
     with Checkpoint(q) as c:
-        state = CalibrationState.read(c)
+        state = CalibrationRecord.read(c)
         assert c.quantization["calibration"]["all_experts"] is True
     assert f"{MTP}.mlp.experts" in state.gptq_experts and f"{MTP}.self_attn.o_proj" in state.gptq_dense
     out = export_hf(q, str(tmp_path / "q-hf"), progress=False)

@@ -25,7 +25,7 @@ from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
+from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
@@ -99,7 +99,7 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
     ref_model, q_model = load_model(ck, dtype=torch.float32), load_model(ck, dtype=torch.float32)
     with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
         recipe, targets = plan_recipe(base, "nvfp4", "fp8")
-        state = CalibrationState.read(calibrated)
+        state = CalibrationRecord.read(calibrated)
         cal = Calibrator(None, targets, kv=True)
         cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
             state.input_amax, state.expert_input_amax, state.expert_tokens, state.kv_amax)

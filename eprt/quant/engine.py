@@ -42,8 +42,9 @@ from torch import nn
 from eprt.kernels.cpu_workers import cpu_workers, for_each
 from eprt.models.deepseek_v3 import load_mtp
 from eprt.models.loader import meta_model
-from eprt.models.resolved import place_tensors
 from eprt.models.moe import MoE
+from eprt.models.resolved import place_tensors
+from eprt.parallel import ParallelState
 from eprt.progress import bar, logger
 from eprt.quant.sequences import LayerState, RoutedStep, Schedule, Sequences
 from eprt.storage.checkpoint import Checkpoint
@@ -95,7 +96,7 @@ class LayerWork:
     ticks: int = 0
 
     @property
-    def state(self):
+    def state(self) -> ParallelState:
         return self.engine.state
 
     def run(self, sequences: Sequences, ls: LayerState, *, write: bool = True,
@@ -158,7 +159,7 @@ class LayerEngine:
     """Calibrates one rank's share of `samples`, layer by layer, through `passes` (their order is
     their hooks'). Every rank of `state` runs it alike."""
 
-    def __init__(self, state, ck: Checkpoint, samples: torch.Tensor, passes: list[Pass], *, dtype: torch.dtype,
+    def __init__(self, state: ParallelState, ck: Checkpoint, samples: torch.Tensor, passes: list[Pass], *, dtype: torch.dtype,
                  schedule: Schedule, progress: bool = True):
         self.state, self.ck, self.samples, self.passes, self.dtype = state, ck, samples, passes, dtype
         self.progress = progress

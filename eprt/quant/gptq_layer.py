@@ -30,9 +30,10 @@ from eprt.families import reader_for
 from eprt.layout import TensorSpec
 from eprt.models.moe import Experts
 from eprt.models.taps import tapped
+from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.scales import EXPERT_KINDS, Scales, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
@@ -82,7 +83,7 @@ class GPTQResults:
         """Set GPTQ's weights (dequantized, under the export's scales from the original weights in
         `ck`) into `model`'s modules (routed experts: this rank's, the first global id
         `first_expert`); returns the modules set, for eprt.quant.preview.fake_quantize."""
-        scales = Scales.of_checkpoint(ck, formats, CalibrationState())
+        scales = Scales.of_checkpoint(ck, formats, CalibrationRecord())
         present = {name for name, _ in model.named_modules()}
         done = set()
         with torch.no_grad():
@@ -115,7 +116,7 @@ def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor)
 class GPTQRun:
     """What every layer's GPTQ shares: the run, the recipe, the results so far."""
 
-    def __init__(self, state, ck: Checkpoint, recipe, targets: list[str], *, dtype: torch.dtype, tokens: int,
+    def __init__(self, state: ParallelState, ck: Checkpoint, recipe, targets: list[str], *, dtype: torch.dtype, tokens: int,
                  min_tokens: int = DEFAULT_MIN_TOKENS):
         self.state, self.ck, self.recipe, self.dtype = state, ck, recipe, dtype
         self.formats = {m: recipe.format_of(m) for m in targets}
@@ -147,7 +148,7 @@ class LayerGPTQ:
         # this layer's routed token counts summed over the ranks, on copies
         tokens = {m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM)
                   for m in self.experts}
-        self.stats = CalibrationState(cal.input_amax, cal.expert_amax, tokens)
+        self.stats = CalibrationRecord(cal.input_amax, cal.expert_amax, tokens)
         self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]

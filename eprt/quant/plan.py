@@ -32,14 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
 from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.sequences import Schedule, own_sequences
 from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import EXPERT_STACK
+from eprt.quant.sequences import Schedule, own_sequences
+from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
 

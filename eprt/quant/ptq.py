@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from eprt.data import Calibration, calibration_samples, check_sources, parse_sources, read_calibration
 from eprt.errors import ConfigError
-from eprt.flags import flag
 from eprt.families import reader_for
+from eprt.flags import flag
 from eprt.models.loader import load_model, weight_bytes
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
@@ -27,20 +27,34 @@ from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.engine import LayerEngine
-from eprt.quant.sequences import group_tokens, own_sequences
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.fingerprint import (
+    agree_over_ranks,
+    check_base_read,
+    check_base_unchanged,
+    check_pins_as_start,
+    run_fingerprint,
+)
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
-from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
-                                    run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.passes import layer_passes
 from eprt.quant.passes.quality import QualityStreams
-from eprt.quant.plan import (MemoryPlan, Planner, RunShape, available_memory, check_host_memory, check_memory,
-                             current_rss, measured_peak, memory_in_use)
+from eprt.quant.plan import (
+    MemoryPlan,
+    Planner,
+    RunShape,
+    available_memory,
+    check_host_memory,
+    check_memory,
+    current_rss,
+    measured_peak,
+    memory_in_use,
+)
 from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
 from eprt.quant.scales import source_dtype
+from eprt.quant.sequences import group_tokens, own_sequences
 from eprt.quant.workdir import WorkDir, check_work_dir
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
