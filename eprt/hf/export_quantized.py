@@ -83,8 +83,10 @@ class QuantizedExport:
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
     def expert_row(self, name: str, e: int) -> torch.Tensor:
-        module = name.rsplit(".", 1)[0]
-        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read_expert(self.stacked[name], e))
+        module, spec = name.rsplit(".", 1)[0], self.stacked[name]
+        # an MTP layer's experts, which the checkpoint holds under their Hugging Face names: as their sources'
+        source = name if name in self.ck.tensors else spec.sources[0]
+        return as_quantized(self.ck, source, self.scales.formats[module], self.ck.read_expert(spec, e))
 
     # --- quantization -----------------------------------------------------------------------
     def quantized_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
@@ -160,7 +162,7 @@ class QuantizedExport:
     def tensors(self) -> list[OutTensor]:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
-        for t in source_tensors(self.ck, dequantize=True, per_expert=True):
+        for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         kv = kv_cache_format(self.recipe.kv_cache)
         if kv is not None:

@@ -41,13 +41,12 @@ from torch import nn
 
 from eprt.kernels.cpu_workers import cpu_workers, for_each
 from eprt.models.deepseek_v3 import load_mtp
-from eprt.models.loader import meta_model
+from eprt.models.loader import checked_meta
 from eprt.models.moe import MoE
-from eprt.models.resolved import place_tensors
+from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.progress import bar, logger
 from eprt.quant.sequences import LayerState, RoutedStep, Schedule, Sequences
-from eprt.storage.checkpoint import Checkpoint
 
 
 def cpu_threads(device: torch.device):
@@ -157,16 +156,15 @@ class Pass:
 
 class LayerEngine:
     """Calibrates one rank's share of `samples`, layer by layer, through `passes` (their order is
-    their hooks'). Every rank of `state` runs it alike."""
+    their hooks'), over checkpoint `rc` in its dtype. Every rank of `state` runs it alike."""
 
-    def __init__(self, state: ParallelState, ck: Checkpoint, samples: torch.Tensor, passes: list[Pass], *, dtype: torch.dtype,
+    def __init__(self, state: ParallelState, rc: ResolvedCheckpoint, samples: torch.Tensor, passes: list[Pass], *,
                  schedule: Schedule, progress: bool = True):
-        self.state, self.ck, self.samples, self.passes, self.dtype = state, ck, samples, passes, dtype
-        self.progress = progress
-        c = ck.config
-        self.expert_range = state.placement(c.num_experts).range if c.moe_layers else None
-        self.model, self.rc = meta_model(ck, self.expert_range, dtype)
-        ck.check_decode(dtype)  # an encoding this install cannot decode is refused before any read
+        self.state, self.samples, self.passes, self.progress = state, samples, passes, progress
+        self.ck, self.dtype, c = rc.ck, rc.dtype, rc.ck.config
+        self.rc = rc.holding(state.placement(c.num_experts).range if c.moe_layers else None)  # this rank's experts
+        self.model = checked_meta(self.rc)
+        self.ck.check_decode(self.dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
         self.names = list(self.model.state_dict())
         self.calibration = Sequences(state, schedule, c.num_experts_per_tok)

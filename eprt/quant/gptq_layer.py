@@ -20,15 +20,13 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from eprt.families import reader_for
-from eprt.layout import TensorSpec
 from eprt.models.moe import Experts
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger
@@ -116,9 +114,10 @@ def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor)
 class GPTQRun:
     """What every layer's GPTQ shares: the run, the recipe, the results so far."""
 
-    def __init__(self, state: ParallelState, ck: Checkpoint, recipe, targets: list[str], *, dtype: torch.dtype, tokens: int,
+    def __init__(self, state: ParallelState, rc: ResolvedCheckpoint, recipe, targets: list[str], *, tokens: int,
                  min_tokens: int = DEFAULT_MIN_TOKENS):
-        self.state, self.ck, self.recipe, self.dtype = state, ck, recipe, dtype
+        self.state, self.rc, self.recipe = state, rc, recipe
+        self.ck, self.dtype = rc.ck, rc.dtype
         self.formats = {m: recipe.format_of(m) for m in targets}
         self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
         self.tokens, self.min_tokens = tokens, min_tokens  # tokens: every dense Linear's rows, over the run
@@ -126,13 +125,6 @@ class GPTQRun:
 
     def uses_gptq(self, module: str) -> bool:
         return self.recipe.algorithm_of(module) == ALGORITHM
-
-    @functools.cached_property
-    def mtp_stacked(self) -> dict[str, TensorSpec]:
-        """The stacked tensors of the multi-token-prediction layers, which convert carries through
-        under their Hugging Face names (read expert by expert from their source tensors)."""
-        c = self.ck.config
-        return {s.name: s for s in reader_for(c.model_type, self.ck.path).layout(c).mtp if s.stacked}
 
 
 class LayerGPTQ:
@@ -162,11 +154,11 @@ class LayerGPTQ:
         """Original weight `name` of `module` (or its rows), as the export quantizes it."""
         ck = self.run.ck
         if rows is not None and name not in ck.tensors:  # an MTP layer's experts
-            spec = self.run.mtp_stacked[name]
+            spec = self.run.rc.mtp_stacked[name]
             w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
         else:
             w = ck.read(name, rows)
-        return as_quantized(ck, name, self.run.formats[module], w)
+        return as_quantized(ck, self.run.rc.source_tensor(name), self.run.formats[module], w)
 
     @property
     def needs_hessians(self) -> bool:

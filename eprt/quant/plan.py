@@ -203,15 +203,16 @@ class Planner:
     workers: int = 1
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
+    def of(cls, rc: ResolvedCheckpoint, device: torch.device, targets=(), mtp: bool = False,
            gptq: Mapping[str, str] | None = None) -> Planner:
-        """`targets`: the modules the recipe quantizes (the quality report copies their weights);
+        """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
         for none."""
         hessians: dict[int, list[tuple[int, int, bool]]] | None = {} if gptq is not None else None
-        rc = ResolvedCheckpoint.of(ck, dtype)
+        rc = rc.holding(None)  # every expert: the plan divides them over the ep degree itself
+        ck, dtype = rc.ck, rc.dtype
         model, stacked = checked_meta(rc), rc.stacked
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}

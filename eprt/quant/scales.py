@@ -19,7 +19,6 @@ from typing import Callable, Mapping
 
 import torch
 
-from eprt.families import reader_for
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.fusion import siblings
@@ -104,18 +103,10 @@ class Scales:
 def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
     """Weight `name` of `ck` as format `fmt` quantizes it: one that rounds the quotient to the
     weight's dtype first (FP8) gets the source's dtype, as the source is held when loaded as it is,
-    whatever dtype eprt converted it to."""
-    return w.to(source_dtype(ck, name)) if weight_format(fmt).rounds_in_weight_dtype else w
-
-
-def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
-    """The dtype the source holds tensor `name` in; a stacked tensor of a multi-token-prediction
-    layer, which convert carries through under its Hugging Face names (`Layout.mtp`): its
-    experts' source tensors'."""
-    if name in ck.tensors:
-        return ck.meta(name).source_dtype
-    spec = next(s for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).mtp if s.name == name)
-    return ck.meta(spec.sources[0]).source_dtype
+    whatever dtype eprt converted it to. A multi-token-prediction layer's stacked experts, which
+    convert carries through under their Hugging Face names, are named by a source tensor of theirs
+    (eprt.models.resolved.ResolvedCheckpoint.source_dtype)."""
+    return w.to(ck.meta(name).source_dtype) if weight_format(fmt).rounds_in_weight_dtype else w
 
 
 def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
