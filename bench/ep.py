@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eprt  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.loader import weight_bytes  # noqa: E402
+from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
@@ -94,8 +95,8 @@ def rank_run(ck: str, ep: int, ids: torch.Tensor, dtype_name: str, iters: int) -
                 model(mine)
                 times.append(time.perf_counter() - start)
         peak = peak_rss()
-        dense, experts = weight_bytes(Checkpoint(ck), dtype=dtype,
-                                      expert_range=state.placement(model.config.num_experts).range)
+        dense, experts = weight_bytes(ResolvedCheckpoint.of(Checkpoint(ck), dtype,
+                                                         state.placement(model.config.num_experts).range))
     return {"times": times[1:], "peak": peak - before, "activations": max(0, peak - loaded),
             "dense": dense, "experts": experts}
 

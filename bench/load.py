@@ -32,6 +32,7 @@ from bench.ep import peak_rss, reset_peak, rss  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.loader import weight_bytes  # noqa: E402
+from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
@@ -69,7 +70,7 @@ def rank_load(ck: str, ep: int) -> dict:
         peak = peak_rss() - before
         c = model.config
         first, count = state.placement(c.num_experts).range
-        dense, experts = weight_bytes(Checkpoint(ck), dtype=torch.bfloat16, expert_range=(first, count))
+        dense, experts = weight_bytes(ResolvedCheckpoint.of(Checkpoint(ck), torch.bfloat16, (first, count)))
         layer = count * 3 * c.moe.intermediate_size * c.hidden_size * 2
     return {"import": imported, "seconds": seconds, "peak": peak, "held": dense + experts, "layer": layer}
 

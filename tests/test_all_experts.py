@@ -16,12 +16,14 @@ from eprt.hf.export import export_hf
 from eprt.kernels import unit_act, unit_mlp
 from eprt.models.layers import silu_mul
 from eprt.models.moe import MoE
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import CalibrationState
-from eprt.quant.engine import LayerEngine, Schedule
+from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.engine import LayerEngine
 from eprt.quant.passes import layer_passes
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.sequences import Schedule
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
@@ -43,7 +45,8 @@ def calibrate(ck_dir: str, samples: torch.Tensor, all_experts: bool):
         targets = reader_for(ck.config.model_type, ck_dir).layout(ck.config).linear_modules()
         cal = Calibrator(None, targets, kv=True, all_experts=all_experts)
         with torch.inference_mode():
-            engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(cal), dtype=torch.float32,
+            rc = ResolvedCheckpoint.of(ck, torch.float32)
+            engine = LayerEngine(ParallelState.single("cpu"), rc, samples, layer_passes(cal),
                                  schedule=Schedule.of(N, T, 1, group_tokens=T), progress=False)
             return cal, engine.run(0, engine.embed()).hidden
 
@@ -109,10 +112,10 @@ def args(ck: str, out: str, **kw) -> PTQArgs:
                                         "calibrate_all_experts": True, **kw})
 
 
-def calibration_state(path: str) -> dict[str, torch.Tensor]:
+def calibration_record(path: str) -> dict[str, torch.Tensor]:
     """Every expert's statistics of a calibrated checkpoint, by tensor name."""
     with Checkpoint(path) as ck:
-        return CalibrationState.read(ck).expert_tensors()
+        return CalibrationRecord.read(ck).expert_tensors()
 
 
 def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, caplog):
@@ -123,17 +126,17 @@ def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, 
     run_world(_calibrate, 2, ckpt, str(tmp_path), 2, free_port(), timeout=200)
     run_world(_calibrate, 2, ckpt, str(tmp_path), 1, free_port(), timeout=200)
     ref = export_hf(str(tmp_path / "w1-ep1"), str(tmp_path / "export-w1-ep1"), progress=False)
-    state = calibration_state(str(tmp_path / "w1-ep1"))
+    record = calibration_record(str(tmp_path / "w1-ep1"))
     for other in ("chunk1", "w2-ep2", "w2-ep1"):
         assert same_files(ref, export_hf(str(tmp_path / other), str(tmp_path / f"export-{other}"), progress=False)), other
         # the export keeps only the layer's largest expert amax: every expert's must agree too
-        got = calibration_state(str(tmp_path / other))
-        assert got.keys() == state.keys() and all(torch.equal(got[n], t) for n, t in state.items()), other
+        got = calibration_record(str(tmp_path / other))
+        assert got.keys() == record.keys() and all(torch.equal(got[n], t) for n, t in record.items()), other
 
     # the switch is recorded with the calibration, and the coverage report gives both counts
     with Checkpoint(str(tmp_path / "w1-ep1")) as ck:
         assert ck.quantization["calibration"]["all_experts"] is True
-    amax = [t for n, t in state.items() if n.endswith("_input_amax")]
+    amax = [t for n, t in record.items() if n.endswith("_input_amax")]
     assert amax and all((t > 0).all() for t in amax)
     assert len(coverage) == len(amax) // 2
     assert all(f"tokens per expert min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage

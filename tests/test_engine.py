@@ -11,10 +11,12 @@ from eprt.hf.convert import convert_hf
 from eprt.kernels.grouped_gemm import grouped_mm_loop, unit_mlp
 from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Pass, Schedule, own_sequences
+from eprt.quant.engine import LayerEngine, Pass
 from eprt.quant.passes import layer_passes
+from eprt.quant.sequences import Schedule, own_sequences
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 
@@ -44,8 +46,8 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
         model(samples)
     layered = Calibrator(None, names, kv=True)
     with Checkpoint(ckpt) as ck, torch.inference_mode():
-        engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(layered), dtype=torch.float32,
-                             schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
+        engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
+                             layer_passes(layered), schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
         engine.run(0, engine.embed())
     assert layered.input_amax.keys() == whole.input_amax.keys() and whole.input_amax
     for name, amax in whole.input_amax.items():
@@ -134,9 +136,9 @@ def test_a_pass_sees_each_layer_through_its_hooks_in_order_and_changes_nothing_i
     outs, recording = [], Recording()
     with Checkpoint(ck_dir) as ck, torch.inference_mode():
         for extra in ([], [recording]):
-            engine = LayerEngine(ParallelState.single("cpu"), ck, samples,
+            engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
                                  layer_passes(Calibrator(None, targets(ck_dir), kv=True)) + extra,
-                                 dtype=torch.float32, schedule=Schedule.of(3, 8, 2, group_tokens=8), progress=False)
+                                 schedule=Schedule.of(3, 8, 2, group_tokens=8), progress=False)
             outs.append(engine.run(0, engine.embed()).hidden)
         layers = range(ck.config.num_layers)
     assert torch.equal(*outs)

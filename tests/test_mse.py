@@ -19,8 +19,9 @@ from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_mse_scale, fp8_scale
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.preview import fake_quantize
@@ -194,8 +195,8 @@ def test_the_preview_fake_quantizes_with_the_exported_mse_scales(qwen, recipe, e
     """--preview's model holds, for every quantized weight, the export's dequantized mse weight."""
     q, out = exports["mse"]
     with Checkpoint(q) as ck:
-        rec, targets = plan_recipe(ck, recipe, algorithm="mse")
-        st = CalibrationState.read(ck)
+        rec, targets = plan_recipe(ResolvedCheckpoint.of(ck, torch.float32), recipe, algorithm="mse")
+        st = CalibrationRecord.read(ck)
     cal = SimpleNamespace(input_amax=st.input_amax, expert_amax=st.expert_input_amax, expert_tokens=st.expert_tokens,
                           kv_amax=st.kv_amax)
     model = eprt.load_model(qwen, dtype=torch.bfloat16)

@@ -16,13 +16,14 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.deepseek_v3 import load_mtp  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.loader import load_model  # noqa: E402
+from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.calibrate import Calibrator  # noqa: E402
-from eprt.quant.engine import LayerEngine, Schedule  # noqa: E402
+from eprt.quant.engine import LayerEngine  # noqa: E402
 from eprt.quant.passes import layer_passes  # noqa: E402
+from eprt.quant.sequences import Schedule  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
@@ -129,8 +130,8 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
         whole.observe(mtp, f"model.layers.{LAYERS}.")
         mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
         layered = Calibrator(None, names, kv=True)
-        engine = LayerEngine(ParallelState.single("cpu"), ck, samples, layer_passes(layered), dtype=torch.float32,
-                             schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
+        engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
+                             layer_passes(layered), schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
         engine.run(0, engine.embed())
     assert set(whole.input_amax) == set(names) - {f"model.layers.{LAYERS}.mlp.experts"}
     for name, amax in whole.input_amax.items():

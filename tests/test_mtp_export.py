@@ -17,8 +17,9 @@ from eprt.hf.check_export import check_export
 from eprt.hf.check_names import check_names
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
@@ -100,9 +101,9 @@ def test_the_mtp_experts_input_scales_come_from_the_mtp_calibration(calibrated):
     (not zero, not the last decoder layer's), and every expert's input_scale is the layer's max."""
     q, out = calibrated
     with Checkpoint(q) as ck:
-        state = CalibrationState.read(ck)
-    mtp_w13, mtp_w2 = state.expert_input_amax[f"{MTP}.mlp.experts"]
-    last_w13, _ = state.expert_input_amax["model.layers.2.mlp.experts"]
+        record = CalibrationRecord.read(ck)
+    mtp_w13, mtp_w2 = record.expert_input_amax[f"{MTP}.mlp.experts"]
+    last_w13, _ = record.expert_input_amax["model.layers.2.mlp.experts"]
     assert mtp_w13.max() > 0 and mtp_w2.max() > 0
     assert not torch.equal(mtp_w13, last_w13)
     got = tensors(out)
@@ -166,7 +167,7 @@ def test_deepseek_v32s_mtp_is_refused_by_name(tmp_path):
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     with pytest.raises(RecipeError, match=r"mtp: true.*does not run this model's multi-token-prediction layers "
                                           r"\(model\.layers\.\d+.*remove `mtp: true`"), Checkpoint(ck) as c:
-        plan_recipe(c, RECIPE)
+        plan_recipe(ResolvedCheckpoint.of(c, torch.bfloat16), RECIPE)
 
 
 def test_mtp_recipes_that_cannot_mean_it_are_refused(tiny, tmp_path):
@@ -176,7 +177,7 @@ def test_mtp_recipes_that_cannot_mean_it_are_refused(tiny, tmp_path):
     only_decoder.write_text('quantize:\n  - {pattern: "model.layers.[0-2].*", format: fp8}\nmtp: true\n')
     with pytest.raises(RecipeError, match=rf"quantizes no module of the multi-token-prediction layer {MTP}"), \
             Checkpoint(ck) as c:
-        plan_recipe(c, str(only_decoder))
+        plan_recipe(ResolvedCheckpoint.of(c, torch.bfloat16), str(only_decoder))
     with pytest.raises(ConfigError, match=r"mtp 'yes'; write true"):
         parse_recipe({"quantize": [{"pattern": "*", "format": "fp8"}], "mtp": "yes"}, "r.yaml")
 
@@ -201,8 +202,8 @@ def test_the_memory_plan_prices_the_mtp_layer_a_recipe_runs(tiny):
             if n.startswith(MTP + ".")}
     experts = sum(v for n, v in size.items() if ".experts." in n)
     with Checkpoint(ck) as c:
-        plain = Planner.of(c, torch.bfloat16, torch.device("cpu"))
-        planned = Planner.of(c, torch.bfloat16, torch.device("cpu"), mtp=True)
+        plain = Planner.of(ResolvedCheckpoint.of(c, torch.bfloat16), torch.device("cpu"))
+        planned = Planner.of(ResolvedCheckpoint.of(c, torch.bfloat16), torch.device("cpu"), mtp=True)
     for ep in (1, 2):
         assert planned._layer(ep)[0] == sum(size.values()) - experts + experts // ep
         assert plain._layer(ep)[0] < planned._layer(ep)[0]
@@ -237,9 +238,9 @@ def test_gptq_quantizes_the_mtp_layer_beside_all_experts_calibration(tiny, calib
     run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, q, algorithm="gptq", gptq_min_tokens=1,
                                             calibrate_all_experts=True, **CALIB))
     with Checkpoint(q) as c:
-        state = CalibrationState.read(c)
+        record = CalibrationRecord.read(c)
         assert c.quantization["calibration"]["all_experts"] is True
-    assert f"{MTP}.mlp.experts" in state.gptq_experts and f"{MTP}.self_attn.o_proj" in state.gptq_dense
+    assert f"{MTP}.mlp.experts" in record.gptq_experts and f"{MTP}.self_attn.o_proj" in record.gptq_dense
     out = export_hf(q, str(tmp_path / "q-hf"), progress=False)
     assert check_export(out, hf) == []
     got, plain = tensors(out), tensors(calibrated[1])

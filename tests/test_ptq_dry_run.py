@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from eprt.commands.ptq import size
 from eprt.hf.convert import convert_hf
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.ptq import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -122,7 +124,7 @@ def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
     assert m, line
     assert (m.group(1), m.group(2)) == (row[7], row[8])
     with Checkpoint(ck8) as ck:  # every weight of every Linear the recipe quantizes
-        _, targets = plan_recipe(ck, "nvfp4")
+        _, targets = plan_recipe(ResolvedCheckpoint.of(ck, torch.float32), "nvfp4")
         weights = sum(math.prod(ck.meta(n).shape) for n in ck.names() if n.rpartition(".")[0] in targets)
     assert m.group(3) == size(weights // 2)
 

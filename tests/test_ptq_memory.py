@@ -16,6 +16,7 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.ptq import plan_recipe
 from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
@@ -79,7 +80,7 @@ def test_a_run_over_max_memory_is_refused_before_loading_naming_what_fits(ckpt, 
 
 def test_the_refusal_names_the_smallest_ep_and_the_largest_calib_size_that_fit(ckpt):
     with Checkpoint(ckpt) as ck:
-        planner = Planner.of(ck, torch.float32, torch.device("cpu"))
+        planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
 
         def shape(ep, n):
             return RunShape(rank=0, world=4, ep=ep, num_sequences=n, seq_len=256, step_sequences=4, group_tokens=512)
@@ -100,8 +101,9 @@ def test_the_refusal_names_the_smallest_ep_and_the_largest_calib_size_that_fit(c
 
 def gptq_planner(ck: Checkpoint, fmt: str, device: str) -> Planner:
     """The plan of a recipe that runs GPTQ in `fmt` on every Linear it quantizes."""
-    _, targets = plan_recipe(ck, fmt)
-    return Planner.of(ck, torch.float32, torch.device(device), targets, gptq={m: fmt for m in targets})
+    rc = ResolvedCheckpoint.of(ck, torch.float32)
+    _, targets = plan_recipe(rc, fmt)
+    return Planner.of(rc, torch.device(device), targets, gptq={m: fmt for m in targets})
 
 
 def test_gptq_codes_are_planned_at_their_formats_size_on_the_device_or_on_the_host(ckpt):
@@ -109,7 +111,7 @@ def test_gptq_codes_are_planned_at_their_formats_size_on_the_device_or_on_the_ho
     a GPU rank on the host, beside the process (not on the device)."""
     shape = RunShape(rank=0, world=2, ep=2, num_sequences=16, seq_len=64, step_sequences=2, group_tokens=512)
     with Checkpoint(ckpt) as ck:
-        _, targets = plan_recipe(ck, "fp8")
+        _, targets = plan_recipe(ResolvedCheckpoint.of(ck, torch.float32), "fp8")
         dense = sum(math.prod(ck.meta(n).shape) for n in ck.names()
                     if n.rpartition(".")[0] in targets and not n.endswith(("w13", "w2")))
         experts = sum(math.prod(ck.meta(n).shape) for n in ck.names()

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eprt.errors import EprtError
+from eprt.families import Family
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -101,3 +102,13 @@ def test_a_calibrated_checkpoint_is_not_calibrated_again(qwen, tmp_path):
     with pytest.raises(EprtError, match="already calibrated; run PTQ on the unquantized checkpoint"):
         run_ptq(ParallelState.single(), PTQArgs(str(tmp_path / "q"), "fp8", str(tmp_path / "q2"), calib_size=2,
                                                 seq_len=8, progress=False))
+
+
+def test_a_run_resolves_its_checkpoint_once(qwen, tmp_path, monkeypatch):
+    """The recipe, the memory plan, the engine, GPTQ, the quality report and the preview all read
+    the one resolution of the checkpoint the run made at its start."""
+    calls, layout = [], Family.layout
+    monkeypatch.setattr(Family, "layout", lambda self, c: calls.append(self.name) or layout(self, c))
+    run_ptq(ParallelState.single(), PTQArgs(qwen, "fp8", str(tmp_path / "q"), algorithm="gptq", preview="Hello",
+                                            calib_size=2, seq_len=8, eval_size=2, progress=False))
+    assert calls == ["qwen3_moe"]

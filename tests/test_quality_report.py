@@ -21,11 +21,12 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.layers import GatedMLP
 from eprt.models.loader import load_model
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import QUALITY_FILE, CalibrationState
+from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.preview import fake_quantize
@@ -95,14 +96,14 @@ def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_
 
 def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
     """The numbers computed directly: the whole model unquantized, and fake-quantized with the
-    calibrated checkpoint's state (eprt.quant.preview), over the held-out ids at once."""
+    calibrated checkpoint's record (eprt.quant.preview), over the held-out ids at once."""
     ref_model, q_model = load_model(ck, dtype=torch.float32), load_model(ck, dtype=torch.float32)
     with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
-        recipe, targets = plan_recipe(base, "nvfp4", "fp8")
-        state = CalibrationState.read(calibrated)
+        recipe, targets = plan_recipe(ResolvedCheckpoint.of(base, torch.float32), "nvfp4", "fp8")
+        record = CalibrationRecord.read(calibrated)
         cal = Calibrator(None, targets, kv=True)
         cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
-            state.input_amax, state.expert_input_amax, state.expert_tokens, state.kv_amax)
+            record.input_amax, record.expert_input_amax, record.expert_tokens, record.kv_amax)
         fake_quantize(q_model, targets, recipe, cal, ParallelState.single("cpu"),
                       source_dtype=lambda name: base.meta(name).source_dtype)
     # the keys and values attention consumes are on the FP8 grid of the export's k/v scales

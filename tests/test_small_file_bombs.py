@@ -21,6 +21,7 @@ from eprt.data import calibration_samples
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.plan import Planner, RunShape, check_memory
 from eprt.units import parse_size
 from eprt.quant.recipe import load_recipe
@@ -266,7 +267,7 @@ def test_a_truncated_tokenizer_json_is_refused_naming_it(tmp_path):
 def test_a_seq_len_too_long_for_memory_is_refused_naming_the_longest_that_fits(ckpt):
     seq_len, limit = 5 * 10**7, parse_size("512MiB")
     with Checkpoint(ckpt) as ck:
-        planner = Planner.of(ck, torch.float32, torch.device("cpu"))
+        planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
 
         def plan(T):
             return planner.plan(RunShape(rank=0, world=1, ep=1, num_sequences=64, seq_len=T, step_sequences=1,

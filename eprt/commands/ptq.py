@@ -22,10 +22,10 @@ from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
 from eprt.models.loader import open_checkpoint, weight_bytes
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.ptq import (RUN_DTYPES, PTQArgs, gptq_formats, plan_recipe, ranks_on_this_host, run_ptq,
-                            run_shape)
+from eprt.quant.ptq import RUN_DTYPES, PTQArgs, gptq_formats, plan_recipe, ranks_on_this_host, run_ptq, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
@@ -53,8 +53,9 @@ def ptq() -> int:
         if a.dry_run:
             # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
             # layers and counts GPTQ's Hessians
-            recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
-            dry_run(state, ck, a, targets, mtp=bool(recipe and recipe.mtp),
+            rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
+            recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
+            dry_run(state, rc, a, targets, mtp=bool(recipe and recipe.mtp),
                     gptq=gptq_formats(recipe, targets) if recipe else None)
             return 0
         run_ptq(state, a, ck=ck)
@@ -76,7 +77,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
+def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
             gptq: dict[str, str] | None = None) -> None:
     """Every rank works out its own share and memory plan from the manifest, for ranks on
     --device (default its own; with the MTP layers when the recipe runs them, GPTQ's Hessians and
@@ -84,13 +85,12 @@ def dry_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str]
     --max-host-memory, or what this machine has free when the plan is for it); rank 0 prints them
     all, with its own plan's terms."""
     with fail_together(state, "planning the layout"):
-        c = ck.config
-        dtype = RUN_DTYPES[a.dtype]
+        ck, c, dtype = rc.ck, rc.ck.config, rc.dtype
         device = torch.device(a.device) if a.device else state.device
         here = device.type == state.device.type  # planning this machine's ranks, not another's
         held = state.placement(c.num_experts).range
-        dense, experts = weight_bytes(ck, dtype=dtype, expert_range=held if c.moe_layers else None)
-        planner = Planner.of(ck, dtype, device, targets, mtp=mtp, gptq=gptq)
+        dense, experts = weight_bytes(rc.holding(held if c.moe_layers else None))
+        planner = Planner.of(rc, device, targets, mtp=mtp, gptq=gptq)
         shape = run_shape(a, state, c)
         limit = a.max_memory or (available_memory(device) if here else None)
         plan = planner.plan(shape, memory_in_use(device) if here else 0, host_baseline=current_rss(), limit=limit)

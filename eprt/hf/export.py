@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from eprt.errors import ConfigError, EprtError
+from eprt.families import reader_for
 from eprt.hf.check_export import check_export
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.hf.export_quantized import QuantizedExport
@@ -123,7 +124,11 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
     with ck:
         refuse_inapplicable(ck, fmt, dequantize)
         exp = QuantizedExport(ck, fmt or "modelopt") if ck.quantization is not None else None
-        tensors = exp.tensors() if exp else list(source_tensors(ck, dequantize=dequantize))
+        if exp is not None:  # it resolved the checkpoint's layout: the export's one resolution
+            tensors = exp.tensors()
+        else:
+            layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
+            tensors = list(source_tensors(ck, layout, dequantize=dequantize))
 
         def write(tmp: str) -> None:
             write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress,

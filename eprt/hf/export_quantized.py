@@ -22,7 +22,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat
 from eprt.quant.formats.base import CT_SCALAR
@@ -68,9 +68,9 @@ class QuantizedExport:
         # decoder's (their Linears quantized or excluded by name); the others travel through whole.
         self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
-        self.state = CalibrationState.read(ck)
+        self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
-        self.scales = Scales.of_checkpoint(ck, formats, self.state,
+        self.scales = Scales.of_checkpoint(ck, formats, self.record,
                                            {m: self.recipe.algorithm_of(m) for m in self.quantized})
         self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
                         for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
@@ -83,8 +83,10 @@ class QuantizedExport:
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
     def expert_row(self, name: str, e: int) -> torch.Tensor:
-        module = name.rsplit(".", 1)[0]
-        return as_quantized(self.ck, name, self.scales.formats[module], self.ck.read_expert(self.stacked[name], e))
+        module, spec = name.rsplit(".", 1)[0], self.stacked[name]
+        # an MTP layer's experts, which the checkpoint holds under their Hugging Face names: as their sources'
+        source = name if name in self.ck.tensors else spec.sources[0]
+        return as_quantized(self.ck, source, self.scales.formats[module], self.ck.read_expert(spec, e))
 
     # --- quantization -----------------------------------------------------------------------
     def quantized_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
@@ -113,8 +115,8 @@ class QuantizedExport:
             pieces = [self.scales.quantize_weight(module, p, scale) for p in w.chunk(self.stacked[name].per_row)]
             return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
         out = self.scales.quantize_weight(module, w, scale)
-        if module in self.state.gptq_experts:  # GPTQ's codes, under the same scales
-            out["weight"] = self.state.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
+        if module in self.record.gptq_experts:  # GPTQ's codes, under the same scales
+            out["weight"] = self.record.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
         return out
 
     @functools.lru_cache(maxsize=2)
@@ -133,8 +135,8 @@ class QuantizedExport:
         w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
         out = {"input_scale": self.scales.input_scale(module),
                **self.scales.quantize_weight(module, w, self.scales.weight_scale(module))}
-        if module in self.state.gptq_dense:  # GPTQ's codes, under the same scales
-            out["weight"] = self.state.read_gptq(self.ck, module)
+        if module in self.record.gptq_dense:  # GPTQ's codes, under the same scales
+            out["weight"] = self.record.read_gptq(self.ck, module)
         return out
 
     def format_of(self, hf_weight: str) -> WeightFormat:
@@ -164,11 +166,11 @@ class QuantizedExport:
     def tensors(self) -> list[OutTensor]:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
-        for t in source_tensors(self.ck, dequantize=True, per_expert=True):
+        for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         kv = kv_cache_format(self.recipe.kv_cache)
         if kv is not None:
-            for attn, amax in sorted(self.state.kv_amax.items()):
+            for attn, amax in sorted(self.record.kv_amax.items()):
                 for kind, a in zip("kv", amax):
                     if self.target == ct.NAME:
                         out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, CT_SCALAR,

@@ -9,8 +9,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from eprt.families import reader_for
-from eprt.layout import TensorSpec
+from eprt.layout import Layout, TensorSpec
 from eprt.storage.checkpoint import Checkpoint, TensorMeta
 from eprt.storage.safetensors_io import SafetensorsFile
 
@@ -29,8 +28,10 @@ class OutTensor:
         return self.dtype.itemsize * math.prod(self.shape)
 
 
-def source_tensors(ck: Checkpoint, *, dequantize: bool = False, per_expert: bool = False) -> Iterator[OutTensor]:
-    """Every source tensor under its Hugging Face name and dtype, stacked experts split back.
+def source_tensors(ck: Checkpoint, layout: Layout, *, dequantize: bool = False,
+                   per_expert: bool = False) -> Iterator[OutTensor]:
+    """Every source tensor of `ck` (whose tensor layout is `layout`) under its Hugging Face name and
+    dtype, stacked experts split back.
 
     Only the source's tensors (roles `model` and `passthrough`): a calibrated checkpoint's
     calibration state (amax, expert token counts) is eprt's own, no engine loads it, and the
@@ -42,7 +43,6 @@ def source_tensors(ck: Checkpoint, *, dequantize: bool = False, per_expert: bool
 
     Routed experts the source held fused (one tensor per projection) are written back fused,
     unless `per_expert` (the quantized export: engines load quantized experts per expert)."""
-    layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
     specs = {s.name: s for s in layout.specs}
     if dequantize:
         ck.check_decode(role=None)

@@ -11,10 +11,9 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
-from eprt.models.moe import Experts, MoE
+from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.router import SigmoidGroupRouter
-from eprt.parallel.placement import ExpertPlacement
 
 
 def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Module:
@@ -23,7 +22,7 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     if not c.is_moe(i):
         return GatedMLP(c.hidden_size, c.intermediate_size)
     m = c.moe
-    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    first, count = held_experts(expert_range, m.num_experts)
     I = m.intermediate_size
     gate = SigmoidGroupRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.n_group,
                               m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)

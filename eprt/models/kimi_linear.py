@@ -17,9 +17,8 @@ from eprt.models.decoder import CausalLM, Embedding
 from eprt.models.kda import KimiDeltaAttention
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiTU, silu_mul
 from eprt.models.mla import MLAttention
-from eprt.models.moe import Experts, LatentMoE, MoE
+from eprt.models.moe import Experts, LatentMoE, MoE, held_experts
 from eprt.models.router import SigmoidGroupRouter
-from eprt.parallel.placement import ExpertPlacement
 
 
 def activation(c: ModelConfig):
@@ -37,7 +36,7 @@ def attention(c: ModelConfig, i: int) -> nn.Module:
 
 def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
     m = c.moe
-    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    first, count = held_experts(expert_range, m.num_experts)
     D, I, Z = c.hidden_size, m.intermediate_size, m.latent_size
     gate = SigmoidGroupRouter(m.num_experts, D, m.num_experts_per_tok, m.n_group, m.topk_group,
                               m.norm_topk_prob, m.routed_scaling_factor)

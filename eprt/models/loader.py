@@ -35,17 +35,24 @@ def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: st
     if parallel is None:
         ck = Checkpoint(ckpt_dir)
         try:
-            return _load(ck, dtype, device or "cpu", expert_range)
+            return _load(ResolvedCheckpoint.of(ck, dtype, expert_range), device or "cpu")
         finally:
             ck.close()
     if expert_range is not None:
         raise ValueError("pass expert_range or parallel, not both: a parallel load holds state.expert_range")
     ck = open_checkpoint(ckpt_dir, parallel)
     try:
-        with fail_together(parallel, "loading the checkpoint"):
-            model = _load(ck, dtype, device or parallel.device, parallel.placement(ck.config.num_experts).range)
+        return load_parallel(ResolvedCheckpoint.of(ck, dtype), parallel, device)
     finally:
         ck.close()
+
+
+def load_parallel(rc: ResolvedCheckpoint, parallel: ParallelState,
+                  device: str | torch.device | None = None) -> CausalLM:
+    """`load_model(..., parallel=parallel)` of a checkpoint already open and resolved (in its dtype):
+    this rank's experts, on `device` (default: the rank's), with an `EPDispatcher(parallel)`."""
+    with fail_together(parallel, "loading the checkpoint"):
+        model = _load(rc.holding(parallel.placement(rc.ck.config.num_experts).range), device or parallel.device)
     model.set_dispatcher(lambda layer, block: EPDispatcher(parallel))
     return model
 
@@ -68,10 +75,9 @@ def open_checkpoint(ckpt_dir: str, parallel: ParallelState) -> Checkpoint:
     return ck
 
 
-def weight_bytes(ck: Checkpoint, *, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(dense, routed experts): bytes of the weights `load_model` holds for `expert_range`, in
-    `dtype` as it loads them, from the manifest alone (no weight is read)."""
-    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
+def weight_bytes(rc: ResolvedCheckpoint) -> tuple[int, int]:
+    """(dense, routed experts): bytes of the weights `load_model` holds for `rc`'s experts, in its
+    dtype as it loads them, from the manifest alone (no weight is read)."""
     model = build_meta(rc)
     dense = experts = 0
     for name, t in model.state_dict().items():
@@ -91,26 +97,18 @@ def build_meta(rc: ResolvedCheckpoint) -> CausalLM:
     return model
 
 
-def _load(ck: Checkpoint, dtype, device, expert_range) -> CausalLM:
-    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
+def _load(rc: ResolvedCheckpoint, device: str | torch.device) -> CausalLM:
     model = build_meta(rc)
     wanted = model.state_dict()
     _check_tensors(rc, wanted)
-    ck.check_decode(dtype)
+    rc.ck.check_decode(rc.dtype)
     place_tensors(rc, model, list(wanted), device=device)
     return model
 
 
-def meta_model(ck: Checkpoint, expert_range: tuple[int, int] | None,
-               dtype: torch.dtype) -> tuple[CausalLM, ResolvedCheckpoint]:
-    """The model on the meta device, checked against the checkpoint's tensors (nothing is read),
-    and the checkpoint resolved for it: `place_tensors` then fills any part of it."""
-    rc = ResolvedCheckpoint.of(ck, dtype, expert_range)
-    return checked_meta(rc), rc
-
-
 def checked_meta(rc: ResolvedCheckpoint) -> CausalLM:
-    """The model of `rc` on the meta device, checked against the checkpoint's tensors (nothing is read)."""
+    """The model of `rc` on the meta device, checked against the checkpoint's tensors (nothing is
+    read): `place_tensors(rc, ...)` then fills any part of it."""
     model = build_meta(rc)
     _check_tensors(rc, model.state_dict())
     return model

@@ -15,6 +15,12 @@ from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
 from eprt.models.layers import Linear, RMSNorm, silu_mul
 from eprt.models.taps import ExpertsTaps
+from eprt.parallel.placement import ExpertPlacement
+
+
+def held_experts(expert_range: tuple[int, int] | None, num_experts: int) -> tuple[int, int]:
+    """(first, count) of the routed experts a model holds: `expert_range`, or (no range given) all of them."""
+    return expert_range or ExpertPlacement(num_experts).range
 
 
 class Experts(nn.Module):

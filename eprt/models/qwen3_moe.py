@@ -6,14 +6,13 @@ from eprt.config import ModelConfig
 from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer
 from eprt.models.layers import GatedMLP
-from eprt.models.moe import Experts, MoE
+from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.router import SoftmaxRouter
-from eprt.parallel.placement import ExpertPlacement
 
 
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        first, count = expert_range or ExpertPlacement(c.num_experts).range
+        first, count = held_experts(expert_range, c.num_experts)
 
         def mlp(i: int):
             if not c.is_moe(i):

@@ -16,9 +16,8 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, Decoder
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.layers import GatedMLP, ZeroCenteredRMSNorm
-from eprt.models.moe import Experts, GatedSharedExpertMoE
+from eprt.models.moe import Experts, GatedSharedExpertMoE, held_experts
 from eprt.models.router import SoftmaxRouter
-from eprt.parallel.placement import ExpertPlacement
 
 
 def mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Module:
@@ -26,7 +25,7 @@ def mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Modu
     if not c.is_moe(i):
         return GatedMLP(D, c.intermediate_size)
     m = c.moe
-    first, count = expert_range or ExpertPlacement(m.num_experts).range
+    first, count = held_experts(expert_range, m.num_experts)
     return GatedSharedExpertMoE(SoftmaxRouter(m.num_experts, D, m.num_experts_per_tok, m.norm_topk_prob),
                                 Experts(m.num_experts, first, count, D, m.intermediate_size),
                                 GatedMLP(D, c.qwen_next.shared_expert_intermediate_size), D)

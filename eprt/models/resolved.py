@@ -8,6 +8,7 @@ model's places, the decoder layers' and the multi-token-prediction layers' alike
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from torch import nn
 from eprt.errors import ConfigError
 from eprt.families import Family, reader_for
 from eprt.layout import Layout, TensorSpec
-from eprt.parallel import ExpertPlacement
+from eprt.models.moe import held_experts
 from eprt.storage.checkpoint import Checkpoint
 
 
@@ -26,18 +27,23 @@ class ResolvedCheckpoint:
     ck: Checkpoint
     family: Family
     layout: Layout
-    expert_range: tuple[int, int]  # (first, count) of the routed experts this rank holds
+    expert_range: tuple[int, int]  # (first, count) of the routed experts the model holds
     dtype: torch.dtype  # the dtype the model runs in, but for the tensors the reference keeps in fp32
 
     @classmethod
     def of(cls, ck: Checkpoint, dtype: torch.dtype, expert_range: tuple[int, int] | None = None) -> ResolvedCheckpoint:
         """`ck` resolved for a model in `dtype` holding routed experts `expert_range` (default: all)."""
-        c = ck.config
-        fam = reader_for(c.model_type, ck.path)
-        first, count = expert_range or ExpertPlacement(c.num_experts).range
+        fam = reader_for(ck.config.model_type, ck.path)
+        return cls(ck, fam, fam.layout(ck.config), (0, 0), dtype).holding(expert_range)  # (0, 0): settled there
+
+    def holding(self, expert_range: tuple[int, int] | None) -> ResolvedCheckpoint:
+        """The same resolution for a model holding routed experts `expert_range` (default: all)."""
+        c = self.ck.config
+        first, count = held_experts(expert_range, c.num_experts)
         if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
-            raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {ck.path}")
-        return cls(ck, fam, fam.layout(c), (first, count), dtype)
+            raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of "
+                              f"{self.ck.path}")
+        return dataclasses.replace(self, expert_range=(first, count))
 
     def run_dtype(self, name: str) -> torch.dtype:
         """The dtype tensor `name` runs in: fp32 where the reference keeps it so, else the run's."""
@@ -53,6 +59,15 @@ class ResolvedCheckpoint:
         """The MTP layers' stacked routed experts, which convert carries through under their Hugging
         Face names: read expert by expert from their source tensors."""
         return {s.name: s for s in self.layout.mtp if s.stacked}
+
+    def source_dtype(self, name: str) -> torch.dtype:
+        """The dtype the source holds tensor `name` in; an MTP layer's stacked experts: their source tensors'."""
+        return self.ck.meta(self.source_tensor(name)).source_dtype
+
+    def source_tensor(self, name: str) -> str:
+        """Tensor `name` as the checkpoint names it; an MTP layer's stacked experts, which it holds
+        under their Hugging Face names: the first of their source tensors."""
+        return name if name in self.ck.tensors else self.mtp_stacked[name].sources[0]
 
     def read(self, name: str, slot: torch.Tensor) -> torch.Tensor:
         """Tensor `name` as stored, the part of it `slot` holds: this rank's rows of routed experts,

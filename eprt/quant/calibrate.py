@@ -25,6 +25,7 @@ from eprt.errors import EprtError
 from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.models.taps import KVTaps, tapped
+from eprt.parallel import ParallelState
 from eprt.quant.numerics import abs_amax
 
 
@@ -183,7 +184,7 @@ class Calibrator:
                     "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
                     "--dtype fp32 if bf16 overflows")
 
-    def reduce(self, state) -> None:
+    def reduce(self, state: ParallelState) -> None:
         """Dense and KV amax: max over the world; experts: max (and token sum) over the edp replicas."""
         for t in [*self.input_amax.values(), *(x for pair in self.kv_amax.values() for x in pair)]:
             state.all_reduce(t, over="dp", op=dist.ReduceOp.MAX)
@@ -194,7 +195,7 @@ class Calibrator:
             if name in self.expert_all_tokens:
                 state.all_reduce(self.expert_all_tokens[name], over="edp", op=dist.ReduceOp.SUM)
 
-    def reduce_amax(self, state, prefix: str) -> None:
+    def reduce_amax(self, state: ParallelState, prefix: str) -> None:
         """The amax of the modules under `prefix` (one layer, once its steps are done) made final
         before the run ends, as `reduce` makes them: the quality report quantizes the layer with
         them. Max is exact and idempotent, so `reduce` at the end changes them no further; token

@@ -1,10 +1,10 @@
-"""Writing a calibrated checkpoint: the calibration state, the recipe, and a reference to the base.
+"""Writing a calibrated checkpoint: the calibration record, the recipe, and a reference to the base.
 
 The weights are not copied: the manifest names the input checkpoint, the SHA-256 of its
 manifest and a pin of each of its weight files (eprt.storage.checkpoint.weight_pin), checked whenever
 the calibrated checkpoint is opened. Rank 0 writes the dense and KV
 amax and the manifest; the first replica of each expert shard (edp rank 0) writes its own
-experts' rows of the stacked per-expert state, so nothing is gathered.
+experts' rows of the stacked per-expert record, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import torch
 
 from eprt.errors import CheckpointError
+from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.report import label, page_path, write_page
@@ -29,8 +30,8 @@ def experts_file(ep_rank: int) -> str:
     return f"calibration-experts-{ep_rank:05d}.safetensors"
 
 
-class CalibrationState:
-    """The calibration state by module, and the one place that names its tensors.
+class CalibrationRecord:
+    """What calibration found, by module, and the one place that names its tensors.
 
     input_amax: dense Linear -> scalar amax of its input; expert_input_amax: experts module ->
     (w13 input amax [E], w2 input amax [E]), one row per expert; expert_tokens: experts module ->
@@ -56,13 +57,13 @@ class CalibrationState:
         self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
 
     @classmethod
-    def of(cls, cal: Calibrator, gptq=None) -> "CalibrationState":
+    def of(cls, cal: Calibrator, gptq=None) -> "CalibrationRecord":
         """`gptq`: eprt.quant.gptq_layer.GPTQResults, when GPTQ ran."""
         dense, experts = (gptq.dense, gptq.experts) if gptq is not None else (None, None)
         return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts)
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
-        """Every per-expert state tensor (this rank's rows, during calibration), by name."""
+        """Every per-expert tensor of the record (this rank's rows, during calibration), by name."""
         out = {}
         for module, (w13_in, w2_in) in self.expert_input_amax.items():
             out[f"{module}.{self.W13_INPUT}"] = w13_in
@@ -80,8 +81,8 @@ class CalibrationState:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor | None]) -> "CalibrationState":
-        """The state back from its tensors by name (what `expert_tensors` and `dense_tensors` wrote)."""
+    def from_tensors(cls, tensors: dict[str, torch.Tensor | None]) -> "CalibrationRecord":
+        """The record back from its tensors by name (what `expert_tensors` and `dense_tensors` wrote)."""
         by: dict[str, dict[str, torch.Tensor]] = {}  # leaf -> module -> tensor
         for name, t in tensors.items():
             module, leaf = name.rsplit(".", 1)
@@ -97,8 +98,8 @@ class CalibrationState:
         return cls(dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts)
 
     @classmethod
-    def read(cls, ck: Checkpoint) -> "CalibrationState":
-        """The state of a calibrated checkpoint; GPTQ's weights by name only (`read_gptq`)."""
+    def read(cls, ck: Checkpoint) -> "CalibrationRecord":
+        """The record of a calibrated checkpoint; GPTQ's weights by name only (`read_gptq`)."""
         return cls.from_tensors({n: None if n.rsplit(".", 1)[1] in cls.GPTQ else ck.read(n)
                                  for n in ck.names(role="calibration")})
 
@@ -111,13 +112,13 @@ class CalibrationState:
         return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
 
 
-def write_calibrated(tmp: str, out: str, state, cal: Calibrator, ck: Checkpoint, recipe: Recipe,
+def write_calibrated(tmp: str, out: str, state: ParallelState, cal: Calibrator, ck: Checkpoint, recipe: Recipe,
                      summary: dict, quality: dict | None = None, gptq=None) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
     quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
     codes, when it ran."""
-    cs = CalibrationState.of(cal, gptq)
+    cs = CalibrationRecord.of(cal, gptq)
     experts = cs.expert_tensors()
     if experts and state.edp_rank == 0:
         save_tensors(os.path.join(tmp, experts_file(state.ep_rank)), experts)

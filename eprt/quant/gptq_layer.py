@@ -20,19 +20,18 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from eprt.families import reader_for
-from eprt.layout import TensorSpec
 from eprt.models.moe import Experts
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
+from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.scales import EXPERT_KINDS, Scales, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
@@ -84,7 +83,7 @@ class GPTQResults:
         """Set GPTQ's weights (dequantized, under the export's scales from the original weights in
         `ck`) into `model`'s modules (routed experts: this rank's, the first global id
         `first_expert`); returns the modules set, for eprt.quant.preview.fake_quantize."""
-        scales = Scales.of_checkpoint(ck, formats, CalibrationState())
+        scales = Scales.of_checkpoint(ck, formats, CalibrationRecord())
         present = {name for name, _ in model.named_modules()}
         done = set()
         with torch.no_grad():
@@ -117,9 +116,10 @@ def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor)
 class GPTQRun:
     """What every layer's GPTQ shares: the run, the recipe, the results so far."""
 
-    def __init__(self, state, ck: Checkpoint, recipe, targets: list[str], *, dtype: torch.dtype, tokens: int,
+    def __init__(self, state: ParallelState, rc: ResolvedCheckpoint, recipe, targets: list[str], *, tokens: int,
                  min_tokens: int = DEFAULT_MIN_TOKENS, expert_stack: int = MOST_EXPERTS_STACKED):
-        self.state, self.ck, self.recipe, self.dtype = state, ck, recipe, dtype
+        self.state, self.rc, self.recipe = state, rc, recipe
+        self.ck, self.dtype = rc.ck, rc.dtype
         self.expert_stack = expert_stack  # routed experts solved at once: the memory plan's (MemoryPlan.expert_stack)
         self.formats = {m: recipe.format_of(m) for m in targets}
         self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
@@ -128,13 +128,6 @@ class GPTQRun:
 
     def uses_gptq(self, module: str) -> bool:
         return self.recipe.algorithm_of(module) == ALGORITHM
-
-    @functools.cached_property
-    def mtp_stacked(self) -> dict[str, TensorSpec]:
-        """The stacked tensors of the multi-token-prediction layers, which convert carries through
-        under their Hugging Face names (read expert by expert from their source tensors)."""
-        c = self.ck.config
-        return {s.name: s for s in reader_for(c.model_type, self.ck.path).layout(c).mtp if s.stacked}
 
 
 class LayerGPTQ:
@@ -150,7 +143,7 @@ class LayerGPTQ:
         # this layer's routed token counts summed over the ranks, on copies
         tokens = {m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM)
                   for m in self.experts}
-        self.stats = CalibrationState(cal.input_amax, cal.expert_amax, tokens)
+        self.stats = CalibrationRecord(cal.input_amax, cal.expert_amax, tokens)
         self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
@@ -164,11 +157,11 @@ class LayerGPTQ:
         """Original weight `name` of `module` (or its rows), as the export quantizes it."""
         ck = self.run.ck
         if rows is not None and name not in ck.tensors:  # an MTP layer's experts
-            spec = self.run.mtp_stacked[name]
+            spec = self.run.rc.mtp_stacked[name]
             w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
         else:
             w = ck.read(name, rows)
-        return as_quantized(ck, name, self.run.formats[module], w)
+        return as_quantized(ck, self.run.rc.source_tensor(name), self.run.formats[module], w)
 
     @property
     def needs_hessians(self) -> bool:

@@ -32,14 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eprt.storage.checkpoint import Checkpoint
 from eprt.errors import ConfigError
 from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.engine import Schedule, own_sequences
 from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
+from eprt.quant.sequences import Schedule, own_sequences
+from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
 
@@ -235,15 +235,16 @@ class Planner:
     workers: int = 1
 
     @classmethod
-    def of(cls, ck: Checkpoint, dtype: torch.dtype, device: torch.device, targets=(), mtp: bool = False,
+    def of(cls, rc: ResolvedCheckpoint, device: torch.device, targets=(), mtp: bool = False,
            gptq: Mapping[str, str] | None = None) -> Planner:
-        """`targets`: the modules the recipe quantizes (the quality report copies their weights);
+        """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
         for none."""
         hessians: dict[int, list[GPTQLinear]] | None = {} if gptq is not None else None
-        rc = ResolvedCheckpoint.of(ck, dtype)
+        rc = rc.holding(None)  # every expert: the plan divides them over the ep degree itself
+        ck, dtype = rc.ck, rc.dtype
         model, stacked = checked_meta(rc), rc.stacked
         prefix, _ = model.decoder()
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}

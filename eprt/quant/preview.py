@@ -20,8 +20,9 @@ import torch.distributed as dist
 from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.models.taps import tapped
+from eprt.parallel import ParallelState
 from eprt.quant.calibrate import CalibrationError, Calibrator
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import Recipe
@@ -44,7 +45,7 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state, *, prefix: str = "",
+def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state: ParallelState, *, prefix: str = "",
                   source_dtype: Callable[[str], torch.dtype] | None = None,
                   on_weight: Callable[[str, torch.Tensor], None] | None = None,
                   quantized: Collection[str] = ()) -> Callable[[], None]:
@@ -72,7 +73,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
         """w as the export quantizes it (eprt.quant.scales.as_quantized)."""
         return w.to(source_dtype(name)) if weight_format(fmt).rounds_in_weight_dtype and source_dtype is not None else w
 
-    scales = Scales(formats, CalibrationState.of(cal),
+    scales = Scales(formats, CalibrationRecord.of(cal),
                     lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
                     {m: recipe.algorithm_of(m) for m in targets})
 

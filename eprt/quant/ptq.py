@@ -18,28 +18,42 @@ import torch.distributed as dist
 from eprt.data import Calibration, calibration_samples, check_sources, parse_sources, read_calibration
 from eprt.errors import ConfigError
 from eprt.flags import flag
-from eprt.families import reader_for
-from eprt.models.loader import load_model, weight_bytes
+from eprt.models.loader import load_parallel, weight_bytes
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.engine import LayerEngine, group_tokens, own_sequences
+from eprt.quant.engine import LayerEngine
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.fingerprint import (
+    agree_over_ranks,
+    check_base_read,
+    check_base_unchanged,
+    check_pins_as_start,
+    run_fingerprint,
+)
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
-from eprt.quant.fingerprint import (agree_over_ranks, check_base_read, check_base_unchanged, check_pins_as_start,
-                                    run_fingerprint)
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.passes import layer_passes
 from eprt.quant.passes.quality import QualityStreams
-from eprt.quant.plan import (MemoryPlan, Planner, RunShape, available_memory, check_host_memory, check_memory,
-                             current_rss, measured_peak, memory_in_use)
+from eprt.quant.plan import (
+    MemoryPlan,
+    Planner,
+    RunShape,
+    available_memory,
+    check_host_memory,
+    check_memory,
+    current_rss,
+    measured_peak,
+    memory_in_use,
+)
 from eprt.quant.preview import DEFAULT_PROMPT, fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import ALGORITHMS, Recipe, load_recipe
-from eprt.quant.scales import source_dtype
+from eprt.quant.sequences import group_tokens, own_sequences
 from eprt.quant.workdir import WorkDir, check_work_dir
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
@@ -130,11 +144,12 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         if ck.quantization is not None:
             ck.close()
             raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
-        recipe, targets = plan_recipe(ck, a.recipe, a.kv_cache, a.algorithm)
-        cfg, hf_dir = ck.config, ck.hf_files_dir()
-        state.check_experts(cfg.num_experts)
         if a.dtype not in RUN_DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
+        rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads
+        recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
+        cfg, hf_dir = ck.config, ck.hf_files_dir()
+        state.check_experts(cfg.num_experts)
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
@@ -144,7 +159,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         # planned from the sizes alone, before the data is read: a run too large for its memory
         # builds nothing of that size
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, ck, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
+            plan, preview = plan_run(state, rc, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, used = report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
@@ -152,13 +167,12 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
         model = None
         if preview:
-            model = load_model(a.ckpt, dtype=RUN_DTYPES[a.dtype], parallel=state)
+            model = load_parallel(rc, state)
             text = before = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
-        gptq = GPTQRun(state, ck, recipe, targets, dtype=RUN_DTYPES[a.dtype], tokens=samples.numel(),
-                       min_tokens=a.gptq_min_tokens,
+        gptq = GPTQRun(state, rc, recipe, targets, tokens=samples.numel(), min_tokens=a.gptq_min_tokens,
                        expert_stack=plan.expert_stack) if ALGORITHM in recipe.algorithms else None
         work = WorkDir(work_path, state, identity, ck.path)
         with fail_together(state, "preparing the work directory"):
@@ -171,7 +185,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
                                    f"{a.calib_size + a.eval_size} sequences of {data}, held out of calibration",
                                    on_weight) if eval_ids is not None else None
-            resumed = calibrate_layers(state, ck, cal, recipe, samples, a, work, report, gptq)
+            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
             check_base_unchanged(ck, identity)
@@ -184,7 +198,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         if preview:
             first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
             quantized = gptq.results.apply(model, ck, gptq.formats, first) if gptq is not None else ()
-            fake_quantize(model, targets, recipe, cal, state, source_dtype=lambda name: source_dtype(ck, name),
+            fake_quantize(model, targets, recipe, cal, state, source_dtype=rc.source_dtype,
                           quantized=quantized)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
@@ -239,15 +253,15 @@ def ranks_on_this_host(state: ParallelState) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", state.world))
 
 
-def plan_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
+def plan_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
              gptq: dict[str, str] | None = None) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
     whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
     recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
     formats (the plan counts their Hessians and codes)."""
-    c = ck.config
-    planner = Planner.of(ck, RUN_DTYPES[a.dtype], state.device, targets, mtp=mtp, gptq=gptq)
+    c = rc.ck.config
+    planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq)
     shape = run_shape(a, state, c)
     limit = a.max_memory or available_memory(state.device)
     plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
@@ -259,7 +273,7 @@ def plan_run(state: ParallelState, ck: Checkpoint, a: PTQArgs, targets: list[str
     if not a.preview:
         return plan, False
     mine = state.placement(c.num_experts).range if c.moe_layers else None
-    whole = sum(weight_bytes(ck, dtype=RUN_DTYPES[a.dtype], expert_range=mine))
+    whole = sum(weight_bytes(rc.holding(mine)))
     fits = plan.peak + whole <= limit
     if not fits and state.rank == 0:
         logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
@@ -293,17 +307,18 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
     check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
-def calibrate_layers(state: ParallelState, ck: Checkpoint, cal: Calibrator, recipe: Recipe, samples: torch.Tensor,
-                     a: PTQArgs, work: WorkDir, report: QualityReport | None = None, gptq: GPTQRun | None = None) -> int:
+def calibrate_layers(state: ParallelState, rc: ResolvedCheckpoint, cal: Calibrator, recipe: Recipe,
+                     samples: torch.Tensor, a: PTQArgs, work: WorkDir, report: QualityReport | None = None,
+                     gptq: GPTQRun | None = None) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
     `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the layer
     it resumed after (-1: none)."""
+    ck = rc.ck
     shape = run_shape(a, state, ck.config)
     quality = QualityStreams(state, report, shape.schedule_of(report.eval_ids.shape[0])) if report else None
-    passes = layer_passes(cal, recipe, ck, quality=quality, gptq=gptq)
-    engine = LayerEngine(state, ck, samples, passes, dtype=RUN_DTYPES[a.dtype],
-                         schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
+    passes = layer_passes(cal, recipe, rc, quality=quality, gptq=gptq)
+    engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
     ls = work.load(done, cal, state.device, quality, results) if done >= 0 else engine.embed()
@@ -346,14 +361,13 @@ def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> Calibration:
     return data
 
 
-def plan_recipe(ck: Checkpoint, spec: str, kv_cache: str | None = None,
+def plan_recipe(rc: ResolvedCheckpoint, spec: str, kv_cache: str | None = None,
                 algorithm: str | None = None) -> tuple[Recipe, list[str]]:
     """The recipe `spec` (its rules that name no algorithm get `algorithm`) and the modules it
-    quantizes in `ck`, from the manifest alone: whatever export would refuse about this recipe
+    quantizes in `rc`, from the manifest alone: whatever export would refuse about this recipe
     and this model is refused here, before a weight is read."""
     recipe = load_recipe(spec, kv_cache, algorithm)
-    layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
-    return recipe, list(quantized_modules(layout, recipe, ck.path))
+    return recipe, list(quantized_modules(rc.layout, recipe, rc.ck.path))
 
 
 def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:

@@ -44,6 +44,7 @@ from eprt.kernels.cpu_workers import for_each
 from eprt.models.layers import linear
 from eprt.models.moe import Experts
 from eprt.models.taps import tapped
+from eprt.parallel import ParallelState
 from eprt.progress import logger
 
 TOP = 5  # modules or experts listed per layer
@@ -153,7 +154,7 @@ class QualityReport:
     layer measured, and the head's per-token numbers. Every rank calls every method alike: they
     reduce over the ranks."""
 
-    def __init__(self, state, ck, recipe, targets: list[str], eval_ids: torch.Tensor, source: str,
+    def __init__(self, state: ParallelState, ck, recipe, targets: list[str], eval_ids: torch.Tensor, source: str,
                  on_weight: Callable[[str, torch.Tensor], None] | None = None):
         self.state, self.ck, self.recipe, self.targets = state, ck, recipe, targets
         self.eval_ids, self.source, self.on_weight = eval_ids, source, on_weight

@@ -1,4 +1,4 @@
-"""The scales every quantized module is written with, resolved from the calibration state and
+"""The scales every quantized module is written with, resolved from the calibration record and
 the weights: the one rule the preview, both export layouts and the checks follow.
 
 - A per-tensor scale is amax / 448 (FP8) or amax / (6 * 448) (NVFP4's weight_scale_2).
@@ -19,8 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from eprt.families import reader_for
-from eprt.quant.calibrated import CalibrationState
+from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.fusion import siblings
 from eprt.quant.numerics import abs_amax
@@ -35,16 +34,16 @@ class Scales:
     asked for; `algorithms`: each quantized module -> its algorithm (eprt.quant.recipe.ALGORITHMS;
     `max` where it names none)."""
 
-    def __init__(self, formats: Mapping[str, str], state: CalibrationState, weight: Callable[[str], torch.Tensor],
+    def __init__(self, formats: Mapping[str, str], record: CalibrationRecord, weight: Callable[[str], torch.Tensor],
                  algorithms: Mapping[str, str] | None = None):
-        self.formats, self.state, self.weight = formats, state, weight
+        self.formats, self.record, self.weight = formats, record, weight
         self.algorithms = algorithms or {}
 
     @classmethod
-    def of_checkpoint(cls, ck: Checkpoint, formats: Mapping[str, str], state: CalibrationState,
+    def of_checkpoint(cls, ck: Checkpoint, formats: Mapping[str, str], record: CalibrationRecord,
                       algorithms: Mapping[str, str] | None = None) -> "Scales":
-        """The export's scales: over `state`, from the original weights of `ck` as they are quantized."""
-        return cls(formats, state, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")),
+        """The export's scales: over `record`, from the original weights of `ck` as they are quantized."""
+        return cls(formats, record, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")),
                    algorithms)
 
     def format(self, module: str) -> WeightFormat:
@@ -65,7 +64,7 @@ class Scales:
         return max(abs_amax(self.weight(m)) for m in self.group(module))
 
     def input_amax(self, module: str) -> torch.Tensor:
-        return max(self.state.input_amax[m] for m in self.group(module))
+        return max(self.record.input_amax[m] for m in self.group(module))
 
     @functools.lru_cache(maxsize=None)
     def weight_scale(self, module: str) -> torch.Tensor:
@@ -78,7 +77,7 @@ class Scales:
     def expert_input_amax(self, module: str, kind: str) -> torch.Tensor:
         """The largest input amax of the experts held here (all of them at export; a rank's rows
         during calibration, which the preview reduces over the ranks)."""
-        return self.state.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
+        return self.record.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
         """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
@@ -104,18 +103,10 @@ class Scales:
 def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
     """Weight `name` of `ck` as format `fmt` quantizes it: one that rounds the quotient to the
     weight's dtype first (FP8) gets the source's dtype, as the source is held when loaded as it is,
-    whatever dtype eprt converted it to."""
-    return w.to(source_dtype(ck, name)) if weight_format(fmt).rounds_in_weight_dtype else w
-
-
-def source_dtype(ck: Checkpoint, name: str) -> torch.dtype:
-    """The dtype the source holds tensor `name` in; a stacked tensor of a multi-token-prediction
-    layer, which convert carries through under its Hugging Face names (`Layout.mtp`): its
-    experts' source tensors'."""
-    if name in ck.tensors:
-        return ck.meta(name).source_dtype
-    spec = next(s for s in reader_for(ck.config.model_type, ck.path).layout(ck.config).mtp if s.name == name)
-    return ck.meta(spec.sources[0]).source_dtype
+    whatever dtype eprt converted it to. A multi-token-prediction layer's stacked experts, which
+    convert carries through under their Hugging Face names, are named by a source tensor of theirs
+    (eprt.models.resolved.ResolvedCheckpoint.source_dtype)."""
+    return w.to(ck.meta(name).source_dtype) if weight_format(fmt).rounds_in_weight_dtype else w
 
 
 def dequantize_weight(fmt: str, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -34,8 +34,8 @@ from eprt.errors import ConfigError, EprtError
 from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerState
 from eprt.quant.fingerprint import differences, saved_fingerprint
+from eprt.quant.sequences import LayerState
 from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs
 from eprt.storage.paths import within
 from eprt.storage.safetensors_io import save_tensors

@@ -3,6 +3,7 @@ lists a run's passes in the order their hooks run (docs/adding-an-algorithm.md).
 
 from __future__ import annotations
 
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import Pass
 from eprt.quant.gptq_layer import GPTQRun
@@ -13,14 +14,13 @@ from eprt.quant.passes.mtp import MTPLayers
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.passes.quantized_layer import QuantizedLayer
 from eprt.quant.recipe import Recipe
-from eprt.storage.checkpoint import Checkpoint
 
 
-def layer_passes(cal: Calibrator, recipe: Recipe | None = None, ck: Checkpoint | None = None, *,
+def layer_passes(cal: Calibrator, recipe: Recipe | None = None, rc: ResolvedCheckpoint | None = None, *,
                  quality: QualityStreams | None = None, gptq: GPTQRun | None = None) -> list[Pass]:
     """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
     quality report's streams (`quality`) and GPTQ (`gptq`), which run through the layer quantized
-    with `recipe` (the export's numerics, the source dtypes of `ck`); the MTP layers last.
+    with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.
 
     The order is the hooks': the report's probes keep the layer's original weights before GPTQ's
     solve replaces them, and the quantized layer is made after both."""
@@ -32,8 +32,8 @@ def layer_passes(cal: Calibrator, recipe: Recipe | None = None, ck: Checkpoint |
     if gptq is not None:
         passes.append(GPTQ(gptq, cal))
     if quality is not None or gptq is not None:
-        if recipe is None or ck is None:
-            raise ValueError("the quality report and GPTQ run through the quantized layer: give its recipe and ck")
-        passes.append(QuantizedLayer(cal, recipe, ck, covers_mtp=gptq is not None))
+        if recipe is None or rc is None:
+            raise ValueError("the quality report and GPTQ run through the quantized layer: give its recipe and rc")
+        passes.append(QuantizedLayer(cal, recipe, rc, covers_mtp=gptq is not None))
     passes.append(MTPLayers(cal.targets))
     return passes

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from eprt.models.moe import Experts
 from eprt.models.taps import tapped
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerWork, Pass, RoutedStep
+from eprt.quant.engine import LayerWork, Pass
+from eprt.quant.sequences import RoutedStep
 
 
 class EveryExpertStatistics(Pass):

@@ -5,7 +5,8 @@ the final hidden states and the next tokens' embeddings, through the passes that
 
 from __future__ import annotations
 
-from eprt.quant.engine import LayerEngine, LayerState, Pass
+from eprt.quant.engine import LayerEngine, Pass
+from eprt.quant.sequences import LayerState
 
 
 class MTPLayers(Pass):

@@ -7,14 +7,16 @@ layers are not in the report."""
 
 from __future__ import annotations
 
-from eprt.quant.engine import LayerEngine, LayerState, LayerWork, Pass, Schedule, Sequences
+from eprt.parallel import ParallelState
+from eprt.quant.engine import LayerEngine, LayerWork, Pass
 from eprt.quant.quality import Probes, QualityReport
+from eprt.quant.sequences import LayerState, Schedule, Sequences
 
 
 class QualityStreams(Pass):
     covers_mtp = False
 
-    def __init__(self, state, report: QualityReport, schedule: Schedule):
+    def __init__(self, state: ParallelState, report: QualityReport, schedule: Schedule):
         self.report = report
         self.sequences = Sequences(state, schedule, report.ck.config.num_experts_per_tok)
         # both streams at a layer boundary (eprt.quant.workdir saves and restores them)

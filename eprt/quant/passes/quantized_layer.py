@@ -8,17 +8,16 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerWork, Pass
 from eprt.quant.preview import fake_quantize
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import source_dtype
-from eprt.storage.checkpoint import Checkpoint
+from eprt.models.resolved import ResolvedCheckpoint
 
 
 class QuantizedLayer(Pass):
-    def __init__(self, cal: Calibrator, recipe: Recipe, ck: Checkpoint, *, covers_mtp: bool):
-        self.cal, self.recipe, self.ck = cal, recipe, ck
+    def __init__(self, cal: Calibrator, recipe: Recipe, rc: ResolvedCheckpoint, *, covers_mtp: bool):
+        self.cal, self.recipe, self.rc = cal, recipe, rc
         self.covers_mtp = covers_mtp
 
     def quantize(self, layer: LayerWork) -> None:
         undo = fake_quantize(layer.module, self.cal.targets, self.recipe, self.cal, layer.state, prefix=layer.prefix,
-                             source_dtype=lambda name: source_dtype(self.ck, name), on_weight=layer.on_weight,
+                             source_dtype=self.rc.source_dtype, on_weight=layer.on_weight,
                              quantized=layer.exported)
         layer.kept.callback(undo)  # its hooks and taps until the layer is done (the weights stay replaced)
