@@ -18,7 +18,7 @@ from tests.multiproc import free_port, run_world
 
 E = 8  # routed experts of the tiny configs
 SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
-# (recipe, kv cache, calibration dtype), as tests/test_ptq.py: fp32 shows last-bit differences
+# (recipe, kv cache, calibration dtype), as tests/layouts/test_ptq.py: fp32 shows last-bit differences
 # that bf16 rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 LAYOUTS = ["w2-ep2", "w4-ep2"]

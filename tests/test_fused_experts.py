@@ -2,7 +2,7 @@
 `experts.down_proj` [E, H, I]): the form of Qwen3.5-MoE's releases and of transformers 5's MoE
 parameters. In each family whose per-expert names are transformers', make_tiny's fused form is
 transformers' own parameters, and it converts and exports back byte for byte. (Qwen3.5-MoE's
-logits from the fused form: tests/test_qwen_next_models.py.)"""
+logits from the fused form: tests/oracles/test_qwen_next_models.py.)"""
 
 import re
 

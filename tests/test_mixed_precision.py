@@ -1,5 +1,5 @@
 """Mixed-precision recipes: which format each module gets, the refusals, and the checks of a
-mixed ModelOpt export (its bytes and configs against ModelOpt's own: tests/test_modelopt_oracle.py;
+mixed ModelOpt export (its bytes and configs against ModelOpt's own: tests/oracles/test_modelopt_oracle.py;
 its whole name set for every family: tests/test_export_names.py)."""
 
 import json

@@ -31,8 +31,8 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
-from tests.test_compressed_tensors_export import expected_from_modelopt
-from tests.test_ptq import same_files
+from tests.oracles.test_compressed_tensors_export import expected_from_modelopt
+from tests.layouts.test_ptq import same_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

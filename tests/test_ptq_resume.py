@@ -17,7 +17,7 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.workdir import MARKER
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
-from tests.test_ptq import same_files
+from tests.layouts.test_ptq import same_files
 
 KILL_LAYER, KILL_STEP = 2, 2
 

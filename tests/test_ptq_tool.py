@@ -18,7 +18,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
-from tests.test_ep_model import SKEWED_OUT, skew
+from tests.layouts.test_ep_model import SKEWED_OUT, skew
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

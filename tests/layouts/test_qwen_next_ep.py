@@ -18,12 +18,12 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
-from tests.test_ptq import same_files
+from tests.layouts.test_ptq import same_files
 
 E = 8
 SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
 FAMILIES = ["qwen3_next", "qwen3_5_moe"]
-# (recipe, kv cache, calibration dtype), as tests/test_ptq.py
+# (recipe, kv cache, calibration dtype), as tests/layouts/test_ptq.py
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 
 

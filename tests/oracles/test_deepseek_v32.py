@@ -27,7 +27,7 @@ from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_inva
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
-from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
+from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 
 FAMILY = "deepseek_v32"
 INDEXER = ("wq_b", "wk", "weights_proj")

@@ -18,7 +18,7 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
-from tests.test_ptq import FAMILIES, GROUP_TOKENS, same_files
+from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
 
 RULES = [{"pattern": "*.experts", "format": "nvfp4", "algorithm": "gptq"},
          {"pattern": "*.self_attn.*", "format": "fp8", "algorithm": "mse"},

@@ -19,7 +19,7 @@ import pytest
 
 from tests.multiproc import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Short, so that the tests are quick; the ranks in a step (sleeping) for longer than this must
 # still count as alive.
 PEER_TIMEOUT_S = 3

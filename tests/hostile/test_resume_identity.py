@@ -21,7 +21,7 @@ from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
-from tests.test_workdir_safety import stop_after_layer
+from tests.hostile.test_workdir_safety import stop_after_layer
 
 RECIPE = "quantize:\n- pattern: '*'\n  format: {fmt}\n"
 

@@ -33,7 +33,7 @@ from eprt.storage import safetensors_io
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_POSITIONS = 16  # the tiny Qwen3-MoE's, small so that a --seq-len beyond it is cheap
 
 

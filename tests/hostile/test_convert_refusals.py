@@ -14,7 +14,7 @@ from eprt.hf.convert import convert_hf
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import tree_digest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARD = "model-00002-of-00002.safetensors"
 
 

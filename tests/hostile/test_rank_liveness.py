@@ -5,7 +5,7 @@ fails between two collectives leaves its peers in the next one; a rank killed un
 agent makes the agent end the others with SIGTERM; a MASTER_PORT already taken leaves rank 0
 without a store and the others without a run. In each case every other rank ends within a few
 peer timeouts (EPRT_PEER_TIMEOUT), with one line that names the cause. The ranks are the worker
-of tests/test_hostile_ranks.py, run through eprt's command-line entry, so the lines are the ones
+of tests/hostile/test_hostile_ranks.py, run through eprt's command-line entry, so the lines are the ones
 a user reads.
 """
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.multiproc import free_port
-from tests.test_hostile_ranks import (PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for,
+from tests.hostile.test_hostile_ranks import (PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for,
                                       agents)  # noqa: F401 (a fixture)
 
-WORKER = REPO / "tests" / "test_hostile_ranks.py"
+WORKER = REPO / "tests" / "hostile" / "test_hostile_ranks.py"
 # How soon after the cause every other rank must have ended: the peer timeout to notice a rank
 # that went silent, and a little more to agree on the verdict and leave.
 BOUND_S = 3 * PEER_TIMEOUT_S

@@ -13,7 +13,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.models.registry import model_class  # noqa: E402
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
-from tests.test_models import VOCAB, YARN, assert_groups_and_bias_matter, assert_matches_transformers, build  # noqa: E402
+from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, assert_matches_transformers, build  # noqa: E402
 
 FAMILY = "glm4_moe"
 

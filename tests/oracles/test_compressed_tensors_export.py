@@ -284,7 +284,7 @@ def test_the_tools_write_and_check_it(exports, tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     _, modelopt, _ = exports["qwen3_moe", "nvfp4"]
     out = str(tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": str(root)}
