@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 DEMO ?= demo
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: venv setup setup-test demo test gpu-check gpu-wheels
+.PHONY: venv setup setup-test demo test lint format gpu-check gpu-wheels
 
 # the venv, made only where PYTHON is its interpreter and it does not exist yet
 venv:
@@ -36,6 +36,15 @@ demo: setup
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests
+
+# The code as `ruff format` writes it, its imports sorted (ruff.toml); `make format` makes it so.
+lint: setup-test
+	$(PYTHON) -m ruff format --check --quiet .
+	$(PYTHON) -m ruff check --quiet .
+
+format: setup-test
+	$(PYTHON) -m ruff format --quiet .
+	$(PYTHON) -m ruff check --quiet --fix .
 
 # The prepared GPU check (docs/gpu-check.md): CUDA tests and GPU benchmarks in under 8 minutes,
 # figures in $$OUT/gpu-check.json (else ./gpu-check.json). Installs eprt and the wheels of

@@ -44,6 +44,8 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            # `make lint`: the formatting and import order .ci/run checks
+            "ruff>=0.8",
             "transformers>=5.0",
             "compressed-tensors>=0.20",
             # ModelOpt's own export is the oracle for the quantized export's bytes; its import needs

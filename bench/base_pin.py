@@ -48,10 +48,14 @@ def main() -> None:
         out = os.path.join(d, "export")
         export_s = timed(lambda: export_hf(cal, out, overwrite=True, progress=False), cpu, args.iters)
         size = sum(os.path.getsize(os.path.join(ck, f)) for f in pinned)
-    print(f"base: {len(pinned)} weight files, {size / 2**20:.1f} MiB (Qwen3-MoE {args.layers} layers, hidden "
-          f"{args.hidden}, {args.experts} experts x {args.width})")
-    print(f"pin check {check_s * 1e3:.2f} ms, FP8 export {export_s * 1e3:.1f} ms: "
-          f"check / export = {check_s / export_s:.1e}")
+    print(
+        f"base: {len(pinned)} weight files, {size / 2**20:.1f} MiB (Qwen3-MoE {args.layers} layers, hidden "
+        f"{args.hidden}, {args.experts} experts x {args.width})"
+    )
+    print(
+        f"pin check {check_s * 1e3:.2f} ms, FP8 export {export_s * 1e3:.1f} ms: "
+        f"check / export = {check_s / export_s:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -68,9 +68,17 @@ def main() -> None:
         # Made in a child: this process stays small, so that the children's peak RSS is their own
         # (a forked child starts with its parent's high-water mark).
         src = os.path.join(work, "hf")
-        overrides = dict(hidden_size=a.hidden, num_experts=a.experts, moe_intermediate_size=a.width,
-                         num_hidden_layers=a.layers, mlp_only_layers=[], intermediate_size=4 * a.width, head_dim=64,
-                         num_attention_heads=a.hidden // 64, num_key_value_heads=4)
+        overrides = dict(
+            hidden_size=a.hidden,
+            num_experts=a.experts,
+            moe_intermediate_size=a.width,
+            num_hidden_layers=a.layers,
+            mlp_only_layers=[],
+            intermediate_size=4 * a.width,
+            head_dim=64,
+            num_attention_heads=a.hidden // 64,
+            num_key_value_heads=4,
+        )
         subprocess.run([sys.executable, "-c", MAKE, src, json.dumps(overrides)], cwd=ROOT, check=True)
         size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
         _, base_rss = run(IMPORTS)

@@ -25,8 +25,7 @@ from eprt.kernels.backend import matmul_dtype  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--shapes", nargs="+", default=["1152x1024", "1024x576", "4096x1024"],
-                   help="weight shapes NxK")
+    p.add_argument("--shapes", nargs="+", default=["1152x1024", "1024x576", "4096x1024"], help="weight shapes NxK")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(1)  # as a rank under torchrun computes

@@ -48,10 +48,14 @@ class Export:
     layout: str  # "source", "modelopt" or "compressed-tensors"
 
 
-EXPORTS = [Export("unquantized", None, "source"), Export("fp8", "fp8", "modelopt"),
-           Export("nvfp4", "nvfp4", "modelopt"), Export("nvfp4-ct", "nvfp4", "compressed-tensors"),
-           Export("mixed", "nvfp4_experts_fp8_attention", "modelopt"),
-           Export("nvfp4-experts-only", "nvfp4_experts_only", "modelopt")]
+EXPORTS = [
+    Export("unquantized", None, "source"),
+    Export("fp8", "fp8", "modelopt"),
+    Export("nvfp4", "nvfp4", "modelopt"),
+    Export("nvfp4-ct", "nvfp4", "compressed-tensors"),
+    Export("mixed", "nvfp4_experts_fp8_attention", "modelopt"),
+    Export("nvfp4-experts-only", "nvfp4_experts_only", "modelopt"),
+]
 
 # What each kernel vLLM may choose does with a module's input: (format, module kind, semantics).
 KERNELS = {
@@ -65,7 +69,7 @@ KERNELS = {
 # Tolerances (docs/engine-check.md, "Tolerances"): bf16 keeps 8 significant bits, so one rounding of
 # a value moves it by up to 2^-9 of it; the engine and the reference round in different places.
 LOGPROB_TOL = 0.02  # nats
-LAYER_TOL = 2 ** -6  # mean |engine - reference| / mean |reference| of the first decoder layer's output
+LAYER_TOL = 2**-6  # mean |engine - reference| / mean |reference| of the first decoder layer's output
 TIE_MARGIN = 0.02  # a greedy mismatch where the reference's top two are closer than this is a tie
 
 
@@ -91,8 +95,21 @@ def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
             src = os.path.join(base, f"ptq-{ex.recipe}")
             if ex.recipe not in calibrated:  # once per recipe, for each of its layouts
                 calibrated.add(ex.recipe)
-                tool("tools/ptq.py", ckpt, "--recipe", ex.recipe, "--calib-size", "8", "--seq-len", "64",
-                     "--eval-size", "0", "--out", src, "--overwrite")
+                tool(
+                    "tools/ptq.py",
+                    ckpt,
+                    "--recipe",
+                    ex.recipe,
+                    "--calib-size",
+                    "8",
+                    "--seq-len",
+                    "64",
+                    "--eval-size",
+                    "0",
+                    "--out",
+                    src,
+                    "--overwrite",
+                )
         out[ex.name] = os.path.join(base, f"export-{ex.name}")
         fmt = ["--format", ex.layout] if ex.recipe else []
         tool("tools/export_hf.py", src, out[ex.name], *fmt, "--overwrite", "--no-progress")
@@ -101,8 +118,23 @@ def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
 
 def run_engine(export: str, result: str) -> dict:
     """vLLM on one export, in a child process (the shims stay there): its result JSON."""
-    r = subprocess.run([sys.executable, RUNNER, export, "--prompts", json.dumps(PROMPTS), "--max-tokens",
-                        str(MAX_TOKENS), "--out", result], cwd=ROOT, capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            RUNNER,
+            export,
+            "--prompts",
+            json.dumps(PROMPTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--out",
+            result,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode:
         return {"error": (r.stdout + r.stderr).strip().splitlines()[-1]}
     with open(result) as f:
@@ -146,7 +178,7 @@ def fake_quantize(x: torch.Tensor, fmt: str, input_scale: float) -> torch.Tensor
     if fmt == "FP8":
         return (e4m3(xf / input_scale) * input_scale).to(x.dtype)
     blocks = xf.reshape(*xf.shape[:-1], -1, BLOCK)
-    scale = e4m3((blocks.abs().amax(-1, keepdim=True) / (FP4_MAX * input_scale)).clamp(2.0 ** -9, FP8_MAX))
+    scale = e4m3((blocks.abs().amax(-1, keepdim=True) / (FP4_MAX * input_scale)).clamp(2.0**-9, FP8_MAX))
     return (e2m1(blocks / (scale * input_scale)) * scale * input_scale).reshape(xf.shape).to(x.dtype)
 
 
@@ -161,19 +193,28 @@ def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[s
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
         if leaf == "weight_packed":  # compressed-tensors NVFP4: global scales are reciprocals
-            weights[f"{module}.weight"] = dequantize_nvfp4(t, tensors[f"{module}.weight_scale"],
-                                                           1.0 / tensors[f"{module}.weight_global_scale"].item())
+            weights[f"{module}.weight"] = dequantize_nvfp4(
+                t, tensors[f"{module}.weight_scale"], 1.0 / tensors[f"{module}.weight_global_scale"].item()
+            )
             quantized[module] = ("NVFP4", 1.0 / tensors[f"{module}.input_global_scale"].item())
         elif leaf == "weight" and t.dtype == torch.uint8:  # ModelOpt NVFP4
-            weights[name] = dequantize_nvfp4(t, tensors[f"{module}.weight_scale"],
-                                             tensors[f"{module}.weight_scale_2"].item())
+            weights[name] = dequantize_nvfp4(
+                t, tensors[f"{module}.weight_scale"], tensors[f"{module}.weight_scale_2"].item()
+            )
             quantized[module] = ("NVFP4", tensors[f"{module}.input_scale"].item())
         elif leaf == "weight" and t.dtype == torch.float8_e4m3fn:  # FP8, both layouts
             weights[name] = t.float() * tensors[f"{module}.weight_scale"].item()
             quantized[module] = ("FP8", tensors[f"{module}.input_scale"].item())
             fp8_scales[module] = tensors[f"{module}.weight_scale"].item()
-        elif leaf not in {"weight_scale", "weight_scale_2", "input_scale", "weight_global_scale",
-                          "input_global_scale", "k_scale", "v_scale"}:
+        elif leaf not in {
+            "weight_scale",
+            "weight_scale_2",
+            "input_scale",
+            "weight_global_scale",
+            "input_global_scale",
+            "k_scale",
+            "v_scale",
+        }:
             weights[name] = t
     for module, scale in fp8_scales.items():
         fused = max(fp8_scales.get(m, scale) for m in fused_siblings(module))
@@ -220,13 +261,15 @@ def quantize_inputs(model, quantized: dict[str, tuple[str, float]], semantics: d
             experts.setdefault(prefix + ".experts", {})[rest.split(".", 1)[1]] = (fmt, scale)
         elif semantics.get((fmt, "linear"), "weight-only") != "weight-only":
             model.get_submodule(module).register_forward_pre_hook(
-                lambda _m, args, fmt=fmt, scale=scale: (fake_quantize(args[0], fmt, scale), *args[1:]))
+                lambda _m, args, fmt=fmt, scale=scale: (fake_quantize(args[0], fmt, scale), *args[1:])
+            )
     for name, projections in experts.items():
         fmt = projections["gate_proj"][0]
         if semantics.get((fmt, "experts"), "weight-only") != "weight-only":
             module = model.get_submodule(name)
-            module.forward = experts_forward(module, fmt, max(projections[p][1] for p in ("gate_proj", "up_proj")),
-                                             projections["down_proj"][1])
+            module.forward = experts_forward(
+                module, fmt, max(projections[p][1] for p in ("gate_proj", "up_proj")), projections["down_proj"][1]
+            )
 
 
 def experts_forward(module, fmt: str, in_scale_13: float, in_scale_2: float):
@@ -254,13 +297,19 @@ def compare(model, engine: dict) -> dict:
     for p in engine["prompts"]:
         ids = torch.tensor([p["prompt"] + p["tokens"][:-1]])
         captured = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(
-            (out[0] if isinstance(out, tuple) else out)[0].float())) for layer in layers]
+        hooks = [
+            layer.register_forward_hook(
+                lambda _m, _i, out, captured=captured: captured.append(
+                    (out[0] if isinstance(out, tuple) else out)[0].float()
+                )
+            )
+            for layer in layers
+        ]
         with torch.no_grad():
             logits = model(ids).logits[0].float()
         for h in hooks:
             h.remove()
-        logprobs = torch.log_softmax(logits[len(p["prompt"]) - 1:], dim=-1)
+        logprobs = torch.log_softmax(logits[len(p["prompt"]) - 1 :], dim=-1)
         for step, (token, lp) in enumerate(zip(p["tokens"], p["logprobs"])):
             worst_logprob = max(worst_logprob, abs(logprobs[step, token].item() - lp))
             top = logprobs[step].argmax().item()
@@ -270,15 +319,22 @@ def compare(model, engine: dict) -> dict:
                 else:
                     mismatches += 1
         n = len(p["prompt"])
-        diffs = [((torch.tensor(eng) - ref[:n]).abs().mean() / ref[:n].abs().mean()).item()
-                 for ref, eng in zip(captured, p["layers"])]
+        diffs = [
+            ((torch.tensor(eng) - ref[:n]).abs().mean() / ref[:n].abs().mean()).item()
+            for ref, eng in zip(captured, p["layers"])
+        ]
         worst_first, worst_layer = max(worst_first, diffs[0]), max(worst_layer, *diffs)
     # Only the first layer is held to LAYER_TOL: it sees the same embeddings in both, so its difference
     # is that layer's arithmetic alone; later layers add up the differences of every layer before them.
     ok = mismatches == 0 and worst_logprob <= LOGPROB_TOL and worst_first <= LAYER_TOL
-    return {"result": "pass" if ok else "FAIL", "token_mismatches": mismatches, "ties": ties,
-            "max_logprob_diff": worst_logprob, "first_layer_rel_diff": worst_first,
-            "max_layer_rel_diff": worst_layer}
+    return {
+        "result": "pass" if ok else "FAIL",
+        "token_mismatches": mismatches,
+        "ties": ties,
+        "max_logprob_diff": worst_logprob,
+        "first_layer_rel_diff": worst_first,
+        "max_layer_rel_diff": worst_layer,
+    }
 
 
 def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
@@ -287,8 +343,10 @@ def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
     out: dict[tuple[str, str], str] = {}
     for module, kernel in kernels.items():
         if kernel not in KERNELS:
-            sys.exit(f"vLLM chose {kernel} for {module}, which bench/engine_check.py's KERNELS does not "
-                     "describe: add what it does with the module's input")
+            sys.exit(
+                f"vLLM chose {kernel} for {module}, which bench/engine_check.py's KERNELS does not "
+                "describe: add what it does with the module's input"
+            )
         fmt, kind, sem = KERNELS[kernel]
         if out.setdefault((fmt, kind), sem) != sem:
             sys.exit(f"{fmt} {kind} modules ran both {out[(fmt, kind)]} and {sem} ({module}: {kernel})")
@@ -317,10 +375,22 @@ def check(family: str, work: str, names: list[str]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["family", "export", "format", "layout", "semantics", "result", "token_mismatches", "ties",
-            "max_logprob_diff", "first_layer_rel_diff", "max_layer_rel_diff"]
-    cells = [[c for c in cols]] + [[(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "-")))
-                                    for c in cols] for r in rows]
+    cols = [
+        "family",
+        "export",
+        "format",
+        "layout",
+        "semantics",
+        "result",
+        "token_mismatches",
+        "ties",
+        "max_logprob_diff",
+        "first_layer_rel_diff",
+        "max_layer_rel_diff",
+    ]
+    cells = [[c for c in cols]] + [
+        [(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
@@ -344,8 +414,15 @@ def main() -> None:
     rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, names)]
     print_table(rows)
     with open(a.out, "w") as f:
-        json.dump({"rows": rows, "tolerances": {"logprob": LOGPROB_TOL, "layer_rel": LAYER_TOL, "tie": TIE_MARGIN},
-                   "seconds": round(time.monotonic() - start)}, f, indent=1)
+        json.dump(
+            {
+                "rows": rows,
+                "tolerances": {"logprob": LOGPROB_TOL, "layer_rel": LAYER_TOL, "tie": TIE_MARGIN},
+                "seconds": round(time.monotonic() - start),
+            },
+            f,
+            indent=1,
+        )
     print(f"{a.out} ({time.monotonic() - start:.0f} s)")
     if any(r["result"] != "pass" for r in rows):
         sys.exit(1)

@@ -36,8 +36,16 @@ def register_nvfp4_linear_emulation() -> None:
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
 
 
-def experts_in_torch(experts, output: torch.Tensor, x_TD: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, activation, gate_up, down) -> None:
+def experts_in_torch(
+    experts,
+    output: torch.Tensor,
+    x_TD: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation,
+    gate_up,
+    down,
+) -> None:
     """A routed-experts forward as vLLM's Triton MoE computes it, in torch matmuls: each expert's
     gate/up GEMM over its tokens (fp32 accumulation, rounded to the model dtype), vLLM's own activation,
     the down GEMM, the router weight applied in fp32 and rounded, then the top-k outputs summed.
@@ -65,12 +73,28 @@ def run_nvfp4_emulation_experts_in_torch() -> None:
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
 
     def qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-        return moe_kernel_quantize_input(A=x, A_scale=global_scale, quant_dtype="nvfp4",
-                                         per_act_token_quant=False, quantization_emulation=True)[0]
+        return moe_kernel_quantize_input(
+            A=x, A_scale=global_scale, quant_dtype="nvfp4", per_act_token_quant=False, quantization_emulation=True
+        )[0]
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input):
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         assert expert_map is None and not apply_router_weight_on_input, "one rank, router weights after w2"
         qc, dtype = self.quant_config, hidden_states.dtype
 
@@ -78,9 +102,15 @@ def run_nvfp4_emulation_experts_in_torch() -> None:
             return dequantize_to_dtype(w, scale, global_scale, dtype, NVFP4_BLOCK, swizzle=False).float()
 
         experts_in_torch(
-            self, output, qdq(hidden_states, qc.a1_gscale), topk_weights, topk_ids, activation,
+            self,
+            output,
+            qdq(hidden_states, qc.a1_gscale),
+            topk_weights,
+            topk_ids,
+            activation,
             lambda e, x: x.float() @ weight(w1[e], self.w1_scale_val[e], qc.g1_alphas[e]).t(),
-            lambda e, h: qdq(h, qc.a2_gscale).float() @ weight(w2[e], self.w2_scale_val[e], qc.g2_alphas[e]).t())
+            lambda e, h: qdq(h, qc.a2_gscale).float() @ weight(w2[e], self.w2_scale_val[e], qc.g2_alphas[e]).t(),
+        )
 
     emulation.Nvfp4QuantizationEmulationTritonExperts.apply = apply
     emulation.Nvfp4QuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
@@ -96,28 +126,53 @@ def run_fp8_tensor_experts_in_torch() -> None:
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input):
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         qc = self.quant_config
         assert expert_map is None and not apply_router_weight_on_input, "one rank, router weights after w2"
         assert qc.use_fp8_w8a8 and qc.block_shape is None and not qc.per_act_token_quant, "per-tensor FP8 only"
         x = hidden_states.float() * a1q_scale.float() if a1q_scale is not None else hidden_states.float()
 
         def down(e, h):
-            h_q, h_scale = moe_kernel_quantize_input(A=h, A_scale=a2_scale, quant_dtype=qc.quant_dtype,
-                                                     per_act_token_quant=False)
+            h_q, h_scale = moe_kernel_quantize_input(
+                A=h, A_scale=a2_scale, quant_dtype=qc.quant_dtype, per_act_token_quant=False
+            )
             return (h_q.float() * h_scale.float()) @ (w2[e].float() * qc.w2_scale[e].float()).t()
 
-        experts_in_torch(self, output, x, topk_weights, topk_ids, activation,
-                         lambda e, xe: xe @ (w1[e].float() * qc.w1_scale[e].float()).t(), down)
+        experts_in_torch(
+            self,
+            output,
+            x,
+            topk_weights,
+            topk_ids,
+            activation,
+            lambda e, xe: xe @ (w1[e].float() * qc.w1_scale[e].float()).t(),
+            down,
+        )
 
     triton_moe.TritonExperts.apply = apply
     triton_moe.TritonExperts._supports_current_device = staticmethod(lambda: True)
     # vLLM's CPU platform says it has no FP8 (supports_fp8), which the Triton experts read as "no FP8
     # scheme": accept the one scheme the forward above runs, static per-tensor weights and inputs.
     triton_moe.TritonExperts._supports_quant_scheme = staticmethod(
-        lambda weight_key, activation_key: (weight_key, activation_key) == (kFp8StaticTensorSym, kFp8StaticTensorSym))
+        lambda weight_key, activation_key: (weight_key, activation_key) == (kFp8StaticTensorSym, kFp8StaticTensorSym)
+    )
 
 
 def static_fp8_quant_in_torch() -> None:
@@ -141,8 +196,12 @@ def static_fp8_quant_in_torch() -> None:
     ops.scaled_fp8_quant = scaled_fp8_quant
 
 
-SHIMS = [register_nvfp4_linear_emulation, run_nvfp4_emulation_experts_in_torch, static_fp8_quant_in_torch,
-         run_fp8_tensor_experts_in_torch]
+SHIMS = [
+    register_nvfp4_linear_emulation,
+    run_nvfp4_emulation_experts_in_torch,
+    static_fp8_quant_in_torch,
+    run_fp8_tensor_experts_in_torch,
+]
 
 
 def decoder_layers(llm) -> list[torch.nn.Module]:
@@ -161,8 +220,9 @@ def kernels(llm) -> dict[str, str]:
         if type(method).__name__.startswith("Unquantized"):  # a bf16 module
             continue
         scheme = getattr(module, "scheme", None)  # compressed-tensors keeps the kernel on the layer's scheme
-        kernel = (getattr(method, "kernel", None) or getattr(scheme, "kernel", None)
-                  or getattr(method, "experts_cls", None))
+        kernel = (
+            getattr(method, "kernel", None) or getattr(scheme, "kernel", None) or getattr(method, "experts_cls", None)
+        )
         if kernel is not None:
             chosen[name] = kernel.__name__ if isinstance(kernel, type) else type(kernel).__name__
     return chosen
@@ -182,23 +242,40 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=a.export, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
-              max_num_seqs=1, gpu_memory_utilization=0.2, enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=a.export,
+        dtype="bfloat16",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=1,
+        gpu_memory_utilization=0.2,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     prompts = json.loads(a.prompts)
     results = []
     for ids in prompts:  # one prompt at a time, so each layer output is that prompt's prefill
         captured: list[torch.Tensor] = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(_layer_output(out)))
-                 for layer in decoder_layers(llm)]
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                           SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=0))[0].outputs[0]
+        hooks = [
+            layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(_layer_output(out)))
+            for layer in decoder_layers(llm)
+        ]
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=0)
+        )[0].outputs[0]
         for h in hooks:
             h.remove()
         n = len(decoder_layers(llm))
         prefill = captured[:n]  # the first forward is the prompt's prefill
-        results.append({"prompt": ids, "tokens": list(out.token_ids),
-                        "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)],
-                        "layers": [t.float().tolist() for t in prefill]})
+        results.append(
+            {
+                "prompt": ids,
+                "tokens": list(out.token_ids),
+                "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)],
+                "layers": [t.float().tolist() for t in prefill],
+            }
+        )
     with open(a.out, "w") as f:
         json.dump({"kernels": kernels(llm), "prompts": results}, f)
 

@@ -48,10 +48,21 @@ def add_model_args(p, vocab: int = 512) -> None:
 
 def make_checkpoint(args, directory: str) -> str:
     heads = args.hidden // 64
-    hf = make_tiny("qwen3_moe", os.path.join(directory, "hf"), dtype=args.dtype, vocab_size=args.vocab,
-                   hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads,
-                   num_key_value_heads=max(1, heads // 2), head_dim=64, num_experts=args.experts,
-                   num_experts_per_tok=args.topk, moe_intermediate_size=args.width, mlp_only_layers=[])
+    hf = make_tiny(
+        "qwen3_moe",
+        os.path.join(directory, "hf"),
+        dtype=args.dtype,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+        moe_intermediate_size=args.width,
+        mlp_only_layers=[],
+    )
     return convert_hf(hf, os.path.join(directory, "ck"), progress=False)
 
 
@@ -81,7 +92,7 @@ def rank_run(ck: str, ep: int, ids: torch.Tensor, dtype_name: str, iters: int) -
 
     dtype = DTYPES[dtype_name]
     with ParallelState.from_env(ep=ep) as state:
-        mine = ids[state.rank::state.world]
+        mine = ids[state.rank :: state.world]
         reset_peak()
         before = rss()
         model = eprt.load_model(ck, dtype=dtype, parallel=state)
@@ -95,10 +106,16 @@ def rank_run(ck: str, ep: int, ids: torch.Tensor, dtype_name: str, iters: int) -
                 model(mine)
                 times.append(time.perf_counter() - start)
         peak = peak_rss()
-        dense, experts = weight_bytes(ResolvedCheckpoint.of(Checkpoint(ck), dtype,
-                                                         state.placement(model.config.num_experts).range))
-    return {"times": times[1:], "peak": peak - before, "activations": max(0, peak - loaded),
-            "dense": dense, "experts": experts}
+        dense, experts = weight_bytes(
+            ResolvedCheckpoint.of(Checkpoint(ck), dtype, state.placement(model.config.num_experts).range)
+        )
+    return {
+        "times": times[1:],
+        "peak": peak - before,
+        "activations": max(0, peak - loaded),
+        "dense": dense,
+        "experts": experts,
+    }
 
 
 def main() -> None:
@@ -120,11 +137,15 @@ def main() -> None:
 
     tokens = args.batch * args.seq
     base = results.get(1)
-    print(f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk} "
-          f"(width {args.width}), vocab {args.vocab}, {args.dtype}; global batch {args.batch} x {args.seq} "
-          f"= {tokens} tokens; world = ep, 1 thread per rank, gloo, {os.cpu_count()} CPUs")
-    print(f"{'ep':>3} {'tokens/s':>9} {'speedup':>8} {'rank':>5} {'peak MiB':>9} {'vs ep 1':>8} "
-          f"{'dense':>7} {'experts':>8} {'activ.':>7} {'sum MiB':>8} {'peak/sum':>9}")
+    print(
+        f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk} "
+        f"(width {args.width}), vocab {args.vocab}, {args.dtype}; global batch {args.batch} x {args.seq} "
+        f"= {tokens} tokens; world = ep, 1 thread per rank, gloo, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'ep':>3} {'tokens/s':>9} {'speedup':>8} {'rank':>5} {'peak MiB':>9} {'vs ep 1':>8} "
+        f"{'dense':>7} {'experts':>8} {'activ.':>7} {'sum MiB':>8} {'peak/sum':>9}"
+    )
     for ep, ranks in results.items():
         step = min(max(r["times"][i] for r in ranks) for i in range(args.iters))
         rate = tokens / step
@@ -133,9 +154,11 @@ def main() -> None:
             expected = r["dense"] + r["experts"] + r["activations"]
             vs_single = f"{r['peak'] / base[0]['peak']:.2f}x" if base else "-"
             head = f"{ep:>3} {rate:>9.0f} {speedup:>8}" if rank == 0 else " " * 21
-            print(f"{head} {rank:>5} {r['peak'] / MiB:>9.1f} {vs_single:>8} {r['dense'] / MiB:>7.1f} "
-                  f"{r['experts'] / MiB:>8.1f} {r['activations'] / MiB:>7.1f} {expected / MiB:>8.1f} "
-                  f"{r['peak'] / expected:>8.2f}x")
+            print(
+                f"{head} {rank:>5} {r['peak'] / MiB:>9.1f} {vs_single:>8} {r['dense'] / MiB:>7.1f} "
+                f"{r['experts'] / MiB:>8.1f} {r['activations'] / MiB:>7.1f} {expected / MiB:>8.1f} "
+                f"{r['peak'] / expected:>8.2f}x"
+            )
 
 
 if __name__ == "__main__":

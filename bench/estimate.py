@@ -45,14 +45,28 @@ def main() -> None:
     LayerEngine.run_layer = recording
     with tempfile.TemporaryDirectory() as d:
         ck = make_checkpoint(args, d)
-        run_ptq(ParallelState.single(), PTQArgs(ck, args.recipe, os.path.join(d, "q"), algorithm=args.algorithm,
-                                                calib_size=args.calib_size, seq_len=args.seq_len, progress=True))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(
+                ck,
+                args.recipe,
+                os.path.join(d, "q"),
+                algorithm=args.algorithm,
+                calib_size=args.calib_size,
+                seq_len=args.seq_len,
+                progress=True,
+            ),
+        )
     measured = boundaries[-1][0]
-    print(f"{args.algorithm}, {args.layers} layers (hidden {args.hidden}, {args.experts} experts of width "
-          f"{args.width}), {args.calib_size} x {args.seq_len} tokens: calibrated in {measured:.1f} s")
+    print(
+        f"{args.algorithm}, {args.layers} layers (hidden {args.hidden}, {args.experts} experts of width "
+        f"{args.width}), {args.calib_size} x {args.seq_len} tokens: calibrated in {measured:.1f} s"
+    )
     for i, (elapsed, remaining) in enumerate(boundaries[:-1]):
-        print(f"  after layer {i}: the bar foretells {elapsed + remaining:.1f} s, ratio "
-              f"{(elapsed + remaining) / measured:.2f}")
+        print(
+            f"  after layer {i}: the bar foretells {elapsed + remaining:.1f} s, ratio "
+            f"{(elapsed + remaining) / measured:.2f}"
+        )
 
 
 if __name__ == "__main__":

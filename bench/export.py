@@ -44,13 +44,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         ck = make_checkpoint(args, d)
         plain = best_export_s(ck, os.path.join(d, "plain"), args.repeat)
-        print(f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.width}, "
-              f"{args.dtype}; best of {args.repeat}")
+        print(
+            f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.width}, "
+            f"{args.dtype}; best of {args.repeat}"
+        )
         print(f"  unquantized export: {plain:.2f} s")
         for recipe in args.recipes:
             q = os.path.join(d, f"q-{recipe}")
-            run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16,
-                                                    dtype=args.dtype, progress=False))
+            run_ptq(
+                ParallelState.single(),
+                PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16, dtype=args.dtype, progress=False),
+            )
             s = best_export_s(q, os.path.join(d, f"out-{recipe}"), args.repeat)
             print(f"  {recipe:>6} export:      {s:.2f} s  ({s / plain:.2f}x the unquantized export)")
 

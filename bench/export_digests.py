@@ -30,14 +30,28 @@ from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k25", "qwen3_next",
-            "qwen3_5_moe")
+FAMILIES = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "deepseek_v32",
+    "kimi_linear",
+    "kimi_k3",
+    "kimi_k25",
+    "qwen3_next",
+    "qwen3_5_moe",
+)
 # the sources users hold in other formats: (name, family, make_tiny keywords)
-SOURCES = (("kimi_k2-int4", "deepseek_v3", dict(source_format="int4", model_type="kimi_k2", num_nextn_predict_layers=0)),
-           ("deepseek_v3-fp8_block", "deepseek_v3",
-            dict(source_format="fp8-block", hidden_size=192, intermediate_size=304, moe_intermediate_size=144)),
-           ("kimi_k3-mxfp4", "kimi_k3", dict(source_format="mxfp4")),
-           ("qwen3_5_moe-fused", "qwen3_5_moe", dict(fused_experts=True)))
+SOURCES = (
+    ("kimi_k2-int4", "deepseek_v3", dict(source_format="int4", model_type="kimi_k2", num_nextn_predict_layers=0)),
+    (
+        "deepseek_v3-fp8_block",
+        "deepseek_v3",
+        dict(source_format="fp8-block", hidden_size=192, intermediate_size=304, moe_intermediate_size=144),
+    ),
+    ("kimi_k3-mxfp4", "kimi_k3", dict(source_format="mxfp4")),
+    ("qwen3_5_moe-fused", "qwen3_5_moe", dict(fused_experts=True)),
+)
 
 RECIPES_DIR = os.path.join(REPO, "eprt", "configs", "ptq")
 ALGORITHMS = ("max", "mse", "gptq")
@@ -64,9 +78,22 @@ def run_case(ck: str, root: str, recipe: str, algorithm: str, tmp: str) -> dict:
     """{export kind: {file: sha256} or "refused: ..."}, or the calibration's refusal."""
     out = os.path.join(root, f"{recipe}-{algorithm}")
     try:
-        run_ptq(ParallelState.single(),
-                PTQArgs(ck, recipe, out, kv_cache="fp8", calib_size=6, seq_len=24, group_tokens=48, eval_size=2,
-                        algorithm=algorithm, gptq_min_tokens=1, progress=False))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(
+                ck,
+                recipe,
+                out,
+                kv_cache="fp8",
+                calib_size=6,
+                seq_len=24,
+                group_tokens=48,
+                eval_size=2,
+                algorithm=algorithm,
+                gptq_min_tokens=1,
+                progress=False,
+            ),
+        )
     except EprtError as e:
         return {"ptq": refused(e, tmp)}
     result = {}
@@ -89,8 +116,9 @@ def all_digests(families: list[str], recipes: list[str], algorithms: list[str]) 
             ck = convert_hf(make_tiny(family, os.path.join(root, "hf"), **kw), os.path.join(root, "ck"), progress=False)
             digests[f"{name}/unquantized"] = digest_dir(export_hf(ck, os.path.join(root, "rt"), progress=False))
             if "source_format" in kw:  # a source stored compressed or in block FP8 decodes
-                digests[f"{name}/decoded"] = digest_dir(export_hf(ck, os.path.join(root, "rt-bf16"), progress=False,
-                                                                  dequantize=True))
+                digests[f"{name}/decoded"] = digest_dir(
+                    export_hf(ck, os.path.join(root, "rt-bf16"), progress=False, dequantize=True)
+                )
             for recipe in recipes if name == family else recipes[:1]:
                 for algorithm in algorithms:
                     digests[f"{name}/{recipe}/{algorithm}"] = run_case(ck, root, recipe, algorithm, tmp)

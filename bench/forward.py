@@ -27,10 +27,19 @@ def make_checkpoint(args, directory: str) -> tuple[str, int]:
 
     heads = args.hidden // 64
     cfg = Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=64, num_experts=args.experts, num_experts_per_tok=args.topk,
-        moe_intermediate_size=args.width, norm_topk_prob=True, max_position_embeddings=4096)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+        moe_intermediate_size=args.width,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():  # routers spread enough that tokens do not all pick the same experts
@@ -73,12 +82,16 @@ def main() -> None:
                 run()
                 best[name] = min(best[name], time.perf_counter() - t)
     tokens = args.batch * args.seq
-    print(f"Qwen3-MoE {params / 1e6:.0f}M parameters, {args.layers} layers, {args.experts} experts top-{args.topk}, "
-          f"bf16, {torch.get_num_threads()} threads, {args.batch} x {args.seq} tokens")
+    print(
+        f"Qwen3-MoE {params / 1e6:.0f}M parameters, {args.layers} layers, {args.experts} experts top-{args.topk}, "
+        f"bf16, {torch.get_num_threads()} threads, {args.batch} x {args.seq} tokens"
+    )
     for name in runs:
         print(f"  {name:13s} {tokens / best[name]:10.0f} tokens/s  ({best[name]:.3f} s per forward)")
-    print(f"  eprt / transformers throughput: {best['transformers'] / best['eprt']:.2f}x"
-          f"   (max |logit difference| {diff:.3g})")
+    print(
+        f"  eprt / transformers throughput: {best['transformers'] / best['eprt']:.2f}x"
+        f"   (max |logit difference| {diff:.3g})"
+    )
 
 
 if __name__ == "__main__":

@@ -39,22 +39,41 @@ def main() -> None:
         seconds = {}
         for algorithm in ("max", "gptq"):
             hessians = hessians_of_run(setattr) if algorithm == "gptq" else None
-            seconds[algorithm] = run_ptq(ParallelState.single(), PTQArgs(
-                ck, args.recipe, os.path.join(d, algorithm), kv_cache="fp8", calib_size=args.calib_size,
-                seq_len=args.seq_len, dtype=args.dtype, algorithm=algorithm, progress=False))["calibration_s"]
+            seconds[algorithm] = run_ptq(
+                ParallelState.single(),
+                PTQArgs(
+                    ck,
+                    args.recipe,
+                    os.path.join(d, algorithm),
+                    kv_cache="fp8",
+                    calib_size=args.calib_size,
+                    seq_len=args.seq_len,
+                    dtype=args.dtype,
+                    algorithm=algorithm,
+                    progress=False,
+                ),
+            )["calibration_s"]
         errors = layer_output_errors(os.path.join(d, "gptq"), hessians)
 
     dense = [g / m for _, tokens, g, m in errors if tokens is None]
     experts = [g / m for _, tokens, g, m in errors if tokens is not None and tokens >= 256]
-    print(f"{args.recipe} + FP8 KV on Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
-          f"top-{args.topk}, width {args.width}, {args.dtype}; {args.calib_size} x {args.seq_len} tokens, 1 process")
-    print(f"dense Linears ({len(dense)}): output error gptq/max median {statistics.median(dense):.3f}, "
-          f"worst {max(dense):.3f}")
+    print(
+        f"{args.recipe} + FP8 KV on Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"top-{args.topk}, width {args.width}, {args.dtype}; {args.calib_size} x {args.seq_len} tokens, 1 process"
+    )
+    print(
+        f"dense Linears ({len(dense)}): output error gptq/max median {statistics.median(dense):.3f}, "
+        f"worst {max(dense):.3f}"
+    )
     if experts:
-        print(f"expert projections with >= 256 tokens ({len(experts)}): gptq/max median "
-              f"{statistics.median(experts):.3f}, improved {sum(r < 1 for r in experts)}/{len(experts)}")
-    print(f"calibration time: max {seconds['max']:.2f} s, gptq {seconds['gptq']:.2f} s "
-          f"({seconds['gptq'] / seconds['max']:.1f}x)")
+        print(
+            f"expert projections with >= 256 tokens ({len(experts)}): gptq/max median "
+            f"{statistics.median(experts):.3f}, improved {sum(r < 1 for r in experts)}/{len(experts)}"
+        )
+    print(
+        f"calibration time: max {seconds['max']:.2f} s, gptq {seconds['gptq']:.2f} s "
+        f"({seconds['gptq'] / seconds['max']:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

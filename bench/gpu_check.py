@@ -64,9 +64,15 @@ class Check:
     def __init__(self, start: float, budget_s: float, json_path: str, cuda: bool, wheels: str):
         self.start, self.deadline = start, start + budget_s
         self.json_path, self.cuda, self.wheels = json_path, cuda, wheels
-        self.report = {"schema": 1, "mode": "cuda" if cuda else "cpu", "budget_s": budget_s,
-                       "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "environment": {}, "parts": {}, "skipped": {}}
+        self.report = {
+            "schema": 1,
+            "mode": "cuda" if cuda else "cpu",
+            "budget_s": budget_s,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "environment": {},
+            "parts": {},
+            "skipped": {},
+        }
         self.env = child_env(cuda)
 
     def log(self, message: str) -> None:
@@ -88,8 +94,10 @@ class Check:
     def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, float]:
         """Run `cmd` in its own process group; on timeout kill the whole group (torchrun's
         workers too). Returns (exit status or None on timeout, seconds)."""
-        self.log(f"{name}: {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)} "
-                 f"(limit {timeout:.0f} s)")
+        self.log(
+            f"{name}: {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)} "
+            f"(limit {timeout:.0f} s)"
+        )
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, start_new_session=True)
         try:
@@ -141,8 +149,17 @@ class Check:
                 figures.setdefault("no_wheel", []).append(f"{n}=={v}")
             else:
                 files.append(found)
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir",
-               "--disable-pip-version-check"]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+        ]
         spent = 0.0
         if files:
             rc, spent = self.run("install", [*pip, *files], limit * 0.6)
@@ -151,25 +168,46 @@ class Check:
             figures["installed"] = [os.path.basename(f) for f in files]
         # No build isolation: it would fetch setuptools from an index the machine cannot reach.
         rc, _ = self.run("install", [*pip, "--no-build-isolation", "-e", ROOT], limit - spent)
-        figures["eprt_editable_install"] = "ok" if rc == 0 else f"pip exited {rc} (eprt still imports through PYTHONPATH)"
+        figures["eprt_editable_install"] = (
+            "ok" if rc == 0 else f"pip exited {rc} (eprt still imports through PYTHONPATH)"
+        )
         return ("passed" if rc == 0 and "no_wheel" not in figures else "failed"), figures
 
     def cuda_tests(self, limit: float):
         return self.pytest("cuda_tests", ["tests/test_cuda.py", "tests/test_kernels.py"], limit)
 
     def kernel_tests_interpreted(self, limit: float):
-        return self.pytest("kernel_tests_interpreted", ["tests/test_kernels.py", "-k", "triton and not without_triton"], limit)
+        return self.pytest(
+            "kernel_tests_interpreted", ["tests/test_kernels.py", "-k", "triton and not without_triton"], limit
+        )
 
     def pytest(self, name: str, args: list[str], limit: float):
         with tempfile.TemporaryDirectory() as d:
             junit = os.path.join(d, "junit.xml")
-            rc, _ = self.run(name, [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-                                    f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "junit_family=xunit1",
-                                    f"--junitxml={junit}", *args], limit)
+            rc, _ = self.run(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-rfE",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--timeout={PER_TEST_TIMEOUT_S}",
+                    "-o",
+                    "junit_family=xunit1",
+                    f"--junitxml={junit}",
+                    *args,
+                ],
+                limit,
+            )
             figures = junit_figures(junit) if os.path.exists(junit) else {"error": "pytest wrote no report"}
         if rc is None:
             return "timeout", figures
-        ok = rc == 0 and figures.get("failed", 1) == 0 and figures.get("errors", 1) == 0 and figures.get("passed", 0) > 0
+        ok = (
+            rc == 0 and figures.get("failed", 1) == 0 and figures.get("errors", 1) == 0 and figures.get("passed", 0) > 0
+        )
         return ("passed" if ok else "failed"), figures
 
     def script(self, name: str, args: list[str], limit: float):
@@ -195,11 +233,15 @@ class Check:
 
 # --- the environment ---------------------------------------------------------------------------
 
+
 def child_env(cuda: bool) -> dict:
     """The children's environment: eprt from this tree first; without CUDA, no GPU at all and
     Triton's interpreter (Triton reads TRITON_INTERPRET when a kernel is defined)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    }
     if not cuda:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     return env
@@ -234,7 +276,7 @@ def probe(env: dict) -> dict:
     if line is None:
         print(f"gpu-check: {sys.executable} cannot import torch and eprt:\n{r.stderr[-2000:]}", file=sys.stderr)
         sys.exit(2)
-    return json.loads(line[len("PROBE "):])
+    return json.loads(line[len("PROBE ") :])
 
 
 def wheel_requirements() -> list[tuple[str, str]]:
@@ -292,8 +334,11 @@ def junit_figures(path: str) -> dict:
                 outcome = {"failure": "failed", "error": "errors", "skipped": "skipped"}[tag]
                 message = (node.get("message") or "").strip().splitlines()
                 break
-        entry = {"id": f"{case.get('classname', '')}::{case.get('name')}", "outcome": outcome,
-                 "seconds": round(float(case.get("time", 0)), 2)}
+        entry = {
+            "id": f"{case.get('classname', '')}::{case.get('name')}",
+            "outcome": outcome,
+            "seconds": round(float(case.get("time", 0)), 2),
+        }
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         if props:
             entry["figures"] = props
@@ -306,9 +351,12 @@ def junit_figures(path: str) -> dict:
 
 # --- the summary -------------------------------------------------------------------------------
 
+
 def summary(report: dict) -> str:
-    lines = [f"gpu-check ({report['mode']} mode) in {report.get('elapsed_s', 0)} s of {report['budget_s']} s",
-             f"{'part':26} {'status':8} {'s':>6}  figures"]
+    lines = [
+        f"gpu-check ({report['mode']} mode) in {report.get('elapsed_s', 0)} s of {report['budget_s']} s",
+        f"{'part':26} {'status':8} {'s':>6}  figures",
+    ]
     for name, p in report["parts"].items():
         lines.append(f"{name:26} {p['status']:8} {p.get('seconds', 0):6.1f}  {headline(name, p)}")
     return "\n".join(lines)
@@ -322,15 +370,20 @@ def headline(name: str, p: dict) -> str:
         return f["error"][:100]
     if name in ("cuda_tests", "kernel_tests_interpreted"):
         bad = [t["id"].rsplit("::", 1)[-1] for t in f.get("tests", []) if t["outcome"] != "passed"]
-        return (f"{f['passed']} passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped"
-                + (f"; not passed: {', '.join(bad[:4])}" if bad else ""))
+        return f"{f['passed']} passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped" + (
+            f"; not passed: {', '.join(bad[:4])}" if bad else ""
+        )
     if name == "gemm_bench":
-        return "; ".join(f"{r['shape']} {r['projection']} T={r['tokens']}: {r.get('grouped_mm_tflops', 0):.1f} TF/s "
-                         f"({r.get('vs_dense_mm', 0):.2f}x dense, {r.get('vs_torch_grouped_mm', 0):.2f}x _grouped_mm)"
-                         for r in f.get("rows", [])[:8])
+        return "; ".join(
+            f"{r['shape']} {r['projection']} T={r['tokens']}: {r.get('grouped_mm_tflops', 0):.1f} TF/s "
+            f"({r.get('vs_dense_mm', 0):.2f}x dense, {r.get('vs_torch_grouped_mm', 0):.2f}x _grouped_mm)"
+            for r in f.get("rows", [])[:8]
+        )
     if name == "ptq_bench" and "tokens_per_s" in f:
-        return (f"{f['model']['parameters'] / 1e6:.0f} M params: {f['tokens_per_s']:.0f} tokens/s, "
-                f"peak {f['peak_memory_bytes'] / 2**30:.2f} GiB ({f['peak_vs_weights']:.2f}x weights)")
+        return (
+            f"{f['model']['parameters'] / 1e6:.0f} M params: {f['tokens_per_s']:.0f} tokens/s, "
+            f"peak {f['peak_memory_bytes'] / 2**30:.2f} GiB ({f['peak_vs_weights']:.2f}x weights)"
+        )
     if name == "cpu_export":
         return ", ".join(f"{fam} {v['tensors']} tensors" for fam, v in f.items())
     if name == "install":
@@ -353,23 +406,27 @@ def main() -> int:
     cuda = facts["cuda_available"] and not a.cpu
     check = Check(start, a.budget, json_path, cuda=cuda, wheels=os.path.abspath(a.wheels))
     check.report["environment"] = facts
-    check.log(f"{sys.executable}: python {facts['python']}, torch {facts['packages'].get('torch')} "
-              f"(CUDA {facts['torch_cuda']}), triton {facts['packages'].get('triton')}, "
-              + (f"{facts['device']['name']} x{facts['device']['count']}" if cuda else "no CUDA: the CPU mode"))
+    check.log(
+        f"{sys.executable}: python {facts['python']}, torch {facts['packages'].get('torch')} "
+        f"(CUDA {facts['torch_cuda']}), triton {facts['packages'].get('triton')}, "
+        + (f"{facts['device']['name']} x{facts['device']['count']}" if cuda else "no CUDA: the CPU mode")
+    )
     order = [n for n, (_, with_cuda, without) in PARTS.items() if (with_cuda if cuda else without)]
     for name in PARTS:
         if name not in order:
             check.skip(name, NOT_RUN.get(name, ""))
     check.save()
     for i, name in enumerate(order):
-        check.part(name, order[i + 1:], getattr(check, name))
+        check.part(name, order[i + 1 :], getattr(check, name))
         if name == "install":
             facts = probe(check.env)
             check.report["environment"] = facts
             missing = [m for m in facts["missing"] if m in REQUIRED]
             if missing:
-                check.log(f"cannot go on: {', '.join(missing)} missing; list a wheel of each in bench/gpu_wheels.txt "
-                          f"and bring it in {os.path.relpath(check.wheels, ROOT)}/ (docs/gpu-check.md)")
+                check.log(
+                    f"cannot go on: {', '.join(missing)} missing; list a wheel of each in bench/gpu_wheels.txt "
+                    f"and bring it in {os.path.relpath(check.wheels, ROOT)}/ (docs/gpu-check.md)"
+                )
                 check.report["parts"]["install"]["status"] = "failed"
                 check.save()
                 print(summary(check.report))

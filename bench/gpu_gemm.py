@@ -30,8 +30,9 @@ TINY = {"tiny": (256, 128, 8, 2)}
 TINY_TOKENS = (64,)
 
 
-def bench_shape(name: str, hidden: int, inter: int, experts: int, topk: int, tokens: int,
-                device: torch.device, iters: int) -> list[dict]:
+def bench_shape(
+    name: str, hidden: int, inter: int, experts: int, topk: int, tokens: int, device: torch.device, iters: int
+) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     x_TD = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
     expert_ids_TK = torch.randn(tokens, experts, device=device, generator=g).topk(topk, dim=1).indices
@@ -40,15 +41,28 @@ def bench_shape(name: str, hidden: int, inter: int, experts: int, topk: int, tok
     rows = []
     for proj, (N, K) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
         w = torch.randn(experts, N, K, device=device, dtype=torch.bfloat16, generator=g) / K**0.5
-        x = x_sorted if K == hidden else torch.randn(x_sorted.shape[0], K, device=device, dtype=torch.bfloat16,
-                                                     generator=g)
+        x = (
+            x_sorted
+            if K == hidden
+            else torch.randn(x_sorted.shape[0], K, device=device, dtype=torch.bfloat16, generator=g)
+        )
         M = x.shape[0]
         flops = 2 * M * N * K
-        row = {"shape": name, "projection": proj, "tokens": tokens, "M": M, "N": N, "K": K, "experts": experts,
-               "impl": "triton" if use_triton(x) else "torch fallback"}
-        for key, fn in (("grouped_mm", lambda: grouped_mm(x, w, offsets)),
-                        ("torch_grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offsets)),
-                        ("dense_mm", lambda: x @ w[0].T)):
+        row = {
+            "shape": name,
+            "projection": proj,
+            "tokens": tokens,
+            "M": M,
+            "N": N,
+            "K": K,
+            "experts": experts,
+            "impl": "triton" if use_triton(x) else "torch fallback",
+        }
+        for key, fn in (
+            ("grouped_mm", lambda: grouped_mm(x, w, offsets)),
+            ("torch_grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offsets)),
+            ("dense_mm", lambda: x @ w[0].T),
+        ):
             try:
                 seconds = timed(fn, device, iters)
             except (RuntimeError, NotImplementedError) as err:  # _grouped_mm refuses some dtypes and devices
@@ -70,13 +84,17 @@ def table(rows: list[dict]) -> str:
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "-"
 
-    lines = [f"{'shape':14} {'proj':8} {'tokens':>6} {'M':>7} {'N':>5} {'K':>5}  {'ours TF/s':>9} "
-             f"{'_grouped_mm':>11} {'dense':>7}  {'vs _gmm':>7} {'vs dense':>8}"]
+    lines = [
+        f"{'shape':14} {'proj':8} {'tokens':>6} {'M':>7} {'N':>5} {'K':>5}  {'ours TF/s':>9} "
+        f"{'_grouped_mm':>11} {'dense':>7}  {'vs _gmm':>7} {'vs dense':>8}"
+    ]
     for r in rows:
-        lines.append(f"{r['shape']:14} {r['projection']:8} {r['tokens']:>6} {r['M']:>7} {r['N']:>5} {r['K']:>5}  "
-                     f"{f(r, 'grouped_mm_tflops', '9.1f')} {f(r, 'torch_grouped_mm_tflops', '11.1f')} "
-                     f"{f(r, 'dense_mm_tflops', '7.1f')}  {f(r, 'vs_torch_grouped_mm', '7.2f')} "
-                     f"{f(r, 'vs_dense_mm', '8.2f')}")
+        lines.append(
+            f"{r['shape']:14} {r['projection']:8} {r['tokens']:>6} {r['M']:>7} {r['N']:>5} {r['K']:>5}  "
+            f"{f(r, 'grouped_mm_tflops', '9.1f')} {f(r, 'torch_grouped_mm_tflops', '11.1f')} "
+            f"{f(r, 'dense_mm_tflops', '7.1f')}  {f(r, 'vs_torch_grouped_mm', '7.2f')} "
+            f"{f(r, 'vs_dense_mm', '8.2f')}"
+        )
     return "\n".join(lines)
 
 
@@ -94,8 +112,13 @@ def main() -> None:
     for name, (hidden, inter, experts, topk) in shapes.items():
         for tokens in token_counts:
             rows += bench_shape(name, hidden, inter, experts, topk, tokens, device, args.iters)
-            print(f"{name}, {tokens} tokens: " + ", ".join(
-                f"{r['projection']} {r.get('grouped_mm_tflops', float('nan')):.1f} TFLOP/s" for r in rows[-2:]), flush=True)
+            print(
+                f"{name}, {tokens} tokens: "
+                + ", ".join(
+                    f"{r['projection']} {r.get('grouped_mm_tflops', float('nan')):.1f} TFLOP/s" for r in rows[-2:]
+                ),
+                flush=True,
+            )
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, bf16, best of {args.iters}")
     print(table(rows))
     with open(args.json, "w") as f:

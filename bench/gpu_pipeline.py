@@ -48,17 +48,36 @@ def checkpoint(family: str, directory: str) -> str:
 def cpu_export(ck: str, directory: str) -> str:
     """Calibrate in this process on the CPU (a world of one) and export."""
     q = os.path.join(directory, "q-cpu")
-    run_ptq(ParallelState.single("cpu"), PTQArgs(ck, RECIPE, q, kv_cache=KV_CACHE, calib_size=CALIB_SIZE,
-                                                 seq_len=SEQ_LEN, progress=False))
+    run_ptq(
+        ParallelState.single("cpu"),
+        PTQArgs(ck, RECIPE, q, kv_cache=KV_CACHE, calib_size=CALIB_SIZE, seq_len=SEQ_LEN, progress=False),
+    )
     return export_hf(q, os.path.join(directory, "export-cpu"), progress=False)
 
 
 def gpu_export(ck: str, directory: str) -> str:
     """Calibrate with tools/ptq.py under torchrun, one process on GPU 0, and export on the CPU."""
     q = os.path.join(directory, "q-gpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "tools", "ptq.py"), ck, "--recipe", RECIPE, "--kv-cache", KV_CACHE,
-           "--calib-size", str(CALIB_SIZE), "--seq-len", str(SEQ_LEN), "--out", q]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        os.path.join(ROOT, "tools", "ptq.py"),
+        ck,
+        "--recipe",
+        RECIPE,
+        "--kv-cache",
+        KV_CACHE,
+        "--calib-size",
+        str(CALIB_SIZE),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--out",
+        q,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=GPU_PTQ_TIMEOUT_S, env=env)
     if r.returncode:
@@ -72,12 +91,16 @@ def compare_exports(cpu_dir: str, gpu_dir: str) -> dict:
     Every tensor name on both sides; weights and weight scales equal bit for bit; activation
     scales within ACTIVATION_RTOL of the CPU's."""
     cpu, gpu = read_hf_tensors(cpu_dir), read_hf_tensors(gpu_dir)
-    assert set(cpu) == set(gpu), (f"tensor names differ: only on the CPU {sorted(set(cpu) - set(gpu))[:5]}, "
-                                  f"only on the GPU {sorted(set(gpu) - set(cpu))[:5]}")
+    assert set(cpu) == set(gpu), (
+        f"tensor names differ: only on the CPU {sorted(set(cpu) - set(gpu))[:5]}, "
+        f"only on the GPU {sorted(set(gpu) - set(cpu))[:5]}"
+    )
     worst, worst_name, exact = 0.0, None, 0
     for name in sorted(cpu):
         a, b = cpu[name], gpu[name]
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+        )
         if name.endswith(ACTIVATION_SCALES):
             rel = ((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-30)).max().item()
             assert rel <= ACTIVATION_RTOL, f"{name}: GPU {b.tolist()} vs CPU {a.tolist()} ({rel:.3%} apart)"
@@ -86,8 +109,13 @@ def compare_exports(cpu_dir: str, gpu_dir: str) -> dict:
         else:
             assert torch_equal(a, b), f"{name}: the GPU export's bytes differ from the CPU export's"
             exact += 1
-    return {"tensors": len(cpu), "bitwise_equal": exact, "activation_scales": len(cpu) - exact,
-            "activation_scale_max_rel_diff": worst, "activation_scale_worst": worst_name}
+    return {
+        "tensors": len(cpu),
+        "bitwise_equal": exact,
+        "activation_scales": len(cpu) - exact,
+        "activation_scale_max_rel_diff": worst,
+        "activation_scale_worst": worst_name,
+    }
 
 
 def torch_equal(a, b) -> bool:
@@ -106,9 +134,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             out = cpu_export(checkpoint(family, d), d)
             tensors = read_hf_tensors(out)
-            figures[family] = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-                               "seconds": round(time.perf_counter() - start, 2)}
-        print(f"{family}: CPU export of {figures[family]['tensors']} tensors in {figures[family]['seconds']} s", flush=True)
+            figures[family] = {
+                "tensors": len(tensors),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        print(
+            f"{family}: CPU export of {figures[family]['tensors']} tensors in {figures[family]['seconds']} s",
+            flush=True,
+        )
     with open(args.json, "w") as f:
         json.dump(figures, f, indent=2)
 

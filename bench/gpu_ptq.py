@@ -31,10 +31,21 @@ from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 
 # make_checkpoint's sizes. vocab: at most the tiny tokenizer's 512.
-FULL = dict(layers=3, hidden=2048, experts=128, topk=8, width=768, vocab=512, dtype="bf16",
-            calib_size=64, seq_len=1024, batch_size=8)
-TINY = dict(layers=2, hidden=128, experts=8, topk=2, width=64, vocab=512, dtype="bf16",
-            calib_size=8, seq_len=64, batch_size=4)
+FULL = dict(
+    layers=3,
+    hidden=2048,
+    experts=128,
+    topk=8,
+    width=768,
+    vocab=512,
+    dtype="bf16",
+    calib_size=64,
+    seq_len=1024,
+    batch_size=8,
+)
+TINY = dict(
+    layers=2, hidden=128, experts=8, topk=2, width=64, vocab=512, dtype="bf16", calib_size=8, seq_len=64, batch_size=4
+)
 
 
 def parameters(hf_dir: str) -> int:
@@ -54,8 +65,11 @@ def warm_up(hidden: int, width: int, experts: int, topk: int, device: torch.devi
     x_sorted, counts, order = permute(x, torch.randint(0, experts, (32, topk), device=device), experts)
     offsets = counts.cumsum(0).to(torch.int32)
     grouped_mm(x_sorted, torch.randn(experts, 2 * width, hidden, device=device, dtype=torch.bfloat16), offsets)
-    y = grouped_mm(x_sorted[:, :width].contiguous(),
-                   torch.randn(experts, hidden, width, device=device, dtype=torch.bfloat16), offsets)
+    y = grouped_mm(
+        x_sorted[:, :width].contiguous(),
+        torch.randn(experts, hidden, width, device=device, dtype=torch.bfloat16),
+        offsets,
+    )
     combine(y, order, torch.rand(32, topk, device=device))
 
 
@@ -84,26 +98,54 @@ def main() -> None:
             reset_peak()
             base = rss()
         start = time.perf_counter()
-        r = run_ptq(ParallelState.single(device), PTQArgs(ck, a.recipe, os.path.join(d, "q"), kv_cache="fp8",
-                                                          calib_size=size.calib_size, seq_len=size.seq_len,
-                                                          batch_size=size.batch_size, dtype=size.dtype,
-                                                          progress=False))
+        r = run_ptq(
+            ParallelState.single(device),
+            PTQArgs(
+                ck,
+                a.recipe,
+                os.path.join(d, "q"),
+                kv_cache="fp8",
+                calib_size=size.calib_size,
+                seq_len=size.seq_len,
+                batch_size=size.batch_size,
+                dtype=size.dtype,
+                progress=False,
+            ),
+        )
         total_s = time.perf_counter() - start
         peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss()) - base
     figures = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "model": {"family": "qwen3_moe", "parameters": params, "layers": size.layers, "hidden": size.hidden,
-                  "experts": size.experts, "topk": size.topk, "moe_intermediate": size.width, "dtype": size.dtype},
-        "recipe": a.recipe, "kv_cache": "fp8", "ep": 1,
-        "calibration_tokens": r["tokens"], "batch_size": size.batch_size, "seq_len": size.seq_len,
-        "calibration_s": r["calibration_s"], "tokens_per_s": r["tokens"] / r["calibration_s"],
-        "run_ptq_s": total_s, "make_and_convert_s": made_s,
-        "peak_memory_bytes": peak, "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "RSS",
-        "weight_bytes": params * 2, "peak_vs_weights": peak / (params * 2),
+        "model": {
+            "family": "qwen3_moe",
+            "parameters": params,
+            "layers": size.layers,
+            "hidden": size.hidden,
+            "experts": size.experts,
+            "topk": size.topk,
+            "moe_intermediate": size.width,
+            "dtype": size.dtype,
+        },
+        "recipe": a.recipe,
+        "kv_cache": "fp8",
+        "ep": 1,
+        "calibration_tokens": r["tokens"],
+        "batch_size": size.batch_size,
+        "seq_len": size.seq_len,
+        "calibration_s": r["calibration_s"],
+        "tokens_per_s": r["tokens"] / r["calibration_s"],
+        "run_ptq_s": total_s,
+        "make_and_convert_s": made_s,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "RSS",
+        "weight_bytes": params * 2,
+        "peak_vs_weights": peak / (params * 2),
     }
-    print(f"{a.recipe} + FP8 KV, {params / 1e6:.1f} M parameters, ep 1 on {figures['device']}: "
-          f"{figures['tokens_per_s']:.0f} calibration tokens/s ({r['tokens']} tokens in {r['calibration_s']:.2f} s), "
-          f"peak {peak / 2**30:.2f} GiB = {figures['peak_vs_weights']:.2f}x the bf16 weights")
+    print(
+        f"{a.recipe} + FP8 KV, {params / 1e6:.1f} M parameters, ep 1 on {figures['device']}: "
+        f"{figures['tokens_per_s']:.0f} calibration tokens/s ({r['tokens']} tokens in {r['calibration_s']:.2f} s), "
+        f"peak {peak / 2**30:.2f} GiB = {figures['peak_vs_weights']:.2f}x the bf16 weights"
+    )
     with open(a.json, "w") as f:
         json.dump(figures, f, indent=2)
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import timed  # noqa: E402
-from eprt.models.kda import fla_chunk_kda, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
+from eprt.models.kda import chunk_size, fla_chunk_kda, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
 
 
 def main() -> None:
@@ -37,14 +37,18 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     g = torch.Generator(device=device).manual_seed(0)
-    print(f"device {device}, threads {torch.get_num_threads()}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
-          f"decay up to {a.decay}/token")
-    print(f"{'tokens':>7} {'chunk':>5} {'recurrent tok/s':>16} {'chunked tok/s':>14} {'speed-up':>8} {'max diff':>9}"
-          + (f" {'fla tok/s':>10} {'diff':>9}" if device.type == "cuda" and fla_chunk_kda() else ""))
+    print(
+        f"device {device}, threads {torch.get_num_threads()}, batch {a.batch}, {a.heads} heads of {a.head_dim}, "
+        f"decay up to {a.decay}/token"
+    )
+    print(
+        f"{'tokens':>7} {'chunk':>5} {'recurrent tok/s':>16} {'chunked tok/s':>14} {'speed-up':>8} {'max diff':>9}"
+        + (f" {'fla tok/s':>10} {'diff':>9}" if device.type == "cuda" and fla_chunk_kda() else "")
+    )
     for T in a.tokens:
         shape = (a.batch, T, a.heads, a.head_dim)
         q_raw, k_raw = torch.randn(shape, generator=g, device=device), torch.randn(shape, generator=g, device=device)
-        q, k = l2norm(q_raw) * a.head_dim ** -0.5, l2norm(k_raw)
+        q, k = l2norm(q_raw) * a.head_dim**-0.5, l2norm(k_raw)
         v = torch.randn(shape, generator=g, device=device)
         decay = -a.decay * torch.rand(shape, generator=g, device=device)
         beta = torch.rand(shape[:3], generator=g, device=device)
@@ -53,8 +57,10 @@ def main() -> None:
         rec = timed(lambda: kda_recurrent(q, k, v, decay, beta), device, 1)
         chunked = timed(lambda: kda_chunked(q, k, v, decay, beta), device, a.iters)
         diff = (kda_chunked(q, k, v, decay, beta) - want).abs().max().item()
-        line = (f"{T:>7} {chunk_size(decay):>5} {tokens / rec:>16,.0f} {tokens / chunked:>14,.0f} "
-                f"{rec / chunked:>7.1f}x {diff:>9.1e}")
+        line = (
+            f"{T:>7} {chunk_size(decay):>5} {tokens / rec:>16,.0f} {tokens / chunked:>14,.0f} "
+            f"{rec / chunked:>7.1f}x {diff:>9.1e}"
+        )
         if device.type == "cuda" and fla_chunk_kda():
             fla = timed(lambda: kda(q_raw, k_raw, v, decay, beta), device, a.iters)
             line += f" {tokens / fla:>10,.0f} {(kda(q_raw, k_raw, v, decay, beta) - want).abs().max().item():>9.1e}"

@@ -77,8 +77,12 @@ def main() -> None:
         return t
 
     t_perm = bw_row(f"permute ({impl})", f"T={T} K={K} D={D}", lambda: permute(x_TD, expert_ids_TK, E), permute_bytes)
-    t_comb = bw_row(f"combine ({impl})", f"T={T} K={K} D={D}", lambda: combine(y_sorted, order, weights_TK), combine_bytes)
-    t_copy = bw_row("copy, permute's bytes", f"{permute_bytes / 2**20:.1f} MiB", lambda: copy_dst.copy_(copy_src), permute_bytes)
+    t_comb = bw_row(
+        f"combine ({impl})", f"T={T} K={K} D={D}", lambda: combine(y_sorted, order, weights_TK), combine_bytes
+    )
+    t_copy = bw_row(
+        "copy, permute's bytes", f"{permute_bytes / 2**20:.1f} MiB", lambda: copy_dst.copy_(copy_src), permute_bytes
+    )
 
     print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} E={E} T={T} topk={K}")
     print(f"{'kernel':32} {'shape':24} {'ms':>9}  rate")

@@ -38,25 +38,37 @@ from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402
 
 MiB = 2**20
-MODELS = {"int4": "Kimi-K2 with INT4 experts", "mxfp4": "Kimi-K2 with MXFP4 experts",
-          "fp8-block": "DeepSeek-V3 in block FP8"}
+MODELS = {
+    "int4": "Kimi-K2 with INT4 experts",
+    "mxfp4": "Kimi-K2 with MXFP4 experts",
+    "fp8-block": "DeepSeek-V3 in block FP8",
+}
 
 
 def make_checkpoints(args, d: str) -> dict[str, tuple[str, str]]:
     """{"compressed" | "bf16": (Hugging Face dir, eprt checkpoint)}."""
     overrides = dict(model_type="kimi_k2", num_nextn_predict_layers=0) if args.format != "fp8-block" else {}
-    hf = make_tiny("deepseek_v3", os.path.join(d, "hf"), source_format=args.format, vocab_size=args.vocab,
-                   hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                   n_routed_experts=args.experts, moe_intermediate_size=args.width, num_experts_per_tok=4,
-                   **overrides)
+    hf = make_tiny(
+        "deepseek_v3",
+        os.path.join(d, "hf"),
+        source_format=args.format,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        n_routed_experts=args.experts,
+        moe_intermediate_size=args.width,
+        num_experts_per_tok=4,
+        **overrides,
+    )
     ck = convert_hf(hf, os.path.join(d, "ck"), progress=False)
     plain = export_hf(ck, os.path.join(d, "bf16-hf"), dequantize=True, progress=False)
     return {"compressed": (hf, ck), "bf16": (plain, convert_hf(plain, os.path.join(d, "bf16-ck"), progress=False))}
 
 
 def rank_load(ck: str, ep: int) -> dict:
-    from eprt.storage.encodings import library
     from eprt.parallel import ParallelState
+    from eprt.storage.encodings import library
 
     start = time.perf_counter()
     library("bench")
@@ -100,20 +112,26 @@ def main() -> None:
                 results[ep, kind] = run_world(rank_load, ep, ck, ep, timeout=600)
 
     imports = [r["import"] for rs in results.values() for r in rs]
-    print(f"{MODELS[args.format]}, {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
-          f"(width {args.width}), vocab {args.vocab}, against a bf16 copy; loaded in bf16; "
-          f"world = ep, 1 thread per rank, {os.cpu_count()} CPUs; compressed-tensors import "
-          f"{min(imports):.1f}-{max(imports):.1f} s per process, not in the load times")
+    print(
+        f"{MODELS[args.format]}, {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"(width {args.width}), vocab {args.vocab}, against a bf16 copy; loaded in bf16; "
+        f"world = ep, 1 thread per rank, {os.cpu_count()} CPUs; compressed-tensors import "
+        f"{min(imports):.1f}-{max(imports):.1f} s per process, not in the load times"
+    )
     for kind, (src, ck) in disk.items():
         print(f"disk {kind:>10}: source {src / MiB:8.1f} MiB, eprt checkpoint {ck / MiB:8.1f} MiB ({ck / src:.3f}x)")
     print(f"disk compressed / bf16 eprt checkpoint: {disk['compressed'][1] / disk['bf16'][1]:.3f}x")
-    print(f"{'ep':>3} {'rank':>5} {'load s':>7} {'bf16 s':>7} {'ratio':>6} {'peak MiB':>9} {'bf16 MiB':>9} "
-          f"{'ratio':>6} {'held MiB':>9} {'layer MiB':>10}")
+    print(
+        f"{'ep':>3} {'rank':>5} {'load s':>7} {'bf16 s':>7} {'ratio':>6} {'peak MiB':>9} {'bf16 MiB':>9} "
+        f"{'ratio':>6} {'held MiB':>9} {'layer MiB':>10}"
+    )
     for ep in args.ep:
         for rank, (c, b) in enumerate(zip(results[ep, "compressed"], results[ep, "bf16"])):
-            print(f"{ep:>3} {rank:>5} {c['seconds']:>7.2f} {b['seconds']:>7.2f} {c['seconds'] / b['seconds']:>5.2f}x "
-                  f"{c['peak'] / MiB:>9.1f} {b['peak'] / MiB:>9.1f} {c['peak'] / b['peak']:>5.2f}x "
-                  f"{c['held'] / MiB:>9.1f} {c['layer'] / MiB:>10.1f}")
+            print(
+                f"{ep:>3} {rank:>5} {c['seconds']:>7.2f} {b['seconds']:>7.2f} {c['seconds'] / b['seconds']:>5.2f}x "
+                f"{c['peak'] / MiB:>9.1f} {b['peak'] / MiB:>9.1f} {c['peak'] / b['peak']:>5.2f}x "
+                f"{c['held'] / MiB:>9.1f} {c['layer'] / MiB:>10.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -91,19 +91,36 @@ print(json.dumps({"export_s": time.perf_counter() - start}))
 
 
 def child_json(args: list[str]) -> dict:
-    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}
+    )
     if r.returncode:
         raise SystemExit(f"{args[:3]} failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def eprt_ptq(ck: str, ids: str, out: str, ep: int, calib_size: int, seq_len: int) -> dict:
-    launch = [] if ep == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", str(ep),
-                                 f"--master-port={free_port()}"]
-    cmd = [sys.executable, *launch, os.path.join(ROOT, "tools", "ptq.py"), ck, "--recipe", "nvfp4",
-           "--kv-cache", "fp8", "--calib", ids, "--calib-size", str(calib_size), "--seq-len", str(seq_len),
-           "--out", out]
+    launch = (
+        [] if ep == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", str(ep), f"--master-port={free_port()}"]
+    )
+    cmd = [
+        sys.executable,
+        *launch,
+        os.path.join(ROOT, "tools", "ptq.py"),
+        ck,
+        "--recipe",
+        "nvfp4",
+        "--kv-cache",
+        "fp8",
+        "--calib",
+        ids,
+        "--calib-size",
+        str(calib_size),
+        "--seq-len",
+        str(seq_len),
+        "--out",
+        out,
+    ]
     r = child_json(["-c", WALL_CHILD, *cmd])
     m = re.search(r"calibrated (\d+) tokens in ([\d.]+) s", r["stderr"])
     r["tokens_per_s"] = int(m.group(1)) / float(m.group(2))
@@ -143,15 +160,34 @@ def main() -> None:
         for ep in args.ep:
             runs[ep] = eprt_ptq(ck, ids_st, os.path.join(d, f"q{ep}"), ep, args.calib_size, args.seq_len)
         small = eprt_ptq(ck, ids_st, os.path.join(d, "q-small"), 1, max(1, args.calib_size // 8), args.seq_len)
-        export = child_json(["-c", WALL_CHILD, sys.executable, "-c", EPRT_EXPORT_CHILD,
-                             os.path.join(d, f"q{args.ep[0]}"), os.path.join(d, "export")])
-        export_process = child_json(["-c", WALL_CHILD, sys.executable, os.path.join(ROOT, "tools", "export_hf.py"),
-                                     os.path.join(d, f"q{args.ep[0]}"), os.path.join(d, "export-process")])
+        export = child_json(
+            [
+                "-c",
+                WALL_CHILD,
+                sys.executable,
+                "-c",
+                EPRT_EXPORT_CHILD,
+                os.path.join(d, f"q{args.ep[0]}"),
+                os.path.join(d, "export"),
+            ]
+        )
+        export_process = child_json(
+            [
+                "-c",
+                WALL_CHILD,
+                sys.executable,
+                os.path.join(ROOT, "tools", "export_hf.py"),
+                os.path.join(d, f"q{args.ep[0]}"),
+                os.path.join(d, "export-process"),
+            ]
+        )
 
     tokens = args.calib_size * args.seq_len
-    print(f"Qwen3-MoE {args.layers} layers x {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
-          f"{size / MiB:.0f} MiB {args.dtype}; NVFP4 + FP8 KV, max calibration on {args.calib_size} x {args.seq_len} "
-          f"= {tokens} tokens; CPU, {os.cpu_count()} CPUs; each a fresh process")
+    print(
+        f"Qwen3-MoE {args.layers} layers x {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
+        f"{size / MiB:.0f} MiB {args.dtype}; NVFP4 + FP8 KV, max calibration on {args.calib_size} x {args.seq_len} "
+        f"= {tokens} tokens; CPU, {os.cpu_count()} CPUs; each a fresh process"
+    )
     print(f"{'':<34}{'eprt':>10}{'ModelOpt':>10}{'eprt/MO':>9}")
 
     def row(name, ours, theirs, unit, scale=1.0):
@@ -166,8 +202,10 @@ def main() -> None:
     for ep, r in runs.items():
         vs = r["tokens_per_s"] / runs[1]["tokens_per_s"]
         print(f"eprt calibration tokens/s, ep {ep}: {r['tokens_per_s']:.0f} ({vs:.2f}x ep 1)")
-    print(f"eprt calibration tokens/s, ep 1, --calib-size {max(1, args.calib_size // 8)}: "
-          f"{small['tokens_per_s']:.0f} (at {args.calib_size}: {runs[1]['tokens_per_s'] / small['tokens_per_s']:.2f}x)")
+    print(
+        f"eprt calibration tokens/s, ep 1, --calib-size {max(1, args.calib_size // 8)}: "
+        f"{small['tokens_per_s']:.0f} (at {args.calib_size}: {runs[1]['tokens_per_s'] / small['tokens_per_s']:.2f}x)"
+    )
 
 
 def free_port() -> int:

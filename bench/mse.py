@@ -43,16 +43,20 @@ def main() -> None:
             error, seconds = {}, {}
             for a in ALGORITHMS:
                 q = os.path.join(d, f"{recipe}-{a}")
-                run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, calib_size=2, seq_len=16, algorithm=a,
-                                                        progress=False))
+                run_ptq(
+                    ParallelState.single(),
+                    PTQArgs(ck, recipe, q, calib_size=2, seq_len=16, algorithm=a, progress=False),
+                )
                 times = []
                 for _ in range(args.repeat):
                     start = time.perf_counter()
                     out = export_hf(q, q + "-hf", overwrite=True, progress=False)
                     times.append(time.perf_counter() - start)
                 error[a], seconds[a] = sum(weight_errors(out, src).values()), min(times)
-            print(f"  {recipe:>6}: weight squared error mse/max {error['mse'] / error['max']:.3f}; "
-                  f"export {seconds['mse']:.2f} s vs {seconds['max']:.2f} s ({seconds['mse'] / seconds['max']:.1f}x)")
+            print(
+                f"  {recipe:>6}: weight squared error mse/max {error['mse'] / error['max']:.3f}; "
+                f"export {seconds['mse']:.2f} s vs {seconds['max']:.2f} s ({seconds['mse'] / seconds['max']:.1f}x)"
+            )
 
 
 if __name__ == "__main__":

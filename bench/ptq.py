@@ -28,9 +28,20 @@ def rank_ptq(ck: str, ep: int, out: str, args) -> dict:
     with ParallelState.from_env(ep=ep) as state:
         reset_peak()
         before = rss()
-        result = run_ptq(state, PTQArgs(ck, args.recipe, out, kv_cache="fp8", calib_size=args.calib_size,
-                                        seq_len=args.seq_len, batch_size=args.batch_size, dtype=args.dtype,
-                                        progress=False))
+        result = run_ptq(
+            state,
+            PTQArgs(
+                ck,
+                args.recipe,
+                out,
+                kv_cache="fp8",
+                calib_size=args.calib_size,
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                dtype=args.dtype,
+                progress=False,
+            ),
+        )
         return {**result, "peak": peak_rss() - before}
 
 
@@ -52,9 +63,11 @@ def main() -> None:
             results[ep] = run_world(rank_ptq, ep, ck, ep, os.path.join(d, f"q{ep}"), args, timeout=900)
 
     tokens = args.calib_size * args.seq_len
-    print(f"{args.recipe} + FP8 KV on Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
-          f"top-{args.topk}, {args.dtype}; {args.calib_size} x {args.seq_len} = {tokens} calibration tokens, "
-          f"batch {args.batch_size} per rank; world = ep, 1 thread per rank, gloo, {os.cpu_count()} CPUs")
+    print(
+        f"{args.recipe} + FP8 KV on Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"top-{args.topk}, {args.dtype}; {args.calib_size} x {args.seq_len} = {tokens} calibration tokens, "
+        f"batch {args.batch_size} per rank; world = ep, 1 thread per rank, gloo, {os.cpu_count()} CPUs"
+    )
     print(f"{'ep':>3} {'tokens/s':>9} {'vs ep 1':>8} {'rank':>5} {'peak MiB':>9} {'vs ep 1':>8}")
     base = results.get(1)
     for ep, ranks in results.items():

@@ -39,9 +39,20 @@ def checkpoint(model: str, args, directory: str) -> str:
 def run(ck: str, recipe: str, algorithm: str, args, directory: str) -> dict:
     out = os.path.join(directory, f"{recipe}-{algorithm}")
     start = time.perf_counter()
-    result = run_ptq(ParallelState.single(), PTQArgs(
-        ck, recipe, out, kv_cache="fp8", calib_size=args.calib_size, seq_len=args.seq_len,
-        eval_size=args.eval_size, algorithm=algorithm, progress=False))
+    result = run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            ck,
+            recipe,
+            out,
+            kv_cache="fp8",
+            calib_size=args.calib_size,
+            seq_len=args.seq_len,
+            eval_size=args.eval_size,
+            algorithm=algorithm,
+            progress=False,
+        ),
+    )
     ptq_s = time.perf_counter() - start
     start = time.perf_counter()
     export_hf(out, out + "-hf", progress=False)
@@ -58,11 +69,15 @@ def main() -> None:
     add_model_args(p)
     args = p.parse_args()
 
-    print(f"{args.calib_size} x {args.seq_len} calibration tokens, {args.eval_size} held-out sequences, FP8 KV, "
-          f"1 process, {os.cpu_count()} CPUs; bench model: Qwen3-MoE {args.layers} layers, hidden {args.hidden}, "
-          f"{args.experts} experts top-{args.topk}, width {args.width}, {args.dtype}")
-    print(f"{'model':<12} {'recipe':<6} {'algorithm':<9} {'KL mean':>9} {'KL/max':>7} {'KL p99':>9} {'top-1':>7} "
-          f"{'ptq/max':>8} {'export/max':>10}")
+    print(
+        f"{args.calib_size} x {args.seq_len} calibration tokens, {args.eval_size} held-out sequences, FP8 KV, "
+        f"1 process, {os.cpu_count()} CPUs; bench model: Qwen3-MoE {args.layers} layers, hidden {args.hidden}, "
+        f"{args.experts} experts top-{args.topk}, width {args.width}, {args.dtype}"
+    )
+    print(
+        f"{'model':<12} {'recipe':<6} {'algorithm':<9} {'KL mean':>9} {'KL/max':>7} {'KL p99':>9} {'top-1':>7} "
+        f"{'ptq/max':>8} {'export/max':>10}"
+    )
     for model in args.models:
         with tempfile.TemporaryDirectory() as d:
             ck = checkpoint(model, args, d)
@@ -71,10 +86,12 @@ def main() -> None:
                 base = runs["max"]
                 for algorithm, r in runs.items():
                     q = r["quality"]
-                    print(f"{model:<12} {recipe:<6} {algorithm:<9} {q['kl_mean']:>9.3g} "
-                          f"{q['kl_mean'] / base['quality']['kl_mean']:>7.3f} {q['kl_p99']:>9.3g} "
-                          f"{100 * q['top1_agreement']:>6.2f}% {r['ptq_s'] / base['ptq_s']:>8.2f} "
-                          f"{r['export_s'] / base['export_s']:>10.2f}")
+                    print(
+                        f"{model:<12} {recipe:<6} {algorithm:<9} {q['kl_mean']:>9.3g} "
+                        f"{q['kl_mean'] / base['quality']['kl_mean']:>7.3f} {q['kl_p99']:>9.3g} "
+                        f"{100 * q['top1_agreement']:>6.2f}% {r['ptq_s'] / base['ptq_s']:>8.2f} "
+                        f"{r['export_s'] / base['export_s']:>10.2f}"
+                    )
 
 
 if __name__ == "__main__":

@@ -38,24 +38,69 @@ from eprt.testing.tiny import make_tiny  # noqa: E402
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
 # DeepSeek-V3 config: rope, scoring, norms).
 REAL = {
-    "kimi_k2": dict(model_type="kimi_k2", vocab_size=163840, hidden_size=7168, num_hidden_layers=61,
-                    num_nextn_predict_layers=0, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
-                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384, n_shared_experts=1,
-                    num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
-                    max_position_embeddings=131072),
-    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
-                        num_nextn_predict_layers=1, num_attention_heads=128, num_key_value_heads=128,
-                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                        v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-                        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
-                        max_position_embeddings=163840),
+    "kimi_k2": dict(
+        model_type="kimi_k2",
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_nextn_predict_layers=0,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=131072,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_nextn_predict_layers=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        max_position_embeddings=163840,
+    ),
 }
 SHARDS = {"kimi_k2": 62, "deepseek_v3": 163}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
-TINY_DIMS = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, max_position_embeddings=4096)
+TINY_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    max_position_embeddings=4096,
+)
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
@@ -124,8 +169,21 @@ def write_holes(path: str, entries: list[tuple[str, str, list[int]]]) -> int:
 
 def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int) -> tuple[list[list[str]], str, float]:
     """Each rank's row of the dry run's table (split in words), rank 0's plan by its terms, and the run's wall time."""
-    cmd = [sys.executable, os.path.join(REPO, "tools", "ptq.py"), "--nproc-per-node", str(world), ck, "--dry-run",
-           "--seq-len", str(seq_len), "--calib-size", str(calib_size), "--eval-size", "0", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "ptq.py"),
+        "--nproc-per-node",
+        str(world),
+        ck,
+        "--dry-run",
+        "--seq-len",
+        str(seq_len),
+        "--calib-size",
+        str(calib_size),
+        "--eval-size",
+        "0",
+        *extra,
+    ]
     start = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     took = time.perf_counter() - start
@@ -141,15 +199,24 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, in block FP8 as released")
-    hf, t_make = timed(make_tiny, "deepseek_v3", os.path.join(root, "hf"), shards=SHARDS[model],
-                       source_format="fp8-block", **{**real, **TINY_DIMS})
+    hf, t_make = timed(
+        make_tiny,
+        "deepseek_v3",
+        os.path.join(root, "hf"),
+        shards=SHARDS[model],
+        source_format="fp8-block",
+        **{**real, **TINY_DIMS},
+    )
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         n_source = len(json.load(f)["weight_map"])
     with open(os.path.join(ck, MANIFEST)) as f:
         n_tensors = len(json.load(f)["tensors"])
-    rows += [(f"{model} real counts", f"{n_source:,} tensors in {SHARDS[model]} shards, {n_tensors:,} in eprt's layout"),
-             ("  make (s)", f"{t_make:.1f}"), ("  convert (s)", f"{t_convert:.1f}")]
+    rows += [
+        (f"{model} real counts", f"{n_source:,} tensors in {SHARDS[model]} shards, {n_tensors:,} in eprt's layout"),
+        ("  make (s)", f"{t_make:.1f}"),
+        ("  convert (s)", f"{t_convert:.1f}"),
+    ]
     _, t_export = timed(export_hf, ck, os.path.join(root, "export"), progress=False)
     rows.append(("  export as it came (s)", f"{t_export:.1f}"))
     for world in worlds:
@@ -157,8 +224,11 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
         rows.append((f"  dry run, world {world} (s)", f"{took:.1f}"))
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
-    plain = convert_hf(make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
-                       os.path.join(root, "ck-bf16"), progress=False)
+    plain = convert_hf(
+        make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        os.path.join(root, "ck-bf16"),
+        progress=False,
+    )
     big = os.path.join(root, "real")
     apparent = inflate(plain, {**make_config(hf), **real}, big)
     disk = sum(os.stat(os.path.join(big, f)).st_blocks * 512 for f in os.listdir(big) if f.endswith(".safetensors"))
@@ -168,8 +238,12 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
             ranks, terms, took = dry_run(big, world, [*GPU, *extra], seq_len, calib_size)
             device = sorted({" ".join(r[-4:-2]) for r in ranks})
             host = sorted({" ".join(r[-2:]) for r in ranks})
-            rows.append((f"  {label} at world {world}, {calib_size} x {seq_len} tokens: peak per GPU; host",
-                         f"{', '.join(device)}; {', '.join(host)} ({took:.1f} s)"))
+            rows.append(
+                (
+                    f"  {label} at world {world}, {calib_size} x {seq_len} tokens: peak per GPU; host",
+                    f"{', '.join(device)}; {', '.join(host)} ({took:.1f} s)",
+                )
+            )
             rows.append(("    rank 0's plan", terms.split(": ", 1)[-1]))
     return rows
 

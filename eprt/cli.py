@@ -33,7 +33,6 @@ USER_OS_ERRORS = {
 }
 
 
-
 def run(main: Callable[[], T]) -> T:
     """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line."""
     configure_logging()

@@ -22,6 +22,7 @@ from eprt.errors import ConfigError
 class YarnConfig:
     """YaRN RoPE scaling, its parameters as the file gives them (None: absent; the reference's
     default applies where it is used, eprt.models.rope)."""
+
     original_max_position_embeddings: int
     factor: float | None = None
     attention_factor: float | None = None
@@ -35,6 +36,7 @@ class YarnConfig:
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embeddings: the base `theta`, and YaRN scaling or none (`yarn` None)."""
+
     theta: float
     yarn: YarnConfig | None = None
 
@@ -46,6 +48,7 @@ class GQAConfig:
     `rotary_dim` dims of each head; per-head q/k RMSNorm under `qk_norm`; biases on q/k/v under
     `qkv_bias`, on the output projection under `output_bias`; and with `output_gate` (Qwen3-Next)
     q_proj giving each head a gate beside its query, sigmoid(gate) scaling the head's output."""
+
     num_kv_heads: int
     head_dim: int
     rotary_dim: int
@@ -61,6 +64,7 @@ class MLAConfig:
     (None: one q_proj), keys and values expanded from a shared latent of `kv_lora_rank`. Each
     head's query/key is `qk_nope_head_dim` plain dims then `qk_rope_head_dim` rope dims (plain too
     where the model has no RoPE), its value `v_head_dim`; one key/value head per query head."""
+
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -72,6 +76,7 @@ class MLAConfig:
 class IndexerConfig:
     """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2): `n_heads` heads of
     `head_dim` score every earlier key, and each query attends to its `topk` best keys only."""
+
     n_heads: int
     head_dim: int
     topk: int
@@ -87,6 +92,7 @@ class MoEConfig:
     experts of `intermediate_size` each run on every token (Qwen-Next's gated shared expert is
     `QwenNextConfig`'s). With `latent_size` (Kimi-K3) the routed experts compute in a latent of
     that width, projected down from and up to the hidden state, normalized first under `latent_norm`."""
+
     layers: tuple[int, ...]
     num_experts: int
     num_experts_per_tok: int
@@ -115,6 +121,7 @@ def moe_or_dense(layers, **fields) -> MoEConfig | None:
 class GatedDeltaNetConfig:
     """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): which layers run it and their sizes.
     Each key head serves value_heads / key_heads value heads."""
+
     layers: tuple[int, ...]
     key_heads: int
     value_heads: int
@@ -131,6 +138,7 @@ class QwenNextConfig:
     """What Qwen3-Next and Qwen3.5-MoE add to a Qwen3 decoder: Gated DeltaNet layers between the
     gated full-attention ones (their partial rotary and output gate are `ModelConfig.gqa`'s), and
     a shared expert behind a sigmoid gate."""
+
     gated_delta_net: GatedDeltaNetConfig
     shared_expert_intermediate_size: int
 
@@ -141,6 +149,7 @@ class KDAConfig:
     their sizes. `a_log_shape` is A_log's: Moonshot's [1, 1, heads, 1], or Kimi-K3's [heads], a
     vector the release pads. Kimi-K3 adds a lower bound on the forget gate (`gate_lower_bound`,
     None: unbounded) and a full-rank output gate (g_proj in place of g_a_proj, g_b_proj)."""
+
     layers: tuple[int, ...]
     heads: int
     head_dim: int
@@ -154,6 +163,7 @@ class KDAConfig:
 class SiTUConfig:
     """Kimi-K3's SiTU activation in place of SiLU: its `beta` and the bound of its linear part
     (`linear_beta`, None: unbounded)."""
+
     beta: float
     linear_beta: float | None
 
@@ -163,6 +173,7 @@ class KimiLinearConfig:
     """What Kimi-Linear and Kimi-K3's language model add to an MLA decoder without RoPE: KDA
     layers, and the K3 options: the MLA output gate, SiTU (`situ` None: SiLU), and attention
     residuals over blocks of `attn_res_block_size` layers (None: plain residuals)."""
+
     kda: KDAConfig
     mla_output_gate: bool
     situ: SiTUConfig | None
@@ -174,6 +185,7 @@ class ModelConfig:
     """A model as eprt runs it: what every family has, then one typed part per kind of block.
     Attention is `gqa` or `mla` (exactly one); `moe` is None for a dense model; `rope` None where
     no layer rotates (Kimi's MLA)."""
+
     family: str  # the eprt family that runs it ("qwen3_moe", "deepseek_v3")
     model_type: str  # the source's own model_type ("kimi_k2" runs as deepseek_v3)
     vocab_size: int
@@ -201,9 +213,11 @@ class ModelConfig:
                 raise ConfigError(f"{name} is {getattr(self, name)}; a model has at least one")
         routed = len(self.moe_layers) * self.num_experts
         if routed > MAX_ROUTED_EXPERTS:
-            raise ConfigError(f"{len(self.moe_layers)} MoE layers of {self.num_experts} routed experts make {routed} "
-                              f"experts, over the {MAX_ROUTED_EXPERTS} eprt reads (each is three tensors to name "
-                              "before a weight is read): the config does not describe a real model")
+            raise ConfigError(
+                f"{len(self.moe_layers)} MoE layers of {self.num_experts} routed experts make {routed} "
+                f"experts, over the {MAX_ROUTED_EXPERTS} eprt reads (each is three tensors to name "
+                "before a weight is read): the config does not describe a real model"
+            )
 
     # The common reads of `moe`, a dense model's answer where it has none.
     @property
@@ -243,8 +257,9 @@ def typed_from_json(cls: type, d: Any, where: str):
     fields = dataclasses.fields(cls)
     unknown = sorted(set(d) - {f.name for f in fields})
     if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r}; {cls.__name__} has "
-                          f"{', '.join(f.name for f in fields)}")
+        raise ConfigError(
+            f"{where}: unknown field {unknown[0]!r}; {cls.__name__} has {', '.join(f.name for f in fields)}"
+        )
     hints = typing.get_type_hints(cls)
     values = {}
     for f in fields:
@@ -289,41 +304,121 @@ def typed_value(tp: Any, v: Any, where: str, name: str) -> Any:
 
 
 def json_type(v: Any) -> str:
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            tuple: "a list", dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        tuple: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 # Fields whose value is a count or a size, and fields that are any real number: a string or a
 # bool there (`"hidden_size": "4096"`) is refused by name instead of failing deep in the model.
-INTEGER_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
-    "num_experts_per_tok", "num_experts_per_token", "n_shared_experts", "num_shared_experts", "first_k_dense_replace",
-    "decoder_sparse_step", "moe_layer_freq", "max_position_embeddings", "model_max_length", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "num_expert_group",
-    "topk_group", "num_nextn_predict_layers", "num_mtp_layers", "num_heads", "linear_num_heads", "linear_head_dim",
-    "short_conv_kernel_size", "linear_conv_kernel_dim", "routed_expert_hidden_size", "attn_res_block_size",
-    "original_max_position_embeddings", "index_topk", "index_n_heads", "index_head_dim", "linear_num_key_heads",
-    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "shared_expert_intermediate_size",
-    "full_attention_interval",
-})
+INTEGER_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "num_experts_per_token",
+        "n_shared_experts",
+        "num_shared_experts",
+        "first_k_dense_replace",
+        "decoder_sparse_step",
+        "moe_layer_freq",
+        "max_position_embeddings",
+        "model_max_length",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "num_expert_group",
+        "topk_group",
+        "num_nextn_predict_layers",
+        "num_mtp_layers",
+        "num_heads",
+        "linear_num_heads",
+        "linear_head_dim",
+        "short_conv_kernel_size",
+        "linear_conv_kernel_dim",
+        "routed_expert_hidden_size",
+        "attn_res_block_size",
+        "original_max_position_embeddings",
+        "index_topk",
+        "index_n_heads",
+        "index_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "shared_expert_intermediate_size",
+        "full_attention_interval",
+    }
+)
 # The counts that may be 0 (no experts, no dense MLP, no low-rank q, no MTP layers, no rope dims
 # in a head); every other one is at least 1 (a divisor, a step or a width something is built of).
-ZERO_ALLOWED = frozenset({
-    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
-    "num_experts_per_tok", "num_experts_per_token", "n_shared_experts", "num_shared_experts", "first_k_dense_replace",
-    "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "num_nextn_predict_layers", "num_mtp_layers",
-    "shared_expert_intermediate_size",
-})
-REAL_FIELDS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor", "activation_situ_beta",
-                         "activation_situ_linear_beta", "gate_lower_bound",
-                         "partial_rotary_factor",
-                         # the RoPE scaling parameters (rope_scaling / rope_parameters)
-                         "factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"})
+ZERO_ALLOWED = frozenset(
+    {
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "num_experts_per_token",
+        "n_shared_experts",
+        "num_shared_experts",
+        "first_k_dense_replace",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "num_nextn_predict_layers",
+        "num_mtp_layers",
+        "shared_expert_intermediate_size",
+    }
+)
+REAL_FIELDS = frozenset(
+    {
+        "rms_norm_eps",
+        "rope_theta",
+        "routed_scaling_factor",
+        "activation_situ_beta",
+        "activation_situ_linear_beta",
+        "gate_lower_bound",
+        "partial_rotary_factor",
+        # the RoPE scaling parameters (rope_scaling / rope_parameters)
+        "factor",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    }
+)
 # Reals that must exceed a bound: a norm's epsilon and the scaling factors are positive, and RoPE's
 # frequencies theta^(-2i/d) fall only for theta above 1 (YaRN divides by log(theta)).
-REAL_ABOVE = {"rms_norm_eps": 0, "rope_theta": 1, "factor": 0, "beta_fast": 0, "beta_slow": 0,
-              "partial_rotary_factor": 0}
+REAL_ABOVE = {
+    "rms_norm_eps": 0,
+    "rope_theta": 1,
+    "factor": 0,
+    "beta_fast": 0,
+    "beta_slow": 0,
+    "partial_rotary_factor": 0,
+}
 # Lists of layers: indices (from their first index) or a kind per layer.
 LAYER_INDEX_FIELDS = {"kda_layers": 1, "mlp_only_layers": 0}
 LAYER_KIND_FIELDS = frozenset({"layer_types", "mlp_layer_types"})
@@ -343,15 +438,41 @@ MAX_ROUTED_EXPERTS = 2**18
 ROUTED_EXPERT_FIELDS = frozenset({"num_experts", "num_local_experts", "n_routed_experts"})
 # The bound of a field, by its name in config.json or in ModelConfig (MAX_WIDTH where unlisted).
 LIMITS = {
-    **dict.fromkeys(("num_hidden_layers", "num_layers", "layers", "first_k_dense_replace", "num_nextn_predict_layers",
-                     "num_mtp_layers", "decoder_sparse_step", "moe_layer_freq", "full_attention_interval",
-                     "attn_res_block_size"), MAX_LAYERS),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
-                     "num_experts_per_token", "n_shared_experts", "num_shared_experts", "n_group",
-                     "num_expert_group", "topk_group"), MAX_EXPERTS),
+    **dict.fromkeys(
+        (
+            "num_hidden_layers",
+            "num_layers",
+            "layers",
+            "first_k_dense_replace",
+            "num_nextn_predict_layers",
+            "num_mtp_layers",
+            "decoder_sparse_step",
+            "moe_layer_freq",
+            "full_attention_interval",
+            "attn_res_block_size",
+        ),
+        MAX_LAYERS,
+    ),
+    **dict.fromkeys(
+        (
+            "num_experts",
+            "num_local_experts",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "num_experts_per_token",
+            "n_shared_experts",
+            "num_shared_experts",
+            "n_group",
+            "num_expert_group",
+            "topk_group",
+        ),
+        MAX_EXPERTS,
+    ),
     "vocab_size": MAX_VOCAB,
-    **dict.fromkeys(("max_position_embeddings", "model_max_length", "original_max_position_embeddings",
-                     "index_topk", "topk"), MAX_POSITIONS),
+    **dict.fromkeys(
+        ("max_position_embeddings", "model_max_length", "original_max_position_embeddings", "index_topk", "topk"),
+        MAX_POSITIONS,
+    ),
 }
 
 
@@ -388,23 +509,30 @@ class Fields:
         whatever Python says); a count outside its range is refused before anything is built of it."""
         if name in INTEGER_FIELDS:
             if not is_integer(value):
-                raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be an integer: "
-                                  "write it as a JSON number")
+                raise self.refuse(
+                    f"field {name!r} is {value!r} ({type(value).__name__}); it must be an integer: "
+                    "write it as a JSON number"
+                )
             value = self.in_range(name, int(value))
             layers = self.d.get("num_hidden_layers")
             if name in ROUTED_EXPERT_FIELDS and is_integer(layers) and layers * value > MAX_ROUTED_EXPERTS:
-                raise self.refuse(f"field {name!r} is {value} in each of up to {int(layers)} layers (num_hidden_layers)"
-                                  f": over the {MAX_ROUTED_EXPERTS} routed experts eprt reads in a model, each three "
-                                  "tensors to name before a weight is read: fix them to the model's values")
+                raise self.refuse(
+                    f"field {name!r} is {value} in each of up to {int(layers)} layers (num_hidden_layers)"
+                    f": over the {MAX_ROUTED_EXPERTS} routed experts eprt reads in a model, each three "
+                    "tensors to name before a weight is read: fix them to the model's values"
+                )
             return value
         if name in REAL_FIELDS:
             if not is_number(value):
-                raise self.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a number: "
-                                  "write it as a JSON number")
+                raise self.refuse(
+                    f"field {name!r} is {value!r} ({type(value).__name__}); it must be a number: "
+                    "write it as a JSON number"
+                )
             if not math.isfinite(value) or value <= REAL_ABOVE.get(name, -math.inf):
                 above = f" above {REAL_ABOVE[name]}" if name in REAL_ABOVE else ""
-                raise self.refuse(f"field {name!r} is {value!r}; it must be a finite number{above}: fix it to the "
-                                  "model's value")
+                raise self.refuse(
+                    f"field {name!r} is {value!r}; it must be a finite number{above}: fix it to the model's value"
+                )
             return float(value)
         if name in LAYER_INDEX_FIELDS or name in LAYER_KIND_FIELDS:
             return self.layer_list(name, value)
@@ -415,8 +543,10 @@ class Fields:
         high = LIMITS.get(name, MAX_WIDTH) if high is None else high
         if not low <= value <= high:
             shown = value if abs(value) < 10**18 else f"a {len(str(abs(value)))}-digit number"
-            raise self.refuse(f"field {name!r} is {shown}; it must be from {low} to {high} (the bound is far above "
-                              "any released model): fix it to the model's value")
+            raise self.refuse(
+                f"field {name!r} is {shown}; it must be from {low} to {high} (the bound is far above "
+                "any released model): fix it to the model's value"
+            )
         return value
 
     def layer_list(self, name: str, value: Any) -> list:
@@ -424,11 +554,15 @@ class Fields:
         indices = name in LAYER_INDEX_FIELDS
         well_typed = isinstance(value, list) and all(is_integer(x) if indices else isinstance(x, str) for x in value)
         if not well_typed:
-            raise self.refuse(f"field {name!r} is {value!r:.80}; it must be a JSON list of "
-                              f"{'layer indices' if indices else 'layer kinds (strings)'}")
+            raise self.refuse(
+                f"field {name!r} is {value!r:.80}; it must be a JSON list of "
+                f"{'layer indices' if indices else 'layer kinds (strings)'}"
+            )
         if len(value) > MAX_LAYERS:
-            raise self.refuse(f"field {name!r} lists {len(value)} layers, over the {MAX_LAYERS} eprt reads: fix it "
-                              "to the model's layers")
+            raise self.refuse(
+                f"field {name!r} lists {len(value)} layers, over the {MAX_LAYERS} eprt reads: fix it "
+                "to the model's layers"
+            )
         if indices:
             return [self.in_range(name, int(x), LAYER_INDEX_FIELDS[name], MAX_LAYERS) for x in value]
         return value
@@ -438,8 +572,10 @@ class Fields:
         top_k = self.get(*names, default=default)
         if num_experts and not 1 <= top_k <= num_experts:
             spelled = next((n for n in names if n in self.d), names[0])
-            raise self.refuse(f"field {spelled!r} is {top_k}; each token goes to 1 to {num_experts} routed experts "
-                              "(the model's expert count): set it in that range")
+            raise self.refuse(
+                f"field {spelled!r} is {top_k}; each token goes to 1 to {num_experts} routed experts "
+                "(the model's expert count): set it in that range"
+            )
         return top_k
 
     def refuse(self, msg: str) -> ConfigError:
@@ -476,8 +612,10 @@ def rope_object(f: Fields, name: str) -> dict | None:
     """`rope_scaling` / `rope_parameters`: absent, null or a JSON object."""
     value = f.get(name, default=None)
     if value is not None and not isinstance(value, dict):
-        raise f.refuse(f"field {name!r} is {value!r} ({type(value).__name__}); it must be a JSON object of RoPE "
-                       "parameters, or null")
+        raise f.refuse(
+            f"field {name!r} is {value!r} ({type(value).__name__}); it must be a JSON object of RoPE "
+            "parameters, or null"
+        )
     return value
 
 
@@ -486,10 +624,15 @@ def read_rotary_dim(f: Fields, head_dim: int, default_factor: float) -> int:
     factor from v5 `rope_parameters` or the v4 top level; an even count from 2 to head_dim."""
     params = f.get("rope_parameters", default={}) or {}
     factor = params.get("partial_rotary_factor")
-    factor = f.checked("partial_rotary_factor", factor) if factor is not None else \
-        f.get("partial_rotary_factor", default=default_factor)
+    factor = (
+        f.checked("partial_rotary_factor", factor)
+        if factor is not None
+        else f.get("partial_rotary_factor", default=default_factor)
+    )
     dim = int(head_dim * factor)
     if not (2 <= dim <= head_dim and dim % 2 == 0):
-        raise f.refuse(f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {dim} dims; RoPE needs an "
-                       f"even count from 2 to {head_dim}: fix partial_rotary_factor")
+        raise f.refuse(
+            f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {dim} dims; RoPE needs an "
+            f"even count from 2 to {head_dim}: fix partial_rotary_factor"
+        )
     return dim

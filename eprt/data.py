@@ -44,6 +44,7 @@ CHARS_PER_TOKEN = 16
 @dataclass(frozen=True)
 class Source:
     """One --calib: a path and its share of the sequences."""
+
     path: str
     share: float
 
@@ -51,6 +52,7 @@ class Source:
 @dataclass
 class SourceUse:
     """What calibration took from one source, as recorded in the calibrated checkpoint and the report."""
+
     path: str
     share: float
     sequences: int = 0  # calibration sequences from it
@@ -79,8 +81,10 @@ def parse_sources(calib: str | Sequence[str] | None) -> list[Source]:
         return [Source(parsed[0][0], 1.0)]
     missing = [p for p, share in parsed if share is None]
     if missing:
-        raise ConfigError(f"--calib {missing[0]}: with several --calib, give each its share of the sequences "
-                          f"(--calib {missing[0]}:0.5)")
+        raise ConfigError(
+            f"--calib {missing[0]}: with several --calib, give each its share of the sequences "
+            f"(--calib {missing[0]}:0.5)"
+        )
     bad = [(p, share) for p, share in parsed if not 0 < share <= 1]
     if bad:
         raise ConfigError(f"--calib {bad[0][0]}:{bad[0][1]:g}: a share is a fraction in (0, 1]")
@@ -95,8 +99,10 @@ def check_sources(calib: str | Sequence[str] | None, flag: str = "--calib") -> l
     sources = parse_sources(calib)
     for s in sources:
         if os.path.isdir(s.path) and not is_saved_dataset(s.path):
-            raise ConfigError(f"{flag} {s.path}: a directory, but not a dataset saved with the datasets library's "
-                              "save_to_disk (it has no state.json or dataset_dict.json)")
+            raise ConfigError(
+                f"{flag} {s.path}: a directory, but not a dataset saved with the datasets library's "
+                "save_to_disk (it has no state.json or dataset_dict.json)"
+            )
         if not os.path.exists(s.path):
             raise ConfigError(f"{flag} {s.path}: no such file")
     return sources
@@ -107,17 +113,19 @@ def split_counts(n: int, shares: Sequence[float]) -> list[int]:
     exact = [n * s for s in shares]
     counts = [math.floor(x) for x in exact]
     order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[:n - sum(counts)]:
+    for i in order[: n - sum(counts)]:
         counts[i] += 1
     return counts
 
 
 def choose_column(column: str | None) -> Callable[[list[str]], str]:
     """Which column of a table to read: `column` (--calib-column), else text, else messages."""
+
     def choose(columns: list[str]) -> str:
         if column is not None:
             return column
         return MESSAGES if TEXT not in columns and MESSAGES in columns else TEXT
+
     return choose
 
 
@@ -130,13 +138,16 @@ def jsonl_rows(f, path: str, column: str | None) -> Iterator[tuple[str, Any]]:
         if not line.strip():
             continue
         where = f"{path}:{i}"
-        row = parse_json(line, where, "each line is one JSON object {\"text\": ...} or {\"messages\": [...]}")
+        row = parse_json(line, where, 'each line is one JSON object {"text": ...} or {"messages": [...]}')
         if not isinstance(row, dict):
-            raise ConfigError(f"{where}: each line needs a string field \"text\" or a list \"messages\"")
+            raise ConfigError(f'{where}: each line needs a string field "text" or a list "messages"')
         key = column or (TEXT if TEXT in row or MESSAGES not in row else MESSAGES)
         if key not in row:
-            raise ConfigError(f"{where}: each line needs a string field \"text\" or a list \"messages\"" if column
-                              is None else f"{where}: no field {key!r} (--calib-column {key})")
+            raise ConfigError(
+                f'{where}: each line needs a string field "text" or a list "messages"'
+                if column is None
+                else f"{where}: no field {key!r} (--calib-column {key})"
+            )
         yield where, row[key]
 
 
@@ -147,8 +158,9 @@ def documents(path: str, hf_dir: str, column: str | None = None) -> Iterator[Cal
     rendered with the checkpoint's chat template. The source is read as far as its documents are
     asked for."""
     if os.path.isdir(path):
-        rows: Iterator[tuple[str, Any]] = ((f"{path} row {i}", v) for i, v in enumerate(
-            dataset_rows(path, choose_column(column))))
+        rows: Iterator[tuple[str, Any]] = (
+            (f"{path} row {i}", v) for i, v in enumerate(dataset_rows(path, choose_column(column)))
+        )
     elif path.endswith(".parquet"):
         rows = ((f"{path} row {i}", v) for i, v in enumerate(parquet_rows(path, choose_column(column))))
     elif path.endswith(".jsonl"):
@@ -170,11 +182,14 @@ def row_documents(rows: Iterator[tuple[str, Any]], path: str, hf_dir: str) -> It
         if isinstance(value, str):
             yield text_reader(value)
             continue
-        if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                  for m in value):
-            raise ConfigError(f"{where}: holds a {type(value).__name__}, neither text (a string) nor a conversation "
-                              "(a list of {\"role\": ..., \"content\": ...}); name the right column with "
-                              "--calib-column")
+        if not isinstance(value, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in value
+        ):
+            raise ConfigError(
+                f"{where}: holds a {type(value).__name__}, neither text (a string) nor a conversation "
+                '(a list of {"role": ..., "content": ...}); name the right column with '
+                "--calib-column"
+            )
         render = render or chat_renderer(hf_dir, path)
         yield text_reader(render(value, where))
 
@@ -185,7 +200,7 @@ def text_reader(text: str) -> Callable[[int], str]:
 
     def read(n: int) -> str:
         nonlocal at
-        piece = text[at:at + n]
+        piece = text[at : at + n]
         at += len(piece)
         return piece
 
@@ -201,8 +216,10 @@ def decode_utf8(data: bytes, path: str, offset: int) -> str:
 
 
 def not_utf8(path: str, byte: int) -> ConfigError:
-    return ConfigError(f"{path}: not UTF-8 text (byte {byte}); calibration text is UTF-8 "
-                       "(.txt, or .jsonl with one {\"text\": ...} per line)")
+    return ConfigError(
+        f"{path}: not UTF-8 text (byte {byte}); calibration text is UTF-8 "
+        '(.txt, or .jsonl with one {"text": ...} per line)'
+    )
 
 
 def utf8_reader(f, path: str) -> Callable[[int], str]:
@@ -252,7 +269,7 @@ def read_token_ids(path: str, need: int) -> np.ndarray:
         raise ConfigError(f"{path}: token ids must be integers, found {ids.dtype}")
     if ids.ndim > 1:  # the rows holding the first `need` ids, never the array
         row = math.prod(ids.shape[1:])
-        ids = ids[:-(-need // row) if row else 0]
+        ids = ids[: -(-need // row) if row else 0]
     return np.array(ids.reshape(-1)[:need], dtype=np.int64)
 
 
@@ -263,8 +280,10 @@ def npy_token_ids(path: str) -> np.ndarray:
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            read_header = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(version)
             if read_header is None:
                 raise ValueError(f"format version {version[0]}.{version[1]}, which token ids are not saved in")
             shape, fortran_order, dtype = read_header(f)
@@ -276,8 +295,10 @@ def npy_token_ids(path: str) -> np.ndarray:
     count = math.prod(shape)
     held = os.path.getsize(path) - offset
     if count * dtype.itemsize > held:
-        raise ConfigError(f"{path}: declares {count} token ids of shape {list(shape)} but holds {held} bytes of "
-                          f"data ({held // dtype.itemsize} ids): the file is truncated or damaged; save it again")
+        raise ConfigError(
+            f"{path}: declares {count} token ids of shape {list(shape)} but holds {held} bytes of "
+            f"data ({held // dtype.itemsize} ids): the file is truncated or damaged; save it again"
+        )
     if count == 0:
         return np.empty(shape, dtype)
     return np.memmap(path, dtype, mode="r", offset=offset, shape=shape, order="F" if fortran_order else "C")
@@ -306,15 +327,19 @@ def eos_id(hf_dir: str) -> int | None:
     for name in (GENERATION_CONFIG, CONFIG):
         p = os.path.join(hf_dir, name)
         if os.path.isfile(p):
-            cfg = read_json(p, "text calibration reads the end-of-sequence token there: fix the file in the source "
-                               "and convert again")
+            cfg = read_json(
+                p,
+                "text calibration reads the end-of-sequence token there: fix the file in the source and convert again",
+            )
             eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
             if eos is not None:
                 if type(eos) is not int or eos < 0:
-                    raise ConfigError(f"{p}: eos_token_id {eos!r:.40} is not a token id; text calibration ends each "
-                                      "document with it: fix the file in the source and convert again")
+                    raise ConfigError(
+                        f"{p}: eos_token_id {eos!r:.40} is not a token id; text calibration ends each "
+                        "document with it: fix the file in the source and convert again"
+                    )
                 return eos
     return None
 
@@ -323,15 +348,19 @@ def load_tokenizer(hf_dir: str):
     """The checkpoint's own tokenizer.json, refused by name where it is missing or damaged."""
     tok_path = os.path.join(hf_dir, TOKENIZER)
     if not os.path.isfile(tok_path):
-        raise ConfigError(f"{tok_path}: missing; text calibration data needs the checkpoint's tokenizer "
-                          "(or pass token ids as .npy / .safetensors)")
+        raise ConfigError(
+            f"{tok_path}: missing; text calibration data needs the checkpoint's tokenizer "
+            "(or pass token ids as .npy / .safetensors)"
+        )
     from tokenizers import Tokenizer
 
     try:
         return Tokenizer.from_file(tok_path)
     except Exception as e:  # the Rust library's one exception type for any file it cannot read
-        raise ConfigError(f"{tok_path}: not a tokenizer the tokenizers library reads ({str(e)[:200]}); copy the "
-                          "model's tokenizer.json in again (or pass token ids as .npy / .safetensors)") from None
+        raise ConfigError(
+            f"{tok_path}: not a tokenizer the tokenizers library reads ({str(e)[:200]}); copy the "
+            "model's tokenizer.json in again (or pass token ids as .npy / .safetensors)"
+        ) from None
 
 
 class Tokens(NamedTuple):
@@ -360,8 +389,10 @@ def token_stream(path: str, hf_dir: str, need: int, column: str | None = None) -
             break
     if not text_tokens:  # only end-of-sequence tokens: calibrating on them measures nothing
         within = f" in its first {need} tokens" if taken >= need else ""
-        raise ConfigError(f"{path}: holds no text to calibrate on{within}; give a file with text, or leave out "
-                          "--calib for the built-in corpus")
+        raise ConfigError(
+            f"{path}: holds no text to calibrate on{within}; give a file with text, or leave out "
+            "--calib for the built-in corpus"
+        )
     ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=taken)[:need]
     return Tokens(ids, len(pieces), truncated)
 
@@ -376,8 +407,7 @@ def pack(stream: np.ndarray, num_samples: int, seq_len: int, vocab_size: int, so
     need = num_samples * seq_len
     if stream.size < need:
         if rank() == 0:  # every rank packs the same data; one of them says so
-            logger().warning("%s: %d tokens for %d x %d; the data repeats", source, stream.size, num_samples,
-                             seq_len)
+            logger().warning("%s: %d tokens for %d x %d; the data repeats", source, stream.size, num_samples, seq_len)
         stream = np.resize(stream, need)
     return torch.from_numpy(stream[:need].copy()).view(num_samples, seq_len)
 
@@ -393,8 +423,16 @@ class Calibration(NamedTuple):
     used: list[SourceUse]  # what each source gave
 
 
-def read_calibration(calib: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, seq_len: int,
-                     vocab_size: int, held_out: int = 0, column: str | None = None) -> Calibration:
+def read_calibration(
+    calib: str | Sequence[str] | None,
+    hf_dir: str,
+    *,
+    num_samples: int,
+    seq_len: int,
+    vocab_size: int,
+    held_out: int = 0,
+    column: str | None = None,
+) -> Calibration:
     """The calibration sequences and, with `held_out`, that many more after them: each source gives
     its share of both, its calibration sequences first, its held-out ones after them (so holding
     out changes no calibration sequence); the sources' sequences follow in the order given. A
@@ -418,29 +456,45 @@ def read_calibration(calib: str | Sequence[str] | None, hf_dir: str, *, num_samp
         ids = stream.ids
         if h and ids.size < need:
             if rank() == 0:
-                logger().warning("%s: %d tokens for %d calibration and %d held-out sequences of %d; the held-out ones "
-                                 "repeat calibration tokens: give more data, or held-out data with --eval",
-                                 s.path, ids.size, n, h, seq_len)
+                logger().warning(
+                    "%s: %d tokens for %d calibration and %d held-out sequences of %d; the held-out ones "
+                    "repeat calibration tokens: give more data, or held-out data with --eval",
+                    s.path,
+                    ids.size,
+                    n,
+                    h,
+                    seq_len,
+                )
             ids = np.resize(ids, need)
         if h:
-            held_parts.append(pack(ids[n * seq_len:need], h, seq_len, vocab_size, s.path))
+            held_parts.append(pack(ids[n * seq_len : need], h, seq_len, vocab_size, s.path))
     samples = torch.cat(calib_parts) if len(calib_parts) > 1 else calib_parts[0]
     held = (torch.cat(held_parts) if len(held_parts) > 1 else held_parts[0]) if held_out else None
     return Calibration(samples, held, used)
 
 
-def calibration_samples(path: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, seq_len: int,
-                        vocab_size: int, column: str | None = None) -> torch.Tensor:
-    return read_calibration(path, hf_dir, num_samples=num_samples, seq_len=seq_len, vocab_size=vocab_size,
-                            column=column).samples
+def calibration_samples(
+    path: str | Sequence[str] | None,
+    hf_dir: str,
+    *,
+    num_samples: int,
+    seq_len: int,
+    vocab_size: int,
+    column: str | None = None,
+) -> torch.Tensor:
+    return read_calibration(
+        path, hf_dir, num_samples=num_samples, seq_len=seq_len, vocab_size=vocab_size, column=column
+    ).samples
 
 
-def held_out_samples(path: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, held_out: int, seq_len: int,
-                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def held_out_samples(
+    path: str | Sequence[str] | None, hf_dir: str, *, num_samples: int, held_out: int, seq_len: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the calibration sequences, `held_out` sequences after them): the first are exactly
     `calibration_samples`' (holding out changes no calibration statistic)."""
     if held_out < 1:
         raise ConfigError(f"--eval-size {held_out}: give a positive size, or 0 for no quality report")
-    c = read_calibration(path, hf_dir, num_samples=num_samples, held_out=held_out, seq_len=seq_len,
-                         vocab_size=vocab_size)
+    c = read_calibration(
+        path, hf_dir, num_samples=num_samples, held_out=held_out, seq_len=seq_len, vocab_size=vocab_size
+    )
     return c.samples, c.held_out

@@ -26,13 +26,26 @@ _FLAG = "flag"
 _NO_DEFAULT = dataclasses.MISSING
 
 
-def flag(default: Any = None, *, help: str, type: Callable[[str], Any] | None = None,
-         choices: typing.Sequence[str] | None = None, metavar: str | None = None, const: Any = _NO_DEFAULT,
-         positional: bool = False) -> Any:
+def flag(
+    default: Any = None,
+    *,
+    help: str,
+    type: Callable[[str], Any] | None = None,
+    choices: typing.Sequence[str] | None = None,
+    metavar: str | None = None,
+    const: Any = _NO_DEFAULT,
+    positional: bool = False,
+) -> Any:
     """A dataclass field that is also a command-line flag. `const`: the value of the flag given
     without one (argparse's nargs='?'); `positional`: an argument without a flag, always given."""
-    spec = {"help": help, "type": type, "choices": choices, "metavar": metavar, "const": const,
-            "positional": positional}
+    spec = {
+        "help": help,
+        "type": type,
+        "choices": choices,
+        "metavar": metavar,
+        "const": const,
+        "positional": positional,
+    }
     if positional:
         return dataclasses.field(metadata={_FLAG: spec})
     return dataclasses.field(default=default, metadata={_FLAG: spec})

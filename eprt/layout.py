@@ -54,9 +54,11 @@ class TensorSpec:
             return f"has shape {list(shape)} but config.json implies {list(want)}{longer}"
         if shape[0] > want[0]:
             return None
-        return (f"holds {shape[0]} entries but config.json implies {want[0]} {self.padded_per}s, which need one "
-                f"each (padding may follow); fix the {self.padded_per} count in config.json, or use a checkpoint "
-                f"that stores at least {want[0]} entries")
+        return (
+            f"holds {shape[0]} entries but config.json implies {want[0]} {self.padded_per}s, which need one "
+            f"each (padding may follow); fix the {self.padded_per} count in config.json, or use a checkpoint "
+            f"that stores at least {want[0]} entries"
+        )
 
     def stored_as(self, shape: tuple[int, ...]) -> "TensorSpec":
         """This spec with the length its (padded) source stores."""
@@ -119,8 +121,9 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def stacked_experts(prefix: str, num_experts: int, width: int, hidden: int,
-                    gate: str, up: str, down: str, suffix: str = ".weight") -> list[TensorSpec]:
+def stacked_experts(
+    prefix: str, num_experts: int, width: int, hidden: int, gate: str, up: str, down: str, suffix: str = ".weight"
+) -> list[TensorSpec]:
     """The two stacked expert tensors of one MoE layer, from per-expert `prefix.E.{gate,up,down}`,
     or from transformers' fused `prefix.gate_up_proj` and `prefix.down_proj` where the per-expert
     names are transformers' too (a family with its own names has no fused form to read)."""
@@ -129,8 +132,9 @@ def stacked_experts(prefix: str, num_experts: int, width: int, hidden: int,
     transformers_names = (gate, up, down, suffix) == ("gate_proj", "up_proj", "down_proj", ".weight")
     fused_w13, fused_w2 = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj") if transformers_names else (None, None)
     return [
-        TensorSpec(f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2,
-                   fused=fused_w13),
+        TensorSpec(
+            f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2, fused=fused_w13
+        ),
         TensorSpec(f"{prefix}.w2", (num_experts, hidden, width), down_src, stacked=True, per_row=1, fused=fused_w2),
     ]
 
@@ -143,8 +147,12 @@ def gated_mlp(prefix: str, hidden: int, width: int, alias: str | None = None) ->
     """`prefix.{gate,up,down}_proj`: a dense MLP or the shared experts; the source may spell
     `prefix` as `alias` instead."""
     shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
-    return [TensorSpec(f"{prefix}.{p}.weight", shape, (f"{prefix}.{p}.weight",),
-                       alias=f"{alias}.{p}.weight" if alias else None) for p, shape in shapes.items()]
+    return [
+        TensorSpec(
+            f"{prefix}.{p}.weight", shape, (f"{prefix}.{p}.weight",), alias=f"{alias}.{p}.weight" if alias else None
+        )
+        for p, shape in shapes.items()
+    ]
 
 
 def mla_attention(prefix: str, c) -> list[TensorSpec]:
@@ -153,9 +161,11 @@ def mla_attention(prefix: str, c) -> list[TensorSpec]:
     m, D, H = c.mla, c.hidden_size, c.num_heads
     d = m.qk_nope_head_dim + m.qk_rope_head_dim
     if m.q_lora_rank:
-        specs = [plain(f"{prefix}.q_a_proj.weight", m.q_lora_rank, D),
-                 plain(f"{prefix}.q_a_layernorm.weight", m.q_lora_rank),
-                 plain(f"{prefix}.q_b_proj.weight", H * d, m.q_lora_rank)]
+        specs = [
+            plain(f"{prefix}.q_a_proj.weight", m.q_lora_rank, D),
+            plain(f"{prefix}.q_a_layernorm.weight", m.q_lora_rank),
+            plain(f"{prefix}.q_b_proj.weight", H * d, m.q_lora_rank),
+        ]
     else:
         specs = [plain(f"{prefix}.q_proj.weight", H * d, D)]
     return specs + [
@@ -173,13 +183,20 @@ def gqa_attention(prefix: str, c) -> list[TensorSpec]:
     g, D = c.gqa, c.hidden_size
     q, kv = c.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     q_rows = 2 * q if g.output_gate else q
-    specs = [plain(f"{prefix}.q_proj.weight", q_rows, D), plain(f"{prefix}.k_proj.weight", kv, D),
-             plain(f"{prefix}.v_proj.weight", kv, D), plain(f"{prefix}.o_proj.weight", D, q)]
+    specs = [
+        plain(f"{prefix}.q_proj.weight", q_rows, D),
+        plain(f"{prefix}.k_proj.weight", kv, D),
+        plain(f"{prefix}.v_proj.weight", kv, D),
+        plain(f"{prefix}.o_proj.weight", D, q),
+    ]
     if g.qk_norm:
         specs += [plain(f"{prefix}.q_norm.weight", g.head_dim), plain(f"{prefix}.k_norm.weight", g.head_dim)]
     if g.qkv_bias:
-        specs += [plain(f"{prefix}.q_proj.bias", q_rows), plain(f"{prefix}.k_proj.bias", kv),
-                  plain(f"{prefix}.v_proj.bias", kv)]
+        specs += [
+            plain(f"{prefix}.q_proj.bias", q_rows),
+            plain(f"{prefix}.k_proj.bias", kv),
+            plain(f"{prefix}.v_proj.bias", kv),
+        ]
     if g.output_bias:
         specs.append(plain(f"{prefix}.o_proj.bias", D))
     return specs

@@ -20,9 +20,17 @@ def bar(total: float, desc: str, *, unit: str = "it", enabled: bool = True, **kw
     moving average of the last updates: a calibration's steps come in bursts between the work each layer
     does besides them (reading it, GPTQ's solve), which the last steps' rate would leave out; once a layer
     is done, the average holds one of each."""
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled or rank() != 0, file=sys.stderr,
-                dynamic_ncols=True, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-                **{"smoothing": 0, **kw})
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not enabled or rank() != 0,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        unit_scale=unit == "B",
+        unit_divisor=1024 if unit == "B" else 1000,
+        **{"smoothing": 0, **kw},
+    )
 
 
 def logger() -> logging.Logger:

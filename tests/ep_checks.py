@@ -48,8 +48,12 @@ def _ep_logits(ck: str, ep: int, port: int, seq_len: int | None):
         with torch.no_grad():
             got = model(ids)
         experts = {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()}
-    return {"experts": experts, "shape": (tuple(got.shape), tuple(want.shape)), "bitwise": torch.equal(got, want),
-            "max_diff": (got - want).abs().max().item() if got.numel() else 0.0}
+    return {
+        "experts": experts,
+        "shape": (tuple(got.shape), tuple(want.shape)),
+        "bitwise": torch.equal(got, want),
+        "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
+    }
 
 
 def assert_ep_logits_bitwise(ck: str, world: int, ep: int, seq_len: int | None = None) -> None:
@@ -68,14 +72,27 @@ def _calibrate(ck: str, out_root: str, ep: int, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
         for recipe, kv, dtype in RECIPES:
-            run_ptq(state, PTQArgs(ck, recipe, os.path.join(out_root, f"{recipe}-w{state.world}-ep{ep}"),
-                                   kv_cache=kv, calib_size=9, seq_len=24, batch_size=2, dtype=dtype, progress=False))
+            run_ptq(
+                state,
+                PTQArgs(
+                    ck,
+                    recipe,
+                    os.path.join(out_root, f"{recipe}-w{state.world}-ep{ep}"),
+                    kv_cache=kv,
+                    calib_size=9,
+                    seq_len=24,
+                    batch_size=2,
+                    dtype=dtype,
+                    progress=False,
+                ),
+            )
 
 
 def same_files(a: str, b: str) -> bool:
     names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
-                                                  for n in names)
+    return names == sorted(os.listdir(b)) and all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
 
 
 def assert_exports_layout_invariant(ck: str, hf: str, out: str) -> dict[str, str]:
@@ -84,15 +101,30 @@ def assert_exports_layout_invariant(ck: str, hf: str, out: str) -> dict[str, str
     Returns {recipe: the single-process export}."""
     state = ParallelState.single()
     for recipe, kv, dtype in RECIPES:
-        run_ptq(state, PTQArgs(ck, recipe, os.path.join(out, f"{recipe}-w1-ep1"), kv_cache=kv, calib_size=9,
-                               seq_len=24, batch_size=2, dtype=dtype, progress=False))
+        run_ptq(
+            state,
+            PTQArgs(
+                ck,
+                recipe,
+                os.path.join(out, f"{recipe}-w1-ep1"),
+                kv_cache=kv,
+                calib_size=9,
+                seq_len=24,
+                batch_size=2,
+                dtype=dtype,
+                progress=False,
+            ),
+        )
     run_world(_calibrate, 2, ck, out, 2, free_port(), timeout=200)
     run_world(_calibrate, 4, ck, out, 2, free_port(), timeout=300)
     refs = {}
     for recipe, *_ in RECIPES:
-        exports = {layout: export_hf(os.path.join(out, f"{recipe}-{layout}"),
-                                     os.path.join(out, f"export-{recipe}-{layout}"), progress=False)
-                   for layout in ("w1-ep1", *LAYOUTS)}
+        exports = {
+            layout: export_hf(
+                os.path.join(out, f"{recipe}-{layout}"), os.path.join(out, f"export-{recipe}-{layout}"), progress=False
+            )
+            for layout in ("w1-ep1", *LAYOUTS)
+        }
         refs[recipe] = exports["w1-ep1"]
         assert check_export(refs[recipe], hf) == [], recipe
         for layout in LAYOUTS:

@@ -10,7 +10,9 @@ from safetensors import safe_open
 
 def read_hf_tensors(d: str) -> dict[str, torch.Tensor]:
     index = os.path.join(d, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    )
     out = {}
     for f in files:
         with safe_open(os.path.join(d, f), "pt") as fh:

@@ -71,17 +71,22 @@ def run_world(fn, world: int, *args, timeout: float = 60.0) -> list:
         report = [f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
         hung = sorted(pending.values())
         if hung:
-            report.append(f"--- ranks {hung} had not finished after "
-                          f"{time.monotonic() - start:.0f} s and were killed")
+            report.append(f"--- ranks {hung} had not finished after {time.monotonic() - start:.0f} s and were killed")
         raise AssertionError(f"world of {world} failed:\n" + "\n".join(report))
     return [results[r] for r in range(world)]
 
 
 def _rank_main(fn, rank: int, world: int, port: int, args, conn) -> None:
     # The multi-rank tests run on gloo over CPU processes, even where a GPU is present.
-    os.environ.update(CUDA_VISIBLE_DEVICES="", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        CUDA_VISIBLE_DEVICES="",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch
 
     torch.set_num_threads(1)

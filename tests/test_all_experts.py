@@ -46,8 +46,14 @@ def calibrate(ck_dir: str, samples: torch.Tensor, all_experts: bool):
         cal = Calibrator(None, targets, kv=True, all_experts=all_experts)
         with torch.inference_mode():
             rc = ResolvedCheckpoint.of(ck, torch.float32)
-            engine = LayerEngine(ParallelState.single("cpu"), rc, samples, layer_passes(cal),
-                                 schedule=Schedule.of(N, T, 1, group_tokens=T), progress=False)
+            engine = LayerEngine(
+                ParallelState.single("cpu"),
+                rc,
+                samples,
+                layer_passes(cal),
+                schedule=Schedule.of(N, T, 1, group_tokens=T),
+                progress=False,
+            )
             return cal, engine.run(0, engine.embed()).hidden
 
 
@@ -107,9 +113,22 @@ def _calibrate(ck: str, out: str, ep: int, port: int) -> None:
 
 def args(ck: str, out: str, **kw) -> PTQArgs:
     """5 sequences in groups of 2: 3 work-unit groups, shared by the replicas of a layout with edp 2."""
-    return PTQArgs(ck, "nvfp4", out, **{"kv_cache": "fp8", "calib_size": 5, "seq_len": 6, "batch_size": 2,
-                                        "group_tokens": 12, "dtype": "bf16", "progress": False,
-                                        "calibrate_all_experts": True, **kw})
+    return PTQArgs(
+        ck,
+        "nvfp4",
+        out,
+        **{
+            "kv_cache": "fp8",
+            "calib_size": 5,
+            "seq_len": 6,
+            "batch_size": 2,
+            "group_tokens": 12,
+            "dtype": "bf16",
+            "progress": False,
+            "calibrate_all_experts": True,
+            **kw,
+        },
+    )
 
 
 def calibration_record(path: str) -> dict[str, torch.Tensor]:
@@ -128,7 +147,9 @@ def test_the_export_is_the_same_bytes_at_every_layout_and_chunk(ckpt, tmp_path, 
     ref = export_hf(str(tmp_path / "w1-ep1"), str(tmp_path / "export-w1-ep1"), progress=False)
     record = calibration_record(str(tmp_path / "w1-ep1"))
     for other in ("chunk1", "w2-ep2", "w2-ep1"):
-        assert same_files(ref, export_hf(str(tmp_path / other), str(tmp_path / f"export-{other}"), progress=False)), other
+        assert same_files(ref, export_hf(str(tmp_path / other), str(tmp_path / f"export-{other}"), progress=False)), (
+            other
+        )
         # the export keeps only the layer's largest expert amax: every expert's must agree too
         got = calibration_record(str(tmp_path / other))
         assert got.keys() == record.keys() and all(torch.equal(got[n], t) for n, t in record.items()), other
@@ -146,8 +167,7 @@ def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, mo
     """DeepSeek-V3 (layer 0 dense, 1 and 2 MoE), killed in layer 2: the resume restores the
     all-experts counts of layer 1 with the rest, and refuses a work directory of a run without
     the switch."""
-    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"),
-                    progress=False)
+    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"), progress=False)
     single = ParallelState.single("cpu")
     run_ptq(single, args(ck, str(tmp_path / "whole")))
     out = str(tmp_path / "q")
@@ -169,8 +189,10 @@ def test_a_resumed_run_keeps_both_counts_and_exports_the_same_bytes(tmp_path, mo
         assert run_ptq(single, args(ck, out, resume=True))["resumed_after"] == 1
     coverage = [r.getMessage() for r in caplog.records if "all-experts statistics" in r.getMessage()]
     assert len(coverage) == 2 and all(f"min {5 * 6} / max {5 * 6}" in line for line in coverage), coverage
-    assert same_files(export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),
-                      export_hf(out, str(tmp_path / "export-q"), progress=False))
+    assert same_files(
+        export_hf(str(tmp_path / "whole"), str(tmp_path / "export-whole"), progress=False),
+        export_hf(out, str(tmp_path / "export-q"), progress=False),
+    )
 
 
 def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
@@ -182,5 +204,6 @@ def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
     h = unit_act(x, w13[1:2], silu_mul, units)
     h_routed, _ = unit_mlp(x, w13[1:2], w2[1:2], silu_mul, units[None])
     assert torch.equal(h, h_routed)
-    torch.testing.assert_close(h, silu_mul(*(x.float() @ w13[1].float().T).chunk(2, dim=-1)).bfloat16(),
-                               rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(
+        h, silu_mul(*(x.float() @ w13[1].float().T).chunk(2, dim=-1)).bfloat16(), rtol=2e-2, atol=1e-2
+    )

@@ -293,9 +293,14 @@ def test_kv_scale_without_kv_quantization(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("name, value", [(f"{L1}.self_attn.k_amax", torch.tensor(3.0)),
-                                         (f"{L0}.self_attn.o_proj.input_amax", torch.tensor(1.5)),
-                                         (f"{L1}.mlp.experts.tokens", torch.ones(EXPERTS, dtype=torch.int64))])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        (f"{L1}.self_attn.k_amax", torch.tensor(3.0)),
+        (f"{L0}.self_attn.o_proj.input_amax", torch.tensor(1.5)),
+        (f"{L1}.mlp.experts.tokens", torch.ones(EXPERTS, dtype=torch.int64)),
+    ],
+)
 def test_calibration_state_is_refused_by_name(tmp_path, name, value):
     # the toy's config is not one eprt can lay out, so the rule for every model applies
     t, config, hf_quant = toy("NVFP4")
@@ -344,8 +349,10 @@ def fnmatch_calls_checking_an_export(tmp_path, layers: int, monkeypatch) -> int:
     pattern per layer."""
     hf = make_tiny("qwen3_moe", str(tmp_path / f"hf{layers}"), num_hidden_layers=layers, mlp_only_layers=[])
     ck = convert_hf(hf, str(tmp_path / f"ck{layers}"), progress=False)
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / f"q{layers}"), calib_size=2, seq_len=16,
-                                            progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "nvfp4", str(tmp_path / f"q{layers}"), calib_size=2, seq_len=16, progress=False),
+    )
     out = export_hf(str(tmp_path / f"q{layers}"), str(tmp_path / f"e{layers}"), progress=False)
     calls = []
     monkeypatch.setattr(check_exclusions_module, "fnmatchcase", lambda name, p: calls.append(p) or fnmatchcase(name, p))

@@ -10,8 +10,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_the_library_leaves_logging_to_the_command(tmp_path):
@@ -26,16 +32,19 @@ def test_the_library_leaves_logging_to_the_command(tmp_path):
         "assert log.handlers == [] and log.level == logging.NOTSET, (log.handlers, log.level)\n"
         "run(lambda: log.info('once'))\n"
         "run(lambda: log.info('twice'))\n"
-        "assert len(log.handlers) == 1, log.handlers\n")
+        "assert len(log.handlers) == 1, log.handlers\n"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == ["[eprt rank 0] once", "[eprt rank 0] twice"]
 
 
 def test_a_launched_rank_files_its_refusal_for_the_launcher(tmp_path):
     verdict = tmp_path / "error.json"
-    r = python("from eprt.cli import run\nfrom eprt.errors import ConfigError\n"
-               "def main():\n    raise ConfigError('field x is wrong: fix it')\nrun(main)\n",
-               env={"TORCHELASTIC_ERROR_FILE": str(verdict), "RANK": "1", "WORLD_SIZE": "2"})
+    r = python(
+        "from eprt.cli import run\nfrom eprt.errors import ConfigError\n"
+        "def main():\n    raise ConfigError('field x is wrong: fix it')\nrun(main)\n",
+        env={"TORCHELASTIC_ERROR_FILE": str(verdict), "RANK": "1", "WORLD_SIZE": "2"},
+    )
     assert r.returncode == 2 and r.stderr == "error (rank 1 of 2): field x is wrong: fix it\n"
     filed = json.loads(verdict.read_text())
     assert filed["message"] == "field x is wrong: fix it" and filed["timestamp"] == int(filed["eprt_time"])

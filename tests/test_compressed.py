@@ -69,7 +69,7 @@ def library_decompressed(hf_dir: str) -> dict[str, torch.Tensor]:
     for name in tensors:
         if name.endswith(".weight_packed"):
             module = name[: -len(".weight_packed")]
-            local = {k[len(module) + 1:]: v for k, v in tensors.items() if k.startswith(module + ".")}
+            local = {k[len(module) + 1 :]: v for k, v in tensors.items() if k.startswith(module + ".")}
             out[f"{module}.weight"] = compressor.decompress(local, scheme)["weight"]
     return out
 
@@ -80,14 +80,17 @@ def reference_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tenso
     out = torch.empty(w.shape, dtype=torch.float32)
     for i in range(0, w.shape[0], 128):
         for j in range(0, w.shape[1], 128):
-            out[i:i + 128, j:j + 128] = w[i:i + 128, j:j + 128].float() * scale_inv[i // 128, j // 128]
+            out[i : i + 128, j : j + 128] = w[i : i + 128, j : j + 128].float() * scale_inv[i // 128, j // 128]
     return out.to(torch.bfloat16)
 
 
 def fp8_reference(hf_dir: str) -> dict[str, torch.Tensor]:
     tensors = read_hf_tensors(hf_dir)
-    return {n[: -len("_scale_inv")]: reference_block_fp8(tensors[n[: -len("_scale_inv")]], t)
-            for n, t in tensors.items() if n.endswith(".weight_scale_inv")}
+    return {
+        n[: -len("_scale_inv")]: reference_block_fp8(tensors[n[: -len("_scale_inv")]], t)
+        for n, t in tensors.items()
+        if n.endswith(".weight_scale_inv")
+    }
 
 
 def decoded(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -110,8 +113,9 @@ def decompressed_copy(hf_dir: str, out: str, dtype: torch.dtype) -> str:
 
 def expert_rows(want: dict[str, torch.Tensor], moe: str, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts [a, b) of one MoE layer stacked as eprt stacks them, from per-expert weights."""
-    w13 = torch.stack([torch.cat([want[f"{moe}.{e}.gate_proj.weight"], want[f"{moe}.{e}.up_proj.weight"]])
-                       for e in range(a, b)])
+    w13 = torch.stack(
+        [torch.cat([want[f"{moe}.{e}.gate_proj.weight"], want[f"{moe}.{e}.up_proj.weight"]]) for e in range(a, b)]
+    )
     return w13, torch.stack([want[f"{moe}.{e}.down_proj.weight"] for e in range(a, b)])
 
 
@@ -129,10 +133,18 @@ def test_kept_compressed_on_disk_with_its_scheme(sources, fmt):
     assert packed.shape[:2] == (E, 64) and packed.dtype in (torch.int32, torch.uint8)
     # only the routed experts are compressed (Kimi's ignore list); nothing is decompressed on disk
     assert {n for n in ck.names(role=None) if ck.meta(n).encoded} == {f"{m}.{k}" for m in MOE for k in ("w13", "w2")}
-    src_bytes = sum(info.nbytes for f in os.listdir(hf) if f.endswith(".safetensors")
-                    for info in SafetensorsFile(os.path.join(hf, f)).tensors.values())
-    ck_bytes = sum(info.nbytes for f in os.listdir(ck_dir) if f.endswith(".safetensors")
-                   for info in SafetensorsFile(os.path.join(ck_dir, f)).tensors.values())
+    src_bytes = sum(
+        info.nbytes
+        for f in os.listdir(hf)
+        if f.endswith(".safetensors")
+        for info in SafetensorsFile(os.path.join(hf, f)).tensors.values()
+    )
+    ck_bytes = sum(
+        info.nbytes
+        for f in os.listdir(ck_dir)
+        if f.endswith(".safetensors")
+        for info in SafetensorsFile(os.path.join(ck_dir, f)).tensors.values()
+    )
     assert ck_bytes == src_bytes
 
 
@@ -174,7 +186,7 @@ def test_formats_md_nibble_and_e2m1_layouts(sources):
             w = q.to(torch.bfloat16) * scale[:, j // 32]
         else:  # low nibble = even column; E2M1 code: bit 3 sign, bits 0-2 index; scale 2^(e - 127)
             code = (packed[:, j // 2].int() >> (4 * (j % 2))) & 0xF
-            mag = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])[code & 7] * torch.where(code >= 8, -1.0, 1.0)
+            mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[code & 7] * torch.where(code >= 8, -1.0, 1.0)
             w = mag.to(torch.bfloat16) * torch.pow(2.0, scale[:, j // 32].float() - 127).to(torch.bfloat16)
         assert torch.equal(w, want[f"{m}.weight"]), fmt
 
@@ -183,17 +195,24 @@ def test_block_fp8_dequantizes_as_the_reference(sources):
     hf, ck_dir = sources["fp8"]
     want = fp8_reference(hf)
     ck = Checkpoint(ck_dir)
-    partial_both = [n for n, w in want.items() if w.shape[0] > 128 and w.shape[1] > 128
-                    and w.shape[0] % 128 and w.shape[1] % 128]
+    partial_both = [
+        n for n, w in want.items() if w.shape[0] > 128 and w.shape[1] > 128 and w.shape[0] % 128 and w.shape[1] % 128
+    ]
     assert "model.layers.0.mlp.gate_proj.weight" in partial_both and f"{MOE[0]}.0.up_proj.weight" in partial_both
-    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.layers.1.self_attn.q_b_proj.weight", "model.layers.2.mlp.shared_experts.down_proj.weight"):
+    for name in (
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.self_attn.q_b_proj.weight",
+        "model.layers.2.mlp.shared_experts.down_proj.weight",
+    ):
         assert ck.meta(name).encoding == "fp8-block"
         assert torch.equal(ck.read(name), want[name]), name
     for moe in MOE:
         for a, b in ((0, 8), (3, 5)):
             w13, w2 = expert_rows(want, moe, a, b)
-            assert torch.equal(ck.read(f"{moe}.w13", rows=(a, b)), w13) and torch.equal(ck.read(f"{moe}.w2", rows=(a, b)), w2)
+            assert torch.equal(ck.read(f"{moe}.w13", rows=(a, b)), w13) and torch.equal(
+                ck.read(f"{moe}.w2", rows=(a, b)), w2
+            )
     # the MTP layer is carried as it is, block FP8, and decodes the same way
     mtp = ck.meta("model.layers.3.eh_proj.weight")
     assert mtp.role == "passthrough" and mtp.encoding == "fp8-block" and mtp.shape == (192, 384)
@@ -210,8 +229,14 @@ def rank_experts(dirs: dict[str, tuple[str, str]], ep: int) -> dict:
             weights = eprt.load_model(ck_dir, dtype=torch.bfloat16, parallel=state).state_dict()
             first, count = state.placement(E).range
             want = library_decompressed(hf)
-            out[fmt] = (first, count), [torch.equal(weights[f"{moe}.w{k}"], w)
-                                        for moe in MOE for k, w in zip((13, 2), expert_rows(want, moe, first, first + count))]
+            out[fmt] = (
+                (first, count),
+                [
+                    torch.equal(weights[f"{moe}.w{k}"], w)
+                    for moe in MOE
+                    for k, w in zip((13, 2), expert_rows(want, moe, first, first + count))
+                ],
+            )
     return out
 
 
@@ -241,8 +266,9 @@ def test_kimi_k3_with_mxfp4_experts_runs_as_if_decompressed_ahead_of_time(tmp_pa
     plain = convert_hf(decompressed_copy(hf, str(tmp_path / "hf"), torch.float32), str(tmp_path / "ck"), progress=False)
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(eprt.load_model(ck_dir, dtype=torch.float32)(ids),
-                           eprt.load_model(plain, dtype=torch.float32)(ids))
+        assert torch.equal(
+            eprt.load_model(ck_dir, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids)
+        )
     export_hf(ck_dir, str(tmp_path / "out"), progress=False)
     assert_same_checkpoint(hf, str(tmp_path / "out"))
 
@@ -271,11 +297,24 @@ def test_dequantized_export_writes_bf16_without_the_quantization_config(sources,
 def test_quantized_export_starts_from_the_decompressed_weights(sources, tmp_path):
     """NVFP4 of the INT4 Kimi-K2 gives the bytes NVFP4 of its ahead-of-time decompressed copy gives."""
     hf, ck_dir = sources["int4"]
-    plain = convert_hf(decompressed_copy(hf, str(tmp_path / "hf"), torch.bfloat16), str(tmp_path / "ck"), progress=False)
+    plain = convert_hf(
+        decompressed_copy(hf, str(tmp_path / "hf"), torch.bfloat16), str(tmp_path / "ck"), progress=False
+    )
     outs = []
     for name, ck in (("int4", ck_dir), ("plain", plain)):
-        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / f"q-{name}"), calib_size=4, seq_len=16,
-                                                batch_size=2, dtype="bf16", progress=False))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(
+                ck,
+                "nvfp4",
+                str(tmp_path / f"q-{name}"),
+                calib_size=4,
+                seq_len=16,
+                batch_size=2,
+                dtype="bf16",
+                progress=False,
+            ),
+        )
         outs.append(export_hf(str(tmp_path / f"q-{name}"), str(tmp_path / f"x-{name}"), progress=False))
     assert check_export(outs[0]) == []
     a, b = read_hf_tensors(outs[0]), read_hf_tensors(outs[1])
@@ -286,8 +325,12 @@ def test_quantized_export_starts_from_the_decompressed_weights(sources, tmp_path
 
 def test_quantized_export_writes_the_block_fp8_mtp_layer_in_bf16(sources, tmp_path):
     hf, ck_dir = sources["fp8"]
-    run_ptq(ParallelState.single(), PTQArgs(ck_dir, "nvfp4", str(tmp_path / "q"), calib_size=4, seq_len=16,
-                                            batch_size=2, dtype="bf16", progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            ck_dir, "nvfp4", str(tmp_path / "q"), calib_size=4, seq_len=16, batch_size=2, dtype="bf16", progress=False
+        ),
+    )
     out = export_hf(str(tmp_path / "q"), str(tmp_path / "x"), progress=False)
     assert check_export(out) == []
     got, want = read_hf_tensors(out), fp8_reference(hf)

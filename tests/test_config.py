@@ -29,10 +29,13 @@ def v5_spelling(hf: dict, renames: dict) -> dict:
     return hf
 
 
-@pytest.mark.parametrize("family,renames", [
-    ("qwen3_moe", {"num_experts": "num_local_experts"}),
-    ("deepseek_v3", {"n_routed_experts": "num_local_experts", "num_nextn_predict_layers": "num_mtp_layers"}),
-])
+@pytest.mark.parametrize(
+    "family,renames",
+    [
+        ("qwen3_moe", {"num_experts": "num_local_experts"}),
+        ("deepseek_v3", {"n_routed_experts": "num_local_experts", "num_nextn_predict_layers": "num_mtp_layers"}),
+    ],
+)
 def test_transformers_4_and_5_spellings_agree(family, renames):
     v4 = tiny_config(family)
     assert parse_hf_config(v4) == parse_hf_config(v5_spelling(v4, renames))
@@ -49,7 +52,9 @@ def test_fields_come_from_the_file_not_defaults():
 
 
 def test_layer_kinds():
-    qwen = parse_hf_config({**tiny_config("qwen3_moe"), "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    qwen = parse_hf_config(
+        {**tiny_config("qwen3_moe"), "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    )
     assert qwen.moe_layers == (1, 5)
 
 
@@ -58,22 +63,32 @@ def test_kimi_k2_runs_as_deepseek_v3():
     assert cfg.family == "deepseek_v3" and cfg.model_type == "kimi_k2"
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, "
-                                "kimi_k3, kimi_linear, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
-    ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"scoring_func": "softmax"}, "only the sigmoid noaux_tc router of DeepSeek-V3 is supported .scoring_func=.softmax."),
-    ({"num_hidden_layers": None}, "required field num_hidden_layers is missing"),
-    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope'"),
-    ({"rope_interleave": False}, "rope_interleave is false"),
-    ({"num_key_value_heads": 2}, "num_key_value_heads differs from num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (
+            {"model_type": "mixtral"},
+            "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, "
+            "kimi_k3, kimi_linear, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
+        ),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        (
+            {"scoring_func": "softmax"},
+            "only the sigmoid noaux_tc router of DeepSeek-V3 is supported .scoring_func=.softmax.",
+        ),
+        ({"num_hidden_layers": None}, "required field num_hidden_layers is missing"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope scaling type 'longrope'"),
+        ({"rope_interleave": False}, "rope_interleave is false"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads differs from num_attention_heads"),
+    ],
+)
 def test_refusals_name_the_setting(fields, message):
     with pytest.raises(ConfigError, match="^config.json: " + message.replace("(", r"\(")):
         parse_hf_config({**tiny_config("deepseek_v3"), **fields})
 
 
 # --- the typed config ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", families())
 def test_every_family_round_trips_through_the_manifest_json(family):
@@ -87,8 +102,9 @@ def test_each_fact_has_one_place():
     qwen = parse_hf_config(tiny_config("qwen3_moe"))
     assert qwen.mla is None and qwen.gqa.head_dim == tiny_config("qwen3_moe")["head_dim"] == qwen.rotary_dim
     ds = parse_hf_config(tiny_config("deepseek_v3"))
-    assert ds.gqa is None and ds.mla == MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                                                  qk_rope_head_dim=8, v_head_dim=16)
+    assert ds.gqa is None and ds.mla == MLAConfig(
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+    )
     assert ds.rotary_dim == ds.mla.qk_rope_head_dim and ds.rope.theta > 0
     kimi = parse_hf_config(tiny_config("kimi_linear"))
     assert kimi.rope is None and kimi.mla is not None
@@ -96,8 +112,15 @@ def test_each_fact_has_one_place():
     assert dense.moe is None and (dense.num_experts, dense.num_experts_per_tok, dense.moe_layers) == (0, 0, ())
     assert not dense.is_moe(0) and ModelConfig.from_json(dense.to_json()) == dense
     with pytest.raises(ConfigError, match="a dense model has moe None"):
-        MoEConfig(layers=(), num_experts=8, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=0,
-                  router="softmax", norm_topk_prob=True)
+        MoEConfig(
+            layers=(),
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            num_shared_experts=0,
+            router="softmax",
+            norm_topk_prob=True,
+        )
 
 
 def with_field(d: dict, path: str, value) -> dict:
@@ -114,20 +137,23 @@ def with_field(d: dict, path: str, value) -> dict:
     return d
 
 
-@pytest.mark.parametrize("family,path,value,message", [
-    ("qwen3_moe", "moe.num_experts", ..., r"config\.moe\.num_experts: missing"),
-    ("qwen3_moe", "moe.num_experts", "8", r"config\.moe\.num_experts: is a string \('8'\), not an integer"),
-    ("qwen3_moe", "moe.num_experts", 8.5, r"config\.moe\.num_experts: is a number \(8\.5\), not an integer"),
-    ("qwen3_moe", "gqa.qk_norm", 1, r"config\.gqa\.qk_norm: is a number \(1\), not a boolean"),
-    ("qwen3_moe", "hidden_size", True, r"config\.hidden_size: is a boolean \(True\), not an integer"),
-    ("qwen3_moe", "moe.layers", 3, r"config\.moe\.layers: is a number, not a list"),
-    ("qwen3_moe", "moe.layers", [0, "1"], r"config\.moe\.layers\[1\]: is a string \('1'\), not an integer"),
-    ("deepseek_v3", "rope.yarn.factor", [4], r"config\.rope\.yarn\.factor: is a list \(\[4\]\), not a number"),
-    ("kimi_k3", "kimi_linear.kda", None, r"config\.kimi_linear\.kda: is null, not an object of KDAConfig fields"),
-    # the flat config of format version 1 is no typed config
-    ("kimi_linear", "extra", {}, r"config: unknown field 'extra'; ModelConfig has family, "),
-    ("deepseek_v3", "mla", None, r"config: a ModelConfig has exactly one attention: gqa or mla"),
-])
+@pytest.mark.parametrize(
+    "family,path,value,message",
+    [
+        ("qwen3_moe", "moe.num_experts", ..., r"config\.moe\.num_experts: missing"),
+        ("qwen3_moe", "moe.num_experts", "8", r"config\.moe\.num_experts: is a string \('8'\), not an integer"),
+        ("qwen3_moe", "moe.num_experts", 8.5, r"config\.moe\.num_experts: is a number \(8\.5\), not an integer"),
+        ("qwen3_moe", "gqa.qk_norm", 1, r"config\.gqa\.qk_norm: is a number \(1\), not a boolean"),
+        ("qwen3_moe", "hidden_size", True, r"config\.hidden_size: is a boolean \(True\), not an integer"),
+        ("qwen3_moe", "moe.layers", 3, r"config\.moe\.layers: is a number, not a list"),
+        ("qwen3_moe", "moe.layers", [0, "1"], r"config\.moe\.layers\[1\]: is a string \('1'\), not an integer"),
+        ("deepseek_v3", "rope.yarn.factor", [4], r"config\.rope\.yarn\.factor: is a list \(\[4\]\), not a number"),
+        ("kimi_k3", "kimi_linear.kda", None, r"config\.kimi_linear\.kda: is null, not an object of KDAConfig fields"),
+        # the flat config of format version 1 is no typed config
+        ("kimi_linear", "extra", {}, r"config: unknown field 'extra'; ModelConfig has family, "),
+        ("deepseek_v3", "mla", None, r"config: a ModelConfig has exactly one attention: gqa or mla"),
+    ],
+)
 def test_a_bad_config_json_is_refused_by_the_field_path(family, path, value, message):
     d = with_field(parse_hf_config(tiny_config(family)).to_json(), path, value)
     with pytest.raises(ConfigError, match="^" + message):
@@ -150,6 +176,9 @@ def test_a_checkpoint_of_the_previous_format_is_refused_with_the_way_out(tmp_pat
     with pytest.raises(CheckpointError, match=r"eprt\.json: corrupt manifest: config\.moe\.num_experts: is a string"):
         Checkpoint(ck)
     rewrite_manifest(ck, lambda m: m.update(version=1))
-    with pytest.raises(CheckpointError, match=r"eprt\.json: format version 1, written by an older eprt; this eprt "
-                                              r"reads version 2, .*: convert the source again \(tools/convert_hf\.py\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"eprt\.json: format version 1, written by an older eprt; this eprt "
+        r"reads version 2, .*: convert the source again \(tools/convert_hf\.py\)",
+    ):
         Checkpoint(ck)

@@ -22,8 +22,12 @@ DEVICE = "cuda"
 # long runs; at the expert shapes of DeepSeek-V3 (hidden 7168, moe_intermediate 2048) and
 # Qwen3-30B-A3B (hidden 2048, moe_intermediate 768), both projections.
 COUNTS = [0, 1, 63, 64, 65, 200, 0, 513, 7, 128, 129, 3, 0, 300, 64, 1000]
-GEMM_SHAPES = {"dsv3_gate_up": (4096, 7168), "dsv3_down": (7168, 2048),
-               "qwen3_gate_up": (1536, 2048), "qwen3_down": (2048, 768)}
+GEMM_SHAPES = {
+    "dsv3_gate_up": (4096, 7168),
+    "dsv3_down": (7168, 2048),
+    "qwen3_gate_up": (1536, 2048),
+    "qwen3_down": (2048, 768),
+}
 
 
 def _problem(N, K, dtype, counts=COUNTS, seed=0):
@@ -75,6 +79,7 @@ def test_permute_and_combine_at_deepseek_size_equal_torch_bitwise():
 
 # ---------------------------------------------------------------- KDA
 
+
 def _kda_inputs(gate: str, B=2, T=300, H=4, D=128, seed=0):
     """q, k, v as the short convolutions give them (bf16, after SiLU), and the decay of
     Kimi-Linear (-exp(A_log) * softplus(a + dt_bias)) or Kimi-K3 (lower bound -5)."""
@@ -92,8 +97,9 @@ def _kda_inputs(gate: str, B=2, T=300, H=4, D=128, seed=0):
 
 @pytest.mark.parametrize("gate", ["kimi_linear", "kimi_k3"])
 def test_fla_chunk_kda_matches_eprt_chunked_kda(gate, record_property):
-    assert fla_chunk_kda() is not None, ("fla.ops.kda is not importable: install the fla-core wheel "
-                                         "(bench/gpu_wheels.txt, docs/gpu-check.md)")
+    assert fla_chunk_kda() is not None, (
+        "fla.ops.kda is not importable: install the fla-core wheel (bench/gpu_wheels.txt, docs/gpu-check.md)"
+    )
     q, k, v, decay, beta = _kda_inputs(gate)
     got = kda(q, k, v, decay, beta)  # on CUDA, fla's chunk_kda
     want = kda_chunked(l2norm(q) * q.shape[-1] ** -0.5, l2norm(k), v.float(), decay, beta)
@@ -108,6 +114,7 @@ def test_fla_chunk_kda_matches_eprt_chunked_kda(gate, record_property):
 
 
 # ---------------------------------------------------------------- the pipeline on one GPU
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_on_one_gpu_exports_the_cpu_weights(family, tmp_path, record_property):

@@ -45,10 +45,13 @@ def test_builtin_corpus_serves_the_demo():
     assert s.shape == (8, 32) and len(set(s.view(-1).tolist())) > 50
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"text": "a"}\nnot json\n', r"c\.jsonl:2: not valid JSON"),
-    ('{"txt": "a"}\n', r"c\.jsonl:1: each line needs a string field \"text\""),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"text": "a"}\nnot json\n', r"c\.jsonl:2: not valid JSON"),
+        ('{"txt": "a"}\n', r"c\.jsonl:1: each line needs a string field \"text\""),
+    ],
+)
 def test_bad_jsonl_names_the_line(tmp_path, content, message):
     (tmp_path / "c.jsonl").write_text(content)
     with pytest.raises(ConfigError, match=message):

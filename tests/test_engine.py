@@ -46,8 +46,14 @@ def test_the_engine_records_what_the_whole_model_forward_records(ckpt):
         model(samples)
     layered = Calibrator(None, names, kv=True)
     with Checkpoint(ckpt) as ck, torch.inference_mode():
-        engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
-                             layer_passes(layered), schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
+        engine = LayerEngine(
+            ParallelState.single("cpu"),
+            ResolvedCheckpoint.of(ck, torch.float32),
+            samples,
+            layer_passes(layered),
+            schedule=Schedule.of(5, 12, 2, group_tokens=24),
+            progress=False,
+        )
         engine.run(0, engine.embed())
     assert layered.input_amax.keys() == whole.input_amax.keys() and whole.input_amax
     for name, amax in whole.input_amax.items():
@@ -90,7 +96,7 @@ def test_a_work_unit_computes_as_if_alone():
     torch.testing.assert_close(y, grouped_mm_loop(h_ref, w2, offsets))
     # a unit's bits are those of its rows alone, wherever the unit sits in the call
     for a, b, e in ((4, 7, 0), (7, 16, 2), (16, 22, 2)):
-        h_alone, y_alone = unit_mlp(x[a:b].clone(), w13[e:e + 1], w2[e:e + 1], silu_mul, torch.tensor([[b - a]]))
+        h_alone, y_alone = unit_mlp(x[a:b].clone(), w13[e : e + 1], w2[e : e + 1], silu_mul, torch.tensor([[b - a]]))
         assert torch.equal(h[a:b], h_alone) and torch.equal(y[a:b], y_alone), (a, b)
 
 
@@ -130,15 +136,21 @@ def test_a_pass_sees_each_layer_through_its_hooks_in_order_and_changes_nothing_i
     """An algorithm added as a pass: registered beside the others, its hooks run on every layer in
     order (the routed steps between the statistics run's taps), and the hidden states are those of
     a run without it."""
-    ck_dir = convert_hf(make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"),
-                        progress=False)
+    ck_dir = convert_hf(
+        make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32"), str(tmp_path / "ck"), progress=False
+    )
     samples = torch.randint(0, 200, (3, 8), generator=torch.Generator().manual_seed(0))
     outs, recording = [], Recording()
     with Checkpoint(ck_dir) as ck, torch.inference_mode():
         for extra in ([], [recording]):
-            engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
-                                 layer_passes(Calibrator(None, targets(ck_dir), kv=True)) + extra,
-                                 schedule=Schedule.of(3, 8, 2, group_tokens=8), progress=False)
+            engine = LayerEngine(
+                ParallelState.single("cpu"),
+                ResolvedCheckpoint.of(ck, torch.float32),
+                samples,
+                layer_passes(Calibrator(None, targets(ck_dir), kv=True)) + extra,
+                schedule=Schedule.of(3, 8, 2, group_tokens=8),
+                progress=False,
+            )
             outs.append(engine.run(0, engine.embed()).hidden)
         layers = range(ck.config.num_layers)
     assert torch.equal(*outs)
@@ -146,6 +158,12 @@ def test_a_pass_sees_each_layer_through_its_hooks_in_order_and_changes_nothing_i
     assert moe and moe != set(layers)  # both kinds of layer seen
     expected = [("begin",)]
     for i in layers:
-        expected += [("observe", i), *([("routed", i)] if i in moe else []), ("observed", i), ("reference", i),
-                     ("quantize", i), ("on_quantized", i)]
+        expected += [
+            ("observe", i),
+            *([("routed", i)] if i in moe else []),
+            ("observed", i),
+            ("reference", i),
+            ("quantize", i),
+            ("on_quantized", i),
+        ]
     assert recording.calls == [*expected, ("finish",)]

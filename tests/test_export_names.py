@@ -28,26 +28,40 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "kimi_k25", "glm4_moe", "deepseek_v32", "qwen3_next",
-            "qwen3_5_moe", "qwen3_5_moe_text"]
+FAMILIES = [
+    "qwen3_moe",
+    "deepseek_v3",
+    "kimi_linear",
+    "kimi_k3",
+    "kimi_k25",
+    "glm4_moe",
+    "deepseek_v32",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_only"]
 MIXED_RECIPES = ["nvfp4_experts_fp8_attention", "kimi_k3_release"]  # calibrated with an FP8 KV cache only
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "eprt" / "configs" / "ptq"
 TOOL = ROOT / "tools" / "check_export.py"
-COMPANIONS = {"fp8": ("weight", "weight_scale", "input_scale"),
-              "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+COMPANIONS = {
+    "fp8": ("weight", "weight_scale", "input_scale"),
+    "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+}
 # What the engines build unquantized whatever the recipe: embeddings, lm_head, MoE routers, Kimi's
 # latent expert projections and attention-residual queries, the vision towers and projector,
 # DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear),
 # Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
 # them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
 # vLLM and SGLang) and shared head (an lm head).
-NEVER_QUANTIZED = re.compile(r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
-                             r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
-                             r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
-                             r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
-                             r"|.*\.eh_proj|.*\.shared_head\.head)")
+NEVER_QUANTIZED = re.compile(
+    r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
+    r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
+    r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
+    r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
+    r"|.*\.eh_proj|.*\.shared_head\.head)"
+)
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
 
@@ -73,8 +87,13 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
         expert = EXPERT.fullmatch(module)
         as_recipe_sees = expert.group(1) if expert else module
         chosen = next((r["format"] for r in rules if fnmatch.fnmatchcase(as_recipe_sees, r["pattern"])), "none")
-        if leaf == "weight" and len(shape) == 2 and not carried and not NEVER_QUANTIZED.fullmatch(module) \
-                and chosen != "none":
+        if (
+            leaf == "weight"
+            and len(shape) == 2
+            and not carried
+            and not NEVER_QUANTIZED.fullmatch(module)
+            and chosen != "none"
+        ):
             out |= {f"{module}.{c}" for c in COMPANIONS[chosen]}
         else:
             out.add(name)
@@ -98,11 +117,17 @@ def exported_files(out: str) -> set[str]:
 def predicted_files(hf_dir: str, out: str) -> set[str]:
     """The source's files but its weights, the export's shards and index, ModelOpt's
     hf_quant_config.json and the PTQ quality report with its page (files no engine reads)."""
-    source = {p.name for p in Path(hf_dir).iterdir() if not p.name.startswith("model.safetensors")
-              and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name)}
+    source = {
+        p.name
+        for p in Path(hf_dir).iterdir()
+        if not p.name.startswith("model.safetensors") and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name)
+    }
     shards = set(json.loads(Path(out, "model.safetensors.index.json").read_text())["weight_map"].values())
-    return source | shards | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json",
-                                      "eprt_quality.html"}
+    return (
+        source
+        | shards
+        | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json", "eprt_quality.html"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +160,10 @@ def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, tmp_pa
     decoder's layers, its KV scales with an FP8 KV cache."""
     hf, ck = sources[family]
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4_experts_fp8_attention_mtp", q, kv_cache=kv, calib_size=2,
-                                            seq_len=16, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "nvfp4_experts_fp8_attention_mtp", q, kv_cache=kv, calib_size=2, seq_len=16, progress=False),
+    )
     out = export_hf(q, q + "-hf", progress=False)
     got, want = exported_names(out), predicted_names(hf, "nvfp4_experts_fp8_attention_mtp", kv is not None)
     assert got == want, (kv, sorted(got - want), sorted(want - got))
@@ -178,9 +205,14 @@ def add_tensor(out: str, name: str, t) -> None:
     index_path.write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("name, dtype", [("model.layers.0.self_attn.k_amax", "float32"),
-                                         ("model.layers.1.mlp.experts.tokens", "int64"),
-                                         ("model.layers.0.mlp.extra.weight", "bfloat16")])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("model.layers.0.self_attn.k_amax", "float32"),
+        ("model.layers.1.mlp.experts.tokens", "int64"),
+        ("model.layers.0.mlp.extra.weight", "bfloat16"),
+    ],
+)
 def test_a_foreign_tensor_is_refused_by_name(export, tmp_path, name, dtype):
     hf, out = export
     bad = shutil.copytree(out, tmp_path / "bad")
@@ -209,8 +241,9 @@ def test_the_tool_checks_against_the_source(export, tmp_path):
     bad = shutil.copytree(out, tmp_path / "bad")
     add_tensor(str(bad), "model.layers.0.mlp.extra.weight", torch.ones(4, dtype=torch.bfloat16))
     for d, rc in ((out, 0), (bad, 1)):
-        r = subprocess.run([sys.executable, str(TOOL), str(d), "--source", hf], capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run(
+            [sys.executable, str(TOOL), str(d), "--source", hf], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == rc, r.stdout + r.stderr
     assert r.stdout.splitlines()[0].startswith("model.layers.0.mlp.extra.weight: not a source tensor")
 
@@ -222,5 +255,8 @@ def test_excluded_wildcards_never_cover_a_quantized_module():
     unquantized = {f"model.layers.1.{m}" for m in linears} | {"lm_head", "model.layers.0.mlp.gate"}
     assert summarize_excluded(unquantized, quantized) == {"model.layers.1.*", "lm_head", "model.layers.0.mlp.gate"}
     # with no layer 1x, the whole layer is one prefix wildcard, as ModelOpt writes it
-    assert summarize_excluded(unquantized, quantized - {m for m in quantized if ".1" in m}) == \
-        {"model.layers.1*", "lm_head", "model.layers.0.mlp.gate"}
+    assert summarize_excluded(unquantized, quantized - {m for m in quantized if ".1" in m}) == {
+        "model.layers.1*",
+        "lm_head",
+        "model.layers.0.mlp.gate",
+    }

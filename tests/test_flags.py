@@ -19,18 +19,58 @@ def test_no_flag_given_is_the_run_objects_defaults():
 
 
 def test_each_kind_of_flag_reads_into_its_field():
-    a, nproc = parse_args(["CKPT", "--nproc-per-node", "2", "--recipe", "nvfp4", "--out", "Q", "--ep", "2",
-                           "--calib-size", "16", "--max-memory", "1.5TB", "--calibrate-all-experts", "--preview",
-                           "--kv-cache", "fp8", "--algorithm", "gptq", "--dry-run"])
+    a, nproc = parse_args(
+        [
+            "CKPT",
+            "--nproc-per-node",
+            "2",
+            "--recipe",
+            "nvfp4",
+            "--out",
+            "Q",
+            "--ep",
+            "2",
+            "--calib-size",
+            "16",
+            "--max-memory",
+            "1.5TB",
+            "--calibrate-all-experts",
+            "--preview",
+            "--kv-cache",
+            "fp8",
+            "--algorithm",
+            "gptq",
+            "--dry-run",
+        ]
+    )
     assert nproc == 2
-    assert a == PTQArgs("CKPT", "nvfp4", "Q", ep=2, calib_size=16, max_memory=1_500_000_000_000,
-                        calibrate_all_experts=True, preview=DEFAULT_PROMPT, kv_cache="fp8", algorithm="gptq",
-                        dry_run=True)
+    assert a == PTQArgs(
+        "CKPT",
+        "nvfp4",
+        "Q",
+        ep=2,
+        calib_size=16,
+        max_memory=1_500_000_000_000,
+        calibrate_all_experts=True,
+        preview=DEFAULT_PROMPT,
+        kv_cache="fp8",
+        algorithm="gptq",
+        dry_run=True,
+    )
     assert parse_args(["CKPT", "--preview", "Once upon"])[0].preview == "Once upon"
 
 
-@pytest.mark.parametrize("text, size", [("4096", 4096), ("500MB", 500 * 10**6), ("64GiB", 64 * 2**30),
-                                        ("1.5TB", 1_500_000_000_000), ("2TiB", 2 * 2**40), ("5 gb", 5 * 10**9)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("4096", 4096),
+        ("500MB", 500 * 10**6),
+        ("64GiB", 64 * 2**30),
+        ("1.5TB", 1_500_000_000_000),
+        ("2TiB", 2 * 2**40),
+        ("5 gb", 5 * 10**9),
+    ],
+)
 def test_sizes_are_decimal_with_kb_to_tb_and_binary_with_kib_to_tib(text, size):
     assert parse_size(text) == size
 
@@ -49,5 +89,6 @@ def test_a_tuple_field_is_a_flag_given_again_and_again():
     parser = argparse.ArgumentParser()
     add_flags(parser, Args)
     assert from_flags(Args, parser.parse_args([])) == Args()
-    assert from_flags(Args, parser.parse_args(["--data", "a", "--data", "b", "--shares", "0.5"])) == \
-        Args(("a", "b"), (0.5,))
+    assert from_flags(Args, parser.parse_args(["--data", "a", "--data", "b", "--shares", "0.5"])) == Args(
+        ("a", "b"), (0.5,)
+    )

@@ -50,8 +50,9 @@ SAMPLES, SEQ_LEN = 2, 16
 
 
 def ptq(state: ParallelState, ck: str, out: str) -> None:
-    run_ptq(state, PTQArgs(ck, "fp8_block", out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES,
-                           progress=False))
+    run_ptq(
+        state, PTQArgs(ck, "fp8_block", out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,12 @@ def model(tmp_path_factory):
     ck = convert_hf(hf, str(d / "ck"), progress=False)
     q = str(d / "q")
     ptq(ParallelState.single(), ck, q)
-    return hf, ck, export_hf(q, q + "-modelopt", progress=False), export_hf(q, q + "-ct", progress=False,
-                                                                             fmt="compressed-tensors")
+    return (
+        hf,
+        ck,
+        export_hf(q, q + "-modelopt", progress=False),
+        export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
+    )
 
 
 def test_the_numerics_are_modelopts_block_quantizer():
@@ -80,8 +85,10 @@ def test_the_numerics_are_modelopts_block_quantizer():
     amax_scales = qtensor.FP8QTensor.quantize(w[0].float(), block_sizes={-1: 128, -2: 128})[1]
     assert torch.equal(amax_scales, scales[0])
     assert scales[1, 0, 0] == 1.0 and not codes[1, :128, :128].view(torch.uint8).any()
-    assert torch.equal(dequantize_fp8_block(codes, scales), codes.float() * scales.repeat_interleave(
-        128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :300])
+    assert torch.equal(
+        dequantize_fp8_block(codes, scales),
+        codes.float() * scales.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :300],
+    )
 
 
 def test_the_modelopt_export_is_modelopts(model, tmp_path):
@@ -135,10 +142,12 @@ def test_compressed_tensors_decompresses_and_encodes_as_eprt(model):
         # each Linear's blocks its own (gate and up of an expert apart), as the numerics test checks them
         assert torch.equal(scales, fp8_block_scales(source[f"{module}.weight"])), module
         state = {leaf: t[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)}
-        assert torch.equal(compressor.decompress(state, scheme)["weight"].float(),
-                           dequantize_fp8_block(codes, scales)), module
-        theirs = quantize(source[f"{module}.weight"], scales, torch.zeros_like(scales), scheme.weights,
-                          dtype=torch.float8_e4m3fn)
+        assert torch.equal(
+            compressor.decompress(state, scheme)["weight"].float(), dequantize_fp8_block(codes, scales)
+        ), module
+        theirs = quantize(
+            source[f"{module}.weight"], scales, torch.zeros_like(scales), scheme.weights, dtype=torch.float8_e4m3fn
+        )
         assert raw(theirs) == raw(codes), module
 
 
@@ -163,16 +172,20 @@ def set_first(value: float):
         t = t.clone()
         t.view(-1)[0] = value
         return t
+
     return edit
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "ct"])
-@pytest.mark.parametrize("edit, fault", [
-    (set_first(0.0), "block scale(s) zero, negative or NaN"),
-    (set_first(float("nan")), "block scale(s) zero, negative or NaN"),
-    (set_first(1e-40), "subnormal"),
-    (lambda t: t[:, :1].contiguous(), "expected"),
-])
+@pytest.mark.parametrize(
+    "edit, fault",
+    [
+        (set_first(0.0), "block scale(s) zero, negative or NaN"),
+        (set_first(float("nan")), "block scale(s) zero, negative or NaN"),
+        (set_first(1e-40), "subnormal"),
+        (lambda t: t[:, :1].contiguous(), "expected"),
+    ],
+)
 def test_check_refuses_a_corrupted_block_scale(model, tmp_path, layout, edit, fault):
     _, _, modelopt, ct = model
     name = "model.layers.0.self_attn.q_proj.weight_scale"
@@ -201,11 +214,15 @@ def test_mse_and_gptq_are_refused_by_name(model, algorithm):
     from eprt.storage.checkpoint import Checkpoint
 
     _, ck, _, _ = model
-    recipe = parse_recipe({"name": "r", "quantize": [{"pattern": "*", "format": "fp8_block", "algorithm": algorithm}]},
-                          "r.yaml")
+    recipe = parse_recipe(
+        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_block", "algorithm": algorithm}]}, "r.yaml"
+    )
     with Checkpoint(ck) as c:
         layout: Layout = reader_for(c.config.model_type, ck).layout(c.config)
-    with pytest.raises(RecipeError, match=rf"fp8_block with algorithm {algorithm}, which fp8_block does not "
-                                          r"implement \(it runs max"):
+    with pytest.raises(
+        RecipeError,
+        match=rf"fp8_block with algorithm {algorithm}, which fp8_block does not "
+        r"implement \(it runs max",
+    ):
         quantized_modules(layout, recipe, ck)
     assert FP8_BLOCK.algorithms == ("max",)

@@ -41,8 +41,9 @@ SAMPLES, SEQ_LEN = 2, 16
 
 
 def ptq(state: ParallelState, ck: str, out: str) -> None:
-    run_ptq(state, PTQArgs(ck, "fp8_channel", out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES,
-                           progress=False))
+    run_ptq(
+        state, PTQArgs(ck, "fp8_channel", out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,12 @@ def model(tmp_path_factory):
     ck = convert_hf(hf, str(d / "ck"), progress=False)
     q = str(d / "q")
     ptq(ParallelState.single(), ck, q)
-    return hf, ck, export_hf(q, q + "-modelopt", progress=False), export_hf(q, q + "-ct", progress=False,
-                                                                             fmt="compressed-tensors")
+    return (
+        hf,
+        ck,
+        export_hf(q, q + "-modelopt", progress=False),
+        export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
+    )
 
 
 def test_the_numerics_are_modelopts_export_quantizer():
@@ -68,7 +73,9 @@ def test_the_numerics_are_modelopts_export_quantizer():
     stacked = quant_utils.to_quantized_weight(w, scales, quant_utils.QUANTIZATION_FP8_PC_PT)
     assert raw(stacked) == raw(codes)
     for e in range(2):
-        assert raw(quant_utils.to_quantized_weight(w[e], scales[e], quant_utils.QUANTIZATION_FP8_PC_PT)) == raw(codes[e])
+        assert raw(quant_utils.to_quantized_weight(w[e], scales[e], quant_utils.QUANTIZATION_FP8_PC_PT)) == raw(
+            codes[e]
+        )
     assert torch.equal(dequantize_fp8_channel(codes, scales), codes.float() * scales[..., None])
 
 
@@ -115,10 +122,12 @@ def test_compressed_tensors_decompresses_and_encodes_as_eprt(model):
         codes, scales = t[f"{module}.weight"], t[f"{module}.weight_scale"]
         assert torch.equal(scales[:, 0], fp8_channel_scales(source[f"{module}.weight"])), module
         state = {leaf: t[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)}
-        assert torch.equal(compressor.decompress(state, scheme)["weight"].float(),
-                           dequantize_fp8_channel(codes, scales[:, 0])), module
-        theirs = quantize(source[f"{module}.weight"], scales, torch.zeros_like(scales), scheme.weights,
-                          dtype=torch.float8_e4m3fn)
+        assert torch.equal(
+            compressor.decompress(state, scheme)["weight"].float(), dequantize_fp8_channel(codes, scales[:, 0])
+        ), module
+        theirs = quantize(
+            source[f"{module}.weight"], scales, torch.zeros_like(scales), scheme.weights, dtype=torch.float8_e4m3fn
+        )
         assert raw(theirs) == raw(codes), module
 
 
@@ -128,8 +137,9 @@ def test_transformers_loads_eprts_values(model):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     _, _, _, ct = model
-    loaded = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16,
-                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
+    loaded = AutoModelForCausalLM.from_pretrained(
+        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
     t = read_hf_tensors(ct)
 
     def eprt_value(module: str) -> torch.Tensor:
@@ -156,12 +166,15 @@ def test_check_passes_both_layouts(model):
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "ct"])
-@pytest.mark.parametrize("edit, fault", [
-    (set_first(0.0), "block scale(s) zero, negative or NaN"),
-    (set_first(float("nan")), "block scale(s) zero, negative or NaN"),
-    (set_first(1e-40), "subnormal"),
-    (lambda t: t[:3].contiguous(), "expected"),  # no format's shape: [3] ([3, 1]) for 64 rows
-])
+@pytest.mark.parametrize(
+    "edit, fault",
+    [
+        (set_first(0.0), "block scale(s) zero, negative or NaN"),
+        (set_first(float("nan")), "block scale(s) zero, negative or NaN"),
+        (set_first(1e-40), "subnormal"),
+        (lambda t: t[:3].contiguous(), "expected"),  # no format's shape: [3] ([3, 1]) for 64 rows
+    ],
+)
 def test_check_refuses_a_corrupted_scale(model, tmp_path, layout, edit, fault):
     _, _, modelopt, ct = model
     name = "model.layers.0.self_attn.q_proj.weight_scale"
@@ -186,8 +199,9 @@ def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
 
 def test_gptq_is_refused_by_name(model):
     _, ck, _, _ = model
-    recipe = parse_recipe({"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "gptq"}]},
-                          "r.yaml")
+    recipe = parse_recipe(
+        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "gptq"}]}, "r.yaml"
+    )
     with Checkpoint(ck) as c:
         layout = reader_for(c.config.model_type, ck).layout(c.config)
     with pytest.raises(RecipeError, match=r"fp8_channel with algorithm gptq, which fp8_channel does not implement"):

@@ -46,9 +46,13 @@ def model(tmp_path_factory):
     q, nvfp4 = str(d / "q"), str(d / "nvfp4")
     ptq(ParallelState.single(), ck, q)
     ptq(ParallelState.single(), ck, nvfp4, "nvfp4")
-    return (hf, ck, export_hf(q, q + "-modelopt", progress=False),
-            export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
-            export_hf(nvfp4, nvfp4 + "-modelopt", progress=False))
+    return (
+        hf,
+        ck,
+        export_hf(q, q + "-modelopt", progress=False),
+        export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
+        export_hf(nvfp4, nvfp4 + "-modelopt", progress=False),
+    )
 
 
 def test_the_modelopt_export_is_modelopts(model, tmp_path):
@@ -102,12 +106,16 @@ def test_compressed_tensors_decompresses_to_eprts_values(model):
     modules = sorted(n[: -len(".weight_scale_2")] for n in ours if n.endswith(".weight_scale_2"))
     assert any(".experts." in m for m in modules)
     for module in modules:
-        state = {leaf: theirs[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)
-                 if f"{module}.{leaf}" in theirs}
+        state = {
+            leaf: theirs[f"{module}.{leaf}"]
+            for leaf in compressor.compression_param_names(scheme)
+            if f"{module}.{leaf}" in theirs
+        }
         weight = compressor.decompress(state, scheme)["weight"]
-        expected = dequantize_nvfp4(ours[f"{module}.weight"], ours[f"{module}.weight_scale"],
-                                    ours[f"{module}.weight_scale_2"], torch.bfloat16)
-        torch.testing.assert_close(weight.to(torch.bfloat16), expected, rtol=2 ** -7, atol=0, msg=module)
+        expected = dequantize_nvfp4(
+            ours[f"{module}.weight"], ours[f"{module}.weight_scale"], ours[f"{module}.weight_scale_2"], torch.bfloat16
+        )
+        torch.testing.assert_close(weight.to(torch.bfloat16), expected, rtol=2**-7, atol=0, msg=module)
 
 
 def test_check_passes_both_layouts_and_refuses_faults(model, tmp_path):

@@ -77,5 +77,7 @@ def test_the_checkers_tell_the_formats_apart():
 
 def test_a_recipe_names_a_registered_format_or_none():
     assert FORMATS == (*WEIGHT_FORMATS, "none")
-    with pytest.raises(ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, none"):
+    with pytest.raises(
+        ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, none"
+    ):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

@@ -16,9 +16,9 @@ from eprt.parallel import ParallelState
 from eprt.quant import gptq_layer, plan, workdir
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.gptq import HessianSum, columns_of, gptq
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED, LayerGPTQ
-from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
@@ -62,8 +62,9 @@ def test_gptq_beats_round_to_nearest_and_is_representable(fmt):
     codes = cols.encode(q)
     assert torch.equal(cols.decode(codes), q)
     if fmt == "nvfp4":  # the block scales are the export's, from the original weight
-        assert torch.equal(cols.block_scale[0].view(torch.uint8),
-                           quantize_nvfp4(w, SCALE[fmt](w.abs().amax()))[1].view(torch.uint8))
+        assert torch.equal(
+            cols.block_scale[0].view(torch.uint8), quantize_nvfp4(w, SCALE[fmt](w.abs().amax()))[1].view(torch.uint8)
+        )
 
 
 def test_gptq_zero_inputs_leave_dead_columns_zero():
@@ -99,7 +100,7 @@ def test_gptq_of_a_stack_is_each_weight_solved_alone(fmt):
     scales = torch.stack([SCALE[fmt](x.abs().amax()) for x in w])
     together = gptq(w, h, columns_of(fmt, w, scales), block=32)
     for b in range(3):
-        alone = gptq(w[b:b + 1], h[b:b + 1], columns_of(fmt, w[b:b + 1], scales[b:b + 1]), block=32)
+        alone = gptq(w[b : b + 1], h[b : b + 1], columns_of(fmt, w[b : b + 1], scales[b : b + 1]), block=32)
         assert torch.equal(together[b], alone[0]), b
 
 
@@ -119,8 +120,10 @@ def test_hessian_is_the_same_bits_for_any_split_of_the_units():
     total = split[2].total + split[0].total + split[1].total
     assert torch.equal(one.total, total)
     # what the fixed point is for: plain fp64 partial sums depend on the order
-    plain = lambda order: sum((u.double().T @ u.double() for u in order),  # noqa: E731
-                              torch.zeros(48, 48, dtype=torch.float64))
+    plain = lambda order: sum(
+        (u.double().T @ u.double() for u in order),  # noqa: E731
+        torch.zeros(48, 48, dtype=torch.float64),
+    )
     assert not torch.equal(plain(units), plain(reversed(units)))
     # and it is the Hessian: within fp64's rounding of the partials
     want = x.double().T @ x.double()
@@ -166,7 +169,7 @@ def hessians_of_run(setattr_) -> dict:
 
 def output_error(w_q: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
     """||X w_q^T - X w^T||^2 over the rows X whose sum of x x^T is h."""
-    d = (w_q.double() - w.double())
+    d = w_q.double() - w.double()
     return torch.einsum("oi,ij,oj->", d, h, d).item()
 
 
@@ -189,9 +192,14 @@ def layer_output_errors(q: str, hessians: dict) -> list[tuple[str, int | None, f
                 got, scale = exp.quantized_row(name, m, e), exp.scales.expert_weight_scale(m, w)
             fmt = exp.scales.formats[m]
             rtn = exp.scales.quantize_weight(m, w, scale)
-            out.append((f"{name}[{key[1]}]" if tokens is not None else name, tokens,
-                        output_error(dequantize_weight(fmt, got, torch.float32), w, h),
-                        output_error(dequantize_weight(fmt, rtn, torch.float32), w, h)))
+            out.append(
+                (
+                    f"{name}[{key[1]}]" if tokens is not None else name,
+                    tokens,
+                    output_error(dequantize_weight(fmt, got, torch.float32), w, h),
+                    output_error(dequantize_weight(fmt, rtn, torch.float32), w, h),
+                )
+            )
     return out
 
 
@@ -203,8 +211,7 @@ def test_gptq_layer_output_error_is_below_max_rounding(tiny, tmp_path, monkeypat
     _, ck = tiny
     hessians = hessians_of_run(monkeypatch.setattr)
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", algorithm="gptq", progress=False,
-                                            **CALIB))
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", algorithm="gptq", progress=False, **CALIB))
     errors = layer_output_errors(q, hessians)
     dense = [(name, g, m) for name, tokens, g, m in errors if tokens is None]
     with Checkpoint(q) as cq:  # every dense Linear the recipe quantizes
@@ -221,8 +228,12 @@ def digest(hs: HessianSum) -> str:
 
 
 def load_dir(d: str) -> dict[str, torch.Tensor]:
-    return {n: t for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
-            for n, t in load_file(os.path.join(d, f)).items()}
+    return {
+        n: t
+        for f in sorted(os.listdir(d))
+        if f.endswith(".safetensors")
+        for n, t in load_file(os.path.join(d, f)).items()
+    }
 
 
 def record_hessians() -> dict:
@@ -246,8 +257,20 @@ def record_hessians() -> dict:
 def _calibrate_gptq(ck: str, out: str, ep: int) -> dict:
     seen = record_hessians()
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, "nvfp4", out, kv_cache="fp8", algorithm="gptq", batch_size=2, progress=False,
-                               gptq_min_tokens=300, **CALIB))
+        run_ptq(
+            state,
+            PTQArgs(
+                ck,
+                "nvfp4",
+                out,
+                kv_cache="fp8",
+                algorithm="gptq",
+                batch_size=2,
+                progress=False,
+                gptq_min_tokens=300,
+                **CALIB,
+            ),
+        )
     return seen
 
 
@@ -258,16 +281,30 @@ def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tin
     one = str(tmp_path / "w1")
     monkeypatch.setattr(LayerGPTQ, "quantize", LayerGPTQ.quantize)  # restored after the test
     want = record_hessians()
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", one, kv_cache="fp8", algorithm="gptq", batch_size=3,
-                                            progress=False, gptq_min_tokens=300, **CALIB))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            ck,
+            "nvfp4",
+            one,
+            kv_cache="fp8",
+            algorithm="gptq",
+            batch_size=3,
+            progress=False,
+            gptq_min_tokens=300,
+            **CALIB,
+        ),
+    )
     for ep in (2, 1):
         ranks = run_world(_calibrate_gptq, 2, ck, str(tmp_path / f"w2-ep{ep}"), ep, timeout=200)
         assert {k: v for r in ranks for k, v in r.items()} == want, ep
     with Checkpoint(one) as cq:  # some experts kept max rounding, and are listed
         skipped = cq.quantization["calibration"]["gptq_skipped_experts"]
         assert skipped and all(isinstance(e, int) for ids in skipped.values() for e in ids), skipped
-    exports = [export_hf(q, str(tmp_path / f"export-{i}"), progress=False)
-               for i, q in enumerate((one, str(tmp_path / "w2-ep2"), str(tmp_path / "w2-ep1")))]
+    exports = [
+        export_hf(q, str(tmp_path / f"export-{i}"), progress=False)
+        for i, q in enumerate((one, str(tmp_path / "w2-ep2"), str(tmp_path / "w2-ep1")))
+    ]
     assert check_export(exports[0], hf) == []
     assert same_files(exports[0], exports[1]) and same_files(exports[0], exports[2])
     # compressed-tensors' layout carries the same codes
@@ -277,18 +314,25 @@ def test_gptq_export_is_the_same_bytes_at_every_layout_and_passes_the_checks(tin
     codes = {n: t for n, t in modelopt.items() if n.endswith(".weight") and t.dtype == torch.uint8}
     assert codes and all(torch.equal(packed[n + "_packed"], t) for n, t in codes.items())
     # GPTQ changed the weights: not the max export's
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "max"), kv_cache="fp8", progress=False,
-                                            **CALIB))
-    assert not same_files(exports[0], export_hf(str(tmp_path / "max"), str(tmp_path / "export-max"),
-                                                progress=False))
+    run_ptq(
+        ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "max"), kv_cache="fp8", progress=False, **CALIB)
+    )
+    assert not same_files(exports[0], export_hf(str(tmp_path / "max"), str(tmp_path / "export-max"), progress=False))
 
 
 def test_gptq_resumes_after_its_last_completed_layer_with_the_same_bytes(tiny, tmp_path, monkeypatch):
     """GPTQ's codes of each layer done are saved at its layer boundary: a run stopped in layer 2
     resumes after layer 1 and writes what a run never stopped writes."""
     _, ck = tiny
-    args = lambda out, **kw: PTQArgs(ck, "fp8", str(tmp_path / out), algorithm="gptq", progress=False,  # noqa: E731
-                                     **CALIB, **kw)
+    args = lambda out, **kw: PTQArgs(
+        ck,
+        "fp8",
+        str(tmp_path / out),
+        algorithm="gptq",
+        progress=False,  # noqa: E731
+        **CALIB,
+        **kw,
+    )
     run_ptq(ParallelState.single(), args("whole"))
     run_layer = LayerEngine.run_layer
 
@@ -323,8 +367,10 @@ def gptq_bytes_per_layer_boundary(tmp_path, layers: int, monkeypatch) -> list[in
     monkeypatch.setattr(workdir, "save_tensors", counting)
     hf = make_tiny("qwen3_moe", str(tmp_path / f"hf{layers}"), num_hidden_layers=layers, mlp_only_layers=[])
     ck = convert_hf(hf, str(tmp_path / f"ck{layers}"), progress=False)
-    run_ptq(ParallelState.single(), PTQArgs(ck, "fp8", str(tmp_path / f"q{layers}"), algorithm="gptq",
-                                            calib_size=4, seq_len=16, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "fp8", str(tmp_path / f"q{layers}"), algorithm="gptq", calib_size=4, seq_len=16, progress=False),
+    )
     return [n for n in written if n]
 
 
@@ -338,8 +384,10 @@ def test_gptq_work_dir_writes_each_layers_codes_once(tmp_path, monkeypatch):
 def test_a_min_token_count_below_one_is_refused_by_name(tiny, tmp_path):
     _, ck = tiny
     with pytest.raises(Exception, match="ConfigError: --gptq-min-tokens 0 must be positive"):
-        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), algorithm="gptq",
-                                                gptq_min_tokens=0, progress=False, **CALIB))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(ck, "nvfp4", str(tmp_path / "q"), algorithm="gptq", gptq_min_tokens=0, progress=False, **CALIB),
+        )
     assert not os.path.exists(tmp_path / "q")
 
 
@@ -354,10 +402,11 @@ def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monk
     for most in (MOST_EXPERTS_STACKED, 1):
         monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)
         q = str(tmp_path / f"q{most}")
-        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", algorithm="gptq", progress=False,
-                                                **CALIB))
+        run_ptq(
+            ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", algorithm="gptq", progress=False, **CALIB)
+        )
         exports.append(export_hf(q, str(tmp_path / f"export{most}"), progress=False))
         stacks.append(None)
-    together, alone = stacks[:stacks.index(None)], stacks[stacks.index(None) + 1:-1]
+    together, alone = stacks[: stacks.index(None)], stacks[stacks.index(None) + 1 : -1]
     assert max(together) > 1 and set(alone) == {1}, stacks
     assert same_files(*exports)

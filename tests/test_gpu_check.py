@@ -19,8 +19,14 @@ def gpu_check(tmp_path, *args):
     """The script as the Makefile runs it, with $OUT set as on the GPU machine, to a folder that does
     not exist yet (the script makes it)."""
     out = tmp_path / "out" / "gpu"
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "OUT": str(out)})
+    r = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--cpu", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OUT": str(out)},
+    )
     return r, json.load(open(out / "gpu-check.json"))
 
 
@@ -39,7 +45,8 @@ def test_cpu_mode_runs_what_a_cpu_can_and_names_the_rest(tmp_path):
     assert kernels["passed"] > 0 and kernels["failed"] == kernels["errors"] == kernels["skipped"] == 0
     assert all("triton" in t["id"] and t["outcome"] == "passed" for t in kernels["tests"])
     assert {"test_triton_matches_fallback_and_loop", "test_triton_batch_invariant", "test_permute_matches_loop"} <= {
-        t["id"].split("::")[1].split("[")[0] for t in kernels["tests"]}
+        t["id"].split("::")[1].split("[")[0] for t in kernels["tests"]
+    }
 
     exports = parts["cpu_export"]["figures"]
     assert set(exports) == {"qwen3_moe", "deepseek_v3", "kimi_k3"}
@@ -55,7 +62,7 @@ def test_cpu_mode_runs_what_a_cpu_can_and_names_the_rest(tmp_path):
     assert ptq["calibration_tokens"] == 8 * 64 and ptq["tokens_per_s"] > 0
     assert ptq["peak_memory_bytes"] > 0 and ptq["model"]["parameters"] > 0
 
-    table = r.stdout[r.stdout.index("gpu-check (cpu mode)"):]
+    table = r.stdout[r.stdout.index("gpu-check (cpu mode)") :]
     for name in ALL_PARTS:
         assert name in table
 
@@ -71,8 +78,9 @@ def test_a_part_out_of_time_is_killed_with_its_children(tmp_path):
     """torchrun's workers, pytest's subprocesses: nothing a part started outlives its limit."""
     pid_file = tmp_path / "grandchild"
     check = Check(time.monotonic(), 60, str(tmp_path / "out.json"), cuda=False, wheels=str(tmp_path))
-    rc, seconds = check.run("sleeper", ["sh", "-c", f"sleep 120 & echo $! > {pid_file}; wait"], timeout=3,
-                            env=child_env(cuda=False))
+    rc, seconds = check.run(
+        "sleeper", ["sh", "-c", f"sleep 120 & echo $! > {pid_file}; wait"], timeout=3, env=child_env(cuda=False)
+    )
     assert rc is None and seconds < 20
     grandchild = int(pid_file.read_text())
     # SIGKILL is sent by then; on loaded cores the process may take a moment to be scheduled and die

@@ -52,7 +52,9 @@ def imports(module: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the package, up level - 1
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])]
+                )
             # `from eprt.families import deepseek_v3` imports the submodule; `from eprt.x import name`, eprt.x
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
     return {m for m in found if m in known and not module.startswith(m + ".") and m != module}
@@ -66,8 +68,15 @@ def graph() -> dict[str, set[str]]:
 def layer(module: str) -> int:
     if module == ROOT:
         return len(LAYERS) - 1
-    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-                if module == prefix or module.startswith(prefix + ".")), default=None)
+    best = max(
+        (
+            (len(prefix), i)
+            for i, (_, prefixes) in enumerate(LAYERS)
+            for prefix in prefixes
+            if module == prefix or module.startswith(prefix + ".")
+        ),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer: add it to LAYERS in {__file__}"
     return best[1]
 
@@ -118,6 +127,10 @@ def test_no_import_cycles():
 
 def test_no_import_from_a_higher_layer():
     g = graph()
-    upward = [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
-              for m in sorted(g) for d in sorted(g[m]) if layer(d) > layer(m)]
+    upward = [
+        f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+        for m in sorted(g)
+        for d in sorted(g[m])
+        if layer(d) > layer(m)
+    ]
     assert not upward, "imports from a higher layer:\n  " + "\n  ".join(upward)

@@ -22,8 +22,11 @@ PTQ = ["--recipe", "nvfp4", "--kv-cache", "fp8", "--calib-size", "4", "--seq-len
 
 def files_digest(d: str) -> dict[str, str]:
     """Every file under `d` with the hash of its bytes."""
-    return {os.path.relpath(os.path.join(root, f), d): hashlib.sha256(open(os.path.join(root, f), "rb").read())
-            .hexdigest() for root, _, files in os.walk(d) for f in files}
+    return {
+        os.path.relpath(os.path.join(root, f), d): hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
+        for root, _, files in os.walk(d)
+        for f in files
+    }
 
 
 def installed_venv(tmp_path) -> str:
@@ -35,8 +38,23 @@ def installed_venv(tmp_path) -> str:
     shutil.copy(os.path.join(ROOT, "setup.py"), src)
     shutil.copytree(os.path.join(ROOT, "eprt"), src / "eprt", ignore=shutil.ignore_patterns("__pycache__"))
     env = clean_env()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "wheels"), str(src)], check=True, env=env, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheels"),
+            str(src),
+        ],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "wheels").iterdir()
     venv = str(tmp_path / "venv")
     python = os.path.join(venv, "bin", "python")
@@ -44,12 +62,31 @@ def installed_venv(tmp_path) -> str:
     # may run in; a .pth listing this interpreter's site-packages shows exactly its own. Listed as
     # plain paths, their own .pth hooks (the editable eprt's among them) do not run in the new venv.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     with open(os.path.join(purelib, "tested-interpreter.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install",
-                    "--quiet", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            str(wheel),
+        ],
+        check=True,
+        env=env,
+    )
     return venv
 
 
@@ -81,21 +118,24 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     # the README's form, two local ranks; and torchrun's -m, world 1
     sh("eprt-ptq", "--nproc-per-node", "2", "ck", *PTQ, "--out", "q")
     torchrun = [python, "-m", "torch.distributed.run"]
-    dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.ptq", "ck",
-             "--dry-run")
+    dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.ptq", "ck", "--dry-run")
     assert "world 1 = edp 1 x ep 1" in dry.stdout
     sh("eprt-export", "q", "out", "--no-progress")
     assert sh("eprt-check", "out").stdout.strip() == "out: ok"
     refused = sh("eprt-ptq", "ck", "--recipe", "int3", "--out", "q2", check=False)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: --recipe 'int3': no such recipe; choose one of fp8, fp8_block, "
-                                     "fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, "
-                                     "nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only")
+    assert refused.stderr.startswith(
+        "error: --recipe 'int3': no such recipe; choose one of fp8, fp8_block, "
+        "fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, "
+        "nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only"
+    )
 
     # the same pipeline by the source tree's code, in this process: the same bytes
     hf = make_tiny("qwen3_moe", str(tmp_path / "hf"))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), kv_cache="fp8", calib_size=4, seq_len=32,
-                                            progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "nvfp4", str(tmp_path / "q"), kv_cache="fp8", calib_size=4, seq_len=32, progress=False),
+    )
     want = files_digest(export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False))
     assert files_digest(str(work / "out")) == want

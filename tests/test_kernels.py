@@ -8,22 +8,22 @@ import time
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from eprt.kernels import combine, grouped_mm, permute, unit_mlp
 from eprt.kernels.backend import matmul_dtype, triton_available, use_triton
 from eprt.kernels.cpu_workers import cpu_workers, for_each
-from eprt.quant.numerics import chunk_buffer
 from eprt.kernels.grouped_gemm import grouped_mm_loop, grouped_mm_torch
 from eprt.kernels.permute import combine_torch, permute_torch
 from eprt.models.layers import linear, silu_mul
+from eprt.quant.numerics import chunk_buffer
 
 
 @pytest.fixture
 def triton():
     """The Triton kernels' tests skip, as every test of an optional package does, where it is not installed."""
     return pytest.importorskip("triton")
+
 
 # The Triton tests run the real kernels where there is a GPU and the interpreter elsewhere.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,8 +105,11 @@ def _assert_batch_invariant(fn, N, K, dtype, device="cpu", weight_views=None, se
     only the kernel's indexing and masking can make a row differ.
     """
     g = torch.Generator().manual_seed(seed)
-    draw = (lambda *shape: torch.randint(-4, 5, shape, generator=g).float()) if integers else \
-        (lambda *shape: torch.randn(*shape, generator=g))
+    draw = (
+        (lambda *shape: torch.randint(-4, 5, shape, generator=g).float())
+        if integers
+        else (lambda *shape: torch.randn(*shape, generator=g))
+    )
     pool = draw(48, K).to(dtype).to(device)
     w = draw(2, N, K).to(dtype).to(device)
     alone = [
@@ -342,14 +345,15 @@ def test_a_cpu_bf16_matmul_is_its_fp32_product_rounded_once():
     x, w13 = torch.randn(128, 1024, generator=g).bfloat16(), torch.randn(1, 1152, 1024, generator=g).bfloat16()
     w2 = torch.randn(1, 1024, 576, generator=g).bfloat16()
     cpu = torch.device("cpu")
-    native = any(getattr(torch.cpu, probe, lambda: False)() for probe in
-                 ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    native = any(
+        getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
     assert matmul_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if native else torch.float32)
     assert matmul_dtype(torch.float32, cpu) == torch.float32
     y = linear(x, w13[0])
     h, y_units = unit_mlp(x, w13, w2, silu_mul, torch.tensor([[128]]))
     assert y.dtype == h.dtype == y_units.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), x.double() @ w13[0].double().T, rtol=2 ** -7, atol=0.2)
+    torch.testing.assert_close(y.double(), x.double() @ w13[0].double().T, rtol=2**-7, atol=0.2)
     if not native:
         assert torch.equal(y, F.linear(x.float(), w13[0].float()).bfloat16())
         assert torch.equal(h, silu_mul(*y.chunk(2, dim=-1)))

@@ -30,15 +30,23 @@ def assert_no_launcher_traceback(stderr: str) -> None:
     assert "ChildFailedError" not in stderr and "torch/distributed/elastic" not in stderr, stderr[-3000:]
 
 
-@pytest.mark.parametrize("args,cause", [
-    # refused on each rank before the ranks meet
-    (["--ep", "3"], "ep=3 does not divide the world size 2; valid ep for world 2: 1, 2"),
-    # refused together, once the ranks have met and read the checkpoint
-    (["--recipe", "int3"], "--recipe 'int3': no such recipe"),
-])
+@pytest.mark.parametrize(
+    "args,cause",
+    [
+        # refused on each rank before the ranks meet
+        (["--ep", "3"], "ep=3 does not divide the world size 2; valid ep for world 2: 1, 2"),
+        # refused together, once the ranks have met and read the checkpoint
+        (["--recipe", "int3"], "--recipe 'int3': no such recipe"),
+    ],
+)
 def test_a_refusal_ends_with_its_own_line(ckpt, tmp_path, args, cause):
-    r = subprocess.run([*PTQ, ckpt, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*PTQ, ckpt, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     line = last_line(r.stderr)
     assert line.startswith(("error (rank 0 of 2, exit code 2): ", "error (rank 1 of 2, exit code 2): ")), line
@@ -61,9 +69,26 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 
 
 def test_a_killed_rank_is_named_with_its_signal(ckpt, tmp_path):
-    p = subprocess.Popen([*PTQ, ckpt, "--recipe", "nvfp4", "--calib-size", "512", "--seq-len", "256",
-                          "--eval-size", "0", "--out", str(tmp_path / "q")], cwd=ROOT, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "EPRT_PEER_TIMEOUT": "5"})
+    p = subprocess.Popen(
+        [
+            *PTQ,
+            ckpt,
+            "--recipe",
+            "nvfp4",
+            "--calib-size",
+            "512",
+            "--seq-len",
+            "256",
+            "--eval-size",
+            "0",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "EPRT_PEER_TIMEOUT": "5"},
+    )
     said = []
     for line in p.stderr:  # rank 0 plans its memory once both ranks have joined
         said.append(line)
@@ -76,17 +101,26 @@ def test_a_killed_rank_is_named_with_its_signal(ckpt, tmp_path):
     said += p.stderr.readlines()
     assert p.wait(timeout=120) == 1
     stderr = "".join(said)
-    assert last_line(stderr) == ("error (rank 1 of 2, SIGKILL): killed by SIGKILL (the kernel's out-of-memory "
-                                 "killer, or by hand); the other ranks were stopped"), stderr[-3000:]
+    assert last_line(stderr) == (
+        "error (rank 1 of 2, SIGKILL): killed by SIGKILL (the kernel's out-of-memory "
+        "killer, or by hand); the other ranks were stopped"
+    ), stderr[-3000:]
     assert time.monotonic() - start < 60
     assert_no_launcher_traceback(stderr)
     assert not (tmp_path / "q").exists()
 
 
 def test_a_launched_rank_does_not_launch_again(ckpt, tmp_path):
-    r = subprocess.run([*PTQ, ckpt, "--recipe", "nvfp4", "--out", str(tmp_path / "q")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
+    r = subprocess.run(
+        [*PTQ, ckpt, "--recipe", "nvfp4", "--out", str(tmp_path / "q")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"},
+    )
     assert r.returncode == 2
-    assert r.stderr.strip() == ("error (rank 0 of 2): --nproc-per-node starts the ranks itself, but this process is "
-                                "already rank 0 of a launched run: leave --nproc-per-node out under torchrun or srun")
+    assert r.stderr.strip() == (
+        "error (rank 0 of 2): --nproc-per-node starts the ranks itself, but this process is "
+        "already rank 0 of a launched run: leave --nproc-per-node out under torchrun or srun"
+    )

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from eprt.families import parse_hf_config, reader_for
-from eprt.hf.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.feasibility import RecipeError, quantized_modules
@@ -32,16 +32,27 @@ def test_kimi_k3_release_quantizes_as_the_release(tmp_path):
     assert all(f == "fp8" for m, f in formats.items() if ".self_attn." in m)
     assert {f for f in formats.values()} == {"nvfp4", "fp8"}
     # the latent and attention-residual projections, shared experts, vision tower stay unquantized
-    assert not [m for m in formats if "routed_expert_" in m or "_res_proj" in m or "shared_experts" in m
-                or m.startswith(("vision_tower", "mm_projector"))]
+    assert not [
+        m
+        for m in formats
+        if "routed_expert_" in m
+        or "_res_proj" in m
+        or "shared_experts" in m
+        or m.startswith(("vision_tower", "mm_projector"))
+    ]
     assert all(m.endswith(".experts") or ".self_attn." in m for m in formats)
 
 
 def test_fused_siblings_in_two_formats_are_refused(tmp_path):
-    recipe = parse_recipe({"name": "split", "quantize": [{"pattern": "*.q_proj", "format": "fp8"},
-                                                         {"pattern": "*", "format": "nvfp4"}]}, "split.yaml")
-    with pytest.raises(RecipeError, match=r"quantizes model\.layers\.0\.self_attn\.q_proj with fp8 but "
-                                          r"model\.layers\.0\.self_attn\.k_proj with nvfp4"):
+    recipe = parse_recipe(
+        {"name": "split", "quantize": [{"pattern": "*.q_proj", "format": "fp8"}, {"pattern": "*", "format": "nvfp4"}]},
+        "split.yaml",
+    )
+    with pytest.raises(
+        RecipeError,
+        match=r"quantizes model\.layers\.0\.self_attn\.q_proj with fp8 but "
+        r"model\.layers\.0\.self_attn\.k_proj with nvfp4",
+    ):
         quantized_modules(layout(tmp_path, "qwen3_moe"), recipe, "tiny")
 
 
@@ -55,8 +66,10 @@ def mixed_export(tmp_path_factory):
     d = tmp_path_factory.mktemp("mixed")
     hf = make_tiny("qwen3_moe", str(d / "hf"))
     ck = convert_hf(hf, str(d / "ck"), progress=False)
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4_experts_fp8_attention", str(d / "q"), calib_size=2,
-                                            seq_len=16, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "nvfp4_experts_fp8_attention", str(d / "q"), calib_size=2, seq_len=16, progress=False),
+    )
     return hf, export_hf(str(d / "q"), str(d / "out"), progress=False)
 
 
@@ -73,17 +86,28 @@ def edited(src: str, dst: Path, edit) -> str:
 Q = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.mark.parametrize("edit, fault", [
-    (lambda layers: layers.update({Q: {"quant_algo": "NVFP4", "group_size": 16}}),
-     f"{Q}: stored FP8 but quantized_layers says {Q}: NVFP4"),
-    (lambda layers: layers.pop("model.layers.0.mlp.experts"),
-     "model.layers.0.mlp.experts.0.down_proj: stored NVFP4 but quantized_layers says model.layers.0.mlp.experts: "
-     "not listed"),
-    (lambda layers: layers.update({"model.layers.1.mlp.up_proj": {"quant_algo": "FP8"}}),
-     "model.layers.1.mlp.up_proj: stored unquantized but quantized_layers says"),
-    (lambda layers: layers.update({"model.layers.9.self_attn.q_proj": {"quant_algo": "FP8"}}),
-     "quantized_layers.model.layers.9.self_attn.q_proj: no such Linear"),
-])
+@pytest.mark.parametrize(
+    "edit, fault",
+    [
+        (
+            lambda layers: layers.update({Q: {"quant_algo": "NVFP4", "group_size": 16}}),
+            f"{Q}: stored FP8 but quantized_layers says {Q}: NVFP4",
+        ),
+        (
+            lambda layers: layers.pop("model.layers.0.mlp.experts"),
+            "model.layers.0.mlp.experts.0.down_proj: stored NVFP4 but quantized_layers says model.layers.0.mlp.experts: "
+            "not listed",
+        ),
+        (
+            lambda layers: layers.update({"model.layers.1.mlp.up_proj": {"quant_algo": "FP8"}}),
+            "model.layers.1.mlp.up_proj: stored unquantized but quantized_layers says",
+        ),
+        (
+            lambda layers: layers.update({"model.layers.9.self_attn.q_proj": {"quant_algo": "FP8"}}),
+            "quantized_layers.model.layers.9.self_attn.q_proj: no such Linear",
+        ),
+    ],
+)
 def test_check_names_a_wrong_quantized_layers_entry(mixed_export, tmp_path, edit, fault):
     hf, out = mixed_export
     assert check_export(out, hf) == []
@@ -93,10 +117,18 @@ def test_check_names_a_wrong_quantized_layers_entry(mixed_export, tmp_path, edit
 
 def test_a_rule_for_the_mtp_layers_alone_is_refused_by_name(tmp_path):
     ds = layout(tmp_path, "deepseek_v3")  # 3 decoder layers, MTP layer 3
-    for_mtp = parse_recipe({"name": "mtp", "quantize": [{"pattern": "model.layers.3.*", "format": "fp8"},
-                                                        {"pattern": "*", "format": "nvfp4"}]}, "mtp.yaml")
-    with pytest.raises(RecipeError, match=r"quantizes model\.layers\.3\.eh_proj .*multi-token-prediction.*"
-                                          r"add `mtp: true` to the recipe"):
+    for_mtp = parse_recipe(
+        {
+            "name": "mtp",
+            "quantize": [{"pattern": "model.layers.3.*", "format": "fp8"}, {"pattern": "*", "format": "nvfp4"}],
+        },
+        "mtp.yaml",
+    )
+    with pytest.raises(
+        RecipeError,
+        match=r"quantizes model\.layers\.3\.eh_proj .*multi-token-prediction.*"
+        r"add `mtp: true` to the recipe",
+    ):
         quantized_modules(ds, for_mtp, "tiny")
     # a rule that also matches the model's own modules leaves the MTP layer unquantized
     shipped = load_recipe("nvfp4_experts_fp8_attention")

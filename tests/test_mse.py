@@ -30,9 +30,9 @@ from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
+from tests.layouts.test_ptq import same_files
 from tests.multiproc import free_port, run_world
 from tests.oracles.test_compressed_tensors_export import expected_from_modelopt
-from tests.layouts.test_ptq import same_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +51,9 @@ def qwen(source):
 
 # Both formats on both kinds of weight: layer 0's experts and attention in FP8, the rest (layer 2's
 # experts, layer 1's dense MLP, fused q/k/v) in NVFP4.
-BY_LAYER = "name: by_layer\nquantize:\n  - {pattern: 'model.layers.0.*', format: fp8}\n  - {pattern: '*', format: nvfp4}\n"
+BY_LAYER = (
+    "name: by_layer\nquantize:\n  - {pattern: 'model.layers.0.*', format: fp8}\n  - {pattern: '*', format: nvfp4}\n"
+)
 CALIB = {"calib_size": 4, "seq_len": 8, "progress": False}
 
 
@@ -95,10 +97,16 @@ def weight_errors(export: str, src: dict[str, torch.Tensor]) -> dict[str, float]
 
 # --- the recipe's algorithm and the flag ---------------------------------------------------------
 
+
 def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
-    d = {"name": "r", "quantize": [{"pattern": "*.experts", "format": "nvfp4", "algorithm": "mse"},
-                                   {"pattern": "*.lm_head", "format": "none"},
-                                   {"pattern": "*", "format": "fp8"}]}
+    d = {
+        "name": "r",
+        "quantize": [
+            {"pattern": "*.experts", "format": "nvfp4", "algorithm": "mse"},
+            {"pattern": "*.lm_head", "format": "none"},
+            {"pattern": "*", "format": "fp8"},
+        ],
+    }
     r = parse_recipe(d, "r.yaml")
     assert r.algorithm_of("model.layers.1.mlp.experts") == "mse"
     assert r.algorithm_of("model.layers.1.self_attn.q_proj") == "max"  # the default
@@ -110,12 +118,21 @@ def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
     assert load_recipe("nvfp4", algorithm="mse").algorithm_of("model.layers.0.mlp.experts") == "mse"
 
 
-@pytest.mark.parametrize("d, algorithm, message", [
-    ({"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "awq"}]}, None,
-     "r.yaml: quantize[0] algorithm 'awq': unknown algorithm; choose one of max, mse, gptq"),
-    ({"quantize": [{"pattern": "*", "format": "nvfp4"}]}, "awq",
-     "--algorithm 'awq': unknown algorithm; choose one of max, mse, gptq"),
-])
+@pytest.mark.parametrize(
+    "d, algorithm, message",
+    [
+        (
+            {"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "awq"}]},
+            None,
+            "r.yaml: quantize[0] algorithm 'awq': unknown algorithm; choose one of max, mse, gptq",
+        ),
+        (
+            {"quantize": [{"pattern": "*", "format": "nvfp4"}]},
+            "awq",
+            "--algorithm 'awq': unknown algorithm; choose one of max, mse, gptq",
+        ),
+    ],
+)
 def test_an_unknown_algorithm_is_refused_by_name_with_the_choices(d, algorithm, message):
     with pytest.raises(ConfigError) as e:
         parse_recipe(d, "r.yaml", algorithm=algorithm)
@@ -123,16 +140,22 @@ def test_an_unknown_algorithm_is_refused_by_name_with_the_choices(d, algorithm, 
 
 
 def test_the_flag_refuses_an_unknown_algorithm_with_the_choices(qwen):
-    r = subprocess.run([sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "awq"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "awq"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "--algorithm: invalid choice: 'awq' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
 
 
 def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(qwen, "nvfp4_experts_fp8_attention", q, calib_size=2, seq_len=8,
-                                            algorithm="mse", progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(qwen, "nvfp4_experts_fp8_attention", q, calib_size=2, seq_len=8, algorithm="mse", progress=False),
+    )
     quant = json.load(open(os.path.join(q, "eprt.json")))["quantization"]
     assert quant["calibration"]["algorithm"] == "mse"
     assert {r["algorithm"] for r in quant["recipe"]["quantize"]} == {"mse"}
@@ -141,12 +164,15 @@ def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
 def test_a_run_resumes_only_from_a_run_with_its_own_algorithm(qwen):
     samples = torch.zeros(2, 8, dtype=torch.int64)
     with Checkpoint(qwen) as ck:
-        prints = [fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples, None)
-                  for a in ALGORITHMS]
+        prints = [
+            fingerprint(ck, PTQArgs(qwen, "nvfp4", "q", algorithm=a), ParallelState.single(), samples, None)
+            for a in ALGORITHMS
+        ]
     assert len({json.dumps(p, sort_keys=True) for p in prints}) == len(ALGORITHMS)
 
 
 # --- the mse search --------------------------------------------------------------------------------
+
 
 def test_mse_error_is_at_most_max_error_on_every_weight_and_below_it_somewhere(source, exports):
     src = read_hf_tensors(source[0])
@@ -197,8 +223,9 @@ def test_the_preview_fake_quantizes_with_the_exported_mse_scales(qwen, recipe, e
     with Checkpoint(q) as ck:
         rec, targets = plan_recipe(ResolvedCheckpoint.of(ck, torch.float32), recipe, algorithm="mse")
         st = CalibrationRecord.read(ck)
-    cal = SimpleNamespace(input_amax=st.input_amax, expert_amax=st.expert_input_amax, expert_tokens=st.expert_tokens,
-                          kv_amax=st.kv_amax)
+    cal = SimpleNamespace(
+        input_amax=st.input_amax, expert_amax=st.expert_input_amax, expert_tokens=st.expert_tokens, kv_amax=st.kv_amax
+    )
     model = eprt.load_model(qwen, dtype=torch.bfloat16)
     fake_quantize(model, targets, rec, cal, ParallelState.single())
     t = read_hf_tensors(out)

@@ -75,13 +75,16 @@ def assert_runs_as_the_engines_do(hf: str, ck_dir: str, tmp_path, eps: float) ->
     # reference: embedding of the next token (none after the last position: zero), enorm, hnorm, embedding first
     emb = t[p + "embed_tokens.weight"][ids[:, 1:]]
     emb = torch.cat([emb, torch.zeros(2, 1, 64)], 1)
-    x = torch.cat([rms(emb, t[p + "enorm.weight"], eps), rms(h_last, t[p + "hnorm.weight"], eps)], -1) \
+    x = (
+        torch.cat([rms(emb, t[p + "enorm.weight"], eps), rms(h_last, t[p + "hnorm.weight"], eps)], -1)
         @ t[p + "eh_proj.weight"].T
+    )
     m = transformers_layer(hf, str(tmp_path / "tf"))
     pos = torch.arange(10)[None].expand(2, -1)
     with torch.no_grad():
-        out = m.model.layers[LAYERS](x, position_embeddings=m.model.rotary_emb(x, pos), attention_mask=None,
-                                     position_ids=pos)
+        out = m.model.layers[LAYERS](
+            x, position_embeddings=m.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos
+        )
     want = out[0] if isinstance(out, tuple) else out
 
     ck = Checkpoint(ck_dir)
@@ -107,8 +110,13 @@ def mtp_targets(layers: int) -> list[str]:
     """The MTP layer's quantizable Linears the engine runs (its shared head is the model's head's
     kind and stays unquantized), its routed experts as one module."""
     p = f"model.layers.{layers}."
-    attn = ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
-            "self_attn.o_proj"]
+    attn = [
+        "self_attn.q_a_proj",
+        "self_attn.q_b_proj",
+        "self_attn.kv_a_proj_with_mqa",
+        "self_attn.kv_b_proj",
+        "self_attn.o_proj",
+    ]
     mlp = ["mlp.experts", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]
     return [p + n for n in ["eh_proj", *attn, *mlp]]
 
@@ -130,8 +138,14 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
         whole.observe(mtp, f"model.layers.{LAYERS}.")
         mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
         layered = Calibrator(None, names, kv=True)
-        engine = LayerEngine(ParallelState.single("cpu"), ResolvedCheckpoint.of(ck, torch.float32), samples,
-                             layer_passes(layered), schedule=Schedule.of(5, 12, 2, group_tokens=24), progress=False)
+        engine = LayerEngine(
+            ParallelState.single("cpu"),
+            ResolvedCheckpoint.of(ck, torch.float32),
+            samples,
+            layer_passes(layered),
+            schedule=Schedule.of(5, 12, 2, group_tokens=24),
+            progress=False,
+        )
         engine.run(0, engine.embed())
     assert set(whole.input_amax) == set(names) - {f"model.layers.{LAYERS}.mlp.experts"}
     for name, amax in whole.input_amax.items():
@@ -139,11 +153,13 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
         torch.testing.assert_close(layered.input_amax[name], amax, rtol=1e-5, atol=0, msg=name)
     mtp_kv = f"model.layers.{LAYERS}.self_attn"
     assert mtp_kv in layered.kv_amax
-    torch.testing.assert_close(torch.stack(layered.kv_amax[mtp_kv]), torch.stack(whole.kv_amax[mtp_kv]), rtol=1e-5,
-                               atol=0)
+    torch.testing.assert_close(
+        torch.stack(layered.kv_amax[mtp_kv]), torch.stack(whole.kv_amax[mtp_kv]), rtol=1e-5, atol=0
+    )
     experts = f"model.layers.{LAYERS}.mlp.experts"
-    torch.testing.assert_close(torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]), rtol=1e-5, atol=0
+    )
     assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
 
 
@@ -155,6 +171,7 @@ def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
         whole = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
         half = load_mtp(ResolvedCheckpoint.of(ck, torch.float32, (4, 4)), 0, device="cpu")
     for name in ("w13", "w2"):
-        torch.testing.assert_close(getattr(half.mlp.experts, name), getattr(whole.mlp.experts, name)[4:8],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            getattr(half.mlp.experts, name), getattr(whole.mlp.experts, name)[4:8], rtol=0, atol=0
+        )
     assert half.mlp.experts.w13.shape[0] == 4

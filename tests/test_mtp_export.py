@@ -71,14 +71,21 @@ def test_the_mtp_layer_is_quantized_as_the_recipe_says(tiny, calibrated):
     assert got[f"{MTP}.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert got[f"{MTP}.mlp.experts.5.down_proj.weight"].dtype == torch.uint8
     assert got[f"{MTP}.self_attn.k_proj.k_scale"] > 0 and got[f"{MTP}.self_attn.v_proj.v_scale"] > 0
-    for leaf in ("eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight", "mlp.gate.weight",
-                 "mlp.shared_experts.up_proj.weight", "enorm.weight"):
+    for leaf in (
+        "eh_proj.weight",
+        "embed_tokens.weight",
+        "shared_head.head.weight",
+        "mlp.gate.weight",
+        "mlp.shared_experts.up_proj.weight",
+        "enorm.weight",
+    ):
         assert raw(got[f"{MTP}.{leaf}"]) == raw(source[f"{MTP}.{leaf}"]), leaf
     quant = json.loads(Path(out, "hf_quant_config.json").read_text())["quantization"]
     layers = quant["quantized_layers"]
     assert layers[f"{MTP}.mlp.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
     assert {m for m in layers if m.startswith(MTP + ".")} == {f"{MTP}.mlp.experts"} | {
-        f"{MTP}.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+        f"{MTP}.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    }
     assert "exclude_modules" not in quant  # nothing travels through whole any more
 
 
@@ -92,7 +99,11 @@ def test_a_single_format_recipe_excludes_the_mtp_modules_it_leaves_by_name(tiny,
     assert check_export(out, hf) == []
     excluded = json.loads(Path(out, "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     assert sorted(e for e in excluded if e.startswith(MTP)) == [
-        f"{MTP}.eh_proj", f"{MTP}.embed_tokens", f"{MTP}.mlp.gate", f"{MTP}.shared_head*"]
+        f"{MTP}.eh_proj",
+        f"{MTP}.embed_tokens",
+        f"{MTP}.mlp.gate",
+        f"{MTP}.shared_head*",
+    ]
     assert json.loads(Path(out, "config.json").read_text())["quantization_config"]["ignore"] == excluded
 
 
@@ -110,8 +121,9 @@ def test_the_mtp_experts_input_scales_come_from_the_mtp_calibration(calibrated):
     for e in range(8):
         assert torch.equal(got[f"{MTP}.mlp.experts.{e}.gate_proj.input_scale"], nvfp4_scale(mtp_w13.max()))
         assert torch.equal(got[f"{MTP}.mlp.experts.{e}.down_proj.input_scale"], nvfp4_scale(mtp_w2.max()))
-    assert not torch.equal(got[f"{MTP}.mlp.experts.0.gate_proj.input_scale"],
-                           got["model.layers.2.mlp.experts.0.gate_proj.input_scale"])
+    assert not torch.equal(
+        got[f"{MTP}.mlp.experts.0.gate_proj.input_scale"], got["model.layers.2.mlp.experts.0.gate_proj.input_scale"]
+    )
 
 
 def _calibrate(ck: str, out: str, port: int) -> None:
@@ -165,8 +177,14 @@ def test_deepseek_v32s_mtp_is_refused_by_name(tmp_path):
     run it, so a recipe asking to quantize it is refused before anything is read."""
     hf = make_tiny("deepseek_v32", str(tmp_path / "hf"))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    with pytest.raises(RecipeError, match=r"mtp: true.*does not run this model's multi-token-prediction layers "
-                                          r"\(model\.layers\.\d+.*remove `mtp: true`"), Checkpoint(ck) as c:
+    with (
+        pytest.raises(
+            RecipeError,
+            match=r"mtp: true.*does not run this model's multi-token-prediction layers "
+            r"\(model\.layers\.\d+.*remove `mtp: true`",
+        ),
+        Checkpoint(ck) as c,
+    ):
         plan_recipe(ResolvedCheckpoint.of(c, torch.bfloat16), RECIPE)
 
 
@@ -175,8 +193,10 @@ def test_mtp_recipes_that_cannot_mean_it_are_refused(tiny, tmp_path):
     # mtp: true, but no rule reaches a module of the MTP layer
     only_decoder = tmp_path / "decoder.yaml"
     only_decoder.write_text('quantize:\n  - {pattern: "model.layers.[0-2].*", format: fp8}\nmtp: true\n')
-    with pytest.raises(RecipeError, match=rf"quantizes no module of the multi-token-prediction layer {MTP}"), \
-            Checkpoint(ck) as c:
+    with (
+        pytest.raises(RecipeError, match=rf"quantizes no module of the multi-token-prediction layer {MTP}"),
+        Checkpoint(ck) as c,
+    ):
         plan_recipe(ResolvedCheckpoint.of(c, torch.bfloat16), str(only_decoder))
     with pytest.raises(ConfigError, match=r"mtp 'yes'; write true"):
         parse_recipe({"quantize": [{"pattern": "*", "format": "fp8"}], "mtp": "yes"}, "r.yaml")
@@ -189,8 +209,10 @@ def test_eprt_check_refuses_a_quantized_eh_proj_or_shared_head():
         tensors = {f"{module}.{c}": SimpleNamespace(dtype="F32") for c in FP8.modelopt_leaves}
         problems = []
         check_names(tensors, {module: FP8.modelopt_leaves}, (), None, problems)
-        assert problems == [f"{module}.weight: quantized, but vLLM and SGLang build a multi-token-prediction "
-                            f"layer's {leaf} unquantized and cannot load it; keep it in the source dtype"]
+        assert problems == [
+            f"{module}.weight: quantized, but vLLM and SGLang build a multi-token-prediction "
+            f"layer's {leaf} unquantized and cannot load it; keep it in the source dtype"
+        ]
 
 
 def test_the_memory_plan_prices_the_mtp_layer_a_recipe_runs(tiny):
@@ -198,8 +220,9 @@ def test_the_memory_plan_prices_the_mtp_layer_a_recipe_runs(tiny):
     largest: the plan of a recipe that runs it holds its bytes (its routed experts shared by ep)."""
     _, hf, ck = tiny
     fp32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router computes in fp32
-    size = {n: t.numel() * (4 if n.endswith(fp32) else 2) for n, t in read_hf_tensors(hf).items()
-            if n.startswith(MTP + ".")}
+    size = {
+        n: t.numel() * (4 if n.endswith(fp32) else 2) for n, t in read_hf_tensors(hf).items() if n.startswith(MTP + ".")
+    }
     experts = sum(v for n, v in size.items() if ".experts." in n)
     with Checkpoint(ck) as c:
         plain = Planner.of(ResolvedCheckpoint.of(c, torch.bfloat16), torch.device("cpu"))
@@ -218,8 +241,12 @@ def test_the_compressed_tensors_layout_quantizes_the_mtp_layer_too(tiny, calibra
     assert check_export(out, hf) == []
     qc = json.loads(Path(out, "config.json").read_text())["quantization_config"]
     assert sorted(e for e in qc["ignore"] if MTP in e.replace("\\", "")) == [
-        f"{MTP}.eh_proj", f"{MTP}.embed_tokens", f"{MTP}.mlp.gate",
-        *(f"{MTP}.mlp.shared_experts.{p}_proj" for p in ("down", "gate", "up")), f"{MTP}.shared_head.head"]
+        f"{MTP}.eh_proj",
+        f"{MTP}.embed_tokens",
+        f"{MTP}.mlp.gate",
+        *(f"{MTP}.mlp.shared_experts.{p}_proj" for p in ("down", "gate", "up")),
+        f"{MTP}.shared_head.head",
+    ]
     assert tensors(out)[f"{MTP}.mlp.experts.7.up_proj.weight_packed"].dtype == torch.uint8
 
 
@@ -235,8 +262,10 @@ def test_gptq_quantizes_the_mtp_layer_beside_all_experts_calibration(tiny, calib
     and passes the checks, and differs from max rounding's there."""
     _, hf, ck = tiny
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ck, RECIPE, q, algorithm="gptq", gptq_min_tokens=1,
-                                            calibrate_all_experts=True, **CALIB))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, RECIPE, q, algorithm="gptq", gptq_min_tokens=1, calibrate_all_experts=True, **CALIB),
+    )
     with Checkpoint(q) as c:
         record = CalibrationRecord.read(c)
         assert c.quantization["calibration"]["all_experts"] is True

@@ -21,7 +21,7 @@ class ToyExperts:
         g = torch.Generator().manual_seed(SEED)
         a, b = torch.randn(E, D, generator=g), torch.randn(E, D, generator=g)
         self.num_experts, self.first, self.count = E, first, count
-        self.a, self.b = a[first:first + count], b[first:first + count]
+        self.a, self.b = a[first : first + count], b[first : first + count]
 
     def __call__(self, x_sorted, tokens_per_local_expert):
         assert tokens_per_local_expert.shape == (self.count,)
@@ -36,7 +36,7 @@ class MatmulExperts(ToyExperts):
     def __init__(self, first, count):
         super().__init__(first, count)
         g = torch.Generator().manual_seed(SEED + 1)
-        self.w = torch.randn(E, D, D, generator=g)[first:first + count]
+        self.w = torch.randn(E, D, D, generator=g)[first : first + count]
 
     def __call__(self, x_sorted, tokens_per_local_expert):
         return grouped_mm(x_sorted, self.w, torch.cumsum(tokens_per_local_expert, 0).to(torch.int32))
@@ -90,9 +90,14 @@ def _dispatch_layouts(ep_list, ports):
             for name, x, ids, weights, experts_cls in _cases(state.rank, state.world, ep):
                 y = dispatch(x, ids, weights, experts_cls(first, count))
                 ref = reference(x, ids, weights, experts_cls)
-                out[ep, name] = (y.dtype, tuple(y.shape), tuple(ref.shape), torch.equal(y, ref),
-                                 (y - ref).abs().max().item() if y.numel() else 0.0,
-                                 torch.allclose(y, ref, rtol=1e-5, atol=1e-6))
+                out[ep, name] = (
+                    y.dtype,
+                    tuple(y.shape),
+                    tuple(ref.shape),
+                    torch.equal(y, ref),
+                    (y - ref).abs().max().item() if y.numel() else 0.0,
+                    torch.allclose(y, ref, rtol=1e-5, atol=1e-6),
+                )
     return out
 
 

@@ -45,12 +45,14 @@ def _faults(tmp):
     def two_fail():
         if rank in (0, 3):
             raise ValueError(f"bad tensor on rank {rank}")
+
     out["two"] = _outcome(state, "checking tensors", two_fail)
 
     def nested():
         with fail_together(state, "building layer 3"):
             if rank == 2:
                 raise MemoryError("out of memory")
+
     out["nested"] = _outcome(state, "building the model", nested)
 
     # Rank 1 raises before an all-to-all the others are already in: they leave it by its
@@ -61,12 +63,14 @@ def _faults(tmp):
         got = torch.empty(state.world)
         dist.all_to_all_single(got, torch.full((state.world,), float(rank)))
         return got.tolist()
+
     out["forward"] = _outcome(state, "running the forward", forward)
 
     # Rank 3 is slow to post: the others give up on it, and it then obeys their verdict.
     def slow():
         if rank == 3:
             time.sleep(3)
+
     out["missing"] = _outcome(state, "writing the output", slow, timeout=timedelta(seconds=1))
     state.close()
     return out
@@ -85,27 +89,33 @@ def test_fail_together(tmp_path):
 
         kind, message, ranks, _, cause = out["read"]
         assert (kind, ranks) == ("RankFailure", [2])
-        assert message.startswith("rank 2 failed while loading the checkpoint: CheckpointError: "
-                                  "shard-2.json is corrupt")
+        assert message.startswith(
+            "rank 2 failed while loading the checkpoint: CheckpointError: shard-2.json is corrupt"
+        )
         assert cause == ("CheckpointError" if rank == 2 else None)
 
         kind, message, ranks, _, cause = out["two"]
         assert ranks == [0, 3]
-        assert message == ("ranks 0, 3 failed while checking tensors:\n"
-                           "  rank 0: ValueError: bad tensor on rank 0\n"
-                           "  rank 3: ValueError: bad tensor on rank 3")
+        assert message == (
+            "ranks 0, 3 failed while checking tensors:\n"
+            "  rank 0: ValueError: bad tensor on rank 0\n"
+            "  rank 3: ValueError: bad tensor on rank 3"
+        )
 
         kind, message, ranks, _, cause = out["nested"]
-        assert message == ("rank 2 failed while building layer 3: ran out of memory (MemoryError: out of "
-                           "memory); use more ranks (a larger --ep) or more memory per rank, and tell the "
-                           "plan what a rank may use (--max-memory)")
+        assert message == (
+            "rank 2 failed while building layer 3: ran out of memory (MemoryError: out of "
+            "memory); use more ranks (a larger --ep) or more memory per rank, and tell the "
+            "plan what a rank may use (--max-memory)"
+        )
 
         kind, message, ranks, seconds, cause = out["forward"]
         assert ranks == [1] and seconds < 2 * TIMEOUT_S + 5
         first, *rest = message.split("\n")
         assert first == "rank 1 failed while running the forward: ValueError: activation is NaN on rank 1"
-        assert rest[0].startswith("ranks 0, 2, 3 then timed out waiting in a collective, or lost a peer "
-                                  "there (rank 0: ")
+        assert rest[0].startswith(
+            "ranks 0, 2, 3 then timed out waiting in a collective, or lost a peer there (rank 0: "
+        )
         assert cause == ("ValueError" if rank == 1 else "RuntimeError")
 
         kind, message, ranks, seconds, cause = out["missing"]
@@ -161,15 +171,21 @@ def _store_served_elsewhere():
     from tests.multiproc import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", (
-        "import time, datetime, torch.distributed as dist\n"
-        f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True, timeout=datetime.timedelta(seconds=30))\n"
-        "time.sleep(600)\n")])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time, datetime, torch.distributed as dist\n"
+                f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True, timeout=datetime.timedelta(seconds=30))\n"
+                "time.sleep(600)\n"
+            ),
+        ]
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
-            return server, dist.TCPStore("127.0.0.1", port, is_master=False,
-                                         timeout=timedelta(seconds=2))
+            return server, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
         except dist.DistError:
             if time.monotonic() > deadline:
                 server.kill()
@@ -186,11 +202,13 @@ def test_sigterm_while_waiting_names_the_cause(monkeypatch, store_goes):
 
     server, store = _store_served_elsewhere()
     try:
+
         def wait_until_signalled(*args):
             if store_goes:
                 server.kill()
                 server.wait()
             raise Interrupted("SIGTERM")
+
         monkeypatch.setattr(guard, "wait_posted", wait_until_signalled)
         state = ParallelState(rank=1, world=2, store=store)
         with pytest.raises((RankFailure, Interrupted)) as info:
@@ -202,7 +220,8 @@ def test_sigterm_while_waiting_names_the_cause(monkeypatch, store_goes):
                 "rank 0 could not be heard from while calibrating: the run's store stopped answering "
                 "(the node serving it, with torchrun's first agent or rank 0, went down)",
                 "rank 1 then timed out waiting in a collective, or lost a peer there "
-                "(rank 1: RuntimeError: Connection closed by peer)"]
+                "(rank 1: RuntimeError: Connection closed by peer)",
+            ]
             assert isinstance(info.value.__cause__, RuntimeError)
         else:
             assert type(info.value) is Interrupted and not state.peers_lost

@@ -13,8 +13,10 @@ LAYOUTS = [(8, 1, 1), (8, 2, 1), (8, 4, 2), (6, 3, 2), (4, 4, 1), (16, 2, 4)]  #
 def layout(E: int, ep: int, edp: int) -> list[ExpertPlacement]:
     """The placement of every global rank, built from the rank's coordinates as ParallelState does."""
     world = ep * edp
-    return [ExpertPlacement(E, ep, ep_rank, edp, edp_rank)
-            for edp_rank, ep_rank in (rank_coords(r, world, ep) for r in range(world))]
+    return [
+        ExpertPlacement(E, ep, ep_rank, edp, edp_rank)
+        for edp_rank, ep_rank in (rank_coords(r, world, ep) for r in range(world))
+    ]
 
 
 @pytest.mark.parametrize("E,ep,edp", LAYOUTS)

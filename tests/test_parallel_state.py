@@ -34,8 +34,11 @@ def test_group_arithmetic_megatron_example():
 def test_refusals_name_valid_choices():
     with pytest.raises(ConfigError, match=r"ep=3 does not divide the world size 4; valid ep for world 4: 1, 2, 4"):
         check_ep(4, 3)
-    with pytest.raises(ConfigError, match=r"ep=4 does not divide the 6 routed experts; "
-                                          r"valid ep for world 8 and 6 experts: 1, 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ep=4 does not divide the 6 routed experts; "
+        r"valid ep for world 8 and 6 experts: 1, 2",
+    ):
         check_ep(8, 4, 6)
     with pytest.raises(ConfigError, match="valid ep"):
         check_ep(4, 0)
@@ -47,8 +50,11 @@ def test_device_refusals():
     check_devices([(2, 2, "a"), (2, 2, "a"), (1, 1, "b")])  # one GPU per rank on each node
     with pytest.raises(ConfigError, match="ranks 1, 2 see no CUDA device while the others do"):
         check_devices([(1, 1, "a"), (0, 2, "b"), (0, 2, "b")])
-    with pytest.raises(ConfigError, match=r"4 ranks run on host b, which has 2 visible GPUs.*"
-                                          r"run at most 2 processes per node"):
+    with pytest.raises(
+        ConfigError,
+        match=r"4 ranks run on host b, which has 2 visible GPUs.*"
+        r"run at most 2 processes per node",
+    ):
         check_devices([(8, 8, "a"), (2, 4, "b")])
 
 
@@ -89,14 +95,22 @@ def _build_world(second_port):
 
 
 def _describe(state):
-    ranks = {name: dist.get_process_group_ranks(getattr(state, name))
-             for name in ("ep_group", "edp_group", "dp_group")}
+    ranks = {name: dist.get_process_group_ranks(getattr(state, name)) for name in ("ep_group", "edp_group", "dp_group")}
     coords = (state.rank, state.ep_rank, state.ep_size, state.edp_rank, state.edp_size)
     # The groups carry traffic: the ep group's max rank, and the edp group's sum of ranks.
     mx = state.all_reduce(torch.tensor([float(state.rank)]), "ep")
     sm = state.all_reduce(torch.tensor([float(state.rank)]), "edp", dist.ReduceOp.SUM)
-    return ranks, coords, list(state.ep_ranks), list(state.edp_ranks), state.placement(8).range, \
-        state.backend, str(state.device), mx.item(), sm.item()
+    return (
+        ranks,
+        coords,
+        list(state.ep_ranks),
+        list(state.edp_ranks),
+        state.placement(8).range,
+        state.backend,
+        str(state.device),
+        mx.item(),
+        sm.item(),
+    )
 
 
 @pytest.mark.timeout(120)
@@ -105,7 +119,8 @@ def test_groups_built_in_processes():
     for rank, out in enumerate(results):
         assert out["{'ep': 3}"] == "ep=3 does not divide the world size 4; valid ep for world 4: 1, 2, 4"
         assert out["{'ep': 4, 'num_experts': 6}"] == (
-            "ep=4 does not divide the 6 routed experts; valid ep for world 4 and 6 experts: 1, 2")
+            "ep=4 does not divide the 6 routed experts; valid ep for world 4 and 6 experts: 1, 2"
+        )
         assert "ep=2 does not divide the 5 routed experts" in out["experts5"]
 
         ranks, coords, ep_ranks, edp_ranks, erange, backend, device, mx, sm = out["ep2"]

@@ -18,8 +18,8 @@ from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
-from eprt.quant.ptq import plan_recipe
 from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
+from eprt.quant.ptq import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from eprt.units import format_bytes
@@ -34,8 +34,18 @@ MiB = 2**20
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("mem")
-    hf = make_tiny("qwen3_moe", str(d / "hf"), dtype="fp32", hidden_size=512, moe_intermediate_size=2048,
-                   intermediate_size=2048, num_experts=16, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    hf = make_tiny(
+        "qwen3_moe",
+        str(d / "hf"),
+        dtype="fp32",
+        hidden_size=512,
+        moe_intermediate_size=2048,
+        intermediate_size=2048,
+        num_experts=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     return convert_hf(hf, str(d / "ck"), progress=False)
 
 
@@ -50,17 +60,50 @@ def peaks(stderr: str) -> list[tuple[float, float]]:
 
 
 def ptq(args, world, tmp_path):
-    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--nproc-per-node", str(world), f"--master-port={free_port()}"]
-    return subprocess.run([*launch, PTQ, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launch = (
+        [sys.executable]
+        if world == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world),
+            f"--master-port={free_port()}",
+        ]
+    )
+    return subprocess.run(
+        [*launch, PTQ, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_measured_peak_is_within_15_percent_of_the_plan(ckpt, tmp_path, world, dtype):
-    r = ptq([ckpt, "--recipe", "nvfp4", "--kv-cache", "fp8", "--dtype", dtype, "--calib-size", "16", "--seq-len",
-             "64", "--out", str(tmp_path / "q")], world, tmp_path)
+    r = ptq(
+        [
+            ckpt,
+            "--recipe",
+            "nvfp4",
+            "--kv-cache",
+            "fp8",
+            "--dtype",
+            dtype,
+            "--calib-size",
+            "16",
+            "--seq-len",
+            "64",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        world,
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     got = peaks(r.stderr)
     assert len(got) == world, r.stderr
@@ -69,12 +112,30 @@ def test_the_measured_peak_is_within_15_percent_of_the_plan(ckpt, tmp_path, worl
 
 
 def test_a_run_over_max_memory_is_refused_before_loading_naming_what_fits(ckpt, tmp_path):
-    r = ptq([ckpt, "--recipe", "nvfp4", "--dtype", "fp32", "--calib-size", "4096", "--seq-len", "256",
-             "--max-memory", "1GiB", "--out", str(tmp_path / "q")], 1, tmp_path)
+    r = ptq(
+        [
+            ckpt,
+            "--recipe",
+            "nvfp4",
+            "--dtype",
+            "fp32",
+            "--calib-size",
+            "4096",
+            "--seq-len",
+            "256",
+            "--max-memory",
+            "1GiB",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        1,
+        tmp_path,
+    )
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: rank 0 would peak at [\d.]+ GiB .* over --max-memory 1.00 GiB: use --calib-size \d+",
-                        line), line
+    assert re.fullmatch(
+        r"error: rank 0 would peak at [\d.]+ GiB .* over --max-memory 1.00 GiB: use --calib-size \d+", line
+    ), line
     assert not os.path.exists(tmp_path / "q")
 
 
@@ -112,10 +173,16 @@ def test_gptq_codes_are_planned_at_their_formats_size_on_the_device_or_on_the_ho
     shape = RunShape(rank=0, world=2, ep=2, num_sequences=16, seq_len=64, step_sequences=2, group_tokens=512)
     with Checkpoint(ckpt) as ck:
         _, targets = plan_recipe(ResolvedCheckpoint.of(ck, torch.float32), "fp8")
-        dense = sum(math.prod(ck.meta(n).shape) for n in ck.names()
-                    if n.rpartition(".")[0] in targets and not n.endswith(("w13", "w2")))
-        experts = sum(math.prod(ck.meta(n).shape) for n in ck.names()
-                      if n.rpartition(".")[0] in targets and n.endswith(("w13", "w2")))
+        dense = sum(
+            math.prod(ck.meta(n).shape)
+            for n in ck.names()
+            if n.rpartition(".")[0] in targets and not n.endswith(("w13", "w2"))
+        )
+        experts = sum(
+            math.prod(ck.meta(n).shape)
+            for n in ck.names()
+            if n.rpartition(".")[0] in targets and n.endswith(("w13", "w2"))
+        )
         fp8 = gptq_planner(ck, "fp8", "cpu").plan(shape, baseline=0)
         nvfp4 = gptq_planner(ck, "nvfp4", "cpu").plan(shape, baseline=0)
         gpu = gptq_planner(ck, "nvfp4", "cuda").plan(shape, baseline=0, host_baseline=100 * MiB)
@@ -142,18 +209,39 @@ def test_a_gpu_rank_over_the_hosts_memory_is_refused_naming_the_setting_and_the_
         check_host_memory(planner, planner.plan(shape(2), baseline=0), limit, shape(2), 16, ranks_on_host=4)
         with pytest.raises(ConfigError) as e:
             check_host_memory(planner, planner.plan(shape(1), baseline=0), limit, shape(1), 16, ranks_on_host=4)
-    assert re.fullmatch(r"rank 0 would hold [\d.]+ MiB of host memory \(process 0 B, token ids .*, GPTQ's codes "
-                        r"[\d.]+ MiB\); with the 4 ranks on its host, [\d.]+ MiB, over --max-host-memory [\d.]+ MiB: "
-                        r"use --ep 2, or fewer ranks on each host, or a host with more memory free", str(e.value))
+    assert re.fullmatch(
+        r"rank 0 would hold [\d.]+ MiB of host memory \(process 0 B, token ids .*, GPTQ's codes "
+        r"[\d.]+ MiB\); with the 4 ranks on its host, [\d.]+ MiB, over --max-host-memory [\d.]+ MiB: "
+        r"use --ep 2, or fewer ranks on each host, or a host with more memory free",
+        str(e.value),
+    )
 
 
 @pytest.mark.cuda
 def test_a_gpu_run_over_the_hosts_memory_is_refused_before_reading_data(ckpt, tmp_path):
-    r = ptq([ckpt, "--recipe", "nvfp4", "--algorithm", "gptq", "--max-host-memory", "1MiB", "--calib", "missing",
-             "--out", str(tmp_path / "q")], 1, tmp_path)
+    r = ptq(
+        [
+            ckpt,
+            "--recipe",
+            "nvfp4",
+            "--algorithm",
+            "gptq",
+            "--max-host-memory",
+            "1MiB",
+            "--calib",
+            "missing",
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        1,
+        tmp_path,
+    )
     assert r.returncode == 2
-    assert re.fullmatch(r"error: rank 0 would hold .* of host memory \(.*\); with the 1 ranks on its host, .*, over "
-                        r"--max-host-memory 1.00 MiB: use .*", r.stderr.strip().splitlines()[-1]), r.stderr
+    assert re.fullmatch(
+        r"error: rank 0 would hold .* of host memory \(.*\); with the 1 ranks on its host, .*, over "
+        r"--max-host-memory 1.00 MiB: use .*",
+        r.stderr.strip().splitlines()[-1],
+    ), r.stderr
     assert not os.path.exists(tmp_path / "q")
 
 

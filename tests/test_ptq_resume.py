@@ -16,8 +16,8 @@ from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.workdir import MARKER
 from eprt.testing.tiny import make_tiny
-from tests.multiproc import run_world
 from tests.layouts.test_ptq import same_files
+from tests.multiproc import run_world
 
 KILL_LAYER, KILL_STEP = 2, 2
 
@@ -46,8 +46,9 @@ def resumed(ck, out):
 
 
 def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
-    ck = convert_hf(make_tiny("deepseek_v3", str(tmp_path / "hf"), num_hidden_layers=4), str(tmp_path / "ck"),
-                    progress=False)
+    ck = convert_hf(
+        make_tiny("deepseek_v3", str(tmp_path / "hf"), num_hidden_layers=4), str(tmp_path / "ck"), progress=False
+    )
     run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "whole")))
     out = str(tmp_path / "q")
     with pytest.raises(AssertionError, match="rank 1"):
@@ -72,5 +73,9 @@ def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
 
 def resumed_other(ck, out):
     with ParallelState.from_env(timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, "nvfp4", out, kv_cache="fp8", calib_size=9, seq_len=16, group_tokens=48,
-                               progress=False, resume=True))
+        run_ptq(
+            state,
+            PTQArgs(
+                ck, "nvfp4", out, kv_cache="fp8", calib_size=9, seq_len=16, group_tokens=48, progress=False, resume=True
+            ),
+        )

@@ -24,8 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tool(*args, env=None, check=True):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=check,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,10 @@ def qwen(tmp_path_factory):
 
 
 def test_experts_only_recipe_leaves_the_rest_in_the_source_dtype(qwen, tmp_path):
-    run_ptq(ParallelState.single(), PTQArgs(qwen, "nvfp4_experts_only", str(tmp_path / "q"), calib_size=4,
-                                            seq_len=16, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(qwen, "nvfp4_experts_only", str(tmp_path / "q"), calib_size=4, seq_len=16, progress=False),
+    )
     out = export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False)
     t = read_hf_tensors(out)
     hq = json.load(open(os.path.join(out, "hf_quant_config.json")))["quantization"]
@@ -54,8 +62,9 @@ def test_unreached_experts_are_named_and_still_get_the_layer_scales(tmp_path):
     skew("deepseek_v3", tensors)
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     ck = convert_hf(src, str(tmp_path / "ck"), progress=False)
-    r = tool("tools/ptq.py", ck, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), "--calib-size", "4",
-             "--seq-len", "16")
+    r = tool(
+        "tools/ptq.py", ck, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), "--calib-size", "4", "--seq-len", "16"
+    )
     unreached = list(SKEWED_OUT)
     assert f"model.layers.1.mlp.experts: tokens per expert min 0" in r.stderr
     assert f"no token reached experts {unreached}" in r.stderr
@@ -72,9 +81,23 @@ def test_preview_and_the_demo_pipeline_on_two_local_ranks(tmp_path):
     """The README's main job: make, convert, PTQ on 2 expert-parallel processes, export, check."""
     tool("tools/make_tiny.py", "qwen3_moe", str(tmp_path / "hf"))
     tool("tools/convert_hf.py", str(tmp_path / "hf"), str(tmp_path / "ck"))
-    r = tool("tools/ptq.py", "--nproc-per-node", "2", str(tmp_path / "ck"),
-             "--recipe", "nvfp4", "--kv-cache", "fp8", "--calib-size", "8", "--seq-len", "32", "--preview",
-             "--out", str(tmp_path / "q"))
+    r = tool(
+        "tools/ptq.py",
+        "--nproc-per-node",
+        "2",
+        str(tmp_path / "ck"),
+        "--recipe",
+        "nvfp4",
+        "--kv-cache",
+        "fp8",
+        "--calib-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--preview",
+        "--out",
+        str(tmp_path / "q"),
+    )
     assert "[eprt rank 0] before: 'The river ran low" in r.stderr
     assert "[eprt rank 0] after (nvfp4, fake-quantized)" in r.stderr
     assert "[eprt rank 1] before" not in r.stderr  # one voice, rank 0's
@@ -83,12 +106,18 @@ def test_preview_and_the_demo_pipeline_on_two_local_ranks(tmp_path):
     assert json.load(open(tmp_path / "out" / "config.json"))["quantization_config"]["quant_method"] == "modelopt"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--recipe", "int3", "--out", "OUT"], "--recipe 'int3': no such recipe; choose one of fp8, fp8_block, fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only"),
-    (["--out", "OUT"], "--recipe and --out are required"),
-    (["--recipe", "fp8", "--out", "OUT", "--calib", "missing.jsonl"], "--calib missing.jsonl: no such file"),
-    (["--recipe", "fp8", "--out", "OUT", "--batch-size", "0"], "--batch-size 0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--recipe", "int3", "--out", "OUT"],
+            "--recipe 'int3': no such recipe; choose one of fp8, fp8_block, fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only",
+        ),
+        (["--out", "OUT"], "--recipe and --out are required"),
+        (["--recipe", "fp8", "--out", "OUT", "--calib", "missing.jsonl"], "--calib missing.jsonl: no such file"),
+        (["--recipe", "fp8", "--out", "OUT", "--batch-size", "0"], "--batch-size 0 must be positive"),
+    ],
+)
 def test_refusals_name_the_setting(qwen, tmp_path, args, message):
     args = [a.replace("OUT", str(tmp_path / "q")) for a in args]
     r = tool("tools/ptq.py", qwen, *args, check=False)
@@ -100,8 +129,10 @@ def test_refusals_name_the_setting(qwen, tmp_path, args, message):
 def test_a_calibrated_checkpoint_is_not_calibrated_again(qwen, tmp_path):
     run_ptq(ParallelState.single(), PTQArgs(qwen, "fp8", str(tmp_path / "q"), calib_size=2, seq_len=8, progress=False))
     with pytest.raises(EprtError, match="already calibrated; run PTQ on the unquantized checkpoint"):
-        run_ptq(ParallelState.single(), PTQArgs(str(tmp_path / "q"), "fp8", str(tmp_path / "q2"), calib_size=2,
-                                                seq_len=8, progress=False))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(str(tmp_path / "q"), "fp8", str(tmp_path / "q2"), calib_size=2, seq_len=8, progress=False),
+        )
 
 
 def test_a_run_resolves_its_checkpoint_once(qwen, tmp_path, monkeypatch):
@@ -109,6 +140,18 @@ def test_a_run_resolves_its_checkpoint_once(qwen, tmp_path, monkeypatch):
     the one resolution of the checkpoint the run made at its start."""
     calls, layout = [], Family.layout
     monkeypatch.setattr(Family, "layout", lambda self, c: calls.append(self.name) or layout(self, c))
-    run_ptq(ParallelState.single(), PTQArgs(qwen, "fp8", str(tmp_path / "q"), algorithm="gptq", preview="Hello",
-                                            calib_size=2, seq_len=8, eval_size=2, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            qwen,
+            "fp8",
+            str(tmp_path / "q"),
+            algorithm="gptq",
+            preview="Hello",
+            calib_size=2,
+            seq_len=8,
+            eval_size=2,
+            progress=False,
+        ),
+    )
     assert calls == ["qwen3_moe"]

@@ -26,14 +26,27 @@ from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY, QUALITY_PAGE
 from eprt.testing.tiny import make_tiny
 
-CHATS = [[{"role": "user", "content": f"Question {i}: where do the tokens go?"},
-          {"role": "assistant", "content": "To the rank that holds their expert. " * (i + 1)}] for i in range(12)]
+CHATS = [
+    [
+        {"role": "user", "content": f"Question {i}: where do the tokens go?"},
+        {"role": "assistant", "content": "To the rank that holds their expert. " * (i + 1)},
+    ]
+    for i in range(12)
+]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 
 
 def ptq(ck, out, **kw):
-    args = dict(kv_cache="fp8", calib_size=6, seq_len=24, group_tokens=48, dtype="fp32", progress=False, eval_size=3,
-                preview="The river")
+    args = dict(
+        kv_cache="fp8",
+        calib_size=6,
+        seq_len=24,
+        group_tokens=48,
+        dtype="fp32",
+        progress=False,
+        eval_size=3,
+        preview="The river",
+    )
     return run_ptq(ParallelState.single("cpu"), PTQArgs(ck, "nvfp4", out, **{**args, **kw}))["quality"]
 
 
@@ -143,6 +156,7 @@ def test_text_from_the_run_is_escaped(runs):
 
 # --- eprt-report ------------------------------------------------------------------------------------
 
+
 def eprt_report(monkeypatch, capsys, *args):
     monkeypatch.setattr(sys, "argv", ["eprt-report", *map(str, args)])
     try:
@@ -196,6 +210,7 @@ def test_eprt_report_refusals(runs, tmp_path, monkeypatch, capsys):
 
 # --- a real browser -----------------------------------------------------------------------------------
 
+
 def browser() -> str | None:
     """A Chromium-family browser: $EPRT_BROWSER, or one on the PATH."""
     return os.environ.get("EPRT_BROWSER") or next(filter(None, map(shutil.which, BROWSERS)), None)
@@ -206,11 +221,20 @@ def test_a_headless_browser_renders_the_page(runs, tmp_path):
     if exe is None:
         pytest.skip(f"no Chromium-family browser installed ({', '.join(BROWSERS)} on the PATH, or $EPRT_BROWSER)")
     page = Path(runs["gptq"][1], QUALITY_PAGE).resolve().as_uri()
-    common = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
-              "--v=0", f"--user-data-dir={tmp_path / 'profile'}"]
+    common = [
+        exe,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--enable-logging=stderr",
+        "--v=0",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     shot = tmp_path / "page.png"
-    done = subprocess.run([*common, "--window-size=1200,3000", f"--screenshot={shot}", page], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [*common, "--window-size=1200,3000", f"--screenshot={shot}", page], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not re.search(r"CONSOLE|Uncaught|Failed to load resource", done.stderr), done.stderr[-2000:]

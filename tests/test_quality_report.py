@@ -27,8 +27,8 @@ from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
-from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
+from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
 from eprt.quant.quality import Probes
@@ -46,13 +46,25 @@ def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("quality")
     # qwen3_moe: GQA, routed experts in layers 0 and 2, a dense MLP in layer 1; deepseek_v3: MLA,
     # shared experts, a dense first layer
-    return {f: convert_hf(make_tiny(f, str(d / f / "hf")), str(d / f / "ck"), progress=False)
-            for f in ("qwen3_moe", "deepseek_v3")}
+    return {
+        f: convert_hf(make_tiny(f, str(d / f / "hf")), str(d / f / "ck"), progress=False)
+        for f in ("qwen3_moe", "deepseek_v3")
+    }
 
 
 def args(ck, out, recipe="nvfp4", dtype="fp32", **kw):
-    return PTQArgs(ck, recipe, out, kv_cache="fp8", calib_size=CALIB, seq_len=SEQ_LEN, group_tokens=48, dtype=dtype,
-                   progress=False, **{"eval_size": EVAL, **kw})
+    return PTQArgs(
+        ck,
+        recipe,
+        out,
+        kv_cache="fp8",
+        calib_size=CALIB,
+        seq_len=SEQ_LEN,
+        group_tokens=48,
+        dtype=dtype,
+        progress=False,
+        **{"eval_size": EVAL, **kw},
+    )
 
 
 def dequantized(tensors: dict, module: str) -> torch.Tensor:
@@ -66,17 +78,26 @@ def dequantized(tensors: dict, module: str) -> torch.Tensor:
     return (values * scale.float()[..., None] * tensors[f"{module}.weight_scale_2"]).reshape(w.shape[0], -1)
 
 
-@pytest.mark.parametrize("recipe, dtype, algorithm", [("fp8", "fp32", "max"), ("nvfp4", "bf16", "max"),
-                                                      ("nvfp4", "bf16", "mse"), ("fp8", "fp32", "gptq"),
-                                                      ("nvfp4", "bf16", "gptq")])
+@pytest.mark.parametrize(
+    "recipe, dtype, algorithm",
+    [
+        ("fp8", "fp32", "max"),
+        ("nvfp4", "bf16", "max"),
+        ("nvfp4", "bf16", "mse"),
+        ("fp8", "fp32", "gptq"),
+        ("nvfp4", "bf16", "gptq"),
+    ],
+)
 def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_path, recipe, dtype, algorithm):
     """fp32 from a bf16 source: FP8 rounds its quotient to the source's dtype, as the export does.
     With mse, the searched scales; with gptq, GPTQ's codes (every routed expert's too)."""
     seen = {}
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], q, recipe, dtype, algorithm=algorithm,
-                                              gptq_min_tokens=1),
-            on_weight=lambda name, w: seen.setdefault(name, w.detach().clone()))
+    run_ptq(
+        ParallelState.single("cpu"),
+        args(ckpts["qwen3_moe"], q, recipe, dtype, algorithm=algorithm, gptq_min_tokens=1),
+        on_weight=lambda name, w: seen.setdefault(name, w.detach().clone()),
+    )
     exported = read_hf_tensors(export_hf(q, q + "-hf", progress=False))
     dense = [n for n in seen if n.endswith(".weight")]
     experts = [n for n in seen if n.endswith(".w13")]
@@ -103,9 +124,19 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
         record = CalibrationRecord.read(calibrated)
         cal = Calibrator(None, targets, kv=True)
         cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
-            record.input_amax, record.expert_input_amax, record.expert_tokens, record.kv_amax)
-        fake_quantize(q_model, targets, recipe, cal, ParallelState.single("cpu"),
-                      source_dtype=lambda name: base.meta(name).source_dtype)
+            record.input_amax,
+            record.expert_input_amax,
+            record.expert_tokens,
+            record.kv_amax,
+        )
+        fake_quantize(
+            q_model,
+            targets,
+            recipe,
+            cal,
+            ParallelState.single("cpu"),
+            source_dtype=lambda name: base.meta(name).source_dtype,
+        )
     # the keys and values attention consumes are on the FP8 grid of the export's k/v scales
     kv = []
     for name, attn in q_model.named_modules():
@@ -125,11 +156,17 @@ def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
             assert not torch.equal(x, torch.zeros_like(x)) and torch.equal(fake_quant_fp8(x, scale), x)
     kl = (logp_ref.exp() * (logp_ref - logp_q)).sum(-1).double().flatten()
     nll = lambda logp: -logp[:, :-1].gather(-1, eval_ids[:, 1:, None]).double().mean()  # noqa: E731
-    layers = [((outs["q", i] - outs["ref", i]).double().norm() / outs["ref", i].double().norm()).item()
-              for i in range(len(ref_model.model.layers))]
-    return {"kl_mean": kl.mean().item(), "kl_p99": torch.quantile(kl, 0.99).item(),
-            "top1_agreement": (logp_ref.argmax(-1) == logp_q.argmax(-1)).double().mean().item(),
-            "ppl": (math.exp(nll(logp_ref)), math.exp(nll(logp_q))), "layers": layers}
+    layers = [
+        ((outs["q", i] - outs["ref", i]).double().norm() / outs["ref", i].double().norm()).item()
+        for i in range(len(ref_model.model.layers))
+    ]
+    return {
+        "kl_mean": kl.mean().item(),
+        "kl_p99": torch.quantile(kl, 0.99).item(),
+        "top1_agreement": (logp_ref.argmax(-1) == logp_q.argmax(-1)).double().mean().item(),
+        "ppl": (math.exp(nll(logp_ref)), math.exp(nll(logp_q))),
+        "layers": layers,
+    }
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -137,8 +174,9 @@ def test_the_numbers_are_the_whole_models(ckpts, tmp_path, family):
     ck, q = ckpts[family], str(tmp_path / "q")
     report = run_ptq(ParallelState.single("cpu"), args(ck, q))["quality"]
     with Checkpoint(ck) as c:
-        calib, eval_ids = held_out_samples(None, c.hf_files_dir(), num_samples=CALIB, held_out=EVAL, seq_len=SEQ_LEN,
-                                           vocab_size=c.config.vocab_size)
+        calib, eval_ids = held_out_samples(
+            None, c.hf_files_dir(), num_samples=CALIB, held_out=EVAL, seq_len=SEQ_LEN, vocab_size=c.config.vocab_size
+        )
     want = whole_model_report(ck, q, eval_ids)
     assert report["eval"]["tokens"] == EVAL * SEQ_LEN
     assert report["kl_mean"] > 0  # the quantization changes something, or the test would prove nothing
@@ -212,9 +250,14 @@ def test_eval_size_0_writes_no_report_and_eval_reads_its_own_file(ckpts, tmp_pat
     assert report["eval"] == {"sequences": 3, "seq_len": SEQ_LEN, "tokens": 3 * SEQ_LEN, "data": ids}
 
 
-@pytest.mark.parametrize("kw, message", [({"eval_size": -1}, "--eval-size -1: give a positive size, or 0"),
-                                         ({"eval": "missing.npy"}, "--eval missing.npy: no such file"),
-                                         ({"eval": "x.npy", "eval_size": 0}, "--eval x.npy with --eval-size 0")])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"eval_size": -1}, "--eval-size -1: give a positive size, or 0"),
+        ({"eval": "missing.npy"}, "--eval missing.npy: no such file"),
+        ({"eval": "x.npy", "eval_size": 0}, "--eval x.npy with --eval-size 0"),
+    ],
+)
 def test_bad_report_settings_are_refused_by_name(ckpts, tmp_path, kw, message):
     with pytest.raises(RankFailure, match=re.escape(message)):
         run_ptq(ParallelState.single("cpu"), args(ckpts["qwen3_moe"], str(tmp_path / "q"), **kw))
@@ -233,9 +276,11 @@ def test_the_sequences_dense_parts_run_in_any_order(ckpts, tmp_path, monkeypatch
     """The engine runs a step's sequences' dense parts side by side: whatever order they come in,
     the calibration (amax, GPTQ's Hessians and codes) and the report (its probes' calls filed per
     sequence) are the same bytes."""
+
     def calibrate(out):
-        run_ptq(ParallelState.single("cpu"), args(ckpts[family], out, algorithm="gptq", gptq_min_tokens=1,
-                                                  chunk_size=CALIB))
+        run_ptq(
+            ParallelState.single("cpu"), args(ckpts[family], out, algorithm="gptq", gptq_min_tokens=1, chunk_size=CALIB)
+        )
         return {p.name: p.read_bytes() for p in Path(out).iterdir()}
 
     as_they_come = calibrate(str(tmp_path / "threads"))
@@ -278,7 +323,12 @@ def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
     assert sorted(errors.dense["mlp.up_proj"]) == [0, 1]
     for s in (0, 1):
         y_ref = x[s] @ reference.T
-        expected = torch.stack([(0.5 * y_ref).double().square().sum(), y_ref.double().square().sum(),
-                                torch.tensor(5.0, dtype=torch.float64)])
+        expected = torch.stack(
+            [
+                (0.5 * y_ref).double().square().sum(),
+                y_ref.double().square().sum(),
+                torch.tensor(5.0, dtype=torch.float64),
+            ]
+        )
         [got] = errors.dense["mlp.up_proj"][s]
         torch.testing.assert_close(got, expected)

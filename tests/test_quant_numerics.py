@@ -180,10 +180,31 @@ def test_fp8_zero_amax_and_bad_amax():
 def test_e2m1_ties_negatives_and_saturation():
     # value -> code, from docs/export.md's tie list and the code layout [0,.5,1,1.5,2,3,4,6] + sign.
     cases = {
-        0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6,
-        0.2: 0, 0.3: 1, 2.9: 5, 5.5: 7, 6.0: 7, 6.5: 7, 100.0: 7,
-        -0.25: 8, -0.75: 10, -1.25: 10, -1.75: 12, -2.5: 12, -3.5: 14, -5.0: 14,
-        -0.1: 8, -6.0: 15, -7.0: 15, 0.0: 0,
+        0.25: 0,
+        0.75: 2,
+        1.25: 2,
+        1.75: 4,
+        2.5: 4,
+        3.5: 6,
+        5.0: 6,
+        0.2: 0,
+        0.3: 1,
+        2.9: 5,
+        5.5: 7,
+        6.0: 7,
+        6.5: 7,
+        100.0: 7,
+        -0.25: 8,
+        -0.75: 10,
+        -1.25: 10,
+        -1.75: 12,
+        -2.5: 12,
+        -3.5: 14,
+        -5.0: 14,
+        -0.1: 8,
+        -6.0: 15,
+        -7.0: 15,
+        0.0: 0,
     }
     x = torch.tensor(list(cases), dtype=torch.float32)
     assert e2m1_encode(x).tolist() == list(cases.values())
@@ -364,15 +385,15 @@ def test_nvfp4_fake_quant_is_dequantize_of_quantize_bitwise(dtype, workers):
     in chunks on any number of workers."""
     g = torch.Generator().manual_seed(3)
     # magnitudes over 30 decades, exact zeros, negative zeros and values that round to -0
-    x = (torch.randn(300, 256, generator=g, dtype=torch.float64)
-         * torch.logspace(-30, 3, 256, dtype=torch.float64)).to(dtype)
+    x = (torch.randn(300, 256, generator=g, dtype=torch.float64) * torch.logspace(-30, 3, 256, dtype=torch.float64)).to(
+        dtype
+    )
     x.view(-1)[::7], x.view(-1)[::11] = -0.0, 0.0
     x.view(-1)[::13] *= 1e-4
     amax = x.double().abs().max()
     given = nvfp4_block_scales(x * 0.5, nvfp4_scale(amax))
     with cpu_workers(workers):
-        for scale_2, block_scale in ((nvfp4_scale(amax), None), (nvfp4_scale(1e-20), None),
-                                     (nvfp4_scale(amax), given)):
+        for scale_2, block_scale in ((nvfp4_scale(amax), None), (nvfp4_scale(1e-20), None), (nvfp4_scale(amax), given)):
             packed, used = quantize_nvfp4(x, scale_2, block_scale)
             for out_dtype in (None, torch.float32):
                 want = dequantize_nvfp4(packed, used, scale_2, dtype=out_dtype or dtype)

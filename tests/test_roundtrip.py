@@ -32,8 +32,9 @@ def assert_same_checkpoint(src: str, out: str) -> None:
             assert filecmp.cmp(os.path.join(src, f), os.path.join(out, f), shallow=False), f
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe",
-                                    "qwen3_5_moe_text"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]
+)
 @pytest.mark.parametrize("shards", [1, 3])
 def test_tiny_round_trip(tmp_path, family, shards):
     src = make_tiny(family, str(tmp_path / "hf"), shards=shards)
@@ -81,9 +82,19 @@ def test_dtype_conversion_keeps_the_router_bias_and_exports_source_dtypes(tmp_pa
 def test_transformers_save_pretrained_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        mlp_only_layers=[1], norm_topk_prob=True)
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    )
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
@@ -93,8 +104,12 @@ def test_transformers_save_pretrained_round_trip(tmp_path):
 
 def test_command_line_round_trip(tmp_path):
     def tool(*args):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "tools", args[0]), *args[1:]],
-                              capture_output=True, text=True, check=True)
+        return subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", args[0]), *args[1:]],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
 
     tool("make_tiny.py", "qwen3_moe", str(tmp_path / "hf"))
     tool("convert_hf.py", str(tmp_path / "hf"), str(tmp_path / "ck"))
@@ -112,16 +127,29 @@ def checkpoints(tmp_path_factory):
     return {"unquantized": ck, "calibrated": q}
 
 
-@pytest.mark.parametrize("which, options", [
-    ("unquantized", ["--format", "compressed-tensors"]),  # its export is the source layout, never quantized
-    ("unquantized", ["--format", "modelopt"]),
-    ("unquantized", ["--dequantize"]),  # nothing stored encoded, no quantization_config: nothing to decode
-    ("calibrated", ["--dequantize"]),  # a quantized export always starts from the decoded weights
-])
+@pytest.mark.parametrize(
+    "which, options",
+    [
+        ("unquantized", ["--format", "compressed-tensors"]),  # its export is the source layout, never quantized
+        ("unquantized", ["--format", "modelopt"]),
+        ("unquantized", ["--dequantize"]),  # nothing stored encoded, no quantization_config: nothing to decode
+        ("calibrated", ["--dequantize"]),  # a quantized export always starts from the decoded weights
+    ],
+)
 def test_an_export_option_that_cannot_apply_is_refused(checkpoints, tmp_path, which, options):
     before = tree_digest(checkpoints[which])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "export_hf.py"), checkpoints[which],
-                        str(tmp_path / "out"), *options, "--no-progress"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "export_hf.py"),
+            checkpoints[which],
+            str(tmp_path / "out"),
+            *options,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"error: {options[0]}") and checkpoints[which] in lines[0], r.stderr

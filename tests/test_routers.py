@@ -25,8 +25,9 @@ def softmax_loop(logits: torch.Tensor, k: int, renormalize: bool):
     return torch.tensor(ids), torch.stack(weights)
 
 
-def sigmoid_loop(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
-                 renormalize: bool, scaling: float):
+def sigmoid_loop(
+    logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float
+):
     E = logits.shape[1]
     per = E // n_group
     ids, weights = [], []
@@ -112,11 +113,13 @@ def test_sigmoid_group_that_holds_the_top_experts():
     """All of the k best experts sit in one group: they are chosen together, whatever the other
     kept group holds; tied group scores go to the lower group."""
     s = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.1, 0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]])
-    ids, _ = sigmoid_grouped_topk(torch.logit(s), torch.zeros(16), 4, n_group=4, topk_group=2,
-                                  renormalize=True, scaling=1.0)
+    ids, _ = sigmoid_grouped_topk(
+        torch.logit(s), torch.zeros(16), 4, n_group=4, topk_group=2, renormalize=True, scaling=1.0
+    )
     assert ids.tolist() == [[0, 1, 2, 3]]
     # groups 2 and 3 tie (0.4 each) for the second place: group 2 is kept, so its experts 8, 9
     # (lowest ids among the tied 0.2s) follow
-    ids, _ = sigmoid_grouped_topk(torch.logit(s), torch.zeros(16), 6, n_group=4, topk_group=2,
-                                  renormalize=True, scaling=1.0)
+    ids, _ = sigmoid_grouped_topk(
+        torch.logit(s), torch.zeros(16), 6, n_group=4, topk_group=2, renormalize=True, scaling=1.0
+    )
     assert ids.tolist() == [[0, 1, 2, 3, 8, 9]]

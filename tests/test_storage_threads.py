@@ -32,6 +32,7 @@ def test_threads_reading_one_checkpoint_get_its_rows_and_count_each_byte_once(ck
     for attempt in range(5):  # the threads meet in the first reads of each file: give them chances
         got, start = {}, threading.Barrier(8)
         with Checkpoint(ck_dir) as ck:
+
             def reader(k: int) -> None:
                 start.wait()
                 for job in jobs[k::8]:

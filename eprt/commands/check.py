@@ -17,8 +17,11 @@ from eprt.hf.check_export import check_export
 def check() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the exported Hugging Face directory")
-    ap.add_argument("--source", help="the Hugging Face checkpoint it was exported from: the export must hold "
-                    "exactly its tensors, each quantized Linear's weight replaced by its scales")
+    ap.add_argument(
+        "--source",
+        help="the Hugging Face checkpoint it was exported from: the export must hold "
+        "exactly its tensors, each quantized Linear's weight replaced by its scales",
+    )
     a = ap.parse_args()
     problems = check_export(a.out, a.source)
     for p in problems:

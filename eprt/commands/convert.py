@@ -17,9 +17,13 @@ def convert() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir")
     ap.add_argument("out")
-    ap.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="keep",
-                    help="cast floating-point weights (default: keep the source dtypes); compressed and "
-                         "block-FP8 weights stay as stored")
+    ap.add_argument(
+        "--dtype",
+        choices=list(DTYPE_CHOICES),
+        default="keep",
+        help="cast floating-point weights (default: keep the source dtypes); compressed and "
+        "block-FP8 weights stay as stored",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()

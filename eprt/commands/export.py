@@ -18,22 +18,37 @@ def export() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt")
     ap.add_argument("out")
-    ap.add_argument("--max-shard-size", help="largest safetensors shard, e.g. 4GiB, 500MB (default 5GiB, "
-                                             "5 x 1024^3 bytes)")
-    ap.add_argument("--dequantize", action="store_true",
-                    help="an unquantized checkpoint only: write weights the source stored compressed or in block "
-                         "FP8 decoded (bf16), and config.json without its quantization_config (default: as the "
-                         "source stored them)")
-    ap.add_argument("--format", choices=LAYOUTS,
-                    help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
-                         "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt")
+    ap.add_argument(
+        "--max-shard-size", help="largest safetensors shard, e.g. 4GiB, 500MB (default 5GiB, 5 x 1024^3 bytes)"
+    )
+    ap.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="an unquantized checkpoint only: write weights the source stored compressed or in block "
+        "FP8 decoded (bf16), and config.json without its quantization_config (default: as the "
+        "source stored them)",
+    )
+    ap.add_argument(
+        "--format",
+        choices=LAYOUTS,
+        help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
+        "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     with ParallelState.from_env() as state:
         shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES
-        export_hf(a.ckpt, a.out, max_shard_bytes=shard, overwrite=a.overwrite,
-                  progress=not a.no_progress, dequantize=a.dequantize, parallel=state, fmt=a.format)
+        export_hf(
+            a.ckpt,
+            a.out,
+            max_shard_bytes=shard,
+            overwrite=a.overwrite,
+            progress=not a.no_progress,
+            dequantize=a.dequantize,
+            parallel=state,
+            fmt=a.format,
+        )
 
 
 def main() -> None:

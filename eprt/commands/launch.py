@@ -51,13 +51,22 @@ def launch(module: str, argv: list[str], nproc: int) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc}: the number of local ranks must be at least 1")
     if launched_rank():
-        raise ConfigError("--nproc-per-node starts the ranks itself, but this process is already rank "
-                          f"{os.environ['RANK']} of a launched run: leave --nproc-per-node out under torchrun or srun")
+        raise ConfigError(
+            "--nproc-per-node starts the ranks itself, but this process is already rank "
+            f"{os.environ['RANK']} of a launched run: leave --nproc-per-node out under torchrun or srun"
+        )
     # torchrun gives each rank one thread when it starts several; here each rank gets its share of
     # the cores instead, as its CPU workers take whole pieces and move no bit (docs/architecture.md)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
     # the agent's own lines (its config, each worker's start and exit) would bury the verdict
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
     try:
@@ -76,10 +85,12 @@ def launch(module: str, argv: list[str], nproc: int) -> int:
 def first_failure(failures: dict) -> tuple[int, object]:
     """The rank that failed first: by the time its verdict was filed, ranks the launcher stopped
     (SIGTERM, sent to the rest once one failed) last."""
+
     def order(item):
         rank, f = item
         filed = f.error_file_data.get("eprt_time") if isinstance(f.error_file_data, dict) else None
         return (f.exitcode == -signal.SIGTERM, filed if filed is not None else f.timestamp, rank)
+
     return min(failures.items(), key=order)
 
 

@@ -1,6 +1,6 @@
 """Write a tiny random Hugging Face checkpoint (real tensor names, a real tokenizer.json).
 
-    eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
+eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
 """
 
 import argparse

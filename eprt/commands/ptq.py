@@ -33,8 +33,12 @@ from eprt.units import format_bytes
 def parse_args(argv: list[str] | None = None) -> tuple[PTQArgs, int | None]:
     """The run's settings and --nproc-per-node (the launcher's, not the run's)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc-per-node", type=int, metavar="N",
-                    help="start N ranks on this machine and run on them (one machine; several nodes use torchrun)")
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine and run on them (one machine; several nodes use torchrun)",
+    )
     add_flags(ap, PTQArgs)
     ns = ap.parse_args(argv)
     return from_flags(PTQArgs, ns), ns.nproc_per_node
@@ -55,8 +59,14 @@ def ptq() -> int:
             # layers and counts GPTQ's Hessians
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
             recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
-            dry_run(state, rc, a, targets, mtp=bool(recipe and recipe.mtp),
-                    gptq=gptq_formats(recipe, targets) if recipe else None)
+            dry_run(
+                state,
+                rc,
+                a,
+                targets,
+                mtp=bool(recipe and recipe.mtp),
+                gptq=gptq_formats(recipe, targets) if recipe else None,
+            )
             return 0
         run_ptq(state, a, ck=ck)
     return 0
@@ -77,8 +87,15 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 # --- dry run ---------------------------------------------------------------------------------
 
-def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
-            gptq: dict[str, str] | None = None) -> None:
+
+def dry_run(
+    state: ParallelState,
+    rc: ResolvedCheckpoint,
+    a: PTQArgs,
+    targets: list[str],
+    mtp: bool = False,
+    gptq: dict[str, str] | None = None,
+) -> None:
     """Every rank works out its own share and memory plan from the manifest, for ranks on
     --device (default its own; with the MTP layers when the recipe runs them, GPTQ's Hessians and
     codes when it runs GPTQ), and refuses a plan over a limit it knows (--max-memory,
@@ -99,10 +116,18 @@ def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: l
         host_limit = a.max_host_memory or (available_memory(torch.device("cpu")) if here else None)
         if host_limit is not None:
             check_host_memory(planner, plan, host_limit, shape, c.num_experts, ranks_on_this_host(state))
-        mine = {"rank": state.rank, "edp_rank": state.edp_rank, "ep_rank": state.ep_rank,
-                "ep_ranks": state.ep_ranks, "edp_ranks": state.edp_ranks,
-                "experts": {layer: held for layer in c.moe_layers}, "dense": dense, "expert_bytes": experts,
-                "peak": plan.peak, "host_peak": plan.host.peak if plan.host else None}
+        mine = {
+            "rank": state.rank,
+            "edp_rank": state.edp_rank,
+            "ep_rank": state.ep_rank,
+            "ep_ranks": state.ep_ranks,
+            "edp_ranks": state.edp_ranks,
+            "experts": {layer: held for layer in c.moe_layers},
+            "dense": dense,
+            "expert_bytes": experts,
+            "peak": plan.peak,
+            "host_peak": plan.host.peak if plan.host else None,
+        }
     ranks = [mine]
     if state.world > 1:
         ranks = [None] * state.world if state.rank == 0 else None
@@ -112,11 +137,15 @@ def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: l
         print(f"\nmemory plan on {device.type}: rank 0 {plan.summary()}")
 
 
-def layout_table(state: ParallelState, ck: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 ranks: list[dict]) -> str:
+def layout_table(
+    state: ParallelState, ck: Checkpoint, dtype: torch.dtype, device: torch.device, ranks: list[dict]
+) -> str:
     c = ck.config
-    moe = (f"{c.num_experts} routed experts in each of MoE layers {spans(c.moe_layers)}" if c.moe_layers
-           else "no MoE layers")
+    moe = (
+        f"{c.num_experts} routed experts in each of MoE layers {spans(c.moe_layers)}"
+        if c.moe_layers
+        else "no MoE layers"
+    )
     ep_groups = sorted({tuple(r["ep_ranks"]) for r in ranks})
     edp_groups = sorted({tuple(r["edp_ranks"]) for r in ranks})
     lines = [
@@ -129,15 +158,38 @@ def layout_table(state: ParallelState, ck: Checkpoint, dtype: torch.dtype, devic
         "",
     ]
     on_gpu = ranks[0]["host_peak"] is not None
-    rows = [("rank", "edp rank", "ep rank", "experts per MoE layer", "dense", "experts", "total", "planned peak",
-             *(("host",) if on_gpu else ()))]
+    rows = [
+        (
+            "rank",
+            "edp rank",
+            "ep rank",
+            "experts per MoE layer",
+            "dense",
+            "experts",
+            "total",
+            "planned peak",
+            *(("host",) if on_gpu else ()),
+        )
+    ]
     for r in ranks:
-        rows.append((str(r["rank"]), str(r["edp_rank"]), str(r["ep_rank"]), expert_ranges(r["experts"]),
-                     size(r["dense"]), size(r["expert_bytes"]), size(r["dense"] + r["expert_bytes"]),
-                     size(r["peak"]), *((size(r["host_peak"]),) if on_gpu else ())))
+        rows.append(
+            (
+                str(r["rank"]),
+                str(r["edp_rank"]),
+                str(r["ep_rank"]),
+                expert_ranges(r["experts"]),
+                size(r["dense"]),
+                size(r["expert_bytes"]),
+                size(r["dense"] + r["expert_bytes"]),
+                size(r["peak"]),
+                *((size(r["host_peak"]),) if on_gpu else ()),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) if i == 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-              .rstrip() for row in rows]
+    lines += [
+        "  ".join(cell.ljust(w) if i == 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
     return "\n".join(lines)
 
 

@@ -19,8 +19,12 @@ from eprt.report import label, page_path, read_report, same_held_out, write_page
 
 def report() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("exports", nargs="+", metavar="EXPORT",
-                    help="an export, a calibrated eprt checkpoint or an eprt quality report's JSON file")
+    ap.add_argument(
+        "exports",
+        nargs="+",
+        metavar="EXPORT",
+        help="an export, a calibrated eprt checkpoint or an eprt quality report's JSON file",
+    )
     ap.add_argument("--out", help="the page to write (default, for one EXPORT: beside its JSON; required for several)")
     a = ap.parse_args()
     if len(a.exports) > 1 and not a.out:

@@ -16,19 +16,25 @@ def parse(hf: dict, source: str) -> ModelConfig:
     if f.get("moe_layer_freq", default=1) != 1:
         raise f.refuse("moe_layer_freq != 1 is not supported (the reference implementations disagree on it)")
     if f.get("scoring_func", default="sigmoid") != "sigmoid" or f.get("topk_method", default="noaux_tc") != "noaux_tc":
-        raise f.refuse("only the sigmoid noaux_tc router of DeepSeek-V3 is supported "
-                       f"(scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r})")
+        raise f.refuse(
+            "only the sigmoid noaux_tc router of DeepSeek-V3 is supported "
+            f"(scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r})"
+        )
     if f.get("attention_bias", default=False):
         raise f.refuse("attention_bias is true; DeepSeek-V3 attention has no biases and eprt refuses to guess them")
     act = f.get("hidden_act", default="silu")
     if act != "silu":
         raise f.refuse(f"hidden_act {act!r} is not supported (DeepSeek-V3 uses silu)")
     if not f.get("rope_interleave", default=True):
-        raise f.refuse("rope_interleave is false; DeepSeek-V3 and Kimi-K2 rotate interleaved pairs and eprt runs only that")
+        raise f.refuse(
+            "rope_interleave is false; DeepSeek-V3 and Kimi-K2 rotate interleaved pairs and eprt runs only that"
+        )
     n_heads = f.get("num_attention_heads")
     if f.get("num_key_value_heads", default=n_heads) != n_heads:
-        raise f.refuse("num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
-                       "one key/value head per attention head")
+        raise f.refuse(
+            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
+            "one key/value head per attention head"
+        )
     n_experts = f.get("n_routed_experts", "num_local_experts", default=256)
     return ModelConfig(
         family="deepseek_v3",
@@ -53,18 +59,21 @@ def parse(hf: dict, source: str) -> ModelConfig:
             norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
             routed_scaling_factor=float(f.get("routed_scaling_factor", default=2.5)),
             n_group=f.get("n_group", default=8),
-            topk_group=f.get("topk_group", default=4)),
+            topk_group=f.get("topk_group", default=4),
+        ),
         num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=0),
     )
 
 
 def read_mla(f: Fields) -> MLAConfig:
     """MLA's sizes, where absent DeepSeek-V3's (Kimi's reference assumes the same)."""
-    return MLAConfig(q_lora_rank=f.get("q_lora_rank", default=None) or None,  # 0 in a file: no low-rank q
-                     kv_lora_rank=f.get("kv_lora_rank", default=512),
-                     qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
-                     qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
-                     v_head_dim=f.get("v_head_dim", default=128))
+    return MLAConfig(
+        q_lora_rank=f.get("q_lora_rank", default=None) or None,  # 0 in a file: no low-rank q
+        kv_lora_rank=f.get("kv_lora_rank", default=512),
+        qk_nope_head_dim=f.get("qk_nope_head_dim", default=128),
+        qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
+        v_head_dim=f.get("v_head_dim", default=128),
+    )
 
 
 def mlp(p: str, c: ModelConfig, i: int) -> list:
@@ -73,10 +82,13 @@ def mlp(p: str, c: ModelConfig, i: int) -> list:
     D, m = c.hidden_size, c.moe
     if not c.is_moe(i):
         return gated_mlp(f"{p}.mlp", D, c.intermediate_size)
-    specs = [plain(f"{p}.mlp.gate.weight", m.num_experts, D),
-             plain(f"{p}.mlp.gate.e_score_correction_bias", m.num_experts)]
-    specs += stacked_experts(f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D,
-                             "gate_proj", "up_proj", "down_proj")
+    specs = [
+        plain(f"{p}.mlp.gate.weight", m.num_experts, D),
+        plain(f"{p}.mlp.gate.e_score_correction_bias", m.num_experts),
+    ]
+    specs += stacked_experts(
+        f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
+    )
     if m.num_shared_experts:
         specs += gated_mlp(f"{p}.mlp.shared_experts", D, m.intermediate_size * m.num_shared_experts)
     return specs
@@ -97,9 +109,14 @@ def mtp_layout(c: ModelConfig, k: int, attention=mla_attention) -> Layout:
     moe = replace(c, moe=replace(c.moe, layers=c.moe.layers + (index,))) if c.moe else c
     specs = [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
     specs += attention(f"{p}.self_attn", c) + mlp(p, moe, index)
-    specs += [plain(f"{p}.enorm.weight", D), plain(f"{p}.hnorm.weight", D), plain(f"{p}.eh_proj.weight", D, 2 * D),
-              plain(f"{p}.embed_tokens.weight", c.vocab_size, D), plain(f"{p}.shared_head.norm.weight", D),
-              plain(f"{p}.shared_head.head.weight", c.vocab_size, D)]
+    specs += [
+        plain(f"{p}.enorm.weight", D),
+        plain(f"{p}.hnorm.weight", D),
+        plain(f"{p}.eh_proj.weight", D, 2 * D),
+        plain(f"{p}.embed_tokens.weight", c.vocab_size, D),
+        plain(f"{p}.shared_head.norm.weight", D),
+        plain(f"{p}.shared_head.head.weight", c.vocab_size, D),
+    ]
     return Layout(tuple(specs))
 
 

@@ -15,13 +15,20 @@ def parse(hf: dict, source: str) -> ModelConfig:
     c = deepseek_v3.parse(hf, source)
     f = Fields(hf, source)
     if c.mla.q_lora_rank is None:
-        raise f.refuse("q_lora_rank is missing or 0; DeepSeek-V3.2's indexer reads the low-rank query "
-                       "(q_a_layernorm(q_a_proj x)), so the checkpoint must have one")
-    indexer = IndexerConfig(n_heads=f.get("index_n_heads", default=64), head_dim=f.get("index_head_dim", default=128),
-                            topk=f.get("index_topk", default=2048))
+        raise f.refuse(
+            "q_lora_rank is missing or 0; DeepSeek-V3.2's indexer reads the low-rank query "
+            "(q_a_layernorm(q_a_proj x)), so the checkpoint must have one"
+        )
+    indexer = IndexerConfig(
+        n_heads=f.get("index_n_heads", default=64),
+        head_dim=f.get("index_head_dim", default=128),
+        topk=f.get("index_topk", default=2048),
+    )
     if not c.mla.qk_rope_head_dim <= indexer.head_dim:
-        raise f.refuse(f"index_head_dim {indexer.head_dim} is less than qk_rope_head_dim {c.mla.qk_rope_head_dim}; the "
-                       "indexer rotates the leading qk_rope_head_dim dims of each of its heads")
+        raise f.refuse(
+            f"index_head_dim {indexer.head_dim} is less than qk_rope_head_dim {c.mla.qk_rope_head_dim}; the "
+            "indexer rotates the leading qk_rope_head_dim dims of each of its heads"
+        )
     if indexer.topk < 1 or indexer.n_heads < 1:
         raise f.refuse("index_topk and index_n_heads must be at least 1")
     return dataclasses.replace(c, family="deepseek_v32", moe=moe(f, c), indexer=indexer)
@@ -46,9 +53,12 @@ def attention(prefix: str, c: ModelConfig) -> list:
     ix, D = c.indexer, c.hidden_size
     p = f"{prefix}.indexer"
     return mla_attention(prefix, c) + [
-        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.mla.q_lora_rank), plain(f"{p}.wk.weight", ix.head_dim, D),
-        plain(f"{p}.k_norm.weight", ix.head_dim), plain(f"{p}.k_norm.bias", ix.head_dim),
-        plain(f"{p}.weights_proj.weight", ix.n_heads, D)]
+        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.mla.q_lora_rank),
+        plain(f"{p}.wk.weight", ix.head_dim, D),
+        plain(f"{p}.k_norm.weight", ix.head_dim),
+        plain(f"{p}.k_norm.bias", ix.head_dim),
+        plain(f"{p}.weights_proj.weight", ix.n_heads, D),
+    ]
 
 
 def layout(c: ModelConfig) -> Layout:

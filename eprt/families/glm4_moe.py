@@ -19,14 +19,18 @@ def parse(hf: dict, source: str) -> ModelConfig:
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
     n_kv = f.get("num_key_value_heads", default=8)
     if n_heads % n_kv:
-        raise f.refuse(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}: "
-                       "grouped-query attention shares each key/value head among a whole number of query heads")
+        raise f.refuse(
+            f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}: "
+            "grouped-query attention shares each key/value head among a whole number of query heads"
+        )
     head_dim = f.get("head_dim", default=hidden // n_heads)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=128)
     n_group, topk_group = f.get("n_group", default=1), f.get("topk_group", default=1)
     if n_experts % n_group or not 1 <= topk_group <= n_group:
-        raise f.refuse(f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} routed experts into "
-                       "equal groups of which topk_group are kept: fix n_group or topk_group")
+        raise f.refuse(
+            f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} routed experts into "
+            "equal groups of which topk_group are kept: fix n_group or topk_group"
+        )
     return ModelConfig(
         family="glm4_moe",
         model_type=hf["model_type"],
@@ -40,10 +44,14 @@ def parse(hf: dict, source: str) -> ModelConfig:
         max_position_embeddings=f.get("max_position_embeddings", default=131072),
         rope=read_rope(f),
         # transformers 5 still assumes half the head rotates where the file says nothing
-        gqa=GQAConfig(num_kv_heads=n_kv, head_dim=head_dim,
-                      rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.5),
-                      qk_norm=bool(f.get("use_qk_norm", default=False)),
-                      qkv_bias=bool(f.get("attention_bias", default=False)), output_bias=False),
+        gqa=GQAConfig(
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.5),
+            qk_norm=bool(f.get("use_qk_norm", default=False)),
+            qkv_bias=bool(f.get("attention_bias", default=False)),
+            output_bias=False,
+        ),
         moe=moe_or_dense(
             (i for i in range(n_layers) if i >= first_dense and n_experts > 0),
             num_experts=n_experts,
@@ -54,7 +62,8 @@ def parse(hf: dict, source: str) -> ModelConfig:
             norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
             routed_scaling_factor=float(f.get("routed_scaling_factor", default=1.0)),
             n_group=n_group,
-            topk_group=topk_group),
+            topk_group=topk_group,
+        ),
         # transformers assumes one MTP layer where the file names none; absent tensors carry nothing
         num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=1),
     )

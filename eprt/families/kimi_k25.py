@@ -32,9 +32,16 @@ def parse(hf: dict, source: str) -> ModelConfig:
 def vlm_layout(text: Layout) -> Layout:
     """A text model's layout under `language_model.`, the vision tower and projector carried through."""
     return Layout(
-        tuple(dataclasses.replace(s, name=PREFIX + s.name, sources=tuple(PREFIX + n for n in s.sources),
-                                  fused=s.fused and PREFIX + s.fused, alias=s.alias and PREFIX + s.alias)
-              for s in text.specs),
+        tuple(
+            dataclasses.replace(
+                s,
+                name=PREFIX + s.name,
+                sources=tuple(PREFIX + n for n in s.sources),
+                fused=s.fused and PREFIX + s.fused,
+                alias=s.alias and PREFIX + s.alias,
+            )
+            for s in text.specs
+        ),
         passthrough=(*under_language_model(text.passthrough), *VISION),
     )
 

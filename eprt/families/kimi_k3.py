@@ -13,8 +13,9 @@ from eprt.layout import Layout
 def parse(hf: dict, source: str) -> ModelConfig:
     # A_log is a vector of any length from one entry per head: the release pads it to 128 entries
     # for its 96 heads, and the heads use the first ones (kimi_linear.a_log)
-    return kimi_linear.parse_text(text_config(hf, source), f"{source} (text_config)", "kimi_k3",
-                                  model_type=hf["model_type"], flat_a_log=True)
+    return kimi_linear.parse_text(
+        text_config(hf, source), f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"], flat_a_log=True
+    )
 
 
 def layout(c: ModelConfig) -> Layout:

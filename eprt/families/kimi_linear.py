@@ -24,8 +24,9 @@ def parse(hf: dict, source: str) -> ModelConfig:
     return parse_text(hf, source, "kimi_linear")
 
 
-def parse_text(hf: dict, source: str, family: str, model_type: str | None = None,
-               flat_a_log: bool = False) -> ModelConfig:
+def parse_text(
+    hf: dict, source: str, family: str, model_type: str | None = None, flat_a_log: bool = False
+) -> ModelConfig:
     """The normalized config of a kimi_linear text config; `flat_a_log` when A_log is a vector
     of at least one entry per head (Kimi-K3), else Moonshot's [1, 1, heads, 1]."""
     f = Fields(hf, source)
@@ -38,8 +39,11 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
         kda_layers = [i for i, t in enumerate(f.get("layer_types")) if t == "linear_attention"]
     heads = lin.get("num_heads") if lin.has("num_heads") else f.get("linear_num_heads")
     head_dim = lin.get("head_dim") if lin.has("head_dim") else f.get("linear_head_dim")
-    kernel = (lin.get("short_conv_kernel_size") if lin.has("short_conv_kernel_size")
-              else f.get("linear_conv_kernel_dim", default=4))
+    kernel = (
+        lin.get("short_conv_kernel_size")
+        if lin.has("short_conv_kernel_size")
+        else f.get("linear_conv_kernel_dim", default=4)
+    )
 
     act = f.get("hidden_act", default="silu")
     if act not in ("silu", "situ"):
@@ -50,8 +54,10 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
         raise f.refuse(f"moe_router_activation_func {hf['moe_router_activation_func']!r}; Kimi routes by sigmoid")
     n_heads = f.get("num_attention_heads")
     if f.get("num_key_value_heads", default=n_heads) != n_heads:
-        raise f.refuse("num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
-                       "one key/value head per attention head")
+        raise f.refuse(
+            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
+            "one key/value head per attention head"
+        )
 
     n_experts = f.get("num_experts", "num_local_experts", default=0)
     first_dense = f.get("first_k_dense_replace", default=defaults["first_k_dense_replace"])
@@ -66,8 +72,10 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
     latent = f.get("routed_expert_hidden_size", default=None)
     situ = None
     if act == "situ":
-        situ = SiTUConfig(beta=float(f.get("activation_situ_beta", default=1.0)),
-                          linear_beta=f.get("activation_situ_linear_beta", default=None))
+        situ = SiTUConfig(
+            beta=float(f.get("activation_situ_beta", default=1.0)),
+            linear_beta=f.get("activation_situ_linear_beta", default=None),
+        )
     return ModelConfig(
         family=family,
         model_type=model_type or hf["model_type"],
@@ -84,8 +92,9 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
         moe=moe_or_dense(
             moe_layers,
             num_experts=n_experts,
-            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_token", "num_experts_per_tok",
-                                                    default=defaults["num_experts_per_token"]),
+            num_experts_per_tok=f.experts_per_token(
+                n_experts, "num_experts_per_token", "num_experts_per_tok", default=defaults["num_experts_per_token"]
+            ),
             intermediate_size=f.get("moe_intermediate_size", default=0),
             num_shared_experts=f.get("num_shared_experts", "n_shared_experts", default=0),
             router="sigmoid",
@@ -94,15 +103,22 @@ def parse_text(hf: dict, source: str, family: str, model_type: str | None = None
             n_group=f.get("num_expert_group", "n_group", default=1),
             topk_group=f.get("topk_group", default=1),
             latent_size=latent,
-            latent_norm=bool(latent and f.get("latent_moe_use_norm", default=False))),
+            latent_norm=bool(latent and f.get("latent_moe_use_norm", default=False)),
+        ),
         kimi_linear=KimiLinearConfig(
-            kda=KDAConfig(layers=tuple(kda_layers), heads=heads, head_dim=head_dim, conv_kernel=kernel,
-                          a_log_shape=(heads,) if flat_a_log else (1, 1, heads, 1),
-                          gate_lower_bound=lin.get("gate_lower_bound", default=None),
-                          full_rank_gate=bool(lin.get("use_full_rank_gate", default=False))),
+            kda=KDAConfig(
+                layers=tuple(kda_layers),
+                heads=heads,
+                head_dim=head_dim,
+                conv_kernel=kernel,
+                a_log_shape=(heads,) if flat_a_log else (1, 1, heads, 1),
+                gate_lower_bound=lin.get("gate_lower_bound", default=None),
+                full_rank_gate=bool(lin.get("use_full_rank_gate", default=False)),
+            ),
             mla_output_gate=bool(f.get("mla_use_output_gate", default=False)),
             situ=situ,
-            attn_res_block_size=f.get("attn_res_block_size", default=None)),
+            attn_res_block_size=f.get("attn_res_block_size", default=None),
+        ),
     )
 
 
@@ -140,14 +156,18 @@ def layout(c: ModelConfig) -> Layout:
         if c.is_moe(i):
             m, moe = f"{p}.block_sparse_moe", c.moe
             Z = moe.latent_size
-            specs += [plain(f"{m}.gate.weight", moe.num_experts, D),
-                      plain(f"{m}.gate.e_score_correction_bias", moe.num_experts)]
+            specs += [
+                plain(f"{m}.gate.weight", moe.num_experts, D),
+                plain(f"{m}.gate.e_score_correction_bias", moe.num_experts),
+            ]
             specs += stacked_experts(f"{m}.experts", moe.num_experts, moe.intermediate_size, Z or D, "w1", "w3", "w2")
             if moe.num_shared_experts:
                 specs += gated_mlp(f"{m}.shared_experts", D, moe.intermediate_size * moe.num_shared_experts)
             if Z:
-                specs += [plain(f"{m}.routed_expert_down_proj.weight", Z, D),
-                          plain(f"{m}.routed_expert_up_proj.weight", D, Z)]
+                specs += [
+                    plain(f"{m}.routed_expert_down_proj.weight", Z, D),
+                    plain(f"{m}.routed_expert_up_proj.weight", D, Z),
+                ]
                 if moe.latent_norm:
                     specs.append(plain(f"{m}.routed_expert_norm.weight", Z))
         else:

@@ -45,22 +45,28 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def under_language_model(name: str) -> str:
-    return VLM + name[len(TEXT):] if name.startswith(TEXT) else name
+    return VLM + name[len(TEXT) :] if name.startswith(TEXT) else name
 
 
 def patterns_under_language_model(patterns: tuple[str, ...]) -> tuple[str, ...]:
     """Regexes over the text model's names, as regexes over the same names in the VLM."""
     old, new = re.escape(TEXT), re.escape(VLM)
-    return tuple(new + p[len(old):] if p.startswith(old) else p for p in patterns)
+    return tuple(new + p[len(old) :] if p.startswith(old) else p for p in patterns)
 
 
 def layout(c: ModelConfig) -> Layout:
     """The text layout with `model.` moved under `model.language_model.`."""
     text = qwen3_next.layout(c)
     return Layout(
-        tuple(dataclasses.replace(s, name=under_language_model(s.name),
-                                  sources=tuple(map(under_language_model, s.sources)),
-                                  fused=s.fused and under_language_model(s.fused),
-                                  alias=s.alias and under_language_model(s.alias)) for s in text.specs),
+        tuple(
+            dataclasses.replace(
+                s,
+                name=under_language_model(s.name),
+                sources=tuple(map(under_language_model, s.sources)),
+                fused=s.fused and under_language_model(s.fused),
+                alias=s.alias and under_language_model(s.alias),
+            )
+            for s in text.specs
+        ),
         passthrough=(*text.passthrough, *CARRIED, *VISION),
     )

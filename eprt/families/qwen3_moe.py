@@ -12,9 +12,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
     n_experts = f.get("num_experts", "num_local_experts", default=128)
     step = f.get("decoder_sparse_step", default=1)
     mlp_only = set(f.get("mlp_only_layers", default=[]) or [])
-    moe_layers = tuple(
-        i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0
-    )
+    moe_layers = tuple(i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
     if f.get("use_sliding_window", default=False):
         raise f.refuse("use_sliding_window is true; eprt runs full causal attention only")
     act = f.get("hidden_act", default="silu")
@@ -37,8 +35,14 @@ def parse(hf: dict, source: str) -> ModelConfig:
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
         rope=read_rope(f),
         # Qwen3's attention: full rotary, per-head q/k norm, every projection biased alike
-        gqa=GQAConfig(num_kv_heads=f.get("num_key_value_heads", default=n_heads), head_dim=head_dim,
-                      rotary_dim=head_dim, qk_norm=True, qkv_bias=attention_bias, output_bias=attention_bias),
+        gqa=GQAConfig(
+            num_kv_heads=f.get("num_key_value_heads", default=n_heads),
+            head_dim=head_dim,
+            rotary_dim=head_dim,
+            qk_norm=True,
+            qkv_bias=attention_bias,
+            output_bias=attention_bias,
+        ),
         moe=moe_or_dense(
             moe_layers,
             num_experts=n_experts,
@@ -47,7 +51,8 @@ def parse(hf: dict, source: str) -> ModelConfig:
             num_shared_experts=0,
             router="softmax",
             # transformers' default is False, although Qwen3-30B-A3B sets it true: read the file.
-            norm_topk_prob=bool(f.get("norm_topk_prob", default=False))),
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=False)),
+        ),
     )
 
 
@@ -60,8 +65,9 @@ def layout(c: ModelConfig) -> Layout:
         specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
             specs.append(plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D))
-            specs += stacked_experts(f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D,
-                                     "gate_proj", "up_proj", "down_proj")
+            specs += stacked_experts(
+                f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
+            )
         else:
             specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
     specs.append(plain("model.norm.weight", D))

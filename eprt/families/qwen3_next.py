@@ -7,8 +7,16 @@ is softmax-routed experts plus one shared expert scaled by a sigmoid gate (`shar
 
 from __future__ import annotations
 
-from eprt.config import (Fields, GatedDeltaNetConfig, GQAConfig, ModelConfig, QwenNextConfig, moe_or_dense, read_rope,
-                         read_rotary_dim)
+from eprt.config import (
+    Fields,
+    GatedDeltaNetConfig,
+    GQAConfig,
+    ModelConfig,
+    QwenNextConfig,
+    moe_or_dense,
+    read_rope,
+    read_rotary_dim,
+)
 from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
 
 
@@ -16,8 +24,14 @@ def parse(hf: dict, source: str) -> ModelConfig:
     return parse_text(hf, source, "qwen3_next", split_projections=False)
 
 
-def parse_text(hf: dict, source: str, family: str, split_projections: bool, every_layer_moe: bool = False,
-               model_type: str | None = None) -> ModelConfig:
+def parse_text(
+    hf: dict,
+    source: str,
+    family: str,
+    split_projections: bool,
+    every_layer_moe: bool = False,
+    model_type: str | None = None,
+) -> ModelConfig:
     """The normalized config of a Qwen3-Next-style text config. Qwen3.5-MoE has experts in every
     layer and always renormalizes the top k (its config has no such fields)."""
     f = Fields(hf, source)
@@ -25,8 +39,9 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
     if f.has("layer_types"):
         types = list(f.get("layer_types"))
         if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
-            raise f.refuse(f"layer_types must list 'linear_attention' or 'full_attention' for each of the "
-                           f"{n_layers} layers")
+            raise f.refuse(
+                f"layer_types must list 'linear_attention' or 'full_attention' for each of the {n_layers} layers"
+            )
     else:
         interval = f.get("full_attention_interval", default=4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
@@ -49,10 +64,13 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
         raise f.refuse(f"linear_num_value_heads ({v_heads}) is not a multiple of linear_num_key_heads ({k_heads})")
     gdn = GatedDeltaNetConfig(
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
-        key_heads=k_heads, value_heads=v_heads,
+        key_heads=k_heads,
+        value_heads=v_heads,
         key_head_dim=f.get("linear_key_head_dim", default=128),
         value_head_dim=f.get("linear_value_head_dim", default=128),
-        conv_kernel=f.get("linear_conv_kernel_dim", default=4), split_projections=split_projections)
+        conv_kernel=f.get("linear_conv_kernel_dim", default=4),
+        split_projections=split_projections,
+    )
     return ModelConfig(
         family=family,
         model_type=model_type or hf["model_type"],
@@ -66,20 +84,29 @@ def parse_text(hf: dict, source: str, family: str, split_projections: bool, ever
         max_position_embeddings=f.get("max_position_embeddings", default=32768),
         rope=read_rope(f),
         # transformers' default partial_rotary_factor is 0.25; q_proj holds each head's output gate
-        gqa=GQAConfig(num_kv_heads=f.get("num_key_value_heads", default=2), head_dim=head_dim,
-                      rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.25), qk_norm=True, qkv_bias=False,
-                      output_bias=False, output_gate=True),
+        gqa=GQAConfig(
+            num_kv_heads=f.get("num_key_value_heads", default=2),
+            head_dim=head_dim,
+            rotary_dim=read_rotary_dim(f, head_dim, default_factor=0.25),
+            qk_norm=True,
+            qkv_bias=False,
+            output_bias=False,
+            output_gate=True,
+        ),
         moe=moe_or_dense(
             moe_layers,
             num_experts=n_experts,
-            num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok",
-                                                    default=8 if every_layer_moe else 10),
+            num_experts_per_tok=f.experts_per_token(
+                n_experts, "num_experts_per_tok", default=8 if every_layer_moe else 10
+            ),
             intermediate_size=f.get("moe_intermediate_size", default=512),
             num_shared_experts=0,  # its shared expert is gated: qwen_next's
             router="softmax",
-            norm_topk_prob=True if every_layer_moe else bool(f.get("norm_topk_prob", default=True))),
-        qwen_next=QwenNextConfig(gated_delta_net=gdn,
-                                 shared_expert_intermediate_size=f.get("shared_expert_intermediate_size", default=512)),
+            norm_topk_prob=True if every_layer_moe else bool(f.get("norm_topk_prob", default=True)),
+        ),
+        qwen_next=QwenNextConfig(
+            gated_delta_net=gdn, shared_expert_intermediate_size=f.get("shared_expert_intermediate_size", default=512)
+        ),
     )
 
 
@@ -87,13 +114,17 @@ def gated_delta_net(prefix: str, c: ModelConfig) -> list[TensorSpec]:
     g, D = c.qwen_next.gated_delta_net, c.hidden_size
     keys, values = g.key_heads * g.key_head_dim, g.value_heads * g.value_head_dim  # widths of all heads
     if g.split_projections:
-        specs = [plain(f"{prefix}.in_proj_qkv.weight", 2 * keys + values, D),
-                 plain(f"{prefix}.in_proj_z.weight", values, D),
-                 plain(f"{prefix}.in_proj_b.weight", g.value_heads, D),
-                 plain(f"{prefix}.in_proj_a.weight", g.value_heads, D)]
+        specs = [
+            plain(f"{prefix}.in_proj_qkv.weight", 2 * keys + values, D),
+            plain(f"{prefix}.in_proj_z.weight", values, D),
+            plain(f"{prefix}.in_proj_b.weight", g.value_heads, D),
+            plain(f"{prefix}.in_proj_a.weight", g.value_heads, D),
+        ]
     else:
-        specs = [plain(f"{prefix}.in_proj_qkvz.weight", 2 * keys + 2 * values, D),
-                 plain(f"{prefix}.in_proj_ba.weight", 2 * g.value_heads, D)]
+        specs = [
+            plain(f"{prefix}.in_proj_qkvz.weight", 2 * keys + 2 * values, D),
+            plain(f"{prefix}.in_proj_ba.weight", 2 * g.value_heads, D),
+        ]
     return specs + [
         plain(f"{prefix}.conv1d.weight", 2 * keys + values, 1, g.conv_kernel),
         plain(f"{prefix}.dt_bias", g.value_heads),
@@ -115,8 +146,9 @@ def layout(c: ModelConfig) -> Layout:
             specs += gqa_attention(f"{p}.self_attn", c)
         if c.is_moe(i):
             specs += [plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D)]
-            specs += stacked_experts(f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D,
-                                     "gate_proj", "up_proj", "down_proj")
+            specs += stacked_experts(
+                f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
+            )
             specs += gated_mlp(f"{p}.mlp.shared_expert", D, c.qwen_next.shared_expert_intermediate_size)
             specs.append(plain(f"{p}.mlp.shared_expert_gate.weight", 1, D))
         else:

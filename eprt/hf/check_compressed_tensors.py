@@ -28,11 +28,21 @@ PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
 # Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.
-SAME_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-              ("w1", "w3"))
+SAME_INPUT = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+)
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.\d+\.(?P<kind>gate_proj|up_proj|down_proj|w1|w2|w3)$")
-EXPERT_KIND = {"gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up",
-               "down_proj": "down", "w2": "down"}
+EXPERT_KIND = {
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+    "w1": "gate_up",
+    "w3": "gate_up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | None, problems: list[str]) -> None:
@@ -48,17 +58,24 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
         stored = stored_format(module, leaves, tensors, fmt)
         if fmt is None:
             if stored is not None:
-                problems.append(f"{module}: quantized ({stored.ct_format}) but the quantization_config "
-                                f"{'ignores it' if _ignored(module, ignore) else 'targets it in no group'}; "
-                                "the loaders would read it as a float weight")
+                problems.append(
+                    f"{module}: quantized ({stored.ct_format}) but the quantization_config "
+                    f"{'ignores it' if _ignored(module, ignore) else 'targets it in no group'}; "
+                    "the loaders would read it as a float weight"
+                )
             else:
                 for leaf in sorted(leaves & SCALE_LEAVES):
                     problems.append(f"{module}.{leaf}: unquantized module {module} carries a scale")
             continue
         if stored is not fmt:
             # formats of one compressed-tensors `format` (float-quantized) are told apart by their scales
-            said = (f"{stored.name}'s tensors" if stored and stored.ct_format == fmt.ct_format
-                    else stored.ct_format if stored else f"a {_dtype(tensors, module)} weight")
+            said = (
+                f"{stored.name}'s tensors"
+                if stored and stored.ct_format == fmt.ct_format
+                else stored.ct_format
+                if stored
+                else f"a {_dtype(tensors, module)} weight"
+            )
             problems.append(f"{module}: its config group is {fmt.ct_format} ({fmt.name}) but it stores {said}")
             continue
         formats[module] = fmt
@@ -68,12 +85,14 @@ def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | 
     check_names(tensors, {m: tuple(f.ct_leaves) for m, f in formats.items()}, kv, source, problems)
 
 
-def stored_format(module: str, leaves: set[str], tensors: dict, declared: WeightFormat | None = None
-                  ) -> WeightFormat | None:
+def stored_format(
+    module: str, leaves: set[str], tensors: dict, declared: WeightFormat | None = None
+) -> WeightFormat | None:
     """The format Linear `module` is stored in, by its leaves (eprt.quant.formats.by_ct_weight), the
     `declared` one of those that store the same where its scales are misshapen."""
-    return by_ct_weight(leaves, lambda leaf: (tensors[f"{module}.{leaf}"].dtype, tensors[f"{module}.{leaf}"].shape),
-                        declared)
+    return by_ct_weight(
+        leaves, lambda leaf: (tensors[f"{module}.{leaf}"].dtype, tensors[f"{module}.{leaf}"].shape), declared
+    )
 
 
 def _parse_config(qc: dict, problems: list[str]):
@@ -81,8 +100,10 @@ def _parse_config(qc: dict, problems: list[str]):
     try:
         from compressed_tensors.quantization import QuantizationConfig
     except ImportError:
-        problems.append("config.json: a compressed-tensors export; checking it needs the compressed-tensors "
-                        "library: pip install 'eprt[compressed]'")
+        problems.append(
+            "config.json: a compressed-tensors export; checking it needs the compressed-tensors "
+            "library: pip install 'eprt[compressed]'"
+        )
         return None
     try:
         parsed = QuantizationConfig.model_validate(qc)
@@ -90,8 +111,10 @@ def _parse_config(qc: dict, problems: list[str]):
         problems.append(f"config.json quantization_config: compressed-tensors cannot read it ({e})".splitlines()[0])
         return None
     if str(getattr(parsed.quantization_status, "value", parsed.quantization_status)) != "compressed":
-        problems.append(f"config.json quantization_config.quantization_status: "
-                        f"{qc.get('quantization_status')!r}; the weights are stored compressed")
+        problems.append(
+            f"config.json quantization_config.quantization_status: "
+            f"{qc.get('quantization_status')!r}; the weights are stored compressed"
+        )
     by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
         ct_format = group.format or parsed.format
@@ -102,16 +125,22 @@ def _parse_config(qc: dict, problems: list[str]):
             continue
         bits = fmt.num_bits
         w = group.weights
-        if w is None or w.num_bits != bits or w.type != "float" or (
-                fmt.group_size is not None and w.group_size != fmt.group_size):
+        if (
+            w is None
+            or w.num_bits != bits
+            or w.type != "float"
+            or (fmt.group_size is not None and w.group_size != fmt.group_size)
+        ):
             problems.append(f"{where}.weights: not the {bits}-bit float weights of {ct_format}")
         a = group.input_activations
         if fmt.modelopt_input_group() is not None and (a is None or a.num_bits != bits or a.type != "float"):
             problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {ct_format}")
         by_format[fmt] += group.targets
     if len(by_format) > 1 and parsed.format != "mixed-precision":
-        problems.append(f"config.json quantization_config.format: {parsed.format!r}, its groups use "
-                        f"{sorted(f.ct_format for f in by_format)}: mixed-precision")
+        problems.append(
+            f"config.json quantization_config.format: {parsed.format!r}, its groups use "
+            f"{sorted(f.ct_format for f in by_format)}: mixed-precision"
+        )
     return list(parsed.ignore or []), dict(by_format)
 
 
@@ -121,8 +150,12 @@ def _linears(tensors: dict) -> dict[str, set[str]]:
     for name in tensors:
         module, _, leaf = name.rpartition(".")
         leaves[module].add(leaf)
-    return {m: ls for m, ls in leaves.items() if "embed_tokens" not in m and (
-        ls & PACKED_LEAVES or ("weight" in ls and len(tensors[f"{m}.weight"].shape) == 2))}
+    return {
+        m: ls
+        for m, ls in leaves.items()
+        if "embed_tokens" not in m
+        and (ls & PACKED_LEAVES or ("weight" in ls and len(tensors[f"{m}.weight"].shape) == 2))
+    }
 
 
 def _ignored(module: str, ignore: list[str]) -> bool:
@@ -167,14 +200,20 @@ def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[
         packed, grid = tensors.get(f"{module}.{fmt.ct_weight_leaf}"), tensors.get(f"{module}.{fmt.block_scale_leaf}")
         if packed is not None and grid is not None and grid.dtype == fmt.ct_leaves[fmt.block_scale_leaf]:
             in_dim = fmt.in_dim_of_stored(packed.shape[1]) if len(packed.shape) == 2 else 0
-            want = fmt.compressed_tensors_tensors(packed.shape[0], in_dim)[fmt.block_scale_leaf][1] \
-                if len(packed.shape) == 2 else ()
+            want = (
+                fmt.compressed_tensors_tensors(packed.shape[0], in_dim)[fmt.block_scale_leaf][1]
+                if len(packed.shape) == 2
+                else ()
+            )
             if len(packed.shape) != 2 or fmt.unfit_input_dim(in_dim) or grid.shape != want:
-                problems.append(f"{module}.{fmt.block_scale_leaf}: {list(grid.shape)}, expected {list(want)} block "
-                                f"scales for {fmt.ct_weight_leaf} {list(packed.shape)}")
+                problems.append(
+                    f"{module}.{fmt.block_scale_leaf}: {list(grid.shape)}, expected {list(want)} block "
+                    f"scales for {fmt.ct_weight_leaf} {list(packed.shape)}"
+                )
             elif grid.bad_block_scales:
-                problems.append(f"{module}.{fmt.block_scale_leaf}: {grid.bad_block_scales} block scale(s) zero, "
-                                "negative or NaN")
+                problems.append(
+                    f"{module}.{fmt.block_scale_leaf}: {grid.bad_block_scales} block scale(s) zero, negative or NaN"
+                )
     extra = {n.rpartition(".")[2] for n in tensors if n.rpartition(".")[0] == module} - set(fmt.ct_leaves) - {"bias"}
     for leaf in sorted(extra & QUANTIZED_LEAVES):
         problems.append(f"{module}.{leaf}: not part of a {fmt.ct_format} module")
@@ -196,8 +235,10 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
         for scale in filter(None, fmt.ct_per_tensor_scales):
             a, b = _value(tensors, f"{first}.{scale}"), _value(tensors, f"{module}.{scale}")
             if a is not None and b is not None and a != b:
-                problems.append(f"{module}.{scale}: {b} differs from {first}.{scale} {a}; "
-                                f"{'/'.join(group)} are loaded fused with one {scale}")
+                problems.append(
+                    f"{module}.{scale}: {b} differs from {first}.{scale} {a}; "
+                    f"{'/'.join(group)} are loaded fused with one {scale}"
+                )
     layer_inputs: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for module, fmt in formats.items():
         m = ROUTED_EXPERT.match(module)
@@ -209,8 +250,10 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
         common = max(set(values.values()), key=list(values.values()).count)
         for name, value in sorted(values.items()):
             if value != common:
-                problems.append(f"{name}: {value}, other {kind} experts of {moe} have {common}; "
-                                "the fused MoE loads one input scale per projection")
+                problems.append(
+                    f"{name}: {value}, other {kind} experts of {moe} have {common}; "
+                    "the fused MoE loads one input scale per projection"
+                )
 
 
 def _check_kv(qc: dict, ignore: list[str], tensors: dict, problems: list[str]) -> tuple[str, ...]:

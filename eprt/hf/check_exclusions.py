@@ -30,30 +30,35 @@ class Exclusions:
         # vLLM's reading: a pattern `X*` (not `X.*`) is rewritten as `X` and `X.*`
         self.split_exact = {e[:-1]: e for e in prefixed if len(e) >= 2 and e[-2] != "."}
         self.split_prefixed = _Prefixes([(e[:-1] + "." if e[:-1] in self.split_exact else e[:-1], e) for e in prefixed])
-        self.split_patterns = [(e, p) for e in self.patterns
-                               for p in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "."
-                                         else (e,))]
+        self.split_patterns = [
+            (e, p)
+            for e in self.patterns
+            for p in ((e[:-1], e[:-1] + ".*") if len(e) >= 2 and e[-1] == "*" and e[-2] != "." else (e,))
+        ]
 
     def first(self, found: set[str]) -> str:
         return min(found, key=self.order.__getitem__)
 
     def inside(self, name: str) -> set[str]:
         """The entries that are substrings of `name` (vLLM's reading)."""
-        found = {name[i:i + n] for n in self.literal_lengths for i in range(len(name) - n + 1)} & self.literal
+        found = {name[i : i + n] for n in self.literal_lengths for i in range(len(name) - n + 1)} & self.literal
         if _MAGIC.search(name):  # a wildcard entry is a substring only of a name holding its wildcard
             found |= {e for e in self.order if e not in self.literal and e in name}
         return found
 
     def matching(self, name: str) -> set[str]:
         """The entries `name` matches as fnmatch patterns (SGLang's reading; a literal: equal)."""
-        return ({name} & self.literal) | self.prefixed.of(name) | {
-            e for e in self.patterns if fnmatchcase(name, e)}
+        return ({name} & self.literal) | self.prefixed.of(name) | {e for e in self.patterns if fnmatchcase(name, e)}
 
     def split_matching(self, name: str) -> set[str]:
         """The entries `name` matches after vLLM splits each `X*` into `X` and `X.*`."""
         exact = {self.split_exact[name]} if name in self.split_exact else set()
-        return ({name} & self.literal) | exact | self.split_prefixed.of(name) | {
-            e for e, p in self.split_patterns if fnmatchcase(name, p)}
+        return (
+            ({name} & self.literal)
+            | exact
+            | self.split_prefixed.of(name)
+            | {e for e, p in self.split_patterns if fnmatchcase(name, p)}
+        )
 
     @functools.cached_property
     def expert_holders(self) -> dict[str, str]:
@@ -62,7 +67,7 @@ class Exclusions:
         for e in self.order:
             for m in re.finditer("experts", e):
                 for i in range(m.start() + 1):
-                    holders.setdefault(e[i:m.end()], e)
+                    holders.setdefault(e[i : m.end()], e)
         return holders
 
 

@@ -57,29 +57,39 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         tensors = read_tensors(out, problems)
         check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems)
         formats = _ct_formats(tensors)
-        _check_ct_scale_range(tensors, formats, kv_by_ct_scheme(config["quantization_config"].get("kv_cache_scheme")),
-                              problems)
-        _check_shapes(config, source_dir, tensors,
-                      {m: f.compressed_tensors_tensors for m, f in formats.items()}, problems)
+        _check_ct_scale_range(
+            tensors, formats, kv_by_ct_scheme(config["quantization_config"].get("kv_cache_scheme")), problems
+        )
+        _check_shapes(
+            config, source_dir, tensors, {m: f.compressed_tensors_tensors for m, f in formats.items()}, problems
+        )
         return problems
     hf_quant = read_json(out / QUANT_CONFIG, problems)
     algo, kv_algo, exclude = check_configs(config, hf_quant, problems)
     tensors = read_tensors(out, problems)
     if algo is not None and tensors:
-        modules = ModelOptModules(tensors, algo, exclude, problems,
-                                  quantized_layers(config, hf_quant) if algo == MIXED else None)
+        modules = ModelOptModules(
+            tensors, algo, exclude, problems, quantized_layers(config, hf_quant) if algo == MIXED else None
+        )
         modules.check()
         check_kv_scales(tensors, kv_algo, modules.entries, problems)
         source = _source_names(config, source_dir, problems)
-        check_names(tensors, {m: f.modelopt_leaves for m, f in modules.format_of.items()},
-                    KV_COMPANIONS if kv_algo else (), source, problems)
-        _check_shapes(config, source_dir, tensors, {m: f.modelopt_tensors for m, f in modules.format_of.items()},
-                      problems)
+        check_names(
+            tensors,
+            {m: f.modelopt_leaves for m, f in modules.format_of.items()},
+            KV_COMPANIONS if kv_algo else (),
+            source,
+            problems,
+        )
+        _check_shapes(
+            config, source_dir, tensors, {m: f.modelopt_tensors for m, f in modules.format_of.items()}, problems
+        )
     return problems
 
 
-def _check_shapes(config: dict | None, source_dir, tensors: dict[str, StoredTensor], companions: dict,
-                  problems: list[str]) -> None:
+def _check_shapes(
+    config: dict | None, source_dir, tensors: dict[str, StoredTensor], companions: dict, problems: list[str]
+) -> None:
     """Every tensor's shape against the export's config.json, which the engines build the model
     from, and, where it says otherwise, against the source's."""
     specs = source_specs(config)
@@ -98,8 +108,11 @@ def _check_shapes(config: dict | None, source_dir, tensors: dict[str, StoredTens
 
 
 def is_compressed_tensors(config: dict | None) -> bool:
-    return isinstance(config, dict) and isinstance(config.get("quantization_config"), dict) \
+    return (
+        isinstance(config, dict)
+        and isinstance(config.get("quantization_config"), dict)
         and config["quantization_config"].get("quant_method") == "compressed-tensors"
+    )
 
 
 def _ct_formats(tensors: dict[str, StoredTensor]) -> dict[str, WeightFormat]:
@@ -111,12 +124,14 @@ def _ct_formats(tensors: dict[str, StoredTensor]) -> dict[str, WeightFormat]:
     return {m: fmt for m, ls in leaves.items() if (fmt := stored_format(m, ls, tensors)) is not None}
 
 
-def _check_ct_scale_range(tensors: dict[str, StoredTensor], formats: dict[str, WeightFormat],
-                          kv: KvCacheFormat | None, problems: list[str]) -> None:
+def _check_ct_scale_range(
+    tensors: dict[str, StoredTensor], formats: dict[str, WeightFormat], kv: KvCacheFormat | None, problems: list[str]
+) -> None:
     """The range checks of eprt.hf.check_scale_range on a compressed-tensors export: a format's
     scales stored as reciprocals (NVFP4's global scales) stand for them; the KV scales under the
     config's KV format `kv`. A scale missing, misshapen or not finite and positive, or a KV scale
     without a kv_cache_scheme eprt writes, is check_compressed_tensors' to name."""
+
     def scale(name: str, reciprocal: bool = False) -> Scale | None:
         t = tensors.get(name)
         ok = t is not None and t.dtype == "F32" and t.value is not None and math.isfinite(t.value) and t.value > 0
@@ -124,10 +139,18 @@ def _check_ct_scale_range(tensors: dict[str, StoredTensor], formats: dict[str, W
 
     for module, fmt in sorted(formats.items()):
         grid = tensors.get(f"{module}.{fmt.block_scale_leaf}") if fmt.block_scale_leaf else None
-        weight, inputs = (scale(f"{module}.{leaf}", fmt.ct_reciprocal) if leaf else None
-                          for leaf in fmt.ct_per_tensor_scales)
-        check_linear(module, fmt, weight, inputs, grid.block_range if grid else None, problems,
-                     grid=f"{module}.{fmt.block_scale_leaf}")
+        weight, inputs = (
+            scale(f"{module}.{leaf}", fmt.ct_reciprocal) if leaf else None for leaf in fmt.ct_per_tensor_scales
+        )
+        check_linear(
+            module,
+            fmt,
+            weight,
+            inputs,
+            grid.block_range if grid else None,
+            problems,
+            grid=f"{module}.{fmt.block_scale_leaf}",
+        )
     for name in sorted(tensors):
         if kv is not None and name.rpartition(".")[2] in KV_SCALES and (s := scale(name)) is not None:
             check_kv(s, kv, problems)

@@ -21,8 +21,9 @@ from eprt.storage.hf_files import INDEX, SINGLE
 from eprt.storage.paths import resolve_inside
 
 # The leaves whose values are read: every format's scales in either layout, and the KV cache's.
-SCALE_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaves in (f.modelopt_leaves, tuple(f.ct_leaves))
-                for leaf in leaves[1:]} | set(KV_SCALES)
+SCALE_LEAVES = {
+    leaf for f in WEIGHT_FORMATS.values() for leaves in (f.modelopt_leaves, tuple(f.ct_leaves)) for leaf in leaves[1:]
+} | set(KV_SCALES)
 
 
 @dataclass
@@ -32,7 +33,6 @@ class StoredTensor:
     value: float | None = None  # one-element scales: the value
     bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
     block_range: tuple[float, float] | None = None  # block-scale grids: the smallest and largest valid scale
-
 
 
 def read_json(path: Path, problems: list[str]) -> dict | None:

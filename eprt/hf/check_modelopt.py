@@ -42,8 +42,9 @@ ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<kind>ga
 class ModelOptModules:
     """The Linear-level checks: scales, shapes, shared scales, exclusions."""
 
-    def __init__(self, tensors: dict, algo: str, exclude: list[str], problems: list[str],
-                 layers: dict[str, str] | None = None):
+    def __init__(
+        self, tensors: dict, algo: str, exclude: list[str], problems: list[str], layers: dict[str, str] | None = None
+    ):
         """`tensors`: name -> header (eprt.hf.check_files.StoredTensor); `algo`: the export's quant_algo
         (one format's, or MIXED_PRECISION with each module's in `layers`)."""
         self.tensors = tensors
@@ -98,11 +99,19 @@ class ModelOptModules:
     def _check_scales(self, module: str) -> None:
         weight = self.tensors[f"{module}.weight"]
         fmt = self.format_of[module]
-        weight_scale, input_scale = (self._per_tensor(f"{module}.{leaf}") if leaf else None
-                                     for leaf in fmt.modelopt_per_tensor_scales)
+        weight_scale, input_scale = (
+            self._per_tensor(f"{module}.{leaf}") if leaf else None for leaf in fmt.modelopt_per_tensor_scales
+        )
         grid = self.tensors.get(f"{module}.{fmt.block_scale_leaf}") if fmt.block_scale_leaf else None
-        check_linear(module, fmt, weight_scale, input_scale, grid.block_range if grid else None, self.problems,
-                     grid=f"{module}.{fmt.block_scale_leaf}")
+        check_linear(
+            module,
+            fmt,
+            weight_scale,
+            input_scale,
+            grid.block_range if grid else None,
+            self.problems,
+            grid=f"{module}.{fmt.block_scale_leaf}",
+        )
         if fmt.block_scale_leaf:
             out, stored = weight.shape
             in_dim = fmt.in_dim_of_stored(stored)
@@ -228,7 +237,8 @@ class ModelOptModules:
             if algo != declared:
                 self.problems.append(
                     f"{module}: stored {algo or 'unquantized'} but quantized_layers says "
-                    f"{declared_as}: {declared or 'not listed (unquantized)'}")
+                    f"{declared_as}: {declared or 'not listed (unquantized)'}"
+                )
         for module in sorted(set(self.layers) - seen):
             self.problems.append(f"quantized_layers.{module}: no such Linear in the export")
 

@@ -24,8 +24,14 @@ from eprt.storage.hf_files import CONFIG
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
 # A source Linear stored encoded (compressed-tensors, block FP8) is exported decoded, as `weight`.
 ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
-ENCODED_PARTS = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point",
-                 "weight_global_scale")
+ENCODED_PARTS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_scale_inv",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_global_scale",
+)
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 # A multi-token-prediction layer's Linears the engines build without quantization, whatever the
 # config says: vLLM and SGLang make eh_proj a plain torch Linear and shared_head.head an lm head.
@@ -93,8 +99,13 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     return SourceNames({s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough)
 
 
-def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_companions: tuple[str, ...],
-                source: SourceNames | None, problems: list[str]) -> None:
+def check_names(
+    tensors: dict,
+    companions: dict[str, tuple[str, ...]],
+    kv_companions: tuple[str, ...],
+    source: SourceNames | None,
+    problems: list[str],
+) -> None:
     """Refuse every tensor no engine loads; with an exact source, every tensor missing too.
 
     `tensors`: name -> object with `.dtype` (safetensors spelling); `companions`: each module
@@ -106,8 +117,10 @@ def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_compan
         module, _, leaf = name.rpartition(".")
         if module in quantized and leaf in companions[module]:
             if leaf == "weight" and (m := MTP_UNQUANTIZED.fullmatch(module)):
-                problems.append(f"{name}: quantized, but vLLM and SGLang build a multi-token-prediction layer's "
-                                f"{m.group(1)} unquantized and cannot load it; keep it in the source dtype")
+                problems.append(
+                    f"{name}: quantized, but vLLM and SGLang build a multi-token-prediction layer's "
+                    f"{m.group(1)} unquantized and cannot load it; keep it in the source dtype"
+                )
             if source is not None and f"{module}.weight" not in source:
                 problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
             continue
@@ -115,11 +128,15 @@ def check_names(tensors: dict, companions: dict[str, tuple[str, ...]], kv_compan
             continue
         if source is not None:
             if name not in source:
-                problems.append(f"{name}: not a source tensor nor a companion of a quantized module; "
-                                "no engine loads it (vLLM refuses the checkpoint)")
+                problems.append(
+                    f"{name}: not a source tensor nor a companion of a quantized module; "
+                    "no engine loads it (vLLM refuses the checkpoint)"
+                )
         elif leaf.endswith("amax") or tensors[name].dtype in INTEGER_DTYPES:
-            problems.append(f"{name}: {tensors[name].dtype} calibration state, not a tensor any engine loads; "
-                            "vLLM refuses the checkpoint")
+            problems.append(
+                f"{name}: {tensors[name].dtype} calibration state, not a tensor any engine loads; "
+                "vLLM refuses the checkpoint"
+            )
     if source is not None and source.exact:
         for name in sorted(source.names):
             module, _, leaf = name.rpartition(".")

@@ -21,8 +21,15 @@ def _bits(algo) -> int | None:
 
 def _kv_algo_of_scheme(scheme) -> str | None:
     """The kv_cache_quant_algo config.json's kv_cache_scheme stands for (None: no scheme eprt writes)."""
-    return next((f.quant_algo for f in KV_CACHE_FORMATS.values() if isinstance(scheme, dict)
-                 and all(scheme.get(k) == v for k, v in f.modelopt_scheme.items() if k != "dynamic")), None)
+    return next(
+        (
+            f.quant_algo
+            for f in KV_CACHE_FORMATS.values()
+            if isinstance(scheme, dict)
+            and all(scheme.get(k) == v for k, v in f.modelopt_scheme.items() if k != "dynamic")
+        ),
+        None,
+    )
 
 
 def check_configs(
@@ -57,8 +64,10 @@ def check_configs(
         algo = None
     kv_algo = q.get("kv_cache_quant_algo") if q is not None else _kv_algo_of_scheme(qc.get("kv_cache_scheme"))
     if kv_algo is not None and kv_by_quant_algo(kv_algo) is None:
-        problems.append(f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports "
-                        f"{' or '.join(f.quant_algo for f in KV_CACHE_FORMATS.values())} or null")
+        problems.append(
+            f"{QUANT_CONFIG} quantization.kv_cache_quant_algo: {kv_algo!r}; eprt exports "
+            f"{' or '.join(f.quant_algo for f in KV_CACHE_FORMATS.values())} or null"
+        )
     exclude = q.get("exclude_modules", []) if q is not None else qc.get("ignore", [])
     if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
         problems.append(f"{QUANT_CONFIG} quantization.exclude_modules: not a list of names")
@@ -127,8 +136,9 @@ def _check_quantized_layers(q: dict | None, qc: dict | None, problems: list[str]
         if fmt is None:
             problems.append(f"quantized_layers.{module}: quant_algo {algo!r}; eprt exports {' or '.join(ALGOS)}")
         elif fmt.group_size is not None and layer.get("group_size") != fmt.group_size:
-            problems.append(f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, {algo} blocks are "
-                            f"{fmt.group_size}")
+            problems.append(
+                f"quantized_layers.{module}.group_size: {layer.get('group_size')!r}, {algo} blocks are {fmt.group_size}"
+            )
     if q is not None and qc is not None and qc.get("quantized_layers") != q.get("quantized_layers"):
         problems.append(f"quantized_layers: config.json quantization_config and {QUANT_CONFIG} differ")
     groups = (qc or {}).get("config_groups") or {}
@@ -136,8 +146,10 @@ def _check_quantized_layers(q: dict | None, qc: dict | None, problems: list[str]
         bits = {_bits(layers[t].get("quant_algo")) for t in group.get("targets", []) if t in layers}
         declared = (group.get("weights") or {}).get("num_bits")
         if len(bits) > 1 or (bits and declared not in bits):
-            problems.append(f"config.json quantization_config.config_groups.{name}: num_bits {declared!r} for "
-                            f"targets quantized with {sorted(bits)} bits")
+            problems.append(
+                f"config.json quantization_config.config_groups.{name}: num_bits {declared!r} for "
+                f"targets quantized with {sorted(bits)} bits"
+            )
 
 
 def _check_config_groups(qc: dict, algo: str | None, group_size, problems: list[str]) -> None:

@@ -59,8 +59,15 @@ def _what(x: np.float32) -> str:
     return "inf" if not np.isfinite(x) else f"{float(x):g}, subnormal and flushed to zero"
 
 
-def check_linear(module: str, fmt: WeightFormat, weight: Scale | None, inputs: Scale | None,
-                 blocks: tuple[float, float] | None, problems: list[str], grid: str | None = None) -> None:
+def check_linear(
+    module: str,
+    fmt: WeightFormat,
+    weight: Scale | None,
+    inputs: Scale | None,
+    blocks: tuple[float, float] | None,
+    problems: list[str],
+    grid: str | None = None,
+) -> None:
     """The per-tensor scales of one Linear quantized in `fmt`: `weight` (FP8's weight_scale,
     NVFP4's weight_scale_2), `inputs` (input_scale); None for one already refused or one the
     format lacks. `blocks`: the smallest and largest block scale of a block format, when known,
@@ -77,20 +84,29 @@ def check_linear(module: str, fmt: WeightFormat, weight: Scale | None, inputs: S
     if ok_w and ok_x:
         alpha = _f32(weight.value, "*", inputs.value)
         if not _normal(alpha):
-            problems.append(f"{module}: {weight.leaf} {float(weight.value):g} x {inputs.leaf} "
-                            f"{float(inputs.value):g}, the factor the engines scale the GEMM's output by, is "
-                            f"{_what(alpha)} in fp32: {way_out}")
+            problems.append(
+                f"{module}: {weight.leaf} {float(weight.value):g} x {inputs.leaf} "
+                f"{float(inputs.value):g}, the factor the engines scale the GEMM's output by, is "
+                f"{_what(alpha)} in fp32: {way_out}"
+            )
     if ok_w and blocks:
         smallest = _f32(blocks[0], "*", weight.value)
         if not _normal(smallest):
-            problems.append(f"{weight.name}: {weight.stored:g}; times the smallest block scale {blocks[0]:g} it is "
-                            f"{_what(smallest)} in fp32, and those blocks load as zeros: {way_out}")
+            problems.append(
+                f"{weight.name}: {weight.stored:g}; times the smallest block scale {blocks[0]:g} it is "
+                f"{_what(smallest)} in fp32, and those blocks load as zeros: {way_out}"
+            )
 
 
 def check_kv(scale: Scale, kv: KvCacheFormat, problems: list[str]) -> None:
     """A k_scale or v_scale of KV format `kv`."""
-    _check_one(scale, kv.largest, "largest cached value", "calibrate again, or leave the KV cache unquantized "
-               f"(no --kv-cache {kv.name})", problems)
+    _check_one(
+        scale,
+        kv.largest,
+        "largest cached value",
+        f"calibrate again, or leave the KV cache unquantized (no --kv-cache {kv.name})",
+        problems,
+    )
 
 
 def _check_one(scale: Scale, largest: float, largest_what: str, way_out: str, problems: list[str]) -> bool:
@@ -99,17 +115,23 @@ def _check_one(scale: Scale, largest: float, largest_what: str, way_out: str, pr
     stored = np.float32(scale.stored)
     inverse = _f32(1.0, "/", stored)
     if not _normal(stored):
-        problems.append(f"{scale.name}: {scale.stored:g} is subnormal in fp32 (below {SMALLEST_NORMAL:.4g}): kernels "
-                        f"flush it to zero, and its reciprocal is {float(inverse):g}: {way_out}")
+        problems.append(
+            f"{scale.name}: {scale.stored:g} is subnormal in fp32 (below {SMALLEST_NORMAL:.4g}): kernels "
+            f"flush it to zero, and its reciprocal is {float(inverse):g}: {way_out}"
+        )
         return False
     if not _normal(inverse):
-        problems.append(f"{scale.name}: {scale.stored:g}; the engines also use its reciprocal, which is "
-                        f"{_what(inverse)} in fp32: {way_out}")
+        problems.append(
+            f"{scale.name}: {scale.stored:g}; the engines also use its reciprocal, which is "
+            f"{_what(inverse)} in fp32: {way_out}"
+        )
         return False
     top = _f32(largest, "*", scale.value)
     if not np.isfinite(top):
-        problems.append(f"{scale.name}: {scale.stored:g}; the {largest_what} it stands for, {largest:g} x "
-                        f"{scale.leaf}, is inf in fp32: {way_out}")
+        problems.append(
+            f"{scale.name}: {scale.stored:g}; the {largest_what} it stands for, {largest:g} x "
+            f"{scale.leaf}, is inf in fp32: {way_out}"
+        )
         return False
     return True
 

@@ -50,8 +50,9 @@ def _by_source(layout: Layout) -> dict[str, TensorSpec]:
     return out
 
 
-def check_shapes(tensors: dict, companions: dict[str, Companions], specs: dict[str, TensorSpec],
-                 where: str, problems: list[str]) -> None:
+def check_shapes(
+    tensors: dict, companions: dict[str, Companions], specs: dict[str, TensorSpec], where: str, problems: list[str]
+) -> None:
     """Append a line for every tensor whose shape is not the one `specs` (from the config.json
     named `where`) gives it. `tensors`: name -> header with `.shape`; `companions`: each quantized
     module -> its format's tensors for a weight [out, in]."""
@@ -76,6 +77,8 @@ def check_shapes(tensors: dict, companions: dict[str, Companions], specs: dict[s
         for leaf, (_, shape) in want.items():
             t = tensors.get(f"{module}.{leaf}")
             if t is not None and tuple(t.shape) != shape:
-                problems.append(f"{module}.{leaf}: shape {list(t.shape)}, but {where} makes {module} a Linear of "
-                                f"[{out_dim}, {in_dim}], which this format stores as {list(shape)}; the engines "
-                                "build the module from the config and cannot load it")
+                problems.append(
+                    f"{module}.{leaf}: shape {list(t.shape)}, but {where} makes {module} a Linear of "
+                    f"[{out_dim}, {in_dim}], which this format stores as {list(shape)}; the engines "
+                    "build the module from the config and cannot load it"
+                )

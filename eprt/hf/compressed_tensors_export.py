@@ -25,8 +25,9 @@ def require() -> None:
     try:
         import compressed_tensors  # noqa: F401
     except ImportError:
-        raise ConfigError("--format compressed-tensors needs the compressed-tensors library: "
-                          "pip install 'eprt[compressed]'") from None
+        raise ConfigError(
+            "--format compressed-tensors needs the compressed-tensors library: pip install 'eprt[compressed]'"
+        ) from None
 
 
 def kv_scale_name(attn: str, kind: str) -> str:
@@ -52,18 +53,22 @@ def targets(formats: dict[str, WeightFormat], others: set[str]) -> dict[WeightFo
     for module, fmt in formats.items():
         pattern = "re:^" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(module)) + "$"
         regex = re.compile(pattern[3:])
-        clash = any(regex.match(m) for m in others) or any(
-            regex.match(m) for m, f in formats.items() if f != fmt)
+        clash = any(regex.match(m) for m in others) or any(regex.match(m) for m, f in formats.items() if f != fmt)
         out.setdefault(fmt, set()).add(module if clash else pattern)
     return {fmt: sorted(t) for fmt, t in out.items()}
 
 
-def quantization_config(formats: set[WeightFormat], ignore: list[str], kv_cache: str | None,
-                        targets: dict[WeightFormat, list[str]]) -> dict:
+def quantization_config(
+    formats: set[WeightFormat], ignore: list[str], kv_cache: str | None, targets: dict[WeightFormat, list[str]]
+) -> dict:
     """config.json's quantization_config. `targets`: format -> the modules it quantizes, as
     compressed-tensors targets (["Linear"] when one format covers every quantized Linear)."""
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationStatus,
+        preset_name_to_scheme,
+    )
 
     groups = {}
     for i, fmt in enumerate(sorted(formats, key=lambda f: f.name)):
@@ -73,6 +78,11 @@ def quantization_config(formats: set[WeightFormat], ignore: list[str], kv_cache:
     kv_format = kv_cache_format(kv_cache)
     kv = QuantizationArgs(**kv_format.ct_args) if kv_format is not None else None
     fmt = next(iter(formats)).ct_format if len(formats) == 1 else "mixed-precision"
-    qc = QuantizationConfig(config_groups=groups, format=fmt, quantization_status=QuantizationStatus.COMPRESSED,
-                            ignore=ignore, kv_cache_scheme=kv)
+    qc = QuantizationConfig(
+        config_groups=groups,
+        format=fmt,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=ignore,
+        kv_cache_scheme=kv,
+    )
     return qc.model_dump(mode="json")

@@ -43,6 +43,7 @@ FP8_SCHEME = "fp8"  # the manifest's name for a block-FP8 source's quantization_
 @dataclass(frozen=True)
 class Encoded:
     """The source tensors of one encoded weight."""
+
     encoding: str
     scheme: str  # the source quantization_config group (compressed-tensors) or FP8_SCHEME
     components: dict[str, str]  # local name (weight_packed, ...) -> Hugging Face name
@@ -63,8 +64,10 @@ class Planned:
         """(key in the file, dtype, shape) of each tensor written for it."""
         if not self.encoded:
             return [(self.spec.name, self.dtype, self.spec.shape)]
-        return [(component_key(self.spec.name, c), dt, stored_shape(self.spec, shape))
-                for c, (dt, shape) in self.components.items()]
+        return [
+            (component_key(self.spec.name, c), dt, stored_shape(self.spec, shape))
+            for c, (dt, shape) in self.components.items()
+        ]
 
 
 def component_key(name: str, component: str) -> str:
@@ -105,8 +108,10 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         if leaf != "weight_scale_inv":
             continue
         if quant is None or quant.method != "fp8":
-            raise CheckpointError(f"{f.path}: tensor {name!r} is a block-FP8 scale, but config.json declares no "
-                                  "block-FP8 quantization_config (quant_method fp8 with weight_block_size)")
+            raise CheckpointError(
+                f"{f.path}: tensor {name!r} is a block-FP8 scale, but config.json declares no "
+                "block-FP8 quantization_config (quant_method fp8 with weight_block_size)"
+            )
         weight = f"{module}.weight"
         if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
@@ -122,31 +127,43 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
             continue
         ignored = next((i for i in quant.ignore if encodings.matches(module, [i])), None)
         if ignored is not None:
-            raise CheckpointError(f"{f.path}: tensor {name!r} is compressed, but the quantization_config's ignore "
-                                  f"entry {ignored!r} says {module} is not: the checkpoint and its config.json "
-                                  "disagree; fix the ignore list or the weights")
+            raise CheckpointError(
+                f"{f.path}: tensor {name!r} is compressed, but the quantization_config's ignore "
+                f"entry {ignored!r} says {module} is not: the checkpoint and its config.json "
+                "disagree; fix the ignore list or the weights"
+            )
         g = group_of(module, groups, f"{f.path}: tensor {name!r}")
         missing = [c for c in decoders[g].components if f"{module}.{c}" not in names]
         if missing:
-            raise CheckpointError(f"{f.path}: {module} is compressed ({groups[g]['format']}, {g}) but tensor "
-                                  f"'{module}.{missing[0]}' is missing")
-        out[module] = Encoded(encodings.CT_PREFIX + groups[g]["format"], g,
-                              {c: f"{module}.{c}" for c in decoders[g].components})
+            raise CheckpointError(
+                f"{f.path}: {module} is compressed ({groups[g]['format']}, {g}) but tensor "
+                f"'{module}.{missing[0]}' is missing"
+            )
+        out[module] = Encoded(
+            encodings.CT_PREFIX + groups[g]["format"], g, {c: f"{module}.{c}" for c in decoders[g].components}
+        )
     return out
 
 
 def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     """The config group whose scheme a compressed module follows: one that names it (exact or
     `re:`), else one that targets every Linear."""
-    named = [g for g, d in groups.items() if any(t != "Linear" and encodings.matches(module, [t])
-                                                 for t in d.get("targets") or [])]
+    named = [
+        g
+        for g, d in groups.items()
+        if any(t != "Linear" and encodings.matches(module, [t]) for t in d.get("targets") or [])
+    ]
     found = named or [g for g, d in groups.items() if "Linear" in (d.get("targets") or [])]
     if not found:
-        raise CheckpointError(f"{where} is compressed, but no config group of the quantization_config targets "
-                              f"{module}, so its scheme is unknown")
+        raise CheckpointError(
+            f"{where} is compressed, but no config group of the quantization_config targets "
+            f"{module}, so its scheme is unknown"
+        )
     if any(groups[g] != groups[found[0]] for g in found[1:]):
-        raise CheckpointError(f"{where}: config groups {found[0]} and {found[1]} both target {module} with different "
-                              "schemes; which one compressed it is ambiguous")
+        raise CheckpointError(
+            f"{where}: config groups {found[0]} and {found[1]} both target {module} with different "
+            "schemes; which one compressed it is ambiguous"
+        )
     return found[0]
 
 
@@ -158,30 +175,41 @@ def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
     again = [s for s in spec.sources if s in src.tensors]
     if again:
         f, _ = src.tensors[spec.fused]
-        raise CheckpointError(f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
-                              f"but {again[0]!r} holds one of them again; keep one of the two forms")
+        raise CheckpointError(
+            f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
+            f"but {again[0]!r} holds one of them again; keep one of the two forms"
+        )
     return replace(spec, sources=(spec.fused,), stacked=False, per_row=1), True
 
 
 def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec, where: str) -> TensorSpec:
     """`spec` read from its other spelling (`spec.alias`) where the source holds it under that name,
     plain or encoded."""
+
     def held(name: str) -> bool:
         return name in src.tensors or source_module(name) in encoded
 
     if spec.alias is None or not held(spec.alias):
         return spec
     if held(spec.sources[0]):
-        raise CheckpointError(f"{where}: {spec.sources[0]!r} and {spec.alias!r} are one tensor under its two "
-                              "spellings, and the checkpoint holds both; keep one of them")
+        raise CheckpointError(
+            f"{where}: {spec.sources[0]!r} and {spec.alias!r} are one tensor under its two "
+            "spellings, and the checkpoint holds both; keep one of them"
+        )
     return replace(spec, sources=(spec.alias,))
 
 
 class ConversionPlanner:
     """Checks the source against the layout and decides every output tensor's dtype and encoding."""
 
-    def __init__(self, src: HFSource, layout: Layout, dtype: torch.dtype | None, where: str,
-                 quant: encodings.SourceQuantization | None):
+    def __init__(
+        self,
+        src: HFSource,
+        layout: Layout,
+        dtype: torch.dtype | None,
+        where: str,
+        quant: encodings.SourceQuantization | None,
+    ):
         self.src, self.layout, self.dtype, self.where, self.quant = src, layout, dtype, where, quant
         self.encoded = encoded_modules(src, quant)
         self.decoders: dict[str, object] = {}
@@ -232,13 +260,18 @@ class ConversionPlanner:
                     planned.append(self.plan_encoded(plain(f"{module}.weight", *shape), [e], "passthrough"))
             else:
                 self.refuse_unscaled_fp8(name)
-                planned.append(Planned(plain(name, *info.shape), info.dtype, out_dtype(info.dtype, self.dtype, False),
-                                       "passthrough"))
+                planned.append(
+                    Planned(
+                        plain(name, *info.shape), info.dtype, out_dtype(info.dtype, self.dtype, False), "passthrough"
+                    )
+                )
         if unread:
             path, name = unread[0]
             more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-            raise CheckpointError(f"{path}: tensor {name!r}{more}: nothing in the model reads it; the checkpoint "
-                                  f"does not match its config.json (wrong num_hidden_layers, experts or layer types?)")
+            raise CheckpointError(
+                f"{path}: tensor {name!r}{more}: nothing in the model reads it; the checkpoint "
+                f"does not match its config.json (wrong num_hidden_layers, experts or layer types?)"
+            )
         return planned
 
     def plan_raw(self, spec: TensorSpec) -> Planned:
@@ -246,10 +279,16 @@ class ConversionPlanner:
         missing = [s for s in spec.sources if s not in src.tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            fused = (f", nor is {spec.fused!r}, which may hold them all" if spec.fused else
-                     f", nor is its other spelling {spec.alias!r}" if spec.alias else "")
-            raise CheckpointError(f"{where}: tensor {missing[0]!r}{more} is missing{fused}; config.json says the "
-                                  "model has it")
+            fused = (
+                f", nor is {spec.fused!r}, which may hold them all"
+                if spec.fused
+                else f", nor is its other spelling {spec.alias!r}"
+                if spec.alias
+                else ""
+            )
+            raise CheckpointError(
+                f"{where}: tensor {missing[0]!r}{more} is missing{fused}; config.json says the model has it"
+            )
         dtypes = set()
         for s in spec.sources:
             f, info = src.tensors[s]
@@ -258,23 +297,29 @@ class ConversionPlanner:
                 raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
             if not info.dtype.is_floating_point:
-                raise CheckpointError(f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
-                                      "which is floating point: the file is not this model's checkpoint")
+                raise CheckpointError(
+                    f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
+                    "which is floating point: the file is not this model's checkpoint"
+                )
             dtypes.add(info.dtype)
         if spec.padded_per:
             spec = spec.stored_as(info.shape)
         if len(dtypes) > 1:
-            raise CheckpointError(f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
-                                  f"{sorted(map(str, dtypes))}; convert with --dtype bf16 or fp32")
+            raise CheckpointError(
+                f"{where}: the tensors stacked into {spec.name!r} have different dtypes "
+                f"{sorted(map(str, dtypes))}; convert with --dtype bf16 or fp32"
+            )
         (sdt,) = dtypes
         return Planned(spec, sdt, out_dtype(sdt, self.dtype, self.layout.is_precise(spec.name)), "model")
 
     def refuse_unscaled_fp8(self, name: str) -> None:
         f, info = self.src.tensors[name]
         if info.dtype in _FP8:
-            raise CheckpointError(f"{f.path}: tensor {name!r} is {info.dtype} without a block scale "
-                                  "(weight_scale_inv) beside it: per-tensor or unscaled FP8 would load unscaled; "
-                                  "eprt reads block FP8 only: dequantize the checkpoint to bf16 first")
+            raise CheckpointError(
+                f"{f.path}: tensor {name!r} is {info.dtype} without a block scale "
+                "(weight_scale_inv) beside it: per-tensor or unscaled FP8 would load unscaled; "
+                "eprt reads block FP8 only: dequantize the checkpoint to bf16 first"
+            )
 
     def plan_encoded(self, spec: TensorSpec, encs: list[Encoded | None], role: str) -> Planned:
         """An encoded tensor: every source of `spec` stored alike, one scheme, decoding to its shape."""
@@ -282,9 +327,11 @@ class ConversionPlanner:
         first, src0 = encs[j], spec.sources[j]
         for s, e in zip(spec.sources, encs):
             if e is None or (e.encoding, e.scheme) != (first.encoding, first.scheme):
-                raise CheckpointError(f"{self.where}: the weights stacked into {spec.name!r} disagree: {s!r} is "
-                                      f"{describe(e)} but {src0!r} is {describe(first)}; eprt stacks one scheme per "
-                                      "tensor: store every expert of a layer alike")
+                raise CheckpointError(
+                    f"{self.where}: the weights stacked into {spec.name!r} disagree: {s!r} is "
+                    f"{describe(e)} but {src0!r} is {describe(first)}; eprt stacks one scheme per "
+                    "tensor: store every expert of a layer alike"
+                )
         components = {}
         for c in first.components:
             for e in encs:
@@ -293,13 +340,17 @@ class ConversionPlanner:
                     components[c] = (info.dtype, info.shape)
                 elif components[c] != (info.dtype, info.shape):
                     dt, shape = components[c]
-                    raise CheckpointError(f"{f.path}: tensor {e.components[c]!r} is {info.dtype}{list(info.shape)} but "
-                                          f"{first.components[c]!r} is {dt}{list(shape)}: the weights stacked into "
-                                          f"{spec.name!r} disagree on their scheme; store every expert of a layer alike")
+                    raise CheckpointError(
+                        f"{f.path}: tensor {e.components[c]!r} is {info.dtype}{list(info.shape)} but "
+                        f"{first.components[c]!r} is {dt}{list(shape)}: the weights stacked into "
+                        f"{spec.name!r} disagree on their scheme; store every expert of a layer alike"
+                    )
         dtype, shape = self.probe(first)
         if shape != spec.source_shape():
-            raise CheckpointError(f"{self.where}: {source_module(src0)} ({first.encoding}) decodes to shape "
-                                  f"{list(shape)} but config.json implies {list(spec.source_shape())}")
+            raise CheckpointError(
+                f"{self.where}: {source_module(src0)} ({first.encoding}) decodes to shape "
+                f"{list(shape)} but config.json implies {list(spec.source_shape())}"
+            )
         return Planned(spec, dtype, dtype, role, tuple(encs), components)
 
     def probe(self, e: Encoded) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -313,8 +364,9 @@ class ConversionPlanner:
                 w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
             except (ValueError, RuntimeError, IndexError, KeyError) as err:
                 module = next(iter(e.components.values())).rpartition(".")[0]
-                raise CheckpointError(f"{self.where}: {module} ({e.encoding}, scheme {e.scheme}) does not decode: "
-                                      f"{err}") from None
+                raise CheckpointError(
+                    f"{self.where}: {module} ({e.encoding}, scheme {e.scheme}) does not decode: {err}"
+                ) from None
             self.probed[key] = (w.dtype, tuple(w.shape))
         return self.probed[key]
 
@@ -323,8 +375,9 @@ def out_dtype(source: torch.dtype, want: torch.dtype | None, precise: bool) -> t
     return want if want is not None and source in _CASTABLE and not precise else source
 
 
-def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: bool = False,
-               progress: bool = True) -> str:
+def convert_hf(
+    hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: bool = False, progress: bool = True
+) -> str:
     """Convert a Hugging Face directory into an eprt checkpoint at `out_dir`; returns its path."""
     if dtype not in DTYPE_CHOICES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
@@ -345,7 +398,9 @@ def convert_hf(hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: boo
             metas = write_files(src, by_file, tmp, progress)
             files = copy_hf_files(hf_dir, tmp)
             extra = {"schemes": schemes} if schemes else {}
-            write_manifest(tmp, manifest(cfg.family, cfg, hf_cfg, metas, files, converted_with={"dtype": dtype}, **extra))
+            write_manifest(
+                tmp, manifest(cfg.family, cfg, hf_cfg, metas, files, converted_with={"dtype": dtype}, **extra)
+            )
     finally:
         src.close()
     logger().info("converted %s -> %s (%d tensors)", hf_dir, out_dir, len(planned))
@@ -372,8 +427,12 @@ def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, prog
 
 
 # The exponent bits of each floating dtype, as an integer of its width: all set in NaN and infinity only.
-EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-                 torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
 
 
 def holds_non_finite(t: torch.Tensor) -> bool:
@@ -389,8 +448,10 @@ def holds_non_finite(t: torch.Tensor) -> bool:
 def refuse_non_finite(path: str, name: str, t: torch.Tensor) -> None:
     """A NaN or infinity in a weight passes every later step until a scale of it is NaN: refuse it here."""
     if holds_non_finite(t):
-        raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
-                              "weights cannot be calibrated: fix or re-download the source")
+        raise CheckpointError(
+            f"{path}: tensor {name!r} holds NaN or infinite values; a checkpoint with broken "
+            "weights cannot be calibrated: fix or re-download the source"
+        )
 
 
 def cast_finite(path: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -399,11 +460,16 @@ def cast_finite(path: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> to
     cast = t.to(dtype)
     if holds_non_finite(cast):
         choice = next(k for k, v in DTYPE_CHOICES.items() if v == dtype)
-        ways = [f"--dtype {k}" for k, v in DTYPE_CHOICES.items()
-                if v != dtype and (v is None or torch.finfo(v).max >= torch.finfo(dtype).max)]
-        raise CheckpointError(f"{path}: tensor {name!r} holds values up to {t.abs().max().item():.6g} in magnitude, "
-                              f"beyond {choice}'s largest ({torch.finfo(dtype).max:.6g}): --dtype {choice} would "
-                              f"write them as infinity; convert with {' or '.join(ways)}")
+        ways = [
+            f"--dtype {k}"
+            for k, v in DTYPE_CHOICES.items()
+            if v != dtype and (v is None or torch.finfo(v).max >= torch.finfo(dtype).max)
+        ]
+        raise CheckpointError(
+            f"{path}: tensor {name!r} holds values up to {t.abs().max().item():.6g} in magnitude, "
+            f"beyond {choice}'s largest ({torch.finfo(dtype).max:.6g}): --dtype {choice} would "
+            f"write them as infinity; convert with {' or '.join(ways)}"
+        )
     return cast
 
 
@@ -418,8 +484,16 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
             w.write(p.spec.name, cast_finite(f.path, s, t, p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
-    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, (Part(fname, p.spec.name, rows),),
-                      p.source_dtype, fused_source=p.spec.sources[0] if p.fused or renamed(p.spec) else None)
+    return TensorMeta(
+        p.spec.name,
+        p.dtype,
+        p.spec.shape,
+        encodings.RAW,
+        p.role,
+        (Part(fname, p.spec.name, rows),),
+        p.source_dtype,
+        fused_source=p.spec.sources[0] if p.fused or renamed(p.spec) else None,
+    )
 
 
 def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
@@ -432,9 +506,19 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
             pb.update(info.nbytes)
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
     first = p.encoded[0]
-    return TensorMeta(p.spec.name, p.dtype, p.spec.shape, first.encoding, p.role, (), p.source_dtype, first.scheme,
-                      p.spec.per_row if p.spec.stacked else None, components,
-                      fused_source=p.spec.sources[0] if renamed(p.spec) else None)
+    return TensorMeta(
+        p.spec.name,
+        p.dtype,
+        p.spec.shape,
+        first.encoding,
+        p.role,
+        (),
+        p.source_dtype,
+        first.scheme,
+        p.spec.per_row if p.spec.stacked else None,
+        components,
+        fused_source=p.spec.sources[0] if renamed(p.spec) else None,
+    )
 
 
 def renamed(spec: TensorSpec) -> bool:

@@ -19,9 +19,9 @@ import torch
 from eprt.errors import ConfigError, EprtError
 from eprt.families import reader_for
 from eprt.hf.check_export import check_export
-from eprt.kernels.cpu_workers import cpu_workers
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.tensors import OutTensor, source_tensors
+from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
 from eprt.report import page_path
@@ -47,8 +47,9 @@ def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     return shards + [cur] if cur else shards
 
 
-def produced_ahead(tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BYTES
-                   ) -> Iterator[tuple[OutTensor, object]]:
+def produced_ahead(
+    tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BYTES
+) -> Iterator[tuple[OutTensor, object]]:
     """Each tensor with what its writing needs (its bytes, or where they lie as stored), in order,
     computed on a second thread up to `ahead_bytes` of tensors ahead of the caller: reading and
     quantizing the next tensors overlaps writing this one (torch's kernels and the file system
@@ -79,8 +80,9 @@ def _inference(produce):
         return produce()
 
 
-def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool,
-                 rank: int = 0, world: int = 1) -> None:
+def write_hf_dir(
+    tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, progress: bool, rank: int = 0, world: int = 1
+) -> None:
     """Write the shards (this rank's: every world-th) and, on rank 0, the index into `tmp`.
 
     Every rank plans the same shards from the same tensor list, so the index needs nothing
@@ -88,8 +90,10 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
     shards = shard(tensors, max_shard_bytes)
     names = [shard_name(i, len(shards)) for i in range(len(shards))]
     mine = range(rank, len(shards), world)
-    with bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb, \
-            contextlib.closing(produced_ahead([t for i in mine for t in shards[i]])) as ahead:
+    with (
+        bar(sum(t.nbytes for i in mine for t in shards[i]), "export", unit="B", enabled=progress) as pb,
+        contextlib.closing(produced_ahead([t for i in mine for t in shards[i]])) as ahead,
+    ):
         for i in mine:
             w = SafetensorsWriter(os.path.join(tmp, names[i]), [(t.name, t.dtype, t.shape) for t in shards[i]])
             for t, got in itertools.islice(ahead, len(shards[i])):
@@ -100,13 +104,22 @@ def write_hf_dir(tmp: str, tensors: list[OutTensor], *, max_shard_bytes: int, pr
                 pb.update(t.nbytes)
             w.close()
     if rank == 0:
-        write_index(tmp, {t.name: names[i] for i, group in enumerate(shards) for t in group},
-                    sum(t.nbytes for t in tensors))
+        write_index(
+            tmp, {t.name: names[i] for i, group in enumerate(shards) for t in group}, sum(t.nbytes for t in tensors)
+        )
 
 
-def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              overwrite: bool = False, progress: bool = True, dequantize: bool = False,
-              parallel: ParallelState | None = None, fmt: str | None = None) -> str:
+def export_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+    dequantize: bool = False,
+    parallel: ParallelState | None = None,
+    fmt: str | None = None,
+) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
     unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt, the
     default, or compressed-tensors; checked before it appears). An option that cannot apply to
@@ -131,22 +144,25 @@ def export_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_SHA
             tensors = list(source_tensors(ck, layout, dequantize=dequantize))
 
         def write(tmp: str) -> None:
-            write_hf_dir(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress,
-                         rank=state.rank, world=state.world)
+            write_hf_dir(
+                tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress, rank=state.rank, world=state.world
+            )
             if state.rank == 0:
                 write_configs(ck, exp, tmp, dequantize)
 
         def check(tmp: str) -> None:
             problems = check_export(tmp)
             if problems:
-                raise EprtError(f"the export of {ckpt_dir} fails its checks, so it was not written:\n  "
-                                + "\n  ".join(problems))
+                raise EprtError(
+                    f"the export of {ckpt_dir} fails its checks, so it was not written:\n  " + "\n  ".join(problems)
+                )
 
         # torch's thread count (OMP_NUM_THREADS; 1 a rank under torchrun) in workers that quantize
         # whole chunks; the check's many small operations also run best on one intra-op thread
         with cpu_workers(torch.get_num_threads()) if exp else contextlib.nullcontext():
-            write_together(state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(),
-                           check_fn=check if exp else None)
+            write_together(
+                state, out_dir, write, overwrite=overwrite, inputs=ck.input_dirs(), check_fn=check if exp else None
+            )
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
     return out_dir
@@ -157,17 +173,26 @@ def refuse_inapplicable(ck: Checkpoint, fmt: str | None, dequantize: bool) -> No
     unquantized checkpoint (its export is the source layout), --dequantize for a calibrated one (a
     quantized export always starts from the decoded weights) or for one with nothing to decode."""
     if ck.quantization is None and fmt is not None:
-        raise ConfigError(f"--format {fmt}: {ck.path} is not calibrated, so its export is the source's own layout, "
-                          f"not a quantized one; calibrate it first (eprt-ptq), or export without --format")
+        raise ConfigError(
+            f"--format {fmt}: {ck.path} is not calibrated, so its export is the source's own layout, "
+            f"not a quantized one; calibrate it first (eprt-ptq), or export without --format"
+        )
     if ck.quantization is not None and dequantize:
-        raise ConfigError(f"--dequantize: {ck.path} is calibrated, and its quantized export always starts from the "
-                          "decoded weights; export without --dequantize, or export the checkpoint it was "
-                          "calibrated from with --dequantize for its weights in bf16")
-    if dequantize and not any(meta.encoded for meta in ck.tensors.values()) \
-            and encodings.without_quantization(ck.source_config) == ck.source_config:
-        raise ConfigError(f"--dequantize: {ck.path} holds no weight stored compressed or in block FP8 and its "
-                          "config.json no quantization_config, so there is nothing to decode; export without "
-                          "--dequantize")
+        raise ConfigError(
+            f"--dequantize: {ck.path} is calibrated, and its quantized export always starts from the "
+            "decoded weights; export without --dequantize, or export the checkpoint it was "
+            "calibrated from with --dequantize for its weights in bf16"
+        )
+    if (
+        dequantize
+        and not any(meta.encoded for meta in ck.tensors.values())
+        and encodings.without_quantization(ck.source_config) == ck.source_config
+    ):
+        raise ConfigError(
+            f"--dequantize: {ck.path} holds no weight stored compressed or in block FP8 and its "
+            "config.json no quantization_config, so there is nothing to decode; export without "
+            "--dequantize"
+        )
 
 
 def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool) -> None:

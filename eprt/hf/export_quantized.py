@@ -43,6 +43,7 @@ BATCH_ELEMENTS = 1 << 25
 @dataclass(frozen=True)
 class ExpertWeight:
     """One Hugging Face expert weight inside a stacked tensor: rows k of expert e of `spec`."""
+
     module: str  # the experts module, e.g. model.layers.3.mlp.experts
     spec: TensorSpec
     expert: int
@@ -70,15 +71,20 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
-        self.scales = Scales.of_checkpoint(ck, formats, self.record,
-                                           {m: self.recipe.algorithm_of(m) for m in self.quantized})
-        self.experts = {src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
-                        for spec in self.specs if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
-                        for j, src in enumerate(spec.sources)}
+        self.scales = Scales.of_checkpoint(
+            ck, formats, self.record, {m: self.recipe.algorithm_of(m) for m in self.quantized}
+        )
+        self.experts = {
+            src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
+            for spec in self.specs
+            if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
+            for j, src in enumerate(spec.sources)
+        }
         self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
         # weights the source spells otherwise (eprt.layout.TensorSpec.alias): the export keeps its names
-        self.source_name = {s.name: ck.meta(s.name).fused_source for s in self.layout.specs
-                            if s.alias and ck.meta(s.name).fused_source}
+        self.source_name = {
+            s.name: ck.meta(s.name).fused_source for s in self.layout.specs if s.alias and ck.meta(s.name).fused_source
+        }
         self.eprt_name = {hf: name for name, hf in self.source_name.items()}
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
@@ -102,9 +108,12 @@ class QuantizedExport:
             spec = self.stacked[name]
             size = max(worker_count(torch.device("cpu")), BATCH_ELEMENTS // max(1, math.prod(spec.shape[1:])))
             rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-            for_each(range(e, min(spec.shape[0], e + size)), lambda: None,
-                     lambda j, _: rows.__setitem__((name, j), self._quantize_row(name, module, j)),
-                     torch.device("cpu"))
+            for_each(
+                range(e, min(spec.shape[0], e + size)),
+                lambda: None,
+                lambda j, _: rows.__setitem__((name, j), self._quantize_row(name, module, j)),
+                torch.device("cpu"),
+            )
             self._rows = rows
         return self._rows[(name, e)]
 
@@ -128,13 +137,17 @@ class QuantizedExport:
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
             in_scale = self.scales.scale(x.module, self.scales.expert_input_amax(x.module, kind))
             # each tensor's own piece: rows of codes, rows of a block-scale grid
-            return {"input_scale": in_scale, **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t
-                                                for k, t in row.items()}}
+            return {
+                "input_scale": in_scale,
+                **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t for k, t in row.items()},
+            }
         hf_weight = self.eprt_name.get(hf_weight, hf_weight)
         module = hf_weight[: -len(".weight")]
         w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
-        out = {"input_scale": self.scales.input_scale(module),
-               **self.scales.quantize_weight(module, w, self.scales.weight_scale(module))}
+        out = {
+            "input_scale": self.scales.input_scale(module),
+            **self.scales.quantize_weight(module, w, self.scales.weight_scale(module)),
+        }
         if module in self.record.gptq_dense:  # GPTQ's codes, under the same scales
             out["weight"] = self.record.read_gptq(self.ck, module)
         return out
@@ -148,11 +161,19 @@ class QuantizedExport:
         out_dim, in_dim = t.shape
         fmt = self.format_of(t.name)
         if self.target == ct.NAME:
-            return [OutTensor(f"{module}.{k}", dtype, shape,
-                              lambda w=t.name, k=k, f=fmt: f.to_compressed_tensors(self.quantize(w))[k])
-                    for k, (dtype, shape) in fmt.compressed_tensors_tensors(out_dim, in_dim).items()]
-        return [OutTensor(f"{module}.{k}", dtype, shape, lambda w=t.name, k=k: self.quantize(w)[k])
-                for k, (dtype, shape) in fmt.modelopt_tensors(out_dim, in_dim).items()]
+            return [
+                OutTensor(
+                    f"{module}.{k}",
+                    dtype,
+                    shape,
+                    lambda w=t.name, k=k, f=fmt: f.to_compressed_tensors(self.quantize(w))[k],
+                )
+                for k, (dtype, shape) in fmt.compressed_tensors_tensors(out_dim, in_dim).items()
+            ]
+        return [
+            OutTensor(f"{module}.{k}", dtype, shape, lambda w=t.name, k=k: self.quantize(w)[k])
+            for k, (dtype, shape) in fmt.modelopt_tensors(out_dim, in_dim).items()
+        ]
 
     def is_quantized(self, hf_name: str) -> bool:
         name = self.eprt_name.get(hf_name, hf_name)
@@ -173,11 +194,18 @@ class QuantizedExport:
             for attn, amax in sorted(self.record.kv_amax.items()):
                 for kind, a in zip("kv", amax):
                     if self.target == ct.NAME:
-                        out.append(OutTensor(ct.kv_scale_name(attn, kind), torch.float32, CT_SCALAR,
-                                             lambda s=kv.scale(a): s.reshape(CT_SCALAR)))
+                        out.append(
+                            OutTensor(
+                                ct.kv_scale_name(attn, kind),
+                                torch.float32,
+                                CT_SCALAR,
+                                lambda s=kv.scale(a): s.reshape(CT_SCALAR),
+                            )
+                        )
                     else:
-                        out.append(OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (),
-                                             lambda s=kv.scale(a): s))
+                        out.append(
+                            OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (), lambda s=kv.scale(a): s)
+                        )
         return out
 
     def linear_sets(self) -> tuple[set[str], set[str]]:
@@ -195,7 +223,10 @@ class QuantizedExport:
 
     def hf_weights(self) -> list[str]:
         """The Hugging Face weight of every quantized Linear, each routed expert's projections one by one."""
-        return [*self.experts, *(f"{self.hf_module(m)}.weight" for m in self.quantized if m not in self.stacked_modules())]
+        return [
+            *self.experts,
+            *(f"{self.hf_module(m)}.weight" for m in self.quantized if m not in self.stacked_modules()),
+        ]
 
     def stacked_modules(self) -> set[str]:
         return {name.rsplit(".", 1)[0] for name in self.stacked}
@@ -205,8 +236,11 @@ class QuantizedExport:
         whole, a vision tower): one module prefix each (`model.layers.61`, `vision_tower`,
         `model.visual`: see `carried`)."""
         quantized, _ = self.linear_sets()
-        return {layer_prefix(name) if layer_of(name) is not None else carried(name, quantized)
-                for name in self.ck.names(role="passthrough") if layer_prefix(name) not in self.mtp_layers}
+        return {
+            layer_prefix(name) if layer_of(name) is not None else carried(name, quantized)
+            for name in self.ck.names(role="passthrough")
+            if layer_prefix(name) not in self.mtp_layers
+        }
 
     def excluded(self) -> list[str]:
         """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
@@ -223,8 +257,12 @@ class QuantizedExport:
         dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
         formats = {self.scales.format(m) for m in self.scales.formats}
         by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
-        qc = ct.quantization_config(formats, ct.ignore_list(dense, experts, self.passthrough_prefixes()),
-                                    self.recipe.kv_cache, ct.targets(by_linear, unquantized))
+        qc = ct.quantization_config(
+            formats,
+            ct.ignore_list(dense, experts, self.passthrough_prefixes()),
+            self.recipe.kv_cache,
+            ct.targets(by_linear, unquantized),
+        )
         return {**without_quantization(self.ck.source_config), "quantization_config": qc}
 
     def configs(self) -> tuple[dict, dict]:
@@ -240,11 +278,20 @@ class QuantizedExport:
         if len(set(formats.values())) == 1:
             fmt, excluded = next(iter(formats.values())), self.excluded()
             algo = fmt.quant_algo
-            quant = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo, "exclude_modules": excluded,
-                     **{k: v for k, v in fmt.modelopt_layer().items() if k != "quant_algo"}}
+            quant = {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": kv_algo,
+                "exclude_modules": excluded,
+                **{k: v for k, v in fmt.modelopt_layer().items() if k != "quant_algo"},
+            }
             groups = {"group_0": {"targets": ["Linear"], **group_config(fmt)}}
-            qc = {"quant_method": "modelopt", "quant_algo": algo, "config_groups": groups, "ignore": excluded,
-                  "producer": PRODUCER}
+            qc = {
+                "quant_method": "modelopt",
+                "quant_algo": algo,
+                "config_groups": groups,
+                "ignore": excluded,
+                "producer": PRODUCER,
+            }
         else:
             quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv_algo, "quantized_layers": layers}
             # what travels through unmodeled (MTP layers left whole) is excluded by prefix, as ModelOpt adds it
@@ -254,10 +301,18 @@ class QuantizedExport:
             by_config: dict[WeightFormat, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
             for m, fmt in formats.items():
                 by_config.setdefault(fmt, []).append(self.hf_module(m))
-            groups = {f"group_{i}": {**group_config(fmt), "targets": sorted(ms)}
-                      for i, (fmt, ms) in enumerate(by_config.items())}
-            qc = {"quant_method": "modelopt", "quant_algo": MIXED, "config_groups": groups, "ignore": passthrough,
-                  "quantized_layers": layers, "producer": PRODUCER}
+            groups = {
+                f"group_{i}": {**group_config(fmt), "targets": sorted(ms)}
+                for i, (fmt, ms) in enumerate(by_config.items())
+            }
+            qc = {
+                "quant_method": "modelopt",
+                "quant_algo": MIXED,
+                "config_groups": groups,
+                "ignore": passthrough,
+                "quantized_layers": layers,
+                "producer": PRODUCER,
+            }
         if kv is not None:
             qc["kv_cache_scheme"] = dict(kv.modelopt_scheme)
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
@@ -273,7 +328,7 @@ def carried(name: str, quantized: set[str]) -> str:
     """The shortest dotted prefix P of a carried tensor that holds no quantized module:
     `vision_tower`, or `model.visual` beside a quantized `model.language_model`."""
     cuts = [i for i, c in enumerate(name) if c == "."]
-    return next((name[:i] for i in cuts if not any(q.startswith(name[:i + 1]) for q in quantized)), name)
+    return next((name[:i] for i in cuts if not any(q.startswith(name[: i + 1]) for q in quantized)), name)
 
 
 def group_config(fmt: WeightFormat) -> dict:

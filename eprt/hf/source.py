@@ -9,6 +9,7 @@ from eprt.storage.bounded import read_json_object
 from eprt.storage.hf_files import INDEX, SINGLE
 from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsFile, TensorInfo
+
 # Weights in other serializations are not read, and not carried either: they would be a
 # second copy of the model in a format eprt never writes.
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
@@ -16,7 +17,12 @@ _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 def is_weight_file(rel: str) -> bool:
     base = os.path.basename(rel)
-    return base.endswith(".safetensors") or base == INDEX or base.endswith(_OTHER_WEIGHTS) or base.endswith(".bin.index.json")
+    return (
+        base.endswith(".safetensors")
+        or base == INDEX
+        or base.endswith(_OTHER_WEIGHTS)
+        or base.endswith(".bin.index.json")
+    )
 
 
 def non_weight_files(root: str) -> list[str]:
@@ -64,7 +70,9 @@ class HFSource:
         if weight_map is not None:
             for name, shard in weight_map.items():
                 if name not in self.files[shard].tensors:
-                    raise CheckpointError(f"{os.path.join(hf_dir, shard)}: the index lists tensor {name!r} but the file lacks it")
+                    raise CheckpointError(
+                        f"{os.path.join(hf_dir, shard)}: the index lists tensor {name!r} but the file lacks it"
+                    )
 
     @property
     def bytes_read(self) -> int:

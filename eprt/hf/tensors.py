@@ -28,8 +28,9 @@ class OutTensor:
         return self.dtype.itemsize * math.prod(self.shape)
 
 
-def source_tensors(ck: Checkpoint, layout: Layout, *, dequantize: bool = False,
-                   per_expert: bool = False) -> Iterator[OutTensor]:
+def source_tensors(
+    ck: Checkpoint, layout: Layout, *, dequantize: bool = False, per_expert: bool = False
+) -> Iterator[OutTensor]:
     """Every source tensor of `ck` (whose tensor layout is `layout`) under its Hugging Face name and
     dtype, stacked experts split back.
 
@@ -63,17 +64,22 @@ def source_tensors(ck: Checkpoint, layout: Layout, *, dequantize: bool = False,
         as_stored = meta.dtype == dtype and not meta.encoded
         if spec is None or not spec.stacked or (meta.fused_source and not per_expert):
             stored = (lambda n=name: ck.byte_range(n)) if as_stored and len(meta.parts) == 1 else None
-            yield OutTensor(meta.fused_source or name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d),
-                            stored)
+            yield OutTensor(
+                meta.fused_source or name, dtype, meta.shape, lambda n=name, d=dtype: ck.read(n).to(d), stored
+            )
             continue
         h = spec.source_shape()[0]
         for j, src in enumerate(spec.sources):
             e, k = divmod(j, spec.per_row)
             # expert e's row holds its per_row source tensors end to end
             stored = (lambda n=name, e=e, k=k, m=spec.per_row: row_part(ck, n, e, k, m)) if as_stored else None
-            yield OutTensor(src, dtype, spec.source_shape(),
-                            lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: expert_row(n, e)[a:b].to(d),
-                            stored)
+            yield OutTensor(
+                src,
+                dtype,
+                spec.source_shape(),
+                lambda n=name, e=e, a=k * h, b=(k + 1) * h, d=dtype: expert_row(n, e)[a:b].to(d),
+                stored,
+            )
 
 
 def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -> Iterator[OutTensor]:
@@ -83,15 +89,25 @@ def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -
     if meta.per_row is None:
         module = (meta.fused_source or name)[: -len(".weight")]
         for c, x in meta.components.items():
-            yield OutTensor(f"{module}.{c}", x.dtype, x.source_shape, partial(ck.read_component, name, c),
-                            partial(ck.byte_range, name, None, c))
+            yield OutTensor(
+                f"{module}.{c}",
+                x.dtype,
+                x.source_shape,
+                partial(ck.read_component, name, c),
+                partial(ck.byte_range, name, None, c),
+            )
         return
     for j, src in enumerate(spec.sources):
         e, k = divmod(j, meta.per_row)
         module = src[: -len(".weight")]
         for c, x in meta.components.items():
-            yield OutTensor(f"{module}.{c}", x.dtype, x.source_shape, partial(component_piece, ck, name, c, e, k),
-                            partial(row_part, ck, name, e, k, meta.per_row, c))
+            yield OutTensor(
+                f"{module}.{c}",
+                x.dtype,
+                x.source_shape,
+                partial(component_piece, ck, name, c, e, k),
+                partial(row_part, ck, name, e, k, meta.per_row, c),
+            )
 
 
 def component_piece(ck: Checkpoint, name: str, component: str, row: int, k: int) -> torch.Tensor:
@@ -99,8 +115,9 @@ def component_piece(ck: Checkpoint, name: str, component: str, row: int, k: int)
     return ck.meta(name).components[component].piece(ck.read_component(name, component, (row, row + 1))[0], k)
 
 
-def row_part(ck: Checkpoint, name: str, row: int, k: int, per_row: int,
-             component: str | None = None) -> tuple[SafetensorsFile, int, int]:
+def row_part(
+    ck: Checkpoint, name: str, row: int, k: int, per_row: int, component: str | None = None
+) -> tuple[SafetensorsFile, int, int]:
     """The k-th of `per_row` equal pieces of row `row` of a stacked tensor (or of its stored component)."""
     f, offset, n = ck.byte_range(name, row, component)
     return f, offset + k * (n // per_row), n // per_row

@@ -25,8 +25,10 @@ def _cpu_multiplies(dtype: torch.dtype) -> bool:
     """Whether this CPU has dot-product instructions for `dtype` (AVX512-BF16 or AMX for bf16,
     AMX-FP16 for fp16). Without them the BLAS emulates the low-precision GEMM, 4-8x slower than
     its fp32 GEMM on the same operands (`python bench/cpu_matmul.py`)."""
-    probes = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-              torch.float16: ("_is_amx_fp16_supported",)}[dtype]
+    probes = {
+        torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+        torch.float16: ("_is_amx_fp16_supported",),
+    }[dtype]
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 

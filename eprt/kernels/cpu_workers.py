@@ -51,8 +51,9 @@ def _on_worker() -> bool:
     return threading.current_thread().name.startswith(_PREFIX)
 
 
-def for_each(pieces: Iterable[T], buffers: Callable[[], object], body: Callable[[T, object], None],
-             device: torch.device) -> None:
+def for_each(
+    pieces: Iterable[T], buffers: Callable[[], object], body: Callable[[T, object], None], device: torch.device
+) -> None:
     """body(piece, bufs) for every piece, with `bufs` from buffers() reused from piece to piece:
     in order here, or on the workers of `cpu_workers`, each with buffers of its own. The pieces
     must write disjoint outputs; a worker's exception is raised here once all have stopped."""

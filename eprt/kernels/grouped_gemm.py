@@ -46,9 +46,7 @@ def check_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tenso
     if x.dtype != w.dtype or x.dtype not in _DTYPES:
         raise ValueError(f"grouped_mm wants x and w of one dtype among {_DTYPES}, got {x.dtype} and {w.dtype}")
     if offsets.dtype != torch.int32 or offsets.shape != (w.shape[0],):
-        raise ValueError(
-            f"grouped_mm wants offsets int32 [E={w.shape[0]}], got {offsets.dtype} {tuple(offsets.shape)}"
-        )
+        raise ValueError(f"grouped_mm wants offsets int32 [E={w.shape[0]}], got {offsets.dtype} {tuple(offsets.shape)}")
     if not (x.device == w.device == offsets.device):
         raise ValueError(f"grouped_mm: x, w, offsets on {x.device}, {w.device}, {offsets.device}")
     if offsets.numel() == 0:
@@ -119,8 +117,9 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     return out
 
 
-def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_LU: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_mlp(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_LU: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated expert MLP over work units: (h, y) with, for the rows of unit (e, u),
     h = act(gate, up) of [gate | up] = x @ w13[e].T, and y = h @ w2[e].T.
 
@@ -151,9 +150,9 @@ def unit_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per
         start = starts[e]
         for n in counts_EU[e]:
             if n:
-                h_u = _unit_act(x[start:start + n], w13_e, act)
-                h[start:start + n] = h_u
-                y[start:start + n] = _unit_rows_mm(h_u, w2_e)
+                h_u = _unit_act(x[start : start + n], w13_e, act)
+                h[start : start + n] = h_u
+                y[start : start + n] = _unit_rows_mm(h_u, w2_e)
                 start += n
 
     # experts write disjoint rows: on CPU they may run on eprt.kernels.cpu_workers' threads
@@ -176,7 +175,7 @@ def unit_act(x: torch.Tensor, w13: torch.Tensor, act, rows_per_unit_U: torch.Ten
     start = 0
     for n in rows_per_unit_U.tolist():
         if n:
-            h[start:start + n] = _unit_act(x[start:start + n], w13_e, act)
+            h[start : start + n] = _unit_act(x[start : start + n], w13_e, act)
             start += n
     return h
 

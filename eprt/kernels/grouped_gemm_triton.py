@@ -24,11 +24,27 @@ _CONFIGS = {
 
 @triton.jit
 def _grouped_mm_kernel(
-    x_ptr, w_ptr, y_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr,
-    N, K, E,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    N,
+    K,
+    E,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -44,8 +60,7 @@ def _grouped_mm_kernel(
     mask_m = offs_m < row_end
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
-              + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk)
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
@@ -106,12 +121,28 @@ def grouped_mm_triton(
     interpreting = triton_interpreting()
     grid = (tile_expert.numel(), triton.cdiv(N, bn))
     _grouped_mm_kernel[grid](
-        x, w, y, offsets, tile_expert, tile_row,
-        N, K, E,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        x,
+        w,
+        y,
+        offsets,
+        tile_expert,
+        tile_row,
+        N,
+        K,
+        E,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
         UPCAST=interpreting and x.dtype != torch.float32,
         IEEE_FP32=interpreting or x.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y

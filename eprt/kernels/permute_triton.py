@@ -25,8 +25,9 @@ def _gather_rows_kernel(x_ptr, order_ptr, out_ptr, D, TOPK, stride_x, stride_out
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, D, TOPK, stride_y, stride_wt, stride_wk, stride_out,
-                    BLOCK_D: tl.constexpr):
+def _combine_kernel(
+    y_ptr, slot_ptr, w_ptr, out_ptr, D, TOPK, stride_y, stride_wt, stride_wk, stride_out, BLOCK_D: tl.constexpr
+):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -63,7 +64,16 @@ def combine_triton(y_sorted: torch.Tensor, order: torch.Tensor, weights_TK: torc
         y = y_sorted if y_sorted.stride(1) == 1 else y_sorted.contiguous()
         grid = (T, triton.cdiv(D, _BLOCK_D))
         _combine_kernel[grid](
-            y, slot, weights_TK, out, D, K, y.stride(0), weights_TK.stride(0), weights_TK.stride(1), out.stride(0),
+            y,
+            slot,
+            weights_TK,
+            out,
+            D,
+            K,
+            y.stride(0),
+            weights_TK.stride(0),
+            weights_TK.stride(1),
+            out.stride(0),
             BLOCK_D=_BLOCK_D,
             # Separate multiply and add, as the torch fallback does: no FMA contraction.
             enable_fp_fusion=False,

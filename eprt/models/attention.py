@@ -12,8 +12,9 @@ from eprt.models.rope import rope_rotate_half
 from eprt.models.taps import KVTaps
 
 
-def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float,
-                     keep_BTS: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(
+    q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BTS: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
     with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True.
     Returns [B, T, H*e]."""
@@ -22,8 +23,9 @@ def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.T
     if keep_BTS is not None:
         causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
         mask = (keep_BTS & causal)[:, None]
-    o = F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=k_BhTd.shape[1] != H)
+    o = F.scaled_dot_product_attention(
+        q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k_BhTd.shape[1] != H
+    )
     # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
 
@@ -64,7 +66,7 @@ class GQAttention(nn.Module):
             self.taps.observe(k, v)
         if self.taps.replace is not None:
             k, v = self.taps.replace(k, v)
-        o = causal_attention(q, k, v, self.head_dim ** -0.5)
+        o = causal_attention(q, k, v, self.head_dim**-0.5)
         if self.output_gate:
             o = o * torch.sigmoid(gate.flatten(-2))
         return self.o_proj(o)

@@ -28,4 +28,3 @@ def attn_res_mix(blocks: list[torch.Tensor], partial: torch.Tensor, norm: RMSNor
     logits = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + norm.eps)) @ query
     p = torch.softmax(logits, dim=0)
     return (p[..., None] * c).sum(0).to(partial.dtype)
-

@@ -96,8 +96,12 @@ class CausalLM(nn.Module):
         return "model.", self.model
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
-        return [(i, block) for i, layer in enumerate(self.model.layers) for block in layer.children()
-                if isinstance(block, MoE)]
+        return [
+            (i, block)
+            for i, layer in enumerate(self.model.layers)
+            for block in layer.children()
+            if isinstance(block, MoE)
+        ]
 
     def set_dispatcher(self, make_dispatcher: Callable[[int, MoE], Callable]) -> None:
         """Install `make_dispatcher(layer_index, block)` as the dispatcher of every MoE block."""

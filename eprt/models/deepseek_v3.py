@@ -24,16 +24,24 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     m = c.moe
     first, count = held_experts(expert_range, m.num_experts)
     I = m.intermediate_size
-    gate = SigmoidGroupRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.n_group,
-                              m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+    gate = SigmoidGroupRouter(
+        m.num_experts,
+        c.hidden_size,
+        m.num_experts_per_tok,
+        m.n_group,
+        m.topk_group,
+        m.norm_topk_prob,
+        m.routed_scaling_factor,
+    )
     shared = GatedMLP(c.hidden_size, I * m.num_shared_experts) if m.num_shared_experts else None
     return MoE(gate, Experts(m.num_experts, first, count, c.hidden_size, I), shared)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        super().__init__(c, [DecoderLayer(c, MLAttention(c), deepseek_mlp(c, i, expert_range))
-                             for i in range(c.num_layers)])
+        super().__init__(
+            c, [DecoderLayer(c, MLAttention(c), deepseek_mlp(c, i, expert_range)) for i in range(c.num_layers)]
+        )
 
 
 class SharedHead(nn.Module):

@@ -12,5 +12,10 @@ from eprt.models.mla import MLAttention
 
 class DeepseekV32ForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        super().__init__(c, [DecoderLayer(c, MLAttention(c, indexer=Indexer(c)), deepseek_mlp(c, i, expert_range))
-                             for i in range(c.num_layers)])
+        super().__init__(
+            c,
+            [
+                DecoderLayer(c, MLAttention(c, indexer=Indexer(c)), deepseek_mlp(c, i, expert_range))
+                for i in range(c.num_layers)
+            ],
+        )

@@ -48,15 +48,17 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(ix.head_dim, KEY_NORM_EPS)
         self.weights_proj = Linear(c.hidden_size, ix.n_heads)
 
-    def forward(self, x_BTD: torch.Tensor, q_latent_BTZ: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, q_latent_BTZ: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """keep [B, T, T]: True where query t may attend to key s (the causal mask still applies)."""
         B, T, _ = x_BTD.shape
-        q_BTHd = rope_rotate_half(self.wq_b(q_latent_BTZ).view(B, T, self.n_heads, self.head_dim),
-                                  cos[:, None], sin[:, None])
+        q_BTHd = rope_rotate_half(
+            self.wq_b(q_latent_BTZ).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None]
+        )
         k_BTd = rope_rotate_half(self.k_norm(self.wk(x_BTD)), cos, sin)
-        scores_BTHS = F.relu(q_BTHd.float() @ k_BTd.float().transpose(-1, -2)[:, None] * self.head_dim ** -0.5)
-        w_BTH = self.weights_proj(x_BTD).float() * self.n_heads ** -0.5
+        scores_BTHS = F.relu(q_BTHd.float() @ k_BTd.float().transpose(-1, -2)[:, None] * self.head_dim**-0.5)
+        w_BTH = self.weights_proj(x_BTD).float() * self.n_heads**-0.5
         index_BTS = (w_BTH[:, :, None, :] @ scores_BTHS).squeeze(-2)
         causal = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
         index_BTS = index_BTS.masked_fill(~causal, float("-inf"))

@@ -25,8 +25,9 @@ from eprt.models.kda import ShortConv, chunk_size, kda_chunked, l2norm
 from eprt.models.layers import Linear, RMSNorm
 
 
-def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor) -> torch.Tensor:
+def gated_delta_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """The recurrence, one token at a time, in fp32. q, k [B, T, H, Dk]; v [B, T, H, Dv];
     g, beta [B, T, H] (as many heads as v). Returns o [B, T, H, Dv] in v's dtype."""
     B, T, H, Dk = k.shape
@@ -41,15 +42,16 @@ def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return o.to(v.dtype)
 
 
-def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        chunk: int | None = None) -> torch.Tensor:
+def gated_delta_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
     """The same in chunks (`kda_chunked`); shapes as the recurrence. Each sequence's chunk size is
     chosen from its own decay, so that its output does not depend on the sequences batched with
     it (calibration at any expert-parallel layout must see the same activations)."""
     g = g[..., None].expand_as(k)
     if chunk:
         return kda_chunked(q, k, v, g, beta, chunk)
-    sizes = torch.tensor([chunk_size(g[b:b + 1]) for b in range(k.shape[0])])
+    sizes = torch.tensor([chunk_size(g[b : b + 1]) for b in range(k.shape[0])])
     o = v.new_empty(v.shape)
     for C in sizes.unique().tolist():
         rows = (sizes == C).nonzero().flatten()
@@ -67,8 +69,9 @@ def fla_chunk_gated_delta_rule():
     return chunk_gated_delta_rule
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor) -> torch.Tensor:
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """Over whole sequences from a zero state, q and k [B, T, Hk, Dk] as the short convolution gives
     them, v [B, T, Hv, Dv], g and beta [B, T, Hv]: fla's kernel on CUDA when installed (it
     normalizes q and k itself), else `gated_delta_chunked`."""
@@ -91,8 +94,17 @@ class GatedDeltaNet(nn.Module):
     head's [q, k, its value heads' v, their z], in_proj_ba its heads' [b, a]) or apart (Qwen3.5:
     in_proj_qkv = [all q | all k | all v], in_proj_z, in_proj_b, in_proj_a)."""
 
-    def __init__(self, hidden: int, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int,
-                 conv_kernel: int, split_projections: bool, eps: float):
+    def __init__(
+        self,
+        hidden: int,
+        key_heads: int,
+        value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel: int,
+        split_projections: bool,
+        eps: float,
+    ):
         super().__init__()
         self.key_heads, self.value_heads = key_heads, value_heads
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
@@ -128,8 +140,13 @@ class GatedDeltaNet(nn.Module):
         K = self.key_heads * self.key_head_dim
         q, k, v = self.conv1d(qkv).split([K, K, self.value_heads * self.value_head_dim], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = gated_delta_rule(q.unflatten(-1, (self.key_heads, -1)), k.unflatten(-1, (self.key_heads, -1)),
-                             v.unflatten(-1, (self.value_heads, -1)), g, torch.sigmoid(b))
+        o = gated_delta_rule(
+            q.unflatten(-1, (self.key_heads, -1)),
+            k.unflatten(-1, (self.key_heads, -1)),
+            v.unflatten(-1, (self.value_heads, -1)),
+            g,
+            torch.sigmoid(b),
+        )
         # the reference: normalize and scale in the model dtype, then the gate in fp32, cast back once
         o = (self.norm(o) * F.silu(z.float())).to(o.dtype)
         return self.out_proj(o.flatten(-2))

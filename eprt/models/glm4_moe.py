@@ -12,5 +12,6 @@ from eprt.models.deepseek_v3 import deepseek_mlp
 
 class Glm4MoeForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        super().__init__(c, [DecoderLayer(c, GQAttention(c), deepseek_mlp(c, i, expert_range))
-                             for i in range(c.num_layers)])
+        super().__init__(
+            c, [DecoderLayer(c, GQAttention(c), deepseek_mlp(c, i, expert_range)) for i in range(c.num_layers)]
+        )

@@ -25,8 +25,9 @@ from eprt.models.layers import Linear, RMSNorm
 L2NORM_EPS = 1e-6
 
 
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor) -> torch.Tensor:
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """The recurrence, one token at a time, in fp32. q, k, g [B, T, H, Dk]; v [B, T, H, Dv];
     beta [B, T, H]. Returns o [B, T, H, Dv] in v's dtype."""
     B, T, H, Dk = k.shape
@@ -41,8 +42,9 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return o.to(v.dtype)
 
 
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                chunk: int | None = None) -> torch.Tensor:
+def kda_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
     """The same recurrence in chunks of C tokens, in fp32; shapes as `kda_recurrent`.
 
     Inside a chunk, with G_t the cumulative log-decay from the chunk's start and S_0 the state
@@ -68,8 +70,10 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     pad = N * C - T
     # [N, B, H, C, D]: every product below is a batched matmul, and chunk n is one contiguous
     # slice (explicit sizes: an empty batch has no -1 to infer)
-    q, k, v, g = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)).reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4)
-                  .contiguous() for x in (q, k, v, g))
+    q, k, v, g = (
+        F.pad(x.float(), (0, 0, 0, 0, 0, pad)).reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
+        for x in (q, k, v, g)
+    )
     beta = F.pad(beta.float(), (0, 0, 0, pad)).reshape(B, N, C, H, 1).permute(1, 0, 3, 2, 4)
     G = g.cumsum(dim=-2)
     k_out, k_in, q_out = k * G.exp(), k * (-G).exp(), q * G.exp()
@@ -150,8 +154,17 @@ class KimiDeltaAttention(nn.Module):
     A_log has the shape of its config ([1, 1, H, 1] in Kimi-Linear, [H] in Kimi-K3, whose
     checkpoints pad it: the loader reads the first H entries)."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int, conv_kernel: int, a_log_shape: tuple[int, ...],
-                 lower_bound: float | None, full_rank_gate: bool, eps: float):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        head_dim: int,
+        conv_kernel: int,
+        a_log_shape: tuple[int, ...],
+        lower_bound: float | None,
+        full_rank_gate: bool,
+        eps: float,
+    ):
         super().__init__()
         self.heads, self.head_dim, self.lower_bound = heads, head_dim, lower_bound
         P = heads * head_dim

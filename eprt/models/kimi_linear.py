@@ -29,8 +29,16 @@ def activation(c: ModelConfig):
 def attention(c: ModelConfig, i: int) -> nn.Module:
     k, kda = c.kimi_linear, c.kimi_linear.kda
     if i in kda.layers:
-        return KimiDeltaAttention(c.hidden_size, kda.heads, kda.head_dim, kda.conv_kernel, kda.a_log_shape,
-                                  kda.gate_lower_bound, kda.full_rank_gate, c.rms_norm_eps)
+        return KimiDeltaAttention(
+            c.hidden_size,
+            kda.heads,
+            kda.head_dim,
+            kda.conv_kernel,
+            kda.a_log_shape,
+            kda.gate_lower_bound,
+            kda.full_rank_gate,
+            c.rms_norm_eps,
+        )
     return MLAttention(c, output_gate=k.mla_output_gate)
 
 
@@ -38,8 +46,9 @@ def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
     m = c.moe
     first, count = held_experts(expert_range, m.num_experts)
     D, I, Z = c.hidden_size, m.intermediate_size, m.latent_size
-    gate = SigmoidGroupRouter(m.num_experts, D, m.num_experts_per_tok, m.n_group, m.topk_group,
-                              m.norm_topk_prob, m.routed_scaling_factor)
+    gate = SigmoidGroupRouter(
+        m.num_experts, D, m.num_experts_per_tok, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor
+    )
     shared = GatedMLP(D, I * m.num_shared_experts, activation(c)) if m.num_shared_experts else None
     experts = Experts(m.num_experts, first, count, Z or D, I, activation(c))
     if Z:

@@ -17,8 +17,14 @@ from eprt.parallel import EPDispatcher, ParallelState, fail_together
 from eprt.storage.checkpoint import Checkpoint
 
 
-def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
-               expert_range: tuple[int, int] | None = None, parallel: ParallelState | None = None) -> CausalLM:
+def load_model(
+    ckpt_dir: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    expert_range: tuple[int, int] | None = None,
+    parallel: ParallelState | None = None,
+) -> CausalLM:
     """The model of an eprt checkpoint, in `dtype` (except the tensors the reference keeps in fp32),
     on `device` (default: the CPU, or the rank's device in a parallel load), ready for inference
     (no parameter requires grad).
@@ -47,8 +53,9 @@ def load_model(ckpt_dir: str, *, dtype: torch.dtype = torch.bfloat16, device: st
         ck.close()
 
 
-def load_parallel(rc: ResolvedCheckpoint, parallel: ParallelState,
-                  device: str | torch.device | None = None) -> CausalLM:
+def load_parallel(
+    rc: ResolvedCheckpoint, parallel: ParallelState, device: str | torch.device | None = None
+) -> CausalLM:
     """`load_model(..., parallel=parallel)` of a checkpoint already open and resolved (in its dtype):
     this rank's experts, on `device` (default: the rank's), with an `EPDispatcher(parallel)`."""
     with fail_together(parallel, "loading the checkpoint"):
@@ -121,9 +128,11 @@ def _check_tensors(rc: ResolvedCheckpoint, wanted: dict[str, torch.Tensor]) -> N
     missing = [n for n in wanted if n not in have]
     extra = sorted(have - set(wanted))
     if missing or extra:
-        raise CheckpointError(f"{ck.path}: the checkpoint's tensors do not match the {ck.config.family} model: "
-                              f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                              f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        raise CheckpointError(
+            f"{ck.path}: the checkpoint's tensors do not match the {ck.config.family} model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
     padded = {s.name for s in rc.layout.specs if s.padded_per}
     for name, slot in wanted.items():
         expected = tuple(slot.shape)
@@ -133,5 +142,6 @@ def _check_tensors(rc: ResolvedCheckpoint, wanted: dict[str, torch.Tensor]) -> N
         if name in padded and len(stored) == len(expected) and stored[0] >= expected[0]:
             continue
         if stored != expected:
-            raise CheckpointError(f"{ck.path}: {name} has shape {list(ck.meta(name).shape)}, "
-                                  f"the model expects {list(expected)}")
+            raise CheckpointError(
+                f"{ck.path}: {name} has shape {list(ck.meta(name).shape)}, the model expects {list(expected)}"
+            )

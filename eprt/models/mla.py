@@ -47,14 +47,15 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * self.v_dim, D)
         self.g_proj = Linear(D, c.num_heads * self.v_dim) if output_gate else None
         self.use_rope = c.rope is not None
-        self.scale = qk ** -0.5 * (yarn_softmax_scale(c.rope.yarn) if self.use_rope else 1.0)
+        self.scale = qk**-0.5 * (yarn_softmax_scale(c.rope.yarn) if self.use_rope else 1.0)
         self.q_lora = bool(m.q_lora_rank)
         # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
         self.indexer = indexer
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None,
-                sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         nh = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x_BTD)) if self.q_lora else None

@@ -75,19 +75,21 @@ class Experts(nn.Module):
         if self.taps.every_expert is None or not x_sorted.shape[0]:
             return
         for e in range(self.count):
-            self.taps.every_expert(e, x_sorted, unit_act(x_sorted, self.w13[e:e + 1], self._act, rows_per_unit_U))
+            self.taps.every_expert(e, x_sorted, unit_act(x_sorted, self.w13[e : e + 1], self._act, rows_per_unit_U))
 
 
 class LocalDispatcher:
     """Every routed expert lives in this process: permute, run, combine."""
 
-    def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 experts: Experts) -> torch.Tensor:
+    def __call__(
+        self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, experts: Experts
+    ) -> torch.Tensor:
         if experts.count != experts.num_experts:
             raise ConfigError(
                 f"this model holds experts [{experts.first}, {experts.first + experts.count}) of "
                 f"{experts.num_experts}; a local forward needs all of them: load without expert_range, "
-                "or install an expert-parallel dispatcher with model.set_dispatcher(...)")
+                "or install an expert-parallel dispatcher with model.set_dispatcher(...)"
+            )
         x_sorted, tokens_per_expert, order = permute(x_TD, topk_ids_TK, experts.num_experts)
         return combine(experts(x_sorted, tokens_per_expert), order, topk_weights_TK)
 
@@ -146,8 +148,15 @@ class LatentMoE(MoE):
     experts read z = routed_expert_down_proj(x); their combined output is normalized (when the
     model has the norm) and projected back up. The shared experts read x."""
 
-    def __init__(self, gate: nn.Module, experts: Experts, shared_experts: nn.Module | None, hidden: int,
-                 latent: int, norm_eps: float | None):
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: Experts,
+        shared_experts: nn.Module | None,
+        hidden: int,
+        latent: int,
+        norm_eps: float | None,
+    ):
         super().__init__(gate, experts, shared_experts)
         self.routed_expert_down_proj = Linear(hidden, latent)
         self.routed_expert_norm = RMSNorm(latent, norm_eps) if norm_eps is not None else None

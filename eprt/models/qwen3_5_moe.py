@@ -33,8 +33,9 @@ class LanguageModelInside(nn.Module):
 
 class Qwen3_5MoeForConditionalGeneration(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        super().__init__(c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)],
-                         decoder=LanguageModelInside)
+        super().__init__(
+            c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)], decoder=LanguageModelInside
+        )
 
     def decoder(self) -> tuple[str, nn.Module]:
         return "model.language_model.", self.model.language_model

@@ -18,7 +18,9 @@ class Qwen3MoeForCausalLM(CausalLM):
             if not c.is_moe(i):
                 return GatedMLP(c.hidden_size, c.intermediate_size)
             m = c.moe
-            return MoE(SoftmaxRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.norm_topk_prob),
-                       Experts(m.num_experts, first, count, c.hidden_size, m.intermediate_size))
+            return MoE(
+                SoftmaxRouter(m.num_experts, c.hidden_size, m.num_experts_per_tok, m.norm_topk_prob),
+                Experts(m.num_experts, first, count, c.hidden_size, m.intermediate_size),
+            )
 
         super().__init__(c, [DecoderLayer(c, GQAttention(c), mlp(i)) for i in range(c.num_layers)])

@@ -26,9 +26,12 @@ def mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Modu
         return GatedMLP(D, c.intermediate_size)
     m = c.moe
     first, count = held_experts(expert_range, m.num_experts)
-    return GatedSharedExpertMoE(SoftmaxRouter(m.num_experts, D, m.num_experts_per_tok, m.norm_topk_prob),
-                                Experts(m.num_experts, first, count, D, m.intermediate_size),
-                                GatedMLP(D, c.qwen_next.shared_expert_intermediate_size), D)
+    return GatedSharedExpertMoE(
+        SoftmaxRouter(m.num_experts, D, m.num_experts_per_tok, m.norm_topk_prob),
+        Experts(m.num_experts, first, count, D, m.intermediate_size),
+        GatedMLP(D, c.qwen_next.shared_expert_intermediate_size),
+        D,
+    )
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -39,8 +42,16 @@ class Qwen3NextDecoderLayer(nn.Module):
         # The checkpoint names a linear-attention layer's mixer linear_attn and a full one self_attn.
         self.is_linear = i in g.layers
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(c.hidden_size, g.key_heads, g.value_heads, g.key_head_dim,
-                                             g.value_head_dim, g.conv_kernel, g.split_projections, c.rms_norm_eps)
+            self.linear_attn = GatedDeltaNet(
+                c.hidden_size,
+                g.key_heads,
+                g.value_heads,
+                g.key_head_dim,
+                g.value_head_dim,
+                g.conv_kernel,
+                g.split_projections,
+                c.rms_norm_eps,
+            )
         else:
             self.self_attn = GQAttention(c, norm=ZeroCenteredRMSNorm)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -70,5 +81,6 @@ class Qwen3NextDecoder(Decoder):
 
 class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        super().__init__(c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)],
-                         decoder=Qwen3NextDecoder)
+        super().__init__(
+            c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)], decoder=Qwen3NextDecoder
+        )

@@ -8,8 +8,8 @@ from eprt.errors import ConfigError
 from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eprt.models.deepseek_v32 import DeepseekV32ForCausalLM
 from eprt.models.glm4_moe import Glm4MoeForCausalLM
-from eprt.models.kimi_k25 import KimiK25ForConditionalGeneration
 from eprt.models.kimi_k3 import KimiK3ForConditionalGeneration
+from eprt.models.kimi_k25 import KimiK25ForConditionalGeneration
 from eprt.models.kimi_linear import KimiLinearForCausalLM
 from eprt.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 from eprt.models.qwen3_moe import Qwen3MoeForCausalLM

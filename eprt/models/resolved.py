@@ -41,8 +41,9 @@ class ResolvedCheckpoint:
         c = self.ck.config
         first, count = held_experts(expert_range, c.num_experts)
         if c.moe_layers and not (0 <= first and 0 < count and first + count <= c.num_experts):
-            raise ConfigError(f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of "
-                              f"{self.ck.path}")
+            raise ConfigError(
+                f"expert_range ({first}, {count}) is outside the {c.num_experts} experts of {self.ck.path}"
+            )
         return dataclasses.replace(self, expert_range=(first, count))
 
     def run_dtype(self, name: str) -> torch.dtype:
@@ -87,7 +88,7 @@ def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *,
     model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed."""
     placed = 0
     for name in names:
-        module, _, attr = name[len(prefix):].rpartition(".")
+        module, _, attr = name[len(prefix) :].rpartition(".")
         owner = model.get_submodule(module)
         t = rc.read(name, getattr(owner, attr)).to(device=device, dtype=rc.run_dtype(name))
         owner.load_state_dict({attr: t}, strict=False, assign=True)

@@ -18,8 +18,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_frequencies(dim: int, theta: float, scaling: YarnConfig | None,
-                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    dim: int, theta: float, scaling: YarnConfig | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [dim/2] fp32, attention factor that scales cos and sin)."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     if scaling is None:

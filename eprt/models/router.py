@@ -27,8 +27,15 @@ def softmax_topk(logits_TE: torch.Tensor, k: int, renormalize: bool) -> tuple[to
     return ids, w
 
 
-def sigmoid_grouped_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor, k: int, n_group: int, topk_group: int,
-                         renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_grouped_topk(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 noaux_tc: s = sigmoid(logits); s + bias chooses (groups ranked by the sum of
     their two best, the best topk_group kept, then the top k inside them); the weights are the
     unbiased s, divided by their sum + 1e-20 when renormalizing, times `scaling`. All fp32."""
@@ -63,8 +70,9 @@ class SoftmaxRouter(nn.Module):
 class SigmoidGroupRouter(nn.Module):
     """Its weight and correction bias stay fp32 whatever the model dtype, as in the reference."""
 
-    def __init__(self, num_experts: int, hidden: int, k: int, n_group: int, topk_group: int,
-                 renormalize: bool, scaling: float):
+    def __init__(
+        self, num_experts: int, hidden: int, k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float
+    ):
         super().__init__()
         assert num_experts % n_group == 0 and topk_group <= n_group, (num_experts, n_group, topk_group)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
@@ -74,5 +82,6 @@ class SigmoidGroupRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x_TD.float(), self.weight.float())
-        return sigmoid_grouped_topk(logits, self.e_score_correction_bias, self.k, self.n_group, self.topk_group,
-                                    self.renormalize, self.scaling)
+        return sigmoid_grouped_topk(
+            logits, self.e_score_correction_bias, self.k, self.n_group, self.topk_group, self.renormalize, self.scaling
+        )

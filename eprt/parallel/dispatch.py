@@ -25,16 +25,16 @@ class EPDispatcher:
     def __init__(self, state: ParallelState):
         self.state, self.ep_size = state, state.ep_size
 
-    def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
-                 topk_weights_TK: torch.Tensor, experts) -> torch.Tensor:
+    def __call__(
+        self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, experts
+    ) -> torch.Tensor:
         E = experts.num_experts
         _check_holds(self.state.placement(E), experts)
         # Rows sorted by global expert are grouped by destination rank, since rank r holds
         # the r-th block of experts: [dest rank][local expert].
         x_sorted, tokens_per_expert_E, order = permute(x_TD, topk_ids_TK, E)
         if tokens_per_expert_E.numel() != E:
-            raise ValueError(f"topk ids reach expert {tokens_per_expert_E.numel() - 1}, "
-                             f"but the layer has {E} experts")
+            raise ValueError(f"topk ids reach expert {tokens_per_expert_E.numel() - 1}, but the layer has {E} experts")
         if self.ep_size == 1:
             y_sorted = experts(x_sorted, tokens_per_expert_E)
         else:
@@ -67,7 +67,8 @@ def _check_holds(place: ExpertPlacement, experts) -> None:
         first, count = place.range
         raise ValueError(
             f"ep rank {place.ep_rank} of {place.ep_size} must hold experts [{first}, {first + count}) "
-            f"of {place.num_experts}, but holds [{experts.first}, {experts.first + experts.count})")
+            f"of {place.num_experts}, but holds [{experts.first}, {experts.first + experts.count})"
+        )
 
 
 def source_to_expert_order(counts_PL: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,9 @@ def source_to_expert_order(counts_PL: torch.Tensor) -> torch.Tensor:
     return starts_LP[block_of_row] + offset_in_block
 
 
-def _all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                     state: ParallelState, over: str = "dp") -> torch.Tensor:
+def _all_to_all_rows(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], state: ParallelState, over: str = "dp"
+) -> torch.Tensor:
     """Exchange rows with uneven (possibly zero) splits, as raw bytes: gloo refuses float8, and
     the bytes of any dtype travel unchanged."""
     x = x.contiguous()
@@ -112,8 +114,16 @@ class UnitDispatcher:
         self.state, self.keyspace = state, keyspace
         self.bytes_sent = 0  # rows and keys this rank sent, both ways, for the log
 
-    def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                 key_TK: torch.Tensor, unit_T: torch.Tensor, units: tuple[int, int], experts) -> torch.Tensor:
+    def __call__(
+        self,
+        x_TD: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        key_TK: torch.Tensor,
+        unit_T: torch.Tensor,
+        units: tuple[int, int],
+        experts,
+    ) -> torch.Tensor:
         """The fp32 weighted sum of each token's top-k expert outputs, k in order.
 
         key_TK: each copy's global sort key (sequence, position, k), below the keyspace;
@@ -131,8 +141,9 @@ class UnitDispatcher:
         if st.world == 1:
             # nothing travels: the copies go into unit order by one gather, and back by the combine
             order_R = torch.argsort(sort_key_R)
-            y_sent = _units(x_TD.index_select(0, order_R // K), sort_key_R.index_select(0, order_R), L, U,
-                            self.keyspace, experts)
+            y_sent = _units(
+                x_TD.index_select(0, order_R // K), sort_key_R.index_select(0, order_R), L, U, self.keyspace, experts
+            )
         else:
             dest_R = place.owner_of(ids_R, unit_R + first_unit)
             order_R = torch.argsort(dest_R, stable=True)
@@ -146,8 +157,9 @@ class UnitDispatcher:
             return y_sent.new_zeros(0, y_sent.shape[1], dtype=torch.float32)
         return combine(y_sent, order_R, topk_weights_TK)
 
-    def _send(self, dest_R: torch.Tensor, x_sent: torch.Tensor, key_sent: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    def _send(
+        self, dest_R: torch.Tensor, x_sent: torch.Tensor, key_sent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """Rows sorted by destination rank (dest_R) to their ranks, each with its int64 key:
         (rows received, their keys, rows sent to each rank, rows received from each rank),
         counting the bytes that cross the wire (the rows that stay on this rank do not)."""
@@ -161,8 +173,9 @@ class UnitDispatcher:
         self.bytes_sent += (x_sent.shape[0] - send_splits[st.rank]) * (x_sent.shape[1] * x_sent.element_size() + 8)
         return x_recv, key_recv, send_splits, recv_splits
 
-    def every_expert_rows(self, x_TD: torch.Tensor, key_T: torch.Tensor, unit_T: torch.Tensor,
-                          units: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def every_expert_rows(
+        self, x_TD: torch.Tensor, key_T: torch.Tensor, unit_T: torch.Tensor, units: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """For statistics over every expert (--calibrate-all-experts): the rows this rank runs
         through each expert it holds, sorted by (unit, key), and the row count of each of the
         step's units [U].

@@ -35,8 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from eprt.errors import EprtError
-from eprt.parallel.liveness import (HOW_RANKS_DIE, Interrupted, PeerLost, begin_stopping, name_ranks,
-                                    post, wait_posted)
+from eprt.parallel.liveness import HOW_RANKS_DIE, Interrupted, PeerLost, begin_stopping, name_ranks, post, wait_posted
 from eprt.parallel.state import ParallelState
 
 # A failure report keeps the exception's type and message, not its traceback (that stays on the
@@ -56,10 +55,18 @@ class RankFailure(EprtError):
     `ranks` are the ranks to look at first.
     """
 
-    def __init__(self, what: str, failures: dict[int, str], timeouts: dict[int, str] | None = None,
-                 missing: list[int] = (), waited_s: float = 0.0, dead: list[int] = (),
-                 silent_s: float = 0.0, store_lost: bool = False,
-                 stopped: dict[int, str] | None = None):
+    def __init__(
+        self,
+        what: str,
+        failures: dict[int, str],
+        timeouts: dict[int, str] | None = None,
+        missing: list[int] = (),
+        waited_s: float = 0.0,
+        dead: list[int] = (),
+        silent_s: float = 0.0,
+        store_lost: bool = False,
+        stopped: dict[int, str] | None = None,
+    ):
         self.what, self.failures = what, dict(failures)
         self.timeouts, self.missing, self.waited_s = dict(timeouts or {}), list(missing), waited_s
         self.dead, self.silent_s, self.store_lost = list(dead), silent_s, store_lost
@@ -67,13 +74,27 @@ class RankFailure(EprtError):
         super().__init__(self._message())
 
     def __reduce__(self):
-        return type(self), (self.what, self.failures, self.timeouts, self.missing, self.waited_s,
-                            self.dead, self.silent_s, self.store_lost, self.stopped)
+        return type(self), (
+            self.what,
+            self.failures,
+            self.timeouts,
+            self.missing,
+            self.waited_s,
+            self.dead,
+            self.silent_s,
+            self.store_lost,
+            self.stopped,
+        )
 
     @property
     def ranks(self) -> list[int]:
-        return (sorted(self.failures) or sorted(self.dead) or sorted(self.missing)
-                or sorted(self.stopped) or sorted(self.timeouts))
+        return (
+            sorted(self.failures)
+            or sorted(self.dead)
+            or sorted(self.missing)
+            or sorted(self.stopped)
+            or sorted(self.timeouts)
+        )
 
     def _message(self) -> str:
         lines = []
@@ -81,31 +102,41 @@ class RankFailure(EprtError):
         for r in sorted(self.failures):
             by_report.setdefault(self.failures[r], []).append(r)
         if len(by_report) == 1:  # one rank, or every failing rank saying the same
-            (report, ranks), = by_report.items()
+            ((report, ranks),) = by_report.items()
             lines.append(f"{name_ranks(ranks)} failed while {self.what}: {report}")
         elif by_report:
             lines.append(f"ranks {_names(self.failures)} failed while {self.what}:")
             lines += [f"  {name_ranks(ranks)}: {report}" for report, ranks in by_report.items()]
         if self.dead and self.store_lost:
-            lines.append(f"{name_ranks(self.dead)} could not be heard from while {self.what}: the run's "
-                         "store stopped answering (the node serving it, with torchrun's first agent "
-                         "or rank 0, went down)")
+            lines.append(
+                f"{name_ranks(self.dead)} could not be heard from while {self.what}: the run's "
+                "store stopped answering (the node serving it, with torchrun's first agent "
+                "or rank 0, went down)"
+            )
         elif self.dead:
-            lines.append(f"{name_ranks(self.dead)} died while {self.what}: no heartbeat for "
-                         f"{self.silent_s:g} s ({HOW_RANKS_DIE})")
+            lines.append(
+                f"{name_ranks(self.dead)} died while {self.what}: no heartbeat for "
+                f"{self.silent_s:g} s ({HOW_RANKS_DIE})"
+            )
         if self.missing:
-            lines.append(f"{name_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
-                         f"{self.what} (hung outside a collective)")
+            lines.append(
+                f"{name_ranks(self.missing)} did not report within {self.waited_s:.0f} s while "
+                f"{self.what} (hung outside a collective)"
+            )
         if self.stopped:
             when = "then" if self.failures or self.missing or self.dead else f"while {self.what}"
-            lines.append(f"{name_ranks(self.stopped)} {when} stopped on a signal "
-                         f"({', '.join(sorted(set(self.stopped.values())))})")
+            lines.append(
+                f"{name_ranks(self.stopped)} {when} stopped on a signal "
+                f"({', '.join(sorted(set(self.stopped.values())))})"
+            )
         if self.timeouts:
             first = min(self.timeouts)
             caused = self.failures or self.missing or self.dead or self.stopped
             when = "then" if caused else f"while {self.what}"
-            lines.append(f"{name_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
-                         f"a peer there (rank {first}: {self.timeouts[first]})")
+            lines.append(
+                f"{name_ranks(self.timeouts)} {when} timed out waiting in a collective, or lost "
+                f"a peer there (rank {first}: {self.timeouts[first]})"
+            )
         return "\n".join(lines)
 
 
@@ -159,8 +190,7 @@ class fail_together:
             # serving the store went down, which is the cause to name, not the signal
             state.peers_lost = True
             verdict = _alone(state, outcome)
-            raise RankFailure(self.what, {}, dead=verdict["dead"], store_lost=True,
-                              stopped=verdict["stopped"]) from exc
+            raise RankFailure(self.what, {}, dead=verdict["dead"], store_lost=True, stopped=verdict["stopped"]) from exc
         try:
             verdict = _decide(state, self.key, outcome, self.wait)
         except Interrupted as stop:
@@ -179,9 +209,17 @@ class fail_together:
         if verdict["dead"] or verdict["store_lost"]:
             self.state.peers_lost = True
         silent_s = verdict.get("silent_s") or (self.state.heartbeat.timeout_s if self.state.heartbeat else 0.0)
-        raise RankFailure(self.what, verdict["failures"], verdict["timeouts"], verdict["missing"],
-                          self.wait.total_seconds(), verdict["dead"], silent_s, verdict["store_lost"],
-                          verdict["stopped"]) from exc
+        raise RankFailure(
+            self.what,
+            verdict["failures"],
+            verdict["timeouts"],
+            verdict["missing"],
+            self.wait.total_seconds(),
+            verdict["dead"],
+            silent_s,
+            verdict["store_lost"],
+            verdict["stopped"],
+        ) from exc
 
 
 def _decide(state: ParallelState, key: str, outcome: str, wait: timedelta) -> dict:
@@ -232,8 +270,15 @@ def _signalled(state: ParallelState, outcome: str) -> dict | None:
         return _alone(state, outcome)
     if not dead:
         return None
-    verdict = {"failures": {}, "timeouts": {}, "stopped": {state.rank: "SIGTERM"}, "missing": [],
-               "dead": dead, "store_lost": False, "silent_s": state.heartbeat.signalled_silence_s}
+    verdict = {
+        "failures": {},
+        "timeouts": {},
+        "stopped": {state.rank: "SIGTERM"},
+        "missing": [],
+        "dead": dead,
+        "store_lost": False,
+        "silent_s": state.heartbeat.signalled_silence_s,
+    }
     if outcome[:1] in ("F", "T"):
         verdict[_VERDICT_OF[outcome[0]]][state.rank] = outcome[1:]
     return verdict
@@ -241,8 +286,14 @@ def _signalled(state: ParallelState, outcome: str) -> dict | None:
 
 def _alone(state: ParallelState, outcome: str) -> dict:
     """The verdict from this rank's outcome alone, for when the store cannot be reached."""
-    verdict = {"failures": {}, "timeouts": {}, "stopped": {}, "missing": [], "store_lost": True,
-               "dead": [r for r in range(state.world) if r != state.rank]}
+    verdict = {
+        "failures": {},
+        "timeouts": {},
+        "stopped": {},
+        "missing": [],
+        "store_lost": True,
+        "dead": [r for r in range(state.world) if r != state.rank],
+    }
     if outcome:
         verdict[_VERDICT_OF[outcome[0]]][state.rank] = outcome[1:]
     return verdict
@@ -262,8 +313,10 @@ def _describe(exc: BaseException) -> str:
     message = str(exc)[:MAX_REPORT_CHARS]
     described = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     if _out_of_memory(exc):
-        return (f"ran out of memory ({described}); use more ranks (a larger --ep) or more memory per "
-                "rank, and tell the plan what a rank may use (--max-memory)")
+        return (
+            f"ran out of memory ({described}); use more ranks (a larger --ep) or more memory per "
+            "rank, and tell the plan what a rank may use (--max-memory)"
+        )
     return described
 
 
@@ -271,9 +324,12 @@ def _out_of_memory(exc: BaseException) -> bool:
     """Python's MemoryError, or torch's failed allocation (CPU: "not enough memory", CUDA: "out of
     memory"; a C++ allocation: "bad_alloc")."""
     message = str(exc).lower()
-    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and any(
-        words in message for words in ("out of memory", "not enough memory", "can't allocate memory",
-                                       "bad_alloc")))
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError)
+        and any(
+            words in message for words in ("out of memory", "not enough memory", "can't allocate memory", "bad_alloc")
+        )
+    )
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -281,9 +337,14 @@ def _is_timeout(exc: BaseException) -> bool:
     "timeout", eprt's wait PeerLost) or lost it (gloo: "Connection closed by peer", "Connection
     reset by peer"), as opposed to a failure of the step itself."""
     message = str(exc).lower()
-    return isinstance(exc, PeerLost) or (isinstance(exc, RuntimeError) and any(
-        words in message for words in ("timed out", "closed by peer", "reset by peer"))) or \
-        (isinstance(exc, dist.DistBackendError) and "timeout" in message)
+    return (
+        isinstance(exc, PeerLost)
+        or (
+            isinstance(exc, RuntimeError)
+            and any(words in message for words in ("timed out", "closed by peer", "reset by peer"))
+        )
+        or (isinstance(exc, dist.DistBackendError) and "timeout" in message)
+    )
 
 
 def _try(op) -> bool:

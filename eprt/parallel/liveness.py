@@ -66,8 +66,10 @@ def peer_timeout_s() -> float:
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise ConfigError(f"{PEER_TIMEOUT_ENV}={text!r} is not a positive number of seconds; "
-                          f"unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s")
+        raise ConfigError(
+            f"{PEER_TIMEOUT_ENV}={text!r} is not a positive number of seconds; "
+            f"unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
+        )
     return seconds
 
 
@@ -78,8 +80,7 @@ class Heartbeat:
     client would otherwise hold the heartbeat up.
     """
 
-    def __init__(self, store: dist.Store, beat_store: dist.Store, rank: int, world: int,
-                 timeout_s: float):
+    def __init__(self, store: dist.Store, beat_store: dist.Store, rank: int, world: int, timeout_s: float):
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self._beat_store, self._key = beat_store, f"alive/{rank}"
         # The first beat is posted before the ranks meet, so that every counter exists once
@@ -130,7 +131,7 @@ class Heartbeat:
 
 
 def name_ranks(ranks) -> str:
-    """"rank 2", or "ranks 0, 3"."""
+    """ "rank 2", or "ranks 0, 3"."""
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, sorted(ranks)))}"
 
 
@@ -140,8 +141,9 @@ def post(store: dist.Store, prefix: str, rank: int, value: bytes = b"") -> None:
     store.add(f"{prefix}/count", 1)
 
 
-def wait_posted(store: dist.Store, prefix: str, ranks: list[int], heartbeat: Heartbeat | None,
-                wait: timedelta) -> tuple[list[int], list[int]]:
+def wait_posted(
+    store: dist.Store, prefix: str, ranks: list[int], heartbeat: Heartbeat | None, wait: timedelta
+) -> tuple[list[int], list[int]]:
     """Wait until every rank of `ranks` has posted under `prefix`, one that has not is dead, or
     `wait` runs out. Returns (alive ranks that have not posted, dead ranks that have not).
     Raises DistError when the store cannot be reached.

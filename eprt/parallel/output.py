@@ -21,9 +21,15 @@ from eprt.parallel.state import ParallelState
 from eprt.storage.atomic import check_output_dir, publish, sync_tree, temp_dir_for
 
 
-def write_together(state: ParallelState, out: str, write_fn: Callable[[str], object], *,
-                   overwrite: bool = False, inputs: tuple[str, ...] = (),
-                   check_fn: Callable[[str], object] | None = None) -> str:
+def write_together(
+    state: ParallelState,
+    out: str,
+    write_fn: Callable[[str], object],
+    *,
+    overwrite: bool = False,
+    inputs: tuple[str, ...] = (),
+    check_fn: Callable[[str], object] | None = None,
+) -> str:
     """Run `write_fn(tmp_dir)` on every rank and publish `tmp_dir` as `out`; returns `out`'s real path.
 
     Every rank of `state` must call it. `write_fn` writes this rank's files (names no other rank
@@ -44,8 +50,9 @@ def write_together(state: ParallelState, out: str, write_fn: Callable[[str], obj
         # A guard returns on a rank only once every rank has reported, so tmp exists from here on.
         with fail_together(state, "writing the output"):
             if not os.path.isdir(tmp):
-                raise EprtError(f"{tmp}, made by rank 0, is not visible here; write the output to a "
-                                "file system every rank shares")
+                raise EprtError(
+                    f"{tmp}, made by rank 0, is not visible here; write the output to a file system every rank shares"
+                )
             write_fn(tmp)
             sync_tree(tmp)
         with fail_together(state, "publishing the output"):

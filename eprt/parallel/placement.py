@@ -36,8 +36,10 @@ class ExpertPlacement:
         if self.ep_size < 1 or self.num_experts % self.ep_size:
             raise ConfigError(f"ep={self.ep_size} does not divide the {self.num_experts} routed experts")
         if not (0 <= self.ep_rank < self.ep_size and 0 <= self.edp_rank < self.edp_size):
-            raise ConfigError(f"rank (edp {self.edp_rank}, ep {self.ep_rank}) is outside the layout "
-                              f"edp {self.edp_size} x ep {self.ep_size}")
+            raise ConfigError(
+                f"rank (edp {self.edp_rank}, ep {self.ep_rank}) is outside the layout "
+                f"edp {self.edp_size} x ep {self.ep_size}"
+            )
 
     @property
     def count(self) -> int:

@@ -31,10 +31,20 @@ import torch
 import torch.distributed as dist
 
 from eprt.errors import ConfigError
+from eprt.parallel.liveness import (
+    HOW_RANKS_DIE,
+    PEER_TIMEOUT_ENV,
+    Heartbeat,
+    PeerLost,
+    install_signal_handlers,
+    name_ranks,
+    peer_timeout_s,
+    post,
+    restore_signal_handlers,
+    stopping,
+    wait_posted,
+)
 from eprt.parallel.placement import ExpertPlacement
-from eprt.parallel.liveness import (HOW_RANKS_DIE, PEER_TIMEOUT_ENV, Heartbeat, PeerLost,
-                                    install_signal_handlers, name_ranks, peer_timeout_s, post,
-                                    restore_signal_handlers, stopping, wait_posted)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # The least time a rank gives rank 0 to serve the run's store without torchrun's agent: ranks
@@ -46,8 +56,7 @@ _POLL_EXPIRED = "Operation timed out!"
 
 def valid_ep(world: int, num_experts: int | None = None) -> list[int]:
     """The ep degrees a world of this size can run: divisors of the world (and of the expert count)."""
-    return [ep for ep in range(1, world + 1)
-            if world % ep == 0 and (num_experts is None or num_experts % ep == 0)]
+    return [ep for ep in range(1, world + 1) if world % ep == 0 and (num_experts is None or num_experts % ep == 0)]
 
 
 def check_ep(world: int, ep: int, num_experts: int | None = None) -> None:
@@ -55,11 +64,13 @@ def check_ep(world: int, ep: int, num_experts: int | None = None) -> None:
     if ep < 1 or world % ep:
         raise ConfigError(
             f"ep={ep} does not divide the world size {world}; "
-            f"valid ep for world {world}: {', '.join(map(str, valid_ep(world)))}")
+            f"valid ep for world {world}: {', '.join(map(str, valid_ep(world)))}"
+        )
     if num_experts is not None and num_experts % ep:
         raise ConfigError(
             f"ep={ep} does not divide the {num_experts} routed experts; valid ep for world "
-            f"{world} and {num_experts} experts: {', '.join(map(str, valid_ep(world, num_experts)))}")
+            f"{world} and {num_experts} experts: {', '.join(map(str, valid_ep(world, num_experts)))}"
+        )
 
 
 def expert_groups(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -115,8 +126,9 @@ class ParallelState:
         return cls(device=torch.device(device))
 
     @classmethod
-    def from_env(cls, ep: int | None = None, num_experts: int | None = None,
-                 timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelState:
+    def from_env(
+        cls, ep: int | None = None, num_experts: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> ParallelState:
         """Join the run torchrun describes in RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
         MASTER_ADDR and MASTER_PORT, and build the groups of an (edp, ep) layout.
 
@@ -139,8 +151,9 @@ class ParallelState:
         try:
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         except KeyError as e:
-            raise ConfigError(f"WORLD_SIZE={world} but {e.args[0]} is not set; "
-                              "launch with torchrun, which sets it") from None
+            raise ConfigError(
+                f"WORLD_SIZE={world} but {e.args[0]} is not set; launch with torchrun, which sets it"
+            ) from None
 
         # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT (a fresh one for
         # each restart); without an agent, rank 0 serves it.
@@ -155,8 +168,13 @@ class ParallelState:
             device = _bind_device(store, rank, world, local_rank, local_world, timeout)
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
-                backend, store=dist.PrefixStore("eprt_pg", tcp_store), rank=rank, world_size=world,
-                timeout=timeout, device_id=device if backend == "nccl" else None)
+                backend,
+                store=dist.PrefixStore("eprt_pg", tcp_store),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=device if backend == "nccl" else None,
+            )
 
             ep_groups, edp_groups = expert_groups(world, ep)
             # new_group is collective over the world: every rank creates every group, in one order.
@@ -173,11 +191,26 @@ class ParallelState:
             restore_signal_handlers(signal_handlers)
             raise
         edp_rank, ep_rank = rank_coords(rank, world, ep)
-        return cls(rank=rank, world=world, local_rank=local_rank, ep_size=ep, ep_rank=ep_rank,
-                   edp_size=world // ep, edp_rank=edp_rank, ep_ranks=ep_ranks, edp_ranks=edp_ranks,
-                   device=device, backend=backend, timeout=timeout, ep_group=ep_group,
-                   edp_group=edp_group, dp_group=dist.group.WORLD, store=store, heartbeat=heartbeat,
-                   _signal_handlers=signal_handlers)
+        return cls(
+            rank=rank,
+            world=world,
+            local_rank=local_rank,
+            ep_size=ep,
+            ep_rank=ep_rank,
+            edp_size=world // ep,
+            edp_rank=edp_rank,
+            ep_ranks=ep_ranks,
+            edp_ranks=edp_ranks,
+            device=device,
+            backend=backend,
+            timeout=timeout,
+            ep_group=ep_group,
+            edp_group=edp_group,
+            dp_group=dist.group.WORLD,
+            store=store,
+            heartbeat=heartbeat,
+            _signal_handlers=signal_handlers,
+        )
 
     def check_experts(self, num_experts: int) -> None:
         """Refuse, alike on every rank, a layer whose routed experts do not split over ep."""
@@ -188,24 +221,33 @@ class ParallelState:
         self.check_experts(num_experts)
         return ExpertPlacement(num_experts, self.ep_size, self.ep_rank, self.edp_size, self.edp_rank)
 
-    def all_reduce(self, tensor: torch.Tensor, over: str = "dp",
-                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, over: str = "dp", op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX
+    ) -> torch.Tensor:
         """Reduce `tensor` in place over the "dp" (world), "ep" or "edp" group; a no-op alone."""
         size, group = self._group(over)
         if size > 1:
             self.finish(dist.all_reduce(tensor, op=op, group=group, async_op=True))
         return tensor
 
-    def all_to_all_single(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
-                          in_splits: list[int] | None = None, over: str = "dp") -> torch.Tensor:
+    def all_to_all_single(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        out_splits: list[int] | None = None,
+        in_splits: list[int] | None = None,
+        over: str = "dp",
+    ) -> torch.Tensor:
         """`dist.all_to_all_single` over the "dp", "ep" or "edp" group, waited for by `finish`."""
-        self.finish(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._group(over)[1],
-                                           async_op=True))
+        self.finish(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._group(over)[1], async_op=True))
         return out
 
     def _group(self, over: str) -> tuple[int, dist.ProcessGroup | None]:
-        return {"dp": (self.world, self.dp_group), "ep": (self.ep_size, self.ep_group),
-                "edp": (self.edp_size, self.edp_group)}[over]
+        return {
+            "dp": (self.world, self.dp_group),
+            "ep": (self.ep_size, self.ep_group),
+            "edp": (self.edp_size, self.edp_group),
+        }[over]
 
     def finish(self, work: dist.Work) -> None:
         """Wait for a collective this rank has started (`async_op=True`); raise PeerLost, and give
@@ -235,13 +277,13 @@ class ParallelState:
         None while every peer may still come."""
         dead = self.heartbeat.dead()
         if dead:
-            return (f"{name_ranks(dead)} died: no heartbeat for {self.heartbeat.timeout_s:g} s "
-                    f"({HOW_RANKS_DIE})")
+            return f"{name_ranks(dead)} died: no heartbeat for {self.heartbeat.timeout_s:g} s ({HOW_RANKS_DIE})"
         for key in self.open_guards:
             # A guard's outcome that is not empty is a failure, a timeout or a signal.
             if int(self.store.add(f"{key}/count", 0)):
-                failed = [r for r in range(self.world)
-                          if self.store.check([f"{key}/{r}"]) and self.store.get(f"{key}/{r}")]
+                failed = [
+                    r for r in range(self.world) if self.store.check([f"{key}/{r}"]) and self.store.get(f"{key}/{r}")
+                ]
                 if failed:
                     return f"{name_ranks(failed)} failed or stopped its step"
         if int(self.store.add("failing/count", 0)):
@@ -295,8 +337,9 @@ class ParallelState:
         self.close(failing=exc is not None)
 
 
-def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeout: timedelta,
-                peer_timeout: float) -> dist.TCPStore:
+def _join_store(
+    addr: str, port: int, world: int, rank: int, serve: bool, timeout: timedelta, peer_timeout: float
+) -> dist.TCPStore:
     """The run's store at addr:port: served by this rank (`serve`), or joined.
 
     A port another program holds is refused by name. A rank that cannot join within twice the peer
@@ -313,14 +356,16 @@ def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeou
             raise ConfigError(
                 f"rank 0 cannot serve the run's store on port {port} (MASTER_ADDR={addr}, "
                 f"MASTER_PORT={port}): the port is already in use, by another run or program; "
-                "launch again with a free MASTER_PORT") from None
+                "launch again with a free MASTER_PORT"
+            ) from None
     join_s = max(2 * peer_timeout, MIN_JOIN_S)
     joined: list = []
 
     def join() -> None:
         try:
-            joined.append(dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=join_s),
-                                        wait_for_workers=False))
+            joined.append(
+                dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=join_s), wait_for_workers=False)
+            )
         except dist.DistError as e:
             joined.append(e)
 
@@ -332,7 +377,8 @@ def _join_store(addr: str, port: int, world: int, rank: int, serve: bool, timeou
             f"rank {rank} could not reach the run's store at {addr}:{port} (MASTER_ADDR, MASTER_PORT) "
             f"within {join_s:g} s: rank 0 serves it there, so check that rank 0 started, and that "
             f"MASTER_PORT {port} is free for it; ranks that start further apart need a larger "
-            f"{PEER_TIMEOUT_ENV}")
+            f"{PEER_TIMEOUT_ENV}"
+        )
     joined[0].set_timeout(timeout)
     return joined[0]
 
@@ -356,17 +402,20 @@ def check_devices(reports: list[tuple[int, int, str]]) -> None:
     if without and len(without) < len(reports):
         raise ConfigError(
             f"ranks {', '.join(without)} see no CUDA device while the others do; run every "
-            "rank with a GPU, or every rank without one (CUDA_VISIBLE_DEVICES=)")
+            "rank with a GPU, or every rank without one (CUDA_VISIBLE_DEVICES=)"
+        )
     for count, local_world, host in reports:
         if count and local_world > count:
             raise ConfigError(
                 f"{local_world} ranks run on host {host}, which has {count} visible GPUs, and two "
                 f"ranks cannot share one; run at most {count} processes per node "
-                "(--nproc-per-node) or expose more GPUs in CUDA_VISIBLE_DEVICES")
+                "(--nproc-per-node) or expose more GPUs in CUDA_VISIBLE_DEVICES"
+            )
 
 
-def _bind_device(store: dist.Store, rank: int, world: int, local_rank: int, local_world: int,
-                 timeout: timedelta) -> torch.device:
+def _bind_device(
+    store: dist.Store, rank: int, world: int, local_rank: int, local_world: int, timeout: timedelta
+) -> torch.device:
     """This rank's device, GPU `local_rank` or the CPU, once every rank's report passes
     `check_devices` (each rank checks all reports, so every rank refuses alike)."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -47,7 +47,7 @@ def segment_amax(x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> tor
     starts = [0, *ends[:-1]]
 
     def expert(e: int, _) -> None:
-        out[e] = abs_amax(x_sorted[starts[e]:ends[e]])
+        out[e] = abs_amax(x_sorted[starts[e] : ends[e]])
 
     for_each([e for e in range(count) if ends[e] > starts[e]], lambda: None, expert, x_sorted.device)
     return out
@@ -91,7 +91,7 @@ class Calibrator:
         (one decoder layer at a time in a layer-by-layer run, the whole model otherwise)."""
         for name in self.targets:
             if name.startswith(prefix):
-                target = module.get_submodule(name[len(prefix):])
+                target = module.get_submodule(name[len(prefix) :])
                 if isinstance(target, Experts):
                     self._observe_experts(name, target)
                 else:
@@ -143,7 +143,8 @@ class Calibrator:
         --calibrate-all-experts go into the same amax as the routed ones (a max of both), their
         count into `expert_all_tokens`."""
         self.expert_all_tokens.setdefault(
-            name, torch.zeros(experts.count, dtype=torch.int64, device=device_of(experts)))
+            name, torch.zeros(experts.count, dtype=torch.int64, device=device_of(experts))
+        )
 
         def observer(e, x, h):
             w13_in, w2_in = self.expert_amax[name]
@@ -182,7 +183,8 @@ class Calibrator:
                 raise CalibrationError(
                     f"{what}: calibration on rank {rank} recorded a non-finite amax ({t.max().item()}); the model "
                     "computes NaN or infinity here: check the checkpoint's weights for NaN/Inf, or calibrate with "
-                    "--dtype fp32 if bf16 overflows")
+                    "--dtype fp32 if bf16 overflows"
+                )
 
     def reduce(self, state: ParallelState) -> None:
         """Dense and KV amax: max over the world; experts: max (and token sum) over the edp replicas."""

@@ -43,12 +43,26 @@ class CalibrationRecord:
     experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
     (the whole model's weights): their values are None and `read_gptq` reads one at a time."""
 
-    INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = "input_amax", "w13_input_amax", "w2_input_amax", "tokens", "k_amax", "v_amax"
+    INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = (
+        "input_amax",
+        "w13_input_amax",
+        "w2_input_amax",
+        "tokens",
+        "k_amax",
+        "v_amax",
+    )
     GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2 = "gptq_weight", "gptq_w13", "gptq_w2"
     GPTQ = (GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2)
 
-    def __init__(self, input_amax=None, expert_input_amax=None, expert_tokens=None, kv_amax=None, gptq_dense=None,
-                 gptq_experts=None):
+    def __init__(
+        self,
+        input_amax=None,
+        expert_input_amax=None,
+        expert_tokens=None,
+        kv_amax=None,
+        gptq_dense=None,
+        gptq_experts=None,
+    ):
         self.input_amax: dict[str, torch.Tensor] = input_amax or {}
         self.expert_input_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = expert_input_amax or {}
         self.expert_tokens: dict[str, torch.Tensor] = expert_tokens or {}
@@ -90,8 +104,9 @@ class CalibrationRecord:
         get = lambda leaf: by.get(leaf, {})  # noqa: E731
         unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V, *cls.GPTQ}
         if unknown:
-            raise CheckpointError(f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; "
-                                  "calibrate again with this eprt")
+            raise CheckpointError(
+                f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; calibrate again with this eprt"
+            )
         experts = {m: (w13, get(cls.W2_INPUT)[m]) for m, w13 in get(cls.W13_INPUT).items()}
         kv = {m: (k, get(cls.V)[m]) for m, k in get(cls.K).items()}
         gptq_experts = {m: (w13, get(cls.GPTQ_W2)[m]) for m, w13 in get(cls.GPTQ_W13).items()}
@@ -100,11 +115,13 @@ class CalibrationRecord:
     @classmethod
     def read(cls, ck: Checkpoint) -> "CalibrationRecord":
         """The record of a calibrated checkpoint; GPTQ's weights by name only (`read_gptq`)."""
-        return cls.from_tensors({n: None if n.rsplit(".", 1)[1] in cls.GPTQ else ck.read(n)
-                                 for n in ck.names(role="calibration")})
+        return cls.from_tensors(
+            {n: None if n.rsplit(".", 1)[1] in cls.GPTQ else ck.read(n) for n in ck.names(role="calibration")}
+        )
 
-    def read_gptq(self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
-                  ) -> torch.Tensor:
+    def read_gptq(
+        self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
+    ) -> torch.Tensor:
         """GPTQ's codes of dense Linear `module`, or of routed expert `expert`'s `kind` (w13, w2)."""
         if kind is None:
             return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
@@ -112,8 +129,17 @@ class CalibrationRecord:
         return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
 
 
-def write_calibrated(tmp: str, out: str, state: ParallelState, cal: Calibrator, ck: Checkpoint, recipe: Recipe,
-                     summary: dict, quality: dict | None = None, gptq=None) -> None:
+def write_calibrated(
+    tmp: str,
+    out: str,
+    state: ParallelState,
+    cal: Calibrator,
+    ck: Checkpoint,
+    recipe: Recipe,
+    summary: dict,
+    quality: dict | None = None,
+    gptq=None,
+) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
     quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
@@ -126,13 +152,23 @@ def write_calibrated(tmp: str, out: str, state: ParallelState, cal: Calibrator, 
         return
     dense = cs.dense_tensors()
     save_tensors(os.path.join(tmp, DENSE_FILE), dense)
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape), "raw", "calibration",
-                        (Part(DENSE_FILE, n, (0, t.shape[0] if t.dim() else 0)),), t.dtype)
-             for n, t in dense.items()]
+    metas = [
+        TensorMeta(
+            n,
+            t.dtype,
+            tuple(t.shape),
+            "raw",
+            "calibration",
+            (Part(DENSE_FILE, n, (0, t.shape[0] if t.dim() else 0)),),
+            t.dtype,
+        )
+        for n, t in dense.items()
+    ]
     place = state.placement(ck.config.num_experts)
     for n, t in experts.items():
-        parts = tuple(Part(experts_file(r), n, (first, first + count))
-                      for r, (first, count) in enumerate(place.ranges()))
+        parts = tuple(
+            Part(experts_file(r), n, (first, first + count)) for r, (first, count) in enumerate(place.ranges())
+        )
         metas.append(TensorMeta(n, t.dtype, (place.num_experts, *t.shape[1:]), "raw", "calibration", parts, t.dtype))
     quantization = {"recipe": recipe.to_json(), "calibration": summary}
     if quality is not None:
@@ -140,6 +176,15 @@ def write_calibrated(tmp: str, out: str, state: ParallelState, cal: Calibrator, 
             json.dump(quality, f, indent=1)
         write_page(page_path(os.path.join(tmp, QUALITY_FILE)), [(label(quality), quality)])  # as a page too
         quantization["quality"] = QUALITY_FILE
-    write_manifest(tmp, manifest(
-        ck.family, ck.config, ck.source_config, metas, ck.hf_files,
-        base=base_reference(out, ck.path), quantization=quantization))
+    write_manifest(
+        tmp,
+        manifest(
+            ck.family,
+            ck.config,
+            ck.source_config,
+            metas,
+            ck.hf_files,
+            base=base_reference(out, ck.path),
+            quantization=quantization,
+        ),
+    )

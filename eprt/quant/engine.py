@@ -98,9 +98,17 @@ class LayerWork:
     def state(self) -> ParallelState:
         return self.engine.state
 
-    def run(self, sequences: Sequences, ls: LayerState, *, write: bool = True,
-            on_sequence: Callable[[int], None] = _nothing, on_step: Callable[[int], None] = _nothing,
-            on_routed: Callable[[RoutedStep], None] = _nothing, tick: Callable[[], None] = _nothing) -> None:
+    def run(
+        self,
+        sequences: Sequences,
+        ls: LayerState,
+        *,
+        write: bool = True,
+        on_sequence: Callable[[int], None] = _nothing,
+        on_step: Callable[[int], None] = _nothing,
+        on_routed: Callable[[RoutedStep], None] = _nothing,
+        tick: Callable[[], None] = _nothing,
+    ) -> None:
         """`sequences` (at `ls`) through the layer, step by step; with `write`, each output replaces
         its sequence's hidden state (else the run only feeds the taps). `on_step(step)` before each
         step; `on_sequence(local index)` on the thread about to run that sequence's dense part."""
@@ -109,8 +117,9 @@ class LayerWork:
         snapshots = [ls.hidden.clone()] if write and getattr(layer, "attn_res", False) and layer.starts_block else []
         for step in range(sequences.schedule.num_steps):
             on_step(step)
-            self.engine._run_step(layer, step, ls, sequences=sequences, write=write, on_sequence=on_sequence,
-                                  on_routed=on_routed)
+            self.engine._run_step(
+                layer, step, ls, sequences=sequences, write=write, on_sequence=on_sequence, on_routed=on_routed
+            )
             tick()
         ls.blocks += snapshots
 
@@ -158,8 +167,16 @@ class LayerEngine:
     """Calibrates one rank's share of `samples`, layer by layer, through `passes` (their order is
     their hooks'), over checkpoint `rc` in its dtype. Every rank of `state` runs it alike."""
 
-    def __init__(self, state: ParallelState, rc: ResolvedCheckpoint, samples: torch.Tensor, passes: list[Pass], *,
-                 schedule: Schedule, progress: bool = True):
+    def __init__(
+        self,
+        state: ParallelState,
+        rc: ResolvedCheckpoint,
+        samples: torch.Tensor,
+        passes: list[Pass],
+        *,
+        schedule: Schedule,
+        progress: bool = True,
+    ):
         self.state, self.samples, self.passes, self.progress = state, samples, passes, progress
         self.ck, self.dtype, c = rc.ck, rc.dtype, rc.ck.config
         self.rc = rc.holding(state.placement(c.num_experts).range if c.moe_layers else None)  # this rank's experts
@@ -185,12 +202,17 @@ class LayerEngine:
         table.to_empty(device="meta")
         return LayerState(hidden, [])
 
-    def run(self, first_layer: int, ls: LayerState,
-            after_layer: Callable[[int, LayerState], None] = _nothing) -> LayerState:
+    def run(
+        self, first_layer: int, ls: LayerState, after_layer: Callable[[int, LayerState], None] = _nothing
+    ) -> LayerState:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
-        with cpu_threads(self.state.device), bar((len(layers) - first_layer) * self.steps_per_layer, "calibrate",
-                                                 unit="step", enabled=self.progress) as pb:
+        with (
+            cpu_threads(self.state.device),
+            bar(
+                (len(layers) - first_layer) * self.steps_per_layer, "calibrate", unit="step", enabled=self.progress
+            ) as pb,
+        ):
             for i in range(first_layer, len(layers)):
                 ls = self.run_layer(i, ls, pb)
                 after_layer(i, ls)
@@ -217,8 +239,14 @@ class LayerEngine:
         layer.to_empty(device="meta")
         compute_s, sent = time.perf_counter() - start, self.calibration.dispatcher.bytes_sent - sent_before
         if self.state.rank == 0:
-            self.log.info("layer %d: read %.2f s (%.1f MiB), compute %.2f s, exchanged %.1f MiB", i, read_s,
-                          placed / 2**20, compute_s, sent / 2**20)
+            self.log.info(
+                "layer %d: read %.2f s (%.1f MiB), compute %.2f s, exchanged %.1f MiB",
+                i,
+                read_s,
+                placed / 2**20,
+                compute_s,
+                sent / 2**20,
+            )
         return ls
 
     def run_mtp(self, k: int, prefix: str, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,16 +259,24 @@ class LayerEngine:
         mtp = load_mtp(self.rc, k, device=device)
         ids = self.samples[self.calibration.mine].to(device)
         work = LayerWork(self, mtp, prefix, None, _nothing)
-        self._through(work, [p for p in self.passes if p.covers_mtp],
-                      lambda: LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), []))
+        self._through(
+            work,
+            [p for p in self.passes if p.covers_mtp],
+            lambda: LayerState(mtp.mtp_input(ids, hidden, shift=k + 1), []),
+        )
         mtp.to_empty(device="meta")
         if self.state.rank == 0:
-            self.log.info("MTP layer %s: read and compute %.2f s, exchanged %.1f MiB", prefix.rstrip("."),
-                          time.perf_counter() - start, (self.calibration.dispatcher.bytes_sent - sent_before) / 2**20)
+            self.log.info(
+                "MTP layer %s: read and compute %.2f s, exchanged %.1f MiB",
+                prefix.rstrip("."),
+                time.perf_counter() - start,
+                (self.calibration.dispatcher.bytes_sent - sent_before) / 2**20,
+            )
         return work.hidden.hidden
 
     def _through(self, work: LayerWork, passes: list[Pass], inputs: Callable[[], LayerState]) -> None:
         """One loaded layer through every hook of `passes`, on the calibration sequences `inputs()`."""
+
         def on_routed(routed: RoutedStep) -> None:
             for p in passes:
                 p.on_routed(work, routed)
@@ -264,13 +300,16 @@ class LayerEngine:
         -> that sequence's logits [T, V] from the hidden states after the last layer."""
         layers = self.prefix + "layers."
         tied = self.model.config.tie_word_embeddings
-        names = [n for n in self.names if not n.startswith(layers)
-                 and (tied or not n.startswith(self.prefix + "embed_tokens."))]
+        names = [
+            n
+            for n in self.names
+            if not n.startswith(layers) and (tied or not n.startswith(self.prefix + "embed_tokens."))
+        ]
         for prefix in sorted({n.rpartition(".")[0] + "." for n in names}):
             self._assign(prefix)
 
         def logits(ls: LayerState, li: int) -> torch.Tensor:
-            return self.model.logits(self.decoder.final(ls.hidden[li:li + 1], [b[li:li + 1] for b in ls.blocks]))[0]
+            return self.model.logits(self.decoder.final(ls.hidden[li : li + 1], [b[li : li + 1] for b in ls.blocks]))[0]
 
         try:
             yield logits
@@ -278,9 +317,17 @@ class LayerEngine:
             for module in sorted({n.rpartition(".")[0] for n in names}):
                 self.model.get_submodule(module).to_empty(device="meta")
 
-    def _run_step(self, layer: nn.Module, step: int, ls: LayerState, *, sequences: Sequences, write: bool = True,
-                  on_sequence: Callable[[int], None] = _nothing,
-                  on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
+    def _run_step(
+        self,
+        layer: nn.Module,
+        step: int,
+        ls: LayerState,
+        *,
+        sequences: Sequences,
+        write: bool = True,
+        on_sequence: Callable[[int], None] = _nothing,
+        on_routed: Callable[[RoutedStep], None] = _nothing,
+    ) -> None:
         """One step of one layer: its sequences' dense parts one sequence each, the routed experts
         over the step's work units; each output replaces its sequence's hidden state (unless not
         `write`: a run that only feeds the taps).
@@ -300,9 +347,9 @@ class LayerEngine:
         def dense(j: int, _) -> None:
             s, li = mine[j]
             on_sequence(li)
-            blocks = [b[li:li + 1] for b in ls.blocks]
+            blocks = [b[li : li + 1] for b in ls.blocks]
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
-            carry, m = layer.attend(ls.hidden[li:li + 1], *args)
+            carry, m = layer.attend(ls.hidden[li : li + 1], *args)
             if not moe:
                 out = (carry + ffn(m))[0]
                 if write:

@@ -34,8 +34,10 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
     modules = {**layout.linear_modules(), **mtp_candidates(layout, recipe, where)}
     quantized = {m: spec for m, spec in modules.items() if recipe.format_of(m)}
     if not quantized:
-        raise RecipeError(f"recipe {recipe.name!r} quantizes no module of {where}"
-                          f"{unmatched_hint(recipe, list(modules))}; fix its patterns")
+        raise RecipeError(
+            f"recipe {recipe.name!r} quantizes no module of {where}"
+            f"{unmatched_hint(recipe, list(modules))}; fix its patterns"
+        )
     refuse_split_fusion(modules, quantized, recipe, where)
     refuse_unimplemented_algorithms(quantized, recipe, where)
     refuse_unblockable((*layout.specs, *layout.mtp), quantized, recipe, where)
@@ -74,19 +76,25 @@ def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, Tens
     if recipe.mtp:
         if carried and not layout.mtp:
             layers = sorted({".".join(m.split(".")[:3]) for m in carried})
-            raise RecipeError(f"{where}: recipe {recipe.name!r} says mtp: true, but eprt does not run this model's "
-                              f"multi-token-prediction layers ({', '.join(layers)}; it runs DeepSeek-V3's, "
-                              "Kimi-K2's and GLM-4.5's) and carries them through unquantized: remove `mtp: true` "
-                              "from the recipe")
+            raise RecipeError(
+                f"{where}: recipe {recipe.name!r} says mtp: true, but eprt does not run this model's "
+                f"multi-token-prediction layers ({', '.join(layers)}; it runs DeepSeek-V3's, "
+                "Kimi-K2's and GLM-4.5's) and carries them through unquantized: remove `mtp: true` "
+                "from the recipe"
+            )
         return layout.linear_modules(mtp=True)
     for mtp in carried:
         rule = recipe.rule_of(mtp)
         if rule and rule.format != "none" and not any(fnmatch.fnmatchcase(m, rule.pattern) for m in modules):
-            way_out = ("add `mtp: true` to the recipe to quantize the MTP layers by its rules, or drop the rule"
-                       if layout.mtp else "eprt carries this model's MTP layers through unquantized: drop the rule "
-                       "or give it format none")
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule.pattern!r}, format: "
-                              f"{rule.format}}}), a multi-token-prediction layer, but does not say mtp: true; {way_out}")
+            way_out = (
+                "add `mtp: true` to the recipe to quantize the MTP layers by its rules, or drop the rule"
+                if layout.mtp
+                else "eprt carries this model's MTP layers through unquantized: drop the rule or give it format none"
+            )
+            raise RecipeError(
+                f"{where}: recipe {recipe.name!r} quantizes {mtp} ({{pattern: {rule.pattern!r}, format: "
+                f"{rule.format}}}), a multi-token-prediction layer, but does not say mtp: true; {way_out}"
+            )
     return {}
 
 
@@ -98,9 +106,11 @@ def refuse_mtp_gaps(layout: Layout, quantized: dict, recipe: Recipe, where: str)
     for n in sorted({layer_of(s.name) for s in layout.mtp}):
         if not any(layer_of(m) == n for m in quantized):
             some = ", ".join(sorted(m for m in candidates if layer_of(m) == n)[:3])
-            raise RecipeError(f"{where}: recipe {recipe.name!r} says mtp: true but quantizes no module of the "
-                              f"multi-token-prediction layer model.layers.{n}: make a rule match its modules "
-                              f"({some}, ...), or remove `mtp: true`")
+            raise RecipeError(
+                f"{where}: recipe {recipe.name!r} says mtp: true but quantizes no module of the "
+                f"multi-token-prediction layer model.layers.{n}: make a rule match its modules "
+                f"({some}, ...), or remove `mtp: true`"
+            )
 
 
 def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: str) -> None:
@@ -128,27 +138,38 @@ def refuse_unimplemented_algorithms(quantized: dict, recipe: Recipe, where: str)
     for module in quantized:
         fmt, algorithm = weight_format(recipe.format_of(module)), recipe.algorithm_of(module)
         if algorithm not in fmt.algorithms:
-            raise RecipeError(f"{where}: recipe {recipe.name!r} quantizes {module} in {fmt.name} with algorithm "
-                              f"{algorithm}, which {fmt.name} does not implement (it runs {', '.join(fmt.algorithms)}: "
-                              f"its scales come from the weights alone); use --algorithm "
-                              f"{' or '.join(fmt.algorithms)} or another format for it")
+            raise RecipeError(
+                f"{where}: recipe {recipe.name!r} quantizes {module} in {fmt.name} with algorithm "
+                f"{algorithm}, which {fmt.name} does not implement (it runs {', '.join(fmt.algorithms)}: "
+                f"its scales come from the weights alone); use --algorithm "
+                f"{' or '.join(fmt.algorithms)} or another format for it"
+            )
 
 
 def refuse_unblockable(specs, quantized: dict[str, TensorSpec], recipe: Recipe, where: str) -> None:
     """Every quantized weight of `specs` whose input dim its format cannot split into blocks, refused
     at once (naming the first format that refuses one)."""
-    bad = [(module, spec) for spec in specs for module in [module_of(spec)]
-           if module in quantized and weight_format(recipe.format_of(module)).unfit_input_dim(spec.shape[-1])]
+    bad = [
+        (module, spec)
+        for spec in specs
+        for module in [module_of(spec)]
+        if module in quantized and weight_format(recipe.format_of(module)).unfit_input_dim(spec.shape[-1])
+    ]
     if not bad:
         return
     module, spec = bad[0]
     fmt = weight_format(recipe.format_of(module))
     fits = " or ".join(f.name for f in WEIGHT_FORMATS.values() if not f.unfit_input_dim(spec.shape[-1]))
-    more = f" (and {len(bad) - 1} more: {', '.join(spec_name(s) for _, s in bad[1:4])}{'...' if len(bad) > 4 else ''})" \
-        if len(bad) > 1 else ""
-    raise RecipeError(f"{where}: {spec_name(spec)}: input dim {spec.shape[-1]} is not a multiple of "
-                      f"{fmt.group_size}; {fmt.quant_algo} cannot quantize it{more}: exclude it in recipe "
-                      f"{recipe.name!r} ({{pattern: \"{module}\", format: none}} before the rule that matches it) or use {fits}")
+    more = (
+        f" (and {len(bad) - 1} more: {', '.join(spec_name(s) for _, s in bad[1:4])}{'...' if len(bad) > 4 else ''})"
+        if len(bad) > 1
+        else ""
+    )
+    raise RecipeError(
+        f"{where}: {spec_name(spec)}: input dim {spec.shape[-1]} is not a multiple of "
+        f"{fmt.group_size}; {fmt.quant_algo} cannot quantize it{more}: exclude it in recipe "
+        f'{recipe.name!r} ({{pattern: "{module}", format: none}} before the rule that matches it) or use {fits}'
+    )
 
 
 def module_of(spec: TensorSpec) -> str | None:

@@ -27,25 +27,36 @@ from eprt.parallel import ParallelState
 from eprt.storage.checkpoint import MANIFEST, Checkpoint, manifest_digest, pin_changes, weight_pins
 
 # options that change a byte of the result, and how the user names each
-OPTIONS = {"dtype": "--dtype", "world": "the world size", "ep": "--ep",
-           "group_size": "the sequences per expert work unit (group_tokens)",
-           "gptq_min_tokens": "--gptq-min-tokens", "all_experts": "--calibrate-all-experts"}
+OPTIONS = {
+    "dtype": "--dtype",
+    "world": "the world size",
+    "ep": "--ep",
+    "group_size": "the sequences per expert work unit (group_tokens)",
+    "gptq_min_tokens": "--gptq-min-tokens",
+    "all_experts": "--calibrate-all-experts",
+}
 
 
 def tokens_digest(ids: torch.Tensor | None) -> dict | None:
     if ids is None:
         return None
-    return {"sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(), "shape": list(ids.shape),
-            "dtype": str(ids.dtype).removeprefix("torch.")}
+    return {
+        "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+        "shape": list(ids.shape),
+        "dtype": str(ids.dtype).removeprefix("torch."),
+    }
 
 
-def run_fingerprint(ck: Checkpoint, recipe, samples: torch.Tensor, eval_ids: torch.Tensor | None,
-                    options: dict) -> dict:
+def run_fingerprint(
+    ck: Checkpoint, recipe, samples: torch.Tensor, eval_ids: torch.Tensor | None, options: dict
+) -> dict:
     """`options`: the values of OPTIONS' keys this run calibrates with."""
-    return {"base": {"manifest_sha256": manifest_digest(ck.path), "weights": weight_pins(ck)},
-            "recipe": recipe.to_json(),
-            "data": {"calibration": tokens_digest(samples), "held_out": tokens_digest(eval_ids)},
-            "options": {k: options[k] for k in OPTIONS}}
+    return {
+        "base": {"manifest_sha256": manifest_digest(ck.path), "weights": weight_pins(ck)},
+        "recipe": recipe.to_json(),
+        "data": {"calibration": tokens_digest(samples), "held_out": tokens_digest(eval_ids)},
+        "options": {k: options[k] for k in OPTIONS},
+    }
 
 
 def differences(then: dict, now: dict, base: str, times: bool = True) -> list[str]:
@@ -67,8 +78,11 @@ def differences(then: dict, now: dict, base: str, times: bool = True) -> list[st
         d0, d1 = then.get("data", {}).get(kind), now.get("data", {}).get(kind)
         if d0 != d1:
             shapes = (d0 or {}).get("shape"), (d1 or {}).get("shape")
-            out.append(f"{what} (sequences x tokens {shapes[0]}, now {shapes[1]})" if shapes[0] != shapes[1]
-                       else f"{what}'s tokens")
+            out.append(
+                f"{what} (sequences x tokens {shapes[0]}, now {shapes[1]})"
+                if shapes[0] != shapes[1]
+                else f"{what}'s tokens"
+            )
     o0, o1 = then.get("options", {}), now.get("options", {})
     out += [f"{flag} ({o0.get(k)}, now {o1.get(k)})" for k, flag in OPTIONS.items() if o0.get(k) != o1.get(k)]
     return out
@@ -84,9 +98,11 @@ def agree_over_ranks(state: ParallelState, fingerprint: dict, base: str) -> None
     for rank, theirs in enumerate(everyone):
         differ = differences(everyone[0], theirs, base, times=False)
         if differ:
-            raise ConfigError(f"rank {rank} reads other inputs than rank 0: {'; '.join(differ)} differ; every rank "
-                              "must read the same checkpoint, recipe and data (a node's stale copy?): copy them "
-                              "again so that every node holds the same files")
+            raise ConfigError(
+                f"rank {rank} reads other inputs than rank 0: {'; '.join(differ)} differ; every rank "
+                "must read the same checkpoint, recipe and data (a node's stale copy?): copy them "
+                "again so that every node holds the same files"
+            )
 
 
 def check_base_read(ck: Checkpoint, fingerprint: dict) -> None:
@@ -102,9 +118,11 @@ def check_base_unchanged(ck: Checkpoint, fingerprint: dict) -> None:
     """Refuse a base that, now, is not the one this run started from and read."""
     check_base_read(ck, fingerprint)
     if manifest_digest(ck.path) != fingerprint["base"]["manifest_sha256"]:
-        raise CheckpointError(f"{os.path.join(ck.path, MANIFEST)} changed during calibration (converted again in "
-                              "place?), so the layers calibrated may come from two models: calibrate again once "
-                              "the checkpoint no longer changes")
+        raise CheckpointError(
+            f"{os.path.join(ck.path, MANIFEST)} changed during calibration (converted again in "
+            "place?), so the layers calibrated may come from two models: calibrate again once "
+            "the checkpoint no longer changes"
+        )
     check_pins_as_start(ck.path, fingerprint, weight_pins(ck), "during calibration")
 
 
@@ -118,8 +136,10 @@ def check_pins_as_start(path: str, fingerprint: dict, pins: dict, when: str) -> 
 
 
 def base_changed(path: str, f: str, changed: list[str], when: str) -> str:
-    return (f"{os.path.join(path, f)} changed {when} ({', '.join(changed)} differ from its pin at the start), so "
-            "the layers calibrated may come from two models: calibrate again once the checkpoint no longer changes")
+    return (
+        f"{os.path.join(path, f)} changed {when} ({', '.join(changed)} differ from its pin at the start), so "
+        "the layers calibrated may come from two models: calibrate again once the checkpoint no longer changes"
+    )
 
 
 def saved_fingerprint(text: str | None) -> dict:

@@ -55,7 +55,7 @@ class HessianSum:
 
     def __init__(self, dim: int, amax: float, tokens: int, device=None):
         self.amax, self.shift = float(amax), fixed_point_shift(amax, tokens)
-        self.scale = 2.0 ** self.shift
+        self.scale = 2.0**self.shift
         self.total = torch.zeros(dim, dim, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
 
@@ -64,8 +64,10 @@ class HessianSum:
         if x.shape[0] == 0:
             return
         if x.abs().max().item() > self.amax:  # the bound the shift was chosen for would not hold
-            raise ValueError(f"a row reaches {x.abs().max().item()}, above the calibrated input amax {self.amax}: "
-                             "the Hessian pass saw other inputs than the max pass")
+            raise ValueError(
+                f"a row reaches {x.abs().max().item()}, above the calibrated input amax {self.amax}: "
+                "the Hessian pass saw other inputs than the max pass"
+            )
         x = x.double()
         unit = torch.round(x.T @ x * self.scale).to(torch.int64)
         with self._lock:  # units may come from several threads at once; an int64 sum is the same in any order
@@ -82,8 +84,9 @@ def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor):
     return weight_format(fmt).columns(w, scales)
 
 
-def gptq(w: torch.Tensor, hessians: Iterable[torch.Tensor], cols, block: int = BLOCK,
-         damp: float = DAMP) -> torch.Tensor:
+def gptq(
+    w: torch.Tensor, hessians: Iterable[torch.Tensor], cols, block: int = BLOCK, damp: float = DAMP
+) -> torch.Tensor:
     """GPTQ's weights (fp32 [L, out, in], each value exactly representable by `cols`) for a stack
     of weights w [L, out, in] and the Hessians [in, in] of their inputs, in order: a stack
     [L, in, in], or a generator that makes each as it is factored, so that one is held at a time
@@ -135,8 +138,10 @@ def _inverse_factor(H: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.T
             U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
             if info.item() == 0:
                 return U
-    raise ValueError(f"GPTQ: the Hessian ({H.shape[0]} columns) is not positive definite even with "
-                     f"{damp * 1000:g} x its mean diagonal as damping; calibrate with more tokens")
+    raise ValueError(
+        f"GPTQ: the Hessian ({H.shape[0]} columns) is not positive definite even with "
+        f"{damp * 1000:g} x its mean diagonal as damping; calibrate with more tokens"
+    )
 
 
 def _damped(H: torch.Tensor, dead: torch.Tensor, damping: float, diag: torch.Tensor) -> torch.Tensor:

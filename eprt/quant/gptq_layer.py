@@ -116,8 +116,17 @@ def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor)
 class GPTQRun:
     """What every layer's GPTQ shares: the run, the recipe, the results so far."""
 
-    def __init__(self, state: ParallelState, rc: ResolvedCheckpoint, recipe, targets: list[str], *, tokens: int,
-                 min_tokens: int = DEFAULT_MIN_TOKENS, expert_stack: int = MOST_EXPERTS_STACKED):
+    def __init__(
+        self,
+        state: ParallelState,
+        rc: ResolvedCheckpoint,
+        recipe,
+        targets: list[str],
+        *,
+        tokens: int,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        expert_stack: int = MOST_EXPERTS_STACKED,
+    ):
         self.state, self.rc, self.recipe = state, rc, recipe
         self.ck, self.dtype = rc.ck, rc.dtype
         self.expert_stack = expert_stack  # routed experts solved at once: the memory plan's (MemoryPlan.expert_stack)
@@ -141,8 +150,9 @@ class LayerGPTQ:
         self.dense = [m for m in mine(cal.targets) if not isinstance(self._module(m), Experts)]
         self.experts = [m for m in mine(cal.targets) if isinstance(self._module(m), Experts)]
         # this layer's routed token counts summed over the ranks, on copies
-        tokens = {m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM)
-                  for m in self.experts}
+        tokens = {
+            m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM) for m in self.experts
+        }
         self.stats = CalibrationRecord(cal.input_amax, cal.expert_amax, tokens)
         self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
@@ -151,7 +161,7 @@ class LayerGPTQ:
         self.expert_hessians: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}  # local expert -> sums
 
     def _module(self, name: str):
-        return self.layer.get_submodule(name[len(self.prefix):])
+        return self.layer.get_submodule(name[len(self.prefix) :])
 
     def _read(self, module: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Original weight `name` of `module` (or its rows), as the export quantizes it."""
@@ -178,8 +188,9 @@ class LayerGPTQ:
     def _observe(self, taps: contextlib.ExitStack) -> None:
         for m in self.gptq_dense:
             module = self._module(m)
-            hs = HessianSum(module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens,
-                            module.weight.device)
+            hs = HessianSum(
+                module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens, module.weight.device
+            )
             self.hessians[m] = hs
             # the dense part runs one sequence a call (calls side by side): each call is one unit
             hook = lambda _m, args, hs=hs: hs.add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
@@ -189,9 +200,14 @@ class LayerGPTQ:
             w13_amax, w2_amax = self.stats.expert_input_amax[m]
             tokens = self.stats.expert_tokens[m].tolist()
             D, I = experts.w13.shape[2], experts.w2.shape[2]
-            sums = {l: (HessianSum(D, w13_amax[l].item(), n, experts.w13.device),
-                        HessianSum(I, w2_amax[l].item(), n, experts.w13.device))
-                    for l, n in enumerate(tokens) if n >= self.run.min_tokens}
+            sums = {
+                l: (
+                    HessianSum(D, w13_amax[l].item(), n, experts.w13.device),
+                    HessianSum(I, w2_amax[l].item(), n, experts.w13.device),
+                )
+                for l, n in enumerate(tokens)
+                if n >= self.run.min_tokens
+            }
             self.expert_hessians[m] = sums
             taps.enter_context(tapped(experts, units=lambda x, h, rows_LU, sums=sums: _add_units(sums, x, h, rows_LU)))
 
@@ -245,7 +261,7 @@ class LayerGPTQ:
             solved = sorted(sums)
             stack = run.expert_stack
             for j in range(0, len(solved), stack):
-                ids = solved[j:j + stack]
+                ids = solved[j : j + stack]
                 cols = columns_of(fmt, rows[ids], scales[ids])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
                 q = gptq(rows[ids], (sums[l][k].hessian() for l in ids), cols)
@@ -260,12 +276,20 @@ class LayerGPTQ:
         run.state.all_reduce(skipped, over="ep", op=dist.ReduceOp.MAX)
         run.results.skipped[m] = skipped.nonzero().view(-1).tolist()
         if run.results.skipped[m] and run.state.rank == 0:
-            logger().info("%s: GPTQ kept max rounding for experts %s (fewer than %d tokens, --gptq-min-tokens)",
-                          m, run.results.skipped[m], run.min_tokens)
+            logger().info(
+                "%s: GPTQ kept max rounding for experts %s (fewer than %d tokens, --gptq-min-tokens)",
+                m,
+                run.results.skipped[m],
+                run.min_tokens,
+            )
 
 
-def _add_units(sums: dict[int, tuple[HessianSum, HessianSum]], x_sorted: torch.Tensor, h_sorted: torch.Tensor,
-               rows_per_unit_LU: torch.Tensor) -> None:
+def _add_units(
+    sums: dict[int, tuple[HessianSum, HessianSum]],
+    x_sorted: torch.Tensor,
+    h_sorted: torch.Tensor,
+    rows_per_unit_LU: torch.Tensor,
+) -> None:
     """Each (local expert, work unit)'s rows, as `Experts.forward_units` computed them, into the
     expert's sums (those with enough tokens)."""
     counts = rows_per_unit_LU.tolist()
@@ -273,6 +297,6 @@ def _add_units(sums: dict[int, tuple[HessianSum, HessianSum]], x_sorted: torch.T
     for l, row in enumerate(counts):
         for n in row:
             if n and l in sums:
-                sums[l][0].add(x_sorted[start:start + n])
-                sums[l][1].add(h_sorted[start:start + n])
+                sums[l][0].add(x_sorted[start : start + n])
+                sums[l][1].add(h_sorted[start : start + n])
             start += n

@@ -100,8 +100,12 @@ def chunk_buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: 
     return kept[:n].view(shape)
 
 
-def for_chunks(chunks: list[tuple[int, int]], buffers: Callable[[], object],
-               body: Callable[[int, int, object], None], device: torch.device) -> None:
+def for_chunks(
+    chunks: list[tuple[int, int]],
+    buffers: Callable[[], object],
+    body: Callable[[int, int, object], None],
+    device: torch.device,
+) -> None:
     """body(a, b, bufs) for every chunk [a, b), with `bufs` from buffers() reused from chunk to
     chunk: in order, or on the workers of eprt.kernels.cpu_workers, each with buffers of its own."""
     for_each(chunks, buffers, lambda ab, bufs: body(*ab, bufs), device)

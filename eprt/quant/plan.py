@@ -112,9 +112,19 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.hidden + self.tokens + self.codes + max(self.embedding, self.reading,
-                                                               self.layer + self.step + self.gptq,
-                                                               self.eval_layer + self.eval_step, self.head)
+        return (
+            self.baseline
+            + self.hidden
+            + self.tokens
+            + self.codes
+            + max(
+                self.embedding,
+                self.reading,
+                self.layer + self.step + self.gptq,
+                self.eval_layer + self.eval_step,
+                self.head,
+            )
+        )
 
     def summary(self) -> str:
         """'peaks at X (its terms)', and on a GPU what the host holds: the run logs it, the dry run prints it."""
@@ -122,14 +132,18 @@ class MemoryPlan:
         return f"peaks at {format_bytes(self.peak)} ({self.terms()}){host}"
 
     def terms(self) -> str:
-        text = (f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
-                f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}")
+        text = (
+            f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
+            f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}"
+        )
         if self.gptq:
             text += f", GPTQ's Hessians {format_bytes(self.gptq)} (experts solved {self.expert_stack} at a time)"
             text += f", its codes {format_bytes(self.codes)}" if self.codes else ""  # on a GPU: the host's
         if self.eval_layer:
-            text += (f", quality report: layer with its copy {format_bytes(self.eval_layer)}, held-out step "
-                     f"{format_bytes(self.eval_step)}, head {format_bytes(self.head)}")
+            text += (
+                f", quality report: layer with its copy {format_bytes(self.eval_layer)}, held-out step "
+                f"{format_bytes(self.eval_step)}, head {format_bytes(self.head)}"
+            )
         return text
 
 
@@ -147,8 +161,10 @@ class HostPlan:
         return self.baseline + self.tokens + self.reading + self.codes
 
     def terms(self) -> str:
-        return (f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
-                f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}")
+        return (
+            f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
+            f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -167,8 +183,9 @@ class GPTQLinear:
         # result and the stack's copies of the weights as read; factoring: the fp64 Hessian, its
         # Cholesky factor, the inverse and its factor (eprt.quant.gptq._inverse_factor)
         square = in_dim * in_dim * 8
-        return cls(count * square, out_dim * in_dim * 4, square + 3 * out_dim * in_dim * 8, 4 * square,
-                   count if routed else 0)
+        return cls(
+            count * square, out_dim * in_dim * 4, square + 3 * out_dim * in_dim * 8, 4 * square, count if routed else 0
+        )
 
     def held(self, ep: int) -> int:
         """The Hessians one rank holds: its share of the routed experts'."""
@@ -235,8 +252,14 @@ class Planner:
     workers: int = 1
 
     @classmethod
-    def of(cls, rc: ResolvedCheckpoint, device: torch.device, targets=(), mtp: bool = False,
-           gptq: Mapping[str, str] | None = None) -> Planner:
+    def of(
+        cls,
+        rc: ResolvedCheckpoint,
+        device: torch.device,
+        targets=(),
+        mtp: bool = False,
+        gptq: Mapping[str, str] | None = None,
+    ) -> Planner:
         """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
@@ -268,7 +291,7 @@ class Planner:
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
-                count, out_dim, in_dim = (t.shape if name in stacked else (1, *t.shape))
+                count, out_dim, in_dim = t.shape if name in stacked else (1, *t.shape)
                 hessians.setdefault(int(m.group(1)), []).append(GPTQLinear.of(count, out_dim, in_dim, name in stacked))
             module, _, leaf = name.rpartition(".")
             if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
@@ -277,8 +300,9 @@ class Planner:
             mtp_reads(rc, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-        return cls(ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type,
-                   workers)
+        return cls(
+            ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type, workers
+        )
 
     def _gptq(self, ep: int, stack: int) -> int:
         """The most a layer's Hessians and one solve (routed experts `stack` at a time) hold on one
@@ -338,24 +362,65 @@ class Planner:
         snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
         hidden = len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
         layer, reading, copied = self._layer(ep)
-        step = self._step(rank, world, shape.num_sequences, T, shape.schedule, probes=False,
-                          all_experts=shape.all_experts, ep=ep)
+        step = self._step(
+            rank, world, shape.num_sequences, T, shape.schedule, probes=False, all_experts=shape.all_experts, ep=ep
+        )
         gptq = 0  # priced with the expert stack it sizes (_sized_stack)
         tokens = 2 * (shape.num_sequences + shape.eval_sequences) * T * 8  # int64, read then packed
         on_cpu = self.device == "cpu"
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
         if not shape.eval_sequences:
-            return self._sized_stack(MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading,
-                                                step, gptq, codes, tokens=tokens, host=host), ep, limit)
+            return self._sized_stack(
+                MemoryPlan(
+                    baseline + self.kernel_cache,
+                    hidden,
+                    self.embedding,
+                    layer,
+                    reading,
+                    step,
+                    gptq,
+                    codes,
+                    tokens=tokens,
+                    host=host,
+                ),
+                ep,
+                limit,
+            )
         hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
-        return self._sized_stack(MemoryPlan(baseline + self.kernel_cache, hidden, self.embedding, layer, reading, step,
-                                            gptq, codes, copied, eval_step, head, tokens, host), ep, limit)
+        return self._sized_stack(
+            MemoryPlan(
+                baseline + self.kernel_cache,
+                hidden,
+                self.embedding,
+                layer,
+                reading,
+                step,
+                gptq,
+                codes,
+                copied,
+                eval_step,
+                head,
+                tokens,
+                host,
+            ),
+            ep,
+            limit,
+        )
 
-    def _step(self, rank: int, world: int, num_sequences: int, seq_len: int, schedule: Schedule,
-              probes: bool, all_experts: bool = False, ep: int = 1) -> int:
+    def _step(
+        self,
+        rank: int,
+        world: int,
+        num_sequences: int,
+        seq_len: int,
+        schedule: Schedule,
+        probes: bool,
+        all_experts: bool = False,
+        ep: int = 1,
+    ) -> int:
         """One step's buffers on this rank; with `probes` (the quality report's quantized stream),
         the reference outputs its probes compute beside each quantized module's; with
         `all_experts`, the larger of the routed exchange's and the statistics pass's."""
@@ -388,8 +453,7 @@ class Planner:
         snapshot = n_mine * T * D * b if block_size else 0
         return pending + attention + dense_mlp + routed + snapshot
 
-    def _every_expert(self, schedule: Schedule, world: int, ep: int, num_sequences: int, T: int, t: int,
-                      W: int) -> int:
+    def _every_expert(self, schedule: Schedule, world: int, ep: int, num_sequences: int, T: int, t: int, W: int) -> int:
         """--calibrate-all-experts' statistics pass, which ends before the routed exchange starts:
         this rank's t tokens sent once to each of ep ranks; received, the step's tokens of the
         groups of one edp replica, and their sorted copy; then, one expert at a time, gate/up,
@@ -441,14 +505,17 @@ def check_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape
         if length:
             ways.append(f"--seq-len {length}")
     way = " or ".join(ways) if ways else "more memory per rank (more ranks, a larger --ep)"
-    raise ConfigError(f"rank {shape.rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
-                      f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
-                      f"{format_bytes(plan.step)}, token ids {format_bytes(plan.tokens)}, process "
-                      f"{format_bytes(plan.baseline)}), over --max-memory {format_bytes(limit)}: use {way}")
+    raise ConfigError(
+        f"rank {shape.rank} would peak at {format_bytes(plan.peak)} (weights of the largest layer "
+        f"{format_bytes(plan.layer)}, hidden states {format_bytes(plan.hidden)}, step buffers "
+        f"{format_bytes(plan.step)}, token ids {format_bytes(plan.tokens)}, process "
+        f"{format_bytes(plan.baseline)}), over --max-memory {format_bytes(limit)}: use {way}"
+    )
 
 
-def check_host_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape, num_experts: int,
-                      ranks_on_host: int) -> None:
+def check_host_memory(
+    planner: Planner, plan: MemoryPlan, limit: int, shape: RunShape, num_experts: int, ranks_on_host: int
+) -> None:
     """Refuse a GPU rank whose host plan, times the ranks that share its host, exceeds `limit`
     (the host's, for all of them), naming the smallest ep that fits. Like `check_memory`, before
     the data is read."""
@@ -461,9 +528,11 @@ def check_host_memory(planner: Planner, plan: MemoryPlan, limit: int, shape: Run
 
     ep = fitting_ep(shape, num_experts, fits)
     way = (f"--ep {ep}, or " if ep else "") + "fewer ranks on each host, or a host with more memory free"
-    raise ConfigError(f"rank {shape.rank} would hold {format_bytes(host.peak)} of host memory ({host.terms()}); "
-                      f"with the {ranks_on_host} ranks on its host, {format_bytes(host.peak * ranks_on_host)}, over "
-                      f"--max-host-memory {format_bytes(limit)}: use {way}")
+    raise ConfigError(
+        f"rank {shape.rank} would hold {format_bytes(host.peak)} of host memory ({host.terms()}); "
+        f"with the {ranks_on_host} ranks on its host, {format_bytes(host.peak * ranks_on_host)}, over "
+        f"--max-host-memory {format_bytes(limit)}: use {way}"
+    )
 
 
 def fitting_ep(shape: RunShape, num_experts: int, fits) -> int | None:
@@ -491,4 +560,3 @@ def largest_fitting(most: int, fits) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
-

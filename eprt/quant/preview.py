@@ -45,10 +45,18 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
-def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, state: ParallelState, *, prefix: str = "",
-                  source_dtype: Callable[[str], torch.dtype] | None = None,
-                  on_weight: Callable[[str, torch.Tensor], None] | None = None,
-                  quantized: Collection[str] = ()) -> Callable[[], None]:
+def fake_quantize(
+    model,
+    targets: list[str],
+    recipe: Recipe,
+    cal: Calibrator,
+    state: ParallelState,
+    *,
+    prefix: str = "",
+    source_dtype: Callable[[str], torch.dtype] | None = None,
+    on_weight: Callable[[str, torch.Tensor], None] | None = None,
+    quantized: Collection[str] = (),
+) -> Callable[[], None]:
     """Replace every quantized module's weights and inputs by their quantize-dequantize, with the
     export's scales and numerics (eprt.quant.scales: each module's algorithm, max or mse): dense
     Linears' inputs, both projections' inputs of the routed experts, and with an FP8 KV cache the
@@ -64,7 +72,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     weights already hold what the export writes (GPTQ's, eprt.quant.gptq_layer), left as they are.
     `on_weight(tensor name, weight)` sees each weight as replaced (a routed-experts tensor: this
     rank's rows). Returns what removes the input and KV hooks (the weights stay replaced)."""
-    sub = lambda m: model.get_submodule(m[len(prefix):])  # noqa: E731
+    sub = lambda m: model.get_submodule(m[len(prefix) :])  # noqa: E731
     present = {prefix + name for name, _ in model.named_modules()}
     targets = [m for m in targets if m.startswith(prefix) and m in present]
     formats = {m: recipe.format_of(m) for m in targets}
@@ -73,9 +81,12 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
         """w as the export quantizes it (eprt.quant.scales.as_quantized)."""
         return w.to(source_dtype(name)) if weight_format(fmt).rounds_in_weight_dtype and source_dtype is not None else w
 
-    scales = Scales(formats, CalibrationRecord.of(cal),
-                    lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
-                    {m: recipe.algorithm_of(m) for m in targets})
+    scales = Scales(
+        formats,
+        CalibrationRecord.of(cal),
+        lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
+        {m: recipe.algorithm_of(m) for m in targets},
+    )
 
     def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return scales.fake_quantize_weight(m, as_quantized(name, formats[m], w), scale, w.dtype)
@@ -89,8 +100,10 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
     taps = contextlib.ExitStack()
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
-    resolved = {m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)),
-                    scales.input_scale(m)) for m in dense}
+    resolved = {
+        m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)), scales.input_scale(m))
+        for m in dense
+    }
     with torch.no_grad():
         for m in dense:
             module, fmt = sub(m), formats[m]
@@ -99,8 +112,12 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 module.weight.copy_(fake_weight(m, f"{m}.weight", module.weight, w_scale))
             if on_weight is not None:
                 on_weight(f"{m}.weight", module.weight)
-            quant_input = lambda _m, args, s=in_scale, f=weight_format(fmt).fake_quantize_input: (  # noqa: E731
-                f(args[0], s), *args[1:])
+            quant_input = (
+                lambda _m, args, s=in_scale, f=weight_format(fmt).fake_quantize_input: (  # noqa: E731
+                    f(args[0], s),
+                    *args[1:],
+                )
+            )
             taps.callback(module.register_forward_pre_hook(quant_input).remove)
         for m in targets:
             experts = sub(m)
@@ -112,8 +129,7 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
 
                 def expert(e: int, _, m=m, name=name, w=w, first=experts.first) -> None:
                     row = as_quantized(name, formats[m], w[e])
-                    scale = weight_scale(f"{name} (expert {first + e})",
-                                         lambda: scales.expert_weight_scale(m, row))
+                    scale = weight_scale(f"{name} (expert {first + e})", lambda: scales.expert_weight_scale(m, row))
                     w[e].copy_(fake_weight(m, name, w[e], scale))
 
                 # each expert whole on one of eprt.kernels.cpu_workers' threads (one elsewhere)
@@ -126,13 +142,22 @@ def fake_quantize(model, targets: list[str], recipe: Recipe, cal: Calibrator, st
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
             # w2 reads act(gate, up): quantized where it is made
-            taps.enter_context(tapped(experts, input=lambda x, s=in_scale["w13"], f=fake: f(x, s),
-                                      activation=lambda h, s=in_scale["w2"], f=fake: f(h, s)))
+            taps.enter_context(
+                tapped(
+                    experts,
+                    input=lambda x, s=in_scale["w13"], f=fake: f(x, s),
+                    activation=lambda h, s=in_scale["w2"], f=fake: f(h, s),
+                )
+            )
     kv = kv_cache_format(recipe.kv_cache)
     if kv is not None:
         for name, attn in model.named_modules(prefix=prefix.rstrip(".")):
             if name in cal.kv_amax:
                 k_scale, v_scale = (kv.scale(a) for a in cal.kv_amax[name])
-                taps.enter_context(tapped(
-                    attn, replace=lambda k, v, ks=k_scale, vs=v_scale: (kv.fake_quantize(k, ks), kv.fake_quantize(v, vs))))
+                taps.enter_context(
+                    tapped(
+                        attn,
+                        replace=lambda k, v, ks=k_scale, vs=v_scale: (kv.fake_quantize(k, ks), kv.fake_quantize(v, vs)),
+                    )
+                )
     return taps.close

@@ -78,51 +78,80 @@ class PTQArgs:
     ckpt: str = flag(help="the eprt checkpoint to quantize (eprt-convert writes one)", positional=True)
     recipe: str | None = flag(help="a recipe of eprt/configs/ptq (fp8, nvfp4, nvfp4_experts_only) or a YAML path")
     out: str | None = flag(help="where to write the quantized eprt checkpoint")
-    ep: int | None = flag(help="expert-parallel degree; divides the world size and the routed experts (default: the "
-                               "world size)")
+    ep: int | None = flag(
+        help="expert-parallel degree; divides the world size and the routed experts (default: the world size)"
+    )
     kv_cache: str | None = flag(choices=sorted(KV_CACHE_FORMATS), help="also quantize the KV cache")
-    algorithm: str = flag(ALGORITHMS[0], choices=ALGORITHMS,
-                          help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
-                               f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')")
-    gptq_min_tokens: int = flag(DEFAULT_MIN_TOKENS,
-                                help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
-                                     f"and is listed (default {DEFAULT_MIN_TOKENS})")
-    calib: tuple[str, ...] = flag((), metavar="DATA[:SHARE]",
-                                  help="calibration data: .txt, .jsonl (text or chat messages), .parquet, a saved "
-                                       "dataset directory, .npy or .safetensors (default: built-in text); repeat with "
-                                       "a share each to mix sources (--calib chat.jsonl:0.7 --calib code.txt:0.3)")
-    calib_column: str | None = flag(help="the column (JSONL field) of every --calib source to read (default: text, "
-                                         "else messages, rendered with the checkpoint's chat template)")
+    algorithm: str = flag(
+        ALGORITHMS[0],
+        choices=ALGORITHMS,
+        help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
+        f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')",
+    )
+    gptq_min_tokens: int = flag(
+        DEFAULT_MIN_TOKENS,
+        help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
+        f"and is listed (default {DEFAULT_MIN_TOKENS})",
+    )
+    calib: tuple[str, ...] = flag(
+        (),
+        metavar="DATA[:SHARE]",
+        help="calibration data: .txt, .jsonl (text or chat messages), .parquet, a saved "
+        "dataset directory, .npy or .safetensors (default: built-in text); repeat with "
+        "a share each to mix sources (--calib chat.jsonl:0.7 --calib code.txt:0.3)",
+    )
+    calib_column: str | None = flag(
+        help="the column (JSONL field) of every --calib source to read (default: text, "
+        "else messages, rendered with the checkpoint's chat template)"
+    )
     calib_size: int = flag(64, help="calibration sequences, over all ranks")
     seq_len: int = flag(256, help="tokens per calibration sequence")
-    eval_size: int = flag(8, help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, "
-                                  "per-layer errors; docs/quality.md), taken after the calibration sequences unless "
-                                  "--eval; 0: no report")
-    eval: str | None = flag(help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead of "
-                                 "the sequences after the calibration ones")
+    eval_size: int = flag(
+        8,
+        help="held-out sequences of the quality report (KL, top-1 agreement, perplexity, "
+        "per-layer errors; docs/quality.md), taken after the calibration sequences unless "
+        "--eval; 0: no report",
+    )
+    eval: str | None = flag(
+        help="the quality report's held-out data (.txt, .jsonl, .npy or .safetensors) instead of "
+        "the sequences after the calibration ones"
+    )
     batch_size: int = flag(1, help="sequences per forward on each rank")
     dtype: str = flag("bf16", choices=list(RUN_DTYPES), help="the dtype the model runs in")
-    preview: str | None = flag(const=DEFAULT_PROMPT, metavar="PROMPT",
-                               help="print the greedy continuation of PROMPT (or of a built-in one) before and after "
-                                    "quantization")
-    chunk_size: int | None = flag(help="calibration sequences per step of each layer, over all ranks (default: "
-                                       "--batch-size x the world size); changes no result")
-    calibrate_all_experts: bool = flag(False, help="also run every token through every routed expert of its layer, "
-                                                   "for the statistics only (the layer's output still uses its "
-                                                   "top-k): no expert goes uncalibrated")
-    max_memory: int | None = flag(type=_max_memory,
-                                  help="refuse a run whose planned peak per rank on its device exceeds this (e.g. "
-                                       "64GiB; default: the device's free memory, or on CPU the host's available "
-                                       "RAM)")
-    max_host_memory: int | None = flag(type=_max_host_memory,
-                                       help="with GPUs, refuse a run whose ranks on one host together plan more "
-                                            "host memory than this (e.g. 1TiB; default: the host's available RAM)")
+    preview: str | None = flag(
+        const=DEFAULT_PROMPT,
+        metavar="PROMPT",
+        help="print the greedy continuation of PROMPT (or of a built-in one) before and after quantization",
+    )
+    chunk_size: int | None = flag(
+        help="calibration sequences per step of each layer, over all ranks (default: "
+        "--batch-size x the world size); changes no result"
+    )
+    calibrate_all_experts: bool = flag(
+        False,
+        help="also run every token through every routed expert of its layer, "
+        "for the statistics only (the layer's output still uses its "
+        "top-k): no expert goes uncalibrated",
+    )
+    max_memory: int | None = flag(
+        type=_max_memory,
+        help="refuse a run whose planned peak per rank on its device exceeds this (e.g. "
+        "64GiB; default: the device's free memory, or on CPU the host's available "
+        "RAM)",
+    )
+    max_host_memory: int | None = flag(
+        type=_max_host_memory,
+        help="with GPUs, refuse a run whose ranks on one host together plan more "
+        "host memory than this (e.g. 1TiB; default: the host's available RAM)",
+    )
     work_dir: str | None = flag(help="where each layer boundary is saved for --resume (default: OUT.work)")
     resume: bool = flag(False, help="continue a killed run (same arguments) after its last completed layer")
     dry_run: bool = flag(False, help="print the layout, each rank's weight bytes and planned peak memory, and exit")
-    device: str | None = flag(choices=["cpu", "cuda"],
-                              help="with --dry-run, plan for ranks on this device (default: this machine's), e.g. "
-                                   "GPU ranks planned from a login node without GPUs")
+    device: str | None = flag(
+        choices=["cpu", "cuda"],
+        help="with --dry-run, plan for ranks on this device (default: this machine's), e.g. "
+        "GPU ranks planned from a login node without GPUs",
+    )
     overwrite: bool = flag(False, help="replace a non-empty OUT once the new one is complete")
     progress: bool = True
     group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
@@ -138,8 +167,10 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
         if a.device is not None and a.device != state.device.type:
-            raise ConfigError(f"--device {a.device}: this rank runs on {state.device.type}; --device plans for "
-                              "another machine with --dry-run, a run uses its ranks' own devices")
+            raise ConfigError(
+                f"--device {a.device}: this rank runs on {state.device.type}; --device plans for "
+                "another machine with --dry-run, a run uses its ranks' own devices"
+            )
         ck = ck if ck is not None else Checkpoint(a.ckpt)
         if ck.quantization is not None:
             ck.close()
@@ -172,8 +203,19 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
         cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
-        gptq = GPTQRun(state, rc, recipe, targets, tokens=samples.numel(), min_tokens=a.gptq_min_tokens,
-                       expert_stack=plan.expert_stack) if ALGORITHM in recipe.algorithms else None
+        gptq = (
+            GPTQRun(
+                state,
+                rc,
+                recipe,
+                targets,
+                tokens=samples.numel(),
+                min_tokens=a.gptq_min_tokens,
+                expert_stack=plan.expert_stack,
+            )
+            if ALGORITHM in recipe.algorithms
+            else None
+        )
         work = WorkDir(work_path, state, identity, ck.path)
         with fail_together(state, "preparing the work directory"):
             work.prepare(a.resume)
@@ -182,9 +224,21 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
             data = describe_calib(a.calib) or "the built-in corpus"
-            report = QualityReport(state, ck, recipe, targets, eval_ids, a.eval or f"the last {a.eval_size} of "
-                                   f"{a.calib_size + a.eval_size} sequences of {data}, held out of calibration",
-                                   on_weight) if eval_ids is not None else None
+            report = (
+                QualityReport(
+                    state,
+                    ck,
+                    recipe,
+                    targets,
+                    eval_ids,
+                    a.eval
+                    or f"the last {a.eval_size} of "
+                    f"{a.calib_size + a.eval_size} sequences of {data}, held out of calibration",
+                    on_weight,
+                )
+                if eval_ids is not None
+                else None
+            )
             resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
@@ -198,46 +252,65 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         if preview:
             first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
             quantized = gptq.results.apply(model, ck, gptq.formats, first) if gptq is not None else ()
-            fake_quantize(model, targets, recipe, cal, state, source_dtype=rc.source_dtype,
-                          quantized=quantized)
+            fake_quantize(model, targets, recipe, cal, state, source_dtype=rc.source_dtype, quantized=quantized)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
                 log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
-        summary = {"algorithm": "+".join(recipe.algorithms), "samples": a.calib_size, "seq_len": a.seq_len,
-                   "tokens": a.calib_size * a.seq_len, "data": describe_calib(a.calib) or "built-in corpus",
-                   "all_experts": a.calibrate_all_experts}
+        summary = {
+            "algorithm": "+".join(recipe.algorithms),
+            "samples": a.calib_size,
+            "seq_len": a.seq_len,
+            "tokens": a.calib_size * a.seq_len,
+            "data": describe_calib(a.calib) or "built-in corpus",
+            "all_experts": a.calibrate_all_experts,
+        }
         if gptq is not None:
             summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
         summary["sources"] = [u.to_json() for u in used]
         if report is not None:  # the page's additions to the report (eprt.report)
-            report.describe_run(summary, starved_experts(coverage, summary),
-                                {"prompt": a.preview, "before": before, "after": text} if preview else None)
+            report.describe_run(
+                summary,
+                starved_experts(coverage, summary),
+                {"prompt": a.preview, "before": before, "after": text} if preview else None,
+            )
         results = gptq.results if gptq is not None else None
 
         def write(tmp: str) -> None:
             with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
                 write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results)
 
-        write_together(state, a.out, write, overwrite=a.overwrite, inputs=ck.input_dirs(),
-                       check_fn=lambda tmp: check_pinned_as_read(tmp, ck, identity))
+        write_together(
+            state,
+            a.out,
+            write,
+            overwrite=a.overwrite,
+            inputs=ck.input_dirs(),
+            check_fn=lambda tmp: check_pinned_as_read(tmp, ck, identity),
+        )
         with fail_together(state, "removing the work directory"):
             work.remove()
     if state.rank == 0:
         log.info("calibrated %d tokens in %.2f s (%.0f tokens/s)", samples.numel(), seconds, samples.numel() / seconds)
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     mine = len(own_sequences(samples.shape[0], state.rank, state.world)) * samples.shape[1]
-    return {"out": a.out, "calibration_s": seconds, "tokens": mine,
-            "resumed_after": resumed, "quality": quality}
+    return {"out": a.out, "calibration_s": seconds, "tokens": mine, "resumed_after": resumed, "quality": quality}
 
 
 def run_shape(a: PTQArgs, state: ParallelState, config) -> RunShape:
     """This rank's place and the run's data sizes and steps, as the plan and the engine take them."""
     if a.chunk_size is not None and a.chunk_size < 1:
         raise ConfigError(f"--chunk-size {a.chunk_size} must be positive")
-    return RunShape(state.rank, state.world, state.ep_size, a.calib_size, a.seq_len,
-                    a.chunk_size or a.batch_size * state.world,
-                    a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok),
-                    a.calibrate_all_experts, max(a.eval_size, 0))
+    return RunShape(
+        state.rank,
+        state.world,
+        state.ep_size,
+        a.calib_size,
+        a.seq_len,
+        a.chunk_size or a.batch_size * state.world,
+        a.group_tokens or group_tokens(config.num_experts, config.num_experts_per_tok),
+        a.calibrate_all_experts,
+        max(a.eval_size, 0),
+    )
 
 
 def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:
@@ -253,8 +326,14 @@ def ranks_on_this_host(state: ParallelState) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", state.world))
 
 
-def plan_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: list[str], mtp: bool = False,
-             gptq: dict[str, str] | None = None) -> tuple[MemoryPlan, bool]:
+def plan_run(
+    state: ParallelState,
+    rc: ResolvedCheckpoint,
+    a: PTQArgs,
+    targets: list[str],
+    mtp: bool = False,
+    gptq: dict[str, str] | None = None,
+) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
     whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
@@ -266,8 +345,14 @@ def plan_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: 
     limit = a.max_memory or available_memory(state.device)
     plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
     check_memory(planner, plan, limit, shape, c.num_experts)
-    check_host_memory(planner, plan, a.max_host_memory or available_memory(torch.device("cpu")), shape,
-                      c.num_experts, ranks_on_this_host(state))
+    check_host_memory(
+        planner,
+        plan,
+        a.max_host_memory or available_memory(torch.device("cpu")),
+        shape,
+        c.num_experts,
+        ranks_on_this_host(state),
+    )
     if state.rank == 0:
         logger().info("memory plan: rank 0 %s", plan.summary())
     if not a.preview:
@@ -276,21 +361,41 @@ def plan_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, targets: 
     whole = sum(weight_bytes(rc.holding(mine)))
     fits = plan.peak + whole <= limit
     if not fits and state.rank == 0:
-        logger().warning("no preview: the whole model (%s per rank) does not fit beside the calibration (%s) "
-                         "in --max-memory %s", format_bytes(whole), format_bytes(plan.peak), format_bytes(limit))
+        logger().warning(
+            "no preview: the whole model (%s per rank) does not fit beside the calibration (%s) in --max-memory %s",
+            format_bytes(whole),
+            format_bytes(plan.peak),
+            format_bytes(limit),
+        )
     return plan, fits
 
 
-def fingerprint(ck: Checkpoint, a: PTQArgs, state: ParallelState, samples: torch.Tensor, eval_ids: torch.Tensor | None,
-                recipe: Recipe | None = None) -> dict:
+def fingerprint(
+    ck: Checkpoint,
+    a: PTQArgs,
+    state: ParallelState,
+    samples: torch.Tensor,
+    eval_ids: torch.Tensor | None,
+    recipe: Recipe | None = None,
+) -> dict:
     """What a saved layer boundary and the output depend on (eprt.quant.fingerprint): a run
     resumes only from its own (batch and chunk sizes change no bit, so they may differ).
     `recipe`: as the run parsed it (default: `a`'s, parsed now)."""
     recipe = recipe or load_recipe(a.recipe, a.kv_cache, a.algorithm)
-    return run_fingerprint(ck, recipe, samples, eval_ids, {
-        "dtype": a.dtype, "world": state.world, "ep": state.ep_size,
-        "group_size": run_shape(a, state, ck.config).schedule_of(samples.shape[0]).group_size,
-        "gptq_min_tokens": a.gptq_min_tokens, "all_experts": a.calibrate_all_experts})
+    return run_fingerprint(
+        ck,
+        recipe,
+        samples,
+        eval_ids,
+        {
+            "dtype": a.dtype,
+            "world": state.world,
+            "ep": state.ep_size,
+            "group_size": run_shape(a, state, ck.config).schedule_of(samples.shape[0]).group_size,
+            "gptq_min_tokens": a.gptq_min_tokens,
+            "all_experts": a.calibrate_all_experts,
+        },
+    )
 
 
 def run_inputs(ck: Checkpoint, a: PTQArgs) -> tuple[str, ...]:
@@ -307,9 +412,17 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
     check_pins_as_start(ck.path, identity, pins, "while the output was written")
 
 
-def calibrate_layers(state: ParallelState, rc: ResolvedCheckpoint, cal: Calibrator, recipe: Recipe,
-                     samples: torch.Tensor, a: PTQArgs, work: WorkDir, report: QualityReport | None = None,
-                     gptq: GPTQRun | None = None) -> int:
+def calibrate_layers(
+    state: ParallelState,
+    rc: ResolvedCheckpoint,
+    cal: Calibrator,
+    recipe: Recipe,
+    samples: torch.Tensor,
+    a: PTQArgs,
+    work: WorkDir,
+    report: QualityReport | None = None,
+    gptq: GPTQRun | None = None,
+) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
     `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the layer
@@ -353,16 +466,27 @@ def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> Calibration:
     """The calibration sequences, the quality report's held-out ones (None with --eval-size 0) and
     what each source gave: the last --eval-size of calib_size + eval_size sequences of the data
     (of each source, its share), or --eval-size of --eval FILE."""
-    data = read_calibration(a.calib, hf_dir, num_samples=a.calib_size, held_out=a.eval_size if a.eval is None else 0,
-                            seq_len=a.seq_len, vocab_size=vocab_size, column=a.calib_column)
+    data = read_calibration(
+        a.calib,
+        hf_dir,
+        num_samples=a.calib_size,
+        held_out=a.eval_size if a.eval is None else 0,
+        seq_len=a.seq_len,
+        vocab_size=vocab_size,
+        column=a.calib_column,
+    )
     if a.eval_size and a.eval is not None:
-        data = data._replace(held_out=calibration_samples(a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len,
-                                                          vocab_size=vocab_size, column=a.calib_column))
+        data = data._replace(
+            held_out=calibration_samples(
+                a.eval, hf_dir, num_samples=a.eval_size, seq_len=a.seq_len, vocab_size=vocab_size, column=a.calib_column
+            )
+        )
     return data
 
 
-def plan_recipe(rc: ResolvedCheckpoint, spec: str, kv_cache: str | None = None,
-                algorithm: str | None = None) -> tuple[Recipe, list[str]]:
+def plan_recipe(
+    rc: ResolvedCheckpoint, spec: str, kv_cache: str | None = None, algorithm: str | None = None
+) -> tuple[Recipe, list[str]]:
     """The recipe `spec` (its rules that name no algorithm get `algorithm`) and the modules it
     quantizes in `rc`, from the manifest alone: whatever export would refuse about this recipe
     and this model is refused here, before a weight is read."""
@@ -374,13 +498,17 @@ def warn_beyond_positions(cfg, seq_len: int, rank: int) -> None:
     """Calibrating past the positions the model was trained for records activations no deployment
     sees; allowed (a user may mean it), said once."""
     if seq_len > cfg.max_position_embeddings and rank == 0:
-        logger().warning("--seq-len %d is beyond the model's max_position_embeddings %d; the calibration "
-                         "sees positions the model was not trained for: lower --seq-len", seq_len,
-                         cfg.max_position_embeddings)
+        logger().warning(
+            "--seq-len %d is beyond the model's max_position_embeddings %d; the calibration "
+            "sees positions the model was not trained for: lower --seq-len",
+            seq_len,
+            cfg.max_position_embeddings,
+        )
 
 
-def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int
-                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def report_coverage(
+    cal: Calibrator, state: ParallelState, num_experts: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Rank 0 prints, per MoE layer, the tokens the router sent each expert and the experts none
     reached; with --calibrate-all-experts, also the tokens each expert saw for statistics only.
     Returns both counts per MoE module, on every rank."""
@@ -395,14 +523,29 @@ def report_coverage(cal: Calibrator, state: ParallelState, num_experts: int
         unreached = (full == 0).nonzero().view(-1).tolist()
         if seen is not None:
             unreached_note = f"; the router sent no token to experts {unreached}" if unreached else ""
-            log.info("%s: routed tokens per expert min %d / median %d / max %d%s; all-experts statistics: "
-                     "tokens per expert min %d / max %d", module, int(full.min()), int(full.median()),
-                     int(full.max()), unreached_note, int(seen.min()), int(seen.max()))
+            log.info(
+                "%s: routed tokens per expert min %d / median %d / max %d%s; all-experts statistics: "
+                "tokens per expert min %d / max %d",
+                module,
+                int(full.min()),
+                int(full.median()),
+                int(full.max()),
+                unreached_note,
+                int(seen.min()),
+                int(seen.max()),
+            )
             continue
-        log.info("%s: tokens per expert min %d / median %d / max %d%s", module, int(full.min()),
-                 int(full.median()), int(full.max()),
-                 f"; no token reached experts {unreached} (they get the layer's input scale; "
-                 "--calibrate-all-experts calibrates them)" if unreached else "")
+        log.info(
+            "%s: tokens per expert min %d / median %d / max %d%s",
+            module,
+            int(full.min()),
+            int(full.median()),
+            int(full.max()),
+            f"; no token reached experts {unreached} (they get the layer's input scale; "
+            "--calibrate-all-experts calibrates them)"
+            if unreached
+            else "",
+        )
     return counts
 
 
@@ -413,11 +556,20 @@ def starved_experts(coverage: dict[str, tuple[torch.Tensor, torch.Tensor | None]
     out = []
     for module, (full, seen) in coverage.items():
         unreached = (full == 0).nonzero().view(-1).tolist()
-        out.append({"module": module, "tokens": full.tolist(), "all_experts_tokens": None if seen is None
-                    else seen.tolist(), "unreached": unreached, "gptq_max_rounding": gptq_skipped.get(module, []),
-                    "unreached_handling": "" if not unreached else "calibrated on every token of the layer "
-                    "(--calibrate-all-experts)" if seen is not None else "the layer's input scale (no token reached "
-                    "them; --calibrate-all-experts calibrates them)"})
+        out.append(
+            {
+                "module": module,
+                "tokens": full.tolist(),
+                "all_experts_tokens": None if seen is None else seen.tolist(),
+                "unreached": unreached,
+                "gptq_max_rounding": gptq_skipped.get(module, []),
+                "unreached_handling": ""
+                if not unreached
+                else "calibrated on every token of the layer (--calibrate-all-experts)"
+                if seen is not None
+                else "the layer's input scale (no token reached them; --calibrate-all-experts calibrates them)",
+            }
+        )
     return out
 
 
@@ -425,5 +577,5 @@ def every_expert(rows: torch.Tensor, state: ParallelState, num_experts: int) -> 
     """A per-expert count of this rank's experts (reduced over edp) as one for all of them, on every rank."""
     first = state.placement(num_experts).first
     full = torch.zeros(num_experts, dtype=torch.int64, device=rows.device)
-    full[first:first + rows.shape[0]] = rows
+    full[first : first + rows.shape[0]] = rows
     return state.all_reduce(full, over="ep", op=dist.ReduceOp.SUM).cpu()

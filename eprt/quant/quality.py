@@ -71,8 +71,9 @@ class ModuleErrors:
 
 def _sums(d_R: torch.Tensor, ref_R: torch.Tensor) -> torch.Tensor:
     """[err, ref, rows] of rows' squared errors and squared reference norms."""
-    return torch.stack([d_R.sum(), ref_R.sum(), torch.tensor(float(d_R.numel()), dtype=torch.float64,
-                                                               device=d_R.device)])
+    return torch.stack(
+        [d_R.sum(), ref_R.sum(), torch.tensor(float(d_R.numel()), dtype=torch.float64, device=d_R.device)]
+    )
 
 
 def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ class Probes:
         for m in targets:
             if not m.startswith(prefix):
                 continue
-            module = layer.get_submodule(m[len(prefix):])
+            module = layer.get_submodule(m[len(prefix) :])
             if isinstance(module, Experts):
                 self.experts.append((module, _expert_probe(m, module, self.errors)))
             else:
@@ -154,8 +155,16 @@ class QualityReport:
     layer measured, and the head's per-token numbers. Every rank calls every method alike: they
     reduce over the ranks."""
 
-    def __init__(self, state: ParallelState, ck, recipe, targets: list[str], eval_ids: torch.Tensor, source: str,
-                 on_weight: Callable[[str, torch.Tensor], None] | None = None):
+    def __init__(
+        self,
+        state: ParallelState,
+        ck,
+        recipe,
+        targets: list[str],
+        eval_ids: torch.Tensor,
+        source: str,
+        on_weight: Callable[[str, torch.Tensor], None] | None = None,
+    ):
         self.state, self.ck, self.recipe, self.targets = state, ck, recipe, targets
         self.eval_ids, self.source, self.on_weight = eval_ids, source, on_weight
         self.layers: list[dict] = []
@@ -178,8 +187,15 @@ class QualityReport:
             out[torch.tensor([s for s, _ in mine], device=out.device)] = values.double()
         return self.state.all_reduce(out, over="dp", op=dist.ReduceOp.SUM)
 
-    def finish_layer(self, i: int, prefix: str, mine: list[tuple[int, int]], y_ref: torch.Tensor,
-                     y_q: torch.Tensor, errors: ModuleErrors) -> None:
+    def finish_layer(
+        self,
+        i: int,
+        prefix: str,
+        mine: list[tuple[int, int]],
+        y_ref: torch.Tensor,
+        y_q: torch.Tensor,
+        errors: ModuleErrors,
+    ) -> None:
         """File layer i's numbers: its output's relative error over every held-out sequence
         (`mine`: this rank's (global, local) sequences; y_*: their hidden states after the layer)
         and the top contributors."""
@@ -191,24 +207,34 @@ class QualityReport:
         modules = []  # (name, relative error, token share)
         for name, calls in errors.dense.items():
             # each sequence makes the same calls: [sequences, calls per sequence, 3]
-            per_seq = (torch.stack([torch.stack(calls[li]) for li in local]).sum(1) if calls
-                       else torch.zeros(len(mine), 3, device=self.state.device))
+            per_seq = (
+                torch.stack([torch.stack(calls[li]) for li in local]).sum(1)
+                if calls
+                else torch.zeros(len(mine), 3, device=self.state.device)
+            )
             modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
         E = self.ck.config.num_experts
         for name, (experts, sums) in errors.experts.items():
             full = torch.zeros(3, E, errors.num_units, dtype=torch.float64, device=sums.device)
-            full[:, experts.first:experts.first + experts.count] = sums
+            full[:, experts.first : experts.first + experts.count] = sums
             # each (expert, unit) was computed on one rank: the others add zeros
             full = self.state.all_reduce(full, over="dp", op=dist.ReduceOp.SUM).sum(-1)
             modules += [(f"{name}.{e}", *_relative(full[:, e])) for e in range(E) if full[2, e] > 0]
         ranked = sorted(modules, key=lambda m: (-(m[1] ** 2) * m[2] / self.tokens, m[0]))
-        self.layers.append({
-            "layer": i, "relative_error": _ratio(err, ref),
-            "top": [{"module": name, "relative_error": rel, "token_share": rows / self.tokens}
-                    for name, rel, rows in ranked[:TOP]]})
+        self.layers.append(
+            {
+                "layer": i,
+                "relative_error": _ratio(err, ref),
+                "top": [
+                    {"module": name, "relative_error": rel, "token_share": rows / self.tokens}
+                    for name, rel, rows in ranked[:TOP]
+                ],
+            }
+        )
 
-    def finish(self, mine: list[tuple[int, int]],
-               logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def finish(
+        self, mine: list[tuple[int, int]], logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict:
         """The whole report, from each held-out sequence's logits `logits_of(local index)` ->
         (reference [T, V], quantized [T, V])."""
         n, T = self.eval_ids.shape
@@ -226,14 +252,17 @@ class QualityReport:
         nll_ref, nll_q = (self._global((n, T - 1), mine, nll[k].to(self.state.device)) for k in range(2))
         self.result = {
             "eval": {"sequences": n, "seq_len": T, "tokens": n * T, "data": self.source},
-            "kl_mean": kl.mean().item(), "kl_p99": torch.quantile(kl, 0.99).item(),
+            "kl_mean": kl.mean().item(),
+            "kl_p99": torch.quantile(kl, 0.99).item(),
             "top1_agreement": agree.mean().item(),
             "perplexity": {"unquantized": math.exp(nll_ref.mean().item()), "quantized": math.exp(nll_q.mean().item())},
             "layers": self.layers,
-            "notes": ["KL(unquantized || quantized) per token, natural log; relative errors are "
-                      "||y_q - y_ref|| / ||y_ref||, a layer's accumulated through the layers before it, "
-                      "a module's on the quantized stream's own input",
-                      "multi-token-prediction layers are calibrated but not in the report"],
+            "notes": [
+                "KL(unquantized || quantized) per token, natural log; relative errors are "
+                "||y_q - y_ref|| / ||y_ref||, a layer's accumulated through the layers before it, "
+                "a module's on the quantized stream's own input",
+                "multi-token-prediction layers are calibrated but not in the report",
+            ],
         }
         return self.result
 
@@ -247,11 +276,16 @@ class QualityReport:
         for m in self.targets:
             key = (re.sub(r"\.layers\.\d+\.", ".layers.*.", m), self.recipe.format_of(m), self.recipe.algorithm_of(m))
             groups[key] = groups.get(key, 0) + 1
-        self.result.update({
-            "recipe": self.recipe.to_json(),
-            "groups": [{"group": g, "format": f, "algorithm": a, "modules": n} for (g, f, a), n in groups.items()],
-            "calibration": calibration, "experts": experts, "preview": preview,
-            "eval_ids_sha256": hashlib.sha256(self.eval_ids.cpu().numpy().tobytes()).hexdigest()})
+        self.result.update(
+            {
+                "recipe": self.recipe.to_json(),
+                "groups": [{"group": g, "format": f, "algorithm": a, "modules": n} for (g, f, a), n in groups.items()],
+                "calibration": calibration,
+                "experts": experts,
+                "preview": preview,
+                "eval_ids_sha256": hashlib.sha256(self.eval_ids.cpu().numpy().tobytes()).hexdigest(),
+            }
+        )
 
     # --- saved at each layer boundary, for --resume ---------------------------------------------
     def saved(self) -> str:
@@ -266,9 +300,15 @@ class QualityReport:
             return
         r, log = self.result, logger()
         ppl = r["perplexity"]
-        log.info("quality on %d held-out tokens: KL mean %.4g, p99 %.4g; top-1 agreement %.2f%%; perplexity %.4g "
-                 "-> %.4g", r["eval"]["tokens"], r["kl_mean"], r["kl_p99"], 100 * r["top1_agreement"],
-                 ppl["unquantized"], ppl["quantized"])
+        log.info(
+            "quality on %d held-out tokens: KL mean %.4g, p99 %.4g; top-1 agreement %.2f%%; perplexity %.4g -> %.4g",
+            r["eval"]["tokens"],
+            r["kl_mean"],
+            r["kl_p99"],
+            100 * r["top1_agreement"],
+            ppl["unquantized"],
+            ppl["quantized"],
+        )
         for layer in r["layers"]:
             top = ", ".join(f"{t['module'].rsplit('layers.', 1)[-1]} {t['relative_error']:.3g}" for t in layer["top"])
             log.info("  layer %d: relative error %.3g; most: %s", layer["layer"], layer["relative_error"], top or "-")

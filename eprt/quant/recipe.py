@@ -118,22 +118,28 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
         if isinstance(r, dict):
             refuse_unknown_keys(r, RULE_KEYS, f"{source}: quantize[{i}]")
         if not isinstance(r, dict) or not set(REQUIRED_RULE_KEYS) <= set(r):
-            raise ConfigError(f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}"
-                              f"[, algorithm: {'|'.join(ALGORITHMS)}]}}")
+            raise ConfigError(
+                f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}"
+                f"[, algorithm: {'|'.join(ALGORITHMS)}]}}"
+            )
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
         check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
         rules.append(Rule(str(r["pattern"]), r["format"], r.get("algorithm", default)))
     if not {r.format for r in rules} - {"none"}:
-        raise ConfigError(f"{source}: a recipe quantizes with at least one format, found none; "
-                          f"give a rule a format of {', '.join(FORMATS[:-1])}")
+        raise ConfigError(
+            f"{source}: a recipe quantizes with at least one format, found none; "
+            f"give a rule a format of {', '.join(FORMATS[:-1])}"
+        )
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
         raise ConfigError(f"{source}: kv_cache {kv!r}; choose {' or '.join(KV_FORMATS[1:])} or null")
     mtp = d.get("mtp", False)
     if not isinstance(mtp, bool):
-        raise ConfigError(f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
-                          "rules) or false (carry them through unquantized, the default)")
+        raise ConfigError(
+            f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
+            "rules) or false (carry them through unquantized, the default)"
+        )
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
@@ -144,7 +150,9 @@ def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = 
     """A recipe by name (eprt/configs/ptq/NAME.yaml) or by path."""
     path = spec if os.path.isfile(spec) else os.path.join(RECIPE_DIR, f"{spec}.yaml")
     if not os.path.isfile(path):
-        raise ConfigError(f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path")
+        raise ConfigError(
+            f"--recipe {spec!r}: no such recipe; choose one of {', '.join(available())} or give a YAML path"
+        )
     with open(path, "rb") as f:
         return parse_recipe(read_yaml(f, path), path, kv_cache, algorithm)
 
@@ -157,8 +165,10 @@ class PlainYAMLLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise ConfigError(f"{self.name}:{event.start_mark.line + 1}: the YAML alias *{event.anchor} is not "
-                              "allowed in a recipe; write the value out")
+            raise ConfigError(
+                f"{self.name}:{event.start_mark.line + 1}: the YAML alias *{event.anchor} is not "
+                "allowed in a recipe; write the value out"
+            )
         return super().compose_node(parent, index)
 
 
@@ -172,7 +182,9 @@ def read_yaml(stream, path: str):
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be a recipe (thousands of levels of lists or "
-                          "mappings); write it as a list of {pattern, format} rules") from None
+        raise ConfigError(
+            f"{path}: nested too deeply to be a recipe (thousands of levels of lists or "
+            "mappings); write it as a list of {pattern, format} rules"
+        ) from None
     finally:
         loader.dispose()

@@ -34,17 +34,28 @@ class Scales:
     asked for; `algorithms`: each quantized module -> its algorithm (eprt.quant.recipe.ALGORITHMS;
     `max` where it names none)."""
 
-    def __init__(self, formats: Mapping[str, str], record: CalibrationRecord, weight: Callable[[str], torch.Tensor],
-                 algorithms: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        formats: Mapping[str, str],
+        record: CalibrationRecord,
+        weight: Callable[[str], torch.Tensor],
+        algorithms: Mapping[str, str] | None = None,
+    ):
         self.formats, self.record, self.weight = formats, record, weight
         self.algorithms = algorithms or {}
 
     @classmethod
-    def of_checkpoint(cls, ck: Checkpoint, formats: Mapping[str, str], record: CalibrationRecord,
-                      algorithms: Mapping[str, str] | None = None) -> "Scales":
+    def of_checkpoint(
+        cls,
+        ck: Checkpoint,
+        formats: Mapping[str, str],
+        record: CalibrationRecord,
+        algorithms: Mapping[str, str] | None = None,
+    ) -> "Scales":
         """The export's scales: over `record`, from the original weights of `ck` as they are quantized."""
-        return cls(formats, record, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")),
-                   algorithms)
+        return cls(
+            formats, record, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")), algorithms
+        )
 
     def format(self, module: str) -> WeightFormat:
         return weight_format(self.formats[module])
@@ -93,8 +104,9 @@ class Scales:
         (`as_quantized`), under per-tensor `w_scale`."""
         return self.format(module).quantize(w, w_scale, self.searched(module))
 
-    def fake_quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor,
-                             dtype: torch.dtype) -> torch.Tensor:
+    def fake_quantize_weight(
+        self, module: str, w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """The weight an engine computes with (`dequantize_weight` of `quantize_weight`'s
         tensors) in `dtype`."""
         return self.format(module).fake_quantize_weight(w, w_scale, self.searched(module), dtype)

@@ -54,19 +54,25 @@ def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
     work = os.path.realpath(path)
     for src in read_dirs(inputs):
         if within(work, src) or within(src, work):
-            raise ConfigError(f"--work-dir {path} overlaps {src}, which this run reads; the work directory is "
-                              "removed when the run ends: give a --work-dir outside every input (and not holding "
-                              "one)")
+            raise ConfigError(
+                f"--work-dir {path} overlaps {src}, which this run reads; the work directory is "
+                "removed when the run ends: give a --work-dir outside every input (and not holding "
+                "one)"
+            )
     out = os.path.realpath(out)
     if within(work, out) or within(out, work):
-        raise ConfigError(f"--work-dir {path} overlaps the output {out}; the work directory is removed when the run "
-                          "ends: give a --work-dir outside the output and not holding it (the default is OUT.work)")
+        raise ConfigError(
+            f"--work-dir {path} overlaps the output {out}; the work directory is removed when the run "
+            "ends: give a --work-dir outside the output and not holding it (the default is OUT.work)"
+        )
     if os.path.lexists(work):
         if not os.path.isdir(work):
             raise ConfigError(f"--work-dir {path} exists and is not a directory: give a new directory")
         if os.listdir(work) and not os.path.isfile(os.path.join(work, MARKER)):
-            raise ConfigError(f"--work-dir {path} exists and holds files eprt did not write (it has no {MARKER}); "
-                              "eprt removes its work directory when the run ends: give a new or empty directory")
+            raise ConfigError(
+                f"--work-dir {path} exists and holds files eprt did not write (it has no {MARKER}); "
+                "eprt removes its work directory when the run ends: give a new or empty directory"
+            )
     return work
 
 
@@ -102,12 +108,17 @@ class WorkDir:
     def check_shared(self) -> None:
         """Refuse a work directory rank 0 made that this rank does not see."""
         if not os.path.isfile(os.path.join(self.path, MARKER)):
-            raise EprtError(f"--work-dir {self.path}, made by rank 0, is not visible here; give a --work-dir on a "
-                            "file system every rank shares")
+            raise EprtError(
+                f"--work-dir {self.path}, made by rank 0, is not visible here; give a --work-dir on a "
+                "file system every rank shares"
+            )
 
     def refused_writes(self, path: str):
-        return naming_refused_writes(path, f"the work directory {self.path}",
-                                     "give a --work-dir on another disk (it holds one layer's hidden states)")
+        return naming_refused_writes(
+            path,
+            f"the work directory {self.path}",
+            "give a --work-dir on another disk (it holds one layer's hidden states)",
+        )
 
     def _rank_dirs(self) -> list[str]:
         return [os.path.join(self.path, d) for d in sorted(os.listdir(self.path)) if RANK_DIR.fullmatch(d)]
@@ -178,13 +189,16 @@ class WorkDir:
             found = saved_fingerprint(metadata.get("fingerprint"))
             differ = differences(found, self.fingerprint, self.base)
             if differ:
-                raise ConfigError(f"{path}: saved by a run with other arguments or inputs ({'; '.join(differ)} "
-                                  f"differ); run without --resume to start over, or resume with the arguments and "
-                                  "inputs of the run that saved it")
+                raise ConfigError(
+                    f"{path}: saved by a run with other arguments or inputs ({'; '.join(differ)} "
+                    f"differ); run without --resume to start over, or resume with the arguments and "
+                    "inputs of the run that saved it"
+                )
             return load_file(path, device=str(device)), metadata
         except SafetensorError as e:
-            raise ConfigError(f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start "
-                              "over") from None
+            raise ConfigError(
+                f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start over"
+            ) from None
 
     def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
         tensors, metadata = self._read(self._file(layer), device)

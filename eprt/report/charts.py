@@ -65,15 +65,25 @@ def expert_tokens(experts: list[dict]) -> str:
     ax = fig.add_subplot()
     reached = tokens[tokens > 0]
     low = reached.min() if reached.size else 1.0
-    image = ax.imshow(np.where(tokens > 0, tokens, np.nan), aspect="auto", cmap="viridis",
-                      norm=LogNorm(vmin=low, vmax=max(tokens.max(), low * 10)))
+    image = ax.imshow(
+        np.where(tokens > 0, tokens, np.nan),
+        aspect="auto",
+        cmap="viridis",
+        norm=LogNorm(vmin=low, vmax=max(tokens.max(), low * 10)),
+    )
     fig.colorbar(image, ax=ax, label="calibration tokens")
     for (marker, colour, meaning), key in ((UNREACHED, "unreached"), (MAX_ROUNDING, "gptq_max_rounding")):
         points = [(x, y) for y, e in enumerate(experts) for x in e[key]]
         if points:
             # a cross is all edge; a circle is hollow, so the cell's colour shows through
-            ax.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, s=30, label=meaning,
-                       **({"color": colour} if marker == "x" else {"facecolors": "none", "edgecolors": colour}))
+            ax.scatter(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker=marker,
+                s=30,
+                label=meaning,
+                **({"color": colour} if marker == "x" else {"facecolors": "none", "edgecolors": colour}),
+            )
     ax.set_yticks(range(rows), [short_module(e["module"]) for e in experts])
     ax.set_xlabel("expert")
     if any(e["unreached"] or e["gptq_max_rounding"] for e in experts):

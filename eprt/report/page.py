@@ -59,18 +59,25 @@ def side_by_side(reports: list[tuple[str, dict]], part: Callable[[int, str, dict
     """One block per report, each headed by its label when there are several."""
     if len(reports) == 1:
         return part(0, *reports[0])
-    return '<div class="side">' + "".join(f"<div><h3>{esc(label)}</h3>{part(i, label, r)}</div>"
-                                         for i, (label, r) in enumerate(reports)) + "</div>"
+    return (
+        '<div class="side">'
+        + "".join(f"<div><h3>{esc(label)}</h3>{part(i, label, r)}</div>" for i, (label, r) in enumerate(reports))
+        + "</div>"
+    )
 
 
 # --- the sections -----------------------------------------------------------------------------------
 
+
 def headline(reports: list[tuple[str, dict]]) -> str:
-    rows = [("KL mean", lambda r: r["kl_mean"], "kl_mean"), ("KL p99", lambda r: r["kl_p99"], "kl_p99"),
-            ("top-1 agreement", lambda r: r["top1_agreement"], "top1_agreement"),
-            ("perplexity, unquantized", lambda r: r["perplexity"]["unquantized"], "perplexity.unquantized"),
-            ("perplexity, quantized", lambda r: r["perplexity"]["quantized"], "perplexity.quantized"),
-            ("held-out tokens", lambda r: r["eval"]["tokens"], "eval.tokens")]
+    rows = [
+        ("KL mean", lambda r: r["kl_mean"], "kl_mean"),
+        ("KL p99", lambda r: r["kl_p99"], "kl_p99"),
+        ("top-1 agreement", lambda r: r["top1_agreement"], "top1_agreement"),
+        ("perplexity, unquantized", lambda r: r["perplexity"]["unquantized"], "perplexity.unquantized"),
+        ("perplexity, quantized", lambda r: r["perplexity"]["quantized"], "perplexity.quantized"),
+        ("held-out tokens", lambda r: r["eval"]["tokens"], "eval.tokens"),
+    ]
     body = [[text(name), *(number(get(r), key) for _, r in reports)] for name, get, key in rows]
     out = table(["", *(label for label, _ in reports)], body, cls="headline")
     data = {r["eval"]["data"] for _, r in reports}
@@ -84,14 +91,24 @@ def layer_section(reports: list[tuple[str, dict]], draw: bool) -> str:
         out += chart(charts.layer_errors(series), "chart-layers", "relative error per layer")
     layers = sorted({x["layer"] for _, r in reports for x in r["layers"]})
     by = [{x["layer"]: x for x in r["layers"]} for _, r in reports]
-    rows = [[number(i, "layer"), *(number(b[i]["relative_error"] if i in b else None, "relative_error")
-                                   for b in by)] for i in layers]
+    rows = [
+        [number(i, "layer"), *(number(b[i]["relative_error"] if i in b else None, "relative_error") for b in by)]
+        for i in layers
+    ]
     return out + table(["layer", *(label for label, _ in reports)], rows, cls="layers")
 
 
 def worst_modules(_i: int, _label: str, r: dict) -> str:
-    rows = [[number(x["layer"], "layer"), text(t["module"]), number(t["relative_error"], "relative_error"),
-             number(t["token_share"], "token_share")] for x in r["layers"] for t in x["top"]]
+    rows = [
+        [
+            number(x["layer"], "layer"),
+            text(t["module"]),
+            number(t["relative_error"], "relative_error"),
+            number(t["token_share"], "token_share"),
+        ]
+        for x in r["layers"]
+        for t in x["top"]
+    ]
     return table(["layer", "module", "relative error", "token share"], rows, cls="top")
 
 
@@ -102,24 +119,46 @@ def experts_section(draw: bool) -> Callable[[int, str, dict], str]:
         experts = r["experts"]
         if not experts:
             return '<p class="note">no routed experts</p>'
-        out = chart(charts.expert_tokens(experts), f"chart-experts-{i}", "calibration tokens per expert") \
-            if draw else ""
+        out = (
+            chart(charts.expert_tokens(experts), f"chart-experts-{i}", "calibration tokens per expert") if draw else ""
+        )
         rows = []
         for e in experts:
             if e["unreached"]:
-                rows.append([text(charts.short_module(e["module"])), text(", ".join(map(str, e["unreached"]))),
-                             text("no calibration token"), text(e["unreached_handling"])])
+                rows.append(
+                    [
+                        text(charts.short_module(e["module"])),
+                        text(", ".join(map(str, e["unreached"]))),
+                        text("no calibration token"),
+                        text(e["unreached_handling"]),
+                    ]
+                )
             if e["gptq_max_rounding"]:
                 min_tokens = r.get("calibration", {}).get("gptq_min_tokens")
-                rows.append([text(charts.short_module(e["module"])), text(", ".join(map(str, e["gptq_max_rounding"]))),
-                             text(f"fewer than {min_tokens} tokens"),
-                             text("GPTQ's fallback: max rounding (--gptq-min-tokens)")])
-        out += (table(["layer", "experts", "starved", "what was done"], rows, cls="starved") if rows
-                else '<p class="note">no expert starved</p>')
-        tokens = [[text(charts.short_module(e["module"])), number(min(e["tokens"]), "min"),
-                   number(sorted(e["tokens"])[len(e["tokens"]) // 2], "median"), number(max(e["tokens"]), "max")]
-                  for e in experts]
+                rows.append(
+                    [
+                        text(charts.short_module(e["module"])),
+                        text(", ".join(map(str, e["gptq_max_rounding"]))),
+                        text(f"fewer than {min_tokens} tokens"),
+                        text("GPTQ's fallback: max rounding (--gptq-min-tokens)"),
+                    ]
+                )
+        out += (
+            table(["layer", "experts", "starved", "what was done"], rows, cls="starved")
+            if rows
+            else '<p class="note">no expert starved</p>'
+        )
+        tokens = [
+            [
+                text(charts.short_module(e["module"])),
+                number(min(e["tokens"]), "min"),
+                number(sorted(e["tokens"])[len(e["tokens"]) // 2], "median"),
+                number(max(e["tokens"]), "max"),
+            ]
+            for e in experts
+        ]
         return out + table(["layer", "min", "median", "max"], tokens, "calibration tokens per expert", "tokens")
+
     return part
 
 
@@ -127,10 +166,14 @@ def recipe_section(_i: int, _label: str, r: dict) -> str:
     if "recipe" not in r:
         return f'<p class="note">{NOT_RECORDED}</p>'
     recipe = r["recipe"]
-    rows = [[text(g["group"]), text(g["format"]), text(g["algorithm"]), number(g["modules"], "modules")]
-            for g in r["groups"]]
-    head = (f"<p>recipe <b>{esc(recipe['name'])}</b>; KV cache: {esc(recipe.get('kv_cache') or 'unquantized')}"
-            f"{'; multi-token-prediction layers quantized' if recipe.get('mtp') else ''}</p>")
+    rows = [
+        [text(g["group"]), text(g["format"]), text(g["algorithm"]), number(g["modules"], "modules")]
+        for g in r["groups"]
+    ]
+    head = (
+        f"<p>recipe <b>{esc(recipe['name'])}</b>; KV cache: {esc(recipe.get('kv_cache') or 'unquantized')}"
+        f"{'; multi-token-prediction layers quantized' if recipe.get('mtp') else ''}</p>"
+    )
     return head + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
 
 
@@ -138,14 +181,28 @@ def data_section(_i: int, _label: str, r: dict) -> str:
     if "calibration" not in r:
         return f'<p class="note">{NOT_RECORDED}</p>'
     c = r["calibration"]
-    head = (f"<p>{esc(c['samples'])} sequences of {esc(c['seq_len'])} tokens ({esc(c['tokens'])} tokens), "
-            f"algorithm {esc(c['algorithm'])}{', every expert on every token' if c.get('all_experts') else ''}</p>")
-    rows = [[text(s["path"]), number(s["share"], "share"), number(s["sequences"], "sequences"),
-             number(s["held_out"], "held_out"), number(s["tokens"], "tokens"),
-             number(s["documents"], "documents"), number(s["truncated"], "truncated"),
-             text("yes" if s["repeated"] else "no")] for s in c.get("sources", [])]
-    return head + table(["source", "share", "sequences", "held out", "tokens", "documents", "cut short",
-                         "repeated"], rows, cls="sources")
+    head = (
+        f"<p>{esc(c['samples'])} sequences of {esc(c['seq_len'])} tokens ({esc(c['tokens'])} tokens), "
+        f"algorithm {esc(c['algorithm'])}{', every expert on every token' if c.get('all_experts') else ''}</p>"
+    )
+    rows = [
+        [
+            text(s["path"]),
+            number(s["share"], "share"),
+            number(s["sequences"], "sequences"),
+            number(s["held_out"], "held_out"),
+            number(s["tokens"], "tokens"),
+            number(s["documents"], "documents"),
+            number(s["truncated"], "truncated"),
+            text("yes" if s["repeated"] else "no"),
+        ]
+        for s in c.get("sources", [])
+    ]
+    return head + table(
+        ["source", "share", "sequences", "held out", "tokens", "documents", "cut short", "repeated"],
+        rows,
+        cls="sources",
+    )
 
 
 def preview_section(_i: int, _label: str, r: dict) -> str:
@@ -154,9 +211,11 @@ def preview_section(_i: int, _label: str, r: dict) -> str:
     p = r["preview"]
     if p is None:
         return '<p class="note">no preview in this run (--preview shows one)</p>'
-    return (f"<p>prompt</p><pre class=\"prompt\">{esc(p['prompt'])}</pre><p>before</p>"
-            f"<pre class=\"before\">{esc(p['before'])}</pre><p>after (fake-quantized)</p>"
-            f"<pre class=\"after\">{esc(p['after'])}</pre>")
+    return (
+        f'<p>prompt</p><pre class="prompt">{esc(p["prompt"])}</pre><p>before</p>'
+        f'<pre class="before">{esc(p["before"])}</pre><p>after (fake-quantized)</p>'
+        f'<pre class="after">{esc(p["after"])}</pre>'
+    )
 
 
 def render(reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
@@ -164,8 +223,14 @@ def render(reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
     `draw`: with charts (default: where matplotlib is installed)."""
     draw = charts.available() if draw is None else draw
     title = "eprt quality report" + (f": {reports[0][0]}" if len(reports) == 1 else f"s: {len(reports)} compared")
-    no_charts = "" if draw else ('<p class="note" id="no-charts">No charts: matplotlib is not installed (pip install '
-                                 '"eprt[report]"); every number is in the tables.</p>')
+    no_charts = (
+        ""
+        if draw
+        else (
+            '<p class="note" id="no-charts">No charts: matplotlib is not installed (pip install '
+            '"eprt[report]"); every number is in the tables.</p>'
+        )
+    )
     sections = [
         ("headline", "Headline", headline(reports)),
         ("layers", "Relative error per layer", layer_section(reports, draw)),
@@ -176,7 +241,9 @@ def render(reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
         ("preview", "Preview", side_by_side(reports, preview_section)),
     ]
     body = "".join(f'<section id="{key}"><h2>{esc(name)}</h2>{content}</section>' for key, name, content in sections)
-    notes = "".join(f'<li>{esc(n)}</li>' for n in reports[0][1].get("notes", []))
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
-            f'<body><h1>{esc(title)}</h1>{no_charts}{body}<ul class="note">{notes}</ul></body></html>\n')
+    notes = "".join(f"<li>{esc(n)}</li>" for n in reports[0][1].get("notes", []))
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
+        f'<body><h1>{esc(title)}</h1>{no_charts}{body}<ul class="note">{notes}</ul></body></html>\n'
+    )

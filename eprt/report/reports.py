@@ -18,9 +18,16 @@ from eprt.storage.paths import resolve_inside
 
 WAY_OUT = "give an export, a calibrated checkpoint or an eprt quality report's JSON"
 # what a page cannot be drawn without: (key path, type)
-REQUIRED = ((("kl_mean",), float), (("kl_p99",), float), (("top1_agreement",), float),
-            (("perplexity", "unquantized"), float), (("perplexity", "quantized"), float),
-            (("eval", "tokens"), int), (("eval", "data"), str), (("layers",), list))
+REQUIRED = (
+    (("kl_mean",), float),
+    (("kl_p99",), float),
+    (("top1_agreement",), float),
+    (("perplexity", "unquantized"), float),
+    (("perplexity", "quantized"), float),
+    (("eval", "tokens"), int),
+    (("eval", "data"), str),
+    (("layers",), list),
+)
 
 
 def report_path(path: str) -> str:
@@ -35,8 +42,10 @@ def report_path(path: str) -> str:
     if os.path.isfile(manifest):
         quantization = read_json_object(manifest, WAY_OUT).get("quantization") or {}
         if not quantization.get("quality"):
-            raise ConfigError(f"{path}: a checkpoint without a quality report (not calibrated, or calibrated with "
-                              "--eval-size 0); calibrate with --eval-size N")
+            raise ConfigError(
+                f"{path}: a checkpoint without a quality report (not calibrated, or calibrated with "
+                "--eval-size 0); calibrate with --eval-size N"
+            )
         return resolve_inside(path, quantization["quality"], f"{manifest} (quantization.quality)")
     raise ConfigError(f"{path}: holds no quality report ({QUALITY} or an eprt checkpoint); {WAY_OUT}")
 
@@ -50,11 +59,16 @@ def read_report(path: str) -> tuple[str, dict]:
         for k in keys:
             value = value.get(k) if isinstance(value, dict) else None
         if not isinstance(value, kind) and not (kind is float and type(value) is int):
-            raise ConfigError(f"{where}: {'.'.join(keys)} is missing or not a {kind.__name__}: not an eprt quality "
-                              f"report; {WAY_OUT}")
+            raise ConfigError(
+                f"{where}: {'.'.join(keys)} is missing or not a {kind.__name__}: not an eprt quality report; {WAY_OUT}"
+            )
     for i, layer in enumerate(report["layers"]):
-        if not (isinstance(layer, dict) and isinstance(layer.get("layer"), int)
-                and isinstance(layer.get("relative_error"), (int, float)) and isinstance(layer.get("top"), list)):
+        if not (
+            isinstance(layer, dict)
+            and isinstance(layer.get("layer"), int)
+            and isinstance(layer.get("relative_error"), (int, float))
+            and isinstance(layer.get("top"), list)
+        ):
             raise ConfigError(f"{where}: layers[{i}] is not a layer of an eprt quality report; {WAY_OUT}")
     return where, report
 
@@ -65,12 +79,13 @@ def same_held_out(reports: list[tuple[str, dict]]) -> None:
     first_label, first = reports[0]
     digests = [r.get("eval_ids_sha256") for _, r in reports]
     for label, r in reports[1:]:
-        same = (r["eval_ids_sha256"] == first["eval_ids_sha256"] if all(digests)
-                else r["eval"] == first["eval"])
+        same = r["eval_ids_sha256"] == first["eval_ids_sha256"] if all(digests) else r["eval"] == first["eval"]
         if not same:
-            raise ConfigError(f"{label}: measured on other held-out data than {first_label} ({r['eval']['data']!r} "
-                              f"vs {first['eval']['data']!r}); compare runs on the same data: the same --calib, "
-                              "--calib-size, --seq-len and --eval-size, or the same --eval FILE")
+            raise ConfigError(
+                f"{label}: measured on other held-out data than {first_label} ({r['eval']['data']!r} "
+                f"vs {first['eval']['data']!r}); compare runs on the same data: the same --calib, "
+                "--calib-size, --seq-len and --eval-size, or the same --eval FILE"
+            )
 
 
 def label(report: dict) -> str:

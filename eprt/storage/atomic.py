@@ -33,8 +33,10 @@ def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) ->
     out = os.path.realpath(out)
     for src in read_dirs(inputs):
         if within(out, src) or within(src, out):
-            raise EprtError(f"output {out} overlaps the input {src}, which this run reads; choose an output "
-                            "outside it (and not holding it)")
+            raise EprtError(
+                f"output {out} overlaps the input {src}, which this run reads; choose an output "
+                "outside it (and not holding it)"
+            )
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputExistsError(f"output {out} exists and is not a directory")
@@ -66,9 +68,13 @@ def temp_dir_for(out: str) -> str:
 
 
 # errnos by which a file system refuses a write: the user's to fix, named with the path and whose it is
-REFUSED_WRITES = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-                  errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-                  errno.EPERM: "operation not permitted"}
+REFUSED_WRITES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
 
 
 @contextmanager
@@ -81,8 +87,10 @@ def naming_refused_writes(path: str, what: str, elsewhere: str):
     except OSError as e:
         if e.errno not in REFUSED_WRITES:
             raise
-        raise EprtError(f"{e.filename or path}: {REFUSED_WRITES[e.errno]} writing {what} ({e.strerror}): free space "
-                        f"or fix its permissions, or {elsewhere}") from None
+        raise EprtError(
+            f"{e.filename or path}: {REFUSED_WRITES[e.errno]} writing {what} ({e.strerror}): free space "
+            f"or fix its permissions, or {elsewhere}"
+        ) from None
 
 
 def fsync_path(path: str) -> None:
@@ -123,9 +131,11 @@ def publish(tmp: str, out: str, overwrite: bool = False) -> None:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
         if not overwrite:
-            raise OutputExistsError(f"output {out} appeared, not empty, while this run wrote it (another run?); "
-                                    "it was left as it is: pass --overwrite to replace it, or choose another "
-                                    "output") from None
+            raise OutputExistsError(
+                f"output {out} appeared, not empty, while this run wrote it (another run?); "
+                "it was left as it is: pass --overwrite to replace it, or choose another "
+                "output"
+            ) from None
         old = tmp if exchange_names(tmp, out) else replace_aside(tmp, out)
         fsync_path(os.path.dirname(out))
         shutil.rmtree(old, ignore_errors=True)

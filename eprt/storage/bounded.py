@@ -23,8 +23,9 @@ def parse_json(data: bytes | str, where: str, way_out: str, error: type[EprtErro
     except json.JSONDecodeError as e:
         raise error(f"{where}: not valid JSON ({e}); {way_out}") from None
     except RecursionError:
-        raise error(f"{where}: nested too deeply to be read (thousands of levels of lists or objects); "
-                    f"{way_out}") from None
+        raise error(
+            f"{where}: nested too deeply to be read (thousands of levels of lists or objects); {way_out}"
+        ) from None
 
 
 def read_json(path: str, way_out: str, error: type[EprtError] = ConfigError) -> Any:

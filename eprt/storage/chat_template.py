@@ -29,21 +29,26 @@ def template_source(hf_dir: str) -> tuple[str, str] | None:
             try:
                 return f.read().decode("utf-8"), jinja
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{jinja}: not UTF-8 text (byte {e.start}); fix the template in the source "
-                                  "checkpoint and convert again") from None
+                raise ConfigError(
+                    f"{jinja}: not UTF-8 text (byte {e.start}); fix the template in the source "
+                    "checkpoint and convert again"
+                ) from None
     config_path = os.path.join(hf_dir, TOKENIZER_CONFIG)
     if not os.path.isfile(config_path):
         return None
     template = read_json_object(config_path, "fix the file in the source checkpoint and convert again").get(
-        "chat_template")
+        "chat_template"
+    )
     if isinstance(template, list):  # named templates: the default one renders plain conversations
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is None:
         return None
     if not isinstance(template, str):
-        raise ConfigError(f"{config_path}: chat_template is a {type(template).__name__}, not a template; fix the "
-                          "file in the source checkpoint and convert again")
+        raise ConfigError(
+            f"{config_path}: chat_template is a {type(template).__name__}, not a template; fix the "
+            "file in the source checkpoint and convert again"
+        )
     return template, f"{config_path} (chat_template)"
 
 
@@ -67,9 +72,11 @@ def chat_renderer(hf_dir: str, data: str) -> Callable[[list, str], str]:
     through the checkpoint's template; refused, naming `data` and the way out, when it has none."""
     found = template_source(hf_dir)
     if found is None:
-        raise ConfigError(f"{data}: holds chat messages, but the checkpoint has no chat template (`chat_template` "
-                          f"in {TOKENIZER_CONFIG} or {CHAT_TEMPLATE} in {hf_dir}); add the model's template to the "
-                          "source checkpoint and convert again, or calibrate on plain text ({\"text\": ...})")
+        raise ConfigError(
+            f"{data}: holds chat messages, but the checkpoint has no chat template (`chat_template` "
+            f"in {TOKENIZER_CONFIG} or {CHAT_TEMPLATE} in {hf_dir}); add the model's template to the "
+            'source checkpoint and convert again, or calibrate on plain text ({"text": ...})'
+        )
     source, origin = found
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
@@ -86,8 +93,10 @@ def chat_renderer(hf_dir: str, data: str) -> Callable[[list, str], str]:
     try:
         template = env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{origin}: not a valid Jinja template (line {e.lineno}: {e.message}); fix the template "
-                          "in the source checkpoint and convert again") from None
+        raise ConfigError(
+            f"{origin}: not a valid Jinja template (line {e.lineno}: {e.message}); fix the template "
+            "in the source checkpoint and convert again"
+        ) from None
     tokens = special_tokens(hf_dir)
 
     def render(messages: list, where: str) -> str:
@@ -96,16 +105,22 @@ def chat_renderer(hf_dir: str, data: str) -> Callable[[list, str], str]:
             for piece in template.generate(messages=messages, add_generation_prompt=False, **tokens):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
-                    raise ConfigError(f"{where}: the chat template of {origin} renders more than "
-                                      f"{MAX_RENDERED_CHARS} characters; split the conversation or fix the template")
+                    raise ConfigError(
+                        f"{where}: the chat template of {origin} renders more than "
+                        f"{MAX_RENDERED_CHARS} characters; split the conversation or fix the template"
+                    )
                 pieces.append(piece)
         except SecurityError as e:
-            raise ConfigError(f"{origin}: the chat template tried to reach Python ({e}) while rendering {where}; "
-                              "refused: a template renders text and nothing else. Use the model's published "
-                              "template") from None
+            raise ConfigError(
+                f"{origin}: the chat template tried to reach Python ({e}) while rendering {where}; "
+                "refused: a template renders text and nothing else. Use the model's published "
+                "template"
+            ) from None
         except (jinja2.TemplateError, TypeError, ValueError, OverflowError) as e:
-            raise ConfigError(f"{where}: the chat template of {origin} cannot render it ({type(e).__name__}: "
-                              f"{str(e)[:200]}); each message is {{\"role\": ..., \"content\": ...}}") from None
+            raise ConfigError(
+                f"{where}: the chat template of {origin} cannot render it ({type(e).__name__}: "
+                f'{str(e)[:200]}); each message is {{"role": ..., "content": ...}}'
+            ) from None
         return "".join(pieces)
 
     return render

@@ -40,7 +40,7 @@ from eprt.layout import TensorSpec
 from eprt.storage import encodings
 from eprt.storage.bounded import read_json_object
 from eprt.storage.paths import check_relative, resolve_inside
-from eprt.storage.safetensors_io import SAFETENSORS_DTYPES, MAX_HEADER, SafetensorsFile, dtype_name
+from eprt.storage.safetensors_io import MAX_HEADER, SAFETENSORS_DTYPES, SafetensorsFile, dtype_name
 
 FORMAT = "eprt"
 # Version 1 stored the config flat (MLA, MoE and Kimi fields side by side, Kimi's in `extra`);
@@ -69,6 +69,7 @@ def parts_from_json(d: list[dict]) -> tuple[Part, ...]:
 class Component:
     """One source tensor of an encoded tensor, stored as it was (stacked experts: one row per expert,
     each row the expert's `per_row` source tensors end to end)."""
+
     dtype: torch.dtype
     shape: tuple[int, ...]  # as stored
     source_shape: tuple[int, ...]  # of one source tensor
@@ -77,7 +78,7 @@ class Component:
     def piece(self, row: torch.Tensor, k: int) -> torch.Tensor:
         """The k-th source tensor in one stored row."""
         n = math.prod(self.source_shape)
-        return row.reshape(-1)[k * n:(k + 1) * n].reshape(self.source_shape)
+        return row.reshape(-1)[k * n : (k + 1) * n].reshape(self.source_shape)
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,11 @@ class TensorMeta:
 
     def to_json(self) -> dict:
         d = {
-            "dtype": dtype_name(self.dtype), "source_dtype": dtype_name(self.source_dtype),
-            "shape": list(self.shape), "encoding": self.encoding, "role": self.role,
+            "dtype": dtype_name(self.dtype),
+            "source_dtype": dtype_name(self.source_dtype),
+            "shape": list(self.shape),
+            "encoding": self.encoding,
+            "role": self.role,
             "parts": parts_json(self.parts),
         }
         if self.fused_source is not None:
@@ -113,20 +117,43 @@ class TensorMeta:
             d["scheme"] = self.scheme
             if self.per_row is not None:
                 d["per_row"] = self.per_row
-            d["components"] = {c: {"dtype": dtype_name(x.dtype), "shape": list(x.shape),
-                                   "source_shape": list(x.source_shape), "parts": parts_json(x.parts)}
-                               for c, x in self.components.items()}
+            d["components"] = {
+                c: {
+                    "dtype": dtype_name(x.dtype),
+                    "shape": list(x.shape),
+                    "source_shape": list(x.source_shape),
+                    "parts": parts_json(x.parts),
+                }
+                for c, x in self.components.items()
+            }
         return d
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "TensorMeta":
         components = None
         if "components" in d:
-            components = {c: Component(SAFETENSORS_DTYPES[x["dtype"]], dims(x["shape"]), dims(x["source_shape"]),
-                                       parts_from_json(x["parts"])) for c, x in d["components"].items()}
-        return cls(name, SAFETENSORS_DTYPES[d["dtype"]], dims(d["shape"]), d["encoding"], d["role"], parts_from_json(d["parts"]),
-                   SAFETENSORS_DTYPES[d["source_dtype"]], d.get("scheme"), d.get("per_row"), components,
-                   d.get("fused_source"))
+            components = {
+                c: Component(
+                    SAFETENSORS_DTYPES[x["dtype"]],
+                    dims(x["shape"]),
+                    dims(x["source_shape"]),
+                    parts_from_json(x["parts"]),
+                )
+                for c, x in d["components"].items()
+            }
+        return cls(
+            name,
+            SAFETENSORS_DTYPES[d["dtype"]],
+            dims(d["shape"]),
+            d["encoding"],
+            d["role"],
+            parts_from_json(d["parts"]),
+            SAFETENSORS_DTYPES[d["source_dtype"]],
+            d.get("scheme"),
+            d.get("per_row"),
+            components,
+            d.get("fused_source"),
+        )
 
 
 def dims(shape: list) -> tuple[int, ...]:
@@ -137,12 +164,18 @@ def dims(shape: list) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def manifest(family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta],
-             files: list[str], **extra) -> dict:
+def manifest(
+    family: str, config: ModelConfig, source_config: dict, tensors: list[TensorMeta], files: list[str], **extra
+) -> dict:
     return {
-        "format": FORMAT, "version": VERSION, "family": family,
-        "config": config.to_json(), "source_config": source_config,
-        "tensors": {t.name: t.to_json() for t in tensors}, "files": files, **extra,
+        "format": FORMAT,
+        "version": VERSION,
+        "family": family,
+        "config": config.to_json(),
+        "source_config": source_config,
+        "tensors": {t.name: t.to_json() for t in tensors},
+        "files": files,
+        **extra,
     }
 
 
@@ -159,16 +192,22 @@ class Checkpoint:
         self.path = path
         mpath = os.path.join(path, MANIFEST)
         if not os.path.isfile(mpath):
-            raise CheckpointError(f"{path}: no {MANIFEST}; not an eprt checkpoint (convert one with tools/convert_hf.py)")
+            raise CheckpointError(
+                f"{path}: no {MANIFEST}; not an eprt checkpoint (convert one with tools/convert_hf.py)"
+            )
         m = read_json_object(mpath, "the manifest is corrupt: convert the checkpoint again", CheckpointError)
         older = m.get("version") if m.get("format") == FORMAT else None
         if type(older) is int and 0 < older < VERSION:
-            raise CheckpointError(f"{mpath}: format version {older}, written by an older eprt; this eprt reads "
-                                  f"version {VERSION}, whose config it holds typed: convert the source again "
-                                  "(tools/convert_hf.py), and calibrate again from that")
+            raise CheckpointError(
+                f"{mpath}: format version {older}, written by an older eprt; this eprt reads "
+                f"version {VERSION}, whose config it holds typed: convert the source again "
+                "(tools/convert_hf.py), and calibrate again from that"
+            )
         if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise CheckpointError(f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}; "
-                                  f"this eprt reads {FORMAT!r} version {VERSION}")
+            raise CheckpointError(
+                f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}; "
+                f"this eprt reads {FORMAT!r} version {VERSION}"
+            )
         self.manifest = m
         try:
             self.config = ModelConfig.from_json(m.get("config"), "config")
@@ -181,20 +220,25 @@ class Checkpoint:
             for rel in m["files"]:
                 check_relative(rel, f"{mpath} (files)")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); convert the checkpoint "
-                                  "again") from None
+            raise CheckpointError(
+                f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); convert the checkpoint again"
+            ) from None
         self.schemes: dict[str, dict] = m.get("schemes", {})
         for t in own.values():
             if not encodings.is_known(t.encoding):
-                raise CheckpointError(f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
-                                      f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.CT_PREFIX}"
-                                      f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
-                                      "crafted, or written by a newer eprt")
+                raise CheckpointError(
+                    f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
+                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.CT_PREFIX}"
+                    f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
+                    "crafted, or written by a newer eprt"
+                )
             for f in stored_files(t):
                 check_relative(f, f"{mpath} ({t.name!r})")
             if t.encoded and t.scheme not in self.schemes:
-                raise CheckpointError(f"{mpath}: {t.name!r} names scheme {t.scheme!r}, which the manifest lacks: "
-                                      "the checkpoint is corrupt")
+                raise CheckpointError(
+                    f"{mpath}: {t.name!r} names scheme {t.scheme!r}, which the manifest lacks: "
+                    "the checkpoint is corrupt"
+                )
         self._own = set(own)
         self.base = open_base(path, m["base"]) if "base" in m else None
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
@@ -253,7 +297,7 @@ class Checkpoint:
         from the expert's source tensors end to end, as the stacked row holds them."""
         if spec.name in self.tensors:
             return self.read(spec.name, rows=(e, e + 1))[0]
-        return torch.cat([self.read(s) for s in spec.sources[e * spec.per_row:(e + 1) * spec.per_row]])
+        return torch.cat([self.read(s) for s in spec.sources[e * spec.per_row : (e + 1) * spec.per_row]])
 
     def read_component(self, name: str, component: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """One stored source tensor of encoded tensor `name` as it lies on disk (or rows [a, b) of it)."""
@@ -278,8 +322,9 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: {t.name!r} has no stored component {component!r} (it has {have})")
         return t.components[component]
 
-    def _read_parts(self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...], a: int, b: int
-                    ) -> torch.Tensor:
+    def _read_parts(
+        self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...], a: int, b: int
+    ) -> torch.Tensor:
         pieces = []
         for p in parts:
             lo, hi = max(a, p.rows[0]), min(b, p.rows[1])
@@ -295,8 +340,9 @@ class Checkpoint:
             return self.base.decoder(name)
         with self._opening:
             if t.scheme not in self._decoders:
-                self._decoders[t.scheme] = encodings.decoder(t.encoding, self.schemes[t.scheme],
-                                                             f"{self.path} ({name})")
+                self._decoders[t.scheme] = encodings.decoder(
+                    t.encoding, self.schemes[t.scheme], f"{self.path} ({name})"
+                )
             return self._decoders[t.scheme]
 
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
@@ -312,15 +358,17 @@ class Checkpoint:
         for i in range(b - a):
             for k in range(t.per_row):
                 local = {c: t.components[c].piece(v[i], k) for c, v in stored.items()}
-                out[i, k * h:(k + 1) * h] = self._decoded(t, dec, local, (h, *t.shape[2:]))
+                out[i, k * h : (k + 1) * h] = self._decoded(t, dec, local, (h, *t.shape[2:]))
         return out
 
     def _decoded(self, t: TensorMeta, dec, local: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         w = dec.decode(local)
         if w.dtype != t.dtype or tuple(w.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: {t.name!r} ({t.encoding}) decodes to {w.dtype}{list(w.shape)} but the "
-                                  f"manifest says {t.dtype}{list(shape)}: it was converted with another decoder; "
-                                  "convert it again")
+            raise CheckpointError(
+                f"{self.path}: {t.name!r} ({t.encoding}) decodes to {w.dtype}{list(w.shape)} but the "
+                f"manifest says {t.dtype}{list(shape)}: it was converted with another decoder; "
+                "convert it again"
+            )
         return w
 
     def check_decode(self, dtype: torch.dtype | None = None, role: str | None = "model") -> None:
@@ -332,19 +380,25 @@ class Checkpoint:
                 continue
             self.decoder(name)
             if dtype is not None and not encodings.decoded_dtype_ok(t.dtype, dtype):
-                raise ConfigError(f"{self.path}: {name} is stored {t.encoding} and decompresses to {t.dtype}; "
-                                  f"loading it as {dtype} would round every weight again: load with "
-                                  f"dtype={t.dtype} or torch.float32")
+                raise ConfigError(
+                    f"{self.path}: {name} is stored {t.encoding} and decompresses to {t.dtype}; "
+                    f"loading it as {dtype} would round every weight again: load with "
+                    f"dtype={t.dtype} or torch.float32"
+                )
 
-    def byte_range(self, name: str, row: int | None = None, component: str | None = None
-                   ) -> tuple[SafetensorsFile, int, int]:
+    def byte_range(
+        self, name: str, row: int | None = None, component: str | None = None
+    ) -> tuple[SafetensorsFile, int, int]:
         """(file, offset, length) of tensor `name` as stored (of its stored `component`, for an
         encoded one), or of its row `row`: for copying without reading."""
         t = self.meta(name)
         if name not in self._own:
             return self.base.byte_range(name, row, component)
-        shape, parts = (t.shape, t.parts) if component is None else (self._component(t, component).shape,
-                                                                      t.components[component].parts)
+        shape, parts = (
+            (t.shape, t.parts)
+            if component is None
+            else (self._component(t, component).shape, t.components[component].parts)
+        )
         if row is None:
             if len(parts) != 1:
                 raise CheckpointError(f"{self.path}: {name!r} is stored in {len(parts)} parts, not one byte range")
@@ -362,8 +416,10 @@ class Checkpoint:
         info = f.info(p.key)
         want = (p.rows[1] - p.rows[0], *shape[1:]) if shape else ()
         if info.dtype != dtype or info.shape != want:
-            raise CheckpointError(f"{f.path}: {p.key!r} is {info.dtype}{list(info.shape)} but the manifest "
-                                  f"says {dtype}{list(want)}: the checkpoint is corrupt")
+            raise CheckpointError(
+                f"{f.path}: {p.key!r} is {info.dtype}{list(info.shape)} but the manifest "
+                f"says {dtype}{list(want)}: the checkpoint is corrupt"
+            )
         return f.read(p.key, rows)
 
     @property
@@ -444,8 +500,12 @@ def base_reference(out: str, base: str) -> dict:
     base = os.path.realpath(base)
     with Checkpoint(base) as ck:
         pins = weight_pins(ck)
-    return {"path": os.path.relpath(base, os.path.realpath(out)), "abspath": base,
-            "manifest_sha256": manifest_digest(base), "weights": pins}
+    return {
+        "path": os.path.relpath(base, os.path.realpath(out)),
+        "abspath": base,
+        "manifest_sha256": manifest_digest(base),
+        "weights": pins,
+    }
 
 
 def open_base(path: str, ref: dict) -> Checkpoint:
@@ -453,14 +513,20 @@ def open_base(path: str, ref: dict) -> Checkpoint:
     candidates = [os.path.normpath(os.path.join(path, ref["path"])), ref["abspath"]]
     base = next((c for c in candidates if os.path.isfile(os.path.join(c, MANIFEST))), None)
     if base is None:
-        raise CheckpointError(f"{path}: its base checkpoint is gone (looked in {' and '.join(candidates)}); "
-                              "it reads its weights from there: restore it, or calibrate again")
+        raise CheckpointError(
+            f"{path}: its base checkpoint is gone (looked in {' and '.join(candidates)}); "
+            "it reads its weights from there: restore it, or calibrate again"
+        )
     if manifest_digest(base) != ref["manifest_sha256"]:
-        raise CheckpointError(f"{path}: its base checkpoint {base} changed since calibration (manifest hash "
-                              "differs); calibrate again from the current one")
+        raise CheckpointError(
+            f"{path}: its base checkpoint {base} changed since calibration (manifest hash "
+            "differs); calibrate again from the current one"
+        )
     if not isinstance(ref.get("weights"), dict) or not ref["weights"]:
-        raise CheckpointError(f"{path}: it does not pin its base's weight files (calibrated by an older eprt), so "
-                              f"a change of {base} could not be seen; calibrate again")
+        raise CheckpointError(
+            f"{path}: it does not pin its base's weight files (calibrated by an older eprt), so "
+            f"a change of {base} could not be seen; calibrate again"
+        )
     ck = Checkpoint(base)
     try:
         check_weight_pins(path, ck, ref["weights"])
@@ -473,12 +539,16 @@ def open_base(path: str, ref: dict) -> Checkpoint:
 def check_weight_pins(path: str, base: Checkpoint, pinned: dict) -> None:
     """Refuse a base whose weight files are not the ones the checkpoint at `path` pinned."""
     if sorted(pinned) != base.weight_files():
-        raise CheckpointError(f"{path}: it pins the weight files {sorted(pinned)} of its base {base.path}, which "
-                              f"stores its weights in {base.weight_files()}: calibrate again from the current base")
+        raise CheckpointError(
+            f"{path}: it pins the weight files {sorted(pinned)} of its base {base.path}, which "
+            f"stores its weights in {base.weight_files()}: calibrate again from the current base"
+        )
     for f, pin in pinned.items():
         changed = pin_changes(pin, weight_pin(resolve_inside(base.path, f, os.path.join(base.path, MANIFEST))))
         if changed:
-            raise CheckpointError(f"{path}: its base's weight file {os.path.join(base.path, f)} changed since "
-                                  f"calibration ({', '.join(changed)} differ), so its calibration may not fit the "
-                                  "weights: calibrate again from the current base (a copy of a base keeps its "
-                                  "calibration only when it keeps the files' times: cp -a, rsync -a)")
+            raise CheckpointError(
+                f"{path}: its base's weight file {os.path.join(base.path, f)} changed since "
+                f"calibration ({', '.join(changed)} differ), so its calibration may not fit the "
+                "weights: calibrate again from the current base (a copy of a base keeps its "
+                "calibration only when it keeps the files' times: cp -a, rsync -a)"
+            )

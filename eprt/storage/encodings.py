@@ -41,38 +41,52 @@ def library(where: str):
     try:
         import compressed_tensors
     except ImportError:
-        raise ConfigError(f"{where}: holds compressed-tensors weights, and the compressed-tensors library that "
-                          f"decodes them is not installed: {INSTALL}") from None
+        raise ConfigError(
+            f"{where}: holds compressed-tensors weights, and the compressed-tensors library that "
+            f"decodes them is not installed: {INSTALL}"
+        ) from None
     version = getattr(compressed_tensors, "__version__", "0")
     if release(version) < MIN_VERSION:
-        raise ConfigError(f"{where}: compressed-tensors {version} is older than 0.20, the first release with the "
-                          f"compressor API eprt decodes with: pip install -U 'compressed-tensors>=0.20'")
+        raise ConfigError(
+            f"{where}: compressed-tensors {version} is older than 0.20, the first release with the "
+            f"compressor API eprt decodes with: pip install -U 'compressed-tensors>=0.20'"
+        )
     return compressed_tensors
 
 
 # The compressed-tensors formats eprt decodes. A format string reaches the library's registry only
 # once it is one of these: the registry reads any other `path/file.py:name` as a plugin to import
 # and run, so a checkpoint could name a Python file of its own.
-CT_FORMATS = ("pack-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized", "int-quantized",
-              "float-quantized", "naive-quantized")
+CT_FORMATS = (
+    "pack-quantized",
+    "mxfp4-pack-quantized",
+    "nvfp4-pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+)
 # compressed-tensors' top-level format of a config whose groups each name their own
 MIXED_FORMAT = "mixed-precision"
 
 
 def is_known(encoding) -> bool:
-    return isinstance(encoding, str) and (encoding in (RAW, FP8_BLOCK) or (
-        encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX):] in CT_FORMATS))
+    return isinstance(encoding, str) and (
+        encoding in (RAW, FP8_BLOCK) or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
+    )
 
 
 def check_ct_format(fmt, where: str) -> str:
     """`fmt`, once it is a compressed-tensors format eprt decodes; refused by name otherwise."""
     if fmt not in CT_FORMATS:
-        raise ConfigError(f"{where}: compressed-tensors format {fmt!r} is not one eprt decodes "
-                          f"({', '.join(CT_FORMATS)}); dequantize the checkpoint to bf16 first")
+        raise ConfigError(
+            f"{where}: compressed-tensors format {fmt!r} is not one eprt decodes "
+            f"({', '.join(CT_FORMATS)}); dequantize the checkpoint to bf16 first"
+        )
     return fmt
 
 
 # --- the source's quantization_config ---------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SourceQuantization:
@@ -93,22 +107,29 @@ class SourceQuantization:
 def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
     """The quantization_config of a config.json (top level, or a VLM's text_config), checked;
     refuses what eprt cannot read as it is stored."""
-    found = [(k, h["quantization_config"]) for k, h in (("quantization_config", hf), ("text_config.quantization_config",
-             hf.get("text_config") or {})) if h.get("quantization_config")]
+    found = [
+        (k, h["quantization_config"])
+        for k, h in (("quantization_config", hf), ("text_config.quantization_config", hf.get("text_config") or {}))
+        if h.get("quantization_config")
+    ]
     if not found:
         return None
     if len(found) > 1 and found[0][1] != found[1][1]:
-        raise ConfigError(f"{where}: quantization_config and text_config.quantization_config differ, so which one "
-                          "describes the weights is ambiguous; keep the one that does")
+        raise ConfigError(
+            f"{where}: quantization_config and text_config.quantization_config differ, so which one "
+            "describes the weights is ambiguous; keep the one that does"
+        )
     key, qc = found[0]
     where = f"{where} ({key})"
     method = qc.get("quant_method")
     if method == "fp8":
         block = qc.get("weight_block_size")
         if not block:
-            raise ConfigError(f"{where}: quant_method fp8 without weight_block_size is per-tensor FP8, which eprt does "
-                              "not read (it would load unscaled); dequantize it to bf16 first, or use a block-FP8 "
-                              "checkpoint (weight_block_size [128, 128])")
+            raise ConfigError(
+                f"{where}: quant_method fp8 without weight_block_size is per-tensor FP8, which eprt does "
+                "not read (it would load unscaled); dequantize it to bf16 first, or use a block-FP8 "
+                "checkpoint (weight_block_size [128, 128])"
+            )
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
             raise ConfigError(f"{where}: weight_block_size {block!r} is not two positive integers")
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -130,8 +151,10 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
         except ValueError as e:
             raise ConfigError(f"{where}: compressed-tensors cannot parse it: {first_problem(e)}") from None
     else:
-        raise ConfigError(f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
-                          "block FP8 (quant_method fp8 with weight_block_size); dequantize the checkpoint to bf16 first")
+        raise ConfigError(
+            f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
+            "block FP8 (quant_method fp8 with weight_block_size); dequantize the checkpoint to bf16 first"
+        )
     return SourceQuantization(method, qc, where)
 
 
@@ -162,6 +185,7 @@ def matches(module: str, targets: list[str]) -> bool:
 
 # --- decoders ---------------------------------------------------------------------------------
 
+
 class BlockFP8:
     """DeepSeek-V3's block FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 per block."""
 
@@ -174,13 +198,16 @@ class BlockFP8:
         return dequantize_block_fp8(c["weight"], c["weight_scale_inv"], self.block)
 
 
-def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                         dtype: torch.dtype = FP8_DECODED) -> torch.Tensor:
+def dequantize_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = FP8_DECODED
+) -> torch.Tensor:
     (rows, cols), (bo, bi) = w.shape, block
     want = (math.ceil(rows / bo), math.ceil(cols / bi))
     if tuple(scale_inv.shape) != want:
-        raise CheckpointError(f"weight_scale_inv has shape {list(scale_inv.shape)}, but a {rows}x{cols} weight in "
-                              f"{bo}x{bi} blocks needs {list(want)}")
+        raise CheckpointError(
+            f"weight_scale_inv has shape {list(scale_inv.shape)}, but a {rows}x{cols} weight in "
+            f"{bo}x{bi} blocks needs {list(want)}"
+        )
     return (w.float() * expand_blocks(scale_inv.float(), w.shape, block)).to(dtype)
 
 
@@ -203,15 +230,19 @@ class CompressedTensors:
             self.compressor = BaseCompressor.get_value_from_registry(fmt)
         except (KeyError, ValueError):
             have = ", ".join(sorted(BaseCompressor.registered_names()))
-            raise ConfigError(f"{where}: format {fmt!r} has no compressor in the installed compressed-tensors "
-                              f"{version} (it has {have}): pip install -U compressed-tensors, to a release that "
-                              "reads it") from None
+            raise ConfigError(
+                f"{where}: format {fmt!r} has no compressor in the installed compressed-tensors "
+                f"{version} (it has {have}): pip install -U compressed-tensors, to a release that "
+                "reads it"
+            ) from None
         self.scheme = QuantizationScheme.model_validate({**scheme, "format": fmt})
         try:
             self.components = tuple(self.compressor.compression_param_names(self.scheme))
         except NotImplementedError:
-            raise ConfigError(f"{where}: compressed-tensors' {fmt!r} compressor does not decompress one weight "
-                              "at a time, which eprt needs to decode each rank's experts alone") from None
+            raise ConfigError(
+                f"{where}: compressed-tensors' {fmt!r} compressor does not decompress one weight "
+                "at a time, which eprt needs to decode each rank's experts alone"
+            ) from None
 
     def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.compressor.decompress(c, self.scheme)["weight"]
@@ -223,7 +254,7 @@ def decoder(encoding: str, scheme: dict, where: str):
     if encoding == FP8_BLOCK:
         return BlockFP8(scheme)
     if encoding.startswith(CT_PREFIX):
-        return CompressedTensors(encoding[len(CT_PREFIX):], scheme, where)
+        return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
     raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")
 
 

@@ -28,8 +28,10 @@ def shard_name(i: int, count: int) -> str:
 
 def write_index(directory: str, weight_map: dict[str, str], total_size: int) -> None:
     """`INDEX` in `directory`: every tensor's shard (sorted by tensor name), and the total tensor bytes."""
-    write_json(os.path.join(directory, INDEX),
-               {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(
+        os.path.join(directory, INDEX),
+        {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
+    )
 
 
 def write_json(path: str, data: dict) -> None:

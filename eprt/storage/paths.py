@@ -30,11 +30,18 @@ def hf_cache_blobs(root_real: str) -> str | None:
 
 def check_relative(rel, where: str) -> str:
     """`rel` as a checkpoint may name a file: a relative path with no `..`; refused otherwise."""
-    if (not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel)
-            or ".." in rel.replace("\\", "/").split("/")):
-        raise CheckpointError(f"{where}: names the path {rel!r}, which leaves its directory; a checkpoint names "
-                              "only files inside its own directory: the checkpoint is corrupt or crafted, "
-                              "do not use it")
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or "\0" in rel
+        or os.path.isabs(rel)
+        or ".." in rel.replace("\\", "/").split("/")
+    ):
+        raise CheckpointError(
+            f"{where}: names the path {rel!r}, which leaves its directory; a checkpoint names "
+            "only files inside its own directory: the checkpoint is corrupt or crafted, "
+            "do not use it"
+        )
     return rel
 
 
@@ -45,6 +52,8 @@ def resolve_inside(root: str, rel, where: str) -> str:
     real, root_real = os.path.realpath(path), os.path.realpath(root)
     blobs = hf_cache_blobs(root_real)
     if not (within(real, root_real) or (blobs is not None and within(real, blobs))):
-        raise CheckpointError(f"{where}: {rel} links to {real}, outside {root}; eprt reads only files inside the "
-                              "checkpoint's directory: copy the file itself there in place of the link")
+        raise CheckpointError(
+            f"{where}: {rel} links to {real}, outside {root}; eprt reads only files inside the "
+            "checkpoint's directory: copy the file itself there in place of the link"
+        )
     return path

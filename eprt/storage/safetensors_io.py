@@ -22,10 +22,21 @@ from eprt.storage.bounded import parse_json
 
 # safetensors' dtype codes in headers and manifests ("BF16") -> torch dtypes
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -81,12 +92,15 @@ class SafetensorsFile:
         size = os.fstat(self._fd).st_size
         head = self._pread(8, 0)
         if len(head) < 8:
-            raise CheckpointError(f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
+            raise CheckpointError(
+                f"{self.path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)")
-        header = parse_json(self._pread(n, 8), self.path, "a corrupt header: download the file again",
-                            CheckpointError)
+            raise CheckpointError(
+                f"{self.path}: corrupt or truncated: header length {n} does not fit the file ({size} bytes)"
+            )
+        header = parse_json(self._pread(n, 8), self.path, "a corrupt header: download the file again", CheckpointError)
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt header (not a JSON object)")
         metadata = header.pop("__metadata__", None) or {}
@@ -103,11 +117,15 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}: {h!r}") from None
             want = dtype.itemsize * math.prod(shape)
             if end - begin != want or begin < 0:
-                raise CheckpointError(f"{self.path}: tensor {name!r} spans {end - begin} bytes but "
-                                      f"{h['dtype']}{list(shape)} needs {want}: corrupt file")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} spans {end - begin} bytes but "
+                    f"{h['dtype']}{list(shape)} needs {want}: corrupt file"
+                )
             if end > data_size:
-                raise CheckpointError(f"{self.path}: tensor {name!r} ends at byte {data_start + end} past the "
-                                      f"end of the file ({size} bytes): truncated file")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} ends at byte {data_start + end} past the "
+                    f"end of the file ({size} bytes): truncated file"
+                )
             tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, want)
         self._check_tiling(tensors, data_start, data_size)
         return tensors, metadata
@@ -120,16 +138,22 @@ class SafetensorsFile:
         for t in sorted(tensors.values(), key=lambda t: (t.start, t.start + t.nbytes)):
             begin = t.start - data_start
             if begin < end:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} overlaps tensor {previous!r} (bytes "
-                                      f"[{begin}, {end}) of the data belong to both): corrupt or crafted file, "
-                                      "do not use it")
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r} overlaps tensor {previous!r} (bytes "
+                    f"[{begin}, {end}) of the data belong to both): corrupt or crafted file, "
+                    "do not use it"
+                )
             if begin > end:
-                raise CheckpointError(f"{self.path}: bytes [{end}, {begin}) of the data, before tensor {t.name!r}, "
-                                      "belong to no tensor: corrupt or crafted file, do not use it")
+                raise CheckpointError(
+                    f"{self.path}: bytes [{end}, {begin}) of the data, before tensor {t.name!r}, "
+                    "belong to no tensor: corrupt or crafted file, do not use it"
+                )
             end, previous = begin + t.nbytes, t.name
         if end != data_size:
-            raise CheckpointError(f"{self.path}: the last {data_size - end} bytes of the file belong to no tensor "
-                                  f"(the tensors end at data byte {end}): corrupt or crafted file, do not use it")
+            raise CheckpointError(
+                f"{self.path}: the last {data_size - end} bytes of the file belong to no tensor "
+                f"(the tensors end at data byte {end}): corrupt or crafted file, do not use it"
+            )
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -199,7 +223,9 @@ class SafetensorsWriter:
     disk writes while the next tensors are computed and the final sync finds little left.
     """
 
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+    def __init__(
+        self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None
+    ):
         self.path = path
         header, offset = {}, 0
         self._sizes = []

@@ -29,13 +29,15 @@ def _need(module: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"{what} needs the {module.split('.')[0]} library: pip install \"eprt[data]\"") from None
+        raise ConfigError(f'{what} needs the {module.split(".")[0]} library: pip install "eprt[data]"') from None
 
 
 def _check_column(path: str, columns: list[str], column: str) -> None:
     if column not in columns:
-        raise ConfigError(f"{path}: no column {column!r}; its columns are {', '.join(columns) or 'none'}: name one "
-                          "with --calib-column")
+        raise ConfigError(
+            f"{path}: no column {column!r}; its columns are {', '.join(columns) or 'none'}: name one "
+            "with --calib-column"
+        )
 
 
 def parquet_rows(path: str, choose_column) -> Iterator[Any]:
@@ -46,8 +48,10 @@ def parquet_rows(path: str, choose_column) -> Iterator[Any]:
     try:
         table = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"{path}: not a Parquet file ({str(e)[:200]}); give a .parquet file, or name the data by "
-                          "what it is (.txt, .jsonl)") from None
+        raise ConfigError(
+            f"{path}: not a Parquet file ({str(e)[:200]}); give a .parquet file, or name the data by "
+            "what it is (.txt, .jsonl)"
+        ) from None
     columns = list(table.schema_arrow.names)
     column = choose_column(columns)
     _check_column(path, columns, column)
@@ -64,13 +68,16 @@ def dataset_rows(path: str, choose_column) -> Iterator[Any]:
     try:
         data = datasets.load_from_disk(path)
     except Exception as e:  # the library raises many types for a directory it cannot read
-        raise ConfigError(f"{path}: not a dataset the datasets library reads ({type(e).__name__}: {str(e)[:200]}); "
-                          "save it again with save_to_disk") from None
+        raise ConfigError(
+            f"{path}: not a dataset the datasets library reads ({type(e).__name__}: {str(e)[:200]}); "
+            "save it again with save_to_disk"
+        ) from None
     if isinstance(data, datasets.DatasetDict):
         splits = list(data)
         if len(splits) != 1 and "train" not in splits:
-            raise ConfigError(f"{path}: holds the splits {', '.join(splits)}; save the one to calibrate on alone, "
-                              "or name it train")
+            raise ConfigError(
+                f"{path}: holds the splits {', '.join(splits)}; save the one to calibrate on alone, or name it train"
+            )
         data = data[splits[0] if len(splits) == 1 else "train"]
     columns = list(data.column_names)
     column = choose_column(columns)

@@ -31,8 +31,9 @@ def stored_fp32(family: Family, name: str) -> bool:
 
 
 def families() -> list[str]:
-    return sorted(f[:-5] for f in os.listdir(TINY_DIR) if f.endswith(".json") and f[:-5] not in
-                  {n[:-5] for n in TOKENIZER_FILES})
+    return sorted(
+        f[:-5] for f in os.listdir(TINY_DIR) if f.endswith(".json") and f[:-5] not in {n[:-5] for n in TOKENIZER_FILES}
+    )
 
 
 def tiny_config(family: str, **overrides) -> dict:
@@ -75,15 +76,26 @@ def released_shape(spec: TensorSpec) -> tuple[int, ...]:
 def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str, torch.Tensor]:
     """A few tensors of a VLM's vision tower and projector, which eprt carries through untouched."""
     if model_type == "qwen3_5_moe":
-        shapes = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4), "model.visual.pos_embed.weight": (16, 16),
-                  "model.visual.blocks.0.attn.qkv.weight": (48, 16), "model.visual.blocks.0.attn.qkv.bias": (48,),
-                  "model.visual.blocks.0.norm1.weight": (16,), "model.visual.merger.linear_fc1.weight": (64, 64),
-                  "model.visual.merger.linear_fc2.weight": (hidden, 64)}
+        shapes = {
+            "model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
+            "model.visual.pos_embed.weight": (16, 16),
+            "model.visual.blocks.0.attn.qkv.weight": (48, 16),
+            "model.visual.blocks.0.attn.qkv.bias": (48,),
+            "model.visual.blocks.0.norm1.weight": (16,),
+            "model.visual.merger.linear_fc1.weight": (64, 64),
+            "model.visual.merger.linear_fc2.weight": (hidden, 64),
+        }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
-    shapes = {"vision_tower.patch_embed.proj.weight": (16, 3, 2, 2), "vision_tower.patch_embed.proj.bias": (16,),
-              "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16), "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
-              "vision_tower.encoder.final_layernorm.weight": (16,), "mm_projector.pre_norm.weight": (16,),
-              "mm_projector.proj.0.weight": (64, 64), "mm_projector.proj.2.weight": (hidden, 64)}
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
+        "vision_tower.patch_embed.proj.bias": (16,),
+        "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16),
+        "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
+        "vision_tower.encoder.final_layernorm.weight": (16,),
+        "mm_projector.pre_norm.weight": (16,),
+        "mm_projector.proj.0.weight": (64, 64),
+        "mm_projector.proj.2.weight": (hidden, 64),
+    }
     return {name: init(name, shape, g) for name, shape in shapes.items()}
 
 
@@ -96,15 +108,29 @@ def mtp_layout(hf: dict) -> Layout:
     for layer in range(n, n + k):
         p = f"model.layers.{layer}."
         specs += [s for s in reader_for(big.model_type, "tiny").layout(big).specs if s.name.startswith(p)]
-        specs += [plain(p + "enorm.weight", D), plain(p + "hnorm.weight", D), plain(p + "eh_proj.weight", D, 2 * D),
-                  plain(p + "embed_tokens.weight", vocab, D), plain(p + "shared_head.norm.weight", D),
-                  plain(p + "shared_head.head.weight", vocab, D)]
+        specs += [
+            plain(p + "enorm.weight", D),
+            plain(p + "hnorm.weight", D),
+            plain(p + "eh_proj.weight", D, 2 * D),
+            plain(p + "embed_tokens.weight", vocab, D),
+            plain(p + "shared_head.norm.weight", D),
+            plain(p + "shared_head.head.weight", vocab, D),
+        ]
     return Layout(tuple(specs))
 
 
-def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: str = "bf16",
-              overwrite: bool = False, source_format: str | None = None, fused_experts: bool = False,
-              **overrides) -> str:
+def make_tiny(
+    family: str,
+    out: str,
+    *,
+    seed: int = 0,
+    shards: int = 1,
+    dtype: str = "bf16",
+    overwrite: bool = False,
+    source_format: str | None = None,
+    fused_experts: bool = False,
+    **overrides,
+) -> str:
     """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
@@ -129,8 +155,9 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:
-        tensors.update({n: t.to(WEIGHT_DTYPES[dtype])
-                        for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()})
+        tensors.update(
+            {n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()}
+        )
     if source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
@@ -143,7 +170,7 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
             per = -(-len(names) // shards)
             for i in range(shards):
                 fname = shard_name(i, shards)
-                part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+                part = {n: tensors[n] for n in names[i * per : (i + 1) * per]}
                 save_file(part, os.path.join(tmp, fname), metadata={"format": "pt"})
                 weight_map.update({n: fname for n in part})
             write_index(tmp, weight_map, sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -155,34 +182,80 @@ def make_tiny(family: str, out: str, *, seed: int = 0, shards: int = 1, dtype: s
 
 # --- compressed and FP8 sources ----------------------------------------------------------------
 # The quantization_config each ships, as on the Hugging Face Hub.
-_GROUP32 = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
-            "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True}
+_GROUP32 = {
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": 32,
+    "num_bits": 4,
+    "observer": "minmax",
+    "observer_kwargs": {},
+    "strategy": "group",
+    "symmetric": True,
+}
 SOURCE_FORMATS = {
     "int4": {  # Kimi-K2-Thinking, K2.5
-        "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
-                                      "weights": {**_GROUP32, "type": "int"}}},
+        "config_groups": {
+            "group_0": {
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {**_GROUP32, "type": "int"},
+            }
+        },
         "format": "pack-quantized",
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*vision_tower.*", "re:.*mm_projector.*"],  # K2.5's vision tower and projector stay bf16
-        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
+        "ignore": [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*",
+        ],  # K2.5's vision tower and projector stay bf16
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    },
     "mxfp4": {  # Kimi-K3
-        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "input_activations": None,
-                                      "output_activations": None, "targets": ["Linear"],
-                                      "weights": {**_GROUP32, "type": "float", "scale_dtype": "torch.uint8",
-                                                  "zp_dtype": None}}},
-        "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*",
-                   # K3's latent projections and attention-residual projections stay unquantized
-                   "re:.*routed_expert_(down|up)_proj.*", "re:.*_res_proj.*"],
-        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"},
-    "fp8-block": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",  # DeepSeek-V3
-                  "weight_block_size": [128, 128]},
+        "config_groups": {
+            "group_0": {
+                "format": "mxfp4-pack-quantized",
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {**_GROUP32, "type": "float", "scale_dtype": "torch.uint8", "zp_dtype": None},
+            }
+        },
+        "format": "mxfp4-pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*",
+            # K3's latent projections and attention-residual projections stay unquantized
+            "re:.*routed_expert_(down|up)_proj.*",
+            "re:.*_res_proj.*",
+        ],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    },
+    "fp8-block": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",  # DeepSeek-V3
+        "weight_block_size": [128, 128],
+    },
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # and DeepSeek-V3.2 its indexer's weights_proj.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
-_FP8_KEPT = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)")
+_FP8_KEPT = re.compile(
+    r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
+)
 
 
 def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch.Tensor]:
@@ -215,7 +288,8 @@ def compress_weight(weight: torch.Tensor, qc: dict, group: str = "group_0") -> d
     blocks = weight.reshape(rows, cols // scheme.weights.group_size, scheme.weights.group_size)
     scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
     c = BaseCompressor.get_value_from_registry(g.get("format") or qc["format"]).compress(
-        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}, scheme
+    )
     if "weight_shape" in c:  # the library writes int64; Kimi's checkpoints hold int32
         c["weight_shape"] = c["weight_shape"].to(torch.int32)
     return {k: v.contiguous() for k, v in c.items()}

@@ -74,9 +74,11 @@ def decompress_module(tensors, qc, module):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    local = {k[len(module) + 1:]: tensors.pop(k) for k in [k for k in tensors if k.startswith(module + ".")]}
+    local = {k[len(module) + 1 :]: tensors.pop(k) for k in [k for k in tensors if k.startswith(module + ".")]}
     scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
-    tensors[f"{module}.weight"] = BaseCompressor.get_value_from_registry(qc["format"]).decompress(local, scheme)["weight"]
+    tensors[f"{module}.weight"] = BaseCompressor.get_value_from_registry(qc["format"]).decompress(local, scheme)[
+        "weight"
+    ]
 
 
 def compressed_where_ignored(src):
@@ -86,14 +88,18 @@ def compressed_where_ignored(src):
 def expert_with_another_scheme(src):
     """Expert 5 of layer 1 compressed in groups of 16, by a second config group that names it."""
     group = json.load(open(os.path.join(src, "config.json")))["quantization_config"]["config_groups"]["group_0"]
-    group = {**group, "targets": [r"re:model\.layers\.1\.mlp\.experts\.5\..*"],
-             "weights": {**group["weights"], "group_size": 16}}
+    group = {
+        **group,
+        "targets": [r"re:model\.layers\.1\.mlp\.experts\.5\..*"],
+        "weights": {**group["weights"], "group_size": 16},
+    }
     edit_config(src, lambda qc, _: qc["config_groups"].update(group_1=group))
 
     def recompress(tensors, qc):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             decompress_module(tensors, qc, f"model.layers.1.mlp.experts.5.{proj}")
             compress(tensors, qc, f"model.layers.1.mlp.experts.5.{proj}", "group_1")
+
     edit_tensors(src, recompress)
 
 
@@ -115,37 +121,74 @@ PLUGIN = "/tmp/x/plugin.py:x"  # a format the library's registry would import as
 def top_level_format_not_decoded(src):
     """Every group names its format, so the top-level one decodes nothing here, but a consumer of the
     config (the library's registry imports a `path/file.py:name` format as a plugin) reads it."""
+
     def edit(qc, _):
         for group in qc["config_groups"].values():
             group["format"] = qc["format"]
         qc["format"] = PLUGIN
+
     edit_config(src, edit)
 
 
 CASES = [
-    ("fp8", per_tensor_fp8, r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
-                            r"per-tensor FP8.*dequantize it to bf16 first"),
+    (
+        "fp8",
+        per_tensor_fp8,
+        r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
+        r"per-tensor FP8.*dequantize it to bf16 first",
+    ),
     ("int4", other_method, r"quant_method 'gptq' is not read by eprt"),
-    ("int4", format_without_compressor, r"compressed-tensors format 'marlin-24' is not one eprt decodes "
-                                        r"\(pack-quantized, .*\); dequantize the checkpoint to bf16 first"),
-    ("int4", compressed_where_ignored, r"tensor 'model\.layers\.1\.self_attn\.o_proj\.weight_packed' is compressed, "
-                                       r"but the quantization_config's ignore entry 're:\.\*self_attn\.\*' says "
-                                       r"model\.layers\.1\.self_attn\.o_proj is not"),
-    ("int4", expert_with_another_scheme, r"the weights stacked into 'model\.layers\.1\.mlp\.experts\.w13' disagree: "
-                                         r"'model\.layers\.1\.mlp\.experts\.5\.gate_proj\.weight' is "
-                                         r"compressed-tensors/pack-quantized \(scheme group_1\) but "
-                                         r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' is .*\(scheme group_0\)"),
-    ("int4", one_expert_uncompressed, r"stacked into 'model\.layers\.2\.mlp\.experts\.w13' disagree: "
-                                      r"'model\.layers\.2\.mlp\.experts\.6\.up_proj\.weight' is stored unencoded"),
-    ("int4", missing_component, r"model\.layers\.2\.mlp\.experts\.2\.up_proj is compressed \(pack-quantized, "
-                                r"group_0\) but tensor 'model\.layers\.2\.mlp\.experts\.2\.up_proj\.weight_scale' is missing"),
-    ("fp8", unscaled_fp8, r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' is torch\.float8_e4m3fn without a block "
-                          r"scale \(weight_scale_inv\)"),
-    ("fp8", no_quantization_config, r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' is a block-FP8 "
-                                    r"scale, but config\.json declares no block-FP8 quantization_config"),
-    ("int4", top_level_format_not_decoded,
-     r"config\.json \(quantization_config\) format: compressed-tensors format '/tmp/x/plugin\.py:x' is not "
-     r"one eprt decodes \(pack-quantized, .*\); dequantize the checkpoint to bf16 first"),
+    (
+        "int4",
+        format_without_compressor,
+        r"compressed-tensors format 'marlin-24' is not one eprt decodes "
+        r"\(pack-quantized, .*\); dequantize the checkpoint to bf16 first",
+    ),
+    (
+        "int4",
+        compressed_where_ignored,
+        r"tensor 'model\.layers\.1\.self_attn\.o_proj\.weight_packed' is compressed, "
+        r"but the quantization_config's ignore entry 're:\.\*self_attn\.\*' says "
+        r"model\.layers\.1\.self_attn\.o_proj is not",
+    ),
+    (
+        "int4",
+        expert_with_another_scheme,
+        r"the weights stacked into 'model\.layers\.1\.mlp\.experts\.w13' disagree: "
+        r"'model\.layers\.1\.mlp\.experts\.5\.gate_proj\.weight' is "
+        r"compressed-tensors/pack-quantized \(scheme group_1\) but "
+        r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' is .*\(scheme group_0\)",
+    ),
+    (
+        "int4",
+        one_expert_uncompressed,
+        r"stacked into 'model\.layers\.2\.mlp\.experts\.w13' disagree: "
+        r"'model\.layers\.2\.mlp\.experts\.6\.up_proj\.weight' is stored unencoded",
+    ),
+    (
+        "int4",
+        missing_component,
+        r"model\.layers\.2\.mlp\.experts\.2\.up_proj is compressed \(pack-quantized, "
+        r"group_0\) but tensor 'model\.layers\.2\.mlp\.experts\.2\.up_proj\.weight_scale' is missing",
+    ),
+    (
+        "fp8",
+        unscaled_fp8,
+        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' is torch\.float8_e4m3fn without a block "
+        r"scale \(weight_scale_inv\)",
+    ),
+    (
+        "fp8",
+        no_quantization_config,
+        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' is a block-FP8 "
+        r"scale, but config\.json declares no block-FP8 quantization_config",
+    ),
+    (
+        "int4",
+        top_level_format_not_decoded,
+        r"config\.json \(quantization_config\) format: compressed-tensors format '/tmp/x/plugin\.py:x' is not "
+        r"one eprt decodes \(pack-quantized, .*\); dequantize the checkpoint to bf16 first",
+    ),
 ]
 
 
@@ -185,9 +228,12 @@ def test_a_missing_compressed_tensors_is_refused_naming_the_install(made, tmp_pa
 
 
 def test_a_load_dtype_that_rounds_the_decompressed_weights_is_refused(made):
-    with pytest.raises(EprtError, match=r"model\.layers\.1\.mlp\.experts\.w13 is stored compressed-tensors/pack-quantized "
-                                        r"and decompresses to torch\.bfloat16; loading it as torch\.float16 would round "
-                                        r"every weight again: load with dtype=torch\.bfloat16 or torch\.float32"):
+    with pytest.raises(
+        EprtError,
+        match=r"model\.layers\.1\.mlp\.experts\.w13 is stored compressed-tensors/pack-quantized "
+        r"and decompresses to torch\.bfloat16; loading it as torch\.float16 would round "
+        r"every weight again: load with dtype=torch\.bfloat16 or torch\.float32",
+    ):
         eprt.load_model(made["int4-ck"], dtype=torch.float16)
 
 

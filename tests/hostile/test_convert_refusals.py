@@ -78,9 +78,11 @@ def wrong_shape(src):
 
 CASES = [
     (drop_config, r"config\.json: missing"),
-    (lambda s: edit_config(s, model_type="llama"),
-     r"model_type 'llama' is not supported.*deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, kimi_k3, kimi_linear, "
-     r"qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
+    (
+        lambda s: edit_config(s, model_type="llama"),
+        r"model_type 'llama' is not supported.*deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, kimi_k3, kimi_linear, "
+        r"qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
+    ),
     (lambda s: edit_config(s, rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope scaling type 'dynamic'"),
     (truncate, rf"{SHARD}: .*truncated"),
     (corrupt_header, rf"{SHARD}: .*corrupt header"),
@@ -93,7 +95,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("breaker,message", CASES, ids=[c[0].__name__ if c[0].__name__ != "<lambda>" else c[1][:20] for c in CASES])
+@pytest.mark.parametrize(
+    "breaker,message", CASES, ids=[c[0].__name__ if c[0].__name__ != "<lambda>" else c[1][:20] for c in CASES]
+)
 def test_refusal(tmp_path, breaker, message):
     src = make_tiny("qwen3_moe", str(tmp_path / "hf"), shards=2)
     breaker(src)
@@ -130,8 +134,11 @@ def test_command_line_refusal_is_one_clear_line(tmp_path):
     src = make_tiny("qwen3_moe", str(tmp_path / "hf"))
     truncate_single = os.path.join(src, "model.safetensors")
     os.truncate(truncate_single, os.path.getsize(truncate_single) - 10)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), src, str(tmp_path / "out")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), src, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and "model.safetensors" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
@@ -145,8 +152,11 @@ def test_a_cast_that_overflows_is_refused_by_name(tmp_path):
     tensors[name][3, 5] = -3.4e38  # finite in fp32, beyond bf16's largest (3.39e38): the cast makes it -inf
     save_file(tensors, path, metadata={"format": "pt"})
     before = tree_digest(src)
-    with pytest.raises(EprtError, match=rf"model\.safetensors: tensor '{name}' holds values up to 3\.4e\+38 in "
-                                        r"magnitude, beyond bf16's largest .* convert with --dtype keep or --dtype fp32"):
+    with pytest.raises(
+        EprtError,
+        match=rf"model\.safetensors: tensor '{name}' holds values up to 3\.4e\+38 in "
+        r"magnitude, beyond bf16's largest .* convert with --dtype keep or --dtype fp32",
+    ):
         convert_hf(src, str(tmp_path / "out"), dtype="bf16", progress=False)
     assert sorted(os.listdir(tmp_path)) == ["hf"] and tree_digest(src) == before
     convert_hf(src, str(tmp_path / "out"), dtype="fp32", progress=False)  # the way out

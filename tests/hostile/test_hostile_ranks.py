@@ -57,18 +57,35 @@ def worker(work: Path, out: str, phase: str) -> None:
 
 def _torchrun(work: Path, phase: str, port: int, nnodes: int, nproc: int, log: str) -> subprocess.Popen:
     """A torchrun agent in its own process group (as a terminal would start it)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "EPRT_PEER_TIMEOUT": str(PEER_TIMEOUT_S),
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           __file__, str(work), str(work / "out"), phase]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "EPRT_PEER_TIMEOUT": str(PEER_TIMEOUT_S),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        __file__,
+        str(work),
+        str(work / "out"),
+        phase,
+    ]
     with open(work / log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True)
 
 
-def _wait_for(paths: list[Path], agents: list[subprocess.Popen], partial: bool = False,
-              timeout: float = 120) -> None:
+def _wait_for(paths: list[Path], agents: list[subprocess.Popen], partial: bool = False, timeout: float = 120) -> None:
     """Until every path exists (and, with `partial`, rank 0 has made the partial output)."""
     work = paths[0].parent
     deadline = time.monotonic() + timeout
@@ -148,8 +165,7 @@ def test_rank_killed_on_the_other_node(tmp_path, agents):
     in a guard (ranks 1 and 3 busy outside one): rank 0 names it, removes the partial output and
     ends, and every other rank ends with it."""
     _two_nodes(tmp_path, "write", agents, nproc=2)
-    _wait_for([tmp_path / "rank-0.pid"] + [tmp_path / f"rank-{r}.busy" for r in (1, 2, 3)], agents,
-              partial=True)
+    _wait_for([tmp_path / "rank-0.pid"] + [tmp_path / f"rank-{r}.busy" for r in (1, 2, 3)], agents, partial=True)
     ranks = _ranks(tmp_path, 4)
     assert ranks[0][1] == ranks[1][1] == agents[0].pid, "ranks 0, 1 run under the agent serving the store"
     # The others spend longer in their step than the peer timeout: busy, not dead.
@@ -162,8 +178,11 @@ def test_rank_killed_on_the_other_node(tmp_path, agents):
     assert took < DEATH_BOUND_S, logs
     node_a = (tmp_path / "node-a.log").read_text()
     # Rank 3 may be named too: its agent ends it once rank 2 has died.
-    report = re.search(r"error \(rank 0 of 4\): ranks? 2(, 3)? died while preparing the output: no heartbeat "
-                       rf"for {PEER_TIMEOUT_S} s", node_a)
+    report = re.search(
+        r"error \(rank 0 of 4\): ranks? 2(, 3)? died while preparing the output: no heartbeat "
+        rf"for {PEER_TIMEOUT_S} s",
+        node_a,
+    )
     # The report is what ends rank 0, not a traceback of leaving the run.
     assert report and "DistStoreError" not in node_a, logs
     assert _left_behind(tmp_path, [p for pair in ranks.values() for p in pair]) == ([], []), logs
@@ -184,8 +203,9 @@ def test_rank_killed_on_the_node_serving_the_store(tmp_path, agents):
     logs = _logs(tmp_path)
     assert took < DEATH_BOUND_S, logs
     node_b = (tmp_path / "node-b.log").read_text()
-    assert "rank 0 could not be heard from while calibrating" in node_b or \
-        "rank 0 died while calibrating" in node_b, logs
+    assert "rank 0 could not be heard from while calibrating" in node_b or "rank 0 died while calibrating" in node_b, (
+        logs
+    )
     assert "rank 1 failed" not in node_b, logs
     assert _left_behind(tmp_path, [p for pair in ranks.values() for p in pair]) == ([], []), logs
 

@@ -68,6 +68,7 @@ def one_line(e: pytest.ExceptionInfo) -> str:
 
 # --- 1. no checkpoint value makes eprt import and run a file ---------------------------------
 
+
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     """plugin.py in the working directory, which leaves a mark when it is run."""
@@ -94,9 +95,13 @@ def test_a_quantization_config_format_naming_a_python_file_is_refused_at_convert
         qc["format"] = PLUGIN
         for g in qc["config_groups"].values():
             g.pop("format", None)
+
     edit_json(os.path.join(hf, "config.json"), plant)
-    with pytest.raises(EprtError, match=r"config\.json \(quantization_config\) format: "
-                                        r"compressed-tensors format 'plugin\.py:payload' is not one eprt decodes") as e:
+    with pytest.raises(
+        EprtError,
+        match=r"config\.json \(quantization_config\) format: "
+        r"compressed-tensors format 'plugin\.py:payload' is not one eprt decodes",
+    ) as e:
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     one_line(e)
     assert not plugin.exists()
@@ -110,9 +115,13 @@ def test_a_manifest_encoding_naming_a_python_file_is_refused_on_open(int4, plugi
         for t in m["tensors"].values():
             if t["encoding"].startswith("compressed-tensors/"):
                 t["encoding"] = "compressed-tensors/" + PLUGIN
+
     edit_json(os.path.join(ck, MANIFEST), plant)
-    with pytest.raises(CheckpointError, match=r"eprt\.json: .* has encoding 'compressed-tensors/plugin\.py:payload', "
-                                              r"which this eprt does not read") as e:
+    with pytest.raises(
+        CheckpointError,
+        match=r"eprt\.json: .* has encoding 'compressed-tensors/plugin\.py:payload', "
+        r"which this eprt does not read",
+    ) as e:
         with Checkpoint(ck) as c:
             c.check_decode()
     one_line(e)
@@ -121,14 +130,17 @@ def test_a_manifest_encoding_naming_a_python_file_is_refused_on_open(int4, plugi
 
 # --- 2. every path a checkpoint names stays inside its directory -----------------------------
 
+
 @pytest.mark.parametrize("where", ["parent", "absolute"])
 def test_an_index_naming_a_shard_outside_the_directory_is_refused(made, tmp_path, where):
     hf = copy_tree(made["hf"], tmp_path / "hf")
     shard = "model-00002-of-00002.safetensors"
     os.rename(os.path.join(hf, shard), tmp_path / "outside.safetensors")
     named = "../outside.safetensors" if where == "parent" else str(tmp_path / "outside.safetensors")
-    edit_json(os.path.join(hf, INDEX), lambda d: d["weight_map"].update(
-        {n: named for n, f in d["weight_map"].items() if f == shard}))
+    edit_json(
+        os.path.join(hf, INDEX),
+        lambda d: d["weight_map"].update({n: named for n, f in d["weight_map"].items() if f == shard}),
+    )
     with pytest.raises(CheckpointError, match=rf"{INDEX}: names the path '{named}', which leaves its directory") as e:
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     one_line(e)
@@ -189,8 +201,11 @@ def test_a_manifest_file_entry_leaving_the_directory_writes_nothing_outside_the_
     edit_json(os.path.join(ck, MANIFEST), lambda m: m["files"].append("a/../../payload.sh"))
     out = tmp_path / "exports" / "out"
     os.makedirs(out.parent)
-    with pytest.raises(EprtError, match=r"eprt\.json \(files\): names the path 'a/\.\./\.\./payload\.sh', "
-                                              r"which leaves its directory"):
+    with pytest.raises(
+        EprtError,
+        match=r"eprt\.json \(files\): names the path 'a/\.\./\.\./payload\.sh', "
+        r"which leaves its directory",
+    ):
         export_hf(ck, str(out), progress=False)
     assert os.listdir(out.parent) == []
 
@@ -204,12 +219,14 @@ def test_a_manifest_weight_file_leaving_the_directory_is_refused(made, tmp_path)
             for p in t["parts"]:
                 if p["file"] == "layer-00000.safetensors":
                     p["file"] = "../outside.safetensors"
+
     edit_json(os.path.join(ck, MANIFEST), plant)
     with pytest.raises(CheckpointError, match=r"names the path '\.\./outside\.safetensors', which leaves"):
         Checkpoint(ck)
 
 
 # --- 3. no writer destroys what it reads, or what it did not create --------------------------
+
 
 def test_ptq_refuses_an_output_inside_or_over_its_input(made, tmp_path):
     ck = copy_tree(made["ck"], tmp_path / "ck")
@@ -271,6 +288,7 @@ def test_two_runs_writing_one_output_at_once_do_not_share_a_temp_directory(tmp_p
             with atomic_output_dir(out) as tmp2:
                 open(os.path.join(tmp2, "second"), "w").close()
             open(os.path.join(tmp, "first"), "w").close()
+
     if overwrite:
         first()
         assert os.listdir(out) == ["first"]
@@ -282,6 +300,7 @@ def test_two_runs_writing_one_output_at_once_do_not_share_a_temp_directory(tmp_p
 
 
 # --- 4. a calibration is applied only to the weights it was made on --------------------------
+
 
 def test_a_copy_of_base_and_calibration_keeping_times_exports(made, tmp_path):
     _, cal = copy_calibrated(made, tmp_path)
@@ -298,8 +317,11 @@ def test_a_base_whose_weights_changed_in_place_is_refused(made, tmp_path):
         data = fh.read(info.nbytes)
         fh.seek(info.start)
         fh.write(bytes(b ^ 0x80 for b in data))
-    with pytest.raises(EprtError, match=rf"base's weight file {path} changed since calibration "
-                                              r"\(mtime_ns, sampled_sha256 differ\).*calibrate again") as e:
+    with pytest.raises(
+        EprtError,
+        match=rf"base's weight file {path} changed since calibration "
+        r"\(mtime_ns, sampled_sha256 differ\).*calibrate again",
+    ) as e:
         export_hf(cal, str(tmp_path / "out"), progress=False)
     one_line(e)
     assert not (tmp_path / "out").exists()
@@ -317,6 +339,7 @@ def test_a_base_converted_again_from_another_model_is_refused(made, tmp_path):
 
 
 # --- 5. safetensors whose tensors do not tile the data exactly -------------------------------
+
 
 def rewrite_header(path: str, fn, extra: bytes = b"") -> None:
     with open(path, "rb") as f:
@@ -358,13 +381,16 @@ def test_an_up_projection_sharing_its_gate_s_bytes_is_refused(made, tmp_path):
 def test_bytes_no_tensor_covers_are_refused(tmp_path, where):
     path = str(tmp_path / "x.safetensors")
     from safetensors.torch import save_file
+
     save_file({"a": torch.ones(4), "b": torch.zeros(2)}, path)
     if where == "trailing":
         rewrite_header(path, lambda h: None, extra=b"\0" * 16)
         message = r"the last 16 bytes of the file belong to no tensor"
     else:  # a (16 bytes) then b (8 bytes): b moved 8 bytes on, over 8 added bytes
+
         def move_b(h):
             h["b"]["data_offsets"] = [24, 32]
+
         rewrite_header(path, move_b, extra=b"\0" * 8)
         message = r"bytes \[16, 24\) of the data, before tensor 'b', belong to no tensor"
     assert library_refuses(path)

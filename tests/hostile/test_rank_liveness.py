@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hostile.test_hostile_ranks import PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for, agents  # noqa: F401 (a fixture)
 from tests.multiproc import free_port
-from tests.hostile.test_hostile_ranks import (PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for,
-                                      agents)  # noqa: F401 (a fixture)
 
 WORKER = REPO / "tests" / "hostile" / "test_hostile_ranks.py"
 # How soon after the cause every other rank must have ended: the peer timeout to notice a rank
@@ -65,8 +64,13 @@ def test_a_stopped_rank_is_named_by_every_other_rank(tmp_path, agents):
     os.kill(ranks[1][0], signal.SIGSTOP)
     survivors = [ranks[0][0], ranks[2][0]]
     assert _ended_within(survivors, BOUND_S) == [], _logs(tmp_path)
-    _says(tmp_path, [0, 2], 3, f"rank 1 died while calibrating: no heartbeat for {PEER_TIMEOUT_S} s "
-                               "(killed, crashed, out of memory, or its node went down)")
+    _says(
+        tmp_path,
+        [0, 2],
+        3,
+        f"rank 1 died while calibrating: no heartbeat for {PEER_TIMEOUT_S} s "
+        "(killed, crashed, out of memory, or its node went down)",
+    )
 
 
 @pytest.mark.timeout(120)
@@ -77,8 +81,13 @@ def test_a_rank_out_of_memory_between_collectives_is_named_with_the_way_out(tmp_
     start = time.monotonic()
     assert agents[0].wait(START_S + BOUND_S) == 1, _logs(tmp_path)
     assert time.monotonic() - start < START_S + BOUND_S
-    _says(tmp_path, [0, 1], 2, "rank 1 failed while calibrating: ran out of memory (MemoryError); use more "
-                               "ranks (a larger --ep) or more memory per rank")
+    _says(
+        tmp_path,
+        [0, 1],
+        2,
+        "rank 1 failed while calibrating: ran out of memory (MemoryError); use more "
+        "ranks (a larger --ep) or more memory per rank",
+    )
 
 
 @pytest.mark.timeout(120)
@@ -102,19 +111,35 @@ def test_a_taken_master_port_is_named_on_every_rank(tmp_path):
         port = taken.getsockname()[1]
         procs = []
         for rank in range(2):
-            env = {**os.environ, "PYTHONPATH": str(REPO), "EPRT_PEER_TIMEOUT": str(PEER_TIMEOUT_S),
-                   "CUDA_VISIBLE_DEVICES": "", "RANK": str(rank), "WORLD_SIZE": "2",
-                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "out"),
-                                           "calibrate"], env=env, stderr=subprocess.PIPE, text=True))
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "EPRT_PEER_TIMEOUT": str(PEER_TIMEOUT_S),
+                "CUDA_VISIBLE_DEVICES": "",
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "out"), "calibrate"],
+                    env=env,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         try:
             errors = [p.communicate(timeout=START_S + BOUND_S)[1] for p in procs]
         finally:
             for p in procs:
                 p.kill()
     assert [p.returncode for p in procs] == [2, 2], errors
-    assert (f"error (rank 0 of 2): rank 0 cannot serve the run's store on port {port} (MASTER_ADDR=127.0.0.1, "
-            f"MASTER_PORT={port}): the port is already in use") in errors[0]
+    assert (
+        f"error (rank 0 of 2): rank 0 cannot serve the run's store on port {port} (MASTER_ADDR=127.0.0.1, "
+        f"MASTER_PORT={port}): the port is already in use"
+    ) in errors[0]
     assert f"error (rank 1 of 2): rank 1 could not reach the run's store at 127.0.0.1:{port}" in errors[1]
     assert "Traceback" not in errors[0] + errors[1], errors

@@ -20,8 +20,8 @@ from eprt.parallel import ParallelState
 from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
-from tests.multiproc import run_world
 from tests.hostile.test_workdir_safety import stop_after_layer
+from tests.multiproc import run_world
 
 RECIPE = "quantize:\n- pattern: '*'\n  format: {fmt}\n"
 
@@ -30,8 +30,7 @@ RECIPE = "quantize:\n- pattern: '*'\n  format: {fmt}\n"
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("identity")
     ck = convert_hf(make_tiny("qwen3_moe", str(root / "hf")), str(root / "ck"), progress=False)
-    other = convert_hf(make_tiny("qwen3_moe", str(root / "hf-other"), seed=1), str(root / "ck-other"),
-                       progress=False)
+    other = convert_hf(make_tiny("qwen3_moe", str(root / "hf-other"), seed=1), str(root / "ck-other"), progress=False)
     return {"ck": ck, "other": other}
 
 
@@ -120,8 +119,10 @@ def test_a_base_converted_again_during_the_run_is_refused(made, tmp_path, when):
 
     def reconverted_in_layer_1(self, i, ls, pb):
         if i == 1:
-            os.replace(shutil.copy(os.path.join(made["other"], changed), os.path.join(ck, changed + ".new")),
-                       os.path.join(ck, changed))
+            os.replace(
+                shutil.copy(os.path.join(made["other"], changed), os.path.join(ck, changed + ".new")),
+                os.path.join(ck, changed),
+            )
         return run_layer(self, i, ls, pb)
 
     out = tmp_path / "q"
@@ -146,8 +147,10 @@ def test_a_finished_calibration_pins_the_base_it_read(made, tmp_path):
 def each_rank_its_own(cks: list[str], out: str, calibs: list[str], recipe: str):
     rank = int(os.environ["RANK"])
     with ParallelState.from_env(timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(cks[rank], recipe, out, calib=calibs[rank], calib_size=4, seq_len=16,
-                               eval_size=0, progress=False))
+        run_ptq(
+            state,
+            PTQArgs(cks[rank], recipe, out, calib=calibs[rank], calib_size=4, seq_len=16, eval_size=0, progress=False),
+        )
 
 
 @pytest.mark.parametrize("stale", ["checkpoint", "data"])
@@ -176,8 +179,9 @@ def test_a_work_file_is_durable_before_it_replaces_the_previous_layer(made, tmp_
     ck, recipe, calib = setup(made, tmp_path)
     events = []
     fsync, replace, remove = os.fsync, os.replace, os.remove
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 fsync(fd))[1])
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1]
+    )
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
     monkeypatch.setattr(os, "remove", lambda p: (events.append(("remove", str(p))), remove(p))[1])
     out = tmp_path / "q"

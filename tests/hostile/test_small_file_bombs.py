@@ -23,11 +23,11 @@ from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.plan import Planner, RunShape, check_memory
-from eprt.units import parse_size
 from eprt.quant.recipe import load_recipe
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
+from eprt.units import parse_size
 
 MiB = 2**20
 
@@ -49,14 +49,20 @@ def peak_growth(code: str, timeout: int = 120) -> tuple[str, int]:
             print("error:", e)
         print("grew", peak_rss() - before)
     """).format(code=textwrap.indent(textwrap.dedent(code), "    "))
-    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out, grew = r.stdout.rsplit("grew ", 1)
     return out.strip(), int(grew)
 
 
 # --- config.json: counts and reals ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("field", ["num_hidden_layers", "num_experts"])
 def test_a_1kb_config_with_a_billion_layers_or_experts_is_refused_before_building_names(tmp_path, field):
@@ -65,36 +71,43 @@ def test_a_1kb_config_with_a_billion_layers_or_experts_is_refused_before_buildin
     json.dump({**json.load(open(config)), field: 10**9}, open(config, "w"))
     assert os.path.getsize(config) < 2048
     out, grew = peak_growth(f"eprt.hf.convert.convert_hf({src!r}, {str(tmp_path / 'ck')!r}, progress=False)")
-    assert re.fullmatch(rf"error: {re.escape(config)}: field '{field}' is 1000000000; it must be from \d to \d+ .*",
-                        out), out
+    assert re.fullmatch(
+        rf"error: {re.escape(config)}: field '{field}' is 1000000000; it must be from \d to \d+ .*", out
+    ), out
     assert grew < 32 * MiB, grew  # the file is 1 KB; names for 10^9 layers would be tens of GB
     assert os.listdir(tmp_path) == ["hf"]
 
 
-@pytest.mark.parametrize("family,field,value", [
-    ("qwen3_moe", "num_attention_heads", 0),
-    ("qwen3_moe", "decoder_sparse_step", 0),
-    ("qwen3_moe", "vocab_size", -1),
-    ("qwen3_moe", "hidden_size", 10**400),
-    ("deepseek_v3", "n_routed_experts", 10**6),
-    ("deepseek_v3", "kv_lora_rank", 10**12),
-    ("qwen3_next", "linear_num_key_heads", 0),
-    ("qwen3_next", "full_attention_interval", 0),
-    ("kimi_linear", "num_hidden_layers", 5 * 10**6),
-    ("glm4_moe", "num_key_value_heads", 0),
-])
+@pytest.mark.parametrize(
+    "family,field,value",
+    [
+        ("qwen3_moe", "num_attention_heads", 0),
+        ("qwen3_moe", "decoder_sparse_step", 0),
+        ("qwen3_moe", "vocab_size", -1),
+        ("qwen3_moe", "hidden_size", 10**400),
+        ("deepseek_v3", "n_routed_experts", 10**6),
+        ("deepseek_v3", "kv_lora_rank", 10**12),
+        ("qwen3_next", "linear_num_key_heads", 0),
+        ("qwen3_next", "full_attention_interval", 0),
+        ("kimi_linear", "num_hidden_layers", 5 * 10**6),
+        ("glm4_moe", "num_key_value_heads", 0),
+    ],
+)
 def test_a_count_outside_what_any_model_holds_is_refused_naming_the_field(family, field, value):
     with pytest.raises(ConfigError, match=rf"^config\.json: field '{field}' is .*; it must be from \d to \d+"):
         parse_hf_config(tiny_config(family, **{field: value}), "config.json")
 
 
-@pytest.mark.parametrize("family,field,value", [
-    ("qwen3_moe", "rms_norm_eps", float("nan")),
-    ("qwen3_moe", "rms_norm_eps", 0.0),
-    ("qwen3_moe", "rope_theta", float("inf")),
-    ("deepseek_v3", "routed_scaling_factor", float("nan")),
-    ("qwen3_next", "partial_rotary_factor", float("nan")),
-])
+@pytest.mark.parametrize(
+    "family,field,value",
+    [
+        ("qwen3_moe", "rms_norm_eps", float("nan")),
+        ("qwen3_moe", "rms_norm_eps", 0.0),
+        ("qwen3_moe", "rope_theta", float("inf")),
+        ("deepseek_v3", "routed_scaling_factor", float("nan")),
+        ("qwen3_next", "partial_rotary_factor", float("nan")),
+    ],
+)
 def test_a_real_that_is_not_finite_or_out_of_range_is_refused_naming_the_field(family, field, value):
     with pytest.raises(ConfigError, match=rf"^config\.json: field '{field}' is {value!r}; it must be a finite number"):
         parse_hf_config(tiny_config(family, **{field: value}), "config.json")
@@ -106,8 +119,9 @@ def test_layers_times_experts_is_bounded_even_when_each_is_plausible():
         parse_hf_config(hf, "config.json")
 
 
-@pytest.mark.parametrize("field,value", [("mlp_only_layers", [10**9]), ("mlp_only_layers", ["a"]),
-                                         ("mlp_only_layers", list(range(10**5)))])
+@pytest.mark.parametrize(
+    "field,value", [("mlp_only_layers", [10**9]), ("mlp_only_layers", ["a"]), ("mlp_only_layers", list(range(10**5)))]
+)
 def test_a_list_of_layers_is_bounded_and_typed(field, value):
     with pytest.raises(ConfigError, match=rf"^config\.json: field '{field}'"):
         parse_hf_config(tiny_config("qwen3_moe", **{field: value}), "config.json")
@@ -119,6 +133,7 @@ def test_real_configs_still_read():
 
 
 # --- the manifest and safetensors headers ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -138,23 +153,31 @@ def crafted(ckpt: str, tmp_path, edit) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda m: json.dumps(m).encode().replace(b'"family"', b'"fam\xe9ly"'), r"not UTF-8 text \(byte \d+\)"),
-    (lambda m: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (lambda m: json.dumps({**m, "config": {**m["config"], "num_layers": 10**9}}).encode(),
-     r"config\.num_layers: is 1000000000, outside \[0, \d+\]"),
-    (lambda m: json.dumps({**m, "config": {**m["config"], "rms_norm_eps": float("nan")}}).encode(),
-     r"config\.rms_norm_eps: is nan, not a finite number"),
-    (lambda m: json.dumps([m]).encode(), "holds a JSON list, not an object"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda m: json.dumps(m).encode().replace(b'"family"', b'"fam\xe9ly"'), r"not UTF-8 text \(byte \d+\)"),
+        (lambda m: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (
+            lambda m: json.dumps({**m, "config": {**m["config"], "num_layers": 10**9}}).encode(),
+            r"config\.num_layers: is 1000000000, outside \[0, \d+\]",
+        ),
+        (
+            lambda m: json.dumps({**m, "config": {**m["config"], "rms_norm_eps": float("nan")}}).encode(),
+            r"config\.rms_norm_eps: is nan, not a finite number",
+        ),
+        (lambda m: json.dumps([m]).encode(), "holds a JSON list, not an object"),
+    ],
+)
 def test_a_crafted_manifest_is_one_refusal_naming_it(ckpt, tmp_path, edit, message):
     path = crafted(ckpt, tmp_path, edit)
     with pytest.raises(CheckpointError, match=rf"^{re.escape(os.path.join(path, MANIFEST))}: .*{message}"):
         Checkpoint(path)
 
 
-@pytest.mark.parametrize("header", [b"[" * 50_000 + b"]" * 50_000,
-                                    b'{"x": {"dtype": "I64", "shape": [-2, -4], "data_offsets": [0, 64]}}'])
+@pytest.mark.parametrize(
+    "header", [b"[" * 50_000 + b"]" * 50_000, b'{"x": {"dtype": "I64", "shape": [-2, -4], "data_offsets": [0, 64]}}']
+)
 def test_a_crafted_safetensors_header_is_refused_naming_the_file(tmp_path, header):
     path = tmp_path / "x.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
@@ -165,8 +188,12 @@ def test_a_crafted_safetensors_header_is_refused_naming_the_file(tmp_path, heade
 # --- recipes ----------------------------------------------------------------------------------------
 
 # nine strings, then eight levels of nine aliases of the level below: 9^9 strings once expanded
-ALIAS_BOMB = "a: &a [" + ", ".join(['"x"'] * 9) + "]\n" + "".join(
-    f"{name}: &{name} [{', '.join([f'*{below}'] * 9)}]\n" for below, name in zip("abcdefg", "bcdefgh"))
+ALIAS_BOMB = (
+    "a: &a ["
+    + ", ".join(['"x"'] * 9)
+    + "]\n"
+    + "".join(f"{name}: &{name} [{', '.join([f'*{below}'] * 9)}]\n" for below, name in zip("abcdefg", "bcdefgh"))
+)
 
 
 def test_a_recipe_that_is_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
@@ -174,8 +201,9 @@ def test_a_recipe_that_is_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     recipe.write_text(ALIAS_BOMB + "name: *h\nquantize: [{pattern: '*', format: fp8}]\n")
     assert recipe.stat().st_size < 512
     out, grew = peak_growth(f"eprt.quant.recipe.load_recipe({str(recipe)!r})", timeout=60)
-    assert re.fullmatch(rf"error: {re.escape(str(recipe))}:\d+: the YAML alias \*\w is not allowed in a recipe.*",
-                        out), out
+    assert re.fullmatch(
+        rf"error: {re.escape(str(recipe))}:\d+: the YAML alias \*\w is not allowed in a recipe.*", out
+    ), out
     assert grew < 16 * MiB, grew
 
 
@@ -194,6 +222,7 @@ def test_a_recipe_name_must_be_text(tmp_path):
 
 
 # --- calibration data -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
 def test_one_8mib_document_for_64_tokens_is_tokenized_only_as_far_as_needed(tmp_path, suffix):
@@ -227,7 +256,9 @@ def test_a_192_byte_npy_declaring_1e11_ids_is_refused_naming_the_file(tmp_path):
         np.lib.format.write_array_header_1_0(f, {**header, "shape": (10**11,)})
         f.write(np.arange(8, dtype=np.int64).tobytes())
     assert path.stat().st_size <= 192
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: declares 100000000000 token ids .* holds 64 bytes"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: declares 100000000000 token ids .* holds 64 bytes"
+    ):
         calibration_samples(str(path), TINY_DIR, num_samples=2, seq_len=8, vocab_size=512)
 
 
@@ -256,7 +287,7 @@ def test_a_jsonl_line_nested_thousands_deep_names_the_line(tmp_path):
 
 def test_a_truncated_tokenizer_json_is_refused_naming_it(tmp_path):
     data = open(os.path.join(TINY_DIR, "tokenizer.json"), "rb").read()
-    (tmp_path / "tokenizer.json").write_bytes(data[:len(data) // 2])
+    (tmp_path / "tokenizer.json").write_bytes(data[: len(data) // 2])
     (tmp_path / "c.txt").write_text("some text to calibrate on")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'tokenizer.json'))}: not a tokenizer"):
         calibration_samples(str(tmp_path / "c.txt"), str(tmp_path), num_samples=2, seq_len=8, vocab_size=512)
@@ -264,19 +295,26 @@ def test_a_truncated_tokenizer_json_is_refused_naming_it(tmp_path):
 
 # --- the memory plan ----------------------------------------------------------------------------------
 
+
 def test_a_seq_len_too_long_for_memory_is_refused_naming_the_longest_that_fits(ckpt):
     seq_len, limit = 5 * 10**7, parse_size("512MiB")
     with Checkpoint(ckpt) as ck:
         planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
 
         def plan(T):
-            return planner.plan(RunShape(rank=0, world=1, ep=1, num_sequences=64, seq_len=T, step_sequences=1,
-                                         group_tokens=512), baseline=0)
+            return planner.plan(
+                RunShape(rank=0, world=1, ep=1, num_sequences=64, seq_len=T, step_sequences=1, group_tokens=512),
+                baseline=0,
+            )
 
         with pytest.raises(ConfigError) as e:
-            check_memory(planner, plan(seq_len), limit, RunShape(rank=0, world=1, ep=1, num_sequences=64,
-                                                                 seq_len=seq_len, step_sequences=1, group_tokens=512),
-                         num_experts=8)
+            check_memory(
+                planner,
+                plan(seq_len),
+                limit,
+                RunShape(rank=0, world=1, ep=1, num_sequences=64, seq_len=seq_len, step_sequences=1, group_tokens=512),
+                num_experts=8,
+            )
     m = re.search(r"over --max-memory 512\.00 MiB: use --seq-len (\d+)$", str(e.value))
     assert m, str(e.value)
     fits = int(m.group(1))
@@ -289,7 +327,7 @@ def test_the_ptq_run_refuses_a_seq_len_too_long_before_reading_any_data(ckpt, tm
     out, grew = peak_growth(f"""
         from eprt.parallel import ParallelState
         from eprt.quant.ptq import PTQArgs, run_ptq
-        run_ptq(ParallelState.single("cpu"), PTQArgs({ckpt!r}, "nvfp4", {str(tmp_path / 'q')!r}, seq_len=5 * 10**7,
+        run_ptq(ParallelState.single("cpu"), PTQArgs({ckpt!r}, "nvfp4", {str(tmp_path / "q")!r}, seq_len=5 * 10**7,
                                                     max_memory=512 * 2**20, progress=False))
     """)
     assert re.search(r"over --max-memory 512\.00 MiB: use --seq-len \d+$", out), out

@@ -25,8 +25,9 @@ from tests.hf_utils import tree_digest
 
 
 def ptq(ck: str, out: str, **kw) -> dict:
-    return run_ptq(ParallelState.single("cpu"), PTQArgs(ck, "fp8", out, calib_size=2, seq_len=8, eval_size=0,
-                                                        progress=False, **kw))
+    return run_ptq(
+        ParallelState.single("cpu"), PTQArgs(ck, "fp8", out, calib_size=2, seq_len=8, eval_size=0, progress=False, **kw)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,17 @@ def a_user_directory(path) -> str:
 
 # --- the work directory is never an input, the output or the user's -----------------------------
 
-@pytest.mark.parametrize("where", ["the checkpoint", "inside the checkpoint", "holding the checkpoint",
-                                   "holding the calibration data", "the recipe file"])
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "the checkpoint",
+        "inside the checkpoint",
+        "holding the checkpoint",
+        "holding the calibration data",
+        "the recipe file",
+    ],
+)
 def test_a_work_directory_overlapping_an_input_is_refused_and_the_input_kept(ck, tmp_path, where):
     inputs = shutil.copytree(ck, tmp_path / "in" / "ck", symlinks=True)
     data = tmp_path / "data"
@@ -53,14 +63,29 @@ def test_a_work_directory_overlapping_an_input_is_refused_and_the_input_kept(ck,
     (data / "calib.txt").write_text("the quick brown fox jumps over the lazy dog " * 20)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("quantize:\n- pattern: '*'\n  format: fp8\n")
-    work = {"the checkpoint": inputs, "inside the checkpoint": inputs / "work",
-            "holding the checkpoint": tmp_path / "in", "holding the calibration data": data,
-            "the recipe file": recipe}[where]
+    work = {
+        "the checkpoint": inputs,
+        "inside the checkpoint": inputs / "work",
+        "holding the checkpoint": tmp_path / "in",
+        "holding the calibration data": data,
+        "the recipe file": recipe,
+    }[where]
     before = {d: tree_digest(str(d)) for d in (tmp_path / "in", data)}
     with pytest.raises(EprtError, match=r"--work-dir .* overlaps .*, which this run reads"):
-        run_ptq(ParallelState.single("cpu"), PTQArgs(str(inputs), str(recipe), str(tmp_path / "q"),
-                                                     calib=str(data / "calib.txt"), calib_size=2, seq_len=8,
-                                                     eval_size=0, progress=False, work_dir=str(work)))
+        run_ptq(
+            ParallelState.single("cpu"),
+            PTQArgs(
+                str(inputs),
+                str(recipe),
+                str(tmp_path / "q"),
+                calib=str(data / "calib.txt"),
+                calib_size=2,
+                seq_len=8,
+                eval_size=0,
+                progress=False,
+                work_dir=str(work),
+            ),
+        )
     assert {d: tree_digest(str(d)) for d in before} == before
     assert recipe.read_text().startswith("quantize")
     assert not os.path.exists(tmp_path / "q")
@@ -134,6 +159,7 @@ def killed_after_layer(ck: str, out: str, layer: int, **kw) -> None:
 
 # --- an output replaced with --overwrite is always at OUT ----------------------------------------
 
+
 def contents(d) -> dict[str, str]:
     return {f: open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))}
 
@@ -154,6 +180,7 @@ def publish_killed_at(tmp_path, step: int, exchange: bool) -> bool:
                     os._exit(9)
                 done[0] += 1
                 return fn(*args, **kw)
+
             return step_or_die
 
         for module, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree"), (atomic, "exchange_names")):
@@ -200,6 +227,7 @@ def test_overwrite_without_an_exchange_keeps_the_old_output_whole_beside_it(tmp_
 
 # --- a refused write names the path and what it was writing ---------------------------------------
 
+
 def refusal_of(fn, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         run(fn)
@@ -217,8 +245,9 @@ def test_a_full_disk_in_the_work_directory_names_it(ck, tmp_path, monkeypatch, c
     monkeypatch.setattr(workdir, "save_tensors", full)
     work = tmp_path / "scratch-disk" / "w"
     line = refusal_of(lambda: ptq(ck, str(tmp_path / "q"), work_dir=str(work)), capsys)
-    assert line.startswith(f"error: {work}/rank-00000/layer-00000.safetensors.partial: the disk is full writing "
-                           f"the work directory {work}"), line
+    assert line.startswith(
+        f"error: {work}/rank-00000/layer-00000.safetensors.partial: the disk is full writing the work directory {work}"
+    ), line
     assert "--work-dir" in line
     assert not os.path.exists(tmp_path / "q")
 
@@ -233,4 +262,3 @@ def test_a_full_disk_in_the_output_names_it(ck, tmp_path, monkeypatch, capsys):
     assert f"the disk is full writing the output {out}" in line, line
     assert "write the output elsewhere" in line
     assert not os.path.exists(out)
-

@@ -17,12 +17,14 @@ from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
-from tests.multiproc import free_port, run_world
 from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
+from tests.multiproc import free_port, run_world
 
-RULES = [{"pattern": "*.experts", "format": "nvfp4", "algorithm": "gptq"},
-         {"pattern": "*.self_attn.*", "format": "fp8", "algorithm": "mse"},
-         {"pattern": "*", "format": "none"}]
+RULES = [
+    {"pattern": "*.experts", "format": "nvfp4", "algorithm": "gptq"},
+    {"pattern": "*.self_attn.*", "format": "fp8", "algorithm": "mse"},
+    {"pattern": "*", "format": "none"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +33,10 @@ def setup(tmp_path_factory):
     recipe = str(root / "every_algorithm.yaml")
     with open(recipe, "w") as f:
         yaml.safe_dump({"name": "every_algorithm", "quantize": RULES, "kv_cache": "fp8"}, f)
-    ckpts = {fam: convert_hf(make_tiny(fam, str(root / f"hf-{fam}")), str(root / f"ck-{fam}"), progress=False)
-             for fam in FAMILIES}
+    ckpts = {
+        fam: convert_hf(make_tiny(fam, str(root / f"hf-{fam}")), str(root / f"ck-{fam}"), progress=False)
+        for fam in FAMILIES
+    }
     return str(root), recipe, ckpts
 
 
@@ -43,9 +47,22 @@ def calibrate(root: str, recipe: str, ckpts: dict, ep: int, port: int | None) ->
     with state:
         for family, ck in ckpts.items():
             out = os.path.join(root, f"{family}-w{state.world}")
-            run_ptq(state, PTQArgs(ck, recipe, out, calib_size=9, seq_len=24, batch_size=1 if ep == 1 else 3,
-                                   group_tokens=GROUP_TOKENS, eval_size=3, calibrate_all_experts=True,
-                                   gptq_min_tokens=1, progress=False))
+            run_ptq(
+                state,
+                PTQArgs(
+                    ck,
+                    recipe,
+                    out,
+                    calib_size=9,
+                    seq_len=24,
+                    batch_size=1 if ep == 1 else 3,
+                    group_tokens=GROUP_TOKENS,
+                    eval_size=3,
+                    calibrate_all_experts=True,
+                    gptq_min_tokens=1,
+                    progress=False,
+                ),
+            )
 
 
 def test_every_algorithm_on_every_family_exports_the_same_bytes_at_every_layout(setup):
@@ -53,8 +70,10 @@ def test_every_algorithm_on_every_family_exports_the_same_bytes_at_every_layout(
     calibrate(root, recipe, ckpts, 1, None)
     run_world(calibrate, 2, root, recipe, ckpts, 2, free_port(), timeout=600)
     for family in ckpts:
-        exports = [export_hf(os.path.join(root, f"{family}-w{w}"), os.path.join(root, f"export-{family}-w{w}"),
-                             progress=False) for w in (1, 2)]
+        exports = [
+            export_hf(os.path.join(root, f"{family}-w{w}"), os.path.join(root, f"export-{family}-w{w}"), progress=False)
+            for w in (1, 2)
+        ]
         assert check_export(exports[0]) == [], family
         assert same_files(*exports), family
         with open(os.path.join(root, f"{family}-w1", "eprt.json")) as f:

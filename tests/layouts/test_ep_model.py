@@ -43,10 +43,10 @@ def skew(family: str, tensors: dict[str, torch.Tensor]) -> None:
     """
     for name, t in tensors.items():
         if family == "deepseek_v3" and name.endswith("mlp.gate.e_score_correction_bias"):
-            t[E // 2:] = -100.0
+            t[E // 2 :] = -100.0
         if family == "qwen3_moe" and name.endswith("mlp.gate.weight"):
-            t[E // 2:] = 0.0
-            t[E // 2:, 0] = -20.0
+            t[E // 2 :] = 0.0
+            t[E // 2 :, 0] = -20.0
         if family == "qwen3_moe" and name == "model.embed_tokens.weight":
             t[:, 0] = 1.0
 
@@ -86,8 +86,7 @@ def record_received(model) -> dict[int, list[list[int]]]:
     seen = {}
     for layer, block in model.moe_blocks():
         seen[layer] = []
-        block.experts.register_forward_hook(
-            lambda mod, args, out, calls=seen[layer]: calls.append(args[1].tolist()))
+        block.experts.register_forward_hook(lambda mod, args, out, calls=seen[layer]: calls.append(args[1].tolist()))
     return seen
 
 
@@ -119,7 +118,8 @@ def run_layouts(ckpts, ep_list, ports):
                 received = record_received(model)
                 logits, ref = model(ids), reference[name]
                 out[ep, name] = {
-                    "rank": state.rank, "ep_rank": state.ep_rank,
+                    "rank": state.rank,
+                    "ep_rank": state.ep_rank,
                     "experts": {i: (b.experts.first, b.experts.count) for i, b in model.moe_blocks()},
                     "dispatchers": {type(b.dispatcher).__name__ for _, b in model.moe_blocks()},
                     "bytes_read": CountingCheckpoint.last_bytes_read,
@@ -248,29 +248,35 @@ def run_faults(ckpts, out_dir):
 
     def write(fail_on, attempt=0):
         """Each rank writes its file (holding 10 * attempt + rank); rank `fail_on` then fails."""
+
         def write_fn(tmp):
             save_tensors(os.path.join(tmp, f"rank-{rank}.safetensors"), {"x": torch.full((4,), 10.0 * attempt + rank)})
             if rank == fail_on:
                 raise OSError(28, "No space left on device")
+
         return write_fn
 
     result["write ok"] = _outcome(state, lambda: write_together(state, f"{out_dir}/ok", write(None)))
     result["write exists"] = _outcome(state, lambda: write_together(state, f"{out_dir}/ok", write(None)))
     result["write fails"] = _outcome(state, lambda: write_together(state, f"{out_dir}/failed", write(1)))
     result["overwrite fails"] = _outcome(
-        state, lambda: write_together(state, f"{out_dir}/ok", write(0, attempt=1), overwrite=True))
+        state, lambda: write_together(state, f"{out_dir}/ok", write(0, attempt=1), overwrite=True)
+    )
 
     # Rank 1's experts raise in the first MoE layer, after the tokens reached it: rank 0 waits
     # for its results in an all-to-all until the collective times out.
     model = eprt.load_model(ckpts["qwen3_moe"], dtype=torch.float32, parallel=state)
     if rank == 1:
+
         def broken(*args):
             raise RuntimeError("injected fault in the experts")
+
         model.moe_blocks()[0][1].experts.forward = broken
 
     def forward():
         with fail_together(state, "running the forward"):
             return model(tokens(rank)).shape
+
     result["forward"] = _outcome(state, forward)
     state.close()
     return result
@@ -282,8 +288,10 @@ def test_faults_fail_together(ckpts, tmp_path):
     results = run_world(run_faults, 2, ckpts, str(tmp_path), timeout=110)
 
     for rank, r in enumerate(results):
-        assert r["ep refused"] == ("ep=2 does not divide the 3 routed experts; valid ep for world 2 "
-                                   "and 3 experts: 1", 0)
+        assert r["ep refused"] == (
+            "ep=2 does not divide the 3 routed experts; valid ep for world 2 and 3 experts: 1",
+            0,
+        )
 
         message, ranks, seconds = r["corrupt"]
         assert ranks == [1] and seconds < 60, message

@@ -50,9 +50,12 @@ def ep_logits(ck: str, ep: int, port: int):
         with torch.no_grad():
             got = model(ids)
         experts = {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()}
-    return {"experts": experts, "shape": (tuple(got.shape), tuple(want.shape)),
-            "close": torch.allclose(got, want, rtol=1e-5, atol=1e-6), "max_diff": (got - want).abs().max().item()
-            if got.numel() else 0.0}
+    return {
+        "experts": experts,
+        "shape": (tuple(got.shape), tuple(want.shape)),
+        "close": torch.allclose(got, want, rtol=1e-5, atol=1e-6),
+        "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
+    }
 
 
 @pytest.mark.timeout(150)
@@ -69,26 +72,51 @@ def test_k3_expert_parallel_logits(k3, world, ep):
 def calibrate(ck: str, out_root: str, ep: int, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, "nvfp4", os.path.join(out_root, f"w{state.world}-ep{ep}"), kv_cache="fp8",
-                               calib_size=6, seq_len=24, batch_size=2, progress=False))
+        run_ptq(
+            state,
+            PTQArgs(
+                ck,
+                "nvfp4",
+                os.path.join(out_root, f"w{state.world}-ep{ep}"),
+                kv_cache="fp8",
+                calib_size=6,
+                seq_len=24,
+                batch_size=2,
+                progress=False,
+            ),
+        )
 
 
 def same_files(a: str, b: str) -> bool:
     names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
-                                                  for n in names)
+    return names == sorted(os.listdir(b)) and all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
 
 
 @pytest.mark.timeout(300)
 def test_k3_ptq_export_is_the_same_bytes_at_every_layout(k3, tmp_path):
     hf, ck = k3["bf16"]
     out = str(tmp_path)
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", os.path.join(out, "w1-ep1"), kv_cache="fp8", calib_size=6,
-                                            seq_len=24, batch_size=2, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            ck,
+            "nvfp4",
+            os.path.join(out, "w1-ep1"),
+            kv_cache="fp8",
+            calib_size=6,
+            seq_len=24,
+            batch_size=2,
+            progress=False,
+        ),
+    )
     run_world(calibrate, 2, ck, out, 2, free_port(), timeout=120)
     run_world(calibrate, 4, ck, out, 2, free_port(), timeout=160)
-    exports = {layout: export_hf(os.path.join(out, layout), os.path.join(out, f"export-{layout}"), progress=False)
-               for layout in ("w1-ep1", "w2-ep2", "w4-ep2")}
+    exports = {
+        layout: export_hf(os.path.join(out, layout), os.path.join(out, f"export-{layout}"), progress=False)
+        for layout in ("w1-ep1", "w2-ep2", "w4-ep2")
+    }
     ref = exports["w1-ep1"]
     assert check_export(ref) == []
     for layout in ("w2-ep2", "w4-ep2"):
@@ -96,9 +124,13 @@ def test_k3_ptq_export_is_the_same_bytes_at_every_layout(k3, tmp_path):
 
     excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
     lm = "language_model.model.layers"
-    never_quantized = [f"{lm}.1.block_sparse_moe.routed_expert_down_proj",
-                       f"{lm}.1.block_sparse_moe.routed_expert_up_proj", f"{lm}.0.self_attention_res_proj",
-                       f"{lm}.3.mlp_res_proj", "language_model.model.output_attn_res_proj"]
+    never_quantized = [
+        f"{lm}.1.block_sparse_moe.routed_expert_down_proj",
+        f"{lm}.1.block_sparse_moe.routed_expert_up_proj",
+        f"{lm}.0.self_attention_res_proj",
+        f"{lm}.3.mlp_res_proj",
+        "language_model.model.output_attn_res_proj",
+    ]
     assert set(never_quantized) | {"vision_tower.*", "mm_projector.*"} <= set(excluded)
     source, exported = read_hf_tensors(hf), read_hf_tensors(ref)
     for module in never_quantized:

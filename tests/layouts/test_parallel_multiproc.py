@@ -7,11 +7,13 @@ from tests.multiproc import run_world
 
 def _rank_times_ten(offset):
     import os
+
     return int(os.environ["RANK"]) * 10 + offset
 
 
 def _rank1_raises():
     import os
+
     if os.environ["RANK"] == "1":
         raise ValueError("rank 1 broke")
     return "fine"
@@ -19,6 +21,7 @@ def _rank1_raises():
 
 def _rank0_hangs():
     import os
+
     if os.environ["RANK"] == "0":
         time.sleep(60)
 

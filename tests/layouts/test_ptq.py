@@ -18,8 +18,17 @@ from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 
 # every model of the family table (qwen3_5_moe_text runs qwen3_next's model under another name)
-FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_linear", "kimi_k3", "kimi_k25", "qwen3_next",
-            "qwen3_5_moe"]
+FAMILIES = [
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "deepseek_v32",
+    "kimi_linear",
+    "kimi_k3",
+    "kimi_k25",
+    "qwen3_next",
+    "qwen3_5_moe",
+]
 # (recipe, kv cache, calibration dtype): fp32 shows a kernel's last-bit differences that bf16
 # rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
@@ -52,9 +61,23 @@ def calibrate(ckpts, out_root, layouts, ports):
             for family, ck in ckpts.items():
                 for recipe, kv, dtype in RECIPES:
                     out = os.path.join(out_root, f"{family}-{recipe}-w{state.world}-ep{ep}")
-                    run_ptq(state, PTQArgs(ck, recipe, out, kv_cache=kv, calib_size=9, seq_len=24, batch_size=batch,
-                                           chunk_size=chunk, group_tokens=GROUP_TOKENS, dtype=dtype,
-                                           eval_size=EVAL_SIZE, progress=False))
+                    run_ptq(
+                        state,
+                        PTQArgs(
+                            ck,
+                            recipe,
+                            out,
+                            kv_cache=kv,
+                            calib_size=9,
+                            seq_len=24,
+                            batch_size=batch,
+                            chunk_size=chunk,
+                            group_tokens=GROUP_TOKENS,
+                            dtype=dtype,
+                            eval_size=EVAL_SIZE,
+                            progress=False,
+                        ),
+                    )
 
 
 def export_all(out_root):
@@ -62,14 +85,17 @@ def export_all(out_root):
     for name in sorted(os.listdir(out_root)):
         if name.startswith("export-"):
             continue
-        exports[name] = export_hf(os.path.join(out_root, name), os.path.join(out_root, "export-" + name), progress=False)
+        exports[name] = export_hf(
+            os.path.join(out_root, name), os.path.join(out_root, "export-" + name), progress=False
+        )
     return exports
 
 
 def same_files(a: str, b: str) -> bool:
     names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
-                                                  for n in names)
+    return names == sorted(os.listdir(b)) and all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
 
 
 def test_exports_are_byte_identical_across_layouts_batch_and_chunk_sizes(ckpts, tmp_path):
@@ -89,8 +115,10 @@ def test_exports_are_byte_identical_across_layouts_batch_and_chunk_sizes(ckpts, 
 def test_two_runs_are_byte_identical_and_the_input_is_referenced_not_copied(ckpts, tmp_path):
     ck = ckpts["deepseek_v3"]
     for run in ("a", "b"):
-        run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / run), kv_cache="fp8", calib_size=4,
-                                                seq_len=16, progress=False))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(ck, "nvfp4", str(tmp_path / run), kv_cache="fp8", calib_size=4, seq_len=16, progress=False),
+        )
         export_hf(str(tmp_path / run), str(tmp_path / f"export-{run}"), progress=False)
     assert same_files(str(tmp_path / "export-a"), str(tmp_path / "export-b"))
     # the calibrated checkpoint holds the calibration state only; its weights are the input's
@@ -122,8 +150,10 @@ def export_on_ranks(q_dir, out, port):
 
 def test_an_export_written_by_several_ranks_equals_the_single_process_one(ckpts, tmp_path):
     q = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ckpts["qwen3_moe"], "nvfp4", q, kv_cache="fp8", calib_size=2,
-                                            seq_len=8, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ckpts["qwen3_moe"], "nvfp4", q, kv_cache="fp8", calib_size=2, seq_len=8, progress=False),
+    )
     single = export_hf(q, str(tmp_path / "single"), max_shard_bytes=60_000, progress=False)
     files = run_world(export_on_ranks, 3, q, str(tmp_path / "ranks"), free_port(), timeout=120)[0]
     assert sum(f.endswith(".safetensors") for f in files) >= 4  # every rank wrote shards

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import eprt
-from eprt.hf.convert import convert_hf
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
-from tests.multiproc import free_port, run_world
 from tests.layouts.test_ptq import same_files
+from tests.multiproc import free_port, run_world
 
 E = 8
 SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
@@ -55,9 +55,14 @@ def ep_logits(cks: list[str], ep: int, port: int):
             model = eprt.load_model(ck, dtype=torch.float32, parallel=state)
             with torch.no_grad():
                 got = model(ids)
-            out.append({"experts": {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()},
-                        "shape": (tuple(got.shape), tuple(want.shape)), "bitwise": torch.equal(got, want),
-                        "max_diff": (got - want).abs().max().item() if got.numel() else 0.0})
+            out.append(
+                {
+                    "experts": {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()},
+                    "shape": (tuple(got.shape), tuple(want.shape)),
+                    "bitwise": torch.equal(got, want),
+                    "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
+                }
+            )
     return out
 
 
@@ -79,29 +84,57 @@ def calibrate(cks: dict[str, str], out_root: str, ep: int, port: int) -> None:
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
         for family, ck in cks.items():
             for recipe, kv, dtype in RECIPES:
-                run_ptq(state, PTQArgs(ck, recipe, os.path.join(out_root, f"{family}-{recipe}-w{state.world}-ep{ep}"),
-                                       kv_cache=kv, calib_size=6, seq_len=24, batch_size=2, dtype=dtype,
-                                       progress=False))
+                run_ptq(
+                    state,
+                    PTQArgs(
+                        ck,
+                        recipe,
+                        os.path.join(out_root, f"{family}-{recipe}-w{state.world}-ep{ep}"),
+                        kv_cache=kv,
+                        calib_size=6,
+                        seq_len=24,
+                        batch_size=2,
+                        dtype=dtype,
+                        progress=False,
+                    ),
+                )
 
 
 # vLLM builds these unquantized (its qwen3_next / qwen3_5 loaders): the router, the shared
 # expert's gate, the linear attention's b/a projections; the depthwise conv1d is no Linear.
-NEVER_QUANTIZED = {"qwen3_next": ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
-                                  "model.layers.0.linear_attn.in_proj_ba"],
-                   "qwen3_5_moe": ["model.language_model.layers.0.mlp.gate",
-                                   "model.language_model.layers.0.mlp.shared_expert_gate",
-                                   "model.language_model.layers.0.linear_attn.in_proj_b",
-                                   "model.language_model.layers.0.linear_attn.in_proj_a",
-                                   "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"]}
-QUANTIZED = {"qwen3_next": ["model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.out_proj",
-                            "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.shared_expert.down_proj",
-                            "model.layers.2.mlp.up_proj", "model.layers.3.mlp.experts.7.down_proj"],
-            "qwen3_5_moe": ["model.language_model.layers.0.linear_attn.in_proj_qkv",
-                            "model.language_model.layers.0.linear_attn.in_proj_z",
-                            "model.language_model.layers.0.linear_attn.out_proj",
-                            "model.language_model.layers.3.self_attn.o_proj",
-                            "model.language_model.layers.3.mlp.shared_expert.gate_proj",
-                            "model.language_model.layers.1.mlp.experts.0.gate_proj"]}
+NEVER_QUANTIZED = {
+    "qwen3_next": [
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.shared_expert_gate",
+        "model.layers.0.linear_attn.in_proj_ba",
+    ],
+    "qwen3_5_moe": [
+        "model.language_model.layers.0.mlp.gate",
+        "model.language_model.layers.0.mlp.shared_expert_gate",
+        "model.language_model.layers.0.linear_attn.in_proj_b",
+        "model.language_model.layers.0.linear_attn.in_proj_a",
+        "model.visual.blocks.0.attn.qkv",
+        "model.visual.merger.linear_fc2",
+    ],
+}
+QUANTIZED = {
+    "qwen3_next": [
+        "model.layers.0.linear_attn.in_proj_qkvz",
+        "model.layers.0.linear_attn.out_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.mlp.shared_expert.down_proj",
+        "model.layers.2.mlp.up_proj",
+        "model.layers.3.mlp.experts.7.down_proj",
+    ],
+    "qwen3_5_moe": [
+        "model.language_model.layers.0.linear_attn.in_proj_qkv",
+        "model.language_model.layers.0.linear_attn.in_proj_z",
+        "model.language_model.layers.0.linear_attn.out_proj",
+        "model.language_model.layers.3.self_attn.o_proj",
+        "model.language_model.layers.3.mlp.shared_expert.gate_proj",
+        "model.language_model.layers.1.mlp.experts.0.gate_proj",
+    ],
+}
 KV_LAYERS = {"qwen3_next": ["model.layers.1", "model.layers.3"], "qwen3_5_moe": ["model.language_model.layers.3"]}
 
 
@@ -115,9 +148,14 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
     for family in FAMILIES:
         source = read_hf_tensors(ckpts[family]["bf16"][0])
         for recipe, *_ in RECIPES:
-            exports = {layout: export_hf(os.path.join(out, f"{family}-{recipe}-{layout}"),
-                                         os.path.join(out, f"export-{family}-{recipe}-{layout}"), progress=False)
-                       for layout in ("w1-ep1", "w2-ep2", "w4-ep2")}
+            exports = {
+                layout: export_hf(
+                    os.path.join(out, f"{family}-{recipe}-{layout}"),
+                    os.path.join(out, f"export-{family}-{recipe}-{layout}"),
+                    progress=False,
+                )
+                for layout in ("w1-ep1", "w2-ep2", "w4-ep2")
+            }
             ref = exports["w1-ep1"]
             assert check_export(ref, ckpts[family]["bf16"][0]) == []
             for layout in ("w2-ep2", "w4-ep2"):
@@ -133,7 +171,10 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
             for n in (n for n in source if n.endswith(("conv1d.weight", ".A_log", ".dt_bias"))):
                 assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype, n
             kv = sorted(n for n in exported if n.endswith(("k_scale", "v_scale")))
-            assert kv == (sorted(f"{layer}.self_attn.{p}_proj.{p}_scale" for layer in KV_LAYERS[family]
-                                 for p in "kv") if recipe == "nvfp4" else [])
+            assert kv == (
+                sorted(f"{layer}.self_attn.{p}_proj.{p}_scale" for layer in KV_LAYERS[family] for p in "kv")
+                if recipe == "nvfp4"
+                else []
+            )
             excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
             assert excluded, family

@@ -39,8 +39,10 @@ def built(tmp_path_factory):
     exports = {}
     for recipe in ("nvfp4", "nvfp4_experts_fp8_attention"):
         q = str(d / recipe)
-        run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16,
-                                                eval_size=0, progress=False))
+        run_ptq(
+            ParallelState.single(),
+            PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16, eval_size=0, progress=False),
+        )
         exports["nvfp4" if recipe == "nvfp4" else "mixed"] = export_hf(q, q + "-modelopt", progress=False)
         if recipe != "nvfp4":
             exports["ct"] = export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors")
@@ -120,8 +122,13 @@ def test_an_index_naming_a_shard_by_something_not_a_path_is_refused(built, tmp_p
 def one_block_short(out: Path, module: str, packed: bool) -> None:
     """Drop the last 16 input columns of an NVFP4 module: its weight and its block scales, consistently."""
     weight, blocks = f"{module}.{'weight_packed' if packed else 'weight'}", f"{module}.weight_scale"
-    replace(out, **{weight.replace(".", "__"): read(out, weight)[:, :-8].contiguous(),
-                    blocks.replace(".", "__"): read(out, blocks)[:, :-1].contiguous()})
+    replace(
+        out,
+        **{
+            weight.replace(".", "__"): read(out, weight)[:, :-8].contiguous(),
+            blocks.replace(".", "__"): read(out, blocks)[:, :-1].contiguous(),
+        },
+    )
 
 
 SHORT = [
@@ -183,8 +190,9 @@ SCALES = [
 ]
 
 
-@pytest.mark.parametrize("kind, values, target", SCALES, ids=[f"{k}-{t.rsplit('.', 2)[-2]}-{i}"
-                                                                for i, (k, _, t) in enumerate(SCALES)])
+@pytest.mark.parametrize(
+    "kind, values, target", SCALES, ids=[f"{k}-{t.rsplit('.', 2)[-2]}-{i}" for i, (k, _, t) in enumerate(SCALES)]
+)
 def test_a_scale_the_engines_arithmetic_cannot_take_is_refused(built, tmp_path, kind, values, target):
     out = copy_of(built, kind, tmp_path)
     replace(out, **{n.replace(".", "__"): scalar(v, read(out, n)) for n, v in values.items()})
@@ -192,10 +200,16 @@ def test_a_scale_the_engines_arithmetic_cannot_take_is_refused(built, tmp_path, 
     assert problems and all(p.startswith(target) for p in problems), problems
 
 
-@pytest.mark.parametrize("kind, leaf, value", [("mixed", "input_scale", 1e-40), ("nvfp4", "input_scale", 1e-40),
-                                               ("ct", "input_global_scale", 1e-40),
-                                               ("ct", "weight_global_scale", 2e38),
-                                               ("mixed", "weight_scale_2", 1e-39)])
+@pytest.mark.parametrize(
+    "kind, leaf, value",
+    [
+        ("mixed", "input_scale", 1e-40),
+        ("nvfp4", "input_scale", 1e-40),
+        ("ct", "input_global_scale", 1e-40),
+        ("ct", "weight_global_scale", 2e38),
+        ("mixed", "weight_scale_2", 1e-39),
+    ],
+)
 def test_expert_scales_out_of_the_engines_range_are_refused(built, tmp_path, kind, leaf, value):
     out = copy_of(built, kind, tmp_path)
     replace(out, **every_expert(out, leaf, value))

@@ -30,9 +30,9 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
-from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats.fp8 import dequantize_fp8  # noqa: E402
@@ -49,9 +49,15 @@ FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next"
 # compressed-tensors' own decompression.
 LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]
-CT_NAMES = {"fp8": {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"},
-            "nvfp4": {"weight": "weight_packed", "weight_scale": "weight_scale",
-                      "weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}}
+CT_NAMES = {
+    "fp8": {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"},
+    "nvfp4": {
+        "weight": "weight_packed",
+        "weight_scale": "weight_scale",
+        "weight_scale_2": "weight_global_scale",
+        "input_scale": "input_global_scale",
+    },
+}
 INVERTED = ("weight_global_scale", "input_global_scale")
 
 
@@ -65,10 +71,14 @@ def exports(tmp_path_factory):
         ck = convert_hf(hf, str(d / family / "ck"), progress=False)
         for recipe in RECIPES:
             q = str(d / family / recipe)
-            run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16,
-                                                    progress=False))
-            out[family, recipe] = (hf, export_hf(q, q + "-modelopt", progress=False),
-                                   export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"))
+            run_ptq(
+                ParallelState.single(), PTQArgs(ck, recipe, q, kv_cache="fp8", calib_size=2, seq_len=16, progress=False)
+            )
+            out[family, recipe] = (
+                hf,
+                export_hf(q, q + "-modelopt", progress=False),
+                export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
+            )
     return out
 
 
@@ -102,9 +112,14 @@ def test_the_tensors_are_the_modelopt_exports_values(exports, family, recipe):
         assert raw(got[name]) == raw(want[name]), name
 
 
-@pytest.mark.parametrize("recipe, fmt, groups", [
-    ("fp8", "float-quantized", ["float-quantized"]), ("nvfp4", "nvfp4-pack-quantized", ["nvfp4-pack-quantized"]),
-    ("nvfp4_experts_fp8_attention", "mixed-precision", ["float-quantized", "nvfp4-pack-quantized"])])
+@pytest.mark.parametrize(
+    "recipe, fmt, groups",
+    [
+        ("fp8", "float-quantized", ["float-quantized"]),
+        ("nvfp4", "nvfp4-pack-quantized", ["nvfp4-pack-quantized"]),
+        ("nvfp4_experts_fp8_attention", "mixed-precision", ["float-quantized", "nvfp4-pack-quantized"]),
+    ],
+)
 def test_the_config_is_compressed_tensors(exports, recipe, fmt, groups):
     _, _, ct = exports["qwen3_moe", recipe]
     qc = json.loads(Path(ct, "config.json").read_text())["quantization_config"]
@@ -132,8 +147,9 @@ def dequantized_source(hf: str, modelopt: str, out: Path) -> str:
 def eprt_dequantized(t: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     """A quantized module's weight from the ModelOpt export's tensors, by eprt's dequantization (bf16)."""
     if f"{module}.weight_scale_2" in t:
-        return dequantize_nvfp4(t[f"{module}.weight"], t[f"{module}.weight_scale"], t[f"{module}.weight_scale_2"],
-                                torch.bfloat16)
+        return dequantize_nvfp4(
+            t[f"{module}.weight"], t[f"{module}.weight_scale"], t[f"{module}.weight_scale_2"], torch.bfloat16
+        )
     return dequantize_fp8(t[f"{module}.weight"], t[f"{module}.weight_scale"], torch.bfloat16)
 
 
@@ -152,15 +168,20 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(exports, f
     assert any(".experts." in m for m in modules)
     for module in modules:
         # the group compressed-tensors gives the module: the first whose targets match it
-        scheme = next(g for g in qc.config_groups.values()
-                      if any(t == "Linear" or match_name(module, t) for t in g.targets))
+        scheme = next(
+            g for g in qc.config_groups.values() if any(t == "Linear" or match_name(module, t) for t in g.targets)
+        )
         compressor = BaseCompressor.get_value_from_registry(scheme.format)
-        state = {leaf: theirs[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)
-                 if f"{module}.{leaf}" in theirs}
+        state = {
+            leaf: theirs[f"{module}.{leaf}"]
+            for leaf in compressor.compression_param_names(scheme)
+            if f"{module}.{leaf}" in theirs
+        }
         weight = compressor.decompress(state, scheme)["weight"]
         # the same values but for bf16 rounding (compressed-tensors divides by the global scale)
-        torch.testing.assert_close(weight.to(torch.bfloat16), eprt_dequantized(ours, module), rtol=2 ** -7, atol=0,
-                                   msg=module)
+        torch.testing.assert_close(
+            weight.to(torch.bfloat16), eprt_dequantized(ours, module), rtol=2**-7, atol=0, msg=module
+        )
 
 
 @pytest.mark.parametrize("family", LOGIT_FAMILIES)
@@ -170,7 +191,8 @@ def test_transformers_decompresses_it_to_eprts_values(exports, family, recipe, t
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model = AutoModelForCausalLM.from_pretrained(
-            ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True))
+            ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
         if recipe != "fp8":
             apply_expert_global_scales(model, read_hf_tensors(ct))
         loaded = model(ids).logits
@@ -181,7 +203,7 @@ def test_transformers_decompresses_it_to_eprts_values(exports, family, recipe, t
     quantization_error = (source.float() - ref.float()).abs().max().item()
     # two bf16 ulps of the largest logit: the weights agree but for bf16 rounding (the reciprocal
     # global scales divide where ModelOpt's scales multiply)
-    tolerance = 2 ** -6 * ref.float().abs().max().item()
+    tolerance = 2**-6 * ref.float().abs().max().item()
     assert error <= tolerance, (error, tolerance, quantization_error)
     assert error < quantization_error / 2  # far closer to eprt's values than the unquantized model is
 
@@ -194,7 +216,9 @@ def apply_expert_global_scales(model, tensors: dict[str, torch.Tensor]) -> None:
             continue
         width = module.gate_up_proj.shape[1] // 2
         for e in range(module.gate_up_proj.shape[0]):
-            g = {k: tensors[f"{name}.{e}.{k}.weight_global_scale"].item() for k in ("gate_proj", "up_proj", "down_proj")}
+            g = {
+                k: tensors[f"{name}.{e}.{k}.weight_global_scale"].item() for k in ("gate_proj", "up_proj", "down_proj")
+            }
             module.gate_up_proj[e, :width] = (module.gate_up_proj[e, :width].float() / g["gate_proj"]).bfloat16()
             module.gate_up_proj[e, width:] = (module.gate_up_proj[e, width:].float() / g["up_proj"]).bfloat16()
             module.down_proj[e] = (module.down_proj[e].float() / g["down_proj"]).bfloat16()
@@ -228,6 +252,7 @@ def broken_copy(src: str, dst: Path, edit_tensors=None, edit_config=None) -> str
 
 def read_hf_tensors_file(f: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     return load_file(str(f))
 
 
@@ -239,32 +264,41 @@ def scale_times(name, factor):
         if name in t:
             t[name] = t[name] * factor
             return True
+
     return edit
 
 
 def drop(name):
     def edit(t):
         return t.pop(name, None) is not None
+
     return edit
 
 
 def unignore(entry):
     def edit(qc):
         qc["ignore"].remove(entry)
+
     return edit
 
 
-@pytest.mark.parametrize("edit_tensors, edit_config, fault", [
-    (scale_times(f"{Q}.weight_global_scale", 2), None, f"{Q}.weight_global_scale"),
-    (scale_times("model.layers.1.mlp.experts.3.up_proj.input_global_scale", 2), None,
-     "model.layers.1.mlp.experts.3.up_proj.input_global_scale"),
-    (drop(f"{Q}.input_global_scale"), None, f"{Q}.input_global_scale: missing"),
-    (drop("model.layers.2.self_attn.k_scale"), None, "model.layers.2.self_attn.k_scale: missing"),
-    (scale_times(f"{Q}.weight_global_scale", -1), None, f"{Q}.weight_global_scale"),
-    (None, unignore("lm_head"), "lm_head: its config group is nvfp4-pack-quantized"),
-    (None, lambda qc: qc.update(quantization_status="frozen"), "quantization_status"),
-    (None, lambda qc: qc["config_groups"]["group_0"].update(format="pack-quantized"), "group_0.format"),
-])
+@pytest.mark.parametrize(
+    "edit_tensors, edit_config, fault",
+    [
+        (scale_times(f"{Q}.weight_global_scale", 2), None, f"{Q}.weight_global_scale"),
+        (
+            scale_times("model.layers.1.mlp.experts.3.up_proj.input_global_scale", 2),
+            None,
+            "model.layers.1.mlp.experts.3.up_proj.input_global_scale",
+        ),
+        (drop(f"{Q}.input_global_scale"), None, f"{Q}.input_global_scale: missing"),
+        (drop("model.layers.2.self_attn.k_scale"), None, "model.layers.2.self_attn.k_scale: missing"),
+        (scale_times(f"{Q}.weight_global_scale", -1), None, f"{Q}.weight_global_scale"),
+        (None, unignore("lm_head"), "lm_head: its config group is nvfp4-pack-quantized"),
+        (None, lambda qc: qc.update(quantization_status="frozen"), "quantization_status"),
+        (None, lambda qc: qc["config_groups"]["group_0"].update(format="pack-quantized"), "group_0.format"),
+    ],
+)
 def test_check_names_the_fault(ct_export, tmp_path, edit_tensors, edit_config, fault):
     hf, _, ct = ct_export
     problems = check_export(broken_copy(ct, tmp_path / "broken", edit_tensors, edit_config), hf)
@@ -288,10 +322,23 @@ def test_the_tools_write_and_check_it(exports, tmp_path):
     _, modelopt, _ = exports["qwen3_moe", "nvfp4"]
     out = str(tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, str(root / "tools" / "export_hf.py"), modelopt[: -len("-modelopt")], out,
-                    "--format", "compressed-tensors", "--no-progress"], check=True, env=env)
-    assert json.loads(Path(out, "config.json").read_text())["quantization_config"]["quant_method"] == \
-        "compressed-tensors"
-    check = subprocess.run([sys.executable, str(root / "tools" / "check_export.py"), out], capture_output=True,
-                           text=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools" / "export_hf.py"),
+            modelopt[: -len("-modelopt")],
+            out,
+            "--format",
+            "compressed-tensors",
+            "--no-progress",
+        ],
+        check=True,
+        env=env,
+    )
+    assert (
+        json.loads(Path(out, "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    )
+    check = subprocess.run(
+        [sys.executable, str(root / "tools" / "check_export.py"), out], capture_output=True, text=True, env=env
+    )
     assert (check.returncode, check.stdout.strip()) == (0, f"{out}: ok")

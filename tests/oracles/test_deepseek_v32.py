@@ -16,18 +16,18 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
 
 import eprt  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
-from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
+from eprt.models.registry import model_class  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
+from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
-from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 
 FAMILY = "deepseek_v32"
 INDEXER = ("wq_b", "wk", "weights_proj")
@@ -35,11 +35,31 @@ LAYER0 = "model.layers.0.self_attn.indexer"
 
 
 def v32(**kw) -> DeepseekV32Config:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                v_head_dim=12, n_group=4, topk_group=2, first_k_dense_replace=1, initializer_range=0.1,
-                max_position_embeddings=64, index_n_heads=8, index_head_dim=16, index_topk=4)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        initializer_range=0.1,
+        max_position_embeddings=64,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+    )
     return DeepseekV32Config(**{**base, **kw})
 
 
@@ -70,6 +90,7 @@ def logits_with_ties_to_the_lowest_position(m, ids) -> tuple[torch.Tensor, list[
         def forward(*args, _forward=indexer.forward, **kwargs):
             with mock.patch.object(torch.Tensor, "topk", topk):
                 return _forward(*args, **kwargs)
+
         indexer.forward = forward
     with torch.no_grad():
         return m(ids).logits, index_scores
@@ -83,11 +104,12 @@ def keys_chosen_differently(index_scores: list[tuple[torch.Tensor, int]]) -> tup
     for scores, k in index_scores:
         T = scores.shape[-1]
         causal = torch.ones(T, T, dtype=torch.bool).tril()
-        kth = scores.masked_fill(~causal, float("-inf")).sort(-1, descending=True).values[..., k - 1:k]
+        kth = scores.masked_fill(~causal, float("-inf")).sort(-1, descending=True).values[..., k - 1 : k]
         tied = (scores == kth) & causal
 
         def chosen(picked):
             return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picked, True) & causal
+
         lowest, native = chosen(lowest_position_topk(scores, k).indices), chosen(NATIVE_TOPK(scores, k).indices)
         assert not ((lowest ^ native) & ~tied).any(), "a key chosen differently without a tie"
         differently += int((lowest ^ native).sum())
@@ -103,8 +125,19 @@ CASES = {
     "two_index_heads_groups_yarn": (dict(index_n_heads=2, n_group=2, topk_group=1, rope_parameters=YARN), 16, True),
     "eight_index_heads_top4": (dict(), 8, False),
     "groups_yarn": (dict(rope_parameters=YARN), 12, False),
-    "two_shared_all_moe_tied": (dict(n_shared_experts=2, first_k_dense_replace=0, num_hidden_layers=2,
-                                     tie_word_embeddings=True, norm_topk_prob=False, n_group=2, topk_group=1), 12, False),
+    "two_shared_all_moe_tied": (
+        dict(
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            norm_topk_prob=False,
+            n_group=2,
+            topk_group=1,
+        ),
+        12,
+        False,
+    ),
     "no_longer_than_index_topk": (dict(rope_parameters=YARN), 4, False),
 }
 
@@ -152,9 +185,14 @@ def test_the_transformers_4_spelling_reads_the_same():
     assert c.moe_layers == (0, 2)
 
 
-@pytest.mark.parametrize("bad, message", [({"q_lora_rank": None}, "q_lora_rank"),
-                                          ({"index_head_dim": 4}, "index_head_dim"),
-                                          ({"mlp_layer_types": ["dense"]}, "mlp_layer_types")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"q_lora_rank": None}, "q_lora_rank"),
+        ({"index_head_dim": 4}, "index_head_dim"),
+        ({"mlp_layer_types": ["dense"]}, "mlp_layer_types"),
+    ],
+)
 def test_settings_eprt_cannot_run_are_refused_by_name(bad, message):
     with pytest.raises(Exception, match=message):
         parse_hf_config({**v32().to_dict(), **bad})
@@ -194,8 +232,10 @@ def test_ptq_exports_are_the_same_bytes_at_every_layout_and_keep_the_indexer(tin
         for layer in range(3):
             for proj in INDEXER:
                 module = f"model.layers.{layer}.self_attn.indexer.{proj}"
-                assert any(module == e or (e.endswith("*") and module.startswith(e[:-1])) for e in excluded), \
-                    (recipe, module)
+                assert any(module == e or (e.endswith("*") and module.startswith(e[:-1])) for e in excluded), (
+                    recipe,
+                    module,
+                )
                 assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), (recipe, module)
                 assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
             assert f"model.layers.{layer}.self_attn.q_b_proj.weight_scale" in exported, recipe
@@ -209,16 +249,21 @@ def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path):
     source = read_hf_tensors(hf)
     assert f"{LAYER0}.wk.weight_scale_inv" in source and f"{LAYER0}.weights_proj.weight_scale_inv" not in source
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    plain = convert_hf(decompressed_copy(hf, str(tmp_path / "plain-hf"), torch.float32), str(tmp_path / "plain"),
-                       progress=False)
+    plain = convert_hf(
+        decompressed_copy(hf, str(tmp_path / "plain-hf"), torch.float32), str(tmp_path / "plain"), progress=False
+    )
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(eprt.load_model(ck, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids))
+        assert torch.equal(
+            eprt.load_model(ck, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids)
+        )
     export_hf(ck, str(tmp_path / "out"), progress=False)
     assert_same_checkpoint(hf, str(tmp_path / "out"))
 
-    run_ptq(ParallelState.single(), PTQArgs(ck, "nvfp4", str(tmp_path / "q"), calib_size=2, seq_len=16, batch_size=2,
-                                            dtype="bf16", progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(ck, "nvfp4", str(tmp_path / "q"), calib_size=2, seq_len=16, batch_size=2, dtype="bf16", progress=False),
+    )
     out = export_hf(str(tmp_path / "q"), str(tmp_path / "x"), progress=False)
     assert check_export(out, hf) == []
     got, want = read_hf_tensors(out), fp8_reference(hf)

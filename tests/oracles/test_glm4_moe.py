@@ -19,20 +19,47 @@ FAMILY = "glm4_moe"
 
 
 def glm(**kw) -> Glm4MoeConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                use_qk_norm=True, attention_bias=True, initializer_range=0.1, max_position_embeddings=64)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        initializer_range=0.1,
+        max_position_embeddings=64,
+    )
     return Glm4MoeConfig(**{**base, **kw})
 
 
 CASES = {
     "groups_qk_norm_bias_half_rotary": dict(),
-    "no_qk_norm_no_bias_quarter_rotary_yarn": dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=0.25,
-                                                   rope_parameters={**YARN, "partial_rotary_factor": 0.25}),
-    "full_rotary_two_shared_all_moe_tied": dict(partial_rotary_factor=1.0, n_shared_experts=2, first_k_dense_replace=0,
-                                                n_group=1, topk_group=1, tie_word_embeddings=True,
-                                                norm_topk_prob=False),
+    "no_qk_norm_no_bias_quarter_rotary_yarn": dict(
+        use_qk_norm=False,
+        attention_bias=False,
+        partial_rotary_factor=0.25,
+        rope_parameters={**YARN, "partial_rotary_factor": 0.25},
+    ),
+    "full_rotary_two_shared_all_moe_tied": dict(
+        partial_rotary_factor=1.0,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        tie_word_embeddings=True,
+        norm_topk_prob=False,
+    ),
 }
 
 
@@ -50,8 +77,10 @@ def test_glm4_moe_logits(tmp_path, case):
 def test_the_transformers_4_spelling_reads_the_same(tmp_path):
     """Released GLM-4.5 configs put partial_rotary_factor and rope_theta on the top level and say
     num_nextn_predict_layers; transformers 5 writes rope_parameters and may say num_mtp_layers."""
-    v5 = glm(partial_rotary_factor=0.25, rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
-                                                          "partial_rotary_factor": 0.25}).to_dict()
+    v5 = glm(
+        partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+    ).to_dict()
     v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "num_nextn_predict_layers")}
     v4.update(rope_theta=5000.0, partial_rotary_factor=0.25, rope_scaling=None, num_nextn_predict_layers=1)
     v5_mtp = {**{k: v for k, v in v5.items() if k != "num_nextn_predict_layers"}, "num_mtp_layers": 1}

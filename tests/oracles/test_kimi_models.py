@@ -18,8 +18,8 @@ import eprt  # noqa: E402
 from eprt.config import SiTUConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
-from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
 from eprt.models.mla import MLAttention  # noqa: E402
@@ -33,6 +33,7 @@ VOCAB = 96
 
 
 # --- KDA --------------------------------------------------------------------------------------
+
 
 def kda_inputs(T: int, decay: float, seed: int = 0, B: int = 2, H: int = 3, Dk: int = 16, Dv: int = 12):
     """(q, k) as the short convolutions give them, v, the log-decay g, beta."""
@@ -60,15 +61,39 @@ def test_chunked_kda_equals_the_recurrence(T, decay, chunk):
 
 # --- Kimi-Linear against transformers ---------------------------------------------------------
 
+
 def kimi_linear(**kw) -> KimiLinearConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=1,
-                topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-                # the defaults lie outside this vocabulary
-                pad_token_id=None, bos_token_id=None, eos_token_id=None,
-                linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2], "head_dim": 8, "num_heads": 4,
-                                    "short_conv_kernel_size": 4})
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        # the defaults lie outside this vocabulary
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        linear_attn_config={
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2],
+            "head_dim": 8,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+        },
+    )
     return KimiLinearConfig(**{**base, **kw})
 
 
@@ -129,8 +154,9 @@ def test_kimi_linear_exports_the_dense_mlp_as_the_source_spells_it(tmp_path, spe
     make_tiny("kimi_linear", str(hf))
     rename_tensors(hf, DENSE_MLP_SPELLINGS[spelling])
     source = read_hf_tensors(str(hf))
-    assert {n for n in source if n.startswith("model.layers.0.") and "_proj.weight" in n and "self_attn" not in n} \
-        == {f"model.layers.0.{spelling}.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert {n for n in source if n.startswith("model.layers.0.") and "_proj.weight" in n and "self_attn" not in n} == {
+        f"model.layers.0.{spelling}.{p}_proj.weight" for p in ("gate", "up", "down")
+    }
     ck = convert_hf(str(hf), str(tmp_path / "ck"), progress=False)
     exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
     assert set(exported) == set(source)
@@ -143,15 +169,18 @@ def test_kimi_linear_exports_the_dense_mlp_as_the_source_spells_it(tmp_path, spe
     run_ptq(ParallelState.single(), PTQArgs(ck, str(recipe), q, calib_size=2, seq_len=16, progress=False))
     out = export_hf(q, q + "-hf", progress=False)
     dense = {f"model.layers.0.{spelling}.{p}_proj" for p in ("gate", "up", "down")}
-    experts = {f"model.layers.{i}.block_sparse_moe.experts.{e}.w{k}" for i in (1, 2) for e in range(8) for k in (1, 2, 3)}
+    experts = {
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.w{k}" for i in (1, 2) for e in range(8) for k in (1, 2, 3)
+    }
     want = {n for n in source if n.rsplit(".", 1)[0] not in dense | experts}
     want |= {f"{m}.{c}" for m in dense for c in ("weight", "weight_scale", "input_scale")}
     want |= {f"{m}.{c}" for m in experts for c in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
     assert set(read_hf_tensors(out)) == want
     layers = json.loads((Path(out) / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
-    assert layers == {**{m: {"quant_algo": "FP8"} for m in sorted(dense)},
-                      **{f"model.layers.{i}.block_sparse_moe.experts": {"quant_algo": "NVFP4", "group_size": 16}
-                         for i in (1, 2)}}
+    assert layers == {
+        **{m: {"quant_algo": "FP8"} for m in sorted(dense)},
+        **{f"model.layers.{i}.block_sparse_moe.experts": {"quant_algo": "NVFP4", "group_size": 16} for i in (1, 2)},
+    }
     assert check_export(out, str(hf)) == []
 
 
@@ -162,9 +191,12 @@ def test_kimi_linear_holding_both_spellings_of_a_tensor_is_refused(tmp_path):
     tensors = load_file(path)
     tensors["model.layers.0.block_sparse_moe.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].clone()
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' and "
-                                              r"'model\.layers\.0\.block_sparse_moe\.up_proj\.weight' are one tensor "
-                                              r"under its two spellings, and the checkpoint holds both; keep one"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.up_proj\.weight' and "
+        r"'model\.layers\.0\.block_sparse_moe\.up_proj\.weight' are one tensor "
+        r"under its two spellings, and the checkpoint holds both; keep one",
+    ):
         convert_hf(str(hf), str(tmp_path / "ck"), progress=False)
     assert not (tmp_path / "ck").exists()
 
@@ -178,12 +210,15 @@ def test_parameter_names_are_the_layout_names(family):
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"moe_layer_freq": 2}, "moe_layer_freq != 1 is not supported"),
-    ({"mla_use_nope": False}, "without RoPE only"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"moe_router_activation_func": "softmax"}, "Kimi routes by sigmoid"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"moe_layer_freq": 2}, "moe_layer_freq != 1 is not supported"),
+        ({"mla_use_nope": False}, "without RoPE only"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"moe_router_activation_func": "softmax"}, "Kimi routes by sigmoid"),
+    ],
+)
 def test_kimi_linear_refusals_name_the_setting(fields, message):
     with pytest.raises(ConfigError, match=message):
         parse_hf_config({**tiny_config("kimi_linear"), **fields})
@@ -205,6 +240,7 @@ def test_kimi_configs():
 
 
 # --- Kimi-K3 against mlx-lm --------------------------------------------------------------------
+
 
 def mlx_logits(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
     mx = pytest.importorskip("mlx.core")
@@ -237,18 +273,47 @@ K3_CASES = {
     "plain_routing": text(num_expert_group=1, topk_group=1),
     # without the K3 options that have a plain form: attention residuals, gate lower bound, full-rank
     # gate, MLA output gate, latent norm, SiTU's linear bound; blocks of 3 start at layers 0 and 3
-    "plain_options": text(attn_res_block_size=None, mla_use_output_gate=False, latent_moe_use_norm=False,
-                          activation_situ_linear_beta=None,
-                          linear_attn_config={"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 4,
-                                              "head_dim": 16, "short_conv_kernel_size": 4}),
-    "blocks_of_3": text(attn_res_block_size=3, num_hidden_layers=5, linear_attn_config={
-        "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "num_heads": 4, "head_dim": 16,
-        "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True}),
+    "plain_options": text(
+        attn_res_block_size=None,
+        mla_use_output_gate=False,
+        latent_moe_use_norm=False,
+        activation_situ_linear_beta=None,
+        linear_attn_config={
+            "kda_layers": [1, 2, 4],
+            "full_attn_layers": [3],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    ),
+    "blocks_of_3": text(
+        attn_res_block_size=3,
+        num_hidden_layers=5,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3, 5],
+            "full_attn_layers": [4],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
+    ),
 }
 
 
-@pytest.mark.parametrize("case,seed", [("grouped", 0), ("grouped", 1), ("grouped", 2), ("plain_routing", 0),
-                                       ("plain_routing", 1), ("plain_options", 0), ("blocks_of_3", 0)])
+@pytest.mark.parametrize(
+    "case,seed",
+    [
+        ("grouped", 0),
+        ("grouped", 1),
+        ("grouped", 2),
+        ("plain_routing", 0),
+        ("plain_routing", 1),
+        ("plain_options", 0),
+        ("blocks_of_3", 0),
+    ],
+)
 def test_kimi_k3_logits_equal_mlx_lm(tmp_path, case, seed):
     hf = k3_checkpoint(tmp_path, seed, **K3_CASES[case])
     em = eprt.load_model(convert_hf(hf, str(tmp_path / "ck"), progress=False), dtype=torch.float32)
@@ -295,10 +360,13 @@ def test_kimi_k3_a_log_of_any_stored_length(tmp_path, extra):
 def test_kimi_k3_a_log_shorter_than_the_heads_is_refused(tmp_path):
     hf = k3_checkpoint(tmp_path, 0)
     with_a_log_length(hf, 3)
-    with pytest.raises(CheckpointError, match=r"tensor 'language_model\.model\.layers\.0\.self_attn\.A_log' "
-                                              r"holds 3 entries but config.json implies 4 KDA heads.*"
-                                              r"fix the KDA head count in config.json, or use a checkpoint that "
-                                              r"stores at least 4 entries$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'language_model\.model\.layers\.0\.self_attn\.A_log' "
+        r"holds 3 entries but config.json implies 4 KDA heads.*"
+        r"fix the KDA head count in config.json, or use a checkpoint that "
+        r"stores at least 4 entries$",
+    ):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not (tmp_path / "ck").exists()
 
@@ -310,21 +378,51 @@ def test_kimi_linear_a_log_keeps_its_exact_shape(tmp_path):
     tensors = load_file(path)
     tensors["model.layers.0.self_attn.A_log"] = torch.zeros(1, 1, 6, 1)
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.A_log' has shape \[1, 1, 6, 1\] "
-                                              r"but config.json implies \[1, 1, 4, 1\]$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.0\.self_attn\.A_log' has shape \[1, 1, 6, 1\] "
+        r"but config.json implies \[1, 1, 4, 1\]$",
+    ):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
 
 
 # --- Kimi-K2.5 against transformers ------------------------------------------------------------
 
+
 def kimi_k25() -> Kimi_K25Config:
-    text = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=16, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                qk_nope_head_dim=16, v_head_dim=12, n_group=4, topk_group=2, first_k_dense_replace=1,
-                max_position_embeddings=64, tie_word_embeddings=False)
-    vision = dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
-                  num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+    text = dict(
+        model_type="deepseek_v3",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        patch_size=14,
+        pos_emb_height=4,
+        pos_emb_width=4,
+        pos_emb_time=2,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+    )
     return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16, tie_word_embeddings=False)
 
 
@@ -332,7 +430,8 @@ def to_released_names(name: str) -> str:
     """transformers saves the language model's layers as `blocks` and the projector's norm under
     `model.`; the released checkpoints have `language_model.model.layers` and `mm_projector.`."""
     return name.replace("language_model.model.blocks.", "language_model.model.layers.").replace(
-        "model.mm_projector.", "mm_projector.")
+        "model.mm_projector.", "mm_projector."
+    )
 
 
 def test_kimi_k25_logits_and_vision_tensors(tmp_path):

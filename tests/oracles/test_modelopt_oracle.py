@@ -42,20 +42,26 @@ from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import read_hf_tensors  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
+
+
 def experts_nvfp4_attention_fp8() -> dict:
     """ModelOpt's NVFP4-experts config with FP8 per-tensor quantizers on the attention: a mixed-precision export."""
     cfg = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
     fp8 = {"num_bits": (4, 3), "axis": None}
     last_experts_rule = max(i for i, r in enumerate(cfg["quant_cfg"]) if ".experts." in r["quantizer_name"])
-    cfg["quant_cfg"][last_experts_rule + 1:last_experts_rule + 1] = [
+    cfg["quant_cfg"][last_experts_rule + 1 : last_experts_rule + 1] = [
         {"quantizer_name": "*self_attn*weight_quantizer", "cfg": fp8},
-        {"quantizer_name": "*self_attn*input_quantizer", "cfg": fp8}]
+        {"quantizer_name": "*self_attn*input_quantizer", "cfg": fp8},
+    ]
     return cfg
 
 
-MODELOPT_CFG = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG,
-                "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG,
-                "nvfp4_experts_fp8_attention": experts_nvfp4_attention_fp8()}
+MODELOPT_CFG = {
+    "fp8": mtq.FP8_DEFAULT_CFG,
+    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG,
+    "nvfp4_experts_fp8_attention": experts_nvfp4_attention_fp8(),
+}
 SAMPLES, SEQ_LEN = 4, 32
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
 
@@ -88,8 +94,19 @@ def modelopt_export(hf: str, config: dict, recipe: str, kv: bool, out: str) -> s
 
 
 def eprt_export(ck: str, recipe: str, kv: bool, out: str) -> str:
-    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, out, kv_cache="fp8" if kv else None, calib_size=SAMPLES,
-                                            seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False))
+    run_ptq(
+        ParallelState.single(),
+        PTQArgs(
+            ck,
+            recipe,
+            out,
+            kv_cache="fp8" if kv else None,
+            calib_size=SAMPLES,
+            seq_len=SEQ_LEN,
+            batch_size=SAMPLES,
+            progress=False,
+        ),
+    )
     return export_hf(out, out + "-hf", progress=False)
 
 
@@ -111,9 +128,17 @@ def quant_configs(out: str, layers: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("fmt, kv", [("fp8", False), ("fp8", True), ("nvfp4", False), ("nvfp4", True),
-                                     ("nvfp4_experts_only", True),
-                                     ("nvfp4_experts_fp8_attention", True)])
+@pytest.mark.parametrize(
+    "fmt, kv",
+    [
+        ("fp8", False),
+        ("fp8", True),
+        ("nvfp4", False),
+        ("nvfp4", True),
+        ("nvfp4_experts_only", True),
+        ("nvfp4_experts_fp8_attention", True),
+    ],
+)
 def test_the_export_is_modelopts(sources, tmp_path, family, fmt, kv):
     hf, ck, config = sources[family]
     layers = config["num_hidden_layers"]

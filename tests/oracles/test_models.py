@@ -22,26 +22,70 @@ from eprt.models.router import sigmoid_grouped_topk  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 VOCAB = 96
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.7,
+}
 # Kimi-K2's own rope_scaling: beta_fast = beta_slow = 1 and mscale = mscale_all_dim.
-KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 16,
-             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def qwen(**kw) -> Qwen3MoeConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                initializer_range=0.1, max_position_embeddings=64)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.1,
+        max_position_embeddings=64,
+    )
     return Qwen3MoeConfig(**{**base, **kw})
 
 
 def deepseek(**kw) -> DeepseekV3Config:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                v_head_dim=12, n_group=4, topk_group=2, first_k_dense_replace=1, initializer_range=0.1,
-                max_position_embeddings=64)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        initializer_range=0.1,
+        max_position_embeddings=64,
+    )
     return DeepseekV3Config(**{**base, **kw})
 
 
@@ -85,6 +129,7 @@ def record_routing(model, ids) -> dict[int, tuple]:
         def dispatch(x_TD, topk_ids_TK, topk_weights_TK, experts):
             seen[layer] = (x_TD, topk_ids_TK, topk_weights_TK)
             return local(x_TD, topk_ids_TK, topk_weights_TK, experts)
+
         return dispatch
 
     model.set_dispatcher(make)
@@ -108,8 +153,9 @@ QWEN_CASES = {
     "norm_topk_prob": dict(norm_topk_prob=True),
     "no_norm_topk_prob": dict(norm_topk_prob=False),
     "sparse_step_2_mlp_only": dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]),
-    "yarn_tied_bias": dict(rope_parameters={**YARN, "mscale": None, "mscale_all_dim": None},
-                           tie_word_embeddings=True, attention_bias=True),
+    "yarn_tied_bias": dict(
+        rope_parameters={**YARN, "mscale": None, "mscale_all_dim": None}, tie_word_embeddings=True, attention_bias=True
+    ),
 }
 
 
@@ -161,13 +207,19 @@ def assert_groups_and_bias_matter(em, cfg):
         k, bias = cfg.num_experts_per_tok, gate.e_score_correction_bias
 
         def route(b, n_group, topk_group):
-            return sigmoid_grouped_topk(logits, b, k, n_group, topk_group, cfg.norm_topk_prob,
-                                        cfg.routed_scaling_factor)[0].sort(-1).values
+            return (
+                sigmoid_grouped_topk(logits, b, k, n_group, topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)[
+                    0
+                ]
+                .sort(-1)
+                .values
+            )
 
         assert torch.equal(ids.sort(-1).values, route(bias, cfg.n_group, cfg.topk_group))
         changed_by_groups |= not torch.equal(route(bias, 1, 1), route(bias, cfg.n_group, cfg.topk_group))
-        changed_by_bias |= not torch.equal(route(torch.zeros_like(bias), cfg.n_group, cfg.topk_group),
-                                           route(bias, cfg.n_group, cfg.topk_group))
+        changed_by_bias |= not torch.equal(
+            route(torch.zeros_like(bias), cfg.n_group, cfg.topk_group), route(bias, cfg.n_group, cfg.topk_group)
+        )
     assert changed_by_bias
     assert changed_by_groups == grouped
 
@@ -209,6 +261,7 @@ def test_expert_range_loads_only_those_rows_and_an_ep_dispatcher_recombines(tmp_
                 x_sorted, tokens_per_expert, order = permute(x_TD, local_ids, ex.count)
                 out += combine(ex(x_sorted, tokens_per_expert), order, torch.where(mine, topk_weights_TK, 0.0))
             return out
+
         return dispatch
 
     lo.set_dispatcher(make)
@@ -231,8 +284,9 @@ def transformers_routing(m) -> dict[int, torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("cfg", [qwen(norm_topk_prob=True), deepseek(rope_parameters=YARN)],
-                         ids=["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "cfg", [qwen(norm_topk_prob=True), deepseek(rope_parameters=YARN)], ids=["qwen3_moe", "deepseek_v3"]
+)
 def test_bf16_logits_close_to_transformers_bf16(tmp_path, cfg):
     """bf16 keeps 8 significant bits: neighbouring values are 2^-8 to 2^-7 of their magnitude
     apart. eprt rounds where transformers rounds, except that it sums a token's k weighted expert
@@ -268,7 +322,7 @@ def test_bf16_logits_close_to_transformers_bf16(tmp_path, cfg):
                 first_change[b] = min(first_change[b], int(differs[b].nonzero()[0]))
     assert changed <= 0.05 * decisions
     assert first_change.sum() >= B * T // 2, "routing changed too early to compare the logits"
-    bound = 2 ** -6 * want.abs().max()
+    bound = 2**-6 * want.abs().max()
     for b in range(B):
         t = int(first_change[b])
         if t:

@@ -7,8 +7,15 @@ from safetensors.torch import load_file, save_file
 
 # an oracle of the tests, skipped by name where it is not installed
 pytest.importorskip("transformers")
-from transformers import (AutoConfig, Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,  # noqa: E402
-                          Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (
+    AutoConfig,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,  # noqa: E402
+    Qwen3_5MoeTextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 import eprt  # noqa: E402
 from eprt.config import ModelConfig  # noqa: E402
@@ -26,6 +33,7 @@ VOCAB = 96
 
 
 # --- the gated delta rule ---------------------------------------------------------------------
+
 
 def gdn_inputs(T: int, decay: float, B: int = 2, Hk: int = 2, Hv: int = 4, Dk: int = 16, Dv: int = 12):
     """(q, k) per key head as the short convolution gives them, v, g and beta per value head."""
@@ -64,14 +72,32 @@ def test_a_sequence_output_does_not_depend_on_its_batch():
 
 # --- Qwen3-Next against transformers ----------------------------------------------------------
 
+
 def qwen3_next(**kw) -> Qwen3NextConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                linear_value_head_dim=8, intermediate_size=48, moe_intermediate_size=16,
-                shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[2],
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                max_position_embeddings=128, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[2],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=128,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
     return Qwen3NextConfig(**{**base, **kw})
 
 
@@ -90,12 +116,22 @@ QWEN3_NEXT_CASES = {
     # value heads shared by key heads, a dense layer, half of each head rotated, 70 tokens (past a chunk)
     "gva_dense_70_tokens": (dict(), 70),
     # one value head per key head, experts everywhere, a quarter rotated, un-normalized top k, yarn
-    "moe_everywhere_yarn": (dict(linear_num_value_heads=2, mlp_only_layers=[], norm_topk_prob=False,
-                                 layer_types=["linear_attention", "linear_attention", "full_attention",
-                                              "linear_attention"],
-                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                  "original_max_position_embeddings": 32,
-                                                  "partial_rotary_factor": 0.25}), 12),
+    "moe_everywhere_yarn": (
+        dict(
+            linear_num_value_heads=2,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+        12,
+    ),
 }
 
 
@@ -108,8 +144,9 @@ def test_qwen3_next_logits(tmp_path, case):
     m.save_pretrained(tmp_path / "hf")
     em = eprt.load_model(convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False), dtype=torch.float32)
     linear = [i for i, t in enumerate(m.config.layer_types) if t == "linear_attention"]
-    assert [i for i, layer in enumerate(em.model.layers) if isinstance(getattr(layer, "linear_attn", None),
-                                                                       GatedDeltaNet)] == linear
+    assert [
+        i for i, layer in enumerate(em.model.layers) if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet)
+    ] == linear
     assert [i for i, _ in em.moe_blocks()] == [i for i in range(4) if i not in m.config.mlp_only_layers]
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -119,15 +156,36 @@ def test_qwen3_next_logits(tmp_path, case):
 
 # --- Qwen3.5-MoE against transformers ---------------------------------------------------------
 
+
 def qwen3_5_text(**kw) -> dict:
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=8,
-                num_experts_per_tok=2, layer_types=["linear_attention", "full_attention", "linear_attention",
-                                                    "full_attention"],
-                max_position_embeddings=128, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                 "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=128,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 1, 2],
+            "mrope_interleaved": True,
+        },
+    )
     return {**base, **kw}
 
 
@@ -140,13 +198,21 @@ def test_qwen3_5_moe_logits_and_carried_tensors(tmp_path):
     """The VLM as released: text model under model.language_model, head lm_head; the vision tower
     and the MTP layers come out of convert and export byte for byte."""
     torch.manual_seed(0)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                  num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
     m = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=qwen3_5_text(), vision_config=vision)).eval()
     randomize(m)
     m.save_pretrained(tmp_path / "hf")
-    add_tensors(tmp_path / "hf", {"mtp.fc.weight": torch.randn(32, 64), "mtp.layers.0.input_layernorm.weight":
-                                  torch.randn(32)})
+    add_tensors(
+        tmp_path / "hf", {"mtp.fc.weight": torch.randn(32, 64), "mtp.layers.0.input_layernorm.weight": torch.randn(32)}
+    )
     ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
     em = eprt.load_model(ck, dtype=torch.float32)
     assert em.config.family == "qwen3_5_moe" and [i for i, _ in em.moe_blocks()] == [0, 1, 2, 3]
@@ -181,16 +247,23 @@ def test_qwen3_5_moe_text_logits(tmp_path):
 
 def test_qwen3_5_moe_configs():
     vlm, text = parse_hf_config(tiny_config("qwen3_5_moe")), parse_hf_config(tiny_config("qwen3_5_moe_text"))
-    assert (vlm.family, vlm.model_type, text.family, text.model_type) == \
-        ("qwen3_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_text")
+    assert (vlm.family, vlm.model_type, text.family, text.model_type) == (
+        "qwen3_5_moe",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_moe_text",
+    )
     for c in (vlm, text):
         g = c.qwen_next.gated_delta_net
         assert g.split_projections and g.layers == (0, 1, 2) and c.rotary_dim == 8
         assert c.moe_layers == (0, 1, 2, 3) and c.moe.norm_topk_prob and c.rope.theta == 1e7
     # the VLM's top-level tie_word_embeddings reaches the text model
     tied = tiny_config("qwen3_5_moe")
-    tied = {**tied, "tie_word_embeddings": True, "text_config": {k: v for k, v in tied["text_config"].items()
-                                                                 if k != "tie_word_embeddings"}}
+    tied = {
+        **tied,
+        "tie_word_embeddings": True,
+        "text_config": {k: v for k, v in tied["text_config"].items() if k != "tie_word_embeddings"},
+    }
     assert parse_hf_config(tied).tie_word_embeddings
     with pytest.raises(ConfigError, match="text_config"):
         parse_hf_config({"model_type": "qwen3_5_moe"})
@@ -201,8 +274,11 @@ def save_as_released(model, hf_dir) -> None:
     experts.down_proj), as Qwen publishes Qwen3.5-MoE; transformers' save_pretrained would split them."""
     hf_dir.mkdir()
     model.config.save_pretrained(hf_dir)
-    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(hf_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in model.state_dict().items()},
+        str(hf_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def test_experts_stored_fused_convert_and_export_back_byte_for_byte(tmp_path):
@@ -211,8 +287,9 @@ def test_experts_stored_fused_convert_and_export_back_byte_for_byte(tmp_path):
     randomize(m)
     save_as_released(m, tmp_path / "hf")
     source = read_hf_tensors(str(tmp_path / "hf"))
-    assert {n for n in source if ".experts." in n} == {f"model.layers.{i}.mlp.experts.{p}" for i in range(4)
-                                                       for p in ("gate_up_proj", "down_proj")}
+    assert {n for n in source if ".experts." in n} == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(4) for p in ("gate_up_proj", "down_proj")
+    }
     ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
     em = eprt.load_model(ck, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -239,8 +316,11 @@ def test_tiny_fused_experts_are_the_transformers_parameters(tmp_path, family):
 def test_experts_stored_both_fused_and_per_expert_are_refused(tmp_path):
     hf = make_tiny("qwen3_5_moe_text", str(tmp_path / "hf"), fused_experts=True)
     add_tensors(tmp_path / "hf", {"model.layers.2.mlp.experts.3.up_proj.weight": torch.zeros(16, 32)})
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.gate_up_proj' holds every expert .* "
-                                              r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' holds one"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.2\.mlp\.experts\.gate_up_proj' holds every expert .* "
+        r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' holds one",
+    ):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not (tmp_path / "ck").exists()
 
@@ -259,12 +339,20 @@ def test_qwen3_next_config_in_both_spellings():
     c4 = parse_hf_config(v4)
     layer_types = ["linear_attention", "full_attention"] * 2
     v5 = {k: v for k, v in v4.items() if k not in ("full_attention_interval", "partial_rotary_factor", "rope_theta")}
-    v5 |= {"layer_types": layer_types,
-           "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
+    v5 |= {
+        "layer_types": layer_types,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    }
     assert parse_hf_config(v5) == c4
     g = c4.qwen_next.gated_delta_net
-    assert (g.layers, g.key_heads, g.value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == \
-        ((0, 2), 2, 4, 16, 16, 4)
+    assert (g.layers, g.key_heads, g.value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == (
+        (0, 2),
+        2,
+        4,
+        16,
+        16,
+        4,
+    )
     assert (c4.rotary_dim, c4.qwen_next.shared_expert_intermediate_size, c4.rope.theta) == (8, 48, 1e7)
     assert c4.moe_layers == (0, 1, 3) and c4.moe.norm_topk_prob and c4.num_experts_per_tok == 2
     # the manifest's JSON brings the typed sub-config back
@@ -274,14 +362,19 @@ def test_qwen3_next_config_in_both_spellings():
     assert parse_hf_config({**no_types, "num_hidden_layers": 8}).qwen_next.gated_delta_net.layers == (0, 1, 2, 4, 5, 6)
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"attention_bias": True}, "attention_bias is true"),
-    ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
-    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
-     "layer_types must list"),
-    ({"layer_types": ["linear_attention"]}, "layer_types must list"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"attention_bias": True}, "attention_bias is true"),
+        ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
+        (
+            {"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+            "layer_types must list",
+        ),
+        ({"layer_types": ["linear_attention"]}, "layer_types must list"),
+    ],
+)
 def test_qwen3_next_refusals_name_the_setting(fields, message):
     with pytest.raises(ConfigError, match=message):
         parse_hf_config({**tiny_config("qwen3_next"), **fields})

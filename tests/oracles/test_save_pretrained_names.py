@@ -14,8 +14,15 @@ from eprt.testing.tiny import families, tiny_config  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
 # transformers' vision towers need more fields than eprt's tiny configs give the towers eprt only carries
-VISION = {"kimi_k25": {"num_attention_heads": 2, "intermediate_size": 32, "pos_emb_height": 4, "pos_emb_width": 4,
-                       "pos_emb_time": 2}}
+VISION = {
+    "kimi_k25": {
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "pos_emb_height": 4,
+        "pos_emb_width": 4,
+        "pos_emb_time": 2,
+    }
+}
 # transformers 5.24 saves Kimi-K2.5's language model layers as `language_model.model.blocks.N` (the
 # reverse of its load-time rename of the vision tower's `blocks`), which neither the release nor
 # the engines' loaders spell so; eprt reads the release's `layers`.
@@ -37,8 +44,13 @@ def save_pretrained(family: str, out: str) -> str:
     return out
 
 
-CASES = [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="transformers saves Kimi-K2.5's layers as blocks"))
-         if f in SAVED_UNLIKE_THE_RELEASE else f for f in families() if implemented(f)]
+CASES = [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="transformers saves Kimi-K2.5's layers as blocks"))
+    if f in SAVED_UNLIKE_THE_RELEASE
+    else f
+    for f in families()
+    if implemented(f)
+]
 
 
 @pytest.mark.parametrize("family", CASES)

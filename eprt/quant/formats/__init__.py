@@ -29,8 +29,9 @@ def by_quant_algo(quant_algo) -> WeightFormat | None:
     return next((f for f in WEIGHT_FORMATS.values() if f.quant_algo == quant_algo), None)
 
 
-def by_modelopt_weight_dtype(dtype: str, scale_rank: int | None = None,
-                             among: Iterable[WeightFormat] | None = None) -> WeightFormat | None:
+def by_modelopt_weight_dtype(
+    dtype: str, scale_rank: int | None = None, among: Iterable[WeightFormat] | None = None
+) -> WeightFormat | None:
     """The format (of `among`, default all) whose ModelOpt weight is stored in safetensors dtype
     `dtype` (F8_E4M3, U8), or None; of two that store the same dtype (FP8 and FP8 block), the one
     whose `weight_scale` has rank `scale_rank` (0-dim per tensor, a 2-D grid), else the first."""
@@ -43,8 +44,10 @@ def by_ct_format(ct_format, strategy: str | None = None, inputs: bool = True) ->
     one `format` (FP8, FP8 block, FP8 per channel; NVFP4 and NVFP4 weights only), the one whose
     weights' `strategy` (tensor, block, channel) it is and that quantizes `inputs` or not, else the first."""
     candidates = [f for f in WEIGHT_FORMATS.values() if f.ct_format == ct_format]
-    return next((f for f in candidates if f.ct_strategy == strategy and (f.modelopt_input_group() is not None) == inputs),
-                next(iter(candidates), None))
+    return next(
+        (f for f in candidates if f.ct_strategy == strategy and (f.modelopt_input_group() is not None) == inputs),
+        next(iter(candidates), None),
+    )
 
 
 def by_ct_weight(leaves: set[str], header_of, prefer: WeightFormat | None = None) -> WeightFormat | None:
@@ -56,8 +59,12 @@ def by_ct_weight(leaves: set[str], header_of, prefer: WeightFormat | None = None
     (FP8's [1], a block grid, a column of row scales), so that a missing scale is named as such; one
     whose first scale has that shape and whose leaves are all there (NVFP4's input_global_scale);
     one whose first scale has the shape; `prefer` (a misshapen scale is named as such); the first."""
-    candidates = [f for f in sorted(WEIGHT_FORMATS.values(), key=lambda f: f.ct_weight_leaf == "weight")
-                  if f.ct_weight_leaf in leaves and (f.ct_weight_leaf != "weight" or header_of("weight")[0] == f.ct_leaves["weight"])]
+    candidates = [
+        f
+        for f in sorted(WEIGHT_FORMATS.values(), key=lambda f: f.ct_weight_leaf == "weight")
+        if f.ct_weight_leaf in leaves
+        and (f.ct_weight_leaf != "weight" or header_of("weight")[0] == f.ct_leaves["weight"])
+    ]
 
     def scale_fits(f: WeightFormat) -> bool:
         out, stored = header_of(f.ct_weight_leaf)[1] if len(header_of(f.ct_weight_leaf)[1]) == 2 else (0, 0)
@@ -65,7 +72,13 @@ def by_ct_weight(leaves: set[str], header_of, prefer: WeightFormat | None = None
         return leaf in leaves and tuple(header_of(leaf)[1]) == tuple(shape)
 
     # sorted is stable: the registry's order decides among equals
-    ranked = sorted(candidates, key=lambda f: (not (f is prefer and scale_fits(f)),
-                                               not (scale_fits(f) and set(f.ct_leaves) <= leaves),
-                                               not scale_fits(f), f is not prefer))
+    ranked = sorted(
+        candidates,
+        key=lambda f: (
+            not (f is prefer and scale_fits(f)),
+            not (scale_fits(f) and set(f.ct_leaves) <= leaves),
+            not scale_fits(f),
+            f is not prefer,
+        ),
+    )
     return next(iter(ranked), None)

@@ -76,8 +76,9 @@ class WeightFormat:
         """The weight an engine computes with, from `quantize`'s tensors."""
         raise NotImplementedError
 
-    def fake_quantize_weight(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool,
-                             dtype: torch.dtype) -> torch.Tensor:
+    def fake_quantize_weight(
+        self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool, dtype: torch.dtype
+    ) -> torch.Tensor:
         """`dequantize(quantize(...))` in `dtype`."""
         return self.dequantize(self.quantize(w, w_scale, mse), dtype)
 

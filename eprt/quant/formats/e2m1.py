@@ -27,8 +27,9 @@ def _code_of(v: float) -> int:
     return index | (8 if v < 0 else 0)
 
 
-QUARTER_CODES = torch.tensor([_code_of((n + above / 2) / 4) for n in range(-Q, Q) for above in (0, 1)],
-                             dtype=torch.uint8)
+QUARTER_CODES = torch.tensor(
+    [_code_of((n + above / 2) / 4) for n in range(-Q, Q) for above in (0, 1)], dtype=torch.uint8
+)
 
 
 # The packed byte of two neighbouring codes, by both their keys: `PAIR_CODES[k0 + 4Q*k1]`

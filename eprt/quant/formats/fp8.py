@@ -12,8 +12,16 @@ import math
 import torch
 
 from eprt.quant.formats.base import CT_SCALAR, Tensors, WeightFormat
-from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, chunk_buffer, for_chunks, per_tensor_scale,
-                                 row_chunks, to_e4m3)
+from eprt.quant.numerics import (
+    FP8_E4M3_MAX,
+    as_scale,
+    check_finite,
+    chunk_buffer,
+    for_chunks,
+    per_tensor_scale,
+    row_chunks,
+    to_e4m3,
+)
 
 
 def fp8_scale(amax) -> torch.Tensor:
@@ -133,16 +141,25 @@ class Fp8(WeightFormat):
         return Fp8Columns(scales)
 
     def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, ()),
-                "input_scale": (torch.float32, ())}
+        return {
+            "weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
+            "weight_scale": (torch.float32, ()),
+            "input_scale": (torch.float32, ()),
+        }
 
     def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": (torch.float32, CT_SCALAR),
-                "input_scale": (torch.float32, CT_SCALAR)}
+        return {
+            "weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
+            "weight_scale": (torch.float32, CT_SCALAR),
+            "input_scale": (torch.float32, CT_SCALAR),
+        }
 
     def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"weight": t["weight"], "weight_scale": t["weight_scale"].reshape(CT_SCALAR),
-                "input_scale": t["input_scale"].reshape(CT_SCALAR)}
+        return {
+            "weight": t["weight"],
+            "weight_scale": t["weight_scale"].reshape(CT_SCALAR),
+            "input_scale": t["input_scale"].reshape(CT_SCALAR),
+        }
 
     def largest_code(self, largest_block: float | None) -> float:
         return FP8_E4M3_MAX

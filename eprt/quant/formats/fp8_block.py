@@ -68,7 +68,9 @@ def dequantize_fp8_block(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     """codes times their block's scale, in fp32, returned as `dtype`."""
     want = (*q.shape[:-2], *grid_shape(*q.shape[-2:]))
     if tuple(scales.shape) != want:
-        raise ValueError(f"block scales {list(scales.shape)} do not fit FP8 weight {list(q.shape)}: expected {list(want)}")
+        raise ValueError(
+            f"block scales {list(scales.shape)} do not fit FP8 weight {list(q.shape)}: expected {list(want)}"
+        )
     return (q.float() * per_element(scales.float(), q.shape)).to(dtype)
 
 
@@ -119,8 +121,10 @@ class Fp8Block(WeightFormat):
         return False  # a partial last block
 
     def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
-                "weight_scale": (torch.float32, grid_shape(out_dim, in_dim))}
+        return {
+            "weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
+            "weight_scale": (torch.float32, grid_shape(out_dim, in_dim)),
+        }
 
     def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
         return self.modelopt_tensors(out_dim, in_dim)
@@ -129,7 +133,13 @@ class Fp8Block(WeightFormat):
         return {"weight": t["weight"], "weight_scale": t["weight_scale"]}
 
     def modelopt_group(self) -> dict:
-        return {"dynamic": False, "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [BLOCK, BLOCK]}
+        return {
+            "dynamic": False,
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "block",
+            "block_structure": [BLOCK, BLOCK],
+        }
 
     def modelopt_input_group(self) -> dict | None:
         return {"dynamic": True, "num_bits": 8, "type": "float", "strategy": "group", "group_size": BLOCK}

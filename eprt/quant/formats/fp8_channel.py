@@ -30,8 +30,9 @@ def quantize_fp8_channel(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def dequantize_fp8_channel(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes times their row's scale, in fp32, returned as `dtype`."""
     if tuple(scales.shape) != tuple(q.shape[:-1]):
-        raise ValueError(f"row scales {list(scales.shape)} do not fit FP8 weight {list(q.shape)}: "
-                         f"expected {list(q.shape[:-1])}")
+        raise ValueError(
+            f"row scales {list(scales.shape)} do not fit FP8 weight {list(q.shape)}: expected {list(q.shape[:-1])}"
+        )
     return (q.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 

@@ -61,5 +61,11 @@ def kv_by_quant_algo(quant_algo) -> KvCacheFormat | None:
 
 def kv_by_ct_scheme(scheme) -> KvCacheFormat | None:
     """The KV format of compressed-tensors' kv_cache_scheme (a dict of QuantizationArgs), or None."""
-    return next((f for f in KV_CACHE_FORMATS.values() if isinstance(scheme, dict)
-                 and all(scheme.get(k) == f.ct_args[k] for k in ("num_bits", "type"))), None)
+    return next(
+        (
+            f
+            for f in KV_CACHE_FORMATS.values()
+            if isinstance(scheme, dict) and all(scheme.get(k) == f.ct_args[k] for k in ("num_bits", "type"))
+        ),
+        None,
+    )

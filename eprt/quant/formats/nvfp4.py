@@ -15,10 +15,30 @@ import torch
 import torch.nn.functional as F
 
 from eprt.quant.formats.base import CT_SCALAR, Tensors, WeightFormat
-from eprt.quant.formats.e2m1 import (E2M1_MAX, PAIR_CODES, PAIR_OFFSET, PAIR_VALUES, Q, QUARTER_VALUES,
-                                     e2m1_decode, e2m1_encode, encode_quarters, pack_fp4, quarter_keys)
-from eprt.quant.numerics import (FP8_E4M3_MAX, as_scale, check_finite, chunk_buffer, e4m3_values, for_chunks,
-                                 per_tensor_scale, row_chunks, to_e4m3)
+from eprt.quant.formats.e2m1 import (
+    E2M1_MAX,
+    PAIR_CODES,
+    PAIR_OFFSET,
+    PAIR_VALUES,
+    QUARTER_VALUES,
+    Q,
+    e2m1_decode,
+    e2m1_encode,
+    encode_quarters,
+    pack_fp4,
+    quarter_keys,
+)
+from eprt.quant.numerics import (
+    FP8_E4M3_MAX,
+    as_scale,
+    check_finite,
+    chunk_buffer,
+    e4m3_values,
+    for_chunks,
+    per_tensor_scale,
+    row_chunks,
+    to_e4m3,
+)
 
 BLOCK_SIZE = 16
 # Smallest block scale: the smallest E4M3 subnormal, so no block scale is ever zero.
@@ -61,8 +81,9 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
         f = f32[: b - a].copy_(rows[a:b]).abs_()
         amax[a:b] = F.max_pool1d(f.unsqueeze(0), BLOCK_SIZE)[0]  # a block's max in one vectorized pass
 
-    for_chunks(chunks, lambda: chunk_buffer("nvfp4.amax", (step, rows.shape[1]), torch.float32, x.device),
-               block_amax, x.device)
+    for_chunks(
+        chunks, lambda: chunk_buffer("nvfp4.amax", (step, rows.shape[1]), torch.float32, x.device), block_amax, x.device
+    )
     return amax.reshape(*x.shape[:-1], blocks)
 
 
@@ -89,8 +110,9 @@ def _for_key_chunks(rows: torch.Tensor, denom: torch.Tensor, slots: tuple, body)
     slots = (("quotient", 1, torch.float32), ("keys", 1, torch.float32), *slots)
 
     def buffers() -> tuple[torch.Tensor, ...]:
-        return tuple(chunk_buffer(f"nvfp4.{slot}", (step, width // part), dtype, rows.device)
-                     for slot, part, dtype in slots)
+        return tuple(
+            chunk_buffer(f"nvfp4.{slot}", (step, width // part), dtype, rows.device) for slot, part, dtype in slots
+        )
 
     def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
         f, keys, *bufs = (t[: b - a] for t in kept)
@@ -123,8 +145,9 @@ def _encode_packed(w: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Te
     return packed.reshape(*w.shape[:-1], width // 2)
 
 
-def quantize_nvfp4(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(
+    w: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight uint8 [..., in/2], weight_scale float8_e4m3fn [..., in/16]) for w [..., in].
 
     `scale_2` is the fp32 per-tensor weight_scale_2 (from `nvfp4_scale`; shared by fused
@@ -144,8 +167,10 @@ def _scales_of(w: torch.Tensor, scale_2, block_scale: torch.Tensor | None) -> tu
     if block_scale is None:
         return scale_2, _block_scales(block_amax, scale_2)
     if block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != block_amax.shape:
-        raise ValueError(f"block scales {block_scale.dtype} {tuple(block_scale.shape)} do not fit weight "
-                         f"{tuple(w.shape)}: expected float8_e4m3fn {tuple(block_amax.shape)}")
+        raise ValueError(
+            f"block scales {block_scale.dtype} {tuple(block_scale.shape)} do not fit weight "
+            f"{tuple(w.shape)}: expected float8_e4m3fn {tuple(block_amax.shape)}"
+        )
     return scale_2, block_scale
 
 
@@ -192,8 +217,9 @@ def dequantize_nvfp4(
     return values.view(*packed.shape[:-1], width).to(dtype)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+def fake_quant_nvfp4(
+    x: torch.Tensor, scale_2, block_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Quantize-dequantize over the last dim, in `dtype` (default x's).
 
     For weights pass weight_scale_2 (and the block scales where they were chosen elsewhere: see
@@ -215,7 +241,7 @@ def fake_quant_nvfp4(x: torch.Tensor, scale_2, block_scale: torch.Tensor | None 
     table = QUARTER_VALUES.to(x.device)
 
     def fake(a: int, b: int, key: torch.Tensor, f: torch.Tensor, bufs: list[torch.Tensor]) -> None:
-        index, = bufs
+        (index,) = bufs
         torch.index_select(table, 0, index.copy_(key).add_(2 * Q).view(-1), out=f.view(-1))
         out_rows[a:b] = _as_blocks(f).mul_(block[a:b]).mul_(scale_2).view(b - a, width)
 
@@ -242,13 +268,14 @@ def nvfp4_mse_block_scale(w: torch.Tensor, scale_2) -> torch.Tensor:
     step = max(1, MSE_CHUNK_ELEMENTS // rows.shape[-1])
     candidates = MSE_BLOCK_SCALES.to(w.device)
     for first in range(0, rows.shape[0], step):
-        chunk = rows[first:first + step]
+        chunk = rows[first : first + step]
         scale = candidates.view(-1, 1, 1).expand(candidates.numel(), chunk.shape[0], blocks)
-        xq = dequantize_nvfp4(quantize_nvfp4(chunk.expand(candidates.numel(), *chunk.shape), scale_2, scale)[0],
-                              scale, scale_2)
+        xq = dequantize_nvfp4(
+            quantize_nvfp4(chunk.expand(candidates.numel(), *chunk.shape), scale_2, scale)[0], scale, scale_2
+        )
         x = chunk.double().reshape(1, chunk.shape[0], blocks, BLOCK_SIZE)
         err = (xq.double().reshape(-1, chunk.shape[0], blocks, BLOCK_SIZE) - x).square_().sum(-1)
-        out[first:first + step] = candidates[err.argmin(dim=0)]  # argmin: the first of equal errors
+        out[first : first + step] = candidates[err.argmin(dim=0)]  # argmin: the first of equal errors
     return out.reshape(*w.shape[:-1], blocks)
 
 
@@ -270,8 +297,7 @@ class Nvfp4Columns:
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         """Packed E2M1 codes (uint8 [L, out, in/2]) of GPTQ's weights, by the export's encoder."""
-        return torch.stack([pack_fp4(encode_with_scales(x, b, s))
-                            for x, b, s in zip(q, self.block_scale, self.scales)])
+        return torch.stack([pack_fp4(encode_with_scales(x, b, s)) for x, b, s in zip(q, self.block_scale, self.scales)])
 
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         return torch.stack([dequantize_nvfp4(p, b, s) for p, b, s in zip(packed, self.block_scale, self.scales)])
@@ -309,8 +335,9 @@ class Nvfp4(WeightFormat):
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)
 
-    def fake_quantize_weight(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool,
-                             dtype: torch.dtype) -> torch.Tensor:
+    def fake_quantize_weight(
+        self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool, dtype: torch.dtype
+    ) -> torch.Tensor:
         return fake_quant_nvfp4(w, w_scale, self.block_scale(w, w_scale, mse), dtype)  # in one pass, without the codes
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -320,19 +347,28 @@ class Nvfp4(WeightFormat):
         return Nvfp4Columns(w, scales)
 
     def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {"weight": (torch.uint8, (out_dim, in_dim // 2)),
-                "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
-                "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
+        return {
+            "weight": (torch.uint8, (out_dim, in_dim // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
+            "weight_scale_2": (torch.float32, ()),
+            "input_scale": (torch.float32, ()),
+        }
 
     def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {"weight_packed": (torch.uint8, (out_dim, in_dim // 2)),
-                "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
-                "weight_global_scale": (torch.float32, CT_SCALAR), "input_global_scale": (torch.float32, CT_SCALAR)}
+        return {
+            "weight_packed": (torch.uint8, (out_dim, in_dim // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (out_dim, in_dim // BLOCK_SIZE)),
+            "weight_global_scale": (torch.float32, CT_SCALAR),
+            "input_global_scale": (torch.float32, CT_SCALAR),
+        }
 
     def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"weight_packed": t["weight"], "weight_scale": t["weight_scale"],
-                "weight_global_scale": (1 / t["weight_scale_2"]).reshape(CT_SCALAR),
-                **({"input_global_scale": (1 / t["input_scale"]).reshape(CT_SCALAR)} if self.ct_input_scale_leaf else {})}
+        return {
+            "weight_packed": t["weight"],
+            "weight_scale": t["weight_scale"],
+            "weight_global_scale": (1 / t["weight_scale_2"]).reshape(CT_SCALAR),
+            **({"input_global_scale": (1 / t["input_scale"]).reshape(CT_SCALAR)} if self.ct_input_scale_leaf else {}),
+        }
 
     def in_dim_of_stored(self, stored_in_dim: int) -> int:
         return 2 * stored_in_dim  # two codes a byte

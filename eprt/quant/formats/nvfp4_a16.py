@@ -29,7 +29,9 @@ class Nvfp4A16(Nvfp4):
         return {k: v for k, v in super().modelopt_tensors(out_dim, in_dim).items() if k != "input_scale"}
 
     def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
-        return {k: v for k, v in super().compressed_tensors_tensors(out_dim, in_dim).items() if k != "input_global_scale"}
+        return {
+            k: v for k, v in super().compressed_tensors_tensors(out_dim, in_dim).items() if k != "input_global_scale"
+        }
 
     def modelopt_input_group(self) -> dict | None:
         return None

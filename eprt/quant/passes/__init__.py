@@ -16,8 +16,14 @@ from eprt.quant.passes.quantized_layer import QuantizedLayer
 from eprt.quant.recipe import Recipe
 
 
-def layer_passes(cal: Calibrator, recipe: Recipe | None = None, rc: ResolvedCheckpoint | None = None, *,
-                 quality: QualityStreams | None = None, gptq: GPTQRun | None = None) -> list[Pass]:
+def layer_passes(
+    cal: Calibrator,
+    recipe: Recipe | None = None,
+    rc: ResolvedCheckpoint | None = None,
+    *,
+    quality: QualityStreams | None = None,
+    gptq: GPTQRun | None = None,
+) -> list[Pass]:
     """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
     quality report's streams (`quality`) and GPTQ (`gptq`), which run through the layer quantized
     with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.

@@ -33,7 +33,7 @@ class EveryExpertStatistics(Pass):
             for name in self.cal.targets:
                 if not name.startswith(layer.prefix):
                     continue
-                experts = layer.module.get_submodule(name[len(layer.prefix):])
+                experts = layer.module.get_submodule(name[len(layer.prefix) :])
                 if isinstance(experts, Experts):
                     taps.enter_context(tapped(experts, every_expert=self.cal.every_expert_observer(name, experts)))
                     self.tapped.append(experts)
@@ -47,5 +47,6 @@ class EveryExpertStatistics(Pass):
         if not any(experts is e for e in self.tapped):
             return
         x_sorted, rows_per_unit_U = routed.sequences.dispatcher.every_expert_rows(
-            routed.x_TD, routed.key_T, routed.unit_T, routed.groups)
+            routed.x_TD, routed.key_T, routed.unit_T, routed.groups
+        )
         experts.observe_every_expert(x_sorted, rows_per_unit_U)

@@ -4,11 +4,11 @@ the layer's final amax, the weights a pass already set (`LayerWork.exported`) le
 
 from __future__ import annotations
 
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerWork, Pass
 from eprt.quant.preview import fake_quantize
 from eprt.quant.recipe import Recipe
-from eprt.models.resolved import ResolvedCheckpoint
 
 
 class QuantizedLayer(Pass):
@@ -17,7 +17,15 @@ class QuantizedLayer(Pass):
         self.covers_mtp = covers_mtp
 
     def quantize(self, layer: LayerWork) -> None:
-        undo = fake_quantize(layer.module, self.cal.targets, self.recipe, self.cal, layer.state, prefix=layer.prefix,
-                             source_dtype=self.rc.source_dtype, on_weight=layer.on_weight,
-                             quantized=layer.exported)
+        undo = fake_quantize(
+            layer.module,
+            self.cal.targets,
+            self.recipe,
+            self.cal,
+            layer.state,
+            prefix=layer.prefix,
+            source_dtype=self.rc.source_dtype,
+            on_weight=layer.on_weight,
+            quantized=layer.exported,
+        )
         layer.kept.callback(undo)  # its hooks and taps until the layer is done (the weights stay replaced)
