@@ -292,7 +292,7 @@ def test_a_recipe_that_quantizes_nothing_is_refused_with_the_names_it_could_matc
     recipe.write_text(
         'name: typo\nquantize:\n  - {pattern: "*.mlp.expert", format: nvfp4}\n  - {pattern: "*", format: none}\n'
     )
-    monkeypatch.setattr(ptq, "load_model", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
+    monkeypatch.setattr(ptq, "load_parallel", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
     with pytest.raises(
         EprtError,
         match=r"recipe 'typo' quantizes no module of .*: pattern '\*\.mlp\.expert' "
@@ -309,7 +309,7 @@ def test_a_recipe_that_splits_a_fused_module_is_refused_at_the_start(qwen, tmp_p
     recipe.write_text(
         f'name: q_only\nquantize:\n  - {{pattern: "*.q_proj", format: {fmt}}}\n  - {{pattern: "*", format: none}}\n'
     )
-    monkeypatch.setattr(ptq, "load_model", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
+    monkeypatch.setattr(ptq, "load_parallel", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
     with pytest.raises(
         EprtError,
         match=r"recipe 'q_only' quantizes model\.layers\.0\.self_attn\.q_proj but not "
@@ -338,7 +338,7 @@ EXPERTS_24 = r"1 more: model\.layers\.2\.mlp\.experts\.w2"
 def test_ptq_refuses_what_nvfp4_export_would_refuse_before_loading_a_weight(
     deepseek_24, tmp_path, monkeypatch, recipe, more
 ):
-    monkeypatch.setattr(ptq, "load_model", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
+    monkeypatch.setattr(ptq, "load_parallel", lambda *a, **k: pytest.fail("a weight was loaded before the refusal"))
     with pytest.raises(EprtError, match=NVFP4_24.format(recipe=recipe, more=more)):
         calibrate(deepseek_24, str(tmp_path / "q"), recipe)
     assert not (tmp_path / "q").exists()
