@@ -11,55 +11,33 @@
   to eprt's codes; transformers loads it on CPU with every quantized weight, routed experts
   included, equal to eprt's dequantization.
 - eprt-check passes both layouts and refuses a zero, a NaN, a subnormal and a misshapen scale in each.
-- The export is the same bytes from two ranks at ep 2 as from one process; `gptq` is refused.
+- `gptq` is refused by name.
 """
-
-import json
-import os
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 
 from eprt.families import reader_for
 from eprt.hf.check_export import check_export
-from eprt.hf.convert import convert_hf
-from eprt.hf.export import export_hf
-from eprt.parallel import ParallelState
 from eprt.quant.feasibility import RecipeError, quantized_modules
 from eprt.quant.formats.fp8_channel import dequantize_fp8_channel, fp8_channel_scales, quantize_fp8_channel
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
 from eprt.storage.checkpoint import Checkpoint
-from eprt.testing.tiny import make_tiny
+from tests.formats_helpers import (
+    broken_copy,
+    ct_scheme,
+    decompressed,
+    export_format,
+    modelopt_export,
+    quant_config,
+    set_first,
+)
 from tests.hf_utils import raw, read_hf_tensors
-from tests.multiproc import run_world
-from tests.test_format_fp8_block import broken_copy, set_first
-
-SAMPLES, SEQ_LEN = 2, 16
-
-
-def ptq(state: ParallelState, ck: str, out: str) -> None:
-    run_ptq(
-        state, PTQArgs(ck, "fp8_channel", out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False)
-    )
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """(source dir, eprt checkpoint, ModelOpt-layout export, compressed-tensors export)."""
-    d = tmp_path_factory.mktemp("fp8_channel")
-    hf = make_tiny("qwen3_moe", str(d / "hf"))
-    ck = convert_hf(hf, str(d / "ck"), progress=False)
-    q = str(d / "q")
-    ptq(ParallelState.single(), ck, q)
-    return (
-        hf,
-        ck,
-        export_hf(q, q + "-modelopt", progress=False),
-        export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"),
-    )
+    return export_format(tmp_path_factory.mktemp("fp8_channel"), "fp8_channel")
 
 
 def test_the_numerics_are_modelopts_export_quantizer():
@@ -80,50 +58,31 @@ def test_the_numerics_are_modelopts_export_quantizer():
 
 
 def test_the_modelopt_export_is_modelopts(model, tmp_path):
-    pytest.importorskip("modelopt")
-    pytest.importorskip("transformers")
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
-    from transformers import AutoModelForCausalLM
-
-    hf, _, ours_dir, _ = model
-    torch_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
-    # enough tokens that every expert is run (an expert ModelOpt's calibration never ran fails its export)
-    tokens = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
-    mtq.quantize(torch_model, mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG, lambda m: m(tokens))
-    export_hf_checkpoint(torch_model, export_dir=str(tmp_path / "modelopt"))
-    theirs, ours = read_hf_tensors(str(tmp_path / "modelopt")), read_hf_tensors(ours_dir)
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    theirs_dir = modelopt_export(model.hf, mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG, tmp_path / "modelopt")
+    theirs, ours = read_hf_tensors(theirs_dir), read_hf_tensors(model.modelopt)
     assert set(theirs) == set(ours)
     for name in sorted(theirs):
         a, b = theirs[name], ours[name]
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert raw(a) == raw(b), name
-    their_q = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())["quantization"]
-    our_q = json.loads(Path(ours_dir, "hf_quant_config.json").read_text())["quantization"]
-    assert their_q == our_q
+    assert quant_config(theirs_dir, "hf_quant_config.json") == quant_config(model.modelopt, "hf_quant_config.json")
 
 
 def test_compressed_tensors_decompresses_and_encodes_as_eprt(model):
-    pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
+    scheme, compressor = ct_scheme(model.ct)
     from compressed_tensors.quantization.lifecycle.forward import quantize
 
-    hf, _, _, ct = model
-    qc = QuantizationConfig.model_validate(json.loads(Path(ct, "config.json").read_text())["quantization_config"])
-    (scheme,) = qc.config_groups.values()
     assert scheme.weights.strategy == "channel"
     assert (scheme.input_activations.strategy, scheme.input_activations.dynamic) == ("token", True)
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    t, source = read_hf_tensors(ct), read_hf_tensors(hf)
+    t, source = read_hf_tensors(model.ct), read_hf_tensors(model.hf)
     modules = sorted(n[: -len(".weight_scale")] for n in t if n.endswith(".weight_scale"))
     assert any(".experts." in m for m in modules) and any("self_attn" in m for m in modules)
     for module in modules:
         codes, scales = t[f"{module}.weight"], t[f"{module}.weight_scale"]
         assert torch.equal(scales[:, 0], fp8_channel_scales(source[f"{module}.weight"])), module
-        state = {leaf: t[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)}
         assert torch.equal(
-            compressor.decompress(state, scheme)["weight"].float(), dequantize_fp8_channel(codes, scales[:, 0])
+            decompressed(t, module, scheme, compressor).float(), dequantize_fp8_channel(codes, scales[:, 0])
         ), module
         theirs = quantize(
             source[f"{module}.weight"], scales, torch.zeros_like(scales), scheme.weights, dtype=torch.float8_e4m3fn
@@ -136,11 +95,10 @@ def test_transformers_loads_eprts_values(model):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    _, _, _, ct = model
     loaded = AutoModelForCausalLM.from_pretrained(
-        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+        model.ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
     )
-    t = read_hf_tensors(ct)
+    t = read_hf_tensors(model.ct)
 
     def eprt_value(module: str) -> torch.Tensor:
         return dequantize_fp8_channel(t[f"{module}.weight"], t[f"{module}.weight_scale"][:, 0], torch.bfloat16)
@@ -160,9 +118,8 @@ def test_transformers_loads_eprts_values(model):
 
 
 def test_check_passes_both_layouts(model):
-    _, _, modelopt, ct = model
-    assert check_export(modelopt) == []
-    assert check_export(ct) == []
+    assert check_export(model.modelopt) == []
+    assert check_export(model.ct) == []
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "ct"])
@@ -176,33 +133,16 @@ def test_check_passes_both_layouts(model):
     ],
 )
 def test_check_refuses_a_corrupted_scale(model, tmp_path, layout, edit, fault):
-    _, _, modelopt, ct = model
     name = "model.layers.0.self_attn.q_proj.weight_scale"
-    problems = check_export(broken_copy(modelopt if layout == "modelopt" else ct, tmp_path / "x", name, edit))
+    problems = check_export(broken_copy(getattr(model, layout), tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
 
 
-def _ptq_ep2(ck: str, out: str) -> None:
-    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
-        ptq(state, ck, out)
-
-
-def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
-    _, ck, modelopt, _ = model
-    run_world(_ptq_ep2, 2, ck, str(tmp_path / "q"), timeout=300)
-    ours = export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False)
-    names = sorted(os.listdir(modelopt))
-    assert names == sorted(os.listdir(ours))
-    for n in names:
-        assert Path(modelopt, n).read_bytes() == Path(ours, n).read_bytes(), n
-
-
 def test_gptq_is_refused_by_name(model):
-    _, ck, _, _ = model
     recipe = parse_recipe(
         {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "gptq"}]}, "r.yaml"
     )
-    with Checkpoint(ck) as c:
-        layout = reader_for(c.config.model_type, ck).layout(c.config)
+    with Checkpoint(model.ck) as c:
+        layout = reader_for(c.config.model_type, model.ck).layout(c.config)
     with pytest.raises(RecipeError, match=r"fp8_channel with algorithm gptq, which fp8_channel does not implement"):
-        quantized_modules(layout, recipe, ck)
+        quantized_modules(layout, recipe, model.ck)

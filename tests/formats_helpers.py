@@ -1,0 +1,122 @@
+"""What the weight-format tests (tests/test_format_*.py) share: a tiny model calibrated with one
+recipe and exported in both layouts, ModelOpt's own export of the same model, the
+compressed-tensors library's scheme and compressor of an export, and corrupted copies of an
+export for eprt-check to refuse. Each format's layout invariance is checked with every other
+shipped recipe in tests/layouts/test_formats_ep.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.testing.tiny import make_tiny
+
+SAMPLES, SEQ_LEN = 2, 16
+
+
+def ptq(state: ParallelState, ck: str, out: str, recipe: str) -> None:
+    run_ptq(state, PTQArgs(ck, recipe, out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False))
+
+
+@dataclass(frozen=True)
+class FormatExports:
+    hf: str  # the tiny source
+    ck: str  # its eprt checkpoint
+    modelopt: str | None  # the ModelOpt-layout export (None: the format has none)
+    ct: str | None  # the compressed-tensors export (None: the format has none)
+
+
+def tiny_checkpoint(d: Path, family: str = "qwen3_moe", **overrides) -> tuple[str, str]:
+    """(source dir, eprt checkpoint) of `family`'s tiny model (make_tiny `overrides`), under d."""
+    hf = make_tiny(family, str(d / "hf"), **overrides)
+    return hf, convert_hf(hf, str(d / "ck"), progress=False)
+
+
+def calibrated_exports(ck: str, q: str, recipe: str, layouts: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """(ModelOpt-layout, compressed-tensors) exports of `ck` calibrated in one process with `recipe`
+    into q, each made where `layouts` names it ("modelopt", "ct")."""
+    ptq(ParallelState.single(), ck, q, recipe)
+    return (
+        export_hf(q, q + "-modelopt", progress=False) if "modelopt" in layouts else None,
+        export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors") if "ct" in layouts else None,
+    )
+
+
+def export_format(
+    d: Path, recipe: str, family: str = "qwen3_moe", layouts: tuple[str, ...] = ("modelopt", "ct"), **overrides
+) -> FormatExports:
+    """`family`'s tiny model (make_tiny `overrides`) calibrated in one process with `recipe` and
+    exported in `layouts`, under directory d."""
+    hf, ck = tiny_checkpoint(d, family, **overrides)
+    return FormatExports(hf, ck, *calibrated_exports(ck, str(d / "q"), recipe, layouts))
+
+
+def modelopt_export(hf: str, config: dict, out: Path) -> str:
+    """ModelOpt's own export of the source model in `hf` quantized with its `config`, into out."""
+    pytest.importorskip("modelopt")
+    pytest.importorskip("transformers")
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    torch_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+    # enough tokens that every expert is run (an expert ModelOpt's calibration never ran fails its export)
+    tokens = torch.randint(0, 500, (16, 32), generator=torch.Generator().manual_seed(0))
+    mtq.quantize(torch_model, config, lambda m: m(tokens))
+    export_hf_checkpoint(torch_model, export_dir=str(out))
+    return str(out)
+
+
+def quant_config(d: str, name: str) -> dict:
+    """The export's hf_quant_config.json 'quantization' (name 'hf_quant_config.json') or its
+    config.json's quantization_config (name 'config.json')."""
+    config = json.loads(Path(d, name).read_text())
+    return config["quantization"] if name == "hf_quant_config.json" else config["quantization_config"]
+
+
+def ct_scheme(ct: str):
+    """(the one quantization scheme of a compressed-tensors export's config, the library's compressor of it)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    (scheme,) = QuantizationConfig.model_validate(quant_config(ct, "config.json")).config_groups.values()
+    return scheme, BaseCompressor.get_value_from_registry(scheme.format)
+
+
+def decompressed(tensors: dict[str, torch.Tensor], module: str, scheme, compressor) -> torch.Tensor:
+    """The library's decompression of `module`'s weight from an export's tensors."""
+    leaves = (leaf for leaf in compressor.compression_param_names(scheme) if f"{module}.{leaf}" in tensors)
+    return compressor.decompress({leaf: tensors[f"{module}.{leaf}"] for leaf in leaves}, scheme)["weight"]
+
+
+def broken_copy(src: str, dst: Path, name: str, edit) -> str:
+    """A copy of export `src` in dst with tensor `name` replaced by edit(tensor)."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        if name in tensors:
+            tensors[name] = edit(tensors[name])
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    return str(dst)
+
+
+def set_first(value: float):
+    """An edit for `broken_copy`: the tensor's first element set to value."""
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[0] = value
+        return t
+
+    return edit
