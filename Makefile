@@ -8,6 +8,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO ?= demo
+TEST_WORKERS ?= auto
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: venv setup setup-test demo test lint format gpu-check gpu-wheels
@@ -34,8 +35,10 @@ demo: setup
 	$(PYTHON) tools/check_export.py $(DEMO)/export
 	@echo "the quality report: $(DEMO)/export/eprt_quality.html (open it in a browser)"
 
+# One worker per core (TEST_WORKERS=0 runs in this process), each taking whole files, so that
+# a file's module fixtures are built once.
 test: setup-test
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The code as `ruff format` writes it, its imports sorted (ruff.toml); `make format` makes it so.
 lint: setup-test

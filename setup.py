@@ -44,6 +44,8 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            # `make test` runs the suite's files on one worker per core (most tests use one)
+            "pytest-xdist>=3.5",
             # `make lint`: the formatting and import order .ci/run checks
             "ruff>=0.8",
             "transformers>=5.0",
