@@ -27,6 +27,8 @@ from eprt.errors import ConfigError, EprtError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.datafree import data_free_formats
+from eprt.quant.formats import WEIGHT_FORMATS
 from eprt.quant.formats.fp8_block import Fp8Block
 from eprt.quant.ptq import PTQArgs, run_calibration, run_ptq
 from eprt.storage.checkpoint import Checkpoint
@@ -192,3 +194,12 @@ def test_two_ranks_write_the_same_shards(qwen, tmp_path):
     run_world(_direct_export, 2, ck, str(tmp_path / "two"), shard_bytes, timeout=120)
     assert sum(n.endswith(".safetensors") for n in os.listdir(one)) > 2
     same_files(str(tmp_path / "two"), one)
+
+
+def test_a_format_takes_activation_statistics_exactly_when_it_writes_an_input_scale():
+    """The data-free path stands on this: a format without a static input scale has nothing of
+    calibration's to write."""
+    for f in WEIGHT_FORMATS.values():
+        assert f.uses_activation_statistics == (f.modelopt_per_tensor_scales[1] is not None), f.name
+        assert f.uses_activation_statistics == (f.ct_input_scale_leaf is not None), f.name
+    assert {"fp8_block", "fp8_channel", "nvfp4_a16"} <= set(data_free_formats())
