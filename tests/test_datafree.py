@@ -170,6 +170,14 @@ def test_outputs_appear_whole_and_replace_only_when_complete(qwen, tmp_path, mon
     assert sorted(os.listdir(tmp_path)) == ["e", "q"]
 
 
+@pytest.mark.parametrize("recipe, algorithm", [("nvfp4_a16", "mse"), ("fp8_channel", "max")])
+def test_direct_export_equals_ptq_then_export(qwen, tmp_path, recipe, algorithm):
+    ck = qwen[0]
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, str(tmp_path / "q"), algorithm=algorithm, progress=False))
+    calibrated = export_hf(str(tmp_path / "q"), str(tmp_path / "e"), progress=False)
+    same_files(export_hf(ck, str(tmp_path / "d"), progress=False, recipe=recipe, algorithm=algorithm), calibrated)
+
+
 def test_the_commands(qwen, tmp_path, monkeypatch, capsys):
     ck, _, _, direct = qwen
     monkeypatch.setattr(sys, "argv", ["eprt-export", ck, str(tmp_path / "e"), "--recipe", "fp8_block", "--no-progress"])

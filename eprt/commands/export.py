@@ -12,7 +12,7 @@ from eprt.cli import run
 from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
 from eprt.hf.export_quantized import LAYOUTS
 from eprt.parallel import ParallelState
-from eprt.quant.datafree import WEIGHT_ONLY_ALGORITHMS
+from eprt.quant.datafree import WEIGHT_ONLY_ALGORITHMS, data_free_formats
 from eprt.units import parse_size
 
 
@@ -33,15 +33,15 @@ def export() -> None:
     ap.add_argument(
         "--format",
         choices=LAYOUTS,
-        help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
+        help="a calibrated checkpoint, or with --recipe: the quantized layout, modelopt (hf_quant_config.json, "
         "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt",
     )
     ap.add_argument(
         "--recipe",
-        help="an unquantized checkpoint only: quantize it on the way out under this recipe, one whose "
-        "formats take no activation statistic and that quantizes no KV cache (fp8_block, fp8_channel, "
-        "nvfp4_a16): the export eprt-ptq and eprt-export write, without calibration data; other "
-        "recipes are refused (calibrate with eprt-ptq)",
+        help="an unquantized checkpoint only: quantize it on the way out under this recipe (a name of "
+        "eprt/configs/ptq or a YAML path), one whose formats take no activation statistic "
+        f"({', '.join(data_free_formats())}) and that quantizes no KV cache: the export eprt-ptq and "
+        "eprt-export write, without calibration data; other recipes are refused (calibrate with eprt-ptq)",
     )
     ap.add_argument(
         "--algorithm",

@@ -25,12 +25,11 @@ from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
-from eprt.quant.datafree import statistics_needed
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
 from eprt.quant.ptq import (
     RUN_DTYPES,
     PTQArgs,
-    forward_asked,
+    data_free,
     gptq_formats,
     plan_recipe,
     ranks_on_this_host,
@@ -71,7 +70,7 @@ def ptq() -> int:
             # layers and counts GPTQ's Hessians
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
             recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
-            if recipe is not None and not (statistics_needed(recipe) or forward_asked(a)):
+            if recipe is not None and data_free(recipe, a):
                 data_free_dry_run(state, ck, recipe, targets)
                 return 0
             dry_run(

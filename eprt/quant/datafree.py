@@ -25,7 +25,7 @@ from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import write_calibrated
+from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.recipe import Recipe, load_recipe
@@ -89,9 +89,7 @@ def run_data_free(
     with fail_together(state, "reading the checkpoint and the recipe"):
         check_output_dir(out, overwrite, (ckpt,))  # before anything is read: refused again when it is written
         ck = ck if ck is not None else Checkpoint(ckpt)
-        if ck.quantization is not None:
-            ck.close()
-            raise ConfigError(f"{ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        refuse_calibrated(ck, ckpt)
         quantized_modules(reader_for(ck.config.model_type, ck.path).layout(ck.config), recipe, ck.path)
     with ck:
         summary = {"algorithm": "+".join(recipe.algorithms), "data_free": True}

@@ -26,7 +26,7 @@ from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import write_calibrated
+from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.datafree import run_data_free, statistics_needed
 from eprt.quant.engine import LayerEngine
 from eprt.quant.feasibility import quantized_modules
@@ -189,17 +189,17 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
         recipe = load_recipe(a.recipe, a.kv_cache, a.algorithm)
     except ConfigError:  # refused by the calibration's checks, in their order, on every rank together
         return run_calibration(state, a, on_weight, ck)
-    if statistics_needed(recipe) or forward_asked(a):
+    if not data_free(recipe, a):
         return run_calibration(state, a, on_weight, ck)
     if state.rank == 0:
         say_data_free(a, recipe)
     return run_data_free(state, a.ckpt, a.out, recipe, overwrite=a.overwrite, ck=ck)
 
 
-def forward_asked(a: PTQArgs) -> list[str]:
-    """The settings that ask for forward passes whatever the recipe: the quality report on --eval
-    data, the preview."""
-    return [name for name, given in (("--eval", a.eval), ("--preview", a.preview)) if given is not None]
+def data_free(recipe: Recipe, a: PTQArgs) -> bool:
+    """Whether the run needs no data and no forward pass: `recipe` takes no statistic, and neither
+    the quality report on --eval data nor the preview asks for the model to run."""
+    return not statistics_needed(recipe) and a.eval is None and a.preview is None
 
 
 def say_data_free(a: PTQArgs, recipe: Recipe) -> None:
@@ -235,9 +235,7 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
                 "another machine with --dry-run, a run uses its ranks' own devices"
             )
         ck = ck if ck is not None else Checkpoint(a.ckpt)
-        if ck.quantization is not None:
-            ck.close()
-            raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        refuse_calibrated(ck, a.ckpt)
         if a.dtype not in RUN_DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
         rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads
