@@ -2,6 +2,7 @@
 the compressed-tensors quantized layout). Under torchrun every rank writes its share of the shards.
 
     eprt-export CKPT OUT [--format modelopt|compressed-tensors] [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
+    eprt-export CKPT OUT --recipe fp8_block [--algorithm max|mse]   # quantize without calibration (a data-free recipe)
     torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
 """
 
@@ -11,6 +12,7 @@ from eprt.cli import run
 from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
 from eprt.hf.export_quantized import LAYOUTS
 from eprt.parallel import ParallelState
+from eprt.quant.datafree import WEIGHT_ONLY_ALGORITHMS, data_free_formats
 from eprt.units import parse_size
 
 
@@ -31,8 +33,20 @@ def export() -> None:
     ap.add_argument(
         "--format",
         choices=LAYOUTS,
-        help="a calibrated checkpoint only: its quantized layout, modelopt (hf_quant_config.json, "
+        help="a calibrated checkpoint, or with --recipe: the quantized layout, modelopt (hf_quant_config.json, "
         "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt",
+    )
+    ap.add_argument(
+        "--recipe",
+        help="an unquantized checkpoint only: quantize it on the way out under this recipe (a name of "
+        "eprt/configs/ptq or a YAML path), one whose formats take no activation statistic "
+        f"({', '.join(data_free_formats())}) and that quantizes no KV cache: the export eprt-ptq and "
+        "eprt-export write, without calibration data; other recipes are refused (calibrate with eprt-ptq)",
+    )
+    ap.add_argument(
+        "--algorithm",
+        choices=WEIGHT_ONLY_ALGORITHMS,
+        help="with --recipe, how weight scales are chosen for its rules that name no algorithm (default max)",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
@@ -48,6 +62,8 @@ def export() -> None:
             dequantize=a.dequantize,
             parallel=state,
             fmt=a.format,
+            recipe=a.recipe,
+            algorithm=a.algorithm,
         )
 
 

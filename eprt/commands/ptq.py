@@ -21,11 +21,22 @@ from eprt.cli import run
 from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
+from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.ptq import RUN_DTYPES, PTQArgs, gptq_formats, plan_recipe, ranks_on_this_host, run_ptq, run_shape
+from eprt.quant.ptq import (
+    RUN_DTYPES,
+    PTQArgs,
+    data_free,
+    gptq_formats,
+    plan_recipe,
+    ranks_on_this_host,
+    run_ptq,
+    run_shape,
+)
+from eprt.quant.recipe import Recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
@@ -59,6 +70,9 @@ def ptq() -> int:
             # layers and counts GPTQ's Hessians
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
             recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
+            if recipe is not None and data_free(recipe, a):
+                data_free_dry_run(state, ck, recipe, targets)
+                return 0
             dry_run(
                 state,
                 rc,
@@ -135,6 +149,23 @@ def dry_run(
     if state.rank == 0:
         print(layout_table(state, ck, dtype, device, ranks))
         print(f"\nmemory plan on {device.type}: rank 0 {plan.summary()}")
+
+
+def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targets: list[str]) -> None:
+    """Rank 0 says the run is data-free (eprt.quant.datafree) and plans the memory of what holds
+    weights: the export, one tensor at a time."""
+    if state.rank != 0:
+        return
+    c = ck.config
+    plan = plan_export(ck, targets, torch.get_num_threads(), current_rss())
+    print(
+        f"checkpoint {ck.path}: {c.family}, {c.num_layers} layers, {len(targets)} modules quantized\n"
+        f"data-free run: recipe {recipe.name} ({'+'.join(recipe.algorithms)}) takes no activation statistic, so no "
+        f"calibration data is read and no layer runs; rank 0 writes the output (the recipe and the pins of the "
+        f"base's weight files), the other ranks wait for it\n"
+        f"\nmemory plan of its export (eprt-export OUT HF_OUT), which quantizes each weight as it writes it, one "
+        f"tensor resident at a time: {plan.summary()}"
+    )
 
 
 def layout_table(

@@ -24,6 +24,7 @@ from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
+from eprt.quant.datafree import data_free_recipe
 from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
@@ -119,11 +120,15 @@ def export_hf(
     dequantize: bool = False,
     parallel: ParallelState | None = None,
     fmt: str | None = None,
+    recipe: str | None = None,
+    algorithm: str | None = None,
 ) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
     unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt, the
-    default, or compressed-tensors; checked before it appears). An option that cannot apply to
-    the checkpoint is refused rather than ignored (`refuse_inapplicable`).
+    default, or compressed-tensors; checked before it appears). With `recipe` (and `algorithm`
+    for its rules that name none), an unquantized checkpoint is quantized on the way out under
+    that data-free recipe (eprt.quant.datafree): the bytes its calibration and export write. An
+    option that cannot apply to the checkpoint is refused rather than ignored (`refuse_inapplicable`).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;
     with `dequantize`, decoded (bf16), under a config.json without its quantization_config. A
@@ -135,8 +140,11 @@ def export_hf(
     with fail_together(state, "reading the checkpoint"):
         ck = Checkpoint(ckpt_dir)
     with ck:
-        refuse_inapplicable(ck, fmt, dequantize)
-        exp = QuantizedExport(ck, fmt or "modelopt") if ck.quantization is not None else None
+        refuse_inapplicable(ck, fmt, dequantize, recipe)
+        if algorithm is not None and recipe is None:
+            raise ConfigError(f"--algorithm {algorithm} applies to a --recipe's rules: give --recipe, or leave it out")
+        quantize = data_free_recipe(recipe, algorithm, ckpt_dir) if recipe is not None else None
+        exp = QuantizedExport(ck, fmt or "modelopt", quantize) if ck.quantization is not None or quantize else None
         if exp is not None:  # it resolved the checkpoint's layout: the export's one resolution
             tensors = exp.tensors()
         else:
@@ -168,14 +176,25 @@ def export_hf(
     return out_dir
 
 
-def refuse_inapplicable(ck: Checkpoint, fmt: str | None, dequantize: bool) -> None:
+def refuse_inapplicable(ck: Checkpoint, fmt: str | None, dequantize: bool, recipe: str | None = None) -> None:
     """Refuse an option the export of `ck` would silently do nothing with: a quantized layout for an
-    unquantized checkpoint (its export is the source layout), --dequantize for a calibrated one (a
-    quantized export always starts from the decoded weights) or for one with nothing to decode."""
-    if ck.quantization is None and fmt is not None:
+    unquantized checkpoint exported without a recipe (its export is the source layout), a recipe for
+    a calibrated one (its export applies its own), --dequantize for a quantized export (it always
+    starts from the decoded weights) or for one with nothing to decode."""
+    if recipe is not None and ck.quantization is not None:
+        raise ConfigError(
+            f"--recipe {recipe}: {ck.path} is calibrated, and its export applies the recipe it was "
+            "calibrated with; export without --recipe, or give --recipe with the checkpoint it was calibrated from"
+        )
+    if recipe is not None and dequantize:
+        raise ConfigError(
+            f"--dequantize with --recipe {recipe}: a quantized export always starts from the decoded "
+            "weights; export without --dequantize"
+        )
+    if ck.quantization is None and fmt is not None and recipe is None:
         raise ConfigError(
             f"--format {fmt}: {ck.path} is not calibrated, so its export is the source's own layout, "
-            f"not a quantized one; calibrate it first (eprt-ptq), or export without --format"
+            f"not a quantized one; calibrate it first (eprt-ptq), give a data-free --recipe, or export without --format"
         )
     if ck.quantization is not None and dequantize:
         raise ConfigError(

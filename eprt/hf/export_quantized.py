@@ -12,6 +12,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat
 from eprt.quant.formats.base import CT_SCALAR
 from eprt.quant.formats.kv import kv_cache_format
-from eprt.quant.recipe import parse_recipe
+from eprt.quant.recipe import Recipe, parse_recipe
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import without_quantization
@@ -54,15 +55,17 @@ LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--forma
 
 
 class QuantizedExport:
-    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (LAYOUTS)."""
+    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (LAYOUTS),
+    or with `recipe`, of unquantized `ck` under that data-free recipe (eprt.quant.datafree): the
+    same export as after its calibration, whose record holds nothing these formats read."""
 
-    def __init__(self, ck: Checkpoint, layout: str = "modelopt"):
+    def __init__(self, ck: Checkpoint, layout: str = "modelopt", recipe: Recipe | None = None):
         if layout not in LAYOUTS:
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(LAYOUTS)}")
         if layout == ct.NAME:
             ct.require()
         self.ck, self.target = ck, layout
-        self.recipe = parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
+        self.recipe = recipe or parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         # The multi-token-prediction layers the recipe quantizes a module of are modeled like the
@@ -135,22 +138,25 @@ class QuantizedExport:
             x = self.experts[hf_weight]
             row = self.quantized_row(x.spec.name, x.module, x.expert)
             kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
-            in_scale = self.scales.scale(x.module, self.scales.expert_input_amax(x.module, kind))
+            inputs = self.input_scale(x.module, lambda: self.scales.expert_input_amax(x.module, kind))
             # each tensor's own piece: rows of codes, rows of a block-scale grid
-            return {
-                "input_scale": in_scale,
-                **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t for k, t in row.items()},
-            }
+            return {**inputs, **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t for k, t in row.items()}}
         hf_weight = self.eprt_name.get(hf_weight, hf_weight)
         module = hf_weight[: -len(".weight")]
         w = as_quantized(self.ck, hf_weight, self.scales.formats[module], self.ck.read(hf_weight))
         out = {
-            "input_scale": self.scales.input_scale(module),
+            **self.input_scale(module, lambda: self.scales.input_amax(module)),
             **self.scales.quantize_weight(module, w, self.scales.weight_scale(module)),
         }
         if module in self.record.gptq_dense:  # GPTQ's codes, under the same scales
             out["weight"] = self.record.read_gptq(self.ck, module)
         return out
+
+    def input_scale(self, module: str, amax: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{"input_scale": the scale of `amax()`} for a format whose inputs calibration scales, else
+        nothing: a data-free format's record holds no input amax to ask for."""
+        fmt = self.scales.format(module)
+        return {"input_scale": fmt.scale(amax())} if fmt.uses_activation_statistics else {}
 
     def format_of(self, hf_weight: str) -> WeightFormat:
         x = self.experts.get(hf_weight)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from eprt.errors import CheckpointError
+from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
@@ -127,6 +127,13 @@ class CalibrationRecord:
             return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
         leaf = {"w13": self.GPTQ_W13, "w2": self.GPTQ_W2}[kind]
         return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
+
+
+def refuse_calibrated(ck: Checkpoint, path: str) -> None:
+    """PTQ quantizes an unquantized checkpoint: refuse (and close) calibrated `ck`, opened from `path`."""
+    if ck.quantization is not None:
+        ck.close()
+        raise ConfigError(f"{path} is already calibrated; run PTQ on the unquantized checkpoint")
 
 
 def write_calibrated(

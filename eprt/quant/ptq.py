@@ -7,6 +7,7 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from eprt.data import Calibration, calibration_samples, check_sources, parse_sources, read_calibration
 from eprt.errors import ConfigError
-from eprt.flags import flag
+from eprt.flags import flag, flag_name
 from eprt.models.loader import load_parallel, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
@@ -25,7 +26,8 @@ from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
-from eprt.quant.calibrated import write_calibrated
+from eprt.quant.calibrated import refuse_calibrated, write_calibrated
+from eprt.quant.datafree import run_data_free, statistics_needed
 from eprt.quant.engine import LayerEngine
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fingerprint import (
@@ -157,7 +159,68 @@ class PTQArgs:
     group_tokens: int | None = None  # tokens per expert work unit's group of sequences (default: from the model)
 
 
+# what only calibration reads: a data-free run names those given as unused
+CALIBRATION_SETTINGS = (
+    "ep",
+    "calib",
+    "calib_column",
+    "calib_size",
+    "seq_len",
+    "eval_size",
+    "batch_size",
+    "chunk_size",
+    "dtype",
+    "calibrate_all_experts",
+    "gptq_min_tokens",
+    "work_dir",
+    "resume",
+    "max_memory",
+    "max_host_memory",
+    "device",
+)
+
+
 def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
+    """Write `a.out`, the calibrated checkpoint of `a.ckpt` under `a.recipe`: without data or a
+    forward pass where nothing needs them (eprt.quant.datafree: the recipe takes no statistic, and
+    neither --eval nor --preview asks for the model to run), else by calibration
+    (`run_calibration`). Returns {"out", "calibration_s", "tokens", "resumed_after", "quality"}."""
+    try:
+        recipe = load_recipe(a.recipe, a.kv_cache, a.algorithm)
+    except ConfigError:  # refused by the calibration's checks, in their order, on every rank together
+        return run_calibration(state, a, on_weight, ck)
+    if not data_free(recipe, a):
+        return run_calibration(state, a, on_weight, ck)
+    if state.rank == 0:
+        say_data_free(a, recipe)
+    return run_data_free(state, a.ckpt, a.out, recipe, overwrite=a.overwrite, ck=ck)
+
+
+def data_free(recipe: Recipe, a: PTQArgs) -> bool:
+    """Whether the run needs no data and no forward pass: `recipe` takes no statistic, and neither
+    the quality report on --eval data nor the preview asks for the model to run."""
+    return not statistics_needed(recipe) and a.eval is None and a.preview is None
+
+
+def say_data_free(a: PTQArgs, recipe: Recipe) -> None:
+    """Rank 0 says why no data is read, which settings go unused, and how to get a quality report."""
+    log = logger()
+    log.info(
+        "recipe %s (%s) takes no activation statistic: a data-free run, no calibration data read and no forward pass",
+        recipe.name,
+        "+".join(recipe.algorithms),
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(PTQArgs)}
+    unused = [flag_name(n) for n in CALIBRATION_SETTINGS if getattr(a, n) != defaults[n]]
+    if unused:
+        log.info("unused in a data-free run: %s", ", ".join(unused))
+    log.info(
+        "no quality report (it runs the model over held-out data): run again with --eval DATA for a "
+        "calibrated run that writes one"
+    )
+
+
+def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
     "resumed_after" (the layer a --resume continued after, -1 for none), "quality" (the report,
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
@@ -172,9 +235,7 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
                 "another machine with --dry-run, a run uses its ranks' own devices"
             )
         ck = ck if ck is not None else Checkpoint(a.ckpt)
-        if ck.quantization is not None:
-            ck.close()
-            raise ConfigError(f"{a.ckpt} is already calibrated; run PTQ on the unquantized checkpoint")
+        refuse_calibrated(ck, a.ckpt)
         if a.dtype not in RUN_DTYPES:
             raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
         rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads

@@ -57,6 +57,10 @@ class WeightFormat:
     ct_reciprocal: bool = False  # compressed-tensors stores the per-tensor scales as 1/scale
     # what input_scale stands for: the largest input code times the scale; None: no input_scale
     largest_input: float | None
+    # its export needs an amax of the inputs from calibration's forward passes (a static input
+    # scale); False where the engine scales inputs at run time or leaves them unquantized: with
+    # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.datafree)
+    uses_activation_statistics: bool = True
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:

@@ -51,6 +51,7 @@ class Fp8Channel(WeightFormat):
     ct_strategy = "channel"
     ct_weight_scale_leaf = ct_input_scale_leaf = None
     largest_input = None
+    uses_activation_statistics = False
 
     def scale(self, amax) -> torch.Tensor:
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's

@@ -21,6 +21,7 @@ class Nvfp4A16(Nvfp4):
     ct_preset = "NVFP4A16"
     ct_input_scale_leaf = None
     largest_input = None
+    uses_activation_statistics = False
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come
