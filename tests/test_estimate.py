@@ -61,3 +61,57 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
         sum(len(k.kind.layers) * (k.kind.steps * k.step_s + k.layer_s) for k in estimate.kinds)
     )
     assert math.isfinite(estimate.seconds)
+
+
+def test_mtp_layers_are_a_kind_with_the_steps_the_run_makes_there(tmp_path, monkeypatch):
+    """DeepSeek-V3's kinds: its dense first layers, its MoE layers and, when the recipe runs them, its MTP
+    layer, which the bar does not count: their steps are the engine's own calls."""
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"), dtype="fp32")
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    a = PTQArgs(
+        ck,
+        "nvfp4_experts_fp8_attention_mtp",
+        str(tmp_path / "q"),
+        algorithm="gptq",
+        dtype="fp32",
+        calib_size=6,
+        seq_len=24,
+        group_tokens=48,
+        eval_size=0,
+    )
+    state = ParallelState.single("cpu")
+    with Checkpoint(ck) as opened:
+        rc = ResolvedCheckpoint.of(opened, torch.float32)
+        recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
+        estimate = estimate_time(
+            state, rc, recipe, targets, run_shape(a, state, opened.config), kv=False, expert_stack=16
+        )
+        moe_layers, num_layers = opened.config.moe_layers, opened.config.num_layers
+
+    steps: dict[str, int] = {}  # the run's step calls: in decoder layers (by kind), in MTP layers
+    run_step, run_mtp = LayerEngine._run_step, LayerEngine.run_mtp
+    where = []
+
+    def counting_step(self, layer, step, ls, **kw):
+        if kw["sequences"] is self.calibration:
+            kind = (
+                where[-1] if where else "MoE" if list(self.decoder.layers).index(layer) in moe_layers else "dense-MLP"
+            )
+            steps[kind] = steps.get(kind, 0) + 1
+        return run_step(self, layer, step, ls, **kw)
+
+    def in_mtp(self, *args):
+        where.append("MTP")
+        try:
+            return run_mtp(self, *args)
+        finally:
+            where.pop()
+
+    monkeypatch.setattr(LayerEngine, "_run_step", counting_step)
+    monkeypatch.setattr(LayerEngine, "run_mtp", in_mtp)
+    run_ptq(state, a)
+
+    kinds = {k.kind.name: len(k.kind.layers) for k in estimate.kinds}
+    mine = {k.kind.name: len(k.kind.layers) * k.kind.steps for k in estimate.kinds}
+    assert kinds == {"dense-MLP": num_layers - len(moe_layers), "MoE": len(moe_layers), "MTP": 1}
+    assert mine == steps

@@ -50,7 +50,7 @@ class LayerKind:
     """Decoder layers of one structure: the same tensors, so the same time."""
 
     name: str  # "MoE", "dense-MLP"; with the first layer's index where two kinds share it
-    layers: tuple[int, ...]  # decoder layer indices; the MTP layers' are the engine's prefixes' count
+    layers: tuple[int, ...]  # decoder layer indices; for the MTP layers, 0 to k - 1 (the k-th MTP layer)
     steps: int  # counted calibration steps per layer (the progress bar's)
     moe: bool
 
@@ -173,9 +173,9 @@ def probe_time(
     *,
     kv: bool,
     expert_stack: int,
-) -> tuple[TimeEstimate, LayerEngine]:
+) -> TimeEstimate:
     """The calibration's time on one rank of `shape` (without the token exchange), measured on
-    `device` with `recipe`'s passes over `targets`; with the engine whose steps it counted."""
+    `device` with `recipe`'s passes over `targets`."""
     state = ParallelState.single(device)
     T, D = shape.seq_len, rc.ck.config.hidden_size
     schedule = shape.schedule
@@ -226,7 +226,7 @@ def probe_time(
     # an MTP layer is an MoE decoder layer with its input projection: timed as the first MoE kind
     moe_time = next((times[k.name] for k in decoder_kinds if k.moe), None)
     out += [KindTime(k, *moe_time) for k in kinds if k.name == "MTP" and moe_time]
-    return TimeEstimate(device.type, tuple(out)), engine
+    return TimeEstimate(device.type, tuple(out))
 
 
 def snapshots(rc: ResolvedCheckpoint, i: int) -> range:
@@ -277,7 +277,7 @@ def estimate_time(
 ) -> TimeEstimate:
     """The calibration's wall time on a rank of `shape` on this machine's device: the probe, run on
     every rank, and the exchange's time per counted step of an MoE layer. Every rank calls it alike."""
-    estimate, engine = probe_time(rc, state.device, recipe, targets, shape, kv=kv, expert_stack=expert_stack)
+    estimate = probe_time(rc, state.device, recipe, targets, shape, kv=kv, expert_stack=expert_stack)
     exchange = exchange_time(state, rc, shape)
     # the exchange is made on each of a layer's calibration runs (its counted steps)
     steps = sum(len(k.kind.layers) * k.kind.steps for k in estimate.kinds if k.kind.moe)
