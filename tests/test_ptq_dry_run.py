@@ -59,9 +59,16 @@ def run(args, env=None, timeout=60):
 def test_dry_run_alone_and_under_torchrun(ckpts):
     ck8, _ = ckpts
 
-    r = run([sys.executable, PTQ, ck8, "--dry-run", "--dtype", "fp32"])
+    r = run([sys.executable, PTQ, ck8, "--dry-run", "--dtype", "fp32", "--recipe", "fp8", "--estimate-time"])
     assert r.returncode == 0, r.stderr
     assert "world 1 = edp 1 x ep 1" in r.stdout
+    # the time a run takes, probed on this machine's device: 64 sequences of 256 tokens in 16 steps of
+    # one group of 4 (tests/test_estimate.py checks the steps against a run's)
+    assert re.search(
+        r"\ncalibration time on cpu: rank 0 about [\d.]+ s( \(\d+ min\))? \(2 MoE x \(16 steps x [\d.e-]+ s \+ "
+        r"[\d.e-]+ s\), 1 dense-MLP x \(16 steps x [\d.e-]+ s \+ [\d.e-]+ s\); reading the layers not counted\)\n",
+        r.stdout,
+    ), r.stdout
     assert "8 routed experts in each of MoE layers 0, 2" in r.stdout
     dense, experts = stored_bytes(ck8, 1)
     (row,) = rows(r.stdout)
@@ -144,10 +151,19 @@ def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
     take beside the process (NVFP4: half a byte a weight), in the table and in the plan's line."""
     ck8, _ = ckpts
     r = run(
-        [sys.executable, PTQ, ck8, "--dry-run", "--recipe", "nvfp4", "--algorithm", "gptq", "--device", "cuda"],
+        [
+            *(sys.executable, PTQ, ck8, "--dry-run", "--recipe", "nvfp4", "--algorithm", "gptq"),
+            *("--device", "cuda", "--estimate-time"),
+        ],
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
     assert r.returncode == 0, r.stderr
+    # no GPU here to probe the time on: said, with where to get it
+    assert r.stdout.endswith(
+        "\ncalibration time on cuda: not estimated on this cpu machine (the probe runs a layer on the device "
+        "itself): run this dry run with --estimate-time on one cuda node, as many local ranks as the run starts "
+        "there\n"
+    ), r.stdout
     assert "planned peak on cuda" in r.stdout
     (row,) = rows(r.stdout)
     assert len(row) == 9 and re.fullmatch(r"[\d.]+ (KiB|MiB|GiB)", row[8])  # the host's column

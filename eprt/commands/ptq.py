@@ -25,6 +25,7 @@ from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
+from eprt.quant.estimate import estimate_time
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
 from eprt.quant.ptq import (
     RUN_DTYPES,
@@ -62,6 +63,8 @@ def ptq() -> int:
     a, nproc_per_node = parse_args(argv)
     if not a.dry_run and not (a.recipe and a.out):
         raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
+    if a.estimate_time and not (a.dry_run and a.recipe):
+        raise ConfigError("--estimate-time is for --dry-run with --recipe: the recipe sets the runs a layer takes")
     if nproc_per_node is not None:
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:
@@ -80,6 +83,7 @@ def ptq() -> int:
                 targets,
                 mtp=bool(recipe and recipe.mtp),
                 gptq=gptq_formats(recipe, targets) if recipe else None,
+                recipe=recipe,
             )
             return 0
         run_ptq(state, a, ck=ck)
@@ -109,12 +113,14 @@ def dry_run(
     targets: list[str],
     mtp: bool = False,
     gptq: dict[str, str] | None = None,
+    recipe: Recipe | None = None,
 ) -> None:
     """Every rank works out its own share and memory plan from the manifest, for ranks on
     --device (default its own; with the MTP layers when the recipe runs them, GPTQ's Hessians and
     codes when it runs GPTQ), and refuses a plan over a limit it knows (--max-memory,
     --max-host-memory, or what this machine has free when the plan is for it); rank 0 prints them
-    all, with its own plan's terms."""
+    all, with its own plan's terms. With --estimate-time, and the plan for this machine's device,
+    every rank probes the calibration's time (eprt.quant.estimate) and rank 0 prints its own."""
     with fail_together(state, "planning the layout"):
         ck, c, dtype = rc.ck, rc.ck.config, rc.dtype
         device = torch.device(a.device) if a.device else state.device
@@ -149,6 +155,22 @@ def dry_run(
     if state.rank == 0:
         print(layout_table(state, ck, dtype, device, ranks))
         print(f"\nmemory plan on {device.type}: rank 0 {plan.summary()}")
+    if not a.estimate_time:
+        return
+    if not here:
+        if state.rank == 0:
+            print(
+                f"calibration time on {device.type}: not estimated on this {state.device.type} machine (the probe "
+                f"runs a layer on the device itself): run this dry run with --estimate-time on one {device.type} "
+                "node, as many local ranks as the run starts there"
+            )
+        return
+    with fail_together(state, "estimating the calibration's time"):
+        estimate = estimate_time(
+            state, rc, recipe, targets, shape, kv=recipe.kv_cache is not None, expert_stack=plan.expert_stack
+        )
+    if state.rank == 0:
+        print(f"calibration time on {device.type}: rank 0 {estimate.summary()}")
 
 
 def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targets: list[str]) -> None:

@@ -35,6 +35,10 @@ from eprt.storage.safetensors_io import SafetensorsWriter
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 PRODUCE_AHEAD_BYTES = 64 * 1024**2  # of output tensors computed ahead of the writing
+# Consecutive output tensors produced by one call on the producing thread, up to this many bytes together:
+# a call's hand-over costs about as much as producing a small tensor (a norm's weight, a scale), and a
+# trillion-parameter export has a quarter of a million of them.
+PRODUCE_BATCH_BYTES = 1024**2
 
 
 def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -49,36 +53,37 @@ def shard(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
 
 
 def produced_ahead(
-    tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BYTES
+    tensors: list[OutTensor], ahead_bytes: int = PRODUCE_AHEAD_BYTES, batch_bytes: int = PRODUCE_BATCH_BYTES
 ) -> Iterator[tuple[OutTensor, object]]:
     """Each tensor with what its writing needs (its bytes, or where they lie as stored), in order,
     computed on a second thread up to `ahead_bytes` of tensors ahead of the caller: reading and
     quantizing the next tensors overlaps writing this one (torch's kernels and the file system
     calls release the GIL). That one thread makes every call, in order, as the producers' caches
-    of a row they share expect, and it alone reads the checkpoint."""
+    of a row they share expect, and it alone reads the checkpoint. Consecutive tensors go to it in
+    batches of up to `batch_bytes` (one call each; a larger tensor alone), cut as shards are."""
     pending: deque = deque()
     queued = 0
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eprt-export")
     try:
-        for t in tensors:
-            pending.append((t, pool.submit(_inference, t.stored or t.produce)))
-            queued += t.nbytes
+        for batch in shard(tensors, batch_bytes):
+            pending.append((batch, pool.submit(_inference, [t.stored or t.produce for t in batch])))
+            queued += sum(t.nbytes for t in batch)
             while queued > ahead_bytes:
                 done, result = pending.popleft()
-                queued -= done.nbytes
-                yield done, result.result()
+                queued -= sum(t.nbytes for t in done)
+                yield from zip(done, result.result())
         while pending:
             done, result = pending.popleft()
-            yield done, result.result()
+            yield from zip(done, result.result())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _inference(produce):
+def _inference(produce: list) -> list:
     """What the producing thread runs: torch's inference mode is a thread's own, and without
     autograd's bookkeeping the quantizers' many small operations dispatch faster."""
     with torch.inference_mode():
-        return produce()
+        return [p() for p in produce]
 
 
 def write_hf_dir(

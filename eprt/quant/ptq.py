@@ -149,6 +149,11 @@ class PTQArgs:
     work_dir: str | None = flag(help="where each layer boundary is saved for --resume (default: OUT.work)")
     resume: bool = flag(False, help="continue a killed run (same arguments) after its last completed layer")
     dry_run: bool = flag(False, help="print the layout, each rank's weight bytes and planned peak memory, and exit")
+    estimate_time: bool = flag(
+        False,
+        help="with --dry-run and --recipe, also estimate the calibration's wall time: a probe runs one layer "
+        "of each kind at random on this machine's device (on the GPU node the run will use)",
+    )
     device: str | None = flag(
         choices=["cpu", "cuda"],
         help="with --dry-run, plan for ranks on this device (default: this machine's), e.g. "

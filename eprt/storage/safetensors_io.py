@@ -211,6 +211,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 SYNC_BEHIND_BYTES = 64 * 1024**2  # written before the writer has the kernel write them to disk
+# Tensors smaller than this are gathered and written together: one system call each cost more than
+# their bytes (a trillion-parameter export has a quarter of a million norms and scales).
+WRITE_BUFFER_BYTES = 1024**2
 
 
 class SafetensorsWriter:
@@ -240,6 +243,7 @@ class SafetensorsWriter:
         # unbuffered: tensor writes are large, and copy_range appends through the same descriptor
         self._f = open(path, "wb", buffering=0)
         self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._buffer = bytearray()  # small tensors' bytes not yet written
         self._next, self._pending = 0, 0
         self._copy_run: tuple[SafetensorsFile, int, int] | None = None  # (file, offset, length) not yet copied
         self.total = offset
@@ -251,8 +255,20 @@ class SafetensorsWriter:
         buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
         self._claim(name, buf.nbytes)
         self._flush_copy()
+        if buf.nbytes < WRITE_BUFFER_BYTES:
+            self._buffer += buf
+            if len(self._buffer) >= WRITE_BUFFER_BYTES:
+                self._flush_buffer()
+            return
+        self._flush_buffer()
         self._f.write(buf)
         self._wrote(buf.nbytes)
+
+    def _flush_buffer(self) -> None:
+        if self._buffer:
+            self._f.write(self._buffer)
+            self._wrote(len(self._buffer))
+            self._buffer = bytearray()
 
     def _wrote(self, nbytes: int) -> None:
         self._unsynced += nbytes
@@ -298,6 +314,7 @@ class SafetensorsWriter:
     def _flush_copy(self) -> None:
         if self._copy_run is None:
             return
+        self._flush_buffer()  # the bytes before the copied ones
         src, offset, nbytes = self._copy_run
         self._copy_run = None
         out = self._f.fileno()
@@ -315,6 +332,7 @@ class SafetensorsWriter:
             self._close()
             raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
         self._flush_copy()
+        self._flush_buffer()
         self._close()
         if self._sync_error is not None:  # a refused write, named like one (eprt.cli)
             raise OSError(self._sync_error.errno, self._sync_error.strerror, self.path)
