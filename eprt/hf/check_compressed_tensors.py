@@ -118,23 +118,30 @@ def _parse_config(qc: dict, problems: list[str]):
     by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
         ct_format = group.format or parsed.format
-        fmt = by_ct_format(ct_format, getattr(group.weights, "strategy", None), group.input_activations is not None)
+        fmt = by_ct_format(
+            ct_format,
+            getattr(group.weights, "strategy", None),
+            group.input_activations is not None,
+            getattr(group.weights, "group_size", None),
+        )
         where = f"config.json quantization_config.config_groups.{name}"
         if fmt is None:
             problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
             continue
         bits = fmt.num_bits
         w = group.weights
+        kind = fmt.ct_weight_type
         if (
             w is None
             or w.num_bits != bits
-            or w.type != "float"
+            or w.type != kind
             or (fmt.group_size is not None and w.group_size != fmt.group_size)
         ):
-            problems.append(f"{where}.weights: not the {bits}-bit float weights of {ct_format}")
-        a = group.input_activations
-        if fmt.modelopt_input_group() is not None and (a is None or a.num_bits != bits or a.type != "float"):
-            problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {ct_format}")
+            size = f" in groups of {fmt.group_size}" if fmt.group_size is not None else ""
+            problems.append(f"{where}.weights: not the {bits}-bit {kind} weights{size} of {ct_format} ({fmt.name})")
+        a, want = group.input_activations, fmt.modelopt_input_group()
+        if want is not None and (a is None or a.num_bits != want["num_bits"] or a.type != want["type"]):
+            problems.append(f"{where}.input_activations: not the {want['num_bits']}-bit float inputs of {fmt.name}")
         by_format[fmt] += group.targets
     if len(by_format) > 1 and parsed.format != "mixed-precision":
         problems.append(

@@ -145,7 +145,7 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
                     if valid.numel():  # positive E4M3 codes order as their values
                         codes = torch.stack([valid.min(), valid.max()]).view(torch.float8_e4m3fn).float()
                         t.block_range = (codes[0].item(), codes[1].item())
-                elif t.dtype == "F32":  # an fp32 block-scale grid (FP8 block)
+                elif t.dtype in ("F32", "BF16"):  # an fp32 (FP8 block) or bf16 (INT4) block-scale grid
                     grid = f.get_tensor(name)
                     bad = ~((grid > 0) & grid.isfinite())
                     t.bad_block_scales = int(bad.sum())
