@@ -5,8 +5,8 @@
   give eprt's values; the scales are the Kimi releases' grid (amax / 7 in bf16, codes -7..7).
 - The compressed-tensors layout, for RTN in groups of 128, GPTQ in groups of 32 and W4A8: its config
   parses with the library's classes as the W4A16 / W4AFP8 schemes, the library decompresses every
-  module to eprt's dequantized values exactly, and transformers loads the INT4 export on CPU with
-  every quantized weight, routed experts included, equal to eprt's dequantization.
+  module to eprt's dequantized values exactly, and transformers loads the INT4 and the W4A8 export on
+  CPU with every quantized weight, routed experts included, equal to eprt's dequantization.
 - A Kimi INT4 source (the tiny one, made by the library's compressor), converted and re-quantized by
   RTN in groups of 32, gives back its own codes and scales in every group on the Kimi grid that
   reaches its extreme code, 7 or -7.
@@ -143,13 +143,14 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(model, cas
             assert torch.equal(theirs, unpack_int4(packed)), module
 
 
-def test_transformers_loads_eprts_values(model):
+@pytest.mark.parametrize("case", ["int4", "w4a8"])
+def test_transformers_loads_eprts_values(model, case):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     _, _, exports = model
-    ct = exports["int4"][1]
+    ct = exports[case][1]
     loaded = AutoModelForCausalLM.from_pretrained(
         ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
     )

@@ -92,6 +92,11 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
             f"INT4 group scales {list(scales.shape)} do not fit packed weight {list(packed.shape)} "
             f"({codes.shape[-1]} inputs a row)"
         )
+    return _values(codes, scales, dtype)
+
+
+def _values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """code x its group's scale, in fp32 (exact), returned as `dtype`."""
     group = codes.shape[-1] // scales.shape[-1]
     values = _as_groups(codes.float(), group) * scales.float().unsqueeze(-1)
     return values.reshape(codes.shape).to(dtype)
@@ -112,7 +117,7 @@ def int4_mse_scales(w: torch.Tensor, group: int) -> torch.Tensor:
 
 def _group_error(w: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """float64 [..., in/group]: each group's squared error, its values decoded in bf16."""
-    values = dequantize_int4(pack_int4(int4_codes(w, scales)), scales, SCALE_DTYPE)
+    values = _values(int4_codes(w, scales), scales, SCALE_DTYPE)
     return (_as_groups(values.double() - w.double(), group)).square_().sum(-1)
 
 
