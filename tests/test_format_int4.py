@@ -28,7 +28,7 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.formats.int4 import INT4, dequantize_int4, int4_codes, int4_scales, pack_int4, unpack_int4
+from eprt.quant.formats.int4 import INT4, INT4_G32, dequantize_int4, int4_codes, int4_scales, pack_int4, unpack_int4
 from eprt.quant.formats.w4a8 import W4A8
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
@@ -105,6 +105,13 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
             assert torch.equal(unpack_from_int32(packed, 4, torch.Size(w[e].shape)), unpack_int4(packed))
             values = dequantize(unpack_from_int32(packed, 4, torch.Size(w[e].shape)), scales[e], args=args)
             assert torch.equal(values, dequantize_int4(packed, scales[e], torch.bfloat16))
+        # mse: each group's error never above max's, below it somewhere
+        errors = []
+        for mse in (False, True):
+            t = (INT4 if group == 128 else INT4_G32).quantize(w, INT4.scale(0.0), mse)
+            values = dequantize_int4(t["weight"], t["weight_scale"], torch.bfloat16).double()
+            errors.append((values - w.double()).reshape(*scales.shape, group).square().sum(-1))
+        assert (errors[1] <= errors[0]).all() and (errors[1] < errors[0]).any()
     # W4A8's inputs: FP8 per token at run time, as the W4AFP8 scheme's input activations
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)) * 3
     inputs = preset_name_to_scheme("W4AFP8", ["Linear"]).input_activations
@@ -210,17 +217,18 @@ def test_check_passes_every_export_with_the_sources_names(model):
 
 
 @pytest.mark.parametrize(
-    "edit, fault",
+    "leaf, edit, fault",
     [
-        (set_first(0.0), "block scale(s) zero, negative or NaN"),
-        (set_first(float("nan")), "block scale(s) zero, negative or NaN"),
-        (set_first(1e-40), "subnormal"),
-        (lambda t: t[:3].contiguous(), "expected"),
+        ("weight_scale", set_first(0.0), "block scale(s) zero, negative or NaN"),
+        ("weight_scale", set_first(float("nan")), "block scale(s) zero, negative or NaN"),
+        ("weight_scale", set_first(1e-40), "subnormal"),
+        ("weight_scale", lambda t: t[:3].contiguous(), "expected"),
+        ("weight_shape", set_first(64), "[64, 128], its weight_packed [128, 16] holds a weight [128, 128]"),
     ],
 )
-def test_check_refuses_a_corrupted_scale(model, tmp_path, edit, fault):
+def test_check_refuses_a_corrupted_scale(model, tmp_path, leaf, edit, fault):
     _, _, exports = model
-    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    name = f"model.layers.0.self_attn.q_proj.{leaf}"
     problems = check_export(broken_copy(exports["int4"][1], tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
 

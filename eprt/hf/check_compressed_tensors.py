@@ -27,6 +27,7 @@ QUANTIZED_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in (*f.ct_lea
 PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
+WEIGHT_SHAPE = "weight_shape"  # pack-quantized's [out, in] of the packed weight
 # Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.
 SAME_INPUT = (
     ("q_proj", "k_proj", "v_proj"),
@@ -221,9 +222,24 @@ def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[
                 problems.append(
                     f"{module}.{fmt.block_scale_leaf}: {grid.bad_block_scales} block scale(s) zero, negative or NaN"
                 )
+    _check_weight_shape(module, fmt, tensors, problems)
     extra = {n.rpartition(".")[2] for n in tensors if n.rpartition(".")[0] == module} - set(fmt.ct_leaves) - {"bias"}
     for leaf in sorted(extra & QUANTIZED_LEAVES):
         problems.append(f"{module}.{leaf}: not part of a {fmt.ct_format} module")
+
+
+def _check_weight_shape(module: str, fmt: WeightFormat, tensors: dict, problems: list[str]) -> None:
+    """A pack-quantized Linear's weight_shape: the [out, in] its packed weight holds, which the
+    library unpacks to (a wrong one cuts or pads every row)."""
+    packed, shape = tensors.get(f"{module}.{fmt.ct_weight_leaf}"), tensors.get(f"{module}.{WEIGHT_SHAPE}")
+    if WEIGHT_SHAPE not in fmt.ct_leaves or packed is None or shape is None or len(packed.shape) != 2:
+        return
+    want = [packed.shape[0], fmt.in_dim_of_stored(packed.shape[1])]
+    if shape.ints is None or list(shape.ints) != want:
+        got = list(shape.ints) if shape.ints is not None else f"{shape.dtype} {list(shape.shape)}"
+        problems.append(
+            f"{module}.{WEIGHT_SHAPE}: {got}, its {fmt.ct_weight_leaf} {list(packed.shape)} holds a weight {want}"
+        )
 
 
 def _value(tensors: dict, name: str):
