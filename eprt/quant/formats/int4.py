@@ -9,7 +9,7 @@ half to even and clamped, compressed-tensors' own rounding, so a code of -8 is n
 quotient is taken in the weight's dtype (bf16 / bf16, as the library's quantizer divides), or in fp32
 for any other dtype. A value is code x scale, exact in fp32 (4 by 8 significant bits). A group's
 scale is amax / 7 rounded to bf16, or the bf16 neighbour of that under which the group decodes
-closer (`closest_neighbour`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
+closer (`_Groups.closest_neighbour`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
 its own codes and scales in every group that reaches the code 7 or -7.
 
 Codes are stored as compressed-tensors packs them: eight a little-endian int32, element i of each
@@ -18,6 +18,8 @@ and `weight_shape` [out, in]. No calibrated statistic enters: the scales come fr
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -37,39 +39,68 @@ def _as_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
-def int4_scales(w: torch.Tensor, group: int, factor: float = 1.0) -> torch.Tensor:
-    """bf16 scales [..., in/group] of w [..., in]: each group's amax x factor / 7 in fp32 rounded to
-    bf16, at least the smallest normal (a zero group's 1.0), or a bf16 neighbour of that which
-    decodes the group closer (`closest_neighbour`). Raises ValueError for NaN or infinity."""
-    amax = _as_groups(w, group).float().abs().amax(dim=-1) * factor
-    if amax.numel():
-        check_finite(amax.amax(), w.shape)
+class _Groups:
+    """A weight [..., in] as groups [..., in/group, group], in the dtype its quotient is taken in
+    (bf16 or fp32 as it is, anything else widened to fp32) and, once asked, in fp32."""
+
+    def __init__(self, w: torch.Tensor, group: int):
+        self.x = _as_groups(w if w.dtype in (torch.bfloat16, torch.float32) else w.float(), group)
+
+    @functools.cached_property
+    def f32(self) -> torch.Tensor:
+        return self.x.float()
+
+    def amax(self) -> torch.Tensor:
+        """fp32 [..., in/group]; raises ValueError for NaN or infinity."""
+        amax = self.f32.abs().amax(dim=-1)
+        if amax.numel():
+            check_finite(amax.amax(), self.x.shape)
+        return amax
+
+    def codes(self, scales: torch.Tensor) -> torch.Tensor:
+        """The codes under `scales` [..., in/group], as floats in the quotient's dtype: rounded half
+        to even, clamped to the grid."""
+        return (self.x / scales.to(self.x.dtype).unsqueeze(-1)).round_().clamp_(-GRID_MAX, GRID_MAX)
+
+    def error(self, scales: torch.Tensor) -> torch.Tensor:
+        """fp32 [..., in/group]: each group's squared error, its values decoded in bf16 as the engines
+        and compressed-tensors decode (code x scale rounded to bf16)."""
+        values = self.codes(scales).float().mul_(scales.float().unsqueeze(-1)).to(SCALE_DTYPE).float()
+        return values.sub_(self.f32).square_().sum(-1)
+
+    def closest_neighbour(self, nearest: torch.Tensor) -> torch.Tensor:
+        """Per group, of bf16 scales `nearest` and its two bf16 neighbours, the one whose codes decode
+        closest to the weight (`error`), `nearest` on a tie. A decoded INT4 weight so re-quantizes to
+        its own scales: amax / 7 of a group decoded in bf16 misses its scale by an ulp in about one
+        group in nine (7 x scale rounded to bf16, divided by 7, rounded again), where its own scale
+        decodes it exactly."""
+        best, best_err = nearest, self.error(nearest)
+        for step in (-1, 1):
+            candidate = (nearest.view(torch.int16) + step).view(SCALE_DTYPE).clamp_(min=FP32_TINY)
+            err = self.error(candidate)
+            better = err < best_err
+            best, best_err = torch.where(better, candidate, best), torch.where(better, err, best_err)
+        return best
+
+
+def nearest_scales(amax: torch.Tensor) -> torch.Tensor:
+    """bf16 amax / 7 (computed in fp32), at least the smallest normal; a zero amax's 1.0."""
     nearest = (amax / GRID_MAX).to(SCALE_DTYPE).clamp_(min=FP32_TINY)
-    return closest_neighbour(w, torch.where(amax == 0, torch.ones_like(nearest), nearest), group)
+    return torch.where(amax == 0, torch.ones_like(nearest), nearest)
 
 
-def closest_neighbour(w: torch.Tensor, nearest: torch.Tensor, group: int) -> torch.Tensor:
-    """Per group, of bf16 scales `nearest` and its two bf16 neighbours, the one whose codes decode
-    closest to w (least squared error, the values in bf16 as the engines and compressed-tensors
-    decode), `nearest` on a tie. A decoded INT4 weight so re-quantizes to its own scales: amax / 7
-    of a group decoded in bf16 misses its scale by an ulp in about one group in nine (7 x scale
-    rounded to bf16, divided by 7, rounded again), where its own scale decodes it exactly."""
-    best, best_err = nearest, _group_error(w, nearest, group)
-    for step in (-1, 1):
-        candidate = (nearest.view(torch.int16) + step).view(SCALE_DTYPE).clamp_(min=FP32_TINY)
-        err = _group_error(w, candidate, group)
-        better = err < best_err
-        best, best_err = torch.where(better, candidate, best), torch.where(better, err, best_err)
-    return best
+def int4_scales(w: torch.Tensor, group: int) -> torch.Tensor:
+    """bf16 scales [..., in/group] of w [..., in]: each group's amax / 7 rounded to bf16 (a zero
+    group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises ValueError
+    for NaN or infinity."""
+    groups = _Groups(w, group)
+    return groups.closest_neighbour(nearest_scales(groups.amax()))
 
 
 def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 codes [..., in] in [-7, 7] of w [..., in] under its group scales [..., in/group]: the
     quotient in w's dtype where it is bf16 or fp32 (else fp32), rounded half to even, clamped."""
-    group = w.shape[-1] // scales.shape[-1]
-    x = w if w.dtype in (torch.bfloat16, torch.float32) else w.float()
-    quotient = _as_groups(x, group) / scales.to(x.dtype).unsqueeze(-1)
-    return quotient.round_().clamp_(-GRID_MAX, GRID_MAX).to(torch.int8).reshape(w.shape)
+    return _Groups(w, w.shape[-1] // scales.shape[-1]).codes(scales).to(torch.int8).reshape(w.shape)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -103,22 +134,19 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def int4_mse_scales(w: torch.Tensor, group: int) -> torch.Tensor:
-    """bf16 group scales of least squared error for w [..., in]: each group's own choice among
-    max's scale times MSE_FACTORS (max's first, so a tie keeps it), errors summed in float64."""
-    best = int4_scales(w, group)
-    best_err = _group_error(w, best, group)
+    """bf16 group scales of least squared error for w [..., in]: each group's own choice among max's
+    scale (`int4_scales`) and amax x MSE_FACTORS[1:] / 7 rounded to bf16, in that order, so a tie
+    keeps max's."""
+    groups = _Groups(w, group)
+    amax = groups.amax()
+    best = groups.closest_neighbour(nearest_scales(amax))
+    best_err = groups.error(best)
     for factor in MSE_FACTORS[1:]:
-        scales = int4_scales(w, group, factor)
-        err = _group_error(w, scales, group)
+        scales = nearest_scales(amax * factor)
+        err = groups.error(scales)
         better = err < best_err
         best, best_err = torch.where(better, scales, best), torch.where(better, err, best_err)
     return best
-
-
-def _group_error(w: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """float64 [..., in/group]: each group's squared error, its values decoded in bf16."""
-    values = _values(int4_codes(w, scales), scales, SCALE_DTYPE)
-    return (_as_groups(values.double() - w.double(), group)).square_().sum(-1)
 
 
 class Int4Columns:
