@@ -11,7 +11,7 @@ from eprt.quant.formats import WEIGHT_FORMATS, by_ct_format, by_modelopt_weight_
 from eprt.quant.numerics import abs_amax
 from eprt.quant.recipe import FORMATS, parse_recipe
 
-OUT, IN = 32, 64
+OUT, IN = 32, 128  # whole groups of every format (INT4: 128)
 
 
 def quantized(fmt, w: torch.Tensor, mse: bool = False) -> dict[str, torch.Tensor]:
@@ -66,18 +66,23 @@ def test_the_checkers_tell_the_formats_apart():
     """The checkers find a module's format by its ModelOpt tensors (the weight's dtype, the rank of
     its first scale, and its leaves: NVFP4 and NVFP4 weights only differ by input_scale, which the
     checks look up by the quant_algo the configs declare), its quant_algo and its compressed-tensors
-    config group (format name, weights' strategy, quantized inputs or not): each must name one format."""
-    signs = {(f.modelopt_weight_dtype, f.modelopt_scale_rank, f.modelopt_leaves) for f in WEIGHT_FORMATS.values()}
-    assert len(signs) == len(WEIGHT_FORMATS)
-    for fmt in WEIGHT_FORMATS.values():
+    config group (format name, weights' strategy, quantized inputs or not, group size): each must name
+    one format. The ModelOpt signs only among the formats the ModelOpt layout holds."""
+    modelopt = [f for f in WEIGHT_FORMATS.values() if f.modelopt_layout]
+    signs = {(f.modelopt_weight_dtype, f.modelopt_scale_rank, f.modelopt_leaves) for f in modelopt}
+    assert len(signs) == len(modelopt)
+    for fmt in modelopt:
         assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype, fmt.modelopt_scale_rank, [fmt]) is fmt
         assert by_quant_algo(fmt.quant_algo) is fmt
-        assert by_ct_format(fmt.ct_format, fmt.ct_strategy, fmt.modelopt_input_group() is not None) is fmt
+    for fmt in WEIGHT_FORMATS.values():
+        inputs = fmt.modelopt_input_group() is not None
+        assert by_ct_format(fmt.ct_format, fmt.ct_strategy, inputs, fmt.group_size) is fmt
 
 
 def test_a_recipe_names_a_registered_format_or_none():
     assert FORMATS == (*WEIGHT_FORMATS, "none")
     with pytest.raises(
-        ConfigError, match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, none"
+        ConfigError,
+        match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, int4, int4_g32, w4a8, none",
     ):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

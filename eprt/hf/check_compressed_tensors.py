@@ -27,6 +27,7 @@ QUANTIZED_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in (*f.ct_lea
 PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
+WEIGHT_SHAPE = "weight_shape"  # pack-quantized's [out, in] of the packed weight
 # Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.
 SAME_INPUT = (
     ("q_proj", "k_proj", "v_proj"),
@@ -118,23 +119,30 @@ def _parse_config(qc: dict, problems: list[str]):
     by_format: dict[WeightFormat, list[str]] = defaultdict(list)
     for name, group in parsed.config_groups.items():
         ct_format = group.format or parsed.format
-        fmt = by_ct_format(ct_format, getattr(group.weights, "strategy", None), group.input_activations is not None)
+        fmt = by_ct_format(
+            ct_format,
+            getattr(group.weights, "strategy", None),
+            group.input_activations is not None,
+            getattr(group.weights, "group_size", None),
+        )
         where = f"config.json quantization_config.config_groups.{name}"
         if fmt is None:
             problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
             continue
         bits = fmt.num_bits
         w = group.weights
+        kind = fmt.ct_weight_type
         if (
             w is None
             or w.num_bits != bits
-            or w.type != "float"
+            or w.type != kind
             or (fmt.group_size is not None and w.group_size != fmt.group_size)
         ):
-            problems.append(f"{where}.weights: not the {bits}-bit float weights of {ct_format}")
-        a = group.input_activations
-        if fmt.modelopt_input_group() is not None and (a is None or a.num_bits != bits or a.type != "float"):
-            problems.append(f"{where}.input_activations: not the {bits}-bit float inputs of {ct_format}")
+            size = f" in groups of {fmt.group_size}" if fmt.group_size is not None else ""
+            problems.append(f"{where}.weights: not the {bits}-bit {kind} weights{size} of {ct_format} ({fmt.name})")
+        a, want = group.input_activations, fmt.modelopt_input_group()
+        if want is not None and (a is None or a.num_bits != want["num_bits"] or a.type != want["type"]):
+            problems.append(f"{where}.input_activations: not the {want['num_bits']}-bit float inputs of {fmt.name}")
         by_format[fmt] += group.targets
     if len(by_format) > 1 and parsed.format != "mixed-precision":
         problems.append(
@@ -214,9 +222,24 @@ def _check_module(module: str, fmt: WeightFormat, tensors: dict, problems: list[
                 problems.append(
                     f"{module}.{fmt.block_scale_leaf}: {grid.bad_block_scales} block scale(s) zero, negative or NaN"
                 )
+    _check_weight_shape(module, fmt, tensors, problems)
     extra = {n.rpartition(".")[2] for n in tensors if n.rpartition(".")[0] == module} - set(fmt.ct_leaves) - {"bias"}
     for leaf in sorted(extra & QUANTIZED_LEAVES):
         problems.append(f"{module}.{leaf}: not part of a {fmt.ct_format} module")
+
+
+def _check_weight_shape(module: str, fmt: WeightFormat, tensors: dict, problems: list[str]) -> None:
+    """A pack-quantized Linear's weight_shape: the [out, in] its packed weight holds, which the
+    library unpacks to (a wrong one cuts or pads every row)."""
+    packed, shape = tensors.get(f"{module}.{fmt.ct_weight_leaf}"), tensors.get(f"{module}.{WEIGHT_SHAPE}")
+    if WEIGHT_SHAPE not in fmt.ct_leaves or packed is None or shape is None or len(packed.shape) != 2:
+        return
+    want = [packed.shape[0], fmt.in_dim_of_stored(packed.shape[1])]
+    if shape.ints is None or list(shape.ints) != want:
+        got = list(shape.ints) if shape.ints is not None else f"{shape.dtype} {list(shape.shape)}"
+        problems.append(
+            f"{module}.{WEIGHT_SHAPE}: {got}, its {fmt.ct_weight_leaf} {list(packed.shape)} holds a weight {want}"
+        )
 
 
 def _value(tensors: dict, name: str):

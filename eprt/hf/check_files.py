@@ -24,6 +24,7 @@ from eprt.storage.paths import resolve_inside
 SCALE_LEAVES = {
     leaf for f in WEIGHT_FORMATS.values() for leaves in (f.modelopt_leaves, tuple(f.ct_leaves)) for leaf in leaves[1:]
 } | set(KV_SCALES)
+SMALL_INTS = 8  # an integer "scale" leaf this small is read whole: a packed weight's weight_shape
 
 
 @dataclass
@@ -33,6 +34,7 @@ class StoredTensor:
     value: float | None = None  # one-element scales: the value
     bad_block_scales: int = 0  # block-scale grids: how many are zero, negative or NaN
     block_range: tuple[float, float] | None = None  # block-scale grids: the smallest and largest valid scale
+    ints: tuple[int, ...] | None = None  # small integer tensors (a packed weight's weight_shape): the values
 
 
 def read_json(path: Path, problems: list[str]) -> dict | None:
@@ -134,7 +136,9 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
             t = StoredTensor(piece.get_dtype(), tuple(piece.get_shape()))
             leaf = name.rsplit(".", 1)[-1]
             if leaf in SCALE_LEAVES:
-                if math.prod(t.shape) == 1:
+                if t.dtype in ("I32", "I64") and math.prod(t.shape) <= SMALL_INTS:
+                    t.ints = tuple(int(v) for v in f.get_tensor(name).reshape(-1).tolist())
+                elif math.prod(t.shape) == 1:
                     t.value = f.get_tensor(name).float().item()
                 elif t.dtype == "F8_E4M3":
                     raw = f.get_tensor(name).view(torch.uint8)
@@ -145,7 +149,7 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
                     if valid.numel():  # positive E4M3 codes order as their values
                         codes = torch.stack([valid.min(), valid.max()]).view(torch.float8_e4m3fn).float()
                         t.block_range = (codes[0].item(), codes[1].item())
-                elif t.dtype == "F32":  # an fp32 block-scale grid (FP8 block)
+                elif t.dtype in ("F32", "BF16"):  # an fp32 (FP8 block) or bf16 (INT4) block-scale grid
                     grid = f.get_tensor(name)
                     bad = ~((grid > 0) & grid.isfinite())
                     t.bad_block_scales = int(bad.sum())

@@ -74,6 +74,8 @@ def quantization_config(
     for i, fmt in enumerate(sorted(formats, key=lambda f: f.name)):
         scheme = preset_name_to_scheme(fmt.ct_preset, targets[fmt])
         scheme.format = fmt.ct_format
+        if fmt.group_size is not None and scheme.weights.group_size != fmt.group_size:  # INT4 in groups of 32
+            scheme.weights = scheme.weights.model_copy(update={"group_size": fmt.group_size})
         groups[f"group_{i}"] = scheme
     kv_format = kv_cache_format(kv_cache)
     kv = QuantizationArgs(**kv_format.ct_args) if kv_format is not None else None

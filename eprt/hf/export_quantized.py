@@ -25,7 +25,7 @@ from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
-from eprt.quant.formats import WeightFormat
+from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.formats.base import CT_SCALAR
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import Recipe, parse_recipe
@@ -74,6 +74,8 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        if layout == "modelopt":
+            refuse_modelopt_layout(formats, ck.path)
         self.scales = Scales.of_checkpoint(
             ck, formats, self.record, {m: self.recipe.algorithm_of(m) for m in self.quantized}
         )
@@ -323,6 +325,18 @@ class QuantizedExport:
             qc["kv_cache_scheme"] = dict(kv.modelopt_scheme)
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def refuse_modelopt_layout(formats: dict[str, str], where: str) -> None:
+    """Refuse, before any output, a ModelOpt-layout export of a module whose format has none (INT4)."""
+    for module, name in formats.items():
+        fmt = weight_format(name)
+        if not fmt.modelopt_layout:
+            raise ConfigError(
+                f"{where}: {module} is quantized in {fmt.name} ({fmt.quant_algo}), which eprt writes in the "
+                "compressed-tensors layout only (ModelOpt's INT4 layout is its AWQ one, with a pre_quant_scale "
+                "and two output channels a byte); export it with --format compressed-tensors"
+            )
 
 
 def layer_prefix(name: str) -> str:

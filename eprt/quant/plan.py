@@ -542,7 +542,7 @@ def fitting_ep(shape: RunShape, num_experts: int, fits) -> int | None:
     return next((e for e in valid_ep(shape.world, num_experts or None) if e > shape.ep and fits(e)), None)
 
 
-CODE_PROBE = 64  # weights encoded to measure a format's codes: whole blocks of every format
+CODE_PROBE = 128  # weights encoded to measure a format's codes: whole blocks of every format (INT4: 128)
 
 
 @functools.cache

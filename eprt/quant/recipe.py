@@ -5,6 +5,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
     name: nvfp4_experts_only
     quantize:                      # the first pattern that matches a module decides
       - {pattern: "*.experts", format: nvfp4, algorithm: mse}
+      - {pattern: "*.mlp.*", format: int4, group_size: 32}
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
@@ -13,6 +14,9 @@ Different patterns may give different formats (mixed precision: NVFP4 experts, F
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
 layer's routed experts are one module (`model.layers.3.mlp.experts`). Whatever a recipe says,
 a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unquantized.
+
+A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
+or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
 
 A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'):
 `max` (from the weight's amax) or `mse` (a search for the least squared quantization error).
@@ -34,7 +38,7 @@ from typing import NamedTuple
 import yaml
 
 from eprt.errors import ConfigError
-from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_group_size
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 
 # Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
@@ -44,7 +48,7 @@ KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
 ALGORITHMS = ("max", "mse", "gptq")
-RULE_KEYS = ("pattern", "format", "algorithm")
+RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 
 
@@ -105,6 +109,21 @@ def check_algorithm(algorithm, where: str) -> None:
         raise ConfigError(f"{where} {algorithm!r}: unknown algorithm; choose one of {', '.join(ALGORITHMS)}")
 
 
+def grouped(fmt: str, group_size, where: str) -> str:
+    """The registered name of format `fmt` in groups of `group_size` (a rule's `group_size:`)."""
+    sizes = group_sizes(fmt) if fmt != "none" else []
+    if not sizes:
+        raise ConfigError(f"{where} group_size: format {fmt!r} has no groups to size; drop group_size from the rule")
+    found = (
+        with_group_size(fmt, group_size) if isinstance(group_size, int) and not isinstance(group_size, bool) else None
+    )
+    if found is None:
+        raise ConfigError(
+            f"{where} group_size {group_size!r}: {fmt} comes in groups of {' or '.join(map(str, sizes))}; choose one"
+        )
+    return found.name
+
+
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
     """`algorithm`: what a rule that names none gets (default ALGORITHMS[0])."""
     default = ALGORITHMS[0] if algorithm is None else algorithm
@@ -120,12 +139,13 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
         if not isinstance(r, dict) or not set(REQUIRED_RULE_KEYS) <= set(r):
             raise ConfigError(
                 f"{source}: quantize[{i}] must be {{pattern: GLOB, format: {'|'.join(FORMATS)}"
-                f"[, algorithm: {'|'.join(ALGORITHMS)}]}}"
+                f"[, algorithm: {'|'.join(ALGORITHMS)}][, group_size: N]}}"
             )
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
         check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
-        rules.append(Rule(str(r["pattern"]), r["format"], r.get("algorithm", default)))
+        fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
+        rules.append(Rule(str(r["pattern"]), fmt, r.get("algorithm", default)))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
             f"{source}: a recipe quantizes with at least one format, found none; "

@@ -296,7 +296,7 @@ def unignore(entry):
         (scale_times(f"{Q}.weight_global_scale", -1), None, f"{Q}.weight_global_scale"),
         (None, unignore("lm_head"), "lm_head: its config group is nvfp4-pack-quantized"),
         (None, lambda qc: qc.update(quantization_status="frozen"), "quantization_status"),
-        (None, lambda qc: qc["config_groups"]["group_0"].update(format="pack-quantized"), "group_0.format"),
+        (None, lambda qc: qc["config_groups"]["group_0"].update(format="naive-quantized"), "group_0.format"),
     ],
 )
 def test_check_names_the_fault(ct_export, tmp_path, edit_tensors, edit_config, fault):

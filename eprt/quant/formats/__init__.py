@@ -13,15 +13,36 @@ from eprt.quant.formats.base import WeightFormat
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.fp8_block import FP8_BLOCK
 from eprt.quant.formats.fp8_channel import FP8_CHANNEL
+from eprt.quant.formats.int4 import INT4, INT4_G32
 from eprt.quant.formats.nvfp4 import NVFP4
 from eprt.quant.formats.nvfp4_a16 import NVFP4_A16
+from eprt.quant.formats.w4a8 import W4A8
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16)}
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8)
+}
 
 
 def weight_format(name: str) -> WeightFormat:
     """The format a recipe names `name` (the recipe loader has refused any other)."""
     return WEIGHT_FORMATS[name]
+
+
+def with_group_size(name: str, group_size: int) -> WeightFormat | None:
+    """Format `name` in groups of `group_size` along the input dim (a recipe rule's `group_size:`): itself
+    where those are its groups, else the registered format of the same kind in such groups (`int4` in
+    groups of 32 is `int4_g32`), else None."""
+    fmt = WEIGHT_FORMATS[name]
+    return next(
+        (f for f in WEIGHT_FORMATS.values() if f.group_size == group_size and type(f) is type(fmt)),
+        None,
+    )
+
+
+def group_sizes(name: str) -> list[int]:
+    """The groups format `name` comes in (a rule's `group_size:` choices): its own and its kind's."""
+    fmt = WEIGHT_FORMATS[name]
+    return sorted({f.group_size for f in WEIGHT_FORMATS.values() if type(f) is type(fmt) and f.group_size})
 
 
 def by_quant_algo(quant_algo) -> WeightFormat | None:
@@ -39,15 +60,17 @@ def by_modelopt_weight_dtype(
     return next((f for f in candidates if f.modelopt_scale_rank == scale_rank), next(iter(candidates), None))
 
 
-def by_ct_format(ct_format, strategy: str | None = None, inputs: bool = True) -> WeightFormat | None:
+def by_ct_format(
+    ct_format, strategy: str | None = None, inputs: bool = True, group_size: int | None = None
+) -> WeightFormat | None:
     """The format compressed-tensors calls `ct_format` (float-quantized, ...), or None; of several of
-    one `format` (FP8, FP8 block, FP8 per channel; NVFP4 and NVFP4 weights only), the one whose
-    weights' `strategy` (tensor, block, channel) it is and that quantizes `inputs` or not, else the first."""
+    one `format` (FP8, FP8 block, FP8 per channel; NVFP4 and NVFP4 weights only; INT4 in groups of
+    128 or 32, W4A8), the one whose weights' `strategy` (tensor, block, channel, group) it is, that
+    quantizes `inputs` or not and whose groups are `group_size`, else such a one in other groups,
+    else the first."""
     candidates = [f for f in WEIGHT_FORMATS.values() if f.ct_format == ct_format]
-    return next(
-        (f for f in candidates if f.ct_strategy == strategy and (f.modelopt_input_group() is not None) == inputs),
-        next(iter(candidates), None),
-    )
+    fitting = [f for f in candidates if f.ct_strategy == strategy and (f.modelopt_input_group() is not None) == inputs]
+    return next((f for f in fitting if f.group_size == group_size), next(iter(fitting), next(iter(candidates), None)))
 
 
 def by_ct_weight(leaves: set[str], header_of, prefer: WeightFormat | None = None) -> WeightFormat | None:

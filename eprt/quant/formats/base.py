@@ -49,9 +49,15 @@ class WeightFormat:
     # expert's w13, are quantized apart, each in its own blocks, as the releases store them
     blocks_span_rows: bool = False
     algorithms: tuple[str, ...] = ("max", "mse", "gptq")  # the recipe algorithms it implements
+    # its scales need calibrated statistics (a static input scale); False: weight-only or inputs the
+    # engine scales at run time, whose scales come from the weights alone
+    uses_activation_statistics: bool = True
+    # the ModelOpt layout (`eprt-export --format modelopt`) writes it; False: compressed-tensors' only
+    modelopt_layout: bool = True
     ct_preset: str  # compressed-tensors' preset scheme
     ct_format: str  # compressed-tensors' compression format
-    ct_strategy: str  # its weights' strategy: tensor, tensor_group, block, channel
+    ct_strategy: str  # its weights' strategy: tensor, tensor_group, block, channel, group
+    ct_weight_type: str = "float"  # its weights' type in a config group: float or int
     ct_weight_scale_leaf: str | None  # None: the format has no per-tensor scale
     ct_input_scale_leaf: str | None  # None: no static input scale (dynamic or unquantized inputs)
     ct_reciprocal: bool = False  # compressed-tensors stores the per-tensor scales as 1/scale

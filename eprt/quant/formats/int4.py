@@ -1,0 +1,243 @@
+"""Symmetric INT4 weights in groups along the input dim, inputs left in bf16 (W4A16): the format the
+Kimi releases ship their routed experts in (Kimi-K2-Thinking, K2.5: compressed-tensors
+`pack-quantized`, groups of 32), which vLLM and SGLang run with Marlin kernels on Ampere and
+Hopper (docs/export.md, 'INT4').
+
+The grid is the Kimi releases': codes -7..7 under a bf16 scale per group of about amax / 7 (the
+releases store bf16 scales; a zero group gets 1.0). A code is the quotient weight / scale rounded
+half to even and clamped, compressed-tensors' own rounding, so a code of -8 is never written; the
+quotient is taken in the weight's dtype (bf16 / bf16, as the library's quantizer divides), or in fp32
+for any other dtype. A value is code x scale, exact in fp32 (4 by 8 significant bits). A group's
+scale is amax / 7 rounded to bf16, or the bf16 neighbour of that under which the group decodes
+closer (`_Groups.closest_neighbour`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
+its own codes and scales in every group that reaches the code 7 or -7.
+
+Codes are stored as compressed-tensors packs them: eight a little-endian int32, element i of each
+eight in bits 4i..4i+3 as code + 8 (`weight_packed` [out, in/8]), with `weight_scale` [out, in/group]
+and `weight_shape` [out, in]. No calibrated statistic enters: the scales come from the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.e2m1 import pack_fp4, unpack_fp4
+from eprt.quant.numerics import FP32_TINY, check_finite
+
+GRID_MAX = 7  # codes are -7..7, the Kimi releases' symmetric grid
+OFFSET = 8  # a code is stored as code + 8, a nibble 1..15
+CODES_PER_WORD = 8  # 4-bit codes in one int32
+SCALE_DTYPE = torch.bfloat16  # the Kimi releases' weight_scale, as the engines read it
+# Scale factors (of max's amax / 7) the mse search tries per group, max's first: a tie keeps max's.
+MSE_FACTORS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.0 down to 0.5
+
+
+def _as_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+class _Groups:
+    """A weight [..., in] as groups [..., in/group, group], in the dtype its quotient is taken in
+    (bf16 or fp32 as it is, anything else widened to fp32) and, once asked, in fp32."""
+
+    def __init__(self, w: torch.Tensor, group: int):
+        self.x = _as_groups(w if w.dtype in (torch.bfloat16, torch.float32) else w.float(), group)
+
+    @functools.cached_property
+    def f32(self) -> torch.Tensor:
+        return self.x.float()
+
+    def amax(self) -> torch.Tensor:
+        """fp32 [..., in/group]; raises ValueError for NaN or infinity."""
+        amax = self.f32.abs().amax(dim=-1)
+        if amax.numel():
+            check_finite(amax.amax(), self.x.shape)
+        return amax
+
+    def codes(self, scales: torch.Tensor) -> torch.Tensor:
+        """The codes under `scales` [..., in/group], as floats in the quotient's dtype: rounded half
+        to even, clamped to the grid."""
+        return (self.x / scales.to(self.x.dtype).unsqueeze(-1)).round_().clamp_(-GRID_MAX, GRID_MAX)
+
+    def error(self, scales: torch.Tensor) -> torch.Tensor:
+        """fp32 [..., in/group]: each group's squared error, its values decoded in bf16 as the engines
+        and compressed-tensors decode (code x scale rounded to bf16)."""
+        values = self.codes(scales).float().mul_(scales.float().unsqueeze(-1)).to(SCALE_DTYPE).float()
+        return values.sub_(self.f32).square_().sum(-1)
+
+    def closest_neighbour(self, nearest: torch.Tensor) -> torch.Tensor:
+        """Per group, of bf16 scales `nearest` and its two bf16 neighbours, the one whose codes decode
+        closest to the weight (`error`), `nearest` on a tie. A decoded INT4 weight so re-quantizes to
+        its own scales: amax / 7 of a group decoded in bf16 misses its scale by an ulp in about one
+        group in nine (7 x scale rounded to bf16, divided by 7, rounded again), where its own scale
+        decodes it exactly."""
+        best, best_err = nearest, self.error(nearest)
+        for step in (-1, 1):
+            candidate = (nearest.view(torch.int16) + step).view(SCALE_DTYPE).clamp_(min=FP32_TINY)
+            err = self.error(candidate)
+            better = err < best_err
+            best, best_err = torch.where(better, candidate, best), torch.where(better, err, best_err)
+        return best
+
+
+def nearest_scales(amax: torch.Tensor) -> torch.Tensor:
+    """bf16 amax / 7 (computed in fp32), at least the smallest normal; a zero amax's 1.0."""
+    nearest = (amax / GRID_MAX).to(SCALE_DTYPE).clamp_(min=FP32_TINY)
+    return torch.where(amax == 0, torch.ones_like(nearest), nearest)
+
+
+def int4_scales(w: torch.Tensor, group: int) -> torch.Tensor:
+    """bf16 scales [..., in/group] of w [..., in]: each group's amax / 7 rounded to bf16 (a zero
+    group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises ValueError
+    for NaN or infinity."""
+    groups = _Groups(w, group)
+    return groups.closest_neighbour(nearest_scales(groups.amax()))
+
+
+def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [..., in] in [-7, 7] of w [..., in] under its group scales [..., in/group]: the
+    quotient in w's dtype where it is bf16 or fp32 (else fp32), rounded half to even, clamped."""
+    return _Groups(w, w.shape[-1] // scales.shape[-1]).codes(scales).to(torch.int8).reshape(w.shape)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int32 [..., in/8] of int8 codes [..., in], as compressed-tensors' `pack_to_int32` packs them
+    (eight a word, the first in the lowest bits: two a byte, little-endian)."""
+    return pack_fp4((codes + OFFSET).to(torch.uint8)).view(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int8 codes [..., 8n] of int32 packed [..., n]; inverse of `pack_int4`."""
+    return unpack_fp4(packed.contiguous().view(torch.uint8)).to(torch.int8) - OFFSET
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [..., in] from (packed int32 [..., in/8], scales [..., in/group]): code x scale in fp32 (exact),
+    returned as `dtype`."""
+    codes = unpack_int4(packed)
+    if scales.dim() != codes.dim() or scales.shape[:-1] != codes.shape[:-1] or codes.shape[-1] % scales.shape[-1]:
+        raise ValueError(
+            f"INT4 group scales {list(scales.shape)} do not fit packed weight {list(packed.shape)} "
+            f"({codes.shape[-1]} inputs a row)"
+        )
+    return _values(codes, scales, dtype)
+
+
+def _values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """code x its group's scale, in fp32 (exact), returned as `dtype`."""
+    group = codes.shape[-1] // scales.shape[-1]
+    values = _as_groups(codes.float(), group) * scales.float().unsqueeze(-1)
+    return values.reshape(codes.shape).to(dtype)
+
+
+def int4_mse_scales(w: torch.Tensor, group: int) -> torch.Tensor:
+    """bf16 group scales of least squared error for w [..., in]: each group's own choice among max's
+    scale (`int4_scales`) and amax x MSE_FACTORS[1:] / 7 rounded to bf16, in that order, so a tie
+    keeps max's."""
+    groups = _Groups(w, group)
+    amax = groups.amax()
+    best = groups.closest_neighbour(nearest_scales(amax))
+    best_err = groups.error(best)
+    for factor in MSE_FACTORS[1:]:
+        scales = nearest_scales(amax * factor)
+        err = groups.error(scales)
+        better = err < best_err
+        best, best_err = torch.where(better, scales, best), torch.where(better, err, best_err)
+    return best
+
+
+class Int4Columns:
+    """GPTQ's columns in INT4, for a stack of original weights w [L, out, in]: the group scales fixed
+    from w (the export's), column j rounded under its group's scale by the export's rule."""
+
+    def __init__(self, w: torch.Tensor, group: int):
+        self.group = group
+        self.scales = int4_scales(w, group)
+        self.step = self.scales.float()
+
+    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+        step = self.step[:, :, j // self.group]
+        return (col_LO.float() / step).round_().clamp_(-GRID_MAX, GRID_MAX) * step
+
+    def encode(self, q: torch.Tensor) -> torch.Tensor:
+        """Packed codes (int32 [L, out, in/8]) of GPTQ's weights: each an exact multiple of its scale."""
+        return pack_int4(int4_codes(q.float(), self.scales))
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        return dequantize_int4(packed, self.scales)
+
+
+class Int4(WeightFormat):
+    """INT4 codes in groups of `group_size` along the input dim with bf16 group scales; bf16 inputs.
+    Every group has its own scale, so nothing is shared by fused Linears."""
+
+    quant_algo = "W4A16"  # compressed-tensors' scheme name; ModelOpt has no plain INT4 layout eprt writes
+    num_bits = 4
+    block_scale_leaf = "weight_scale"
+    rounds_in_weight_dtype = True  # as compressed-tensors' quantizer divides a bf16 weight
+    uses_activation_statistics = False
+    modelopt_layout = False
+    weight_scale_leaf = None
+    ct_preset, ct_format = "W4A16", "pack-quantized"
+    ct_strategy = "group"
+    ct_weight_type = "int"
+    ct_weight_scale_leaf = ct_input_scale_leaf = None
+    largest_input = None
+
+    def __init__(self, name: str, group_size: int):
+        self.name, self.group_size = name, group_size
+
+    def scale(self, amax) -> torch.Tensor:
+        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
+        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+
+    def group_scales(self, w: torch.Tensor, mse: bool) -> torch.Tensor:
+        return int4_mse_scales(w, self.group_size) if mse else int4_scales(w, self.group_size)
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        scales = self.group_scales(w, mse)
+        return {"weight": pack_int4(int4_codes(w, scales)), "weight_scale": scales}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int4(t["weight"], t["weight_scale"], dtype)
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x  # the engine computes with the inputs as they come
+
+    def columns(self, w: torch.Tensor, scales: torch.Tensor) -> Int4Columns:
+        return Int4Columns(w, self.group_size)
+
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        # what `quantize` returns; no ModelOpt layout is written (`modelopt_layout`)
+        return {
+            "weight": (torch.int32, (out_dim, in_dim // CODES_PER_WORD)),
+            "weight_scale": (SCALE_DTYPE, (out_dim, in_dim // self.group_size)),
+        }
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {
+            "weight_packed": (torch.int32, (out_dim, in_dim // CODES_PER_WORD)),
+            "weight_scale": (SCALE_DTYPE, (out_dim, in_dim // self.group_size)),
+            "weight_shape": (torch.int32, (2,)),
+        }
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        packed = t["weight"]
+        shape = torch.tensor([packed.shape[0], packed.shape[1] * CODES_PER_WORD], dtype=torch.int32)
+        return {"weight_packed": packed, "weight_scale": t["weight_scale"], "weight_shape": shape}
+
+    def in_dim_of_stored(self, stored_in_dim: int) -> int:
+        return CODES_PER_WORD * stored_in_dim
+
+    def modelopt_input_group(self) -> dict | None:
+        return None
+
+    def largest_code(self, largest_block: float | None) -> float:
+        return GRID_MAX
+
+
+INT4 = Int4("int4", 128)
+INT4_G32 = Int4("int4_g32", 32)  # the Kimi releases' groups

@@ -1,0 +1,268 @@
+"""INT4 weights (`format: int4`, `int4_g32`: W4A16) and W4A8 (`format: w4a8`) against references nobody here wrote.
+
+- The numerics: compressed-tensors' own quantizer, given eprt's group scales, encodes a weight to
+  eprt's codes, its `pack_to_int32` packs them to eprt's words, and its unpacking and dequantization
+  give eprt's values; the scales are the Kimi releases' grid (amax / 7 in bf16, codes -7..7).
+- The compressed-tensors layout, for RTN in groups of 128, GPTQ in groups of 32 and W4A8: its config
+  parses with the library's classes as the W4A16 / W4AFP8 schemes, the library decompresses every
+  module to eprt's dequantized values exactly, and transformers loads the INT4 and the W4A8 export on
+  CPU with every quantized weight, routed experts included, equal to eprt's dequantization.
+- A Kimi INT4 source (the tiny one, made by the library's compressor), converted and re-quantized by
+  RTN in groups of 32, gives back its own codes and scales in every group on the Kimi grid that
+  reaches its extreme code, 7 or -7.
+- eprt-check passes each export, names exactly the source's tensors, and refuses a zero, a NaN, a
+  subnormal and a misshapen group scale; the ModelOpt layout is refused by name.
+- A rule's `group_size` picks the groups; the export is the same bytes from two ranks at ep 2.
+"""
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from eprt.errors import ConfigError
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.formats.int4 import INT4, INT4_G32, dequantize_int4, int4_codes, int4_scales, pack_int4, unpack_int4
+from eprt.quant.formats.w4a8 import W4A8
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import parse_recipe
+from eprt.testing.tiny import make_tiny
+from tests.hf_utils import raw, read_hf_tensors
+from tests.multiproc import run_world
+from tests.test_format_fp8_block import broken_copy, set_first
+
+SAMPLES, SEQ_LEN = 2, 16
+# every quantized Linear's input dim a multiple of 128
+WIDE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32)
+CASES = {"int4": ("int4", "max"), "int4_g32-gptq": ("int4_g32", "gptq"), "w4a8": ("w4a8", "max")}
+KIMI_EXPERTS = {
+    "name": "kimi_experts_int4",
+    "quantize": [{"pattern": "*.experts", "format": "int4", "group_size": 32}, {"pattern": "*", "format": "none"}],
+}
+
+
+def ptq(state: ParallelState, ck: str, out: str, recipe: str, algorithm: str) -> None:
+    args = dict(calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False, algorithm=algorithm)
+    run_ptq(state, PTQArgs(ck, recipe, out, **args))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(source dir, eprt checkpoint, {case: (calibrated checkpoint, compressed-tensors export)})."""
+    d = tmp_path_factory.mktemp("int4")
+    hf = make_tiny("qwen3_moe", str(d / "hf"), **WIDE)
+    ck = convert_hf(hf, str(d / "ck"), progress=False)
+    out = {}
+    for case, (recipe, algorithm) in CASES.items():
+        q = str(d / case)
+        ptq(ParallelState.single(), ck, q, recipe, algorithm)
+        out[case] = (q, export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"))
+    return hf, ck, out
+
+
+def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = torch.randn(2, 24, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w[1, 3, :128] = 0  # zero groups: scale 1, codes 0
+    for group in (128, 32):
+        args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=True)
+        scales = int4_scales(w, group)
+        codes = int4_codes(w, scales)
+        assert codes.abs().max() == 7 and scales[1, 3, 0] == 1 and not codes[1, 3, :128].any()
+        # the Kimi grid: amax / 7 in bf16, or the bf16 neighbour of it the library decodes closer
+        amax = w.float().abs().reshape(2, 24, -1, group).amax(-1)
+        nearest = torch.where(amax == 0, 1.0, amax / 7).bfloat16()
+        errors = []
+        for step in (0, 1, -1):
+            s = (nearest.view(torch.int16) + step).view(torch.bfloat16)
+            zero = torch.zeros_like(s[0])
+            values = torch.stack(
+                [dequantize(quantize(w[e], s[e], zero, args, dtype=torch.int8), s[e], args=args) for e in range(2)]
+            )
+            errors.append((values.double() - w.double()).reshape(*s.shape, group).square().sum(-1))
+        step = (scales.view(torch.int16) - nearest.view(torch.int16)).long()
+        assert step.abs().max() <= 1
+        errors = torch.stack(errors)  # by step 0, 1, -1: index step % 3
+        least = errors.amin(0)
+        assert torch.equal(errors.gather(0, (step % 3)[None])[0], least)
+        assert (step == 0)[errors[0] == least].all()  # a tie keeps amax / 7
+        for e in range(2):
+            theirs = quantize(w[e], scales[e], torch.zeros_like(scales[e]), args, dtype=torch.int8)
+            assert torch.equal(theirs, codes[e])
+            packed = pack_int4(codes[e])
+            assert raw(pack_to_int32(codes[e], 4)) == raw(packed)
+            assert torch.equal(unpack_from_int32(packed, 4, torch.Size(w[e].shape)), unpack_int4(packed))
+            values = dequantize(unpack_from_int32(packed, 4, torch.Size(w[e].shape)), scales[e], args=args)
+            assert torch.equal(values, dequantize_int4(packed, scales[e], torch.bfloat16))
+        # mse: each group's error never above max's, below it somewhere
+        errors = []
+        for mse in (False, True):
+            t = (INT4 if group == 128 else INT4_G32).quantize(w, INT4.scale(0.0), mse)
+            values = dequantize_int4(t["weight"], t["weight_scale"], torch.bfloat16).double()
+            errors.append((values - w.double()).reshape(*scales.shape, group).square().sum(-1))
+        assert (errors[1] <= errors[0]).all() and (errors[1] < errors[0]).any()
+    # W4A8's inputs: FP8 per token at run time, as the W4AFP8 scheme's input activations
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)) * 3
+    inputs = preset_name_to_scheme("W4AFP8", ["Linear"]).input_activations
+    scale, zero = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), inputs)
+    assert torch.equal(W4A8.fake_quantize_input(x, None), fake_quantize(x, scale, zero, inputs))
+    assert INT4.fake_quantize_input(x, None) is x
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compressed_tensors_decompresses_every_module_to_eprts_values(model, case):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    hf, _, exports = model
+    ct = exports[case][1]
+    qc = QuantizationConfig.model_validate(json.loads(Path(ct, "config.json").read_text())["quantization_config"])
+    (scheme,) = qc.config_groups.values()
+    w, a = scheme.weights, scheme.input_activations
+    assert (qc.format, w.type, w.num_bits, w.strategy, w.symmetric) == ("pack-quantized", "int", 4, "group", True)
+    assert w.group_size == (32 if "g32" in case else 128)
+    assert (a.type, a.num_bits, a.strategy, a.dynamic) == ("float", 8, "token", True) if case == "w4a8" else a is None
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    t, source = read_hf_tensors(ct), read_hf_tensors(hf)
+    modules = sorted(n[: -len(".weight_packed")] for n in t if n.endswith(".weight_packed"))
+    assert any(".experts." in m for m in modules) and any("self_attn" in m for m in modules)
+    for module in modules:
+        packed, scales = t[f"{module}.weight_packed"], t[f"{module}.weight_scale"]
+        assert t[f"{module}.weight_shape"].tolist() == list(source[f"{module}.weight"].shape), module
+        state = {leaf: t[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)}
+        decompressed = compressor.decompress(state, scheme)["weight"]
+        assert torch.equal(decompressed, dequantize_int4(packed, scales, torch.bfloat16)), module
+        if case != "int4_g32-gptq":  # RTN: the library's codes of the source weights under eprt's scales
+            theirs = quantize(source[f"{module}.weight"], scales, torch.zeros_like(scales), w, dtype=torch.int8)
+            assert torch.equal(theirs, unpack_int4(packed)), module
+
+
+@pytest.mark.parametrize("case", ["int4", "w4a8"])
+def test_transformers_loads_eprts_values(model, case):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    _, _, exports = model
+    ct = exports[case][1]
+    loaded = AutoModelForCausalLM.from_pretrained(
+        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    t = read_hf_tensors(ct)
+
+    def eprt_value(module: str) -> torch.Tensor:
+        return dequantize_int4(t[f"{module}.weight_packed"], t[f"{module}.weight_scale"], torch.bfloat16)
+
+    experts = {n.rsplit(".", 3)[0] for n in t if ".experts." in n}
+    assert experts
+    for moe in experts:
+        held = loaded.get_submodule(moe)
+        width = held.gate_up_proj.shape[1] // 2
+        for e in range(held.gate_up_proj.shape[0]):
+            assert torch.equal(held.gate_up_proj[e, :width], eprt_value(f"{moe}.{e}.gate_proj"))
+            assert torch.equal(held.gate_up_proj[e, width:], eprt_value(f"{moe}.{e}.up_proj"))
+            assert torch.equal(held.down_proj[e], eprt_value(f"{moe}.{e}.down_proj"))
+    dense = {n[: -len(".weight_packed")] for n in t if n.endswith(".weight_packed") and ".experts." not in n}
+    for module in sorted(dense):
+        assert torch.equal(loaded.get_submodule(module).weight, eprt_value(module)), module
+
+
+def test_a_kimi_int4_source_requantizes_to_its_own_codes_and_scales(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    hf = make_tiny(
+        "deepseek_v3", str(tmp_path / "hf"), source_format="int4", model_type="kimi_k2", num_nextn_predict_layers=0
+    )
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    (tmp_path / "r.yaml").write_text(json.dumps(KIMI_EXPERTS))
+    q = str(tmp_path / "q")
+    ptq(ParallelState.single(), ck, q, str(tmp_path / "r.yaml"), "max")
+    ours, source = (
+        read_hf_tensors(export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors")),
+        read_hf_tensors(hf),
+    )
+    assert check_export(q + "-ct", hf) == []
+    modules = sorted(n[: -len(".weight_packed")] for n in source if n.endswith(".weight_packed"))
+    assert modules and all(".experts." in m for m in modules)
+    kept = 0
+    for module in modules:
+        codes = unpack_int4(source[f"{module}.weight_packed"]).reshape(*source[f"{module}.weight_scale"].shape, 32)
+        words = source[f"{module}.weight_packed"].reshape(codes.shape[0], codes.shape[1], 4)
+        # the groups on the Kimi grid (-7..7) that reach its extreme code: the library's min-max
+        # quantizer (amax / 7.5) leaves the others at -8 or short of 7
+        on_grid = (codes.amin(-1) >= -7) & (codes.abs().amax(-1) == 7)
+        ours_words = ours[f"{module}.weight_packed"].reshape(words.shape)
+        assert torch.equal(ours_words[on_grid], words[on_grid]), module
+        assert raw(ours[f"{module}.weight_scale"][on_grid]) == raw(source[f"{module}.weight_scale"][on_grid]), module
+        kept += int(on_grid.sum())
+    assert kept > 100
+
+
+def test_check_passes_every_export_with_the_sources_names(model):
+    hf, _, exports = model
+    for _, ct in exports.values():
+        assert check_export(ct, hf) == []
+
+
+@pytest.mark.parametrize(
+    "leaf, edit, fault",
+    [
+        ("weight_scale", set_first(0.0), "block scale(s) zero, negative or NaN"),
+        ("weight_scale", set_first(float("nan")), "block scale(s) zero, negative or NaN"),
+        ("weight_scale", set_first(1e-40), "subnormal"),
+        ("weight_scale", lambda t: t[:3].contiguous(), "expected"),
+        ("weight_shape", set_first(64), "[64, 128], its weight_packed [128, 16] holds a weight [128, 128]"),
+    ],
+)
+def test_check_refuses_a_corrupted_scale(model, tmp_path, leaf, edit, fault):
+    _, _, exports = model
+    name = f"model.layers.0.self_attn.q_proj.{leaf}"
+    problems = check_export(broken_copy(exports["int4"][1], tmp_path / "x", name, edit))
+    assert any(p.startswith(name) and fault in p for p in problems), problems
+
+
+def test_the_modelopt_layout_is_refused_by_name(model, tmp_path):
+    _, _, exports = model
+    with pytest.raises(ConfigError, match=r"q_proj is quantized in w4a8 \(W4AFP8\).*--format compressed-tensors"):
+        export_hf(exports["w4a8"][0], str(tmp_path / "modelopt"), progress=False)
+    assert not (tmp_path / "modelopt").exists()
+
+
+def test_a_rules_group_size_picks_the_groups():
+    def rule(**extra):
+        return parse_recipe({"quantize": [{"pattern": "*", **extra}]}, "r.yaml").rules[0].format
+
+    assert rule(format="int4") == rule(format="int4", group_size=128) == "int4"
+    assert rule(format="int4", group_size=32) == rule(format="int4_g32") == "int4_g32"
+    with pytest.raises(ConfigError, match=r"group_size 64: int4 comes in groups of 32 or 128; choose one"):
+        rule(format="int4", group_size=64)
+    with pytest.raises(ConfigError, match=r"format 'fp8' has no groups to size; drop group_size"):
+        rule(format="fp8", group_size=32)
+
+
+def _ptq_ep2(ck: str, out: str) -> None:
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        ptq(state, ck, out, "int4_g32", "gptq")
+
+
+def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
+    _, ck, exports = model
+    run_world(_ptq_ep2, 2, ck, str(tmp_path / "q"), timeout=300)
+    ours = export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False, fmt="compressed-tensors")
+    single = exports["int4_g32-gptq"][1]
+    names = sorted(os.listdir(single))
+    assert names == sorted(os.listdir(ours))
+    for n in names:
+        assert Path(single, n).read_bytes() == Path(ours, n).read_bytes(), n
