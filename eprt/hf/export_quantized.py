@@ -24,7 +24,7 @@ from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
-from eprt.quant.formats import WeightFormat
+from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.formats.base import CT_SCALAR
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import parse_recipe
@@ -71,6 +71,12 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        no_modelopt = sorted({f for f in formats.values() if not weight_format(f).writes_modelopt})
+        if layout == "modelopt" and no_modelopt:
+            raise ConfigError(
+                f"{ck.path}: quantized with {', '.join(no_modelopt)}, which the ModelOpt layout does not hold "
+                "(ModelOpt's export has no algorithm for it that engines read): export with --format compressed-tensors"
+            )
         self.scales = Scales.of_checkpoint(
             ck, formats, self.record, {m: self.recipe.algorithm_of(m) for m in self.quantized}
         )

@@ -57,6 +57,10 @@ class WeightFormat:
     ct_reciprocal: bool = False  # compressed-tensors stores the per-tensor scales as 1/scale
     # what input_scale stands for: the largest input code times the scale; None: no input_scale
     largest_input: float | None
+    # static input scales come of calibration; False for weight-only or dynamic-activation formats
+    uses_activation_statistics: bool = True
+    # ModelOpt's export has an algorithm for it that engines read; False: the ModelOpt layout is refused
+    writes_modelopt: bool = True
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:
@@ -142,6 +146,11 @@ class WeightFormat:
     def modelopt_scale_rank(self) -> int:
         """The rank of the ModelOpt layout's first scale (FP8's 0-dim weight_scale, a block grid's 2)."""
         return len(list(self.modelopt_tensors(1, 1).values())[1][1])
+
+    @property
+    def modelopt_scale_dtype(self) -> str:
+        """The safetensors dtype of the ModelOpt layout's first scale (FP8 block's F32 grid, MXFP8's U8 one)."""
+        return dtype_name(list(self.modelopt_tensors(1, 1).values())[1][0])
 
     @property
     def ct_leaves(self) -> dict[str, str]:
