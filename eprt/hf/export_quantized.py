@@ -71,6 +71,13 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        kv = kv_cache_format(self.recipe.kv_cache)
+        if layout == ct.NAME and kv is not None and kv.ct_args is None:
+            raise ConfigError(
+                f"{ck.path}: calibrated with --kv-cache {kv.name}, which the compressed-tensors layout has no "
+                f"KV-cache scheme for: export in the ModelOpt layout (without --format {ct.NAME}), or calibrate "
+                "with --kv-cache fp8"
+            )
         no_modelopt = sorted({f for f in formats.values() if not weight_format(f).writes_modelopt})
         if layout == "modelopt" and no_modelopt:
             raise ConfigError(
@@ -320,7 +327,9 @@ class QuantizedExport:
                 "producer": PRODUCER,
             }
         if kv is not None:
-            qc["kv_cache_scheme"] = dict(kv.modelopt_scheme)
+            qc["kv_cache_scheme"] = (
+                kv.modelopt_scheme if isinstance(kv.modelopt_scheme, str) else dict(kv.modelopt_scheme)
+            )
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
 
