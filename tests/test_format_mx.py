@@ -10,13 +10,17 @@
   transformers loads the MXFP4 export on CPU with every weight equal to eprt's dequantization. It
   cannot load MXFP8's routed experts: its expert loader folds a scale into an FP8 weight by a plain
   product, which fits per-tensor and per-channel scales, not E8M0 bytes per 32 elements.
-- A Kimi-K3 MXFP4 source, converted and quantized to MXFP4 again, exports its own bytes and scales.
+- A Kimi-K3 MXFP4 source, converted and quantized to MXFP4 again, exports its own bytes and scales;
+  quantized to NVFP4, its experts are re-encoded value for value: ModelOpt 0.47's closed-form cast
+  (`quantize_mxfp4_to_nvfp4_lossless`) gives the same bytes, and where a block lies beyond E4M3's
+  range of powers of two it is rounded, and counted in the calibration record and quality report.
 - eprt-check passes every export and refuses a NaN (byte 255) and a misshapen scale in each.
 - The MXFP8 export is the same bytes from two ranks at ep 2 as from one process.
 """
 
 import json
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,9 +33,11 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.formats import weight_format
+from eprt.quant.formats.e2m1 import pack_fp4
 from eprt.quant.formats.e8m0 import e8m0_values
-from eprt.quant.formats.mxfp4 import mxfp4_scales
+from eprt.quant.formats.mxfp4 import dequantize_mxfp4, mxfp4_scales
 from eprt.quant.formats.mxfp8 import dequantize_mxfp8, fake_quant_mx_input, mxfp8_scales, quantize_mxfp8
+from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors
@@ -180,11 +186,18 @@ def test_the_modelopt_layout_refuses_mxfp4_by_name(model, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_kimi_k3_mxfp4_source_gives_back_its_own_bytes(tmp_path):
+@pytest.fixture(scope="module")
+def kimi_k3(tmp_path_factory):
+    """(source dir, eprt checkpoint) of a tiny Kimi-K3 whose routed experts are stored in MXFP4."""
+    d = tmp_path_factory.mktemp("k3")
+    hf = make_tiny("kimi_k3", str(d / "hf"), source_format="mxfp4")
+    return hf, convert_hf(hf, str(d / "ck"), progress=False)
+
+
+def test_a_kimi_k3_mxfp4_source_gives_back_its_own_bytes(kimi_k3, tmp_path):
     """K3's MXFP4 experts, converted (kept encoded) and quantized to MXFP4 again by RTN: the export
     holds exactly the source's tensors, names and bytes, its negative zeros included."""
-    hf = make_tiny("kimi_k3", str(tmp_path / "hf"), source_format="mxfp4")
-    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    hf, ck = kimi_k3
     recipe = tmp_path / "experts.yaml"
     recipe.write_text(
         'name: k3\nquantize:\n  - {pattern: "*.experts", format: mxfp4}\n  - {pattern: "*", format: none}\n'
@@ -235,3 +248,58 @@ def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
     assert names == sorted(os.listdir(ours))
     for n in names:
         assert Path(single, n).read_bytes() == Path(ours, n).read_bytes(), n
+
+
+def test_kimi_k3_mxfp4_experts_in_nvfp4_are_modelopts_lossless_cast(kimi_k3, tmp_path):
+    shard_cast = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
+    hf, ck = kimi_k3
+    ptq(ParallelState.single(), ck, "nvfp4_experts_only", str(tmp_path / "q"))
+    out = export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False)
+    assert check_export(out) == []
+    source, ours = read_hf_tensors(hf), read_hf_tensors(out)
+    experts = sorted(n[: -len(".weight_packed")] for n in source if n.endswith(".weight_packed"))
+    assert experts
+    for m in experts:
+        fused = [re.sub(r"\.w[13]$", w, m) for w in (".w1", ".w3")] if re.search(r"\.w[13]$", m) else [m]
+        k_max = max(shard_cast.mxfp4_kmax(source[f"{f}.weight_scale"]) for f in fused)  # gate and up share one
+        theirs = shard_cast.quantize_mxfp4_to_nvfp4_lossless(
+            source[f"{m}.weight_packed"], source[f"{m}.weight_scale"], k_max, "cpu"
+        )
+        for leaf, t in zip(("weight", "weight_scale", "weight_scale_2"), theirs):
+            assert t.dtype == ours[f"{m}.{leaf}"].dtype and raw(t) == raw(ours[f"{m}.{leaf}"]), f"{m}.{leaf}"
+        assert torch.equal(
+            dequantize_nvfp4(ours[f"{m}.weight"], ours[f"{m}.weight_scale"], ours[f"{m}.weight_scale_2"]),
+            dequantize_mxfp4(source[f"{m}.weight_packed"], source[f"{m}.weight_scale"]),
+        ), m
+    record = json.loads((tmp_path / "q" / "eprt.json").read_text())["quantization"]["calibration"]
+    blocks = sum(source[f"{m}.weight_scale"].numel() for m in experts)
+    assert record["mxfp4_reencoded"] == {"experts_tensors": 6, "blocks": blocks, "kept": blocks}
+    quality = json.loads(Path(out, "eprt_quality.json").read_text())
+    assert quality["calibration"]["mxfp4_reencoded"] == record["mxfp4_reencoded"]
+
+
+def test_mxfp4_blocks_beyond_e4m3s_range_are_counted_and_rounded():
+    """Two experts of MXFP4 blocks 0 to 20 binades below each one's largest: NVFP4 keeps the values of
+    every block within 17 binades, as ModelOpt's closed-form cast, which counts the same blocks."""
+    shard_cast = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (2, 4, 21 * 32), generator=g, dtype=torch.uint8)
+    codes[..., ::32] = 7  # each block reaches 6, as compressed-tensors' observer leaves MXFP4 blocks
+    scales = (torch.arange(21) + torch.tensor([100, 90]).view(2, 1, 1)).expand(2, 4, 21).to(torch.uint8)
+    packed = pack_fp4(codes)
+    w = dequantize_mxfp4(packed, scales, torch.bfloat16)
+    nvfp4 = weight_format("nvfp4")
+    assert nvfp4.exact_weight_scale(w.float().normal_(generator=g).bfloat16()) is None  # a bf16 weight: the amax rule
+    assert nvfp4.mxfp4_blocks_kept(scales) == (2 * 4 * 21, 2 * 4 * 18)  # 3 of 21 exponents per row below the range
+    for e in range(2):
+        scale_2 = nvfp4.exact_weight_scale(w[e])
+        ours = nvfp4.quantize(w[e], scale_2, mse=False)
+        q, block_scale, theirs_2, blocks, lossless = shard_cast.quantize_mxfp4_to_nvfp4_lossless(
+            packed[e], scales[e], int(scales[e].max()) - 127, "cpu"
+        )
+        assert (blocks, lossless) == (4 * 21, 4 * 18)
+        assert raw(ours["weight"]) == raw(q) and raw(ours["weight_scale"]) == raw(block_scale)
+        assert raw(ours["weight_scale_2"]) == raw(theirs_2)
+        decoded = nvfp4.dequantize(ours, torch.float32)
+        assert torch.equal(decoded[:, 3 * 32 :], w[e, :, 3 * 32 :].float())  # the 18 blocks within range
+        assert not torch.equal(decoded[:, : 3 * 32], w[e, :, : 3 * 32].float())
