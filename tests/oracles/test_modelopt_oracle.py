@@ -1,7 +1,7 @@
 """eprt's quantized export against ModelOpt's own, on the same tiny model and the same tokens.
 
 ModelOpt quantizes the transformers model loaded from the same Hugging Face directory with its
-FP8 / NVFP4 / NVFP4-experts-only configs, and the NVFP4-experts config with FP8 attention quantizers
+FP8 / NVFP4 (MLA's kv_b_proj left out, as eprt's nvfp4 recipe leaves it) / NVFP4-experts-only configs, and the NVFP4-experts config with FP8 attention quantizers
 added (mixed precision: MIXED_PRECISION with quantized_layers), plus its FP8 KV-cache config (its NVFP4 one in
 tests/test_kv_nvfp4.py), calibrates it with `max` over the token ids
 eprt calibrates on, and writes `export_hf_checkpoint`. Compared:
@@ -57,9 +57,17 @@ def experts_nvfp4_attention_fp8() -> dict:
     return cfg
 
 
+def nvfp4_but_kv_b_proj() -> dict:
+    """ModelOpt's NVFP4 config with MLA's kv_b_proj left unquantized, as eprt's nvfp4 recipe leaves it
+    (vLLM's identity-matrix absorption would rescale it under NVFP4 inputs: eprt.hf.check_engine_quirks)."""
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "*kv_b_proj*", "enable": False})
+    return cfg
+
+
 MODELOPT_CFG = {
     "fp8": mtq.FP8_DEFAULT_CFG,
-    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "nvfp4": nvfp4_but_kv_b_proj(),
     "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG,
     "nvfp4_experts_fp8_attention": experts_nvfp4_attention_fp8(),
 }
