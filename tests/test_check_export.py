@@ -6,6 +6,7 @@ layer 0, 4 routed experts and a router in layer 1, lm_head and the router exclud
 
 import copy
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -17,17 +18,21 @@ import torch
 from safetensors.torch import save_file
 
 import eprt.hf.check_exclusions as check_exclusions_module
+from eprt.hf.check_engine_quirks import absorbed_factor, engine_warnings, quantizes_inputs_to_4_bits
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.formats import weight_format
 from eprt.quant.formats.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.formats.nvfp4 import nvfp4_scale, quantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import load_recipe
 from eprt.testing.tiny import make_tiny
 
 H, VOCAB, EXPERTS = 32, 64, 4
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_export.py"
+RECIPES = Path(__file__).resolve().parents[1] / "eprt" / "configs" / "ptq"
 EXCLUDE = ["lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"]
 
 
@@ -364,3 +369,49 @@ def test_check_export_matches_patterns_in_time_linear_in_the_layers(tmp_path, mo
     """Each layer adds as many pattern matches as the one before, not one more per exclusion."""
     two, four, eight = (fnmatch_calls_checking_an_export(tmp_path, n, monkeypatch) for n in (2, 4, 8))
     assert eight - four == 2 * (four - two), (two, four, eight)
+
+
+# --- engine quirks: warnings that leave the export valid (eprt.hf.check_engine_quirks) -------------
+@pytest.mark.parametrize("input_scale", [1.0, 0.01, 1.5 / 2688, 3.7e-3])
+def test_the_absorbed_factor_is_nvfp4s_quantization_of_an_identity_matrix(input_scale):
+    """vLLM absorbs kv_b_proj through an identity matrix quantized as the layer's NVFP4 inputs:
+    ModelOpt's NVFP4 quantizer, given the same input scale, turns its 1.0s into the factor."""
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+    eye = torch.eye(32, dtype=torch.bfloat16)
+    scale_2 = torch.tensor(input_scale, dtype=torch.float32)
+    q, block_scale, _ = qtensor.NVFP4QTensor.quantize(eye, 16, None, scale_2, try_tensorrt=False)
+    ones = q.dequantize(torch.float32, scale=block_scale, double_scale=scale_2, block_sizes={-1: 16}).diagonal()
+    # equal but for the order of fp32's last rounding (the engine's GEMM has an order of its own)
+    assert torch.all(ones == ones[0]) and ones[0].item() == pytest.approx(absorbed_factor(input_scale), rel=1e-6)
+
+
+def with_kv_b_proj(t: dict, config: dict, hf_quant: dict) -> tuple[dict, dict, dict]:
+    """The toy with layer 0's o_proj renamed kv_b_proj, as an MLA layer holds it."""
+    old, new = f"{L0}.self_attn.o_proj.", f"{L0}.self_attn.kv_b_proj."
+    return {n.replace(old, new): v for n, v in t.items()}, config, hf_quant
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "FP8"])
+def test_check_warns_of_an_mla_kv_b_proj_in_nvfp4(tmp_path, monkeypatch, capsys, algo):
+    t, config, hf_quant = with_kv_b_proj(*toy(algo))
+    out = write(tmp_path / "out", t, config, hf_quant)
+    warnings = engine_warnings(out)
+    if algo == "FP8":  # 8-bit inputs hold the identity matrix's 1.0 exactly
+        assert warnings == []
+        return
+    factor = absorbed_factor(t[f"{L0}.self_attn.kv_b_proj.input_scale"].item())
+    assert factor != 1.0
+    (line,) = warnings
+    assert f"x{factor:.4f} ({L0}.self_attn.kv_b_proj)" in line and '{pattern: "*.kv_b_proj", format: none}' in line
+    monkeypatch.setattr(sys, "argv", ["check_export.py", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(TOOL), run_name="__main__")
+    assert exit_.value.code == 0  # a warning, not a violation
+    assert capsys.readouterr().out.splitlines()[-2:] == [f"warning: {line}", f"{out}: ok"]
+
+
+def test_no_shipped_recipe_puts_kv_b_proj_in_a_w4a4_format():
+    module = "model.layers.1.self_attn.kv_b_proj"
+    for name in sorted(f[:-5] for f in os.listdir(RECIPES) if f.endswith(".yaml")):
+        fmt = load_recipe(name).format_of(module)
+        assert fmt is None or not quantizes_inputs_to_4_bits(weight_format(fmt)), name

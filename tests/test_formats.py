@@ -63,13 +63,15 @@ def test_gptq_columns_round_to_what_the_export_encodes(fmt):
 
 
 def test_the_checkers_tell_the_formats_apart():
-    """The checkers find a module's format by its ModelOpt tensors (the weight's dtype, the rank of
-    its first scale, and its leaves: NVFP4 and NVFP4 weights only differ by input_scale, which the
-    checks look up by the quant_algo the configs declare), its quant_algo and its compressed-tensors
+    """The checkers find a module's format by its ModelOpt tensors (the weight's dtype, the rank and
+    dtype of its first scale, and its leaves: NVFP4 and NVFP4 weights only differ by input_scale, which
+    the checks look up by the quant_algo the configs declare), its quant_algo and its compressed-tensors
     config group (format name, weights' strategy, quantized inputs or not, group size): each must name
-    one format. The ModelOpt signs only among the formats the ModelOpt layout holds."""
+    one format. The ModelOpt signs only among the formats the ModelOpt layout holds (not INT4, MXFP4)."""
     modelopt = [f for f in WEIGHT_FORMATS.values() if f.modelopt_layout]
-    signs = {(f.modelopt_weight_dtype, f.modelopt_scale_rank, f.modelopt_leaves) for f in modelopt}
+    signs = {
+        (f.modelopt_weight_dtype, f.modelopt_scale_rank, f.modelopt_scale_dtype, f.modelopt_leaves) for f in modelopt
+    }
     assert len(signs) == len(modelopt)
     for fmt in modelopt:
         assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype, fmt.modelopt_scale_rank, [fmt]) is fmt
@@ -77,12 +79,18 @@ def test_the_checkers_tell_the_formats_apart():
     for fmt in WEIGHT_FORMATS.values():
         inputs = fmt.modelopt_input_group() is not None
         assert by_ct_format(fmt.ct_format, fmt.ct_strategy, inputs, fmt.group_size) is fmt
+    # FP8 block and MXFP8 store an F8_E4M3 weight with a 2-D grid: fp32 scales or E8M0 bytes
+    assert by_modelopt_weight_dtype("F8_E4M3", 2, scale_dtype="F32") is WEIGHT_FORMATS["fp8_block"]
+    assert by_modelopt_weight_dtype("F8_E4M3", 2, scale_dtype="U8") is WEIGHT_FORMATS["mxfp8"]
+    assert by_quant_algo(WEIGHT_FORMATS["mxfp4"].quant_algo) is None
+    assert by_modelopt_weight_dtype("U8", 2, scale_dtype="U8") is not WEIGHT_FORMATS["mxfp4"]
 
 
 def test_a_recipe_names_a_registered_format_or_none():
     assert FORMATS == (*WEIGHT_FORMATS, "none")
     with pytest.raises(
         ConfigError,
-        match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, int4, int4_g32, w4a8, none",
+        match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, int4, int4_g32, w4a8, "
+        r"mxfp8, mxfp4, none",
     ):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

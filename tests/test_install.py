@@ -126,7 +126,7 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert refused.stderr.startswith(
         "error: --recipe 'int3': no such recipe; choose one of fp8, fp8_block, "
-        "fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, "
+        "fp8_channel, kimi_k3_release, mxfp4, mxfp8, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, "
         "nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only"
     )
 

@@ -111,7 +111,7 @@ def test_preview_and_the_demo_pipeline_on_two_local_ranks(tmp_path):
     [
         (
             ["--recipe", "int3", "--out", "OUT"],
-            "--recipe 'int3': no such recipe; choose one of fp8, fp8_block, fp8_channel, kimi_k3_release, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only",
+            "--recipe 'int3': no such recipe; choose one of fp8, fp8_block, fp8_channel, kimi_k3_release, mxfp4, mxfp8, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only",
         ),
         (["--out", "OUT"], "--recipe and --out are required"),
         (["--recipe", "fp8", "--out", "OUT", "--calib", "missing.jsonl"], "--calib missing.jsonl: no such file"),

@@ -4,13 +4,15 @@
     eprt-check OUT [--source HF_DIR]                                    (or python tools/check_export.py)
 
 Prints one line per violation, each naming the tensor, module or config key at fault, and exits
-1 when there is any; prints "OUT: ok" and exits 0 otherwise.
+1 when there is any; prints "OUT: ok" and exits 0 otherwise, after a "warning:" line for each engine
+quirk the export runs into (eprt.hf.check_engine_quirks), which a recipe avoids.
 """
 
 import argparse
 import sys
 
 from eprt.cli import run
+from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 
 
@@ -29,6 +31,8 @@ def check() -> int:
     if problems:
         print(f"{a.out}: {len(problems)} violation(s) of the quantized export layout")
         return 1
+    for w in engine_warnings(a.out):
+        print(f"warning: {w}")
     print(f"{a.out}: ok")
     return 0
 

@@ -56,7 +56,7 @@ def check_export(out_dir, source_dir=None) -> list[str]:
     if is_compressed_tensors(config):
         tensors = read_tensors(out, problems)
         check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems)
-        formats = _ct_formats(tensors)
+        formats = ct_formats(tensors)
         _check_ct_scale_range(
             tensors, formats, kv_by_ct_scheme(config["quantization_config"].get("kv_cache_scheme")), problems
         )
@@ -115,7 +115,7 @@ def is_compressed_tensors(config: dict | None) -> bool:
     )
 
 
-def _ct_formats(tensors: dict[str, StoredTensor]) -> dict[str, WeightFormat]:
+def ct_formats(tensors: dict[str, StoredTensor]) -> dict[str, WeightFormat]:
     """Each quantized Linear of a compressed-tensors export -> its format, as its tensors say."""
     leaves: dict[str, set[str]] = {}
     for name in tensors:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from eprt.errors import CheckpointError
 from eprt.hf.check_kv import KV_SCALES
 from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats.e8m0 import NAN as E8M0_NAN
 from eprt.storage.hf_files import INDEX, SINGLE
 from eprt.storage.paths import resolve_inside
 
@@ -149,6 +150,8 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
                     if valid.numel():  # positive E4M3 codes order as their values
                         codes = torch.stack([valid.min(), valid.max()]).view(torch.float8_e4m3fn).float()
                         t.block_range = (codes[0].item(), codes[1].item())
+                elif t.dtype == "U8":  # an E8M0 grid (MXFP8, MXFP4): every byte a power of two but 255, NaN
+                    t.bad_block_scales = int((f.get_tensor(name) == E8M0_NAN).sum())
                 elif t.dtype in ("F32", "BF16"):  # an fp32 (FP8 block) or bf16 (INT4) block-scale grid
                     grid = f.get_tensor(name)
                     bad = ~((grid > 0) & grid.isfinite())

@@ -68,7 +68,12 @@ class ModelOptModules:
             # (NVFP4 and NVFP4 weights only store the same tensors but input_scale)
             declared = by_quant_algo((layers or {}).get(m["moe"] if (m := ROUTED_EXPERT.match(module)) else module))
             among = [declared, *formats] if declared in formats else formats
-            fmt = by_modelopt_weight_dtype(t.dtype, len(scale.shape) if scale is not None else None, among)
+            fmt = by_modelopt_weight_dtype(
+                t.dtype,
+                len(scale.shape) if scale is not None else None,
+                among,
+                scale.dtype if scale is not None else None,
+            )
             if fmt is not None:
                 self.quantized.add(module)
                 self.format_of[module] = fmt

@@ -25,8 +25,12 @@ def _kv_algo_of_scheme(scheme) -> str | None:
         (
             f.quant_algo
             for f in KV_CACHE_FORMATS.values()
-            if isinstance(scheme, dict)
-            and all(scheme.get(k) == v for k, v in f.modelopt_scheme.items() if k != "dynamic")
+            if scheme == f.modelopt_scheme
+            or (
+                isinstance(scheme, dict)
+                and isinstance(f.modelopt_scheme, dict)
+                and all(scheme.get(k) == v for k, v in f.modelopt_scheme.items() if k != "dynamic")
+            )
         ),
         None,
     )

@@ -18,6 +18,7 @@ import torch
 
 from eprt.errors import ConfigError, EprtError
 from eprt.families import reader_for
+from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.tensors import OutTensor, source_tensors
@@ -178,6 +179,8 @@ def export_hf(
             )
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors)", ckpt_dir, out_dir, len(tensors))
+        for warning in engine_warnings(out_dir) if exp else ():
+            logger().warning(warning)
     return out_dir
 
 

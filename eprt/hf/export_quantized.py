@@ -74,6 +74,13 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
+        kv = kv_cache_format(self.recipe.kv_cache)
+        if layout == ct.NAME and kv is not None and kv.ct_args is None:
+            raise ConfigError(
+                f"{ck.path}: calibrated with --kv-cache {kv.name}, which the compressed-tensors layout has no "
+                f"KV-cache scheme for: export in the ModelOpt layout (without --format {ct.NAME}), or calibrate "
+                "with --kv-cache fp8"
+            )
         if layout == "modelopt":
             refuse_modelopt_layout(formats, ck.path)
         self.scales = Scales.of_checkpoint(
@@ -322,7 +329,9 @@ class QuantizedExport:
                 "producer": PRODUCER,
             }
         if kv is not None:
-            qc["kv_cache_scheme"] = dict(kv.modelopt_scheme)
+            qc["kv_cache_scheme"] = (
+                kv.modelopt_scheme if isinstance(kv.modelopt_scheme, str) else dict(kv.modelopt_scheme)
+            )
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
 

@@ -39,6 +39,7 @@ from eprt.quant.fingerprint import (
 )
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
+from eprt.quant.mxfp4_sources import mxfp4_blocks_kept
 from eprt.quant.passes import layer_passes
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import (
@@ -333,6 +334,17 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
         if gptq is not None:
             summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
         summary["sources"] = [u.to_json() for u in used]
+        reencoded = mxfp4_blocks_kept(ck, rc.layout, {m: recipe.format_of(m) for m in targets})
+        if reencoded is not None:  # an MXFP4 source's experts, kept value for value where NVFP4 can
+            summary["mxfp4_reencoded"] = reencoded
+            if state.rank == 0:
+                log.info(
+                    "the source's MXFP4 experts re-encoded value for value: %d of %d blocks of 32 exact; %d lie "
+                    "more than 17 binades below their expert's largest block and are rounded",
+                    reencoded["kept"],
+                    reencoded["blocks"],
+                    reencoded["blocks"] - reencoded["kept"],
+                )
         if report is not None:  # the page's additions to the report (eprt.report)
             report.describe_run(
                 summary,

@@ -91,8 +91,11 @@ class Scales:
         return self.record.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
-        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is quantized."""
-        return self._weight_scale(module, abs_amax(row), lambda: row)
+        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is
+        quantized: the scale its format keeps the row's values exactly under where it has one (an
+        MXFP4 source's experts in NVFP4), else the amax rule's."""
+        exact = self.format(module).exact_weight_scale(row)
+        return exact if exact is not None else self._weight_scale(module, abs_amax(row), lambda: row)
 
     def _weight_scale(self, module: str, amax: torch.Tensor, weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The per-tensor scale of `amax`, or under mse the format's search over the weight (read only then)."""

@@ -1,8 +1,9 @@
 """eprt's quantized export against ModelOpt's own, on the same tiny model and the same tokens.
 
 ModelOpt quantizes the transformers model loaded from the same Hugging Face directory with its
-FP8 / NVFP4 / NVFP4-experts-only configs, and the NVFP4-experts config with FP8 attention quantizers
-added (mixed precision: MIXED_PRECISION with quantized_layers), plus its FP8 KV-cache config, calibrates it with `max` over the token ids
+FP8 / NVFP4 (MLA's kv_b_proj left out, as eprt's nvfp4 recipe leaves it) / NVFP4-experts-only configs, and the NVFP4-experts config with FP8 attention quantizers
+added (mixed precision: MIXED_PRECISION with quantized_layers), plus its FP8 KV-cache config (its NVFP4 one in
+tests/test_kv_nvfp4.py), calibrates it with `max` over the token ids
 eprt calibrates on, and writes `export_hf_checkpoint`. Compared:
 - tensor names, and every tensor byte for byte (quantized weights, weight scales, unquantized
   weights), except the activation-derived scales (input_scale, k_scale, v_scale), which come
@@ -56,12 +57,21 @@ def experts_nvfp4_attention_fp8() -> dict:
     return cfg
 
 
+def nvfp4_but_kv_b_proj() -> dict:
+    """ModelOpt's NVFP4 config with MLA's kv_b_proj left unquantized, as eprt's nvfp4 recipe leaves it
+    (vLLM's identity-matrix absorption would rescale it under NVFP4 inputs: eprt.hf.check_engine_quirks)."""
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "*kv_b_proj*", "enable": False})
+    return cfg
+
+
 MODELOPT_CFG = {
     "fp8": mtq.FP8_DEFAULT_CFG,
-    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "nvfp4": nvfp4_but_kv_b_proj(),
     "nvfp4_experts_only": mtq.NVFP4_EXPERTS_ONLY_CFG,
     "nvfp4_experts_fp8_attention": experts_nvfp4_attention_fp8(),
 }
+KV_CFG = {"fp8": mtq.FP8_KV_CFG, "nvfp4": mtq.NVFP4_KV_CFG}  # by eprt's --kv-cache name
 SAMPLES, SEQ_LEN = 4, 32
 ACTIVATION_SCALES = ("input_scale", "k_scale", "v_scale")
 
@@ -77,11 +87,11 @@ def sources(tmp_path_factory):
     return out
 
 
-def modelopt_export(hf: str, config: dict, recipe: str, kv: bool, out: str) -> str:
+def modelopt_export(hf: str, config: dict, recipe: str, kv: str | None, out: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
     cfg = MODELOPT_CFG[recipe]
     if kv:
-        cfg = update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
+        cfg = update_quant_cfg_with_kv_cache_quant(cfg, KV_CFG[kv]["quant_cfg"])
     tokens = calibration_samples(None, hf, num_samples=SAMPLES, seq_len=SEQ_LEN, vocab_size=config["vocab_size"])
 
     def forward_loop(m):
@@ -93,14 +103,14 @@ def modelopt_export(hf: str, config: dict, recipe: str, kv: bool, out: str) -> s
     return out
 
 
-def eprt_export(ck: str, recipe: str, kv: bool, out: str) -> str:
+def eprt_export(ck: str, recipe: str, kv: str | None, out: str) -> str:
     run_ptq(
         ParallelState.single(),
         PTQArgs(
             ck,
             recipe,
             out,
-            kv_cache="fp8" if kv else None,
+            kv_cache=kv,
             calib_size=SAMPLES,
             seq_len=SEQ_LEN,
             batch_size=SAMPLES,
@@ -131,23 +141,28 @@ def quant_configs(out: str, layers: int) -> tuple[dict, dict]:
 @pytest.mark.parametrize(
     "fmt, kv",
     [
-        ("fp8", False),
-        ("fp8", True),
-        ("nvfp4", False),
-        ("nvfp4", True),
-        ("nvfp4_experts_only", True),
-        ("nvfp4_experts_fp8_attention", True),
+        ("fp8", None),
+        ("fp8", "fp8"),
+        ("nvfp4", None),
+        ("nvfp4", "fp8"),
+        ("nvfp4_experts_only", "fp8"),
+        ("nvfp4_experts_fp8_attention", "fp8"),
     ],
 )
 def test_the_export_is_modelopts(sources, tmp_path, family, fmt, kv):
     hf, ck, config = sources[family]
+    compare_with_modelopt(hf, config, fmt, kv, eprt_export(ck, fmt, kv, str(tmp_path / "eprt")), tmp_path)
+
+
+def compare_with_modelopt(hf: str, config: dict, fmt: str, kv: str | None, ours_out: str, tmp_path: Path) -> None:
+    """eprt's export `ours_out` of recipe `fmt` (and KV format `kv`) against ModelOpt's of the same
+    source `hf`, as the module docstring says."""
     layers = config["num_hidden_layers"]
     theirs = read_hf_tensors(modelopt_export(hf, config, fmt, kv, str(tmp_path / "modelopt")))
-    ours_out = eprt_export(ck, fmt, kv, str(tmp_path / "eprt"))
     ours = read_hf_tensors(ours_out)
 
     assert set(theirs) == without_mtp(ours, layers)
-    assert any(n.endswith(".k_scale") for n in theirs) == kv
+    assert any(n.endswith(".k_scale") for n in theirs) == (kv is not None)
     for name in sorted(theirs):
         a, b = theirs[name], ours[name]
         assert a.shape == b.shape, name

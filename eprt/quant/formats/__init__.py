@@ -14,12 +14,14 @@ from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.fp8_block import FP8_BLOCK
 from eprt.quant.formats.fp8_channel import FP8_CHANNEL
 from eprt.quant.formats.int4 import INT4, INT4_G32
+from eprt.quant.formats.mxfp4 import MXFP4
+from eprt.quant.formats.mxfp8 import MXFP8
 from eprt.quant.formats.nvfp4 import NVFP4
 from eprt.quant.formats.nvfp4_a16 import NVFP4_A16
 from eprt.quant.formats.w4a8 import W4A8
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8)
+    f.name: f for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8, MXFP8, MXFP4)
 }
 
 
@@ -46,18 +48,28 @@ def group_sizes(name: str) -> list[int]:
 
 
 def by_quant_algo(quant_algo) -> WeightFormat | None:
-    """The format ModelOpt's configs call `quant_algo`, or None for one eprt does not write."""
-    return next((f for f in WEIGHT_FORMATS.values() if f.quant_algo == quant_algo), None)
+    """The format ModelOpt's configs call `quant_algo`, or None for one eprt does not write in that layout."""
+    return next((f for f in WEIGHT_FORMATS.values() if f.quant_algo == quant_algo and f.modelopt_layout), None)
 
 
 def by_modelopt_weight_dtype(
-    dtype: str, scale_rank: int | None = None, among: Iterable[WeightFormat] | None = None
+    dtype: str,
+    scale_rank: int | None = None,
+    among: Iterable[WeightFormat] | None = None,
+    scale_dtype: str | None = None,
 ) -> WeightFormat | None:
     """The format (of `among`, default all) whose ModelOpt weight is stored in safetensors dtype
-    `dtype` (F8_E4M3, U8), or None; of two that store the same dtype (FP8 and FP8 block), the one
-    whose `weight_scale` has rank `scale_rank` (0-dim per tensor, a 2-D grid), else the first."""
-    candidates = [f for f in (WEIGHT_FORMATS.values() if among is None else among) if f.modelopt_weight_dtype == dtype]
-    return next((f for f in candidates if f.modelopt_scale_rank == scale_rank), next(iter(candidates), None))
+    `dtype` (F8_E4M3, U8), or None; of several that store the same dtype (FP8, FP8 per channel, FP8
+    block, MXFP8), the one whose `weight_scale` has rank `scale_rank` (0-dim per tensor, [out], a 2-D
+    grid) and safetensors dtype `scale_dtype` (FP8 block's F32 grid, MXFP8's U8 one), else the
+    first of that rank, else the first."""
+    candidates = [
+        f
+        for f in (WEIGHT_FORMATS.values() if among is None else among)
+        if f.modelopt_layout and f.modelopt_weight_dtype == dtype
+    ]
+    ranked = [f for f in candidates if f.modelopt_scale_rank == scale_rank]
+    return next((f for f in ranked if f.modelopt_scale_dtype == scale_dtype), next(iter(ranked or candidates), None))
 
 
 def by_ct_format(

@@ -78,6 +78,18 @@ class WeightFormat:
         the scale of `amax` where the format searches only other scales."""
         return self.scale(amax)
 
+    def exact_weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """A per-tensor weight scale under which the format keeps w's values exactly, where it has one
+        for w (NVFP4 for a weight stored in MXFP4: a routed expert's row of a Kimi-K3 source), else
+        None; `quantize` then keeps them under it."""
+        return None
+
+    def mxfp4_blocks_kept(self, scales: torch.Tensor) -> tuple[int, int] | None:
+        """(blocks, blocks kept exactly) of stacked experts a source stores in MXFP4, from their E8M0
+        scales uint8 [E, rows, in/32], where the format keeps such weights (`exact_weight_scale`);
+        None where it does not."""
+        return None
+
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
         """The ModelOpt tensors of w but input_scale, keyed by leaf, under per-tensor `w_scale`."""
         raise NotImplementedError
@@ -152,6 +164,11 @@ class WeightFormat:
     def modelopt_scale_rank(self) -> int:
         """The rank of the ModelOpt layout's first scale (FP8's 0-dim weight_scale, a block grid's 2)."""
         return len(list(self.modelopt_tensors(1, 1).values())[1][1])
+
+    @property
+    def modelopt_scale_dtype(self) -> str:
+        """The safetensors dtype of the ModelOpt layout's first scale (FP8 block's F32 grid, MXFP8's U8 one)."""
+        return dtype_name(list(self.modelopt_tensors(1, 1).values())[1][0])
 
     @property
     def ct_leaves(self) -> dict[str, str]:

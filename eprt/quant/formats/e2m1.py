@@ -4,7 +4,7 @@ An E2M1 code has the sign in bit 3 and an index into E2M1_VALUES in bits 0-2; tw
 byte, the even element in the low nibble. Rounding is to nearest with ties to the even index,
 saturating at +-6, and the sign bit is set for values below zero, as ModelOpt's `_cast_fp4` does
 (`weight < 0`): a negative value that rounds to zero is code 8 (negative zero), an input of -0.0
-is code 0.
+is code 0 (compressed-tensors, whose MXFP4 eprt writes, keeps -0.0's sign: `e2m1_encode_signed_zero`).
 """
 
 import torch
@@ -56,6 +56,13 @@ def encode_quarters(f: torch.Tensor) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (0..15) of finite x, rounded to nearest with ties to even, saturating at +-6."""
     return encode_quarters(x.float() * 4)
+
+
+def e2m1_encode_signed_zero(x: torch.Tensor) -> torch.Tensor:
+    """`e2m1_encode`, with the sign bit of -0.0 kept (code 8), as compressed-tensors packs codes
+    (`torch.signbit`): an MXFP4 source's negative zeros, decoded and encoded again, come back as
+    they were stored."""
+    return e2m1_encode(x).bitwise_or_(torch.signbit(x).to(torch.uint8) << 3)
 
 
 _E2M1_SIGNED = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)

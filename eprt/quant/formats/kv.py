@@ -2,13 +2,20 @@
 keys and values are scaled (one fp32 k_scale and v_scale per attention) and how each export layout
 declares it. A registry apart from the weight formats: a KV format quantizes no weight, and an
 export may combine any weight format with any KV format.
+
+Both formats write k_scale = k_amax / 448 and v_scale = v_amax / 448, as ModelOpt 0.47 defines the KV
+scale "for both FP8 and NVFP4 KV cache quantization" (`unified_export_hf`); under NVFP4 the engine
+quantizes keys and values in blocks of 16 along the head dim under that amax's NVFP4 per-tensor
+scale, amax / (6 x 448).
 """
 
 from __future__ import annotations
 
 import torch
 
+from eprt.quant.formats.e2m1 import E2M1_MAX
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
+from eprt.quant.formats.nvfp4 import BLOCK_SIZE, NVFP4
 from eprt.quant.numerics import FP8_E4M3_MAX
 
 
@@ -18,8 +25,8 @@ class KvCacheFormat:
     name: str  # the recipe's `kv_cache:`
     quant_algo: str  # hf_quant_config.json's kv_cache_quant_algo
     largest: float  # the largest cached value a scale of 1 stands for (eprt.hf.check_scale_range)
-    modelopt_scheme: dict  # config.json's kv_cache_scheme (ModelOpt)
-    ct_args: dict  # compressed-tensors' QuantizationArgs of its kv_cache_scheme
+    modelopt_scheme: dict | str  # config.json's kv_cache_scheme (ModelOpt)
+    ct_args: dict | None  # compressed-tensors' QuantizationArgs of its kv_cache_scheme; None: no such layout
 
     def scale(self, amax) -> torch.Tensor:
         """k_scale or v_scale (fp32 0-dim) of the keys' or values' amax."""
@@ -46,7 +53,30 @@ class Fp8KvCache(KvCacheFormat):
         return fake_quant_fp8(x, scale)
 
 
-KV_CACHE_FORMATS: dict[str, KvCacheFormat] = {f.name: f for f in (Fp8KvCache(),)}
+class Nvfp4KvCache(KvCacheFormat):
+    """Keys and values in NVFP4 (E2M1 in blocks of 16 along the head dim, E4M3 block scales the engine
+    computes at run time) under a static per-tensor scale each, stored as amax / 448."""
+
+    name = "nvfp4"
+    quant_algo = "NVFP4"
+    largest = FP8_E4M3_MAX  # the stored scale times 448 is the amax it stands for
+    modelopt_scheme = "NVFP4"  # ModelOpt's config converter writes the algorithm's name for a KV cache not FP8
+    ct_args = None  # compressed-tensors has no NVFP4 KV-cache layout: refused in that layout
+
+    def scale(self, amax) -> torch.Tensor:
+        return fp8_scale(amax)
+
+    def fake_quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % BLOCK_SIZE:
+            raise ValueError(
+                f"--kv-cache nvfp4 quantizes cached keys and values in blocks of {BLOCK_SIZE} along the head dim, "
+                f"and this model caches heads of {x.shape[-1]}: calibrate with --kv-cache fp8"
+            )
+        # NVFP4's per-tensor scale amax / (6 x 448) from the stored amax / 448 (within an fp32 rounding)
+        return NVFP4.fake_quantize_input(x, scale / E2M1_MAX)
+
+
+KV_CACHE_FORMATS: dict[str, KvCacheFormat] = {f.name: f for f in (Fp8KvCache(), Nvfp4KvCache())}
 
 
 def kv_cache_format(name: str | None) -> KvCacheFormat | None:
@@ -65,7 +95,9 @@ def kv_by_ct_scheme(scheme) -> KvCacheFormat | None:
         (
             f
             for f in KV_CACHE_FORMATS.values()
-            if isinstance(scheme, dict) and all(scheme.get(k) == f.ct_args[k] for k in ("num_bits", "type"))
+            if isinstance(scheme, dict)
+            and f.ct_args is not None
+            and all(scheme.get(k) == f.ct_args[k] for k in ("num_bits", "type"))
         ),
         None,
     )

@@ -28,6 +28,9 @@ from eprt.quant.formats.e2m1 import (
     pack_fp4,
     quarter_keys,
 )
+from eprt.quant.formats.e8m0 import BIAS as E8M0_BIAS
+from eprt.quant.formats.e8m0 import BLOCK as E8M0_BLOCK
+from eprt.quant.formats.e8m0 import e8m0_scales, scaled_down
 from eprt.quant.numerics import (
     FP8_E4M3_MAX,
     as_scale,
@@ -249,6 +252,73 @@ def fake_quant_nvfp4(
     return out
 
 
+# --- MXFP4 weights in NVFP4, value for value (docs/export.md, 'MXFP4 weights in NVFP4') ------------
+# A weight stored in MXFP4 (Kimi-K3's experts) is E2M1 codes times 2^k per block of 32. NVFP4 holds
+# it exactly where each 16-element block's scale times weight_scale_2 is that 2^k: weight_scale_2 =
+# 2^(k_max - 8) puts the largest block's scale at E4M3's 2^8, and a block k steps below it gets
+# 2^(k - k_max + 8), exact down to E4M3's smallest, 2^-9; the codes are then the source's own. A
+# block further below is rounded under 2^-9 as the block-amax rule rounds it (its scale clamps
+# there too). ModelOpt 0.47's closed-form cast (`quantize_mxfp4_to_nvfp4_lossless`) does the same.
+E4M3_POW2_RANGE = (-9, 8)  # the powers of two E4M3 holds
+
+
+def mx_exponents(w: torch.Tensor) -> torch.Tensor | None:
+    """int32 [..., in/32]: each 32-element block's exponent k (ceil(log2(amax / 6)), the least under
+    which it does not saturate; -127 for a zero block) where every block of w [..., in] is exactly
+    E2M1 values times 2^k, as a weight stored in MXFP4 decodes; None for any other weight. The first
+    row is tried alone first: a weight quantized from bf16 fails there."""
+    if w.dim() == 0 or w.shape[-1] % E8M0_BLOCK or not w.numel():
+        return None
+    rows = w.reshape(-1, w.shape[-1])
+    for part in (rows[:1], rows):
+        scales = e8m0_scales(part, E2M1_MAX)
+        q = scaled_down(part.float(), scales)
+        if not torch.equal(e2m1_decode(e2m1_encode(q)), q):
+            return None
+    return (scales.to(torch.int32) - E8M0_BIAS).reshape(*w.shape[:-1], -1)
+
+
+def _is_power_of_two(x: torch.Tensor) -> bool:
+    return bool(x > 0) and float(torch.frexp(x.float()).mantissa) == 0.5
+
+
+def mx_exact_scale_2(w: torch.Tensor) -> torch.Tensor | None:
+    """weight_scale_2 = 2^(k_max - 8) (fp32 0-dim) of a weight stored in MXFP4 (`mx_exponents`), k_max
+    its largest block's exponent, or None for any other weight and an all-zero one. It is a power of
+    two, which amax / (6 * 448) of such a weight never is (448 = 1.75 x 2^8): `mx_block_scales` knows
+    it by that."""
+    k = mx_exponents(w)
+    if k is None or not bool((k > -E8M0_BIAS).any()):
+        return None
+    return torch.tensor(2.0 ** (int(k.max()) - E4M3_POW2_RANGE[1]), dtype=torch.float32)
+
+
+def mx_block_scales(w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor | None:
+    """float8_e4m3fn block scales [..., in/16] that keep a weight stored in MXFP4 exactly under a
+    power-of-two weight_scale_2 (`mx_exact_scale_2`): 2^(k - log2(scale_2)) clamped to E4M3's powers
+    of two, 1.0 for a zero block; None for any other weight or scale_2."""
+    if not _is_power_of_two(scale_2):
+        return None
+    k = mx_exponents(w)
+    if k is None:
+        return None
+    m = int(torch.frexp(scale_2.float()).exponent) - 1
+    scale = torch.exp2((k - m).clamp(*E4M3_POW2_RANGE).float()).repeat_interleave(E8M0_BLOCK // BLOCK_SIZE, -1)
+    zero = _block_amax(w) == 0
+    return to_e4m3(torch.where(zero, 1.0, scale))
+
+
+def mxfp4_blocks_not_kept(scales: torch.Tensor) -> tuple[int, int]:
+    """(blocks of 32, those NVFP4 cannot keep exactly) of MXFP4 weights [E, rows, in] from their
+    E8M0 scales uint8 [E, rows, in/32] (a stacked experts tensor: one weight_scale_2 per expert): a
+    nonzero block more than 17 binades below its expert's largest (byte 0 is a zero block's)."""
+    k = scales.to(torch.int32) - E8M0_BIAS
+    nonzero = scales > 0
+    k_max = torch.where(nonzero, k, -E8M0_BIAS).flatten(1).amax(dim=1).view(-1, *([1] * (k.dim() - 1)))
+    below = nonzero & (k - (k_max - E4M3_POW2_RANGE[1]) < E4M3_POW2_RANGE[0])
+    return k.numel(), int(below.sum())
+
+
 # Every positive finite E4M3 value, ascending: the bit patterns 1..126 (127 is NaN).
 MSE_BLOCK_SCALES = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
 # Weight elements per step of the block-scale search, which quantizes them once per candidate in
@@ -279,15 +349,22 @@ def nvfp4_mse_block_scale(w: torch.Tensor, scale_2) -> torch.Tensor:
     return out.reshape(*w.shape[:-1], blocks)
 
 
+def _fixed_block_scales(w: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """The export's block scales of original weight w under `scale_2`: an MXFP4 source's exact ones, else the block-amax rule's."""
+    exact = mx_block_scales(w, scale_2)
+    return exact if exact is not None else nvfp4_block_scales(w, scale_2)
+
+
 class Nvfp4Columns:
     """GPTQ's columns in NVFP4, for a stack of original weights w [L, out, in]: weight_scale_2
-    `scales` [L] and the E4M3 block scales fixed from w (the export's, from its blocks' amax);
+    `scales` [L] and the E4M3 block scales fixed from w (the export's: from its blocks' amax, or an
+    MXFP4 source's exact ones);
     column j is rounded with its rows' block scale by the export's E2M1 rule (nearest, ties to
     even, saturating at 6)."""
 
     def __init__(self, w: torch.Tensor, scales: torch.Tensor):
         self.scales = scales.float().to(w.device)
-        self.block_scale = torch.stack([nvfp4_block_scales(x, s) for x, s in zip(w, self.scales)])
+        self.block_scale = torch.stack([_fixed_block_scales(x, s) for x, s in zip(w, self.scales)])
         self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
 
     def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
@@ -324,8 +401,20 @@ class Nvfp4(WeightFormat):
     def scale(self, amax) -> torch.Tensor:
         return nvfp4_scale(amax)
 
+    def exact_weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        return mx_exact_scale_2(w)
+
+    def mxfp4_blocks_kept(self, scales: torch.Tensor) -> tuple[int, int] | None:
+        blocks, not_kept = mxfp4_blocks_not_kept(scales)
+        return blocks, blocks - not_kept
+
     def block_scale(self, w: torch.Tensor, scale_2: torch.Tensor, mse: bool) -> torch.Tensor | None:
-        """The searched block scales under mse, else None (`quantize_nvfp4` derives them from the block amax)."""
+        """A weight stored in MXFP4 under its exact weight_scale_2: the block scales that keep it
+        exactly (`mx_block_scales`, under mse too: no error to search away); else the searched block
+        scales under mse, else None (`quantize_nvfp4` derives them from the block amax)."""
+        exact = mx_block_scales(w, scale_2)
+        if exact is not None:
+            return exact
         return nvfp4_mse_block_scale(w, scale_2) if mse else None
 
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,80 @@
+"""What an export loads into correctly but an engine then computes wrong, said as warnings: the
+export passes its checks (eprt.hf.check_export), and the way out is a recipe that avoids it.
+
+vLLM 0.32's MLA (DeepSeek-V3, Kimi-K2/K3 and Kimi-Linear's MLA layers) absorbs `kv_b_proj` into
+the attention at load time by running the layer on an identity matrix. Under a format that
+quantizes its inputs to 4 bits (NVFP4 W4A4), each 1.0 of that matrix is quantized too: its block's
+scale is e4m3(gs / 6) for the layer's global input scale gs = 1 / input_scale, the 1.0 becomes the
+code 6, so every absorbed weight comes out multiplied by 6 x e4m3(gs / 6) / gs (the GEMM scales the
+code back by the block scale and input_scale), then rounded to bf16: x1.008 measured, and anywhere
+within E4M3's rounding, about +-6%, depending on input_scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eprt.hf.check_export import ct_formats, is_compressed_tensors
+from eprt.hf.check_files import read_json, read_tensors
+from eprt.hf.check_modelopt import ModelOptModules
+from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
+from eprt.quant.formats import WeightFormat
+from eprt.quant.formats.e2m1 import E2M1_MAX
+from eprt.storage.hf_files import CONFIG, QUANT_CONFIG
+
+ABSORBED = ".self_attn.kv_b_proj"  # the MLA projection vLLM absorbs through an identity matrix
+
+
+def absorbed_factor(input_scale: float) -> float:
+    """What vLLM's identity-matrix absorption multiplies a W4A4 kv_b_proj's weights by, for its
+    input_scale: a 1.0 quantized under block scale e4m3(1 / (6 x input_scale)) is the code 6, which
+    the GEMM scales back by that block scale and input_scale, in fp32 (6 x the block scale is exact)."""
+    scale = np.float32(input_scale)
+    block = torch.tensor(float(np.float32(1.0) / (np.float32(E2M1_MAX) * scale))).to(torch.float8_e4m3fn).item()
+    return float(np.float32(E2M1_MAX * block) * scale)
+
+
+def quantizes_inputs_to_4_bits(fmt: WeightFormat) -> bool:
+    return fmt.num_bits == 4 and fmt.modelopt_input_group() is not None
+
+
+def engine_warnings(out_dir) -> list[str]:
+    """One line per engine quirk the export at `out_dir` runs into: today, MLA kv_b_projs in a W4A4
+    format. None where its files cannot be read (the checks say why)."""
+    out = Path(out_dir)
+    problems: list[str] = []
+    config = read_json(out / CONFIG, problems)
+    tensors = read_tensors(out, problems)
+    if problems or not tensors:
+        return []
+    if is_compressed_tensors(config):
+        formats = ct_formats(tensors)
+        input_leaf = {m: f.ct_input_scale_leaf for m, f in formats.items()}
+    else:
+        hf_quant = read_json(out / QUANT_CONFIG, problems)
+        algo, _, exclude = check_configs(config, hf_quant, problems)
+        if algo is None:
+            return []
+        layers = quantized_layers(config, hf_quant) if algo == MIXED else None
+        formats = ModelOptModules(tensors, algo, exclude, problems, layers).format_of
+        input_leaf = {m: f.modelopt_per_tensor_scales[1] for m, f in formats.items()}
+    factors = {}
+    for module, fmt in formats.items():
+        stored = tensors.get(f"{module}.{input_leaf[module]}") if input_leaf[module] else None
+        if module.endswith(ABSORBED) and quantizes_inputs_to_4_bits(fmt) and stored is not None and stored.value:
+            # compressed-tensors stores the global scale itself, ModelOpt its reciprocal
+            reciprocal = is_compressed_tensors(config) and fmt.ct_reciprocal
+            factors[module] = absorbed_factor(1 / stored.value if reciprocal else stored.value)
+    if not factors:
+        return []
+    low, high = min(factors, key=factors.get), max(factors, key=factors.get)
+    return [
+        f"{len(factors)} MLA kv_b_proj in a W4A4 format ({formats[low].quant_algo}): vLLM 0.32 absorbs kv_b_proj "
+        f"by running it on an identity matrix, which quantizes those 1.0s too, so the absorbed weights come out "
+        f"scaled by 6 x e4m3(gs/6)/gs (gs = 1/input_scale): x{factors[low]:.4f} ({low}) to x{factors[high]:.4f} "
+        f"({high}), then rounded to bf16; keep kv_b_proj out of W4A4 (recipe rule "
+        '{pattern: "*.kv_b_proj", format: none}, or nvfp4_a16 for it), as the shipped recipes do'
+    ]

@@ -1,0 +1,101 @@
+"""MXFP4 weights only: E2M1 codes with an E8M0 (power-of-two) scale per 32 elements along the input
+dim, inputs left unquantized: the layout Kimi-K3 ships its routed experts in (compressed-tensors'
+`mxfp4-pack-quantized`), which Blackwell engines run as FP4 weights against bf16 activations
+(vLLM's compressed-tensors MXFP4 path; docs/export.md, 'MXFP4').
+
+A block's scale is 2^ceil(log2(amax / 6)) (eprt.quant.formats.e8m0), and a code fp32(w) times
+2^-exponent (exact) rounded to E2M1 nearest with ties to even (eprt.quant.formats.e2m1, NVFP4's
+codes; -0.0 keeps its sign bit, as compressed-tensors packs it), two a byte, the even element in the
+low nibble. On weights a source stored in this format
+(Kimi-K3's), whose blocks each reach 4 or 6 times their scale, the rule gives back the source's
+own scales and bytes. Only compressed-tensors' layout exists: ModelOpt's export has no MXFP4
+weights-only algorithm an engine reads, so the ModelOpt layout is refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode_signed_zero, pack_fp4, unpack_fp4
+from eprt.quant.formats.e8m0 import BLOCK, check_shape, e8m0_scales, scaled_down, scaled_up
+from eprt.quant.numerics import check_finite
+
+
+def mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 scales [..., in/32] of w [..., in]. Raises ValueError for a weight holding NaN or infinity."""
+    if w.numel():
+        check_finite(w.float().abs().amax(), w.shape)
+    return e8m0_scales(w, E2M1_MAX)
+
+
+def quantize_mxfp4(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its E8M0 scales."""
+    return pack_fp4(e2m1_encode_signed_zero(scaled_down(w.float(), scales)))
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of packed codes [..., in/2] times their block's scale, in fp32, returned as `dtype`."""
+    check_shape(scales, packed, 2 * packed.shape[-1], "MXFP4")
+    return scaled_up(e2m1_decode(unpack_fp4(packed)), scales).to(dtype)
+
+
+class Mxfp4(WeightFormat):
+    """E2M1 weights in blocks of 32 with E8M0 scales; bf16 inputs."""
+
+    name = "mxfp4"
+    quant_algo = "MXFP4"  # how messages name it: ModelOpt's export has no such algorithm (`modelopt_layout`)
+    num_bits = 4
+    group_size = BLOCK
+    block_scale_leaf = "weight_scale"
+    algorithms = ("max",)
+    uses_activation_statistics = False  # weights only
+    modelopt_layout = False
+    weight_scale_leaf = None
+    ct_preset, ct_format = "MXFP4A16", "mxfp4-pack-quantized"
+    ct_strategy = "group"
+    ct_weight_scale_leaf = ct_input_scale_leaf = None
+    largest_input = None
+
+    def scale(self, amax) -> torch.Tensor:
+        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
+        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        scales = mxfp4_scales(w)
+        return {"weight": quantize_mxfp4(w, scales), "weight_scale": scales}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp4(t["weight"], t["weight_scale"], dtype)
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x  # the engine computes with the inputs as they come
+
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        # the weights' tensors as eprt holds them between quantization and export (never written
+        # in the ModelOpt layout, which is refused)
+        return {
+            "weight": (torch.uint8, (out_dim, in_dim // 2)),
+            "weight_scale": (torch.uint8, (out_dim, in_dim // BLOCK)),
+        }
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {
+            "weight_packed": (torch.uint8, (out_dim, in_dim // 2)),
+            "weight_scale": (torch.uint8, (out_dim, in_dim // BLOCK)),
+        }
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"weight_packed": t["weight"], "weight_scale": t["weight_scale"]}
+
+    def in_dim_of_stored(self, stored_in_dim: int) -> int:
+        return 2 * stored_in_dim
+
+    def modelopt_input_group(self) -> dict | None:
+        return None
+
+    def largest_code(self, largest_block: float | None) -> float:
+        return E2M1_MAX
+
+
+MXFP4 = Mxfp4()

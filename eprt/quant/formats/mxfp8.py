@@ -1,0 +1,93 @@
+"""MXFP8: FP8 E4M3 weights with an E8M0 (power-of-two) scale per 32 elements along the input dim,
+and inputs the engine quantizes at run time the same way, each token's groups of 32 under their
+own E8M0 scale: the OCP microscaling format Blackwell's tensor cores run natively (vLLM's and
+TensorRT-LLM's MXFP8 kernels; docs/export.md, 'MXFP8').
+
+A block's scale is 2^ceil(log2(amax / 448)) (eprt.quant.formats.e8m0), and a code fp32(w) times
+2^-exponent (exact) rounded once to E4M3 nearest-even, as ModelOpt 0.47's MXFP8 export computes
+them; a zero block's scale byte is 0. Both layouts store the same bytes: float8_e4m3fn `weight`
+[out, in] and uint8 `weight_scale` [out, in/32]. No calibrated statistic enters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.e8m0 import BLOCK, check_shape, e8m0_scales, scaled_down, scaled_up
+from eprt.quant.numerics import FP8_E4M3_MAX, check_finite, to_e4m3
+
+
+def mxfp8_scales(w: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 scales [..., in/32] of w [..., in]. Raises ValueError for a weight holding NaN or infinity."""
+    if w.numel():
+        check_finite(w.float().abs().amax(), w.shape)
+    return e8m0_scales(w, FP8_E4M3_MAX)
+
+
+def quantize_mxfp8(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes of w [..., in] under its E8M0 scales."""
+    return to_e4m3(scaled_down(w.float(), scales))
+
+
+def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes times their block's scale, in fp32, returned as `dtype`."""
+    check_shape(scales, q, q.shape[-1], "MXFP8")
+    return scaled_up(q.float(), scales).to(dtype)
+
+
+def fake_quant_mx_input(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as an MXFP8 engine quantizes it at run time, in x's dtype: each token's blocks of
+    32 under their own E8M0 scale."""
+    scales = e8m0_scales(x, FP8_E4M3_MAX)
+    return dequantize_mxfp8(quantize_mxfp8(x, scales), scales, x.dtype)
+
+
+class Mxfp8(WeightFormat):
+    """E4M3 weights in blocks of 32 with E8M0 scales; inputs quantized by the engine in blocks of 32.
+    Nothing per tensor, so nothing for fused Linears to share."""
+
+    name = "mxfp8"
+    quant_algo = "MXFP8"
+    num_bits = 8
+    group_size = BLOCK
+    block_scale_leaf = "weight_scale"
+    algorithms = ("max",)
+    uses_activation_statistics = False  # the engine scales inputs block by block at run time
+    weight_scale_leaf = None
+    ct_preset, ct_format = "MXFP8", "mxfp8-quantized"
+    ct_strategy = "group"
+    ct_weight_scale_leaf = ct_input_scale_leaf = None
+    largest_input = None
+
+    def scale(self, amax) -> torch.Tensor:
+        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
+        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        scales = mxfp8_scales(w)
+        return {"weight": quantize_mxfp8(w, scales), "weight_scale": scales}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp8(t["weight"], t["weight_scale"], dtype)
+
+    def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fake_quant_mx_input(x)
+
+    def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return {
+            "weight": (torch.float8_e4m3fn, (out_dim, in_dim)),
+            "weight_scale": (torch.uint8, (out_dim, in_dim // BLOCK)),
+        }
+
+    def compressed_tensors_tensors(self, out_dim: int, in_dim: int) -> Tensors:
+        return self.modelopt_tensors(out_dim, in_dim)
+
+    def to_compressed_tensors(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"weight": t["weight"], "weight_scale": t["weight_scale"]}
+
+    def largest_code(self, largest_block: float | None) -> float:
+        return FP8_E4M3_MAX
+
+
+MXFP8 = Mxfp8()

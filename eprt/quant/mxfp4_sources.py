@@ -1,0 +1,30 @@
+"""Routed experts a source stores in MXFP4 (Kimi-K3's) that a recipe quantizes to a format keeping
+such weights exactly where it can (NVFP4: eprt.quant.formats.nvfp4, 'MXFP4 weights in NVFP4'): how
+many of their blocks of 32 it keeps, counted from the source's own E8M0 scales, which the checkpoint
+holds as the source stored them, so no weight is decoded and every layout counts the same.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from eprt.layout import Layout
+from eprt.quant.formats import weight_format
+from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.encodings import CT_PREFIX
+
+MXFP4 = CT_PREFIX + "mxfp4-pack-quantized"  # the encoding of a tensor the source stores in MXFP4
+
+
+def mxfp4_blocks_kept(ck: Checkpoint, layout: Layout, formats: Mapping[str, str | None]) -> dict | None:
+    """{"experts_tensors", "blocks", "kept"} over the stacked routed experts stored in MXFP4 whose
+    module `formats` gives a format that keeps them; None where there are none."""
+    tensors = blocks = kept = 0
+    for spec in layout.specs:
+        fmt = formats.get(spec.name.rsplit(".", 1)[0])
+        if not spec.stacked or fmt is None or spec.name not in ck.tensors or ck.meta(spec.name).encoding != MXFP4:
+            continue
+        counts = weight_format(fmt).mxfp4_blocks_kept(ck.read_component(spec.name, "weight_scale"))
+        if counts is not None:
+            tensors, blocks, kept = tensors + 1, blocks + counts[0], kept + counts[1]
+    return {"experts_tensors": tensors, "blocks": blocks, "kept": kept} if tensors else None
