@@ -10,8 +10,8 @@ each as fresh processes, as a user runs them:
 - direct: `eprt-export CK OUT --recipe R`;
 - unquantized: `eprt-export CK OUT`, which reads and writes the same source bytes and quantizes
   nothing: the disk's (and the page cache's) speed for this model.
-Reported: each one's median wall seconds and peak RSS (of its largest process; the operating
-system's own accounting), and the medians of the ratios to the unquantized export taken run by
+Reported: each one's median wall and CPU (user + system) seconds and peak RSS (of its largest
+process; the operating system's own accounting), and the medians of the ratios to the unquantized export taken run by
 run, so that a drift of the machine's speed moves both sides. Beside them, the dry run's planned
 peak of the export. On a machine other jobs share, run it under OMP_NUM_THREADS=1.
 """
@@ -45,9 +45,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def timed(*commands: list[str]) -> tuple[float, int]:
-    """Wall seconds of `commands` run one after the other, and the largest peak RSS among them."""
-    peak, start = 0, time.perf_counter()
+def timed(*commands: list[str]) -> tuple[float, float, int]:
+    """Wall and CPU (user + system) seconds of `commands` run one after the other, and the largest
+    peak RSS among them."""
+    peak, cpu, start = 0, 0.0, time.perf_counter()
     for cmd in commands:
         proc = subprocess.Popen(
             [sys.executable, "-m", *cmd], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -58,7 +59,8 @@ def timed(*commands: list[str]) -> tuple[float, int]:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode()}")
         proc.stderr.close()
         peak = max(peak, usage.ru_maxrss * 1024)  # Linux reports kB
-    return time.perf_counter() - start, peak
+        cpu += usage.ru_utime + usage.ru_stime
+    return time.perf_counter() - start, cpu, peak
 
 
 def main() -> None:
@@ -75,7 +77,7 @@ def main() -> None:
             "direct export": lambda: timed([*export, ck, out, "--recipe", args.recipe]),
             "unquantized export": lambda: timed([*export, ck, out]),
         }
-        runs: dict[str, list[tuple[float, int]]] = {name: [] for name in ways}
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ways}
         for _ in range(args.runs):
             for name, run in ways.items():
                 runs[name].append(run())
@@ -93,13 +95,11 @@ def main() -> None:
         )
         base = runs["unquantized export"]
         for name, got in runs.items():
-            wall = statistics.median(s for s, _ in got)
-            peak = statistics.median(m for _, m in got)
-            time_ratio = statistics.median(s / b for (s, _), (b, _) in zip(got, base))
-            peak_ratio = statistics.median(m / b for (_, m), (_, b) in zip(got, base))
+            wall, cpu, peak = (statistics.median(r[i] for r in got) for i in range(3))
+            wall_x, cpu_x, peak_x = (statistics.median(r[i] / b[i] for r, b in zip(got, base)) for i in range(3))
             print(
-                f"  {name:>18}: {wall:6.2f} s  peak {peak / MiB:7.0f} MiB  "
-                f"({time_ratio:.2f}x the time, {peak_ratio:.2f}x the peak of the unquantized export)"
+                f"  {name:>18}: wall {wall:6.2f} s, cpu {cpu:6.2f} s, peak {peak / MiB:5.0f} MiB  "
+                f"({wall_x:.2f}x the wall, {cpu_x:.2f}x the cpu, {peak_x:.2f}x the peak of the unquantized export)"
             )
         print(f"  dry run: {plan}")
 

@@ -132,9 +132,11 @@ def test_direct_export_refuses_a_recipe_that_needs_statistics(qwen, tmp_path, re
     assert os.listdir(tmp_path) == ["kv.yaml"]
 
 
-def test_direct_export_refuses_options_that_cannot_apply(qwen, tmp_path):
+def test_inputs_and_options_that_cannot_apply_are_refused(qwen, tmp_path):
     ck, data_free, _, _ = qwen
     q = os.path.dirname(data_free) + "/q"
+    with pytest.raises(EprtError, match=rf"{q} is already calibrated; run PTQ on the unquantized checkpoint"):
+        run_ptq(ParallelState.single(), PTQArgs(q, "fp8_block", str(tmp_path / "c"), progress=False))
     with pytest.raises(ConfigError, match=rf"--recipe fp8_block: {q} is calibrated"):
         export_hf(q, str(tmp_path / "a"), progress=False, recipe="fp8_block")
     with pytest.raises(ConfigError, match=r"--algorithm mse applies to a --recipe's rules"):
