@@ -44,6 +44,7 @@ def random_folds(model, seed: int = 0) -> Folds:
                 shape = (divided.weight.shape[0],)
             s = torch.exp(torch.rand(shape, generator=g) * 2 - 1)
             folds.add(*group.divided, s)
+            s = group.reader_scales(s)
             for m, kind in group.readers:
                 folds.add(m, kind, s)
     return folds

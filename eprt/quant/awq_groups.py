@@ -10,6 +10,8 @@ fold would change what the model computes. The groups by module kind:
 - the MoE input (`post_attention_layernorm`'s output): the router, every routed expert's gate/up
   (w13), the shared experts' gate/up, and Qwen3-Next's shared_expert_gate;
 - a dense MLP's input (`post_attention_layernorm`'s output): its gate/up;
+- the attention's values (GQA): v_proj's rows / s, o_proj's columns * s repeated over the query
+  heads of each kv head (attention and Qwen3-Next's output gate are linear in v);
 - a gated MLP's activation silu(gate) * up, which is linear in up: up_proj's rows / s, down_proj's
   columns * s (dense MLPs, shared experts), and each routed expert's, with a scale of its own
   (w13's up rows, w2's columns).
@@ -17,14 +19,15 @@ fold would change what the model computes. The groups by module kind:
 Left out, by name (quantized as without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA), whose
 input projections feed convolutions and gates this fold does not model; Kimi-K3's latent MoE, whose
 routed experts read a projection of the norm's output, not the output itself; an activation other
-than SwiGLU's (Kimi's SiTU bounds up through tanh: dividing up is not exact); GQA's v -> o (not
-modeled yet: v's channels repeat over o's column groups).
+than SwiGLU's (Kimi's SiTU bounds up through tanh: dividing up is not exact); GLM-4.5's v -> o (its
+v_proj has a bias) and MLA's (v comes out of kv_b_proj beside the keys: not modeled yet).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from eprt.models.attention import GQAttention
@@ -39,6 +42,17 @@ class Group:
     what: str  # for the log: attention input, MoE input, MLP input, MLP activation, experts' activation
     divided: tuple[str, str]  # (full module name, fold kind): what makes the tensor, divided by s
     readers: tuple[tuple[str, str], ...]  # (full module name, fold kind): columns * s; the first's input is the tensor
+    # v -> o: (query heads per kv head, head dim): o's columns are v's rows, each kv head's repeated
+    # over the query heads that read it, so o's scale is v's repeated
+    repeat: tuple[int, int] | None = None
+
+    def reader_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """The readers' scales of the divided tensor's `s` [..., C]: the same, or v's repeated for o."""
+        if self.repeat is None:
+            return s
+        heads, head_dim = self.repeat
+        lead = s.shape[:-1]
+        return s.view(*lead, -1, 1, head_dim).expand(*lead, -1, heads, head_dim).reshape(*lead, -1)
 
     @property
     def per_expert(self) -> bool:
@@ -74,6 +88,12 @@ def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]
     attn = getattr(layer, "self_attn", None)
     if isinstance(attn, GQAttention):
         norm_group("attention input", norm_in, [(attn.q_proj, COLUMNS), (attn.k_proj, COLUMNS), (attn.v_proj, COLUMNS)])
+        if attn.v_proj.bias is not None:  # GLM-4.5's: its bias would need the fold too
+            left_out.append(f"{names[id(attn.o_proj)]}'s input: v_proj has a bias")
+        else:
+            repeat = (attn.num_heads // attn.num_kv_heads, attn.head_dim)
+            v, o = names[id(attn.v_proj)], names[id(attn.o_proj)]
+            groups.append(Group("attention values", (v, ROWS), ((o, COLUMNS),), repeat))
     elif isinstance(attn, MLAttention):
         readers = [attn.q_a_proj if attn.q_lora else attn.q_proj, attn.kv_a_proj_with_mqa]
         if attn.indexer is not None:

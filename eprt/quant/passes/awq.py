@@ -221,7 +221,13 @@ class AWQ(Pass):
         st.all_reduce(amax, over="dp", op=dist.ReduceOp.MAX)
         if not torch.isfinite(amax).all():
             raise CalibrationError(f"AWQ: {g.readers[0][0]}'s input holds NaN or infinity")
-        scales = candidates(sums.double() / 2.0**SUM_SHIFT / max(int(tokens), 1))  # [A, D]
+        mean = sums.double() / 2.0**SUM_SHIFT / max(int(tokens), 1)
+        if g.repeat is None:
+            divided = scales = candidates(mean)  # [A, D]
+        else:  # v's channel: the mean over the query heads that read it; o's scale: v's repeated
+            heads, head_dim = g.repeat
+            divided = candidates(mean.view(-1, heads, head_dim).mean(1).reshape(-1))
+            scales = g.reader_scales(divided)
         rows = []  # one per unit: each candidate's error
         readers = [
             (self._sub(layer, m), weight_format(self.recipe.format_of(m))) for m, _ in g.readers if m in self.targets
@@ -255,7 +261,7 @@ class AWQ(Pass):
         best = int(torch.argmin(losses))  # the first of equal losses: alpha 0, the identity, wins a tie
         self._log(layer, g, GRID[best], losses[best], losses[0])
         s = scales[best].cpu()
-        return [self.folds.add(*g.divided, s), *(self.folds.add(m, kind, s) for m, kind in g.readers)]
+        return [self.folds.add(*g.divided, divided[best].cpu()), *(self.folds.add(m, kind, s) for m, kind in g.readers)]
 
     def _balance_experts(self, layer: LayerWork, g: Group) -> list[str]:
         """The routed experts' activations: each expert's scales of its own, from its units."""
