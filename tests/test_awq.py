@@ -22,7 +22,6 @@ from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
 from eprt.quant.passes.awq import GRID, candidates, exact_totals, fake_inputs, fake_weights, squared_errors
 from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.recipe import parse_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
@@ -103,11 +102,6 @@ def test_the_search_balances_an_outlier_channel():
     losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")
     best = int(torch.argmin(losses))
     assert GRID[best] > 0 and losses[best] < 0.9 * losses[0], losses
-
-
-def test_an_unknown_algorithm_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match=r"awq2.*max, mse, gptq, awq, awq\+gptq"):
-        parse_recipe({"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "awq2"}]}, "r.yaml")
 
 
 # --- runs: DeepSeek-V3 (MLA, a dense first layer, shared experts, an fp32 router) -------------
