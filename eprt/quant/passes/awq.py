@@ -22,8 +22,8 @@ For each layer:
    token counts (a bf16 router's choices may move with its rounding), in place of the statistics
    run's, and makes the calibration sequences' output unless GPTQ's quantized run makes it.
 
-The samples are the layer's inputs to its groups (the memory plan counts them); the statistics run
-only observes them. The multi-token-prediction layers are left as they are.
+The samples are the layer's inputs to its groups, held until the search is done (about the hidden
+states once per group, and the routed rows once); the statistics run only observes. The multi-token-prediction layers are left as they are.
 """
 
 from __future__ import annotations
@@ -166,9 +166,6 @@ class AWQ(Pass):
     def _sub(self, layer: LayerWork, name: str):
         return layer.module.get_submodule(name[len(layer.prefix) :])
 
-    def _name(self, layer: LayerWork, module) -> str:
-        return next(layer.prefix + n for n, m in layer.module.named_modules() if m is module)
-
     @contextlib.contextmanager
     def observe(self, layer: LayerWork) -> Iterator[None]:
         self.groups = self._balanced(layer)
@@ -230,11 +227,11 @@ class AWQ(Pass):
             scales = g.reader_scales(divided)
         rows = []  # one per unit: each candidate's error
         readers = [
-            (self._sub(layer, m), weight_format(self.recipe.format_of(m))) for m, _ in g.readers if m in self.targets
+            (m, self._sub(layer, m), weight_format(self.recipe.format_of(m))) for m, _ in g.readers if m in self.targets
         ]
         dense = [
             (m.weight.detach(), fmt, fake_weights(fmt, m.weight.detach(), COLUMNS, scales))
-            for m, fmt in readers
+            for _, m, fmt in readers
             if not isinstance(m, Experts)
         ]
         for x in inputs:
@@ -247,8 +244,8 @@ class AWQ(Pass):
                 row += squared_errors(by_format[fmt], quantized, x, w)
             rows.append(row)
         units = layer.engine.calibration.schedule.num_sequences
-        for experts, fmt in ((m, f) for m, f in readers if isinstance(m, Experts)):
-            samples = self.experts[self._name(layer, experts)]
+        for name, experts, fmt in ((n, m, f) for n, m, f in readers if isinstance(m, Experts)):
+            samples = self.experts[name]
             units += experts.num_experts * layer.engine.calibration.schedule.num_groups
             for l in range(experts.count):
                 if samples.x[l]:
