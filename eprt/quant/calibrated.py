@@ -44,7 +44,8 @@ class CalibrationRecord:
     experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
     (the whole model's weights): their values are None and `read_gptq` reads one at a time.
 
-    With AWQ (eprt.quant.passes.awq), its scales: folds: `module.kind` -> s [in], each kind one of
+    With AWQ (eprt.quant.passes.awq), its scales: folds: `module.kind` -> s (one per channel; the
+    routed experts: a row per expert), each kind one of
     eprt.quant.awq_folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
     the checkpoint through them (eprt.quant.awq_folds.FoldedCheckpoint)."""
 
