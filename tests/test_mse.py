@@ -147,7 +147,9 @@ def test_the_flag_refuses_an_unknown_algorithm_with_the_choices(qwen):
         text=True,
     )
     assert r.returncode == 2
-    assert "--algorithm: invalid choice: 'smoothquant' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
+    assert (
+        "--algorithm: invalid choice: 'smoothquant' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
+    )
 
 
 def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):
