@@ -54,7 +54,7 @@ SOURCES = (
 )
 
 RECIPES_DIR = os.path.join(REPO, "eprt", "configs", "ptq")
-ALGORITHMS = ("max", "mse", "gptq")
+ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
 EXPORTS = {"modelopt": {}, "compressed-tensors": {"fmt": "compressed-tensors"}}
 
 

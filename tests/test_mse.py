@@ -122,14 +122,14 @@ def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
     "d, algorithm, message",
     [
         (
-            {"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "awq"}]},
+            {"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "smoothquant"}]},
             None,
-            "r.yaml: quantize[0] algorithm 'awq': unknown algorithm; choose one of max, mse, gptq",
+            "r.yaml: quantize[0] algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4"}]},
-            "awq",
-            "--algorithm 'awq': unknown algorithm; choose one of max, mse, gptq",
+            "smoothquant",
+            "--algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
         ),
     ],
 )
@@ -141,13 +141,15 @@ def test_an_unknown_algorithm_is_refused_by_name_with_the_choices(d, algorithm, 
 
 def test_the_flag_refuses_an_unknown_algorithm_with_the_choices(qwen):
     r = subprocess.run(
-        [sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "awq"],
+        [sys.executable, "tools/ptq.py", qwen, "--dry-run", "--recipe", "nvfp4", "--algorithm", "smoothquant"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert r.returncode == 2
-    assert "--algorithm: invalid choice: 'awq' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
+    assert (
+        "--algorithm: invalid choice: 'smoothquant' (choose from " + ", ".join(map(repr, ALGORITHMS)) + ")" in r.stderr
+    )
 
 
 def test_the_calibrated_checkpoint_records_the_algorithm(qwen, tmp_path):

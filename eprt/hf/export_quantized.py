@@ -8,6 +8,7 @@ Scales follow the engines' fusion rules, resolved in one place (eprt.quant.scale
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -23,6 +24,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat, weight_format
@@ -73,6 +75,8 @@ class QuantizedExport:
         self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
+        if self.record.folds:  # AWQ's: every weight is read folded, as the run read it
+            self.ck = ck = FoldedCheckpoint(ck, Folds.of(self.record.folds))
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
         kv = kv_cache_format(self.recipe.kv_cache)
         if layout == ct.NAME and kv is not None and kv.ct_args is None:
@@ -203,6 +207,8 @@ class QuantizedExport:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
         for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
+            if self.record.folds:  # a folded tensor is not its stored bytes
+                t = dataclasses.replace(t, stored=None)
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         kv = kv_cache_format(self.recipe.kv_cache)
         if kv is not None:

@@ -16,6 +16,7 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
+from eprt.quant.awq_folds import TENSOR_LEAF, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.report import label, page_path, write_page
@@ -41,7 +42,12 @@ class CalibrationRecord:
     encoding (FP8: float8_e4m3fn codes; NVFP4: packed E2M1 codes, the scales being the export's
     from the original weight): gptq_dense: dense Linear -> codes [out, in or in/2]; gptq_experts:
     experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
-    (the whole model's weights): their values are None and `read_gptq` reads one at a time."""
+    (the whole model's weights): their values are None and `read_gptq` reads one at a time.
+
+    With AWQ (eprt.quant.passes.awq), its scales: folds: `module.kind` -> s (one per channel; the
+    routed experts: a row per expert), each kind one of
+    eprt.quant.awq_folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
+    the checkpoint through them (eprt.quant.awq_folds.FoldedCheckpoint)."""
 
     INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = (
         "input_amax",
@@ -62,6 +68,7 @@ class CalibrationRecord:
         kv_amax=None,
         gptq_dense=None,
         gptq_experts=None,
+        folds=None,
     ):
         self.input_amax: dict[str, torch.Tensor] = input_amax or {}
         self.expert_input_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = expert_input_amax or {}
@@ -69,12 +76,14 @@ class CalibrationRecord:
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = kv_amax or {}
         self.gptq_dense: dict[str, torch.Tensor | None] = gptq_dense or {}
         self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
+        self.folds: dict[str, torch.Tensor] = folds or {}
 
     @classmethod
-    def of(cls, cal: Calibrator, gptq=None) -> "CalibrationRecord":
-        """`gptq`: eprt.quant.gptq_layer.GPTQResults, when GPTQ ran."""
+    def of(cls, cal: Calibrator, gptq=None, folds: Folds | None = None) -> "CalibrationRecord":
+        """`gptq`: eprt.quant.gptq_layer.GPTQResults, when GPTQ ran; `folds`: AWQ's, when it ran."""
         dense, experts = (gptq.dense, gptq.experts) if gptq is not None else (None, None)
-        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts)
+        awq = folds.tensors() if folds is not None else None
+        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts, awq)
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-expert tensor of the record (this rank's rows, during calibration), by name."""
@@ -92,6 +101,7 @@ class CalibrationRecord:
         for attn, (k, v) in self.kv_amax.items():
             out[f"{attn}.{self.K}"], out[f"{attn}.{self.V}"] = k, v
         out.update({f"{m}.{self.GPTQ_WEIGHT}": t for m, t in self.gptq_dense.items()})
+        out.update(self.folds)
         return out
 
     @classmethod
@@ -102,7 +112,7 @@ class CalibrationRecord:
             module, leaf = name.rsplit(".", 1)
             by.setdefault(leaf, {})[module] = t
         get = lambda leaf: by.get(leaf, {})  # noqa: E731
-        unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V, *cls.GPTQ}
+        unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V, *cls.GPTQ, *TENSOR_LEAF}
         if unknown:
             raise CheckpointError(
                 f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; calibrate again with this eprt"
@@ -110,7 +120,10 @@ class CalibrationRecord:
         experts = {m: (w13, get(cls.W2_INPUT)[m]) for m, w13 in get(cls.W13_INPUT).items()}
         kv = {m: (k, get(cls.V)[m]) for m, k in get(cls.K).items()}
         gptq_experts = {m: (w13, get(cls.GPTQ_W2)[m]) for m, w13 in get(cls.GPTQ_W13).items()}
-        return cls(dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts)
+        folds = {f"{m}.{kind}": s for kind in TENSOR_LEAF for m, s in get(kind).items()}
+        return cls(
+            dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts, folds
+        )
 
     @classmethod
     def read(cls, ck: Checkpoint) -> "CalibrationRecord":
@@ -146,12 +159,13 @@ def write_calibrated(
     summary: dict,
     quality: dict | None = None,
     gptq=None,
+    folds: Folds | None = None,
 ) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
     quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
-    codes, when it ran."""
-    cs = CalibrationRecord.of(cal, gptq)
+    codes, when it ran; `folds`: AWQ's scales, when it ran."""
+    cs = CalibrationRecord.of(cal, gptq, folds)
     experts = cs.expert_tensors()
     if experts and state.edp_rank == 0:
         save_tensors(os.path.join(tmp, experts_file(state.ep_rank)), experts)

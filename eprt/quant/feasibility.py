@@ -137,7 +137,7 @@ def refuse_unimplemented_algorithms(quantized: dict, recipe: Recipe, where: str)
     not run as `max`."""
     for module in quantized:
         fmt, algorithm = weight_format(recipe.format_of(module)), recipe.algorithm_of(module)
-        if algorithm not in fmt.algorithms:
+        if recipe.rounding_of(module) not in fmt.algorithms:  # AWQ scales any format: its rounding decides
             raise RecipeError(
                 f"{where}: recipe {recipe.name!r} quantizes {module} in {fmt.name} with algorithm "
                 f"{algorithm}, which {fmt.name} does not implement (it runs {', '.join(fmt.algorithms)}: "

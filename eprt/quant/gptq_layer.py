@@ -136,7 +136,7 @@ class GPTQRun:
         self.results = GPTQResults()
 
     def uses_gptq(self, module: str) -> bool:
-        return self.recipe.algorithm_of(module) == ALGORITHM
+        return self.recipe.rounding_of(module) == ALGORITHM
 
 
 class LayerGPTQ:

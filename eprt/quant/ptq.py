@@ -20,11 +20,12 @@ from eprt.data import Calibration, calibration_samples, check_sources, parse_sou
 from eprt.errors import ConfigError
 from eprt.flags import flag, flag_name
 from eprt.models.loader import load_parallel, weight_bytes
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
+from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.datafree import run_data_free, statistics_needed
@@ -41,6 +42,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.mxfp4_sources import mxfp4_blocks_kept
 from eprt.quant.passes import layer_passes
+from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import (
     MemoryPlan,
@@ -251,6 +253,14 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
+        folds = Folds() if any(recipe.balanced(m) for m in targets) else None
+        if folds is not None:
+            if a.calibrate_all_experts:
+                raise ConfigError(
+                    "--calibrate-all-experts with AWQ: AWQ measures its folded layers' statistics again from the "
+                    "routed tokens alone; leave out --calibrate-all-experts, or choose another --algorithm"
+                )
+            rc = dataclasses.replace(rc, ck=FoldedCheckpoint(ck, folds))  # the run reads its layers folded
         check_data_settings(a)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
     with ck:
@@ -280,7 +290,7 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
                 min_tokens=a.gptq_min_tokens,
                 expert_stack=plan.expert_stack,
             )
-            if ALGORITHM in recipe.algorithms
+            if ALGORITHM in recipe.roundings
             else None
         )
         work = WorkDir(work_path, state, identity, ck.path)
@@ -306,7 +316,7 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
                 if eval_ids is not None
                 else None
             )
-            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq)
+            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq, folds)
             cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
             cal.reduce(state)
             check_base_unchanged(ck, identity)
@@ -318,7 +328,10 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
             report.log()
         if preview:
             first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
-            quantized = gptq.results.apply(model, ck, gptq.formats, first) if gptq is not None else ()
+            if folds is not None:  # the model was loaded before calibration folded it
+                mine = rc.holding(state.placement(cfg.num_experts).range if cfg.moe_layers else None)
+                place_tensors(mine, model, folds.tensor_names(), device=state.device)
+            quantized = gptq.results.apply(model, rc.ck, gptq.formats, first) if gptq is not None else ()
             fake_quantize(model, targets, recipe, cal, state, source_dtype=rc.source_dtype, quantized=quantized)
             text = greedy(model, hf_dir, a.preview)
             if state.rank == 0:
@@ -355,7 +368,7 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
 
         def write(tmp: str) -> None:
             with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
-                write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results)
+                write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results, folds)
 
         write_together(
             state,
@@ -393,9 +406,9 @@ def run_shape(a: PTQArgs, state: ParallelState, config) -> RunShape:
 
 def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:
     """The modules `recipe` runs GPTQ on, each with its format; None where it runs GPTQ on none."""
-    if ALGORITHM not in recipe.algorithms:
+    if ALGORITHM not in recipe.roundings:
         return None
-    return {m: recipe.format_of(m) for m in targets if recipe.algorithm_of(m) == ALGORITHM}
+    return {m: recipe.format_of(m) for m in targets if recipe.rounding_of(m) == ALGORITHM}
 
 
 def ranks_on_this_host(state: ParallelState) -> int:
@@ -500,23 +513,25 @@ def calibrate_layers(
     work: WorkDir,
     report: QualityReport | None = None,
     gptq: GPTQRun | None = None,
+    folds: Folds | None = None,
 ) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
-    `work` (with GPTQ's results so far); with --resume, from the last one saved. Returns the layer
-    it resumed after (-1: none)."""
+    `work` (with GPTQ's results and AWQ's `folds` so far, `rc` reading its checkpoint through
+    them); with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
     ck = rc.ck
     shape = run_shape(a, state, ck.config)
     quality = QualityStreams(state, report, shape.schedule_of(report.eval_ids.shape[0])) if report else None
-    passes = layer_passes(cal, recipe, rc, quality=quality, gptq=gptq)
+    awq = AWQ(cal, recipe, folds, writes=gptq is None) if folds is not None else None
+    passes = layer_passes(cal, recipe, rc, quality=quality, awq=awq, gptq=gptq)
     engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device, quality, results) if done >= 0 else engine.embed()
+    ls = work.load(done, cal, state.device, quality, results, folds) if done >= 0 else engine.embed()
 
     def after_layer(i: int, ls_) -> None:
         check_base_read(ck, work.fingerprint)  # the files this layer read are the ones pinned at the start
-        work.save(i, ls_, cal, quality, results)
+        work.save(i, ls_, cal, quality, results, folds)
 
     engine.run(done + 1, ls, after_layer=after_layer)
     return done

@@ -19,7 +19,11 @@ A rule's `group_size` picks a grouped format's groups along the input dim (INT4:
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
 
 A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'):
-`max` (from the weight's amax) or `mse` (a search for the least squared quantization error).
+`max` (from the weight's amax), `mse` (a search for the least squared quantization error), `gptq`
+(GPTQ's rounding), or `awq` / `awq+gptq`: AWQ's per-input-channel scales folded into what precedes
+the module (eprt.quant.passes.awq), then max's or GPTQ's rounding of the scaled weight. AWQ balances
+a group of Linears that read one norm's output together: a group is balanced when every module of it
+the recipe quantizes says `awq` or `awq+gptq`.
 A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
 records every rule's.
 
@@ -47,7 +51,9 @@ FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
-ALGORITHMS = ("max", "mse", "gptq")
+ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
+# AWQ scales the weights, then rounds them as another algorithm does
+AWQ_ROUNDING = {"awq": "max", "awq+gptq": "gptq"}
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 
@@ -77,6 +83,15 @@ class Recipe:
         """How `module`'s weight scales are chosen (ALGORITHMS); None where it is not quantized."""
         return self.rule_of(module).algorithm if self.format_of(module) else None
 
+    def rounding_of(self, module: str) -> str | None:
+        """How `module`'s scaled weight is rounded: its algorithm, AWQ's the one it runs after."""
+        algorithm = self.algorithm_of(module)
+        return AWQ_ROUNDING.get(algorithm, algorithm)
+
+    def balanced(self, module: str) -> bool:
+        """Whether `module`'s rule asks for AWQ's scales."""
+        return self.algorithm_of(module) in AWQ_ROUNDING
+
     @property
     def formats(self) -> list[str]:
         """The quantized formats the recipe uses: more than one makes a mixed-precision export."""
@@ -86,6 +101,11 @@ class Recipe:
     def algorithms(self) -> list[str]:
         """The algorithms of the rules that quantize."""
         return sorted({r.algorithm for r in self.rules if r.format != "none"})
+
+    @property
+    def roundings(self) -> list[str]:
+        """How the rules that quantize round their weights (`rounding_of`)."""
+        return sorted({AWQ_ROUNDING.get(a, a) for a in self.algorithms})
 
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}

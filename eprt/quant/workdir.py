@@ -43,6 +43,7 @@ from eprt.storage.safetensors_io import save_tensors
 MARKER = ".eprt-work-dir.json"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
+AWQ_KEY = "awq"  # a layer file's AWQ scales: awq/MODULE.KIND
 GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
 PARTIAL_FILE = re.compile(r"(layer|gptq)-\d{5}\.safetensors\.partial")
 
@@ -147,12 +148,15 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None) -> None:
+    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None, folds=None) -> None:
         """With `held` (the quality report's held-out streams, eprt.quant.passes.quality.QualityStreams), its two
         streams and what the report measured so far are saved too; with `gptq`
         (eprt.quant.gptq_layer.GPTQResults), the codes of the modules it gained since the last save,
-        in the layer's gptq file."""
+        in the layer's gptq file; with `folds` (eprt.quant.awq_folds.Folds), AWQ's scales so far (a
+        vector per folded tensor: small beside the hidden states), in the layer file."""
         tensors = {**states("", ls), **stats(cal)}
+        if folds is not None:
+            tensors.update({f"{AWQ_KEY}/{n}": t for n, t in folds.tensors().items()})
         metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
             tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
@@ -200,9 +204,11 @@ class WorkDir:
                 f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start over"
             ) from None
 
-    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None) -> LayerState:
+    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None, folds=None) -> LayerState:
         tensors, metadata = self._read(self._file(layer), device)
         load_stats(cal, tensors)
+        if folds is not None:
+            folds.load({k.partition("/")[2]: t for k, t in tensors.items() if k.startswith(f"{AWQ_KEY}/")})
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])

@@ -8,6 +8,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import Pass
 from eprt.quant.gptq_layer import GPTQRun
 from eprt.quant.passes.all_experts import EveryExpertStatistics
+from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.gptq import GPTQ
 from eprt.quant.passes.max_statistics import MaxStatistics
 from eprt.quant.passes.mtp import MTPLayers
@@ -22,19 +23,24 @@ def layer_passes(
     rc: ResolvedCheckpoint | None = None,
     *,
     quality: QualityStreams | None = None,
+    awq: AWQ | None = None,
     gptq: GPTQRun | None = None,
 ) -> list[Pass]:
     """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
-    quality report's streams (`quality`) and GPTQ (`gptq`), which run through the layer quantized
-    with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.
+    quality report's streams (`quality`), AWQ's folds (`awq`) and GPTQ (`gptq`), which run through
+    the layer quantized with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP
+    layers last.
 
-    The order is the hooks': the report's probes keep the layer's original weights before GPTQ's
-    solve replaces them, and the quantized layer is made after both."""
+    The order is the hooks': the report's reference stream runs through the layer before AWQ folds
+    it, GPTQ's Hessians come from the folded layer, the report's probes keep the layer's weights
+    before GPTQ's solve replaces them, and the quantized layer is made after all of them."""
     passes: list[Pass] = [MaxStatistics(cal)]
     if cal.all_experts:
         passes.append(EveryExpertStatistics(cal))
     if quality is not None:
         passes.append(quality)
+    if awq is not None:
+        passes.append(awq)
     if gptq is not None:
         passes.append(GPTQ(gptq, cal))
     if quality is not None or gptq is not None:

@@ -1,0 +1,125 @@
+"""AWQ's scales folded into the weights: what a run and its export read in place of the checkpoint's.
+
+AWQ (eprt.quant.passes.awq) finds, for a group of Linears that read one tensor (a norm's output, a
+gated MLP's activation), a scale s per channel of it, and folds it so that the model computes the
+same in exact arithmetic: what makes the tensor (the norm's weight, the up projection's rows, which
+the SwiGLU activation passes through linearly) divided by s, every reader's weight columns
+multiplied by s (the router's too, whose logits are then unchanged). The export is a plain
+checkpoint of folded weights; no engine sees s.
+
+A fold is one tensor changed: `Folds` holds them by tensor name, `FoldedCheckpoint` reads a
+checkpoint with them applied. The calibration run reads its layers through it (GPTQ's weights and
+scales, the quantized layer's), and so does the export, so both quantize the same folded tensors.
+Each folded tensor is rounded once, to the dtype the checkpoint stores it in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eprt.layout import TensorSpec
+from eprt.storage.checkpoint import Checkpoint
+
+# a fold's kind, the leaf of its scale in the calibration record -> the leaf of the tensor it changes
+COLUMNS = "awq_columns"  # a Linear's (or router's) weight [out, in]: columns * s [in]
+ROWS = "awq_rows"  # a Linear's weight [out, in]: rows / s [out] (a gated MLP's up_proj)
+NORM = "awq_norm"  # an RMSNorm's weight: / s
+CENTERED_NORM = "awq_centered_norm"  # a zero-centered RMSNorm's weight w, which scales by 1 + w: (1 + w) / s - 1
+W13_COLUMNS = "awq_w13_columns"  # the routed experts' stacked gate/up [E, 2I, in]: columns * s [in]
+W13_UP_ROWS = "awq_w13_up_rows"  # their up rows (the second half): / s [E, I], each expert its own
+W2_COLUMNS = "awq_w2_columns"  # their down [E, D, I]: columns * s [E, I]
+TENSOR_LEAF = {
+    COLUMNS: "weight",
+    ROWS: "weight",
+    NORM: "weight",
+    CENTERED_NORM: "weight",
+    W13_COLUMNS: "w13",
+    W13_UP_ROWS: "w13",
+    W2_COLUMNS: "w2",
+}
+PER_EXPERT = (W13_UP_ROWS, W2_COLUMNS)  # s [E, ...]: a read of rows [a, b) of the tensor takes s[a:b]
+
+
+def fold(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Tensor `t` (rows `rows` of a stacked one) with `folds` (kind, s) applied in fp32, rounded once to t's dtype."""
+    w = t.float()
+    for kind, s in folds:
+        s = s.float().to(t.device)
+        if kind in PER_EXPERT:
+            s = s if rows is None else s[rows[0] : rows[1]]
+            s = s if t.dim() == s.dim() + 1 else s[0]  # one expert's row, read as [2I, D] or [D, I]
+        if kind in (COLUMNS, W13_COLUMNS):
+            w = w * s
+        elif kind == W2_COLUMNS:
+            w = w * s.unsqueeze(-2)
+        elif kind == ROWS:
+            w = w / s[:, None]
+        elif kind == W13_UP_ROWS:
+            width = s.shape[-1]
+            w = torch.cat([w[..., :width, :], w[..., width:, :] / s.unsqueeze(-1)], dim=-2)
+        elif kind == NORM:
+            w = w / s
+        else:
+            w = (1.0 + w) / s - 1.0
+    return w.to(t.dtype)
+
+
+class Folds:
+    """The folds of a run by the module they change (module -> {kind: s fp32}), and by the tensor."""
+
+    def __init__(self):
+        self.by_module: dict[str, dict[str, torch.Tensor]] = {}
+        self.by_tensor: dict[str, list[tuple[str, torch.Tensor]]] = {}
+
+    def add(self, module: str, kind: str, s: torch.Tensor) -> str:
+        """Fold `s` into `module` as `kind` says; returns the tensor it changes."""
+        name = f"{module}.{TENSOR_LEAF[kind]}"
+        if kind in self.by_module.setdefault(module, {}):
+            raise ValueError(f"{module}: AWQ folds {kind} into it twice")
+        self.by_module[module][kind] = s
+        # in the order of their kinds, however they were added: a run and its resume fold alike
+        self.by_tensor[name] = sorted([*self.by_tensor.get(name, []), (kind, s)], key=lambda f: f[0])
+        return name
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self.by_tensor)
+
+    def apply(self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` as read (or rows of it), folded where a fold changes it."""
+        folds = self.by_tensor.get(name)
+        return t if folds is None else fold(folds, t, rows)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The calibration record's tensors: `module.kind` -> s."""
+        return {f"{m}.{k}": s for m, kinds in self.by_module.items() for k, s in kinds.items()}
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Folds:
+        folds = cls()
+        folds.load(tensors)
+        return folds
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Back from `tensors` (eprt.quant.workdir's saved ones, the record's): `module.kind` -> s."""
+        for name, s in sorted(tensors.items()):
+            module, kind = name.rsplit(".", 1)
+            if kind not in self.by_module.get(module, {}):
+                self.add(module, kind, s.cpu())
+
+
+class FoldedCheckpoint:
+    """Checkpoint `ck` read with `folds` applied; everything else is `ck`'s."""
+
+    def __init__(self, ck: Checkpoint, folds: Folds):
+        self._ck, self.folds = ck, folds
+
+    def __getattr__(self, name: str):
+        return getattr(self._ck, name)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.folds.apply(name, self._ck.read(name, rows), rows)
+
+    def read_expert(self, spec: TensorSpec, e: int) -> torch.Tensor:
+        if spec.name in self._ck.tensors:
+            return self.read(spec.name, rows=(e, e + 1))[0]
+        return self._ck.read_expert(spec, e)  # a multi-token-prediction layer's: AWQ leaves them as they are

@@ -1,0 +1,175 @@
+"""AWQ: its folds change no output before quantization (every family's groups hold every reader of
+what they scale), its search prefers the scales that balance an outlier channel, and its export
+is a plain checkpoint, the same bytes at every layout and after a resume."""
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from eprt.errors import ConfigError
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.models.loader import load_parallel
+from eprt.models.resolved import ResolvedCheckpoint
+from eprt.parallel import ParallelState
+from eprt.parallel.guard import RankFailure
+from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
+from eprt.quant.awq_groups import layer_groups
+from eprt.quant.engine import LayerEngine
+from eprt.quant.formats import weight_format
+from eprt.quant.passes.awq import GRID, candidates, exact_totals, fake_inputs, fake_weights, squared_errors
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
+from tests.multiproc import free_port, run_world
+
+
+def random_folds(model, seed: int = 0) -> Folds:
+    """A fold of random scales (e^U(-1, 1)) into every group of every decoder layer of `model`."""
+    g = torch.Generator().manual_seed(seed)
+    folds = Folds()
+    prefix, decoder = model.decoder()
+    for i, layer in enumerate(decoder.layers):
+        groups, _ = layer_groups(layer, f"{prefix}layers.{i}.")
+        for group in groups:
+            divided = model.get_submodule(group.divided[0])
+            if group.per_expert:
+                shape = (divided.num_experts, divided.w2.shape[2])
+            else:
+                shape = (divided.weight.shape[0],)
+            s = torch.exp(torch.rand(shape, generator=g) * 2 - 1)
+            folds.add(*group.divided, s)
+            s = group.reader_scales(s)
+            for m, kind in group.readers:
+                folds.add(m, kind, s)
+    return folds
+
+
+def routed_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The logits of `ids` and each MoE layer's top-k expert ids."""
+    choices = []
+    hooks = [b.gate.register_forward_hook(lambda _m, _a, out: choices.append(out[0])) for _, b in model.moe_blocks()]
+    with torch.inference_mode():
+        logits = model(ids)
+    for h in hooks:
+        h.remove()
+    return logits, choices
+
+
+# qwen3_5_moe and kimi_k25 hold qwen3_next's and deepseek_v3's layers
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("qwen3_5_moe", "kimi_k25")])
+def test_folds_leave_the_model_computing_the_same(tmp_path, family):
+    """Random scales folded into every group: the fp32 model computes what it did, so no reader of a
+    scaled tensor is missing from its group (an unscaled reader would be off by up to e^1). A
+    router's choice between experts of near-equal scores may flip on the last bits: such a token
+    (and what attends to it) is left out of the comparison, and the flips must be rare."""
+    ck_dir = convert_hf(make_tiny(family, str(tmp_path / "hf")), str(tmp_path / "ck"), dtype="fp32", progress=False)
+    state = ParallelState.single()
+    B, T = 2, 16
+    ids = torch.randint(0, 500, (B, T), generator=torch.Generator().manual_seed(1))
+    with Checkpoint(ck_dir) as ck:
+        model = load_parallel(ResolvedCheckpoint.of(ck, torch.float32), state)
+        folds = random_folds(model)
+        original, before = routed_logits(model, ids)
+        folded, after = routed_logits(
+            load_parallel(ResolvedCheckpoint.of(FoldedCheckpoint(ck, folds), torch.float32), state), ids
+        )
+    assert folds.by_module, family  # every family has a group to balance
+    flipped = torch.zeros(B, T, dtype=torch.bool)
+    for a, b in zip(before, after):
+        flipped |= (a.sort(-1).values != b.sort(-1).values).any(-1).view(B, T)
+    assert flipped.float().mean() <= 0.1, (family, flipped)
+    same = ~(flipped.int().cummax(1).values.bool())  # positions before a sequence's first flip
+    torch.testing.assert_close(folded[same], original[same], rtol=2e-4, atol=2e-4)
+
+
+def test_the_search_balances_an_outlier_channel():
+    """A Linear whose input has a few large channels: scaling them up in the weight (AWQ's premise)
+    quantizes it with less output error than the identity (alpha 0), in NVFP4 weights and inputs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=g)
+    x[:, :4] *= 30
+    w = torch.randn(32, 64, generator=g) * 0.05
+    mean = x.abs().mean(0).double()
+    scales = candidates(mean)
+    assert torch.equal(scales[0], torch.ones(64))  # alpha 0: the identity
+    fmt = weight_format("nvfp4")
+    errors = squared_errors(fake_inputs(fmt, x, scales, x.abs().amax(0)), fake_weights(fmt, w, COLUMNS, scales), x, w)
+    losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")
+    best = int(torch.argmin(losses))
+    assert GRID[best] > 0 and losses[best] < 0.9 * losses[0], losses
+
+
+# --- runs: DeepSeek-V3 (MLA, a dense first layer, shared experts, an fp32 router) -------------
+def args(ck: str, out: str, algorithm: str, **kw) -> PTQArgs:
+    return PTQArgs(
+        ck,
+        "nvfp4",
+        out,
+        kv_cache="fp8",
+        calib_size=9,
+        seq_len=24,
+        group_tokens=GROUP_TOKENS,
+        eval_size=3,
+        algorithm=algorithm,
+        gptq_min_tokens=1,
+        progress=False,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(the Hugging Face source, its checkpoint, its awq+gptq calibration in one process)."""
+    root = tmp_path_factory.mktemp("awq")
+    hf = make_tiny("deepseek_v3", str(root / "hf"))
+    ck = convert_hf(hf, str(root / "ck"), progress=False)
+    run_ptq(ParallelState.single(), args(ck, str(root / "w1"), "awq+gptq"))
+    return root, hf, ck
+
+
+def calibrate_at_world_2(ck: str, out: str, port: int) -> None:
+    os.environ["MASTER_PORT"] = str(port)
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, args(ck, out, "awq+gptq", batch_size=3))
+
+
+def test_awq_gptq_exports_a_plain_checkpoint_the_same_bytes_at_every_layout(run):
+    root, hf, ck = run
+    run_world(calibrate_at_world_2, 2, ck, str(root / "w2"), free_port(), timeout=600)
+    exports = [export_hf(str(root / w), str(root / f"export-{w}"), progress=False) for w in ("w1", "w2")]
+    # exactly the source's tensors, each quantized weight replaced by its scales: no pre_quant_scale
+    assert check_export(exports[0], hf) == []
+    assert same_files(*exports)
+    with Checkpoint(str(root / "w1")) as q:  # the folds are AWQ's: each MoE layer's norm and experts
+        folded = {n.rsplit(".", 1)[1] for n in q.names(role="calibration") if ".awq_" in n}
+    assert folded == {"awq_norm", "awq_columns", "awq_rows", "awq_w13_columns", "awq_w13_up_rows", "awq_w2_columns"}
+
+
+def test_a_run_stopped_mid_layer_resumes_to_the_same_bytes(run, tmp_path, monkeypatch):
+    root, _, ck = run
+    out = str(tmp_path / "q")
+    run_step = LayerEngine._run_step
+
+    def failing(self, layer, step, ls, **kw):
+        if layer is self.decoder.layers[2]:
+            raise RuntimeError("stopped")
+        return run_step(self, layer, step, ls, **kw)
+
+    monkeypatch.setattr(LayerEngine, "_run_step", failing)
+    with pytest.raises(RankFailure, match="stopped"):
+        run_ptq(ParallelState.single(), args(ck, out, "awq+gptq"))
+    monkeypatch.setattr(LayerEngine, "_run_step", run_step)
+    assert run_ptq(ParallelState.single(), args(ck, out, "awq+gptq", resume=True))["resumed_after"] == 1
+    exports = [export_hf(d, d + "-hf", progress=False) for d in (out, str(root / "w1"))]
+    assert same_files(*exports)
+
+
+def test_every_expert_statistics_are_refused_with_awq(run, tmp_path):
+    _, _, ck = run
+    with pytest.raises(RankFailure, match="--calibrate-all-experts with AWQ"):
+        run_ptq(ParallelState.single(), args(ck, str(tmp_path / "q"), "awq", calibrate_all_experts=True))
