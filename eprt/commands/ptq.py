@@ -49,8 +49,11 @@ def ptq() -> int:
     on every rank, then the dry run or calibration."""
     argv = sys.argv[1:]
     a, nproc_per_node = parse_args(argv)
-    if not a.dry_run and not (a.recipe and a.out):
-        raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
+    if not a.dry_run and not ((a.recipe or a.auto_quantize is not None) and a.out):
+        raise ConfigError(
+            "--recipe and --out are required (--auto-quantize BUDGET in place of --recipe; or --dry-run to "
+            "print the layout only)"
+        )
     if nproc_per_node is not None:
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:

@@ -8,6 +8,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import Pass
 from eprt.quant.gptq_layer import GPTQRun
 from eprt.quant.passes.all_experts import EveryExpertStatistics
+from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.gptq import GPTQ
 from eprt.quant.passes.max_statistics import MaxStatistics
 from eprt.quant.passes.mtp import MTPLayers
@@ -23,8 +24,10 @@ def layer_passes(
     *,
     quality: QualityStreams | None = None,
     gptq: GPTQRun | None = None,
+    format_errors: FormatErrors | None = None,
 ) -> list[Pass]:
-    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
+    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the format
+    search's errors (`format_errors`, which restores the weights it quantizes); the
     quality report's streams (`quality`) and GPTQ (`gptq`), which run through the layer quantized
     with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.
 
@@ -33,6 +36,7 @@ def layer_passes(
     passes: list[Pass] = [MaxStatistics(cal)]
     if cal.all_experts:
         passes.append(EveryExpertStatistics(cal))
+    passes += [format_errors] if format_errors is not None else []
     if quality is not None:
         passes.append(quality)
     if gptq is not None:
