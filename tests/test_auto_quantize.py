@@ -85,6 +85,7 @@ def test_the_choice_meets_the_budget_and_keeps_the_sensitive_group_precise(searc
     assert {e["group"]: e["format"] for e in search["map"]}[SENSITIVE] == chosen[SENSITIVE]
     assert search["effective_bits"] == pytest.approx(effective_bits(hf, recipe.format_of), rel=1e-12)
     assert search["measured_kl"] == report["kl_mean"] and search["estimated_kl"] > 0
+    assert f"chosen by --auto-quantize {budget:.4g} bits" in Path(export, "eprt_quality.html").read_text()
 
 
 def recipe_modules(recipe) -> list[str]:
