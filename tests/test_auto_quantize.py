@@ -118,6 +118,7 @@ def test_a_larger_budget_never_gives_a_larger_estimated_loss(searched):
         ({"algorithm": "gptq"}, "--auto-quantize with --algorithm gptq: gptq works in each layer's format"),
         ({"eval_size": 0}, "the search measures on the quality report's held-out sequences"),
         ({"recipe": "nvfp4"}, "the search writes the recipe"),
+        ({"auto_quantize": 16.0}, "leaves every module unquantized: nothing to export"),
     ],
 )
 def test_what_the_search_cannot_do_is_refused_by_name(searched, tmp_path, change, refusal):

@@ -28,6 +28,7 @@ from eprt.progress import logger
 from eprt.quant.auto_quantize import (
     DEFAULT_CANDIDATES,
     RECIPE_FILE,
+    UNQUANTIZED_BITS,
     SearchResult,
     SearchSpace,
     check_algorithm,
@@ -341,7 +342,9 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
     `--recipe OUT/auto_recipe.yaml` reproduces the export. Returns what run_ptq returns."""
     with fail_together(state, "reading the checkpoint and the search's settings"):
         if a.recipe is not None:
-            raise ConfigError(f"--recipe {a.recipe} with --auto-quantize: the search writes the recipe; give one")
+            raise ConfigError(
+                f"--recipe {a.recipe} with --auto-quantize: the search writes the recipe; give one or the other"
+            )
         if a.auto_quantize <= 0:
             raise ConfigError(f"--auto-quantize {a.auto_quantize}: give a positive budget of bits, e.g. 4.8bits")
         check_algorithm(a.algorithm)
@@ -358,6 +361,13 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
             rc.layout, parse_candidates(a.auto_quantize_formats), cfg.num_experts_per_tok, cfg.num_experts
         )
         space.check_budget(a.auto_quantize)
+        if "none" in space.candidates and a.auto_quantize >= space.effective_bits(
+            {g.name: "none" for g in space.groups}
+        ):
+            raise ConfigError(
+                f"--auto-quantize {a.auto_quantize:g}bits leaves every module unquantized: nothing to export; "
+                f"give a budget below {UNQUANTIZED_BITS} bits"
+            )
         state.check_experts(cfg.num_experts)
         check_data_settings(a)
     with ck:
@@ -371,11 +381,6 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
     smallest_error = space.loss(space.smallest(), errors)
     kl_per_error = smallest_kl / smallest_error if smallest_error > 0 else 0.0
     summary = search_summary(space, a.auto_quantize, choice, errors, kl_per_error, smallest_kl)
-    if set(choice.values()) == {"none"}:
-        raise ConfigError(
-            f"--auto-quantize {a.auto_quantize:g}bits leaves every module unquantized: nothing to export; "
-            "give a budget below 16 bits"
-        )
     text = space.recipe_yaml(choice, a.kv_cache, a.auto_quantize, a.algorithm)
     if state.rank == 0:
         logger().info(

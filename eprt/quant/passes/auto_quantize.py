@@ -2,7 +2,8 @@
 held-out sequences through each decoder layer once its statistics are final, as it is (the
 stream's next input), then once per (module group, candidate format) with that group alone
 fake-quantized in that format with the export's scales; each run's squared error of the layer's
-output against the layer as it is, per held-out token (eprt.quant.auto_quantize says why not relative).
+output against the layer as it is, per held-out token, over the RMS of the output's tokens
+(eprt.quant.auto_quantize says why).
 
 The errors are summed per held-out sequence in fp64 and filed at its global index before the sum
 over the ranks (eprt.quant.quality.filed_over_ranks), so the choice is the same at every layout."""
@@ -46,7 +47,7 @@ class FormatErrors(Pass):
         for g in space.groups:
             self.layers.setdefault(layer_of(g.modules[0]), []).append(g)
         self.stream: LayerState | None = None  # the held-out sequences at the running layer's input
-        self.errors: dict[tuple[str, str], float] = {}  # (group, format) -> squared error per token
+        self.errors: dict[tuple[str, str], float] = {}  # (group, format) -> the error above
 
     def _quantized(self, g: Group) -> list[str]:
         return [c for c in self.space.candidates if c in g.bits and c != "none"]
@@ -73,11 +74,12 @@ class FormatErrors(Pass):
         local = [li for _, li in self.sequences.pairs]
         y_ref = ref.hidden[local].double()
         tokens = self.eval_ids.numel()
+        rms = (self._summed(layer, y_ref.square().flatten(1).sum(1)) / tokens) ** 0.5  # of the output's tokens
         for g in self.layers.get(layer.index, []):
             for fmt in self._quantized(g):
                 with self._alone(layer, g, fmt):
                     y = self._through(layer).hidden[local].double()
-                self.errors[(g.name, fmt)] = self._summed(layer, (y - y_ref).square().flatten(1).sum(1)) / tokens
+                self.errors[(g.name, fmt)] = self._summed(layer, (y - y_ref).square().flatten(1).sum(1)) / tokens / rms
         self.stream = ref
 
     @contextlib.contextmanager
