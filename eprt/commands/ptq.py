@@ -61,8 +61,11 @@ def ptq() -> int:
     on every rank, then the dry run or calibration."""
     argv = sys.argv[1:]
     a, nproc_per_node = parse_args(argv)
-    if not a.dry_run and not (a.recipe and a.out):
-        raise ConfigError("--recipe and --out are required (or --dry-run to print the layout only)")
+    if not a.dry_run and not ((a.recipe or a.auto_quantize is not None) and a.out):
+        raise ConfigError(
+            "--recipe and --out are required (--auto-quantize BUDGET in place of --recipe; or --dry-run to "
+            "print the layout only)"
+        )
     if a.estimate_time and not (a.dry_run and a.recipe):
         raise ConfigError("--estimate-time is for --dry-run with --recipe: the recipe sets the runs a layer takes")
     if nproc_per_node is not None:

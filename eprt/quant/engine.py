@@ -125,9 +125,10 @@ class LayerWork:
 
     def run_calibration(self, *, write: bool, on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
         """The calibration sequences through the layer (counted on the progress bar)."""
-        self.run(self.engine.calibration, self.hidden, write=write, on_routed=on_routed, tick=self._tick)
+        self.run(self.engine.calibration, self.hidden, write=write, on_routed=on_routed, tick=self.count_step)
 
-    def _tick(self) -> None:
+    def count_step(self) -> None:
+        """One step of a run done, on the progress bar (a pass's `tick` for the runs it counts)."""
         self.ticks += 1
         self.tick()
 
@@ -139,6 +140,10 @@ class Pass:
     rewrites = False  # its runs make the calibration sequences' output: the statistics run only observes
     covers_mtp = True  # runs on the multi-token-prediction layers too
     calibration_runs = 0  # runs of the calibration sequences it adds per layer (for the progress bar)
+
+    def own_steps(self) -> int:
+        """The most steps of its own sequences it runs in a layer and counts (`LayerWork.count_step`)."""
+        return 0
 
     def begin(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Before layer 0 (not on a resume): `embed(ids [n, T])` -> the hidden states entering it."""
@@ -185,7 +190,9 @@ class LayerEngine:
         self.prefix, self.decoder = self.model.decoder()
         self.names = list(self.model.state_dict())
         self.calibration = Sequences(state, schedule, c.num_experts_per_tok)
-        self.steps_per_layer = schedule.num_steps * (1 + sum(p.calibration_runs for p in passes))
+        self.steps_per_layer = schedule.num_steps * (1 + sum(p.calibration_runs for p in passes)) + sum(
+            p.own_steps() for p in passes
+        )
         self.log = logger()
 
     def _assign(self, prefix: str) -> int:

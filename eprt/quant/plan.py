@@ -15,6 +15,11 @@ quantized weights as they were (its probes compare against them) and one held-ou
 buffers with the probes' reference outputs; and at the end the final norm and the head, with
 one sequence's logits of both streams.
 
+The format search (--auto-quantize, eprt.quant.passes.auto_quantize) adds three more streams of
+the held-out sequences (the layer's input, its output as it is, its output with one module group
+fake-quantized) and, while it runs, a copy of that group's weights: no more than the quality
+report's copy of every quantized weight of the layer, which comes after it.
+
 A GPU rank also holds host memory, planned apart and checked against the host's own limit: the
 process, the token ids, a tensor as it is read before it moves to the device, and GPTQ's codes,
 which move to the host as each layer is rounded and stay there until the output is written.
@@ -214,6 +219,7 @@ class RunShape:
     group_tokens: int  # tokens per expert work unit's group of sequences
     all_experts: bool = False  # --calibrate-all-experts' statistics pass
     eval_sequences: int = 0  # the quality report's held-out sequences (0: no report)
+    search: bool = False  # the format search's streams of the held-out sequences
 
     def schedule_of(self, num_sequences: int) -> Schedule:
         """The steps and expert work units of `num_sequences` sequences of this shape's length."""
@@ -386,7 +392,8 @@ class Planner:
                 ep,
                 limit,
             )
-        hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        streams = 2 + (3 if shape.search else 0)
+        hidden += streams * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)

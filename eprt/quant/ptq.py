@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,17 @@ from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
+from eprt.quant.auto_quantize import (
+    DEFAULT_CANDIDATES,
+    RECIPE_FILE,
+    UNQUANTIZED_BITS,
+    SearchResult,
+    SearchSpace,
+    check_algorithm,
+    parse_budget,
+    parse_candidates,
+    search_summary,
+)
 from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import refuse_calibrated, write_calibrated
@@ -42,6 +54,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.gptq_layer import ALGORITHM, DEFAULT_MIN_TOKENS, GPTQRun
 from eprt.quant.mxfp4_sources import mxfp4_blocks_kept
 from eprt.quant.passes import layer_passes
+from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import (
@@ -87,6 +100,17 @@ class PTQArgs:
         help="expert-parallel degree; divides the world size and the routed experts (default: the world size)"
     )
     kv_cache: str | None = flag(choices=sorted(KV_CACHE_FORMATS), help="also quantize the KV cache")
+    auto_quantize: float | None = flag(
+        type=parse_budget,
+        metavar="BUDGET",
+        help="search each module group's format under BUDGET effective bits per active parameter (e.g. "
+        "4.8bits) instead of --recipe; writes the chosen recipe into OUT (docs/quality.md, 'Format search')",
+    )
+    auto_quantize_formats: str = flag(
+        ",".join(DEFAULT_CANDIDATES),
+        metavar="FORMATS",
+        help=f"the formats --auto-quantize chooses from, comma-separated (default {','.join(DEFAULT_CANDIDATES)})",
+    )
     algorithm: str = flag(
         ALGORITHMS[0],
         choices=ALGORITHMS,
@@ -188,17 +212,22 @@ CALIBRATION_SETTINGS = (
 )
 
 
-def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
-    """Write `a.out`, the calibrated checkpoint of `a.ckpt` under `a.recipe`: without data or a
-    forward pass where nothing needs them (eprt.quant.datafree: the recipe takes no statistic, and
-    neither --eval nor --preview asks for the model to run), else by calibration
+def run_ptq(
+    state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None, search: SearchResult | None = None
+) -> dict:
+    """Write `a.out`, the calibrated checkpoint of `a.ckpt` under `a.recipe`: with --auto-quantize,
+    the format search first (`run_auto_quantize`, which then calibrates its choice, `search`);
+    without data or a forward pass where nothing needs them (eprt.quant.datafree: the recipe takes
+    no statistic, and neither --eval nor --preview asks for the model to run), else by calibration
     (`run_calibration`). Returns {"out", "calibration_s", "tokens", "resumed_after", "quality"}."""
+    if a.auto_quantize is not None:
+        return run_auto_quantize(state, a, on_weight, ck)
     try:
         recipe = load_recipe(a.recipe, a.kv_cache, a.algorithm)
     except ConfigError:  # refused by the calibration's checks, in their order, on every rank together
-        return run_calibration(state, a, on_weight, ck)
-    if not data_free(recipe, a):
-        return run_calibration(state, a, on_weight, ck)
+        return run_calibration(state, a, on_weight, ck, search)
+    if search is not None or not data_free(recipe, a):  # the search's choice is written beside the calibration
+        return run_calibration(state, a, on_weight, ck, search)
     if state.rank == 0:
         say_data_free(a, recipe)
     return run_data_free(state, a.ckpt, a.out, recipe, overwrite=a.overwrite, ck=ck)
@@ -228,25 +257,18 @@ def say_data_free(a: PTQArgs, recipe: Recipe) -> None:
     )
 
 
-def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
+def run_calibration(
+    state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None, search: SearchResult | None = None
+) -> dict:
     """Calibrate and write `a.out`; returns {"out", "calibration_s", "tokens" (on this rank),
     "resumed_after" (the layer a --resume continued after, -1 for none), "quality" (the report,
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
     fake-quantizes it (this rank's rows of routed experts). `ck`: `a.ckpt` as the command opened
-    it (default: opened here); the run closes it."""
+    it (default: opened here); the run closes it. `search`: what --auto-quantize chose, for the
+    output's recipe file and report."""
     log = logger()
     with fail_together(state, "reading the checkpoint and the recipe"):
-        check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
-        if a.device is not None and a.device != state.device.type:
-            raise ConfigError(
-                f"--device {a.device}: this rank runs on {state.device.type}; --device plans for "
-                "another machine with --dry-run, a run uses its ranks' own devices"
-            )
-        ck = ck if ck is not None else Checkpoint(a.ckpt)
-        refuse_calibrated(ck, a.ckpt)
-        if a.dtype not in RUN_DTYPES:
-            raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
-        rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads
+        ck, rc = open_unquantized(state, a, ck)
         recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
@@ -364,11 +386,16 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
                 starved_experts(coverage, summary),
                 {"prompt": a.preview, "before": before, "after": text} if preview else None,
             )
+            if search is not None:
+                quality["auto_quantize"] = {**search.summary, "measured_kl": quality["kl_mean"]}
         results = gptq.results if gptq is not None else None
 
         def write(tmp: str) -> None:
             with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
                 write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results, folds)
+                if search is not None and state.rank == 0:
+                    with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
+                        f.write(search.recipe_yaml)
 
         write_together(
             state,
@@ -385,6 +412,109 @@ def run_calibration(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkp
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     mine = len(own_sequences(samples.shape[0], state.rank, state.world)) * samples.shape[1]
     return {"out": a.out, "calibration_s": seconds, "tokens": mine, "resumed_after": resumed, "quality": quality}
+
+
+def open_unquantized(state: ParallelState, a: PTQArgs, ck: Checkpoint | None) -> tuple[Checkpoint, ResolvedCheckpoint]:
+    """`a.ckpt` (or `ck`, its open checkpoint) refused unless unquantized, and its resolution in --dtype,
+    with the output directory and --device checked first."""
+    check_output_dir(a.out, a.overwrite, (a.ckpt,))  # before calibrating: refused again when it is written
+    if a.device is not None and a.device != state.device.type:
+        raise ConfigError(
+            f"--device {a.device}: this rank runs on {state.device.type}; --device plans for "
+            "another machine with --dry-run, a run uses its ranks' own devices"
+        )
+    ck = ck if ck is not None else Checkpoint(a.ckpt)
+    refuse_calibrated(ck, a.ckpt)
+    if a.dtype not in RUN_DTYPES:
+        raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
+    return ck, ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads
+
+
+def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
+    """--auto-quantize (eprt.quant.auto_quantize): the search's layer-major pass, the choice, then
+    the chosen recipe calibrated as any recipe is, into `a.out` with the recipe (RECIPE_FILE), so that
+    `--recipe OUT/auto_recipe.yaml` reproduces the export. Returns what run_ptq returns."""
+    with fail_together(state, "reading the checkpoint and the search's settings"):
+        if a.recipe is not None:
+            raise ConfigError(
+                f"--recipe {a.recipe} with --auto-quantize: the search writes the recipe; give one or the other"
+            )
+        if a.auto_quantize <= 0:
+            raise ConfigError(f"--auto-quantize {a.auto_quantize}: give a positive budget of bits, e.g. 4.8bits")
+        check_algorithm(a.algorithm)
+        if a.eval_size < 1:
+            raise ConfigError(
+                f"--auto-quantize with --eval-size {a.eval_size}: the search measures on the quality report's "
+                "held-out sequences; give a positive --eval-size"
+            )
+        if a.resume:
+            raise ConfigError("--resume with --auto-quantize: the search does not resume; run it again")
+        ck, rc = open_unquantized(state, a, ck)
+        cfg = ck.config
+        space = SearchSpace.of(
+            rc.layout, parse_candidates(a.auto_quantize_formats), cfg.num_experts_per_tok, cfg.num_experts
+        )
+        space.check_budget(a.auto_quantize)
+        if "none" in space.candidates and a.auto_quantize >= space.effective_bits(
+            {g.name: "none" for g in space.groups}
+        ):
+            raise ConfigError(
+                f"--auto-quantize {a.auto_quantize:g}bits leaves every module unquantized: nothing to export; "
+                f"give a budget below {UNQUANTIZED_BITS} bits"
+            )
+        state.check_experts(cfg.num_experts)
+        check_data_settings(a)
+    with ck:
+        with fail_together(state, "planning memory"):
+            plan_run(state, rc, replace(a, preview=None), space.targets, search=True)
+        with fail_together(state, "reading the calibration data"):
+            samples, eval_ids, _ = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
+        with fail_together(state, "searching the formats"), torch.inference_mode():
+            errors, smallest_kl = measure_format_errors(state, rc, space, samples, eval_ids, a)
+    choice = space.choose(a.auto_quantize, errors)
+    smallest_error = space.loss(space.smallest(), errors)
+    kl_per_error = smallest_kl / smallest_error if smallest_error > 0 else 0.0
+    summary = search_summary(space, a.auto_quantize, choice, errors, kl_per_error, smallest_kl)
+    text = space.recipe_yaml(choice, a.kv_cache, a.auto_quantize, a.algorithm)
+    if state.rank == 0:
+        logger().info(
+            "auto-quantize: %.4f effective bits (budget %g), estimated KL %.6g; the recipe: %s",
+            summary["effective_bits"],
+            a.auto_quantize,
+            summary["estimated_kl"],
+            os.path.join(a.out, RECIPE_FILE),
+        )
+    with tempfile.TemporaryDirectory() as d:  # each rank reads its own copy of the same recipe
+        path = os.path.join(d, RECIPE_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return run_ptq(
+            state, replace(a, recipe=path, auto_quantize=None), on_weight, search=SearchResult(summary, text)
+        )
+
+
+def measure_format_errors(
+    state: ParallelState,
+    rc: ResolvedCheckpoint,
+    space: SearchSpace,
+    samples: torch.Tensor,
+    eval_ids: torch.Tensor,
+    a: PTQArgs,
+) -> tuple[dict[tuple[str, str], float], float]:
+    """The search's layer-major pass: max statistics of every module a candidate quantizes, each
+    group's error in each candidate (eprt.quant.passes.auto_quantize), and the quality report of
+    every group in its smallest candidate. Returns the errors and that report's mean KL."""
+    shape = run_shape(a, state, rc.ck.config)
+    cal = Calibrator(None, space.targets, kv=False, all_experts=a.calibrate_all_experts)
+    smallest = space.recipe(space.smallest(), None, a.algorithm)
+    targets = list(quantized_modules(rc.layout, smallest, rc.ck.path))
+    report = QualityReport(state, rc.ck, smallest, targets, eval_ids, "held out")
+    held_out = shape.schedule_of(eval_ids.shape[0])
+    errors = FormatErrors(state, cal, rc, space, eval_ids, held_out, a.algorithm)
+    passes = layer_passes(cal, smallest, rc, quality=QualityStreams(state, report, held_out), format_errors=errors)
+    engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
+    engine.run(0, engine.embed())
+    return errors.errors, report.result["kl_mean"]
 
 
 def run_shape(a: PTQArgs, state: ParallelState, config) -> RunShape:
@@ -424,15 +554,16 @@ def plan_run(
     targets: list[str],
     mtp: bool = False,
     gptq: dict[str, str] | None = None,
+    search: bool = False,
 ) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
     whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
     recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
-    formats (the plan counts their Hessians and codes)."""
+    formats (the plan counts their Hessians and codes); `search`: the format search's pass (its streams)."""
     c = rc.ck.config
     planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq)
-    shape = run_shape(a, state, c)
+    shape = replace(run_shape(a, state, c), search=search)
     limit = a.max_memory or available_memory(state.device)
     plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
     check_memory(planner, plan, limit, shape, c.num_experts)

@@ -84,6 +84,15 @@ def _row_sums(y: torch.Tensor, y_ref: torch.Tensor) -> tuple[torch.Tensor, torch
     return y.sub_(y_ref).square_().sum(-1), y_ref.square_().sum(-1)
 
 
+def filed_over_ranks(state: ParallelState, shape, mine: list[tuple[int, int]], values: torch.Tensor) -> torch.Tensor:
+    """`values` [local sequences, ...] filed at their global indices (`mine`: this rank's (global,
+    local) sequences) and summed over the world: every other rank adds zeros, so the sum is exact."""
+    out = torch.zeros(shape, dtype=torch.float64, device=state.device)
+    if mine:
+        out[torch.tensor([s for s, _ in mine], device=out.device)] = values.double()
+    return state.all_reduce(out, over="dp", op=dist.ReduceOp.SUM)
+
+
 class Probes:
     """The original weights of one layer's quantized modules, kept before the layer is quantized
     in place; while `measuring`, each module's output on every call of the quantized stream is
@@ -181,11 +190,7 @@ class QualityReport:
         return Probes(layer, prefix, self.targets, num_units)
 
     def _global(self, shape, mine: list[tuple[int, int]], values: torch.Tensor) -> torch.Tensor:
-        """`values` [local sequences, ...] filed at their global indices and summed over the world."""
-        out = torch.zeros(shape, dtype=torch.float64, device=self.state.device)
-        if mine:
-            out[torch.tensor([s for s, _ in mine], device=out.device)] = values.double()
-        return self.state.all_reduce(out, over="dp", op=dist.ReduceOp.SUM)
+        return filed_over_ranks(self.state, shape, mine, values)
 
     def finish_layer(
         self,

@@ -174,6 +174,12 @@ def recipe_section(_i: int, _label: str, r: dict) -> str:
         f"<p>recipe <b>{esc(recipe['name'])}</b>; KV cache: {esc(recipe.get('kv_cache') or 'unquantized')}"
         f"{'; multi-token-prediction layers quantized' if recipe.get('mtp') else ''}</p>"
     )
+    if "auto_quantize" in r:  # the format search's choice (docs/quality.md, "Format search")
+        s = r["auto_quantize"]
+        head += (
+            f"<p>chosen by --auto-quantize {s['budget_bits']:.4g} bits: {s['effective_bits']:.4g} effective bits per "
+            f"active parameter, KL estimated {s['estimated_kl']:.4g}, measured {s['measured_kl']:.4g}</p>"
+        )
     return head + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
 
 

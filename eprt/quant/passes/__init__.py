@@ -8,6 +8,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import Pass
 from eprt.quant.gptq_layer import GPTQRun
 from eprt.quant.passes.all_experts import EveryExpertStatistics
+from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.gptq import GPTQ
 from eprt.quant.passes.max_statistics import MaxStatistics
@@ -25,11 +26,12 @@ def layer_passes(
     quality: QualityStreams | None = None,
     awq: AWQ | None = None,
     gptq: GPTQRun | None = None,
+    format_errors: FormatErrors | None = None,
 ) -> list[Pass]:
-    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the
-    quality report's streams (`quality`), AWQ's folds (`awq`) and GPTQ (`gptq`), which run through
-    the layer quantized with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP
-    layers last.
+    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the format
+    search's errors (`format_errors`, which restores the weights it quantizes); the quality report's
+    streams (`quality`), AWQ's folds (`awq`) and GPTQ (`gptq`), which run through the layer quantized
+    with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.
 
     The order is the hooks': the report's reference stream runs through the layer before AWQ folds
     it, GPTQ's Hessians come from the folded layer, the report's probes keep the layer's weights
@@ -37,6 +39,7 @@ def layer_passes(
     passes: list[Pass] = [MaxStatistics(cal)]
     if cal.all_experts:
         passes.append(EveryExpertStatistics(cal))
+    passes += [format_errors] if format_errors is not None else []
     if quality is not None:
         passes.append(quality)
     if awq is not None:

@@ -1,0 +1,162 @@
+"""The format search (--auto-quantize): the choice meets its budget, counted here from the written
+recipe and the model's shapes alone; a larger budget never gives a larger estimated loss; a group
+made sensitive gets the more precise format; a budget no choice meets is refused naming the least
+one; the written recipe reproduces the export; and two ranks choose and export the same bytes."""
+
+import filecmp
+import json
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eprt.errors import EprtError
+from eprt.families import parse_hf_config, reader_for
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel import ParallelState
+from eprt.quant.auto_quantize import SearchSpace
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import load_recipe
+from eprt.testing.tiny import make_tiny
+from tests.multiproc import run_world
+
+# the last layer's attention output, its weights scaled up: its output outweighs the rest of the
+# layer's, so its quantization error is the layer's
+SENSITIVE = "model.layers.2.self_attn.o_proj"
+SCALE = 64
+DATA = {"calib_size": 4, "seq_len": 16, "eval_size": 2, "progress": False}
+REPORT = "eprt_quality.json"
+# bits per element as the export stores the weight, and per Linear its per-tensor fp32 scales
+# (weight and input)
+ELEMENT_BITS = {"nvfp4": 4 + 8 / 16, "fp8": 8, "none": 16}
+LINEAR_BITS = {"nvfp4": 2 * 32, "fp8": 2 * 32, "none": 0}
+
+
+def effective_bits(hf: str, format_of) -> float:
+    """Bits per active parameter of the model at `hf` with each module in `format_of(module)`:
+    a routed expert's Linears (gate, up, down) weigh top-k / E."""
+    config = parse_hf_config(json.loads(Path(hf, "config.json").read_text()))
+    layout = reader_for(config.model_type, hf).layout(config)
+    bits = params = 0.0
+    for m, spec in layout.linear_modules().items():
+        fmt = format_of(m) or "none"
+        if spec.stacked:
+            E, two_i, D = spec.shape
+            linears, weight = E * [(two_i // 2, D), (two_i // 2, D), (D, two_i // 2)], config.num_experts_per_tok / E
+        else:
+            linears, weight = [spec.shape], 1.0
+        for out_dim, in_dim in linears:
+            params += weight * out_dim * in_dim
+            bits += weight * (out_dim * in_dim * ELEMENT_BITS[fmt] + LINEAR_BITS[fmt])
+    return bits / params
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """(source, checkpoint, budget, calibrated output, its export): a tiny model with SENSITIVE scaled,
+    searched at a budget that buys one group of its size FP8 in place of NVFP4, and no more."""
+    d = tmp_path_factory.mktemp("auto_quantize")
+    hf = make_tiny("qwen3_moe", str(d / "hf"))
+    weights = load_file(os.path.join(hf, "model.safetensors"))
+    weights[f"{SENSITIVE}.weight"] = weights[f"{SENSITIVE}.weight"] * SCALE
+    save_file(weights, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+    ck = convert_hf(hf, str(d / "ck"), progress=False)
+    least = effective_bits(hf, lambda m: "nvfp4")
+    budget = least + 1.5 * (effective_bits(hf, lambda m: "fp8" if m == SENSITIVE else "nvfp4") - least)
+    out = str(d / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, None, out, auto_quantize=budget, **DATA))
+    return hf, ck, budget, out, export_hf(out, str(d / "export"), progress=False)
+
+
+def test_the_choice_meets_the_budget_and_keeps_the_sensitive_group_precise(searched):
+    hf, _, budget, out, export = searched
+    recipe = load_recipe(os.path.join(out, "auto_recipe.yaml"))
+    assert effective_bits(hf, recipe.format_of) <= budget * (1 + 1e-12)
+    assert recipe.format_of(SENSITIVE) in ("fp8", None)
+    assert recipe.formats == ["fp8", "nvfp4"] and recipe.rules[-1].pattern == "*"
+    report = json.loads(Path(export, REPORT).read_text())
+    search = report["auto_quantize"]
+    chosen = {m: recipe.format_of(m) or "none" for m in recipe_modules(recipe)}
+    assert {e["group"]: e["format"] for e in search["map"]}[SENSITIVE] == chosen[SENSITIVE]
+    assert search["effective_bits"] == pytest.approx(effective_bits(hf, recipe.format_of), rel=1e-12)
+    assert search["measured_kl"] == report["kl_mean"] and search["estimated_kl"] > 0
+    assert f"chosen by --auto-quantize {budget:.4g} bits" in Path(export, "eprt_quality.html").read_text()
+
+
+def recipe_modules(recipe) -> list[str]:
+    return [r.pattern for r in recipe.rules if r.pattern != "*"]
+
+
+def test_a_larger_budget_never_gives_a_larger_estimated_loss(searched):
+    hf, _, _, _, export = searched
+    search = json.loads(Path(export, REPORT).read_text())["auto_quantize"]
+    errors = {(e["group"], c): v for e in search["map"] for c, v in e["errors"].items()}
+    config = parse_hf_config(json.loads(Path(hf, "config.json").read_text()))
+    layout = reader_for(config.model_type, hf).layout(config)
+    space = SearchSpace.of(layout, ("nvfp4", "fp8", "none"), config.num_experts_per_tok, config.num_experts)
+    least = effective_bits(hf, lambda m: "nvfp4")
+    # a sweep, and just short of each single group's FP8: where a choice's bits rounded down would overspend
+    short = [effective_bits(hf, lambda m, g=g: "fp8" if m in g.modules else "nvfp4") - 1e-9 for g in space.groups]
+    losses = []
+    for budget in sorted([*torch.linspace(least, 16, 12, dtype=torch.float64).tolist(), *short]):
+        choice = space.choose(budget, errors)
+        groups = {m: choice[g.name] for g in space.groups for m in g.modules}
+        assert effective_bits(hf, groups.get) <= budget * (1 + 1e-12)
+        losses.append(space.loss(choice, errors))
+    assert losses == sorted(losses, reverse=True) and losses[0] > 100 * losses[-1]
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"auto_quantize": 3.0}, "no choice of nvfp4,fp8,none meets it; the smallest feasible budget is {least}bits"),
+        ({"algorithm": "gptq"}, "--auto-quantize with --algorithm gptq: gptq works in each layer's format"),
+        ({"eval_size": 0}, "the search measures on the quality report's held-out sequences"),
+        ({"recipe": "nvfp4"}, "the search writes the recipe"),
+        ({"auto_quantize": 16.0}, "leaves every module unquantized: nothing to export"),
+    ],
+)
+def test_what_the_search_cannot_do_is_refused_by_name(searched, tmp_path, change, refusal):
+    hf, ck, budget, _, _ = searched
+    least = f"{math.ceil(effective_bits(hf, lambda m: 'nvfp4') * 1000) / 1000:.3f}"
+    args = {**DATA, "auto_quantize": budget, **change}
+    with pytest.raises(EprtError, match=refusal.format(least=least).replace(".", r"\.")):
+        run_ptq(ParallelState.single(), PTQArgs(ck, args.pop("recipe", None), str(tmp_path / "q"), **args))
+    assert not (tmp_path / "q").exists()
+
+
+def same_files(a: str, b: str, but: tuple[str, ...] = ()) -> None:
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for n in names:
+        if n not in but:
+            assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
+
+
+def test_the_written_recipe_reproduces_the_export(searched, tmp_path):
+    _, ck, _, out, export = searched
+    again = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, os.path.join(out, "auto_recipe.yaml"), again, **DATA))
+    reused = export_hf(again, str(tmp_path / "export"), progress=False)
+    # the report differs by the search's own field alone
+    same_files(export, reused, but=(REPORT, "eprt_quality.html"))
+    ours, theirs = (json.loads(Path(e, REPORT).read_text()) for e in (export, reused))
+    del ours["auto_quantize"]
+    assert ours == theirs
+
+
+def _search_at_ep_2(ck: str, out: str, budget: float) -> None:
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, PTQArgs(ck, None, out, auto_quantize=budget, batch_size=2, **DATA))
+
+
+def test_two_ranks_choose_and_export_the_same_bytes(searched, tmp_path):
+    _, ck, budget, out, export = searched
+    run_world(_search_at_ep_2, 2, ck, str(tmp_path / "q"), budget, timeout=300)
+    assert filecmp.cmp(os.path.join(out, "auto_recipe.yaml"), tmp_path / "q" / "auto_recipe.yaml", shallow=False)
+    same_files(export, export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False))
