@@ -181,7 +181,9 @@ def test_transformers_loads_the_mxfp4_export(model):
 def test_the_modelopt_layout_refuses_mxfp4_by_name(model, tmp_path):
     _, _, exports = model
     q = exports["mxfp4", CT][: -len(f"-{CT}")]
-    with pytest.raises(ConfigError, match=r"quantized with mxfp4, .*export with --format compressed-tensors"):
+    with pytest.raises(
+        ConfigError, match=r"quantized with mxfp4 \(MXFP4\), .*export it with --format compressed-tensors"
+    ):
         export_hf(q, str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
 

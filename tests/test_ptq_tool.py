@@ -16,6 +16,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import available
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 from tests.layouts.test_ep_model import SKEWED_OUT, skew
@@ -111,7 +112,7 @@ def test_preview_and_the_demo_pipeline_on_two_local_ranks(tmp_path):
     [
         (
             ["--recipe", "int3", "--out", "OUT"],
-            "--recipe 'int3': no such recipe; choose one of fp8, fp8_block, fp8_channel, kimi_k3_release, mxfp4, mxfp8, nvfp4, nvfp4_a16, nvfp4_experts_fp8_attention, nvfp4_experts_fp8_attention_mtp, nvfp4_experts_only",
+            f"--recipe 'int3': no such recipe; choose one of {', '.join(available())} or give a YAML path",
         ),
         (["--out", "OUT"], "--recipe and --out are required"),
         (["--recipe", "fp8", "--out", "OUT", "--calib", "missing.jsonl"], "--calib missing.jsonl: no such file"),

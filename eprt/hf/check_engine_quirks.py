@@ -38,7 +38,8 @@ def absorbed_factor(input_scale: float) -> float:
 
 
 def quantizes_inputs_to_4_bits(fmt: WeightFormat) -> bool:
-    return fmt.num_bits == 4 and fmt.modelopt_input_group() is not None
+    inputs = fmt.modelopt_input_group()
+    return inputs is not None and inputs["num_bits"] == 4
 
 
 def engine_warnings(out_dir) -> list[str]:

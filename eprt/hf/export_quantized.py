@@ -343,14 +343,15 @@ class QuantizedExport:
 
 
 def refuse_modelopt_layout(formats: dict[str, str], where: str) -> None:
-    """Refuse, before any output, a ModelOpt-layout export of a module whose format has none (INT4)."""
+    """Refuse, before any output, a ModelOpt-layout export of a module whose format has none (INT4,
+    MXFP4: docs/export.md says why for each)."""
     for module, name in formats.items():
         fmt = weight_format(name)
         if not fmt.modelopt_layout:
             raise ConfigError(
-                f"{where}: {module} is quantized in {fmt.name} ({fmt.quant_algo}), which eprt writes in the "
-                "compressed-tensors layout only (ModelOpt's INT4 layout is its AWQ one, with a pre_quant_scale "
-                "and two output channels a byte); export it with --format compressed-tensors"
+                f"{where}: {module} is quantized with {fmt.name} ({fmt.quant_algo}), which the ModelOpt layout "
+                "does not hold (ModelOpt's export has no algorithm for it that engines read): export it with "
+                "--format compressed-tensors"
             )
 
 

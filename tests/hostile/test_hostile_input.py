@@ -277,7 +277,7 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},
-            "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm",
+            "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm, group_size",
         ),
     ],
 )

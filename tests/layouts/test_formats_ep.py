@@ -18,9 +18,8 @@ from tests.multiproc import run_world
 # the layout test's own (tests/layouts/test_ptq.py), and Kimi-K3's release recipe, which only its family runs
 COVERED_ELSEWHERE = {"fp8", "nvfp4", "kimi_k3_release"}
 RECIPES = [r for r in available() if r not in COVERED_ELSEWHERE]
-# 128 + 64: every weight of the hidden dim ends in a partial 128-wide block; a whole block of rows
-# for each of an expert's gate and up
-SHAPE = {"hidden_size": 192, "moe_intermediate_size": 128}
+# every input dim a whole number of INT4's groups of 128 (the fp8_block test takes partial blocks)
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "head_dim": 32}
 
 
 @pytest.fixture(scope="module")
