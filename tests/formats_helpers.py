@@ -20,6 +20,7 @@ from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
+from tests.hf_utils import read_hf_tensors
 
 SAMPLES, SEQ_LEN = 2, 16
 
@@ -98,6 +99,31 @@ def decompressed(tensors: dict[str, torch.Tensor], module: str, scheme, compress
     """The library's decompression of `module`'s weight from an export's tensors."""
     leaves = (leaf for leaf in compressor.compression_param_names(scheme) if f"{module}.{leaf}" in tensors)
     return compressor.decompress({leaf: tensors[f"{module}.{leaf}"] for leaf in leaves}, scheme)["weight"]
+
+
+def assert_transformers_loads(ct: str, eprt_value) -> None:
+    """transformers loads the compressed-tensors export `ct` on CPU (its decompressing loader), with
+    every quantized weight, the routed experts' included, equal to eprt_value(module name)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    quantized = {n[: -len(".weight_scale")] for n in read_hf_tensors(ct) if n.endswith(".weight_scale")}
+    experts = {m.rsplit(".", 2)[0] for m in quantized if ".experts." in m}
+    dense = sorted(m for m in quantized if ".experts." not in m)
+    assert experts and dense
+    for moe in experts:
+        held = loaded.get_submodule(moe)
+        width = held.gate_up_proj.shape[1] // 2
+        for e in range(held.gate_up_proj.shape[0]):
+            assert torch.equal(held.gate_up_proj[e, :width], eprt_value(f"{moe}.{e}.gate_proj"))
+            assert torch.equal(held.gate_up_proj[e, width:], eprt_value(f"{moe}.{e}.up_proj"))
+            assert torch.equal(held.down_proj[e], eprt_value(f"{moe}.{e}.down_proj"))
+    for module in dense:
+        assert torch.equal(loaded.get_submodule(module).weight, eprt_value(module)), module
 
 
 def broken_copy(src: str, dst: Path, name: str, edit) -> str:

@@ -24,6 +24,7 @@ from eprt.quant.formats.fp8_channel import dequantize_fp8_channel, fp8_channel_s
 from eprt.quant.recipe import parse_recipe
 from eprt.storage.checkpoint import Checkpoint
 from tests.formats_helpers import (
+    assert_transformers_loads,
     broken_copy,
     ct_scheme,
     decompressed,
@@ -91,30 +92,12 @@ def test_compressed_tensors_decompresses_and_encodes_as_eprt(model):
 
 
 def test_transformers_loads_eprts_values(model):
-    pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    loaded = AutoModelForCausalLM.from_pretrained(
-        model.ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
     t = read_hf_tensors(model.ct)
 
     def eprt_value(module: str) -> torch.Tensor:
         return dequantize_fp8_channel(t[f"{module}.weight"], t[f"{module}.weight_scale"][:, 0], torch.bfloat16)
 
-    experts = {n.rsplit(".", 3)[0] for n in t if ".experts." in n}
-    assert experts
-    for moe in experts:
-        held = loaded.get_submodule(moe)
-        width = held.gate_up_proj.shape[1] // 2
-        for e in range(held.gate_up_proj.shape[0]):
-            assert torch.equal(held.gate_up_proj[e, :width], eprt_value(f"{moe}.{e}.gate_proj"))
-            assert torch.equal(held.gate_up_proj[e, width:], eprt_value(f"{moe}.{e}.up_proj"))
-            assert torch.equal(held.down_proj[e], eprt_value(f"{moe}.{e}.down_proj"))
-    dense = {n[: -len(".weight_scale")] for n in t if n.endswith(".weight_scale") and ".experts." not in n}
-    for module in sorted(dense):
-        assert torch.equal(loaded.get_submodule(module).weight, eprt_value(module)), module
+    assert_transformers_loads(model.ct, eprt_value)
 
 
 def test_check_passes_both_layouts(model):

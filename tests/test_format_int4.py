@@ -33,9 +33,9 @@ from eprt.quant.formats.w4a8 import W4A8
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
 from eprt.testing.tiny import make_tiny
+from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import run_world
-from tests.test_format_fp8_block import broken_copy, set_first
 
 SAMPLES, SEQ_LEN = 2, 16
 # every quantized Linear's input dim a multiple of 128
@@ -152,32 +152,14 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(model, cas
 
 @pytest.mark.parametrize("case", ["int4", "w4a8"])
 def test_transformers_loads_eprts_values(model, case):
-    pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
     _, _, exports = model
     ct = exports[case][1]
-    loaded = AutoModelForCausalLM.from_pretrained(
-        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
     t = read_hf_tensors(ct)
 
     def eprt_value(module: str) -> torch.Tensor:
         return dequantize_int4(t[f"{module}.weight_packed"], t[f"{module}.weight_scale"], torch.bfloat16)
 
-    experts = {n.rsplit(".", 3)[0] for n in t if ".experts." in n}
-    assert experts
-    for moe in experts:
-        held = loaded.get_submodule(moe)
-        width = held.gate_up_proj.shape[1] // 2
-        for e in range(held.gate_up_proj.shape[0]):
-            assert torch.equal(held.gate_up_proj[e, :width], eprt_value(f"{moe}.{e}.gate_proj"))
-            assert torch.equal(held.gate_up_proj[e, width:], eprt_value(f"{moe}.{e}.up_proj"))
-            assert torch.equal(held.down_proj[e], eprt_value(f"{moe}.{e}.down_proj"))
-    dense = {n[: -len(".weight_packed")] for n in t if n.endswith(".weight_packed") and ".experts." not in n}
-    for module in sorted(dense):
-        assert torch.equal(loaded.get_submodule(module).weight, eprt_value(module)), module
+    assert_transformers_loads(ct, eprt_value)
 
 
 def test_a_kimi_int4_source_requantizes_to_its_own_codes_and_scales(tmp_path):

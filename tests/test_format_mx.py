@@ -15,7 +15,7 @@
   (`quantize_mxfp4_to_nvfp4_lossless`) gives the same bytes, and where a block lies beyond E4M3's
   range of powers of two it is rounded, and counted in the calibration record and quality report.
 - eprt-check passes every export and refuses a NaN (byte 255) and a misshapen scale in each.
-- The MXFP8 export is the same bytes from two ranks at ep 2 as from one process.
+- The layouts: tests/layouts/test_formats_ep.py runs both recipes at ep 2 with every other shipped one.
 """
 
 import json
@@ -40,9 +40,9 @@ from eprt.quant.formats.mxfp8 import dequantize_mxfp8, fake_quant_mx_input, mxfp
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
+from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import run_world
-from tests.test_format_fp8_block import broken_copy, set_first
 
 SAMPLES, SEQ_LEN = 2, 16
 CT = "compressed-tensors"
@@ -147,14 +147,7 @@ def test_compressed_tensors_decompresses_and_compresses_as_eprt(model, recipe):
 
 
 def test_transformers_loads_the_mxfp4_export(model):
-    pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
     ct = model[2]["mxfp4", CT]
-    loaded = AutoModelForCausalLM.from_pretrained(
-        ct, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
     t = read_hf_tensors(ct)
     fmt = weight_format("mxfp4")
 
@@ -163,19 +156,7 @@ def test_transformers_loads_the_mxfp4_export(model):
             {"weight": t[f"{module}.weight_packed"], "weight_scale": t[f"{module}.weight_scale"]}, torch.bfloat16
         )
 
-    experts = {n.rsplit(".", 3)[0] for n in t if ".experts." in n}
-    assert experts
-    for moe in experts:
-        held = loaded.get_submodule(moe)
-        width = held.gate_up_proj.shape[1] // 2
-        for e in range(held.gate_up_proj.shape[0]):
-            assert torch.equal(held.gate_up_proj[e, :width], eprt_value(f"{moe}.{e}.gate_proj"))
-            assert torch.equal(held.gate_up_proj[e, width:], eprt_value(f"{moe}.{e}.up_proj"))
-            assert torch.equal(held.down_proj[e], eprt_value(f"{moe}.{e}.down_proj"))
-    dense = {n[: -len(".weight_scale")] for n in t if n.endswith(".weight_scale") and ".experts." not in n}
-    assert dense
-    for module in sorted(dense):
-        assert torch.equal(loaded.get_submodule(module).weight, eprt_value(module)), module
+    assert_transformers_loads(ct, eprt_value)
 
 
 def test_the_modelopt_layout_refuses_mxfp4_by_name(model, tmp_path):
@@ -234,22 +215,6 @@ def test_check_refuses_a_corrupted_scale(model, tmp_path, recipe, layout, edit, 
     name = "model.layers.0.self_attn.q_proj.weight_scale"
     problems = check_export(broken_copy(model[2][recipe, layout], tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
-
-
-def _ptq_ep2(ck: str, out: str) -> None:
-    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
-        ptq(state, ck, "mxfp8", out)
-
-
-def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
-    _, ck, exports = model
-    run_world(_ptq_ep2, 2, ck, str(tmp_path / "q"), timeout=300)
-    ours = export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False)
-    single = exports["mxfp8", "modelopt"]
-    names = sorted(os.listdir(single))
-    assert names == sorted(os.listdir(ours))
-    for n in names:
-        assert Path(single, n).read_bytes() == Path(ours, n).read_bytes(), n
 
 
 def test_kimi_k3_mxfp4_experts_in_nvfp4_are_modelopts_lossless_cast(kimi_k3, tmp_path):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.base import Tensors
 from eprt.quant.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode_signed_zero, pack_fp4, unpack_fp4
-from eprt.quant.formats.e8m0 import BLOCK, check_shape, e8m0_scales, scaled_down, scaled_up
+from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, e8m0_scales, scaled_down, scaled_up
 from eprt.quant.numerics import check_finite
 
 
@@ -40,33 +40,23 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return scaled_up(e2m1_decode(unpack_fp4(packed)), scales).to(dtype)
 
 
-class Mxfp4(WeightFormat):
+class Mxfp4(Microscaled):
     """E2M1 weights in blocks of 32 with E8M0 scales; bf16 inputs."""
 
     name = "mxfp4"
     quant_algo = "MXFP4"  # how messages name it: ModelOpt's export has no such algorithm (`modelopt_layout`)
     num_bits = 4
-    group_size = BLOCK
-    block_scale_leaf = "weight_scale"
-    algorithms = ("max",)
-    uses_activation_statistics = False  # weights only
     modelopt_layout = False
-    weight_scale_leaf = None
     ct_preset, ct_format = "MXFP4A16", "mxfp4-pack-quantized"
-    ct_strategy = "group"
-    ct_weight_scale_leaf = ct_input_scale_leaf = None
-    largest_input = None
 
-    def scale(self, amax) -> torch.Tensor:
-        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
-        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+    def scales_of(self, w: torch.Tensor) -> torch.Tensor:
+        return mxfp4_scales(w)
 
-    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = mxfp4_scales(w)
-        return {"weight": quantize_mxfp4(w, scales), "weight_scale": scales}
+    def encode(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return quantize_mxfp4(w, scales)
 
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_mxfp4(t["weight"], t["weight_scale"], dtype)
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp4(codes, scales, dtype)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from eprt.quant.formats.base import Tensors, WeightFormat
-from eprt.quant.formats.e8m0 import BLOCK, check_shape, e8m0_scales, scaled_down, scaled_up
+from eprt.quant.formats.base import Tensors
+from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, e8m0_scales, scaled_down, scaled_up
 from eprt.quant.numerics import FP8_E4M3_MAX, check_finite, to_e4m3
 
 
@@ -43,33 +43,22 @@ def fake_quant_mx_input(x: torch.Tensor) -> torch.Tensor:
     return dequantize_mxfp8(quantize_mxfp8(x, scales), scales, x.dtype)
 
 
-class Mxfp8(WeightFormat):
-    """E4M3 weights in blocks of 32 with E8M0 scales; inputs quantized by the engine in blocks of 32.
-    Nothing per tensor, so nothing for fused Linears to share."""
+class Mxfp8(Microscaled):
+    """E4M3 weights in blocks of 32 with E8M0 scales; inputs quantized by the engine in blocks of 32."""
 
     name = "mxfp8"
     quant_algo = "MXFP8"
     num_bits = 8
-    group_size = BLOCK
-    block_scale_leaf = "weight_scale"
-    algorithms = ("max",)
-    uses_activation_statistics = False  # the engine scales inputs block by block at run time
-    weight_scale_leaf = None
     ct_preset, ct_format = "MXFP8", "mxfp8-quantized"
-    ct_strategy = "group"
-    ct_weight_scale_leaf = ct_input_scale_leaf = None
-    largest_input = None
 
-    def scale(self, amax) -> torch.Tensor:
-        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
-        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+    def scales_of(self, w: torch.Tensor) -> torch.Tensor:
+        return mxfp8_scales(w)
 
-    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = mxfp8_scales(w)
-        return {"weight": quantize_mxfp8(w, scales), "weight_scale": scales}
+    def encode(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return quantize_mxfp8(w, scales)
 
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_mxfp8(t["weight"], t["weight_scale"], dtype)
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp8(codes, scales, dtype)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_mx_input(x)
