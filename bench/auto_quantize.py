@@ -10,7 +10,8 @@ calibration and held-out data. In one process, with the same data:
 3. a sweep of budgets: the choice at each from the same search's errors (the errors do not depend
    on the budget), calibrated with the chosen recipe, its estimated and measured KL.
 Every figure is the quality report's mean per-token KL(unquantized || quantized) over the
---eval-size held-out sequences (the ones the search measured its errors on).
+--eval-size held-out sequences (the search measures its errors on the calibration ones; only the
+estimate's constant comes from the held-out KL).
 """
 
 import argparse

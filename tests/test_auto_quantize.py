@@ -1,7 +1,8 @@
 """The format search (--auto-quantize): the choice meets its budget, counted here from the written
 recipe and the model's shapes alone; a larger budget never gives a larger estimated loss; a group
 made sensitive gets the more precise format; a budget no choice meets is refused naming the least
-one; the written recipe reproduces the export; and two ranks choose and export the same bytes."""
+one; the written recipe reproduces the export; the errors come from the calibration sequences, not
+the held-out ones; and two ranks choose and export the same bytes."""
 
 import filecmp
 import json
@@ -116,7 +117,7 @@ def test_a_larger_budget_never_gives_a_larger_estimated_loss(searched):
     [
         ({"auto_quantize": 3.0}, "no choice of nvfp4,fp8,none meets it; the smallest feasible budget is {least}bits"),
         ({"algorithm": "gptq"}, "--auto-quantize with --algorithm gptq: gptq works in each layer's format"),
-        ({"eval_size": 0}, "the search measures on the quality report's held-out sequences"),
+        ({"eval_size": 0}, "the search fits its KL estimate on the quality report's held-out sequences"),
         ({"recipe": "nvfp4"}, "the search writes the recipe"),
         ({"auto_quantize": 16.0}, "leaves every module unquantized: nothing to export"),
     ],
@@ -160,3 +161,16 @@ def test_two_ranks_choose_and_export_the_same_bytes(searched, tmp_path):
     run_world(_search_at_ep_2, 2, ck, str(tmp_path / "q"), budget, timeout=300)
     assert filecmp.cmp(os.path.join(out, "auto_recipe.yaml"), tmp_path / "q" / "auto_recipe.yaml", shallow=False)
     same_files(export, export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False))
+
+
+def test_the_errors_are_measured_apart_from_the_held_out_sequences(searched, tmp_path):
+    """Other held-out text changes the report's KL and the estimate's constant fitted on it, not the
+    errors the choice is made from: they come from the calibration sequences."""
+    _, ck, budget, _, export = searched
+    other = tmp_path / "other.txt"
+    other.write_text(" ".join(f"line {i} of other held-out text, not the calibration's." for i in range(200)))
+    args = PTQArgs(ck, None, str(tmp_path / "q"), auto_quantize=budget, eval=str(other), **DATA)
+    theirs = run_ptq(ParallelState.single(), args)["quality"]["auto_quantize"]
+    ours = json.loads(Path(export, REPORT).read_text())["auto_quantize"]
+    assert ours["map"] == theirs["map"]
+    assert ours["measured_kl"] != theirs["measured_kl"] and ours["kl_per_error"] != theirs["kl_per_error"]

@@ -13,17 +13,21 @@ its active bits over the active parameters of every group.
 
 The loss of a group in a candidate is measured in the calibration's layer-major pass
 (eprt.quant.passes.auto_quantize): the squared error of the layer's output (the residual stream)
-per held-out token, with that group alone fake-quantized in that candidate, over the RMS of the
-output's tokens. Between two readings of how an error reaches the head: relative to the stream
-where it is made (the squared error over the squared RMS; over-protects the early layers, where
-the stream is small) and as it is (the identity path of every later layer carries it unchanged;
-over-protects the late layers). On the trained model of bench/auto_quantize.py, at the shipped
-mixed recipe's bits, the first's choice measured 2% more KL than that recipe, the second's and
-this one's 3% less, and over a sweep of 4.8 to 8 bits this one's was the least or within 4% of
-the least of the three (docs/quality.md, "Format search"). The estimate adds them up: small independent perturbations add
-their squared errors, and to first order the KL of the output grows with them. One constant turns
-the sum into KL, measured in the same pass: the quality report's KL with every group in its
-smallest candidate over the sum of their errors.
+per calibration token, with that group alone fake-quantized in that candidate, over the RMS of the
+output's tokens. On the calibration sequences, not the quality report's held-out ones, so that the
+report's KL of the choice is measured on data the choice was not fitted to. The RMS to the power
+one is between two readings of how an error reaches the head: relative to the stream where it is
+made (the squared error over the squared RMS; over-protects the early layers, where the stream is
+small) and as it is (the identity path of every later layer carries it unchanged; over-protects
+the late layers). On the trained model of bench/auto_quantize.py, at the shipped mixed recipe's
+bits (the errors then measured on the held-out sequences), the first's choice measured 2% more KL
+than that recipe, the second's and this one's 3% less, and over a sweep of 4.8 to 8 bits this
+one's was the least or within 4% of the least of the three (docs/quality.md, "Format search").
+The estimate adds them up: small independent perturbations add their squared errors, and to first
+order the KL of the output grows with them. One constant turns the sum into KL, measured in the
+same pass: the quality report's KL (on its held-out sequences) with every group in its smallest
+candidate over the sum of their errors (on the calibration ones); it scales every choice's
+estimate alike, so the held-out data never changes the choice.
 
 The choice (`SearchSpace.choose`) is exact up to a grid of the budget: a multiple-choice knapsack
 solved by dynamic programming over the bits a group spends above its smallest candidate, each
@@ -279,7 +283,7 @@ def search_summary(
             for g in space.groups
         ],
         "notes": [
-            "errors: the squared error of the group's layer output per held-out token over the output's RMS, "
+            "errors: the squared error of the group's layer output per calibration token over the output's RMS, "
             "the group alone quantized in each format; estimated_kl: kl_per_error times the chosen errors' sum, "
             "kl_per_error measured with every group in its smallest format"
         ],

@@ -16,7 +16,7 @@ buffers with the probes' reference outputs; and at the end the final norm and th
 one sequence's logits of both streams.
 
 The format search (--auto-quantize, eprt.quant.passes.auto_quantize) adds three more streams of
-the held-out sequences (the layer's input, its output as it is, its output with one module group
+the calibration sequences (the layer's input, its output as it is, its output with one module group
 fake-quantized) and, while it runs, a copy of that group's weights: no more than the quality
 report's copy of every quantized weight of the layer, which comes after it.
 
@@ -219,7 +219,7 @@ class RunShape:
     group_tokens: int  # tokens per expert work unit's group of sequences
     all_experts: bool = False  # --calibrate-all-experts' statistics pass
     eval_sequences: int = 0  # the quality report's held-out sequences (0: no report)
-    search: bool = False  # the format search's streams of the held-out sequences
+    search: bool = False  # the format search's streams of the calibration sequences
 
     def schedule_of(self, num_sequences: int) -> Schedule:
         """The steps and expert work units of `num_sequences` sequences of this shape's length."""
@@ -392,8 +392,9 @@ class Planner:
                 ep,
                 limit,
             )
-        streams = 2 + (3 if shape.search else 0)
-        hidden += streams * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        if shape.search:
+            hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)

@@ -444,8 +444,8 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
         check_algorithm(a.algorithm)
         if a.eval_size < 1:
             raise ConfigError(
-                f"--auto-quantize with --eval-size {a.eval_size}: the search measures on the quality report's "
-                "held-out sequences; give a positive --eval-size"
+                f"--auto-quantize with --eval-size {a.eval_size}: the search fits its KL estimate on the quality "
+                "report's held-out sequences; give a positive --eval-size"
             )
         if a.resume:
             raise ConfigError("--resume with --auto-quantize: the search does not resume; run it again")
@@ -502,17 +502,19 @@ def measure_format_errors(
     a: PTQArgs,
 ) -> tuple[dict[tuple[str, str], float], float]:
     """The search's layer-major pass: max statistics of every module a candidate quantizes, each
-    group's error in each candidate (eprt.quant.passes.auto_quantize), and the quality report of
-    every group in its smallest candidate. Returns the errors and that report's mean KL."""
+    group's error in each candidate on the calibration sequences (eprt.quant.passes.auto_quantize),
+    and the quality report of every group in its smallest candidate on the held-out ones (the KL
+    estimate's constant). Returns the errors and that report's mean KL."""
     shape = run_shape(a, state, rc.ck.config)
     cal = Calibrator(None, space.targets, kv=False, all_experts=a.calibrate_all_experts)
     smallest = space.recipe(space.smallest(), None, a.algorithm)
     targets = list(quantized_modules(rc.layout, smallest, rc.ck.path))
     report = QualityReport(state, rc.ck, smallest, targets, eval_ids, "held out")
-    held_out = shape.schedule_of(eval_ids.shape[0])
-    errors = FormatErrors(state, cal, rc, space, eval_ids, held_out, a.algorithm)
-    passes = layer_passes(cal, smallest, rc, quality=QualityStreams(state, report, held_out), format_errors=errors)
-    engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
+    calibration = shape.schedule_of(samples.shape[0])
+    errors = FormatErrors(state, cal, rc, space, samples, calibration, a.algorithm)
+    held_out = QualityStreams(state, report, shape.schedule_of(eval_ids.shape[0]))
+    passes = layer_passes(cal, smallest, rc, quality=held_out, format_errors=errors)
+    engine = LayerEngine(state, rc, samples, passes, schedule=calibration, progress=a.progress)
     engine.run(0, engine.embed())
     return errors.errors, report.result["kl_mean"]
 

@@ -1,12 +1,16 @@
 """The format search's measurements as a pass (eprt.quant.auto_quantize chooses from them): the
-held-out sequences through each decoder layer once its statistics are final, as it is (the
+calibration sequences through each decoder layer once its statistics are final, as it is (the
 stream's next input), then once per (module group, candidate format) with that group alone
 fake-quantized in that format with the export's scales; each run's squared error of the layer's
-output against the layer as it is, per held-out token, over the RMS of the output's tokens
-(eprt.quant.auto_quantize says why).
+output against the layer as it is, per calibration token, over the RMS of the output's tokens
+(eprt.quant.auto_quantize says why). The calibration sequences, not the quality report's held-out
+ones: the report's KL of the chosen recipe is then measured on data the choice was not fitted to.
 
-The errors are summed per held-out sequence in fp64 and filed at its global index before the sum
-over the ranks (eprt.quant.quality.filed_over_ranks), so the choice is the same at every layout."""
+The pass keeps its own copy of the calibration stream, the layer's input: the engine's hidden
+states hold the layer's output by the time the statistics are final.
+
+The errors are summed per sequence in fp64 and filed at its global index before the sum over the
+ranks (eprt.quant.quality.filed_over_ranks), so the choice is the same at every layout."""
 
 from __future__ import annotations
 
@@ -37,16 +41,17 @@ class FormatErrors(Pass):
         cal: Calibrator,
         rc: ResolvedCheckpoint,
         space: SearchSpace,
-        eval_ids: torch.Tensor,
+        samples: torch.Tensor,
         schedule: Schedule,
         algorithm: str,
     ):
-        self.cal, self.rc, self.space, self.eval_ids, self.algorithm = cal, rc, space, eval_ids, algorithm
+        """`samples`: the calibration sequences [n, T], `schedule` their steps (the engine's)."""
+        self.cal, self.rc, self.space, self.samples, self.algorithm = cal, rc, space, samples, algorithm
         self.sequences = Sequences(state, schedule, rc.ck.config.num_experts_per_tok)
         self.layers: dict[int, list[Group]] = {}
         for g in space.groups:
             self.layers.setdefault(layer_of(g.modules[0]), []).append(g)
-        self.stream: LayerState | None = None  # the held-out sequences at the running layer's input
+        self.stream: LayerState | None = None  # the calibration sequences at the running layer's input
         self.errors: dict[tuple[str, str], float] = {}  # (group, format) -> the error above
 
     def _quantized(self, g: Group) -> list[str]:
@@ -57,7 +62,7 @@ class FormatErrors(Pass):
         return (1 + runs) * self.sequences.schedule.num_steps
 
     def begin(self, embed) -> None:
-        self.stream = LayerState(embed(self.eval_ids[self.sequences.mine]), [])
+        self.stream = LayerState(embed(self.samples[self.sequences.mine]), [])
 
     def _through(self, layer: LayerWork) -> LayerState:
         """The stream through the layer as it stands now, into a copy."""
@@ -73,7 +78,7 @@ class FormatErrors(Pass):
         ref = self._through(layer)
         local = [li for _, li in self.sequences.pairs]
         y_ref = ref.hidden[local].double()
-        tokens = self.eval_ids.numel()
+        tokens = self.samples.numel()
         rms = (self._summed(layer, y_ref.square().flatten(1).sum(1)) / tokens) ** 0.5  # of the output's tokens
         for g in self.layers.get(layer.index, []):
             for fmt in self._quantized(g):
