@@ -20,6 +20,8 @@ of least squared error: each format decides which of its scales are searched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eprt.storage.safetensors_io import dtype_name
@@ -192,3 +194,31 @@ class WeightFormat:
         """The largest weight a per-tensor weight scale of 1 stands for, given the largest block
         scale where known."""
         raise NotImplementedError
+
+
+class ScaledByBlocks(WeightFormat):
+    """A format whose only scales are a grid of block (or row) scales stored as `weight_scale`, from
+    the weights alone: nothing per tensor (so nothing for fused Linears to share and no calibrated
+    statistic), weight scales by max alone (FP8 block and per channel, MXFP8, MXFP4). A subclass
+    names the functions of its scales, codes and their decoding."""
+
+    block_scale_leaf = "weight_scale"
+    algorithms = ("max",)
+    uses_activation_statistics = False
+    weight_scale_leaf = None
+    ct_weight_scale_leaf = ct_input_scale_leaf = None
+    largest_input = None
+    scales_of: Callable[[torch.Tensor], torch.Tensor]  # the scale grid of a weight
+    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # its codes under them
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # codes, scales -> values
+
+    def scale(self, amax) -> torch.Tensor:
+        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
+        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
+
+    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
+        scales = self.scales_of(w)
+        return {"weight": self.encode(w, scales), "weight_scale": scales}
+
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self.decode(t["weight"], t["weight_scale"], dtype)

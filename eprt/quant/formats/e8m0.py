@@ -9,9 +9,11 @@ element of a block saturates. Byte 255 is E8M0's NaN and is never written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from eprt.quant.formats.base import WeightFormat
+from eprt.quant.formats.base import ScaledByBlocks
 
 BLOCK = 32  # elements sharing one E8M0 scale
 BIAS = 127
@@ -56,37 +58,9 @@ def check_shape(scales: torch.Tensor, stored: torch.Tensor, in_dim: int, what: s
         )
 
 
-class Microscaled(WeightFormat):
-    """What the OCP microscaling formats (MXFP8, MXFP4) share: blocks of 32 along the input dim, each
-    under its own E8M0 scale stored as `weight_scale`, nothing per tensor (so nothing for fused
-    Linears to share and no calibrated statistic), weight scales by max alone. A subclass gives its
-    block scales, codes and their decoding (`scales_of`, `encode`, `decode`)."""
+class Microscaled(ScaledByBlocks):
+    """What the OCP microscaling formats (MXFP8, MXFP4) share beyond that: blocks of 32 along the
+    input dim, each under its own E8M0 scale."""
 
     group_size = BLOCK
-    block_scale_leaf = "weight_scale"
-    algorithms = ("max",)
-    uses_activation_statistics = False
-    weight_scale_leaf = None
     ct_strategy = "group"
-    ct_weight_scale_leaf = ct_input_scale_leaf = None
-    largest_input = None
-
-    def scales_of(self, w: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def encode(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def scale(self, amax) -> torch.Tensor:
-        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
-        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
-
-    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = self.scales_of(w)
-        return {"weight": self.encode(w, scales), "weight_scale": scales}
-
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return self.decode(t["weight"], t["weight_scale"], dtype)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.base import ScaledByBlocks, Tensors
 from eprt.quant.numerics import FP8_E4M3_MAX, FP32_TINY, check_finite, to_e4m3
 from eprt.storage.encodings import expand_blocks
 
@@ -87,33 +87,20 @@ def fake_quant_input_groups(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor
     return out.reshape(*x.shape[:-1], groups * group)[..., :width].to(x.dtype)
 
 
-class Fp8Block(WeightFormat):
+class Fp8Block(ScaledByBlocks):
     """FP8 E4M3 weights in 128x128 blocks with fp32 block scales; inputs quantized by the engine,
     per token in groups of 128. Nothing per tensor, so nothing for fused Linears to share."""
 
     name = "fp8_block"
     quant_algo = "FP8_PB_WO"  # ModelOpt's FP8 per-block, its weights only: the inputs are the engine's
     num_bits = 8
-    block_scale_leaf = "weight_scale"
     blocks_span_rows = True
-    algorithms = ("max",)
-    weight_scale_leaf = None
     ct_preset, ct_format = "FP8_BLOCK", "float-quantized"
     ct_strategy = "block"
-    ct_weight_scale_leaf = ct_input_scale_leaf = None
-    largest_input = None
-    uses_activation_statistics = False
 
-    def scale(self, amax) -> torch.Tensor:
-        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
-        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
-
-    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = fp8_block_scales(w)
-        return {"weight": quantize_fp8_block(w, scales), "weight_scale": scales}
-
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8_block(t["weight"], t["weight_scale"], dtype)
+    scales_of = staticmethod(fp8_block_scales)
+    encode = staticmethod(quantize_fp8_block)
+    decode = staticmethod(dequantize_fp8_block)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_input_groups(x)

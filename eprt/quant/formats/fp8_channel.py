@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.base import ScaledByBlocks, Tensors
 from eprt.quant.formats.fp8_block import fake_quant_input_groups, fp8_scales
 from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
 
@@ -36,33 +36,19 @@ def dequantize_fp8_channel(q: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return (q.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
-class Fp8Channel(WeightFormat):
+class Fp8Channel(ScaledByBlocks):
     """FP8 E4M3 weights with an fp32 scale per output channel; inputs quantized by the engine per
     token. Every row has its own scale, so nothing is shared by fused Linears."""
 
     name = "fp8_channel"
     quant_algo = "FP8_PER_CHANNEL_PER_TOKEN"
     num_bits = 8
-    # the row scales are the weight's grid of scales, one block a row
-    block_scale_leaf = "weight_scale"
-    algorithms = ("max",)
-    weight_scale_leaf = None
     ct_preset, ct_format = "FP8_DYNAMIC", "float-quantized"
     ct_strategy = "channel"
-    ct_weight_scale_leaf = ct_input_scale_leaf = None
-    largest_input = None
-    uses_activation_statistics = False
 
-    def scale(self, amax) -> torch.Tensor:
-        # no per-tensor scale is written; the export asks for one of every format, and gets amax's
-        return torch.as_tensor(amax, dtype=torch.float32).reshape(())
-
-    def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = fp8_channel_scales(w)
-        return {"weight": quantize_fp8_channel(w, scales), "weight_scale": scales}
-
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8_channel(t["weight"], t["weight_scale"], dtype)
+    scales_of = staticmethod(fp8_channel_scales)
+    encode = staticmethod(quantize_fp8_channel)
+    decode = staticmethod(dequantize_fp8_channel)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_input_groups(x, max(1, x.shape[-1]))  # one group: the whole token

@@ -49,14 +49,9 @@ class Mxfp4(Microscaled):
     modelopt_layout = False
     ct_preset, ct_format = "MXFP4A16", "mxfp4-pack-quantized"
 
-    def scales_of(self, w: torch.Tensor) -> torch.Tensor:
-        return mxfp4_scales(w)
-
-    def encode(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return quantize_mxfp4(w, scales)
-
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_mxfp4(codes, scales, dtype)
+    scales_of = staticmethod(mxfp4_scales)
+    encode = staticmethod(quantize_mxfp4)
+    decode = staticmethod(dequantize_mxfp4)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come

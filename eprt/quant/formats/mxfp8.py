@@ -51,14 +51,9 @@ class Mxfp8(Microscaled):
     num_bits = 8
     ct_preset, ct_format = "MXFP8", "mxfp8-quantized"
 
-    def scales_of(self, w: torch.Tensor) -> torch.Tensor:
-        return mxfp8_scales(w)
-
-    def encode(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return quantize_mxfp8(w, scales)
-
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_mxfp8(codes, scales, dtype)
+    scales_of = staticmethod(mxfp8_scales)
+    encode = staticmethod(quantize_mxfp8)
+    decode = staticmethod(dequantize_mxfp8)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_mx_input(x)
