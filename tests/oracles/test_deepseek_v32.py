@@ -25,7 +25,7 @@ from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
-from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
+from tests.oracles.test_models import DEEPSEEK, VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
 
@@ -35,31 +35,7 @@ LAYER0 = "model.layers.0.self_attn.indexer"
 
 
 def v32(**kw) -> DeepseekV32Config:
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        initializer_range=0.1,
-        max_position_embeddings=64,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=4,
-    )
+    base = dict(DEEPSEEK, index_n_heads=8, index_head_dim=16, index_topk=4)
     return DeepseekV32Config(**{**base, **kw})
 
 

@@ -13,23 +13,25 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.models.registry import model_class  # noqa: E402
 from tests.ep_checks import assert_ep_logits_bitwise, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
-from tests.oracles.test_models import VOCAB, YARN, assert_groups_and_bias_matter, assert_matches_transformers, build  # noqa: E402
+from tests.oracles.test_models import (
+    TINY,
+    VOCAB,
+    YARN,
+    assert_groups_and_bias_matter,
+    assert_matches_transformers,
+    build,
+)  # noqa: E402
 
 FAMILY = "glm4_moe"
 
 
 def glm(**kw) -> Glm4MoeConfig:
     base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
+        TINY,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
         n_shared_experts=1,
         n_group=4,
         topk_group=2,
@@ -38,7 +40,6 @@ def glm(**kw) -> Glm4MoeConfig:
         use_qk_norm=True,
         attention_bias=True,
         initializer_range=0.1,
-        max_position_embeddings=64,
     )
     return Glm4MoeConfig(**{**base, **kw})
 

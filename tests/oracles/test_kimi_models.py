@@ -28,9 +28,7 @@ from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
-
-VOCAB = 96
-
+from tests.oracles.test_models import DEEPSEEK, VOCAB, assert_logits_and_carried  # noqa: E402
 
 # --- KDA --------------------------------------------------------------------------------------
 
@@ -390,29 +388,7 @@ def test_kimi_linear_a_log_keeps_its_exact_shape(tmp_path):
 
 
 def kimi_k25() -> Kimi_K25Config:
-    text = dict(
-        model_type="deepseek_v3",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    text = dict(DEEPSEEK, model_type="deepseek_v3", tie_word_embeddings=False)
     vision = dict(
         patch_size=14,
         pos_emb_height=4,
@@ -440,18 +416,4 @@ def test_kimi_k25_logits_and_vision_tensors(tmp_path):
     spread_routers(m.model.language_model.layers, "mlp")
     m.save_pretrained(tmp_path / "hf")
     rename_tensors(tmp_path / "hf", to_released_names)
-    ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
-    em = eprt.load_model(ck, dtype=torch.float32)
-    assert em.config.family == "kimi_k25" and [i for i, _ in em.moe_blocks()] == [1, 2]
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = m(input_ids=ids).logits, em(ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-    source = read_hf_tensors(str(tmp_path / "hf"))
-    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
-    assert set(exported) == set(source)
-    vision = [n for n in source if n.startswith(("vision_tower.", "mm_projector."))]
-    assert len(vision) > 10
-    for n in vision:
-        assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
+    assert_logits_and_carried(tmp_path, m, "kimi_k25", [1, 2], 12, ("vision_tower.", "mm_projector."))

@@ -14,12 +14,14 @@ import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
 from eprt.kernels import combine, permute  # noqa: E402
 from eprt.models.layers import linear  # noqa: E402
 from eprt.models.moe import LocalDispatcher  # noqa: E402
 from eprt.models.registry import model_class  # noqa: E402
 from eprt.models.router import sigmoid_grouped_topk  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
 VOCAB = 96
 YARN = {
@@ -45,48 +47,42 @@ KIMI_YARN = {
 }
 
 
+# the sizes every tiny transformers model of these tests shares
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    moe_intermediate_size=16,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
+# DeepSeek-V3's MLA and grouped routing at tiny sizes, shared by the families built on it
+DEEPSEEK = dict(
+    TINY,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    initializer_range=0.1,
+)
+
+
 def qwen(**kw) -> Qwen3MoeConfig:
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        initializer_range=0.1,
-        max_position_embeddings=64,
-    )
+    base = dict(TINY, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_experts=8, initializer_range=0.1)
     return Qwen3MoeConfig(**{**base, **kw})
 
 
 def deepseek(**kw) -> DeepseekV3Config:
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        initializer_range=0.1,
-        max_position_embeddings=64,
-    )
-    return DeepseekV3Config(**{**base, **kw})
+    return DeepseekV3Config(**{**DEEPSEEK, **kw})
 
 
 def build(cfg, seed: int = 0, cls=None):
@@ -147,6 +143,27 @@ def assert_matches_transformers(tmp_path, m, model_type=None):
     assert got.shape == (*ids.shape, VOCAB) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     return em, want
+
+
+def assert_logits_and_carried(tmp_path, m, family: str, moe_layers: list[int], T: int, carried: tuple[str, ...]):
+    """The checkpoint saved under tmp_path/hf converts to `family` with its MoE blocks at `moe_layers`,
+    gives `m`'s logits on T tokens, and exports every source tensor, those under `carried` (the parts
+    eprt does not model) byte for byte."""
+    ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
+    em = eprt.load_model(ck, dtype=torch.float32)
+    assert em.config.family == family and [i for i, _ in em.moe_blocks()] == moe_layers
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = m(input_ids=ids).logits, em(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    source = read_hf_tensors(str(tmp_path / "hf"))
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
+    assert set(exported) == set(source)
+    kept = [n for n in source if n.startswith(carried)]
+    assert len(kept) > 10
+    for n in kept:
+        assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
 
 
 QWEN_CASES = {

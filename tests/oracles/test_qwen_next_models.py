@@ -28,9 +28,7 @@ from eprt.models.kda import chunk_size, l2norm  # noqa: E402
 from eprt.models.registry import model_class  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
-
-VOCAB = 96
-
+from tests.oracles.test_models import TINY, VOCAB, assert_logits_and_carried  # noqa: E402
 
 # --- the gated delta rule ---------------------------------------------------------------------
 
@@ -73,29 +71,30 @@ def test_a_sequence_output_does_not_depend_on_its_batch():
 # --- Qwen3-Next against transformers ----------------------------------------------------------
 
 
+# Qwen3-Next's and Qwen3.5's shared shape: gated delta layers between full attention ones
+HYBRID = dict(
+    TINY,
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    shared_expert_intermediate_size=24,
+    num_experts=8,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    max_position_embeddings=128,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
 def qwen3_next(**kw) -> Qwen3NextConfig:
     base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_experts=8,
-        num_experts_per_tok=2,
+        HYBRID,
         mlp_only_layers=[2],
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        max_position_embeddings=128,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
     return Qwen3NextConfig(**{**base, **kw})
@@ -159,25 +158,7 @@ def test_qwen3_next_logits(tmp_path, case):
 
 def qwen3_5_text(**kw) -> dict:
     base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_experts=8,
-        num_experts_per_tok=2,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        max_position_embeddings=128,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
+        HYBRID,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -213,21 +194,7 @@ def test_qwen3_5_moe_logits_and_carried_tensors(tmp_path):
     add_tensors(
         tmp_path / "hf", {"mtp.fc.weight": torch.randn(32, 64), "mtp.layers.0.input_layernorm.weight": torch.randn(32)}
     )
-    ck = convert_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), progress=False)
-    em = eprt.load_model(ck, dtype=torch.float32)
-    assert em.config.family == "qwen3_5_moe" and [i for i, _ in em.moe_blocks()] == [0, 1, 2, 3]
-    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = m(input_ids=ids).logits, em(ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-    source = read_hf_tensors(str(tmp_path / "hf"))
-    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "export"), progress=False))
-    assert set(exported) == set(source)
-    carried = [n for n in source if n.startswith(("model.visual.", "mtp."))]
-    assert len(carried) > 10
-    for n in carried:
-        assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
+    assert_logits_and_carried(tmp_path, m, "qwen3_5_moe", [0, 1, 2, 3], 70, ("model.visual.", "mtp."))
 
 
 def test_qwen3_5_moe_text_logits(tmp_path):
