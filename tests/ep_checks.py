@@ -18,8 +18,8 @@ from tests.multiproc import free_port, run_world
 
 E = 8  # routed experts of the tiny configs
 SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
-# (recipe, kv cache, calibration dtype), as tests/layouts/test_ptq.py: fp32 shows last-bit differences
-# that bf16 rounding may hide, bf16 is what users run.
+# (recipe, kv cache, calibration dtype): fp32 shows a kernel's last-bit differences that bf16
+# rounding may hide, bf16 is what users run.
 RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 LAYOUTS = ["w2-ep2", "w4-ep2"]
 
@@ -38,54 +38,80 @@ def tokens(rank: int, seq_len: int | None = None) -> torch.Tensor:
     return torch.randint(0, 512, (B, seq_len or T), generator=torch.Generator().manual_seed(rank))
 
 
-def _ep_logits(ck: str, ep: int, port: int, seq_len: int | None):
+def ep_logits(cks: list[str], ep: int, port: int, seq_len: int | None = None) -> list[dict]:
+    """On this rank of a (world, ep) run: for each checkpoint, the experts its model holds and its
+    logits on the rank's batch against the single-process model's."""
     ids = tokens(int(os.environ["RANK"]), seq_len)
-    with torch.no_grad():
-        want = eprt.load_model(ck, dtype=torch.float32)(ids)
     os.environ["MASTER_PORT"] = str(port)
+    out = []
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        model = eprt.load_model(ck, dtype=torch.float32, parallel=state)
-        with torch.no_grad():
-            got = model(ids)
-        experts = {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()}
-    return {
-        "experts": experts,
-        "shape": (tuple(got.shape), tuple(want.shape)),
-        "bitwise": torch.equal(got, want),
-        "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
-    }
+        for ck in cks:
+            with torch.no_grad():
+                want = eprt.load_model(ck, dtype=torch.float32)(ids)
+                model = eprt.load_model(ck, dtype=torch.float32, parallel=state)
+                got = model(ids)
+            out.append(
+                {
+                    "experts": {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()},
+                    "shape": (tuple(got.shape), tuple(want.shape)),
+                    "bitwise": torch.equal(got, want),
+                    "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
+                }
+            )
+    return out
 
 
-def assert_ep_logits_bitwise(ck: str, world: int, ep: int, seq_len: int | None = None) -> None:
+def assert_ep_logits(cks: list[str], world: int, ep: int, seq_len: int | None = None) -> None:
     """Every rank of a (world, ep) run holds experts [r % ep * E/ep, +E/ep) and gets, for its own
     batch (rank 3 an empty one), the single-process logits to the last bit."""
-    results = run_world(_ep_logits, world, ck, ep, free_port(), seq_len, timeout=140)
-    for rank, r in enumerate(results):
+    results = run_world(ep_logits, world, cks, ep, free_port(), seq_len, timeout=190)
+    for rank, per_ck in enumerate(results):
         B, T = SHAPES[rank]
         T = seq_len or T
-        assert r["shape"] == ((B, T, 512), (B, T, 512)), rank
-        assert r["experts"] == {((rank % ep) * E // ep, E // ep)}, rank
-        assert r["bitwise"], (world, ep, rank, r["max_diff"])
+        for ck, r in zip(cks, per_ck):
+            assert r["shape"] == ((B, T, 512), (B, T, 512)), (ck, rank)
+            assert r["experts"] == {((rank % ep) * E // ep, E // ep)}, (ck, rank)
+            assert r["bitwise"], (ck, world, ep, rank, r["max_diff"])
 
 
-def _calibrate(ck: str, out_root: str, ep: int, port: int) -> None:
+def calibrate(cks: dict[str, str], out_root: str, ep: int, port: int, recipes=RECIPES, calib_size: int = 9) -> None:
+    """Calibrate each named checkpoint with each (recipe, kv cache, dtype) at this process's
+    (world, ep), into out_root/{name}-{recipe}-w{world}-ep{ep}."""
     os.environ["MASTER_PORT"] = str(port)
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        for recipe, kv, dtype in RECIPES:
-            run_ptq(
-                state,
-                PTQArgs(
+        for name, ck in cks.items():
+            for recipe, kv, dtype in recipes:
+                args = PTQArgs(
                     ck,
                     recipe,
-                    os.path.join(out_root, f"{recipe}-w{state.world}-ep{ep}"),
+                    os.path.join(out_root, f"{name}-{recipe}-w{state.world}-ep{ep}"),
                     kv_cache=kv,
-                    calib_size=9,
+                    calib_size=calib_size,
                     seq_len=24,
                     batch_size=2,
                     dtype=dtype,
                     progress=False,
-                ),
-            )
+                )
+                run_ptq(state, args)
+
+
+def calibrate_every_layout(cks: dict[str, str], out_root: str, recipes=RECIPES, calib_size: int = 9) -> None:
+    """`calibrate` in one process and at (world 2, ep 2) and (world 4, ep 2)."""
+    calibrate(cks, out_root, 1, free_port(), recipes, calib_size)
+    run_world(calibrate, 2, cks, out_root, 2, free_port(), recipes, calib_size, timeout=240)
+    run_world(calibrate, 4, cks, out_root, 2, free_port(), recipes, calib_size, timeout=300)
+
+
+def exports_by_layout(out_root: str, name: str, recipe: str) -> dict[str, str]:
+    """{layout: the export of out_root/{name}-{recipe}-{layout}} for one process and every LAYOUTS."""
+    return {
+        layout: export_hf(
+            os.path.join(out_root, f"{name}-{recipe}-{layout}"),
+            os.path.join(out_root, f"export-{name}-{recipe}-{layout}"),
+            progress=False,
+        )
+        for layout in ("w1-ep1", *LAYOUTS)
+    }
 
 
 def same_files(a: str, b: str) -> bool:
@@ -99,32 +125,10 @@ def assert_exports_layout_invariant(ck: str, hf: str, out: str) -> dict[str, str
     """Calibrate `ck` with every recipe at world 1, (2, ep 2) and (4, ep 2), export each: each
     recipe's exports are the same files byte for byte, and pass check_export against `hf`.
     Returns {recipe: the single-process export}."""
-    state = ParallelState.single()
-    for recipe, kv, dtype in RECIPES:
-        run_ptq(
-            state,
-            PTQArgs(
-                ck,
-                recipe,
-                os.path.join(out, f"{recipe}-w1-ep1"),
-                kv_cache=kv,
-                calib_size=9,
-                seq_len=24,
-                batch_size=2,
-                dtype=dtype,
-                progress=False,
-            ),
-        )
-    run_world(_calibrate, 2, ck, out, 2, free_port(), timeout=200)
-    run_world(_calibrate, 4, ck, out, 2, free_port(), timeout=300)
+    calibrate_every_layout({"model": ck}, out)
     refs = {}
     for recipe, *_ in RECIPES:
-        exports = {
-            layout: export_hf(
-                os.path.join(out, f"{recipe}-{layout}"), os.path.join(out, f"export-{recipe}-{layout}"), progress=False
-            )
-            for layout in ("w1-ep1", *LAYOUTS)
-        }
+        exports = exports_by_layout(out, "model", recipe)
         refs[recipe] = exports["w1-ep1"]
         assert check_export(refs[recipe], hf) == [], recipe
         for layout in LAYOUTS:

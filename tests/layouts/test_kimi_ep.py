@@ -1,125 +1,48 @@
-"""Kimi-K3 expert parallel: every rank's logits equal the single-process logits of its batch, and a
+"""Kimi-K3 expert parallel: every rank's logits are bitwise the single-process logits of its batch, and a
 PTQ export is the same bytes at every (world, ep), with K3's never-quantized modules excluded and
 left in the source dtype."""
 
-import filecmp
 import json
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 
-import eprt
 from eprt.hf.check_export import check_export
-from eprt.hf.convert import convert_hf
-from eprt.hf.export import export_hf
-from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.testing.tiny import make_tiny
+from tests.ep_checks import (
+    LAYOUTS,
+    assert_ep_logits,
+    calibrate_every_layout,
+    exports_by_layout,
+    same_files,
+    tiny_checkpoints,
+)
 from tests.hf_utils import raw, read_hf_tensors
-from tests.multiproc import free_port, run_world
 
-E = 8
-SHAPES = [(2, 6), (1, 5), (3, 4), (0, 7)]  # rank r's batch (sequences, tokens); rank 3 has none
+# nvfp4 with an FP8 KV cache, calibrated in bf16
+RECIPES = [("nvfp4", "fp8", "bf16")]
 
 
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
-    """{dtype: (Hugging Face dir, eprt checkpoint)} of one tiny Kimi-K3."""
-    root = tmp_path_factory.mktemp("k3")
-    out = {}
-    for dtype in ("fp32", "bf16"):
-        hf = make_tiny("kimi_k3", str(root / f"hf-{dtype}"), dtype=dtype)
-        out[dtype] = hf, convert_hf(hf, str(root / f"ck-{dtype}"), progress=False)
-    return out
+    return tiny_checkpoints(tmp_path_factory.mktemp("k3"), "kimi_k3")
 
 
-def tokens(rank: int) -> torch.Tensor:
-    B, T = SHAPES[rank]
-    return torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(rank))
-
-
-def ep_logits(ck: str, ep: int, port: int):
-    ids = tokens(int(os.environ["RANK"]))
-    with torch.no_grad():
-        want = eprt.load_model(ck, dtype=torch.float32)(ids)
-    os.environ["MASTER_PORT"] = str(port)
-    with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        model = eprt.load_model(ck, dtype=torch.float32, parallel=state)
-        with torch.no_grad():
-            got = model(ids)
-        experts = {(b.experts.first, b.experts.count) for _, b in model.moe_blocks()}
-    return {
-        "experts": experts,
-        "shape": (tuple(got.shape), tuple(want.shape)),
-        "close": torch.allclose(got, want, rtol=1e-5, atol=1e-6),
-        "max_diff": (got - want).abs().max().item() if got.numel() else 0.0,
-    }
-
-
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
 def test_k3_expert_parallel_logits(k3, world, ep):
-    results = run_world(ep_logits, world, k3["fp32"][1], ep, free_port(), timeout=140)
-    for rank, r in enumerate(results):
-        B, T = SHAPES[rank]
-        assert r["shape"] == ((B, T, 512), (B, T, 512))
-        assert r["experts"] == {((rank % ep) * E // ep, E // ep)}
-        assert r["close"], (world, ep, rank, r["max_diff"])
-
-
-def calibrate(ck: str, out_root: str, ep: int, port: int) -> None:
-    os.environ["MASTER_PORT"] = str(port)
-    with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        run_ptq(
-            state,
-            PTQArgs(
-                ck,
-                "nvfp4",
-                os.path.join(out_root, f"w{state.world}-ep{ep}"),
-                kv_cache="fp8",
-                calib_size=6,
-                seq_len=24,
-                batch_size=2,
-                progress=False,
-            ),
-        )
-
-
-def same_files(a: str, b: str) -> bool:
-    names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(
-        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
-    )
+    assert_ep_logits([k3["fp32"][1]], world, ep)
 
 
 @pytest.mark.timeout(300)
 def test_k3_ptq_export_is_the_same_bytes_at_every_layout(k3, tmp_path):
     hf, ck = k3["bf16"]
     out = str(tmp_path)
-    run_ptq(
-        ParallelState.single(),
-        PTQArgs(
-            ck,
-            "nvfp4",
-            os.path.join(out, "w1-ep1"),
-            kv_cache="fp8",
-            calib_size=6,
-            seq_len=24,
-            batch_size=2,
-            progress=False,
-        ),
-    )
-    run_world(calibrate, 2, ck, out, 2, free_port(), timeout=120)
-    run_world(calibrate, 4, ck, out, 2, free_port(), timeout=160)
-    exports = {
-        layout: export_hf(os.path.join(out, layout), os.path.join(out, f"export-{layout}"), progress=False)
-        for layout in ("w1-ep1", "w2-ep2", "w4-ep2")
-    }
+    calibrate_every_layout({"k3": ck}, out, RECIPES, calib_size=6)
+    exports = exports_by_layout(out, "k3", "nvfp4")
     ref = exports["w1-ep1"]
     assert check_export(ref) == []
-    for layout in ("w2-ep2", "w4-ep2"):
+    for layout in LAYOUTS:
         assert same_files(ref, exports[layout]), layout
 
     excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]

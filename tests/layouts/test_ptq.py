@@ -15,6 +15,7 @@ from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
+from tests.ep_checks import RECIPES, same_files
 from tests.multiproc import free_port, run_world
 
 # every model of the family table (qwen3_5_moe_text runs qwen3_next's model under another name)
@@ -29,9 +30,6 @@ FAMILIES = [
     "qwen3_next",
     "qwen3_5_moe",
 ]
-# (recipe, kv cache, calibration dtype): fp32 shows a kernel's last-bit differences that bf16
-# rounding may hide, bf16 is what users run.
-RECIPES = [("fp8", None, "fp32"), ("nvfp4", "fp8", "bf16")]
 # (world, ep) -> (batch size, chunk size) the layout calibrates with: each layout takes another,
 # so the byte-identical exports show that neither the layout nor the batch or chunk size moves a bit.
 LAYOUTS = {(1, 1): (1, None), (2, 2): (3, None), (2, 1): (8, None), (4, 2): (1, 5), (4, 4): (3, 2)}
@@ -89,13 +87,6 @@ def export_all(out_root):
             os.path.join(out_root, name), os.path.join(out_root, "export-" + name), progress=False
         )
     return exports
-
-
-def same_files(a: str, b: str) -> bool:
-    names = sorted(os.listdir(a))
-    return names == sorted(os.listdir(b)) and all(
-        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
-    )
 
 
 def test_exports_are_byte_identical_across_layouts_batch_and_chunk_sizes(ckpts, tmp_path):
