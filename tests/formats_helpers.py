@@ -146,3 +146,64 @@ def set_first(value: float):
         return t
 
     return edit
+
+
+def fake_quantized_model(ck: str, q: str, dtype: torch.dtype):
+    """eprt's own model of checkpoint `ck` (eprt.models, in dtype) fake-quantized with calibrated
+    checkpoint `q` as the quality report and the preview do it (eprt.quant.preview.fake_quantize):
+    every quantized weight is the export's dequantization, the input and KV hooks on. Returns
+    (the model, q's recipe, the Calibrator holding q's record and targets, what removes the hooks)."""
+    from eprt.models.loader import load_model
+    from eprt.models.resolved import ResolvedCheckpoint
+    from eprt.quant.calibrate import Calibrator
+    from eprt.quant.calibrated import CalibrationRecord
+    from eprt.quant.feasibility import quantized_modules
+    from eprt.quant.preview import fake_quantize
+    from eprt.quant.recipe import parse_recipe
+    from eprt.storage.checkpoint import Checkpoint
+
+    model = load_model(ck, dtype=dtype)
+    with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
+        recipe = parse_recipe(calibrated.quantization["recipe"], q)
+        targets = list(quantized_modules(ResolvedCheckpoint.of(base, dtype).layout, recipe, ck))
+        record = CalibrationRecord.read(calibrated)
+        cal = Calibrator(None, targets, kv=recipe.kv_cache is not None)
+        cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
+            record.input_amax,
+            record.expert_input_amax,
+            record.expert_tokens,
+            record.kv_amax,
+        )
+        undo = fake_quantize(
+            model,
+            targets,
+            recipe,
+            cal,
+            ParallelState.single("cpu"),
+            source_dtype=lambda name: base.meta(name).source_dtype,
+        )
+    return model, recipe, cal, undo
+
+
+def decompress_experts_as_the_library_does(model, ct: str) -> None:
+    """Set every routed expert of transformers' `model`, loaded from the compressed-tensors export
+    `ct`, to compressed-tensors' own decompression of its tensors under the experts' config group
+    (the group transformers picks for them): for NVFP4, whose weight_global_scale transformers 5.24's
+    fused-experts decompression leaves out (it builds a module of weight_packed and weight_scale
+    only), so that each expert comes out weight_global_scale times too large."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.integrations.compressed_tensors import get_experts_scheme
+
+    scheme = get_experts_scheme(QuantizationConfig.model_validate(quant_config(ct, "config.json")))
+    compressor, tensors = BaseCompressor.get_value_from_registry(scheme.format), read_hf_tensors(ct)
+    with torch.no_grad():
+        for name, experts in model.named_modules():
+            if not hasattr(experts, "gate_up_proj"):
+                continue
+            for e in range(experts.gate_up_proj.shape[0]):
+                gate_up = [
+                    decompressed(tensors, f"{name}.{e}.{p}", scheme, compressor) for p in ("gate_proj", "up_proj")
+                ]
+                experts.gate_up_proj[e] = torch.cat(gate_up)
+                experts.down_proj[e] = decompressed(tensors, f"{name}.{e}.down_proj", scheme, compressor)
