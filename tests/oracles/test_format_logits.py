@@ -1,7 +1,7 @@
 """transformers' logits of every compressed-tensors export against eprt's own fake-quantized model.
 
-For each shipped recipe (one of each set of rules the causal LM runs: `nvfp4_experts_fp8_attention_mtp`
-and `kimi_k3_release` quantize its modules as `nvfp4_experts_fp8_attention` does, the first one
+For each shipped recipe (one of each set of rules the causal LM runs: `kimi_k3_release` stands for
+`nvfp4_experts_fp8_attention` and its `_mtp` twin, which quantize its modules alike, the twin
 differing only in the multi-token-prediction layers no causal LM runs) on a tiny Qwen3-MoE,
 DeepSeek-V3 and Qwen3-Next, every input dim a whole number of INT4's groups of 128: the tiny
 model is calibrated (data-free where the recipe is), exported with `--format compressed-tensors`,
@@ -22,23 +22,26 @@ compressed-tensors would fake-quantize the inputs of each Linear but not of the 
 which transformers 5 holds fused outside any Linear: neither eprt's nor an engine's semantics.)
 
 The tolerance, "within bf16 rounding": both sides hold their weights in bf16 (transformers' load
-dtype; eprt's fake quantization rounds the dequantized weight to it) and both forwards run in
-float32, so that the two implementations' bf16 arithmetic, which on the tiny Qwen3-Next moves a
-logit by a percent and can flip a routing choice, hides no weight that differs. Two floors are
-measured in the same run. The forward's: transformers against eprt on the unquantized export (at
-least a float32 ulp of the largest logit). The weights' bf16 rounding, where the two sides may
-round apart: NVFP4's, whose global scale compressed-tensors divides by where eprt multiplies by
-its reciprocal; measured as how far rounding those weights to bf16 from their float32
-dequantization moves a token's logits, the median over tokens (a rounding that flips a routing
-choice moves the tokens after it by far more, and would make any decode error pass). Every
-logit must agree within 4 x the first plus 2 x the second, and that tolerance must be a tenth of
-what the quantization itself moves the logits by, or the comparison could not tell them apart.
-Where the weights are the same bits (every format but NVFP4), the second is 0.
+dtype; eprt's fake-quantized weights rounded to it, as a bf16 run of eprt holds them) and both
+forwards run in float32, so that the two implementations' bf16 arithmetic, which on the tiny
+Qwen3-Next moves a logit by a percent and can flip a routing choice, hides no weight that
+differs. Two floors are measured in the same run. The forward's: transformers against eprt on
+the unquantized export (at least a float32 ulp of the largest logit). The weights' bf16
+rounding, where the two sides may round apart: NVFP4's, whose global scale compressed-tensors
+divides by where eprt multiplies by its reciprocal; measured as how far rounding those weights to
+bf16 from their float32 dequantization moves a token's logits, the median over tokens (a
+rounding that flips a routing choice moves the tokens after it by far more, and would make any
+decode error pass). Every logit must agree within 4 x the first plus 2 x the second, and that
+tolerance must be at most a tenth of what the quantization itself moves the logits by, or the
+comparison could not tell them apart. Where the weights are the same bits (every format but
+NVFP4), the second is 0.
 
 What transformers cannot do, asserted as strict xfails: load an MXFP8 export (its FP8 fused-experts
 path multiplies the raw E8M0 scale bytes into the weight), so MXFP8 is also compared on a recipe
 leaving the routed experts unquantized; and decompress NVFP4 routed experts with their
-weight_global_scale, which the comparison takes from compressed-tensors' own decompression.
+weight_global_scale, which the comparison takes from compressed-tensors' own decompression. FP8
+block's routed experts are one block each at these dims ([128, 128]), the one shape transformers'
+fused-experts decompression gets right (it multiplies the codes by the block grid as it is).
 """
 
 from dataclasses import dataclass, field
@@ -86,10 +89,10 @@ UNLOADABLE = {
 
 
 def distinct_recipes() -> list[str]:
-    """The shipped recipes, the shortest-named of each set of rules (the multi-token-prediction
+    """The shipped recipes, the first by name of each set of rules (the multi-token-prediction
     switch left out: no causal LM runs those layers)."""
     kept: dict[tuple, str] = {}
-    for name in sorted(available(), key=len):
+    for name in available():
         recipe = load_recipe(name)
         kept.setdefault((recipe.rules, recipe.kv_cache), name)
     return sorted(kept.values())
@@ -158,14 +161,29 @@ class Family:
         one, or MXFP8_WITHOUT_EXPERTS), calibrated on a few short sequences without a quality
         report (data-free where the recipe is)."""
         if recipe not in self.exports:
-            spec = str(self.dir / f"{recipe}.yaml") if recipe == MXFP8_WITHOUT_EXPERTS else recipe
             q = str(self.dir / recipe)
             args = PTQArgs(
-                self.ck, spec, q, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, eval_size=0, progress=False
+                self.ck,
+                self.spec(recipe),
+                q,
+                calib_size=SAMPLES,
+                seq_len=SEQ_LEN,
+                batch_size=SAMPLES,
+                eval_size=0,
+                progress=False,
             )
             run_ptq(ParallelState.single(), args)
             self.exports[recipe] = q, export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors")
         return self.exports[recipe]
+
+    def spec(self, recipe: str) -> str:
+        """The recipe's name, or its file for MXFP8_WITHOUT_EXPERTS."""
+        return str(self.dir / f"{recipe}.yaml") if recipe == MXFP8_WITHOUT_EXPERTS else recipe
+
+    def nvfp4_experts(self, recipe: str) -> bool:
+        """Whether `recipe` quantizes the routed experts to NVFP4 (or NVFP4 weights only)."""
+        fmt = load_recipe(self.spec(recipe)).format_of("model.layers.0.mlp.experts")
+        return fmt is not None and weight_format(fmt).ct_format == NVFP4.ct_format
 
     def assert_logits_agree(self, q: str, theirs: torch.Tensor) -> None:
         ours, rounding = eprt_logits(self.ck, q)
@@ -192,17 +210,10 @@ def family(request, tmp_path_factory) -> Family:
     return Family(ck, d, max_error(theirs, ours), ours)
 
 
-def nvfp4_experts(recipe: str, family: Family) -> bool:
-    """Whether `recipe` quantizes the routed experts to NVFP4 (or NVFP4 weights only)."""
-    spec = str(family.dir / f"{recipe}.yaml") if recipe == MXFP8_WITHOUT_EXPERTS else recipe
-    fmt = load_recipe(spec).format_of("model.layers.0.mlp.experts")
-    return fmt is not None and weight_format(fmt).ct_format == NVFP4.ct_format
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_transformers_logits_equal_eprts_fake_quantized_model(family, recipe):
     q, ct = family.export(recipe)
-    family.assert_logits_agree(q, transformers_logits(ct, experts_from_the_library=nvfp4_experts(recipe, family)))
+    family.assert_logits_agree(q, transformers_logits(ct, experts_from_the_library=family.nvfp4_experts(recipe)))
 
 
 @pytest.mark.xfail(
