@@ -1,7 +1,9 @@
 """What the weight-format tests (tests/test_format_*.py) share: a tiny model calibrated with one
 recipe and exported in both layouts, ModelOpt's own export of the same model, the
 compressed-tensors library's scheme and compressor of an export, and corrupted copies of an
-export for eprt-check to refuse. Each format's layout invariance is checked with every other
+export for eprt-check to refuse; eprt's own model fake-quantized as a calibrated checkpoint says,
+and transformers' routed experts set to the library's decompression, for the logits oracle
+(tests/oracles/test_format_logits.py). Each format's layout invariance is checked with every other
 shipped recipe in tests/layouts/test_formats_ep.py."""
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from safetensors.torch import load_file, save_file
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.loader import load_model
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.feasibility import quantized_modules
+from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import parse_recipe
+from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
@@ -153,15 +163,6 @@ def fake_quantized_model(ck: str, q: str, dtype: torch.dtype):
     checkpoint `q` as the quality report and the preview do it (eprt.quant.preview.fake_quantize):
     every quantized weight is the export's dequantization, the input and KV hooks on. Returns
     (the model, q's recipe, the Calibrator holding q's record and targets, what removes the hooks)."""
-    from eprt.models.loader import load_model
-    from eprt.models.resolved import ResolvedCheckpoint
-    from eprt.quant.calibrate import Calibrator
-    from eprt.quant.calibrated import CalibrationRecord
-    from eprt.quant.feasibility import quantized_modules
-    from eprt.quant.preview import fake_quantize
-    from eprt.quant.recipe import parse_recipe
-    from eprt.storage.checkpoint import Checkpoint
-
     model = load_model(ck, dtype=dtype)
     with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
         recipe = parse_recipe(calibrated.quantization["recipe"], q)
