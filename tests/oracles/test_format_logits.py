@@ -18,8 +18,10 @@ whatever the config group says of its inputs (FP8's and NVFP4's static per-tenso
 FP8 block's dynamic groups of 128, FP8 per channel's and W4A8's dynamic per-token scales, MXFP8's
 groups of 32). So eprt's side runs its fake-quantized weights with unquantized inputs: the hooks
 fake_quantize puts on the inputs are removed. (Loaded compressed, `dequantize=False`,
-compressed-tensors would fake-quantize the inputs of each Linear but not of the routed experts,
-which transformers 5 holds fused outside any Linear: neither eprt's nor an engine's semantics.)
+compressed-tensors fake-quantizes the inputs of each Linear but not of the routed experts, which
+transformers 5 holds fused outside any Linear, and in a bf16 model it holds the static input
+scales as bf16 parameters, rounding the export's float32 ones: neither eprt's nor an engine's
+semantics.)
 
 The tolerance, "within bf16 rounding": both sides hold their weights in bf16 (transformers' load
 dtype; eprt's fake-quantized weights rounded to it, as a bf16 run of eprt holds them) and both
