@@ -90,6 +90,10 @@ UNLOADABLE = {
 }
 
 
+class ConversionFailed(Exception):
+    """transformers' load failed converting a checkpoint's tensors into the model's."""
+
+
 def distinct_recipes() -> list[str]:
     """The shipped recipes, the first by name of each set of rules (the multi-token-prediction
     switch left out: no causal LM runs those layers)."""
@@ -101,7 +105,7 @@ def distinct_recipes() -> list[str]:
 
 
 RECIPES = [
-    pytest.param(r, marks=pytest.mark.xfail(raises=RuntimeError, strict=True, reason=UNLOADABLE[r]))
+    pytest.param(r, marks=pytest.mark.xfail(raises=ConversionFailed, strict=True, reason=UNLOADABLE[r]))
     if r in UNLOADABLE
     else r
     for r in distinct_recipes()
@@ -122,7 +126,12 @@ def transformers_logits(export: str, compressed: bool = True, experts_from_the_l
     `compressed` one through compressed-tensors' decompression), its routed experts set to
     compressed-tensors' own decompression where `experts_from_the_library`."""
     decompressing = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if compressed else {}
-    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16, **decompressing)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16, **decompressing)
+    except RuntimeError as e:
+        if "automatic conversion of the weights" in str(e):
+            raise ConversionFailed(str(e)) from e
+        raise
     if experts_from_the_library:
         decompress_experts_as_the_library_does(model, export)
     with torch.no_grad():
