@@ -1,7 +1,9 @@
 """What the weight-format tests (tests/test_format_*.py) share: a tiny model calibrated with one
 recipe and exported in both layouts, ModelOpt's own export of the same model, the
 compressed-tensors library's scheme and compressor of an export, and corrupted copies of an
-export for eprt-check to refuse. Each format's layout invariance is checked with every other
+export for eprt-check to refuse; eprt's own model fake-quantized as a calibrated checkpoint says,
+and transformers' routed experts set to the library's decompression, for the logits oracle
+(tests/oracles/test_format_logits.py). Each format's layout invariance is checked with every other
 shipped recipe in tests/layouts/test_formats_ep.py."""
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from safetensors.torch import load_file, save_file
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.loader import load_model
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.feasibility import quantized_modules
+from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import parse_recipe
+from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 
@@ -146,3 +156,55 @@ def set_first(value: float):
         return t
 
     return edit
+
+
+def fake_quantized_model(ck: str, q: str, dtype: torch.dtype):
+    """eprt's own model of checkpoint `ck` (eprt.models, in dtype) fake-quantized with calibrated
+    checkpoint `q` as the quality report and the preview do it (eprt.quant.preview.fake_quantize):
+    every quantized weight is the export's dequantization, the input and KV hooks on. Returns
+    (the model, q's recipe, the Calibrator holding q's record and targets, what removes the hooks)."""
+    model = load_model(ck, dtype=dtype)
+    with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
+        recipe = parse_recipe(calibrated.quantization["recipe"], q)
+        targets = list(quantized_modules(ResolvedCheckpoint.of(base, dtype).layout, recipe, ck))
+        record = CalibrationRecord.read(calibrated)
+        cal = Calibrator(None, targets, kv=recipe.kv_cache is not None)
+        cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
+            record.input_amax,
+            record.expert_input_amax,
+            record.expert_tokens,
+            record.kv_amax,
+        )
+        undo = fake_quantize(
+            model,
+            targets,
+            recipe,
+            cal,
+            ParallelState.single("cpu"),
+            source_dtype=lambda name: base.meta(name).source_dtype,
+        )
+    return model, recipe, cal, undo
+
+
+def decompress_experts_as_the_library_does(model, ct: str) -> None:
+    """Set every routed expert of transformers' `model`, loaded from the compressed-tensors export
+    `ct`, to compressed-tensors' own decompression of its tensors under the experts' config group
+    (the group transformers picks for them): for NVFP4, whose weight_global_scale transformers 5.24's
+    fused-experts decompression leaves out (it builds a module of weight_packed and weight_scale
+    only), so that each expert comes out weight_global_scale times too large."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.integrations.compressed_tensors import get_experts_scheme
+
+    scheme = get_experts_scheme(QuantizationConfig.model_validate(quant_config(ct, "config.json")))
+    compressor, tensors = BaseCompressor.get_value_from_registry(scheme.format), read_hf_tensors(ct)
+    with torch.no_grad():
+        for name, experts in model.named_modules():
+            if not hasattr(experts, "gate_up_proj"):
+                continue
+            for e in range(experts.gate_up_proj.shape[0]):
+                gate_up = [
+                    decompressed(tensors, f"{name}.{e}.{p}", scheme, compressor) for p in ("gate_proj", "up_proj")
+                ]
+                experts.gate_up_proj[e] = torch.cat(gate_up)
+                experts.down_proj[e] = decompressed(tensors, f"{name}.{e}.down_proj", scheme, compressor)

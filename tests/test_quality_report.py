@@ -35,6 +35,7 @@ from eprt.quant.quality import Probes
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny
+from tests.formats_helpers import fake_quantized_model
 from tests.hf_utils import read_hf_tensors
 from tests.multiproc import run_world
 
@@ -118,25 +119,8 @@ def test_the_reports_weights_are_the_exports_dequantized_bit_for_bit(ckpts, tmp_
 def whole_model_report(ck: str, q: str, eval_ids: torch.Tensor):
     """The numbers computed directly: the whole model unquantized, and fake-quantized with the
     calibrated checkpoint's record (eprt.quant.preview), over the held-out ids at once."""
-    ref_model, q_model = load_model(ck, dtype=torch.float32), load_model(ck, dtype=torch.float32)
-    with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
-        recipe, targets = plan_recipe(ResolvedCheckpoint.of(base, torch.float32), "nvfp4", "fp8")
-        record = CalibrationRecord.read(calibrated)
-        cal = Calibrator(None, targets, kv=True)
-        cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax = (
-            record.input_amax,
-            record.expert_input_amax,
-            record.expert_tokens,
-            record.kv_amax,
-        )
-        fake_quantize(
-            q_model,
-            targets,
-            recipe,
-            cal,
-            ParallelState.single("cpu"),
-            source_dtype=lambda name: base.meta(name).source_dtype,
-        )
+    ref_model = load_model(ck, dtype=torch.float32)
+    q_model, _, cal, _ = fake_quantized_model(ck, q, torch.float32)
     # the keys and values attention consumes are on the FP8 grid of the export's k/v scales
     kv = []
     for name, attn in q_model.named_modules():

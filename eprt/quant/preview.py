@@ -97,11 +97,16 @@ def fake_quantize(
         except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
             raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
 
+    def input_scale(m: str) -> torch.Tensor | None:
+        """The static input scale of `m`; None for a format that has none (inputs the engine scales
+        at run time or leaves in bf16): a data-free recipe's record holds no input amax to read."""
+        return scales.input_scale(m) if weight_format(formats[m]).uses_activation_statistics else None
+
     taps = contextlib.ExitStack()
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {
-        m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)), scales.input_scale(m))
+        m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)), input_scale(m))
         for m in dense
     }
     with torch.no_grad():
@@ -136,8 +141,9 @@ def fake_quantize(
                 for_each(range(0 if m in quantized else w.shape[0]), lambda: None, expert, w.device)
                 if on_weight is not None:
                     on_weight(name, w)
-            in_scale = {}
-            for kind in EXPERT_KINDS:  # the layer's largest, over every rank's experts
+            in_scale = dict.fromkeys(EXPERT_KINDS)
+            for kind in EXPERT_KINDS if weight_format(formats[m]).uses_activation_statistics else ():
+                # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
