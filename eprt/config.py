@@ -239,6 +239,14 @@ class ModelConfig:
         """How many dims of each head RoPE rotates."""
         return self.gqa.rotary_dim if self.gqa else self.mla.qk_rope_head_dim
 
+    @property
+    def kv_head_dims(self) -> tuple[int, int]:
+        """The widths of a key head and a value head as attention caches them: GQA's head_dim both;
+        MLA's keys their plain and rope dims together, its values v_head_dim."""
+        if self.gqa:
+            return self.gqa.head_dim, self.gqa.head_dim
+        return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim, self.mla.v_head_dim
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

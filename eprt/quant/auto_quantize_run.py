@@ -34,7 +34,7 @@ from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.quality import QualityReport
 from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, report_data
-from eprt.quant.run_plan import open_unquantized, plan_run, run_shape
+from eprt.quant.run_plan import check_kv_cache, open_unquantized, plan_run, run_shape
 from eprt.storage.checkpoint import Checkpoint
 
 
@@ -59,6 +59,7 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
             raise ConfigError("--resume with --auto-quantize: the search does not resume; run it again")
         ck, rc = open_unquantized(state, a, ck)
         cfg = ck.config
+        check_kv_cache(a.kv_cache, cfg, ck.path)  # the chosen recipe's, refused before the search
         space = SearchSpace.of(
             rc.layout, parse_candidates(a.auto_quantize_formats), cfg.num_experts_per_tok, cfg.num_experts
         )

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from eprt.config import ModelConfig
 from eprt.errors import ConfigError
 from eprt.models.loader import weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
@@ -18,6 +19,7 @@ from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.calibrated import refuse_calibrated
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.plan import (
     MemoryPlan,
     Planner,
@@ -59,7 +61,31 @@ def plan_recipe(
     quantizes in `rc`, from the manifest alone: whatever export would refuse about this recipe
     and this model is refused here, before a weight is read."""
     recipe = load_recipe(spec, kv_cache, algorithm)
+    setting = (
+        f"--kv-cache {kv_cache}" if kv_cache is not None else f"recipe {recipe.name!r}'s kv_cache: {recipe.kv_cache}"
+    )
+    check_kv_cache(recipe.kv_cache, rc.ck.config, rc.ck.path, setting)
     return recipe, list(quantized_modules(rc.layout, recipe, rc.ck.path))
+
+
+def check_kv_cache(kv_cache: str | None, config: ModelConfig, where: str, setting: str | None = None) -> None:
+    """Refuse a KV-cache format whose blocks the model's cached heads do not fill (NVFP4's 16 along the
+    head dim), from the config alone: otherwise only the quality report's fake quantization would
+    find it, after calibration, and a run without one would export a cache the engine cannot hold.
+    `where` names the checkpoint, `setting` what asked for the format (default: --kv-cache)."""
+    kv = KV_CACHE_FORMATS.get(kv_cache)  # a name that is no format is the recipe's to refuse
+    if kv is None:
+        return
+    keys, values = config.kv_head_dims
+    unfit = [
+        f"{what} heads {width} wide" for what, width in (("key", keys), ("value", values)) if kv.unfit_head_dim(width)
+    ]
+    if unfit:
+        raise ConfigError(
+            f"{setting or f'--kv-cache {kv_cache}'}: {kv.quant_algo} caches keys and values in blocks of {kv.block} "
+            f"along the head dim, and {where} ({config.family}) caches {' and '.join(unfit)}: calibrate with "
+            "--kv-cache fp8 (one scale per tensor, any head width)"
+        )
 
 
 def run_shape(a: PTQArgs, state: ParallelState, config) -> RunShape:
