@@ -27,8 +27,9 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.auto_quantize import RECIPE_FILE, SearchSpace, parse_candidates  # noqa: E402
-from eprt.quant.ptq import RUN_DTYPES, PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.quant.recipe import load_recipe  # noqa: E402
+from eprt.quant.run_args import RUN_DTYPES  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 SHIPPED = "nvfp4_experts_fp8_attention"

@@ -13,7 +13,8 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.engine import LayerEngine
 from eprt.quant.estimate import estimate_time
-from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq, run_shape
+from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run_plan import plan_recipe, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 

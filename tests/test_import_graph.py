@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "eprt"
 # A module (or package) is placed by its longest listed prefix.
 LAYERS = (
     ("foundation", ("eprt.errors", "eprt.units", "eprt.flags", "eprt.progress")),
-    ("model description", ("eprt.config", "eprt.layout")),  # pure Python: no torch, no files
+    ("model description", ("eprt.config", "eprt.config_fields", "eprt.layout")),  # pure Python: no torch, no files
     ("storage", ("eprt.storage",)),  # checkpoint, safetensors, encodings, HF file names, atomic output
     ("report", ("eprt.report",)),  # the quality report as a page: rendering only, from its JSON
     ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets

@@ -24,8 +24,9 @@ from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
 from eprt.quant.plan import Planner
-from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
+from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files

@@ -19,7 +19,7 @@ from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
-from eprt.quant.ptq import plan_recipe
+from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from eprt.units import format_bytes

@@ -30,8 +30,9 @@ from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.preview import fake_quantize
-from eprt.quant.ptq import PTQArgs, plan_recipe, run_ptq
+from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.quality import Probes
+from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny

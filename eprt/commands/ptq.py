@@ -25,19 +25,13 @@ from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
+from eprt.quant.datafree import data_free
 from eprt.quant.estimate import estimate_time
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.ptq import (
-    RUN_DTYPES,
-    PTQArgs,
-    data_free,
-    gptq_formats,
-    plan_recipe,
-    ranks_on_this_host,
-    run_ptq,
-    run_shape,
-)
+from eprt.quant.ptq import gptq_formats, run_ptq
 from eprt.quant.recipe import Recipe
+from eprt.quant.run_args import RUN_DTYPES, PTQArgs
+from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
@@ -75,7 +69,11 @@ def ptq() -> int:
             # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
             # layers and counts GPTQ's Hessians
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
-            recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm) if a.recipe else (None, [])
+            if a.recipe:
+                recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
+            else:  # the layout alone, or --auto-quantize's, whose recipe takes --kv-cache
+                recipe, targets = None, []
+                check_kv_cache(a.kv_cache, ck.config, ck.path)
             if recipe is not None and data_free(recipe, a):
                 data_free_dry_run(state, ck, recipe, targets)
                 return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from eprt.config import Fields, MLAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config import MLAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config_fields import Fields
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from eprt.config import Fields, IndexerConfig, ModelConfig, MoEConfig
+from eprt.config import IndexerConfig, ModelConfig, MoEConfig
+from eprt.config_fields import Fields
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, mla_attention, plain
 

@@ -4,7 +4,8 @@ grouped-query attention with partial rotary, optional q/k norm and q/k/v biases.
 
 from __future__ import annotations
 
-from eprt.config import Fields, GQAConfig, ModelConfig, moe_or_dense, read_rope, read_rotary_dim
+from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope, read_rotary_dim
+from eprt.config_fields import Fields
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, gqa_attention
 

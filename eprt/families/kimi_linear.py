@@ -8,7 +8,8 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 
 from __future__ import annotations
 
-from eprt.config import Fields, KDAConfig, KimiLinearConfig, ModelConfig, SiTUConfig, moe_or_dense
+from eprt.config import KDAConfig, KimiLinearConfig, ModelConfig, SiTUConfig, moe_or_dense
+from eprt.config_fields import Fields
 from eprt.families import deepseek_v3
 from eprt.layout import Layout, TensorSpec, gated_mlp, mla_attention, plain, stacked_experts
 

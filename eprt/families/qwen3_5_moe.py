@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from eprt.config import Fields, ModelConfig
+from eprt.config import ModelConfig
+from eprt.config_fields import Fields
 from eprt.families import qwen3_next
 from eprt.layout import Layout
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from eprt.config import Fields, GQAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config_fields import Fields
 from eprt.layout import Layout, gated_mlp, gqa_attention, plain, stacked_experts
 
 

@@ -8,7 +8,6 @@ is softmax-routed experts plus one shared expert scaled by a sigmoid gate (`shar
 from __future__ import annotations
 
 from eprt.config import (
-    Fields,
     GatedDeltaNetConfig,
     GQAConfig,
     ModelConfig,
@@ -17,6 +16,7 @@ from eprt.config import (
     read_rope,
     read_rotary_dim,
 )
+from eprt.config_fields import Fields
 from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
 
 

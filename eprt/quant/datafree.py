@@ -18,8 +18,11 @@ share the shards as after calibration.
 
 from __future__ import annotations
 
+import dataclasses
+
 from eprt.errors import ConfigError
 from eprt.families import reader_for
+from eprt.flags import flag_name
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
@@ -29,6 +32,7 @@ from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.run_args import CALIBRATION_SETTINGS, PTQArgs
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import Checkpoint
 
@@ -71,6 +75,30 @@ def data_free_recipe(spec: str, algorithm: str | None, ckpt: str) -> Recipe:
 def data_free_formats() -> list[str]:
     """The formats that take no activation statistic."""
     return [name for name, f in WEIGHT_FORMATS.items() if not f.uses_activation_statistics]
+
+
+def data_free(recipe: Recipe, a: PTQArgs) -> bool:
+    """Whether the run needs no data and no forward pass: `recipe` takes no statistic, and neither
+    the quality report on --eval data nor the preview asks for the model to run."""
+    return not statistics_needed(recipe) and a.eval is None and a.preview is None
+
+
+def say_data_free(a: PTQArgs, recipe: Recipe) -> None:
+    """Rank 0 says why no data is read, which settings go unused, and how to get a quality report."""
+    log = logger()
+    log.info(
+        "recipe %s (%s) takes no activation statistic: a data-free run, no calibration data read and no forward pass",
+        recipe.name,
+        "+".join(recipe.algorithms),
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(PTQArgs)}
+    unused = [flag_name(n) for n in CALIBRATION_SETTINGS if getattr(a, n) != defaults[n]]
+    if unused:
+        log.info("unused in a data-free run: %s", ", ".join(unused))
+    log.info(
+        "no quality report (it runs the model over held-out data): run again with --eval DATA for a "
+        "calibrated run that writes one"
+    )
 
 
 def run_data_free(

@@ -27,6 +27,11 @@ class KvCacheFormat:
     largest: float  # the largest cached value a scale of 1 stands for (eprt.hf.check_scale_range)
     modelopt_scheme: dict | str  # config.json's kv_cache_scheme (ModelOpt)
     ct_args: dict | None  # compressed-tensors' QuantizationArgs of its kv_cache_scheme; None: no such layout
+    block: int | None = None  # cached elements along the head dim that share a scale; None: the scale is per tensor
+
+    def unfit_head_dim(self, width: int) -> bool:
+        """Whether heads of `width` cannot be cached in this format (its blocks must fill them)."""
+        return self.block is not None and width % self.block != 0
 
     def scale(self, amax) -> torch.Tensor:
         """k_scale or v_scale (fp32 0-dim) of the keys' or values' amax."""
@@ -62,12 +67,13 @@ class Nvfp4KvCache(KvCacheFormat):
     largest = FP8_E4M3_MAX  # the stored scale times 448 is the amax it stands for
     modelopt_scheme = "NVFP4"  # ModelOpt's config converter writes the algorithm's name for a KV cache not FP8
     ct_args = None  # compressed-tensors has no NVFP4 KV-cache layout: refused in that layout
+    block = BLOCK_SIZE
 
     def scale(self, amax) -> torch.Tensor:
         return fp8_scale(amax)
 
     def fake_quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] % BLOCK_SIZE:
+        if self.unfit_head_dim(x.shape[-1]):  # refused before the run (eprt.quant.run_plan.check_kv_cache)
             raise ValueError(
                 f"--kv-cache nvfp4 quantizes cached keys and values in blocks of {BLOCK_SIZE} along the head dim, "
                 f"and this model caches heads of {x.shape[-1]}: calibrate with --kv-cache fp8"

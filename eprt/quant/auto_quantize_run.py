@@ -1,0 +1,122 @@
+"""The format search's first phase (`--auto-quantize BUDGET`): its settings checked, the checkpoint
+opened and the memory planned as for calibration (eprt.quant.run_plan), the data read, every
+candidate's errors measured in one layer-major pass (eprt.quant.passes.auto_quantize) and a format
+chosen for each module group (eprt.quant.auto_quantize). The second phase, the chosen recipe
+calibrated as any recipe is, is eprt.quant.ptq's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from eprt.errors import ConfigError
+from eprt.models.resolved import ResolvedCheckpoint
+from eprt.parallel import ParallelState
+from eprt.parallel.guard import fail_together
+from eprt.progress import logger
+from eprt.quant.auto_quantize import (
+    RECIPE_FILE,
+    UNQUANTIZED_BITS,
+    SearchResult,
+    SearchSpace,
+    check_algorithm,
+    parse_candidates,
+    search_summary,
+)
+from eprt.quant.calibrate import Calibrator
+from eprt.quant.engine import LayerEngine
+from eprt.quant.feasibility import quantized_modules
+from eprt.quant.passes import layer_passes
+from eprt.quant.passes.auto_quantize import FormatErrors
+from eprt.quant.passes.quality import QualityStreams
+from eprt.quant.quality import QualityReport
+from eprt.quant.run_args import PTQArgs
+from eprt.quant.run_data import check_data_settings, report_data
+from eprt.quant.run_plan import check_kv_cache, open_unquantized, plan_run, run_shape
+from eprt.storage.checkpoint import Checkpoint
+
+
+def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = None) -> SearchResult:
+    """--auto-quantize (eprt.quant.auto_quantize): the search's layer-major pass and the choice, said
+    by rank 0; returns its summary and the chosen recipe, which the run then calibrates and writes
+    into `a.out` (RECIPE_FILE). `ck`: `a.ckpt` as the command opened it; the search closes it."""
+    with fail_together(state, "reading the checkpoint and the search's settings"):
+        if a.recipe is not None:
+            raise ConfigError(
+                f"--recipe {a.recipe} with --auto-quantize: the search writes the recipe; give one or the other"
+            )
+        if a.auto_quantize <= 0:
+            raise ConfigError(f"--auto-quantize {a.auto_quantize}: give a positive budget of bits, e.g. 4.8bits")
+        check_algorithm(a.algorithm)
+        if a.eval_size < 1:
+            raise ConfigError(
+                f"--auto-quantize with --eval-size {a.eval_size}: the search fits its KL estimate on the quality "
+                "report's held-out sequences; give a positive --eval-size"
+            )
+        if a.resume:
+            raise ConfigError("--resume with --auto-quantize: the search does not resume; run it again")
+        ck, rc = open_unquantized(state, a, ck)
+        cfg = ck.config
+        check_kv_cache(a.kv_cache, cfg, ck.path)  # the chosen recipe's, refused before the search
+        space = SearchSpace.of(
+            rc.layout, parse_candidates(a.auto_quantize_formats), cfg.num_experts_per_tok, cfg.num_experts
+        )
+        space.check_budget(a.auto_quantize)
+        if "none" in space.candidates and a.auto_quantize >= space.effective_bits(
+            {g.name: "none" for g in space.groups}
+        ):
+            raise ConfigError(
+                f"--auto-quantize {a.auto_quantize:g}bits leaves every module unquantized: nothing to export; "
+                f"give a budget below {UNQUANTIZED_BITS} bits"
+            )
+        state.check_experts(cfg.num_experts)
+        check_data_settings(a)
+    with ck:
+        with fail_together(state, "planning memory"):
+            plan_run(state, rc, replace(a, preview=None), space.targets, search=True)
+        with fail_together(state, "reading the calibration data"):
+            samples, eval_ids, _ = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
+        with fail_together(state, "searching the formats"), torch.inference_mode():
+            errors, smallest_kl = measure_format_errors(state, rc, space, samples, eval_ids, a)
+    choice = space.choose(a.auto_quantize, errors)
+    smallest_error = space.loss(space.smallest(), errors)
+    kl_per_error = smallest_kl / smallest_error if smallest_error > 0 else 0.0
+    summary = search_summary(space, a.auto_quantize, choice, errors, kl_per_error, smallest_kl)
+    text = space.recipe_yaml(choice, a.kv_cache, a.auto_quantize, a.algorithm)
+    if state.rank == 0:
+        logger().info(
+            "auto-quantize: %.4f effective bits (budget %g), estimated KL %.6g; the recipe: %s",
+            summary["effective_bits"],
+            a.auto_quantize,
+            summary["estimated_kl"],
+            os.path.join(a.out, RECIPE_FILE),
+        )
+    return SearchResult(summary, text)
+
+
+def measure_format_errors(
+    state: ParallelState,
+    rc: ResolvedCheckpoint,
+    space: SearchSpace,
+    samples: torch.Tensor,
+    eval_ids: torch.Tensor,
+    a: PTQArgs,
+) -> tuple[dict[tuple[str, str], float], float]:
+    """The search's layer-major pass: max statistics of every module a candidate quantizes, each
+    group's error in each candidate on the calibration sequences (eprt.quant.passes.auto_quantize),
+    and the quality report of every group in its smallest candidate on the held-out ones (the KL
+    estimate's constant). Returns the errors and that report's mean KL."""
+    shape = run_shape(a, state, rc.ck.config)
+    cal = Calibrator(None, space.targets, kv=False, all_experts=a.calibrate_all_experts)
+    smallest = space.recipe(space.smallest(), None, a.algorithm)
+    targets = list(quantized_modules(rc.layout, smallest, rc.ck.path))
+    report = QualityReport(state, rc.ck, smallest, targets, eval_ids, "held out")
+    calibration = shape.schedule_of(samples.shape[0])
+    errors = FormatErrors(state, cal, rc, space, samples, calibration, a.algorithm)
+    held_out = QualityStreams(state, report, shape.schedule_of(eval_ids.shape[0]))
+    passes = layer_passes(cal, smallest, rc, quality=held_out, format_errors=errors)
+    engine = LayerEngine(state, rc, samples, passes, schedule=calibration, progress=a.progress)
+    engine.run(0, engine.embed())
+    return errors.errors, report.result["kl_mean"]
