@@ -134,10 +134,14 @@ def main() -> None:
         ck = os.path.join(d, "ck")
         plans = {r: ways(args, r, shipped[r], ck, d) for r in recipes}
         runs = {r: {name: [] for name in plans[r]} for r in recipes}
-        for _ in range(args.runs):
+        for i in range(args.runs):
             for r in recipes:
                 for name, run in plans[r].items():
                     runs[r][name].append(run())
+                # each run's ratios as it ends: a long run on a busy machine shows what it has
+                base = runs[r]["unquantized export"][-1][0]
+                ratios = ", ".join(f"{name} {got[-1][0] / base:.2f}x" for name, got in runs[r].items())
+                print(f"run {i + 1} {r}: wall {ratios} the unquantized export's", file=sys.stderr, flush=True)
         size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck) if f.endswith(".safetensors"))
         print(
             f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.width}, "
