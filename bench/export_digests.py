@@ -10,7 +10,8 @@ Each tiny model of eprt.testing.tiny is converted, calibrated (its data, sizes a
 with each shipped recipe (the FP8 KV cache on, where the recipe leaves it open) and each
 algorithm, and exported in the ModelOpt and the compressed-tensors layout. A refusal is recorded by
 its message, so a refusal that changes is a difference too. The unquantized round trip (convert,
-export) is recorded per family as well. A recipe whose format's blocks do not fill an input dim of
+export) is recorded per family as well, and the MIXED recipes (the formats no shipped recipe
+mixes, side by side in one model) beside the shipped ones. A recipe whose format's blocks do not fill an input dim of
 the family's tiny model (INT4's and W4A8's groups of 128 beside a hidden size of 64) is refused
 there, which is recorded, and runs again on the family's wide tiny model (`FAMILY-wide/...`, every
 input dim a multiple of 128), so that every format exports from every family.
@@ -82,6 +83,18 @@ WIDER = {
     "qwen3_next": LINEAR,
     "qwen3_5_moe": LINEAR,
 }
+# Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
+# shared experts) in another, the rest unquantized; every data-free format in one of them.
+MIXED = {
+    "mixed_int4_fp8_block": {"*.experts": "int4", "*.self_attn.*": "fp8_block"},
+    "mixed_mxfp4_mxfp8": {"*.experts": "mxfp4", "*.self_attn.*": "mxfp8"},
+    "mixed_w4a8_fp8_channel_nvfp4_a16": {
+        "*.experts": "w4a8",
+        "*.self_attn.*": "fp8_channel",
+        "*.shared_expert*": "nvfp4_a16",
+    },
+    "mixed_int4_g32_nvfp4_a16": {"*.experts": "int4_g32", "*.self_attn.*": "nvfp4_a16"},
+}
 INPUT_DIM_RULE = "is not a multiple of"  # eprt.quant.feasibility's refusal of a format's blocks
 RECIPES_DIR = os.path.join(REPO, "eprt", "configs", "ptq")
 ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
@@ -99,6 +112,16 @@ def digest_dir(path: str) -> dict:
 
 def shipped_recipes() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".yaml"))
+
+
+def recipe_file(tmp: str, name: str) -> str:
+    """MIXED's recipe `name` written as a recipe file under `tmp`."""
+    rules = [{"pattern": p, "format": f} for p, f in MIXED[name].items()] + [{"pattern": "*", "format": "none"}]
+    path = os.path.join(tmp, "recipes", f"{name}.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"name": name, "quantize": rules, "kv_cache": None}, f)  # JSON is YAML
+    return path
 
 
 def refused(e: EprtError, tmp: str) -> str:
@@ -159,14 +182,15 @@ def exported(out: str, tmp: str) -> dict:
 def run_cases(ck: str, name: str, cases: list[tuple[str, str]], tmp: str, world: int, ep: int) -> dict:
     """{NAME/RECIPE/ALGORITHM: its exports' digests, or the calibration's refusal} of model `name`
     at `ck`, for each (recipe, algorithm) of `cases`."""
+    outs = [os.path.join(os.path.dirname(ck), f"{recipe}-{algorithm}") for recipe, algorithm in cases]
     jobs = [
-        (ck, os.path.join(os.path.dirname(ck), f"{recipe}-{algorithm}"), recipe, algorithm)
-        for recipe, algorithm in cases
+        (ck, out, recipe_file(tmp, recipe) if recipe in MIXED else recipe, algorithm)
+        for out, (recipe, algorithm) in zip(outs, cases)
     ]
     ends = calibrate_all(jobs, world, ep, tmp)
     return {
         f"{name}/{recipe}/{algorithm}": {"ptq": end} if end else exported(out, tmp)
-        for (_, out, recipe, algorithm), end in zip(jobs, ends)
+        for out, (recipe, algorithm), end in zip(outs, cases, ends)
     }
 
 
@@ -230,14 +254,14 @@ def main() -> int:
     p.add_argument("--out", help="write the digests here (JSON)")
     p.add_argument("--against", help="compare with digests written before; exit 1 on any difference")
     p.add_argument("--family", action="append", help="only these families (default: all)")
-    p.add_argument("--recipe", action="append", help="only these shipped recipes (default: all)")
+    p.add_argument("--recipe", action="append", help="only these shipped or MIXED recipes (default: all)")
     p.add_argument("--algorithm", action="append", choices=ALGORITHMS, help="only these (default: all)")
     p.add_argument("--world", type=int, default=1, help="calibrate on this many CPU processes (default 1)")
     p.add_argument("--ep", type=int, help="their expert parallelism (default: --world)")
     a = p.parse_args()
     digests = all_digests(
         a.family or list(FAMILIES),
-        a.recipe or shipped_recipes(),
+        a.recipe or shipped_recipes() + list(MIXED),
         a.algorithm or list(ALGORITHMS),
         a.world,
         a.ep or a.world,
