@@ -272,9 +272,13 @@ def main() -> int:
     if a.against:
         with open(a.against) as f:
             before = json.load(f)
-        before = {k: v for k, v in before.items() if k in digests}  # a subset run compares its own cases
-        diff = differences(digests, before, a.world)
-        print("\n".join(diff) if diff else f"{len(digests)} cases: every file the same bytes")
+        # a subset run compares its own cases, and a case newer than the file is new, not different
+        new = sorted(set(digests) - set(before))
+        before = {k: v for k, v in before.items() if k in digests}
+        diff = differences({k: v for k, v in digests.items() if k in before}, before, a.world)
+        print("\n".join(diff) if diff else f"{len(before)} cases: every file the same bytes")
+        if new:
+            print(f"{len(new)} cases not in {a.against}: {', '.join(new)}")
         return 1 if diff else 0
     return 0
 
