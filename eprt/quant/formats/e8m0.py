@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from eprt.quant.formats.base import ScaledByBlocks
+from eprt.quant.numerics import check_finite
 
 BLOCK = 32  # elements sharing one E8M0 scale
 BIAS = 127
@@ -25,10 +26,28 @@ def as_blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
+def block_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., in/32]: the largest magnitude of each block of x [..., in] (NaN where it holds one)."""
+    return as_blocks(x.to(torch.float32, copy=True)).abs_().amax(dim=-1)
+
+
 def e8m0_scales(x: torch.Tensor, largest: float) -> torch.Tensor:
     """uint8 biased exponents [..., in/32] of x [..., in] for elements whose largest value is `largest`."""
-    descale = as_blocks(x).float().abs().amax(dim=-1) / largest
-    log2 = torch.where(descale > 0, torch.log2(descale), torch.tensor(-float(BIAS), device=x.device))
+    return exponents(block_amax(x), largest)
+
+
+def checked_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
+    """`e8m0_scales` of a weight w. Raises ValueError for a weight holding NaN or infinity."""
+    amax = block_amax(w)
+    if amax.numel():  # a NaN or infinity shows in its block's amax, and amax keeps NaN
+        check_finite(amax.amax(), w.shape)
+    return exponents(amax, largest)
+
+
+def exponents(amax: torch.Tensor, largest: float) -> torch.Tensor:
+    """uint8 biased exponents of blocks' fp32 `amax` for elements whose largest value is `largest`."""
+    descale = amax / largest
+    log2 = torch.where(descale > 0, torch.log2(descale), torch.tensor(-float(BIAS), device=amax.device))
     return (torch.ceil(log2).clamp(-BIAS, BIAS) + BIAS).to(torch.uint8)
 
 
@@ -37,10 +56,18 @@ def e8m0_values(scales: torch.Tensor) -> torch.Tensor:
     return torch.exp2(scales.float() - BIAS)
 
 
-def scaled_down(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def scaled_down(x: torch.Tensor, scales: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """fp32 x [..., in] times 2^(127 - byte) of its block's scale [..., in/32]: exact but where it
-    leaves the fp32 range, as ModelOpt multiplies (`MXFP8QTensor.quantize_with_scale`)."""
-    return (as_blocks(x) * torch.exp2(BIAS - scales.float()).unsqueeze(-1)).reshape(x.shape)
+    leaves the fp32 range, as ModelOpt multiplies (`MXFP8QTensor.quantize_with_scale`); with
+    `in_place`, into x (a copy of the caller's own)."""
+    blocks, factors = as_blocks(x), torch.exp2(BIAS - scales.float()).unsqueeze(-1)
+    return (blocks.mul_(factors) if in_place else blocks * factors).reshape(x.shape)
+
+
+def scaled_weight(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of weight w [..., in] scaled down by its E8M0 scales (`scaled_down`), made in
+    one pass, for the caller to round in place."""
+    return scaled_down(w.to(torch.float32, copy=True), scales, in_place=True)
 
 
 def scaled_up(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,13 @@ from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
 
 def fp8_channel_scales(w: torch.Tensor) -> torch.Tensor:
     """fp32 scales [..., out] of w [..., out, in]: each row's amax / 448, a zero row's 1.0."""
-    return fp8_scales(w.float().abs().amax(dim=-1), w.shape)
+    return fp8_scales(w.to(torch.float32, copy=True).abs_().amax(dim=-1), w.shape)
 
 
 def quantize_fp8_channel(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn codes of w [..., out, in] under its row scales [..., out]."""
-    return to_e4m3(w.float() / scales.unsqueeze(-1))
+    quotient = w.to(torch.float32, copy=True).div_(scales.unsqueeze(-1))  # one fp32 copy, divided in place
+    return to_e4m3(quotient, out=torch.empty_like(quotient, dtype=torch.float8_e4m3fn))
 
 
 def dequantize_fp8_channel(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

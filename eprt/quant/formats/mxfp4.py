@@ -17,21 +17,43 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.base import Tensors
-from eprt.quant.formats.e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode_signed_zero, pack_fp4, unpack_fp4
-from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, e8m0_scales, scaled_down, scaled_up
-from eprt.quant.numerics import check_finite
+from eprt.quant.formats.e2m1 import (
+    E2M1_MAX,
+    PAIR_CODES,
+    PAIR_OFFSET,
+    Q,
+    e2m1_decode,
+    e2m1_encode_signed_zero,
+    pack_fp4,
+    quarter_keys,
+    unpack_fp4,
+)
+from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, checked_scales, scaled_up, scaled_weight
+
+NEGATIVE_ZERO = -(2**31)  # the bits of fp32 -0.0 read as an int32
 
 
 def mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
     """uint8 E8M0 scales [..., in/32] of w [..., in]. Raises ValueError for a weight holding NaN or infinity."""
-    if w.numel():
-        check_finite(w.float().abs().amax(), w.shape)
-    return e8m0_scales(w, E2M1_MAX)
+    return checked_scales(w, E2M1_MAX)
 
 
 def quantize_mxfp4(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its E8M0 scales."""
-    return pack_fp4(e2m1_encode_signed_zero(scaled_down(w.float(), scales)))
+    x = scaled_weight(w, scales)
+    # -0.0's bits are the least int32: only a weight holding one needs its sign bit set apart
+    if x.numel() and x.view(torch.int32).min().item() == NEGATIVE_ZERO:
+        return pack_fp4(e2m1_encode_signed_zero(x))
+    return packed_codes(x)
+
+
+def packed_codes(x: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes uint8 [..., in/2] of fp32 x [..., in] (holding no -0.0), which it
+    overwrites: the byte of each pair of elements looked up at once by both their quarter keys."""
+    keys = quarter_keys(x.mul_(4), torch.empty_like(x))  # 4x: exact, a power of two
+    keys = keys.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    pairs = torch.add(keys[..., 0], keys[..., 1], alpha=4 * Q).add_(PAIR_OFFSET).to(torch.int32)
+    return PAIR_CODES.to(x.device).index_select(0, pairs.reshape(-1)).reshape(pairs.shape)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

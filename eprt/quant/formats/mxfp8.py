@@ -14,20 +14,27 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.base import Tensors
-from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, e8m0_scales, scaled_down, scaled_up
-from eprt.quant.numerics import FP8_E4M3_MAX, check_finite, to_e4m3
+from eprt.quant.formats.e8m0 import (
+    BLOCK,
+    Microscaled,
+    check_shape,
+    checked_scales,
+    e8m0_scales,
+    scaled_up,
+    scaled_weight,
+)
+from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
 
 
 def mxfp8_scales(w: torch.Tensor) -> torch.Tensor:
     """uint8 E8M0 scales [..., in/32] of w [..., in]. Raises ValueError for a weight holding NaN or infinity."""
-    if w.numel():
-        check_finite(w.float().abs().amax(), w.shape)
-    return e8m0_scales(w, FP8_E4M3_MAX)
+    return checked_scales(w, FP8_E4M3_MAX)
 
 
 def quantize_mxfp8(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn codes of w [..., in] under its E8M0 scales."""
-    return to_e4m3(scaled_down(w.float(), scales))
+    quotient = scaled_weight(w, scales)
+    return to_e4m3(quotient, out=torch.empty_like(quotient, dtype=torch.float8_e4m3fn))
 
 
 def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
