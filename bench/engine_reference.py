@@ -133,12 +133,12 @@ def read_tensors(export: str) -> dict[str, torch.Tensor]:
 
 def fp8_module(module: str, weight: torch.Tensor, tensors: dict[str, torch.Tensor]) -> Module:
     """An FP8 Linear by its weight_scale: uint8 E8M0 per 32 (MXFP8), one value (per tensor, static
-    input scale), one per row ([out] or [out, 1]), or the 128x128 grid."""
+    input scale), one per row ([out] or [out, 1]), or the 128x128 grid (2-D, [1, 1] for one block)."""
     scale = tensors[f"{module}.weight_scale"]
     out, inp = weight.shape
     if scale.dtype == torch.uint8:
         return Module("MXFP8", by_blocks(weight.float(), e8m0(scale)), InputQuant("mxfp8"))
-    if scale.numel() == 1:
+    if scale.dim() <= 1 and scale.numel() == 1:  # [] (ModelOpt) or [1]; a one-block grid is [1, 1]
         static = InputQuant("fp8-static", tensors[f"{module}.input_scale"].item())
         return Module("FP8", weight.float() * scale.item(), static, tensor_scale=scale.item())
     if scale.shape in {(out,), (out, 1)} and out > 1:
