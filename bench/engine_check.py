@@ -146,8 +146,13 @@ def tool(*args: str) -> None:
         sys.exit(f"{' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
 
+QUIET = ("--overwrite", "--no-progress")
+
+
 def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
-    """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}."""
+    """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}. A
+    data-free recipe is exported straight from the checkpoint (the same bytes, docs/export.md)."""
+    from eprt.quant.datafree import data_free_formats
     from eprt.testing.tiny import make_tiny
 
     base = os.path.join(work, family)
@@ -156,6 +161,11 @@ def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
     tool("tools/convert_hf.py", hf, ckpt, "--overwrite")
     out, calibrated = {}, set()
     for ex in [e for e in EXPORTS if e.name in names]:
+        out[ex.name] = os.path.join(base, f"export-{ex.name}")
+        # a single-format recipe named after its format, one that takes no statistic: quantized as exported
+        if ex.recipe in data_free_formats() and not ex.kv_cache:
+            tool("tools/export_hf.py", ckpt, out[ex.name], "--recipe", ex.recipe, "--format", ex.layout, *QUIET)
+            continue
         src = ckpt
         if ex.recipe:
             run = ex.recipe + (f"-kv-{ex.kv_cache}" if ex.kv_cache else "")
@@ -163,25 +173,10 @@ def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
             if run not in calibrated:  # once per recipe and KV cache, for each of its layouts
                 calibrated.add(run)
                 kv = ["--kv-cache", ex.kv_cache] if ex.kv_cache else []
-                tool(
-                    "tools/ptq.py",
-                    ckpt,
-                    "--recipe",
-                    ex.recipe,
-                    *kv,
-                    "--calib-size",
-                    "8",
-                    "--seq-len",
-                    "64",
-                    "--eval-size",
-                    "0",
-                    "--out",
-                    src,
-                    "--overwrite",
-                )
-        out[ex.name] = os.path.join(base, f"export-{ex.name}")
+                calibration = ["--calib-size", "8", "--seq-len", "64", "--eval-size", "0"]
+                tool("tools/ptq.py", ckpt, "--recipe", ex.recipe, *kv, *calibration, "--out", src, "--overwrite")
         fmt = ["--format", ex.layout] if ex.recipe else []
-        tool("tools/export_hf.py", src, out[ex.name], *fmt, "--overwrite", "--no-progress")
+        tool("tools/export_hf.py", src, out[ex.name], *fmt, *QUIET)
     return out
 
 
@@ -338,6 +333,12 @@ def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
     return out
 
 
+def emit(rows: list[dict], row: dict) -> None:
+    """A row of the table, also printed as it comes (the whole check takes minutes)."""
+    rows.append(row)
+    print(" ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[dict]:
     """The table's rows of one family: each named export in vLLM and in the reference, compared; one
     NOT_RUN names is not built (unless `try_not_run`)."""
@@ -347,14 +348,18 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
         start = time.monotonic()
         row = {"family": family, "export": ex.name, "recipe": ex.recipe or "-", "layout": ex.layout}
         if ex.name not in exports:
-            rows.append({**row, "format": "-", "semantics": "-", "result": "not run", "reason": NOT_RUN[ex.name]})
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "not run", "reason": NOT_RUN[ex.name]})
             continue
         engine = run_engine(exports[ex.name], os.path.join(work, family, f"engine-{ex.name}.json"))
         if "error" in engine:
-            rows.append({**row, "format": "-", "semantics": "-", "result": "NOT RUN", "error": engine["error"]})
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "NOT RUN", "error": engine["error"]})
             continue
         semantics = engine_semantics(engine["kernels"])
-        model, modules = reference_model(exports[ex.name], os.path.join(work, family))
+        try:
+            model, modules = reference_model(exports[ex.name], os.path.join(work, family))
+        except ValueError as e:  # an export the reference cannot read: the row says why
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "ERROR", "error": str(e)})
+            continue
         quantize_inputs(model, modules, semantics)
         formats = sorted({m.fmt for m in modules.values()})
         row["format"] = "+".join(formats) or "bf16"
@@ -362,7 +367,7 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
             ", ".join(f"{fmt} {kind} {sem}" for (fmt, kind), sem in sorted(semantics.items()) if fmt in formats)
             or "bf16"
         )
-        rows.append({**row, **compare(model, engine), "seconds": round(time.monotonic() - start, 1)})
+        emit(rows, {**row, **compare(model, engine), "seconds": round(time.monotonic() - start, 1)})
     return rows
 
 
