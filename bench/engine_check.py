@@ -42,7 +42,14 @@ RUNNER = os.path.join(ROOT, "bench", "engine_runner.py")
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128}
 FAMILIES = {
     "qwen3_moe": {**WIDE, "head_dim": 32},
-    "deepseek_v3": {**WIDE, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "q_lora_rank": 128, "num_attention_heads": 8},
+    "deepseek_v3": {
+        **WIDE,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 128,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+    },
 }
 PROMPTS = [[5, 17, 33, 99, 200, 7], [300, 12, 45, 78, 9, 120, 64, 3], [42, 420, 211, 8]]
 MAX_TOKENS = 8
