@@ -238,17 +238,27 @@ def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str
         prefix, sep, rest = name.partition(".experts.")
         if sep and rest.split(".")[0].isdigit():
             experts.setdefault(prefix + ".experts", {})[rest.split(".", 1)[1]] = m
-        elif m.inputs and semantics.get((m.fmt, "linear"), WEIGHT_ONLY) != WEIGHT_ONLY:
+        elif m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
             model.get_submodule(name).register_forward_pre_hook(
                 lambda _m, args, q=m.inputs: (fake_quantize(args[0], q), *args[1:])
             )
     for name, projections in experts.items():
         m = projections["gate_proj"]
-        if m.inputs and semantics.get((m.fmt, "experts"), WEIGHT_ONLY) != WEIGHT_ONLY:
+        if m.inputs and ran(semantics, m.fmt, "experts", name) != WEIGHT_ONLY:
             module = model.get_submodule(name)
             module.forward = experts_forward(
                 module, layer_input(projections, "gate_proj", "up_proj"), layer_input(projections, "down_proj")
             )
+
+
+def ran(semantics: dict[tuple[str, str], str], fmt: str, kind: str, module: str) -> str:
+    """The semantics vLLM ran `module` (a quantized `fmt` module of `kind`) under; refused where vLLM
+    reported no kernel for it, rather than guessed."""
+    if (fmt, kind) not in semantics:
+        raise ValueError(
+            f"vLLM reported no kernel for {fmt} {kind} modules ({module}): see kernels() in engine_runner.py"
+        )
+    return semantics[(fmt, kind)]
 
 
 def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
@@ -364,10 +374,10 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
         semantics = engine_semantics(engine["kernels"])
         try:
             model, modules = reference_model(exports[ex.name], os.path.join(work, family))
+            quantize_inputs(model, modules, semantics)
         except ValueError as e:  # an export the reference cannot read: the row says why
             emit(rows, {**row, "format": "-", "semantics": "-", "result": "ERROR", "error": str(e)})
             continue
-        quantize_inputs(model, modules, semantics)
         formats = sorted({m.fmt for m in modules.values()})
         row["format"] = "+".join(formats) or "bf16"
         row["semantics"] = (

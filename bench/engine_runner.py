@@ -40,7 +40,10 @@ def kernels(llm) -> dict[str, str]:
             continue
         scheme = getattr(module, "scheme", None)  # compressed-tensors keeps the kernel on the layer's scheme
         kernel = (
-            getattr(method, "kernel", None) or getattr(scheme, "kernel", None) or getattr(method, "experts_cls", None)
+            getattr(method, "kernel", None)
+            or getattr(scheme, "kernel", None)
+            or getattr(scheme, "fp8_linear", None)  # compressed-tensors' W8A8 FP8 scheme names it so
+            or getattr(method, "experts_cls", None)
         )
         if kernel is not None:
             chosen[name] = kernel.__name__ if isinstance(kernel, type) else type(kernel).__name__

@@ -168,19 +168,36 @@ def add_int4_emulation_experts() -> None:
     Int4EmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
 
 
-def static_fp8_quant_in_torch() -> None:
-    """FP8 with a static per-tensor scale: vLLM's scaled_fp8_quant calls the compiled
-    static_scaled_fp8_quant, which the CPU build declares without arguments, and the FP8 loader needs
-    it to requantize a fused module (q/k/v, an expert's gate/up) to its largest member scale. Run that
-    case in torch (x / scale, saturated to +-448, rounded to E4M3 once), every other case as before."""
+def fp8_quant_in_torch() -> None:
+    """FP8 with a static per-tensor scale, and dynamic per token: vLLM's scaled_fp8_quant calls the
+    compiled static_scaled_fp8_quant and dynamic_per_token_scaled_fp8_quant, which the CPU build
+    declares without arguments. The FP8 loader needs the first to requantize a fused module (q/k/v, an
+    expert's gate/up) to its largest member scale, the per-channel FP8 kernels the second to quantize
+    their inputs. Run those two cases in torch as vLLM's CUDA kernels compute them (static: x / scale;
+    per token: each row under max(amax / 448, 1 / (448 x 512)), its amax capped by scale_ub; saturated
+    to +-448, rounded to E4M3 once), every other case as before."""
     from vllm import _custom_ops as ops
 
     compiled = ops.scaled_fp8_quant
 
-    def scaled_fp8_quant(input, scale=None, *args, output=None, group_shape=None, **kwargs):
-        if scale is None or scale.numel() != 1 or args or any(v for v in kwargs.values()):
-            return compiled(input, scale, *args, output=output, group_shape=group_shape, **kwargs)
-        q = (input.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    def scaled_fp8_quant(
+        input,
+        scale=None,
+        num_token_padding=None,
+        scale_ub=None,
+        use_per_token_if_dynamic=False,
+        output=None,
+        group_shape=None,
+    ):
+        per_token = scale is None and use_per_token_if_dynamic
+        if num_token_padding or not (per_token or (scale is not None and scale.numel() == 1)):
+            return compiled(input, scale, num_token_padding, scale_ub, use_per_token_if_dynamic, output, group_shape)
+        x = input.float()
+        if per_token:
+            amax = x.abs().amax(dim=-1, keepdim=True)
+            amax = amax.clamp(max=scale_ub.float()) if scale_ub is not None else amax
+            scale = (amax / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
+        q = (x / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         if output is None:
             return q, scale
         output.copy_(q)
@@ -192,7 +209,7 @@ def static_fp8_quant_in_torch() -> None:
 SHIMS = [
     register_emulation_linear_kernels,
     run_nvfp4_emulation_experts_in_torch,
-    static_fp8_quant_in_torch,
+    fp8_quant_in_torch,
     run_triton_experts_in_torch,
     add_int4_emulation_experts,
 ]
