@@ -4,14 +4,16 @@
     python bench/engine_check.py [--family qwen3_moe ...] [--out engine-check.json] [--work DIR]
 
 For each family, on eprt's tiny random model: make, convert, calibrate (max, a little built-in text)
-and export unquantized, FP8, NVFP4 (ModelOpt and compressed-tensors layouts) and the mixed
-nvfp4_experts_fp8_attention. Each export is then
-- run in vLLM (bench/engine_runner.py, a child process holding the shims): greedy tokens, their
-  logprobs and every decoder layer's output on the prompt, and the kernel vLLM chose per module;
-- run as a reference: its tensors dequantized here, from the numerics docs/export.md states (not by
-  eprt's code), into a bf16 checkpoint that transformers runs, with each quantized module's input
-  fake-quantized through its input scale where vLLM's kernel quantizes activations (W8A8, W4A4) and
-  left in bf16 where it runs weight-only;
+and export every format in each layout that holds it (EXPORTS); NOT_RUN names those vLLM's CPU build
+cannot run, with the reason. Each other export is then
+- run in vLLM (bench/engine_runner.py, a child process holding the shims of bench/engine_shims.py):
+  greedy tokens, their logprobs and every decoder layer's output on the prompt, and the kernel vLLM
+  chose per module;
+- run as a reference (bench/engine_reference.py): its tensors dequantized from the numerics
+  docs/export.md states (not by eprt's code), into a bf16 checkpoint that transformers runs, with
+  each quantized module's input quantized as the format says the engine does (static, per token, per
+  group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
+  it runs weight-only;
 and compared: greedy tokens equal (teacher-forced on vLLM's tokens), logprobs and layer outputs within
 bf16 tolerances. One table is printed and written as JSON (docs/engine-check.md).
 """
