@@ -59,9 +59,9 @@ def bench_shape(
             "impl": "triton" if use_triton(x) else "torch fallback",
         }
         for key, fn in (
-            ("grouped_mm", lambda: grouped_mm(x, w, offsets)),
-            ("torch_grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offsets)),
-            ("dense_mm", lambda: x @ w[0].T),
+            ("grouped_mm", lambda x=x, w=w: grouped_mm(x, w, offsets)),
+            ("torch_grouped_mm", lambda x=x, w=w: torch._grouped_mm(x, w.transpose(1, 2), offsets)),
+            ("dense_mm", lambda x=x, w=w: x @ w[0].T),
         ):
             try:
                 seconds = timed(fn, device, iters)

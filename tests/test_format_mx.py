@@ -21,7 +21,6 @@
 import json
 import os
 import re
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,6 @@ from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors
-from tests.multiproc import run_world
 
 SAMPLES, SEQ_LEN = 2, 16
 CT = "compressed-tensors"

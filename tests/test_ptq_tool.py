@@ -67,7 +67,7 @@ def test_unreached_experts_are_named_and_still_get_the_layer_scales(tmp_path):
         "tools/ptq.py", ck, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), "--calib-size", "4", "--seq-len", "16"
     )
     unreached = list(SKEWED_OUT)
-    assert f"model.layers.1.mlp.experts: tokens per expert min 0" in r.stderr
+    assert "model.layers.1.mlp.experts: tokens per expert min 0" in r.stderr
     assert f"no token reached experts {unreached}" in r.stderr
     out = export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False)
     assert check_export(out) == []

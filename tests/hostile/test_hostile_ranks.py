@@ -136,16 +136,6 @@ def _left_behind(work: Path, pids: list[int]) -> tuple[list[str], list[int]]:
     return files, [pid for pid in pids if _alive(pid)]
 
 
-@pytest.fixture
-def agents():
-    started: list[subprocess.Popen] = []
-    yield started
-    for a in started:  # whatever a failed test leaves running
-        if a.poll() is None:
-            os.killpg(a.pid, signal.SIGKILL)
-            a.wait()
-
-
 def _two_nodes(work: Path, phase: str, agents: list, nproc: int = 1) -> int:
     """Two torchrun agents of `nproc` ranks each, as on two nodes; the first serves the run's
     store. Returns the agent pid that serves it."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile.test_hostile_ranks import PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for, agents  # noqa: F401 (a fixture)
+from tests.hostile.test_hostile_ranks import PEER_TIMEOUT_S, REPO, _alive, _logs, _ranks, _torchrun, _wait_for
 from tests.multiproc import free_port
 
 WORKER = REPO / "tests" / "hostile" / "test_hostile_ranks.py"

@@ -1,6 +1,5 @@
 """PTQ end to end: calibrate at several (world, ep) layouts, export, and get the same bytes."""
 
-import filecmp
 import json
 import os
 from datetime import timedelta

@@ -25,7 +25,7 @@ from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
-from tests.oracles.test_models import DEEPSEEK, VOCAB, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
+from tests.oracles.test_models import DEEPSEEK, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
 from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
 

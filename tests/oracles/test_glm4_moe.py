@@ -15,7 +15,6 @@ from eprt.models.registry import model_class  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.oracles.test_models import (
     TINY,
-    VOCAB,
     YARN,
     assert_groups_and_bias_matter,
     assert_matches_transformers,
