@@ -289,7 +289,15 @@ def run_calibration(
         # planned from the sizes alone, before the data is read: a run too large for its memory
         # builds nothing of that size
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, rc, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
+            plan, preview = plan_run(
+                state,
+                rc,
+                a,
+                targets,
+                mtp=recipe.mtp,
+                gptq=gptq_formats(recipe, targets),
+                awq=[m for m in targets if recipe.balanced(m)],
+            )
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, used = report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
@@ -557,14 +565,16 @@ def plan_run(
     mtp: bool = False,
     gptq: dict[str, str] | None = None,
     search: bool = False,
+    awq: list[str] = (),
 ) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
     whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
     recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
-    formats (the plan counts their Hessians and codes); `search`: the format search's pass (its streams)."""
+    formats (the plan counts their Hessians and codes); `search`: the format search's pass (its streams);
+    `awq`: the modules AWQ balances (the plan counts its samples)."""
     c = rc.ck.config
-    planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq)
+    planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq, awq=awq)
     shape = replace(run_shape(a, state, c), search=search)
     limit = a.max_memory or available_memory(state.device)
     plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
