@@ -20,7 +20,15 @@ from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
 from eprt.quant.awq_groups import layer_groups
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
-from eprt.quant.passes.awq_search import Reader, candidates, exact_totals, fake_inputs, fake_weights, relative_weights
+from eprt.quant.passes.awq_search import (
+    STEPS,
+    Reader,
+    candidates,
+    exact_totals,
+    fake_inputs,
+    fake_weights,
+    relative_weights,
+)
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -95,8 +103,9 @@ def test_the_search_balances_an_outlier_channel():
     x[:, :4] *= 30
     w = torch.randn(32, 64, generator=g) * 0.05
     fmt = weight_format("nvfp4")
-    scales = candidates(x.abs().mean(0).double(), relative_weights(w, fmt.group_size).mean(0).double())
-    assert torch.equal(scales[0], torch.ones(64))  # the identity
+    ks = torch.arange(STEPS)
+    scales = candidates(x.abs().mean(0).double(), relative_weights(w, fmt.group_size).mean(0).double(), ks)
+    assert torch.equal(scales[0], torch.ones(64))  # k 0: the identity
     reader = Reader(fmt, w, fake_weights(fmt, w, COLUMNS, scales))
     errors = reader.errors(x, fake_inputs(fmt, x, scales, x.abs().amax(0)))
     losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")

@@ -7,7 +7,7 @@ search's working set.
   MLP's activation); per routed copy this rank's experts compute, its input and its activation
   (where a group of the routed experts is balanced). The routed copies are priced at an even share
   of the routing: num_sequences x seq_len x top-k / world.
-- The search: one reader's candidates at a time (GRID's scales of its weight, fake-quantized in
+- The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
   fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
   scored rows in the input dtype, and one unit's outputs."""
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from eprt.models.moe import Experts
 from eprt.quant.awq_groups import layer_groups
-from eprt.quant.passes.awq_search import BATCH_ELEMENTS, GRID, SCORED_ROWS
+from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def awq_bytes(
     """(the samples, the search's working set) of the layer that holds the most, in bytes: this rank
     holding `own_tokens` calibration tokens and computing `routed_copies` routed copies, in
     `itemsize`-byte activations."""
-    A = len(GRID)
+    A = len(COARSE)  # the most candidates the search holds at once
     scored = math.ceil(seq_len / max(1, seq_len // SCORED_ROWS))  # a sequence's rows the search scores
     most = (0, 0)
     for layer in layers.values():

@@ -1,20 +1,19 @@
 """AWQ (Lin et al., 2023) as a pass: per-channel scales for each balance group of a layer
 (eprt.quant.awq_groups: what makes a tensor and the Linears that read it), searched on the group's
-own calibration inputs and folded into the weights (eprt.quant.awq_folds).
+own calibration inputs (eprt.quant.passes.awq_search: the candidates and their errors) and folded
+into the weights (eprt.quant.awq_folds).
 
 For each layer:
 1. on the statistics run, each group's tensor is kept as its first reader reads it, one canonical
    unit at a time: a dense reader's input per call (one sequence), the routed experts' inputs and
    activations per (expert, work unit);
 2. in `reference`, from those samples: each group's per-channel mean |x| (each unit's fp64 sum
-   rounded to int64 fixed point, summed exactly over the ranks) and amax; the candidates
-   s = mean^alpha for alpha in GRID, each divided by sqrt(max(s) * min(s)) (alpha 0 is the
-   identity, max's weights); each scored by the group's quantized output error: every quantized
-   reader's output from its weight scaled by s, quantized with its format's own fake quantization
-   (its input x / s too, under the input scale the candidate gives), against its original output,
-   a sum of squares per unit turned into int64 fixed point (a power-of-two scale from the largest
-   unit's error over the ranks) and summed over the ranks exactly, so every rank chooses the same
-   alpha at every layout (the routed experts' activations: each expert its own alpha);
+   rounded to int64 fixed point, summed exactly over the ranks) and amax, and its quantized
+   readers' mean relative |w|; candidates for alpha = k / 20 tried coarse to fine (k 0, 4, 8,
+   12, 16, then +-2 and +-1 around the best), each scored by the group's quantized output error
+   (a gated MLP's gate and up through its down projection), a sum of squares per unit turned
+   into int64 fixed point and summed over the ranks exactly, so every rank chooses the same alpha
+   at every layout (the routed experts' activations: each expert its own alpha);
 3. the fold of each group's best candidate, read back into the layer through the folded
    checkpoint, as the export reads it;
 4. a run of the calibration sequences through the folded layer measures its amax again (the
@@ -23,7 +22,8 @@ For each layer:
    run's, and makes the calibration sequences' output unless GPTQ's quantized run makes it.
 
 The samples are the layer's inputs to its groups, held until the search is done (about the hidden
-states once per group, and the routed rows once); the statistics run only observes. The multi-token-prediction layers are left as they are.
+states once per group, and the routed rows once: eprt.quant.awq_plan prices them); the statistics
+run only observes. The multi-token-prediction layers are left as they are.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.engine import LayerWork, Pass
 from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.passes.awq_search import (
-    GRID,
+    STEPS,
     SUM_SHIFT,
     Reader,
     candidates,
@@ -57,6 +57,7 @@ from eprt.quant.passes.awq_search import (
     readers_errors,
     relative_weights,
     scored,
+    search,
     unit_errors,
 )
 from eprt.quant.recipe import Recipe
@@ -163,39 +164,46 @@ class AWQ(Pass):
         dense, experts = self._terms(layer, g)
         x_mean = sums.double() / 2.0**SUM_SHIFT / max(int(tokens), 1)
         w_mean = self._weight_mean(st, dim, dense, experts)
-        if g.repeat is None:
-            divided = scales = candidates(x_mean, w_mean)  # [A, D]
-        else:  # v's channel: the means over the query heads that read it; o's scale: v's repeated
-            heads, head_dim = g.repeat
-            per_kv = lambda m: m.view(-1, heads, head_dim).mean(1).reshape(-1)  # noqa: E731
-            divided = candidates(per_kv(x_mean), per_kv(w_mean))
-            scales = g.reader_scales(divided)
         units = [scored(x) for x in inputs]
-        rows = [torch.zeros(len(GRID), dtype=torch.float64, device=device) for _ in units]  # one per unit
-        kept = {}  # the units' quantized inputs by format, for every dense reader
-        for fmt, w, parts, down, act in dense:  # one reader's candidates held at a time
-            reader = Reader(fmt, w, self._fake(fmt, parts, scales), down, act)
-            for row, err in zip(rows, unit_errors(reader, units, scales, amax, kept)):
-                row += err
-        del kept
-        for name, ex, fmt in experts:
-            samples = self.experts[name]
-
-            def gate_up(l: int, ex=ex, fmt=fmt) -> Reader:
-                w13 = ex.w13[l].detach()
-                down = ex.w2[l].detach().float()
-                return Reader(fmt, w13.float(), fake_weights(fmt, w13, W13_COLUMNS, scales), down, ex.act)
-
-            readers = [(partial(gate_up, l), [scored(x) for x in samples.x[l]]) for l in range(ex.count)]
-            rows += readers_errors(readers, fmt, scales, amax)
-        errors = torch.stack(rows).to(device) if rows else torch.zeros(0, len(GRID), dtype=torch.float64, device=device)
         schedule = layer.engine.calibration.schedule
         total_units = schedule.num_sequences + sum(ex.num_experts for _, ex, _ in experts) * schedule.num_groups
-        losses = exact_totals(st, errors, total_units, "dp")
-        best = int(torch.argmin(losses))  # the first of equal losses: the identity wins a tie
-        self._log(layer, g, GRID[best], losses[best], losses[0])
-        s = scales[best].cpu()
-        return [self.folds.add(*g.divided, divided[best].cpu()), *(self.folds.add(m, kind, s) for m, kind in g.readers)]
+
+        def scales_of(ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(the divided tensor's scales, its readers')"""
+            if g.repeat is None:
+                return (scales := candidates(x_mean, w_mean, ks)), scales
+            # v's channel: the means over the query heads that read it; o's scale: v's repeated
+            heads, head_dim = g.repeat
+            per_kv = lambda m: m.view(-1, heads, head_dim).mean(1).reshape(-1)  # noqa: E731
+            divided = candidates(per_kv(x_mean), per_kv(w_mean), ks)
+            return divided, g.reader_scales(divided)
+
+        def losses_of(ks: torch.Tensor) -> torch.Tensor:
+            scales = scales_of(ks[:, 0])[1]
+            rows = [torch.zeros(len(ks), dtype=torch.float64, device=device) for _ in units]  # one per unit
+            kept = {}  # the units' quantized inputs by format, for every dense reader
+            for fmt, w, parts, down, act in dense:  # one reader's candidates held at a time
+                reader = Reader(fmt, w, self._fake(fmt, parts, scales), down, act)
+                for row, err in zip(rows, unit_errors(reader, units, scales, amax, kept)):
+                    row += err
+            del kept
+            for name, ex, fmt in experts:
+                samples = self.experts[name]
+
+                def gate_up(l: int, ex=ex, fmt=fmt) -> Reader:
+                    w13 = ex.w13[l].detach()
+                    down = ex.w2[l].detach().float()
+                    return Reader(fmt, w13.float(), fake_weights(fmt, w13, W13_COLUMNS, scales), down, ex.act)
+
+                readers = [(partial(gate_up, l), [scored(x) for x in samples.x[l]]) for l in range(ex.count)]
+                rows += readers_errors(readers, fmt, scales, amax)
+            errors = torch.stack(rows) if rows else torch.zeros(0, len(ks), dtype=torch.float64, device=device)
+            return exact_totals(st, errors, total_units, "dp")[None]
+
+        best, (loss, identity) = (t[0] for t in search(losses_of, 1, device))
+        self._log(layer, g, int(best) / STEPS, float(loss), float(identity))
+        divided, s = (t[0].cpu() for t in scales_of(best[None]))
+        return [self.folds.add(*g.divided, divided), *(self.folds.add(m, kind, s) for m, kind in g.readers)]
 
     def _terms(self, layer: LayerWork, g: Group):
         """Group g's quantized readers: (the dense terms, each (format, weight [out, C] fp32, the
@@ -276,26 +284,27 @@ class AWQ(Pass):
         x_mean = sums.double() / 2.0**SUM_SHIFT / tokens.clamp(min=1)[:, None]
         w2 = experts.w2.detach()
         w_mean = channel_sums(relative_weights(w2, fmt.group_size)).double() / 2.0**SUM_SHIFT / w2.shape[1]
-        scales = candidates(x_mean, w_mean)  # [A, L, I]
-        rows = []  # one per unit: [L, A], the unit's expert's row filled
-        for l, units in enumerate(samples.h):
-            if units:
-                reader = Reader(fmt, w2[l].float(), fake_weights(fmt, w2[l], W2_COLUMNS, scales[:, l]))
-                for err in unit_errors(reader, [scored(h) for h in units], scales[:, l], amax[l]):
-                    row = torch.zeros(L, len(GRID), dtype=torch.float64, device=device)
-                    row[l] = err
-                    rows.append(row)
-        errors = (
-            torch.stack(rows).to(device) if rows else torch.zeros(0, L, len(GRID), dtype=torch.float64, device=device)
-        )
-        losses = exact_totals(st, errors, layer.engine.calibration.schedule.num_groups, "edp")  # [L, A]
-        best = torch.argmin(losses, dim=1)
-        chosen = scales[best, torch.arange(L, device=best.device)]  # [L, I]
+
+        def losses_of(ks: torch.Tensor) -> torch.Tensor:  # ks [A, L]: each expert's own candidates
+            scales = candidates(x_mean, w_mean, ks)  # [A, L, I]
+            rows = []  # one per unit: [L, A], the unit's expert's row filled
+            for l, units in enumerate(samples.h):
+                if units:
+                    reader = Reader(fmt, w2[l].float(), fake_weights(fmt, w2[l], W2_COLUMNS, scales[:, l]))
+                    for err in unit_errors(reader, [scored(h) for h in units], scales[:, l], amax[l]):
+                        row = torch.zeros(L, len(ks), dtype=torch.float64, device=device)
+                        row[l] = err
+                        rows.append(row)
+            errors = torch.stack(rows) if rows else torch.zeros(0, L, len(ks), dtype=torch.float64, device=device)
+            return exact_totals(st, errors, layer.engine.calibration.schedule.num_groups, "edp")  # [L, A]
+
+        best, losses = search(losses_of, L, device)
+        chosen = candidates(x_mean, w_mean, best[None])[0]  # [L, I]
         every = torch.zeros(experts.num_experts, I, dtype=torch.float32, device=device)  # every rank's experts
         every[experts.first : experts.first + L] = chosen
         st.all_reduce(every, over="ep", op=dist.ReduceOp.SUM)
-        ratio = losses.gather(1, best[:, None]).double().sum() / losses[:, 0].double().sum().clamp(min=1)
-        self._log(layer, g, float(torch.tensor([GRID[b] for b in best.tolist()]).mean()), ratio, 1, "mean alpha")
+        ratio = losses[:, 0].sum() / losses[:, 1].sum().clamp(min=1e-300)
+        self._log(layer, g, best.double().mean().item() / STEPS, ratio, 1, "mean alpha")
         s = every.cpu()
         return [self.folds.add(*g.divided, s), self.folds.add(name, W2_COLUMNS, s)]
 

@@ -1,8 +1,8 @@
 """AWQ's search numerics (eprt.quant.passes.awq runs them): the candidate scales of a balance
 group, and each candidate's quantized output error on one canonical unit of calibration rows.
 
-The candidates follow the published method as llm-compressor implements it: for alpha in GRID,
-s = mean|x|^alpha / mean|w|^(1 - alpha) ("duo" scaling: mean|w| is each input channel's mean
+The candidates follow the published method as llm-compressor implements it: for alpha on a grid
+of 20 in [0, 1), s = mean|x|^alpha / mean|w|^(1 - alpha) ("duo" scaling: mean|w| is each input channel's mean
 magnitude over the readers' rows, every weight taken relative to its quantization block's
 largest), then divided by sqrt(max(s) min(s)); the identity (max's rounding) is always a
 candidate, so the search never chooses worse than no scale by its own measure.
@@ -29,7 +29,11 @@ from eprt.quant.formats import WeightFormat
 from eprt.quant.gptq import FIXED_POINT_BITS
 from eprt.quant.numerics import abs_amax
 
-GRID = tuple(i / 20 for i in range(20))  # alpha, the exponent of mean |x|
+STEPS = 20  # alpha, the exponent of mean |x|, is k / STEPS for k in 0 .. STEPS - 1 (k 0: the identity)
+# The search tries these k first, then k +- 2 and k +- 1 around the best so far: 9 candidates of
+# the 20, the best of them the grid's best wherever the loss falls and rises once along alpha.
+COARSE = (0, 4, 8, 12, 16)
+REFINE = (2, 1)
 SUM_SHIFT = 20  # a unit's fp64 sum of |x| is rounded to a multiple of 2^-20, then summed exactly in int64
 SMALLEST_MEAN = 1e-4  # a channel's mean |x| (or |w|) below it counts as it: a dead channel gets no infinite scale
 # The search scores a canonical unit on about this many of its rows, evenly spaced (the statistics
@@ -60,17 +64,39 @@ def relative_weights(w: torch.Tensor, block: int | None) -> torch.Tensor:
     return (blocks / blocks.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(a.shape)
 
 
-def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor) -> torch.Tensor:
-    """The scales of the identity and of every alpha of GRID but 0 from the per-channel mean |x|
-    and mean relative |w| [..., C]: fp32 [A, ..., C], each divided by the square root of its
-    largest times its smallest; the first is ones."""
+def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """The scales of alphas ks / STEPS (ks [A] int64, or [A, L]: each of L rows its own) from the
+    per-channel mean |x| and mean relative |w| [..., C] ([L, C] with rows): fp32 [A, ..., C],
+    s = x^alpha / w^(1 - alpha) divided by the square root of its largest times its smallest;
+    k 0 gives ones, the identity."""
     x = x_mean.clamp(min=SMALLEST_MEAN)
     w = w_mean.clamp(min=SMALLEST_MEAN)
-    out = [torch.ones_like(x)]
-    for alpha in GRID[1:]:
-        s = x.pow(alpha) / w.pow(1 - alpha)
-        out.append(s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt())
-    return torch.stack(out).float()
+    alpha = (ks.double() / STEPS).reshape(*ks.shape, *[1] * (x.dim() - ks.dim() + 1)).to(x.device)
+    s = x.pow(alpha) / w.pow(1 - alpha)
+    s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
+    return torch.where(alpha == 0, torch.ones_like(s), s).float()
+
+
+def search(losses_of: Callable[[torch.Tensor], torch.Tensor], rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best k of each of `rows` rows, coarse to fine: `losses_of(ks [A, rows])` gives their
+    losses [rows, A] (the same on every rank). Returns (best k [rows] int64, (its loss, the
+    identity's) [rows, 2] fp64); of equal losses the first tried wins, the identity first of all."""
+    ks = torch.tensor(COARSE, device=device)[:, None].expand(-1, rows)
+    losses = losses_of(ks)
+    pick = losses.argmin(1)
+    best, loss, identity = (
+        ks[pick, torch.arange(rows, device=device)],
+        losses.gather(1, pick[:, None])[:, 0],
+        losses[:, 0],
+    )
+    for step in REFINE:
+        ks = torch.stack([(best - step).clamp(min=0), (best + step).clamp(max=STEPS - 1)])
+        losses = losses_of(ks)
+        pick = losses.argmin(1)
+        better = losses.gather(1, pick[:, None])[:, 0] < loss
+        best = torch.where(better, ks[pick, torch.arange(rows, device=device)], best)
+        loss = torch.where(better, losses.gather(1, pick[:, None])[:, 0], loss)
+    return best, torch.stack([loss, identity], 1)
 
 
 def fake_weights(
@@ -182,12 +208,12 @@ def readers_errors(
 
 def exact_totals(state: ParallelState, errors: torch.Tensor, units: int, over: str) -> torch.Tensor:
     """Sums over dim 0 of `errors` [n, ...] (fp64, one row a canonical unit of this rank), over the
-    ranks of `over`, the same int64 bits at every layout: each unit's error rounded once to a
-    multiple of 2^-shift, the shift from the largest error of any rank and `units`, the most units
-    a total holds."""
+    ranks of `over`, the same fp64 bits at every layout: each unit's error rounded once to a
+    multiple of 2^-shift (the shift from the largest error of any rank and `units`, the most units
+    a total holds), summed exactly in int64, then scaled back."""
     largest = errors.max() if errors.numel() else torch.zeros((), dtype=torch.float64, device=errors.device)
     largest = state.all_reduce(largest.clone(), over="dp", op=dist.ReduceOp.MAX)
     bound = float(largest) * max(units, 1)
     shift = FIXED_POINT_BITS - math.frexp(bound)[1] if bound > 0 and math.isfinite(bound) else 0
     totals = torch.round(errors * 2.0**shift).to(torch.int64).sum(0)
-    return state.all_reduce(totals, over=over, op=dist.ReduceOp.SUM)
+    return state.all_reduce(totals, over=over, op=dist.ReduceOp.SUM).double() * 2.0**-shift
