@@ -27,7 +27,6 @@ from eprt.quant.passes.awq_search import (
     exact_totals,
     fake_inputs,
     fake_weights,
-    relative_weights,
 )
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
@@ -104,7 +103,7 @@ def test_the_search_balances_an_outlier_channel():
     w = torch.randn(32, 64, generator=g) * 0.05
     fmt = weight_format("nvfp4")
     ks = torch.arange(STEPS)
-    scales = candidates(x.abs().mean(0).double(), relative_weights(w, fmt.group_size).mean(0).double(), ks)
+    scales = candidates(x.abs().mean(0).double(), ks)
     assert torch.equal(scales[0], torch.ones(64))  # k 0: the identity
     reader = Reader(fmt, w, fake_weights(fmt, w, COLUMNS, scales))
     errors = reader.errors(x, fake_inputs(fmt, x, scales, x.abs().amax(0)))

@@ -8,8 +8,7 @@ For each layer:
    unit at a time: a dense reader's input per call (one sequence), the routed experts' inputs and
    activations per (expert, work unit);
 2. in `reference`, from those samples: each group's per-channel mean |x| (each unit's fp64 sum
-   rounded to int64 fixed point, summed exactly over the ranks) and amax, and its quantized
-   readers' mean relative |w|; candidates for alpha = k / 20 tried coarse to fine (k 0, 4, 8,
+   rounded to int64 fixed point, summed exactly over the ranks) and amax; candidates for alpha = k / 20 tried coarse to fine (k 0, 4, 8,
    12, 16, then +-2 and +-1 around the best), each scored by the group's quantized output error
    (a gated MLP's gate and up through its down projection), a sum of squares per unit turned
    into int64 fixed point and summed over the ranks exactly, so every rank chooses the same alpha
@@ -39,7 +38,6 @@ from eprt.models.layers import GatedMLP
 from eprt.models.moe import Experts
 from eprt.models.resolved import place_tensors
 from eprt.models.taps import tapped
-from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.awq_folds import W2_COLUMNS, W13_COLUMNS, Folds
 from eprt.quant.awq_groups import Group, layer_groups
@@ -55,7 +53,6 @@ from eprt.quant.passes.awq_search import (
     exact_totals,
     fake_weights,
     readers_errors,
-    relative_weights,
     scored,
     search,
     unit_errors,
@@ -163,7 +160,6 @@ class AWQ(Pass):
             raise CalibrationError(f"AWQ: {first}'s input holds NaN or infinity")
         dense, experts = self._terms(layer, g)
         x_mean = sums.double() / 2.0**SUM_SHIFT / max(int(tokens), 1)
-        w_mean = self._weight_mean(st, dim, dense, experts)
         units = [scored(x) for x in inputs]
         schedule = layer.engine.calibration.schedule
         total_units = schedule.num_sequences + sum(ex.num_experts for _, ex, _ in experts) * schedule.num_groups
@@ -171,11 +167,11 @@ class AWQ(Pass):
         def scales_of(ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(the divided tensor's scales, its readers')"""
             if g.repeat is None:
-                return (scales := candidates(x_mean, w_mean, ks)), scales
+                return (scales := candidates(x_mean, ks)), scales
             # v's channel: the means over the query heads that read it; o's scale: v's repeated
             heads, head_dim = g.repeat
             per_kv = lambda m: m.view(-1, heads, head_dim).mean(1).reshape(-1)  # noqa: E731
-            divided = candidates(per_kv(x_mean), per_kv(w_mean), ks)
+            divided = candidates(per_kv(x_mean), ks)
             return divided, g.reader_scales(divided)
 
         def losses_of(ks: torch.Tensor) -> torch.Tensor:
@@ -245,23 +241,6 @@ class AWQ(Pass):
             first += w.shape[0]
         return out
 
-    @staticmethod
-    def _weight_mean(st: ParallelState, dim: int, dense, experts) -> torch.Tensor:
-        """The per-channel mean [C] fp64 of the quantized readers' weights relative to their
-        quantization blocks, over every row (the routed experts of every rank, summed exactly)."""
-        device = dense[0][1].device if dense else experts[0][1].w13.device
-        local = torch.zeros(dim, dtype=torch.int64, device=device)  # this rank's experts
-        shared = torch.zeros(dim, dtype=torch.int64, device=device)  # the dense readers, on every rank
-        rows = 0
-        for fmt, w, _, _, _ in dense:
-            shared += channel_sums(relative_weights(w, fmt.group_size))
-            rows += w.shape[0]
-        for _, ex, fmt in experts:
-            local += channel_sums(relative_weights(ex.w13.detach(), fmt.group_size)).sum(0)
-            rows += ex.num_experts * ex.w13.shape[1]
-        st.all_reduce(local, over="ep", op=dist.ReduceOp.SUM)
-        return (local + shared).double() / 2.0**SUM_SHIFT / max(rows, 1)
-
     def _balance_experts(self, layer: LayerWork, g: Group) -> list[str]:
         """The routed experts' activations: each expert's scales of its own, from its units."""
         st, name = layer.state, g.readers[0][0]
@@ -283,10 +262,9 @@ class AWQ(Pass):
             raise CalibrationError(f"AWQ: {name}'s down input holds NaN or infinity")
         x_mean = sums.double() / 2.0**SUM_SHIFT / tokens.clamp(min=1)[:, None]
         w2 = experts.w2.detach()
-        w_mean = channel_sums(relative_weights(w2, fmt.group_size)).double() / 2.0**SUM_SHIFT / w2.shape[1]
 
         def losses_of(ks: torch.Tensor) -> torch.Tensor:  # ks [A, L]: each expert's own candidates
-            scales = candidates(x_mean, w_mean, ks)  # [A, L, I]
+            scales = candidates(x_mean, ks)  # [A, L, I]
             rows = []  # one per unit: [L, A], the unit's expert's row filled
             for l, units in enumerate(samples.h):
                 if units:
@@ -299,7 +277,7 @@ class AWQ(Pass):
             return exact_totals(st, errors, layer.engine.calibration.schedule.num_groups, "edp")  # [L, A]
 
         best, losses = search(losses_of, L, device)
-        chosen = candidates(x_mean, w_mean, best[None])[0]  # [L, I]
+        chosen = candidates(x_mean, best[None])[0]  # [L, I]
         every = torch.zeros(experts.num_experts, I, dtype=torch.float32, device=device)  # every rank's experts
         every[experts.first : experts.first + L] = chosen
         st.all_reduce(every, over="ep", op=dist.ReduceOp.SUM)

@@ -35,7 +35,7 @@ STEPS = 20  # alpha, the exponent of mean |x|, is k / STEPS for k in 0 .. STEPS 
 COARSE = (0, 4, 8, 12, 16)
 REFINE = (2, 1)
 SUM_SHIFT = 20  # a unit's fp64 sum of |x| is rounded to a multiple of 2^-20, then summed exactly in int64
-SMALLEST_MEAN = 1e-4  # a channel's mean |x| (or |w|) below it counts as it: a dead channel gets no infinite scale
+SMALLEST_MEAN = 1e-4  # a channel's mean |x| below it counts as it: a dead channel gets no infinite scale
 # The search scores a canonical unit on about this many of its rows, evenly spaced (the statistics
 # take them all): each candidate costs a matmul of them per reader, and more rows changed the
 # chosen alphas of the trained bench model (bench/quality.py) little beyond it.
@@ -55,24 +55,13 @@ def channel_sums(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x.abs().double().sum(-2) * 2.0**SUM_SHIFT).to(torch.int64)
 
 
-def relative_weights(w: torch.Tensor, block: int | None) -> torch.Tensor:
-    """|w| [..., out, C] relative to the largest of its quantization block along C (`block`
-    elements; None: the whole row), fp32, 0 in a block of zeros."""
-    a = w.abs().float()
-    block = block or a.shape[-1]
-    blocks = a.reshape(*a.shape[:-1], a.shape[-1] // block, block)
-    return (blocks / blocks.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(a.shape)
-
-
-def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+def candidates(x_mean: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
     """The scales of alphas ks / STEPS (ks [A] int64, or [A, L]: each of L rows its own) from the
-    per-channel mean |x| and mean relative |w| [..., C] ([L, C] with rows): fp32 [A, ..., C],
-    s = x^alpha / w^(1 - alpha) divided by the square root of its largest times its smallest;
-    k 0 gives ones, the identity."""
+    per-channel mean |x| [..., C] ([L, C] with rows): fp32 [A, ..., C], s = x^alpha divided by the
+    square root of its largest times its smallest; k 0 gives ones, the identity."""
     x = x_mean.clamp(min=SMALLEST_MEAN)
-    w = w_mean.clamp(min=SMALLEST_MEAN)
     alpha = (ks.double() / STEPS).reshape(*ks.shape, *[1] * (x.dim() - ks.dim() + 1)).to(x.device)
-    s = x.pow(alpha) / w.pow(1 - alpha)
+    s = x.pow(alpha)
     s = s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt()
     return torch.where(alpha == 0, torch.ones_like(s), s).float()
 
