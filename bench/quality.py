@@ -15,7 +15,9 @@ ratios between algorithms are the figure to read.
 
 With --hf, the model is that Hugging Face checkpoint (a trained one: there quantization error is
 real), calibrated on --calib and scored on --eval (the quality report's --eval: held-out text), and
-the table also gives the perplexity of the quantized model and the seconds of each run.
+the table also gives the perplexity of the quantized model and the seconds of each run. For AWQ's
+runs, `flips` is the report's `router_flips`: the share of the routers' top-k choices on the
+held-out tokens that AWQ's folds alone change (docs/quality.md).
 """
 
 import argparse
