@@ -67,7 +67,7 @@ def run(ck: str, recipe: str, algorithm: str, args, directory: str) -> dict:
     )
     ptq_s = time.perf_counter() - start
     start = time.perf_counter()
-    export_hf(out, out + "-hf", progress=False)
+    export_hf(out, out + "-hf", progress=False, fmt=args.export_format)
     export_s = time.perf_counter() - start
     return {
         "quality": result["quality"],
@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--calib", help="calibration data (default: the built-in corpus)")
     p.add_argument("--eval", help="held-out data the quality report scores on (default: held out of --calib)")
     p.add_argument("--kv-cache", default="fp8", help="fp8, or none")
+    p.add_argument("--export-format", help="the export's layout (default: the recipe's; int4 needs compressed-tensors)")
     add_model_args(p)
     args = p.parse_args()
     args.kv_cache = None if args.kv_cache == "none" else args.kv_cache
