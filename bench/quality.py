@@ -15,7 +15,9 @@ ratios between algorithms are the figure to read.
 
 With --hf, the model is that Hugging Face checkpoint (a trained one: there quantization error is
 real), calibrated on --calib and scored on --eval (the quality report's --eval: held-out text), and
-the table also gives the perplexity of the quantized model and the seconds of each run.
+the table also gives the perplexity of the quantized model and the seconds of each run. For AWQ's
+runs, `flips` is the report's `router_flips`: the share of the routers' top-k choices on the
+held-out tokens that AWQ's folds alone change (docs/quality.md).
 """
 
 import argparse
@@ -24,22 +26,14 @@ import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ep import add_model_args, make_checkpoint  # noqa: E402
-from eprt.data import read_calibration  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.models.loader import load_parallel  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.awq_folds import FoldedCheckpoint, Folds  # noqa: E402
-from eprt.quant.calibrated import CalibrationRecord  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.quant.recipe import ALGORITHMS  # noqa: E402
-from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
 
@@ -73,43 +67,15 @@ def run(ck: str, recipe: str, algorithm: str, args, directory: str) -> dict:
     )
     ptq_s = time.perf_counter() - start
     start = time.perf_counter()
-    export_hf(out, out + "-hf", progress=False)
+    export_hf(out, out + "-hf", progress=False, fmt=args.export_format)
     export_s = time.perf_counter() - start
     return {
         "quality": result["quality"],
         "ptq_s": ptq_s,
         "calibration_s": result["calibration_s"],
         "export_s": export_s,
-        "router_flips": router_flips(ck, out, args) if "awq" in algorithm else None,
+        "router_flips": result["quality"].get("router_flips"),  # AWQ's: the choices its folds changed
     }
-
-
-def router_flips(ck_dir: str, calibrated: str, args) -> float:
-    """The share of the routers' top-k choices that AWQ's folds alone change (the model unquantized,
-    in the checkpoint's dtype, folded against not), over the held-out sequences of the run: the
-    folds are exact in real arithmetic, so only their roundings move a choice."""
-    with Checkpoint(ck_dir) as ck, Checkpoint(calibrated) as q:
-        folds = Folds.of(CalibrationRecord.read(q).folds)
-        eval_ids = read_calibration(
-            args.eval if args.eval else ((args.calib,) if args.calib else None),
-            ck.hf_files_dir(),
-            num_samples=args.eval_size,
-            seq_len=args.seq_len,
-            vocab_size=ck.config.vocab_size,
-        ).samples
-        dtype = ck.meta(ck.names()[0]).dtype
-        choices = []
-        for c in (ck, FoldedCheckpoint(ck, folds)):
-            model = load_parallel(ResolvedCheckpoint.of(c, dtype), ParallelState.single())
-            picked = []
-            hooks = [b.gate.register_forward_hook(lambda _m, _a, o: picked.append(o[0])) for _, b in model.moe_blocks()]
-            with torch.inference_mode():
-                for ids in eval_ids.split(1):
-                    model(ids)
-            for h in hooks:
-                h.remove()
-            choices.append(torch.cat([p.sort(-1).values for p in picked]))
-    return float((choices[0] != choices[1]).float().mean())
 
 
 def main() -> None:
@@ -124,6 +90,7 @@ def main() -> None:
     p.add_argument("--calib", help="calibration data (default: the built-in corpus)")
     p.add_argument("--eval", help="held-out data the quality report scores on (default: held out of --calib)")
     p.add_argument("--kv-cache", default="fp8", help="fp8, or none")
+    p.add_argument("--export-format", help="the export's layout (default: the recipe's; int4 needs compressed-tensors)")
     add_model_args(p)
     args = p.parse_args()
     args.kv_cache = None if args.kv_cache == "none" else args.kv_cache

@@ -8,7 +8,6 @@ from datetime import timedelta
 import pytest
 import torch
 
-from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -20,7 +19,14 @@ from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
 from eprt.quant.awq_groups import layer_groups
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
-from eprt.quant.passes.awq import GRID, candidates, exact_totals, fake_inputs, fake_weights, squared_errors
+from eprt.quant.passes.awq_search import (
+    STEPS,
+    Reader,
+    candidates,
+    exact_totals,
+    fake_inputs,
+    fake_weights,
+)
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -89,19 +95,20 @@ def test_folds_leave_the_model_computing_the_same(tmp_path, family):
 
 def test_the_search_balances_an_outlier_channel():
     """A Linear whose input has a few large channels: scaling them up in the weight (AWQ's premise)
-    quantizes it with less output error than the identity (alpha 0), in NVFP4 weights and inputs."""
+    quantizes it with less output error than the identity, in NVFP4 weights and inputs."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 64, generator=g)
     x[:, :4] *= 30
     w = torch.randn(32, 64, generator=g) * 0.05
-    mean = x.abs().mean(0).double()
-    scales = candidates(mean)
-    assert torch.equal(scales[0], torch.ones(64))  # alpha 0: the identity
     fmt = weight_format("nvfp4")
-    errors = squared_errors(fake_inputs(fmt, x, scales, x.abs().amax(0)), fake_weights(fmt, w, COLUMNS, scales), x, w)
+    ks = torch.arange(STEPS)
+    scales = candidates(x.abs().mean(0).double(), ks)
+    assert torch.equal(scales[0], torch.ones(64))  # k 0: the identity
+    reader = Reader(fmt, w, fake_weights(fmt, w, COLUMNS, scales))
+    errors = reader.errors(x, fake_inputs(fmt, x, scales, x.abs().amax(0)))
     losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")
     best = int(torch.argmin(losses))
-    assert GRID[best] > 0 and losses[best] < 0.9 * losses[0], losses
+    assert best > 0 and losses[best] < 0.9 * losses[0], losses
 
 
 # --- runs: DeepSeek-V3 (MLA, a dense first layer, shared experts, an fp32 router) -------------

@@ -14,11 +14,16 @@ import sys
 import pytest
 import torch
 
+import eprt.quant.ptq as ptq_module
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
+from eprt.parallel import ParallelState
+from eprt.quant.awq_plan import awq_bytes
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
+from eprt.quant.passes.awq import AWQ
 from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
+from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -261,3 +266,46 @@ def test_gptq_solves_as_many_experts_at_a_time_as_the_memory_allows(ckpt):
     per_expert = (unlimited.peak - one.peak) // 15
     assert half.peak + per_expert > limit
     assert f"GPTQ's Hessians {format_bytes(half.gptq)} (experts solved {half.expert_stack} at a time)" in half.terms()
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages `tensors` keep alive (a view keeps its whole storage)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
+    """The plan of an AWQ run grows by what AWQ holds: the samples its search reads, exactly as
+    many bytes as the run keeps (its dense readers' inputs, the routed rows and activations, at
+    one rank), and its search's working set, over what the same run without AWQ plans."""
+    hf = make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32")
+    ck_dir = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    held, plans = [], []
+    reference, plan_run = AWQ.reference, ptq_module.plan_run
+
+    def measured(self, layer):
+        samples = [t for ts in self.dense.values() for t in ts]
+        samples += [t for s in self.experts.values() for ts in (*s.x, *s.h) for t in ts]
+        held.append(storage_bytes(samples))
+        return reference(self, layer)
+
+    def planned(*args, **kw):
+        plans.append(plan_run(*args, **kw))
+        return plans[-1]
+
+    monkeypatch.setattr(AWQ, "reference", measured)
+    monkeypatch.setattr(ptq_module, "plan_run", planned)
+    a = PTQArgs(ck_dir, "nvfp4", str(tmp_path / "q"), calib_size=4, seq_len=32, eval_size=0, algorithm="awq")
+    run_ptq(ParallelState.single(), a)
+    ((plan, _),) = plans
+    with Checkpoint(ck_dir) as ck:
+        rc = ResolvedCheckpoint.of(ck, torch.bfloat16)  # the run's dtype
+        _, targets = plan_recipe(rc, "nvfp4")
+        shape = ptq_module.run_shape(a, ParallelState.single(), ck.config)
+        without = Planner.of(rc, torch.device("cpu"), targets).plan(shape, baseline=0)
+        awq = Planner.of(rc, torch.device("cpu"), targets, awq=targets)
+        with_awq = awq.plan(shape, baseline=0)
+        T, K = a.seq_len, ck.config.num_experts_per_tok
+        each = [awq_bytes({i: layer}, a.calib_size * T, a.calib_size * T * K, T, 2) for i, layer in awq.awq.items()]
+    assert [samples for samples, _ in each] == held  # every layer's, to the byte
+    assert plan.awq == with_awq.awq == max(map(sum, each)) > max(held)
+    assert with_awq.peak - without.peak == with_awq.awq

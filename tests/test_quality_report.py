@@ -20,19 +20,19 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.models.layers import GatedMLP
-from eprt.models.loader import load_model
+from eprt.models.loader import load_model, load_parallel
+from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.preview import fake_quantize
+from eprt.quant.passes import awq as awq_pass
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.quality import Probes
-from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny
@@ -164,6 +164,7 @@ def test_the_numbers_are_the_whole_models(ckpts, tmp_path, family):
         )
     want = whole_model_report(ck, q, eval_ids)
     assert report["eval"]["tokens"] == EVAL * SEQ_LEN
+    assert "router_flips" not in report  # AWQ's alone: the other algorithms' reports keep their bytes
     assert report["kl_mean"] > 0  # the quantization changes something, or the test would prove nothing
     for key in ("kl_mean", "kl_p99"):
         assert report[key] == pytest.approx(want[key], rel=1e-3), key
@@ -317,3 +318,49 @@ def test_a_probes_calls_are_filed_under_the_sequence_each_thread_runs():
         )
         [got] = errors.dense["mlp.up_proj"][s]
         torch.testing.assert_close(got, expected)
+
+
+def test_awq_reports_the_router_choices_its_folds_change(ckpts, tmp_path, monkeypatch):
+    """With AWQ, each MoE layer's router choices on the held-out tokens, the original layer's
+    against the folded (unquantized) layer's on the same input, counted as the model itself
+    computes them; their share in the JSON and on the page. A bf16 router's choices move with
+    the folds' roundings: the search is made to choose its last candidate (the widest scales)
+    everywhere, so that some do on this small model."""
+    last_wins = lambda _st, errors, _units, _over: -torch.arange(errors.shape[-1]).expand(errors.shape[1:])  # noqa: E731
+    monkeypatch.setattr(awq_pass, "exact_totals", last_wins)
+    ck, q = ckpts["qwen3_moe"], str(tmp_path / "q")
+    report = run_ptq(ParallelState.single("cpu"), args(ck, q, dtype="bf16", algorithm="awq"))["quality"]
+    with Checkpoint(ck) as c, Checkpoint(q) as calibrated:
+        _, eval_ids = held_out_samples(
+            None, c.hf_files_dir(), num_samples=CALIB, held_out=EVAL, seq_len=SEQ_LEN, vocab_size=c.config.vocab_size
+        )
+        K = c.config.num_experts_per_tok
+        original = load_model(ck, dtype=torch.bfloat16)
+        folds = Folds.of(CalibrationRecord.read(calibrated).folds)
+        folded = load_parallel(
+            ResolvedCheckpoint.of(FoldedCheckpoint(c, folds), torch.bfloat16), ParallelState.single()
+        )
+    inputs, choices = {}, {}
+    for tag, model in (("original", original), ("folded", folded)):
+        for i, layer in enumerate(model.model.layers):
+            if isinstance(layer.ffn(), MoE):
+                if tag == "original":
+                    layer.register_forward_pre_hook(lambda _m, a, i=i: inputs.__setitem__(i, a[0]))
+                else:  # the original layer's input, through the folded layer
+                    layer.register_forward_pre_hook(lambda _m, a, i=i: (inputs[i], *a[1:]))
+                hook = lambda _m, _a, out, key=(tag, i): choices.__setitem__(key, out[0])  # noqa: E731
+                layer.ffn().gate.register_forward_hook(hook)
+    with torch.inference_mode():
+        original(eval_ids)
+        folded(eval_ids)
+    want = {}
+    for (tag, i), ids in choices.items():
+        if tag == "original":
+            kept = (ids.unsqueeze(-1) == choices["folded", i].unsqueeze(-2)).any(-1)
+            want[i] = {"changed": int((~kept).sum()), "choices": EVAL * SEQ_LEN * K}
+    got = {layer["layer"]: layer["router_flips"] for layer in report["layers"] if "router_flips" in layer}
+    assert got == want and sum(w["changed"] for w in want.values()) > 0
+    share = sum(w["changed"] for w in want.values()) / sum(w["choices"] for w in want.values())
+    assert report["router_flips"] == share
+    page = Path(q, QUALITY_FILE).with_suffix(".html").read_text()
+    assert f'data-key="router_flips" data-value="{share!r}"' in page

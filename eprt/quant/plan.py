@@ -32,7 +32,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +41,7 @@ from eprt.errors import ConfigError
 from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
+from eprt.quant.awq_plan import AWQLayer, awq_bytes, awq_layers
 from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.sequences import Schedule, own_sequences
@@ -107,6 +108,7 @@ class MemoryPlan:
     reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
     step: int  # one step's activations and exchange buffers
     gptq: int = 0  # with GPTQ: a layer's Hessians (int64) and one solve's working set, beside the layer
+    awq: int = 0  # with AWQ: a layer's samples and its search's working set (eprt.quant.awq_plan), before GPTQ's
     codes: int = 0  # with GPTQ on CPU: its quantized weights kept until the output is written (on GPU: `host`)
     eval_layer: int = 0  # the quality report: the largest layer's weights with the copy of its quantized ones
     eval_step: int = 0  # one held-out step's buffers, with the probes'
@@ -125,7 +127,7 @@ class MemoryPlan:
             + max(
                 self.embedding,
                 self.reading,
-                self.layer + self.step + self.gptq,
+                self.layer + self.step + max(self.gptq, self.awq),
                 self.eval_layer + self.eval_step,
                 self.head,
             )
@@ -144,6 +146,8 @@ class MemoryPlan:
         if self.gptq:
             text += f", GPTQ's Hessians {format_bytes(self.gptq)} (experts solved {self.expert_stack} at a time)"
             text += f", its codes {format_bytes(self.codes)}" if self.codes else ""  # on a GPU: the host's
+        if self.awq:
+            text += f", AWQ's samples and search {format_bytes(self.awq)}"
         if self.eval_layer:
             text += (
                 f", quality report: layer with its copy {format_bytes(self.eval_layer)}, held-out step "
@@ -256,6 +260,7 @@ class Planner:
     # sequences whose dense parts run side by side: on CPU one a worker thread (the engine's
     # eprt.kernels.cpu_workers, as many as torch's threads)
     workers: int = 1
+    awq: dict[int, AWQLayer] | None = None  # with AWQ, per decoder layer what its groups keep
 
     @classmethod
     def of(
@@ -265,12 +270,13 @@ class Planner:
         targets=(),
         mtp: bool = False,
         gptq: Mapping[str, str] | None = None,
+        awq: Collection[str] = (),
     ) -> Planner:
         """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
-        for none."""
+        for none; `awq`: the modules whose rule asks for AWQ's scales."""
         hessians: dict[int, list[GPTQLinear]] | None = {} if gptq is not None else None
         rc = rc.holding(None)  # every expert: the plan divides them over the ep degree itself
         ck, dtype = rc.ck, rc.dtype
@@ -306,9 +312,10 @@ class Planner:
             mtp_reads(rc, reads)
         cache = CPU_BF16_KERNEL_CACHE if device.type == "cpu" and dtype == torch.bfloat16 else 0
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-        return cls(
+        planner = cls(
             ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type, workers
         )
+        return replace(planner, awq=awq_layers(model, set(targets), set(awq))) if awq else planner
 
     def _gptq(self, ep: int, stack: int) -> int:
         """The most a layer's Hessians and one solve (routed experts `stack` at a time) hold on one
@@ -332,6 +339,15 @@ class Planner:
         if limit is None:
             return stacked(MOST_EXPERTS_STACKED)
         return stacked(largest_fitting(MOST_EXPERTS_STACKED, lambda s: stacked(s).peak <= limit) or 1)
+
+    def _awq(self, shape: RunShape) -> int:
+        """What AWQ holds at most in one layer on this rank: its samples and its search; 0 without AWQ."""
+        if not self.awq:
+            return 0
+        c, T = self.ck.config, shape.seq_len
+        own = len(own_sequences(shape.num_sequences, shape.rank, shape.world)) * T
+        routed = math.ceil(shape.num_sequences * T * max(c.num_experts_per_tok, 1) / shape.world)
+        return sum(awq_bytes(self.awq, own, routed, T, self.dtype.itemsize))
 
     def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
         """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""
@@ -372,6 +388,7 @@ class Planner:
             rank, world, shape.num_sequences, T, shape.schedule, probes=False, all_experts=shape.all_experts, ep=ep
         )
         gptq = 0  # priced with the expert stack it sizes (_sized_stack)
+        awq = self._awq(shape)
         tokens = 2 * (shape.num_sequences + shape.eval_sequences) * T * 8  # int64, read then packed
         on_cpu = self.device == "cpu"
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
@@ -385,6 +402,7 @@ class Planner:
                     reading,
                     step,
                     gptq,
+                    awq,
                     codes,
                     tokens=tokens,
                     host=host,
@@ -407,6 +425,7 @@ class Planner:
                 reading,
                 step,
                 gptq,
+                awq,
                 codes,
                 copied,
                 eval_step,

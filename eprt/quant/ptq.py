@@ -112,7 +112,15 @@ def run_calibration(
         # planned from the sizes alone, before the data is read: a run too large for its memory
         # builds nothing of that size
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(state, rc, a, targets, mtp=recipe.mtp, gptq=gptq_formats(recipe, targets))
+            plan, preview = plan_run(
+                state,
+                rc,
+                a,
+                targets,
+                mtp=recipe.mtp,
+                gptq=gptq_formats(recipe, targets),
+                awq=tuple(m for m in targets if recipe.balanced(m)),
+            )
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, used = report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)

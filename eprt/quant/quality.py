@@ -200,10 +200,12 @@ class QualityReport:
         y_ref: torch.Tensor,
         y_q: torch.Tensor,
         errors: ModuleErrors,
+        router_flips: torch.Tensor | None = None,
     ) -> None:
         """File layer i's numbers: its output's relative error over every held-out sequence
         (`mine`: this rank's (global, local) sequences; y_*: their hidden states after the layer)
-        and the top contributors."""
+        and the top contributors; with AWQ, `router_flips`: the router's top-k choices its folds
+        changed and all, over every rank."""
         n = self.eval_ids.shape[0]
         local = [li for _, li in mine]
         err = (y_q[local].double() - y_ref[local].double()).square().flatten(1).sum(1)
@@ -236,6 +238,8 @@ class QualityReport:
                 ],
             }
         )
+        if router_flips is not None:
+            self.layers[-1]["router_flips"] = {"changed": int(router_flips[0]), "choices": int(router_flips[1])}
 
     def finish(
         self, mine: list[tuple[int, int]], logits_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -262,6 +266,7 @@ class QualityReport:
             "top1_agreement": agree.mean().item(),
             "perplexity": {"unquantized": math.exp(nll_ref.mean().item()), "quantized": math.exp(nll_q.mean().item())},
             "layers": self.layers,
+            **self._router_flips(),
             "notes": [
                 "KL(unquantized || quantized) per token, natural log; relative errors are "
                 "||y_q - y_ref|| / ||y_ref||, a layer's accumulated through the layers before it, "
@@ -270,6 +275,13 @@ class QualityReport:
             ],
         }
         return self.result
+
+    def _router_flips(self) -> dict:
+        """With AWQ, `router_flips`: the share of every MoE layer's top-k choices its folds changed."""
+        counted = [x["router_flips"] for x in self.layers if "router_flips" in x]
+        if not counted:
+            return {}
+        return {"router_flips": sum(c["changed"] for c in counted) / max(sum(c["choices"] for c in counted), 1)}
 
     def describe_run(self, calibration: dict, experts: list[dict], preview: dict | None) -> None:
         """Add to the finished report what its page shows beside the numbers (eprt.report): the
@@ -314,6 +326,8 @@ class QualityReport:
             ppl["unquantized"],
             ppl["quantized"],
         )
+        if "router_flips" in r:
+            log.info("  AWQ's folds changed %.3f%% of the routers' top-k choices", 100 * r["router_flips"])
         for layer in r["layers"]:
             top = ", ".join(f"{t['module'].rsplit('layers.', 1)[-1]} {t['relative_error']:.3g}" for t in layer["top"])
             log.info("  layer %d: relative error %.3g; most: %s", layer["layer"], layer["relative_error"], top or "-")

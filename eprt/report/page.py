@@ -78,6 +78,8 @@ def headline(reports: list[tuple[str, dict]]) -> str:
         ("perplexity, quantized", lambda r: r["perplexity"]["quantized"], "perplexity.quantized"),
         ("held-out tokens", lambda r: r["eval"]["tokens"], "eval.tokens"),
     ]
+    if any("router_flips" in r for _, r in reports):  # AWQ's runs
+        rows.append(("router choices AWQ's folds changed", lambda r: r.get("router_flips"), "router_flips"))
     body = [[text(name), *(number(get(r), key) for _, r in reports)] for name, get, key in rows]
     out = table(["", *(label for label, _ in reports)], body, cls="headline")
     data = {r["eval"]["data"] for _, r in reports}

@@ -9,7 +9,6 @@ element of a block saturates. Byte 255 is E8M0's NaN and is never written.
 
 from __future__ import annotations
 
-
 import torch
 
 from eprt.quant.formats.base import ScaledByBlocks

@@ -44,6 +44,8 @@ def layer_passes(
         passes.append(quality)
     if awq is not None:
         passes.append(awq)
+        if quality is not None:
+            quality.measure_router_flips()
     if gptq is not None:
         passes.append(GPTQ(gptq, cal))
     if quality is not None or gptq is not None:

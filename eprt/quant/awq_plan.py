@@ -1,0 +1,79 @@
+"""What AWQ holds per decoder layer, for the memory plan (eprt.quant.plan): the calibration inputs
+its balanced groups keep from the statistics run to the search (eprt.quant.passes.awq), and the
+search's working set.
+
+- Samples: per token of this rank's calibration sequences, the input of each balanced group's
+  first dense reader (the attention input, v -> o's, the MoE input as the router reads it, a dense
+  MLP's activation); per routed copy this rank's experts compute, its input and its activation
+  (where a group of the routed experts is balanced). The routed copies are priced at an even share
+  of the routing: num_sequences x seq_len x top-k / world.
+- The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
+  fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
+  scored rows in the input dtype, and one unit's outputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from eprt.models.moe import Experts
+from eprt.quant.awq_groups import layer_groups
+from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS
+
+
+@dataclass(frozen=True)
+class AWQLayer:
+    dense_width: int  # per token: the summed input widths of the balanced groups' first dense readers
+    routed_width: int  # per routed copy: its input and activation widths, where the routed experts are balanced
+    largest: int  # the most elements of one quantized reader the search scores (a routed expert's: one expert's)
+    widest: int  # the widest input the search quantizes
+
+
+def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[int, AWQLayer]:
+    """Per decoder layer of `model` (a meta model), what AWQ keeps for the groups it balances: those
+    with a quantized reader (in `targets`), every one of them in `balanced` (AWQ._balanced's rule)."""
+    prefix, decoder = model.decoder()
+    out = {}
+    for i, layer in enumerate(decoder.layers):
+        dense = routed = largest = widest = 0
+        for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
+            quantized = [m for m, _ in g.readers if m in targets]
+            if not quantized or not all(m in balanced for m in quantized):
+                continue
+            first = model.get_submodule(g.readers[0][0])
+            for m in quantized:
+                module = model.get_submodule(m)
+                if isinstance(module, Experts):
+                    routed = module.w13.shape[2] + module.w2.shape[2]
+                    w = module.w2[0] if g.per_expert else module.w13[0]
+                else:
+                    w = module.weight
+                largest, widest = max(largest, w.numel()), max(widest, w.shape[1])
+            if not isinstance(first, Experts):
+                dense += first.weight.shape[1]
+        if dense or routed:
+            out[i] = AWQLayer(dense, routed, largest, widest)
+    return out
+
+
+def awq_bytes(
+    layers: dict[int, AWQLayer], own_tokens: int, routed_copies: int, seq_len: int, itemsize: int
+) -> tuple[int, int]:
+    """(the samples, the search's working set) of the layer that holds the most, in bytes: this rank
+    holding `own_tokens` calibration tokens and computing `routed_copies` routed copies, in
+    `itemsize`-byte activations."""
+    A = len(COARSE)  # the most candidates the search holds at once
+    scored = math.ceil(seq_len / max(1, seq_len // SCORED_ROWS))  # a sequence's rows the search scores
+    most = (0, 0)
+    for layer in layers.values():
+        samples = (own_tokens * layer.dense_width + routed_copies * layer.routed_width) * itemsize
+        rows = max(own_tokens // max(seq_len, 1) * scored, min(routed_copies, own_tokens))
+        inputs = min(BATCH_ELEMENTS, A * rows * layer.widest) * itemsize
+        # a reader's candidates, and one candidate's fold and quantization in fp32 beside them
+        weights = (A + 3) * layer.largest * 4
+        # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
+        unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
+        most = max(most, (samples, inputs + weights + unit), key=sum)
+    return most
