@@ -180,7 +180,7 @@ def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targ
     if state.rank != 0:
         return
     c = ck.config
-    plan = plan_export(ck, targets, torch.get_num_threads(), current_rss())
+    plan = plan_export(ck, targets, recipe, torch.get_num_threads(), current_rss())
     print(
         f"checkpoint {ck.path}: {c.family}, {c.num_layers} layers, {len(targets)} modules quantized\n"
         f"data-free run: recipe {recipe.name} ({'+'.join(recipe.algorithms)}) takes no activation statistic, so no "

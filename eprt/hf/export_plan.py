@@ -1,8 +1,10 @@
-"""What a quantized export holds in memory, planned from the manifest alone: the process, the output
-tensors computed ahead of the writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), and the largest weight
-being quantized, one tensor at a time: a dense Linear's whole weight, or a batch of routed-expert
-rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at least one row a CPU worker). Nothing else stays:
-each tensor is read, quantized, written and dropped."""
+"""What a quantized export holds in memory, planned from the manifest alone: the process, the
+compressed-tensors library where the layout needs it, the output tensors computed ahead of the
+writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the quantizing threads keep, and the
+largest weight being quantized, one tensor at a time: a dense Linear's whole weight, or a batch of
+routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at least one row a CPU worker).
+Nothing else stays: each tensor is read, quantized, written and dropped. What a weight element
+costs while it is quantized is its format's own figure (`WeightFormat.export_working_bytes`)."""
 
 from __future__ import annotations
 
@@ -12,50 +14,72 @@ from typing import Iterable
 
 from eprt.hf.export import PRODUCE_AHEAD_BYTES
 from eprt.hf.export_quantized import BATCH_ELEMENTS
+from eprt.quant.formats import WeightFormat, weight_format
+from eprt.quant.recipe import Recipe
 from eprt.storage.checkpoint import Checkpoint, TensorMeta
 from eprt.units import format_bytes
 
-# bytes a weight element being quantized holds besides its value as read: the fp32 quotient
-# (value / scale) and its code
-WORKING_BYTES = 4 + 1
+# What `import compressed_tensors` adds to the resident set of a process that has imported torch and
+# eprt's export (the library brings transformers with it), which its layout's export makes
+# (eprt.hf.compressed_tensors_export.require) and the dry run does not: VmRSS before and after the
+# import, in a fresh process, 226 MiB each of three times (compressed-tensors 0.20, transformers 5.24,
+# torch 2.13 CPU).
+COMPRESSED_TENSORS_IMPORT_BYTES = 226 * 2**20
 
 
 @dataclass(frozen=True)
 class ExportPlan:
     process: int  # bytes the process holds before the export
+    library: int  # the compressed-tensors library, where the layout needs it
     ahead: int  # output tensors computed ahead of the writing
+    buffers: int  # the chunk buffers the quantizing threads keep
     largest: int  # the largest weight (or batch of expert rows) as read and quantized
     largest_name: str
 
     @property
     def peak(self) -> int:
-        return self.process + self.ahead + self.largest
+        return self.process + self.library + self.ahead + self.buffers + self.largest
 
     def summary(self) -> str:
-        return (
-            f"peaks at {format_bytes(self.peak)} (process {format_bytes(self.process)}, "
-            f"{self.largest_name} read and quantized {format_bytes(self.largest)}, "
-            f"output computed ahead {format_bytes(self.ahead)})"
-        )
+        parts = [
+            f"process {format_bytes(self.process)}",
+            *([f"compressed-tensors library {format_bytes(self.library)}"] if self.library else []),
+            f"{self.largest_name} read and quantized {format_bytes(self.largest)}",
+            f"output computed ahead {format_bytes(self.ahead)}",
+            *([f"chunk buffers {format_bytes(self.buffers)}"] if self.buffers else []),
+        ]
+        return f"peaks at {format_bytes(self.peak)} ({', '.join(parts)})"
 
 
-def plan_export(ck: Checkpoint, modules: Iterable[str], workers: int, process: int) -> ExportPlan:
-    """The plan of exporting `modules` (dense Linears and routed-experts modules) of `ck` quantized,
-    on `workers` CPU workers, in a process that holds `process` bytes."""
+def plan_export(ck: Checkpoint, modules: Iterable[str], recipe: Recipe, workers: int, process: int) -> ExportPlan:
+    """The plan of exporting `modules` (dense Linears and routed-experts modules) of `ck` quantized
+    under `recipe`, on `workers` CPU workers, in a process that holds `process` bytes; in the
+    compressed-tensors layout where a format has no ModelOpt one (INT4, MXFP4)."""
     held = [(0, "no weight")]
+    formats: set[WeightFormat] = set()
     for m in modules:
+        fmt = weight_format(recipe.format_of(m))
+        formats.add(fmt)
         if f"{m}.weight" in ck.tensors:
             meta = ck.tensors[f"{m}.weight"]
-            held.append((math.prod(meta.shape) * held_per_weight(meta), f"{m}.weight"))
+            held.append((working(meta, fmt, math.prod(meta.shape)), f"{m}.weight"))
         for name in (f"{m}.w13", f"{m}.w2"):
             if name in ck.tensors:
                 meta = ck.tensors[name]
                 row = math.prod(meta.shape[1:])
                 rows = min(meta.shape[0], max(workers, BATCH_ELEMENTS // max(1, row)))
-                held.append((rows * row * held_per_weight(meta), f"{rows} expert rows of {name}"))
+                held.append((working(meta, fmt, rows * row), f"{rows} expert rows of {name}"))
     largest, name = max(held)
-    return ExportPlan(process, PRODUCE_AHEAD_BYTES, largest, name)
+    ct = any(not f.modelopt_layout for f in formats)
+    # a thread's buffers, by slot: among the data-free formats only NVFP4's keep any. The pool's
+    # workers quantize, and the producing thread a piece too small to share out.
+    threads = workers + (workers > 1)
+    buffers = threads * max((f.export_worker_bytes for f in formats), default=0)
+    return ExportPlan(
+        process, COMPRESSED_TENSORS_IMPORT_BYTES if ct else 0, PRODUCE_AHEAD_BYTES, buffers, largest, name
+    )
 
 
-def held_per_weight(meta: TensorMeta) -> int:
-    return meta.dtype.itemsize + WORKING_BYTES
+def working(meta: TensorMeta, fmt: WeightFormat, elements: int) -> int:
+    """Bytes of `elements` of weight `meta` as read and quantized in `fmt`."""
+    return math.ceil(elements * (meta.dtype.itemsize + fmt.export_working_bytes))

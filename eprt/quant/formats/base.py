@@ -69,6 +69,13 @@ class WeightFormat:
     # scale); False where the engine scales inputs at run time or leaves them unquantized: with
     # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.datafree)
     uses_activation_statistics: bool = True
+    # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
+    # at the peak of `quantize`, besides the weight as read (its temporaries and its export
+    # tensors), and bytes of chunk buffers each thread that quantizes keeps from call to call
+    # (eprt.quant.numerics.chunk_buffer, bounded by a chunk whatever the weight). Each format
+    # counts its own from its code; tests/test_export_plan.py measures them.
+    export_working_bytes: float
+    export_worker_bytes: int = 0
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:

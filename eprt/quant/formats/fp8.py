@@ -13,6 +13,7 @@ import torch
 
 from eprt.quant.formats.base import CT_SCALAR, Tensors, WeightFormat
 from eprt.quant.numerics import (
+    CHUNK_ELEMENTS,
     FP8_E4M3_MAX,
     as_scale,
     check_finite,
@@ -121,6 +122,9 @@ class Fp8(WeightFormat):
     ct_strategy = "tensor"
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_scale", "input_scale"
     largest_input = FP8_E4M3_MAX
+    export_working_bytes = 1  # the codes
+    # each thread's chunk buffers: the fp32 quotient (4) and its rounding to a bf16 weight's dtype (2)
+    export_worker_bytes = (4 + 2) * CHUNK_ELEMENTS
 
     def scale(self, amax) -> torch.Tensor:
         return fp8_scale(amax)

@@ -116,6 +116,9 @@ class Fp8Block(ScaledByBlocks):
     blocks_span_rows = True
     ct_preset, ct_format = "FP8_BLOCK", "float-quantized"
     ct_strategy = "block"
+    # the fp32 copy of the blocks divided in place (4), the codes (1), and their contiguous copy
+    # where a dim ends in a partial block (1)
+    export_working_bytes = 4 + 1 + 1
 
     scales_of = staticmethod(fp8_block_scales)
     encode = staticmethod(quantize_fp8_block)

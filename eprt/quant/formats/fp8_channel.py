@@ -46,6 +46,7 @@ class Fp8Channel(ScaledByBlocks):
     num_bits = 8
     ct_preset, ct_format = "FP8_DYNAMIC", "float-quantized"
     ct_strategy = "channel"
+    export_working_bytes = 4 + 1  # the fp32 quotient, divided in place (4), and the codes (1)
 
     scales_of = staticmethod(fp8_channel_scales)
     encode = staticmethod(quantize_fp8_channel)

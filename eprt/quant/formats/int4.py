@@ -190,6 +190,12 @@ class Int4(WeightFormat):
     def __init__(self, name: str, group_size: int):
         self.name, self.group_size = name, group_size
 
+    @property
+    def export_working_bytes(self) -> float:
+        # the fp32 groups (4), and in the bf16-neighbour rule's `error` the bf16 quotient (2) and the
+        # fp32 decoded values (4); a group's amax, candidate scales, errors and choices (32 bytes)
+        return 4 + 2 + 4 + 32 / self.group_size
+
     def scale(self, amax) -> torch.Tensor:
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())

@@ -70,6 +70,9 @@ class Mxfp4(Microscaled):
     num_bits = 4
     modelopt_layout = False
     ct_preset, ct_format = "MXFP4A16", "mxfp4-pack-quantized"
+    # `packed_codes`' fp32 quotient (4) and quarter keys (4), each pair's fp32 key and its int32
+    # index (2 + 2 an element), the packed codes (1/2) and a scale byte a block of 32
+    export_working_bytes = 4 + 4 + 2 + 2 + 1 / 2 + 1 / BLOCK
 
     scales_of = staticmethod(mxfp4_scales)
     encode = staticmethod(quantize_mxfp4)

@@ -57,6 +57,8 @@ class Mxfp8(Microscaled):
     quant_algo = "MXFP8"
     num_bits = 8
     ct_preset, ct_format = "MXFP8", "mxfp8-quantized"
+    # the fp32 quotient, scaled in place (4), the codes (1) and a scale byte a block of 32
+    export_working_bytes = 4 + 1 + 1 / BLOCK
 
     scales_of = staticmethod(mxfp8_scales)
     encode = staticmethod(quantize_mxfp8)

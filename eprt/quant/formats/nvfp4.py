@@ -32,6 +32,7 @@ from eprt.quant.formats.e8m0 import BIAS as E8M0_BIAS
 from eprt.quant.formats.e8m0 import BLOCK as E8M0_BLOCK
 from eprt.quant.formats.e8m0 import e8m0_scales, scaled_down
 from eprt.quant.numerics import (
+    CHUNK_ELEMENTS,
     FP8_E4M3_MAX,
     as_scale,
     check_finite,
@@ -397,6 +398,11 @@ class Nvfp4(WeightFormat):
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_global_scale", "input_global_scale"
     ct_reciprocal = True
     largest_input = E2M1_MAX * FP8_E4M3_MAX
+    # the packed codes (1/2), an E4M3 block scale, the fp32 block amax and divisor a block of 16;
+    # each thread's chunk buffers: the fp32 amax rows, quotient and keys (4 + 4 + 4), each pair's
+    # fp32 key and int32 index (2 + 2 an element)
+    export_working_bytes = 1 / 2 + (1 + 4 + 4) / BLOCK_SIZE
+    export_worker_bytes = (4 + 4 + 4 + 2 + 2) * CHUNK_ELEMENTS
 
     def scale(self, amax) -> torch.Tensor:
         return nvfp4_scale(amax)

@@ -1,0 +1,110 @@
+"""The data-free export's memory plan (eprt.hf.export_plan) holds what quantizing a weight really
+uses: each data-free format's figures (`export_working_bytes` an element, `export_worker_bytes` of
+chunk buffers a thread keeps) are at least the peak resident-set growth of its `quantize` on one
+weight, measured in a process of its own; and the plan counts the compressed-tensors library where
+the layout needs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eprt.hf.convert import convert_hf
+from eprt.hf.export_plan import COMPRESSED_TENSORS_IMPORT_BYTES, plan_export
+from eprt.quant.datafree import data_free_formats
+from eprt.quant.formats import weight_format
+from eprt.quant.recipe import load_recipe
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+
+ROWS, COLS = 2048, 4096  # a bf16 weight of 8M elements: 1 byte an element is 8 MiB of growth
+# What a process allocates besides the weight's own (the interpreter's objects, torch's dispatch):
+# below a tenth of a byte an element of this weight, so a figure short by that much fails.
+SLACK = 2**19
+
+# Peak growth of the resident set (VmHWM, reset through clear_refs) over each format's `quantize` of
+# one bf16 weight, on one thread: `cold` the first weight of that size (its chunk buffers grow to a
+# chunk), `warm` the next (they are kept). A tiny weight first takes the kernels' one-time set-up
+# out of the figures. MALLOC_MMAP_THRESHOLD_ (in the environment) gives every large temporary back
+# to the system when it is freed, so one measurement does not start on the last one's free pages.
+MEASURE = """
+import json, sys, torch
+from eprt.quant.formats import weight_format
+torch.set_num_threads(1)
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+def growth(fmt, w, scale):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from the resident set now
+    before = status("VmRSS:")
+    out = fmt.quantize(w, scale, False)
+    peak = status("VmHWM:") - before
+    del out
+    return peak
+
+rows, cols, found = int(sys.argv[1]), int(sys.argv[2]), {}
+for name in sys.argv[3:]:
+    fmt = weight_format(name)
+    w = torch.randn(rows, cols).to(torch.bfloat16)
+    scale = fmt.scale(w.float().abs().amax())
+    fmt.quantize(w[:16], scale, False)
+    found[name] = {"cold": growth(fmt, w, scale), "warm": growth(fmt, w, scale)}
+before = status("VmRSS:")
+import compressed_tensors  # noqa: E402,F401
+found["compressed_tensors"] = status("VmRSS:") - before
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident set")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(2**16)}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(ROWS), str(COLS), *data_free_formats()],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("name", data_free_formats())
+def test_figures_hold_the_measured_peak_of_quantizing_a_weight(measured, name):
+    fmt, elements = weight_format(name), ROWS * COLS
+    per_element = elements * fmt.export_working_bytes
+    got = measured[name]
+    assert got["warm"] <= per_element + SLACK, (
+        f"{name} grew {got['warm'] / elements:.2f} bytes an element, planned {fmt.export_working_bytes:.2f}"
+    )
+    assert got["cold"] <= per_element + fmt.export_worker_bytes + SLACK, (
+        f"{name} grew {got['cold'] / 2**20:.1f} MiB on its first weight, planned "
+        f"{(per_element + fmt.export_worker_bytes) / 2**20:.1f} MiB with its chunk buffers"
+    )
+
+
+def test_the_compressed_tensors_import_is_planned_at_least_at_its_measured_size(measured):
+    assert measured["compressed_tensors"] <= COMPRESSED_TENSORS_IMPORT_BYTES + SLACK
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory) -> Checkpoint:
+    d = tmp_path_factory.mktemp("plan")
+    return Checkpoint(convert_hf(make_tiny("qwen3_moe", str(d / "hf")), str(d / "ck"), progress=False))
+
+
+@pytest.mark.parametrize("name", data_free_formats())
+def test_the_plan_counts_the_compressed_tensors_library_where_the_layout_needs_it(ck, name):
+    modules = [n[: -len(".w13")] for n in ck.tensors if n.endswith(".w13")]
+    plan = plan_export(ck, modules, load_recipe(name), 1, 0)
+    needs = not weight_format(name).modelopt_layout
+    assert plan.library == (COMPRESSED_TENSORS_IMPORT_BYTES if needs else 0)
+    assert ("compressed-tensors library" in plan.summary()) == needs
+    assert plan.peak == plan.library + plan.ahead + plan.buffers + plan.largest
