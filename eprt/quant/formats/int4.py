@@ -9,7 +9,7 @@ half to even and clamped, compressed-tensors' own rounding, so a code of -8 is n
 quotient is taken in the weight's dtype (bf16 / bf16, as the library's quantizer divides), or in fp32
 for any other dtype. A value is code x scale, exact in fp32 (4 by 8 significant bits). A group's
 scale is amax / 7 rounded to bf16, or the bf16 neighbour of that under which the group decodes
-closer (`int4_quantized`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
+closer (`_Groups.closest_neighbour`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
 its own codes and scales in every group that reaches the code 7 or -7.
 
 Codes are stored as compressed-tensors packs them: eight a little-endian int32, element i of each
@@ -25,7 +25,7 @@ import torch
 
 from eprt.quant.formats.base import Tensors, WeightFormat
 from eprt.quant.formats.e2m1 import pack_fp4, unpack_fp4
-from eprt.quant.numerics import FP32_TINY, check_finite, chunk_buffer, for_chunks, row_chunks
+from eprt.quant.numerics import FP32_TINY, check_finite
 
 GRID_MAX = 7  # codes are -7..7, the Kimi releases' symmetric grid
 OFFSET = 8  # a code is stored as code + 8, a nibble 1..15
@@ -68,6 +68,20 @@ class _Groups:
         values = self.codes(scales).float().mul_(scales.float().unsqueeze(-1)).to(SCALE_DTYPE).float()
         return values.sub_(self.f32).square_().sum(-1)
 
+    def closest_neighbour(self, nearest: torch.Tensor) -> torch.Tensor:
+        """Per group, of bf16 scales `nearest` and its two bf16 neighbours, the one whose codes decode
+        closest to the weight (`error`), `nearest` on a tie. A decoded INT4 weight so re-quantizes to
+        its own scales: amax / 7 of a group decoded in bf16 misses its scale by an ulp in about one
+        group in nine (7 x scale rounded to bf16, divided by 7, rounded again), where its own scale
+        decodes it exactly."""
+        best, best_err = nearest, self.error(nearest)
+        for step in (-1, 1):
+            candidate = (nearest.view(torch.int16) + step).view(SCALE_DTYPE).clamp_(min=FP32_TINY)
+            err = self.error(candidate)
+            better = err < best_err
+            best, best_err = torch.where(better, candidate, best), torch.where(better, err, best_err)
+        return best
+
 
 def nearest_scales(amax: torch.Tensor) -> torch.Tensor:
     """bf16 amax / 7 (computed in fp32), at least the smallest normal; a zero amax's 1.0."""
@@ -79,79 +93,8 @@ def int4_scales(w: torch.Tensor, group: int) -> torch.Tensor:
     """bf16 scales [..., in/group] of w [..., in]: each group's amax / 7 rounded to bf16 (a zero
     group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises ValueError
     for NaN or infinity."""
-    return int4_quantized(w, group)[0]
-
-
-def int4_quantized(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`int4_scales`, `int4_codes` under them) of w [..., in], in one pass over w.
-
-    Per group, of bf16 scales amax / 7 (`nearest_scales`) and its two bf16 neighbours, the one whose
-    codes decode closest to the weight (squared error, values decoded in bf16 as the engines and
-    compressed-tensors decode: code x scale rounded to bf16), amax / 7's on a tie. A decoded INT4
-    weight (a Kimi release, converted) so re-quantizes to its own scales: amax / 7 of a group
-    decoded in bf16 misses its scale by an ulp in about one group in nine (7 x scale rounded to
-    bf16, divided by 7, rounded again), where its own scale decodes it exactly. The three
-    candidates are scored side by side ([rows, groups, 3, group]) a chunk of rows at a time, and the
-    winner's codes are kept from its scoring, not computed again."""
-    x = w if w.dtype in (torch.bfloat16, torch.float32) else w.float()  # the quotient's dtype
-    rows = x.reshape(-1, x.shape[-1])
-    n, width = rows.shape
-    groups = width // group
-    scales = torch.empty(n, groups, dtype=SCALE_DTYPE, device=w.device)
-    codes = torch.empty(n, groups, group, dtype=torch.int8, device=w.device)
-    step, chunks = row_chunks(n, 3 * width, w.device)
-
-    def buffers() -> tuple[torch.Tensor, ...]:
-        shape = (step, groups, 3, group)
-        return (
-            chunk_buffer("int4.codes", shape, torch.float32, w.device),
-            chunk_buffer("int4.errors", shape, torch.float32, w.device),
-            chunk_buffer("int4.rounded", shape, SCALE_DTYPE, w.device),
-            chunk_buffer("int4.weight", (step, groups, 1, group), torch.float32, w.device),
-            chunk_buffer("int4.magnitude", (step, groups, 1, group), torch.float32, w.device),
-        )
-
-    def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
-        q, err, rounded, f32, magnitude = (t[: b - a] for t in kept)
-        f32 = f32.copy_(rows[a:b].reshape(b - a, groups, 1, group))  # exact
-        amax = torch.abs(f32, out=magnitude).amax(dim=-1)  # NaN where a group holds one
-        check_finite(amax.amax(), (*x.shape[:-1], groups, group))
-        candidates = _candidates(nearest_scales(amax.squeeze(-1)))
-        steps = candidates.float().unsqueeze(-1)
-        _codes_into(q, f32, steps, rounded, x.dtype == SCALE_DTYPE)
-        torch.mul(q, steps, out=err)
-        err.copy_(rounded.copy_(err))  # code x scale, exact in fp32, rounded to bf16
-        e = err.sub_(f32).square_().sum(-1)
-        # amax / 7's first, a neighbour only where strictly closer, as one after the other
-        minus = e[..., 1] < e[..., 0]
-        plus = e[..., 2] < torch.where(minus, e[..., 1], e[..., 0])
-        best = torch.where(plus, candidates[..., 2], torch.where(minus, candidates[..., 1], candidates[..., 0]))
-        scales[a:b] = best
-        # the winner's codes computed again, for a third of the work of selecting them
-        chosen = q[:, :, :1]
-        _codes_into(chosen, f32, best.float()[..., None, None], rounded[:, :, :1], x.dtype == SCALE_DTYPE)
-        codes[a:b] = chosen.squeeze(2)
-
-    for_chunks(chunks, buffers, chunk, w.device)
-    return scales.reshape(*x.shape[:-1], groups), codes.reshape(x.shape)
-
-
-def _codes_into(q: torch.Tensor, f32: torch.Tensor, steps: torch.Tensor, rounded: torch.Tensor, in_bf16: bool):
-    """Into fp32 q: the codes of fp32 f32 (a weight's exact values) under fp32 `steps` (bf16
-    scales), the quotient rounded to bf16 through `rounded` where the weight is bf16, as torch's
-    bf16 division rounds its fp32 quotient once (bf16 arithmetic is several times slower on CPU)."""
-    torch.div(f32, steps, out=q)
-    if in_bf16:
-        q.copy_(rounded.copy_(q))
-    q.round_().clamp_(-GRID_MAX, GRID_MAX)
-
-
-def _candidates(nearest: torch.Tensor) -> torch.Tensor:
-    """bf16 [..., 3]: scales `nearest`, the bf16 below it and the bf16 above it (at least the smallest normal)."""
-    bits = nearest.view(torch.int16)
-    candidates = torch.stack([nearest, (bits - 1).view(SCALE_DTYPE), (bits + 1).view(SCALE_DTYPE)], dim=-1)
-    candidates[..., 1:].clamp_(min=FP32_TINY)
-    return candidates
+    groups = _Groups(w, group)
+    return groups.closest_neighbour(nearest_scales(groups.amax()))
 
 
 def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -196,7 +139,7 @@ def int4_mse_scales(w: torch.Tensor, group: int) -> torch.Tensor:
     keeps max's."""
     groups = _Groups(w, group)
     amax = groups.amax()
-    best = int4_scales(w, group)
+    best = groups.closest_neighbour(nearest_scales(amax))
     best_err = groups.error(best)
     for factor in MSE_FACTORS[1:]:
         scales = nearest_scales(amax * factor)
@@ -251,13 +194,12 @@ class Int4(WeightFormat):
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())
 
+    def group_scales(self, w: torch.Tensor, mse: bool) -> torch.Tensor:
+        return int4_mse_scales(w, self.group_size) if mse else int4_scales(w, self.group_size)
+
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        if mse:
-            scales = int4_mse_scales(w, self.group_size)
-            codes = int4_codes(w, scales)
-        else:
-            scales, codes = int4_quantized(w, self.group_size)
-        return {"weight": pack_int4(codes), "weight_scale": scales}
+        scales = self.group_scales(w, mse)
+        return {"weight": pack_int4(int4_codes(w, scales)), "weight_scale": scales}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(t["weight"], t["weight_scale"], dtype)
