@@ -66,15 +66,19 @@ def model(tmp_path_factory):
     return hf, ck, out
 
 
-def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    w = torch.randn(2, 24, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w = torch.randn(2, 24, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
     w[1, 3, :128] = 0  # zero groups: scale 1, codes 0
+    w[0, 5, :128] *= torch.finfo(dtype).tiny  # groups whose amax / 7 is subnormal (fp16: tiny, yet normal in bf16)
+    # the quotient in the weight's dtype where it is bf16 or fp32, else in fp32
+    x = w if dtype in (torch.bfloat16, torch.float32) else w.float()
     for group in (128, 32):
         args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=True)
         scales = int4_scales(w, group)
@@ -82,13 +86,15 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
         assert codes.abs().max() == 7 and scales[1, 3, 0] == 1 and not codes[1, 3, :128].any()
         # the Kimi grid: amax / 7 in bf16, or the bf16 neighbour of it the library decodes closer
         amax = w.float().abs().reshape(2, 24, -1, group).amax(-1)
-        nearest = torch.where(amax == 0, 1.0, amax / 7).bfloat16()
+        # scales no smaller than the least normal fp32 (and bf16) number
+        tiny = torch.finfo(torch.float32).tiny
+        nearest = torch.where(amax == 0, 1.0, amax / 7).bfloat16().clamp(min=tiny)
         errors = []
         for step in (0, 1, -1):
-            s = (nearest.view(torch.int16) + step).view(torch.bfloat16)
+            s = (nearest.view(torch.int16) + step).view(torch.bfloat16).clamp(min=tiny)
             zero = torch.zeros_like(s[0])
             values = torch.stack(
-                [dequantize(quantize(w[e], s[e], zero, args, dtype=torch.int8), s[e], args=args) for e in range(2)]
+                [dequantize(quantize(x[e], s[e], zero, args, dtype=torch.int8), s[e], args=args) for e in range(2)]
             )
             errors.append((values.double() - w.double()).reshape(*s.shape, group).square().sum(-1))
         step = (scales.view(torch.int16) - nearest.view(torch.int16)).long()
@@ -98,7 +104,7 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
         assert torch.equal(errors.gather(0, (step % 3)[None])[0], least)
         assert (step == 0)[errors[0] == least].all()  # a tie keeps amax / 7
         for e in range(2):
-            theirs = quantize(w[e], scales[e], torch.zeros_like(scales[e]), args, dtype=torch.int8)
+            theirs = quantize(x[e], scales[e], torch.zeros_like(scales[e]), args, dtype=torch.int8)
             assert torch.equal(theirs, codes[e])
             packed = pack_int4(codes[e])
             assert raw(pack_to_int32(codes[e], 4)) == raw(packed)
@@ -109,6 +115,8 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing():
         errors = []
         for mse in (False, True):
             t = (INT4 if group == 128 else INT4_G32).quantize(w, INT4.scale(0.0), mse)
+            if not mse:  # the export's tensors: these scales and codes
+                assert torch.equal(t["weight_scale"], scales) and torch.equal(t["weight"], pack_int4(codes))
             values = dequantize_int4(t["weight"], t["weight_scale"], torch.bfloat16).double()
             errors.append((values - w.double()).reshape(*scales.shape, group).square().sum(-1))
         assert (errors[1] <= errors[0]).all() and (errors[1] < errors[0]).any()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.base import ScaledByBlocks
-from eprt.quant.numerics import check_finite
+from eprt.quant.numerics import check_finite, chunk_buffer, for_chunks, row_chunks
 
 BLOCK = 32  # elements sharing one E8M0 scale
 BIAS = 127
@@ -25,8 +25,18 @@ def as_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_amax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., in/32]: the largest magnitude of each block of x [..., in] (NaN where it holds one)."""
-    return as_blocks(x.to(torch.float32, copy=True)).abs_().amax(dim=-1)
+    """fp32 [..., in/32]: the largest magnitude of each block of x [..., in] (NaN where it holds one),
+    a chunk of rows at a time through an fp32 buffer kept from call to call."""
+    rows = x.reshape(-1, x.shape[-1])
+    n, width = rows.shape
+    amax = torch.empty(n, width // BLOCK, device=x.device)
+    step, chunks = row_chunks(n, width, x.device)
+
+    def chunk(a: int, b: int, f32: torch.Tensor) -> None:
+        torch.amax(as_blocks(f32[: b - a].copy_(rows[a:b]).abs_()), dim=-1, out=amax[a:b])
+
+    for_chunks(chunks, lambda: chunk_buffer("e8m0.amax", (step, width), torch.float32, x.device), chunk, x.device)
+    return amax.reshape(*x.shape[:-1], width // BLOCK)
 
 
 def e8m0_scales(x: torch.Tensor, largest: float) -> torch.Tensor:

@@ -28,7 +28,8 @@ from eprt.quant.formats.e2m1 import (
     quarter_keys,
     unpack_fp4,
 )
-from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, checked_scales, scaled_up, scaled_weight
+from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, checked_scales, scaled_down, scaled_up
+from eprt.quant.numerics import chunk_buffer, for_chunks, row_chunks
 
 NEGATIVE_ZERO = -(2**31)  # the bits of fp32 -0.0 read as an int32
 
@@ -39,21 +40,39 @@ def mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its E8M0 scales."""
-    x = scaled_weight(w, scales)
-    # -0.0's bits are the least int32: only a weight holding one needs its sign bit set apart
-    if x.numel() and x.view(torch.int32).min().item() == NEGATIVE_ZERO:
-        return pack_fp4(e2m1_encode_signed_zero(x))
-    return packed_codes(x)
+    """Packed E2M1 codes uint8 [..., in/2] of w [..., in] under its E8M0 scales, a chunk of rows at
+    a time through buffers kept from call to call (eprt.quant.numerics.chunk_buffer)."""
+    rows, grid = w.reshape(-1, w.shape[-1]), scales.reshape(-1, scales.shape[-1])
+    n, width = rows.shape
+    packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
+    step, chunks = row_chunks(n, width, w.device)
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        return tuple(chunk_buffer(f"mxfp4.{slot}", (step, width), torch.float32, w.device) for slot in ("x", "keys"))
+
+    def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
+        x, keys = (t[: b - a] for t in kept)
+        scaled_down(x.copy_(rows[a:b]), grid[a:b], in_place=True)
+        # -0.0's bits are the least int32: only a chunk holding one needs its sign bit set apart
+        if x.view(torch.int32).min().item() == NEGATIVE_ZERO:
+            packed[a:b] = pack_fp4(e2m1_encode_signed_zero(x))
+        else:
+            packed_codes(x, keys, out=packed[a:b])
+
+    for_chunks(chunks, buffers, chunk, w.device)
+    return packed.reshape(*w.shape[:-1], width // 2)
 
 
-def packed_codes(x: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 codes uint8 [..., in/2] of fp32 x [..., in] (holding no -0.0), which it
-    overwrites: the byte of each pair of elements looked up at once by both their quarter keys."""
-    keys = quarter_keys(x.mul_(4), torch.empty_like(x))  # 4x: exact, a power of two
-    keys = keys.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-    pairs = torch.add(keys[..., 0], keys[..., 1], alpha=4 * Q).add_(PAIR_OFFSET).to(torch.int32)
-    return PAIR_CODES.to(x.device).index_select(0, pairs.reshape(-1)).reshape(pairs.shape)
+def packed_codes(x: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Into uint8 `out` [n, in/2]: the packed E2M1 codes of fp32 x [n, in] (holding no -0.0), which
+    it overwrites, as it does fp32 `keys` [n, in]: the byte of each pair of elements looked up at
+    once by both their quarter keys."""
+    keys = quarter_keys(x.mul_(4), keys)  # 4x: exact, a power of two
+    pairs = keys.view(*x.shape[:-1], x.shape[-1] // 2, 2)
+    # each pair's index into x's first half columns (x is spent), then widened to int32
+    index = torch.add(pairs[..., 0], pairs[..., 1], alpha=4 * Q, out=x[..., : x.shape[-1] // 2]).add_(PAIR_OFFSET)
+    index = index.to(torch.int32)
+    return torch.index_select(PAIR_CODES.to(x.device), 0, index.reshape(-1), out=out.view(-1))
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
