@@ -38,7 +38,7 @@ setup(
         "report": ["matplotlib>=3.7"],
         # calibration data as tables: .parquet files, datasets saved with save_to_disk
         "data": ["pyarrow>=14", "datasets>=2.14"],
-        # bench/modelopt.py: the transformers + ModelOpt baseline eprt is measured against
+        # bench/modelopt_baseline.py: the transformers + ModelOpt baseline eprt is measured against
         "bench": ["nvidia-modelopt>=0.47", "transformers>=5.0"],
         # transformers is only an oracle for the tests; eprt never imports it.
         "test": [

@@ -26,7 +26,7 @@ FP32_TINY = torch.finfo(torch.float32).tiny
 # kernel launches cost more, so a chunk is the whole weight. One thread alone runs fastest on
 # chunks its L2 cache holds (256K elements), but the workers side by side wait on each other at
 # every operation (Python's lock), so fewer, larger operations win there: with 1M-element chunks
-# 2 workers export bench/modelopt.py's model in 1.76 s, with 256K in 1.85 s (4 runs each, alternated).
+# 2 workers export bench/modelopt_baseline.py's model in 1.76 s, with 256K in 1.85 s (4 runs each, alternated).
 CHUNK_ELEMENTS = 1 << 20
 MIN_SHARED_ELEMENTS = 1 << 15  # the least a chunk holds that goes to a worker of its own
 

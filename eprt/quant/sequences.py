@@ -18,7 +18,7 @@ from eprt.parallel.dispatch import UnitDispatcher
 # Rows an expert's work unit holds on average: enough for a matmul worth a call, few enough
 # that a step's exchange buffers stay a sliver of a layer. On a CPU with bf16 arithmetic (AMX)
 # a 256-row expert matmul runs at 1.3x the rate of a 128-row one, 512 rows at 1.6x; with 256
-# rows bench/modelopt.py's model calibrates in 15.0 s against 17.4 s with 128, its peak RSS
+# rows bench/modelopt_baseline.py's model calibrates in 15.0 s against 17.4 s with 128, its peak RSS
 # 0.81-0.84 GB against 0.72-0.82 GB (2 runs each; 512 rows peak at 0.98 GB).
 UNIT_ROWS = 256
 

@@ -29,7 +29,7 @@ from eprt.quant.formats.e2m1 import (
     unpack_fp4,
 )
 from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, checked_scales, scaled_down, scaled_up
-from eprt.quant.numerics import chunk_buffer, for_chunks, row_chunks
+from eprt.quant.numerics import CHUNK_ELEMENTS, chunk_buffer, for_chunks, row_chunks
 
 NEGATIVE_ZERO = -(2**31)  # the bits of fp32 -0.0 read as an int32
 
@@ -89,9 +89,11 @@ class Mxfp4(Microscaled):
     num_bits = 4
     modelopt_layout = False
     ct_preset, ct_format = "MXFP4A16", "mxfp4-pack-quantized"
-    # `packed_codes`' fp32 quotient (4) and quarter keys (4), each pair's fp32 key and its int32
-    # index (2 + 2 an element), the packed codes (1/2) and a scale byte a block of 32
-    export_working_bytes = 4 + 4 + 2 + 2 + 1 / 2 + 1 / BLOCK
+    # the packed codes (1/2), the blocks' fp32 amax and the exponent rule's two fp32 temporaries
+    # (3 x 4 a block of 32), and a scale byte a block: the quotient, its keys and the pairs' index
+    # live in each thread's three fp32 chunk buffers (the block amax's, the quotient's, the keys')
+    export_working_bytes = 1 / 2 + (3 * 4 + 1) / BLOCK
+    export_worker_bytes = 3 * 4 * CHUNK_ELEMENTS
 
     scales_of = staticmethod(mxfp4_scales)
     encode = staticmethod(quantize_mxfp4)

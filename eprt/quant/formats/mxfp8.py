@@ -23,7 +23,7 @@ from eprt.quant.formats.e8m0 import (
     scaled_up,
     scaled_weight,
 )
-from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
+from eprt.quant.numerics import CHUNK_ELEMENTS, FP8_E4M3_MAX, to_e4m3
 
 
 def mxfp8_scales(w: torch.Tensor) -> torch.Tensor:
@@ -57,8 +57,10 @@ class Mxfp8(Microscaled):
     quant_algo = "MXFP8"
     num_bits = 8
     ct_preset, ct_format = "MXFP8", "mxfp8-quantized"
-    # the fp32 quotient, scaled in place (4), the codes (1) and a scale byte a block of 32
+    # the fp32 quotient, scaled in place (4), the codes (1) and a scale byte a block of 32; each
+    # thread keeps the block amax's fp32 chunk buffer (e8m0.block_amax)
     export_working_bytes = 4 + 1 + 1 / BLOCK
+    export_worker_bytes = 4 * CHUNK_ELEMENTS
 
     scales_of = staticmethod(mxfp8_scales)
     encode = staticmethod(quantize_mxfp8)

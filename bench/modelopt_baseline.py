@@ -1,6 +1,6 @@
 """eprt against transformers + ModelOpt, side by side, on one random Qwen3-MoE (CPU).
 
-    python bench/modelopt.py [--layers 8] [--experts 32] [--hidden 1024] [--calib-size 64] [--seq-len 256]
+    python bench/modelopt_baseline.py [--layers 8] [--experts 32] [--hidden 1024] [--calib-size 64] [--seq-len 256]
     pip install eprt[bench]          # nvidia-modelopt and transformers
 
 The model (8 layers x 32 experts, hidden 1024: ~0.9 GB in bf16) is written once as a Hugging Face

@@ -1,7 +1,7 @@
 """Kernel throughput, each measured beside its yardstick in the same run.
 
-    python bench/kernels.py                       # CPU: the torch fallbacks, well under a minute
-    python bench/kernels.py --device cuda --experts 128 --tokens 16384 --topk 8 --hidden 4096 --inter 1536
+    python bench/kernel_speed.py                       # CPU: the torch fallbacks, well under a minute
+    python bench/kernel_speed.py --device cuda --experts 128 --tokens 16384 --topk 8 --hidden 4096 --inter 1536
 
 grouped_mm (the MoE gate/up projection, x [T*topk, hidden] against w13 [E, 2*inter, hidden])
 is set against torch._grouped_mm on the same problem and against one dense matmul of equal
