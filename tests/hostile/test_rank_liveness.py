@@ -61,16 +61,21 @@ def test_a_stopped_rank_is_named_by_every_other_rank(tmp_path, agents):
     """Rank 1 is stopped (SIGSTOP) while the others wait for it in an all-reduce: they name it
     once its heartbeat has been still for the peer timeout, not after the collective's 10 minutes."""
     ranks = _one_agent(tmp_path, "calibrate", agents, 3)
-    os.kill(ranks[1][0], signal.SIGSTOP)
-    survivors = [ranks[0][0], ranks[2][0]]
-    assert _ended_within(survivors, BOUND_S) == [], _logs(tmp_path)
-    _says(
-        tmp_path,
-        [0, 2],
-        3,
-        f"rank 1 died while calibrating: no heartbeat for {PEER_TIMEOUT_S} s "
-        "(killed, crashed, out of memory, or its node went down)",
-    )
+    stopped = ranks[1][0]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        survivors = [ranks[0][0], ranks[2][0]]
+        assert _ended_within(survivors, BOUND_S) == [], _logs(tmp_path)
+        _says(
+            tmp_path,
+            [0, 2],
+            3,
+            f"rank 1 died while calibrating: no heartbeat for {PEER_TIMEOUT_S} s "
+            "(killed, crashed, out of memory, or its node went down)",
+        )
+    finally:
+        # a stopped rank outlives its agent (torchrun starts each rank in a session of its own)
+        os.kill(stopped, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
