@@ -1,6 +1,6 @@
 """The prepared GPU check (`make gpu-check`): eprt's CUDA tests and GPU benchmarks in one run of at most 8 minutes.
 
-    python3 bench/gpu_check.py [--budget 470] [--json PATH] [--wheels DIR] [--cpu]
+    python3 bench/gpu_check.py [--budget 470] [--json PATH] [--wheels DIR] [--cpu] [--select EXPR]
 
 With CUDA, in order, each part a subprocess with its own time budget inside the global one:
   install      the wheels of bench/gpu_wheels.txt from --wheels that the machine lacks, then eprt
@@ -18,7 +18,9 @@ Without CUDA (or with --cpu), the parts a CPU can run, and the JSON lists the ot
 Figures go to $OUT/gpu-check.json when OUT is set, else ./gpu-check.json (rewritten after every
 part, so a run cut short keeps what it measured); a summary table ends the output. Exit status:
 0 when every part that ran passed, 1 when one failed or ran out of time, 2 when the machine
-cannot run the check at all (no torch, a package missing that no wheel brings).
+cannot run the check at all (no torch, a package missing that no wheel brings). `--select` narrows
+the test parts to the tests a pytest -k expression picks: a rerun of the ones that failed, which
+spends less of a short device lease.
 """
 
 import argparse
@@ -61,9 +63,11 @@ OPTIONAL = ("fla-core", "compressed-tensors", "pydantic")
 
 
 class Check:
-    def __init__(self, start: float, budget_s: float, json_path: str, cuda: bool, wheels: str):
+    def __init__(
+        self, start: float, budget_s: float, json_path: str, cuda: bool, wheels: str, select: str | None = None
+    ):
         self.start, self.deadline = start, start + budget_s
-        self.json_path, self.cuda, self.wheels = json_path, cuda, wheels
+        self.json_path, self.cuda, self.wheels, self.select = json_path, cuda, wheels, select
         self.report = {
             "schema": 1,
             "mode": "cuda" if cuda else "cpu",
@@ -178,10 +182,15 @@ class Check:
 
     def kernel_tests_interpreted(self, limit: float):
         return self.pytest(
-            "kernel_tests_interpreted", ["tests/test_kernels.py", "-k", "triton and not without_triton"], limit
+            "kernel_tests_interpreted", ["tests/test_kernels.py"], limit, "triton and not without_triton"
         )
 
-    def pytest(self, name: str, args: list[str], limit: float):
+    def selected(self, within: str | None) -> list[str]:
+        """pytest's -k for a test part: its own selection `within`, narrowed by --select."""
+        picks = [f"({e})" for e in (within, self.select) if e]
+        return ["-k", " and ".join(picks)] if picks else []
+
+    def pytest(self, name: str, args: list[str], limit: float, within: str | None = None):
         with tempfile.TemporaryDirectory() as d:
             junit = os.path.join(d, "junit.xml")
             rc, _ = self.run(
@@ -199,6 +208,7 @@ class Check:
                     "junit_family=xunit1",
                     f"--junitxml={junit}",
                     *args,
+                    *self.selected(within),
                 ],
                 limit,
             )
@@ -397,6 +407,7 @@ def main() -> int:
     p.add_argument("--json", help="where the figures go (default $OUT/gpu-check.json, else ./gpu-check.json)")
     p.add_argument("--wheels", default=os.path.join(ROOT, "wheels"), help="folder of the wheels to install")
     p.add_argument("--cpu", action="store_true", help="the CPU mode even where CUDA is there")
+    p.add_argument("--select", metavar="EXPR", help="run only the tests of this pytest -k expression in the test parts")
     a = p.parse_args()
     json_path = os.path.abspath(a.json or os.path.join(os.environ.get("OUT") or ".", "gpu-check.json"))
     os.makedirs(os.path.dirname(json_path), exist_ok=True)
@@ -404,7 +415,7 @@ def main() -> int:
     start = time.monotonic()
     facts = probe(child_env(cuda=not a.cpu))
     cuda = facts["cuda_available"] and not a.cpu
-    check = Check(start, a.budget, json_path, cuda=cuda, wheels=os.path.abspath(a.wheels))
+    check = Check(start, a.budget, json_path, cuda=cuda, wheels=os.path.abspath(a.wheels), select=a.select)
     check.report["environment"] = facts
     check.log(
         f"{sys.executable}: python {facts['python']}, torch {facts['packages'].get('torch')} "

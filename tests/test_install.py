@@ -12,6 +12,7 @@ import sys
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import available
 from eprt.testing.tiny import make_tiny
@@ -116,8 +117,11 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     assert where.startswith(os.path.join(venv, "lib")), where
     assert sh("eprt-make-tiny", "qwen3_moe", "hf").stdout.strip() == "hf"
     sh("eprt-convert", "hf", "ck", "--no-progress")
-    # the README's form, two local ranks; and torchrun's -m, world 1
-    sh("eprt-ptq", "--nproc-per-node", "2", "ck", *PTQ, "--out", "q")
+    # the README's form, two local ranks, with the preview; and torchrun's -m, world 1
+    ptq = sh("eprt-ptq", "--nproc-per-node", "2", "ck", *PTQ, "--preview", "--out", "q")
+    assert "[eprt rank 0] before: 'The river ran low" in ptq.stderr
+    assert "[eprt rank 0] after (nvfp4, fake-quantized)" in ptq.stderr
+    assert "[eprt rank 1] before" not in ptq.stderr  # one voice, rank 0's
     torchrun = [python, "-m", "torch.distributed.run"]
     dry = sh(*torchrun, "--nproc-per-node", "1", f"--master-port={free_port()}", "-m", "eprt.ptq", "ck", "--dry-run")
     assert "world 1 = edp 1 x ep 1" in dry.stdout
@@ -133,7 +137,16 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     run_ptq(
         ParallelState.single(),
-        PTQArgs(ck, "nvfp4", str(tmp_path / "q"), kv_cache="fp8", calib_size=4, seq_len=32, progress=False),
+        PTQArgs(
+            ck,
+            "nvfp4",
+            str(tmp_path / "q"),
+            kv_cache="fp8",
+            calib_size=4,
+            seq_len=32,
+            preview=DEFAULT_PROMPT,
+            progress=False,
+        ),
     )
     want = files_digest(export_hf(str(tmp_path / "q"), str(tmp_path / "out"), progress=False))
     assert files_digest(str(work / "out")) == want

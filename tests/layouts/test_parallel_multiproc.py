@@ -36,7 +36,8 @@ def test_run_world_results_failures_and_hangs():
     assert "--- rank 1 failed:" in message and "ValueError: rank 1 broke" in message
     assert 'in _rank1_raises\n    raise ValueError("rank 1 broke")' in message
 
+    # long enough for rank 1 to start and finish on a loaded machine, far below rank 0's hang
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"ranks \[0\] had not finished after 2 s and were killed"):
-        run_world(_rank0_hangs, 2, timeout=2)
-    assert time.monotonic() - start < 10
+    with pytest.raises(AssertionError, match=r"ranks \[0\] had not finished after \d+ s and were killed"):
+        run_world(_rank0_hangs, 2, timeout=10)
+    assert time.monotonic() - start < 30
