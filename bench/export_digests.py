@@ -40,20 +40,10 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import distinct_models, make_tiny, tiny_config  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 
-FAMILIES = (
-    "qwen3_moe",
-    "deepseek_v3",
-    "glm4_moe",
-    "deepseek_v32",
-    "kimi_linear",
-    "kimi_k3",
-    "kimi_k25",
-    "qwen3_next",
-    "qwen3_5_moe",
-)
+FAMILIES = tuple(distinct_models())
 # the sources users hold in other formats: (name, family, make_tiny keywords)
 SOURCES = (
     ("kimi_k2-int4", "deepseek_v3", dict(source_format="int4", model_type="kimi_k2", num_nextn_predict_layers=0)),

@@ -13,22 +13,11 @@ from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
-from eprt.testing.tiny import make_tiny
+from eprt.testing.tiny import distinct_models, make_tiny
 from tests.ep_checks import RECIPES, same_files
 from tests.multiproc import free_port, run_world
 
-# every model of the family table (qwen3_5_moe_text runs qwen3_next's model under another name)
-FAMILIES = [
-    "qwen3_moe",
-    "deepseek_v3",
-    "glm4_moe",
-    "deepseek_v32",
-    "kimi_linear",
-    "kimi_k3",
-    "kimi_k25",
-    "qwen3_next",
-    "qwen3_5_moe",
-]
+FAMILIES = distinct_models()
 # (world, ep) -> (batch size, chunk size) the layout calibrates with: each layout takes another,
 # so the byte-identical exports show that neither the layout nor the batch or chunk size moves a bit.
 LAYOUTS = {(1, 1): (1, None), (2, 2): (3, 2), (2, 1): (8, 5), (4, 2): (1, 5), (4, 4): (3, 2)}
