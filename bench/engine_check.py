@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from engine_reference import InputQuant, Module, fake_quantize, read_export
+from engine_reference import InputQuant, Module, fake_quantize, nvfp4_input, read_export
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -272,9 +272,12 @@ def ran(semantics: dict[tuple[str, str], str], fmt: str, kind: str, module: str)
 
 def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
     """The one input quantization the engines load per projection kind of a layer's experts: a static
-    scale is the largest of the experts' (every expert's is that already, docs/export.md)."""
+    scale is the largest of the experts' (every expert's is that already, docs/export.md). vLLM's
+    NVFP4 MoE quantizes under fp32 1 / that input scale in either layout (compressed-tensors' stored
+    input_global_scale inverted twice), which a Linear need not."""
     qs = [m.inputs for p, m in projections.items() if p.rpartition(".")[2] in kinds or p in kinds]
-    return max(qs, key=lambda q: q.scale)
+    q = max(qs, key=lambda q: q.scale)
+    return nvfp4_input(q.scale) if q.kind == "nvfp4" else q
 
 
 def experts_forward(module, in_13: InputQuant, in_2: InputQuant):
