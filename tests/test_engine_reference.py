@@ -1,7 +1,8 @@
 """The engine check's reference (bench/engine_reference.py), which dequantizes an export from the
 numerics docs/export.md states, against the compressed-tensors library's own decompression of every
 quantized weight, for each format the engine check reads; the ModelOpt layout of a format read to
-the same weights as its compressed-tensors layout. vLLM is not needed (docs/engine-check.md)."""
+the same weights as its compressed-tensors layout; and its NVFP4 input quantization, element for
+element the engine kernel's steps. vLLM is not needed (docs/engine-check.md)."""
 
 from __future__ import annotations
 
