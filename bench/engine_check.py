@@ -327,6 +327,8 @@ def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str],
         x = torch.tensor(seen["input"], dtype=torch.bfloat16)
         outs = []
         for member in members:
+            if member not in modules:
+                raise ValueError(f"vLLM ran {name} quantized, but the export holds no quantized {member}")
             m = modules[member]
             quantized = m.inputs and ran(semantics, m.fmt, "linear", member) != WEIGHT_ONLY
             xq = fake_quantize(x, m.inputs) if quantized else x
@@ -428,6 +430,7 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
         try:
             model, modules = reference_model(exports[ex.name], os.path.join(work, family))
             quantize_inputs(model, modules, semantics)
+            linear, where = compare_linears(modules, semantics, engine["linears"])
         except ValueError as e:  # an export the reference cannot read: the row says why
             emit(rows, {**row, "format": "-", "semantics": "-", "result": "ERROR", "error": str(e)})
             continue
@@ -439,7 +442,6 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
         )
         w4a4 = any(sem == "W4A4" for (fmt, _), sem in semantics.items() if fmt in formats)
         compared = compare(model, engine, W4A4_FACTOR if w4a4 else 1)
-        linear, where = compare_linears(modules, semantics, engine["linears"])
         if linear > LINEAR_TOL:
             compared["result"] = "FAIL"
         compared.update(linear_rel_diff=linear, worst_linear=where)
