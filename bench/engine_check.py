@@ -160,7 +160,8 @@ TIE_MARGIN = 0.02  # a greedy mismatch where the reference's top two are closer 
 # tolerances, and their semantics are held by LINEAR_TOL instead.
 W4A4_FACTOR = 2
 # Each quantized Linear on vLLM's own input: the same products on both sides, summed in another order
-# and rounded once to bf16 (each within 2^-9 of the sum).
+# and rounded once to bf16 (each within 2^-9 of the sum). It holds the W4A4 rows, whose reference
+# Linears are vLLM's arithmetic bit for bit; the other rows report it (docs/engine-check.md).
 LINEAR_TOL = 2**-8
 
 
@@ -442,7 +443,7 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
         )
         w4a4 = any(sem == "W4A4" for (fmt, _), sem in semantics.items() if fmt in formats)
         compared = compare(model, engine, W4A4_FACTOR if w4a4 else 1)
-        if linear > LINEAR_TOL:
+        if w4a4 and linear > LINEAR_TOL:
             compared["result"] = "FAIL"
         compared.update(linear_rel_diff=linear, worst_linear=where)
         emit(rows, {**row, **compared, "seconds": round(time.monotonic() - start, 1)})
