@@ -15,7 +15,7 @@ cannot run, with the reason. Each other export is then
   group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
   it runs weight-only;
 and compared: greedy tokens equal (teacher-forced on vLLM's tokens), logprobs and layer outputs within
-bf16 tolerances. One table is printed and written as JSON (docs/engine-check.md).
+bf16 tolerances, and each quantized Linear on vLLM's own input against vLLM's output. One table is printed and written as JSON (docs/engine-check.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from engine_reference import InputQuant, Module, fake_quantize, nvfp4_input, read_export
+from engine_reference import FUSED, InputQuant, Module, fake_quantize, nvfp4_input, read_export
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -308,12 +308,9 @@ def experts_forward(module, in_13: InputQuant, in_2: InputQuant):
     return forward
 
 
-# vLLM's fused Linears and the checkpoint's Linears each holds, in output order
-ENGINE_FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
+# vLLM's names for the fused Linears (engine_reference.FUSED: the checkpoint's Linears each holds, in
+# output order)
+ENGINE_FUSED = dict(zip(("qkv_proj", "gate_up_proj", "fused_qkv_a_proj"), FUSED))
 
 
 def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str], str], linears: dict) -> dict:
