@@ -94,6 +94,21 @@ class InputQuant:
     kind: str  # "fp8-static", "nvfp4", "fp8-dynamic", "mxfp8"
     scale: float = 0.0  # the export's input scale (static kinds)
     group: int = 0  # fp8-dynamic: inputs a scale covers, 0 for the whole token
+    # nvfp4: the global scale the engine's kernel multiplies by, fp32, as its loader derives it from
+    # the export (a Linear's: 1 / input_scale, or compressed-tensors' input_global_scale as stored)
+    global_scale: float = 0.0
+
+
+def fp32_reciprocal(v: float) -> float:
+    """1 / v rounded once to fp32, as the engines' loaders invert a stored fp32 scale."""
+    return (1.0 / torch.tensor(v, dtype=torch.float32)).item()
+
+
+def nvfp4_input(input_scale: float, global_scale: float | None = None) -> InputQuant:
+    """An NVFP4 input under `input_scale` (fp32); its global scale fp32 1 / input_scale unless given."""
+    return InputQuant(
+        "nvfp4", input_scale, global_scale=fp32_reciprocal(input_scale) if global_scale is None else global_scale
+    )
 
 
 @dataclass
@@ -106,21 +121,34 @@ class Module:
 
 def fake_quantize(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
     """An input as a W8A8 / W4A4 kernel sees it.
-    fp8-static: e4m3(x / s) s. nvfp4: by 16-element blocks, block scale e4m3(clamp(amax / (6 s), 2^-9,
-    448)), value E2M1(x / (block scale s)). fp8-dynamic: each group of a token under amax / 448.
-    mxfp8: each 32-block under 2^ceil(log2(amax / 448)), the export's own exponent rule."""
+    fp8-static: e4m3(x / s) s. nvfp4: `nvfp4_quantize_dequantize`. fp8-dynamic: each group of a token
+    under amax / 448. mxfp8: each 32-block under 2^ceil(log2(amax / 448)), the export's own exponent
+    rule."""
     xf = x.float()
     if q.kind == "fp8-static":
         return (e4m3(xf / q.scale) * q.scale).to(x.dtype)
     if q.kind == "nvfp4":
-        blocks = xf.reshape(*xf.shape[:-1], -1, NVFP4_BLOCK)
-        s = e4m3((blocks.abs().amax(-1, keepdim=True) / (FP4_MAX * q.scale)).clamp(2.0**-9, FP8_MAX)) * q.scale
-        return (e2m1(blocks / s) * s).reshape(xf.shape).to(x.dtype)
+        return nvfp4_quantize_dequantize(xf, q.global_scale).to(x.dtype)
     group = {"fp8-dynamic": q.group or xf.shape[-1], "mxfp8": MX_BLOCK}[q.kind]
     blocks = xf.reshape(*xf.shape[:-1], -1, group)
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     s = amax / FP8_MAX if q.kind == "fp8-dynamic" else torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     return (e4m3(blocks / s) * s).reshape(xf.shape).to(x.dtype)
+
+
+def nvfp4_quantize_dequantize(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """fp32 x by 16-element blocks in the engines' NVFP4 activation arithmetic (vLLM's emulation, as
+    its CUDA quantization kernel): under the global scale g, block scale b = e4m3(g (amax / 6)) with no
+    floor (a block that underflows E4M3 is zero), value E2M1(x * fp32(1 / (b * fp32(1 / g)))),
+    dequantized as value * (b / g). In exact arithmetic that is export.md's block rule under
+    input_scale = 1 / g, but bf16 inputs under few-bit scales land exactly on E2M1 midpoints often,
+    and there the fp32 roundings of the reciprocals, not the rule, pick the side
+    (docs/engine-check.md, "NVFP4 activations")."""
+    g = torch.tensor(global_scale, dtype=torch.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    b = e4m3(g * (blocks.abs().amax(-1, keepdim=True) * (1 / FP4_MAX)))
+    inverse = torch.where(b == 0, 0.0, 1 / (b * (1 / g)))
+    return (e2m1(blocks * inverse) * (b / g)).reshape(x.shape)
 
 
 def read_tensors(export: str) -> dict[str, torch.Tensor]:
@@ -156,13 +184,14 @@ def read_module(module: str, leaf: str, t: torch.Tensor, tensors: dict[str, torc
     if leaf == "weight_packed" and f"{module}.weight_global_scale" in tensors:  # compressed-tensors NVFP4
         w = dequantize_nvfp4(t, tensors[f"{module}.weight_scale"], 1.0 / get(f"{module}.weight_global_scale").item())
         gs = get(f"{module}.input_global_scale")  # the reciprocal of ModelOpt's input_scale; none for A16
-        return Module("NVFP4", w, None if gs is None else InputQuant("nvfp4", 1.0 / gs.item()))
+        # vLLM's Linear quantizes under input_global_scale as stored; its MoE under 1 / (fp32 1 / it)
+        return Module("NVFP4", w, None if gs is None else nvfp4_input(fp32_reciprocal(gs.item()), gs.item()))
     if leaf == "weight_packed":  # MXFP4: E2M1 codes x E8M0 per 32
         return Module("MXFP4", by_blocks(e2m1_codes(t), e8m0(tensors[f"{module}.weight_scale"])), None)
     if leaf == "weight" and t.dtype == torch.uint8:  # ModelOpt NVFP4 (W4A16: no input_scale)
         w = dequantize_nvfp4(t, tensors[f"{module}.weight_scale"], get(f"{module}.weight_scale_2").item())
         s = get(f"{module}.input_scale")
-        return Module("NVFP4", w, None if s is None else InputQuant("nvfp4", s.item()))
+        return Module("NVFP4", w, None if s is None else nvfp4_input(s.item()))
     if leaf == "weight" and t.dtype == torch.float8_e4m3fn:
         return fp8_module(module, t, tensors)
     return None

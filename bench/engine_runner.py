@@ -50,6 +50,27 @@ def kernels(llm) -> dict[str, str]:
     return chosen
 
 
+def quantized_linear_hooks(llm, linears: dict[str, dict]) -> list:
+    """Hooks recording each quantized Linear's first call (the prefill): its input and its output, by
+    module name (vLLM's, fused siblings as one: qkv_proj, gate_up_proj, fused_qkv_a_proj)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    def record(name):
+        def hook(_m, args, out):
+            y = out[0] if isinstance(out, tuple) else out  # vLLM's Linears return (output, bias)
+            linears.setdefault(name, {"input": args[0].float().tolist(), "output": y.float().tolist()})
+
+        return hook
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    quantized = kernels(llm)
+    return [
+        module.register_forward_hook(record(name))
+        for name, module in runner.get_model().named_modules()
+        if isinstance(module, LinearBase) and name in quantized
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export")
@@ -77,12 +98,15 @@ def main() -> None:
     )
     prompts = json.loads(a.prompts)
     results = []
-    for ids in prompts:  # one prompt at a time, so each layer output is that prompt's prefill
+    linears: dict[str, dict] = {}
+    for i, ids in enumerate(prompts):  # one prompt at a time, so each layer output is that prompt's prefill
         captured: list[torch.Tensor] = []
         hooks = [
             layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(_layer_output(out)))
             for layer in decoder_layers(llm)
         ]
+        if i == 0:
+            hooks += quantized_linear_hooks(llm, linears)
         out = llm.generate(
             [TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=0)
         )[0].outputs[0]
@@ -99,7 +123,7 @@ def main() -> None:
             }
         )
     with open(a.out, "w") as f:
-        json.dump({"kernels": kernels(llm), "prompts": results}, f)
+        json.dump({"kernels": kernels(llm), "prompts": results, "linears": linears}, f)
 
 
 def _layer_output(out) -> torch.Tensor:
