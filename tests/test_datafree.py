@@ -105,15 +105,20 @@ def test_no_calib_given_is_data_free_too(exports, tmp_path):
     "settings",
     [
         {"kv_cache": "fp8", "calib": (MISSING,)},  # the KV cache's scales need amax
+        {"algorithm": "gptq", "calib": (MISSING,)},  # GPTQ's Hessians need the inputs
+        {"algorithm": "awq+gptq", "calib": (MISSING,)},  # so do AWQ's search and GPTQ's Hessians
         {"eval": MISSING},  # the quality report on --eval data runs the model
         {"preview": "Hello", "calib": (MISSING,)},  # so does the preview
     ],
 )
-def test_what_needs_forward_passes_keeps_the_calibrated_path(qwen, tmp_path, settings):
-    """Calibration refuses the missing file, which the data-free path never reads."""
-    with pytest.raises(EprtError, match=MISSING):
+def test_what_needs_forward_passes_keeps_the_calibrated_path(qwen, tmp_path, settings, caplog):
+    """Calibration refuses the missing file, which the data-free path never reads; where the recipe
+    itself needs the data (its algorithm, its KV cache), the log says why it calibrates."""
+    with caplog.at_level("INFO", logger="eprt"), pytest.raises(EprtError, match=MISSING):
         run_ptq(ParallelState.single(), PTQArgs(qwen[0], "fp8_block", str(tmp_path / "q"), progress=False, **settings))
     assert not os.path.exists(tmp_path / "q")
+    why = "algorithm" in settings or "kv_cache" in settings
+    assert ("its formats take no activation statistic, but " in caplog.text) == why, caplog.text
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@
   to eprt's codes; transformers loads it on CPU with every quantized weight, routed experts
   included, equal to eprt's dequantization.
 - eprt-check passes both layouts and refuses a zero, a NaN, a subnormal and a misshapen scale in each.
-- `gptq` is refused by name.
+- `mse` is refused by name (it runs max and gptq).
 """
 
 import pytest
@@ -121,11 +121,13 @@ def test_check_refuses_a_corrupted_scale(model, tmp_path, layout, edit, fault):
     assert any(p.startswith(name) and fault in p for p in problems), problems
 
 
-def test_gptq_is_refused_by_name(model):
+def test_mse_is_refused_by_name(model):
     recipe = parse_recipe(
-        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "gptq"}]}, "r.yaml"
+        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "mse"}]}, "r.yaml"
     )
     with Checkpoint(model.ck) as c:
         layout = reader_for(c.config.model_type, model.ck).layout(c.config)
-    with pytest.raises(RecipeError, match=r"fp8_channel with algorithm gptq, which fp8_channel does not implement"):
+    with pytest.raises(
+        RecipeError, match=r"fp8_channel with algorithm mse, which fp8_channel does not implement \(it runs max, gptq"
+    ):
         quantized_modules(layout, recipe, model.ck)

@@ -136,10 +136,10 @@ class QuantizedExport:
     def _quantize_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
         w = self.expert_row(name, e)
         scale = self.scales.expert_weight_scale(module, w)
-        if self.scales.format(module).blocks_span_rows:  # gate and up each in blocks of their own
-            pieces = [self.scales.quantize_weight(module, p, scale) for p in w.chunk(self.stacked[name].per_row)]
-            return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
-        out = self.scales.quantize_weight(module, w, scale)
+        # gate and up each in blocks of their own where blocks span rows
+        out = self.scales.format(module).quantize_stacked(
+            w, scale, self.scales.searched(module), self.stacked[name].per_row
+        )
         if module in self.record.gptq_experts:  # GPTQ's codes, under the same scales
             out["weight"] = self.record.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
         return out

@@ -83,6 +83,21 @@ def data_free(recipe: Recipe, a: PTQArgs) -> bool:
     return not statistics_needed(recipe) and a.eval is None and a.preview is None
 
 
+def say_calibrated(recipe: Recipe) -> None:
+    """Rank 0 says why a recipe whose formats all take no activation statistic calibrates all the
+    same: its algorithm (GPTQ's Hessians, AWQ's search) or its KV cache needs the data."""
+    needs = statistics_needed(recipe)
+    if needs and not any(
+        weight_format(r.format).uses_activation_statistics for r in recipe.rules if r.format != "none"
+    ):
+        logger().info(
+            "recipe %s (%s): its formats take no activation statistic, but %s: a calibrated run",
+            recipe.name,
+            "+".join(recipe.algorithms),
+            "; ".join(needs),
+        )
+
+
 def say_data_free(a: PTQArgs, recipe: Recipe) -> None:
     """Rank 0 says why no data is read, which settings go unused, and how to get a quality report."""
     log = logger()

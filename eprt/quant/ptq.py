@@ -32,7 +32,7 @@ from eprt.quant.auto_quantize_run import search_formats
 from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
-from eprt.quant.datafree import data_free, run_data_free, say_data_free
+from eprt.quant.datafree import data_free, run_data_free, say_calibrated, say_data_free
 from eprt.quant.engine import LayerEngine
 from eprt.quant.expert_coverage import report_coverage, starved_experts
 from eprt.quant.fingerprint import (
@@ -74,6 +74,8 @@ def run_ptq(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | N
     except ConfigError:  # refused by the calibration's checks, in their order, on every rank together
         return run_calibration(state, a, on_weight, ck)
     if not data_free(recipe, a):
+        if state.rank == 0:
+            say_calibrated(recipe)
         return run_calibration(state, a, on_weight, ck)
     if state.rank == 0:
         say_data_free(a, recipe)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from eprt.quant.formats.block_columns import BlockColumns
 from eprt.storage.safetensors_io import dtype_name
 
 # leaf -> (dtype, shape) of one quantized Linear's tensors in an export layout
@@ -119,8 +120,29 @@ class WeightFormat:
 
     def columns(self, w: torch.Tensor, scales: torch.Tensor):
         """GPTQ's column quantizer (eprt.quant.gptq) for original weights w [L, out, in] with
-        their per-tensor weight scales [L]: `round(j, col_LO)`, `encode(q)`, `decode(codes)`."""
+        their per-tensor weight scales [L]: `round(j, col_LO)`, `encode(q)`, `decode(codes)`. A
+        format whose blocks span rows (`blocks_span_rows`) also takes `pieces`: the weights a row
+        of w holds end to end (a routed expert's w13: gate and up), quantized apart."""
         raise NotImplementedError
+
+    def quantize_stacked(
+        self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool, pieces: int
+    ) -> dict[str, torch.Tensor]:
+        """`quantize` of w [out, in] whose rows hold `pieces` weights end to end (a routed expert's
+        w13: gate and up) under one per-tensor scale: in one call where rows quantize apart anyway
+        (each piece is a slice of it, the same bytes as quantized alone), each piece in blocks of
+        its own where blocks span rows (`blocks_span_rows`)."""
+        if not self.blocks_span_rows or pieces == 1:
+            return self.quantize(w, w_scale, mse)
+        parts = [self.quantize(p, w_scale, mse) for p in w.chunk(pieces)]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def dequantize_stacked(self, t: dict[str, torch.Tensor], dtype: torch.dtype, pieces: int) -> torch.Tensor:
+        """`dequantize` of `quantize_stacked`'s tensors."""
+        if not self.blocks_span_rows or pieces == 1:
+            return self.dequantize(t, dtype)
+        parts = [dict(zip(t, p)) for p in zip(*(v.chunk(pieces) for v in t.values()))]
+        return torch.cat([self.dequantize(p, dtype) for p in parts])
 
     def unfit_input_dim(self, in_dim: int) -> bool:
         """Whether a weight with this input dim cannot be quantized (blocks must fill it)."""
@@ -206,11 +228,13 @@ class WeightFormat:
 class ScaledByBlocks(WeightFormat):
     """A format whose only scales are a grid of block (or row) scales stored as `weight_scale`, from
     the weights alone: nothing per tensor (so nothing for fused Linears to share and no calibrated
-    statistic), weight scales by max alone (FP8 block and per channel, MXFP8, MXFP4). A subclass
-    names the functions of its scales, codes and their decoding."""
+    statistic), weight scales by max (FP8 block and per channel, MXFP8, MXFP4). GPTQ rounds its
+    columns under the grid of the original weight (eprt.quant.formats.block_columns). A subclass
+    names the functions of its scales, codes and their decoding, and how its scales spread over a
+    row's columns and an fp32 quotient rounds, for GPTQ."""
 
     block_scale_leaf = "weight_scale"
-    algorithms = ("max",)
+    algorithms = ("max", "gptq")
     uses_activation_statistics = False
     weight_scale_leaf = None
     ct_weight_scale_leaf = ct_input_scale_leaf = None
@@ -218,6 +242,15 @@ class ScaledByBlocks(WeightFormat):
     scales_of: Callable[[torch.Tensor], torch.Tensor]  # the scale grid of a weight
     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # its codes under them
     decode: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # codes, scales -> values
+    scale_width: int | None  # consecutive columns of a row under one scale of the grid; None: the row
+    # fp32 values of the codes nearest an fp32 quotient, as `encode` rounds it (saturating; a
+    # negative value that rounds to zero keeps its sign where the codes do)
+    round_quotient: Callable[[torch.Tensor], torch.Tensor]
+
+    def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
+        """fp32 [..., out_dim, in/scale_width]: grid `scales` of a weight of `out_dim` rows as each
+        row's scales, one per `scale_width` columns (the values `decode` multiplies codes by)."""
+        raise NotImplementedError
 
     def scale(self, amax) -> torch.Tensor:
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
@@ -229,3 +262,6 @@ class ScaledByBlocks(WeightFormat):
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.decode(t["weight"], t["weight_scale"], dtype)
+
+    def columns(self, w: torch.Tensor, scales: torch.Tensor, pieces: int = 1) -> BlockColumns:
+        return BlockColumns(self, w, pieces)  # the grid from w: no per-tensor scale enters

@@ -99,3 +99,9 @@ class Microscaled(ScaledByBlocks):
 
     group_size = BLOCK
     ct_strategy = "group"
+    scale_width = BLOCK
+
+    def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
+        # a power of two: dividing by it is exact where multiplying by its inverse is, as the
+        # export's encoder scales a block down (`scaled_down`)
+        return e8m0_values(scales)

@@ -18,6 +18,7 @@ import math
 import torch
 
 from eprt.quant.formats.base import ScaledByBlocks, Tensors
+from eprt.quant.formats.block_columns import e4m3_values
 from eprt.quant.numerics import FP8_E4M3_MAX, FP32_TINY, check_finite, to_e4m3
 
 BLOCK = 128  # a weight block is BLOCK x BLOCK, an input group BLOCK consecutive elements of a token
@@ -123,6 +124,12 @@ class Fp8Block(ScaledByBlocks):
     scales_of = staticmethod(fp8_block_scales)
     encode = staticmethod(quantize_fp8_block)
     decode = staticmethod(dequantize_fp8_block)
+    scale_width = BLOCK
+    round_quotient = staticmethod(e4m3_values)
+
+    def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
+        # each grid row stands for 128 weight rows, the last one for what is left of them
+        return scales.float().repeat_interleave(BLOCK, dim=-2)[..., :out_dim, :]
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_input_groups(x)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.base import ScaledByBlocks, Tensors
+from eprt.quant.formats.block_columns import e4m3_values
 from eprt.quant.formats.fp8_block import fake_quant_input_groups, fp8_scales
 from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
 
@@ -51,6 +52,11 @@ class Fp8Channel(ScaledByBlocks):
     scales_of = staticmethod(fp8_channel_scales)
     encode = staticmethod(quantize_fp8_channel)
     decode = staticmethod(dequantize_fp8_channel)
+    scale_width = None  # a row's one scale
+    round_quotient = staticmethod(e4m3_values)
+
+    def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
+        return scales.float().unsqueeze(-1)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_input_groups(x, max(1, x.shape[-1]))  # one group: the whole token

@@ -75,6 +75,12 @@ def packed_codes(x: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> torc
     return torch.index_select(PAIR_CODES.to(x.device), 0, index.reshape(-1), out=out.view(-1))
 
 
+def e2m1_values(quotient: torch.Tensor) -> torch.Tensor:
+    """fp32 values of the E2M1 codes nearest fp32 `quotient`, as `quantize_mxfp4` encodes it: -0.0
+    and a negative value that rounds to zero are -0.0 (code 8)."""
+    return e2m1_decode(e2m1_encode_signed_zero(quotient))
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of packed codes [..., in/2] times their block's scale, in fp32, returned as `dtype`."""
     check_shape(scales, packed, 2 * packed.shape[-1], "MXFP4")
@@ -98,6 +104,7 @@ class Mxfp4(Microscaled):
     scales_of = staticmethod(mxfp4_scales)
     encode = staticmethod(quantize_mxfp4)
     decode = staticmethod(dequantize_mxfp4)
+    round_quotient = staticmethod(e2m1_values)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.base import Tensors
+from eprt.quant.formats.block_columns import e4m3_values
 from eprt.quant.formats.e8m0 import (
     BLOCK,
     Microscaled,
@@ -65,6 +66,7 @@ class Mxfp8(Microscaled):
     scales_of = staticmethod(mxfp8_scales)
     encode = staticmethod(quantize_mxfp8)
     decode = staticmethod(dequantize_mxfp8)
+    round_quotient = staticmethod(e4m3_values)
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fake_quant_mx_input(x)
