@@ -33,7 +33,7 @@ from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.scales import EXPERT_KINDS, Scales, as_quantized
+from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
 ALGORITHM = "gptq"
@@ -43,8 +43,6 @@ DEFAULT_MIN_TOKENS = 128  # a routed expert with fewer keeps max rounding
 # memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.plan), up to
 # this many: beyond it the loop's share of the solve is already small.
 MOST_EXPERTS_STACKED = 16
-# the weights a routed expert's row of each stacked projection holds end to end: w13 gate and up
-PIECES = dict(zip(EXPERT_KINDS, (2, 1)))
 
 
 class GPTQResults:
@@ -105,7 +103,7 @@ class GPTQResults:
                         e = first_expert + local
                         row = as_quantized(ck, name, formats[m], ck.read(name, rows=(e, e + 1))[0])
                         scale = scales.expert_weight_scale(m, row)
-                        w = _decode(formats[m], codes[local], row, scale, PIECES[kind])
+                        w = _decode(formats[m], codes[local], row, scale, EXPERT_PIECES[kind])
                         param[local].copy_(w.to(param.dtype))
                 done.add(m)
         return done
@@ -258,7 +256,7 @@ class LayerGPTQ:
             rows = self._read(m, name, (first, first + L)).to(param.device)
             scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
             for l in (l for l in range(L) if l not in sums):  # the export's own codes
-                f, pieces = self.scales.format(m), PIECES[kind]  # gate and up apart where blocks span rows
+                f, pieces = self.scales.format(m), EXPERT_PIECES[kind]  # gate and up apart where blocks span rows
                 t = f.quantize_stacked(rows[l], scales[l], self.scales.searched(m), pieces)
                 param[l].copy_(f.dequantize_stacked(t, param.dtype, pieces))
                 codes[(kind, l)] = t["weight"]
@@ -266,7 +264,7 @@ class LayerGPTQ:
             stack = run.expert_stack
             for j in range(0, len(solved), stack):
                 ids = solved[j : j + stack]
-                cols = columns_of(fmt, rows[ids], scales[ids], PIECES[kind])
+                cols = columns_of(fmt, rows[ids], scales[ids], EXPERT_PIECES[kind])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
                 q = gptq(rows[ids], (sums[l][k].hessian() for l in ids), cols)
                 param[ids] = q.to(param.dtype)

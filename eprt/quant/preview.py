@@ -26,7 +26,7 @@ from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import EXPERT_KINDS, Scales
+from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales
 
 DEFAULT_PROMPT = "The river ran low in late summer, and"
 
@@ -88,8 +88,8 @@ def fake_quantize(
         {m: recipe.algorithm_of(m) for m in targets},
     )
 
-    def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return scales.fake_quantize_weight(m, as_quantized(name, formats[m], w), scale, w.dtype)
+    def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor, pieces: int = 1) -> torch.Tensor:
+        return scales.fake_quantize_weight(m, as_quantized(name, formats[m], w), scale, w.dtype, pieces)
 
     def weight_scale(what: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         try:
@@ -132,10 +132,10 @@ def fake_quantize(
             for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
                 name = f"{m}.{kind}"
 
-                def expert(e: int, _, m=m, name=name, w=w, first=experts.first) -> None:
+                def expert(e: int, _, m=m, name=name, w=w, first=experts.first, pieces=EXPERT_PIECES[kind]) -> None:
                     row = as_quantized(name, formats[m], w[e])
                     scale = weight_scale(f"{name} (expert {first + e})", lambda: scales.expert_weight_scale(m, row))
-                    w[e].copy_(fake_weight(m, name, w[e], scale))
+                    w[e].copy_(fake_weight(m, name, w[e], scale, pieces))
 
                 # each expert whole on one of eprt.kernels.cpu_workers' threads (one elsewhere)
                 for_each(range(0 if m in quantized else w.shape[0]), lambda: None, expert, w.device)

@@ -26,6 +26,8 @@ from eprt.quant.numerics import abs_amax
 from eprt.storage.checkpoint import Checkpoint
 
 EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts module
+# the weights a routed expert's row of each stacked projection holds end to end: w13 gate and up
+EXPERT_PIECES = dict(zip(EXPERT_KINDS, (2, 1)))
 
 
 class Scales:
@@ -108,11 +110,15 @@ class Scales:
         return self.format(module).quantize(w, w_scale, self.searched(module))
 
     def fake_quantize_weight(
-        self, module: str, w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+        self, module: str, w: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype, pieces: int = 1
     ) -> torch.Tensor:
         """The weight an engine computes with (`dequantize_weight` of `quantize_weight`'s
-        tensors) in `dtype`."""
-        return self.format(module).fake_quantize_weight(w, w_scale, self.searched(module), dtype)
+        tensors) in `dtype`; w's rows hold `pieces` weights end to end (`EXPERT_PIECES`), each in
+        blocks of its own where the format's blocks span rows, as the export quantizes them."""
+        fmt, mse = self.format(module), self.searched(module)
+        if fmt.blocks_span_rows and pieces > 1:
+            return fmt.dequantize_stacked(fmt.quantize_stacked(w, w_scale, mse, pieces), dtype, pieces)
+        return fmt.fake_quantize_weight(w, w_scale, mse, dtype)
 
 
 def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.Tensor:
