@@ -115,9 +115,14 @@ class Folds:
     def tensor_names(self) -> list[str]:
         return sorted(self.by_tensor)
 
-    def apply(self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name` as read (or rows of it), folded where a fold changes it."""
+    def apply(
+        self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None, clip: bool = True
+    ) -> torch.Tensor:
+        """Tensor `name` as read (or rows of it), folded where a fold changes it (without the clip: the
+        weight GPTQ's rounding aims at, under the clipped weight's scales)."""
         folds = self.by_tensor.get(name)
+        if folds is not None and not clip:
+            folds = [(kind, s) for kind, s in folds if kind not in CLIPS] or None
         return t if folds is None else fold(folds, t, rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -149,6 +154,10 @@ class FoldedCheckpoint:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.folds.apply(name, self._ck.read(name, rows), rows)
+
+    def read_unclipped(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` with the scales' folds and not the clip's."""
+        return self.folds.apply(name, self._ck.read(name, rows), rows, clip=False)
 
     def read_expert(self, spec: TensorSpec, e: int) -> torch.Tensor:
         if spec.name in self._ck.tensors:

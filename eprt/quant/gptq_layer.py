@@ -30,6 +30,7 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.gptq import HessianSum, columns_of, gptq
@@ -163,12 +164,17 @@ class LayerGPTQ:
     def _module(self, name: str):
         return self.layer.get_submodule(name[len(self.prefix) :])
 
-    def _read(self, module: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Original weight `name` of `module` (or its rows), as the export quantizes it."""
+    def _read(
+        self, module: str, name: str, rows: tuple[int, int] | None = None, unclipped: bool = False
+    ) -> torch.Tensor:
+        """Original weight `name` of `module` (or its rows), as the export quantizes it (`unclipped`:
+        without AWQ's clip, the weight GPTQ aims at under the clipped one's scales)."""
         ck = self.run.ck
         if rows is not None and name not in ck.tensors:  # an MTP layer's experts
             spec = self.run.rc.mtp_stacked[name]
             w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
+        elif unclipped and isinstance(ck, FoldedCheckpoint):
+            w = ck.read_unclipped(name, rows)
         else:
             w = ck.read(name, rows)
         return as_quantized(ck, self.run.rc.source_tensor(name), self.run.formats[module], w)
@@ -232,7 +238,8 @@ class LayerGPTQ:
                 module = self._module(m)
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
-                q = gptq(w[None], self.hessians[m].hessian()[None], cols)
+                aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
+                q = gptq(aim[None], self.hessians[m].hessian()[None], cols)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -253,6 +260,7 @@ class LayerGPTQ:
         for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
             name, fmt = f"{m}.{kind}", run.formats[m]
             rows = self._read(m, name, (first, first + L)).to(param.device)
+            aims = self._read(m, name, (first, first + L), unclipped=True).to(param.device)
             scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
             for l in (l for l in range(L) if l not in sums):  # the export's own codes
                 t = self.scales.quantize_weight(m, rows[l], scales[l])
@@ -264,7 +272,7 @@ class LayerGPTQ:
                 ids = solved[j : j + stack]
                 cols = columns_of(fmt, rows[ids], scales[ids])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
-                q = gptq(rows[ids], (sums[l][k].hessian() for l in ids), cols)
+                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
