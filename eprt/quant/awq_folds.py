@@ -115,9 +115,7 @@ class Folds:
     def tensor_names(self) -> list[str]:
         return sorted(self.by_tensor)
 
-    def apply(
-        self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None, clip: bool = True
-    ) -> torch.Tensor:
+    def apply(self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None, clip: bool = True) -> torch.Tensor:
         """Tensor `name` as read (or rows of it), folded where a fold changes it (without the clip: the
         weight GPTQ's rounding aims at, under the clipped weight's scales)."""
         folds = self.by_tensor.get(name)
