@@ -8,7 +8,7 @@ import torch
 from eprt.quant.awq_clip import MOST_STEPS, block_errors, clip_steps, reader_hessian
 from eprt.quant.awq_folds import CLIP, CLIP_GRID, COLUMNS, Folds, clipped
 from eprt.quant.formats import weight_format
-from eprt.quant.gptq import HessianSum
+from eprt.quant.gptq import DAMP, HessianSum
 from eprt.quant.numerics import abs_amax
 
 
@@ -19,6 +19,7 @@ def case():
     x = torch.randn(256, 64, generator=g) @ (torch.eye(64) + 0.3 * torch.randn(64, 64, generator=g))
     w = torch.randn(24, 64, generator=g) * 0.02
     w.view(24, -1, 16)[:, :, 0] *= 6  # an outlier per block: max's scale wastes the grid on it
+    x[:, ::16] *= 0.05  # on a channel the inputs barely reach: clipping it costs little
     return x, w.bfloat16()
 
 
@@ -34,7 +35,12 @@ def test_each_block_takes_the_step_of_least_output_error(case, name):
     blocks = torch.stack([full[i : i + size, i : i + size] for i in range(0, 64, size)])
     assert torch.allclose(h, blocks, rtol=1e-12, atol=0)  # the input Hessian's diagonal blocks
     s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
-    h = reader_hessian(hs.total.double() / hs.scale, s)
+    h = reader_hessian(hs.hessian(), s)
+    # the folded reader's input x / s, damped by GPTQ's share of its mean diagonal
+    xs = x.double() / s.double()
+    blocks = torch.stack([(xs.T @ xs)[i : i + size, i : i + size] for i in range(0, 64, size)])
+    damping = DAMP * torch.diagonal(blocks, dim1=-2, dim2=-1).mean()
+    assert torch.allclose(h, blocks + damping * torch.eye(size, dtype=torch.float64), rtol=1e-10, atol=0)
     amax = abs_amax(w)
     kept = amax if fmt.weight_scale_leaf is not None else None
     steps = clip_steps(fmt, w, fmt.scale(amax), h, kept)
@@ -55,6 +61,8 @@ def test_each_block_takes_the_step_of_least_output_error(case, name):
     movable = w.float().view(24, -1, size).abs().amax(-1) < amax if kept is not None else torch.ones_like(chosen).bool()
     assert torch.equal(chosen[movable], errors.amin(0)[movable])
     assert (steps[~movable] == 0).all()
+    if kept is not None:  # where the block holding the amax would clip, were it free to
+        assert (clip_steps(fmt, w, fmt.scale(amax), h, None)[~movable] > 0).all()
     # the clip moves most blocks off max's scale and lowers the whole output error below max's
     assert (steps > 0).float().mean() > 0.25
     assert chosen.sum() < 0.95 * errors[0].sum()
