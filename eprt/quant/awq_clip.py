@@ -11,8 +11,9 @@ elements land on the largest code). Each block takes the k of least error
 
 H_b the block's diagonal block of its input's Hessian (sum of x x^T over the calibration rows, the
 inputs divided by AWQ's scale as the folded reader reads them): the output error of that block's
-contribution, cross terms between its channels included (the whole 16 x 16 or 32 x 32 block
-costs little more than its diagonal, and correlated channels are common in the norms' outputs).
+contribution, cross terms between its channels included (the whole 16 x 16 or 32 x 32 block is
+that error exactly and costs little more than its diagonal; the diagonal alone measured the same
+within the noise on the bench model: docs/quality.md).
 Blocks are independent under the block rule, so every block chooses its own k at once. Step 0 is
 max's own rounding and wins ties, so the search never does worse than max by its own measure.
 

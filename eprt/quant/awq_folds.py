@@ -7,6 +7,11 @@ the SwiGLU activation passes through linearly) divided by s, every reader's weig
 multiplied by s (the router's too, whose logits are then unchanged). The export is a plain
 checkpoint of folded weights; no engine sees s.
 
+AWQ's clipping half (eprt.quant.awq_clip) is a fold too: a step per quantization block that
+clips the block to a fraction of its amax, applied after the scales, to the rounded weight they
+make. It changes what the model computes unquantized, on purpose: the export's block-amax rule
+then gives the clipped block its smaller scale.
+
 A fold is one tensor changed: `Folds` holds them by tensor name, `FoldedCheckpoint` reads a
 checkpoint with them applied. The calibration run reads its layers through it (GPTQ's weights and
 scales, the quantized layer's), and so does the export, so both quantize the same folded tensors.

@@ -11,7 +11,9 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
    the world; experts: the edp replicas that computed the expert's other units);
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
-   the export writes;
+   the export writes; under awq+gptq, its scales are the clipped weight's (AWQ's clip,
+   eprt.quant.awq_clip) and the sweep aims at the weight without the clip, so that the columns
+   after a clipped element take up its clipping error too;
 4. the rest of the layer is fake-quantized with the export's numerics (eprt.quant.passes.quantized_layer,
    eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
    and values through FP8 with an FP8 KV cache) and runs again to make the next layer's input.

@@ -14,7 +14,10 @@ For each layer:
    into int64 fixed point and summed over the ranks exactly, so every rank chooses the same alpha
    at every layout (the routed experts' activations: each expert its own alpha);
 3. the fold of each group's best candidate, read back into the layer through the folded
-   checkpoint, as the export reads it;
+   checkpoint, as the export reads it; then AWQ's clipping half (eprt.quant.awq_clip): each
+   quantized reader in a 4-bit block format gets, per block of its folded weight, the clip of
+   least output error on the group's samples, folded in after the scales (under awq+gptq, GPTQ
+   keeps the clipped weight's scales and aims at the unclipped weight: eprt.quant.gptq_layer);
 4. a run of the calibration sequences through the folded layer measures its amax again (the
    readers' inputs are now x / s, every later module's move by the folds' roundings) and the routed
    token counts (a bf16 router's choices may move with its rounding), in place of the statistics
