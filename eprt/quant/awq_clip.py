@@ -31,6 +31,9 @@ from eprt.quant.formats import WeightFormat
 from eprt.quant.gptq import DAMP
 
 MOST_STEPS = CLIP_GRID // 2  # clip bounds from the block's amax down to 0.55 of it
+# The search quantizes every step of a chunk of rows at once: about this many elements, which
+# bound its working memory (a few fp32 and fp64 copies of them), not its result.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def clips(fmt: WeightFormat) -> bool:
@@ -50,9 +53,9 @@ def reader_hessian(total: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def block_errors(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """e_b^T H_b e_b [out, B] fp64 of the errors e [out, in] by the blocks' Hessians h [B, g, g]."""
-    eb = e.double().view(e.shape[0], h.shape[0], h.shape[1])
-    return torch.einsum("obi,bij,obj->ob", eb, h, eb)
+    """e_b^T H_b e_b [..., out, B] fp64 of the errors e [..., out, in] by the blocks' Hessians h [B, g, g]."""
+    eb = e.double().view(*e.shape[:-1], h.shape[0], h.shape[1])
+    return torch.einsum("...obi,bij,...obj->...ob", eb, h, eb)
 
 
 def clip_steps(
@@ -61,22 +64,20 @@ def clip_steps(
     """The step of least output error (uint8 [out, in / group_size]) of each block of weight w
     [out, in] (as the export quantizes it) under its per-tensor scale `w_scale`, the blocks' input
     Hessians h [B, g, g] (`reader_hessian`); a block whose amax reaches `kept_amax` (the per-tensor
-    scale's amax, None where the format has none) keeps step 0."""
-    ref = w.float()
-    blocks = ref.shape[-1] // fmt.group_size
-    best = torch.zeros(ref.shape[0], blocks, dtype=torch.uint8, device=w.device)
-    movable = None
-    if kept_amax is not None:
-        movable = ref.view(ref.shape[0], blocks, -1).abs().amax(-1) < kept_amax.to(w.device)
-    least = None
-    for k in range(MOST_STEPS):
-        steps = torch.full_like(best, k)
-        q = fmt.fake_quantize_weight(clipped(w, steps), w_scale, False, torch.float32)
-        err = block_errors(ref - q, h)
-        if least is None:
-            least = err
-            continue
-        better = err < least if movable is None else (err < least) & movable
-        best[better] = k
-        least = torch.where(better, err, least)
+    scale's amax, None where the format has none) keeps step 0. Every step is quantized in one call
+    of the format's rule, a chunk of rows at a time (about CHUNK_ELEMENTS elements of candidates)."""
+    out, width = w.shape
+    blocks = width // fmt.group_size
+    best = torch.empty(out, blocks, dtype=torch.uint8, device=w.device)
+    steps = torch.arange(MOST_STEPS, dtype=torch.uint8, device=w.device).view(-1, 1, 1)
+    rows = max(1, CHUNK_ELEMENTS // (MOST_STEPS * width))
+    for a in range(0, out, rows):
+        chunk = w[a : a + rows]
+        ref = chunk.float()
+        every = clipped(chunk.expand(MOST_STEPS, *chunk.shape), steps.expand(-1, chunk.shape[0], blocks))
+        err = block_errors(ref - fmt.fake_quantize_weight(every, w_scale, False, torch.float32), h)
+        if kept_amax is not None:  # the blocks that set the per-tensor scale: step 0 only
+            kept = ref.view(chunk.shape[0], blocks, -1).abs().amax(-1) >= kept_amax.to(w.device)
+            err[1:, kept] = torch.inf
+        best[a : a + rows] = err.argmin(0).to(torch.uint8)  # argmin: the first of equal errors, step 0 first
     return best
