@@ -10,8 +10,8 @@ search's working set.
 - The clips (eprt.quant.awq_clip): a uint8 step per quantization block of every balanced quantized
   weight, every routed expert's on every rank, held as folds to the end of the run; counted at
   NVFP4's blocks of 16, the smallest a clipped format has (none where the format does not clip).
-  The clip search's working set (a few fp32 and fp64 copies of one weight) is below the scale
-  search's, which it follows.
+  The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,
+  in fp32 and fp64) comes after the scale search's: the larger of the two counts.
 - The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
   fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
   scored rows in the input dtype, and one unit's outputs."""
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from eprt.models.moe import Experts
+from eprt.quant.awq_clip import CHUNK_ELEMENTS as CLIP_CHUNK_ELEMENTS
+from eprt.quant.awq_clip import MOST_STEPS as CLIP_STEPS
 from eprt.quant.awq_groups import layer_groups
 from eprt.quant.formats.nvfp4 import BLOCK_SIZE as SMALLEST_CLIP_BLOCK
 from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS
@@ -84,6 +86,9 @@ def awq_bytes(
         weights = (A + 3) * layer.largest * 4
         # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
         unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
-        most = max(most, (samples, inputs + weights + unit), key=sum)
+        # the clip search, after it: a chunk of rows' every step, clipped (fp32 and the weight's
+        # dtype), quantized (fp32), its error and the error's product with the Hessian blocks (fp64)
+        clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)
+        most = max(most, (samples, max(inputs + weights + unit, clip)), key=sum)
     # the clips stay to the end of the run: at the last layer, every layer's
     return (*most, sum(layer.clip_steps for layer in layers.values()))
