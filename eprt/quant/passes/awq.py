@@ -159,7 +159,8 @@ class AWQ(Pass):
         layer; returns the tensors the clips change."""
         readers = [(m, kind) for m, kind in g.readers if m in self.targets and clips(self._format(m))]
         if g.per_expert:
-            return [self._clip_experts(layer, m, W2_CLIP, lambda ex: ex.w2, self.experts[m].h) for m, _ in readers]
+            changed = [self._clip_experts(layer, m, W2_CLIP, lambda ex: ex.w2, self.experts[m].h) for m, _ in readers]
+            return [n for n in changed if n]
         first, st = g.readers[0][0], layer.state
         inputs = [x.reshape(-1, x.shape[-1]) for x in self.dense[first]]
         dim, device = self._sub(layer, first).weight.shape[1], self._sub(layer, first).weight.device
