@@ -152,9 +152,10 @@ def test_awq_gptq_exports_a_plain_checkpoint_the_same_bytes_at_every_layout(run)
     # exactly the source's tensors, each quantized weight replaced by its scales: no pre_quant_scale
     assert check_export(exports[0], hf) == []
     assert same_files(*exports)
-    with Checkpoint(str(root / "w1")) as q:  # the folds are AWQ's: each MoE layer's norm and experts
+    with Checkpoint(str(root / "w1")) as q:  # the folds are AWQ's: each MoE layer's norm and experts, and clips
         folded = {n.rsplit(".", 1)[1] for n in q.names(role="calibration") if ".awq_" in n}
-    assert folded == {"awq_norm", "awq_columns", "awq_rows", "awq_w13_columns", "awq_w13_up_rows", "awq_w2_columns"}
+    scales = {"awq_norm", "awq_columns", "awq_rows", "awq_w13_columns", "awq_w13_up_rows", "awq_w2_columns"}
+    assert folded == scales | {"awq_clip", "awq_w13_clip", "awq_w2_clip"}
 
 
 def test_a_run_stopped_mid_layer_resumes_to_the_same_bytes(run, tmp_path, monkeypatch):

@@ -276,7 +276,8 @@ def storage_bytes(tensors) -> int:
 def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
     """The plan of an AWQ run grows by what AWQ holds: the samples its search reads, exactly as
     many bytes as the run keeps (its dense readers' inputs, the routed rows and activations, at
-    one rank), and its search's working set, over what the same run without AWQ plans."""
+    one rank), its search's working set, and the clips' steps the run keeps to its end, over what
+    the same run without AWQ plans."""
     hf = make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32")
     ck_dir = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     held, plans = [], []
@@ -296,6 +297,8 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
     monkeypatch.setattr(ptq_module, "plan_run", planned)
     a = PTQArgs(ck_dir, "nvfp4", str(tmp_path / "q"), calib_size=4, seq_len=32, eval_size=0, algorithm="awq")
     run_ptq(ParallelState.single(), a)
+    with Checkpoint(a.out) as q:  # the clips' steps, as the run held them
+        clips = sum(q.read(n).nbytes for n in q.names(role="calibration") if n.endswith("_clip"))
     ((plan, _),) = plans
     with Checkpoint(ck_dir) as ck:
         rc = ResolvedCheckpoint.of(ck, torch.bfloat16)  # the run's dtype
@@ -306,6 +309,8 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
         with_awq = awq.plan(shape, baseline=0)
         T, K = a.seq_len, ck.config.num_experts_per_tok
         each = [awq_bytes({i: layer}, a.calib_size * T, a.calib_size * T * K, T, 2) for i, layer in awq.awq.items()]
-    assert [samples for samples, _ in each] == held  # every layer's, to the byte
-    assert plan.awq == with_awq.awq == max(map(sum, each)) > max(held)
+    assert [samples for samples, *_ in each] == held  # every layer's, to the byte
+    assert sum(layer_clips for *_, layer_clips in each) == clips > 0
+    most = max(samples + search for samples, search, _ in each)
+    assert plan.awq == with_awq.awq == most + clips > max(held) + clips
     assert with_awq.peak - without.peak == with_awq.awq

@@ -7,6 +7,11 @@ the SwiGLU activation passes through linearly) divided by s, every reader's weig
 multiplied by s (the router's too, whose logits are then unchanged). The export is a plain
 checkpoint of folded weights; no engine sees s.
 
+AWQ's clipping half (eprt.quant.awq_clip) is a fold too: a step per quantization block that
+clips the block to a fraction of its amax, applied after the scales, to the rounded weight they
+make. It changes what the model computes unquantized, on purpose: the export's block-amax rule
+then gives the clipped block its smaller scale.
+
 A fold is one tensor changed: `Folds` holds them by tensor name, `FoldedCheckpoint` reads a
 checkpoint with them applied. The calibration run reads its layers through it (GPTQ's weights and
 scales, the quantized layer's), and so does the export, so both quantize the same folded tensors.
@@ -28,6 +33,12 @@ CENTERED_NORM = "awq_centered_norm"  # a zero-centered RMSNorm's weight w, which
 W13_COLUMNS = "awq_w13_columns"  # the routed experts' stacked gate/up [E, 2I, in]: columns * s [in]
 W13_UP_ROWS = "awq_w13_up_rows"  # their up rows (the second half): / s [E, I], each expert its own
 W2_COLUMNS = "awq_w2_columns"  # their down [E, D, I]: columns * s [E, I]
+# AWQ's clipping (eprt.quant.awq_clip): each quantization block of a weight clipped to a fraction of
+# its own amax, the fraction's step per block (uint8 [..., in / block]); the scales' folds first
+CLIP = "awq_clip"  # a Linear's weight [out, in]
+W13_CLIP = "awq_w13_clip"  # the routed experts' w13 [E, 2I, in]: a step per expert's block
+W2_CLIP = "awq_w2_clip"  # their w2 [E, D, I]
+CLIPS = (CLIP, W13_CLIP, W2_CLIP)
 TENSOR_LEAF = {
     COLUMNS: "weight",
     ROWS: "weight",
@@ -36,12 +47,37 @@ TENSOR_LEAF = {
     W13_COLUMNS: "w13",
     W13_UP_ROWS: "w13",
     W2_COLUMNS: "w2",
+    CLIP: "weight",
+    W13_CLIP: "w13",
+    W2_CLIP: "w2",
 }
-PER_EXPERT = (W13_UP_ROWS, W2_COLUMNS)  # s [E, ...]: a read of rows [a, b) of the tensor takes s[a:b]
+# s [E, ...]: a read of rows [a, b) of the tensor takes s[a:b]
+PER_EXPERT = (W13_UP_ROWS, W2_COLUMNS, W13_CLIP, W2_CLIP)
+CLIP_GRID = 20  # a clip's step k bounds its block by (1 - k / CLIP_GRID) x the block's amax
 
 
 def fold(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Tensor `t` (rows `rows` of a stacked one) with `folds` (kind, s) applied in fp32, rounded once to t's dtype."""
+    """Tensor `t` (rows `rows` of a stacked one) with `folds` (kind, s) applied: the scales in fp32,
+    rounded once to t's dtype, then the clip (`clipped`), which AWQ's clipping search chose on the
+    weight the scales' fold made."""
+    scales = [(kind, s) for kind, s in folds if kind not in CLIPS]
+    w = _scaled(scales, t, rows) if scales else t
+    for kind, steps in folds:
+        if kind in CLIPS:
+            steps = steps.to(t.device) if rows is None else steps[rows[0] : rows[1]].to(t.device)
+            w = clipped(w, steps if t.dim() == steps.dim() else steps[0])  # one expert's row, read alone
+    return w
+
+
+def clipped(w: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """w [..., in] with each block of in / steps.shape[-1] elements clipped to (1 - k / CLIP_GRID)
+    of its own amax, k its step of `steps` [..., blocks] (0: as it is), in fp32, rounded to w's dtype."""
+    blocks = w.float().reshape(*steps.shape, -1)
+    bound = blocks.abs().amax(-1, keepdim=True).mul_(1.0 - steps.float().unsqueeze(-1) / CLIP_GRID)
+    return torch.minimum(torch.maximum(blocks, -bound), bound).reshape(w.shape).to(w.dtype)
+
+
+def _scaled(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     w = t.float()
     for kind, s in folds:
         s = s.float().to(t.device)
@@ -84,9 +120,12 @@ class Folds:
     def tensor_names(self) -> list[str]:
         return sorted(self.by_tensor)
 
-    def apply(self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name` as read (or rows of it), folded where a fold changes it."""
+    def apply(self, name: str, t: torch.Tensor, rows: tuple[int, int] | None = None, clip: bool = True) -> torch.Tensor:
+        """Tensor `name` as read (or rows of it), folded where a fold changes it (without the clip: the
+        weight GPTQ's rounding aims at, under the clipped weight's scales)."""
         folds = self.by_tensor.get(name)
+        if folds is not None and not clip:
+            folds = [(kind, s) for kind, s in folds if kind not in CLIPS] or None
         return t if folds is None else fold(folds, t, rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -118,6 +157,10 @@ class FoldedCheckpoint:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.folds.apply(name, self._ck.read(name, rows), rows)
+
+    def read_unclipped(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` with the scales' folds and not the clip's."""
+        return self.folds.apply(name, self._ck.read(name, rows), rows, clip=False)
 
     def read_expert(self, spec: TensorSpec, e: int) -> torch.Tensor:
         if spec.name in self._ck.tensors:

@@ -7,6 +7,11 @@ search's working set.
   MLP's activation); per routed copy this rank's experts compute, its input and its activation
   (where a group of the routed experts is balanced). The routed copies are priced at an even share
   of the routing: num_sequences x seq_len x top-k / world.
+- The clips (eprt.quant.awq_clip): a uint8 step per quantization block of every balanced quantized
+  weight, every routed expert's on every rank, held as folds to the end of the run; counted at
+  NVFP4's blocks of 16, the smallest a clipped format has (none where the format does not clip).
+  The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,
+  in fp32 and fp64) comes after the scale search's: the larger of the two counts.
 - The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
   fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
   scored rows in the input dtype, and one unit's outputs."""
@@ -19,7 +24,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from eprt.models.moe import Experts
+from eprt.quant.awq_clip import CHUNK_ELEMENTS as CLIP_CHUNK_ELEMENTS
+from eprt.quant.awq_clip import MOST_STEPS as CLIP_STEPS
 from eprt.quant.awq_groups import layer_groups
+from eprt.quant.formats.nvfp4 import BLOCK_SIZE as SMALLEST_CLIP_BLOCK
 from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS
 
 
@@ -29,6 +37,7 @@ class AWQLayer:
     routed_width: int  # per routed copy: its input and activation widths, where the routed experts are balanced
     largest: int  # the most elements of one quantized reader the search scores (a routed expert's: one expert's)
     widest: int  # the widest input the search quantizes
+    clip_steps: int = 0  # the clips' steps of its balanced readers, in bytes (uint8 a block)
 
 
 def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[int, AWQLayer]:
@@ -37,7 +46,7 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
     prefix, decoder = model.decoder()
     out = {}
     for i, layer in enumerate(decoder.layers):
-        dense = routed = largest = widest = 0
+        dense = routed = largest = widest = steps = 0
         for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
             quantized = [m for m, _ in g.readers if m in targets]
             if not quantized or not all(m in balanced for m in quantized):
@@ -48,22 +57,24 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
                 if isinstance(module, Experts):
                     routed = module.w13.shape[2] + module.w2.shape[2]
                     w = module.w2[0] if g.per_expert else module.w13[0]
+                    steps += (module.w2 if g.per_expert else module.w13).numel() // SMALLEST_CLIP_BLOCK
                 else:
                     w = module.weight
+                    steps += w.numel() // SMALLEST_CLIP_BLOCK
                 largest, widest = max(largest, w.numel()), max(widest, w.shape[1])
             if not isinstance(first, Experts):
                 dense += first.weight.shape[1]
         if dense or routed:
-            out[i] = AWQLayer(dense, routed, largest, widest)
+            out[i] = AWQLayer(dense, routed, largest, widest, steps)
     return out
 
 
 def awq_bytes(
     layers: dict[int, AWQLayer], own_tokens: int, routed_copies: int, seq_len: int, itemsize: int
-) -> tuple[int, int]:
-    """(the samples, the search's working set) of the layer that holds the most, in bytes: this rank
-    holding `own_tokens` calibration tokens and computing `routed_copies` routed copies, in
-    `itemsize`-byte activations."""
+) -> tuple[int, int, int]:
+    """(the samples, the search's working set) of the layer that holds the most, and every layer's
+    clips, in bytes: this rank holding `own_tokens` calibration tokens and computing `routed_copies`
+    routed copies, in `itemsize`-byte activations."""
     A = len(COARSE)  # the most candidates the search holds at once
     scored = math.ceil(seq_len / max(1, seq_len // SCORED_ROWS))  # a sequence's rows the search scores
     most = (0, 0)
@@ -75,5 +86,9 @@ def awq_bytes(
         weights = (A + 3) * layer.largest * 4
         # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
         unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
-        most = max(most, (samples, inputs + weights + unit), key=sum)
-    return most
+        # the clip search, after it: a chunk of rows' every step, clipped (fp32 and the weight's
+        # dtype), quantized (fp32), its error and the error's product with the Hessian blocks (fp64)
+        clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)
+        most = max(most, (samples, max(inputs + weights + unit, clip)), key=sum)
+    # the clips stay to the end of the run: at the last layer, every layer's
+    return (*most, sum(layer.clip_steps for layer in layers.values()))

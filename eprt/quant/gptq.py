@@ -51,12 +51,16 @@ def fixed_point_shift(amax: float, tokens: int) -> int:
 class HessianSum:
     """sum x x^T over rows x [dim] with |x| <= amax, at most `tokens` rows, added one canonical unit
     at a time (`add`), the same bits whatever the order of the units or how the totals of
-    several ranks are summed (int64 `total`, all_reduce SUM)."""
+    several ranks are summed (int64 `total`, all_reduce SUM). With `block`, only the diagonal
+    blocks of that many consecutive channels: [dim / block, block, block] (AWQ's clipping search,
+    eprt.quant.awq_clip, weighs a quantization block's error by its block of the Hessian)."""
 
-    def __init__(self, dim: int, amax: float, tokens: int, device=None):
+    def __init__(self, dim: int, amax: float, tokens: int, device=None, block: int | None = None):
         self.amax, self.shift = float(amax), fixed_point_shift(amax, tokens)
         self.scale = 2.0**self.shift
-        self.total = torch.zeros(dim, dim, dtype=torch.int64, device=device)
+        self.block = block
+        shape = (dim, dim) if block is None else (dim // block, block, block)
+        self.total = torch.zeros(shape, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
 
     def add(self, x: torch.Tensor) -> None:
@@ -69,12 +73,17 @@ class HessianSum:
                 "the Hessian pass saw other inputs than the max pass"
             )
         x = x.double()
-        unit = torch.round(x.T @ x * self.scale).to(torch.int64)
+        if self.block is None:
+            unit = x.T @ x
+        else:
+            x = x.view(x.shape[0], -1, self.block)
+            unit = torch.einsum("nbi,nbj->bij", x, x)
+        unit = torch.round(unit.mul_(self.scale)).to(torch.int64)
         with self._lock:  # units may come from several threads at once; an int64 sum is the same in any order
             self.total += unit
 
     def hessian(self) -> torch.Tensor:
-        """fp64 [dim, dim]: the sum (divided in place: one fp64 matrix, not two, at its peak)."""
+        """fp64 [dim, dim] (or its diagonal blocks): the sum (divided in place: one fp64 matrix, not two, at its peak)."""
         return self.total.double().div_(self.scale)
 
 

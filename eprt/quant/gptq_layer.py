@@ -11,7 +11,9 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
    the world; experts: the edp replicas that computed the expert's other units);
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
-   the export writes;
+   the export writes; under awq+gptq, its scales are the clipped weight's (AWQ's clip,
+   eprt.quant.awq_clip) and the sweep aims at the weight without the clip, so that the columns
+   after a clipped element take up its clipping error too;
 4. the rest of the layer is fake-quantized with the export's numerics (eprt.quant.passes.quantized_layer,
    eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
    and values through FP8 with an FP8 KV cache) and runs again to make the next layer's input.
@@ -30,6 +32,7 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.gptq import HessianSum, columns_of, gptq
@@ -164,12 +167,17 @@ class LayerGPTQ:
     def _module(self, name: str):
         return self.layer.get_submodule(name[len(self.prefix) :])
 
-    def _read(self, module: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Original weight `name` of `module` (or its rows), as the export quantizes it."""
+    def _read(
+        self, module: str, name: str, rows: tuple[int, int] | None = None, unclipped: bool = False
+    ) -> torch.Tensor:
+        """Original weight `name` of `module` (or its rows), as the export quantizes it (`unclipped`:
+        without AWQ's clip, the weight GPTQ aims at under the clipped one's scales)."""
         ck = self.run.ck
         if rows is not None and name not in ck.tensors:  # an MTP layer's experts
             spec = self.run.rc.mtp_stacked[name]
             w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
+        elif unclipped and isinstance(ck, FoldedCheckpoint):
+            w = ck.read_unclipped(name, rows)
         else:
             w = ck.read(name, rows)
         return as_quantized(ck, self.run.rc.source_tensor(name), self.run.formats[module], w)
@@ -233,7 +241,8 @@ class LayerGPTQ:
                 module = self._module(m)
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
-                q = gptq(w[None], self.hessians[m].hessian()[None], cols)
+                aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
+                q = gptq(aim[None], self.hessians[m].hessian()[None], cols)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -254,6 +263,7 @@ class LayerGPTQ:
         for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
             name, fmt = f"{m}.{kind}", run.formats[m]
             rows = self._read(m, name, (first, first + L)).to(param.device)
+            aims = self._read(m, name, (first, first + L), unclipped=True).to(param.device)
             scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
             for l in (l for l in range(L) if l not in sums):  # the export's own codes
                 f, pieces = self.scales.format(m), EXPERT_PIECES[kind]  # gate and up apart where blocks span rows
@@ -266,7 +276,7 @@ class LayerGPTQ:
                 ids = solved[j : j + stack]
                 cols = columns_of(fmt, rows[ids], scales[ids], EXPERT_PIECES[kind])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
-                q = gptq(rows[ids], (sums[l][k].hessian() for l in ids), cols)
+                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code

@@ -14,7 +14,10 @@ For each layer:
    into int64 fixed point and summed over the ranks exactly, so every rank chooses the same alpha
    at every layout (the routed experts' activations: each expert its own alpha);
 3. the fold of each group's best candidate, read back into the layer through the folded
-   checkpoint, as the export reads it;
+   checkpoint, as the export reads it; then AWQ's clipping half (eprt.quant.awq_clip): each
+   quantized reader in a 4-bit block format gets, per block of its folded weight, the clip of
+   least output error on the group's samples, folded in after the scales (under awq+gptq, GPTQ
+   keeps the clipped weight's scales and aims at the unclipped weight: eprt.quant.gptq_layer);
 4. a run of the calibration sequences through the folded layer measures its amax again (the
    readers' inputs are now x / s, every later module's move by the folds' roundings) and the routed
    token counts (a bf16 router's choices may move with its rounding), in place of the statistics
@@ -39,11 +42,15 @@ from eprt.models.moe import Experts
 from eprt.models.resolved import place_tensors
 from eprt.models.taps import tapped
 from eprt.progress import logger
-from eprt.quant.awq_folds import W2_COLUMNS, W13_COLUMNS, Folds
+from eprt.quant.awq_clip import clip_steps, clips, reader_hessian
+from eprt.quant.awq_folds import CLIP, W2_CLIP, W2_COLUMNS, W13_CLIP, W13_COLUMNS, Folds
 from eprt.quant.awq_groups import Group, layer_groups
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.engine import LayerWork, Pass
 from eprt.quant.formats import WeightFormat, weight_format
+from eprt.quant.fusion import siblings
+from eprt.quant.gptq import HessianSum
+from eprt.quant.numerics import abs_amax
 from eprt.quant.passes.awq_search import (
     STEPS,
     SUM_SHIFT,
@@ -131,14 +138,102 @@ class AWQ(Pass):
         groups, self.groups = self.groups, []
         if groups:
             with torch.no_grad():
-                changed = [n for g in groups for n in self._balance(layer, g)]
+                self._place(layer, [n for g in groups for n in self._balance(layer, g)])
+                clipped = [n for g in groups for n in self._clip(layer, g)]
             self.dense, self.experts = {}, {}
-            place_tensors(
-                layer.engine.rc, layer.module, sorted(set(changed)), device=layer.state.device, prefix=layer.prefix
-            )
+            self._place(layer, clipped)
             self._measure_again(layer)
         elif self.writes:
             layer.run_calibration(write=True)
+
+    def _place(self, layer: LayerWork, changed: list[str]) -> None:
+        """Read the tensors `changed` into the layer again, through the folds."""
+        if changed:
+            place_tensors(
+                layer.engine.rc, layer.module, sorted(set(changed)), device=layer.state.device, prefix=layer.prefix
+            )
+
+    # --- the clipping search (eprt.quant.awq_clip) ---------------------------------------------
+    def _clip(self, layer: LayerWork, g: Group) -> list[str]:
+        """Search the clip of each quantized reader of group g, whose scales are folded into the
+        layer; returns the tensors the clips change."""
+        readers = [(m, kind) for m, kind in g.readers if m in self.targets and clips(self._format(m))]
+        if g.per_expert:
+            changed = [self._clip_experts(layer, m, W2_CLIP, lambda ex: ex.w2, self.experts[m].h) for m, _ in readers]
+            return [n for n in changed if n]
+        first, st = g.readers[0][0], layer.state
+        inputs = [x.reshape(-1, x.shape[-1]) for x in self.dense[first]]
+        dim, device = self._sub(layer, first).weight.shape[1], self._sub(layer, first).weight.device
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        for x in inputs:
+            torch.maximum(amax, x.abs().max().float(), out=amax)
+        tokens = torch.tensor(sum(x.shape[0] for x in inputs), dtype=torch.int64, device=device)
+        st.all_reduce(amax, over="dp", op=dist.ReduceOp.MAX)
+        st.all_reduce(tokens, over="dp", op=dist.ReduceOp.SUM)
+        totals: dict[int, torch.Tensor] = {}  # by block size: the input's Hessian blocks over the ranks
+
+        def blocks_of(size: int) -> torch.Tensor:
+            if size not in totals:
+                hs = HessianSum(dim, amax.item(), int(tokens), device, block=size)
+                for x in inputs:
+                    hs.add(x)
+                st.all_reduce(hs.total, over="dp", op=dist.ReduceOp.SUM)
+                totals[size] = hs.hessian()
+            return totals[size]
+
+        changed = []
+        for m, kind in readers:
+            module, fmt = self._sub(layer, m), self._format(m)
+            s = self.folds.by_module[m][kind]
+            if isinstance(module, Experts):
+                x = self.experts[m].x
+                changed.append(self._clip_experts(layer, m, W13_CLIP, lambda ex: ex.w13, x, s))
+                continue
+            w = module.weight.detach()
+            kept = None
+            if fmt.weight_scale_leaf is not None:  # a per-tensor scale from the fused siblings' amax
+                kept = max(abs_amax(self._sub(layer, n).weight) for n in siblings(m, self.targets, fmt))
+            w_scale = fmt.scale(kept if kept is not None else abs_amax(w))
+            steps = clip_steps(fmt, w, w_scale, reader_hessian(blocks_of(fmt.group_size), s), kept)
+            if steps.any():
+                changed.append(self.folds.add(m, CLIP, steps.cpu()))
+        return [n for n in changed if n]
+
+    def _clip_experts(self, layer: LayerWork, name: str, kind: str, weights, units, s=None) -> str | None:
+        """The clips of every routed expert's w13 (its input's Hessian `units` per local expert, the
+        group's scale s) or w2 (its activation's; each expert's own scale); returns the tensor they
+        change, None where no block of any expert clips."""
+        st, experts, fmt = layer.state, self._sub(layer, name), self._format(name)
+        stack, first, L = weights(experts).detach(), experts.first, experts.count
+        scales = self.folds.by_module[name][W2_COLUMNS][first : first + L] if s is None else [s] * L
+        device, size = stack.device, fmt.group_size
+        amax = torch.zeros(L, dtype=torch.float32, device=device)
+        tokens = torch.zeros(L, dtype=torch.int64, device=device)
+        for l, xs in enumerate(units):
+            for x in xs:
+                torch.maximum(amax[l], x.abs().max().float(), out=amax[l])
+                tokens[l] += x.shape[0]
+        st.all_reduce(amax, over="edp", op=dist.ReduceOp.MAX)
+        st.all_reduce(tokens, over="edp", op=dist.ReduceOp.SUM)
+        every = torch.zeros(
+            experts.num_experts, stack.shape[1], stack.shape[2] // size, dtype=torch.uint8, device=device
+        )
+        for l in range(L):
+            hs = HessianSum(stack.shape[2], amax[l].item(), int(tokens[l]), device, block=size)
+            for x in units[l]:
+                hs.add(x)
+            st.all_reduce(hs.total, over="edp", op=dist.ReduceOp.SUM)
+            row = stack[l]
+            if fmt.exact_weight_scale(row) is not None:  # an MXFP4 source's row, kept exactly: no error to clip away
+                continue
+            kept = abs_amax(row) if fmt.weight_scale_leaf is not None else None
+            h = reader_hessian(hs.hessian(), scales[l])
+            every[first + l] = clip_steps(fmt, row, fmt.scale(abs_amax(row)), h, kept)
+        st.all_reduce(every, over="ep", op=dist.ReduceOp.SUM)
+        return self.folds.add(name, kind, every.cpu()) if every.any() else None
+
+    def _format(self, module: str) -> WeightFormat:
+        return weight_format(self.recipe.format_of(module))
 
     # --- the search ---------------------------------------------------------------------------
     def _balance(self, layer: LayerWork, g: Group) -> list[str]:
