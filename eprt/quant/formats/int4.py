@@ -136,7 +136,9 @@ def int4_quantized(
 
     for_chunks(chunks, buffers, chunk, w.device)
     # the sizes spelled out: a weight of no rows has no -1 to infer
-    return out.reshape(*w.shape[:-1], width // group), packed.view(torch.int32).reshape(*w.shape[:-1], width // CODES_PER_WORD)
+    return out.reshape(*w.shape[:-1], width // group), packed.view(torch.int32).reshape(
+        *w.shape[:-1], width // CODES_PER_WORD
+    )
 
 
 def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
