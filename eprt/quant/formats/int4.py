@@ -41,13 +41,14 @@ class _Groups:
     """A weight [..., in] as fp32 groups [..., in/group, group] (exact but for float64), held in
     buffers `kept` (fp32 weight, fp32 work, bf16 rounding; each of w's shape at least: a chunk's,
     eprt.quant.numerics.chunk_buffer) or fresh ones. The quotient is taken as in w's dtype where it
-    is bf16 (torch's bf16 division rounds its fp32 quotient once: here through the bf16 buffer,
-    since bf16 arithmetic is several times slower on CPU than a conversion), in fp32 for any other.
+    is bf16 (torch's bf16 division rounds its fp32 quotient once: here through the bf16 buffer, so
+    that every step works in the kept buffers), in fp32 for any other.
     `shape`: the whole weight's, which a refusal names."""
 
     def __init__(self, w: torch.Tensor, group: int, kept: tuple | None = None, shape=None):
         n = w.numel()
-        f, work, rounded = kept or (torch.empty(n), torch.empty(n), torch.empty(n, dtype=SCALE_DTYPE))
+        fresh = (torch.empty(n, device=w.device) for _ in range(2))
+        f, work, rounded = kept or (*fresh, torch.empty(n, dtype=SCALE_DTYPE, device=w.device))
         self.f32 = _as_groups(f.view(-1)[:n].view(w.shape).copy_(w), group)
         self._work = _as_groups(work.view(-1)[:n].view(w.shape), group)
         self._rounded = _as_groups(rounded.view(-1)[:n].view(w.shape), group)
