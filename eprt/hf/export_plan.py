@@ -4,7 +4,10 @@ writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the quantizing t
 largest weight being quantized, one tensor at a time: a dense Linear's whole weight, or a batch of
 routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at least one row a CPU worker).
 Nothing else stays: each tensor is read, quantized, written and dropped. What a weight element
-costs while it is quantized is its format's own figure (`WeightFormat.export_working_bytes`)."""
+costs while it is quantized is its format's own figure (`WeightFormat.export_working_bytes`).
+The check of the written output (eprt.hf.check_files) reads the scales a tensor at a time by byte
+range, without mapping the shards: a scale grid and its masks, less than the export held
+quantizing the weight it scales, so it adds nothing to the peak."""
 
 from __future__ import annotations
 
@@ -72,10 +75,12 @@ def plan_export(ck: Checkpoint, modules: Iterable[str], recipe: Recipe, workers:
                 held.append((working(meta, fmt, rows * row), f"{rows} expert rows of {name}"))
     largest, name = max(held)
     ct = any(not f.modelopt_layout for f in formats)
-    # a thread's buffers, by slot: among the data-free formats only NVFP4's keep any. The pool's
-    # workers quantize, and the producing thread a piece too small to share out.
+    # a thread's buffers, by slot: each format keeps slots of its own, so a thread that quantizes
+    # several formats keeps each one's (the MX formats share their block amax's: counted twice, an
+    # upper bound). The pool's workers quantize, and the producing thread a piece too small to
+    # share out.
     threads = workers + (workers > 1)
-    buffers = threads * max((f.export_worker_bytes for f in formats), default=0)
+    buffers = threads * sum(f.export_worker_bytes for f in formats)
     return ExportPlan(
         process, COMPRESSED_TENSORS_IMPORT_BYTES if ct else 0, PRODUCE_AHEAD_BYTES, buffers, largest, name
     )

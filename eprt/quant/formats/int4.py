@@ -19,13 +19,11 @@ and `weight_shape` [out, in]. No calibrated statistic enters: the scales come fr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from eprt.quant.formats.base import Tensors, WeightFormat
 from eprt.quant.formats.e2m1 import pack_fp4, unpack_fp4
-from eprt.quant.numerics import FP32_TINY, check_finite
+from eprt.quant.numerics import CHUNK_ELEMENTS, FP32_TINY, check_finite, chunk_buffer, for_chunks, row_chunks
 
 GRID_MAX = 7  # codes are -7..7, the Kimi releases' symmetric grid
 OFFSET = 8  # a code is stored as code + 8, a nibble 1..15
@@ -40,32 +38,46 @@ def _as_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class _Groups:
-    """A weight [..., in] as groups [..., in/group, group], in the dtype its quotient is taken in
-    (bf16 or fp32 as it is, anything else widened to fp32) and, once asked, in fp32."""
+    """A weight [..., in] as fp32 groups [..., in/group, group] (exact but for float64), held in
+    buffers `kept` (fp32 weight, fp32 work, bf16 rounding; each of w's shape at least: a chunk's,
+    eprt.quant.numerics.chunk_buffer) or fresh ones. The quotient is taken as in w's dtype where it
+    is bf16 (torch's bf16 division rounds its fp32 quotient once: here through the bf16 buffer, so
+    that every step works in the kept buffers), in fp32 for any other.
+    `shape`: the whole weight's, which a refusal names."""
 
-    def __init__(self, w: torch.Tensor, group: int):
-        self.x = _as_groups(w if w.dtype in (torch.bfloat16, torch.float32) else w.float(), group)
-
-    @functools.cached_property
-    def f32(self) -> torch.Tensor:
-        return self.x.float()
+    def __init__(self, w: torch.Tensor, group: int, kept: tuple | None = None, shape=None):
+        n = w.numel()
+        fresh = (torch.empty(n, device=w.device) for _ in range(2))
+        f, work, rounded = kept or (*fresh, torch.empty(n, dtype=SCALE_DTYPE, device=w.device))
+        self.f32 = _as_groups(f.view(-1)[:n].view(w.shape).copy_(w), group)
+        self._work = _as_groups(work.view(-1)[:n].view(w.shape), group)
+        self._rounded = _as_groups(rounded.view(-1)[:n].view(w.shape), group)
+        self._bf16_quotient = w.dtype == torch.bfloat16
+        self._shape = self.f32.shape if shape is None else (*shape[:-1], shape[-1] // group, group)
 
     def amax(self) -> torch.Tensor:
         """fp32 [..., in/group]; raises ValueError for NaN or infinity."""
-        amax = self.f32.abs().amax(dim=-1)
+        amax = torch.abs(self.f32, out=self._work).amax(dim=-1)
         if amax.numel():
-            check_finite(amax.amax(), self.x.shape)
+            check_finite(amax.amax(), self._shape)
         return amax
 
+    def _to_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (fp32, the work buffer) rounded to bf16 in place, as torch's bf16 arithmetic rounds."""
+        return x.copy_(self._rounded.copy_(x))
+
     def codes(self, scales: torch.Tensor) -> torch.Tensor:
-        """The codes under `scales` [..., in/group], as floats in the quotient's dtype: rounded half
-        to even, clamped to the grid."""
-        return (self.x / scales.to(self.x.dtype).unsqueeze(-1)).round_().clamp_(-GRID_MAX, GRID_MAX)
+        """The codes under bf16 `scales` [..., in/group], as fp32 in the work buffer (valid until the
+        next call): the quotient rounded half to even, clamped to the grid."""
+        q = torch.div(self.f32, scales.float().unsqueeze(-1), out=self._work)
+        if self._bf16_quotient:
+            self._to_bf16(q)
+        return q.round_().clamp_(-GRID_MAX, GRID_MAX)
 
     def error(self, scales: torch.Tensor) -> torch.Tensor:
         """fp32 [..., in/group]: each group's squared error, its values decoded in bf16 as the engines
-        and compressed-tensors decode (code x scale rounded to bf16)."""
-        values = self.codes(scales).float().mul_(scales.float().unsqueeze(-1)).to(SCALE_DTYPE).float()
+        and compressed-tensors decode (code x scale, exact in fp32, rounded to bf16)."""
+        values = self._to_bf16(self.codes(scales).mul_(scales.float().unsqueeze(-1)))
         return values.sub_(self.f32).square_().sum(-1)
 
     def closest_neighbour(self, nearest: torch.Tensor) -> torch.Tensor:
@@ -93,13 +105,46 @@ def int4_scales(w: torch.Tensor, group: int) -> torch.Tensor:
     """bf16 scales [..., in/group] of w [..., in]: each group's amax / 7 rounded to bf16 (a zero
     group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises ValueError
     for NaN or infinity."""
-    groups = _Groups(w, group)
-    return groups.closest_neighbour(nearest_scales(groups.amax()))
+    return int4_quantized(w, group)[0]
+
+
+def int4_quantized(
+    w: torch.Tensor, group: int, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 group scales [..., in/group], packed codes int32 [..., in/8]) of w [..., in]: the scales
+    given, or `int4_scales`' rule; the codes `pack_int4(int4_codes(w, scales))`. A chunk of rows
+    at a time through each thread's kept buffers (eprt.quant.numerics.chunk_buffer): the weight is
+    read once, and no full-size temporary is made."""
+    rows = w.reshape(-1, w.shape[-1])
+    n, width = rows.shape
+    out = torch.empty(n, width // group, dtype=SCALE_DTYPE, device=w.device) if scales is None else scales
+    out = out.reshape(n, width // group)
+    packed = torch.empty(n, width // 2, dtype=torch.uint8, device=w.device)
+    step, chunks = row_chunks(n, width, w.device)
+
+    def buffers() -> tuple[torch.Tensor, ...]:
+        slots = (("weight", torch.float32), ("work", torch.float32), ("rounded", SCALE_DTYPE))
+        return tuple(chunk_buffer(f"int4.{slot}", (step, width), dtype, w.device) for slot, dtype in slots)
+
+    def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
+        groups = _Groups(rows[a:b], group, tuple(t[: b - a] for t in kept), w.shape)
+        if scales is None:
+            out[a:b] = groups.closest_neighbour(nearest_scales(groups.amax()))
+        codes = groups.codes(out[a:b]).add_(OFFSET).view(b - a, width)
+        # a byte of each pair, the first code in the low nibble, into the spent weight buffer
+        pairs = kept[0].view(-1)[: (b - a) * width // 2].view(b - a, width // 2)
+        packed[a:b] = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=1 << 4, out=pairs)
+
+    for_chunks(chunks, buffers, chunk, w.device)
+    # the sizes spelled out: a weight of no rows has no -1 to infer
+    return out.reshape(*w.shape[:-1], width // group), packed.view(torch.int32).reshape(
+        *w.shape[:-1], width // CODES_PER_WORD
+    )
 
 
 def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 codes [..., in] in [-7, 7] of w [..., in] under its group scales [..., in/group]: the
-    quotient in w's dtype where it is bf16 or fp32 (else fp32), rounded half to even, clamped."""
+    quotient as in w's dtype where it is bf16 (else fp32), rounded half to even, clamped."""
     return _Groups(w, w.shape[-1] // scales.shape[-1]).codes(scales).to(torch.int8).reshape(w.shape)
 
 
@@ -190,22 +235,21 @@ class Int4(WeightFormat):
     def __init__(self, name: str, group_size: int):
         self.name, self.group_size = name, group_size
 
+    # each thread's chunk buffers: the fp32 weight and work, the bf16 rounding (`int4_quantized`)
+    export_worker_bytes = (4 + 4 + 2) * CHUNK_ELEMENTS
+
     @property
     def export_working_bytes(self) -> float:
-        # the fp32 groups (4), and in the bf16-neighbour rule's `error` the bf16 quotient (2) and the
-        # fp32 decoded values (4); a group's amax, candidate scales, errors and choices (32 bytes)
-        return 4 + 2 + 4 + 32 / self.group_size
+        # the packed codes (1/2); a group's amax, candidate scales, errors and choices (32 bytes)
+        return 1 / 2 + 32 / self.group_size
 
     def scale(self, amax) -> torch.Tensor:
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())
 
-    def group_scales(self, w: torch.Tensor, mse: bool) -> torch.Tensor:
-        return int4_mse_scales(w, self.group_size) if mse else int4_scales(w, self.group_size)
-
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = self.group_scales(w, mse)
-        return {"weight": pack_int4(int4_codes(w, scales)), "weight_scale": scales}
+        scales, packed = int4_quantized(w, self.group_size, int4_mse_scales(w, self.group_size) if mse else None)
+        return {"weight": packed, "weight_scale": scales}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(t["weight"], t["weight_scale"], dtype)
