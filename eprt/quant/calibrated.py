@@ -78,7 +78,7 @@ class CalibrationRecord:
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = kv_amax or {}
         self.gptq_dense: dict[str, torch.Tensor | None] = gptq_dense or {}
         self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
-        self.folds: dict[str, torch.Tensor] = folds or {}
+        self.folds: dict[str, torch.Tensor | None] = folds or {}
 
     @classmethod
     def of(cls, cal: Calibrator, gptq=None, folds: Folds | None = None) -> "CalibrationRecord":
