@@ -174,14 +174,14 @@ class Folds:
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor], read=None) -> Folds:
-        """The folds of a calibrated checkpoint's `tensors`; the routed experts' clips (None there)
-        read as asked by `read(name, rows)`."""
+        """The folds of `tensors`: a calibrated checkpoint's, whose routed experts' clips (None
+        there) `read(name, rows)` reads as asked, or every expert's whole."""
         folds = cls()
-        for name in sorted(tensors):
-            module, kind = name.rsplit(".", 1)
-            if kind in HELD_PER_RANK:
+        for name, t in sorted(tensors.items()):
+            if t is None:
+                module, kind = name.rsplit(".", 1)
                 folds.add(module, kind, ExpertRows(None, read=lambda a, b, n=name: read(n, (a, b))))
-        folds.load({n: t for n, t in tensors.items() if n.rsplit(".", 1)[1] not in HELD_PER_RANK})
+        folds.load({n: t for n, t in tensors.items() if t is not None})
         return folds
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
