@@ -53,7 +53,7 @@ TENSOR_LEAF = {
 }
 # s [E, ...]: a read of rows [a, b) of the tensor takes s[a:b]
 PER_EXPERT = (W13_UP_ROWS, W2_COLUMNS, W13_CLIP, W2_CLIP)
-# The routed experts' clips, about a sixteenth of their weights' bytes: each rank holds its own
+# The routed experts' clips, a byte per 16 of their weights: each rank holds its own
 # experts' rows (ExpertRows) and the calibrated checkpoint stores them with its share, as GPTQ's
 # codes; their scales (a vector per expert) every rank holds whole
 HELD_PER_RANK = (W13_CLIP, W2_CLIP)
@@ -173,7 +173,7 @@ class Folds:
         }
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor], read=None) -> Folds:
+    def of(cls, tensors: dict[str, torch.Tensor | None], read=None) -> Folds:
         """The folds of `tensors`: a calibrated checkpoint's, whose routed experts' clips (None
         there) `read(name, rows)` reads as asked, or every expert's whole."""
         folds = cls()

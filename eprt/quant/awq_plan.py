@@ -8,9 +8,9 @@ search's working set.
   (where a group of the routed experts is balanced). The routed copies are priced at an even share
   of the routing: num_sequences x seq_len x top-k / world.
 - The clips (eprt.quant.awq_clip): a uint8 step per quantization block of every balanced quantized
-  weight, held as folds to the end of the run: every dense module's on every rank (a few per
-  thousand of the dense weights, which every rank reads whole anyway), and of the routed experts
-  only this rank's (a sixteenth of their weights' bytes: eprt.quant.awq_folds.HELD_PER_RANK);
+  weight, held as folds to the end of the run: every dense module's on every rank (1/32 of the
+  bytes of the bf16 dense weights, which every rank holds whole anyway), and of the routed experts
+  only this rank's (eprt.quant.awq_folds.HELD_PER_RANK);
   counted at NVFP4's blocks of 16, the smallest a clipped format has (none where the format does
   not clip).
   The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,

@@ -228,9 +228,9 @@ class AWQ(Pass):
             h = reader_hessian(hs.hessian(), scales[l])
             mine[l] = clip_steps(fmt, row, fmt.scale(abs_amax(row)), h, kept)
         # every rank holds its own experts' steps; the fold is there where any expert's block clips
-        clips = torch.tensor(int(mine.any()), device=device)
-        st.all_reduce(clips, over="ep", op=dist.ReduceOp.MAX)
-        return self.folds.add(name, kind, ExpertRows(mine.cpu(), first)) if int(clips) else None
+        any_clip = torch.tensor(int(mine.any()), device=device)
+        st.all_reduce(any_clip, over="ep", op=dist.ReduceOp.MAX)
+        return self.folds.add(name, kind, ExpertRows(mine.cpu(), first)) if int(any_clip) else None
 
     def _format(self, module: str) -> WeightFormat:
         return weight_format(self.recipe.format_of(module))
