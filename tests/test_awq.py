@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
@@ -17,6 +18,8 @@ from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
 from eprt.quant.awq_groups import layer_groups
+from eprt.quant.awq_plan import awq_bytes
+from eprt.quant.calibrated import DENSE_FILE, experts_file
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
 from eprt.quant.passes.awq_search import (
@@ -27,7 +30,9 @@ from eprt.quant.passes.awq_search import (
     fake_inputs,
     fake_weights,
 )
+from eprt.quant.plan import Planner
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
@@ -156,6 +161,28 @@ def test_awq_gptq_exports_a_plain_checkpoint_the_same_bytes_at_every_layout(run)
         folded = {n.rsplit(".", 1)[1] for n in q.names(role="calibration") if ".awq_" in n}
     scales = {"awq_norm", "awq_columns", "awq_rows", "awq_w13_columns", "awq_w13_up_rows", "awq_w2_columns"}
     assert folded == scales | {"awq_clip", "awq_w13_clip", "awq_w2_clip"}
+    assert_clips_held_per_rank(str(root / "w1"), str(root / "w2"), ck)
+
+
+def assert_clips_held_per_rank(whole: str, shared: str, ck: str) -> None:
+    """The routed experts' clips of the run at ep 2 (`shared`): each rank's file holds its own
+    experts' rows, together the single process's (`whole`), and the dense file none; the memory
+    plan at ep 2 counts the dense clips and one rank's share, to the byte."""
+    with Checkpoint(whole) as q:
+        routed = {n: q.read(n) for n in q.names(role="calibration") if n.endswith(("_w13_clip", "_w2_clip"))}
+        E = q.config.num_experts
+    files = [load_file(os.path.join(shared, f)) for f in (DENSE_FILE, experts_file(0), experts_file(1))]
+    clips = [{n: t for n, t in f.items() if n.endswith("_clip")} for f in files]
+    assert set(clips[1]) == set(clips[2]) == set(routed) and not set(clips[0]) & set(routed) and clips[0]
+    for n, steps in routed.items():
+        assert clips[1][n].shape[0] == clips[2][n].shape[0] == E // 2
+        assert torch.equal(torch.cat([clips[1][n], clips[2][n]]), steps)
+    with Checkpoint(ck) as c:
+        rc = ResolvedCheckpoint.of(c, torch.bfloat16)
+        recipe, targets = plan_recipe(rc, "nvfp4", "fp8", "awq+gptq")
+        planner = Planner.of(rc, torch.device("cpu"), targets, awq=[m for m in targets if recipe.balanced(m)])
+    planned = awq_bytes(planner.awq, 0, 0, 24, 2, 2)[2]
+    assert planned == sum(t.nbytes for f in clips[:2] for t in f.values())
 
 
 def test_a_run_stopped_mid_layer_resumes_to_the_same_bytes(run, tmp_path, monkeypatch):

@@ -2,14 +2,20 @@
 beats max's rounding where a block has an outlier, never clips the block that sets NVFP4's
 weight_scale_2, and the fold writes what the search scored."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from eprt.models.moe import Experts
+from eprt.parallel import ParallelState
 from eprt.quant.awq_clip import MOST_STEPS, block_errors, clip_steps, reader_hessian
-from eprt.quant.awq_folds import CLIP, CLIP_GRID, COLUMNS, Folds, clipped
+from eprt.quant.awq_folds import CLIP, CLIP_GRID, COLUMNS, W13_CLIP, FoldedCheckpoint, Folds, clipped
+from eprt.quant.calibrate import Calibrator
 from eprt.quant.formats import weight_format
 from eprt.quant.gptq import DAMP, HessianSum
 from eprt.quant.numerics import abs_amax
+from eprt.quant.passes.awq import AWQ
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +91,36 @@ def test_the_fold_clips_after_the_scales_and_gptq_reads_without_the_clip(case):
     assert torch.equal(out.float().view(24, 4, 16).abs().amax(-1), bound.bfloat16().float())
     inside = scaled.float().view(24, 4, 16).abs() <= bound[..., None]
     assert torch.equal(out.view(24, 4, 16)[inside], scaled.view(24, 4, 16)[inside])
+
+
+def clip_experts(w13: torch.Tensor, x: torch.Tensor):
+    """AWQ's clip search of the w13 of routed experts 2 and 3 of 4 (this rank's), each reading x;
+    (the tensor it changes, the run's folds after it)."""
+    layer = torch.nn.Module()
+    layer.experts = Experts(4, 2, 2, w13.shape[2], w13.shape[1] // 2)
+    layer.experts.w13.data = w13
+    awq = AWQ(
+        Calibrator(None, ["experts"], kv=False), SimpleNamespace(format_of=lambda _: "nvfp4"), Folds(2), writes=False
+    )
+    work = SimpleNamespace(module=layer, prefix="", state=ParallelState.single())
+    changed = awq._clip_experts(work, "experts", W13_CLIP, lambda ex: ex.w13, [[x], [x]], torch.ones(w13.shape[2]))
+    return changed, awq.folds
+
+
+def test_a_rank_holds_its_own_experts_clips_and_none_where_no_block_clips(case):
+    """The routed experts' clips are this rank's experts' rows only (read by the experts' ids, a
+    read of another rank's refused); experts no block of which clips (every block reaching its
+    row's amax, which NVFP4's per-tensor scale keeps) leave no fold and change no tensor."""
+    x, w = case
+    w13 = torch.stack([w[:16], w[8:]])  # [2, 16, 64]: gate and up of 8 rows each
+    changed, folds = clip_experts(w13, x)
+    (steps,) = folds.tensors().values()
+    assert changed == "experts.w13" and steps.shape == (2, 16, 4) and steps.any()
+    clipped_w13 = FoldedCheckpoint(SimpleNamespace(read=lambda _n, rows: w13[rows[0] - 2 : rows[1] - 2]), folds)
+    for e in (2, 3):
+        assert torch.equal(clipped_w13.read("experts.w13", (e, e + 1))[0], clipped(w13[e - 2], steps[e - 2]))
+    with pytest.raises(ValueError, match=r"rows \[1, 2\) .* held for experts \[2, 4\)"):
+        folds.apply("experts.w13", w13[:1], (1, 2))
+    flat = torch.where(w13 < 0, -1.0, 1.0).mul(0.02).bfloat16()  # every block holds its row's amax
+    changed, folds = clip_experts(flat, x)
+    assert changed is None and folds.tensors() == {}

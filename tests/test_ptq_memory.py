@@ -20,9 +20,12 @@ from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.awq_plan import awq_bytes
+from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats.base import ScaledByBlocks
+from eprt.quant.gptq import columns_of
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.passes.awq import AWQ
-from eprt.quant.plan import Planner, RunShape, check_host_memory, check_memory
+from eprt.quant.plan import GPTQLinear, Planner, RunShape, check_host_memory, check_memory
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
@@ -276,12 +279,12 @@ def storage_bytes(tensors) -> int:
 def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
     """The plan of an AWQ run grows by what AWQ holds: the samples its search reads, exactly as
     many bytes as the run keeps (its dense readers' inputs, the routed rows and activations, at
-    one rank), its search's working set, and the clips' steps the run keeps to its end, over what
-    the same run without AWQ plans."""
+    one rank), its search's working set, and the clips' steps the run keeps to its end (exactly
+    those it holds and writes), over what the same run without AWQ plans."""
     hf = make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="fp32")
     ck_dir = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    held, plans = [], []
-    reference, plan_run = AWQ.reference, ptq_module.plan_run
+    held, plans, kept = [], [], []
+    reference, plan_run, write = AWQ.reference, ptq_module.plan_run, ptq_module.write_calibrated
 
     def measured(self, layer):
         samples = [t for ts in self.dense.values() for t in ts]
@@ -293,12 +296,19 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
         plans.append(plan_run(*args, **kw))
         return plans[-1]
 
+    def written(*args, **kw):
+        kept.append(args[-1])  # the run's folds, as it holds them at its end
+        return write(*args, **kw)
+
     monkeypatch.setattr(AWQ, "reference", measured)
     monkeypatch.setattr(ptq_module, "plan_run", planned)
+    monkeypatch.setattr(ptq_module, "write_calibrated", written)
     a = PTQArgs(ck_dir, "nvfp4", str(tmp_path / "q"), calib_size=4, seq_len=32, eval_size=0, algorithm="awq")
     run_ptq(ParallelState.single(), a)
-    with Checkpoint(a.out) as q:  # the clips' steps, as the run held them
+    with Checkpoint(a.out) as q:  # the clips' steps, as the run wrote them
         clips = sum(q.read(n).nbytes for n in q.names(role="calibration") if n.endswith("_clip"))
+    (folds,) = kept
+    assert storage_bytes(t for n, t in folds.tensors().items() if n.endswith("_clip")) == clips
     ((plan, _),) = plans
     with Checkpoint(ck_dir) as ck:
         rc = ResolvedCheckpoint.of(ck, torch.bfloat16)  # the run's dtype
@@ -308,9 +318,22 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
         awq = Planner.of(rc, torch.device("cpu"), targets, awq=targets)
         with_awq = awq.plan(shape, baseline=0)
         T, K = a.seq_len, ck.config.num_experts_per_tok
-        each = [awq_bytes({i: layer}, a.calib_size * T, a.calib_size * T * K, T, 2) for i, layer in awq.awq.items()]
+        each = [awq_bytes({i: layer}, a.calib_size * T, a.calib_size * T * K, T, 2, 1) for i, layer in awq.awq.items()]
     assert [samples for samples, *_ in each] == held  # every layer's, to the byte
     assert sum(layer_clips for *_, layer_clips in each) == clips > 0
     most = max(samples + search for samples, search, _ in each)
     assert plan.awq == with_awq.awq == most + clips > max(held) + clips
     assert with_awq.peak - without.peak == with_awq.awq
+
+
+def test_gptq_plans_the_tables_its_column_rounding_holds_for_block_scaled_formats():
+    """A solve's plan grows, over the plan without a format, by exactly what GPTQ's column rounding
+    of each block-scaled format holds (the export's grid and the fp32 scale of each element's
+    block), a partial FP8 block at the edge included; NVFP4's column rounding holds no such table."""
+    w = torch.randn(1, 300, 256)
+    for name, fmt in WEIGHT_FORMATS.items():
+        planned = GPTQLinear.of(1, 300, 256, False, name).weight_solve - GPTQLinear.of(1, 300, 256, False).weight_solve
+        cols = columns_of(name, w, torch.ones(1))
+        held = storage_bytes([cols.row_scales, *cols.grids]) if isinstance(fmt, ScaledByBlocks) else 0
+        assert planned == held, name
+    assert GPTQLinear.of(1, 300, 256, False, "mxfp4").weight_solve > GPTQLinear.of(1, 300, 256, False).weight_solve

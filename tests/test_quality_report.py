@@ -26,7 +26,7 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
-from eprt.quant.awq_folds import FoldedCheckpoint, Folds
+from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
@@ -336,7 +336,7 @@ def test_awq_reports_the_router_choices_its_folds_change(ckpts, tmp_path, monkey
         )
         K = c.config.num_experts_per_tok
         original = load_model(ck, dtype=torch.bfloat16)
-        folds = Folds.of(CalibrationRecord.read(calibrated).folds)
+        folds = CalibrationRecord.read(calibrated).read_folds(calibrated)
         folded = load_parallel(
             ResolvedCheckpoint.of(FoldedCheckpoint(c, folds), torch.bfloat16), ParallelState.single()
         )

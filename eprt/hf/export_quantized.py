@@ -24,7 +24,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
-from eprt.quant.awq_folds import FoldedCheckpoint, Folds
+from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat, weight_format
@@ -76,7 +76,7 @@ class QuantizedExport:
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
         if self.record.folds:  # AWQ's: every weight is read folded, as the run read it
-            self.ck = ck = FoldedCheckpoint(ck, Folds.of(self.record.folds))
+            self.ck = ck = FoldedCheckpoint(ck, self.record.read_folds(ck))
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
         kv = kv_cache_format(self.recipe.kv_cache)
         if layout == ct.NAME and kv is not None and kv.ct_args is None:

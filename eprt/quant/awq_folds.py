@@ -53,6 +53,10 @@ TENSOR_LEAF = {
 }
 # s [E, ...]: a read of rows [a, b) of the tensor takes s[a:b]
 PER_EXPERT = (W13_UP_ROWS, W2_COLUMNS, W13_CLIP, W2_CLIP)
+# The routed experts' clips, a byte per 16 of their weights: each rank holds its own
+# experts' rows (ExpertRows) and the calibrated checkpoint stores them with its share, as GPTQ's
+# codes; their scales (a vector per expert) every rank holds whole
+HELD_PER_RANK = (W13_CLIP, W2_CLIP)
 CLIP_GRID = 20  # a clip's step k bounds its block by (1 - k / CLIP_GRID) x the block's amax
 
 
@@ -64,7 +68,7 @@ def fold(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[int
     w = _scaled(scales, t, rows) if scales else t
     for kind, steps in folds:
         if kind in CLIPS:
-            steps = steps.to(t.device) if rows is None else steps[rows[0] : rows[1]].to(t.device)
+            steps = _rows(steps, rows).to(t.device)
             w = clipped(w, steps if t.dim() == steps.dim() else steps[0])  # one expert's row, read alone
     return w
 
@@ -75,6 +79,34 @@ def clipped(w: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     blocks = w.float().reshape(*steps.shape, -1)
     bound = blocks.abs().amax(-1, keepdim=True).mul_(1.0 - steps.float().unsqueeze(-1) / CLIP_GRID)
     return torch.minimum(torch.maximum(blocks, -bound), bound).reshape(w.shape).to(w.dtype)
+
+
+class ExpertRows:
+    """Rows of a routed experts' fold [E, ...] that one holder has: this rank's experts' rows `t`
+    (`first` the first's id), or, with `read` (rows [a, b) -> tensor), the calibrated checkpoint's,
+    read as asked."""
+
+    def __init__(self, t: torch.Tensor | None, first: int = 0, read=None):
+        self.t, self.first, self.read = t, first, read
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        if self.read is not None:
+            return self.read(a, b)
+        if not self.first <= a <= b <= self.first + self.t.shape[0]:
+            raise ValueError(
+                f"rows [{a}, {b}) of a routed experts' clips held for experts [{self.first}, "
+                f"{self.first + self.t.shape[0]}): a rank reads only its own experts"
+            )
+        return self.t[a - self.first : b - self.first]
+
+
+def _rows(s: torch.Tensor | ExpertRows, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Rows `rows` of fold s (None: all of it, which a rank's rows are not)."""
+    if isinstance(s, ExpertRows):
+        if rows is None:
+            raise ValueError("a routed experts' clips are read a range of experts at a time")
+        return s.rows(*rows)
+    return s if rows is None else s[rows[0] : rows[1]]
 
 
 def _scaled(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
@@ -101,11 +133,14 @@ def _scaled(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[
 
 
 class Folds:
-    """The folds of a run by the module they change (module -> {kind: s fp32}), and by the tensor."""
+    """The folds of a run by the module they change (module -> {kind: s fp32}), and by the tensor.
+    The routed experts' clips (HELD_PER_RANK) are ExpertRows: the rows of experts `first` onwards
+    (this rank's), or the calibrated checkpoint's."""
 
-    def __init__(self):
-        self.by_module: dict[str, dict[str, torch.Tensor]] = {}
-        self.by_tensor: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    def __init__(self, first: int = 0):
+        self.first = first
+        self.by_module: dict[str, dict[str, torch.Tensor | ExpertRows]] = {}
+        self.by_tensor: dict[str, list[tuple[str, torch.Tensor | ExpertRows]]] = {}
 
     def add(self, module: str, kind: str, s: torch.Tensor) -> str:
         """Fold `s` into `module` as `kind` says; returns the tensor it changes."""
@@ -129,21 +164,33 @@ class Folds:
         return t if folds is None else fold(folds, t, rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The calibration record's tensors: `module.kind` -> s."""
-        return {f"{m}.{k}": s for m, kinds in self.by_module.items() for k, s in kinds.items()}
+        """The calibration record's tensors: `module.kind` -> s (the routed experts' clips: this
+        rank's rows)."""
+        return {
+            f"{m}.{k}": s.t if isinstance(s, ExpertRows) else s
+            for m, kinds in self.by_module.items()
+            for k, s in kinds.items()
+        }
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor]) -> Folds:
+    def of(cls, tensors: dict[str, torch.Tensor | None], read=None) -> Folds:
+        """The folds of `tensors`: a calibrated checkpoint's, whose routed experts' clips (None
+        there) `read(name, rows)` reads as asked, or every expert's whole."""
         folds = cls()
-        folds.load(tensors)
+        for name, t in sorted(tensors.items()):
+            if t is None:
+                module, kind = name.rsplit(".", 1)
+                folds.add(module, kind, ExpertRows(None, read=lambda a, b, n=name: read(n, (a, b))))
+        folds.load({n: t for n, t in tensors.items() if t is not None})
         return folds
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Back from `tensors` (eprt.quant.workdir's saved ones, the record's): `module.kind` -> s."""
+        """Back from `tensors` (eprt.quant.workdir's saved ones: the routed experts' clips this
+        rank's rows): `module.kind` -> s."""
         for name, s in sorted(tensors.items()):
             module, kind = name.rsplit(".", 1)
             if kind not in self.by_module.get(module, {}):
-                self.add(module, kind, s.cpu())
+                self.add(module, kind, ExpertRows(s.cpu(), self.first) if kind in HELD_PER_RANK else s.cpu())
 
 
 class FoldedCheckpoint:

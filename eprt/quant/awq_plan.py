@@ -8,8 +8,11 @@ search's working set.
   (where a group of the routed experts is balanced). The routed copies are priced at an even share
   of the routing: num_sequences x seq_len x top-k / world.
 - The clips (eprt.quant.awq_clip): a uint8 step per quantization block of every balanced quantized
-  weight, every routed expert's on every rank, held as folds to the end of the run; counted at
-  NVFP4's blocks of 16, the smallest a clipped format has (none where the format does not clip).
+  weight, held as folds to the end of the run: every dense module's on every rank (1/32 of the
+  bytes of the bf16 dense weights, which every rank holds whole anyway), and of the routed experts
+  only this rank's (eprt.quant.awq_folds.HELD_PER_RANK);
+  counted at NVFP4's blocks of 16, the smallest a clipped format has (none where the format does
+  not clip).
   The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,
   in fp32 and fp64) comes after the scale search's: the larger of the two counts.
 - The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
@@ -37,7 +40,8 @@ class AWQLayer:
     routed_width: int  # per routed copy: its input and activation widths, where the routed experts are balanced
     largest: int  # the most elements of one quantized reader the search scores (a routed expert's: one expert's)
     widest: int  # the widest input the search quantizes
-    clip_steps: int = 0  # the clips' steps of its balanced readers, in bytes (uint8 a block)
+    dense_clips: int = 0  # the clips' steps of its balanced dense readers, in bytes (uint8 a block)
+    routed_clips: int = 0  # those of its balanced routed experts, every expert's (a rank holds its share)
 
 
 def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[int, AWQLayer]:
@@ -46,7 +50,7 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
     prefix, decoder = model.decoder()
     out = {}
     for i, layer in enumerate(decoder.layers):
-        dense = routed = largest = widest = steps = 0
+        dense = routed = largest = widest = dense_clips = routed_clips = 0
         for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
             quantized = [m for m, _ in g.readers if m in targets]
             if not quantized or not all(m in balanced for m in quantized):
@@ -57,24 +61,25 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
                 if isinstance(module, Experts):
                     routed = module.w13.shape[2] + module.w2.shape[2]
                     w = module.w2[0] if g.per_expert else module.w13[0]
-                    steps += (module.w2 if g.per_expert else module.w13).numel() // SMALLEST_CLIP_BLOCK
+                    routed_clips += (module.w2 if g.per_expert else module.w13).numel() // SMALLEST_CLIP_BLOCK
                 else:
                     w = module.weight
-                    steps += w.numel() // SMALLEST_CLIP_BLOCK
+                    dense_clips += w.numel() // SMALLEST_CLIP_BLOCK
                 largest, widest = max(largest, w.numel()), max(widest, w.shape[1])
             if not isinstance(first, Experts):
                 dense += first.weight.shape[1]
         if dense or routed:
-            out[i] = AWQLayer(dense, routed, largest, widest, steps)
+            out[i] = AWQLayer(dense, routed, largest, widest, dense_clips, routed_clips)
     return out
 
 
 def awq_bytes(
-    layers: dict[int, AWQLayer], own_tokens: int, routed_copies: int, seq_len: int, itemsize: int
+    layers: dict[int, AWQLayer], own_tokens: int, routed_copies: int, seq_len: int, itemsize: int, ep: int
 ) -> tuple[int, int, int]:
     """(the samples, the search's working set) of the layer that holds the most, and every layer's
-    clips, in bytes: this rank holding `own_tokens` calibration tokens and computing `routed_copies`
-    routed copies, in `itemsize`-byte activations."""
+    clips this rank holds, in bytes: this rank holding `own_tokens` calibration tokens, computing
+    `routed_copies` routed copies, in `itemsize`-byte activations, and a share of the routed
+    experts at expert parallelism `ep`."""
     A = len(COARSE)  # the most candidates the search holds at once
     scored = math.ceil(seq_len / max(1, seq_len // SCORED_ROWS))  # a sequence's rows the search scores
     most = (0, 0)
@@ -90,5 +95,6 @@ def awq_bytes(
         # dtype), quantized (fp32), its error and the error's product with the Hessian blocks (fp64)
         clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)
         most = max(most, (samples, max(inputs + weights + unit, clip)), key=sum)
-    # the clips stay to the end of the run: at the last layer, every layer's
-    return (*most, sum(layer.clip_steps for layer in layers.values()))
+    # the clips stay to the end of the run: at the last layer, every layer's (its routed experts' on
+    # their ranks, ep of them sharing the experts evenly)
+    return (*most, sum(layer.dense_clips + layer.routed_clips // ep for layer in layers.values()))

@@ -16,7 +16,7 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
-from eprt.quant.awq_folds import TENSOR_LEAF, Folds
+from eprt.quant.awq_folds import HELD_PER_RANK, TENSOR_LEAF, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.report import label, page_path, write_page
@@ -47,7 +47,9 @@ class CalibrationRecord:
     With AWQ (eprt.quant.passes.awq), its scales: folds: `module.kind` -> s (one per channel; the
     routed experts: a row per expert), each kind one of
     eprt.quant.awq_folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
-    the checkpoint through them (eprt.quant.awq_folds.FoldedCheckpoint)."""
+    the checkpoint through them (eprt.quant.awq_folds.FoldedCheckpoint, `read_folds`). The routed
+    experts' clips (eprt.quant.awq_folds.HELD_PER_RANK) are per-expert tensors, each rank's rows
+    written with its share like GPTQ's codes, and read back by rows, as the export asks."""
 
     INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = (
         "input_amax",
@@ -76,7 +78,7 @@ class CalibrationRecord:
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = kv_amax or {}
         self.gptq_dense: dict[str, torch.Tensor | None] = gptq_dense or {}
         self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
-        self.folds: dict[str, torch.Tensor] = folds or {}
+        self.folds: dict[str, torch.Tensor | None] = folds or {}
 
     @classmethod
     def of(cls, cal: Calibrator, gptq=None, folds: Folds | None = None) -> "CalibrationRecord":
@@ -94,6 +96,7 @@ class CalibrationRecord:
             out[f"{module}.{self.TOKENS}"] = self.expert_tokens[module]
         for module, (w13, w2) in self.gptq_experts.items():
             out[f"{module}.{self.GPTQ_W13}"], out[f"{module}.{self.GPTQ_W2}"] = w13, w2
+        out.update({n: t for n, t in self.folds.items() if _per_rank(n)})
         return out
 
     def dense_tensors(self) -> dict[str, torch.Tensor]:
@@ -101,7 +104,7 @@ class CalibrationRecord:
         for attn, (k, v) in self.kv_amax.items():
             out[f"{attn}.{self.K}"], out[f"{attn}.{self.V}"] = k, v
         out.update({f"{m}.{self.GPTQ_WEIGHT}": t for m, t in self.gptq_dense.items()})
-        out.update(self.folds)
+        out.update({n: t for n, t in self.folds.items() if not _per_rank(n)})
         return out
 
     @classmethod
@@ -127,10 +130,18 @@ class CalibrationRecord:
 
     @classmethod
     def read(cls, ck: Checkpoint) -> "CalibrationRecord":
-        """The record of a calibrated checkpoint; GPTQ's weights by name only (`read_gptq`)."""
+        """The record of a calibrated checkpoint; GPTQ's weights and the routed experts' clips by
+        name only (`read_gptq`, `read_folds`)."""
         return cls.from_tensors(
-            {n: None if n.rsplit(".", 1)[1] in cls.GPTQ else ck.read(n) for n in ck.names(role="calibration")}
+            {
+                n: None if n.rsplit(".", 1)[1] in cls.GPTQ or _per_rank(n) else ck.read(n)
+                for n in ck.names(role="calibration")
+            }
         )
+
+    def read_folds(self, ck: Checkpoint) -> Folds:
+        """AWQ's folds of calibrated checkpoint `ck`, the routed experts' clips read by rows from it."""
+        return Folds.of(self.folds, read=lambda name, rows: ck.read(name, rows=rows))
 
     def read_gptq(
         self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
@@ -140,6 +151,11 @@ class CalibrationRecord:
             return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
         leaf = {"w13": self.GPTQ_W13, "w2": self.GPTQ_W2}[kind]
         return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
+
+
+def _per_rank(name: str) -> bool:
+    """Whether record tensor `name` is a routed experts' clip: written by rank, read by rows."""
+    return name.rsplit(".", 1)[1] in HELD_PER_RANK
 
 
 def refuse_calibrated(ck: Checkpoint, path: str) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 
 from eprt.quant.formats import weight_format
+from eprt.quant.formats.base import ScaledByBlocks
 
 BLOCK = 128  # columns per lazy-batch block
 DAMP = 0.01  # damping, a fraction of the mean diagonal
@@ -93,6 +94,18 @@ def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor, pieces: int = 1)
     w13: gate and up), which a format whose blocks span rows quantizes apart."""
     f = weight_format(fmt)
     return f.columns(w, scales, pieces) if f.blocks_span_rows else f.columns(w, scales)
+
+
+def columns_held_bytes(fmt: str, out_dim: int, in_dim: int) -> int:
+    """What the column rounding of format `fmt` holds beside one weight [out_dim, in_dim] for its
+    whole solve: a block-scaled format's (eprt.quant.formats.block_columns) export scale grid and
+    its fp32 table of each element's block scale, per row one per `scale_width` columns (MX: 4
+    bytes per 32 weights, FP8 block: per 128); nothing for the formats that scale per column."""
+    f = weight_format(fmt)
+    if not isinstance(f, ScaledByBlocks):
+        return 0
+    dtype, shape = f.modelopt_tensors(out_dim, in_dim)["weight_scale"]
+    return math.prod(shape) * dtype.itemsize + out_dim * math.ceil(in_dim / (f.scale_width or in_dim)) * 4
 
 
 def gptq(

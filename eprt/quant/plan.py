@@ -42,7 +42,7 @@ from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.awq_plan import AWQLayer, awq_bytes, awq_layers
-from eprt.quant.gptq import columns_of
+from eprt.quant.gptq import columns_held_bytes, columns_of
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.sequences import Schedule, own_sequences
 from eprt.storage.checkpoint import Checkpoint
@@ -187,14 +187,14 @@ class GPTQLinear:
     experts: int  # its routed experts; 0 for a dense Linear
 
     @classmethod
-    def of(cls, count: int, out_dim: int, in_dim: int, routed: bool) -> GPTQLinear:
+    def of(cls, count: int, out_dim: int, in_dim: int, routed: bool, fmt: str | None = None) -> GPTQLinear:
         # per weight solved: the fp64 inverse factor, W in fp64 with its working block, the fp32
-        # result and the stack's copies of the weights as read; factoring: the fp64 Hessian, its
-        # Cholesky factor, the inverse and its factor (eprt.quant.gptq._inverse_factor)
+        # result, the stack's copies of the weights as read and its column rounding's tables (of
+        # format `fmt`); factoring: the fp64 Hessian, its Cholesky factor, the inverse and its
+        # factor (eprt.quant.gptq._inverse_factor)
         square = in_dim * in_dim * 8
-        return cls(
-            count * square, out_dim * in_dim * 4, square + 3 * out_dim * in_dim * 8, 4 * square, count if routed else 0
-        )
+        solve = square + 3 * out_dim * in_dim * 8 + (columns_held_bytes(fmt, out_dim, in_dim) if fmt else 0)
+        return cls(count * square, out_dim * in_dim * 4, solve, 4 * square, count if routed else 0)
 
     def held(self, ep: int) -> int:
         """The Hessians one rank holds: its share of the routed experts'."""
@@ -304,7 +304,8 @@ class Planner:
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
             if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
                 count, out_dim, in_dim = t.shape if name in stacked else (1, *t.shape)
-                hessians.setdefault(int(m.group(1)), []).append(GPTQLinear.of(count, out_dim, in_dim, name in stacked))
+                linear = GPTQLinear.of(count, out_dim, in_dim, name in stacked, gptq.get(name.rpartition(".")[0]))
+                hessians.setdefault(int(m.group(1)), []).append(linear)
             module, _, leaf = name.rpartition(".")
             if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
                 codes[name in stacked] += int(t.numel() * code_bytes(gptq[module]))
@@ -347,7 +348,7 @@ class Planner:
         c, T = self.ck.config, shape.seq_len
         own = len(own_sequences(shape.num_sequences, shape.rank, shape.world)) * T
         routed = math.ceil(shape.num_sequences * T * max(c.num_experts_per_tok, 1) / shape.world)
-        return sum(awq_bytes(self.awq, own, routed, T, self.dtype.itemsize))
+        return sum(awq_bytes(self.awq, own, routed, T, self.dtype.itemsize, shape.ep))
 
     def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
         """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""

@@ -100,7 +100,9 @@ def run_calibration(
         warn_beyond_positions(cfg, a.seq_len, state.rank)
         if a.gptq_min_tokens < 1:
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
-        folds = Folds() if any(recipe.balanced(m) for m in targets) else None
+        # the routed experts' clips: this rank's experts' rows
+        first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
+        folds = Folds(first) if any(recipe.balanced(m) for m in targets) else None
         if folds is not None:
             if a.calibrate_all_experts:
                 raise ConfigError(

@@ -43,7 +43,7 @@ from eprt.models.resolved import place_tensors
 from eprt.models.taps import tapped
 from eprt.progress import logger
 from eprt.quant.awq_clip import clip_steps, clips, reader_hessian
-from eprt.quant.awq_folds import CLIP, W2_CLIP, W2_COLUMNS, W13_CLIP, W13_COLUMNS, Folds
+from eprt.quant.awq_folds import CLIP, W2_CLIP, W2_COLUMNS, W13_CLIP, W13_COLUMNS, ExpertRows, Folds
 from eprt.quant.awq_groups import Group, layer_groups
 from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.engine import LayerWork, Pass
@@ -200,9 +200,9 @@ class AWQ(Pass):
         return [n for n in changed if n]
 
     def _clip_experts(self, layer: LayerWork, name: str, kind: str, weights, units, s=None) -> str | None:
-        """The clips of every routed expert's w13 (its input's Hessian `units` per local expert, the
-        group's scale s) or w2 (its activation's; each expert's own scale); returns the tensor they
-        change, None where no block of any expert clips."""
+        """The clips of this rank's routed experts' w13 (its input's Hessian `units` per local expert,
+        the group's scale s) or w2 (its activation's; each expert's own scale), held as this rank's
+        rows; returns the tensor they change, None where no block of any rank's experts clips."""
         st, experts, fmt = layer.state, self._sub(layer, name), self._format(name)
         stack, first, L = weights(experts).detach(), experts.first, experts.count
         scales = self.folds.by_module[name][W2_COLUMNS][first : first + L] if s is None else [s] * L
@@ -215,9 +215,7 @@ class AWQ(Pass):
                 tokens[l] += x.shape[0]
         st.all_reduce(amax, over="edp", op=dist.ReduceOp.MAX)
         st.all_reduce(tokens, over="edp", op=dist.ReduceOp.SUM)
-        every = torch.zeros(
-            experts.num_experts, stack.shape[1], stack.shape[2] // size, dtype=torch.uint8, device=device
-        )
+        mine = torch.zeros(L, stack.shape[1], stack.shape[2] // size, dtype=torch.uint8, device=device)
         for l in range(L):
             hs = HessianSum(stack.shape[2], amax[l].item(), int(tokens[l]), device, block=size)
             for x in units[l]:
@@ -228,9 +226,11 @@ class AWQ(Pass):
                 continue
             kept = abs_amax(row) if fmt.weight_scale_leaf is not None else None
             h = reader_hessian(hs.hessian(), scales[l])
-            every[first + l] = clip_steps(fmt, row, fmt.scale(abs_amax(row)), h, kept)
-        st.all_reduce(every, over="ep", op=dist.ReduceOp.SUM)
-        return self.folds.add(name, kind, every.cpu()) if every.any() else None
+            mine[l] = clip_steps(fmt, row, fmt.scale(abs_amax(row)), h, kept)
+        # every rank holds its own experts' steps; the fold is there where any expert's block clips
+        any_clip = torch.tensor(int(mine.any()), device=device)
+        st.all_reduce(any_clip, over="ep", op=dist.ReduceOp.MAX)
+        return self.folds.add(name, kind, ExpertRows(mine.cpu(), first)) if int(any_clip) else None
 
     def _format(self, module: str) -> WeightFormat:
         return weight_format(self.recipe.format_of(module))
