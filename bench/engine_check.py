@@ -14,7 +14,7 @@ cannot run, with the reason. Each other export is then
   each quantized module's input quantized as the format says the engine does (static, per token, per
   group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
   it runs weight-only;
-and compared: greedy tokens equal (teacher-forced on vLLM's tokens), logprobs and layer outputs within
+and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and layer outputs within
 bf16 tolerances, and each quantized Linear on vLLM's own input against vLLM's output. One table is printed and written as JSON (docs/engine-check.md).
 """
 
