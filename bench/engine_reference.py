@@ -120,7 +120,7 @@ class Module:
 
 
 def fake_quantize(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
-    """An input as a routed-experts kernel sees it, in x's dtype (`quantize_dequantize`)."""
+    """An input as a W8A8 / W4A4 kernel sees it, rounded to x's dtype (`quantize_dequantize`)."""
     return quantize_dequantize(x, q).to(x.dtype)
 
 
