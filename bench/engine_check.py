@@ -14,13 +14,14 @@ cannot run, with the reason. Each other export is then
   each quantized module's input quantized as the format says the engine does (static, per token, per
   group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
   it runs weight-only;
-and compared: greedy tokens equal (teacher-forced on vLLM's tokens), logprobs and layer outputs within
+and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and layer outputs within
 bf16 tolerances, and each quantized Linear on vLLM's own input against vLLM's output. One table is printed and written as JSON (docs/engine-check.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from engine_reference import FUSED, InputQuant, Module, fake_quantize, nvfp4_input, read_export
+from engine_reference import FUSED, InputQuant, Module, engine_linear, nvfp4_input, read_export
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,23 +251,24 @@ def reference_model(export: str, work: str):
 
 
 def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str, str], str]):
-    """Fake-quantize the inputs of each module whose vLLM kernel quantizes them: Linears by a
-    pre-hook, routed experts by running the experts module per expert with both inputs quantized."""
+    """Run each module whose vLLM kernel quantizes its input as the kernel does (`engine_linear`):
+    Linears in place of their forward, routed experts by running the experts module per expert."""
     experts: dict[str, dict[str, Module]] = {}
     for name, m in modules.items():
         prefix, sep, rest = name.partition(".experts.")
         if sep and rest.split(".")[0].isdigit():
-            experts.setdefault(prefix + ".experts", {})[rest.split(".", 1)[1]] = m
+            experts.setdefault(prefix + ".experts", {})[rest] = m
         elif m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
-            model.get_submodule(name).register_forward_pre_hook(
-                lambda _m, args, q=m.inputs: (fake_quantize(args[0], q), *args[1:])
-            )
+            model.get_submodule(name).forward = lambda x, m=m: engine_linear(x, m.weight, m.inputs)
     for name, projections in experts.items():
-        m = projections["gate_proj"]
+        m = next(iter(projections.values()))
         if m.inputs and ran(semantics, m.fmt, "experts", name) != WEIGHT_ONLY:
             module = model.get_submodule(name)
             module.forward = experts_forward(
-                module, layer_input(projections, "gate_proj", "up_proj"), layer_input(projections, "down_proj")
+                module,
+                projections,
+                layer_input(projections, "gate_proj", "up_proj"),
+                layer_input(projections, "down_proj"),
             )
 
 
@@ -285,23 +287,26 @@ def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
     scale is the largest of the experts' (every expert's is that already, docs/export.md). vLLM's
     NVFP4 MoE quantizes under fp32 1 / that input scale in either layout (compressed-tensors' stored
     input_global_scale inverted twice), which a Linear need not."""
-    qs = [m.inputs for p, m in projections.items() if p.rpartition(".")[2] in kinds or p in kinds]
+    qs = [m.inputs for p, m in projections.items() if p.rpartition(".")[2] in kinds]
     q = max(qs, key=lambda q: q.scale)
     return nvfp4_input(q.scale) if q.kind == "nvfp4" else q
 
 
-def experts_forward(module, in_13: InputQuant, in_2: InputQuant):
-    """transformers' per-expert loop (gate_up_proj [E, 2I, D], down_proj [E, D, I]) with the expert
-    inputs fake-quantized."""
+def experts_forward(module, projections: dict[str, Module], in_13: InputQuant, in_2: InputQuant):
+    """transformers' per-expert loop with each expert's two GEMMs as the engine's kernel computes them
+    (`engine_linear`, its inputs quantized under the layer's input quantization, FP8 by division as
+    vLLM's MoE input quantization, bench/engine_shims.py's fp8_quant_in_torch); `projections` holds
+    each expert's dequantized Linears by "E.gate_proj", "E.up_proj", "E.down_proj"."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        x_q = fake_quantize(hidden_states, in_13)
         for e in top_k_index.unique().tolist():
             token, k = torch.where(top_k_index == e)
-            gate, up = torch.nn.functional.linear(x_q[token], module.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fake_quantize(module.act_fn(gate) * up, in_2)
-            y = torch.nn.functional.linear(h, module.down_proj[e]) * top_k_weights[token, k, None]
+            gate_up = torch.cat([projections[f"{e}.gate_proj"].weight, projections[f"{e}.up_proj"].weight])
+            gate, up = engine_linear(hidden_states[token], gate_up, in_13, fp8_by_reciprocal=False).chunk(2, dim=-1)
+            h = module.act_fn(gate) * up
+            down = projections[f"{e}.down_proj"].weight
+            y = engine_linear(h, down, in_2, fp8_by_reciprocal=False) * top_k_weights[token, k, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
@@ -329,21 +334,52 @@ def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str],
                 raise ValueError(f"vLLM ran {name} quantized, but the export holds no quantized {member}")
             m = modules[member]
             quantized = m.inputs and ran(semantics, m.fmt, "linear", member) != WEIGHT_ONLY
-            xq = fake_quantize(x, m.inputs) if quantized else x
-            outs.append(torch.nn.functional.linear(xq, m.weight.to(torch.bfloat16)).float())
+            outs.append(engine_linear(x, m.weight, m.inputs if quantized else None).float())
         ref = torch.cat(outs, dim=-1)
         diff = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
         diffs[name] = (diff, ran(semantics, m.fmt, "linear", member))
     return diffs
 
 
-def compare(model, engine: dict, factor: float = 1) -> dict:
-    """Teacher-forced on the engine's tokens: greedy agreement, logprob and layer-output differences,
-    the tolerances `factor` times LOGPROB_TOL and LAYER_TOL."""
+def mla_decode_forwards(model, modules: dict[str, Module], semantics: dict[tuple[str, str], str]) -> dict:
+    """{kv_b_proj module: its forward in vLLM's MLA decode} for each MLA kv_b_proj whose kernel
+    quantizes its input. vLLM's prefill runs kv_b_proj on the latents as a Linear, but its decode
+    absorbs it into the attention: at load it runs the Linear's kernel on an identity matrix in the
+    model dtype (the identity quantized as any input: the weight comes out scaled by the factor its
+    input quantization makes of 1), and at each step multiplies the queries and the attention's
+    output by that bf16 weight, so the cached latents are never quantized (docs/engine-check.md,
+    "MLA decode"). The same in the reference: the latents of every position through the absorbed
+    weight, in bf16."""
+    forwards = {}
+    for name, m in modules.items():
+        if name.endswith(".kv_b_proj") and m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
+            identity = torch.eye(m.weight.shape[1], dtype=torch.bfloat16)
+            absorbed = engine_linear(identity, m.weight, m.inputs).t()
+            forwards[model.get_submodule(name)] = lambda x, w=absorbed: torch.nn.functional.linear(x, w)
+    return forwards
+
+
+@contextlib.contextmanager
+def replaced_forwards(forwards: dict):
+    """Each module of `forwards` runs the forward given there, until the block ends."""
+    before = {module: module.forward for module in forwards}
+    for module, forward in forwards.items():
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, forward in before.items():
+            module.forward = forward
+
+
+def compare(model, engine: dict, decode_forwards: dict, factor: float = 1) -> dict:
+    """Teacher-forced on the engine's tokens, step by step as the engine runs them (the prompt's
+    prefill, then each token a decode step on the cache, `decode_forwards` in place): greedy
+    agreement, logprob and layer-output differences, the tolerances `factor` times LOGPROB_TOL and
+    LAYER_TOL."""
     layers = model.model.layers
     worst_logprob, worst_first, worst_layer, mismatches, ties = 0.0, 0.0, 0.0, 0, 0
     for p in engine["prompts"]:
-        ids = torch.tensor([p["prompt"] + p["tokens"][:-1]])
         captured = []
         hooks = [
             layer.register_forward_hook(
@@ -354,10 +390,15 @@ def compare(model, engine: dict, factor: float = 1) -> dict:
             for layer in layers
         ]
         with torch.no_grad():
-            logits = model(ids).logits[0].float()
+            out = model(torch.tensor([p["prompt"]]), use_cache=True)
         for h in hooks:
             h.remove()
-        logprobs = torch.log_softmax(logits[len(p["prompt"]) - 1 :], dim=-1)
+        logits = [out.logits[0, -1]]
+        with torch.no_grad(), replaced_forwards(decode_forwards):
+            for token in p["tokens"][:-1]:
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[0, -1])
+        logprobs = torch.log_softmax(torch.stack(logits).float(), dim=-1)
         for step, (token, lp) in enumerate(zip(p["tokens"], p["logprobs"])):
             worst_logprob = max(worst_logprob, abs(logprobs[step, token].item() - lp))
             top = logprobs[step].argmax().item()
@@ -438,7 +479,7 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
             or "bf16"
         )
         w4a4 = any(sem == "W4A4" for (fmt, _), sem in semantics.items() if fmt in formats)
-        compared = compare(model, engine, W4A4_FACTOR if w4a4 else 1)
+        compared = compare(model, engine, mla_decode_forwards(model, modules, semantics), W4A4_FACTOR if w4a4 else 1)
         worst = max(linears, key=lambda n: linears[n][0], default="-")
         compared.update(linear_rel_diff=linears[worst][0] if linears else 0.0, worst_linear=worst)
         if any(diff > LINEAR_TOL for diff, sem in linears.values() if sem == "W4A4"):

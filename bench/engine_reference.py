@@ -120,20 +120,49 @@ class Module:
 
 
 def fake_quantize(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
-    """An input as a W8A8 / W4A4 kernel sees it.
+    """An input as a W8A8 / W4A4 kernel sees it, rounded to x's dtype (`quantize_dequantize`)."""
+    return quantize_dequantize(x, q).to(x.dtype)
+
+
+def quantize_dequantize(x: torch.Tensor, q: InputQuant, fp8_by_reciprocal: bool = False) -> torch.Tensor:
+    """An input quantized and dequantized as a W8A8 / W4A4 kernel does, in fp32.
     fp8-static: e4m3(x / s) s. nvfp4: `nvfp4_quantize_dequantize`. fp8-dynamic: each group of a token
-    under amax / 448. mxfp8: each 32-block under 2^ceil(log2(amax / 448)), the export's own exponent
-    rule."""
+    under amax / 448 (at least 1 / (448 x 512)). mxfp8: each 32-block under 2^ceil(log2(amax / 448)),
+    the export's own exponent rule. `fp8_by_reciprocal`: x * fp32(1 / s) in place of x / s, as vLLM's
+    FP8 Linears quantize their input in torch (QuantFP8's native path); the two round apart where
+    the quotient lands on an E4M3 midpoint."""
     xf = x.float()
-    if q.kind == "fp8-static":
-        return (e4m3(xf / q.scale) * q.scale).to(x.dtype)
     if q.kind == "nvfp4":
-        return nvfp4_quantize_dequantize(xf, q.global_scale).to(x.dtype)
-    group = {"fp8-dynamic": q.group or xf.shape[-1], "mxfp8": MX_BLOCK}[q.kind]
-    blocks = xf.reshape(*xf.shape[:-1], -1, group)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    s = amax / FP8_MAX if q.kind == "fp8-dynamic" else torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    return (e4m3(blocks / s) * s).reshape(xf.shape).to(x.dtype)
+        return nvfp4_quantize_dequantize(xf, q.global_scale)
+    if q.kind == "fp8-static":
+        s = torch.tensor(q.scale, dtype=torch.float32)
+    else:
+        group = {"fp8-dynamic": q.group or xf.shape[-1], "mxfp8": MX_BLOCK}[q.kind]
+        xf = xf.reshape(*xf.shape[:-1], -1, group)
+        amax = xf.abs().amax(-1, keepdim=True)
+        s = (
+            (amax / FP8_MAX).clamp(min=1 / (FP8_MAX * 512))
+            if q.kind == "fp8-dynamic"
+            else torch.exp2(torch.ceil(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX)))
+        )
+    codes = e4m3(xf * s.reciprocal() if fp8_by_reciprocal else xf / s)
+    return (codes * s).reshape(x.shape)
+
+
+def engine_linear(
+    x: torch.Tensor, weight: torch.Tensor, q: InputQuant | None, fp8_by_reciprocal: bool = True
+) -> torch.Tensor:
+    """A quantized Linear's output in x's dtype as vLLM's kernel computes it, `q` what the kernel does
+    with the input (None: weight-only), `weight` the dequantized fp32 weight. An FP8 W8A8 kernel
+    quantizes the input (a Linear's by the scale's reciprocal; the routed experts' by division,
+    `fp8_by_reciprocal=False`) and multiplies the E4M3 values of input and weight (torch._scaled_mm;
+    the experts' fp32 GEMMs), scaling the fp32 sum once: both enter unrounded, only the output rounds.
+    The others (vLLM's NVFP4 emulation, the weight-only kernels) multiply the input and the weight
+    each in bf16 (docs/engine-check.md, "FP8 Linears")."""
+    if q is not None and q.kind.startswith("fp8"):
+        return torch.nn.functional.linear(quantize_dequantize(x, q, fp8_by_reciprocal), weight).to(x.dtype)
+    xq = x if q is None else fake_quantize(x, q)
+    return torch.nn.functional.linear(xq, weight.to(x.dtype))
 
 
 def nvfp4_quantize_dequantize(x: torch.Tensor, global_scale: float) -> torch.Tensor:

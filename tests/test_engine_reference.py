@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from bench.engine_reference import e2m1, e4m3, fake_quantize, nvfp4_input, read_export
+from bench.engine_reference import (
+    InputQuant,
+    e2m1,
+    e4m3,
+    engine_linear,
+    fake_quantize,
+    nvfp4_input,
+    quantize_dequantize,
+    read_export,
+)
 from eprt.hf.export import export_hf
 from tests.formats_helpers import ct_scheme, decompressed, tiny_checkpoint
 from tests.hf_utils import read_hf_tensors
@@ -100,3 +109,54 @@ def test_nvfp4_inputs_round_as_the_engine_does():
     blocks = x.float().view(64, -1, 16)
     s = e4m3(blocks.abs().amax(-1, keepdim=True) / (6 * q.scale)).clamp(min=2.0**-9) * q.scale
     assert not torch.equal(got, (e2m1(blocks / s) * s).view(64, 64).bfloat16())
+
+
+def scaled_mm_linear(codes: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor):
+    """An FP8 Linear on E4M3 inputs in vLLM's torch kernels' steps: torch._scaled_mm per tensor; per
+    token, an fp32 product of the E4M3 values scaled by each token's and row's scale after
+    (ChannelWiseTorchFP8ScaledMMLinearKernel)."""
+    if x_scale.numel() == 1:
+        return torch._scaled_mm(codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+    one = torch.ones(1)
+    y = torch._scaled_mm(codes, w_codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (y * x_scale * w_scale.view(1, -1)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fp8_linears_compute_as_the_engine_does(per_token):
+    """The reference's W8A8 FP8 Linear, output for output torch._scaled_mm's in vLLM's steps: the input
+    multiplied by the scale's reciprocal, not divided (they round apart where the quotient lands on an
+    E4M3 midpoint), and the E4M3 values multiplied unrounded (rounding input and weight to bf16 first
+    moves about half the outputs by a bf16 step)."""
+    g = torch.Generator().manual_seed(0)
+    # every token's amax A, so its per-token scale is the static one, s = A / 448; the bf16 values
+    # whose quotient by s and product with fp32(1 / s) round to different E4M3 values placed in front
+    amax = 0.296875
+    s = torch.tensor(amax / 448)
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    below = every_bf16[every_bf16.abs() < amax]
+    apart = below[e4m3(below / s) != e4m3(below * s.reciprocal())]
+    x = (torch.rand(64, 128, generator=g) * 2 - 1) * amax
+    x[:, 0], x[:, 1 : 1 + len(apart)] = amax, apart
+    x = x.bfloat16()
+    w_codes = (torch.randn(32, 128, generator=g) * 100).to(torch.float8_e4m3fn)
+    w_scale = torch.rand(32 if per_token else 1, generator=g) * 1e-3
+    weight = w_codes.float() * w_scale.view(-1, 1)
+    x_scale = s.expand(64, 1) if per_token else s.view(1)
+    q = InputQuant("fp8-dynamic") if per_token else InputQuant("fp8-static", s.item())
+    got = engine_linear(x, weight, q)
+    # vLLM's input quantization element for element
+    codes = (x.float() * x_scale.reciprocal()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(quantize_dequantize(x, q, fp8_by_reciprocal=True), codes.float() * x_scale)
+    expected = scaled_mm_linear(codes, w_codes, w_scale, x_scale)
+
+    def apart(y):  # mean |y - vLLM's| / mean |vLLM's|
+        return ((y.float() - expected.float()).abs().mean() / expected.float().abs().mean()).item()
+
+    # per token the scales multiply after the sum (vLLM) or before it: an fp32 rounding apart, which
+    # moves an output by a bf16 step now and then
+    assert apart(got) == 0 if not per_token else apart(got) < 2**-12
+    # each departure from those steps shows, further off
+    by_division = e4m3(x.float() / x_scale) * x_scale
+    assert apart(torch.nn.functional.linear(by_division, weight).bfloat16()) > max(4 * apart(got), 2**-12)
+    assert apart(torch.nn.functional.linear(fake_quantize(x, q), weight.bfloat16())) > max(4 * apart(got), 2**-12)
