@@ -198,10 +198,31 @@ def test_a_run_stopped_mid_layer_resumes_to_the_same_bytes(run, tmp_path, monkey
     monkeypatch.setattr(LayerEngine, "_run_step", failing)
     with pytest.raises(RankFailure, match="stopped"):
         run_ptq(ParallelState.single(), args(ck, out, "awq+gptq"))
+    assert_each_layer_saved_its_own_folds(out + ".work", str(root / "w1"), layers=2)
     monkeypatch.setattr(LayerEngine, "_run_step", run_step)
     assert run_ptq(ParallelState.single(), args(ck, out, "awq+gptq", resume=True))["resumed_after"] == 1
+    # the same bytes: every fold of layers 0 and 1 came back from their awq files
     exports = [export_hf(d, d + "-hf", progress=False) for d in (out, str(root / "w1"))]
     assert same_files(*exports)
+
+
+def assert_each_layer_saved_its_own_folds(work: str, whole: str, layers: int) -> None:
+    """The work directory of a run stopped in layer `layers`: each completed layer's awq file holds
+    the folds of that layer's modules, exactly those the run never stopped (`whole`) calibrated,
+    and no other (none of an earlier layer's again); the layer file holds none."""
+    rank = os.path.join(work, "rank-00000")
+    with Checkpoint(whole) as q:
+        folds = {n: q.read(n) for n in q.names(role="calibration") if ".awq_" in n}
+    for i in range(layers):
+        saved = load_file(os.path.join(rank, f"awq-{i:05d}.safetensors"))
+        mine = {n: t for n, t in folds.items() if n.startswith(f"model.layers.{i}.")}
+        assert set(saved) == set(mine) and mine, i
+        assert all(torch.equal(saved[n], t) for n, t in mine.items()), i
+    assert sorted(os.listdir(rank)) == [
+        *(f"{k}-{i:05d}.safetensors" for k in ("awq", "gptq") for i in range(layers)),
+        f"layer-{layers - 1:05d}.safetensors",
+    ]
+    assert not [n for n in load_file(os.path.join(rank, f"layer-{layers - 1:05d}.safetensors")) if ".awq_" in n]
 
 
 def test_every_expert_statistics_are_refused_with_awq(run, tmp_path):

@@ -4,16 +4,17 @@ After each decoder layer, every rank saves, atomically, its sequences' hidden st
 snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`:
 written beside, synced, renamed. A rank drops its previous layer's file only once every rank has
 saved the new one durably, so the ranks always share a last completed layer. GPTQ's codes of the
-layer go, once, to their own `rank-RRRRR/gptq-NNNNN.safetensors`, written the same way before the
-layer file and kept to the end: the work written grows with the layers, not with their square. A
-run started again with the same arguments and inputs (eprt.quant.fingerprint) and `--resume`
-continues after the last layer file, with the codes of every layer up to it, and computes the same
-bits as a run never stopped.
+layer go, once, to their own `rank-RRRRR/gptq-NNNNN.safetensors`, and AWQ's folds the layer gained
+(scales, and clip steps: this rank's rows of the routed experts') to `rank-RRRRR/awq-NNNNN.safetensors`,
+each written the same way before the layer file and kept to the end: the work written grows with the
+layers, not with their square. A run started again with the same arguments and inputs
+(eprt.quant.fingerprint) and `--resume` continues after the last layer file, with the codes and
+folds of every layer up to it, and computes the same bits as a run never stopped.
 
 The directory is removed when the run ends, so eprt works only in one it made: a new (or empty)
 directory, which it marks with MARKER, or one that holds that marker. It refuses a directory that
 holds other files, and one that is, lies inside or holds an input or the output. It removes only
-what it wrote there (its layer and GPTQ files, their rank directories, the marker), and the directory
+what it wrote there (its layer, GPTQ and AWQ files, their rank directories, the marker), and the directory
 itself only where it made it and nothing else is left. The ranks share it (rank 0 marks it), so it
 must lie on a file system every rank sees, as the output does.
 """
@@ -43,9 +44,9 @@ from eprt.storage.safetensors_io import save_tensors
 MARKER = ".eprt-work-dir.json"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
-AWQ_KEY = "awq"  # a layer file's AWQ scales: awq/MODULE.KIND
 GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
-PARTIAL_FILE = re.compile(r"(layer|gptq)-\d{5}\.safetensors\.partial")
+AWQ_FILE = re.compile(r"awq-(\d{5})\.safetensors")  # AWQ's folds a layer gained: MODULE.KIND -> s
+PARTIAL_FILE = re.compile(r"(layer|gptq|awq)-\d{5}\.safetensors\.partial")
 
 
 def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
@@ -85,6 +86,7 @@ class WorkDir:
         self.fingerprint = fingerprint
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
         self.gptq_saved: set[str] = set()  # the modules whose GPTQ codes a gptq file holds
+        self.awq_saved: set[str] = set()  # the folds (MODULE.KIND) an awq file holds
 
     def prepare(self, resume: bool) -> None:
         """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
@@ -135,10 +137,14 @@ class WorkDir:
     def _gptq_file(self, layer: int) -> str:
         return os.path.join(self.mine, f"gptq-{layer:05d}.safetensors")
 
-    def _gptq_layers(self, last: int) -> list[int]:
-        """The layers up to `last` whose GPTQ codes this rank saved (a later one's, from a layer not
-        every rank completed, is written again when that layer is)."""
-        found = (GPTQ_FILE.fullmatch(f) for f in os.listdir(self.mine))
+    def _awq_file(self, layer: int) -> str:
+        return os.path.join(self.mine, f"awq-{layer:05d}.safetensors")
+
+    def _saved_layers(self, pattern: re.Pattern, last: int) -> list[int]:
+        """The layers up to `last` whose GPTQ codes (GPTQ_FILE) or AWQ folds (AWQ_FILE) this rank
+        saved (a later one's, from a layer not every rank completed, is written again when that
+        layer is)."""
+        found = (pattern.fullmatch(f) for f in os.listdir(self.mine))
         return sorted(n for m in found if m and (n := int(m.group(1))) <= last)
 
     def last_completed(self, resume: bool) -> int:
@@ -152,11 +158,11 @@ class WorkDir:
         """With `held` (the quality report's held-out streams, eprt.quant.passes.quality.QualityStreams), its two
         streams and what the report measured so far are saved too; with `gptq`
         (eprt.quant.gptq_layer.GPTQResults), the codes of the modules it gained since the last save,
-        in the layer's gptq file; with `folds` (eprt.quant.awq_folds.Folds), AWQ's scales so far (a
-        vector per folded tensor: small beside the hidden states), in the layer file."""
+        in the layer's gptq file; with `folds` (eprt.quant.awq_folds.Folds), the folds it gained since
+        the last save, in the layer's awq file (the clip steps are a byte per quantization block:
+        written again at every layer, they would make the work written grow with the square of the
+        layers)."""
         tensors = {**states("", ls), **stats(cal)}
-        if folds is not None:
-            tensors.update({f"{AWQ_KEY}/{n}": t for n, t in folds.tensors().items()})
         metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
             tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
@@ -170,6 +176,11 @@ class WorkDir:
             if new:  # written before the layer file, which vouches for it
                 self._write(self._gptq_file(layer), gptq.tensors(new), metadata)
                 self.gptq_saved |= new
+        if folds is not None:
+            gained = {n: t for n, t in folds.tensors().items() if n not in self.awq_saved}
+            if gained:  # as GPTQ's: before the layer file
+                self._write(self._awq_file(layer), gained, metadata)
+                self.awq_saved |= gained.keys()
         self._write(self._file(layer), tensors, metadata)
         # every rank now holds `layer` durably: the older files are no longer the common last layer
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
@@ -208,12 +219,14 @@ class WorkDir:
         tensors, metadata = self._read(self._file(layer), device)
         load_stats(cal, tensors)
         if folds is not None:
-            folds.load({k.partition("/")[2]: t for k, t in tensors.items() if k.startswith(f"{AWQ_KEY}/")})
+            for done in self._saved_layers(AWQ_FILE, layer):
+                folds.load(self._read(self._awq_file(done), "cpu")[0])
+            self.awq_saved = set(folds.tensors())
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
         if gptq is not None:
-            for done in self._gptq_layers(layer):
+            for done in self._saved_layers(GPTQ_FILE, layer):
                 gptq.load(self._read(self._gptq_file(done), "cpu")[0])
             self.gptq_saved = gptq.modules()
         if self.state.rank == 0:
@@ -250,11 +263,11 @@ def read_marker(path: str) -> dict:
 
 
 def remove_own_files(rank_dir: str) -> None:
-    """A rank directory's layer and GPTQ files (whole or half-written), then the directory if nothing else is in it."""
+    """A rank directory's layer, GPTQ and AWQ files (whole or half-written), then the directory if nothing else is in it."""
     if not os.path.isdir(rank_dir):
         return
     for name in os.listdir(rank_dir):
-        if LAYER_FILE.fullmatch(name) or GPTQ_FILE.fullmatch(name) or PARTIAL_FILE.fullmatch(name):
+        if any(p.fullmatch(name) for p in (LAYER_FILE, GPTQ_FILE, AWQ_FILE, PARTIAL_FILE)):
             os.remove(os.path.join(rank_dir, name))
     if not os.listdir(rank_dir):
         os.rmdir(rank_dir)
