@@ -1,8 +1,10 @@
 """The format search (--auto-quantize): the choice meets its budget, counted here from the written
 recipe and the model's shapes alone; a larger budget never gives a larger estimated loss; a group
 made sensitive gets the more precise format; a budget no choice meets is refused naming the least
-one; the written recipe reproduces the export; the errors come from the calibration sequences, not
-the held-out ones; and two ranks choose and export the same bytes."""
+one; the written recipe reproduces the calibrated checkpoint (the search's own statistics kept,
+the FP8 KV cache's among them) and the export; under GPTQ the search measures with max and the
+written recipe with --algorithm gptq reproduces the export; the errors come from the calibration
+sequences, not the held-out ones; and two ranks choose and export the same bytes."""
 
 import filecmp
 import json
@@ -60,7 +62,8 @@ def effective_bits(hf: str, format_of) -> float:
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     """(source, checkpoint, budget, calibrated output, its export): a tiny model with SENSITIVE scaled,
-    searched at a budget that buys one group of its size FP8 in place of NVFP4, and no more."""
+    searched at a budget that buys one group of its size FP8 in place of NVFP4, and no more, with
+    an FP8 KV cache."""
     d = tmp_path_factory.mktemp("auto_quantize")
     hf = make_tiny("qwen3_moe", str(d / "hf"))
     weights = load_file(os.path.join(hf, "model.safetensors"))
@@ -70,7 +73,7 @@ def searched(tmp_path_factory):
     least = effective_bits(hf, lambda m: "nvfp4")
     budget = least + 1.5 * (effective_bits(hf, lambda m: "fp8" if m == SENSITIVE else "nvfp4") - least)
     out = str(d / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ck, None, out, auto_quantize=budget, **DATA))
+    run_ptq(ParallelState.single(), PTQArgs(ck, None, out, auto_quantize=budget, kv_cache="fp8", **DATA))
     return hf, ck, budget, out, export_hf(out, str(d / "export"), progress=False)
 
 
@@ -116,7 +119,6 @@ def test_a_larger_budget_never_gives_a_larger_estimated_loss(searched):
     "change, refusal",
     [
         ({"auto_quantize": 3.0}, "no choice of nvfp4,fp8,none meets it; the smallest feasible budget is {least}bits"),
-        ({"algorithm": "gptq"}, "--auto-quantize with --algorithm gptq: gptq works in each layer's format"),
         ({"eval_size": 0}, "the search fits its KL estimate on the quality report's held-out sequences"),
         ({"recipe": "nvfp4"}, "the search writes the recipe"),
         ({"auto_quantize": 16.0}, "leaves every module unquantized: nothing to export"),
@@ -131,29 +133,60 @@ def test_what_the_search_cannot_do_is_refused_by_name(searched, tmp_path, change
     assert not (tmp_path / "q").exists()
 
 
-def same_files(a: str, b: str, but: tuple[str, ...] = ()) -> None:
+def same_files(a: str, b: str, but: tuple[str, ...] = (), only_in_a: tuple[str, ...] = ()) -> None:
     names = sorted(os.listdir(a))
-    assert names == sorted(os.listdir(b))
+    assert [n for n in names if n not in only_in_a] == sorted(os.listdir(b))
     for n in names:
-        if n not in but:
+        if n not in but + only_in_a:
             assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
 
 
-def test_the_written_recipe_reproduces_the_export(searched, tmp_path):
-    _, ck, _, out, export = searched
-    again = str(tmp_path / "q")
-    run_ptq(ParallelState.single(), PTQArgs(ck, os.path.join(out, "auto_recipe.yaml"), again, **DATA))
-    reused = export_hf(again, str(tmp_path / "export"), progress=False)
-    # the report differs by the search's own field alone
-    same_files(export, reused, but=(REPORT, "eprt_quality.html"))
-    ours, theirs = (json.loads(Path(e, REPORT).read_text()) for e in (export, reused))
+def same_but_the_search(searched: str, reused: str, report: str, page: str) -> None:
+    """Outputs of a search and of its written recipe: the same files, byte for byte, but the
+    search's recipe and the report, which differs by the search's own field alone."""
+    same_files(searched, reused, but=(report, page), only_in_a=("auto_recipe.yaml",))
+    ours, theirs = (json.loads(Path(d, report).read_text()) for d in (searched, reused))
     del ours["auto_quantize"]
     assert ours == theirs
 
 
+def test_the_written_recipe_reproduces_the_calibration_and_the_export(searched):
+    """The search calibrates once: the statistics its pass measured are the chosen recipe's, the
+    KV cache's with them, and its output is what the written recipe calibrates from scratch."""
+    _, ck, _, out, export = searched
+    again = str(Path(out).parent / "reused")  # beside `out`: the base's relative path the same
+    run_ptq(ParallelState.single(), PTQArgs(ck, os.path.join(out, "auto_recipe.yaml"), again, **DATA))
+    assert load_recipe(os.path.join(out, "auto_recipe.yaml")).kv_cache == "fp8"
+    same_but_the_search(out, again, "quality.json", "quality.html")
+    reused = export_hf(again, str(Path(out).parent / "reused-export"), progress=False)
+    same_but_the_search(export, reused, REPORT, "eprt_quality.html")
+    search = json.loads(Path(export, REPORT).read_text())["auto_quantize"]
+    assert search["algorithms"] == {"search": "max", "calibration": "max"}
+
+
+def test_gptq_searches_with_max_and_calibrates_the_choice_with_gptq(searched, tmp_path):
+    """--algorithm gptq: the same errors and choice as the max search (its statistics), then the
+    choice rounded by GPTQ, the bytes of the written recipe run with --algorithm gptq."""
+    _, ck, budget, _, export = searched
+    args = {**DATA, "kv_cache": "fp8", "algorithm": "gptq"}
+    out = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, None, out, auto_quantize=budget, **args))
+    again = str(tmp_path / "reused")
+    run_ptq(ParallelState.single(), PTQArgs(ck, os.path.join(out, "auto_recipe.yaml"), again, **args))
+    exported = export_hf(out, str(tmp_path / "export"), progress=False)
+    same_but_the_search(exported, export_hf(again, str(tmp_path / "e"), progress=False), REPORT, "eprt_quality.html")
+    ours, by_max = (json.loads(Path(e, REPORT).read_text()) for e in (exported, export))
+    assert ours["auto_quantize"]["algorithms"] == {"search": "max", "calibration": "gptq"}
+    assert ours["auto_quantize"]["map"] == by_max["auto_quantize"]["map"]
+    assert ours["calibration"]["algorithm"] == "gptq"
+    # GPTQ's codes, where max rounds the same weights: another export
+    weights = "model-00001-of-00001.safetensors"
+    assert not filecmp.cmp(Path(exported, weights), Path(export, weights), shallow=False)
+
+
 def _search_at_ep_2(ck: str, out: str, budget: float) -> None:
     with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, None, out, auto_quantize=budget, batch_size=2, **DATA))
+        run_ptq(state, PTQArgs(ck, None, out, auto_quantize=budget, kv_cache="fp8", batch_size=2, **DATA))
 
 
 def test_two_ranks_choose_and_export_the_same_bytes(searched, tmp_path):

@@ -33,6 +33,11 @@ The choice (`SearchSpace.choose`) is exact up to a grid of the budget: a multipl
 solved by dynamic programming over the bits a group spends above its smallest candidate, each
 rounded up to the grid, so the choice always meets the budget and a larger budget never gives a
 larger estimated loss.
+
+The search measures with max or mse statistics (`search_algorithm`): they do not depend on the
+format, so the choice can come after the loop, and the search's statistics are the chosen
+recipe's. GPTQ and AWQ work in each layer's format: with them the search measures with max, and
+the chosen recipe is then calibrated again with the asked algorithm (eprt.quant.ptq).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from eprt.errors import ConfigError
-from eprt.layout import Layout
+from eprt.layout import Layout, layer_of
+from eprt.quant.calibrate import Calibrator
 from eprt.quant.formats import weight_format
 from eprt.quant.fusion import FUSED_SIBLINGS
 from eprt.quant.recipe import FORMATS, Recipe, Rule
@@ -52,7 +58,7 @@ from eprt.quant.recipe import FORMATS, Recipe, Rule
 DEFAULT_CANDIDATES = ("nvfp4", "fp8", "none")
 UNQUANTIZED_BITS = 16  # bf16
 # The algorithms whose statistics do not depend on the format, so the choice can come after the
-# loop; GPTQ rounds each layer in its format during the loop.
+# loop and keep the search's statistics; GPTQ and AWQ work in each layer's format during the loop.
 SEARCHABLE_ALGORITHMS = ("max", "mse")
 # steps of the knapsack's grid over the bits between every group in its smallest candidate and every
 # group in its largest (`SearchSpace.choose`)
@@ -83,13 +89,11 @@ def parse_candidates(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_algorithm(algorithm: str) -> None:
-    if algorithm not in SEARCHABLE_ALGORITHMS:
-        raise ConfigError(
-            f"--auto-quantize with --algorithm {algorithm}: {algorithm} works in each layer's format during the "
-            f"calibration loop, and the search chooses the formats only after it; search with --algorithm "
-            f"{' or '.join(SEARCHABLE_ALGORITHMS)}, then run --recipe OUT/{RECIPE_FILE} --algorithm {algorithm}"
-        )
+def search_algorithm(algorithm: str) -> str:
+    """The algorithm the search measures its errors with, under --algorithm `algorithm`: itself
+    where its statistics do not depend on the format, else max (the calibration of the choice
+    then runs `algorithm`)."""
+    return algorithm if algorithm in SEARCHABLE_ALGORITHMS else SEARCHABLE_ALGORITHMS[0]
 
 
 def linear_bits(fmt: str, out_dim: int, in_dim: int) -> int:
@@ -265,12 +269,15 @@ def search_summary(
     losses: dict[tuple[str, str], float],
     kl_per_error: float,
     calibration_kl: float,
+    algorithm: str,
 ) -> dict:
-    """The quality report's `auto_quantize` field (its measured KL added by the run that measures it)."""
+    """The quality report's `auto_quantize` field (its measured KL added by the run that measures it);
+    `algorithm`: the run's --algorithm, which calibrates the choice."""
     return {
         "budget_bits": budget,
         "effective_bits": space.effective_bits(choice),
         "candidates": list(space.candidates),
+        "algorithms": {"search": search_algorithm(algorithm), "calibration": algorithm},
         "estimated_kl": kl_per_error * space.loss(choice, losses),
         "kl_per_error": kl_per_error,
         "smallest": {"effective_bits": space.effective_bits(space.smallest()), "measured_kl": calibration_kl},
@@ -292,7 +299,30 @@ def search_summary(
 
 @dataclass(frozen=True)
 class SearchResult:
-    """What the search hands the calibration of its choice: the report's field and the recipe's text."""
+    """What the search hands the calibration of its choice: the report's field, the recipe's text,
+    the base's pins as the search read it (eprt.quant.fingerprint) and its pass's seconds; and
+    under max or mse, its statistics (every module a candidate quantizes, the KV cache's with
+    --kv-cache; reduced over the ranks), which the chosen recipe keeps (None: calibrate again)."""
 
     summary: dict
     recipe_yaml: str
+    base: dict
+    seconds: float
+    statistics: Calibrator | None = None
+
+    def chosen_statistics(self, targets: list[str], kv: bool) -> Calibrator:
+        """The search's statistics of the chosen recipe's `targets` (and the KV cache's, with
+        `kv`), in the order its own calibration would record them: layer by layer (the search
+        observed those layers' modules in its own order), each layer's in the order of `targets`."""
+        found = self.statistics
+        cal = Calibrator(None, targets, kv=kv, all_experts=found.all_experts)
+        for m in sorted(targets, key=layer_of):
+            if m in found.input_amax:
+                cal.input_amax[m] = found.input_amax[m]
+                continue
+            cal.expert_amax[m], cal.expert_tokens[m] = found.expert_amax[m], found.expert_tokens[m]
+            if m in found.expert_all_tokens:
+                cal.expert_all_tokens[m] = found.expert_all_tokens[m]
+        if kv:
+            cal.kv_amax = dict(found.kv_amax)
+        return cal

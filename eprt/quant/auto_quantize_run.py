@@ -1,12 +1,17 @@
 """The format search's first phase (`--auto-quantize BUDGET`): its settings checked, the checkpoint
 opened and the memory planned as for calibration (eprt.quant.run_plan), the data read, every
 candidate's errors measured in one layer-major pass (eprt.quant.passes.auto_quantize) and a format
-chosen for each module group (eprt.quant.auto_quantize). The second phase, the chosen recipe
-calibrated as any recipe is, is eprt.quant.ptq's."""
+chosen for each module group (eprt.quant.auto_quantize). Under max and mse that pass's statistics
+are the chosen recipe's: they are kept, with --kv-cache the KV cache's too, and the second phase
+(eprt.quant.ptq) only measures the chosen recipe's quality report on the held-out sequences and
+writes the output; under GPTQ and AWQ the pass measures with max, and the second phase calibrates
+the chosen recipe with the asked algorithm.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -18,16 +23,18 @@ from eprt.parallel.guard import fail_together
 from eprt.progress import logger
 from eprt.quant.auto_quantize import (
     RECIPE_FILE,
+    SEARCHABLE_ALGORITHMS,
     UNQUANTIZED_BITS,
     SearchResult,
     SearchSpace,
-    check_algorithm,
     parse_candidates,
+    search_algorithm,
     search_summary,
 )
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerEngine
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.fingerprint import check_base_read
 from eprt.quant.passes import layer_passes
 from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.quality import QualityStreams
@@ -35,13 +42,14 @@ from eprt.quant.quality import QualityReport
 from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, report_data
 from eprt.quant.run_plan import check_kv_cache, open_unquantized, plan_run, run_shape
-from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.checkpoint import Checkpoint, manifest_digest, weight_pins
 
 
 def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = None) -> SearchResult:
     """--auto-quantize (eprt.quant.auto_quantize): the search's layer-major pass and the choice, said
-    by rank 0; returns its summary and the chosen recipe, which the run then calibrates and writes
-    into `a.out` (RECIPE_FILE). `ck`: `a.ckpt` as the command opened it; the search closes it."""
+    by rank 0; returns its summary, the chosen recipe (the run writes it into `a.out`, RECIPE_FILE)
+    and, under max or mse, the statistics the chosen recipe keeps. `ck`: `a.ckpt` as the command
+    opened it; the search closes it."""
     with fail_together(state, "reading the checkpoint and the search's settings"):
         if a.recipe is not None:
             raise ConfigError(
@@ -49,7 +57,6 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
             )
         if a.auto_quantize <= 0:
             raise ConfigError(f"--auto-quantize {a.auto_quantize}: give a positive budget of bits, e.g. 4.8bits")
-        check_algorithm(a.algorithm)
         if a.eval_size < 1:
             raise ConfigError(
                 f"--auto-quantize with --eval-size {a.eval_size}: the search fits its KL estimate on the quality "
@@ -78,22 +85,29 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
             plan_run(state, rc, replace(a, preview=None), space.targets, search=True)
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, _ = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
+            base = {"manifest_sha256": manifest_digest(ck.path), "weights": weight_pins(ck)}
+        start = time.perf_counter()
         with fail_together(state, "searching the formats"), torch.inference_mode():
-            errors, smallest_kl = measure_format_errors(state, rc, space, samples, eval_ids, a)
+            errors, smallest_kl, cal = measure_format_errors(state, rc, space, samples, eval_ids, a, base)
+        seconds = time.perf_counter() - start
     choice = space.choose(a.auto_quantize, errors)
     smallest_error = space.loss(space.smallest(), errors)
     kl_per_error = smallest_kl / smallest_error if smallest_error > 0 else 0.0
-    summary = search_summary(space, a.auto_quantize, choice, errors, kl_per_error, smallest_kl)
+    summary = search_summary(space, a.auto_quantize, choice, errors, kl_per_error, smallest_kl, a.algorithm)
     text = space.recipe_yaml(choice, a.kv_cache, a.auto_quantize, a.algorithm)
+    reuse = a.algorithm in SEARCHABLE_ALGORITHMS
     if state.rank == 0:
         logger().info(
-            "auto-quantize: %.4f effective bits (budget %g), estimated KL %.6g; the recipe: %s",
+            "auto-quantize: %.4f effective bits (budget %g), estimated KL %.6g; the recipe: %s; %s",
             summary["effective_bits"],
             a.auto_quantize,
             summary["estimated_kl"],
             os.path.join(a.out, RECIPE_FILE),
+            f"it keeps the search's {a.algorithm} statistics"
+            if reuse
+            else f"searched with {search_algorithm(a.algorithm)} statistics, now calibrated with {a.algorithm}",
         )
-    return SearchResult(summary, text)
+    return SearchResult(summary, text, base, seconds, cal if reuse else None)
 
 
 def measure_format_errors(
@@ -103,20 +117,26 @@ def measure_format_errors(
     samples: torch.Tensor,
     eval_ids: torch.Tensor,
     a: PTQArgs,
-) -> tuple[dict[tuple[str, str], float], float]:
-    """The search's layer-major pass: max statistics of every module a candidate quantizes, each
-    group's error in each candidate on the calibration sequences (eprt.quant.passes.auto_quantize),
-    and the quality report of every group in its smallest candidate on the held-out ones (the KL
-    estimate's constant). Returns the errors and that report's mean KL."""
+    base: dict,
+) -> tuple[dict[tuple[str, str], float], float, Calibrator]:
+    """The search's layer-major pass: max statistics of every module a candidate quantizes (with
+    --kv-cache, of the KV cache too), each group's error in each candidate on the calibration
+    sequences (eprt.quant.passes.auto_quantize), and the quality report of every group in its
+    smallest candidate on the held-out ones (the KL estimate's constant). Each layer's weight
+    files must be those pinned in `base` as the search read them. Returns the errors, that
+    report's mean KL and the statistics, reduced over the ranks."""
     shape = run_shape(a, state, rc.ck.config)
-    cal = Calibrator(None, space.targets, kv=False, all_experts=a.calibrate_all_experts)
-    smallest = space.recipe(space.smallest(), None, a.algorithm)
+    cal = Calibrator(None, space.targets, kv=a.kv_cache is not None, all_experts=a.calibrate_all_experts)
+    algorithm = search_algorithm(a.algorithm)
+    smallest = space.recipe(space.smallest(), None, algorithm)
     targets = list(quantized_modules(rc.layout, smallest, rc.ck.path))
     report = QualityReport(state, rc.ck, smallest, targets, eval_ids, "held out")
     calibration = shape.schedule_of(samples.shape[0])
-    errors = FormatErrors(state, cal, rc, space, samples, calibration, a.algorithm)
+    errors = FormatErrors(state, cal, rc, space, samples, calibration, algorithm)
     held_out = QualityStreams(state, report, shape.schedule_of(eval_ids.shape[0]))
     passes = layer_passes(cal, smallest, rc, quality=held_out, format_errors=errors)
     engine = LayerEngine(state, rc, samples, passes, schedule=calibration, progress=a.progress)
-    engine.run(0, engine.embed())
-    return errors.errors, report.result["kl_mean"]
+    engine.run(0, engine.embed(), after_layer=lambda *_: check_base_read(rc.ck, {"base": base}))
+    cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
+    cal.reduce(state)
+    return errors.errors, report.result["kl_mean"], cal

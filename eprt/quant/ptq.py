@@ -90,10 +90,14 @@ def run_calibration(
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
     fake-quantizes it (this rank's rows of routed experts). `ck`: `a.ckpt` as the command opened
     it (default: opened here); the run closes it. `search`: what --auto-quantize chose, for the
-    output's recipe file and report."""
+    output's recipe file and report; with its statistics, the run keeps them and runs the held-out
+    sequences alone."""
     log = logger()
+    kept = search is not None and search.statistics is not None
     with fail_together(state, "reading the checkpoint and the recipe"):
         ck, rc = open_unquantized(state, a, ck)
+        if kept:  # the statistics come from the base as the search read it
+            check_base_unchanged(ck, {"base": search.base})
         recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
         cfg, hf_dir = ck.config, ck.hf_files_dir()
         state.check_experts(cfg.num_experts)
@@ -136,7 +140,12 @@ def run_calibration(
             text = before = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
             if state.rank == 0:
                 log.info("before: %r -> %r", a.preview, text)
-        cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=a.calibrate_all_experts)
+        kv = recipe.kv_cache is not None
+        cal = (
+            search.chosen_statistics(targets, kv)
+            if kept
+            else Calibrator(None, targets, kv=kv, all_experts=a.calibrate_all_experts)
+        )
         gptq = (
             GPTQRun(
                 state,
@@ -173,11 +182,12 @@ def run_calibration(
                 if eval_ids is not None
                 else None
             )
-            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq, folds)
-            cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
-            cal.reduce(state)
+            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq, folds, kept)
+            if not kept:  # the search's are reduced
+                cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
+                cal.reduce(state)
             check_base_unchanged(ck, identity)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start + (search.seconds if kept else 0.0)
         log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
         coverage = report_coverage(cal, state, cfg.num_experts)
         quality = report.result if report is not None else None
@@ -251,8 +261,10 @@ def run_calibration(
 
 def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
     """--auto-quantize: the format search (eprt.quant.auto_quantize_run), then the chosen recipe
-    calibrated as any recipe is, into `a.out` with the recipe (RECIPE_FILE), so that
-    `--recipe OUT/auto_recipe.yaml` reproduces the export. Returns what run_ptq returns."""
+    written into `a.out` with the recipe (RECIPE_FILE), so that `--recipe OUT/auto_recipe.yaml`
+    reproduces the export: under max and mse with the search's statistics (its quality report on
+    the held-out sequences alone measured again), else calibrated again with --algorithm. Returns
+    what run_ptq returns."""
     search = search_formats(state, a, ck)
     with tempfile.TemporaryDirectory() as d:  # each rank reads its own copy of the same recipe
         path = os.path.join(d, RECIPE_FILE)
@@ -321,16 +333,20 @@ def calibrate_layers(
     report: QualityReport | None = None,
     gptq: GPTQRun | None = None,
     folds: Folds | None = None,
+    kept: bool = False,
 ) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
     held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
     `work` (with GPTQ's results and AWQ's `folds` so far, `rc` reading its checkpoint through
-    them); with --resume, from the last one saved. Returns the layer it resumed after (-1: none)."""
+    them); with --resume, from the last one saved. `kept`: `cal`'s statistics are final already
+    (the format search's), so the calibration sequences stay out and the held-out ones run alone.
+    Returns the layer it resumed after (-1: none)."""
     ck = rc.ck
     shape = run_shape(a, state, ck.config)
     quality = QualityStreams(state, report, shape.schedule_of(report.eval_ids.shape[0])) if report else None
     awq = AWQ(cal, recipe, folds, writes=gptq is None) if folds is not None else None
-    passes = layer_passes(cal, recipe, rc, quality=quality, awq=awq, gptq=gptq)
+    passes = layer_passes(cal, recipe, rc, quality=quality, awq=awq, gptq=gptq, statistics=not kept)
+    samples = samples[:0] if kept else samples
     engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
     results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)

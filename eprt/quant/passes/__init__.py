@@ -27,8 +27,10 @@ def layer_passes(
     awq: AWQ | None = None,
     gptq: GPTQRun | None = None,
     format_errors: FormatErrors | None = None,
+    statistics: bool = True,
 ) -> list[Pass]:
-    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too); the format
+    """A run's passes: max statistics (with --calibrate-all-experts, every expert's too; not with
+    `statistics` False, where `cal`'s are final already: the format search's); the format
     search's errors (`format_errors`, which restores the weights it quantizes); the quality report's
     streams (`quality`), AWQ's folds (`awq`) and GPTQ (`gptq`), which run through the layer quantized
     with `recipe` (the export's numerics, the source dtypes of `rc`); the MTP layers last.
@@ -36,8 +38,8 @@ def layer_passes(
     The order is the hooks': the report's reference stream runs through the layer before AWQ folds
     it, GPTQ's Hessians come from the folded layer, the report's probes keep the layer's weights
     before GPTQ's solve replaces them, and the quantized layer is made after all of them."""
-    passes: list[Pass] = [MaxStatistics(cal)]
-    if cal.all_experts:
+    passes: list[Pass] = [MaxStatistics(cal)] if statistics else []
+    if statistics and cal.all_experts:
         passes.append(EveryExpertStatistics(cal))
     passes += [format_errors] if format_errors is not None else []
     if quality is not None:
