@@ -300,12 +300,14 @@ def search_summary(
 @dataclass(frozen=True)
 class SearchResult:
     """What the search hands the calibration of its choice: the report's field, the recipe's text,
-    the base's pins as the search read it (eprt.quant.fingerprint) and its pass's seconds; and
-    under max or mse, its statistics (every module a candidate quantizes, the KV cache's with
-    --kv-cache; reduced over the ranks), which the chosen recipe keeps (None: calibrate again)."""
+    the data it read (eprt.quant.run_data.report_data's: the calibration's too), the base's pins
+    as it read it (eprt.quant.fingerprint) and its pass's seconds; and under max or mse, its
+    statistics (every module a candidate quantizes, the KV cache's with --kv-cache; reduced over
+    the ranks), which the chosen recipe keeps (None: calibrate again)."""
 
     summary: dict
     recipe_yaml: str
+    data: tuple
     base: dict
     seconds: float
     statistics: Calibrator | None = None

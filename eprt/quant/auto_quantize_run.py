@@ -84,7 +84,8 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
         with fail_together(state, "planning memory"):
             plan_run(state, rc, replace(a, preview=None), space.targets, search=True)
         with fail_together(state, "reading the calibration data"):
-            samples, eval_ids, _ = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
+            data = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
+            samples, eval_ids, _ = data
             base = {"manifest_sha256": manifest_digest(ck.path), "weights": weight_pins(ck)}
         start = time.perf_counter()
         with fail_together(state, "searching the formats"), torch.inference_mode():
@@ -107,7 +108,7 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
             if reuse
             else f"searched with {search_algorithm(a.algorithm)} statistics, now calibrated with {a.algorithm}",
         )
-    return SearchResult(summary, text, base, seconds, cal if reuse else None)
+    return SearchResult(summary, text, data, base, seconds, cal if reuse else None)
 
 
 def measure_format_errors(

@@ -90,8 +90,8 @@ def run_calibration(
     None without one)}. `on_weight(tensor name, weight)` sees each weight as the quality report
     fake-quantizes it (this rank's rows of routed experts). `ck`: `a.ckpt` as the command opened
     it (default: opened here); the run closes it. `search`: what --auto-quantize chose, for the
-    output's recipe file and report; with its statistics, the run keeps them and runs the held-out
-    sequences alone."""
+    output's recipe file and report, and the data it read; with its statistics, the run keeps them
+    and runs the held-out sequences alone."""
     log = logger()
     kept = search is not None and search.statistics is not None
     with fail_together(state, "reading the checkpoint and the recipe"):
@@ -130,7 +130,7 @@ def run_calibration(
                 awq=tuple(m for m in targets if recipe.balanced(m)),
             )
         with fail_together(state, "reading the calibration data"):
-            samples, eval_ids, used = report_data(a, hf_dir, cfg.vocab_size)
+            samples, eval_ids, used = search.data if search is not None else report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
