@@ -1,10 +1,11 @@
 """The compressed-tensors schemes as plain dicts, from a table eprt owns: each preset scheme a
-format names (`WeightFormat.ct_preset`) with its weights and input_activations arguments, and a
-KV cache's arguments, serialized as the library's `QuantizationConfig.model_dump(mode="json")`
+format names (`WeightFormat.ct_preset`) with its weights and input_activations arguments, and a KV
+cache's arguments, serialized as the library's `QuantizationConfig.model_dump(mode="json")`
 serializes them, key order included, so that config.json's quantization_config
-(eprt.hf.compressed_tensors_export) is the same bytes as the library would write. The export does not import the library for it: the import costs more CPU time than the
-whole unquantized export and some 230 MiB of memory (it brings transformers). The tests build
-the same configs with the library's own classes and compare (tests/test_compressed_tensors_config.py).
+(eprt.hf.compressed_tensors_export) is the same bytes as the library would write. The export does
+not import the library for it: the import costs more CPU time than the whole unquantized export and
+some 230 MiB of memory (it brings transformers). The tests build the same configs with the library's
+own classes and compare (tests/test_compressed_tensors_config.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""What a quantized export holds in memory, planned from the manifest alone: the process, the
-output tensors computed ahead of the writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the quantizing threads keep, and the
-largest weight being quantized, one tensor at a time: a dense Linear's whole weight, or a batch of
-routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at least one row a CPU worker).
-Nothing else stays: each tensor is read, quantized, written and dropped. What a weight element
-costs while it is quantized is its format's own figure (`WeightFormat.export_working_bytes`).
-The check of the written output (eprt.hf.check_files) reads the scales a tensor at a time by byte
-range, without mapping the shards: a scale grid and its masks, less than the export held
-quantizing the weight it scales, so it adds nothing to the peak. The compressed-tensors layout
-(INT4, MXFP4) costs nothing of its own: its config is built from eprt's table of the library's
-schemes (eprt.hf.compressed_tensors_schemes), without importing the library."""
+"""What a quantized export holds in memory, planned from the manifest alone: the process, the output
+tensors computed ahead of the writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the
+quantizing threads keep, and the largest weight being quantized, one tensor at a time: a dense
+Linear's whole weight, or a batch of routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at
+least one row a CPU worker). Nothing else stays: each tensor is read, quantized, written and
+dropped. What a weight element costs while it is quantized is its format's own figure
+(`WeightFormat.export_working_bytes`). The check of the written output (eprt.hf.check_files) reads
+the scales a tensor at a time by byte range, without mapping the shards: a scale grid and its masks,
+less than the export held quantizing the weight it scales, so it adds nothing to the peak. The
+compressed-tensors layout (INT4, MXFP4) costs nothing of its own: its config is built from eprt's
+table of the library's schemes (eprt.hf.compressed_tensors_schemes), without importing the library."""
 
 from __future__ import annotations
 
