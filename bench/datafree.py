@@ -17,7 +17,8 @@ A recipe whose formats the ModelOpt layout does not hold (INT4, MXFP4) exports c
 `--recipe all`: every shipped data-free recipe. Reported per recipe: each one's median wall and CPU
 (user + system) seconds and peak RSS (of its largest process; the operating system's own
 accounting), and the medians of the ratios to the unquantized export taken run by run, so that a
-drift of the machine's speed moves both sides. Beside them, the dry run's planned peak of the
+drift of the machine's speed moves both sides; with --baseline, the direct export's to the
+baseline's, the same way. Beside them, the dry run's planned peak of the
 export. On a machine other jobs share, run it under OMP_NUM_THREADS=1.
 """
 
@@ -118,6 +119,12 @@ def report(name: str, got: list, base: list) -> str:
     )
 
 
+def against_baseline(got: list, base: list) -> str:
+    """The direct export against the baseline tree's, run by run: the medians of the ratios."""
+    wall_x, cpu_x, peak_x = (statistics.median(r[i] / b[i] for r, b in zip(got, base)) for i in range(3))
+    return f"  {'direct / baseline':>18}: {wall_x:.2f}x the wall, {cpu_x:.2f}x the cpu, {peak_x:.2f}x the peak"
+
+
 def main() -> None:
     sys.path.insert(0, REPO)
     args = parser().parse_args()
@@ -159,6 +166,8 @@ def main() -> None:
             print(f"recipe {r} ({shipped[r]} layout):")
             for name, got in runs[r].items():
                 print(report(name, got, runs[r]["unquantized export"]))
+            if args.baseline:
+                print(against_baseline(runs[r]["direct export"], runs[r]["direct, baseline"]))
             print(f"  dry run: {plan}")
 
 

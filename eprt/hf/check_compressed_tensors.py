@@ -1,10 +1,12 @@
 """Check a compressed-tensors export (docs/export.md) for what the compressed-tensors loaders
 (transformers, vLLM's and SGLang's `compressed-tensors` methods) rely on.
 
-The quantization_config must parse with compressed-tensors' own classes, be `compressed`, and
-give each config group a format eprt writes (a weight format's `ct_format`: `float-quantized`
-FP8, `nvfp4-pack-quantized` NVFP4). Each Linear is then matched as the library matches it
-(`ignore` first, then each group's `targets`: class `Linear`, an exact name or a `re:` regex) and
+The quantization_config must parse with compressed-tensors' own classes (eprt-check; the export's
+own check reads the config it built without the library), be `compressed`, and give each config
+group a format eprt writes (a weight format's `ct_format`: `float-quantized` FP8,
+`nvfp4-pack-quantized` NVFP4). Each Linear is then matched by the library's rule
+(eprt.storage.encodings.matches: `ignore` first, then each group's `targets`: class `Linear`, an
+exact name or a `re:` regex) and
 must carry exactly its group's tensors with valid scales; an ignored or unmatched Linear keeps a
 float `weight` and no scale. Linears the engines fuse must agree on their per-tensor scales in a format that shares
 them (NVFP4: one global scale per fused weight), and every routed expert of a layer on its input
@@ -19,6 +21,7 @@ from collections import defaultdict
 
 from eprt.hf.check_names import SourceNames, check_names
 from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format, by_ct_weight
+from eprt.storage.encodings import MIXED_FORMAT, matches
 
 CT_FORMATS = tuple(dict.fromkeys(f.ct_format for f in WEIGHT_FORMATS.values()))
 SCALE_LEAVES = {leaf for f in WEIGHT_FORMATS.values() for leaf in list(f.ct_leaves)[1:]}
@@ -46,9 +49,14 @@ EXPERT_KIND = {
 }
 
 
-def check_compressed_tensors(config: dict, tensors: dict, source: SourceNames | None, problems: list[str]) -> None:
-    """Append one line per violation to `problems`. `tensors`: name -> header (and scale values)."""
-    groups = _parse_config(config["quantization_config"], problems)
+def check_compressed_tensors(
+    config: dict, tensors: dict, source: SourceNames | None, problems: list[str], library: bool = True
+) -> None:
+    """Append one line per violation to `problems`. `tensors`: name -> header (and scale values).
+    `library`: parse the quantization_config with compressed-tensors' classes first (a config
+    anyone wrote); the export's own check, of the config it built from eprt's table of the
+    library's schemes (eprt.hf.compressed_tensors_schemes), leaves the library unimported."""
+    groups = _parse_config(config["quantization_config"], problems, library)
     if groups is None or not tensors:
         return
     ignore, by_format = groups
@@ -96,8 +104,54 @@ def stored_format(
     )
 
 
-def _parse_config(qc: dict, problems: list[str]):
-    """(ignore, format -> [targets]) from the quantization_config, or None when it cannot be read."""
+def _parse_config(qc: dict, problems: list[str], library: bool):
+    """(ignore, format -> [targets]) from the quantization_config, or None when it cannot be read.
+    With `library`, compressed-tensors' own classes parse it first and what they read is checked:
+    the loaders parse it with them, which accept what the JSON spells otherwise (a preset name for
+    a group, "INT" for "int", a default left out)."""
+    if library:
+        qc = _parsed_by_library(qc, problems)
+        if qc is None:
+            return None
+    if qc.get("quantization_status") != "compressed":
+        problems.append(
+            f"config.json quantization_config.quantization_status: "
+            f"{qc.get('quantization_status')!r}; the weights are stored compressed"
+        )
+    by_format: dict[WeightFormat, list[str]] = defaultdict(list)
+    for name, group in qc["config_groups"].items():
+        ct_format = group.get("format") or qc.get("format")
+        w, a = group.get("weights"), group.get("input_activations")
+        fmt = by_ct_format(ct_format, (w or {}).get("strategy"), a is not None, (w or {}).get("group_size"))
+        where = f"config.json quantization_config.config_groups.{name}"
+        if fmt is None:
+            problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
+            continue
+        bits = fmt.num_bits
+        kind = fmt.ct_weight_type
+        if (
+            w is None
+            or w.get("num_bits") != bits
+            or w.get("type") != kind
+            or (fmt.group_size is not None and w.get("group_size") != fmt.group_size)
+        ):
+            size = f" in groups of {fmt.group_size}" if fmt.group_size is not None else ""
+            problems.append(f"{where}.weights: not the {bits}-bit {kind} weights{size} of {ct_format} ({fmt.name})")
+        want = fmt.modelopt_input_group()
+        if want is not None and (a is None or a.get("num_bits") != want["num_bits"] or a.get("type") != want["type"]):
+            problems.append(f"{where}.input_activations: not the {want['num_bits']}-bit float inputs of {fmt.name}")
+        by_format[fmt] += group["targets"]
+    if len(by_format) > 1 and qc.get("format") != MIXED_FORMAT:
+        problems.append(
+            f"config.json quantization_config.format: {qc.get('format')!r}, its groups use "
+            f"{sorted(f.ct_format for f in by_format)}: {MIXED_FORMAT}"
+        )
+    return list(qc.get("ignore") or []), dict(by_format)
+
+
+def _parsed_by_library(qc: dict, problems: list[str]) -> dict | None:
+    """The quantization_config as compressed-tensors' `QuantizationConfig` reads it (its JSON
+    dump), or None, with the problem said, when it cannot."""
     try:
         from compressed_tensors.quantization import QuantizationConfig
     except ImportError:
@@ -107,49 +161,10 @@ def _parse_config(qc: dict, problems: list[str]):
         )
         return None
     try:
-        parsed = QuantizationConfig.model_validate(qc)
+        return QuantizationConfig.model_validate(qc).model_dump(mode="json")
     except Exception as e:  # pydantic names the field at fault
         problems.append(f"config.json quantization_config: compressed-tensors cannot read it ({e})".splitlines()[0])
         return None
-    if str(getattr(parsed.quantization_status, "value", parsed.quantization_status)) != "compressed":
-        problems.append(
-            f"config.json quantization_config.quantization_status: "
-            f"{qc.get('quantization_status')!r}; the weights are stored compressed"
-        )
-    by_format: dict[WeightFormat, list[str]] = defaultdict(list)
-    for name, group in parsed.config_groups.items():
-        ct_format = group.format or parsed.format
-        fmt = by_ct_format(
-            ct_format,
-            getattr(group.weights, "strategy", None),
-            group.input_activations is not None,
-            getattr(group.weights, "group_size", None),
-        )
-        where = f"config.json quantization_config.config_groups.{name}"
-        if fmt is None:
-            problems.append(f"{where}.format: {ct_format!r}; eprt writes {' or '.join(CT_FORMATS)}")
-            continue
-        bits = fmt.num_bits
-        w = group.weights
-        kind = fmt.ct_weight_type
-        if (
-            w is None
-            or w.num_bits != bits
-            or w.type != kind
-            or (fmt.group_size is not None and w.group_size != fmt.group_size)
-        ):
-            size = f" in groups of {fmt.group_size}" if fmt.group_size is not None else ""
-            problems.append(f"{where}.weights: not the {bits}-bit {kind} weights{size} of {ct_format} ({fmt.name})")
-        a, want = group.input_activations, fmt.modelopt_input_group()
-        if want is not None and (a is None or a.num_bits != want["num_bits"] or a.type != want["type"]):
-            problems.append(f"{where}.input_activations: not the {want['num_bits']}-bit float inputs of {fmt.name}")
-        by_format[fmt] += group.targets
-    if len(by_format) > 1 and parsed.format != "mixed-precision":
-        problems.append(
-            f"config.json quantization_config.format: {parsed.format!r}, its groups use "
-            f"{sorted(f.ct_format for f in by_format)}: mixed-precision"
-        )
-    return list(parsed.ignore or []), dict(by_format)
 
 
 def _linears(tensors: dict) -> dict[str, set[str]]:
@@ -167,21 +182,14 @@ def _linears(tensors: dict) -> dict[str, set[str]]:
 
 
 def _ignored(module: str, ignore: list[str]) -> bool:
-    from compressed_tensors.utils.match import match_name
-
-    return any(match_name(module, entry) for entry in ignore)
+    return matches(module, ignore)
 
 
 def _declared_format(module: str, ignore: list[str], by_format: dict[WeightFormat, list[str]]) -> WeightFormat | None:
     """The format compressed-tensors applies to Linear `module`: None when ignored or untargeted."""
-    from compressed_tensors.utils.match import match_name
-
     if _ignored(module, ignore):
         return None
-    for fmt, targets in by_format.items():
-        if any(t == "Linear" or match_name(module, t) for t in targets):
-            return fmt
-    return None
+    return next((fmt for fmt, targets in by_format.items() if matches(module, targets)), None)
 
 
 def _dtype(tensors: dict, module: str) -> str:

@@ -40,8 +40,9 @@ from eprt.storage.encodings import without_quantization
 from eprt.storage.hf_files import CONFIG, QUALITY, QUANT_CONFIG
 
 
-def check_export(out_dir, source_dir=None) -> list[str]:
+def check_export(out_dir, source_dir=None, library: bool = True) -> list[str]:
     """Violations of the ModelOpt layout in the export at `out_dir`; empty when it passes.
+    `library`: parse a compressed-tensors config with the library's classes (check_compressed_tensors).
 
     Every tensor must be one an engine loads (`eprt.hf.check_names`); with `source_dir` (the
     Hugging Face checkpoint the export was made from) the export's name set must be exactly the
@@ -55,7 +56,7 @@ def check_export(out_dir, source_dir=None) -> list[str]:
         read_json(out / QUALITY, problems)
     if is_compressed_tensors(config):
         tensors = read_tensors(out, problems)
-        check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems)
+        check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems, library)
         formats = ct_formats(tensors)
         _check_ct_scale_range(
             tensors, formats, kv_by_ct_scheme(config["quantization_config"].get("kv_cache_scheme")), problems

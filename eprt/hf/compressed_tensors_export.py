@@ -6,28 +6,20 @@ format gives this layout (`WeightFormat.compressed_tensors_tensors`, eprt.quant.
 `float-quantized` weight, weight_scale and input_scale; NVFP4's `nvfp4-pack-quantized`
 weight_packed, block weight_scale and the reciprocal global scales); under a quantized KV cache,
 the attention module's k_scale and v_scale (float32 [1]). config.json's quantization_config is
-built with compressed-tensors' own classes, from each format's preset scheme and `format` name.
+built from eprt's table of compressed-tensors' preset schemes (eprt.hf.compressed_tensors_schemes),
+without importing the library.
 """
 
 from __future__ import annotations
 
 import re
 
-from eprt.errors import ConfigError
+from eprt.hf.compressed_tensors_schemes import quantization_args, scheme
 from eprt.quant.formats import WeightFormat
 from eprt.quant.formats.kv import kv_cache_format
+from eprt.storage.encodings import CT, MIXED_FORMAT
 
-NAME = "compressed-tensors"
-
-
-def require() -> None:
-    """The compressed-tensors library builds the config: refuse up front, before any output, without it."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--format compressed-tensors needs the compressed-tensors library: pip install 'eprt[compressed]'"
-        ) from None
+NAME = CT
 
 
 def kv_scale_name(attn: str, kind: str) -> str:
@@ -61,30 +53,18 @@ def targets(formats: dict[str, WeightFormat], others: set[str]) -> dict[WeightFo
 def quantization_config(
     formats: set[WeightFormat], ignore: list[str], kv_cache: str | None, targets: dict[WeightFormat, list[str]]
 ) -> dict:
-    """config.json's quantization_config. `targets`: format -> the modules it quantizes, as
-    compressed-tensors targets (["Linear"] when one format covers every quantized Linear)."""
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationStatus,
-        preset_name_to_scheme,
-    )
-
-    groups = {}
-    for i, fmt in enumerate(sorted(formats, key=lambda f: f.name)):
-        scheme = preset_name_to_scheme(fmt.ct_preset, targets[fmt])
-        scheme.format = fmt.ct_format
-        if fmt.group_size is not None and scheme.weights.group_size != fmt.group_size:  # INT4 in groups of 32
-            scheme.weights = scheme.weights.model_copy(update={"group_size": fmt.group_size})
-        groups[f"group_{i}"] = scheme
+    """config.json's quantization_config, as compressed-tensors' `QuantizationConfig.model_dump`
+    gives it. `targets`: format -> the modules it quantizes, as compressed-tensors targets
+    (["Linear"] when one format covers every quantized Linear)."""
+    groups = {f"group_{i}": scheme(fmt, targets[fmt]) for i, fmt in enumerate(sorted(formats, key=lambda f: f.name))}
     kv_format = kv_cache_format(kv_cache)
-    kv = QuantizationArgs(**kv_format.ct_args) if kv_format is not None else None
-    fmt = next(iter(formats)).ct_format if len(formats) == 1 else "mixed-precision"
-    qc = QuantizationConfig(
-        config_groups=groups,
-        format=fmt,
-        quantization_status=QuantizationStatus.COMPRESSED,
-        ignore=ignore,
-        kv_cache_scheme=kv,
-    )
-    return qc.model_dump(mode="json")
+    return {
+        "config_groups": groups,
+        "quant_method": NAME,
+        "kv_cache_scheme": quantization_args(**kv_format.ct_args) if kv_format is not None else None,
+        "format": next(iter(formats)).ct_format if len(formats) == 1 else MIXED_FORMAT,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "moe_sparsity_config": None,
+    }

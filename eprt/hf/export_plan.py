@@ -1,13 +1,14 @@
-"""What a quantized export holds in memory, planned from the manifest alone: the process, the
-compressed-tensors library where the layout needs it, the output tensors computed ahead of the
-writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the quantizing threads keep, and the
-largest weight being quantized, one tensor at a time: a dense Linear's whole weight, or a batch of
-routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at least one row a CPU worker).
-Nothing else stays: each tensor is read, quantized, written and dropped. What a weight element
-costs while it is quantized is its format's own figure (`WeightFormat.export_working_bytes`).
-The check of the written output (eprt.hf.check_files) reads the scales a tensor at a time by byte
-range, without mapping the shards: a scale grid and its masks, less than the export held
-quantizing the weight it scales, so it adds nothing to the peak."""
+"""What a quantized export holds in memory, planned from the manifest alone: the process, the output
+tensors computed ahead of the writing (eprt.hf.export.PRODUCE_AHEAD_BYTES), the chunk buffers the
+quantizing threads keep, and the largest weight being quantized, one tensor at a time: a dense
+Linear's whole weight, or a batch of routed-expert rows (eprt.hf.export_quantized.BATCH_ELEMENTS, at
+least one row a CPU worker). Nothing else stays: each tensor is read, quantized, written and
+dropped. What a weight element costs while it is quantized is its format's own figure
+(`WeightFormat.export_working_bytes`). The check of the written output (eprt.hf.check_files) reads
+the scales a tensor at a time by byte range, without mapping the shards: a scale grid and its masks,
+less than the export held quantizing the weight it scales, so it adds nothing to the peak. The
+compressed-tensors layout (INT4, MXFP4) costs nothing of its own: its config is built from eprt's
+table of the library's schemes (eprt.hf.compressed_tensors_schemes), without importing the library."""
 
 from __future__ import annotations
 
@@ -22,19 +23,10 @@ from eprt.quant.recipe import Recipe
 from eprt.storage.checkpoint import Checkpoint, TensorMeta
 from eprt.units import format_bytes
 
-# What `import compressed_tensors` adds to the resident set of a process that has imported torch and
-# eprt's export (the library brings transformers with it), which its layout's export makes
-# (eprt.hf.compressed_tensors_export.require) and the dry run does not: VmRSS before and after the
-# import, in a fresh process: 226 MiB with transformers 5.24, 236.5 MiB with 5.25 (which brings the
-# `kernels` package), compressed-tensors 0.20 and torch 2.13 CPU; planned at 256 MiB, since the
-# libraries grow from release to release.
-COMPRESSED_TENSORS_IMPORT_BYTES = 256 * 2**20
-
 
 @dataclass(frozen=True)
 class ExportPlan:
     process: int  # bytes the process holds before the export
-    library: int  # the compressed-tensors library, where the layout needs it
     ahead: int  # output tensors computed ahead of the writing
     buffers: int  # the chunk buffers the quantizing threads keep
     largest: int  # the largest weight (or batch of expert rows) as read and quantized
@@ -42,12 +34,11 @@ class ExportPlan:
 
     @property
     def peak(self) -> int:
-        return self.process + self.library + self.ahead + self.buffers + self.largest
+        return self.process + self.ahead + self.buffers + self.largest
 
     def summary(self) -> str:
         parts = [
             f"process {format_bytes(self.process)}",
-            *([f"compressed-tensors library {format_bytes(self.library)}"] if self.library else []),
             f"{self.largest_name} read and quantized {format_bytes(self.largest)}",
             f"output computed ahead {format_bytes(self.ahead)}",
             *([f"chunk buffers {format_bytes(self.buffers)}"] if self.buffers else []),
@@ -57,8 +48,7 @@ class ExportPlan:
 
 def plan_export(ck: Checkpoint, modules: Iterable[str], recipe: Recipe, workers: int, process: int) -> ExportPlan:
     """The plan of exporting `modules` (dense Linears and routed-experts modules) of `ck` quantized
-    under `recipe`, on `workers` CPU workers, in a process that holds `process` bytes; in the
-    compressed-tensors layout where a format has no ModelOpt one (INT4, MXFP4)."""
+    under `recipe`, on `workers` CPU workers, in a process that holds `process` bytes."""
     held = [(0, "no weight")]
     formats: set[WeightFormat] = set()
     for m in modules:
@@ -74,16 +64,13 @@ def plan_export(ck: Checkpoint, modules: Iterable[str], recipe: Recipe, workers:
                 rows = min(meta.shape[0], max(workers, BATCH_ELEMENTS // max(1, row)))
                 held.append((working(meta, fmt, rows * row), f"{rows} expert rows of {name}"))
     largest, name = max(held)
-    ct = any(not f.modelopt_layout for f in formats)
     # a thread's buffers, by slot: each format keeps slots of its own, so a thread that quantizes
     # several formats keeps each one's (the MX formats share their block amax's: counted twice, an
     # upper bound). The pool's workers quantize, and the producing thread a piece too small to
     # share out.
     threads = workers + (workers > 1)
     buffers = threads * sum(f.export_worker_bytes for f in formats)
-    return ExportPlan(
-        process, COMPRESSED_TENSORS_IMPORT_BYTES if ct else 0, PRODUCE_AHEAD_BYTES, buffers, largest, name
-    )
+    return ExportPlan(process, PRODUCE_AHEAD_BYTES, buffers, largest, name)
 
 
 def working(meta: TensorMeta, fmt: WeightFormat, elements: int) -> int:

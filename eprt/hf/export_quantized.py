@@ -64,8 +64,6 @@ class QuantizedExport:
     def __init__(self, ck: Checkpoint, layout: str = "modelopt", recipe: Recipe | None = None):
         if layout not in LAYOUTS:
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(LAYOUTS)}")
-        if layout == ct.NAME:
-            ct.require()
         self.ck, self.target = ck, layout
         self.recipe = recipe or parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)

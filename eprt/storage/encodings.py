@@ -176,11 +176,14 @@ def without_quantization(config: dict) -> dict:
 
 
 def matches(module: str, targets: list[str]) -> bool:
-    """compressed-tensors' own rule for `ignore` and `targets` (exact names, `re:` regexes); of the
-    class targets, a compressed module is a torch Linear, which "Linear" names."""
-    from compressed_tensors.utils import match_name
-
-    return any(t == "Linear" or match_name(module, t) for t in targets)
+    """compressed-tensors' own rule for `ignore` and `targets` (its `match_name`): a `re:` entry
+    matches where its regex matches at the start of the name (`re.match`, not a full match), any
+    other entry where it equals the name; of the class targets, a compressed module is a torch
+    Linear, which "Linear" names. Written here rather than imported, so that reading or writing
+    a config does not import the library (and transformers with it)."""
+    return any(
+        t == "Linear" or (re.match(t[3:], module) is not None if t.startswith("re:") else t == module) for t in targets
+    )
 
 
 # --- decoders ---------------------------------------------------------------------------------

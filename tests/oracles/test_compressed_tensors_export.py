@@ -14,7 +14,8 @@
   only, so every expert weight comes out global_scale times too large): the test divides the
   loaded experts by the export's weight_global_scale, which is what the library's own
   decompression (above) and vLLM's NVFP4 MoE do.
-- eprt-check passes it and names what is broken in it.
+- eprt-check passes it and names what is broken in it; the export process never imports the
+  library (nor transformers).
 """
 
 import json
@@ -322,9 +323,11 @@ def test_the_tools_write_and_check_it(exports, tmp_path):
     _, modelopt, _ = exports["qwen3_moe", "nvfp4"]
     out = str(tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": str(root)}
-    subprocess.run(
+    written = subprocess.run(
         [
             sys.executable,
+            "-X",
+            "importtime",  # every module the export imports, on stderr
             str(root / "tools" / "export_hf.py"),
             modelopt[: -len("-modelopt")],
             out,
@@ -334,7 +337,15 @@ def test_the_tools_write_and_check_it(exports, tmp_path):
         ],
         check=True,
         env=env,
+        capture_output=True,
+        text=True,
     )
+    # the layout's config is eprt's own: the export leaves the library (and transformers) unimported
+    imported = {
+        line.rpartition("|")[2].strip() for line in written.stderr.splitlines() if line.startswith("import time")
+    }
+    assert "eprt.hf.compressed_tensors_export" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("compressed_tensors", "transformers")}
     assert (
         json.loads(Path(out, "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     )
