@@ -7,15 +7,18 @@ For each family, on eprt's tiny random model: make, convert, calibrate (max, a l
 and export every format in each layout that holds it (EXPORTS); NOT_RUN names those vLLM's CPU build
 cannot run, with the reason. Each other export is then
 - run in vLLM (bench/engine_runner.py, a child process holding the shims of bench/engine_shims.py):
-  greedy tokens, their logprobs and every decoder layer's output on the prompt, and the kernel vLLM
-  chose per module;
+  greedy tokens, their logprobs and every decoder layer's output on the prompt, each quantized
+  Linear's, MoE block's and routed expert GEMM's input and output on the first prefill, and the
+  kernel vLLM chose per module;
 - run as a reference (bench/engine_reference.py): its tensors dequantized from the numerics
   docs/export.md states (not by eprt's code), into a bf16 checkpoint that transformers runs, with
   each quantized module's input quantized as the format says the engine does (static, per token, per
   group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
   it runs weight-only;
-and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and layer outputs within
-bf16 tolerances, and each quantized Linear on vLLM's own input against vLLM's output. One table is printed and written as JSON (docs/engine-check.md).
+and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and
+layer outputs within bf16 tolerances or the reference's own noise floor, and each quantized Linear,
+routed expert GEMM and MoE block on vLLM's own input against vLLM's output. One table is printed and
+written as JSON (docs/engine-check.md).
 """
 
 from __future__ import annotations
@@ -609,6 +612,8 @@ def print_table(rows: list[dict]) -> None:
         "first_layer_rel_diff",
         "max_layer_rel_diff",
         "linear_rel_diff",
+        "experts_rel_diff",
+        "moe_rel_diff",
     ]
     cells = [[c for c in cols]] + [
         [(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols] for r in rows
@@ -646,6 +651,7 @@ def main() -> None:
                     "tie": TIE_MARGIN,
                     "w4a4_factor": W4A4_FACTOR,
                     "linear_rel": LINEAR_TOL,
+                    "noise_floor_draws": FLOOR_SEEDS,
                 },
                 "seconds": round(time.monotonic() - start),
             },
