@@ -590,7 +590,8 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
             experts_rel_diff=max((d for d, _, _ in experts.values()), default=0.0),
             act_moved=max((a for _, a, _ in experts.values()), default=0.0),
         )
-        if any(diff > LINEAR_TOL for diff, _, sem in experts.values() if sem == "W4A4"):
+        w4a4_blocks = [block for block, (_, _, sem) in experts.items() if sem == "W4A4"]
+        if any(experts[b][0] > LINEAR_TOL or blocks[b] > LINEAR_TOL for b in w4a4_blocks):
             compared["result"] = "FAIL"
         if any(diff > LINEAR_TOL for diff, sem in linears.values() if sem == "W4A4"):
             compared["result"] = "FAIL"
