@@ -7,15 +7,18 @@ For each family, on eprt's tiny random model: make, convert, calibrate (max, a l
 and export every format in each layout that holds it (EXPORTS); NOT_RUN names those vLLM's CPU build
 cannot run, with the reason. Each other export is then
 - run in vLLM (bench/engine_runner.py, a child process holding the shims of bench/engine_shims.py):
-  greedy tokens, their logprobs and every decoder layer's output on the prompt, and the kernel vLLM
-  chose per module;
+  greedy tokens, their logprobs and every decoder layer's output on the prompt, each quantized
+  Linear's, MoE block's and routed expert GEMM's input and output on the first prefill, and the
+  kernel vLLM chose per module;
 - run as a reference (bench/engine_reference.py): its tensors dequantized from the numerics
   docs/export.md states (not by eprt's code), into a bf16 checkpoint that transformers runs, with
   each quantized module's input quantized as the format says the engine does (static, per token, per
   group, per block) where vLLM's kernel quantizes activations (W8A8, W4A4), and left in bf16 where
   it runs weight-only;
-and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and layer outputs within
-bf16 tolerances, and each quantized Linear on vLLM's own input against vLLM's output. One table is printed and written as JSON (docs/engine-check.md).
+and compared: greedy tokens equal (teacher-forced on vLLM's tokens, prefill then decode steps), logprobs and
+layer outputs within bf16 tolerances or the reference's own noise floor, and each quantized Linear,
+routed expert GEMM and MoE block on vLLM's own input against vLLM's output. One table is printed and
+written as JSON (docs/engine-check.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from engine_reference import FUSED, InputQuant, Module, engine_linear, nvfp4_input, read_export
+from engine_reference import (
+    FUSED,
+    InputQuant,
+    Module,
+    engine_linear,
+    jittered_inputs,
+    nvfp4_input,
+    read_export,
+    silu_and_mul,
+)
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,6 +176,9 @@ W4A4_FACTOR = 2
 # and rounded once to bf16 (each within 2^-9 of the sum). It holds the W4A4 Linears, whose reference is
 # vLLM's arithmetic bit for bit; the others' largest is reported (docs/engine-check.md).
 LINEAR_TOL = 2**-8
+# Draws of the reference's noise floor (`noise_floor`): the least of them is the floor, so one draw
+# that happens to move a near tie does not widen the tolerance.
+FLOOR_SEEDS = 3
 
 
 def tool(*args: str) -> None:
@@ -265,10 +280,10 @@ def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str
         if m.inputs and ran(semantics, m.fmt, "experts", name) != WEIGHT_ONLY:
             module = model.get_submodule(name)
             module.forward = experts_forward(
-                module,
                 projections,
                 layer_input(projections, "gate_proj", "up_proj"),
                 layer_input(projections, "down_proj"),
+                getattr(model.config, "routed_scaling_factor", 1.0),
             )
 
 
@@ -292,23 +307,29 @@ def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
     return nvfp4_input(q.scale) if q.kind == "nvfp4" else q
 
 
-def experts_forward(module, projections: dict[str, Module], in_13: InputQuant, in_2: InputQuant):
-    """transformers' per-expert loop with each expert's two GEMMs as the engine's kernel computes them
-    (`engine_linear`, its inputs quantized under the layer's input quantization, FP8 by division as
-    vLLM's MoE input quantization, bench/engine_shims.py's fp8_quant_in_torch); `projections` holds
-    each expert's dequantized Linears by "E.gate_proj", "E.up_proj", "E.down_proj"."""
+def experts_forward(projections: dict[str, Module], in_13: InputQuant, in_2: InputQuant, routed_scale: float):
+    """transformers' experts module run as vLLM's routed experts compute (bench/engine_shims.py's
+    experts_in_torch): each expert's gate/up GEMM (`engine_linear`, its input quantized under the
+    layer's input quantization, FP8 by division as vLLM's MoE input quantization, the shims'
+    fp8_quant_in_torch) rounded to bf16, the activation as vLLM's CPU kernel computes it
+    (`silu_and_mul`), the down GEMM's fp32 sum times the fp32 router weight rounded once, the top-k
+    outputs summed in fp32 and rounded; `projections` holds each expert's dequantized Linears by
+    "E.gate_proj", "E.up_proj", "E.down_proj". DeepSeek's `routed_scale` (routed_scaling_factor):
+    transformers' router folds it into the weights, vLLM's MoE runner multiplies the bf16 sum by it."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
+        weights = top_k_weights.float() / routed_scale
+        out = torch.zeros(*hidden_states.shape, dtype=torch.float32)
         for e in top_k_index.unique().tolist():
             token, k = torch.where(top_k_index == e)
             gate_up = torch.cat([projections[f"{e}.gate_proj"].weight, projections[f"{e}.up_proj"].weight])
             gate, up = engine_linear(hidden_states[token], gate_up, in_13, fp8_by_reciprocal=False).chunk(2, dim=-1)
-            h = module.act_fn(gate) * up
+            h = silu_and_mul(gate, up)
             down = projections[f"{e}.down_proj"].weight
-            y = engine_linear(h, down, in_2, fp8_by_reciprocal=False) * top_k_weights[token, k, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+            y = engine_linear(h, down, in_2, fp8_by_reciprocal=False, dtype=torch.float32)
+            out.index_add_(0, token, (y * weights[token, k, None]).to(hidden_states.dtype).float())
+        out = out.to(hidden_states.dtype)
+        return out * routed_scale if routed_scale != 1.0 else out
 
     return forward
 
@@ -339,6 +360,52 @@ def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str],
         diff = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
         diffs[name] = (diff, ran(semantics, m.fmt, "linear", member))
     return diffs
+
+
+def compare_moe_blocks(model, blocks: dict) -> dict:
+    """Each MoE block whose routed experts vLLM ran quantized, teacher-forced on the first prompt: the
+    reference's block (its router, its experts as `experts_forward` runs them, its shared experts) on
+    vLLM's own input, against vLLM's output. {block: mean |vLLM - reference| / mean |reference|}"""
+    diffs = {}
+    for name, seen in blocks.items():
+        x = torch.tensor(seen["input"], dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = model.get_submodule(name)(x[None])
+        ref = (out[0] if isinstance(out, tuple) else out)[0].float()
+        diffs[name] = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
+    return diffs
+
+
+def compare_experts(modules: dict[str, Module], semantics: dict[tuple[str, str], str], engine: dict) -> dict:
+    """Each routed expert vLLM ran on the first prompt's prefill, teacher-forced GEMM by GEMM as
+    `compare_linears` does the Linears: the reference's gate/up (its input quantized as the kernel's
+    semantics say) on the block's own input rows, against vLLM's; its down projection on vLLM's
+    activation, against vLLM's fp32 sum. {block: (largest mean |vLLM - reference| / mean |reference|
+    over its experts' GEMMs, the share of activation elements the reference's `silu_and_mul` puts
+    apart from vLLM's, the semantics)}."""
+    out = {}
+    for block, calls in engine["experts"].items():
+        projections = {
+            n.partition(f"{block}.experts.")[2]: m for n, m in modules.items() if n.startswith(f"{block}.experts.")
+        }
+        sem = ran(semantics, next(iter(projections.values())).fmt, "experts", block)
+        quantized = sem != WEIGHT_ONLY
+        in_13 = layer_input(projections, "gate_proj", "up_proj") if quantized else None
+        in_2 = layer_input(projections, "down_proj") if quantized else None
+        x = torch.tensor(engine["moe_blocks"][block]["input"], dtype=torch.bfloat16)
+        worst, moved, elements = 0.0, 0, 0
+        for e, seen in calls.items():
+            gate_up = torch.cat([projections[f"{e}.gate_proj"].weight, projections[f"{e}.up_proj"].weight])
+            h = engine_linear(x[seen["tokens"]], gate_up, in_13, fp8_by_reciprocal=False).float()
+            act = torch.tensor(seen["act"], dtype=torch.bfloat16)
+            y = engine_linear(act, projections[f"{e}.down_proj"].weight, in_2, False, torch.float32)
+            for ref, eng in ((h, seen["gate_up"]), (y, seen["down"])):
+                worst = max(worst, ((torch.tensor(eng) - ref).abs().mean() / ref.abs().mean()).item())
+            gate, up = torch.tensor(seen["gate_up"]).chunk(2, dim=-1)
+            moved += int((silu_and_mul(gate, up) != act).sum())
+            elements += act.numel()
+        out[block] = (worst, moved / max(elements, 1), sem)
+    return out
 
 
 def mla_decode_forwards(model, modules: dict[str, Module], semantics: dict[tuple[str, str], str]) -> dict:
@@ -372,22 +439,20 @@ def replaced_forwards(forwards: dict):
             module.forward = forward
 
 
-def compare(model, engine: dict, decode_forwards: dict, factor: float = 1) -> dict:
-    """Teacher-forced on the engine's tokens, step by step as the engine runs them (the prompt's
-    prefill, then each token a decode step on the cache, `decode_forwards` in place): greedy
-    agreement, logprob and layer-output differences, the tolerances `factor` times LOGPROB_TOL and
-    LAYER_TOL."""
-    layers = model.model.layers
-    worst_logprob, worst_first, worst_layer, mismatches, ties = 0.0, 0.0, 0.0, 0, 0
-    for p in engine["prompts"]:
-        captured = []
+def teacher_forced(model, prompts: list[dict], decode_forwards: dict) -> list[tuple[torch.Tensor, list]]:
+    """The reference teacher-forced on the engine's tokens, step by step as the engine runs them (each
+    prompt's prefill, then each token a decode step on the cache, `decode_forwards` in place): per
+    prompt, the log-probabilities of every step and each decoder layer's output on the prompt."""
+    runs = []
+    for p in prompts:
+        captured: list[torch.Tensor] = []
         hooks = [
             layer.register_forward_hook(
                 lambda _m, _i, out, captured=captured: captured.append(
                     (out[0] if isinstance(out, tuple) else out)[0].float()
                 )
             )
-            for layer in layers
+            for layer in model.model.layers
         ]
         with torch.no_grad():
             out = model(torch.tensor([p["prompt"]]), use_cache=True)
@@ -398,12 +463,39 @@ def compare(model, engine: dict, decode_forwards: dict, factor: float = 1) -> di
             for token in p["tokens"][:-1]:
                 out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
                 logits.append(out.logits[0, -1])
-        logprobs = torch.log_softmax(torch.stack(logits).float(), dim=-1)
+        runs.append((torch.log_softmax(torch.stack(logits).float(), dim=-1), captured))
+    return runs
+
+
+def noise_floor(model, prompts: list[dict], decode_forwards: dict, seeds: int = FLOOR_SEEDS) -> float:
+    """How far the reference's own logprobs of the engine's tokens move when every input it quantizes
+    moves by one bf16 step on a random half of its elements (engine_reference.jittered_inputs): the
+    least over `seeds` draws of the largest move. 0 where nothing quantizes its input."""
+
+    def chosen(runs):
+        return torch.cat([lp[torch.arange(len(p["tokens"])), p["tokens"]] for (lp, _), p in zip(runs, prompts)])
+
+    base = chosen(teacher_forced(model, prompts, decode_forwards))
+    moves = []
+    for seed in range(seeds):
+        with jittered_inputs(seed):
+            moves.append((chosen(teacher_forced(model, prompts, decode_forwards)) - base).abs().max().item())
+    return min(moves)
+
+
+def compare(model, engine: dict, decode_forwards: dict, factor: float = 1, floor: float = 0.0) -> dict:
+    """Teacher-forced on the engine's tokens (`teacher_forced`): greedy agreement, logprob and
+    layer-output differences. The tolerances: `factor` times LAYER_TOL for the first layer; the larger
+    of `factor` times LOGPROB_TOL and the reference's own noise `floor` for the logprobs, and of
+    TIE_MARGIN and `floor` for a greedy mismatch to count as a tie."""
+    worst_logprob, worst_first, worst_layer, mismatches, ties = 0.0, 0.0, 0.0, 0, 0
+    tie = max(TIE_MARGIN, floor)
+    for p, (logprobs, captured) in zip(engine["prompts"], teacher_forced(model, engine["prompts"], decode_forwards)):
         for step, (token, lp) in enumerate(zip(p["tokens"], p["logprobs"])):
             worst_logprob = max(worst_logprob, abs(logprobs[step, token].item() - lp))
             top = logprobs[step].argmax().item()
             if top != token:
-                if logprobs[step, top] - logprobs[step, token] < TIE_MARGIN:
+                if logprobs[step, top] - logprobs[step, token] < tie:
                     ties += 1
                 else:
                     mismatches += 1
@@ -415,12 +507,14 @@ def compare(model, engine: dict, decode_forwards: dict, factor: float = 1) -> di
         worst_first, worst_layer = max(worst_first, diffs[0]), max(worst_layer, *diffs)
     # Only the first layer is held to LAYER_TOL: it sees the same embeddings in both, so its difference
     # is that layer's arithmetic alone; later layers add up the differences of every layer before them.
-    ok = mismatches == 0 and worst_logprob <= factor * LOGPROB_TOL and worst_first <= factor * LAYER_TOL
+    logprob_tol = max(factor * LOGPROB_TOL, floor)
+    ok = mismatches == 0 and worst_logprob <= logprob_tol and worst_first <= factor * LAYER_TOL
     return {
         "result": "pass" if ok else "FAIL",
         "token_mismatches": mismatches,
         "ties": ties,
         "max_logprob_diff": worst_logprob,
+        "logprob_tol": logprob_tol,
         "first_layer_rel_diff": worst_first,
         "max_layer_rel_diff": worst_layer,
     }
@@ -479,9 +573,26 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
             or "bf16"
         )
         w4a4 = any(sem == "W4A4" for (fmt, _), sem in semantics.items() if fmt in formats)
-        compared = compare(model, engine, mla_decode_forwards(model, modules, semantics), W4A4_FACTOR if w4a4 else 1)
+        decode = mla_decode_forwards(model, modules, semantics)
+        floor = noise_floor(model, engine["prompts"], decode)
+        compared = compare(model, engine, decode, W4A4_FACTOR if w4a4 else 1, floor)
         worst = max(linears, key=lambda n: linears[n][0], default="-")
         compared.update(linear_rel_diff=linears[worst][0] if linears else 0.0, worst_linear=worst)
+        quantized_blocks = {n.partition(".experts")[0] for n in engine["kernels"] if ".experts" in n}
+        if quantized_blocks != set(engine["moe_blocks"]):
+            sys.exit(f"{ex.name}: vLLM's MoE blocks {sorted(quantized_blocks)} were not all recorded")
+        if len(engine["experts"]) != len(engine["moe_blocks"]):
+            sys.exit(f"{ex.name}: vLLM's routed experts were recorded for {len(engine['experts'])} of its MoE blocks")
+        blocks = compare_moe_blocks(model, engine["moe_blocks"])
+        experts = compare_experts(modules, semantics, engine)
+        compared.update(
+            moe_rel_diff=max(blocks.values(), default=0.0),
+            experts_rel_diff=max((d for d, _, _ in experts.values()), default=0.0),
+            act_moved=max((a for _, a, _ in experts.values()), default=0.0),
+        )
+        w4a4_blocks = [block for block, (_, _, sem) in experts.items() if sem == "W4A4"]
+        if any(experts[b][0] > LINEAR_TOL or blocks[b] > LINEAR_TOL for b in w4a4_blocks):
+            compared["result"] = "FAIL"
         if any(diff > LINEAR_TOL for diff, sem in linears.values() if sem == "W4A4"):
             compared["result"] = "FAIL"
         emit(rows, {**row, **compared, "seconds": round(time.monotonic() - start, 1)})
@@ -502,6 +613,8 @@ def print_table(rows: list[dict]) -> None:
         "first_layer_rel_diff",
         "max_layer_rel_diff",
         "linear_rel_diff",
+        "experts_rel_diff",
+        "moe_rel_diff",
     ]
     cells = [[c for c in cols]] + [
         [(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols] for r in rows
@@ -539,6 +652,7 @@ def main() -> None:
                     "tie": TIE_MARGIN,
                     "w4a4_factor": W4A4_FACTOR,
                     "linear_rel": LINEAR_TOL,
+                    "noise_floor_draws": FLOOR_SEEDS,
                 },
                 "seconds": round(time.monotonic() - start),
             },

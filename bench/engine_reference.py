@@ -10,6 +10,7 @@ per-tensor, per-row, 128x128-block or E8M0 scale.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -124,6 +125,32 @@ def fake_quantize(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
     return quantize_dequantize(x, q).to(x.dtype)
 
 
+# The generator of `jittered_inputs`, while one is active: every quantized input then moves first.
+_jitter: torch.Generator | None = None
+
+
+@contextlib.contextmanager
+def jittered_inputs(seed: int):
+    """Within the block, every input a W8A8 / W4A4 kernel quantizes (`quantize_dequantize`) first
+    moves by one bf16 step, up or down, on a random half of its elements: the disagreement an engine
+    and the reference have where they round the same value in different places (the engine check's
+    noise floor, docs/engine-check.md, "Tolerances")."""
+    global _jitter
+    _jitter = torch.Generator().manual_seed(seed)
+    try:
+        yield
+    finally:
+        _jitter = None
+
+
+def bf16_steps(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """x (bf16 values) with a random half of its nonzero elements moved one bf16 step up or down."""
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    step = torch.randint(0, 2, bits.shape, generator=generator, dtype=torch.int16) * 2 - 1
+    moved = (torch.rand(bits.shape, generator=generator) < 0.5) & (bits & 0x7FFF != 0)
+    return torch.where(moved, bits + step, bits).view(torch.bfloat16).to(x.dtype)
+
+
 def quantize_dequantize(x: torch.Tensor, q: InputQuant, fp8_by_reciprocal: bool = False) -> torch.Tensor:
     """An input quantized and dequantized as a W8A8 / W4A4 kernel does, in fp32.
     fp8-static: e4m3(x / s) s. nvfp4: `nvfp4_quantize_dequantize`. fp8-dynamic: each group of a token
@@ -131,7 +158,7 @@ def quantize_dequantize(x: torch.Tensor, q: InputQuant, fp8_by_reciprocal: bool 
     the export's own exponent rule. `fp8_by_reciprocal`: x * fp32(1 / s) in place of x / s, as vLLM's
     FP8 Linears quantize their input in torch (QuantFP8's native path); the two round apart where
     the quotient lands on an E4M3 midpoint."""
-    xf = x.float()
+    xf = x.float() if _jitter is None else bf16_steps(x, _jitter).float()
     if q.kind == "nvfp4":
         return nvfp4_quantize_dequantize(xf, q.global_scale)
     if q.kind == "fp8-static":
@@ -150,7 +177,11 @@ def quantize_dequantize(x: torch.Tensor, q: InputQuant, fp8_by_reciprocal: bool 
 
 
 def engine_linear(
-    x: torch.Tensor, weight: torch.Tensor, q: InputQuant | None, fp8_by_reciprocal: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    q: InputQuant | None,
+    fp8_by_reciprocal: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """A quantized Linear's output in x's dtype as vLLM's kernel computes it, `q` what the kernel does
     with the input (None: weight-only), `weight` the dequantized fp32 weight. An FP8 W8A8 kernel
@@ -158,11 +189,29 @@ def engine_linear(
     `fp8_by_reciprocal=False`) and multiplies the E4M3 values of input and weight (torch._scaled_mm;
     the experts' fp32 GEMMs), scaling the fp32 sum once: both enter unrounded, only the output rounds.
     The others (vLLM's NVFP4 emulation, the weight-only kernels) multiply the input and the weight
-    each in bf16 (docs/engine-check.md, "FP8 Linears")."""
+    each in bf16 (docs/engine-check.md, "FP8 Linears"). `dtype` float32: the fp32 sum unrounded, as the
+    routed experts' down GEMM leaves it for the router weight (bench/engine_shims.py)."""
+    dtype = dtype or x.dtype
     if q is not None and q.kind.startswith("fp8"):
-        return torch.nn.functional.linear(quantize_dequantize(x, q, fp8_by_reciprocal), weight).to(x.dtype)
+        return torch.nn.functional.linear(quantize_dequantize(x, q, fp8_by_reciprocal), weight).to(dtype)
     xq = x if q is None else fake_quantize(x, q)
+    if dtype == torch.float32:
+        return torch.nn.functional.linear(xq.float(), weight.float())
     return torch.nn.functional.linear(xq, weight.to(x.dtype))
+
+
+def toward_zero_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x to bf16 by dropping its low 16 bits (rounding toward zero), as vLLM's CPU kernels
+    convert their fp32 results."""
+    return (x.float().contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The routed experts' activation as vLLM's CPU MoE computes it (its compiled `silu_and_mul`):
+    silu(gate) * up in fp32, rounded toward zero to bf16. transformers rounds silu(gate) and the
+    product each to nearest: half the elements land a bf16 step apart (docs/engine-check.md,
+    "Activations"). vLLM's dense MLPs compute it as transformers does (torch's own ops)."""
+    return toward_zero_bf16(torch.nn.functional.silu(gate.float()) * up.float())
 
 
 def nvfp4_quantize_dequantize(x: torch.Tensor, global_scale: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+import engine_shims
 import torch
 from engine_shims import SHIMS
 
@@ -71,6 +72,28 @@ def quantized_linear_hooks(llm, linears: dict[str, dict]) -> list:
     ]
 
 
+def moe_block_hooks(llm, blocks: dict[str, dict]) -> list:
+    """Hooks recording the first call (the prefill) of each MoE block whose routed experts are
+    quantized: its input and its output (router, routed and shared experts together), by module name
+    (the module holding `experts`, whose quantized kernel vLLM names `...experts.routed_experts`; the
+    block has the same name in transformers)."""
+
+    def record(name):
+        def hook(_m, args, kwargs, out):
+            x = args[0] if args else kwargs["hidden_states"]
+            blocks.setdefault(name, {"input": x.float().tolist(), "output": out.float().tolist()})
+
+        return hook
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    blocks_of_experts = {name.partition(".experts")[0] for name in kernels(llm) if ".experts" in name}
+    return [
+        module.register_forward_hook(record(name), with_kwargs=True)
+        for name, module in runner.get_model().named_modules()
+        if name in blocks_of_experts
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export")
@@ -99,6 +122,7 @@ def main() -> None:
     prompts = json.loads(a.prompts)
     results = []
     linears: dict[str, dict] = {}
+    moe_blocks: dict[str, dict] = {}
     for i, ids in enumerate(prompts):  # one prompt at a time, so each layer output is that prompt's prefill
         captured: list[torch.Tensor] = []
         hooks = [
@@ -106,10 +130,14 @@ def main() -> None:
             for layer in decoder_layers(llm)
         ]
         if i == 0:
-            hooks += quantized_linear_hooks(llm, linears)
+            hooks += quantized_linear_hooks(llm, linears) + moe_block_hooks(llm, moe_blocks)
+            engine_shims.RECORDED = []
         out = llm.generate(
             [TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=0)
         )[0].outputs[0]
+        if i == 0:  # the prefill's calls come first, a block at a time in the order the blocks ran
+            experts = dict(zip(moe_blocks, engine_shims.RECORDED))
+            engine_shims.RECORDED = None
         for h in hooks:
             h.remove()
         n = len(decoder_layers(llm))
@@ -123,7 +151,16 @@ def main() -> None:
             }
         )
     with open(a.out, "w") as f:
-        json.dump({"kernels": kernels(llm), "prompts": results, "linears": linears}, f)
+        json.dump(
+            {
+                "kernels": kernels(llm),
+                "prompts": results,
+                "linears": linears,
+                "moe_blocks": moe_blocks,
+                "experts": experts,
+            },
+            f,
+        )
 
 
 def _layer_output(out) -> torch.Tensor:

@@ -29,6 +29,11 @@ def register_emulation_linear_kernels() -> None:
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
 
 
+# Set to a list by bench/engine_runner.py while it records: each routed-experts call appends, per
+# expert it ran, the tokens it took and its two GEMMs' results (`experts_in_torch`).
+RECORDED: list | None = None
+
+
 def experts_in_torch(experts, output, x_TD, topk_weights, topk_ids, activation, gate_up, down) -> None:
     """A routed-experts forward as vLLM's Triton MoE computes it, in torch matmuls: each expert's
     gate/up GEMM over its tokens (fp32 accumulation, rounded to the model dtype), vLLM's own activation,
@@ -37,14 +42,19 @@ def experts_in_torch(experts, output, x_TD, topk_weights, topk_ids, activation, 
     token of each row of x, for inputs quantized per token before the call)."""
     dtype = output.dtype
     out_TKD = torch.zeros(*topk_ids.shape, output.size(-1), dtype=torch.float32)
+    call = {}
     for e in topk_ids.unique().tolist():
         rows_t, rows_k = (topk_ids == e).nonzero(as_tuple=True)
         h = gate_up(e, rows_t, x_TD[rows_t]).to(dtype)
         act = torch.empty(h.size(0), experts.adjust_N_for_activation(h.size(1), activation), dtype=dtype)
         experts.activation(activation, act, h)
-        y = down(e, act) * topk_weights[rows_t, rows_k].float()[:, None]
-        out_TKD[rows_t, rows_k] = y.to(dtype).float()
+        y = down(e, act)
+        call[e] = {"tokens": rows_t.tolist(), "gate_up": h.float().tolist(), "act": act.float().tolist()}
+        call[e]["down"] = y.tolist()
+        out_TKD[rows_t, rows_k] = (y * topk_weights[rows_t, rows_k].float()[:, None]).to(dtype).float()
     output.copy_(out_TKD.sum(dim=1).to(dtype))
+    if RECORDED is not None:
+        RECORDED.append(call)
 
 
 def replace_experts_forward(cls, forward) -> None:

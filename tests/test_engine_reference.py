@@ -12,13 +12,17 @@ import torch
 
 from bench.engine_reference import (
     InputQuant,
+    bf16_steps,
     e2m1,
     e4m3,
     engine_linear,
     fake_quantize,
+    jittered_inputs,
     nvfp4_input,
     quantize_dequantize,
     read_export,
+    silu_and_mul,
+    toward_zero_bf16,
 )
 from eprt.hf.export import export_hf
 from tests.formats_helpers import ct_scheme, decompressed, tiny_checkpoint
@@ -160,3 +164,44 @@ def test_fp8_linears_compute_as_the_engine_does(per_token):
     by_division = e4m3(x.float() / x_scale) * x_scale
     assert apart(torch.nn.functional.linear(by_division, weight).bfloat16()) > max(4 * apart(got), 2**-12)
     assert apart(torch.nn.functional.linear(fake_quantize(x, q), weight.bfloat16())) > max(4 * apart(got), 2**-12)
+
+
+def test_the_noise_floors_jitter_moves_half_the_inputs_one_bf16_step():
+    """The engine check's noise floor moves every quantized input by one bf16 step on a random half
+    of its nonzero elements, and only inside `jittered_inputs`."""
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    x[0] = 0
+    x[1] = -0.0
+    q = nvfp4_input(0.05)
+    plain = quantize_dequantize(x, q)
+    moved = bf16_steps(x, torch.Generator().manual_seed(1))
+    up = torch.nextafter(x, torch.tensor(float("inf"), dtype=torch.bfloat16))
+    down = torch.nextafter(x, torch.tensor(float("-inf"), dtype=torch.bfloat16))
+    changed = moved != x
+    assert ((moved == x) | (moved == up) | (moved == down)).all()
+    assert not changed[:2].any()  # zeros of either sign stay
+    assert 0.45 < changed[2:].float().mean().item() < 0.55
+    assert 0.4 < (moved[changed] > x[changed]).float().mean().item() < 0.6  # up and down alike
+    with jittered_inputs(0):
+        jittered = quantize_dequantize(x, q)
+    assert not torch.equal(jittered, plain)
+    assert torch.equal(quantize_dequantize(x, q), plain)  # the context restores the plain rule
+
+
+def test_vllms_cpu_activation_rounds_toward_zero():
+    """The reference's gated activation is silu(gate) * up in fp32 taken to the bf16 value next to it
+    toward zero (vLLM's CPU silu_and_mul), which differs from rounding to nearest on about half the
+    elements; a product that is already a bf16 value is kept."""
+    gate, up = torch.randn(2, 4096), torch.randn(2, 4096)
+    got = silu_and_mul(gate.to(torch.bfloat16), up.to(torch.bfloat16))
+    exact = torch.nn.functional.silu(gate.to(torch.bfloat16).float()) * up.to(torch.bfloat16).float()
+    assert got.dtype == torch.bfloat16
+    g = got.float()
+    assert (g.abs() <= exact.abs()).all() and ((g == 0) | (g.sign() == exact.sign())).all()
+    away = torch.nextafter(got, (exact.sign() * float("inf")).to(torch.bfloat16)).float()
+    assert ((exact - g).abs() < (away - g).abs()).all()  # short of the next bf16 value away from zero
+    nearest = exact.to(torch.bfloat16)
+    assert 0.4 < (nearest != got).float().mean().item() < 0.6
+    assert torch.equal(silu_and_mul(torch.zeros(3), torch.zeros(3)), torch.zeros(3, dtype=torch.bfloat16))
+    representable = torch.tensor([1.0, -2.5, 0.75])
+    assert torch.equal(toward_zero_bf16(representable), representable.to(torch.bfloat16))
