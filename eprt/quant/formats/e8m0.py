@@ -101,6 +101,14 @@ class Microscaled(ScaledByBlocks):
     ct_strategy = "group"
     scale_width = BLOCK
 
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        # max's exponent and the one below, which clips the block's top values to a grid twice as
+        # fine (byte 0 has none below: it stays). One above is never closer: within the block's
+        # amax its grid is max's with the finest steps doubled; two below clips more than the
+        # finer steps can give back.
+        scales = self.scales_of(w)
+        return [scales, scales.clamp(min=1).sub_(1)]
+
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         # a power of two: dividing by it is exact where multiplying by its inverse is, as the
         # export's encoder scales a block down (`scaled_down`)
