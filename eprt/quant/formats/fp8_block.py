@@ -2,7 +2,8 @@
 at run time per token in groups of 128: the block FP8 DeepSeek-V3, Qwen3 and Kimi-K2 ship, which
 Hopper and Ampere engines run (docs/export.md, 'FP8 block').
 
-A block's scale is its own amax / 448 (a zero block: 1.0, ModelOpt's export rule for a zero amax).
+A block's scale is its own amax / 448 (a zero block: 1.0, ModelOpt's export rule for a zero amax);
+under `mse`, amax x c / 448 for the c of least error (`MSE_FACTORS`, eprt.quant.formats.block_mse).
 A weight dimension that is not a multiple of 128 ends in a partial block whose scale comes from its
 own values, as the releases store them (`weight_scale_inv` [ceil(out/128), ceil(in/128)]). A
 quantized value is fp32(w) / its block's scale, rounded once to E4M3 nearest-even: the quotient

@@ -2,10 +2,12 @@
 quantizes at run time per token: the FP8 Hopper and Ampere engines run from both layouts,
 TensorRT-LLM's compressed-tensors loader included (docs/export.md, 'FP8 per channel').
 
-A row's scale is its own amax / 448 (a zero row: 1.0), and a quantized value fp32(w) / its row's
-scale rounded once to E4M3 nearest-even: the quotient of a bf16 weight by a scale tensor is fp32
-by torch's type promotion, as ModelOpt's FP8_PER_CHANNEL_PER_TOKEN export divides it. ModelOpt
-stores the scales as [out], compressed-tensors as [out, 1]. No calibrated statistic enters.
+A row's scale is its own amax / 448 (a zero row: 1.0; under `mse`, amax x c / 448 for the c of
+least error, as FP8 block searches a block's: eprt.quant.formats.fp8_block.MSE_FACTORS), and a
+quantized value fp32(w) / its row's scale rounded once to E4M3 nearest-even: the quotient of a
+bf16 weight by a scale tensor is fp32 by torch's type promotion, as ModelOpt's
+FP8_PER_CHANNEL_PER_TOKEN export divides it. ModelOpt stores the scales as [out],
+compressed-tensors as [out, 1]. No calibrated statistic enters.
 """
 
 from __future__ import annotations
