@@ -7,6 +7,8 @@ values beneath the formats' normals and the dtype's own subnormals, blocks of ex
   own decoder, every cell (block, row) is at most max's error, the whole weight strictly below
   it, and a cell max quantizes exactly keeps max's scale where another candidate ties it.
 - The codes are the export's encoding of their own decoded values under the searched scales.
+- The search gives the same grid a chunk of rows at a time as whole, and for a stack of weights
+  each one's own.
 - A NaN is refused by name, as under max.
 - A mixed recipe of all four formats exports data-free under mse (`--recipe ... --algorithm
   mse`) in the compressed-tensors layout with max's tensor names, dtypes and shapes, the scales
@@ -21,7 +23,7 @@ import yaml
 
 from eprt.hf.check_export import check_export
 from eprt.hf.export import export_hf
-from eprt.quant.formats import weight_format
+from eprt.quant.formats import block_mse, weight_format
 from tests.formats_helpers import tiny_checkpoint
 from tests.hf_utils import read_hf_tensors
 
@@ -86,6 +88,16 @@ def test_mse_is_never_above_max_in_a_cell_and_below_it_in_all(name, dtype):
     assert torch.equal(
         fmt.encode(decoded, by_mse["weight_scale"]).view(torch.uint8), by_mse["weight"].view(torch.uint8)
     )
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_search_is_the_same_in_chunks_of_rows_and_for_a_stack(name, monkeypatch):
+    fmt, w = weight_format(name), hostile(torch.bfloat16)
+    whole = block_mse.mse_grid(fmt, w)
+    monkeypatch.setattr(block_mse, "MSE_CHUNK_ELEMENTS", 3000)  # FP8 block: 2 chunks of rows; MX: 20
+    assert torch.equal(block_mse.mse_grid(fmt, w), whole)
+    stacked = block_mse.mse_grid(fmt, torch.stack([w, w.flip(0)]))
+    assert torch.equal(stacked, torch.stack([whole, block_mse.mse_grid(fmt, w.flip(0))]))
 
 
 @pytest.mark.parametrize("name", FORMATS)
