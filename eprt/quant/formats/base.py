@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from eprt.quant.formats.block_columns import BlockColumns
-from eprt.quant.formats.block_mse import mse_grid
+from eprt.quant.formats.block_mse import MSE_BYTES_PER_CHUNK_ELEMENT, MSE_GRID_BYTES, chunk_rows, mse_grid
 from eprt.storage.safetensors_io import dtype_name
 
 # leaf -> (dtype, shape) of one quantized Linear's tensors in an export layout
@@ -78,6 +78,14 @@ class WeightFormat:
     # counts its own from its code; tests/test_export_plan.py measures them.
     export_working_bytes: float
     export_worker_bytes: int = 0
+    # Under `mse`, what its search adds: bytes an element where it searches the whole weight at once,
+    # and a thread's bytes where it searches a chunk of rows at a time (`mse_search_bytes`).
+    export_mse_working_bytes: float = 0.0
+
+    def mse_search_bytes(self, in_dim: int) -> int:
+        """Bytes a thread's mse search holds at once for a weight of `in_dim` columns, beyond
+        `export_mse_working_bytes` an element."""
+        return 0
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:
@@ -249,6 +257,15 @@ class ScaledByBlocks(WeightFormat):
     # fp32 values of the codes nearest an fp32 quotient, as `encode` rounds it (saturating; a
     # negative value that rounds to zero keeps its sign where the codes do)
     round_quotient: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def export_mse_working_bytes(self) -> float:
+        # the candidate grids (`mse_candidates`), at most MSE_GRID_BYTES a cell (FP8's 16 fp32
+        # scales); a row's (FP8 per channel) are too few to count
+        return MSE_GRID_BYTES / (self.scale_height * self.scale_width) if self.scale_width else 0.0
+
+    def mse_search_bytes(self, in_dim: int) -> int:
+        return MSE_BYTES_PER_CHUNK_ELEMENT * chunk_rows(in_dim, self.scale_height) * in_dim
 
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         """fp32 [..., out_dim, in/scale_width]: grid `scales` of a weight of `out_dim` rows as each

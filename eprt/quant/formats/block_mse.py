@@ -19,6 +19,19 @@ import torch.nn.functional as F
 # Weight elements one step of the search encodes and decodes under each candidate (at least one
 # row of cells): bounds its working memory (a few float64 copies of them), not its result.
 MSE_CHUNK_ELEMENTS = 1 << 20
+# Bytes a chunk element holds during the search: its float64 copy, a candidate's float64 decoding
+# squared in place, and the codes and cell sums beside them (the export's memory plan,
+# ScaledByBlocks.mse_search_bytes).
+MSE_BYTES_PER_CHUNK_ELEMENT = 32
+# Bytes a cell of the weight's scale grid holds in the candidate grids, at most: FP8's 16 fp32
+# scales (the MX formats' two uint8 exponents hold less).
+MSE_GRID_BYTES = 64
+
+
+def chunk_rows(in_dim: int, height: int) -> int:
+    """Rows of a weight of `in_dim` columns one step of the search takes: whole rows of cells
+    (`height` rows each), about MSE_CHUNK_ELEMENTS elements, at least one row of cells."""
+    return max(1, MSE_CHUNK_ELEMENTS // max(1, in_dim * height)) * height
 
 
 def mse_grid(fmt, w: torch.Tensor) -> torch.Tensor:
@@ -44,7 +57,7 @@ def _searched(fmt, w: torch.Tensor) -> torch.Tensor:
     # each grid as rows of cells, a row of cells `height` weight rows (a per-channel grid: [out, 1])
     rows = [c.reshape(math.ceil(out_dim / height), -1) for c in candidates]
     best = rows[0].clone()
-    step = max(1, MSE_CHUNK_ELEMENTS // max(1, in_dim * height)) * height
+    step = chunk_rows(in_dim, height)
     for a in range(0, out_dim, step):
         b = min(a + step, out_dim)
         cells, shape = slice(a // height, math.ceil(b / height)), _grid_shape(fmt, b - a, in_dim)
