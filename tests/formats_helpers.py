@@ -35,8 +35,20 @@ from tests.hf_utils import read_hf_tensors
 SAMPLES, SEQ_LEN = 2, 16
 
 
-def ptq(state: ParallelState, ck: str, out: str, recipe: str) -> None:
-    run_ptq(state, PTQArgs(ck, recipe, out, calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, progress=False))
+def ptq(state: ParallelState, ck: str, out: str, recipe: str, algorithm: str | None = None) -> None:
+    run_ptq(
+        state,
+        PTQArgs(
+            ck,
+            recipe,
+            out,
+            calib_size=SAMPLES,
+            seq_len=SEQ_LEN,
+            batch_size=SAMPLES,
+            algorithm=algorithm,
+            progress=False,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -53,10 +65,12 @@ def tiny_checkpoint(d: Path, family: str = "qwen3_moe", **overrides) -> tuple[st
     return hf, convert_hf(hf, str(d / "ck"), progress=False)
 
 
-def calibrated_exports(ck: str, q: str, recipe: str, layouts: tuple[str, ...]) -> tuple[str | None, str | None]:
+def calibrated_exports(
+    ck: str, q: str, recipe: str, layouts: tuple[str, ...], algorithm: str | None = None
+) -> tuple[str | None, str | None]:
     """(ModelOpt-layout, compressed-tensors) exports of `ck` calibrated in one process with `recipe`
-    into q, each made where `layouts` names it ("modelopt", "ct")."""
-    ptq(ParallelState.single(), ck, q, recipe)
+    (under `algorithm` where given) into q, each made where `layouts` names it ("modelopt", "ct")."""
+    ptq(ParallelState.single(), ck, q, recipe, algorithm)
     return (
         export_hf(q, q + "-modelopt", progress=False) if "modelopt" in layouts else None,
         export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors") if "ct" in layouts else None,

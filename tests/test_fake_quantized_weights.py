@@ -1,8 +1,9 @@
 """The quality report and the preview compute with the export's weights: every quantized weight of
 eprt's fake-quantized model (eprt.quant.preview.fake_quantize) is, value for value, what the
 compressed-tensors library decompresses from the export, routed experts included, for the formats
-whose scales come from the weights alone. The tiny Qwen3-MoE's expert width, 64, is half a block of
-FP8 block's 128 rows: gate and up are blocked apart, as the export and the releases block them."""
+whose scales come from the weights alone, under max and under mse (each block's scale searched).
+The tiny Qwen3-MoE's expert width, 64, is half a block of FP8 block's 128 rows: gate and up are
+blocked apart, as the export and the releases block them."""
 
 import pytest
 import torch
@@ -20,10 +21,11 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("fake_quantized"))
 
 
+@pytest.mark.parametrize("algorithm", ["max", "mse"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_quantized_weight_is_the_libraries_decompression(tiny, recipe, tmp_path):
+def test_every_quantized_weight_is_the_libraries_decompression(tiny, recipe, algorithm, tmp_path):
     _, ck = tiny
-    _, ct = calibrated_exports(ck, str(tmp_path / "q"), recipe, ("ct",))
+    _, ct = calibrated_exports(ck, str(tmp_path / "q"), recipe, ("ct",), algorithm)
     model, _, _, undo = fake_quantized_model(ck, str(tmp_path / "q"), torch.float32)
     undo()
     scheme, compressor = ct_scheme(ct)
@@ -43,4 +45,4 @@ def test_every_quantized_weight_is_the_libraries_decompression(tiny, recipe, tmp
             }[proj]
         else:
             held = model.get_submodule(module).weight
-        assert torch.equal(held.detach(), theirs), (recipe, module)
+        assert torch.equal(held.detach(), theirs), (recipe, algorithm, module)

@@ -15,16 +15,13 @@ size, 192, ends every weight of that dimension in a partial 64-wide block.
   dequantization multiplies the codes by the scale grid without spreading the blocks (a shape
   error), so no transformers test is made here.
 - eprt-check passes both layouts and refuses a zero, a NaN and a misshapen block scale in each.
-- `mse` is refused for it by name (it runs max and gptq).
 """
 
 import pytest
 import torch
 
 from eprt.hf.check_export import check_export
-from eprt.quant.feasibility import RecipeError, quantized_modules
-from eprt.quant.formats.fp8_block import FP8_BLOCK, dequantize_fp8_block, fp8_block_scales, quantize_fp8_block
-from eprt.quant.recipe import parse_recipe
+from eprt.quant.formats.fp8_block import dequantize_fp8_block, fp8_block_scales, quantize_fp8_block
 from tests.formats_helpers import (
     broken_copy,
     ct_scheme,
@@ -130,22 +127,3 @@ def test_check_refuses_a_corrupted_block_scale(model, tmp_path, layout, edit, fa
     name = "model.layers.0.self_attn.q_proj.weight_scale"
     problems = check_export(broken_copy(getattr(model, layout), tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
-
-
-@pytest.mark.parametrize("algorithm", ["mse"])
-def test_mse_is_refused_by_name(model, algorithm):
-    from eprt.families import reader_for
-    from eprt.storage.checkpoint import Checkpoint
-
-    recipe = parse_recipe(
-        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_block", "algorithm": algorithm}]}, "r.yaml"
-    )
-    with Checkpoint(model.ck) as c:
-        layout = reader_for(c.config.model_type, model.ck).layout(c.config)
-    with pytest.raises(
-        RecipeError,
-        match=rf"fp8_block with algorithm {algorithm}, which fp8_block does not "
-        r"implement \(it runs max, gptq",
-    ):
-        quantized_modules(layout, recipe, model.ck)
-    assert FP8_BLOCK.algorithms == ("max", "gptq")

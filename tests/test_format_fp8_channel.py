@@ -11,18 +11,13 @@
   to eprt's codes; transformers loads it on CPU with every quantized weight, routed experts
   included, equal to eprt's dequantization.
 - eprt-check passes both layouts and refuses a zero, a NaN, a subnormal and a misshapen scale in each.
-- `mse` is refused by name (it runs max and gptq).
 """
 
 import pytest
 import torch
 
-from eprt.families import reader_for
 from eprt.hf.check_export import check_export
-from eprt.quant.feasibility import RecipeError, quantized_modules
 from eprt.quant.formats.fp8_channel import dequantize_fp8_channel, fp8_channel_scales, quantize_fp8_channel
-from eprt.quant.recipe import parse_recipe
-from eprt.storage.checkpoint import Checkpoint
 from tests.formats_helpers import (
     assert_transformers_loads,
     broken_copy,
@@ -119,15 +114,3 @@ def test_check_refuses_a_corrupted_scale(model, tmp_path, layout, edit, fault):
     name = "model.layers.0.self_attn.q_proj.weight_scale"
     problems = check_export(broken_copy(getattr(model, layout), tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
-
-
-def test_mse_is_refused_by_name(model):
-    recipe = parse_recipe(
-        {"name": "r", "quantize": [{"pattern": "*", "format": "fp8_channel", "algorithm": "mse"}]}, "r.yaml"
-    )
-    with Checkpoint(model.ck) as c:
-        layout = reader_for(c.config.model_type, model.ck).layout(c.config)
-    with pytest.raises(
-        RecipeError, match=r"fp8_channel with algorithm mse, which fp8_channel does not implement \(it runs max, gptq"
-    ):
-        quantized_modules(layout, recipe, model.ck)

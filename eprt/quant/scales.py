@@ -8,8 +8,9 @@ the weights: the one rule the preview, both export layouts and the checks follow
 - Every expert of a layer gets the layer's largest input amax per projection (w13, w2), also the
   experts no token reached, because the engines load one input scale per fused MoE.
 - Under a module's `mse` algorithm, its format searches the scales it searches (FP8 the
-  per-tensor weight scale, NVFP4 the block scales: eprt.quant.formats); NVFP4's weight_scale_2
-  stays the one above (fused siblings and gate/up keep sharing it).
+  per-tensor weight scale, NVFP4 and the block-scaled formats the block scales:
+  eprt.quant.formats); NVFP4's weight_scale_2 stays the one above (fused siblings and gate/up
+  keep sharing it).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from eprt.quant.formats.block_columns import BlockColumns
+from eprt.quant.formats.block_mse import MSE_BYTES_PER_CHUNK_ELEMENT, MSE_GRID_BYTES, chunk_rows, mse_grid
 from eprt.storage.safetensors_io import dtype_name
 
 # leaf -> (dtype, shape) of one quantized Linear's tensors in an export layout
@@ -77,6 +78,14 @@ class WeightFormat:
     # counts its own from its code; tests/test_export_plan.py measures them.
     export_working_bytes: float
     export_worker_bytes: int = 0
+    # Under `mse`, what its search adds: bytes an element where it searches the whole weight at once,
+    # and a thread's bytes where it searches a chunk of rows at a time (`mse_search_bytes`).
+    export_mse_working_bytes: float = 0.0
+
+    def mse_search_bytes(self, in_dim: int) -> int:
+        """Bytes a thread's mse search holds at once for a weight of `in_dim` columns, beyond
+        `export_mse_working_bytes` an element."""
+        return 0
 
     # --- numerics ---------------------------------------------------------------------------
     def scale(self, amax) -> torch.Tensor:
@@ -228,13 +237,14 @@ class WeightFormat:
 class ScaledByBlocks(WeightFormat):
     """A format whose only scales are a grid of block (or row) scales stored as `weight_scale`, from
     the weights alone: nothing per tensor (so nothing for fused Linears to share and no calibrated
-    statistic), weight scales by max (FP8 block and per channel, MXFP8, MXFP4). GPTQ rounds its
-    columns under the grid of the original weight (eprt.quant.formats.block_columns). A subclass
-    names the functions of its scales, codes and their decoding, and how its scales spread over a
-    row's columns and an fp32 quotient rounds, for GPTQ."""
+    statistic) (FP8 block and per channel, MXFP8, MXFP4). Under max a cell's scale is its amax's;
+    under mse each cell's is searched among the format's candidates (eprt.quant.formats.block_mse).
+    GPTQ rounds its columns under max's grid of the original weight
+    (eprt.quant.formats.block_columns). A subclass names the functions of its scales, codes and
+    their decoding, its mse candidates, and how its scales spread over a row's columns and an fp32
+    quotient rounds, for GPTQ."""
 
     block_scale_leaf = "weight_scale"
-    algorithms = ("max", "gptq")
     uses_activation_statistics = False
     weight_scale_leaf = None
     ct_weight_scale_leaf = ct_input_scale_leaf = None
@@ -243,9 +253,19 @@ class ScaledByBlocks(WeightFormat):
     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # its codes under them
     decode: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # codes, scales -> values
     scale_width: int | None  # consecutive columns of a row under one scale of the grid; None: the row
+    scale_height: int = 1  # consecutive rows under one scale of the grid (FP8 block's 128)
     # fp32 values of the codes nearest an fp32 quotient, as `encode` rounds it (saturating; a
     # negative value that rounds to zero keeps its sign where the codes do)
     round_quotient: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def export_mse_working_bytes(self) -> float:
+        # the candidate grids (`mse_candidates`), at most MSE_GRID_BYTES a cell (FP8's 16 fp32
+        # scales); a row's (FP8 per channel) are too few to count
+        return MSE_GRID_BYTES / (self.scale_height * self.scale_width) if self.scale_width else 0.0
+
+    def mse_search_bytes(self, in_dim: int) -> int:
+        return MSE_BYTES_PER_CHUNK_ELEMENT * chunk_rows(in_dim, self.scale_height) * in_dim
 
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         """fp32 [..., out_dim, in/scale_width]: grid `scales` of a weight of `out_dim` rows as each
@@ -256,8 +276,13 @@ class ScaledByBlocks(WeightFormat):
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())
 
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        """The grids the mse search chooses each cell's scale among, max's own (`scales_of(w)`)
+        first. Raises ValueError for a weight holding NaN or infinity."""
+        raise NotImplementedError
+
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales = self.scales_of(w)
+        scales = mse_grid(self, w) if mse else self.scales_of(w)
         return {"weight": self.encode(w, scales), "weight_scale": scales}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -4,7 +4,8 @@ exponent in one byte, 2^(byte - 127), for each block of 32 consecutive elements 
 A block's exponent is the least that brings its amax within the element format's largest value:
 ceil(log2(amax / largest)), clamped to [-127, 127], and -127 (byte 0) for a zero block, as
 ModelOpt's MXFP8 and MXFP4 quantizers compute it (`MXFP8QTensor._compute_e8m0_exponent`), so no
-element of a block saturates. Byte 255 is E8M0's NaN and is never written.
+element of a block saturates; under `mse` a block takes that exponent or the one below, whichever
+decodes it closer (`Microscaled.mse_candidates`). Byte 255 is E8M0's NaN and is never written.
 """
 
 from __future__ import annotations
@@ -100,6 +101,14 @@ class Microscaled(ScaledByBlocks):
     group_size = BLOCK
     ct_strategy = "group"
     scale_width = BLOCK
+
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        # max's exponent and the one below, which clips the block's top values to a grid twice as
+        # fine (byte 0 has none below: it stays). One above is never closer: within the block's
+        # amax its grid is max's with the finest steps doubled; two below clips more than the
+        # finer steps can give back.
+        scales = self.scales_of(w)
+        return [scales, scales.clamp(min=1).sub_(1)]
 
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         # a power of two: dividing by it is exact where multiplying by its inverse is, as the

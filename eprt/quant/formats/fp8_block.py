@@ -2,7 +2,8 @@
 at run time per token in groups of 128: the block FP8 DeepSeek-V3, Qwen3 and Kimi-K2 ship, which
 Hopper and Ampere engines run (docs/export.md, 'FP8 block').
 
-A block's scale is its own amax / 448 (a zero block: 1.0, ModelOpt's export rule for a zero amax).
+A block's scale is its own amax / 448 (a zero block: 1.0, ModelOpt's export rule for a zero amax);
+under `mse`, amax x c / 448 for the c of least error (`MSE_FACTORS`, eprt.quant.formats.block_mse).
 A weight dimension that is not a multiple of 128 ends in a partial block whose scale comes from its
 own values, as the releases store them (`weight_scale_inv` [ceil(out/128), ceil(in/128)]). A
 quantized value is fp32(w) / its block's scale, rounded once to E4M3 nearest-even: the quotient
@@ -62,6 +63,20 @@ def fp8_block_scales(w: torch.Tensor) -> torch.Tensor:
     """fp32 block scales [..., ceil(out/128), ceil(in/128)] of w [..., out, in]: amax / 448, a zero
     block's 1.0. Raises ValueError for a weight holding NaN or infinity."""
     return fp8_scales(block_amax(w), w.shape)
+
+
+# The factors of a block's (row's) amax whose scales, amax x c / 448, the mse search tries
+# (eprt.quant.formats.block_mse): max's 1 first, then 1 + k/16 to 1.9375, every placement of the
+# values against E4M3's binades at 1/16 apart. Above 2 a grid is the grid at c/2 made coarser at the
+# bottom (the same binades, the finest step doubled), never closer; below 1 it is the grid at 2c
+# clipped at the top, closer only for values beneath E4M3's normals, by less than the clipping costs.
+MSE_FACTORS = tuple(1 + k / 16 for k in range(16))
+
+
+def fp8_mse_candidates(amax: torch.Tensor, shape) -> list[torch.Tensor]:
+    """The scales of fp32 amaxes (each block's, each row's) of a weight of `shape` the mse search
+    tries: `fp8_scales(amax * c)` for c in MSE_FACTORS, max's first."""
+    return [fp8_scales(amax * c, shape) for c in MSE_FACTORS]
 
 
 def fp8_scales(amax: torch.Tensor, shape) -> torch.Tensor:
@@ -124,8 +139,11 @@ class Fp8Block(ScaledByBlocks):
     scales_of = staticmethod(fp8_block_scales)
     encode = staticmethod(quantize_fp8_block)
     decode = staticmethod(dequantize_fp8_block)
-    scale_width = BLOCK
+    scale_width = scale_height = BLOCK
     round_quotient = staticmethod(e4m3_values)
+
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        return fp8_mse_candidates(block_amax(w), w.shape)
 
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         # each grid row stands for 128 weight rows, the last one for what is left of them

@@ -2,10 +2,12 @@
 quantizes at run time per token: the FP8 Hopper and Ampere engines run from both layouts,
 TensorRT-LLM's compressed-tensors loader included (docs/export.md, 'FP8 per channel').
 
-A row's scale is its own amax / 448 (a zero row: 1.0), and a quantized value fp32(w) / its row's
-scale rounded once to E4M3 nearest-even: the quotient of a bf16 weight by a scale tensor is fp32
-by torch's type promotion, as ModelOpt's FP8_PER_CHANNEL_PER_TOKEN export divides it. ModelOpt
-stores the scales as [out], compressed-tensors as [out, 1]. No calibrated statistic enters.
+A row's scale is its own amax / 448 (a zero row: 1.0; under `mse`, amax x c / 448 for the c of
+least error, as FP8 block searches a block's: eprt.quant.formats.fp8_block.MSE_FACTORS), and a
+quantized value fp32(w) / its row's scale rounded once to E4M3 nearest-even: the quotient of a
+bf16 weight by a scale tensor is fp32 by torch's type promotion, as ModelOpt's
+FP8_PER_CHANNEL_PER_TOKEN export divides it. ModelOpt stores the scales as [out],
+compressed-tensors as [out, 1]. No calibrated statistic enters.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import torch
 
 from eprt.quant.formats.base import ScaledByBlocks, Tensors
 from eprt.quant.formats.block_columns import e4m3_values
-from eprt.quant.formats.fp8_block import fake_quant_input_groups, fp8_scales
+from eprt.quant.formats.fp8_block import fake_quant_input_groups, fp8_mse_candidates, fp8_scales
 from eprt.quant.numerics import FP8_E4M3_MAX, to_e4m3
+
+
+def row_amax(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., out]: the largest magnitude of each row of w [..., out, in]."""
+    return w.to(torch.float32, copy=True).abs_().amax(dim=-1)
 
 
 def fp8_channel_scales(w: torch.Tensor) -> torch.Tensor:
     """fp32 scales [..., out] of w [..., out, in]: each row's amax / 448, a zero row's 1.0."""
-    return fp8_scales(w.to(torch.float32, copy=True).abs_().amax(dim=-1), w.shape)
+    return fp8_scales(row_amax(w), w.shape)
 
 
 def quantize_fp8_channel(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -54,6 +61,9 @@ class Fp8Channel(ScaledByBlocks):
     decode = staticmethod(dequantize_fp8_channel)
     scale_width = None  # a row's one scale
     round_quotient = staticmethod(e4m3_values)
+
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        return fp8_mse_candidates(row_amax(w), w.shape)
 
     def row_scales(self, scales: torch.Tensor, out_dim: int) -> torch.Tensor:
         return scales.float().unsqueeze(-1)

@@ -243,6 +243,12 @@ class Int4(WeightFormat):
         # the packed codes (1/2); a group's amax, candidate scales, errors and choices (32 bytes)
         return 1 / 2 + 32 / self.group_size
 
+    @property
+    def export_mse_working_bytes(self) -> float:
+        # the search's groups over the whole weight (`int4_mse_scales`): its fp32 copy, fp32 work and
+        # bf16 rounding (10 bytes), and a group's amax, candidates, errors and choices (32 bytes)
+        return 4 + 4 + 2 + 32 / self.group_size
+
     def scale(self, amax) -> torch.Tensor:
         # no per-tensor scale is written; the export asks for one of every format, and gets amax's
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())
