@@ -20,17 +20,21 @@ import sys
 from datetime import timedelta
 
 import pytest
+import torch
 
 import eprt.commands.export as export_command
 import eprt.commands.ptq as ptq_command
 from eprt.errors import ConfigError, EprtError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.hf.export_plan import plan_export
+from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.datafree import data_free_formats
-from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.formats.fp8_block import Fp8Block
 from eprt.quant.ptq import PTQArgs, run_calibration, run_ptq
+from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
@@ -218,3 +222,18 @@ def test_a_format_takes_activation_statistics_exactly_when_it_writes_an_input_sc
         assert f.uses_activation_statistics == (f.modelopt_per_tensor_scales[1] is not None), f.name
         assert f.uses_activation_statistics == (f.ct_input_scale_leaf is not None), f.name
     assert {"fp8_block", "fp8_channel", "nvfp4_a16"} <= set(data_free_formats())
+
+
+def test_the_export_plan_counts_the_mse_search(qwen):
+    """Under mse the plan adds the search's memory to the same export under max: its grids an
+    element of the largest weight, and a chunk a quantizing thread."""
+    ck = Checkpoint(qwen[0])
+    rc = ResolvedCheckpoint.of(ck, torch.bfloat16)
+    plans = {}
+    for algorithm in ("max", "mse"):
+        recipe, targets = plan_recipe(rc, "mxfp4", None, algorithm)
+        plans[algorithm] = plan_export(ck, targets, recipe, 2, 0)
+    dense = [ck.tensors[f"{m}.weight"] for m in targets if f"{m}.weight" in ck.tensors]
+    fmt, widest = weight_format("mxfp4"), max(meta.shape[-1] for meta in dense)
+    assert plans["mse"].buffers - plans["max"].buffers >= 3 * fmt.mse_search_bytes(widest)  # 2 workers and the producer
+    assert plans["mse"].largest > plans["max"].largest

@@ -40,11 +40,11 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
 
-def growth(fmt, w, scale):
+def growth(fmt, w, scale, mse=False):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from the resident set now
     before = status("VmRSS:")
-    out = fmt.quantize(w, scale, False)
+    out = fmt.quantize(w, scale, mse)
     peak = status("VmHWM:") - before
     del out
     return peak
@@ -65,6 +65,8 @@ for name in sys.argv[4:]:
     scale = fmt.scale(w.float().abs().amax())
     fmt.quantize(w[:16], scale, False)
     found[name] = {"cold": growth(fmt, w, scale), "warm": growth(fmt, w, scale)}
+    if "mse" in fmt.algorithms and name != "nvfp4_a16":  # NVFP4's search: 126 candidates, slow here
+        found[name]["mse"] = growth(fmt, w, scale, True)
 print(json.dumps(found))
 """
 
@@ -116,6 +118,12 @@ def test_figures_hold_the_measured_peak_of_quantizing_a_weight(measured, name):
         f"{name} grew {got['cold'] / 2**20:.1f} MiB on its first weight, planned "
         f"{(per_element + fmt.export_worker_bytes) / 2**20:.1f} MiB with its chunk buffers"
     )
+    if "mse" in got:  # the search's working memory on top, as the plan adds it under mse
+        planned = elements * (fmt.export_working_bytes + fmt.export_mse_working_bytes)
+        planned += fmt.export_worker_bytes + fmt.mse_search_bytes(COLS)
+        assert got["mse"] <= planned + SLACK, (
+            f"{name} grew {got['mse'] / 2**20:.1f} MiB under mse, planned {planned / 2**20:.1f} MiB"
+        )
 
 
 def test_the_check_of_the_output_holds_a_scale_tensor_at_a_time_not_the_shard(measured):

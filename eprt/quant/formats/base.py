@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from eprt.quant.formats.block_columns import BlockColumns
-from eprt.quant.formats.block_mse import MSE_BYTES_PER_CHUNK_ELEMENT, MSE_GRID_BYTES, chunk_rows, mse_grid
+from eprt.quant.formats.block_mse import MSE_BYTES_PER_CHUNK_ELEMENT, chunk_rows, mse_grid
 from eprt.storage.safetensors_io import dtype_name
 
 # leaf -> (dtype, shape) of one quantized Linear's tensors in an export layout
@@ -258,11 +258,14 @@ class ScaledByBlocks(WeightFormat):
     # negative value that rounds to zero keeps its sign where the codes do)
     round_quotient: Callable[[torch.Tensor], torch.Tensor]
 
+    # bytes a cell of the scale grid holds in the mse search's candidate grids (`mse_candidates`) and
+    # its choice: FP8's 16 fp32 scales and the chosen one
+    mse_grid_bytes: int = 17 * 4
+
     @property
     def export_mse_working_bytes(self) -> float:
-        # the candidate grids (`mse_candidates`), at most MSE_GRID_BYTES a cell (FP8's 16 fp32
-        # scales); a row's (FP8 per channel) are too few to count
-        return MSE_GRID_BYTES / (self.scale_height * self.scale_width) if self.scale_width else 0.0
+        # the candidate grids, a cell's `mse_grid_bytes`; a row's (FP8 per channel) too few to count
+        return self.mse_grid_bytes / (self.scale_height * self.scale_width) if self.scale_width else 0.0
 
     def mse_search_bytes(self, in_dim: int) -> int:
         return MSE_BYTES_PER_CHUNK_ELEMENT * chunk_rows(in_dim, self.scale_height) * in_dim

@@ -23,9 +23,6 @@ MSE_CHUNK_ELEMENTS = 1 << 20
 # squared in place, and the codes and cell sums beside them (the export's memory plan,
 # ScaledByBlocks.mse_search_bytes).
 MSE_BYTES_PER_CHUNK_ELEMENT = 32
-# Bytes a cell of the weight's scale grid holds in the candidate grids, at most: FP8's 16 fp32
-# scales (the MX formats' two uint8 exponents hold less).
-MSE_GRID_BYTES = 64
 
 
 def chunk_rows(in_dim: int, height: int) -> int:

@@ -101,6 +101,7 @@ class Microscaled(ScaledByBlocks):
     group_size = BLOCK
     ct_strategy = "group"
     scale_width = BLOCK
+    mse_grid_bytes = 3  # the two candidate exponents and the chosen one, a byte each
 
     def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
         # max's exponent and the one below, which clips the block's top values to a grid twice as
