@@ -16,7 +16,8 @@ search's working set.
   The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,
   in fp32 and fp64) comes after the scale search's: the larger of the two counts.
 - The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
-  fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
+  fp32 and held as [A, in, out], with one candidate's temporaries, or every candidate's where one
+  call quantizes them all), the candidates of one batch of
   scored rows in the input dtype, and one unit's outputs."""
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def awq_bytes(
         samples = (own_tokens * layer.dense_width + routed_copies * layer.routed_width) * itemsize
         rows = max(own_tokens // max(seq_len, 1) * scored, min(routed_copies, own_tokens))
         inputs = min(BATCH_ELEMENTS, A * rows * layer.widest) * itemsize
-        # a reader's candidates, and one candidate's fold and quantization in fp32 beside them
-        weights = (A + 3) * layer.largest * 4
+        # a reader's candidates, and beside them one candidate's fold and quantization in fp32, or
+        # every candidate's where the format quantizes them in one call (awq_search.fake_weights:
+        # their folds, the codes' values and those scaled, in fp32 at most)
+        weights = (A + 3 * A) * layer.largest * 4
         # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
         unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
         # the clip search, after it: a chunk of rows' every step, clipped (fp32 and the weight's

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from eprt.parallel import ParallelState
 from eprt.quant.awq_folds import fold
 from eprt.quant.formats import WeightFormat
+from eprt.quant.formats.base import ScaledByBlocks
 from eprt.quant.gptq import FIXED_POINT_BITS
 from eprt.quant.numerics import abs_amax
 
@@ -93,8 +94,15 @@ def fake_weights(
 ) -> torch.Tensor:
     """w [out, in] folded with each candidate of `scales` [A, C] as `kind` folds it, quantized and
     dequantized as max rounds it (its own per-tensor scale): fp32 [A, in, out], transposed for the
-    matmul, written into `out` where given (one candidate's temporaries at a time)."""
+    matmul, written into `out` where given (one candidate's temporaries at a time, every
+    candidate's at once for a format with no per-tensor scale whose rows quantize apart)."""
     out = torch.empty(scales.shape[0], w.shape[-1], w.shape[-2], device=w.device) if out is None else out
+    if isinstance(fmt, ScaledByBlocks) and not fmt.blocks_span_rows:
+        # no per-tensor scale and every row quantized apart: all candidates' rows in one call give
+        # each the values it gets alone, for one call's fixed cost
+        q = torch.stack([fold([(kind, s)], w) for s in scales])
+        out.copy_(fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).transpose(-1, -2))
+        return out
     for a, s in enumerate(scales):
         q = fold([(kind, s)], w)
         out[a] = fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).T
