@@ -16,12 +16,13 @@ from eprt.models.loader import load_parallel
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
-from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
+from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds, fold
 from eprt.quant.awq_groups import layer_groups
 from eprt.quant.awq_plan import awq_bytes
 from eprt.quant.calibrated import DENSE_FILE, experts_file
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
+from eprt.quant.numerics import abs_amax
 from eprt.quant.passes.awq_search import (
     STEPS,
     Reader,
@@ -114,6 +115,22 @@ def test_the_search_balances_an_outlier_channel():
     losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")
     best = int(torch.argmin(losses))
     assert best > 0 and losses[best] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8", "fp8_channel", "fp8_block"])
+def test_candidates_quantized_in_one_call_are_each_what_it_is_alone(name):
+    """Every candidate's weight, quantized in one call (no per-tensor scale, rows apart) or one at a
+    time (FP8 block's blocks span rows), is the bits of that candidate folded and quantized alone."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(24, 128, generator=g) * torch.rand(128, generator=g) * 3).bfloat16()
+    fmt = weight_format(name)
+    scales = candidates(torch.rand(128, generator=g).double() + 0.01, torch.tensor([0, 3, 8, 13, 19]))
+    got = fake_weights(fmt, w, COLUMNS, scales)
+    alone = []
+    for s in scales:
+        q = fold([(COLUMNS, s)], w)
+        alone.append(fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).T)
+    assert torch.equal(got, torch.stack(alone))
 
 
 # --- runs: DeepSeek-V3 (MLA, a dense first layer, shared experts, an fp32 router) -------------
