@@ -4,6 +4,7 @@ is a plain checkpoint, the same bytes at every layout and after a resume."""
 
 import os
 from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
@@ -12,16 +13,19 @@ from safetensors.torch import load_file
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.models.layers import silu_mul
 from eprt.models.loader import load_parallel
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
-from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds
+from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds, fold
 from eprt.quant.awq_groups import layer_groups
 from eprt.quant.awq_plan import awq_bytes
 from eprt.quant.calibrated import DENSE_FILE, experts_file
 from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
+from eprt.quant.numerics import abs_amax
+from eprt.quant.passes import awq_search
 from eprt.quant.passes.awq_search import (
     STEPS,
     Reader,
@@ -29,6 +33,8 @@ from eprt.quant.passes.awq_search import (
     exact_totals,
     fake_inputs,
     fake_weights,
+    readers_errors,
+    unit_errors,
 )
 from eprt.quant.plan import Planner
 from eprt.quant.ptq import PTQArgs, run_ptq
@@ -114,6 +120,50 @@ def test_the_search_balances_an_outlier_channel():
     losses = exact_totals(ParallelState.single(), errors[None], 1, "dp")
     best = int(torch.argmin(losses))
     assert best > 0 and losses[best] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8", "fp8_channel", "fp8_block"])
+def test_candidates_quantized_in_one_call_are_each_what_it_is_alone(name):
+    """Every candidate's weight, quantized in one call (no per-tensor scale, rows apart) or one at a
+    time (FP8 block's blocks span rows), is the bits of that candidate folded and quantized alone."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(24, 128, generator=g) * torch.rand(128, generator=g) * 3).bfloat16()
+    fmt = weight_format(name)
+    scales = candidates(torch.rand(128, generator=g).double() + 0.01, torch.tensor([0, 3, 8, 13, 19]))
+    got = fake_weights(fmt, w, COLUMNS, scales)
+    alone = []
+    for s in scales:
+        q = fold([(COLUMNS, s)], w)
+        alone.append(fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).T)
+    assert torch.equal(got, torch.stack(alone))
+
+
+def test_references_kept_from_round_to_round_give_the_errors_made_afresh(monkeypatch):
+    """The search keeps each reader's reference outputs on each unit from its first round: every
+    later round's errors, over units that span several batches, are the bits made without them."""
+    monkeypatch.setattr(awq_search, "BATCH_ELEMENTS", 3000)  # a few units a batch
+    g = torch.Generator().manual_seed(2)
+    units = [torch.randn(n, 32, generator=g).bfloat16() for n in (7, 20, 1, 13, 30, 4)]
+    w = torch.randn(48, 32, generator=g) * 0.1  # a gated MLP's gate and up, 24 rows each
+    down = torch.randn(16, 24, generator=g) * 0.1
+    fmt, amax = weight_format("nvfp4"), torch.cat(units).float().abs().amax(0)
+    x_mean = torch.cat(units).double().abs().mean(0)
+
+    def reader(scales, gated):
+        return Reader(fmt, w, fake_weights(fmt, w, COLUMNS, scales), down if gated else None, silu_mul)
+
+    for gated in (False, True):
+        refs, halves_refs = [None] * len(units), [[None] * 3, [None] * 3]
+        for ks in ([0, 4, 8], [2, 6], [1, 3]):
+            scales = candidates(x_mean, torch.tensor(ks))
+            afresh = unit_errors(reader(scales, gated), units, scales, amax)
+            kept = unit_errors(reader(scales, gated), units, scales, amax, refs=refs)
+            assert all(torch.equal(a, b) for a, b in zip(kept, afresh, strict=True))
+            # the same units as two readers' (the routed experts' gate and up), their references kept apart
+            halves = [(partial(reader, scales, gated), units[:3]), (partial(reader, scales, gated), units[3:])]
+            kept = readers_errors(halves, fmt, scales, amax, halves_refs)
+            assert all(torch.equal(a, b) for a, b in zip(kept, afresh, strict=True))
+        assert all(r is not None for r in refs)
 
 
 # --- runs: DeepSeek-V3 (MLA, a dense first layer, shared experts, an fp32 router) -------------

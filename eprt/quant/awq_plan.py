@@ -16,8 +16,10 @@ search's working set.
   The clip search's working set (every step of a chunk of rows, eprt.quant.awq_clip.CHUNK_ELEMENTS,
   in fp32 and fp64) comes after the scale search's: the larger of the two counts.
 - The search: one reader's candidates at a time (a round's scales of its weight, fake-quantized in
-  fp32 and held as [A, in, out], with one candidate's temporaries), the candidates of one batch of
-  scored rows in the input dtype, and one unit's outputs."""
+  fp32 and held as [A, in, out], with one candidate's temporaries, or every candidate's where one
+  call quantizes them all), the candidates of one batch of scored rows in the input dtype, one
+  unit's outputs, and the group's readers' reference outputs on every scored row (fp32), made in
+  the search's first round and kept to its last."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class AWQLayer:
     routed_width: int  # per routed copy: its input and activation widths, where the routed experts are balanced
     largest: int  # the most elements of one quantized reader the search scores (a routed expert's: one expert's)
     widest: int  # the widest input the search quantizes
+    outputs: int = 0  # the most output width of a group's quantized readers together: their kept references
     dense_clips: int = 0  # the clips' steps of its balanced dense readers, in bytes (uint8 a block)
     routed_clips: int = 0  # those of its balanced routed experts, every expert's (a rank holds its share)
 
@@ -50,12 +53,13 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
     prefix, decoder = model.decoder()
     out = {}
     for i, layer in enumerate(decoder.layers):
-        dense = routed = largest = widest = dense_clips = routed_clips = 0
+        dense = routed = largest = widest = outputs = dense_clips = routed_clips = 0
         for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
             quantized = [m for m, _ in g.readers if m in targets]
             if not quantized or not all(m in balanced for m in quantized):
                 continue
             first = model.get_submodule(g.readers[0][0])
+            width = 0
             for m in quantized:
                 module = model.get_submodule(m)
                 if isinstance(module, Experts):
@@ -66,10 +70,12 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
                     w = module.weight
                     dense_clips += w.numel() // SMALLEST_CLIP_BLOCK
                 largest, widest = max(largest, w.numel()), max(widest, w.shape[1])
+                width += w.shape[0]  # a gated MLP's reference is its activation: half its gate and up
+            outputs = max(outputs, width)
             if not isinstance(first, Experts):
                 dense += first.weight.shape[1]
         if dense or routed:
-            out[i] = AWQLayer(dense, routed, largest, widest, dense_clips, routed_clips)
+            out[i] = AWQLayer(dense, routed, largest, widest, outputs, dense_clips, routed_clips)
     return out
 
 
@@ -87,10 +93,14 @@ def awq_bytes(
         samples = (own_tokens * layer.dense_width + routed_copies * layer.routed_width) * itemsize
         rows = max(own_tokens // max(seq_len, 1) * scored, min(routed_copies, own_tokens))
         inputs = min(BATCH_ELEMENTS, A * rows * layer.widest) * itemsize
-        # a reader's candidates, and one candidate's fold and quantization in fp32 beside them
-        weights = (A + 3) * layer.largest * 4
+        # a reader's candidates, and beside them one candidate's fold and quantization in fp32, or
+        # every candidate's where the format quantizes them in one call (awq_search.fake_weights:
+        # their folds, the codes' values and those scaled, in fp32 at most)
+        weights = (A + 3 * A) * layer.largest * 4
         # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
         unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
+        # every scored row's reference outputs of the group's readers, fp32, kept through the rounds
+        inputs += rows * layer.outputs * 4
         # the clip search, after it: a chunk of rows' every step, clipped (fp32 and the weight's
         # dtype), quantized (fp32), its error and the error's product with the Hessian blocks (fp64)
         clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)

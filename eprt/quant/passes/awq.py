@@ -269,13 +269,17 @@ class AWQ(Pass):
             divided = candidates(per_kv(x_mean), ks)
             return divided, g.reader_scales(divided)
 
+        # each reader's reference outputs on each unit, made in the first round and kept to the last
+        dense_refs = [[None] * len(units) for _ in dense]
+        expert_refs = {name: [[None] * len(xs) for xs in self.experts[name].x] for name, _, _ in experts}
+
         def losses_of(ks: torch.Tensor) -> torch.Tensor:
             scales = scales_of(ks[:, 0])[1]
             rows = [torch.zeros(len(ks), dtype=torch.float64, device=device) for _ in units]  # one per unit
             kept = {}  # the units' quantized inputs by format, for every dense reader
-            for fmt, w, parts, down, act in dense:  # one reader's candidates held at a time
+            for (fmt, w, parts, down, act), refs in zip(dense, dense_refs):  # one reader's candidates at a time
                 reader = Reader(fmt, w, self._fake(fmt, parts, scales), down, act)
-                for row, err in zip(rows, unit_errors(reader, units, scales, amax, kept)):
+                for row, err in zip(rows, unit_errors(reader, units, scales, amax, kept, refs)):
                     row += err
             del kept
             for name, ex, fmt in experts:
@@ -287,7 +291,7 @@ class AWQ(Pass):
                     return Reader(fmt, w13.float(), fake_weights(fmt, w13, W13_COLUMNS, scales), down, ex.act)
 
                 readers = [(partial(gate_up, l), [scored(x) for x in samples.x[l]]) for l in range(ex.count)]
-                rows += readers_errors(readers, fmt, scales, amax)
+                rows += readers_errors(readers, fmt, scales, amax, expert_refs[name])
             errors = torch.stack(rows) if rows else torch.zeros(0, len(ks), dtype=torch.float64, device=device)
             return exact_totals(st, errors, total_units, "dp")[None]
 
@@ -357,6 +361,7 @@ class AWQ(Pass):
             raise CalibrationError(f"AWQ: {name}'s down input holds NaN or infinity")
         x_mean = sums.double() / 2.0**SUM_SHIFT / tokens.clamp(min=1)[:, None]
         w2 = experts.w2.detach()
+        refs = [[None] * len(units) for units in samples.h]  # each unit's reference, kept from round to round
 
         def losses_of(ks: torch.Tensor) -> torch.Tensor:  # ks [A, L]: each expert's own candidates
             scales = candidates(x_mean, ks)  # [A, L, I]
@@ -364,7 +369,8 @@ class AWQ(Pass):
             for l, units in enumerate(samples.h):
                 if units:
                     reader = Reader(fmt, w2[l].float(), fake_weights(fmt, w2[l], W2_COLUMNS, scales[:, l]))
-                    for err in unit_errors(reader, [scored(h) for h in units], scales[:, l], amax[l]):
+                    scored_units = [scored(h) for h in units]
+                    for err in unit_errors(reader, scored_units, scales[:, l], amax[l], refs=refs[l]):
                         row = torch.zeros(L, len(ks), dtype=torch.float64, device=device)
                         row[l] = err
                         rows.append(row)

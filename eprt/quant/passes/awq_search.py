@@ -26,6 +26,7 @@ import torch.distributed as dist
 from eprt.parallel import ParallelState
 from eprt.quant.awq_folds import fold
 from eprt.quant.formats import WeightFormat
+from eprt.quant.formats.base import ScaledByBlocks
 from eprt.quant.gptq import FIXED_POINT_BITS
 from eprt.quant.numerics import abs_amax
 
@@ -93,8 +94,15 @@ def fake_weights(
 ) -> torch.Tensor:
     """w [out, in] folded with each candidate of `scales` [A, C] as `kind` folds it, quantized and
     dequantized as max rounds it (its own per-tensor scale): fp32 [A, in, out], transposed for the
-    matmul, written into `out` where given (one candidate's temporaries at a time)."""
+    matmul, written into `out` where given (one candidate's temporaries at a time, every
+    candidate's at once for a format with no per-tensor scale whose rows quantize apart)."""
     out = torch.empty(scales.shape[0], w.shape[-1], w.shape[-2], device=w.device) if out is None else out
+    if isinstance(fmt, ScaledByBlocks) and not fmt.blocks_span_rows:
+        # no per-tensor scale and every row quantized apart: all candidates' rows in one call give
+        # each the values it gets alone, for one call's fixed cost
+        q = torch.stack([fold([(kind, s)], w) for s in scales])
+        out.copy_(fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).transpose(-1, -2))
+        return out
     for a, s in enumerate(scales):
         q = fold([(kind, s)], w)
         out[a] = fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).T
@@ -121,18 +129,36 @@ class Reader:
     down: torch.Tensor | None = None  # a gated MLP's down [D, I], fp32: the error is the MLP's output's
     act: Callable | None = None
 
-    def errors(self, x: torch.Tensor, x_q: torch.Tensor) -> torch.Tensor:
-        """Each candidate's sum of squared output errors [A] fp64 on rows x [n, C], whose
-        quantized candidates are x_q [A, n, C]."""
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What the candidates' outputs on rows x [n, C] are compared with, fp32: the original
+        reader's output, a gated MLP's activation."""
         ref = x.float() @ self.w.T
+        if self.down is None:
+            return ref
+        width = ref.shape[-1] // 2
+        return self.act(ref[:, :width], ref[:, width:])
+
+    def errors(self, x: torch.Tensor, x_q: torch.Tensor, ref: torch.Tensor | None = None) -> torch.Tensor:
+        """Each candidate's sum of squared output errors [A] fp64 on rows x [n, C], whose
+        quantized candidates are x_q [A, n, C]; `ref`: `reference(x)`, where the caller keeps it."""
+        ref = self.reference(x) if ref is None else ref
         out = torch.bmm(x_q.float().contiguous(), self.quantized)
         if self.down is not None:
-            width = ref.shape[-1] // 2
-            h_ref = self.act(ref[:, :width], ref[:, width:])
-            out = (self.act(out[..., :width], out[..., width:]) - h_ref) @ self.down.T
+            width = out.shape[-1] // 2
+            out = (self.act(out[..., :width], out[..., width:]) - ref) @ self.down.T
         else:
             out -= ref
         return out.pow_(2).sum((1, 2), dtype=torch.float64)
+
+
+def kept_reference(reader: Reader, x: torch.Tensor, refs: list | None, i: int) -> torch.Tensor | None:
+    """`reader.reference(x)` of unit i, made once and kept in `refs` (a list the caller holds
+    through the search's rounds, None for each unit not yet seen); None where no list is given."""
+    if refs is None:
+        return None
+    if refs[i] is None:
+        refs[i] = reader.reference(x)
+    return refs[i]
 
 
 def batches(units: list[torch.Tensor], candidates: int) -> Iterator[tuple[int, int]]:
@@ -149,11 +175,17 @@ def batches(units: list[torch.Tensor], candidates: int) -> Iterator[tuple[int, i
 
 
 def unit_errors(
-    reader: Reader, units: list[torch.Tensor], scales: torch.Tensor, amax: torch.Tensor, kept: dict | None = None
+    reader: Reader,
+    units: list[torch.Tensor],
+    scales: torch.Tensor,
+    amax: torch.Tensor,
+    kept: dict | None = None,
+    refs: list | None = None,
 ) -> list[torch.Tensor]:
     """`reader`'s candidates' errors [A] fp64 on each unit's scored rows [n, C] of `units`, their
     quantized candidates made in batches; where they fit in one, `kept` (a dict the caller holds)
-    keeps them by format for the next reader of the same units."""
+    keeps them by format for the next reader of the same units; `refs` keeps the units' references
+    (`kept_reference`) from round to round."""
     out: list[torch.Tensor] = []
     one = len(list(batches(units, scales.shape[0]))) == 1
     for start, end in batches(units, scales.shape[0]):
@@ -164,8 +196,8 @@ def unit_errors(
             if one and kept is not None:
                 kept[reader.fmt] = quantized
         first = 0
-        for x in units[start:end]:
-            out.append(reader.errors(x, quantized[:, first : first + x.shape[0]]))
+        for i, x in enumerate(units[start:end], start):
+            out.append(reader.errors(x, quantized[:, first : first + x.shape[0]], kept_reference(reader, x, refs, i)))
             first += x.shape[0]
     return out
 
@@ -175,22 +207,25 @@ def readers_errors(
     fmt: WeightFormat,
     scales: torch.Tensor,
     amax: torch.Tensor,
+    refs: list[list] | None = None,
 ) -> list[torch.Tensor]:
     """The errors [A] fp64 of each unit of many readers of one input in one format (the routed
     experts' gate/up: each (its reader made on demand, its units' scored rows)), in order: the
     rows' quantized candidates made for every reader's units together, one reader's candidate
-    weights held at a time."""
-    flat = [(i, x) for i, (_, units) in enumerate(readers) for x in units]
+    weights held at a time; `refs` (a list per reader) keeps the units' references from round to
+    round."""
+    flat = [(i, j, x) for i, (_, units) in enumerate(readers) for j, x in enumerate(units)]
     out: list[torch.Tensor] = []
     current, reader = -1, None
-    for start, end in batches([x for _, x in flat], scales.shape[0]):
-        quantized = fake_inputs(fmt, torch.cat([x for _, x in flat[start:end]]), scales, amax)
+    for start, end in batches([x for _, _, x in flat], scales.shape[0]):
+        quantized = fake_inputs(fmt, torch.cat([x for _, _, x in flat[start:end]]), scales, amax)
         first = 0
-        for i, x in flat[start:end]:
+        for i, j, x in flat[start:end]:
             if i != current:
                 reader = None  # the last reader's candidates go before the next one's are made
                 current, reader = i, readers[i][0]()
-            out.append(reader.errors(x, quantized[:, first : first + x.shape[0]]))
+            ref = kept_reference(reader, x, None if refs is None else refs[i], j)
+            out.append(reader.errors(x, quantized[:, first : first + x.shape[0]], ref))
             first += x.shape[0]
     return out
 
