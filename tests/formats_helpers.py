@@ -36,19 +36,8 @@ SAMPLES, SEQ_LEN = 2, 16
 
 
 def ptq(state: ParallelState, ck: str, out: str, recipe: str, algorithm: str | None = None) -> None:
-    run_ptq(
-        state,
-        PTQArgs(
-            ck,
-            recipe,
-            out,
-            calib_size=SAMPLES,
-            seq_len=SEQ_LEN,
-            batch_size=SAMPLES,
-            algorithm=algorithm,
-            progress=False,
-        ),
-    )
+    settings = dict(calib_size=SAMPLES, seq_len=SEQ_LEN, batch_size=SAMPLES, algorithm=algorithm, progress=False)
+    run_ptq(state, PTQArgs(ck, recipe, out, **settings))
 
 
 @dataclass(frozen=True)

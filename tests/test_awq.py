@@ -230,7 +230,9 @@ def assert_clips_held_per_rank(whole: str, shared: str, ck: str) -> None:
     with Checkpoint(ck) as c:
         rc = ResolvedCheckpoint.of(c, torch.bfloat16)
         recipe, targets = plan_recipe(rc, "nvfp4", "fp8", "awq+gptq")
-        planner = Planner.of(rc, torch.device("cpu"), targets, awq=[m for m in targets if recipe.balanced(m)])
+        planner = Planner.of(
+            rc, torch.device("cpu"), targets, awq={m: recipe.format_of(m) for m in targets if recipe.balanced(m)}
+        )
     planned = awq_bytes(planner.awq, 0, 0, 24, 2, 2)[2]
     assert planned == sum(t.nbytes for f in clips[:2] for t in f.values())
 

@@ -312,10 +312,10 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
     ((plan, _),) = plans
     with Checkpoint(ck_dir) as ck:
         rc = ResolvedCheckpoint.of(ck, torch.bfloat16)  # the run's dtype
-        _, targets = plan_recipe(rc, "nvfp4")
+        recipe, targets = plan_recipe(rc, "nvfp4")
         shape = ptq_module.run_shape(a, ParallelState.single(), ck.config)
         without = Planner.of(rc, torch.device("cpu"), targets).plan(shape, baseline=0)
-        awq = Planner.of(rc, torch.device("cpu"), targets, awq=targets)
+        awq = Planner.of(rc, torch.device("cpu"), targets, awq={m: recipe.format_of(m) for m in targets})
         with_awq = awq.plan(shape, baseline=0)
         T, K = a.seq_len, ck.config.num_experts_per_tok
         each = [awq_bytes({i: layer}, a.calib_size * T, a.calib_size * T * K, T, 2, 1) for i, layer in awq.awq.items()]

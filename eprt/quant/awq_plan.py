@@ -32,8 +32,9 @@ from eprt.models.moe import Experts
 from eprt.quant.awq_clip import CHUNK_ELEMENTS as CLIP_CHUNK_ELEMENTS
 from eprt.quant.awq_clip import MOST_STEPS as CLIP_STEPS
 from eprt.quant.awq_groups import layer_groups
+from eprt.quant.formats import weight_format
 from eprt.quant.formats.nvfp4 import BLOCK_SIZE as SMALLEST_CLIP_BLOCK
-from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS
+from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS, candidates_at_once
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,21 @@ class AWQLayer:
     dense_width: int  # per token: the summed input widths of the balanced groups' first dense readers
     routed_width: int  # per routed copy: its input and activation widths, where the routed experts are balanced
     largest: int  # the most elements of one quantized reader the search scores (a routed expert's: one expert's)
+    largest_at_once: int  # the same, of the readers whose format quantizes every candidate in one call
     widest: int  # the widest input the search quantizes
     outputs: int = 0  # the most output width of a group's quantized readers together: their kept references
     dense_clips: int = 0  # the clips' steps of its balanced dense readers, in bytes (uint8 a block)
     routed_clips: int = 0  # those of its balanced routed experts, every expert's (a rank holds its share)
 
 
-def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[int, AWQLayer]:
+def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) -> dict[int, AWQLayer]:
     """Per decoder layer of `model` (a meta model), what AWQ keeps for the groups it balances: those
-    with a quantized reader (in `targets`), every one of them in `balanced` (AWQ._balanced's rule)."""
+    with a quantized reader (in `targets`), every one of them in `balanced` (AWQ._balanced's rule;
+    module -> its format)."""
     prefix, decoder = model.decoder()
     out = {}
     for i, layer in enumerate(decoder.layers):
-        dense = routed = largest = widest = outputs = dense_clips = routed_clips = 0
+        dense = routed = largest = at_once = widest = outputs = dense_clips = routed_clips = 0
         for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
             quantized = [m for m, _ in g.readers if m in targets]
             if not quantized or not all(m in balanced for m in quantized):
@@ -70,12 +73,14 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: set[str]) -> dict[
                     w = module.weight
                     dense_clips += w.numel() // SMALLEST_CLIP_BLOCK
                 largest, widest = max(largest, w.numel()), max(widest, w.shape[1])
+                if candidates_at_once(weight_format(balanced[m])):
+                    at_once = max(at_once, w.numel())
                 width += w.shape[0]  # a gated MLP's reference is its activation: half its gate and up
             outputs = max(outputs, width)
             if not isinstance(first, Experts):
                 dense += first.weight.shape[1]
         if dense or routed:
-            out[i] = AWQLayer(dense, routed, largest, widest, outputs, dense_clips, routed_clips)
+            out[i] = AWQLayer(dense, routed, largest, at_once, widest, outputs, dense_clips, routed_clips)
     return out
 
 
@@ -96,7 +101,7 @@ def awq_bytes(
         # a reader's candidates, and beside them one candidate's fold and quantization in fp32, or
         # every candidate's where the format quantizes them in one call (awq_search.fake_weights:
         # their folds, the codes' values and those scaled, in fp32 at most)
-        weights = (A + 3 * A) * layer.largest * 4
+        weights = max((A + 3) * layer.largest, (A + 3 * A) * layer.largest_at_once) * 4
         # one unit's scored rows: its candidates in fp32 and their outputs, at most about 2 x SCORED_ROWS rows
         unit = 2 * A * 2 * SCORED_ROWS * (layer.widest + layer.largest // layer.widest) * 4
         # every scored row's reference outputs of the group's readers, fp32, kept through the rounds

@@ -32,7 +32,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -270,13 +270,13 @@ class Planner:
         targets=(),
         mtp: bool = False,
         gptq: Mapping[str, str] | None = None,
-        awq: Collection[str] = (),
+        awq: Mapping[str, str] | None = None,
     ) -> Planner:
         """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
         decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.gptq_layer), None
-        for none; `awq`: the modules whose rule asks for AWQ's scales."""
+        for none; `awq`: the modules whose rule asks for AWQ's scales, each with its format."""
         hessians: dict[int, list[GPTQLinear]] | None = {} if gptq is not None else None
         rc = rc.holding(None)  # every expert: the plan divides them over the ep degree itself
         ck, dtype = rc.ck, rc.dtype
@@ -316,7 +316,7 @@ class Planner:
         planner = cls(
             ck, dtype, reads, embedding, cache, head, hessians, tuple(codes), tuple(largest_read), device.type, workers
         )
-        return replace(planner, awq=awq_layers(model, set(targets), set(awq))) if awq else planner
+        return replace(planner, awq=awq_layers(model, set(targets), dict(awq))) if awq else planner
 
     def _gptq(self, ep: int, stack: int) -> int:
         """The most a layer's Hessians and one solve (routed experts `stack` at a time) hold on one

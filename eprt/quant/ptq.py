@@ -127,7 +127,7 @@ def run_calibration(
                 targets,
                 mtp=recipe.mtp,
                 gptq=gptq_formats(recipe, targets),
-                awq=tuple(m for m in targets if recipe.balanced(m)),
+                awq={m: recipe.format_of(m) for m in targets if recipe.balanced(m)},
             )
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, used = search.data if search is not None else report_data(a, hf_dir, cfg.vocab_size)

@@ -119,14 +119,14 @@ def plan_run(
     mtp: bool = False,
     gptq: dict[str, str] | None = None,
     search: bool = False,
-    awq: tuple[str, ...] = (),
+    awq: dict[str, str] | None = None,
 ) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
     whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
     recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
     formats (the plan counts their Hessians and codes); `search`: the format search's pass (its streams);
-    `awq`: the modules AWQ balances (the plan counts its samples)."""
+    `awq`: the modules AWQ balances, with their formats (the plan counts its samples and search)."""
     c = rc.ck.config
     planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq, awq=awq)
     shape = replace(run_shape(a, state, c), search=search)

@@ -89,6 +89,13 @@ def search(losses_of: Callable[[torch.Tensor], torch.Tensor], rows: int, device)
     return best, torch.stack([loss, identity], 1)
 
 
+def candidates_at_once(fmt: WeightFormat) -> bool:
+    """Whether `fake_weights` quantizes every candidate of `fmt` in one call: a format with no
+    per-tensor scale whose rows quantize apart gives each candidate's rows the values they get
+    alone, for one call's fixed cost."""
+    return isinstance(fmt, ScaledByBlocks) and not fmt.blocks_span_rows
+
+
 def fake_weights(
     fmt: WeightFormat, w: torch.Tensor, kind: str, scales: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -97,9 +104,7 @@ def fake_weights(
     matmul, written into `out` where given (one candidate's temporaries at a time, every
     candidate's at once for a format with no per-tensor scale whose rows quantize apart)."""
     out = torch.empty(scales.shape[0], w.shape[-1], w.shape[-2], device=w.device) if out is None else out
-    if isinstance(fmt, ScaledByBlocks) and not fmt.blocks_span_rows:
-        # no per-tensor scale and every row quantized apart: all candidates' rows in one call give
-        # each the values it gets alone, for one call's fixed cost
+    if candidates_at_once(fmt):
         q = torch.stack([fold([(kind, s)], w) for s in scales])
         out.copy_(fmt.fake_quantize_weight(q, fmt.scale(abs_amax(q)), False, torch.float32).transpose(-1, -2))
         return out
