@@ -8,6 +8,10 @@ matmul on the rank that computes the expert's routed unit of that group
 alone, as the routed units' are. The rows go into the calibrator's amax
 (`Calibrator.every_expert_observer`); a layer whose experts the recipe leaves unquantized is
 skipped, on every rank alike.
+
+`measure` is a statistics run of its own, as the layer loop's: AWQ measures its folded layer
+again with it, so that with --calibrate-all-experts the experts' amax are those of the folded
+experts over every token (their inputs x / s, their activations h / s).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from eprt.models.moe import Experts
 from eprt.models.taps import tapped
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerWork, Pass
+from eprt.quant.passes.max_statistics import MaxStatistics
 from eprt.quant.sequences import RoutedStep
 
 
@@ -50,3 +55,25 @@ class EveryExpertStatistics(Pass):
             routed.x_TD, routed.key_T, routed.unit_T, routed.groups
         )
         experts.observe_every_expert(x_sorted, rows_per_unit_U)
+
+
+def statistics_passes(cal: Calibrator) -> list[Pass]:
+    """The passes of a statistics run into `cal`: max statistics, and with --calibrate-all-experts
+    (`cal.all_experts`) every expert's, after them (their amax are the same tensors)."""
+    return [MaxStatistics(cal), *([EveryExpertStatistics(cal)] if cal.all_experts else [])]
+
+
+def measure(layer: LayerWork, cal: Calibrator, *, write: bool) -> None:
+    """The calibration sequences through `layer` as it is now, its statistics into `cal` as the
+    layer loop's statistics run records them (made final over the ranks); with `write`, their
+    outputs replace the hidden states."""
+    passes = statistics_passes(cal)
+
+    def on_routed(routed: RoutedStep) -> None:
+        for p in passes:
+            p.on_routed(layer, routed)
+
+    with contextlib.ExitStack() as taps:
+        for p in passes:
+            taps.enter_context(p.observe(layer))
+        layer.run_calibration(write=write, on_routed=on_routed)
