@@ -37,7 +37,9 @@ def layer_passes(
     The order is the hooks': the report's reference stream runs through the layer before AWQ folds
     it, GPTQ's Hessians come from the folded layer, the report's probes keep the layer's weights
     before GPTQ's solve replaces them, and the quantized layer is made after all of them."""
-    passes: list[Pass] = statistics_passes(cal) if statistics else []
+    # AWQ measures the layers it folds again, every expert's rows with them: the statistics run's are not needed there
+    measured_again = awq.measures_again if awq is not None else lambda: False
+    passes: list[Pass] = statistics_passes(cal, measured_again) if statistics else []
     passes += [format_errors] if format_errors is not None else []
     if quality is not None:
         passes.append(quality)

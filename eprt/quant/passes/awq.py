@@ -114,6 +114,10 @@ class AWQ(Pass):
                 logger().info("AWQ leaves out %s", what)
         return out
 
+    def measures_again(self) -> bool:
+        """Whether the running layer's statistics run is measured again, folded (`_measure_again`)."""
+        return bool(self.groups)
+
     def _sub(self, layer: LayerWork, name: str):
         return layer.module.get_submodule(name[len(layer.prefix) :])
 
