@@ -4,6 +4,7 @@ stay what they are without it, and the export is the same bytes at every layout.
 experts' statistics are those of the folded experts over every token."""
 
 import glob
+import json
 import logging
 import os
 from datetime import timedelta
@@ -118,11 +119,11 @@ def _calibrate(ck: str, out: str, ep: int, port: int) -> None:
         run_ptq(state, args(ck, os.path.join(out, f"w{state.world}-ep{ep}")))
 
 
-def args(ck: str, out: str, **kw) -> PTQArgs:
+def args(ck: str, out: str, recipe: str = "nvfp4", **kw) -> PTQArgs:
     """5 sequences in groups of 2: 3 work-unit groups, shared by the replicas of a layout with edp 2."""
     return PTQArgs(
         ck,
-        "nvfp4",
+        recipe,
         out,
         **{
             "kv_cache": "fp8",
@@ -219,26 +220,40 @@ def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
 # AWQ over every expert: fp32, so that the oracle's plain forward computes what the layer loop does
 # to the last bits or nearly; no quality report
 AWQ = dict(algorithm="awq", dtype="fp32", eval_size=0)
+# Qwen3-MoE's tiny model: MoE layers 0 and 2. AWQ folds layer 0 (and 1) and measures it again;
+# layer 2 keeps max, so its statistics are the statistics run's (JSON is YAML)
+FOLDED, KEPT = "model.layers.0.mlp.experts", "model.layers.2.mlp.experts"
+RECIPE = {
+    "name": "nvfp4 awq but layer 2",
+    "quantize": [
+        {"pattern": "model.layers.2.*", "format": "nvfp4", "algorithm": "max"},
+        {"pattern": "*", "format": "nvfp4"},
+    ],
+    "kv_cache": None,
+}
 
 
 @pytest.fixture(scope="module")
 def awq_run(tmp_path_factory):
-    """(the checkpoint, its AWQ calibration over every expert in one process, its export, the
-    calibration sequences): Qwen3-MoE, whose experts' input and activation AWQ folds."""
+    """(the checkpoint, the recipe file, its AWQ calibration over every expert in one process, its
+    export, the calibration sequences)."""
     d = tmp_path_factory.mktemp("awq")
     ck = convert_hf(make_tiny("qwen3_moe", str(d / "hf"), dtype="fp32"), str(d / "ck"), progress=False)
-    a = args(ck, str(d / "w1"), **AWQ)
+    recipe = d / "recipe.yaml"
+    recipe.write_text(json.dumps(RECIPE))
+    a = args(ck, str(d / "w1"), str(recipe), **AWQ)
     run_ptq(ParallelState.single("cpu"), a)
     with Checkpoint(ck) as c:
         samples = report_data(a, c.hf_files_dir(), c.config.vocab_size).samples
-    return ck, a.out, export_hf(a.out, str(d / "export-w1"), progress=False), samples
+    return ck, str(recipe), a.out, export_hf(a.out, str(d / "export-w1"), progress=False), samples
 
 
 def test_awq_calibrates_the_folded_experts_on_every_token(awq_run):
     """The experts' amax, and the exported input scales, are those of every token through every
     expert as the export folds it (inputs x / s, activations h / s), by a plain forward of the
-    folded model; not the statistics run's, before the folds, nor those of the routed tokens alone."""
-    ck, out, exported, samples = awq_run
+    folded model; not the statistics run's, before the folds, nor those of the routed tokens alone;
+    and on the layer AWQ leaves as it is, the statistics run's over every token."""
+    ck, _, out, exported, samples = awq_run
     single = ParallelState.single("cpu")
     with Checkpoint(out) as q:
         record = CalibrationRecord.read(q)
@@ -249,11 +264,12 @@ def test_awq_calibrates_the_folded_experts_on_every_token(awq_run):
         num_experts, recipe = q.config.num_experts, parse_recipe(q.quantization["recipe"], out)
     before = every_expert_amax(eprt.load_model(ck, dtype=torch.float32), samples)
 
-    assert record.expert_input_amax.keys() == folded.keys() == before.keys() and folded
+    assert record.expert_input_amax.keys() == folded.keys() == before.keys() == {FOLDED, KEPT}
+    assert any(n.startswith(FOLDED) for n in record.folds) and not any(n.startswith(KEPT) for n in record.folds)
+    # AWQ folded layer 0's experts' input and activation: the amax before the folds are not these
+    assert not torch.allclose(folded[FOLDED][0], before[FOLDED][0], rtol=1e-3)
+    assert not torch.allclose(folded[FOLDED][1], before[FOLDED][1], rtol=1e-3)
     for name, (w13_in, w2_in) in folded.items():
-        # AWQ folded both: the amax before the folds are not these
-        assert not torch.allclose(w13_in, before[name][0], rtol=1e-3), name
-        assert not torch.allclose(w2_in, before[name][1], rtol=1e-3), name
         got = torch.stack(record.expert_input_amax[name])
         torch.testing.assert_close(got, torch.stack([w13_in, w2_in]), rtol=1e-5, atol=0, msg=name)
 
@@ -271,15 +287,15 @@ def test_awq_calibrates_the_folded_experts_on_every_token(awq_run):
         torch.testing.assert_close(got[n].float(), t.float(), rtol=1e-5, atol=0, msg=n)
 
 
-def _calibrate_awq(ck: str, out: str, port: int) -> None:
+def _calibrate_awq(ck: str, recipe: str, out: str, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, args(ck, out, batch_size=3, **AWQ))
+        run_ptq(state, args(ck, out, recipe, batch_size=3, **AWQ))
 
 
 def test_awq_over_every_expert_is_the_same_bytes_at_world_2(awq_run, tmp_path):
-    ck, out, exported, _ = awq_run
-    run_world(_calibrate_awq, 2, ck, str(tmp_path / "w2"), free_port(), timeout=200)
+    ck, recipe, out, exported, _ = awq_run
+    run_world(_calibrate_awq, 2, ck, recipe, str(tmp_path / "w2"), free_port(), timeout=200)
     assert same_files(exported, export_hf(str(tmp_path / "w2"), str(tmp_path / "export-w2"), progress=False))
     # the export keeps each projection kind's largest amax: every expert's must agree too
     with Checkpoint(out) as w1, Checkpoint(str(tmp_path / "w2")) as w2:
