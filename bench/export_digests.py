@@ -19,6 +19,10 @@ input dim a multiple of 128), so that every format exports from every family.
 `--world N --ep E` calibrates every case on N CPU processes (gloo) at expert parallelism E and
 exports it in this process: compared `--against` digests a single process wrote, it shows that
 the layout changes no byte of any export.
+
+`--calibrate-all-experts` calibrates every case with that option (each routed expert's statistics
+over every token of its layer), recorded as `NAME/RECIPE/ALGORITHM/all-experts`: the same matrix,
+its own cases.
 """
 
 from __future__ import annotations
@@ -118,9 +122,11 @@ def refused(e: EprtError, tmp: str) -> str:
     return "refused: " + str(e).replace(tmp, "TMP")
 
 
-def calibrate(state: ParallelState, ck: str, out: str, recipe: str, algorithm: str, tmp: str) -> str | None:
-    """Calibrate `ck` into `out` under `recipe` and `algorithm` (on every rank of `state`): None,
-    or the refusal."""
+def calibrate(
+    state: ParallelState, ck: str, out: str, recipe: str, algorithm: str, all_experts: bool, tmp: str
+) -> str | None:
+    """Calibrate `ck` into `out` under `recipe` and `algorithm`, with --calibrate-all-experts where
+    `all_experts` (on every rank of `state`): None, or the refusal."""
     try:
         run_ptq(
             state,
@@ -135,6 +141,7 @@ def calibrate(state: ParallelState, ck: str, out: str, recipe: str, algorithm: s
                 eval_size=2,
                 algorithm=algorithm,
                 gptq_min_tokens=1,
+                calibrate_all_experts=all_experts,
                 progress=False,
             ),
         )
@@ -150,7 +157,7 @@ def calibrate_on_ranks(jobs: list[tuple], ep: int, tmp: str) -> list[str | None]
 
 
 def calibrate_all(jobs: list[tuple], world: int, ep: int, tmp: str) -> list[str | None]:
-    """`calibrate` of every job (ck, out, recipe, algorithm), in this process or on `world` ranks,
+    """`calibrate` of every job (ck, out, recipe, algorithm, all_experts), in this process or on `world` ranks,
     where every rank must come to the same end."""
     if world == 1:
         return [calibrate(ParallelState.single(), *job, tmp) for job in jobs]
@@ -169,17 +176,23 @@ def exported(out: str, tmp: str) -> dict:
     return result
 
 
-def run_cases(ck: str, name: str, cases: list[tuple[str, str]], tmp: str, world: int, ep: int) -> dict:
-    """{NAME/RECIPE/ALGORITHM: its exports' digests, or the calibration's refusal} of model `name`
-    at `ck`, for each (recipe, algorithm) of `cases`."""
+def case_name(name: str, recipe: str, algorithm: str, all_experts: bool) -> str:
+    return f"{name}/{recipe}/{algorithm}" + ("/all-experts" if all_experts else "")
+
+
+def run_cases(
+    ck: str, name: str, cases: list[tuple[str, str]], tmp: str, world: int, ep: int, all_experts: bool
+) -> dict:
+    """{NAME/RECIPE/ALGORITHM (/all-experts with `all_experts`): its exports' digests, or the
+    calibration's refusal} of model `name` at `ck`, for each (recipe, algorithm) of `cases`."""
     outs = [os.path.join(os.path.dirname(ck), f"{recipe}-{algorithm}") for recipe, algorithm in cases]
     jobs = [
-        (ck, out, recipe_file(tmp, recipe) if recipe in MIXED else recipe, algorithm)
+        (ck, out, recipe_file(tmp, recipe) if recipe in MIXED else recipe, algorithm, all_experts)
         for out, (recipe, algorithm) in zip(outs, cases)
     ]
     ends = calibrate_all(jobs, world, ep, tmp)
     return {
-        f"{name}/{recipe}/{algorithm}": {"ptq": end} if end else exported(out, tmp)
+        case_name(name, recipe, algorithm, all_experts): {"ptq": end} if end else exported(out, tmp)
         for out, (recipe, algorithm), end in zip(outs, cases, ends)
     }
 
@@ -206,7 +219,14 @@ def wide(family: str) -> dict:
     return {"text_config": {**text, **merged}} if text is not None else merged
 
 
-def all_digests(families: list[str], recipes: list[str], algorithms: list[str], world: int = 1, ep: int = 1) -> dict:
+def all_digests(
+    families: list[str],
+    recipes: list[str],
+    algorithms: list[str],
+    world: int = 1,
+    ep: int = 1,
+    all_experts: bool = False,
+) -> dict:
     digests = {}
     models = [(f, f, {}) for f in families] + [s for s in SOURCES if s[1] in families]
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,11 +234,12 @@ def all_digests(families: list[str], recipes: list[str], algorithms: list[str], 
             start = time.perf_counter()
             ck = converted(tmp, name, family, kw, digests)
             cases = [(r, a) for r in (recipes if name == family else recipes[:1]) for a in algorithms]
-            digests.update(run_cases(ck, name, cases, tmp, world, ep))
-            unfit = [(r, a) for r, a in cases if INPUT_DIM_RULE in digests[f"{name}/{r}/{a}"].get("ptq", "")]
+            digests.update(run_cases(ck, name, cases, tmp, world, ep, all_experts))
+            ptq = lambda r, a: digests[case_name(name, r, a, all_experts)].get("ptq", "")  # noqa: E731
+            unfit = [(r, a) for r, a in cases if INPUT_DIM_RULE in ptq(r, a)]
             if name == family and unfit:
                 ck = converted(tmp, f"{family}-wide", family, wide(family), digests)
-                digests.update(run_cases(ck, f"{family}-wide", unfit, tmp, world, ep))
+                digests.update(run_cases(ck, f"{family}-wide", unfit, tmp, world, ep, all_experts))
             print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return digests
 
@@ -248,6 +269,11 @@ def main() -> int:
     p.add_argument("--algorithm", action="append", choices=ALGORITHMS, help="only these (default: all)")
     p.add_argument("--world", type=int, default=1, help="calibrate on this many CPU processes (default 1)")
     p.add_argument("--ep", type=int, help="their expert parallelism (default: --world)")
+    p.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="calibrate every case with --calibrate-all-experts (cases NAME/RECIPE/ALGORITHM/all-experts)",
+    )
     a = p.parse_args()
     digests = all_digests(
         a.family or list(FAMILIES),
@@ -255,6 +281,7 @@ def main() -> int:
         a.algorithm or list(ALGORITHMS),
         a.world,
         a.ep or a.world,
+        a.calibrate_all_experts,
     )
     if a.out:
         with open(a.out, "w") as f:

@@ -1,6 +1,7 @@
 """PTQ on this machine: calibration tokens/s and each rank's peak memory at ep 1, 2 and 4.
 
     python bench/ptq.py [--recipe nvfp4] [--ep 1 2 4] [--calib-size 16] [--seq-len 128] [--layers 4] ...
+        [--algorithm awq] [--calibrate-all-experts]
 
 One random Qwen3-MoE (bench/ep.py's model: every layer MoE, so that the routed experts hold
 most of the bytes) is calibrated on the same global data in worlds of ep CPU processes on gloo
@@ -39,6 +40,8 @@ def rank_ptq(ck: str, ep: int, out: str, args) -> dict:
                 seq_len=args.seq_len,
                 batch_size=args.batch_size,
                 dtype=args.dtype,
+                algorithm=args.algorithm,
+                calibrate_all_experts=args.calibrate_all_experts,
                 progress=False,
             ),
         )
@@ -52,6 +55,8 @@ def main() -> None:
     p.add_argument("--calib-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--algorithm", default="max")
+    p.add_argument("--calibrate-all-experts", action="store_true")
     add_model_args(p)
     args = p.parse_args()
 
@@ -64,7 +69,8 @@ def main() -> None:
 
     tokens = args.calib_size * args.seq_len
     print(
-        f"{args.recipe} + FP8 KV on Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"{args.recipe} ({args.algorithm}{', every expert' if args.calibrate_all_experts else ''}) + FP8 KV on "
+        f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
         f"top-{args.topk}, {args.dtype}; {args.calib_size} x {args.seq_len} = {tokens} calibration tokens, "
         f"batch {args.batch_size} per rank; world = ep, 1 thread per rank, gloo, {os.cpu_count()} CPUs"
     )

@@ -1,13 +1,17 @@
 """--calibrate-all-experts: every token also runs through every routed expert of its layer, for the
 statistics only, so that no expert goes uncalibrated; the layer's output, and every other statistic,
-stay what they are without it, and the export is the same bytes at every layout."""
+stay what they are without it, and the export is the same bytes at every layout. Under AWQ, the
+experts' statistics are those of the folded experts over every token."""
 
+import glob
+import json
 import logging
 import os
 from datetime import timedelta
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import eprt
 from eprt.families import reader_for
@@ -15,14 +19,19 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.kernels import unit_act, unit_mlp
 from eprt.models.layers import silu_mul
+from eprt.models.loader import load_parallel
 from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.engine import LayerEngine
+from eprt.quant.formats import weight_format
 from eprt.quant.passes import layer_passes
 from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.recipe import parse_recipe
+from eprt.quant.run_data import report_data
 from eprt.quant.sequences import Schedule
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -57,10 +66,9 @@ def calibrate(ck_dir: str, samples: torch.Tensor, all_experts: bool):
             return cal, engine.run(0, engine.embed()).hidden
 
 
-def every_expert_amax(ck_dir: str, samples: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def every_expert_amax(model, samples: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each MoE layer's experts module -> (w13 input amax [E], w2 input amax [E]), computed directly:
     the whole model's forward, then every expert on every token its routed experts read."""
-    model = eprt.load_model(ck_dir, dtype=torch.float32)
     inputs = {}
     for name, moe in model.named_modules():
         if isinstance(moe, MoE):
@@ -80,7 +88,7 @@ def test_every_expert_is_calibrated_on_every_token_and_nothing_else_changes(ckpt
     samples = torch.randint(0, 200, (N, T), generator=torch.Generator().manual_seed(0))
     routed, hidden = calibrate(ckpt, samples, all_experts=False)
     every, every_hidden = calibrate(ckpt, samples, all_experts=True)
-    want = every_expert_amax(ckpt, samples)
+    want = every_expert_amax(eprt.load_model(ckpt, dtype=torch.float32), samples)
 
     # without the switch, an expert the router sent nothing has nothing to be calibrated with
     unreached = {name: (tokens == 0) for name, tokens in routed.expert_tokens.items()}
@@ -111,11 +119,11 @@ def _calibrate(ck: str, out: str, ep: int, port: int) -> None:
         run_ptq(state, args(ck, os.path.join(out, f"w{state.world}-ep{ep}")))
 
 
-def args(ck: str, out: str, **kw) -> PTQArgs:
+def args(ck: str, out: str, recipe: str = "nvfp4", **kw) -> PTQArgs:
     """5 sequences in groups of 2: 3 work-unit groups, shared by the replicas of a layout with edp 2."""
     return PTQArgs(
         ck,
-        "nvfp4",
+        recipe,
         out,
         **{
             "kv_cache": "fp8",
@@ -207,3 +215,89 @@ def test_the_statistics_pass_computes_a_unit_as_the_routed_units_do():
     torch.testing.assert_close(
         h, silu_mul(*(x.float() @ w13[1].float().T).chunk(2, dim=-1)).bfloat16(), rtol=2e-2, atol=1e-2
     )
+
+
+# AWQ over every expert: fp32, so that the oracle's plain forward computes what the layer loop does
+# to the last bits or nearly; no quality report
+AWQ = dict(algorithm="awq", dtype="fp32", eval_size=0)
+# Qwen3-MoE's tiny model: MoE layers 0 and 2. AWQ folds layer 0 (and 1) and measures it again;
+# layer 2 keeps max, so its statistics are the statistics run's (JSON is YAML)
+FOLDED, KEPT = "model.layers.0.mlp.experts", "model.layers.2.mlp.experts"
+RECIPE = {
+    "name": "nvfp4 awq but layer 2",
+    "quantize": [
+        {"pattern": "model.layers.2.*", "format": "nvfp4", "algorithm": "max"},
+        {"pattern": "*", "format": "nvfp4"},
+    ],
+    "kv_cache": None,
+}
+
+
+@pytest.fixture(scope="module")
+def awq_run(tmp_path_factory):
+    """(the checkpoint, the recipe file, its AWQ calibration over every expert in one process, its
+    export, the calibration sequences)."""
+    d = tmp_path_factory.mktemp("awq")
+    ck = convert_hf(make_tiny("qwen3_moe", str(d / "hf"), dtype="fp32"), str(d / "ck"), progress=False)
+    recipe = d / "recipe.yaml"
+    recipe.write_text(json.dumps(RECIPE))
+    a = args(ck, str(d / "w1"), str(recipe), **AWQ)
+    run_ptq(ParallelState.single("cpu"), a)
+    with Checkpoint(ck) as c:
+        samples = report_data(a, c.hf_files_dir(), c.config.vocab_size).samples
+    return ck, str(recipe), a.out, export_hf(a.out, str(d / "export-w1"), progress=False), samples
+
+
+def test_awq_calibrates_the_folded_experts_on_every_token(awq_run):
+    """The experts' amax, and the exported input scales, are those of every token through every
+    expert as the export folds it (inputs x / s, activations h / s), by a plain forward of the
+    folded model; not the statistics run's, before the folds, nor those of the routed tokens alone;
+    and on the layer AWQ leaves as it is, the statistics run's over every token."""
+    ck, _, out, exported, samples = awq_run
+    single = ParallelState.single("cpu")
+    with Checkpoint(out) as q:
+        record = CalibrationRecord.read(q)
+        folded_model = load_parallel(
+            ResolvedCheckpoint.of(FoldedCheckpoint(q, record.read_folds(q)), torch.float32), single
+        )
+        folded = every_expert_amax(folded_model, samples)
+        num_experts, recipe = q.config.num_experts, parse_recipe(q.quantization["recipe"], out)
+    before = every_expert_amax(eprt.load_model(ck, dtype=torch.float32), samples)
+
+    assert record.expert_input_amax.keys() == folded.keys() == before.keys() == {FOLDED, KEPT}
+    assert any(n.startswith(FOLDED) for n in record.folds) and not any(n.startswith(KEPT) for n in record.folds)
+    # AWQ folded layer 0's experts' input and activation: the amax before the folds are not these
+    assert not torch.allclose(folded[FOLDED][0], before[FOLDED][0], rtol=1e-3)
+    assert not torch.allclose(folded[FOLDED][1], before[FOLDED][1], rtol=1e-3)
+    for name, (w13_in, w2_in) in folded.items():
+        got = torch.stack(record.expert_input_amax[name])
+        torch.testing.assert_close(got, torch.stack([w13_in, w2_in]), rtol=1e-5, atol=0, msg=name)
+
+    # the export's: each projection kind's one input scale, from its experts' largest amax
+    tensors = {n: t for f in glob.glob(os.path.join(exported, "*.safetensors")) for n, t in load_file(f).items()}
+    got = {n: t for n, t in tensors.items() if ".experts." in n and n.endswith(".input_scale")}
+    want = {
+        f"{name}.{e}.{proj}.input_scale": weight_format(recipe.format_of(name)).scale(amax.max())
+        for name, (w13_in, w2_in) in folded.items()
+        for proj, amax in (("gate_proj", w13_in), ("up_proj", w13_in), ("down_proj", w2_in))
+        for e in range(num_experts)
+    }
+    assert got.keys() == want.keys()
+    for n, t in want.items():
+        torch.testing.assert_close(got[n].float(), t.float(), rtol=1e-5, atol=0, msg=n)
+
+
+def _calibrate_awq(ck: str, recipe: str, out: str, port: int) -> None:
+    os.environ["MASTER_PORT"] = str(port)
+    with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
+        run_ptq(state, args(ck, out, recipe, batch_size=3, **AWQ))
+
+
+def test_awq_over_every_expert_is_the_same_bytes_at_world_2(awq_run, tmp_path):
+    ck, recipe, out, exported, _ = awq_run
+    run_world(_calibrate_awq, 2, ck, recipe, str(tmp_path / "w2"), free_port(), timeout=200)
+    assert same_files(exported, export_hf(str(tmp_path / "w2"), str(tmp_path / "export-w2"), progress=False))
+    # the export keeps each projection kind's largest amax: every expert's must agree too
+    with Checkpoint(out) as w1, Checkpoint(str(tmp_path / "w2")) as w2:
+        want, got = (CalibrationRecord.read(q).expert_input_amax for q in (w1, w2))
+    assert got.keys() == want.keys() and all(torch.equal(torch.stack(got[n]), torch.stack(t)) for n, t in want.items())

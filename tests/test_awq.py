@@ -275,9 +275,3 @@ def assert_each_layer_saved_its_own_folds(work: str, whole: str, layers: int) ->
         f"layer-{layers - 1:05d}.safetensors",
     ]
     assert not [n for n in load_file(os.path.join(rank, f"layer-{layers - 1:05d}.safetensors")) if ".awq_" in n]
-
-
-def test_every_expert_statistics_are_refused_with_awq(run, tmp_path):
-    _, _, ck = run
-    with pytest.raises(RankFailure, match="--calibrate-all-experts with AWQ"):
-        run_ptq(ParallelState.single(), args(ck, str(tmp_path / "q"), "awq", calibrate_all_experts=True))

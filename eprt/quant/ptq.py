@@ -108,11 +108,6 @@ def run_calibration(
         first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
         folds = Folds(first) if any(recipe.balanced(m) for m in targets) else None
         if folds is not None:
-            if a.calibrate_all_experts:
-                raise ConfigError(
-                    "--calibrate-all-experts with AWQ: AWQ measures its folded layers' statistics again from the "
-                    "routed tokens alone; leave out --calibrate-all-experts, or choose another --algorithm"
-                )
             rc = dataclasses.replace(rc, ck=FoldedCheckpoint(ck, folds))  # the run reads its layers folded
         check_data_settings(a)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)

@@ -7,11 +7,10 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import Pass
 from eprt.quant.gptq_layer import GPTQRun
-from eprt.quant.passes.all_experts import EveryExpertStatistics
+from eprt.quant.passes.all_experts import statistics_passes
 from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.gptq import GPTQ
-from eprt.quant.passes.max_statistics import MaxStatistics
 from eprt.quant.passes.mtp import MTPLayers
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.passes.quantized_layer import QuantizedLayer
@@ -38,9 +37,9 @@ def layer_passes(
     The order is the hooks': the report's reference stream runs through the layer before AWQ folds
     it, GPTQ's Hessians come from the folded layer, the report's probes keep the layer's weights
     before GPTQ's solve replaces them, and the quantized layer is made after all of them."""
-    passes: list[Pass] = [MaxStatistics(cal)] if statistics else []
-    if statistics and cal.all_experts:
-        passes.append(EveryExpertStatistics(cal))
+    # AWQ measures the layers it folds again, every expert's rows with them: the statistics run's are not needed there
+    measured_again = awq.measures_again if awq is not None else lambda: False
+    passes: list[Pass] = statistics_passes(cal, measured_again) if statistics else []
     passes += [format_errors] if format_errors is not None else []
     if quality is not None:
         passes.append(quality)

@@ -51,6 +51,7 @@ from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.fusion import siblings
 from eprt.quant.gptq import HessianSum
 from eprt.quant.numerics import abs_amax
+from eprt.quant.passes.all_experts import measure
 from eprt.quant.passes.awq_search import (
     STEPS,
     SUM_SHIFT,
@@ -112,6 +113,10 @@ class AWQ(Pass):
             for what in left_out:
                 logger().info("AWQ leaves out %s", what)
         return out
+
+    def measures_again(self) -> bool:
+        """Whether the running layer's statistics run is measured again, folded (`_measure_again`)."""
+        return bool(self.groups)
 
     def _sub(self, layer: LayerWork, name: str):
         return layer.module.get_submodule(name[len(layer.prefix) :])
@@ -403,11 +408,10 @@ class AWQ(Pass):
         """The layer's amax and routed token counts from a run through it folded, in place of the
         statistics run's (and its output, unless GPTQ's run makes it)."""
         mine = [m for m in self.cal.targets if m.startswith(layer.prefix)]
-        fresh = Calibrator(None, mine, kv=self.cal.kv)
-        with fresh.observing(layer.module, layer.prefix):
-            layer.run_calibration(write=self.writes)
-        fresh.reduce_amax(layer.state, layer.prefix)
+        fresh = Calibrator(None, mine, kv=self.cal.kv, all_experts=self.cal.all_experts)
+        measure(layer, fresh, write=self.writes)  # with --calibrate-all-experts, every folded expert's rows too
         self.cal.input_amax.update(fresh.input_amax)
         self.cal.expert_amax.update(fresh.expert_amax)
         self.cal.expert_tokens.update(fresh.expert_tokens)
+        self.cal.expert_all_tokens.update(fresh.expert_all_tokens)
         self.cal.kv_amax.update({m: t for m, t in fresh.kv_amax.items() if m.startswith(layer.prefix)})
