@@ -21,7 +21,8 @@ For each layer:
 4. a run of the calibration sequences through the folded layer measures its amax again (the
    readers' inputs are now x / s, every later module's move by the folds' roundings) and the routed
    token counts (a bf16 router's choices may move with its rounding), in place of the statistics
-   run's, and makes the calibration sequences' output unless GPTQ's quantized run makes it.
+   run's (with --calibrate-all-experts, every expert's rows of the folded layer too), and makes
+   the calibration sequences' output unless GPTQ's quantized run makes it.
 
 The samples are the layer's inputs to its groups, held until the search is done (about the hidden
 states once per group, and the routed rows once: eprt.quant.awq_plan prices them); the statistics

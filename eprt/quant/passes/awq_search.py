@@ -1,11 +1,11 @@
 """AWQ's search numerics (eprt.quant.passes.awq runs them): the candidate scales of a balance
 group, and each candidate's quantized output error on one canonical unit of calibration rows.
 
-The candidates follow the published method as llm-compressor implements it: for alpha on a grid
-of 20 in [0, 1), s = mean|x|^alpha / mean|w|^(1 - alpha) ("duo" scaling: mean|w| is each input channel's mean
-magnitude over the readers' rows, every weight taken relative to its quantization block's
-largest), then divided by sqrt(max(s) min(s)); the identity (max's rounding) is always a
-candidate, so the search never chooses worse than no scale by its own measure.
+The candidates follow the published method: for alpha on a grid of 20 in [0, 1), s =
+mean|x|^alpha (mean |x| each input channel's over the group's calibration rows), divided by
+sqrt(max(s) min(s)); the identity (alpha 0, max's rounding) is always a candidate, so the search
+never chooses worse than no scale by its own measure. (Dividing by the weights' mean magnitude
+as well, "duo" scaling, did worse on the trained bench model: docs/quality.md.)
 
 A candidate is scored by the error of what the group's readers compute, quantized as the export
 quantizes them (weights folded and fake-quantized, inputs x / s through the format's input
