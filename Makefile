@@ -78,3 +78,21 @@ engine-check:
 		$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
 		touch $(ENGINE_VENV)/.engine-ready; fi
 	$(ENGINE_VENV)/bin/python bench/engine_check.py
+
+# eprt's weight algorithms against llm-compressor's on a trained model (docs/quality.md, "Against
+# llm-compressor"): both sides calibrate on the same token sequences, and each export is decoded by
+# the compressed-tensors library and run by transformers alike. MODEL is a trained Hugging Face
+# checkpoint with calib.jsonl and eval.txt beside it; PEER_ARGS go to bench/peer_quality.py.
+# Outside the test suite: llm-compressor pins its own transformers and compressed-tensors, so it
+# runs in a venv of its own (.venv-peer, built once from BASE_PYTHON); a run takes an hour or more
+# on a CPU.
+PEER_VENV ?= .venv-peer
+.PHONY: peer-quality
+peer-quality: setup-test
+	@test -n "$(MODEL)" || { echo "make peer-quality: give MODEL=HF_DIR (calib.jsonl and eval.txt beside it)"; exit 2; }
+	@if [ ! -f $(PEER_VENV)/.peer-ready ]; then \
+		$(BASE_PYTHON) -m venv $(PEER_VENV) && \
+		$(PEER_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" "llmcompressor==0.14.0.1" && \
+		touch $(PEER_VENV)/.peer-ready; fi
+	$(PYTHON) bench/peer_quality.py --hf $(MODEL) --calib $(MODEL)/calib.jsonl --eval $(MODEL)/eval.txt \
+		--peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
