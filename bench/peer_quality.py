@@ -60,15 +60,14 @@ def dequantized(export: str, out: str) -> str:
     for path in sorted(glob.glob(os.path.join(export, "*.safetensors"))):
         tensors.update(load_file(path))
     modules = {name.rsplit(".", 1)[0] for name in tensors if name.endswith((".weight_packed", ".weight_scale"))}
-    plain = dict(tensors)
+    # a quantized module's tensors are its encoding (weight, scales, shapes) but for its bias
+    plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in modules or k.endswith(".bias")}
     for module in sorted(modules):
         found = scheme_of(qc, module)
         if found is None:
             raise SystemExit(f"{export}: {module} has quantized tensors but no config group quantizes it")
         d = decoder(CT_PREFIX + found[0], found[1], f"{export}: {module}")
-        parts = {c: tensors[f"{module}.{c}"] for c in d.components}
-        plain = {k: v for k, v in plain.items() if not k.startswith(module + ".")}
-        plain[f"{module}.weight"] = d.decode(parts).to(torch.bfloat16)
+        plain[f"{module}.weight"] = d.decode({c: tensors[f"{module}.{c}"] for c in d.components}).to(torch.bfloat16)
     os.makedirs(out)
     save_file(plain, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
