@@ -207,3 +207,20 @@ def test_the_errors_are_measured_apart_from_the_held_out_sequences(searched, tmp
     ours = json.loads(Path(export, REPORT).read_text())["auto_quantize"]
     assert ours["map"] == theirs["map"]
     assert ours["measured_kl"] != theirs["measured_kl"] and ours["kl_per_error"] != theirs["kl_per_error"]
+
+
+def test_mla_kv_b_proj_is_never_offered_a_format_that_quantizes_its_inputs_to_4_bits(tmp_path):
+    """vLLM absorbs MLA's kv_b_proj through an identity matrix, which 4-bit inputs would quantize
+    (eprt.quant.absorbed): the search offers it every other candidate, and every other group NVFP4."""
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"))
+    config = parse_hf_config(json.loads(Path(hf, "config.json").read_text()))
+    layout = reader_for(config.model_type, hf).layout(config)
+    candidates = ("nvfp4", "nvfp4_a16", "fp8", "none")
+    space = SearchSpace.of(layout, candidates, config.num_experts_per_tok, config.num_experts)
+    absorbed = [g.name for g in space.groups if g.modules[0].endswith(".self_attn.kv_b_proj")]
+    assert len(absorbed) == config.num_layers
+    assert {g.name: sorted(g.bits) for g in space.groups} == {
+        g.name: sorted(set(candidates) - ({"nvfp4"} if g.name in absorbed else set())) for g in space.groups
+    }
+    with pytest.raises(EprtError, match=r"fits model\.layers\.0\.self_attn\.kv_b_proj .*identity matrix"):
+        SearchSpace.of(layout, ("nvfp4",), config.num_experts_per_tok, config.num_experts)

@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import save_file
 
 import eprt.hf.check_exclusions as check_exclusions_module
-from eprt.hf.check_engine_quirks import absorbed_factor, engine_warnings, quantizes_inputs_to_4_bits
+from eprt.hf.check_engine_quirks import absorbed_factor, engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.absorbed import quantizes_inputs_to_4_bits
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.formats.nvfp4 import nvfp4_scale, quantize_nvfp4

@@ -21,11 +21,9 @@ from eprt.hf.check_export import ct_formats, is_compressed_tensors
 from eprt.hf.check_files import read_json, read_tensors
 from eprt.hf.check_modelopt import ModelOptModules
 from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
-from eprt.quant.formats import WeightFormat
+from eprt.quant.absorbed import absorbed_in_4_bit_inputs
 from eprt.quant.formats.e2m1 import E2M1_MAX
 from eprt.storage.hf_files import CONFIG, QUANT_CONFIG
-
-ABSORBED = ".self_attn.kv_b_proj"  # the MLA projection vLLM absorbs through an identity matrix
 
 
 def absorbed_factor(input_scale: float) -> float:
@@ -35,11 +33,6 @@ def absorbed_factor(input_scale: float) -> float:
     scale = np.float32(input_scale)
     block = torch.tensor(float(np.float32(1.0) / (np.float32(E2M1_MAX) * scale))).to(torch.float8_e4m3fn).item()
     return float(np.float32(E2M1_MAX * block) * scale)
-
-
-def quantizes_inputs_to_4_bits(fmt: WeightFormat) -> bool:
-    inputs = fmt.modelopt_input_group()
-    return inputs is not None and inputs["num_bits"] == 4
 
 
 def engine_warnings(out_dir) -> list[str]:
@@ -65,7 +58,7 @@ def engine_warnings(out_dir) -> list[str]:
     factors = {}
     for module, fmt in formats.items():
         stored = tensors.get(f"{module}.{input_leaf[module]}") if input_leaf[module] else None
-        if module.endswith(ABSORBED) and quantizes_inputs_to_4_bits(fmt) and stored is not None and stored.value:
+        if absorbed_in_4_bit_inputs(module, fmt) and stored is not None and stored.value:
             # compressed-tensors stores the global scale itself, ModelOpt its reciprocal
             reciprocal = is_compressed_tensors(config) and fmt.ct_reciprocal
             factors[module] = absorbed_factor(1 / stored.value if reciprocal else stored.value)

@@ -3,7 +3,8 @@ that the estimated loss is least under a budget of effective bits per active par
 
 A module group is what must share a format: the Linears an engine fuses (q/k/v, gate/up,
 eprt.quant.fusion), a layer's routed experts, and every other quantizable Linear alone. Each group
-takes one of the candidate formats (default NVFP4, FP8, unquantized) that fits all its weights.
+takes one of the candidate formats (default NVFP4, FP8, unquantized) that fits all its weights:
+an MLA kv_b_proj none that quantizes its inputs to 4 bits (eprt.quant.absorbed says why).
 
 Bits are counted as the export stores them (`WeightFormat.modelopt_tensors`: NVFP4's 4-bit codes,
 its E4M3 scale per 16 elements and fp32 per-tensor scales; FP8's codes and scales), an unquantized
@@ -50,6 +51,7 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.layout import Layout, layer_of
+from eprt.quant.absorbed import ABSORBED, absorbed_in_4_bit_inputs
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.formats import weight_format
 from eprt.quant.fusion import FUSED_SIBLINGS
@@ -145,12 +147,19 @@ class SearchSpace:
             fits = [
                 c
                 for c in candidates
-                if c == "none" or not any(weight_format(c).unfit_input_dim(i) for _, _, i, _ in weights)
+                if c == "none"
+                or not (
+                    any(weight_format(c).unfit_input_dim(i) for _, _, i, _ in weights)
+                    or any(absorbed_in_4_bit_inputs(m, weight_format(c)) for m in members)
+                )
             ]
             if not fits:
+                why = f"input dim {weights[0][2]}"
+                if members[0].endswith(ABSORBED):
+                    why += "; vLLM absorbs it through an identity matrix, which 4-bit inputs would quantize"
                 raise ConfigError(
-                    f"--auto-quantize-formats {','.join(candidates)}: none of them fits {members[0]} (input dim "
-                    f"{weights[0][2]}); add none or a per-tensor format such as fp8"
+                    f"--auto-quantize-formats {','.join(candidates)}: none of them fits {members[0]} ({why}); "
+                    "add none or a per-tensor format such as fp8"
                 )
             params = sum(n * o * i * s for n, o, i, s in weights)
             bits = {c: sum(n * linear_bits(c, o, i) * s for n, o, i, s in weights) for c in fits}
