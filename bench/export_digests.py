@@ -20,6 +20,9 @@ input dim a multiple of 128), so that every format exports from every family.
 exports it in this process: compared `--against` digests a single process wrote, it shows that
 the layout changes no byte of any export.
 
+A recipe `auto:BITS` is the format search at that budget (`--auto-quantize BITS`, its default
+candidates), recorded as `NAME/auto:BITS/ALGORITHM`.
+
 `--calibrate-all-experts` calibrates every case with that option (each routed expert's statistics
 over every token of its layer), recorded as `NAME/RECIPE/ALGORITHM/all-experts`: the same matrix,
 its own cases.
@@ -93,6 +96,7 @@ INPUT_DIM_RULE = "is not a multiple of"  # eprt.quant.feasibility's refusal of a
 RECIPES_DIR = os.path.join(REPO, "eprt", "configs", "ptq")
 ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
 EXPORTS = {"modelopt": {}, "compressed-tensors": {"fmt": "compressed-tensors"}}
+AUTO = "auto:"  # a recipe auto:BITS is the format search at that budget
 RANK_TIMEOUT_S = 300  # a rank's wait on the others in one calibration; a world's, per case
 
 
@@ -127,13 +131,15 @@ def calibrate(
 ) -> str | None:
     """Calibrate `ck` into `out` under `recipe` and `algorithm`, with --calibrate-all-experts where
     `all_experts` (on every rank of `state`): None, or the refusal."""
+    search = float(recipe[len(AUTO) :]) if recipe.startswith(AUTO) else None
     try:
         run_ptq(
             state,
             PTQArgs(
                 ck,
-                recipe,
+                None if search else recipe,
                 out,
+                auto_quantize=search,
                 kv_cache="fp8",
                 calib_size=6,
                 seq_len=24,
@@ -265,7 +271,9 @@ def main() -> int:
     p.add_argument("--out", help="write the digests here (JSON)")
     p.add_argument("--against", help="compare with digests written before; exit 1 on any difference")
     p.add_argument("--family", action="append", help="only these families (default: all)")
-    p.add_argument("--recipe", action="append", help="only these shipped or MIXED recipes (default: all)")
+    p.add_argument(
+        "--recipe", action="append", help="only these shipped or MIXED recipes, or auto:BITS (default: all but auto)"
+    )
     p.add_argument("--algorithm", action="append", choices=ALGORITHMS, help="only these (default: all)")
     p.add_argument("--world", type=int, default=1, help="calibrate on this many CPU processes (default 1)")
     p.add_argument("--ep", type=int, help="their expert parallelism (default: --world)")
