@@ -3,8 +3,8 @@ that the estimated loss is least under a budget of effective bits per active par
 
 A module group is what must share a format: the Linears an engine fuses (q/k/v, gate/up,
 eprt.quant.fusion), a layer's routed experts, and every other quantizable Linear alone. Each group
-takes one of the candidate formats (default NVFP4, FP8, unquantized) that fits all its weights:
-an MLA kv_b_proj none that quantizes its inputs to 4 bits (eprt.quant.absorbed says why).
+takes one of the candidate formats (default NVFP4, FP8, unquantized) that fits all its weights;
+MLA's kv_b_proj takes none that quantizes its inputs to 4 bits (eprt.quant.absorbed says why).
 
 Bits are counted as the export stores them (`WeightFormat.modelopt_tensors`: NVFP4's 4-bit codes,
 its E4M3 scale per 16 elements and fp32 per-tensor scales; FP8's codes and scales), an unquantized
