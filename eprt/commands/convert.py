@@ -1,6 +1,6 @@
 """Convert a Hugging Face safetensors checkpoint into an eprt checkpoint.
 
-    eprt-convert HF_DIR OUT [--dtype keep|bf16|fp32] [--overwrite]      (or python tools/convert_hf.py)
+    eprt-convert HF_DIR OUT [--dtype keep|bf16|fp32] [--reference] [--overwrite]      (or python tools/convert_hf.py)
 
 Weights the source stores compressed (compressed-tensors: Kimi's INT4 and MXFP4 experts; needs
 `pip install compressed-tensors`) or in block FP8 (DeepSeek-V3) are kept as they are; loading
@@ -24,10 +24,16 @@ def convert() -> None:
         help="cast floating-point weights (default: keep the source dtypes); compressed and "
         "block-FP8 weights stay as stored",
     )
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="copy no weight the source holds as eprt reads it: OUT reads the source's files in place "
+        "(pinned: a changed source is refused), so converting costs what reading the headers costs",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
-    convert_hf(a.hf_dir, a.out, dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress)
+    convert_hf(a.hf_dir, a.out, dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress, reference=a.reference)
 
 
 def main() -> None:

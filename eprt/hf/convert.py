@@ -11,6 +11,13 @@ Weights the source stores encoded (compressed-tensors, block FP8: eprt.storage.e
 encoded: each of their source tensors (packed values, scales, ...) is stacked the same way as a
 component of the eprt tensor, and the manifest records the scheme. Nothing is decompressed on
 disk; `Checkpoint.read` decodes.
+
+With `reference`, nothing the source holds as eprt reads it is copied: the manifest names the
+source's own files (`eprt.storage.checkpoint.SOURCE`, pinned as a calibrated checkpoint pins its
+base), so conversion costs what reading the headers costs. Stacked experts need no restacking
+on disk either: an expert's row is the parts that hold its source tensors (gate, then up) end
+to end (`Part.piece`), each read in place. Only a tensor `--dtype` casts is written; a tensor
+read in place is not scanned for NaN here (a NaN weight still stops calibration at its amax).
 """
 
 from __future__ import annotations
@@ -30,7 +37,17 @@ from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
 from eprt.storage import encodings
 from eprt.storage.atomic import atomic_output_dir, copy_files
-from eprt.storage.checkpoint import HF_FILES, Component, Part, TensorMeta, manifest, write_manifest
+from eprt.storage.checkpoint import (
+    HF_FILES,
+    SOURCE,
+    Component,
+    Part,
+    TensorMeta,
+    manifest,
+    source_reference,
+    stored_files,
+    write_manifest,
+)
 from eprt.storage.hf_files import CONFIG
 from eprt.storage.safetensors_io import SafetensorsWriter
 
@@ -376,9 +393,16 @@ def out_dtype(source: torch.dtype, want: torch.dtype | None, precise: bool) -> t
 
 
 def convert_hf(
-    hf_dir: str, out_dir: str, *, dtype: str = "keep", overwrite: bool = False, progress: bool = True
+    hf_dir: str,
+    out_dir: str,
+    *,
+    dtype: str = "keep",
+    overwrite: bool = False,
+    progress: bool = True,
+    reference: bool = False,
 ) -> str:
-    """Convert a Hugging Face directory into an eprt checkpoint at `out_dir`; returns its path."""
+    """Convert a Hugging Face directory into an eprt checkpoint at `out_dir`; returns its path.
+    With `reference`, the checkpoint reads in place every source tensor it keeps as it is."""
     if dtype not in DTYPE_CHOICES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     if not os.path.isdir(hf_dir):
@@ -395,9 +419,14 @@ def convert_hf(
         for p in planned:
             by_file[file_for(p.spec.name, p.role)].append(p)
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=(hf_dir,)) as tmp:
-            metas = write_files(src, by_file, tmp, progress)
+            metas = write_files(src, by_file, tmp, progress, reference)
             files = copy_hf_files(hf_dir, tmp)
             extra = {"schemes": schemes} if schemes else {}
+            read_in_place = sorted(
+                {f.removeprefix(SOURCE) for m in metas for f in stored_files(m) if f.startswith(SOURCE)}
+            )
+            if read_in_place:
+                extra["source"] = source_reference(out_dir, hf_dir, read_in_place)
             write_manifest(
                 tmp, manifest(cfg.family, cfg, hf_cfg, metas, files, converted_with={"dtype": dtype}, **extra)
             )
@@ -407,17 +436,33 @@ def convert_hf(
     return out_dir
 
 
-def write_files(src: HFSource, by_file: dict[str, list[Planned]], tmp: str, progress: bool) -> list[TensorMeta]:
+def write_files(
+    src: HFSource, by_file: dict[str, list[Planned]], tmp: str, progress: bool, reference: bool = False
+) -> list[TensorMeta]:
+    """Each file's tensors written in turn (with `reference`, only those the source does not hold as
+    they are): their manifest entries, in the order of `by_file`."""
     metas = []
-    total = sum(dt.itemsize * math.prod(shape) for ps in by_file.values() for p in ps for _, dt, shape in p.stored())
+    copied = {f: [p for p in ps if not (reference and in_place(src, p))] for f, ps in by_file.items()}
+    written = {id(p) for ps in copied.values() for p in ps}
+    total = sum(dt.itemsize * math.prod(shape) for ps in copied.values() for p in ps for _, dt, shape in p.stored())
     with bar(total, "convert", unit="B", enabled=progress) as pb:
         for fname, ps in by_file.items():
             path = os.path.join(tmp, fname)
             try:
-                w = SafetensorsWriter(path, [entry for p in ps for entry in p.stored()])
+                w = (
+                    SafetensorsWriter(path, [entry for p in copied[fname] for entry in p.stored()])
+                    if copied[fname]
+                    else None
+                )
                 for p in ps:
-                    metas.append(write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb))
-                w.close()
+                    if id(p) not in written:
+                        metas.append(referenced(src, p))
+                    else:
+                        metas.append(
+                            write_encoded(src, w, fname, p, pb) if p.encoded else write_raw(src, w, fname, p, pb)
+                        )
+                if w is not None:
+                    w.close()
             except OSError as e:
                 if e.filename is not None:
                     raise
@@ -505,6 +550,63 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
             w.copy_range(key, f, info.start, info.nbytes)
             pb.update(info.nbytes)
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
+    first = p.encoded[0]
+    return TensorMeta(
+        p.spec.name,
+        p.dtype,
+        p.spec.shape,
+        first.encoding,
+        p.role,
+        (),
+        p.source_dtype,
+        first.scheme,
+        p.spec.per_row if p.spec.stacked else None,
+        components,
+        fused_source=p.spec.sources[0] if renamed(p.spec) else None,
+    )
+
+
+def in_place(src: HFSource, p: Planned) -> bool:
+    """Whether the source holds `p` as eprt reads it: encoded weights always (their components are
+    copied as they are), a raw one when it keeps its dtype and each source tensor is the whole
+    tensor (a plain or fused one) or one expert's piece of its row."""
+    if p.encoded:
+        return True
+    if p.dtype != p.source_dtype:
+        return False
+    want = p.spec.source_shape() if p.spec.stacked else p.spec.shape
+    return all(tuple(src.tensors[s][1].shape) == tuple(want) for s in p.spec.sources)
+
+
+def referenced(src: HFSource, p: Planned) -> TensorMeta:
+    """`p`'s manifest entry, its parts in the source's files: a stacked row's as its pieces."""
+
+    def parts(sources: list[str], stored: tuple[int, ...], stacked: bool) -> tuple[Part, ...]:
+        if not stacked:
+            (s,) = sources
+            return (Part(SOURCE + src.shard_of(s), s, (0, stored[0] if stored else 0)),)
+        per_row = p.spec.per_row
+        return tuple(
+            Part(SOURCE + src.shard_of(s), s, (j // per_row, j // per_row + 1), piece=True)
+            for j, s in enumerate(sources)
+        )
+
+    fused = p.spec.sources[0] if p.fused or renamed(p.spec) else None
+    if not p.encoded:
+        return TensorMeta(
+            p.spec.name,
+            p.dtype,
+            p.spec.shape,
+            encodings.RAW,
+            p.role,
+            parts(list(p.spec.sources), p.spec.shape, p.spec.stacked),
+            p.source_dtype,
+            fused_source=fused,
+        )
+    components = {
+        c: Component(dt, stored, shape, parts([e.components[c] for e in p.encoded], stored, p.spec.stacked))
+        for (c, (dt, shape)), (_, _, stored) in zip(p.components.items(), p.stored())
+    }
     first = p.encoded[0]
     return TensorMeta(
         p.spec.name,

@@ -74,6 +74,11 @@ class HFSource:
                         f"{os.path.join(hf_dir, shard)}: the index lists tensor {name!r} but the file lacks it"
                     )
 
+    def shard_of(self, name: str) -> str:
+        """The file (relative to the directory) that holds tensor `name`."""
+        f = self.tensors[name][0]
+        return next(shard for shard, g in self.files.items() if g is f)
+
     @property
     def bytes_read(self) -> int:
         return sum(f.bytes_read for f in self.files.values())

@@ -72,7 +72,7 @@ def source_tensors(
         for j, src in enumerate(spec.sources):
             e, k = divmod(j, spec.per_row)
             # expert e's row holds its per_row source tensors end to end
-            stored = (lambda n=name, e=e, k=k, m=spec.per_row: row_part(ck, n, e, k, m)) if as_stored else None
+            stored = (lambda n=name, e=e, k=k, m=spec.per_row: ck.piece_range(n, e, k, m)) if as_stored else None
             yield OutTensor(
                 src,
                 dtype,
@@ -106,18 +106,10 @@ def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -
                 x.dtype,
                 x.source_shape,
                 partial(component_piece, ck, name, c, e, k),
-                partial(row_part, ck, name, e, k, meta.per_row, c),
+                partial(ck.piece_range, name, e, k, meta.per_row, c),
             )
 
 
 def component_piece(ck: Checkpoint, name: str, component: str, row: int, k: int) -> torch.Tensor:
     """The k-th source tensor of one stored component in row `row` of a stacked encoded tensor."""
     return ck.meta(name).components[component].piece(ck.read_component(name, component, (row, row + 1))[0], k)
-
-
-def row_part(
-    ck: Checkpoint, name: str, row: int, k: int, per_row: int, component: str | None = None
-) -> tuple[SafetensorsFile, int, int]:
-    """The k-th of `per_row` equal pieces of row `row` of a stacked tensor (or of its stored component)."""
-    f, offset, n = ck.byte_range(name, row, component)
-    return f, offset + k * (n // per_row), n // per_row

@@ -14,6 +14,13 @@ A directory holding
   with the expert index leading, so a reader of rows [a, b) touches only those bytes;
 - `hf/`: every non-weight file of the source (config, tokenizer, generation config, ...).
 
+A checkpoint converted by reference (`eprt-convert --reference`) stores none of the weights the
+source already holds as eprt reads them: a part whose `file` starts with `source:` lies in the
+source directory its manifest names under `source` (path, and a pin of each weight file, as a
+calibrated checkpoint pins its base: verified on open). A routed expert's row made of several
+source tensors (gate and up) is then one part per source tensor, each marked `piece`, all with
+that row's `rows`: the row is their values end to end.
+
 A calibrated checkpoint holds no weights of its own: its manifest names a `base` checkpoint
 (path, the SHA-256 of its manifest, and a pin of each of its weight files, verified on open: see
 `weight_pin`) whose tensors it reads, and adds the calibration state (role `calibration`) and the
@@ -50,19 +57,36 @@ MANIFEST = "eprt.json"
 HF_FILES = "hf"
 
 
+SOURCE = "source:"  # a part's file in the source directory the manifest references, not in the checkpoint's
+
+
 @dataclass(frozen=True)
 class Part:
     file: str
     key: str
     rows: tuple[int, int]
+    # the file's tensor is one of the source tensors that make up row `rows` (one row) end to end,
+    # not rows of the tensor itself
+    piece: bool = False
 
 
 def parts_json(parts: tuple[Part, ...]) -> list[dict]:
-    return [{"file": p.file, "key": p.key, "rows": list(p.rows)} for p in parts]
+    return [{"file": p.file, "key": p.key, "rows": list(p.rows), **({"piece": True} if p.piece else {})} for p in parts]
 
 
 def parts_from_json(d: list[dict]) -> tuple[Part, ...]:
-    return tuple(Part(p["file"], p["key"], tuple(p["rows"])) for p in d)
+    return tuple(Part(p["file"], p["key"], tuple(p["rows"]), p.get("piece", False) is True) for p in d)
+
+
+def row_groups(parts: tuple[Part, ...]) -> list[tuple[tuple[int, int], list[Part]]]:
+    """The parts by the rows they hold, in order: one part of whole rows, or a row's pieces."""
+    groups: list[tuple[tuple[int, int], list[Part]]] = []
+    for p in parts:
+        if p.piece and groups and groups[-1][1][-1].piece and groups[-1][0] == p.rows:
+            groups[-1][1].append(p)
+        else:
+            groups.append((p.rows, [p]))
+    return groups
 
 
 @dataclass(frozen=True)
@@ -233,13 +257,15 @@ class Checkpoint:
                     "crafted, or written by a newer eprt"
                 )
             for f in stored_files(t):
-                check_relative(f, f"{mpath} ({t.name!r})")
+                check_relative(f.removeprefix(SOURCE), f"{mpath} ({t.name!r})")
             if t.encoded and t.scheme not in self.schemes:
                 raise CheckpointError(
                     f"{mpath}: {t.name!r} names scheme {t.scheme!r}, which the manifest lacks: "
                     "the checkpoint is corrupt"
                 )
         self._own = set(own)
+        referenced = sorted({f for t in own.values() for f in stored_files(t) if f.startswith(SOURCE)})
+        self.source_dir = open_source(path, m.get("source"), referenced) if referenced else None
         self.base = open_base(path, m["base"]) if "base" in m else None
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
@@ -265,18 +291,27 @@ class Checkpoint:
     def file(self, name: str) -> SafetensorsFile:
         with self._opening:
             if name not in self._files:
-                f = SafetensorsFile(resolve_inside(self.path, name, os.path.join(self.path, MANIFEST)))
+                f = SafetensorsFile(self.file_path(name))
                 self.read_pins[name] = weight_pin(f.path)
                 self._files[name] = f
             return self._files[name]
 
+    def file_path(self, name: str) -> str:
+        """Where weight file `name` of the manifest lies: in this directory, or in the source's (`SOURCE`)."""
+        where = os.path.join(self.path, MANIFEST)
+        if name.startswith(SOURCE):
+            return resolve_inside(self.source_dir, name.removeprefix(SOURCE), where)
+        return resolve_inside(self.path, name, where)
+
     def weight_files(self) -> list[str]:
-        """The files this checkpoint's own tensors are stored in (not its base's), relative, sorted."""
+        """The files this checkpoint's own tensors are stored in (not its base's), as the manifest
+        names them (`SOURCE` and a name in the source directory, for one it references), sorted."""
         return sorted({f for n in self._own for f in stored_files(self.tensors[n])})
 
     def input_dirs(self) -> tuple[str, ...]:
-        """Every directory reading this checkpoint reads: its own and its base's."""
-        return (self.path, *(self.base.input_dirs() if self.base else ()))
+        """Every directory reading this checkpoint reads: its own, the source's it references, its base's."""
+        source = (self.source_dir,) if self.source_dir else ()
+        return (self.path, *source, *(self.base.input_dirs() if self.base else ()))
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name`, or only rows [a, b) of it, reading only their bytes: a raw tensor in its
@@ -326,11 +361,29 @@ class Checkpoint:
         self, dtype: torch.dtype, shape: tuple[int, ...], parts: tuple[Part, ...], a: int, b: int
     ) -> torch.Tensor:
         pieces = []
-        for p in parts:
-            lo, hi = max(a, p.rows[0]), min(b, p.rows[1])
-            if lo < hi or (lo == hi == a and not pieces and a == b):
-                pieces.append(self._read_part(dtype, shape, p, (lo - p.rows[0], hi - p.rows[0])))
+        for rows, group in row_groups(parts):
+            lo, hi = max(a, rows[0]), min(b, rows[1])
+            if group[0].piece and lo < hi:
+                pieces.append(self._read_row(dtype, shape, group))
+            elif lo < hi or (lo == hi == a and not pieces and a == b):
+                pieces.append(self._read_part(dtype, shape, group[0], (lo - rows[0], hi - rows[0])))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _read_row(self, dtype: torch.dtype, shape: tuple[int, ...], pieces: list[Part]) -> torch.Tensor:
+        """One row made of source tensors end to end (`Part.piece`), as [1, *shape[1:]]."""
+        row = math.prod(shape[1:])
+        values = []
+        for p in pieces:
+            f = self.file(p.file)
+            info = f.info(p.key)
+            if p.rows[1] - p.rows[0] != 1 or info.dtype != dtype or math.prod(info.shape) * len(pieces) != row:
+                raise CheckpointError(
+                    f"{f.path}: {p.key!r} is {info.dtype}{list(info.shape)}, which is not one of "
+                    f"{len(pieces)} equal pieces of a {dtype}{list(shape[1:])} row {list(p.rows)} as the "
+                    "manifest says: the checkpoint is corrupt, or its source changed"
+                )
+            values.append(f.read(p.key).reshape(-1))
+        return torch.cat(values).reshape(1, *shape[1:])
 
     # --- encoded tensors ----------------------------------------------------------------------
     def decoder(self, name: str):
@@ -408,8 +461,31 @@ class Checkpoint:
         p = next((p for p in parts if p.rows[0] <= row < p.rows[1]), None)
         if p is None:
             raise CheckpointError(f"{self.path}: row {row} is outside {name!r} of shape {list(shape)}")
+        if p.piece:
+            raise CheckpointError(f"{self.path}: row {row} of {name!r} is stored in pieces, not one byte range")
         f = self.file(p.file)
         return (f, *f.byte_range(p.key, (row - p.rows[0], row - p.rows[0] + 1)))
+
+    def piece_range(
+        self, name: str, row: int, k: int, per_row: int, component: str | None = None
+    ) -> tuple[SafetensorsFile, int, int]:
+        """(file, offset, length) of the k-th of the `per_row` equal source tensors row `row` of
+        stacked `name` holds end to end (of its stored `component`, for an encoded one)."""
+        t = self.meta(name)
+        if name not in self._own:
+            return self.base.piece_range(name, row, k, per_row, component)
+        parts = t.parts if component is None else self._component(t, component).parts
+        pieces = next((g for rows, g in row_groups(parts) if g[0].piece and rows[0] == row), None)
+        if pieces is not None:
+            if len(pieces) != per_row:
+                raise CheckpointError(
+                    f"{self.path}: row {row} of {name!r} is stored in {len(pieces)} pieces, not {per_row}: "
+                    "the checkpoint is corrupt"
+                )
+            f = self.file(pieces[k].file)
+            return (f, *f.byte_range(pieces[k].key))
+        f, offset, n = self.byte_range(name, row, component)
+        return f, offset + k * (n // per_row), n // per_row
 
     def _read_part(self, dtype: torch.dtype, shape: tuple[int, ...], p: Part, rows) -> torch.Tensor:
         f = self.file(p.file)
@@ -486,8 +562,51 @@ def pin_changes(then: dict, now: dict | None) -> list[str]:
 
 
 def weight_pins(ck: Checkpoint) -> dict[str, dict]:
-    """A pin of each of `ck`'s own weight files, as they are now."""
-    return {f: weight_pin(resolve_inside(ck.path, f, os.path.join(ck.path, MANIFEST))) for f in ck.weight_files()}
+    """A pin of each of `ck`'s own weight files (those of the source it references too), as they are now."""
+    return {f: weight_pin(ck.file_path(f)) for f in ck.weight_files()}
+
+
+def source_reference(out: str, source: str, files: list[str]) -> dict:
+    """How a checkpoint written at `out` refers to the source directory whose weight `files` it reads."""
+    source = os.path.realpath(source)
+    return {
+        "path": os.path.relpath(source, os.path.realpath(out)),
+        "abspath": source,
+        "weights": {f: weight_pin(resolve_inside(source, f, source)) for f in files},
+    }
+
+
+def open_source(path: str, ref, referenced: list[str]) -> str:
+    """The source directory whose weight files the checkpoint at `path` references (beside it, as
+    moved together, or where it was), once each of them is the file pinned at conversion."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        candidates = [os.path.normpath(os.path.join(path, ref["path"])), ref["abspath"]]
+        pinned = dict(ref["weights"])
+        candidates = [c for c in candidates if isinstance(c, str)]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"{mpath}: corrupt manifest (its tensors lie in the source's files, but it names no source "
+            "with their pins); convert the checkpoint again"
+        ) from None
+    unpinned = [f for f in referenced if f.removeprefix(SOURCE) not in pinned]
+    if unpinned:
+        raise CheckpointError(f"{mpath}: corrupt manifest: {unpinned[0]} is not pinned; convert the checkpoint again")
+    found = next((c for c in candidates if all(os.path.isfile(os.path.join(c, f)) for f in pinned)), None)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: the source checkpoint whose weight files it reads is gone (looked in "
+            f"{' and '.join(candidates)}): restore it there, or convert again"
+        )
+    for f, pin in pinned.items():
+        changed = pin_changes(pin, weight_pin(resolve_inside(found, f, mpath)))
+        if changed:
+            raise CheckpointError(
+                f"{path}: the source's weight file {os.path.join(found, f)}, which it reads in place, "
+                f"changed since conversion ({', '.join(changed)} differ): convert again from the current "
+                "source (a copy of a source keeps its pins only when it keeps the files' times: cp -a, rsync -a)"
+            )
+    return found
 
 
 def manifest_digest(path: str) -> str:
@@ -544,7 +663,7 @@ def check_weight_pins(path: str, base: Checkpoint, pinned: dict) -> None:
             f"stores its weights in {base.weight_files()}: calibrate again from the current base"
         )
     for f, pin in pinned.items():
-        changed = pin_changes(pin, weight_pin(resolve_inside(base.path, f, os.path.join(base.path, MANIFEST))))
+        changed = pin_changes(pin, weight_pin(base.file_path(f)))
         if changed:
             raise CheckpointError(
                 f"{path}: its base's weight file {os.path.join(base.path, f)} changed since "
