@@ -117,8 +117,9 @@ def exported_files(out: str) -> set[str]:
 
 
 def predicted_files(hf_dir: str, out: str) -> set[str]:
-    """The source's files but its weights, the export's shards and index, ModelOpt's
-    hf_quant_config.json and the PTQ quality report with its page (files no engine reads)."""
+    """The source's files but its weights (a tiny source holds only files serving reads), the export's
+    shards and index, ModelOpt's hf_quant_config.json, its model card and the PTQ quality report with
+    its page (files no engine reads)."""
     source = {
         p.name
         for p in Path(hf_dir).iterdir()
@@ -128,7 +129,7 @@ def predicted_files(hf_dir: str, out: str) -> set[str]:
     return (
         source
         | shards
-        | {"model.safetensors.index.json", "hf_quant_config.json", "eprt_quality.json", "eprt_quality.html"}
+        | {"model.safetensors.index.json", "hf_quant_config.json", "README.md", "eprt_quality.json", "eprt_quality.html"}
     )
 
 

@@ -157,14 +157,24 @@ def test_transformers_loads_the_mxfp4_export(model):
     assert_transformers_loads(ct, eprt_value)
 
 
-def test_the_modelopt_layout_refuses_mxfp4_by_name(model, tmp_path):
+def test_the_modelopt_layout_asked_for_refuses_mxfp4_by_name(model, tmp_path):
     _, _, exports = model
     q = exports["mxfp4", CT][: -len(f"-{CT}")]
     with pytest.raises(
         ConfigError, match=r"quantized with mxfp4 \(MXFP4\), .*export it with --format compressed-tensors"
     ):
-        export_hf(q, str(tmp_path / "out"), progress=False)
+        export_hf(q, str(tmp_path / "out"), progress=False, fmt="modelopt")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_chooses_the_layout_that_holds_mxfp4(model, tmp_path):
+    _, _, exports = model
+    q = exports["mxfp4", CT][: -len(f"-{CT}")]
+    export_hf(q, str(tmp_path / "out"), progress=False)  # no --format: the one layout that holds it
+    asked = Path(exports["mxfp4", CT])
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(asked))
+    for f in os.listdir(asked):
+        assert (tmp_path / "out" / f).read_bytes() == (asked / f).read_bytes(), f
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,21 @@
 
 Prints one line per violation, each naming the tensor, module or config key at fault, and exits
 1 when there is any; prints "OUT: ok" and exits 0 otherwise, after a "warning:" line for each engine
-quirk the export runs into (eprt.hf.check_engine_quirks), which a recipe avoids.
+quirk the export runs into (eprt.hf.check_engine_quirks), which a recipe avoids. A compressed-tensors
+export is read by the compressed-tensors library's own classes where it is installed; without it,
+by eprt's own table of its schemes, and a "note:" line says so.
 """
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
 
 from eprt.cli import run
-from eprt.hf.check_engine_quirks import engine_warnings
-from eprt.hf.check_export import check_export
+from eprt.storage.hf_files import CONFIG
 
 
-def check() -> int:
+def check(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the exported Hugging Face directory")
     ap.add_argument(
@@ -24,8 +27,19 @@ def check() -> int:
         help="the Hugging Face checkpoint it was exported from: the export must hold "
         "exactly its tensors, each quantized Linear's weight replaced by its scales",
     )
-    a = ap.parse_args()
-    problems = check_export(a.out, a.source)
+    a = ap.parse_args(argv)
+    # the checks import torch: after the arguments, so that --help answers at once
+    from eprt.hf.check_engine_quirks import engine_warnings
+    from eprt.hf.check_export import check_export, is_compressed_tensors
+    from eprt.hf.check_files import read_json
+
+    library = importlib.util.find_spec("compressed_tensors") is not None
+    problems = check_export(a.out, a.source, library=library)
+    if not library and is_compressed_tensors(read_json(Path(a.out) / CONFIG, [])):
+        print(
+            "note: the compressed-tensors library is not installed, so its config was read by eprt's own table of "
+            "its schemes; pip install 'eprt[compressed]' to check it with the library's classes"
+        )
     for p in problems:
         print(p)
     if problems:

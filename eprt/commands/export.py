@@ -34,7 +34,8 @@ def export() -> None:
         "--format",
         choices=LAYOUTS,
         help="a calibrated checkpoint, or with --recipe: the quantized layout, modelopt (hf_quant_config.json, "
-        "quant_method modelopt) or compressed-tensors (llm-compressor's); default modelopt",
+        "quant_method modelopt) or compressed-tensors (llm-compressor's); default: modelopt where it holds "
+        "every format of the recipe, else compressed-tensors (INT4, W4A8, MXFP4)",
     )
     ap.add_argument(
         "--recipe",
@@ -47,6 +48,12 @@ def export() -> None:
         "--algorithm",
         choices=WEIGHT_ONLY_ALGORITHMS,
         help="with --recipe, how weight scales are chosen for its rules that name no algorithm (default max)",
+    )
+    ap.add_argument(
+        "--base-model",
+        metavar="HUB_ID",
+        help="a quantized export: the Hub id its model card names as base_model (default: the one the source's "
+        "config.json or its Hugging Face cache directory says)",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
@@ -64,6 +71,7 @@ def export() -> None:
             fmt=a.format,
             recipe=a.recipe,
             algorithm=a.algorithm,
+            base_model=a.base_model,
         )
 
 

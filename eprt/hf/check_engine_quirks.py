@@ -8,6 +8,11 @@ scale is e4m3(gs / 6) for the layer's global input scale gs = 1 / input_scale, t
 code 6, so every absorbed weight comes out multiplied by 6 x e4m3(gs / 6) / gs (the GEMM scales the
 code back by the block scale and input_scale), then rounded to bf16: x1.008 measured, and anywhere
 within E4M3's rounding, about +-6%, depending on input_scale.
+
+transformers 5 decompresses a compressed-tensors export's NVFP4 routed experts without their
+weight_global_scale (its fused-experts path builds a module of weight_packed and weight_scale only),
+so every expert weight it loads is global_scale times too large: the export is right (vLLM and the
+compressed-tensors library decode it), but a check in transformers is not one.
 """
 
 from __future__ import annotations
@@ -35,18 +40,35 @@ def absorbed_factor(input_scale: float) -> float:
     return float(np.float32(E2M1_MAX * block) * scale)
 
 
+def transformers_misreads(formats: dict) -> list[str]:
+    """A line where transformers does not decode a compressed-tensors export as engines do: NVFP4
+    routed experts (`formats`: module -> format)."""
+    experts = sorted(m for m, f in formats.items() if ".experts." in f".{m}." and f.name == "nvfp4")
+    if not experts:
+        return []
+    return [
+        f"{len(experts)} NVFP4 routed expert projections ({experts[0]}, ...): transformers 5 decompresses them "
+        "without their weight_global_scale, so the model it loads from this export is wrong, though the export is "
+        "right; verify it in vLLM, which loads it as written, or with the compressed-tensors library's own "
+        "decompression"
+    ]
+
+
 def engine_warnings(out_dir) -> list[str]:
-    """One line per engine quirk the export at `out_dir` runs into: today, MLA kv_b_projs in a W4A4
-    format. None where its files cannot be read (the checks say why)."""
+    """One line per engine quirk the export at `out_dir` runs into: MLA kv_b_projs in a W4A4 format,
+    and a compressed-tensors layout that transformers decodes otherwise than the engines. None where
+    its files cannot be read (the checks say why)."""
     out = Path(out_dir)
     problems: list[str] = []
     config = read_json(out / CONFIG, problems)
     tensors = read_tensors(out, problems)
     if problems or not tensors:
         return []
+    warnings = []
     if is_compressed_tensors(config):
         formats = ct_formats(tensors)
         input_leaf = {m: f.ct_input_scale_leaf for m, f in formats.items()}
+        warnings += transformers_misreads(formats)
     else:
         hf_quant = read_json(out / QUANT_CONFIG, problems)
         algo, _, exclude = check_configs(config, hf_quant, problems)
@@ -63,9 +85,9 @@ def engine_warnings(out_dir) -> list[str]:
             reciprocal = is_compressed_tensors(config) and fmt.ct_reciprocal
             factors[module] = absorbed_factor(1 / stored.value if reciprocal else stored.value)
     if not factors:
-        return []
+        return warnings
     low, high = min(factors, key=factors.get), max(factors, key=factors.get)
-    return [
+    return warnings + [
         f"{len(factors)} MLA kv_b_proj in a W4A4 format ({formats[low].quant_algo}): vLLM 0.32 absorbs kv_b_proj "
         f"by running it on an identity matrix, which quantizes those 1.0s too, so the absorbed weights come out "
         f"scaled by 6 x e4m3(gs/6)/gs (gs = 1/input_scale): x{factors[low]:.4f} ({low}) to x{factors[high]:.4f} "

@@ -16,21 +16,34 @@ from typing import Iterator
 
 import torch
 
-from eprt.errors import ConfigError, EprtError
+from eprt.errors import CheckpointError, ConfigError, EprtError
 from eprt.families import reader_for
 from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport
+from eprt.hf.model_card import model_card
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
 from eprt.quant.datafree import data_free_recipe
+from eprt.quant.formats import weight_format
 from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
+from eprt.storage.bounded import read_json_object
 from eprt.storage.checkpoint import Checkpoint
-from eprt.storage.hf_files import CONFIG, QUALITY, QUALITY_PAGE, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.hf_files import (
+    CARD,
+    CONFIG,
+    QUALITY,
+    QUALITY_PAGE,
+    QUANT_CONFIG,
+    served_file,
+    shard_name,
+    write_index,
+    write_json,
+)
 from eprt.storage.paths import resolve_inside
 from eprt.storage.safetensors_io import SafetensorsWriter
 
@@ -128,10 +141,12 @@ def export_hf(
     fmt: str | None = None,
     recipe: str | None = None,
     algorithm: str | None = None,
+    base_model: str | None = None,
 ) -> str:
     """Write an eprt checkpoint in the Hugging Face layout: the source layout back for an
-    unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt, the
-    default, or compressed-tensors; checked before it appears). With `recipe` (and `algorithm`
+    unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt or
+    compressed-tensors; None: the one that holds the recipe; checked before it appears) with its
+    model card. With `recipe` (and `algorithm`
     for its rules that name none), an unquantized checkpoint is quantized on the way out under
     that data-free recipe (eprt.quant.datafree): the bytes its calibration and export write. An
     option that cannot apply to the checkpoint is refused rather than ignored (`refuse_inapplicable`).
@@ -150,7 +165,13 @@ def export_hf(
         if algorithm is not None and recipe is None:
             raise ConfigError(f"--algorithm {algorithm} applies to a --recipe's rules: give --recipe, or leave it out")
         quantize = data_free_recipe(recipe, algorithm, ckpt_dir) if recipe is not None else None
-        exp = QuantizedExport(ck, fmt or "modelopt", quantize) if ck.quantization is not None or quantize else None
+        exp = QuantizedExport(ck, fmt, quantize) if ck.quantization is not None or quantize else None
+        if exp is not None and fmt is None and exp.target != "modelopt":
+            logger().info(
+                "writing the %s layout: the ModelOpt layout does not hold %s (--format modelopt is refused for it)",
+                exp.target,
+                ", ".join(f for f in exp.recipe.formats if not weight_format(f).modelopt_layout),
+            )
         if exp is not None:  # it resolved the checkpoint's layout: the export's one resolution
             tensors = exp.tensors()
         else:
@@ -162,7 +183,7 @@ def export_hf(
                 tmp, tensors, max_shard_bytes=max_shard_bytes, progress=progress, rank=state.rank, world=state.world
             )
             if state.rank == 0:
-                write_configs(ck, exp, tmp, dequantize)
+                write_configs(ck, exp, tmp, dequantize, base_model)
 
         def check(tmp: str) -> None:
             problems = check_export(tmp, library=False)  # its config is eprt's, built without the library
@@ -222,9 +243,13 @@ def refuse_inapplicable(ck: Checkpoint, fmt: str | None, dequantize: bool, recip
         )
 
 
-def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool) -> None:
+def write_configs(
+    ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequantize: bool, base_model: str | None = None
+) -> None:
     """config.json and every other non-weight file of the source: copied byte for byte unless the
-    export changes the config (quantized, or dequantized)."""
+    export changes the config (quantized, or dequantized). A quantized export carries only the
+    files serving it reads, and its own model card (eprt.hf.model_card; `base_model`: the Hub id it
+    names, else the one the source says)."""
     if exp and exp.target == "modelopt":
         config, hf_quant = exp.configs()
         write_json(os.path.join(tmp, QUANT_CONFIG), hf_quant)
@@ -233,13 +258,20 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
     else:
         config = encodings.without_quantization(ck.source_config) if dequantize else ck.source_config
     rewrite = config != ck.source_config
-    copy_files(ck.hf_files_dir(), [f for f in ck.hf_files if not (rewrite and f == CONFIG)], tmp)
+    # a quantized export carries what serving it reads, not what describes the source (served_file)
+    carried = [f for f in ck.hf_files if not (rewrite and f == CONFIG) and (not exp or served_file(f))]
+    copy_files(ck.hf_files_dir(), carried, tmp)
     if rewrite:
         write_json(os.path.join(tmp, CONFIG), config)
     report = (ck.quantization or {}).get("quality")
+    quality = None
     if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
         src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
         shutil.copyfile(src, os.path.join(tmp, QUALITY))
+        quality = read_json_object(src, "calibrate again", CheckpointError)
         if os.path.isfile(os.path.join(ck.path, page_path(report))):  # its page, where the run wrote one
             page = resolve_inside(ck.path, page_path(report), f"{ck.path} (the quality report's page)")
             shutil.copyfile(page, os.path.join(tmp, QUALITY_PAGE))
+    if exp:
+        with open(os.path.join(tmp, CARD), "w") as f:
+            f.write(model_card(ck, exp.recipe, exp.target, exp.quantized, quality, base_model))

@@ -61,11 +61,13 @@ class QuantizedExport:
     or with `recipe`, of unquantized `ck` under that data-free recipe (eprt.quant.datafree): the
     same export as after its calibration, whose record holds nothing these formats read."""
 
-    def __init__(self, ck: Checkpoint, layout: str = "modelopt", recipe: Recipe | None = None):
-        if layout not in LAYOUTS:
+    def __init__(self, ck: Checkpoint, layout: str | None = "modelopt", recipe: Recipe | None = None):
+        if layout not in (*LAYOUTS, None):
             raise ConfigError(f"--format {layout!r}: choose one of {', '.join(LAYOUTS)}")
-        self.ck, self.target = ck, layout
         self.recipe = recipe or parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
+        # None: the layout that holds the recipe (`holding_layout`)
+        self.ck, self.target = ck, layout or holding_layout(self.recipe.formats)
+        layout = self.target
         self.layout: Layout = reader_for(ck.config.model_type, ck.path).layout(ck.config)
         self.quantized = quantized_modules(self.layout, self.recipe, ck.path)
         # The multi-token-prediction layers the recipe quantizes a module of are modeled like the
@@ -338,6 +340,12 @@ class QuantizedExport:
             )
         config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
         return config, {"producer": PRODUCER, "quantization": quant}
+
+
+def holding_layout(formats: list[str]) -> str:
+    """The layout an export of `formats` is written in where none is asked for: ModelOpt's, the one
+    every engine reads, unless a format has none there (INT4, W4A8, MXFP4): then compressed-tensors'."""
+    return "modelopt" if all(weight_format(f).modelopt_layout for f in formats) else ct.NAME
 
 
 def refuse_modelopt_layout(formats: dict[str, str], where: str) -> None:

@@ -17,8 +17,41 @@ CHAT_TEMPLATE = "chat_template.jinja"  # the chat template as a file of its own 
 QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's description of a quantized export
 QUALITY = "eprt_quality.json"  # the PTQ quality report an export carries (eprt.quant.quality); no engine reads it
 QUALITY_PAGE = "eprt_quality.html"  # the same report as a page (eprt.report), beside it
+CARD = "README.md"  # a model card: the source's describes the source; a quantized export writes its own
 SINGLE = "model.safetensors"  # the weights in one file
 INDEX = "model.safetensors.index.json"  # the weights in shards: which shard holds each tensor
+
+
+# What a quantized export carries of the source's non-weight files: what loading and serving it read
+# (configs, tokenizer, chat template, processor configs, the model's own code) and its license; not
+# the source's model card, sample data, evaluation files or images, which describe the source.
+SERVED_FILES = (
+    CONFIG,
+    GENERATION_CONFIG,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    CHAT_TEMPLATE,
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+)
+SERVED_SUFFIXES = (".py", ".tiktoken")  # the model's own code (trust_remote_code), tiktoken vocabularies
+LICENSES = ("LICENSE", "LICENCE", "NOTICE")
+
+
+def served_file(rel: str) -> bool:
+    """Whether a quantized export carries the source's non-weight file `rel` (SERVED_FILES)."""
+    if os.path.dirname(rel):
+        return False
+    return rel in SERVED_FILES or rel.endswith(SERVED_SUFFIXES) or rel.upper().startswith(LICENSES)
 
 
 def shard_name(i: int, count: int) -> str:
