@@ -3,7 +3,9 @@
 In a multi-rank run every rank prints its own line, saying which rank speaks. A process alone
 prints the refusal itself, not the fail-together report around it ("rank 0 failed while ...").
 A rank started by a launcher also files its line where the launcher reads it
-(TORCHELASTIC_ERROR_FILE), so the launcher can end with the cause (eprt.commands.launch).
+(TORCHELASTIC_ERROR_FILE), so the launcher can end with the cause (eprt.commands.launch); a rank
+eprt's own launcher started (`--nproc-per-node`: LAUNCHED in its environment) leaves the printing
+to it, so a refusal reads as one line, not one a rank and the launcher's.
 
 A file system that refuses a write (read-only, full, over quota, not permitted) is the user's
 to fix, not a bug: it prints as one line naming the path. Any other OSError keeps its traceback.
@@ -22,6 +24,7 @@ from eprt.errors import EprtError
 from eprt.progress import configure_logging
 
 T = TypeVar("T")
+LAUNCHED = "EPRT_LAUNCHED"  # set in the ranks eprt's launcher starts: it prints their verdict
 
 # errno -> the way out, for the OSErrors a user's file system raises
 USER_OS_ERRORS = {
@@ -63,7 +66,8 @@ def user_os_error(e: BaseException | None) -> str | None:
 
 
 def refuse(message: str) -> None:
-    print(f"error{_speaker()}: {message}", file=sys.stderr)
+    if os.environ.get(LAUNCHED) != "1":
+        print(f"error{_speaker()}: {message}", file=sys.stderr)
     file_verdict(message)
     sys.exit(2)
 

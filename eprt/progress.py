@@ -1,4 +1,6 @@
-"""Progress and logging: one bar (on rank 0), and log lines that say which rank speaks."""
+"""Progress and logging: one bar (on rank 0), and log lines that say which rank speaks, written
+through the bar (tqdm.write) so that a line never breaks into it. A quiet run (`--quiet`, or
+EPRT_QUIET=1 in the environment, which a launcher's ranks inherit) shows no bar and warnings only."""
 
 from __future__ import annotations
 
@@ -9,8 +11,15 @@ import sys
 from tqdm import tqdm
 
 
+QUIET = "EPRT_QUIET"  # set: no progress bar, and of eprt's log only warnings and errors
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def quiet() -> bool:
+    return os.environ.get(QUIET) == "1"
 
 
 def bar(total: float, desc: str, *, unit: str = "it", enabled: bool = True, **kw) -> tqdm:
@@ -24,7 +33,7 @@ def bar(total: float, desc: str, *, unit: str = "it", enabled: bool = True, **kw
         total=total,
         desc=desc,
         unit=unit,
-        disable=not enabled or rank() != 0,
+        disable=not enabled or rank() != 0 or quiet(),
         file=sys.stderr,
         dynamic_ncols=True,
         unit_scale=unit == "B",
@@ -40,16 +49,25 @@ def logger() -> logging.Logger:
 
 
 class RankHandler(logging.StreamHandler):
-    """eprt's lines on stderr, each saying which rank speaks."""
+    """eprt's lines on stderr, each saying which rank speaks, written above the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # as logging's own handlers do: a failed line is reported, not raised
+            self.handleError(record)
 
 
-def configure_logging() -> None:
-    """Once, by the command that runs: INFO and up on stderr as `[eprt rank R] message`. Again in one
-    process (commands run in-process), the handler is replaced, not added: one line per record."""
+def configure_logging(quiet_run: bool = False) -> None:
+    """Once, by the command that runs: INFO and up on stderr as `[eprt rank R] message` (WARNING and
+    up, and no bar, for a quiet run: `quiet_run`, or EPRT_QUIET=1). Again in one process (commands
+    run in-process), the handler is replaced, not added: one line per record."""
+    if quiet_run:
+        os.environ[QUIET] = "1"  # the bars, and the ranks a launcher starts, read it
     log = logging.getLogger("eprt")
     for h in [h for h in log.handlers if isinstance(h, RankHandler)]:
         log.removeHandler(h)
     h = RankHandler(sys.stderr)
     h.setFormatter(logging.Formatter(f"[eprt rank {rank()}] %(message)s"))
     log.addHandler(h)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.WARNING if quiet() else logging.INFO)

@@ -17,6 +17,7 @@ import signal
 import sys
 import uuid
 
+from eprt.cli import LAUNCHED
 from eprt.errors import ConfigError
 
 # What the ranks' verdicts say when no rank filed one: how a process ends without a word.
@@ -69,6 +70,8 @@ def launch(module: str, argv: list[str], nproc: int) -> int:
     )
     # the agent's own lines (its config, each worker's start and exit) would bury the verdict
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
+    # the ranks inherit it: a rank's refusal is printed once, by this launcher, not by every rank too
+    os.environ[LAUNCHED] = "1"
     try:
         elastic_launch(config, sys.executable)("-m", module, *argv)
     except ChildFailedError as e:
@@ -79,6 +82,8 @@ def launch(module: str, argv: list[str], nproc: int) -> int:
         return code if code > 0 else 1
     except SignalException as e:
         raise Stopped(int(e.sigval)) from None
+    finally:
+        del os.environ[LAUNCHED]
     return 0
 
 

@@ -25,13 +25,16 @@ from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
+from eprt.parallel.state import check_ep
 from eprt.quant.datafree import data_free
 from eprt.quant.estimate import estimate_time
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
 from eprt.quant.ptq import gptq_formats, run_ptq
 from eprt.quant.recipe import Recipe
 from eprt.quant.run_args import RUN_DTYPES, PTQArgs
+from eprt.quant.run_data import check_data_settings
 from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
+from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
@@ -50,10 +53,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[PTQArgs, int | None]:
     return from_flags(PTQArgs, ns), ns.nproc_per_node
 
 
-def ptq() -> int:
-    """Start the local ranks (--nproc-per-node), or join the run, read the checkpoint's manifest
-    on every rank, then the dry run or calibration."""
-    argv = sys.argv[1:]
+def ptq(argv: list[str] | None = None) -> int:
+    """Start the local ranks (--nproc-per-node), once what can be refused from the manifest and the
+    arguments is not, or join the run, read the checkpoint's manifest on every rank, then the dry
+    run or calibration."""
+    argv = sys.argv[1:] if argv is None else argv
     a, nproc_per_node = parse_args(argv)
     if not a.dry_run and not ((a.recipe or a.auto_quantize is not None) and a.out):
         raise ConfigError(
@@ -63,6 +67,7 @@ def ptq() -> int:
     if a.estimate_time and not (a.dry_run and a.recipe):
         raise ConfigError("--estimate-time is for --dry-run with --recipe: the recipe sets the runs a layer takes")
     if nproc_per_node is not None:
+        check_before_launch(a, nproc_per_node)
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:
         if a.dry_run:
@@ -89,6 +94,24 @@ def ptq() -> int:
             return 0
         run_ptq(state, a, ck=ck)
     return 0
+
+
+def check_before_launch(a: PTQArgs, nproc: int) -> None:
+    """What every rank would refuse from the arguments and the manifest alone, refused here before
+    any rank starts: the ep degree, the checkpoint, the recipe against the model (an INT4 Linear's
+    dims), the output, the data's files and settings."""
+    if a.ep is not None:
+        check_ep(nproc, a.ep)
+    with Checkpoint(a.ckpt) as ck:
+        if ck.quantization is not None:
+            return  # refused by the run, which says what a calibrated checkpoint is for
+        if a.ep is not None:
+            check_ep(nproc, a.ep, ck.config.num_experts or None)
+        if a.recipe:
+            plan_recipe(ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype]), a.recipe, a.kv_cache, a.algorithm)
+        if a.out and not a.dry_run:
+            check_output_dir(a.out, a.overwrite, ck.input_dirs())
+    check_data_settings(a)
 
 
 def without_nproc(argv: list[str]) -> list[str]:
