@@ -19,6 +19,7 @@ setup(
             "eprt-check = eprt.commands.check:main",
             "eprt-make-tiny = eprt.commands.make_tiny:main",
             "eprt-report = eprt.commands.report:main",
+            "eprt-quantize = eprt.commands.quantize:main",
         ],
     },
     python_requires=">=3.10",

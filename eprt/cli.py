@@ -13,13 +13,16 @@ to fix, not a bug: it prints as one line naming the path. Any other OSError keep
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
+import re
 import sys
 import time
 from typing import Callable, TypeVar
 
+import eprt
 from eprt.errors import EprtError
 from eprt.progress import configure_logging
 
@@ -36,9 +39,48 @@ USER_OS_ERRORS = {
 }
 
 
-def run(main: Callable[[], T]) -> T:
-    """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line."""
-    configure_logging()
+# what a command's help names in the repository, as an installed eprt's user finds it
+PUBLISHED = (
+    (re.compile(r"docs/([\w-]+)\.md"), eprt.DOCS_URL + r"/\1/"),
+    (re.compile(r"eprt/configs/ptq"), "the shipped recipes (eprt-quantize --list-recipes)"),
+    (re.compile(r"\s*\(or python tools/[\w.]+\)"), ""),
+)
+
+
+def published(text: str) -> str:
+    for pattern, repl in PUBLISHED:
+        text = pattern.sub(repl, text)
+    return text
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each option's default after its help where it has one the
+    help does not already give; docs and recipes named where an installed eprt's user finds them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = published(action.help or "")
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(published(text))
+
+
+def command_parser(doc: str, page: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """A command's parser: its docstring as the description, defaults shown, `--version`, and the
+    published docs `page` it is described on."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=HelpFormatter, epilog=f"Documentation: {eprt.DOCS_URL}/{page}/"
+    )
+    ap.add_argument("--version", action="version", version=f"eprt {eprt.__version__}")
+    return ap
+
+
+def run(main: Callable[[], T], quiet: bool = False) -> T:
+    """`main()`'s result (a console script's exit status), or exit 2 with the refusal's line.
+    `quiet`: warnings only, and no progress bar (eprt.progress)."""
+    configure_logging(quiet)
     try:
         return main()
     except EprtError as e:

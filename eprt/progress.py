@@ -10,7 +10,6 @@ import sys
 
 from tqdm import tqdm
 
-
 QUIET = "EPRT_QUIET"  # set: no progress bar, and of eprt's log only warnings and errors
 
 

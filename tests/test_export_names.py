@@ -129,7 +129,13 @@ def predicted_files(hf_dir: str, out: str) -> set[str]:
     return (
         source
         | shards
-        | {"model.safetensors.index.json", "hf_quant_config.json", "README.md", "eprt_quality.json", "eprt_quality.html"}
+        | {
+            "model.safetensors.index.json",
+            "hf_quant_config.json",
+            "README.md",
+            "eprt_quality.json",
+            "eprt_quality.html",
+        }
     )
 
 

@@ -10,17 +10,16 @@ export is read by the compressed-tensors library's own classes where it is insta
 by eprt's own table of its schemes, and a "note:" line says so.
 """
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
 
-from eprt.cli import run
+from eprt.cli import command_parser, run
 from eprt.storage.hf_files import CONFIG
 
 
 def check(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__, "export")
     ap.add_argument("out", help="the exported Hugging Face directory")
     ap.add_argument(
         "--source",

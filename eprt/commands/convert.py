@@ -7,20 +7,17 @@ Weights the source stores compressed (compressed-tensors: Kimi's INT4 and MXFP4 
 decodes each rank's share.
 """
 
-import argparse
-
-from eprt.cli import run
-from eprt.hf.convert import DTYPE_CHOICES, convert_hf
+from eprt.cli import command_parser, run
 
 
 def convert() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__, "checkpoint-format")
     ap.add_argument("hf_dir")
     ap.add_argument("out")
     ap.add_argument(
         "--dtype",
-        choices=list(DTYPE_CHOICES),
         default="keep",
+        metavar="keep|bf16|fp32",
         help="cast floating-point weights (default: keep the source dtypes); compressed and "
         "block-FP8 weights stay as stored",
     )
@@ -33,6 +30,8 @@ def convert() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
+    from eprt.hf.convert import convert_hf  # after the arguments: --help answers without torch
+
     convert_hf(a.hf_dir, a.out, dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress, reference=a.reference)
 
 

@@ -6,18 +6,12 @@ the compressed-tensors quantized layout). Under torchrun every rank writes its s
     torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
 """
 
-import argparse
-
-from eprt.cli import run
-from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
-from eprt.hf.export_quantized import LAYOUTS
-from eprt.parallel import ParallelState
-from eprt.quant.datafree import WEIGHT_ONLY_ALGORITHMS, data_free_formats
+from eprt.cli import command_parser, run
 from eprt.units import parse_size
 
 
 def export() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__, "export")
     ap.add_argument("ckpt")
     ap.add_argument("out")
     ap.add_argument(
@@ -32,21 +26,21 @@ def export() -> None:
     )
     ap.add_argument(
         "--format",
-        choices=LAYOUTS,
+        metavar="modelopt|compressed-tensors",
         help="a calibrated checkpoint, or with --recipe: the quantized layout, modelopt (hf_quant_config.json, "
         "quant_method modelopt) or compressed-tensors (llm-compressor's); default: modelopt where it holds "
         "every format of the recipe, else compressed-tensors (INT4, W4A8, MXFP4)",
     )
     ap.add_argument(
         "--recipe",
-        help="an unquantized checkpoint only: quantize it on the way out under this recipe (a name of "
-        "eprt/configs/ptq or a YAML path), one whose formats take no activation statistic "
-        f"({', '.join(data_free_formats())}) and that quantizes no KV cache: the export eprt-ptq and "
+        help="an unquantized checkpoint only: quantize it on the way out under this recipe (a shipped one, "
+        "eprt-quantize --list-recipes, or a YAML path), one whose formats take no activation statistic "
+        "(fp8_block, fp8_channel, int4, mxfp4, ...) and that quantizes no KV cache: the export eprt-ptq and "
         "eprt-export write, without calibration data; other recipes are refused (calibrate with eprt-ptq)",
     )
     ap.add_argument(
         "--algorithm",
-        choices=WEIGHT_ONLY_ALGORITHMS,
+        metavar="max|mse",
         help="with --recipe, how weight scales are chosen for its rules that name no algorithm (default max)",
     )
     ap.add_argument(
@@ -58,6 +52,10 @@ def export() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
+    # after the arguments: --help answers without torch
+    from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
+    from eprt.parallel import ParallelState
+
     with ParallelState.from_env() as state:
         shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES
         export_hf(

@@ -3,21 +3,22 @@
 eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
 """
 
-import argparse
-
-from eprt.cli import run
-from eprt.testing.tiny import families, make_tiny
+from eprt.cli import command_parser, run
 
 
 def make() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("family", choices=families())
+    ap = command_parser(__doc__, "models")
+    ap.add_argument("family", help="qwen3_moe, deepseek_v3, kimi_linear, kimi_k3, ... (a wrong one lists them all)")
     ap.add_argument("out")
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files (an index when > 1)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args()
+    from eprt.testing.tiny import families, make_tiny  # after --help: they import torch
+
+    if a.family not in families():
+        ap.error(f"argument family: invalid choice: {a.family!r} (choose from {', '.join(families())})")
     make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite)
     print(a.out)
 

@@ -11,17 +11,17 @@ reading a weight, and exits; with --device cuda it plans GPU ranks (their device
 memory) from a machine without GPUs.
 """
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
-from eprt.cli import run
+from eprt.cli import command_parser, run
 from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
 from eprt.hf.export_plan import plan_export
+from eprt.hf.serving import list_recipes
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
@@ -41,13 +41,14 @@ from eprt.units import format_bytes
 
 def parse_args(argv: list[str] | None = None) -> tuple[PTQArgs, int | None]:
     """The run's settings and --nproc-per-node (the launcher's, not the run's)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__, "launch")
     ap.add_argument(
         "--nproc-per-node",
         type=int,
         metavar="N",
         help="start N ranks on this machine and run on them (one machine; several nodes use torchrun)",
     )
+    ap.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and the GPUs that run each")
     add_flags(ap, PTQArgs)
     ns = ap.parse_args(argv)
     return from_flags(PTQArgs, ns), ns.nproc_per_node
@@ -58,6 +59,9 @@ def ptq(argv: list[str] | None = None) -> int:
     arguments is not, or join the run, read the checkpoint's manifest on every rank, then the dry
     run or calibration."""
     argv = sys.argv[1:] if argv is None else argv
+    if "--list-recipes" in argv:
+        print(list_recipes())
+        return 0
     a, nproc_per_node = parse_args(argv)
     if not a.dry_run and not ((a.recipe or a.auto_quantize is not None) and a.out):
         raise ConfigError(

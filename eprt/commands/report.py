@@ -9,16 +9,14 @@ Charts need matplotlib (pip install "eprt[report]"); without it the page says so
 numbers only.
 """
 
-import argparse
 import sys
 
-from eprt.cli import run
+from eprt.cli import command_parser, run
 from eprt.errors import ConfigError
-from eprt.report import label, page_path, read_report, same_held_out, write_page
 
 
 def report() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__, "quality")
     ap.add_argument(
         "exports",
         nargs="+",
@@ -27,6 +25,8 @@ def report() -> int:
     )
     ap.add_argument("--out", help="the page to write (default, for one EXPORT: beside its JSON; required for several)")
     a = ap.parse_args()
+    from eprt.report import label, page_path, read_report, same_held_out, write_page  # after --help
+
     if len(a.exports) > 1 and not a.out:
         raise ConfigError("several EXPORTs: name the comparison page with --out PAGE.html")
     found = [read_report(path) for path in a.exports]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -48,7 +49,7 @@ from eprt.storage.checkpoint import (
     stored_files,
     write_manifest,
 )
-from eprt.storage.hf_files import CONFIG
+from eprt.storage.hf_files import CHAT_TEMPLATE, CONFIG
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -400,9 +401,12 @@ def convert_hf(
     overwrite: bool = False,
     progress: bool = True,
     reference: bool = False,
+    chat_template: str | None = None,
 ) -> str:
     """Convert a Hugging Face directory into an eprt checkpoint at `out_dir`; returns its path.
-    With `reference`, the checkpoint reads in place every source tensor it keeps as it is."""
+    With `reference`, the checkpoint reads in place every source tensor it keeps as it is. With
+    `chat_template` (a Jinja file), the checkpoint's chat template is that file's, whatever the
+    source's: calibration renders conversations with it, and a quantized export carries it."""
     if dtype not in DTYPE_CHOICES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     if not os.path.isdir(hf_dir):
@@ -420,7 +424,7 @@ def convert_hf(
             by_file[file_for(p.spec.name, p.role)].append(p)
         with atomic_output_dir(out_dir, overwrite=overwrite, inputs=(hf_dir,)) as tmp:
             metas = write_files(src, by_file, tmp, progress, reference)
-            files = copy_hf_files(hf_dir, tmp)
+            files = copy_hf_files(hf_dir, tmp, chat_template)
             extra = {"schemes": schemes} if schemes else {}
             read_in_place = sorted(
                 {f.removeprefix(SOURCE) for m in metas for f in stored_files(m) if f.startswith(SOURCE)}
@@ -445,7 +449,7 @@ def write_files(
     copied = {f: [p for p in ps if not (reference and in_place(src, p))] for f, ps in by_file.items()}
     written = {id(p) for ps in copied.values() for p in ps}
     total = sum(dt.itemsize * math.prod(shape) for ps in copied.values() for p in ps for _, dt, shape in p.stored())
-    with bar(total, "convert", unit="B", enabled=progress) as pb:
+    with bar(total, "convert", unit="B", enabled=progress and total > 0) as pb:
         for fname, ps in by_file.items():
             path = os.path.join(tmp, fname)
             try:
@@ -628,8 +632,15 @@ def renamed(spec: TensorSpec) -> bool:
     return spec.alias is not None and spec.sources == (spec.alias,)
 
 
-def copy_hf_files(hf_dir: str, tmp: str) -> list[str]:
-    """Copy every non-weight file of the source byte for byte into `hf/`."""
+def copy_hf_files(hf_dir: str, tmp: str, chat_template: str | None = None) -> list[str]:
+    """Copy every non-weight file of the source byte for byte into `hf/` (and `chat_template` as
+    its chat_template.jinja, which wins over a template in tokenizer_config.json)."""
     files = non_weight_files(hf_dir)
     copy_files(hf_dir, files, os.path.join(tmp, HF_FILES))
-    return files
+    if chat_template is None:
+        return files
+    try:
+        shutil.copyfile(chat_template, os.path.join(tmp, HF_FILES, CHAT_TEMPLATE))
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(f"--chat-template {chat_template}: no such file; give a Jinja chat template file") from None
+    return sorted({*files, CHAT_TEMPLATE})

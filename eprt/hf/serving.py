@@ -9,6 +9,7 @@ inputs: it loads and runs, slower and without the activation format the recipe c
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ GPUS = {
     "hopper": ("H100", "H200", "H800", "H20", "GH200"),
     "blackwell": ("B200", "B300", "GB200", "GB300", "B100", "RTX PRO 6000", "RTX 5090"),
 }
+# the memory of one GPU of each generation, in GB (10^9 bytes), for how many the weights need
+GPU_MEMORY_GB = {"ampere": ("A100", 80), "ada": ("L40S", 48), "hopper": ("H200", 141), "blackwell": ("B200", 180)}
 ENGINES = ("vllm", "sglang", "tensorrt-llm")
 MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
 
@@ -199,3 +202,27 @@ def describe_gpus(formats: list[str]) -> str:
     if weight_only:
         text += f"; {', '.join(g.capitalize() for g in weight_only)} through weight-only kernels"
     return text
+
+
+def gpus_needed(weight_bytes: int, formats: list[str]) -> list[tuple[str, int, int]]:
+    """(GPU, its GB, how many) of each generation that serves `formats` natively, oldest first: as
+    many as hold `weight_bytes` of weights with a fifth of their memory left for the KV cache and
+    activations, rounded up to a power of two (the tensor-parallel degrees engines take)."""
+    native, _ = runs_on(formats)
+    needs = []
+    for g in native:
+        gpu, gb = GPU_MEMORY_GB[g]
+        count = max(1, math.ceil(weight_bytes / (0.8 * gb * 1e9)))
+        needs.append((gpu, gb, 1 << (count - 1).bit_length()))
+    return needs
+
+
+def list_recipes() -> str:
+    """Each shipped recipe, its formats and the GPUs that run it (`--list-recipes`)."""
+    from eprt.quant.recipe import available, load_recipe
+
+    rows = []
+    for name in available():
+        formats = load_recipe(name).formats
+        rows.append(f"  {name:<34} {', '.join(formats):<16} {describe_gpus(formats)}")
+    return "recipes (--recipe NAME; or a YAML file of your own):\n" + "\n".join(rows)
