@@ -103,6 +103,7 @@ class Run:
             code = self.calibrate(ptq_argv)
             if code:
                 return code
+            say_data_used(self.path("calibrated"))
             export_hf(
                 self.path("calibrated"),
                 a.out,
@@ -199,6 +200,22 @@ class Run:
                 f"{self.a.out} was written but fails its check against {self.a.hf_dir} (a bug in eprt):\n  "
                 + "\n  ".join(problems)
             )
+
+
+def say_data_used(calibrated: str) -> None:
+    """One line per calibration source: the documents it gave, and how many were cut short or repeated."""
+    with Checkpoint(calibrated) as ck:
+        sources = ck.quantization["calibration"].get("sources", [])
+    for s in sources:
+        docs = "token ids" if s["documents"] is None else f"{s['documents']} documents ({s['truncated']} cut short)"
+        logger().info(
+            "calibration data %s: %s, %d tokens for %d sequences%s",
+            s["path"],
+            docs,
+            s["tokens"],
+            s["sequences"],
+            "; it repeats from its start to fill them" if s["repeated"] else "",
+        )
 
 
 def write_data_free(
