@@ -5,6 +5,7 @@ it stopped, and `--target` picks or refuses the recipe."""
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -62,6 +63,9 @@ def test_one_command_makes_a_checked_carded_export_that_transformers_runs(source
     assert not os.path.exists(f"{out}.work")  # the steps' outputs are gone once OUT is written
     assert open(os.path.join(out, "chat_template.jinja")).read() == TEMPLATE
     assert "<|user|>question 0" in caplog.text  # the first sample, as the template rendered it
+    assert re.search(
+        r"calibration data .*chats.jsonl: 7 documents \(1 cut short\), 96 tokens for 4 sequences", caplog.text
+    )
     card = open(os.path.join(out, "README.md")).read()
     assert "recipe `fp8`" in card and "compressed-tensors layout" in card and "vllm serve $MODEL" in card
     assert check_export(out, hf) == []

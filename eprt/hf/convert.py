@@ -533,16 +533,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
             w.write(p.spec.name, cast_finite(f.path, s, t, p.dtype))
         pb.update(p.dtype.itemsize * math.prod(info.shape))
     rows = (0, p.spec.shape[0] if p.spec.shape else 0)
-    return TensorMeta(
-        p.spec.name,
-        p.dtype,
-        p.spec.shape,
-        encodings.RAW,
-        p.role,
-        (Part(fname, p.spec.name, rows),),
-        p.source_dtype,
-        fused_source=p.spec.sources[0] if p.fused or renamed(p.spec) else None,
-    )
+    return meta_of(p, parts=(Part(fname, p.spec.name, rows),))
 
 
 def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -> TensorMeta:
@@ -554,6 +545,16 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
             w.copy_range(key, f, info.start, info.nbytes)
             pb.update(info.nbytes)
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
+    return meta_of(p, components=components)
+
+
+def meta_of(p: Planned, parts: tuple[Part, ...] = (), components: dict[str, Component] | None = None) -> TensorMeta:
+    """`p`'s manifest entry, its bytes where `parts` say (a raw tensor) or its `components` (an encoded one)."""
+    fused = p.spec.sources[0] if p.fused or renamed(p.spec) else None
+    if not p.encoded:
+        return TensorMeta(
+            p.spec.name, p.dtype, p.spec.shape, encodings.RAW, p.role, parts, p.source_dtype, fused_source=fused
+        )
     first = p.encoded[0]
     return TensorMeta(
         p.spec.name,
@@ -566,7 +567,7 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
         first.scheme,
         p.spec.per_row if p.spec.stacked else None,
         components,
-        fused_source=p.spec.sources[0] if renamed(p.spec) else None,
+        fused_source=fused,
     )
 
 
@@ -595,36 +596,13 @@ def referenced(src: HFSource, p: Planned) -> TensorMeta:
             for j, s in enumerate(sources)
         )
 
-    fused = p.spec.sources[0] if p.fused or renamed(p.spec) else None
     if not p.encoded:
-        return TensorMeta(
-            p.spec.name,
-            p.dtype,
-            p.spec.shape,
-            encodings.RAW,
-            p.role,
-            parts(list(p.spec.sources), p.spec.shape, p.spec.stacked),
-            p.source_dtype,
-            fused_source=fused,
-        )
+        return meta_of(p, parts=parts(list(p.spec.sources), p.spec.shape, p.spec.stacked))
     components = {
         c: Component(dt, stored, shape, parts([e.components[c] for e in p.encoded], stored, p.spec.stacked))
         for (c, (dt, shape)), (_, _, stored) in zip(p.components.items(), p.stored())
     }
-    first = p.encoded[0]
-    return TensorMeta(
-        p.spec.name,
-        p.dtype,
-        p.spec.shape,
-        first.encoding,
-        p.role,
-        (),
-        p.source_dtype,
-        first.scheme,
-        p.spec.per_row if p.spec.stacked else None,
-        components,
-        fused_source=p.spec.sources[0] if renamed(p.spec) else None,
-    )
+    return meta_of(p, components=components)
 
 
 def renamed(spec: TensorSpec) -> bool:
