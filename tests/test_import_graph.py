@@ -26,7 +26,7 @@ LAYERS = (
     ("kernels", ("eprt.kernels",)),
     ("parallel", ("eprt.parallel",)),
     ("models", ("eprt.models",)),
-    ("quant", ("eprt.quant", "eprt.data")),
+    ("quant", ("eprt.quant", "eprt.data", "eprt.samples")),
     ("hf", ("eprt.hf",)),  # the Hugging Face border: convert in, export out, checks
     ("testing", ("eprt.testing",)),  # fixtures the demo, eprt-make-tiny and the tests share
     ("commands", ("eprt.commands", "eprt.cli", "eprt.ptq")),

@@ -30,6 +30,12 @@ CALIBRATION = {
         "for a model above 1B parameters, whose scales it would set from 1,135 tokens)",
     ),
     "--calib-column": ("NAME", "the column of every --calib source to read (default: text, else messages)"),
+    "--calib-rows": (
+        "pack|truncate|pad",
+        "how documents make sequences: end to end, or one a sequence cut at --seq-len (shorter ones skipped, or "
+        "padded) (default pack)",
+    ),
+    "--seed": ("N", "take the documents in an order shuffled by this seed (default: the file's order)"),
     "--calib-size": ("N", "calibration sequences, over all ranks (default 64)"),
     "--seq-len": ("N", "tokens per calibration sequence (default 256)"),
     "--eval-size": ("N", "held-out sequences of the quality report; 0: no report (default 8)"),

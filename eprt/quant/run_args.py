@@ -15,6 +15,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.gptq_layer import DEFAULT_MIN_TOKENS
 from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.recipe import ALGORITHMS
+from eprt.samples import ROWS
 from eprt.units import parse_size
 
 # `--dtype`: the dtype the model runs in
@@ -73,6 +74,13 @@ class PTQArgs:
         help="the column (JSONL field) of every --calib source to read (default: text, "
         "else messages, rendered with the checkpoint's chat template)"
     )
+    calib_rows: str = flag(
+        "pack",
+        choices=ROWS,
+        help="how documents make sequences: pack (end to end), truncate (one a sequence, cut at --seq-len, "
+        "shorter ones skipped) or pad (one a sequence, a shorter one padded) (default pack)",
+    )
+    seed: int | None = flag(help="take each --calib source's documents in an order shuffled by this seed")
     calib_size: int = flag(64, help="calibration sequences, over all ranks")
     seq_len: int = flag(256, help="tokens per calibration sequence")
     eval_size: int = flag(
@@ -136,6 +144,8 @@ CALIBRATION_SETTINGS = (
     "ep",
     "calib",
     "calib_column",
+    "calib_rows",
+    "seed",
     "calib_size",
     "seq_len",
     "eval_size",

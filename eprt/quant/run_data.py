@@ -6,6 +6,7 @@ from __future__ import annotations
 from eprt.data import Calibration, calibration_samples, check_sources, read_calibration
 from eprt.errors import ConfigError
 from eprt.quant.run_args import PTQArgs
+from eprt.samples import read_rows
 
 
 def check_data_settings(a: PTQArgs) -> None:
@@ -30,15 +31,17 @@ def report_data(a: PTQArgs, hf_dir: str, vocab_size: int) -> Calibration:
     """The calibration sequences, the quality report's held-out ones (None with --eval-size 0) and
     what each source gave: the last --eval-size of calib_size + eval_size sequences of the data
     (of each source, its share), or --eval-size of --eval FILE."""
-    data = read_calibration(
-        a.calib,
-        hf_dir,
+    sizes = dict(
         num_samples=a.calib_size,
         held_out=a.eval_size if a.eval is None else 0,
         seq_len=a.seq_len,
         vocab_size=vocab_size,
         column=a.calib_column,
     )
+    if a.calib_rows == "pack" and a.seed is None:
+        data = read_calibration(a.calib, hf_dir, **sizes)
+    else:  # one document a sequence, or shuffled (eprt.samples)
+        data = read_rows(a.calib, hf_dir, rows=a.calib_rows, seed=a.seed, **sizes)
     if a.eval_size and a.eval is not None:
         data = data._replace(
             held_out=calibration_samples(
