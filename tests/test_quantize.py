@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from eprt.commands import quantize_run
+from eprt.commands.ptq import ptq
 from eprt.commands.quantize import CALIBRATION, RANKS, quantize
 from eprt.errors import ConfigError, OutputExistsError
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
 from eprt.quant.formats import weight_format
 from eprt.quant.run_args import PTQArgs
 from eprt.testing.tiny import make_tiny
@@ -184,3 +186,10 @@ def test_help_and_version_answer_without_torch(command):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
     assert r.returncode == 0, r.stderr
     assert "--version" in r.stdout and "Documentation: https://" in r.stdout and "docs/" not in r.stdout
+
+
+def test_the_plan_says_which_gpus_serve_the_export(source, tmp_path, capsys):
+    hf, _, _ = source
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=True)
+    assert ptq([ck, "--dry-run", "--recipe", "nvfp4_experts_fp8_attention"]) == 0
+    assert "its export serves on: Blackwell (B200" in capsys.readouterr().out

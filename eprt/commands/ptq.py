@@ -21,7 +21,7 @@ from eprt.commands.launch import Stopped, launch
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
 from eprt.hf.export_plan import plan_export
-from eprt.hf.serving import list_recipes
+from eprt.hf.serving import describe_gpus, list_recipes
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
@@ -183,6 +183,8 @@ def dry_run(
     if state.rank == 0:
         print(layout_table(state, ck, dtype, device, ranks))
         print(f"\nmemory plan on {device.type}: rank 0 {plan.summary()}")
+        if recipe is not None:
+            print(f"its export serves on: {describe_gpus(recipe.formats)}")
     if not a.estimate_time:
         return
     if not here:
@@ -214,7 +216,8 @@ def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targ
         f"calibration data is read and no layer runs; rank 0 writes the output (the recipe and the pins of the "
         f"base's weight files), the other ranks wait for it\n"
         f"\nmemory plan of its export (eprt-export OUT HF_OUT), which quantizes each weight as it writes it, one "
-        f"tensor resident at a time: {plan.summary()}"
+        f"tensor resident at a time: {plan.summary()}\n"
+        f"its export serves on: {describe_gpus(recipe.formats)}"
     )
 
 

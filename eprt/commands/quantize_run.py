@@ -91,10 +91,20 @@ class Run:
         ptq_argv = [ckpt, "--recipe", self.recipe, "--out", self.path("calibrated"), *self.ptq_args]
         pa, _ = parse_args(ptq_argv)
         with Checkpoint(ckpt) as ck:
-            recipe, _ = plan_recipe(
+            recipe, targets = plan_recipe(
                 ResolvedCheckpoint.of(ck, RUN_DTYPES[pa.dtype]), self.recipe, pa.kv_cache, pa.algorithm
             )
             free = data_free(recipe, pa)
+            layout = a.format or holding_layout(recipe.formats)
+            logger().info(
+                "plan: recipe %s (%s) on %d modules, %s; the %s layout; serves on %s",
+                recipe.name,
+                ", ".join(recipe.formats),
+                len(targets),
+                "without data (no statistic to take)" if free else f"calibrated on {a.nproc_per_node or 1} rank(s)",
+                layout,
+                describe_gpus(recipe.formats),
+            )
             if not free:
                 self.check_data(ck)
         if free:
@@ -113,7 +123,6 @@ class Run:
                 progress=not quiet(),
             )
         self.check()
-        layout = a.format or holding_layout(recipe.formats)
         print(summary(a.out, a.hf_dir, recipe, layout, "auto_map" in ck.source_config))
         shutil.rmtree(self.work)
         return 0
