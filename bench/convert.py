@@ -1,9 +1,12 @@
-"""Conversion throughput against a plain fsynced copy of the same files, and peak memory against the largest layer.
+"""Conversion throughput against a plain fsynced copy of the same files, and peak memory against the largest layer;
+conversion by reference (`--reference`: no weight copied) against reading the source's headers.
 
     python bench/convert.py [--experts 64] [--hidden 1024] [--width 512] [--layers 4] [--repeat 2]
 
-Both runs read the same source files and write the same number of bytes to the same disk,
-each file fsynced; each runs in its own process, so its peak RSS is its own.
+The copy and the conversion read the same source files and write the same number of bytes to the
+same disk, each file fsynced; each runs in its own process, so its peak RSS is its own. The
+conversion by reference writes its manifest (and the source's small files) only; its time is
+set beside opening the source (`eprt.hf.source.HFSource`: every header read and checked).
 """
 
 import argparse
@@ -40,6 +43,14 @@ import json, sys
 from eprt.testing.tiny import make_tiny
 make_tiny("qwen3_moe", sys.argv[1], shards=4, **json.loads(sys.argv[2]))
 """
+REFERENCE = CONVERT.replace("progress=False)", "progress=False, reference=True)")
+HEADERS = """
+import sys, time
+from eprt.hf.source import HFSource
+t = time.perf_counter()
+HFSource(sys.argv[1]).close()
+print(time.perf_counter() - t)
+"""
 IMPORTS = "import time; from eprt.hf.convert import convert_hf; print(0.0)"
 
 
@@ -51,6 +62,10 @@ def run(code: str, *args: str) -> tuple[float, int]:
     if status:
         raise SystemExit(f"child failed: {code[:40]}...")
     return float(out.split()[-1]), usage.ru_maxrss * 1024
+
+
+def tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
 
 
 def main() -> None:
@@ -81,10 +96,11 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", MAKE, src, json.dumps(overrides)], cwd=ROOT, check=True)
         size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
         _, base_rss = run(IMPORTS)
-        best = {"copy": float("inf"), "convert": float("inf")}
+        best = {"copy": float("inf"), "convert": float("inf"), "reference": float("inf"), "headers": float("inf")}
         peak = 0
         for _ in range(a.repeat):
-            for kind, code in (("copy", COPY), ("convert", CONVERT)):
+            kinds = (("copy", COPY), ("convert", CONVERT), ("reference", REFERENCE), ("headers", HEADERS))
+            for kind, code in kinds:
                 out = os.path.join(work, kind)
                 shutil.rmtree(out, ignore_errors=True)
                 secs, rss = run(code, src, out)
@@ -104,6 +120,11 @@ def main() -> None:
             "convert_peak_rss_MB": round(peak / mb, 1),
             "convert_peak_above_imports_MB": round((peak - base_rss) / mb, 1),
             "aim_peak_MB (2 x largest layer + 300)": round((2 * largest + 300e6) / mb, 1),
+            "reference_s": round(best["reference"], 4),
+            "headers_s": round(best["headers"], 4),
+            "ratio_reference_over_headers": round(best["reference"] / best["headers"], 2),
+            "ratio_reference_over_convert": round(best["reference"] / best["convert"], 4),
+            "reference_written_MB": round(tree_bytes(os.path.join(work, "reference")) / mb, 3),
         }
         print(json.dumps(report, indent=1))
     finally:
