@@ -95,7 +95,8 @@ MIXED = {
 INPUT_DIM_RULE = "is not a multiple of"  # eprt.quant.feasibility's refusal of a format's blocks
 RECIPES_DIR = os.path.join(REPO, "eprt", "configs", "ptq")
 ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
-EXPORTS = {"modelopt": {}, "compressed-tensors": {"fmt": "compressed-tensors"}}
+# each layout asked for by name: without --format an export takes the layout that holds its recipe
+EXPORTS = {"modelopt": {"fmt": "modelopt"}, "compressed-tensors": {"fmt": "compressed-tensors"}}
 AUTO = "auto:"  # a recipe auto:BITS is the format search at that budget
 RANK_TIMEOUT_S = 300  # a rank's wait on the others in one calibration; a world's, per case
 
