@@ -106,3 +106,13 @@ def test_a_target_refuses_what_its_gpus_do_not_run_and_warns_of_weight_only_kern
     assert check_target(["nvfp4", "fp8"], "B200", "nvfp4_experts_fp8_attention") is None
     with pytest.raises(ConfigError, match="--target 'V100': not a GPU generation"):
         generation_of("V100")
+
+
+def test_the_card_names_the_hub_model_a_cache_snapshot_holds(tmp_path):
+    snapshot = tmp_path / "hub" / "models--tiny-org--Tiny-MoE" / "snapshots" / "0123abcd"
+    hf = make_tiny("qwen3_moe", str(snapshot))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=True)
+    out = export_hf(ck, str(tmp_path / "out"), recipe="fp8_block", progress=False)
+    card = open(os.path.join(out, "README.md")).read()
+    assert card.startswith("---\nbase_model: tiny-org/Tiny-MoE\n")
+    assert "No quality report" in card  # a data-free export
