@@ -146,3 +146,14 @@ def describe(rows: str, seq_len: int, taken: Taken) -> str:
     if rows == "truncate":
         return f"one a sequence, cut at {seq_len} tokens ({taken.truncated} cut, {taken.skipped} shorter skipped)"
     return f"one a sequence, cut at {seq_len} tokens or padded to it ({taken.truncated} cut)"
+
+
+def first_sample(calib: Sequence[str], hf_dir: str, column: str | None = None, chars: int = 400) -> str | None:
+    """The first `chars` characters of the first --calib source's first document as the model reads
+    it (a conversation rendered by its chat template, refused here where it has none); None for
+    token ids."""
+    path = check_sources(list(calib))[0].path
+    if path.endswith(TOKEN_ID_FILES):
+        return None
+    first = next(documents(path, hf_dir, column), None)
+    return None if first is None else first(chars)

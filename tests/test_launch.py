@@ -1,6 +1,7 @@
 """`eprt-ptq --nproc-per-node N`: the ranks start through torch's elastic launcher, and a failed run
 ends with one line naming the first failing rank, how it ended and why, with no launcher traceback."""
 
+import json
 import os
 import signal
 import subprocess
@@ -132,3 +133,23 @@ def test_a_launched_rank_does_not_launch_again(ckpt, tmp_path):
         "error (rank 0 of 2): --nproc-per-node starts the ranks itself, but this process is "
         "already rank 0 of a launched run: leave --nproc-per-node out under torchrun or srun"
     )
+
+
+def test_chat_data_without_a_chat_template_is_refused_before_the_ranks_start(tmp_path):
+    hf = make_tiny("qwen3_moe", str(tmp_path / "hf"))
+    config = json.load(open(os.path.join(hf, "tokenizer_config.json")))
+    del config["chat_template"]
+    json.dump(config, open(os.path.join(hf, "tokenizer_config.json"), "w"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=True)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    r = subprocess.run(
+        [*PTQ, ck, "--recipe", "nvfp4", "--out", str(tmp_path / "q"), "--calib", str(chats)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "chat template" in line, line

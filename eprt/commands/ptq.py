@@ -34,6 +34,7 @@ from eprt.quant.recipe import Recipe
 from eprt.quant.run_args import RUN_DTYPES, PTQArgs
 from eprt.quant.run_data import check_data_settings
 from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
+from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
@@ -103,7 +104,7 @@ def ptq(argv: list[str] | None = None) -> int:
 def check_before_launch(a: PTQArgs, nproc: int) -> None:
     """What every rank would refuse from the arguments and the manifest alone, refused here before
     any rank starts: the ep degree, the checkpoint, the recipe against the model (an INT4 Linear's
-    dims), the output, the data's files and settings."""
+    dims), the output, the data's files and settings, chat data without a chat template."""
     if a.ep is not None:
         check_ep(nproc, a.ep)
     with Checkpoint(a.ckpt) as ck:
@@ -115,7 +116,9 @@ def check_before_launch(a: PTQArgs, nproc: int) -> None:
             plan_recipe(ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype]), a.recipe, a.kv_cache, a.algorithm)
         if a.out and not a.dry_run:
             check_output_dir(a.out, a.overwrite, ck.input_dirs())
-    check_data_settings(a)
+        check_data_settings(a)
+        if a.calib and not a.dry_run:
+            first_sample(a.calib, ck.hf_files_dir(), a.calib_column)  # a chat without a template, refused now
 
 
 def without_nproc(argv: list[str]) -> list[str]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from eprt.commands.launch import launched_rank
 from eprt.commands.ptq import parse_args, ptq
-from eprt.data import check_sources, documents
+from eprt.data import check_sources
 from eprt.errors import ConfigError, EprtError
 from eprt.families import load_hf_config
 from eprt.hf.check_export import check_export
@@ -37,6 +37,7 @@ from eprt.quant.datafree import data_free
 from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run_args import RUN_DTYPES
 from eprt.quant.run_plan import plan_recipe
+from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.hf_files import CARD
@@ -183,13 +184,9 @@ class Run:
             return
         if not calib:
             return
-        path = check_sources(calib)[0].path
-        if path.endswith((".npy", ".safetensors")):
-            return
-        first = next(documents(path, ck.hf_files_dir(), self.a.calib_column), None)
-        if first is not None:
-            text = first(FIRST_SAMPLE_CHARS)
-            logger().info("first calibration sample of %s, as the model reads it:\n%s%s", path, text, " [...]")
+        text = first_sample(calib, ck.hf_files_dir(), self.a.calib_column, FIRST_SAMPLE_CHARS)
+        if text is not None:
+            logger().info("first calibration sample of %s, as the model reads it:\n%s [...]", calib[0], text)
 
     def calibrate(self, ptq_argv: list[str]) -> int:
         """The calibrated checkpoint (done once; a killed calibration resumes after its last layer)."""
