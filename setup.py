@@ -8,9 +8,11 @@ setup(
     name="eprt",
     version=VERSION,
     description="Expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs",
-    packages=find_packages(include=["eprt", "eprt.*"]),
+    # docs/ ships inside the package as eprt.docs, so that `eprt-docs` reads the pages of any install
+    packages=find_packages(include=["eprt", "eprt.*"]) + ["eprt.docs"],
+    package_dir={"eprt.docs": "docs"},
     # the built-in calibration text, the PTQ recipes and the tiny models' configs and tokenizer
-    package_data={"eprt": ["assets/*.txt", "configs/ptq/*.yaml", "configs/tiny/*.json"]},
+    package_data={"eprt": ["assets/*.txt", "configs/ptq/*.yaml", "configs/tiny/*.json"], "eprt.docs": ["*.md"]},
     entry_points={
         "console_scripts": [
             "eprt-convert = eprt.commands.convert:main",
@@ -19,6 +21,7 @@ setup(
             "eprt-check = eprt.commands.check:main",
             "eprt-make-tiny = eprt.commands.make_tiny:main",
             "eprt-report = eprt.commands.report:main",
+            "eprt-docs = eprt.commands.docs:main",
             "eprt-quantize = eprt.commands.quantize:main",
         ],
     },

@@ -1,8 +1,6 @@
 """eprt: an expert-parallel runtime for post-training quantization of Mixture-of-Experts LLMs."""
 
 __version__ = "0.1.0"
-# where the documentation of docs/ is published: what commands and model cards point users at
-DOCS_URL = "https://eprt.readthedocs.io/en/latest"
 
 
 def __getattr__(name: str):

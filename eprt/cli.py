@@ -41,7 +41,7 @@ USER_OS_ERRORS = {
 
 # what a command's help names in the repository, as an installed eprt's user finds it
 PUBLISHED = (
-    (re.compile(r"docs/([\w-]+)\.md"), eprt.DOCS_URL + r"/\1/"),
+    (re.compile(r"docs/([\w-]+)\.md"), r"`eprt-docs \1`"),
     (re.compile(r"eprt/configs/ptq"), "the shipped recipes (eprt-quantize --list-recipes)"),
     (re.compile(r"\s*\(or python tools/[\w.]+\)"), ""),
 )
@@ -71,7 +71,10 @@ def command_parser(doc: str, page: str, prog: str | None = None) -> argparse.Arg
     """A command's parser: its docstring as the description, defaults shown, `--version`, and the
     published docs `page` it is described on."""
     ap = argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=HelpFormatter, epilog=f"Documentation: {eprt.DOCS_URL}/{page}/"
+        prog=prog,
+        description=doc,
+        formatter_class=HelpFormatter,
+        epilog=f"Documentation: eprt-docs {page} (the pages ship with eprt; eprt-docs lists them)",
     )
     ap.add_argument("--version", action="version", version=f"eprt {eprt.__version__}")
     return ap

@@ -39,6 +39,7 @@ def installed_venv(tmp_path) -> str:
     src.mkdir()
     shutil.copy(os.path.join(ROOT, "setup.py"), src)
     shutil.copytree(os.path.join(ROOT, "eprt"), src / "eprt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "docs"), src / "docs")
     env = clean_env()
     subprocess.run(
         [
@@ -131,6 +132,13 @@ def test_console_scripts_of_a_wheel_run_the_pipeline_from_anywhere(tmp_path):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     # the wheel ships every recipe of the source tree
     assert refused.stderr.startswith(f"error: --recipe 'int3': no such recipe; choose one of {', '.join(available())} ")
+
+    # the wheel ships every page of docs/, which eprt-docs lists and prints as written
+    pages = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
+    assert [line.split()[0] for line in sh("eprt-docs").stdout.splitlines()] == pages
+    with open(os.path.join(ROOT, "docs", "quickstart.md"), encoding="utf-8") as f:
+        assert sh("eprt-docs", "quickstart").stdout == f.read()
+    assert "eprt-docs export" in sh("eprt-export", "--help").stdout
 
     # the same pipeline by the source tree's code, in this process: the same bytes
     hf = make_tiny("qwen3_moe", str(tmp_path / "hf"))

@@ -103,7 +103,7 @@ def model_card(
         "```",
         "",
         *quality_section(quality, ck.quantization),
-        f"Made with eprt: {eprt.DOCS_URL}/quickstart/.",
+        f"Made with eprt {eprt.__version__} (its guide to serving: `eprt-docs quickstart`).",
         "",
     ]
     return "\n".join(front + lines)
