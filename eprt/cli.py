@@ -20,6 +20,7 @@ from typing import Callable, TypeVar
 
 from eprt.errors import EprtError
 from eprt.progress import configure_logging
+from eprt.storage.atomic import write_file
 
 T = TypeVar("T")
 
@@ -76,9 +77,8 @@ def file_verdict(message: str) -> None:
         return
     now = time.time()
     try:
-        with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(now), "eprt_time": now}, f)
-    except OSError:  # the verdict is also on stderr; a launcher without it says how the rank ended
+        write_file(path, json.dumps({"message": message, "timestamp": int(now), "eprt_time": now}))
+    except (OSError, EprtError):  # the verdict is also on stderr; a launcher without it says how the rank ended
         pass
 
 

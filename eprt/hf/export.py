@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -28,7 +27,7 @@ from eprt.progress import bar, logger
 from eprt.quant.datafree import data_free_recipe
 from eprt.report import page_path
 from eprt.storage import encodings
-from eprt.storage.atomic import copy_files
+from eprt.storage.atomic import copy_file, copy_files
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.hf_files import CONFIG, QUALITY, QUALITY_PAGE, QUANT_CONFIG, shard_name, write_index, write_json
 from eprt.storage.paths import resolve_inside
@@ -239,7 +238,7 @@ def write_configs(ck: Checkpoint, exp: QuantizedExport | None, tmp: str, dequant
     report = (ck.quantization or {}).get("quality")
     if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
         src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
-        shutil.copyfile(src, os.path.join(tmp, QUALITY))
+        copy_file(src, os.path.join(tmp, QUALITY))
         if os.path.isfile(os.path.join(ck.path, page_path(report))):  # its page, where the run wrote one
             page = resolve_inside(ck.path, page_path(report), f"{ck.path} (the quality report's page)")
-            shutil.copyfile(page, os.path.join(tmp, QUALITY_PAGE))
+            copy_file(page, os.path.join(tmp, QUALITY_PAGE))

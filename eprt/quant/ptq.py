@@ -56,7 +56,7 @@ from eprt.quant.run_data import check_data_settings, describe_calib, report_data
 from eprt.quant.run_plan import open_unquantized, plan_recipe, plan_run, run_shape
 from eprt.quant.sequences import own_sequences
 from eprt.quant.workdir import WorkDir, check_work_dir
-from eprt.storage.atomic import naming_refused_writes
+from eprt.storage.atomic import naming_refused_writes, write_file
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.units import format_bytes
 
@@ -234,8 +234,7 @@ def run_calibration(
             with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
                 write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results, folds)
                 if search is not None and state.rank == 0:
-                    with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
-                        f.write(search.recipe_yaml)
+                    write_file(os.path.join(tmp, RECIPE_FILE), search.recipe_yaml)
 
         write_together(
             state,
@@ -263,8 +262,7 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
     search = search_formats(state, a, ck)
     with tempfile.TemporaryDirectory() as d:  # each rank reads its own copy of the same recipe
         path = os.path.join(d, RECIPE_FILE)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(search.recipe_yaml)
+        write_file(path, search.recipe_yaml)
         return run_calibration(state, replace(a, recipe=path, auto_quantize=None), on_weight, search=search)
 
 

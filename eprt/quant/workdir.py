@@ -37,16 +37,18 @@ from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.fingerprint import differences, saved_fingerprint
 from eprt.quant.sequences import LayerState
-from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs
+from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs, replacing, write_file
 from eprt.storage.paths import within
 from eprt.storage.safetensors_io import save_tensors
 
 MARKER = ".eprt-work-dir.json"
+WORK_DISK = "give a --work-dir on another disk (it holds one layer's hidden states)"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
 GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
 AWQ_FILE = re.compile(r"awq-(\d{5})\.safetensors")  # AWQ's folds a layer gained: MODULE.KIND -> s
-PARTIAL_FILE = re.compile(r"(layer|gptq|awq)-\d{5}\.safetensors\.partial")
+# a work file being written (eprt.storage.atomic.replacing)
+PARTIAL_FILE = re.compile(r"\.(layer|gptq|awq)-\d{5}\.safetensors\.partial-\d+-[0-9a-f]+")
 
 
 def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
@@ -102,10 +104,8 @@ class WorkDir:
         created = not os.path.isdir(self.path)
         with self.refused_writes(marker):
             os.makedirs(self.path, exist_ok=True)
-            with open(marker, "w") as f:
-                json.dump({"eprt": "work directory", "created": created}, f)
-            fsync_path(marker)
-            fsync_path(self.path)
+            marked = json.dumps({"eprt": "work directory", "created": created})
+            write_file(marker, marked, f"the work directory {self.path}", WORK_DISK)
             fsync_path(os.path.dirname(self.path))
 
     def check_shared(self) -> None:
@@ -120,7 +120,7 @@ class WorkDir:
         return naming_refused_writes(
             path,
             f"the work directory {self.path}",
-            "give a --work-dir on another disk (it holds one layer's hidden states)",
+            WORK_DISK,
         )
 
     def _rank_dirs(self) -> list[str]:
@@ -189,12 +189,9 @@ class WorkDir:
                 os.remove(self._file(old))
 
     def _write(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-        tmp = path + ".partial"
-        with self.refused_writes(tmp):
+        # durable before it takes its name (eprt.storage.atomic): a crash leaves the old or the new
+        with replacing(path, f"the work directory {self.path}", WORK_DISK) as tmp:
             save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
-            fsync_path(tmp)  # durable before it takes its name: a crash leaves the old or the new
-            os.replace(tmp, path)
-            fsync_path(self.mine)
 
     def _read(self, path: str, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A saved file's tensors and metadata, refused when another run saved it or it is damaged."""

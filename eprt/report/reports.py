@@ -11,6 +11,7 @@ import os
 
 from eprt.errors import ConfigError
 from eprt.report.page import render
+from eprt.storage.atomic import write_file
 from eprt.storage.bounded import read_json_object
 from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY
@@ -101,9 +102,6 @@ def page_path(json_path: str) -> str:
 
 
 def write_page(path: str, reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
-    """Write the page of `reports` to `path` whole or not at all (a temp file renamed); returns `path`."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render(reports, draw))
-    os.replace(tmp, path)
+    """Write the page of `reports` to `path` whole or not at all (eprt.storage.atomic); returns `path`."""
+    write_file(path, render(reports, draw), "the report's page", "name another page with --out")
     return path
