@@ -201,7 +201,7 @@ def test_eprt_report_refusals(runs, tmp_path, monkeypatch, capsys):
     assert code == 2 and "several EXPORTs: name the comparison page with --out" in out
     (tmp_path / "bad.json").write_text(json.dumps({"kl_mean": 0.1}))
     code, out = eprt_report(monkeypatch, capsys, tmp_path / "bad.json")
-    assert code == 2 and "bad.json: kl_p99 is missing or not a float: not an eprt quality report" in out
+    assert code == 2 and "bad.json: eval is missing: not an eprt quality report" in out
     code, out = eprt_report(monkeypatch, capsys, tmp_path)
     assert code == 2 and f"{tmp_path}: holds no quality report" in out
     code, out = eprt_report(monkeypatch, capsys, tmp_path / "missing")

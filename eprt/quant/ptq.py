@@ -226,6 +226,7 @@ def run_calibration(
                 starved_experts(coverage, summary),
                 {"prompt": a.preview, "before": before, "after": text} if preview else None,
             )
+            quality["model"] = model_identity(ck, identity)
             if search is not None:
                 quality["auto_quantize"] = {**search.summary, "measured_kl": quality["kl_mean"]}
         results = gptq.results if gptq is not None else None
@@ -264,6 +265,18 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
         path = os.path.join(d, RECIPE_FILE)
         write_file(path, search.recipe_yaml)
         return run_calibration(state, replace(a, recipe=path, auto_quantize=None), on_weight, search=search)
+
+
+def model_identity(ck: Checkpoint, identity: dict) -> dict:
+    """The model a report measured (eprt.report says when runs compared are of different models):
+    its type, its base's manifest digest, which tells two models apart, and the source's own name
+    where its config.json gives one (a directory's name would differ between two copies)."""
+    name = ck.source_config.get("_name_or_path")
+    return {
+        "model_type": ck.config.model_type,
+        "manifest_sha256": identity["base"]["manifest_sha256"],
+        **({"name": name} if isinstance(name, str) and name else {}),
+    }
 
 
 def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:
