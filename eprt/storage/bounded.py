@@ -50,7 +50,7 @@ def read_bounded(path: str, most: int, way_out: str, error: type[EprtError] = Co
     with open_regular(path, way_out, error) as f:
         data = f.read(most + 1)
     if len(data) > most:
-        raise error(f"{path}: larger than {format_bytes(most)}, more than such a file ever holds; {way_out}")
+        raise error(f"{path}: larger than {format_bytes(most)}, the most eprt reads of such a file; {way_out}")
     return data
 
 

@@ -139,7 +139,9 @@ def test_a_ragged_token_map_is_refused(quality_report, tmp_path, monkeypatch, ca
 
 def test_an_oversized_report_is_refused_unread(quality_report, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reports_module, "MAX_REPORT_BYTES", 1024)
-    assert "larger than 1.00 KiB" in refusal(tmp_path, monkeypatch, capsys, quality_report)
+    assert "larger than 1.00 KiB, the most eprt reads of such a file" in refusal(
+        tmp_path, monkeypatch, capsys, quality_report
+    )
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path):
