@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 import time
 from typing import Callable, TypeVar
@@ -53,6 +54,12 @@ def run(main: Callable[[], T]) -> T:
     except Exception as e:  # a bug: its traceback stays, and a launcher learns its one line
         file_verdict(f"{type(e).__name__}: {e} (a bug in eprt; its traceback is above)")
         raise
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (eprt.parallel.liveness.Interrupted): one line, no traceback
+        name = getattr(e, "signal", "SIGINT")
+        message = f"stopped by {name}; nothing was published (a calibration continues with --resume)"
+        print(f"interrupted{_speaker()}: {message}", file=sys.stderr)
+        file_verdict(f"stopped by {name}")
+        sys.exit(128 + getattr(signal, name, signal.SIGINT))
 
 
 def user_os_error(e: BaseException | None) -> str | None:

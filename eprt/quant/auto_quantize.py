@@ -75,7 +75,18 @@ def parse_budget(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:bits?)?\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise ConfigError(f"--auto-quantize {text!r}: give the budget as effective bits per parameter, e.g. 4.8bits")
-    return float(m.group(1))
+    return check_budget(float(m.group(1)))
+
+
+def check_budget(bits: float) -> float:
+    """A budget the search can spend: positive and at most UNQUANTIZED_BITS (more buys nothing; an
+    infinite one would run the whole search and then overflow)."""
+    if not (math.isfinite(bits) and 0 < bits <= UNQUANTIZED_BITS):
+        raise ConfigError(
+            f"--auto-quantize {bits:g}bits: give a budget of bits per parameter above 0 and at most "
+            f"{UNQUANTIZED_BITS} (bf16's), e.g. 4.8bits"
+        )
+    return bits
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:

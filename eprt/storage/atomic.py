@@ -52,7 +52,25 @@ def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) ->
             raise OutputExistsError(f"output {out} exists and is not a directory")
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(f"output {out} exists and is not empty; pass --overwrite to replace it")
+    check_writable(out)
     return out
+
+
+def check_writable(out: str) -> None:
+    """Refuse, before any work, an output the file system will not let this run write: a directory
+    is made and removed where the output's temp directory will be (in its nearest existing parent,
+    as `atomic_output_dir` makes the missing ones)."""
+    parent = os.path.dirname(out)
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    probe = unique_sibling(os.path.join(parent, os.path.basename(out)), "probe")
+    with naming_refused_writes(out, f"the output {out}", "write the output elsewhere"):
+        try:
+            os.mkdir(probe)
+        except OSError as e:
+            e.filename = out  # the user knows the output by its own name
+            raise
+        os.rmdir(probe)
 
 
 def read_dirs(inputs: tuple[str, ...]) -> list[str]:
