@@ -55,6 +55,7 @@ from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, describe_calib, report_data
 from eprt.quant.run_plan import open_unquantized, plan_recipe, plan_run, run_shape
 from eprt.quant.sequences import own_sequences
+from eprt.quant.size import recipe_size
 from eprt.quant.workdir import WorkDir, check_work_dir
 from eprt.storage.atomic import naming_refused_writes, write_file
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
@@ -227,6 +228,7 @@ def run_calibration(
                 {"prompt": a.preview, "before": before, "after": text} if preview else None,
             )
             quality["model"] = model_identity(ck, identity)
+            quality["size"] = recipe_size(rc.layout, recipe, ck.config.num_experts_per_tok, ck.config.num_experts)
             if search is not None:
                 quality["auto_quantize"] = {**search.summary, "measured_kl": quality["kl_mean"]}
         results = gptq.results if gptq is not None else None

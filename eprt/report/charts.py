@@ -101,6 +101,24 @@ def expert_tokens(experts: list[dict]) -> str:
     return _svg_uri(fig)
 
 
+def expert_errors(rows: list[tuple[str, list[float | None]]]) -> str:
+    """Layers x experts heatmap of each routed expert's relative error (module -> errors, None:
+    no held-out token reached it, left blank), beside the token map."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    errors = np.array([[np.nan if e is None else e for e in errs] for _, errs in rows], dtype=float)
+    count, cols = errors.shape
+    fig = Figure(figsize=(min(2 + cols * 0.25, 16), min(1.5 + count * 0.35, 12)))
+    ax = fig.add_subplot()
+    image = ax.imshow(errors, aspect="auto", cmap="magma", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="relative error")
+    every = -(-count // MAX_LABELS)
+    ax.set_yticks(range(0, count, every), [short_module(m) for m, _ in rows[::every]])
+    ax.set_xlabel("expert")
+    return _svg_uri(fig)
+
+
 def short_module(name: str) -> str:
     """`model.layers.3.mlp.experts` -> `layer 3`."""
     m = re.search(r"layers\.(\d+)\.", name)

@@ -84,6 +84,7 @@ RUN_SETTINGS = (
     ("algorithm", lambda r: (r.get("calibration") or {}).get("algorithm", "-")),
     ("calibration data", lambda r: (r.get("calibration") or {}).get("data", "-")),
     ("sequences x length", lambda r: "{samples} x {seq_len}".format(**r["calibration"]) if "calibration" in r else "-"),
+    ("bits per parameter", lambda r: f"{r['size']['bits_per_parameter']:.4g}" if "size" in r else "-"),
 )
 
 
@@ -176,6 +177,13 @@ def experts_section(draw: bool) -> Callable[[int, str, dict], str]:
         out = (
             chart(charts.expert_tokens(experts), f"chart-experts-{i}", "calibration tokens per expert") if draw else ""
         )
+        errors = [(m, errs) for x in r["layers"] for m, errs in x.get("expert_errors", {}).items()]
+        if draw and errors:  # the layer x expert error map beside the token map
+            out = (
+                f'<div class="side"><div>{out}</div><div>'
+                f"{chart(charts.expert_errors(errors), f'chart-expert-errors-{i}', 'relative error per expert')}"
+                "</div></div>"
+            )
         rows = []
         for e in experts:
             if e["unreached"]:
@@ -234,7 +242,24 @@ def recipe_section(_i: int, _label: str, r: dict) -> str:
             f"<p>chosen by --auto-quantize {s['budget_bits']:.4g} bits: {s['effective_bits']:.4g} effective bits per "
             f"active parameter, KL estimated {s['estimated_kl']:.4g}, measured {s['measured_kl']:.4g}</p>"
         )
-    return head + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
+    return head + size_table(r) + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
+
+
+# the size the recipe gives the decoder layers' Linear weights (eprt.quant.size): (row, key)
+SIZE_ROWS = (
+    ("parameters", "linear_parameters"),
+    ("bytes, bf16", "bytes_unquantized"),
+    ("bytes, quantized", "bytes_quantized"),
+    ("bits per parameter", "bits_per_parameter"),
+    ("bits per active parameter", "bits_per_active_parameter"),
+)
+
+
+def size_table(r: dict) -> str:
+    if "size" not in r:
+        return f'<p class="note">size: {NOT_RECORDED}</p>'
+    rows = [[text(name), number(r["size"][key], key)] for name, key in SIZE_ROWS]
+    return table(["decoder Linear weights", ""], rows, cls="size")
 
 
 def data_section(_i: int, _label: str, r: dict) -> str:

@@ -100,6 +100,21 @@ class Items:
 
 
 @dataclass(frozen=True)
+class Named:
+    """An object of at most `most` keys, each a name (Text), each value a `value`."""
+
+    value: Any
+    most: int = 64
+
+    def read(self, value: Any, at: str) -> dict:
+        if not isinstance(value, dict):
+            raise Refused(at, f"is {kind(value)}, not an object")
+        if len(value) > self.most:
+            raise Refused(at, f"holds {len(value)} keys, more than {self.most}")
+        return {Text().read(k, f"{at} (a key)"): self.value.read(v, f"{at}.{k}") for k, v in value.items()}
+
+
+@dataclass(frozen=True)
 class OrNull:
     spec: Any
 
@@ -128,7 +143,10 @@ class Fields:
 
 
 MODULE = Fields({"module": Text(), "relative_error": Number(), "token_share": Number()})
-LAYER = Fields({"layer": Count(MAX_LAYERS), "relative_error": Number(), "top": Items(MODULE, 64)})
+LAYER = Fields(
+    {"layer": Count(MAX_LAYERS), "relative_error": Number(), "top": Items(MODULE, 64)},
+    {"expert_errors": Named(Items(OrNull(Number()), MAX_EXPERTS))},
+)
 EXPERT_IDS = Items(Count(MAX_EXPERTS), MAX_EXPERTS)
 EXPERTS = Fields(
     {
@@ -181,6 +199,15 @@ REPORT = Fields(
         "experts": Items(EXPERTS, MAX_LAYERS),
         "preview": OrNull(Fields({"prompt": Text(MAX_TEXT), "before": Text(MAX_TEXT), "after": Text(MAX_TEXT)})),
         "eval_ids_sha256": Text(64),
+        "size": Fields(
+            {
+                "linear_parameters": Count(),
+                "bytes_unquantized": Count(),
+                "bytes_quantized": Count(),
+                "bits_per_parameter": Number(),
+                "bits_per_active_parameter": Number(),
+            }
+        ),
     },
 )
 
@@ -192,6 +219,9 @@ def read_report_json(value: Any) -> dict:
     cells = sum(len(e["tokens"]) for e in experts)
     if cells > MAX_ROUTED_EXPERTS:
         raise Refused("experts", f"counts {cells} experts in all, more than {MAX_ROUTED_EXPERTS}")
+    measured = sum(len(v) for x in report["layers"] for v in x.get("expert_errors", {}).values())
+    if measured > MAX_ROUTED_EXPERTS:
+        raise Refused("layers", f"measure {measured} experts in all, more than {MAX_ROUTED_EXPERTS}")
     for i, e in enumerate(experts):
         if len(e["tokens"]) != len(experts[0]["tokens"]):  # the token map is one rectangle
             raise Refused(

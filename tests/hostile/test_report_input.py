@@ -176,3 +176,34 @@ def test_the_report_names_its_model(quality_report):
     assert (
         quality_report["model"]["model_type"] == "qwen3_moe" and len(quality_report["model"]["manifest_sha256"]) == 64
     )
+
+
+def test_the_page_shows_each_experts_error_beside_the_token_map_and_the_size(quality_report):
+    pytest.importorskip("matplotlib")
+    page = render([("run", read_report_json(quality_report))])
+    assert 'id="chart-experts-0"' in page and 'id="chart-expert-errors-0"' in page
+    size = quality_report["size"]
+    for key in ("linear_parameters", "bytes_unquantized", "bytes_quantized", "bits_per_parameter"):
+        assert f'data-key="{key}" data-value="{size[key]!r}"' in page
+    # every routed expert of every MoE layer (those the token map shows) has its error: the tiny
+    # model's held-out tokens reach them all
+    errors = {m: v for x in quality_report["layers"] for m, v in x.get("expert_errors", {}).items()}
+    assert list(errors) == [e["module"] for e in quality_report["experts"]]
+    assert all(len(v) == 8 and all(isinstance(x, float) for x in v) for v in errors.values())
+    top = {t["module"]: t["relative_error"] for x in quality_report["layers"] for t in x["top"]}
+    for module, error in top.items():  # the ranked experts' errors are the map's
+        moe, _, expert = module.rpartition(".")
+        layer = int(module.split(".")[2])
+        if moe.endswith("experts"):
+            assert quality_report["layers"][layer]["expert_errors"][moe][int(expert)] == error
+
+
+def test_the_size_counts_the_linear_weights_of_the_export(quality_report):
+    """bits per parameter = the quantized bytes over the parameters; NVFP4's 4 bits a weight, one
+    fp8 scale per 16 and fp32 per-tensor scales make it a little over 4.5."""
+    size = quality_report["size"]
+    assert size["bytes_unquantized"] == 2 * size["linear_parameters"]
+    assert size["bits_per_parameter"] == pytest.approx(
+        8 * size["bytes_quantized"] / size["linear_parameters"], rel=1e-4
+    )
+    assert 4.5 < size["bits_per_parameter"] < 4.6
