@@ -188,10 +188,15 @@ def fsync_path(path: str) -> None:
 
 
 def sync_tree(root: str) -> None:
-    """fsync every file and directory under `root`: what was written there is on disk."""
+    """fsync every file and directory under `root`: what was written there is on disk. A file gone
+    by the time it is reached was another rank's new file, synced by its writer and renamed
+    (`replacing`) meanwhile: its new name is synced by whoever reaches it."""
     for d, _, files in os.walk(root):
         for name in files:
-            fsync_path(os.path.join(d, name))
+            try:
+                fsync_path(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
         fsync_path(d)
 
 
