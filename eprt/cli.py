@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import signal
 import sys
 import time
 from typing import Callable, TypeVar
@@ -25,6 +26,7 @@ from typing import Callable, TypeVar
 import eprt
 from eprt.errors import EprtError
 from eprt.progress import configure_logging
+from eprt.storage.atomic import write_file
 
 T = TypeVar("T")
 LAUNCHED = "EPRT_LAUNCHED"  # set in the ranks eprt's launcher starts: it prints their verdict
@@ -100,6 +102,12 @@ def run(main: Callable[[], T], quiet: bool = False) -> T:
     except Exception as e:  # a bug: its traceback stays, and a launcher learns its one line
         file_verdict(f"{type(e).__name__}: {e} (a bug in eprt; its traceback is above)")
         raise
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (eprt.parallel.liveness.Interrupted): one line, no traceback
+        name = getattr(e, "signal", "SIGINT")
+        message = f"stopped by {name}; nothing was published (a calibration continues with --resume)"
+        print(f"interrupted{_speaker()}: {message}", file=sys.stderr)
+        file_verdict(f"stopped by {name}")
+        sys.exit(128 + getattr(signal, name, signal.SIGINT))
 
 
 def user_os_error(e: BaseException | None) -> str | None:
@@ -125,9 +133,8 @@ def file_verdict(message: str) -> None:
         return
     now = time.time()
     try:
-        with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(now), "eprt_time": now}, f)
-    except OSError:  # the verdict is also on stderr; a launcher without it says how the rank ended
+        write_file(path, json.dumps({"message": message, "timestamp": int(now), "eprt_time": now}))
+    except (OSError, EprtError):  # the verdict is also on stderr; a launcher without it says how the rank ended
         pass
 
 

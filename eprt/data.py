@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -23,14 +24,41 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.progress import logger, rank
-from eprt.storage.bounded import parse_json, read_json
-from eprt.storage.chat_template import chat_renderer
+from eprt.storage.bounded import open_regular, parse_json, read_bounded, read_json
+from eprt.storage.chat_template import chat_renderer, checkpoint_file
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, TOKENIZER
 from eprt.storage.safetensors_io import SafetensorsFile
 from eprt.storage.tables import dataset_rows, is_saved_dataset, parquet_rows
+from eprt.units import format_bytes
 
 BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "calib.txt")
-TOKEN_ID_FILES = (".npy", ".safetensors")
+# what a source holds (source_kind)
+DATASET, PARQUET, JSON_LINES, JSON_ARRAY, NPY, SAFETENSORS, TEXT_FILE = (
+    "dataset",
+    "parquet",
+    "jsonl",
+    "json array",
+    "npy",
+    "safetensors",
+    "text",
+)
+KIND_OF_SUFFIX = {
+    ".parquet": PARQUET,
+    ".jsonl": JSON_LINES,
+    ".ndjson": JSON_LINES,
+    ".json": JSON_LINES,  # or an array: by its first byte
+    ".npy": NPY,
+    ".safetensors": SAFETENSORS,
+    ".txt": TEXT_FILE,
+}
+TOKEN_ID_KINDS = (NPY, SAFETENSORS)
+SNIFF_BYTES = 4096
+WAY_OUT = "give a file (.txt, .jsonl, .json, .parquet, .npy, .safetensors) or a saved dataset"
+# a JSONL line or a table row is decoded whole: beyond this it is refused before it is decoded
+MAX_ROW_BYTES = 16 << 20
+MAX_ARRAY_BYTES = 256 << 20  # a .json array is parsed whole
+MAX_TOKENIZER_BYTES = 256 << 20  # released tokenizer.json files are a few MiB to a few tens
+ROW_SHAPE = 'each row is one JSON object {"text": ...} or {"messages": [...]}'
 # the columns (JSONL fields) read by default, in order: plain text, else a conversation
 TEXT, MESSAGES = "text", "messages"
 
@@ -129,26 +157,56 @@ def choose_column(column: str | None) -> Callable[[list[str]], str]:
     return choose
 
 
+def bounded_lines(f, path: str) -> Iterator[bytes]:
+    """The lines of binary file `f`, each refused by number before it is decoded where it is longer
+    than MAX_ROW_BYTES (a line is parsed whole: its size is the memory its row costs)."""
+    for i in itertools.count(1):
+        raw = f.readline(MAX_ROW_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_ROW_BYTES:
+            raise ConfigError(
+                f"{path}:{i}: a line longer than {format_bytes(MAX_ROW_BYTES)}; calibration reads a few "
+                "thousand tokens of a document: cut the document, or give it as a .txt file (read a "
+                "prefix at a time)"
+            )
+        yield raw
+
+
 def jsonl_rows(f, path: str, column: str | None) -> Iterator[tuple[str, Any]]:
     """(line, the value of its field) of each non-blank line of the open .jsonl file `f`."""
     offset = 0
-    for i, raw in enumerate(f, 1):
+    for i, raw in enumerate(bounded_lines(f, path), 1):
         line = decode_utf8(raw, path, offset)
         offset += len(raw)
         if not line.strip():
             continue
         where = f"{path}:{i}"
-        row = parse_json(line, where, 'each line is one JSON object {"text": ...} or {"messages": [...]}')
-        if not isinstance(row, dict):
-            raise ConfigError(f'{where}: each line needs a string field "text" or a list "messages"')
-        key = column or (TEXT if TEXT in row or MESSAGES not in row else MESSAGES)
-        if key not in row:
-            raise ConfigError(
-                f'{where}: each line needs a string field "text" or a list "messages"'
-                if column is None
-                else f"{where}: no field {key!r} (--calib-column {key})"
-            )
-        yield where, row[key]
+        yield where, row_field(parse_json(line, where, ROW_SHAPE), where, column)
+
+
+def json_array_rows(path: str, column: str | None) -> Iterator[tuple[str, Any]]:
+    """(item, the value of its field) of each object of a .json file holding one array of rows."""
+    data = read_bounded(path, MAX_ARRAY_BYTES, "write it as .jsonl, one row per line, read a line at a time")
+    rows = parse_json(data, path, ROW_SHAPE)
+    if not isinstance(rows, list):
+        raise ConfigError(f"{path}: a JSON {type(rows).__name__}; a .json source is an array of rows [{ROW_SHAPE}]")
+    for i, row in enumerate(rows):
+        yield f"{path}[{i}]", row_field(row, f"{path}[{i}]", column)
+
+
+def row_field(row: Any, where: str, column: str | None) -> Any:
+    """The field of one JSON row that calibration reads: `column`, else text, else messages."""
+    if not isinstance(row, dict):
+        raise ConfigError(f'{where}: each line needs a string field "text" or a list "messages"')
+    key = column or (TEXT if TEXT in row or MESSAGES not in row else MESSAGES)
+    if key not in row:
+        raise ConfigError(
+            f'{where}: each line needs a string field "text" or a list "messages"'
+            if column is None
+            else f"{where}: no field {key!r} (--calib-column {key})"
+        )
+    return row[key]
 
 
 def documents(path: str, hf_dir: str, column: str | None = None) -> Iterator[Callable[[int], str]]:
@@ -157,21 +215,57 @@ def documents(path: str, hf_dir: str, column: str | None = None) -> Iterator[Cal
     dataset: a string (`text`) or a conversation (`messages`: a list of {"role", "content"}),
     rendered with the checkpoint's chat template. The source is read as far as its documents are
     asked for."""
-    if os.path.isdir(path):
+    kind = source_kind(path)
+    if kind == DATASET:
         rows: Iterator[tuple[str, Any]] = (
             (f"{path} row {i}", v) for i, v in enumerate(dataset_rows(path, choose_column(column)))
         )
-    elif path.endswith(".parquet"):
+    elif kind == PARQUET:
         rows = ((f"{path} row {i}", v) for i, v in enumerate(parquet_rows(path, choose_column(column))))
-    elif path.endswith(".jsonl"):
-        with open(path, "rb") as f:
+    elif kind == JSON_ARRAY:
+        rows = json_array_rows(path, column)
+    elif kind == JSON_LINES:
+        with open_regular(path, WAY_OUT) as f:
             yield from row_documents(jsonl_rows(f, path, column), path, hf_dir)
         return
     else:
-        with open(path, "rb") as f:
+        with open_regular(path, WAY_OUT) as f:
             yield utf8_reader(f, path)
         return
     yield from row_documents(rows, path, hf_dir)
+
+
+def source_kind(path: str) -> str:
+    """What a calibration source holds, by its suffix in any case (`CHATS.JSONL`) and by its first
+    bytes: a .json file holding an array is rows, not text; a file of another suffix is Parquet or
+    NumPy by its magic bytes, JSON rows where its first line is one, else text."""
+    if os.path.isdir(path):
+        return DATASET
+    suffix = os.path.splitext(path)[1].lower()
+    with open_regular(path, WAY_OUT) as f:  # a FIFO or a device is refused here, never read
+        head = f.read(SNIFF_BYTES)
+    first = head.lstrip()[:1]
+    if suffix in KIND_OF_SUFFIX:
+        kind = KIND_OF_SUFFIX[suffix]
+        return JSON_ARRAY if kind == JSON_LINES and first == b"[" else kind
+    if head.startswith(b"PAR1"):
+        return PARQUET
+    if head.startswith(b"\x93NUMPY"):
+        return NPY
+    if first in (b"{", b"[") and looks_like_rows(head):
+        return JSON_ARRAY if first == b"[" else JSON_LINES
+    return TEXT_FILE
+
+
+def looks_like_rows(head: bytes) -> bool:
+    """Whether the start of a file is JSON rows: a first line (or array item) that is an object
+    with a text or messages field."""
+    line = head.lstrip().lstrip(b"[").split(b"\n", 1)[0].rstrip().rstrip(b",")
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(row, dict) and (TEXT in row or MESSAGES in row)
 
 
 def row_documents(rows: Iterator[tuple[str, Any]], path: str, hf_dir: str) -> Iterator[Callable[[int], str]]:
@@ -191,7 +285,31 @@ def row_documents(rows: Iterator[tuple[str, Any]], path: str, hf_dir: str) -> It
                 "--calib-column"
             )
         render = render or chat_renderer(hf_dir, path)
-        yield text_reader(render(value, where))
+        yield text_reader(render([with_text_content(m, f"{where} message {i}") for i, m in enumerate(value)], where))
+
+
+def with_text_content(message: dict, where: str) -> dict:
+    """`message` with its content as text: a string as it is, a list of parts (the multimodal
+    form) its text parts joined; anything else (null, a number, an image part) is refused by name
+    rather than rendered as Python would print it."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ConfigError(
+                    f"{where}: content part {j} is {kind!r:.40}, not text; calibration reads text: "
+                    'give {"type": "text", "text": ...} parts or a string'
+                )
+            texts.append(part["text"])
+        return {**message, "content": "".join(texts)}
+    raise ConfigError(
+        f"{where}: content is {'null' if content is None else type(content).__name__}, not text; each "
+        'message is {"role": ..., "content": "..."}'
+    )
 
 
 def text_reader(text: str) -> Callable[[int], str]:
@@ -264,7 +382,7 @@ def leading_tokens(tok, read: Callable[[int], str], need: int) -> tuple[list[int
 def read_token_ids(path: str, need: int) -> np.ndarray:
     """The first `need` token ids (row-major) of a .npy file (any integer array) or a .safetensors
     file (tensor `input_ids`, or its only tensor), reading only the rows that hold them."""
-    ids = npy_token_ids(path) if path.endswith(".npy") else safetensors_token_ids(path, need)
+    ids = npy_token_ids(path) if source_kind(path) == NPY else safetensors_token_ids(path, need)
     if not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"{path}: token ids must be integers, found {ids.dtype}")
     if ids.ndim > 1:  # the rows holding the first `need` ids, never the array
@@ -325,7 +443,7 @@ def safetensors_token_ids(path: str, need: int) -> np.ndarray:
 
 def eos_id(hf_dir: str) -> int | None:
     for name in (GENERATION_CONFIG, CONFIG):
-        p = os.path.join(hf_dir, name)
+        p = checkpoint_file(hf_dir, name)
         if os.path.isfile(p):
             cfg = read_json(
                 p,
@@ -346,7 +464,7 @@ def eos_id(hf_dir: str) -> int | None:
 
 def load_tokenizer(hf_dir: str):
     """The checkpoint's own tokenizer.json, refused by name where it is missing or damaged."""
-    tok_path = os.path.join(hf_dir, TOKENIZER)
+    tok_path = checkpoint_file(hf_dir, TOKENIZER)
     if not os.path.isfile(tok_path):
         raise ConfigError(
             f"{tok_path}: missing; text calibration data needs the checkpoint's tokenizer "
@@ -354,8 +472,9 @@ def load_tokenizer(hf_dir: str):
         )
     from tokenizers import Tokenizer
 
+    data = read_bounded(tok_path, MAX_TOKENIZER_BYTES, "copy the model's tokenizer.json in again")
     try:
-        return Tokenizer.from_file(tok_path)
+        return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # the Rust library's one exception type for any file it cannot read
         raise ConfigError(
             f"{tok_path}: not a tokenizer the tokenizers library reads ({str(e)[:200]}); copy the "
@@ -373,7 +492,7 @@ def token_stream(path: str, hf_dir: str, need: int, column: str | None = None) -
     """The first `need` calibration tokens of one source in order (all of them where it holds
     fewer); documents joined by the end-of-sequence token. The data is read only as far as they
     reach."""
-    if path.endswith(TOKEN_ID_FILES):
+    if source_kind(path) in TOKEN_ID_KINDS:
         return Tokens(read_token_ids(path, need), None, 0)
     tok = load_tokenizer(hf_dir)
     eos = eos_id(hf_dir)

@@ -15,6 +15,7 @@ from eprt.quant.calibrated import QUALITY_FILE
 from eprt.quant.engine import LayerEngine
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.workdir import MARKER
+from eprt.quant.workdir_lock import LOCK_FILE
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import same_files
 from tests.multiproc import run_world
@@ -55,7 +56,7 @@ def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
         run_world(killed_mid_layer, 2, ck, out, timeout=120)
     assert not os.path.exists(out)
     work = out + ".work"
-    assert sorted(os.listdir(work)) == [MARKER, "rank-00000", "rank-00001"]
+    assert sorted(os.listdir(work)) == [MARKER, LOCK_FILE, "rank-00000", "rank-00001"]  # the lock file, unlocked
     for rank_dir in ("rank-00000", "rank-00001"):  # the last layer both ranks completed, and nothing half-written
         assert os.listdir(os.path.join(work, rank_dir)) == [f"layer-{KILL_LAYER - 1:05d}.safetensors"]
 

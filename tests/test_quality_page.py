@@ -132,7 +132,7 @@ def test_the_report_records_what_the_page_shows(runs):
 def test_every_chart_is_an_embedded_svg(runs):
     page = Cells(Path(runs["max"][0], "quality.html").read_text())
     assert page.sections == ["headline", "layers", "modules", "experts", "recipe", "data", "preview"]
-    assert set(page.images) == {"chart-layers", "chart-experts-0"}
+    assert set(page.images) == {"chart-layers", "chart-experts-0", "chart-expert-errors-0"}
     for src in page.images.values():
         assert src.startswith("data:image/svg+xml;base64,")
         assert b"<svg" in base64.b64decode(src.split(",", 1)[1])
@@ -187,7 +187,10 @@ def test_eprt_report_compares_runs_side_by_side(runs, tmp_path, monkeypatch, cap
     assert page.values("headline", "kl_mean") == [r["kl_mean"] for r in reports]
     layers = page.values("layers", "relative_error")
     assert layers == [r["layers"][i]["relative_error"] for i in range(len(reports[0]["layers"])) for r in reports]
-    assert set(page.images) == {"chart-layers", "chart-experts-0", "chart-experts-1"}
+    assert set(page.images) == {
+        "chart-layers",
+        *(f"chart-{c}-{i}" for c in ("experts", "expert-errors") for i in (0, 1)),
+    }
     assert out.read_text().count(str(runs["max"][1])) >= 1 and out.read_text().count(str(runs["gptq"][1])) >= 1
 
 
@@ -201,7 +204,7 @@ def test_eprt_report_refusals(runs, tmp_path, monkeypatch, capsys):
     assert code == 2 and "several EXPORTs: name the comparison page with --out" in out
     (tmp_path / "bad.json").write_text(json.dumps({"kl_mean": 0.1}))
     code, out = eprt_report(monkeypatch, capsys, tmp_path / "bad.json")
-    assert code == 2 and "bad.json: kl_p99 is missing or not a float: not an eprt quality report" in out
+    assert code == 2 and "bad.json: eval is missing: not an eprt quality report" in out
     code, out = eprt_report(monkeypatch, capsys, tmp_path)
     assert code == 2 and f"{tmp_path}: holds no quality report" in out
     code, out = eprt_report(monkeypatch, capsys, tmp_path / "missing")

@@ -38,7 +38,7 @@ from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run_args import RUN_DTYPES
 from eprt.quant.run_plan import plan_recipe
 from eprt.samples import first_sample
-from eprt.storage.atomic import check_output_dir
+from eprt.storage.atomic import check_output_dir, write_file
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.hf_files import CARD
 from eprt.units import format_bytes
@@ -159,8 +159,7 @@ class Run:
             logger().info("continuing the run in %s", self.work)
             return
         os.makedirs(self.work, exist_ok=True)
-        with open(marker, "w") as f:
-            json.dump(settings, f, indent=1)
+        write_file(marker, json.dumps(settings, indent=1), "the run's settings")
 
     def convert(self) -> str:
         """The eprt checkpoint of HF_DIR, reading its weight files in place (done once)."""

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from eprt.errors import CheckpointError
 from eprt.hf.check_kv import KV_SCALES
 from eprt.quant.formats import WEIGHT_FORMATS
+from eprt.quant.formats.e8m0 import BIAS as E8M0_BIAS
 from eprt.quant.formats.e8m0 import NAN as E8M0_NAN
 from eprt.storage.hf_files import INDEX, SINGLE
 from eprt.storage.paths import resolve_inside
@@ -147,9 +148,9 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
             if leaf in SCALE_LEAVES:
                 if t.dtype in ("I32", "I64") and math.prod(t.shape) <= SMALL_INTS:
                     t.ints = tuple(int(v) for v in values.read(name).reshape(-1).tolist())
-                elif math.prod(t.shape) == 1:
+                if math.prod(t.shape) == 1:  # a per-tensor scale, or a grid of one block (both checked as a grid)
                     t.value = values.read(name).float().item()
-                elif t.dtype == "F8_E4M3":
+                if t.dtype == "F8_E4M3":
                     raw = values.read(name).view(torch.uint8)
                     # 0x00/0x80 are zeros, 0x7F/0xFF NaN, and 0x80 upwards negative.
                     bad = (raw == 0) | (raw >= 0x7F)
@@ -159,7 +160,13 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
                         codes = torch.stack([valid.min(), valid.max()]).view(torch.float8_e4m3fn).float()
                         t.block_range = (codes[0].item(), codes[1].item())
                 elif t.dtype == "U8":  # an E8M0 grid (MXFP8, MXFP4): every byte a power of two but 255, NaN
-                    t.bad_block_scales = int((values.read(name) == E8M0_NAN).sum())
+                    codes = values.read(name)
+                    nan = codes == E8M0_NAN
+                    t.bad_block_scales = int(nan.sum())
+                    # code 0 (2^-127) is an all-zero block's scale: what it can encode (under 3e-36) is zero
+                    valid = codes[~nan & (codes > 0)]
+                    if valid.numel():  # checked as the values the engines decode (eprt.hf.check_scale_range)
+                        t.block_range = (2.0 ** (int(valid.min()) - E8M0_BIAS), 2.0 ** (int(valid.max()) - E8M0_BIAS))
                 elif t.dtype in ("F32", "BF16"):  # an fp32 (FP8 block) or bf16 (INT4) block-scale grid
                     grid = values.read(name)
                     bad = ~((grid > 0) & grid.isfinite())

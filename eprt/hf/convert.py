@@ -33,6 +33,7 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import load_hf_config, reader_for
+from eprt.hf.check_modelopt import ROUTED_EXPERT
 from eprt.hf.source import HFSource, non_weight_files
 from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
@@ -134,8 +135,10 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
         out[module] = Encoded(encodings.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
-    if quant is None or quant.method != encodings.CT:
+    if quant is None:
         return out
+    if quant.method != encodings.CT:
+        return refuse_false_claims(src, out, quant)
     groups = quant.groups()
     decoders = {g: encodings.decoder(encodings.CT_PREFIX + d["format"], d, quant.where) for g, d in groups.items()}
     markers = {c for d in decoders.values() for c in d.components} - {"weight"}
@@ -160,7 +163,39 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         out[module] = Encoded(
             encodings.CT_PREFIX + groups[g]["format"], g, {c: f"{module}.{c}" for c in decoders[g].components}
         )
-    return out
+    return refuse_false_claims(src, out, quant)
+
+
+def refuse_false_claims(
+    src: HFSource, encoded: dict[str, Encoded], quant: encodings.SourceQuantization
+) -> dict[str, Encoded]:
+    """`encoded`, once config.json's quantization_config is known to be true of the weights: some
+    tensor is stored quantized, and no routed expert a compressed-tensors group targets (and no
+    ignore entry excepts) is stored plain: converted and exported, the false claim would be passed on."""
+    way_out = "remove quantization_config from config.json if the weights are plain, or use the quantized weights"
+    if not encoded:
+        raise CheckpointError(
+            f"{quant.where}: declares {quant.method} quantization, but no tensor of {src.dir} is stored "
+            f"quantized; {way_out}"
+        )
+    if quant.method != encodings.CT:
+        return encoded
+    groups = quant.groups()
+    for name, (f, meta) in src.tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module in encoded or not ROUTED_EXPERT.match(module) or not meta.dtype.is_floating_point:
+            continue
+        if any(encodings.matches(module, [i]) for i in quant.ignore):
+            continue
+        try:
+            g = group_of(module, groups, name)
+        except CheckpointError:  # no group targets it: plain by the config's own word
+            continue
+        raise CheckpointError(
+            f"{f.path}: {name} is stored plain ({meta.dtype}), but {quant.where} says {module} is "
+            f"{groups[g]['format']} ({g}) and no ignore entry excepts it; {way_out}"
+        )
+    return encoded
 
 
 def group_of(module: str, groups: dict[str, dict], where: str) -> str:

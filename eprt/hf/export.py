@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -30,7 +29,7 @@ from eprt.quant.datafree import data_free_recipe
 from eprt.quant.formats import weight_format
 from eprt.report import page_path
 from eprt.storage import encodings
-from eprt.storage.atomic import copy_files
+from eprt.storage.atomic import copy_file, copy_files, write_file
 from eprt.storage.bounded import read_json_object
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.hf_files import (
@@ -267,11 +266,14 @@ def write_configs(
     quality = None
     if exp and report:  # the PTQ run's quality report, beside the weights, under a name no engine reads
         src = resolve_inside(ck.path, report, f"{ck.path} (quantization.quality)")
-        shutil.copyfile(src, os.path.join(tmp, QUALITY))
+        copy_file(src, os.path.join(tmp, QUALITY))
         quality = read_json_object(src, "calibrate again", CheckpointError)
         if os.path.isfile(os.path.join(ck.path, page_path(report))):  # its page, where the run wrote one
             page = resolve_inside(ck.path, page_path(report), f"{ck.path} (the quality report's page)")
-            shutil.copyfile(page, os.path.join(tmp, QUALITY_PAGE))
+            copy_file(page, os.path.join(tmp, QUALITY_PAGE))
     if exp:
-        with open(os.path.join(tmp, CARD), "w") as f:
-            f.write(model_card(ck, exp.recipe, exp.target, exp.quantized, quality, base_model))
+        write_file(
+            os.path.join(tmp, CARD),
+            model_card(ck, exp.recipe, exp.target, exp.quantized, quality, base_model),
+            "the model card",
+        )

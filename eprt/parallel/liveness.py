@@ -19,6 +19,7 @@ failure is what each of them must report.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -31,6 +32,10 @@ from eprt.errors import ConfigError, EprtError
 
 PEER_TIMEOUT_ENV = "EPRT_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 30.0
+# below a beat's round trip through the store (the heartbeat beats every timeout / 5 at most), a
+# live peer would be taken for dead; above a day, the store's waits overflow their timedelta
+MIN_PEER_TIMEOUT_S = 0.5
+MAX_PEER_TIMEOUT_S = 86400.0
 # How often a wait on other ranks looks at the store again: soon at first, since the ranks of a
 # step mostly arrive together and every guard of a run waits once, then less often up to POLL_S.
 FIRST_POLL_S = 0.001
@@ -64,11 +69,11 @@ def peer_timeout_s() -> float:
     try:
         seconds = float(text)
     except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
+        seconds = math.nan
+    if not MIN_PEER_TIMEOUT_S <= seconds <= MAX_PEER_TIMEOUT_S:  # NaN too
         raise ConfigError(
-            f"{PEER_TIMEOUT_ENV}={text!r} is not a positive number of seconds; "
-            f"unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
+            f"{PEER_TIMEOUT_ENV}={text!r} is not a number of seconds from {MIN_PEER_TIMEOUT_S:g} to "
+            f"{MAX_PEER_TIMEOUT_S:g}; unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
         )
     return seconds
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,18 @@ def parse_budget(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:bits?)?\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise ConfigError(f"--auto-quantize {text!r}: give the budget as effective bits per parameter, e.g. 4.8bits")
-    return float(m.group(1))
+    return check_budget(float(m.group(1)))
+
+
+def check_budget(bits: float) -> float:
+    """A budget the search can spend: positive and at most UNQUANTIZED_BITS (more buys nothing; an
+    infinite one would run the whole search and then overflow)."""
+    if not (math.isfinite(bits) and 0 < bits <= UNQUANTIZED_BITS):
+        raise ConfigError(
+            f"--auto-quantize {bits:g}bits: give a budget of bits per parameter above 0 and at most "
+            f"{UNQUANTIZED_BITS} (bf16's), e.g. 4.8bits"
+        )
+    return bits
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:
@@ -108,6 +120,18 @@ def linear_bits(fmt: str, out_dim: int, in_dim: int) -> int:
     )
 
 
+def linear_weights(layout: Layout, module: str, top_k: int, num_experts: int) -> Iterator[tuple[int, int, int, float]]:
+    """(Linears, out dim, in dim, the share of tokens each is active for) of `module`'s weights: a
+    Linear, or a stacked experts module's gate and up (w13) and down (w2)."""
+    specs = {s.name: s for s in layout.specs}
+    if module + ".w13" in specs:
+        E, two_i, D = specs[module + ".w13"].shape
+        share = top_k / num_experts
+        yield from ((2 * E, two_i // 2, D, share), (E, D, specs[module + ".w2"].shape[-1], share))
+    else:
+        yield (1, *specs[module + ".weight"].shape, 1.0)
+
+
 @dataclass(frozen=True)
 class Group:
     """Modules that share a format; `params` and `bits` (candidate -> bits) per active parameter's weight."""
@@ -127,7 +151,6 @@ class SearchSpace:
     def of(cls, layout: Layout, candidates: tuple[str, ...], top_k: int, num_experts: int) -> SearchSpace:
         """The groups of `layout`'s decoder layers (the multi-token-prediction layers are left as they are)."""
         modules = layout.linear_modules()
-        specs = {s.name: s for s in layout.specs}
         grouped: dict[tuple[str, ...], None] = {}
         for m in modules:
             parent, _, leaf = m.rpartition(".")
@@ -136,14 +159,7 @@ class SearchSpace:
         groups = []
         for members in grouped:
             # (Linears, out, in, active share) of every weight of the group
-            weights = []
-            for m in members:
-                if m + ".w13" in specs:
-                    E, two_i, D = specs[m + ".w13"].shape
-                    share = top_k / num_experts
-                    weights += [(2 * E, two_i // 2, D, share), (E, D, specs[m + ".w2"].shape[-1], share)]
-                else:
-                    weights.append((1, *specs[m + ".weight"].shape, 1.0))
+            weights = [w for m in members for w in linear_weights(layout, m, top_k, num_experts)]
             fits = [
                 c
                 for c in candidates

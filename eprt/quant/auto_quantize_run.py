@@ -27,6 +27,7 @@ from eprt.quant.auto_quantize import (
     UNQUANTIZED_BITS,
     SearchResult,
     SearchSpace,
+    check_budget,
     parse_candidates,
     search_algorithm,
     search_summary,
@@ -55,8 +56,7 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
             raise ConfigError(
                 f"--recipe {a.recipe} with --auto-quantize: the search writes the recipe; give one or the other"
             )
-        if a.auto_quantize <= 0:
-            raise ConfigError(f"--auto-quantize {a.auto_quantize}: give a positive budget of bits, e.g. 4.8bits")
+        check_budget(a.auto_quantize)
         if a.eval_size < 1:
             raise ConfigError(
                 f"--auto-quantize with --eval-size {a.eval_size}: the search fits its KL estimate on the quality "

@@ -19,7 +19,8 @@ from eprt.parallel import ParallelState
 from eprt.quant.awq_folds import HELD_PER_RANK, TENSOR_LEAF, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
-from eprt.report import label, page_path, write_page
+from eprt.report import checked, label, page_path, write_page
+from eprt.storage.atomic import atomic_file
 from eprt.storage.checkpoint import Checkpoint, Part, TensorMeta, base_reference, manifest, write_manifest
 from eprt.storage.safetensors_io import save_tensors
 
@@ -209,9 +210,10 @@ def write_calibrated(
         metas.append(TensorMeta(n, t.dtype, (place.num_experts, *t.shape[1:]), "raw", "calibration", parts, t.dtype))
     quantization = {"recipe": recipe.to_json(), "calibration": summary}
     if quality is not None:
-        with open(os.path.join(tmp, QUALITY_FILE), "w", encoding="utf-8") as f:
+        with atomic_file(os.path.join(tmp, QUALITY_FILE)) as f:
             json.dump(quality, f, indent=1)
-        write_page(page_path(os.path.join(tmp, QUALITY_FILE)), [(label(quality), quality)])  # as a page too
+        shown = checked(quality, f"{out}/{QUALITY_FILE}")  # as a page too, through the schema every page is drawn by
+        write_page(page_path(os.path.join(tmp, QUALITY_FILE)), [(label(shown), shown)])
         quantization["quality"] = QUALITY_FILE
     write_manifest(
         tmp,

@@ -55,8 +55,9 @@ from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, describe_calib, report_data
 from eprt.quant.run_plan import open_unquantized, plan_recipe, plan_run, run_shape
 from eprt.quant.sequences import own_sequences
+from eprt.quant.size import recipe_size
 from eprt.quant.workdir import WorkDir, check_work_dir
-from eprt.storage.atomic import naming_refused_writes
+from eprt.storage.atomic import naming_refused_writes, write_file
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.units import format_bytes
 
@@ -226,6 +227,8 @@ def run_calibration(
                 starved_experts(coverage, summary),
                 {"prompt": a.preview, "before": before, "after": text} if preview else None,
             )
+            quality["model"] = model_identity(ck, identity)
+            quality["size"] = recipe_size(rc.layout, recipe, ck.config.num_experts_per_tok, ck.config.num_experts)
             if search is not None:
                 quality["auto_quantize"] = {**search.summary, "measured_kl": quality["kl_mean"]}
         results = gptq.results if gptq is not None else None
@@ -234,8 +237,7 @@ def run_calibration(
             with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
                 write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results, folds)
                 if search is not None and state.rank == 0:
-                    with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
-                        f.write(search.recipe_yaml)
+                    write_file(os.path.join(tmp, RECIPE_FILE), search.recipe_yaml)
 
         write_together(
             state,
@@ -263,9 +265,20 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
     search = search_formats(state, a, ck)
     with tempfile.TemporaryDirectory() as d:  # each rank reads its own copy of the same recipe
         path = os.path.join(d, RECIPE_FILE)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(search.recipe_yaml)
+        write_file(path, search.recipe_yaml)
         return run_calibration(state, replace(a, recipe=path, auto_quantize=None), on_weight, search=search)
+
+
+def model_identity(ck: Checkpoint, identity: dict) -> dict:
+    """The model a report measured (eprt.report says when runs compared are of different models):
+    its type, its base's manifest digest, which tells two models apart, and the source's own name
+    where its config.json gives one (a directory's name would differ between two copies)."""
+    name = ck.source_config.get("_name_or_path")
+    return {
+        "model_type": ck.config.model_type,
+        "manifest_sha256": identity["base"]["manifest_sha256"],
+        **({"name": name} if isinstance(name, str) and name else {}),
+    }
 
 
 def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:

@@ -221,12 +221,14 @@ class QualityReport:
             )
             modules.append((name, *_relative(self._global((n, 3), mine, per_seq).sum(0))))
         E = self.ck.config.num_experts
+        expert_errors = {}  # experts module -> each expert's relative error (None: no held-out token reached it)
         for name, (experts, sums) in errors.experts.items():
             full = torch.zeros(3, E, errors.num_units, dtype=torch.float64, device=sums.device)
             full[:, experts.first : experts.first + experts.count] = sums
             # each (expert, unit) was computed on one rank: the others add zeros
             full = self.state.all_reduce(full, over="dp", op=dist.ReduceOp.SUM).sum(-1)
             modules += [(f"{name}.{e}", *_relative(full[:, e])) for e in range(E) if full[2, e] > 0]
+            expert_errors[name] = [_relative(full[:, e])[0] if full[2, e] > 0 else None for e in range(E)]
         ranked = sorted(modules, key=lambda m: (-(m[1] ** 2) * m[2] / self.tokens, m[0]))
         self.layers.append(
             {
@@ -236,6 +238,7 @@ class QualityReport:
                     {"module": name, "relative_error": rel, "token_share": rows / self.tokens}
                     for name, rel, rows in ranked[:TOP]
                 ],
+                **({"expert_errors": expert_errors} if expert_errors else {}),
             }
         )
         if router_flips is not None:

@@ -141,7 +141,19 @@ def grouped(fmt: str, group_size, where: str) -> str:
         raise ConfigError(
             f"{where} group_size {group_size!r}: {fmt} comes in groups of {' or '.join(map(str, sizes))}; choose one"
         )
+    named, base = WEIGHT_FORMATS[fmt], kind_default(fmt)
+    if named is not base and found is not named:  # `int4_g32` says its groups already
+        raise ConfigError(
+            f"{where} group_size {group_size}: format {fmt!r} is {base.name} in groups of {named.group_size}, "
+            f"so the rule asks for two group sizes; drop group_size, or write format: {base.name}, "
+            f"group_size: {group_size}"
+        )
     return found.name
+
+
+def kind_default(fmt: str):
+    """The format of `fmt`'s kind that names no group size (`int4` of `int4_g32`): the first registered."""
+    return next(f for f in WEIGHT_FORMATS.values() if type(f) is type(WEIGHT_FORMATS[fmt]))
 
 
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
@@ -200,7 +212,8 @@ def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = 
 class PlainYAMLLoader(yaml.SafeLoader):
     """safe_load without aliases: `*name` repeats a node without copying it, so a few hundred
     bytes of nested aliases stand for a structure of billions of entries that anything walking
-    it (a str(), a comparison) would then build. A recipe has no use for them."""
+    it (a str(), a comparison) would then build. A recipe has no use for them. Nor for a key
+    given twice in one mapping, which YAML resolves silently to the last value."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -210,6 +223,20 @@ class PlainYAMLLoader(yaml.SafeLoader):
                 "allowed in a recipe; write the value out"
             )
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        """A mapping whose key appears twice is refused: YAML would keep the last value without a word."""
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(
+                    f"{self.name}:{key_node.start_mark.line + 1}: the key {key!r} appears twice in one "
+                    f"mapping (first on line {seen[key] + 1}); keep one"
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def read_yaml(stream, path: str):

@@ -22,6 +22,7 @@ must lie on a file system every rank sees, as the output does.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -34,19 +35,24 @@ from safetensors.torch import load_file
 from eprt.errors import ConfigError, EprtError
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant import workdir_lock
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.fingerprint import differences, saved_fingerprint
 from eprt.quant.sequences import LayerState
-from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs
+from eprt.storage.atomic import fsync_path, naming_refused_writes, read_dirs, replacing, write_file
 from eprt.storage.paths import within
 from eprt.storage.safetensors_io import save_tensors
 
 MARKER = ".eprt-work-dir.json"
+WORK_DISK = "give a --work-dir on another disk (it holds one layer's hidden states)"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
 GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
 AWQ_FILE = re.compile(r"awq-(\d{5})\.safetensors")  # AWQ's folds a layer gained: MODULE.KIND -> s
-PARTIAL_FILE = re.compile(r"(layer|gptq|awq)-\d{5}\.safetensors\.partial")
+# a work file being written (eprt.storage.atomic.replacing)
+SIDE_FILE = re.compile(r"(gptq|awq)-\d{5}\.safetensors")
+SIDE_FILES = "side_files"  # a layer file's metadata: the side files it relies on, name -> SHA-256
+PARTIAL_FILE = re.compile(r"\.(layer|gptq|awq)-\d{5}\.safetensors\.partial-\d+-[0-9a-f]+")
 
 
 def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
@@ -87,6 +93,8 @@ class WorkDir:
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
         self.gptq_saved: set[str] = set()  # the modules whose GPTQ codes a gptq file holds
         self.awq_saved: set[str] = set()  # the folds (MODULE.KIND) an awq file holds
+        self.side_files: dict[str, str] = {}  # this rank's GPTQ and AWQ files so far: name -> SHA-256
+        self.lock: int | None = None  # rank 0: the descriptor holding the directory's lock
 
     def prepare(self, resume: bool) -> None:
         """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
@@ -95,6 +103,7 @@ class WorkDir:
             return
         marker = os.path.join(self.path, MARKER)
         if os.path.isfile(marker):
+            self.lock = workdir_lock.hold(self.path)  # before anything here is removed or written
             if not resume:
                 for rank_dir in self._rank_dirs():
                     remove_own_files(rank_dir)
@@ -102,10 +111,9 @@ class WorkDir:
         created = not os.path.isdir(self.path)
         with self.refused_writes(marker):
             os.makedirs(self.path, exist_ok=True)
-            with open(marker, "w") as f:
-                json.dump({"eprt": "work directory", "created": created}, f)
-            fsync_path(marker)
-            fsync_path(self.path)
+            marked = json.dumps({"eprt": "work directory", "created": created})
+            write_file(marker, marked, f"the work directory {self.path}", WORK_DISK)
+            self.lock = workdir_lock.hold(self.path)
             fsync_path(os.path.dirname(self.path))
 
     def check_shared(self) -> None:
@@ -120,7 +128,7 @@ class WorkDir:
         return naming_refused_writes(
             path,
             f"the work directory {self.path}",
-            "give a --work-dir on another disk (it holds one layer's hidden states)",
+            WORK_DISK,
         )
 
     def _rank_dirs(self) -> list[str]:
@@ -140,12 +148,12 @@ class WorkDir:
     def _awq_file(self, layer: int) -> str:
         return os.path.join(self.mine, f"awq-{layer:05d}.safetensors")
 
-    def _saved_layers(self, pattern: re.Pattern, last: int) -> list[int]:
-        """The layers up to `last` whose GPTQ codes (GPTQ_FILE) or AWQ folds (AWQ_FILE) this rank
-        saved (a later one's, from a layer not every rank completed, is written again when that
-        layer is)."""
-        found = (pattern.fullmatch(f) for f in os.listdir(self.mine))
-        return sorted(n for m in found if m and (n := int(m.group(1))) <= last)
+    def _saved_layers(self, pattern: re.Pattern) -> list[int]:
+        """The layers whose GPTQ codes (GPTQ_FILE) or AWQ folds (AWQ_FILE) the resumed layer file
+        vouches for (`side_files`; a later one's, from a layer not every rank completed, is written
+        again when that layer is)."""
+        found = (pattern.fullmatch(f) for f in self.side_files)
+        return sorted(int(m.group(1)) for m in found if m)
 
     def last_completed(self, resume: bool) -> int:
         """The last layer every rank has saved (-1: none, and always without `resume`), agreed over the world."""
@@ -174,14 +182,15 @@ class WorkDir:
         if gptq is not None:
             new = gptq.modules() - self.gptq_saved
             if new:  # written before the layer file, which vouches for it
-                self._write(self._gptq_file(layer), gptq.tensors(new), metadata)
+                self._write_side(self._gptq_file(layer), gptq.tensors(new), metadata)
                 self.gptq_saved |= new
         if folds is not None:
             gained = {n: t for n, t in folds.tensors().items() if n not in self.awq_saved}
             if gained:  # as GPTQ's: before the layer file
-                self._write(self._awq_file(layer), gained, metadata)
+                self._write_side(self._awq_file(layer), gained, metadata)
                 self.awq_saved |= gained.keys()
-        self._write(self._file(layer), tensors, metadata)
+        # the layer file lists every side file it relies on with its digest: --resume checks each
+        self._write(self._file(layer), tensors, {**metadata, SIDE_FILES: json.dumps(self.side_files, sort_keys=True)})
         # every rank now holds `layer` durably: the older files are no longer the common last layer
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
         for old in self._layers():
@@ -189,12 +198,36 @@ class WorkDir:
                 os.remove(self._file(old))
 
     def _write(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-        tmp = path + ".partial"
-        with self.refused_writes(tmp):
+        # durable before it takes its name (eprt.storage.atomic): a crash leaves the old or the new
+        with replacing(path, f"the work directory {self.path}", WORK_DISK) as tmp:
             save_tensors(tmp, {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
-            fsync_path(tmp)  # durable before it takes its name: a crash leaves the old or the new
-            os.replace(tmp, path)
-            fsync_path(self.mine)
+
+    def _write_side(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        self._write(path, tensors, metadata)
+        with open(path, "rb") as f:
+            self.side_files[os.path.basename(path)] = hashlib.file_digest(f, "sha256").hexdigest()
+
+    def _vouched(self, layer: int, metadata: dict[str, str]) -> dict[str, str]:
+        """The side files the saved `layer` relies on, each checked whole against its digest;
+        refused by name where one is missing, edited, or the layer lists none (an older record)."""
+        if SIDE_FILES not in metadata:
+            raise ConfigError(
+                f"{self._file(layer)}: lists no side files (saved by an earlier eprt); run without --resume to start over"
+            )
+        listed = json.loads(metadata[SIDE_FILES])
+        for name, digest in listed.items():
+            path = os.path.join(self.mine, name)
+            if not (SIDE_FILE.fullmatch(name) and os.path.isfile(path)):
+                raise ConfigError(
+                    f"{path}: missing; the saved layer {layer} relies on it: run without --resume to start over"
+                )
+            with open(path, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                    raise ConfigError(
+                        f"{path}: changed since it was saved (its SHA-256 differs from the one layer {layer} "
+                        "recorded); run without --resume to start over"
+                    )
+        return listed
 
     def _read(self, path: str, device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A saved file's tensors and metadata, refused when another run saved it or it is damaged."""
@@ -217,16 +250,17 @@ class WorkDir:
 
     def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None, folds=None) -> LayerState:
         tensors, metadata = self._read(self._file(layer), device)
+        self.side_files = self._vouched(layer, metadata)
         load_stats(cal, tensors)
         if folds is not None:
-            for done in self._saved_layers(AWQ_FILE, layer):
+            for done in self._saved_layers(AWQ_FILE):
                 folds.load(self._read(self._awq_file(done), "cpu")[0])
             self.awq_saved = set(folds.tensors())
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
         if gptq is not None:
-            for done in self._saved_layers(GPTQ_FILE, layer):
+            for done in self._saved_layers(GPTQ_FILE):
                 gptq.load(self._read(self._gptq_file(done), "cpu")[0])
             self.gptq_saved = gptq.modules()
         if self.state.rank == 0:
@@ -242,6 +276,7 @@ class WorkDir:
             return
         marker = os.path.join(self.path, MARKER)
         created = read_marker(marker).get("created") is True
+        workdir_lock.release(self.path, self.lock)
         if os.path.isfile(marker):
             os.remove(marker)
         if created:

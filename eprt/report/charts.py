@@ -14,6 +14,10 @@ import re
 # an expert marked on the heatmap: (marker, colour, what it means)
 UNREACHED = ("x", "#d62728", "no calibration token")
 MAX_ROUNDING = ("o", "#1f77b4", "GPTQ kept max rounding")
+# beyond so many marked experts, each is a coloured cell rather than a marker: an SVG marker is a
+# path of its own (65536 of them made a 16 MB page), a cell is a pixel of the embedded image
+MAX_MARKERS = 4096
+MAX_LABELS = 64
 
 
 def available() -> bool:
@@ -56,7 +60,7 @@ def expert_tokens(experts: list[dict]) -> str:
     """Layers x experts heatmap of the calibration tokens the router sent each expert, the experts
     that got none marked with a cross, and those GPTQ left at max rounding with a circle."""
     import numpy as np
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm, to_rgba
     from matplotlib.figure import Figure
 
     tokens = np.array([e["tokens"] for e in experts], dtype=float)
@@ -74,7 +78,12 @@ def expert_tokens(experts: list[dict]) -> str:
     fig.colorbar(image, ax=ax, label="calibration tokens")
     for (marker, colour, meaning), key in ((UNREACHED, "unreached"), (MAX_ROUNDING, "gptq_max_rounding")):
         points = [(x, y) for y, e in enumerate(experts) for x in e[key]]
-        if points:
+        if len(points) > MAX_MARKERS:  # one cell each, drawn into the image: the SVG stays its size
+            cells = np.zeros((rows, cols, 4))
+            cells[tuple(zip(*((y, x) for x, y in points)))] = to_rgba(colour)
+            ax.imshow(cells, aspect="auto", interpolation="nearest")
+            ax.scatter([], [], marker="s", color=colour, label=meaning)
+        elif points:
             # a cross is all edge; a circle is hollow, so the cell's colour shows through
             ax.scatter(
                 [p[0] for p in points],
@@ -84,10 +93,29 @@ def expert_tokens(experts: list[dict]) -> str:
                 label=meaning,
                 **({"color": colour} if marker == "x" else {"facecolors": "none", "edgecolors": colour}),
             )
-    ax.set_yticks(range(rows), [short_module(e["module"]) for e in experts])
+    every = -(-rows // MAX_LABELS)  # a label per row up to MAX_LABELS rows (each is many SVG paths)
+    ax.set_yticks(range(0, rows, every), [short_module(e["module"]) for e in experts[::every]])
     ax.set_xlabel("expert")
     if any(e["unreached"] or e["gptq_max_rounding"] for e in experts):
         ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, frameon=False)
+    return _svg_uri(fig)
+
+
+def expert_errors(rows: list[tuple[str, list[float | None]]]) -> str:
+    """Layers x experts heatmap of each routed expert's relative error (module -> errors, None:
+    no held-out token reached it, left blank), beside the token map."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    errors = np.array([[np.nan if e is None else e for e in errs] for _, errs in rows], dtype=float)
+    count, cols = errors.shape
+    fig = Figure(figsize=(min(2 + cols * 0.25, 16), min(1.5 + count * 0.35, 12)))
+    ax = fig.add_subplot()
+    image = ax.imshow(errors, aspect="auto", cmap="magma", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="relative error")
+    every = -(-count // MAX_LABELS)
+    ax.set_yticks(range(0, count, every), [short_module(m) for m, _ in rows[::every]])
+    ax.set_xlabel("expert")
     return _svg_uri(fig)
 
 

@@ -20,9 +20,9 @@ h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 2em; border-bottom:
 table { border-collapse: collapse; margin: 0.5em 0 1em; } caption { text-align: left; font-weight: 600; }
 td, th { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
-.side { display: flex; flex-wrap: wrap; gap: 2em; } .side > div { flex: 1 1 30em; min-width: 0; overflow-x: auto; }
+.side { display: flex; flex-wrap: wrap; gap: 2em; } .side > div { flex: 1 1 30em; }
 img.chart { max-width: 100%; } pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; }
-.note { color: #555; font-style: italic; }
+.note { color: #555; font-style: italic; } .warning { color: #a00; font-weight: 600; }
 """
 NOT_RECORDED = "not recorded in this report (written by an eprt that did not record it)"
 
@@ -36,7 +36,7 @@ def number(value: float | int | None, key: str = "", digits: int = 4) -> str:
     if value is None:
         return '<td class="n">-</td>'
     shown = f"{value:.{digits}g}" if isinstance(value, float) else str(value)
-    return f'<td class="n" data-key="{esc(key)}" data-value="{esc(repr(value))}">{shown}</td>'
+    return f'<td class="n" data-key="{esc(key)}" data-value="{esc(repr(value))}">{esc(shown)}</td>'
 
 
 def table(header: list[str], rows: list[list[str]], caption: str = "", cls: str = "") -> str:
@@ -67,6 +67,59 @@ def side_by_side(reports: list[tuple[str, dict]], part: Callable[[int, str, dict
 
 
 # --- the sections -----------------------------------------------------------------------------------
+
+
+def model_name(r: dict) -> str:
+    """The model a report measured, in words (its identity: eprt.quant.ptq.model_identity)."""
+    m = r.get("model")
+    if m is None:
+        return "model not recorded"
+    return f"{m.get('name') or m['model_type']} ({m['model_type']}, manifest {m['manifest_sha256'][:12]})"
+
+
+# what tells runs apart: (column, the value of a report)
+RUN_SETTINGS = (
+    ("model", model_name),
+    ("recipe", lambda r: (r.get("recipe") or {}).get("name", "-")),
+    ("algorithm", lambda r: (r.get("calibration") or {}).get("algorithm", "-")),
+    ("calibration data", lambda r: (r.get("calibration") or {}).get("data", "-")),
+    ("sequences x length", lambda r: "{samples} x {seq_len}".format(**r["calibration"]) if "calibration" in r else "-"),
+    ("bits per parameter", lambda r: f"{r['size']['bits_per_parameter']:.4g}" if "size" in r else "-"),
+)
+
+
+def runs_section(reports: list[tuple[str, dict]]) -> str:
+    """A comparison: a row per run (what it was and its headline numbers), the settings that differ
+    between the runs, and a warning where the runs are not of one model."""
+    rows = [
+        [
+            text(label),
+            *(text(get(r)) for _, get in RUN_SETTINGS),
+            number(r["kl_mean"], "kl_mean"),
+            number(r["top1_agreement"], "top1_agreement"),
+            number(r["perplexity"]["quantized"], "perplexity.quantized"),
+        ]
+        for label, r in reports
+    ]
+    out = table(
+        ["run", *(name for name, _ in RUN_SETTINGS), "KL mean", "top-1 agreement", "perplexity, quantized"],
+        rows,
+        cls="runs",
+    )
+    differ = [name for name, get in RUN_SETTINGS if len({get(r) for _, r in reports}) > 1]
+    out += f'<p class="note" id="differences">{esc("differ: " + ", ".join(differ) if differ else "the runs differ in no setting shown")}</p>'
+    models = {(r.get("model") or {}).get("manifest_sha256") for _, r in reports}
+    if len(models) > 1 or None in models:
+        out += (
+            '<p class="warning" id="different-models">'
+            + esc(
+                "These runs are not known to be of one model ("
+                + "; ".join(f"{label}: {model_name(r)}" for label, r in reports)
+                + "): their numbers do not compare."
+            )
+            + "</p>"
+        )
+    return out
 
 
 def headline(reports: list[tuple[str, dict]]) -> str:
@@ -124,6 +177,13 @@ def experts_section(draw: bool) -> Callable[[int, str, dict], str]:
         out = (
             chart(charts.expert_tokens(experts), f"chart-experts-{i}", "calibration tokens per expert") if draw else ""
         )
+        errors = [(m, errs) for x in r["layers"] for m, errs in x.get("expert_errors", {}).items()]
+        if draw and errors:  # the layer x expert error map beside the token map
+            out = (
+                f'<div class="side"><div>{out}</div><div>'
+                f"{chart(charts.expert_errors(errors), f'chart-expert-errors-{i}', 'relative error per expert')}"
+                "</div></div>"
+            )
         rows = []
         for e in experts:
             if e["unreached"]:
@@ -170,7 +230,7 @@ def recipe_section(_i: int, _label: str, r: dict) -> str:
     recipe = r["recipe"]
     rows = [
         [text(g["group"]), text(g["format"]), text(g["algorithm"]), number(g["modules"], "modules")]
-        for g in r["groups"]
+        for g in r.get("groups", [])
     ]
     head = (
         f"<p>recipe <b>{esc(recipe['name'])}</b>; KV cache: {esc(recipe.get('kv_cache') or 'unquantized')}"
@@ -182,7 +242,24 @@ def recipe_section(_i: int, _label: str, r: dict) -> str:
             f"<p>chosen by --auto-quantize {s['budget_bits']:.4g} bits: {s['effective_bits']:.4g} effective bits per "
             f"active parameter, KL estimated {s['estimated_kl']:.4g}, measured {s['measured_kl']:.4g}</p>"
         )
-    return head + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
+    return head + size_table(r) + table(["module group", "format", "algorithm", "modules"], rows, cls="groups")
+
+
+# the size the recipe gives the decoder layers' Linear weights (eprt.quant.size): (row, key)
+SIZE_ROWS = (
+    ("parameters", "linear_parameters"),
+    ("bytes, bf16", "bytes_unquantized"),
+    ("bytes, quantized", "bytes_quantized"),
+    ("bits per parameter", "bits_per_parameter"),
+    ("bits per active parameter", "bits_per_active_parameter"),
+)
+
+
+def size_table(r: dict) -> str:
+    if "size" not in r:
+        return f'<p class="note">size: {NOT_RECORDED}</p>'
+    rows = [[text(name), number(r["size"][key], key)] for name, key in SIZE_ROWS]
+    return table(["decoder Linear weights", ""], rows, cls="size")
 
 
 def data_section(_i: int, _label: str, r: dict) -> str:
@@ -239,7 +316,8 @@ def render(reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
             '"eprt[report]"); every number is in the tables.</p>'
         )
     )
-    sections = [
+    sections = [("runs", "Runs compared", runs_section(reports))] if len(reports) > 1 else []
+    sections += [
         ("headline", "Headline", headline(reports)),
         ("layers", "Relative error per layer", layer_section(reports, draw)),
         ("modules", "The modules that contribute most, per layer", side_by_side(reports, worst_modules)),
@@ -250,8 +328,9 @@ def render(reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
     ]
     body = "".join(f'<section id="{key}"><h2>{esc(name)}</h2>{content}</section>' for key, name, content in sections)
     notes = "".join(f"<li>{esc(n)}</li>" for n in reports[0][1].get("notes", []))
+    model = f'<p id="model">{esc(model_name(reports[0][1]))}</p>' if len(reports) == 1 else ""
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
-        f'<body><h1>{esc(title)}</h1>{no_charts}{body}<ul class="note">{notes}</ul></body></html>\n'
+        f'<body><h1>{esc(title)}</h1>{model}{no_charts}{body}<ul class="note">{notes}</ul></body></html>\n'
     )

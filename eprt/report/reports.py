@@ -11,23 +11,14 @@ import os
 
 from eprt.errors import ConfigError
 from eprt.report.page import render
-from eprt.storage.bounded import read_json_object
+from eprt.report.schema import MAX_REPORT_BYTES, Refused, read_report_json
+from eprt.storage.atomic import write_file
+from eprt.storage.bounded import parse_json, read_bounded, read_json_object
 from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY
 from eprt.storage.paths import resolve_inside
 
 WAY_OUT = "give an export, a calibrated checkpoint or an eprt quality report's JSON"
-# what a page cannot be drawn without: (key path, type)
-REQUIRED = (
-    (("kl_mean",), float),
-    (("kl_p99",), float),
-    (("top1_agreement",), float),
-    (("perplexity", "unquantized"), float),
-    (("perplexity", "quantized"), float),
-    (("eval", "tokens"), int),
-    (("eval", "data"), str),
-    (("layers",), list),
-)
 
 
 def report_path(path: str) -> str:
@@ -51,26 +42,18 @@ def report_path(path: str) -> str:
 
 
 def read_report(path: str) -> tuple[str, dict]:
-    """(the report's JSON file, the report), refused by name unless it holds what a page shows."""
+    """(the report's JSON file, the report as the schema reads it), refused by name unless it is one
+    (eprt.report.schema)."""
     where = report_path(path)
-    report = read_json_object(where, WAY_OUT)
-    for keys, kind in REQUIRED:
-        value = report
-        for k in keys:
-            value = value.get(k) if isinstance(value, dict) else None
-        if not isinstance(value, kind) and not (kind is float and type(value) is int):
-            raise ConfigError(
-                f"{where}: {'.'.join(keys)} is missing or not a {kind.__name__}: not an eprt quality report; {WAY_OUT}"
-            )
-    for i, layer in enumerate(report["layers"]):
-        if not (
-            isinstance(layer, dict)
-            and isinstance(layer.get("layer"), int)
-            and isinstance(layer.get("relative_error"), (int, float))
-            and isinstance(layer.get("top"), list)
-        ):
-            raise ConfigError(f"{where}: layers[{i}] is not a layer of an eprt quality report; {WAY_OUT}")
-    return where, report
+    return where, checked(parse_json(read_bounded(where, MAX_REPORT_BYTES, WAY_OUT), where, WAY_OUT), where)
+
+
+def checked(report, where: str) -> dict:
+    """`report` as the schema reads it, or a ConfigError naming `where` and the key it refuses."""
+    try:
+        return read_report_json(report)
+    except Refused as e:
+        raise ConfigError(f"{where}: {e.at or 'the report'} {e.what}: not an eprt quality report; {WAY_OUT}") from None
 
 
 def same_held_out(reports: list[tuple[str, dict]]) -> None:
@@ -101,9 +84,6 @@ def page_path(json_path: str) -> str:
 
 
 def write_page(path: str, reports: list[tuple[str, dict]], draw: bool | None = None) -> str:
-    """Write the page of `reports` to `path` whole or not at all (a temp file renamed); returns `path`."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render(reports, draw))
-    os.replace(tmp, path)
+    """Write the page of `reports` to `path` whole or not at all (eprt.storage.atomic); returns `path`."""
+    write_file(path, render(reports, draw), "the report's page", "name another page with --out")
     return path

@@ -11,6 +11,14 @@ not create: its temp directory and the old output it replaces get names unique t
 that is killed leaves its hidden `.OUT.partial-*` behind, for the user to remove. The whole
 directory is synced once, before the rename; a writer meanwhile has the disk write what it wrote
 (eprt.storage.safetensors_io.SYNC_BEHIND_BYTES), so little is left for that sync.
+
+Every file eprt writes, inside such a directory or on its own (a report's page, a work file, a
+launcher's verdict), goes through one primitive, `atomic_file` (or `replacing`, for a writer that
+takes a path): the bytes go to a new file beside the target, created exclusively and without
+following a link (`new_file`: O_EXCL | O_NOFOLLOW), synced, then renamed over the target. A rename
+replaces a link at the target rather than writing through it, so a crafted `page.html.tmp ->
+~/.ssh/authorized_keys` (or a link at the target itself) is never written through. A write the
+file system refuses names its path; whatever fails, the new file is removed.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import os
 import secrets
 import shutil
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 from eprt.errors import EprtError, OutputExistsError
 from eprt.storage.paths import check_relative, hf_cache_blobs, resolve_inside, within
@@ -42,7 +52,25 @@ def check_output_dir(out: str, overwrite: bool, inputs: tuple[str, ...] = ()) ->
             raise OutputExistsError(f"output {out} exists and is not a directory")
         if os.listdir(out) and not overwrite:
             raise OutputExistsError(f"output {out} exists and is not empty; pass --overwrite to replace it")
+    check_writable(out)
     return out
+
+
+def check_writable(out: str) -> None:
+    """Refuse, before any work, an output the file system will not let this run write: a directory
+    is made and removed where the output's temp directory will be (in its nearest existing parent,
+    as `atomic_output_dir` makes the missing ones)."""
+    parent = os.path.dirname(out)
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    probe = unique_sibling(os.path.join(parent, os.path.basename(out)), "probe")
+    with naming_refused_writes(out, f"the output {out}", "write the output elsewhere"):
+        try:
+            os.mkdir(probe)
+        except OSError as e:
+            e.filename = out  # the user knows the output by its own name
+            raise
+        os.rmdir(probe)
 
 
 def read_dirs(inputs: tuple[str, ...]) -> list[str]:
@@ -57,8 +85,10 @@ def read_dirs(inputs: tuple[str, ...]) -> list[str]:
 
 
 def unique_sibling(out: str, kind: str) -> str:
-    """A hidden name beside `out` that no other run picks: `.NAME.KIND-PID-RANDOM`."""
-    parent, name = os.path.split(os.path.realpath(out))
+    """A hidden name beside `out` that no other run picks: `.NAME.KIND-PID-RANDOM` (beside a link
+    itself, not its target)."""
+    parent, name = os.path.split(os.path.abspath(out))
+    parent = os.path.realpath(parent)
     return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
@@ -93,6 +123,61 @@ def naming_refused_writes(path: str, what: str, elsewhere: str):
         ) from None
 
 
+def new_file(path: str, mode: str = "wb", buffering: int = -1) -> IO:
+    """`path` opened for writing as a file this call creates: refused (FileExistsError, or ELOOP
+    for a link) where anything, a link included, is there already, so no write lands elsewhere."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        return open(fd, mode, buffering=buffering, **({} if "b" in mode else {"encoding": "utf-8"}))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextmanager
+def replacing(path: str, what: str = "a file", elsewhere: str = "write it elsewhere") -> Iterator[str]:
+    """Yields a new name beside `path` for the writer to create (with `new_file`); once it returns, the
+    file is synced and renamed over `path`. `path` may not be a directory; a write the file system
+    refuses names `path` and `what` it was, with the way out (`elsewhere`); on any error the new
+    file is removed."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise EprtError(f"{path} is a directory; name a file to write {what} to")
+    tmp = unique_sibling(path, "partial")
+    try:
+        with naming_refused_writes(path, what, elsewhere):
+            try:
+                yield tmp
+                fsync_path(tmp)
+                os.rename(tmp, path)  # replaces a link at `path` itself, never its target
+                fsync_path(os.path.dirname(os.path.abspath(path)))
+            except OSError as e:
+                if e.filename == tmp:  # the user knows the file by its own name
+                    e.filename = path
+                raise
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+@contextmanager
+def atomic_file(
+    path: str, mode: str = "w", what: str = "a file", elsewhere: str = "write it elsewhere"
+) -> Iterator[IO]:
+    """`path` written whole or not at all (`replacing`): yields the new file, open in `mode` ("w", UTF-8 text, or "wb")."""
+    with replacing(path, what, elsewhere) as tmp, new_file(tmp, mode) as f:
+        yield f
+
+
+def write_file(path: str, data: str | bytes, what: str = "a file", elsewhere: str = "write it elsewhere") -> None:
+    """`data` as the whole of `path` (`atomic_file`)."""
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w", what, elsewhere) as f:
+        f.write(data)
+
+
 def fsync_path(path: str) -> None:
     """Make a file's bytes, or a directory's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -103,10 +188,15 @@ def fsync_path(path: str) -> None:
 
 
 def sync_tree(root: str) -> None:
-    """fsync every file and directory under `root`: what was written there is on disk."""
+    """fsync every file and directory under `root`: what was written there is on disk. A file gone
+    by the time it is reached was another rank's new file, synced by its writer and renamed
+    (`replacing`) meanwhile: its new name is synced by whoever reaches it."""
     for d, _, files in os.walk(root):
         for name in files:
-            fsync_path(os.path.join(d, name))
+            try:
+                fsync_path(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
         fsync_path(d)
 
 
@@ -117,7 +207,16 @@ def copy_files(src_dir: str, files: list[str], dst_dir: str) -> None:
         src = resolve_inside(src_dir, rel, f"{src_dir} (a file to copy)")
         dst = os.path.join(dst_dir, check_relative(rel, f"{src_dir} (a file to copy)"))
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.copyfile(src, dst)
+        copy_file(src, dst)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """`src`'s bytes as `dst`, written as every file is (`atomic_file`)."""
+    with open(src, "rb") as s, atomic_file(dst, "wb") as d:
+        shutil.copyfileobj(s, d, COPY_CHUNK)
+
+
+COPY_CHUNK = 1 << 20
 
 
 def publish(tmp: str, out: str, overwrite: bool = False) -> None:

@@ -9,9 +9,12 @@ one EprtError naming the file and what was wrong.
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+import stat
+from typing import IO, Any
 
 from eprt.errors import ConfigError, EprtError
+from eprt.units import format_bytes
 
 
 def parse_json(data: bytes | str, where: str, way_out: str, error: type[EprtError] = ConfigError) -> Any:
@@ -26,6 +29,29 @@ def parse_json(data: bytes | str, where: str, way_out: str, error: type[EprtErro
         raise error(
             f"{where}: nested too deeply to be read (thousands of levels of lists or objects); {way_out}"
         ) from None
+
+
+def open_regular(path: str, way_out: str, error: type[EprtError] = ConfigError) -> IO[bytes]:
+    """`path` open for reading, refused unless it is a regular file: a FIFO or a device would block
+    or never end (opened without blocking, then checked, so a FIFO cannot hold the open)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path}: not a regular file (a pipe, device or socket); {way_out}")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str, most: int, way_out: str, error: type[EprtError] = ConfigError) -> bytes:
+    """The bytes of the regular file `path`, refused by name where it holds more than `most`."""
+    with open_regular(path, way_out, error) as f:
+        data = f.read(most + 1)
+    if len(data) > most:
+        raise error(f"{path}: larger than {format_bytes(most)}, the most eprt reads of such a file; {way_out}")
+    return data
 
 
 def read_json(path: str, way_out: str, error: type[EprtError] = ConfigError) -> Any:

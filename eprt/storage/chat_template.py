@@ -11,29 +11,37 @@ the sandbox's default answer, an empty value, would hide the attempt.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Callable
 
 from eprt.errors import ConfigError
-from eprt.storage.bounded import read_json_object
+from eprt.storage.bounded import read_bounded, read_json_object
 from eprt.storage.hf_files import CHAT_TEMPLATE, TOKENIZER_CONFIG
+from eprt.storage.paths import resolve_inside
+from eprt.storage.template_bounds import MAX_VALUE_CHARS
 
 # a rendered conversation longer than this is refused: a template's loops cannot fill the memory
-MAX_RENDERED_CHARS = 1 << 24
+MAX_RENDERED_CHARS = MAX_VALUE_CHARS
+MAX_TEMPLATE_BYTES = 1 << 20  # released templates are a few KiB
+
+
+def checkpoint_file(hf_dir: str, name: str) -> str:
+    """The path of the checkpoint's file `name`, once it is known to resolve inside `hf_dir`
+    (eprt.storage.paths: a link out of the checkpoint is refused, as convert and export refuse it)."""
+    return resolve_inside(hf_dir, name, f"{hf_dir} ({name})")
 
 
 def template_source(hf_dir: str) -> tuple[str, str] | None:
     """(the template, where it was read) of the checkpoint in `hf_dir`, or None when it has none."""
-    jinja = os.path.join(hf_dir, CHAT_TEMPLATE)
-    if os.path.isfile(jinja):
-        with open(jinja, "rb") as f:
-            try:
-                return f.read().decode("utf-8"), jinja
-            except UnicodeDecodeError as e:
-                raise ConfigError(
-                    f"{jinja}: not UTF-8 text (byte {e.start}); fix the template in the source "
-                    "checkpoint and convert again"
-                ) from None
-    config_path = os.path.join(hf_dir, TOKENIZER_CONFIG)
+    jinja = checkpoint_file(hf_dir, CHAT_TEMPLATE)
+    if os.path.lexists(jinja):
+        data = read_bounded(jinja, MAX_TEMPLATE_BYTES, "fix the template in the source checkpoint and convert again")
+        try:
+            return data.decode("utf-8"), jinja
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{jinja}: not UTF-8 text (byte {e.start}); fix the template in the source checkpoint and convert again"
+            ) from None
+    config_path = checkpoint_file(hf_dir, TOKENIZER_CONFIG)
     if not os.path.isfile(config_path):
         return None
     template = read_json_object(config_path, "fix the file in the source checkpoint and convert again").get(
@@ -54,7 +62,7 @@ def template_source(hf_dir: str) -> tuple[str, str] | None:
 
 def special_tokens(hf_dir: str) -> dict[str, str]:
     """The bos/eos/pad/unk token strings templates refer to, from tokenizer_config.json."""
-    config_path = os.path.join(hf_dir, TOKENIZER_CONFIG)
+    config_path = checkpoint_file(hf_dir, TOKENIZER_CONFIG)
     if not os.path.isfile(config_path):
         return {}
     config = read_json_object(config_path, "fix the file in the source checkpoint and convert again")
@@ -79,11 +87,9 @@ def chat_renderer(hf_dir: str, data: str) -> Callable[[list, str], str]:
         )
     source, origin = found
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+    from jinja2.sandbox import SecurityError
 
-    class Sandbox(ImmutableSandboxedEnvironment):
-        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__}")
+    from eprt.storage.template_bounds import Sandbox, Unbounded, deadline
 
     def raise_exception(message: str) -> None:  # templates call it to reject a conversation they cannot render
         raise jinja2.TemplateError(message)
@@ -102,14 +108,21 @@ def chat_renderer(hf_dir: str, data: str) -> Callable[[list, str], str]:
     def render(messages: list, where: str) -> str:
         pieces, size = [], 0
         try:  # streamed, so a template that loops out of bounds stops at the limit
-            for piece in template.generate(messages=messages, add_generation_prompt=False, **tokens):
-                size += len(piece)
-                if size > MAX_RENDERED_CHARS:
-                    raise ConfigError(
-                        f"{where}: the chat template of {origin} renders more than "
-                        f"{MAX_RENDERED_CHARS} characters; split the conversation or fix the template"
-                    )
-                pieces.append(piece)
+            with deadline():
+                for piece in template.generate(messages=messages, add_generation_prompt=False, **tokens):
+                    size += len(piece)
+                    if size > MAX_RENDERED_CHARS:
+                        raise ConfigError(
+                            f"{where}: the chat template of {origin} renders more than "
+                            f"{MAX_RENDERED_CHARS} characters; split the conversation or fix the template"
+                        )
+                    pieces.append(piece)
+        except (Unbounded, RecursionError) as e:
+            what = e if isinstance(e, Unbounded) else "recursed past the interpreter's depth limit"
+            raise ConfigError(
+                f"{origin}: the chat template {what} while rendering {where}; refused: use the model's "
+                "published template"
+            ) from None
         except SecurityError as e:
             raise ConfigError(
                 f"{origin}: the chat template tried to reach Python ({e}) while rendering {where}; "

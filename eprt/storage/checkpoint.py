@@ -45,6 +45,7 @@ from eprt.config import ModelConfig
 from eprt.errors import CheckpointError, ConfigError
 from eprt.layout import TensorSpec
 from eprt.storage import encodings
+from eprt.storage.atomic import atomic_file
 from eprt.storage.bounded import read_json_object
 from eprt.storage.paths import check_relative, resolve_inside
 from eprt.storage.safetensors_io import MAX_HEADER, SAFETENSORS_DTYPES, SafetensorsFile, dtype_name
@@ -204,8 +205,7 @@ def manifest(
 
 
 def write_manifest(directory: str, m: dict) -> None:
-    path = os.path.join(directory, MANIFEST)
-    with open(path, "w") as f:
+    with atomic_file(os.path.join(directory, MANIFEST)) as f:
         json.dump(m, f, indent=1)
 
 

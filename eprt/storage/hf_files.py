@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from eprt.storage.atomic import atomic_file
+
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER = "tokenizer.json"
@@ -68,5 +70,5 @@ def write_index(directory: str, weight_map: dict[str, str], total_size: int) -> 
 
 
 def write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
+    with atomic_file(path) as f:
         json.dump(data, f, indent=2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt.errors import CheckpointError
+from eprt.storage.atomic import new_file
 from eprt.storage.bounded import parse_json
 
 # safetensors' dtype codes in headers and manifests ("BF16") -> torch dtypes
@@ -241,7 +242,7 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the library writes it
         # unbuffered: tensor writes are large, and copy_range appends through the same descriptor
-        self._f = open(path, "wb", buffering=0)
+        self._f = new_file(path, "wb", buffering=0)  # a new file, never written through a link
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._buffer = bytearray()  # small tensors' bytes not yet written
         self._next, self._pending = 0, 0

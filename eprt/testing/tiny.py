@@ -8,13 +8,13 @@ import os
 import re
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from eprt.families import Family, parse_hf_config, reader_for
 from eprt.layout import Layout, TensorSpec, plain
-from eprt.storage.atomic import atomic_output_dir, copy_files
+from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import expand_blocks, matches
-from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index
+from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")  # package data
 TOKENIZER_FILES = [TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG]
@@ -173,18 +173,17 @@ def make_tiny(
     names = list(tensors)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(TINY_DIR,)) as tmp:
         if shards == 1:
-            save_file(tensors, os.path.join(tmp, SINGLE), metadata={"format": "pt"})
+            write_file(os.path.join(tmp, SINGLE), save(tensors, metadata={"format": "pt"}))
         else:
             weight_map = {}
             per = -(-len(names) // shards)
             for i in range(shards):
                 fname = shard_name(i, shards)
                 part = {n: tensors[n] for n in names[i * per : (i + 1) * per]}
-                save_file(part, os.path.join(tmp, fname), metadata={"format": "pt"})
+                write_file(os.path.join(tmp, fname), save(part, metadata={"format": "pt"}))
                 weight_map.update({n: fname for n in part})
             write_index(tmp, weight_map, sum(t.numel() * t.element_size() for t in tensors.values()))
-        with open(os.path.join(tmp, CONFIG), "w") as f:
-            json.dump(hf, f, indent=2)
+        write_json(os.path.join(tmp, CONFIG), hf)
         copy_files(TINY_DIR, TOKENIZER_FILES, tmp)
     return out
 

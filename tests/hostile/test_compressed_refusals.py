@@ -19,7 +19,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.testing.tiny import compress_weight, make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import SOURCE_FORMATS, compress_weight, encode_source, make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import tree_digest  # noqa: E402
 
 KIMI_K2 = dict(model_type="kimi_k2", num_nextn_predict_layers=0)
@@ -32,7 +32,13 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("refusals")
     int4 = make_tiny("deepseek_v3", str(root / "int4"), source_format="int4", **KIMI_K2)
     fp8 = make_tiny("deepseek_v3", str(root / "fp8"), source_format="fp8-block", hidden_size=192)
-    return {"int4": int4, "fp8": fp8, "int4-ck": convert_hf(int4, str(root / "int4-ck"), progress=False)}
+    plain = make_tiny("deepseek_v3", str(root / "plain"), hidden_size=192)
+    return {
+        "int4": int4,
+        "fp8": fp8,
+        "plain": plain,
+        "int4-ck": convert_hf(int4, str(root / "int4-ck"), progress=False),
+    }
 
 
 def edit_config(src, fn):
@@ -79,6 +85,30 @@ def decompress_module(tensors, qc, module):
     tensors[f"{module}.weight"] = BaseCompressor.get_value_from_registry(qc["format"]).decompress(local, scheme)[
         "weight"
     ]
+
+
+def claimed(source_format: str):
+    """A breaker: config.json of a plain bf16 checkpoint claims the quantization of `source_format`."""
+
+    def claim(src):
+        path = os.path.join(src, "config.json")
+        cfg = json.load(open(path))
+        json.dump({**cfg, "quantization_config": SOURCE_FORMATS[source_format]}, open(path, "w"))
+
+    claim.__name__ = f"{source_format}_claimed_over_bf16"
+    return claim
+
+
+def one_expert_claimed(src):
+    """A plain bf16 checkpoint whose config claims MXFP4 for the routed experts, one expert's weights
+    compressed to back it and the others left plain."""
+    claimed("mxfp4")(src)
+    qc = json.load(open(os.path.join(src, "config.json")))["quantization_config"]
+
+    def compress_expert_0(tensors, _):
+        tensors.update(encode_source({k: tensors.pop(k) for k in [k for k in tensors if ".experts.0." in k]}, qc))
+
+    edit_tensors(src, compress_expert_0)
 
 
 def compressed_where_ignored(src):
@@ -131,6 +161,21 @@ def top_level_format_not_decoded(src):
 
 
 CASES = [
+    *(
+        (
+            "plain",
+            claimed(f),
+            r"config\.json \(quantization_config\): declares .* quantization, but no tensor of .* is "
+            r"stored quantized; remove quantization_config from config\.json if the weights are plain",
+        )
+        for f in ("mxfp4", "int4", "fp8-block")
+    ),
+    (
+        "plain",
+        one_expert_claimed,
+        r"model\.layers\.\d+\.mlp\.experts\.[1-9]\d*\.\w+\.weight is stored plain \(torch\.bfloat16\), but .* says "
+        r"model\.layers\.\d+\.mlp\.experts\.[1-9]\d*\.\w+ is mxfp4-pack-quantized",
+    ),
     (
         "fp8",
         per_tensor_fp8,
@@ -162,8 +207,8 @@ CASES = [
     (
         "int4",
         one_expert_uncompressed,
-        r"stacked into 'model\.layers\.2\.mlp\.experts\.w13' disagree: "
-        r"'model\.layers\.2\.mlp\.experts\.6\.up_proj\.weight' is stored unencoded",
+        r"model\.layers\.2\.mlp\.experts\.6\.up_proj\.weight is stored plain \(torch\.bfloat16\), but .*config\.json "
+        r"\(quantization_config\) says model\.layers\.2\.mlp\.experts\.6\.up_proj is pack-quantized \(group_0\)",
     ),
     (
         "int4",

@@ -213,6 +213,12 @@ def test_ctrl_c_ends_every_rank_and_removes_the_partial_output(tmp_path, agents)
     logs = _logs(tmp_path)
     assert took < INTERRUPT_BOUND_S, logs
     assert _left_behind(tmp_path, [p for pair in ranks.values() for p in pair]) == ([], []), logs
+    # each rank says one line, naming the signal, and no traceback of its own (torchrun's agent
+    # prints its own on SIGINT, from torch's code)
+    for rank in range(2):
+        assert logs.count(f"(rank {rank} of 2)") == 1, logs
+        assert f"interrupted (rank {rank} of 2): stopped by SIGINT" in logs, logs
+    assert f'File "{REPO}/eprt/' not in logs and "test_hostile_ranks.py" not in logs, logs
 
 
 if __name__ == "__main__":

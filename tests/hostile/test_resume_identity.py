@@ -178,19 +178,24 @@ def test_a_work_file_is_durable_before_it_replaces_the_previous_layer(made, tmp_
     before the previous layer's file is removed: a crash at any moment leaves a whole layer."""
     ck, recipe, calib = setup(made, tmp_path)
     events = []
-    fsync, replace, remove = os.fsync, os.replace, os.remove
+    fsync, rename, remove = os.fsync, os.rename, os.remove
     monkeypatch.setattr(
         os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1]
     )
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), rename(a, b))[1])
     monkeypatch.setattr(os, "remove", lambda p: (events.append(("remove", str(p))), remove(p))[1])
     out = tmp_path / "q"
     stopped_after_layer(args(ck, out, recipe, calib), 1)
     rank_dir = os.path.realpath(f"{out}.work/rank-00000")
     layer = lambda i: os.path.join(rank_dir, f"layer-{i:05d}.safetensors")  # noqa: E731
-    for i in (0, 1):
-        put = events.index(("replace", layer(i) + ".partial", layer(i)))
-        assert ("fsync", layer(i) + ".partial") in events[:put], i
+
+    def put(i):  # where the layer's file took its name, from the new file written beside it
+        [(at, partial)] = [(n, e[1]) for n, e in enumerate(events) if e[0] == "rename" and e[2] == layer(i)]
+        assert os.path.basename(partial).startswith(f".layer-{i:05d}.safetensors.partial-")
+        assert ("fsync", partial) in events[:at], i
+        return at
+
+    put(0)
     dropped = events.index(("remove", layer(0)))
-    put = events.index(("replace", layer(1) + ".partial", layer(1)))
-    assert ("fsync", rank_dir) in events[put:dropped]
+    renamed = put(1)
+    assert ("fsync", rank_dir) in events[renamed:dropped]

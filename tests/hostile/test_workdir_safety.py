@@ -246,7 +246,7 @@ def test_a_full_disk_in_the_work_directory_names_it(ck, tmp_path, monkeypatch, c
     work = tmp_path / "scratch-disk" / "w"
     line = refusal_of(lambda: ptq(ck, str(tmp_path / "q"), work_dir=str(work)), capsys)
     assert line.startswith(
-        f"error: {work}/rank-00000/layer-00000.safetensors.partial: the disk is full writing the work directory {work}"
+        f"error: {work}/rank-00000/layer-00000.safetensors: the disk is full writing the work directory {work}"
     ), line
     assert "--work-dir" in line
     assert not os.path.exists(tmp_path / "q")
