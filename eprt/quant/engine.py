@@ -184,7 +184,7 @@ class LayerEngine:
     ):
         self.state, self.samples, self.passes, self.progress = state, samples, passes, progress
         self.ck, self.dtype, c = rc.ck, rc.dtype, rc.ck.config
-        self.rc = rc.holding(state.placement(c.num_experts).range if c.moe_layers else None)  # this rank's experts
+        self.rc = rc.holding(self.experts_held(state, c.num_experts) if c.moe_layers else None)
         self.model = checked_meta(self.rc)
         self.ck.check_decode(self.dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
@@ -194,6 +194,10 @@ class LayerEngine:
             p.own_steps() for p in passes
         )
         self.log = logger()
+
+    def experts_held(self, state: ParallelState, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the routed experts of each MoE layer this rank holds: its placement's."""
+        return state.placement(num_experts).range
 
     def _assign(self, prefix: str) -> int:
         names = [n for n in self.names if n.startswith(prefix)]
