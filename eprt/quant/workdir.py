@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from eprt.errors import ConfigError, EprtError
 from eprt.parallel import ParallelState
+from eprt.parallel.barrier import host_barrier
 from eprt.progress import logger
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.fingerprint import differences, saved_fingerprint
@@ -182,8 +183,9 @@ class WorkDir:
                 self._write(self._awq_file(layer), gained, metadata)
                 self.awq_saved |= gained.keys()
         self._write(self._file(layer), tensors, metadata)
-        # every rank now holds `layer` durably: the older files are no longer the common last layer
-        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
+        # once every rank holds `layer` durably, the older files are no longer the common last layer
+        # (a barrier on the host: on NCCL a collective does not hold the host back)
+        host_barrier(self.state, f"layer {layer} saved")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
@@ -237,7 +239,7 @@ class WorkDir:
         """Once the output is written: every rank drops its own files, then rank 0 the marker and
         the directory, where eprt made it and nothing else is left in it."""
         remove_own_files(self.mine)
-        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
+        host_barrier(self.state, "work files removed")
         if self.state.rank != 0:
             return
         marker = os.path.join(self.path, MARKER)
