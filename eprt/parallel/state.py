@@ -173,7 +173,7 @@ class ParallelState:
         signal_handlers = install_signal_handlers()
         try:
             device = _bind_device(store, rank, world, local_rank, local_world, timeout)
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = "nccl" if device.type == "cuda" and not ranks_share_gpu() else "gloo"
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore("eprt_pg", tcp_store),
@@ -461,8 +461,18 @@ def _bind_device(
     for r in range(world):
         c, lw, host = store.get(f"device/{r}").decode().split(" ", 2)
         reports.append((int(c), int(lw), host))
-    check_devices(reports)
+    if not ranks_share_gpu():
+        check_devices(reports)
     if not count:
         return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    gpu = local_rank % count
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def ranks_share_gpu() -> bool:
+    """EPRT_RANKS_SHARE_GPU=1: the ranks of a node take its GPUs in turn, several on one, over gloo,
+    which takes CUDA tensors too: every multi-rank path runs on CUDA tensors on a machine of one GPU
+    (the GPU check's layouts step). Slow (gloo copies through the host, and the ranks share the
+    GPU's memory and time): a check, never a run's setting."""
+    return os.environ.get("EPRT_RANKS_SHARE_GPU") == "1"
