@@ -36,6 +36,7 @@ from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.estimate import estimate_time  # noqa: E402
+from eprt.quant.plan import MemoryPlan  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.quant.run_args import RUN_DTYPES  # noqa: E402
 from eprt.quant.run_plan import plan_recipe, plan_run, run_shape  # noqa: E402
@@ -84,8 +85,8 @@ def warm_up(hidden: int, width: int, experts: int, topk: int, device: torch.devi
     combine(y, order, torch.rand(32, topk, device=device))
 
 
-def plan_and_estimate(state: ParallelState, a: PTQArgs) -> tuple[int, float]:
-    """The run's planned peak on its device (its baseline the memory in use now) and the dry run's
+def plan_and_estimate(state: ParallelState, a: PTQArgs) -> tuple[MemoryPlan, float]:
+    """The run's memory plan on its device (its baseline the memory in use now) and the dry run's
     estimate of its calibration time, for arguments `a`."""
     with Checkpoint(a.ckpt) as ck:
         rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
@@ -94,7 +95,7 @@ def plan_and_estimate(state: ParallelState, a: PTQArgs) -> tuple[int, float]:
         shape = run_shape(a, state, ck.config)
         with torch.inference_mode():
             estimate = estimate_time(state, rc, recipe, targets, shape, kv=True, expert_stack=plan.expert_stack)
-    return plan.peak, estimate.seconds
+    return plan, estimate.seconds
 
 
 def main() -> None:
@@ -140,7 +141,8 @@ def main() -> None:
             dtype=size.dtype,
             progress=False,
         )
-        planned, estimated = plan_and_estimate(state, args)
+        plan, estimated = plan_and_estimate(state, args)
+        planned = plan.allocated
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -185,6 +187,9 @@ def main() -> None:
         "peak_memory_bytes": peak,
         "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "RSS",
         "planned_peak_bytes": planned,
+        "planned_reserved_bytes": planned + int(planned * plan.reserve),
+        "planned_outside_allocator_bytes": plan.fixed,
+        "planned_device_peak_bytes": plan.peak,
         "measured_peak_allocated_bytes": allocated,
         "measured_peak_reserved_bytes": reserved,
         "allocator_margin_bytes": reserved - allocated,

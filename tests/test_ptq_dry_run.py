@@ -171,7 +171,8 @@ def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
     line = next(line for line in r.stdout.splitlines() if line.startswith("memory plan on cuda: rank 0 peaks at "))
     m = re.fullmatch(
         r"memory plan on cuda: rank 0 peaks at (\S+ \S+) \(layer .*, hidden states .*, step .*, "
-        r"process 0 B, GPTQ's Hessians [^,]*, quality report: .* head [^)]*\); on the host (\S+ \S+) "
+        r"process 0 B, CUDA context, cuBLAS and NCCL 832.00 MiB, the allocator's reserve [^,]*, "
+        r"GPTQ's Hessians [^,]*, quality report: .* head [^)]*\); on the host (\S+ \S+) "
         r"\(process .*, token ids .*, a tensor as read .*, GPTQ's codes (\S+ \S+)\)",
         line,
     )

@@ -184,7 +184,7 @@ def run_calibration(
                 cal.reduce(state)
             check_base_unchanged(ck, identity)
         seconds = time.perf_counter() - start + (search.seconds if kept else 0.0)
-        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
+        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.allocated))
         coverage = report_coverage(cal, state, cfg.num_experts)
         quality = report.result if report is not None else None
         if report is not None:
