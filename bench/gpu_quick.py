@@ -56,7 +56,7 @@ NOT_IN_CPU_MODE = {
     "install": "the CPU mode: a CPU machine installs eprt and its test extras with `make setup-test`",
     "kda": "the CPU mode: fla's kernels need CUDA (tests/oracles/test_kimi_models.py checks eprt's own KDA on the CPU)",
 }
-CUDA_KERNEL_TESTS = "grouped_mm or permute_and_combine"
+CUDA_KERNEL_TESTS = "grouped_mm or permute_and_combine or block_fp8"
 INTERPRETED_KERNEL_TESTS = "(triton and not without_triton) and (one_row or 7-5 or top1 or small_blocks)"
 
 

@@ -70,17 +70,18 @@ class ResolvedCheckpoint:
         under their Hugging Face names: the first of their source tensors."""
         return name if name in self.ck.tensors else self.mtp_stacked[name].sources[0]
 
-    def read(self, name: str, slot: torch.Tensor) -> torch.Tensor:
+    def read(self, name: str, slot: torch.Tensor, device=None) -> torch.Tensor:
         """Tensor `name` as stored, the part of it `slot` holds: this rank's rows of routed experts,
-        the model's leading entries of a padded tensor (Kimi-K3's A_log)."""
+        the model's leading entries of a padded tensor (Kimi-K3's A_log); a source encoding that
+        decodes anywhere decoded on `device` (eprt.storage.checkpoint.Checkpoint.read)."""
         first, count = self.expert_range
         if name in self.stacked:
-            return self.ck.read(name, rows=(first, first + count))
+            return self.ck.read(name, rows=(first, first + count), device=device)
         if name in self.mtp_stacked:
             return torch.stack([self.ck.read_expert(self.mtp_stacked[name], e) for e in range(first, first + count)])
         if slot.shape and self.ck.meta(name).shape[0] > slot.shape[0]:
-            return self.ck.read(name, rows=(0, slot.shape[0]))
-        return self.ck.read(name)
+            return self.ck.read(name, rows=(0, slot.shape[0]), device=device)
+        return self.ck.read(name, device=device)
 
 
 def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "") -> int:
@@ -90,7 +91,7 @@ def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *,
     for name in names:
         module, _, attr = name[len(prefix) :].rpartition(".")
         owner = model.get_submodule(module)
-        t = rc.read(name, getattr(owner, attr)).to(device=device, dtype=rc.run_dtype(name))
+        t = rc.read(name, getattr(owner, attr), device).to(device=device, dtype=rc.run_dtype(name))
         owner.load_state_dict({attr: t}, strict=False, assign=True)
         placed += t.numel() * t.element_size()
     return placed
