@@ -84,14 +84,18 @@ class ResolvedCheckpoint:
         return self.ck.read(name, device=device)
 
 
-def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "") -> int:
+def place_tensors(
+    rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "", read=None
+) -> int:
     """Read checkpoint tensors `names` into their places in `model` (where tensor `prefix + x` is
-    model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed."""
+    model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed.
+    `read`: the tensors already read (by name, as `rc.read` returns them), placed instead."""
     placed = 0
     for name in names:
         module, _, attr = name[len(prefix) :].rpartition(".")
         owner = model.get_submodule(module)
-        t = rc.read(name, getattr(owner, attr), device).to(device=device, dtype=rc.run_dtype(name))
+        t = read[name] if read is not None else rc.read(name, getattr(owner, attr), device)
+        t = t.to(device=device, dtype=rc.run_dtype(name))
         owner.load_state_dict({attr: t}, strict=False, assign=True)
         placed += t.numel() * t.element_size()
     return placed

@@ -23,7 +23,8 @@ report's copy of every quantized weight of the layer, which comes after it.
 A GPU rank also holds, outside torch's allocations, the CUDA context, cuBLAS's workspaces and NCCL's
 buffers, and its caching allocator reserves above what is allocated (eprt.quant.device_terms); its
 attention keeps no T x T scores. It holds host memory too, planned apart and checked against the host's own limit: the
-process, the token ids, a tensor as it is read before it moves to the device, and GPTQ's codes,
+process, the token ids, a tensor as it is read before it moves to the device, the next layer read
+ahead while one computes (eprt.quant.read_ahead), and GPTQ's codes,
 which move to the host as each layer is rounded and stay there until the output is written.
 On a CPU rank the host is the device, and those terms are in its one plan.
 """
@@ -181,15 +182,17 @@ class HostPlan:
     tokens: int  # the token ids, as read and as packed
     reading: int  # the largest tensor as read, before it moves to the device
     codes: int  # GPTQ's codes of every layer, kept until the output is written
+    ahead: int = 0  # the next layer's share, read ahead while one computes (eprt.quant.read_ahead)
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.tokens + self.reading + self.codes
+        return self.baseline + self.tokens + self.reading + self.ahead + self.codes
 
     def terms(self) -> str:
         return (
             f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
-            f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}"
+            f"{format_bytes(self.reading)}, the next layer read ahead {format_bytes(self.ahead)}, GPTQ's codes "
+            f"{format_bytes(self.codes)}"
         )
 
 
@@ -370,7 +373,8 @@ class Planner:
     def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
         """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""
         dense, experts = self.largest_read
-        return HostPlan(baseline, tokens, max(dense, experts // shape.ep), self._codes(shape.ep))
+        layer = self._layer(shape.ep)[0]
+        return HostPlan(baseline, tokens, max(dense, experts // shape.ep), self._codes(shape.ep), layer)
 
     def _codes(self, ep: int) -> int:
         """GPTQ's codes of every layer on one rank: its share of the routed experts' and every dense module's."""
