@@ -47,7 +47,7 @@ STEPS = {
     "install": (40, None),
     "kernels": (55, 60),
     "layouts": (60, 75),
-    "memory": (60, 45),
+    "memory": (90, 45),
     "gemm": (35, 30),
     "gptq": (60, 75),
     "kda": (40, None),
@@ -196,7 +196,7 @@ def main() -> int:
     p.add_argument("--rerun", action="store_true", help="run only the steps the last run's JSON has not passed")
     p.add_argument("--steps", help="run only these steps (comma-separated), in their own order")
     p.add_argument("--cap", action="append", default=[], metavar="STEP=SECONDS", help="another cap for a step")
-    p.add_argument("--budget", type=float, default=400, help="seconds for the whole check")
+    p.add_argument("--budget", type=float, default=440, help="seconds for the whole check")
     p.add_argument("--json", help="where the figures go (default $OUT/gpu-quick.json, else ./gpu-quick.json)")
     p.add_argument("--wheels", default=os.path.join(ROOT, "wheels"), help="folder of the wheels to install")
     a = p.parse_args()
