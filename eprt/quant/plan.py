@@ -24,7 +24,8 @@ A GPU rank also holds, outside torch's allocations, the CUDA context, cuBLAS's w
 buffers, and its caching allocator reserves above what is allocated (eprt.quant.device_terms); its
 attention keeps no T x T scores. It holds host memory too, planned apart and checked against the host's own limit: the
 process, the token ids, a tensor as it is read before it moves to the device, the next layer read
-ahead while one computes (eprt.quant.read_ahead), and GPTQ's codes,
+ahead while one computes (eprt.quant.read_ahead), the hidden states as a save copies them to the host
+(eprt.quant.workdir), and GPTQ's codes,
 which move to the host as each layer is rounded and stay there until the output is written.
 On a CPU rank the host is the device, and those terms are in its one plan.
 """
@@ -183,16 +184,17 @@ class HostPlan:
     reading: int  # the largest tensor as read, before it moves to the device
     codes: int  # GPTQ's codes of every layer, kept until the output is written
     ahead: int = 0  # the next layer's share, read ahead while one computes (eprt.quant.read_ahead)
+    saved: int = 0  # a save's copy of the hidden states (and streams), written to the work directory
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.tokens + self.reading + self.ahead + self.codes
+        return self.baseline + self.tokens + self.reading + self.ahead + self.saved + self.codes
 
     def terms(self) -> str:
         return (
             f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
-            f"{format_bytes(self.reading)}, the next layer read ahead {format_bytes(self.ahead)}, GPTQ's codes "
-            f"{format_bytes(self.codes)}"
+            f"{format_bytes(self.reading)}, the next layer read ahead {format_bytes(self.ahead)}, a save's copy of "
+            f"the hidden states {format_bytes(self.saved)}, GPTQ's codes {format_bytes(self.codes)}"
         )
 
 
@@ -416,6 +418,7 @@ class Planner:
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
         gpu = {} if on_cpu else {"fixed": fixed_on_gpu(world, ep), "reserve": ALLOCATOR_RESERVE}
         if not shape.eval_sequences:
+            host = replace(host, saved=hidden) if host else None
             return self._sized_stack(
                 MemoryPlan(
                     baseline + self.kernel_cache,
@@ -437,6 +440,7 @@ class Planner:
         hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         if shape.search:
             hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        host = replace(host, saved=hidden) if host else None
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
