@@ -11,7 +11,7 @@ DEMO ?= demo
 TEST_WORKERS ?= auto
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: venv setup setup-test demo test lint format gpu-check gpu-wheels
+.PHONY: venv setup setup-test demo test lint format gpu-check gpu-quick gpu-wheels
 
 # the venv, made only where PYTHON is its interpreter and it does not exist yet
 venv:
@@ -55,7 +55,18 @@ format: setup-test
 # wheels/ it needs into BASE_PYTHON itself (the GPU machine's torch), without network. Without
 # CUDA: the parts a CPU can run.
 gpu-check:
-	$(BASE_PYTHON) bench/gpu_check.py
+	$(GPU_PYTHON) bench/gpu_check.py
+
+# The quick GPU check (docs/gpu-check.md): the steps that tell most about a first GPU node, each
+# capped, in about six minutes; figures in $$OUT/gpu-quick.json after every step. GPU_QUICK_ARGS:
+# --rerun (only the steps that did not pass), --cpu (the CPU mode).
+gpu-quick:
+	$(GPU_PYTHON) bench/gpu_quick.py $(GPU_QUICK_ARGS)
+
+# The Python the GPU checks run in: BASE_PYTHON where it has torch, else the first of this venv's,
+# python3 and python that has it (a GPU image's system Python may have none).
+GPU_PYTHON ?= $(shell for p in $(BASE_PYTHON) $(PYTHON) python3 python; do \
+	$$p -c 'import torch' >/dev/null 2>&1 && { echo $$p; exit 0; }; done; echo $(BASE_PYTHON))
 
 # On a networked machine: fill wheels/ with what the GPU machine lacks (CPython 3.12, x86-64).
 gpu-wheels:

@@ -59,10 +59,13 @@ NOT_RUN = {
 # Distributions the check needs (eprt's own requirements, and pytest with its timeout plugin), and
 # those only some tests need (fla's KDA kernel, the decoding of Kimi-K3's MXFP4 experts).
 REQUIRED = ("torch", "triton", "safetensors", "tokenizers", "pyyaml", "tqdm", "numpy", "pytest", "pytest-timeout")
-OPTIONAL = ("fla-core", "compressed-tensors", "pydantic")
+OPTIONAL = ("fla-core", "einops", "compressed-tensors", "pydantic")
 
 
 class Check:
+    name = "gpu-check"
+    parts = PARTS  # part: (budget in seconds, runs with CUDA, runs without)
+
     def __init__(
         self, start: float, budget_s: float, json_path: str, cuda: bool, wheels: str, select: str | None = None
     ):
@@ -81,7 +84,7 @@ class Check:
 
     def log(self, message: str) -> None:
         now = datetime.datetime.now().strftime("%H:%M:%S")
-        print(f"[gpu-check {now} +{time.monotonic() - self.start:5.1f}s] {message}", flush=True)
+        print(f"[{self.name} {now} +{time.monotonic() - self.start:5.1f}s] {message}", flush=True)
 
     def save(self) -> None:
         self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
@@ -120,9 +123,9 @@ class Check:
     def part(self, name: str, later: list[str], body) -> None:
         """Run part `name` within its time: its own budget, plus whatever the parts before it left
         unused, never eating into the budgets of the parts `later`."""
-        budget = PARTS[name][0]
+        budget = self.parts[name][0]
         remaining = self.deadline - time.monotonic()
-        limit = min(remaining, max(budget, remaining - sum(PARTS[p][0] for p in later)))
+        limit = min(remaining, max(budget, remaining - sum(self.parts[p][0] for p in later)))
         if limit < 10:
             self.skip(name, f"the global budget of {self.report['budget_s']} s is spent")
             self.report["parts"][name]["status"] = "not_run"

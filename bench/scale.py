@@ -116,10 +116,16 @@ def timed(fn, *args, **kw) -> tuple[object, float]:
 
 
 def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """eprt name -> shape, for every tensor the family's layout gives the real config (MTP layers included)."""
+    """Stored name -> shape, for every tensor the family's layout gives the real config. The MTP layers are
+    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart."""
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
-    return {s.name: s.shape for s in (*layout.specs, *layout.mtp)}
+    shapes = {s.name: s.shape for s in layout.specs}
+    for spec in layout.mtp:
+        shapes.update(
+            {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
+        )
+    return shapes
 
 
 def inflate(ck: str, hf: dict, out: str) -> int:

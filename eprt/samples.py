@@ -23,7 +23,7 @@ import torch
 
 from eprt.data import (
     BUILTIN,
-    TOKEN_ID_FILES,
+    TOKEN_ID_KINDS,
     Calibration,
     SourceUse,
     check_sizes,
@@ -33,6 +33,7 @@ from eprt.data import (
     leading_tokens,
     load_tokenizer,
     pack,
+    source_kind,
     split_counts,
 )
 from eprt.errors import ConfigError
@@ -70,7 +71,7 @@ def read_rows(
         used.append(use)
         if n + h == 0:
             continue
-        if s.path.endswith(TOKEN_ID_FILES):
+        if source_kind(s.path) in TOKEN_ID_KINDS:
             raise ConfigError(f"--calib {s.path}: token ids hold no documents to draw rows or shuffle from")
         docs = list(documents(s.path, hf_dir, column))
         order = list(range(len(docs)))
@@ -153,7 +154,7 @@ def first_sample(calib: Sequence[str], hf_dir: str, column: str | None = None, c
     it (a conversation rendered by its chat template, refused here where it has none); None for
     token ids."""
     path = check_sources(list(calib))[0].path
-    if path.endswith(TOKEN_ID_FILES):
+    if source_kind(path) in TOKEN_ID_KINDS:
         return None
     first = next(documents(path, hf_dir, column), None)
     return None if first is None else first(chars)

@@ -28,6 +28,7 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.storage.encodings import dequantize_block_fp8  # noqa: E402
 from eprt.storage.safetensors_io import SafetensorsFile  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
@@ -219,6 +220,25 @@ def test_block_fp8_dequantizes_as_the_reference(sources):
     assert torch.equal(ck.read("model.layers.3.eh_proj.weight"), want["model.layers.3.eh_proj.weight"])
     # router, norms, embeddings and head are not FP8 in DeepSeek-V3 and stay raw
     assert not ck.meta("model.layers.1.mlp.gate.weight").encoded and not ck.meta("lm_head.weight").encoded
+
+
+@pytest.mark.parametrize("rows,cols", [(256, 384), (200, 300)], ids=["whole blocks", "partial blocks"])
+def test_block_fp8_decodes_stacked_weights_as_the_reference(rows, cols):
+    """Weights stacked along a leading dim decode each with its own blocks; where the blocks tile the
+    weight the scales multiply a blocked view in place, with the reference's bits."""
+    torch.manual_seed(0)
+    w = (torch.randn(3, rows, cols) * 4).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(3, math.ceil(rows / 128), math.ceil(cols / 128)) + 1e-3
+    want = torch.stack([reference_block_fp8(w[i], scale_inv[i]) for i in range(3)])
+    assert torch.equal(dequantize_block_fp8(w, scale_inv).view(torch.int16), want.view(torch.int16))
+
+
+def test_block_fp8_decoded_on_a_device_reads_the_same(sources):
+    """`read(..., device=)` decodes block FP8 where it is asked (the GPU's copy carries the stored bytes)."""
+    _, ck_dir = sources["fp8"]
+    with Checkpoint(ck_dir) as ck:
+        for name, rows in ((f"{MOE[0]}.w13", (3, 5)), ("model.layers.0.mlp.gate_proj.weight", None)):
+            assert torch.equal(ck.read(name, rows, device="cpu"), ck.read(name, rows))
 
 
 def rank_experts(dirs: dict[str, tuple[str, str]], ep: int) -> dict:

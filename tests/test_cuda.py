@@ -12,6 +12,7 @@ from eprt.kernels import combine, grouped_mm, permute
 from eprt.kernels.grouped_gemm import grouped_mm_loop
 from eprt.kernels.permute import combine_torch, permute_torch
 from eprt.models.kda import fla_chunk_kda, kda, kda_chunked, l2norm
+from eprt.storage.encodings import dequantize_block_fp8
 from tests.test_kernels import TOL, _assert_batch_invariant, _column_major, _misaligned, _offsets
 
 pytestmark = pytest.mark.cuda
@@ -111,6 +112,18 @@ def test_fla_chunk_kda_matches_eprt_chunked_kda(gate, record_property):
     assert got.dtype == v.dtype and got.shape == v.shape
     # fla keeps bf16 operands in its matmuls; eprt's reference is fp32 throughout.
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02 * scale)
+
+
+def test_block_fp8_decodes_on_the_gpu_as_on_the_cpu():
+    """DeepSeek-V3's expert weights decoded on the GPU (what a rank copies there is the stored fp8 and
+    its scales) are the CPU's bit for bit, whole and partial blocks."""
+    torch.manual_seed(0)
+    for rows, cols in ((4096, 7168), (7168, 2048), (200, 300)):
+        w = (torch.randn(2, rows, cols) * 4).to(torch.float8_e4m3fn)
+        scale_inv = torch.rand(2, -(-rows // 128), -(-cols // 128)) + 1e-3
+        on_gpu = dequantize_block_fp8(w.to(DEVICE), scale_inv.to(DEVICE))
+        assert on_gpu.device.type == "cuda"
+        assert torch.equal(on_gpu.cpu().view(torch.int16), dequantize_block_fp8(w, scale_inv).view(torch.int16))
 
 
 # ---------------------------------------------------------------- the pipeline on one GPU

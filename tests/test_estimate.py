@@ -3,6 +3,7 @@ seconds are those steps at the probe's measured times (no timing is asserted: be
 measures how close it comes)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -35,8 +36,19 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
         rc = ResolvedCheckpoint.of(opened, torch.float32)
         recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
         estimate = estimate_time(
-            state, rc, recipe, targets, run_shape(a, state, opened.config), kv=False, expert_stack=16
+            state,
+            rc,
+            recipe,
+            targets,
+            run_shape(a, state, opened.config),
+            kv=False,
+            expert_stack=16,
+            work_dir=str(tmp_path / "q.work"),
+            save_bytes=2**20,
         )
+    assert (
+        os.listdir(tmp_path) == []
+    )  # the saves were timed in the work directory's file system, which is left as it was
 
     counted: dict[int, tuple[bool, int]] = {}  # the run's layers: (MoE, steps the bar counted)
     run_layer = LayerEngine.run_layer
@@ -56,10 +68,12 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
     kinds = {k.kind.name: (k.kind.layers, k.kind.steps) for k in estimate.kinds}
     assert kinds == {"MoE": ((0, 2), steps), "dense-MLP": ((1,), steps)}
     assert counted == {0: (True, steps), 1: (False, steps), 2: (True, steps)}
-    assert all(k.step_s > 0 and k.layer_s >= 0 for k in estimate.kinds)
+    assert all(k.step_s > 0 and k.layer_s >= 0 and k.read_s > 0 for k in estimate.kinds)
     assert (estimate.exchange_s, estimate.exchange_steps) == (0, 0)  # a world of one exchanges nothing
+    assert estimate.saves == 3 and estimate.save_s > 0  # a save after each layer
     assert estimate.seconds == pytest.approx(
-        sum(len(k.kind.layers) * (k.kind.steps * k.step_s + k.layer_s) for k in estimate.kinds)
+        sum(len(k.kind.layers) * (k.kind.steps * k.step_s + k.layer_s + k.read_s) for k in estimate.kinds)
+        + 3 * estimate.save_s
     )
     assert math.isfinite(estimate.seconds)
 

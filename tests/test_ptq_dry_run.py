@@ -66,7 +66,8 @@ def test_dry_run_alone_and_under_torchrun(ckpts):
     # one group of 4 (tests/test_estimate.py checks the steps against a run's)
     assert re.search(
         r"\ncalibration time on cpu: rank 0 about [\d.]+ s( \(\d+ min\))? \(2 MoE x \(16 steps x [\d.e-]+ s \+ "
-        r"[\d.e-]+ s\), 1 dense-MLP x \(16 steps x [\d.e-]+ s \+ [\d.e-]+ s\); reading the layers not counted\)\n",
+        r"[\d.e-]+ s \+ reading [\d.e-]+ s\), 1 dense-MLP x \(16 steps x [\d.e-]+ s \+ [\d.e-]+ s \+ reading "
+        r"[\d.e-]+ s\), 3 saves to the work directory not counted \(no --work-dir or --out given\)\)\n",
         r.stdout,
     ), r.stdout
     assert "8 routed experts in each of MoE layers 0, 2" in r.stdout
@@ -170,7 +171,8 @@ def test_dry_run_plans_gpu_ranks_from_a_host_without_one(ckpts):
     line = next(line for line in r.stdout.splitlines() if line.startswith("memory plan on cuda: rank 0 peaks at "))
     m = re.fullmatch(
         r"memory plan on cuda: rank 0 peaks at (\S+ \S+) \(layer .*, hidden states .*, step .*, "
-        r"process 0 B, GPTQ's Hessians [^,]*, quality report: .* head [^)]*\); on the host (\S+ \S+) "
+        r"process 0 B, CUDA context, cuBLAS and NCCL 832.00 MiB, the allocator's reserve [^,]*, "
+        r"GPTQ's Hessians [^,]*, quality report: .* head [^)]*\); on the host (\S+ \S+) "
         r"\(process .*, token ids .*, a tensor as read .*, GPTQ's codes (\S+ \S+)\)",
         line,
     )

@@ -197,7 +197,9 @@ def test_gptq_codes_are_planned_at_their_formats_size_on_the_device_or_on_the_ho
     assert fp8.codes == dense + experts // 2  # a byte a weight, this rank's half of the experts
     assert nvfp4.codes == fp8.codes // 2 and nvfp4.host is None
     assert gpu.codes == 0 and gpu.host.codes == nvfp4.codes
-    assert gpu.host.peak == 100 * MiB + gpu.tokens + gpu.host.reading + gpu.host.codes
+    assert gpu.host.peak == 100 * MiB + gpu.tokens + gpu.host.reading + gpu.host.ahead + gpu.host.saved + gpu.host.codes
+    assert gpu.host.ahead == gpu.layer  # the next layer, read ahead while one computes
+    assert gpu.host.saved == gpu.hidden  # a save's copy of the hidden states on the host
 
 
 def test_a_gpu_rank_over_the_hosts_memory_is_refused_naming_the_setting_and_the_ep_that_fits(ckpt):
@@ -219,7 +221,7 @@ def test_a_gpu_rank_over_the_hosts_memory_is_refused_naming_the_setting_and_the_
             check_host_memory(planner, planner.plan(shape(1), baseline=0), limit, shape(1), 16, ranks_on_host=4)
     assert re.fullmatch(
         r"rank 0 would hold [\d.]+ MiB of host memory \(process 0 B, token ids .*, GPTQ's codes "
-        r"[\d.]+ MiB\); with the 4 ranks on its host, [\d.]+ MiB, over --max-host-memory [\d.]+ MiB: "
+        r"[\d.]+ MiB\); with the 4 ranks on its host, [\d.]+ [MG]iB, over --max-host-memory [\d.]+ [MG]iB: "
         r"use --ep 2, or fewer ranks on each host, or a host with more memory free",
         str(e.value),
     )

@@ -27,8 +27,9 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.parallel.state import check_ep
 from eprt.quant.datafree import data_free
-from eprt.quant.estimate import estimate_time
+from eprt.quant.estimate import PROBE_STEPS, estimate_time
 from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
+from eprt.quant.probe_share import RankShare, plan_probe
 from eprt.quant.ptq import gptq_formats, run_ptq
 from eprt.quant.recipe import Recipe
 from eprt.quant.run_args import RUN_DTYPES, PTQArgs
@@ -71,6 +72,11 @@ def ptq(argv: list[str] | None = None) -> int:
         )
     if a.estimate_time and not (a.dry_run and a.recipe):
         raise ConfigError("--estimate-time is for --dry-run with --recipe: the recipe sets the runs a layer takes")
+    if a.save_every < 0 or (a.resume and a.save_every == 0):
+        raise ConfigError(
+            f"--save-every {a.save_every}: give N >= 1 to save every N-th layer (0, never, saves nothing "
+            "--resume could continue from)"
+        )
     if nproc_per_node is not None:
         check_before_launch(a, nproc_per_node)
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
@@ -190,6 +196,15 @@ def dry_run(
             print(f"its export serves on: {describe_gpus(recipe.formats)}")
     if not a.estimate_time:
         return
+    with fail_together(state, "planning the time probe"):
+        share = RankShare(shape, PROBE_STEPS)
+        probe = plan_probe(planner, share, memory_in_use(device) if here else 0, current_rss(), limit)
+    if state.rank == 0:
+        print(
+            f"time probe on {device.type}: rank 0's share ({share.held(c.num_experts)[1] if c.moe_layers else 0} "
+            f"routed experts of a layer, {PROBE_STEPS} steps of {share.step_sequences} sequences) "
+            f"{probe.summary()}"
+        )
     if not here:
         if state.rank == 0:
             print(
@@ -200,7 +215,16 @@ def dry_run(
         return
     with fail_together(state, "estimating the calibration's time"):
         estimate = estimate_time(
-            state, rc, recipe, targets, shape, kv=recipe.kv_cache is not None, expert_stack=plan.expert_stack
+            state,
+            rc,
+            recipe,
+            targets,
+            shape,
+            kv=recipe.kv_cache is not None,
+            expert_stack=plan.expert_stack,
+            save_every=a.save_every,
+            work_dir=a.work_dir or (f"{a.out.rstrip('/')}.work" if a.out else None),
+            save_bytes=plan.hidden,
         )
     if state.rank == 0:
         print(f"calibration time on {device.type}: rank 0 {estimate.summary()}")

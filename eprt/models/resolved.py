@@ -70,27 +70,32 @@ class ResolvedCheckpoint:
         under their Hugging Face names: the first of their source tensors."""
         return name if name in self.ck.tensors else self.mtp_stacked[name].sources[0]
 
-    def read(self, name: str, slot: torch.Tensor) -> torch.Tensor:
+    def read(self, name: str, slot: torch.Tensor, device=None) -> torch.Tensor:
         """Tensor `name` as stored, the part of it `slot` holds: this rank's rows of routed experts,
-        the model's leading entries of a padded tensor (Kimi-K3's A_log)."""
+        the model's leading entries of a padded tensor (Kimi-K3's A_log); a source encoding that
+        decodes anywhere decoded on `device` (eprt.storage.checkpoint.Checkpoint.read)."""
         first, count = self.expert_range
         if name in self.stacked:
-            return self.ck.read(name, rows=(first, first + count))
+            return self.ck.read(name, rows=(first, first + count), device=device)
         if name in self.mtp_stacked:
             return torch.stack([self.ck.read_expert(self.mtp_stacked[name], e) for e in range(first, first + count)])
         if slot.shape and self.ck.meta(name).shape[0] > slot.shape[0]:
-            return self.ck.read(name, rows=(0, slot.shape[0]))
-        return self.ck.read(name)
+            return self.ck.read(name, rows=(0, slot.shape[0]), device=device)
+        return self.ck.read(name, device=device)
 
 
-def place_tensors(rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "") -> int:
+def place_tensors(
+    rc: ResolvedCheckpoint, model: nn.Module, names: list[str], *, device, prefix: str = "", read=None
+) -> int:
     """Read checkpoint tensors `names` into their places in `model` (where tensor `prefix + x` is
-    model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed."""
+    model's `x`), each in its run dtype on `device`, one tensor in flight; returns the bytes placed.
+    `read`: the tensors already read (by name, as `rc.read` returns them), placed instead."""
     placed = 0
     for name in names:
         module, _, attr = name[len(prefix) :].rpartition(".")
         owner = model.get_submodule(module)
-        t = rc.read(name, getattr(owner, attr)).to(device=device, dtype=rc.run_dtype(name))
+        t = read[name] if read is not None else rc.read(name, getattr(owner, attr), device)
+        t = t.to(device=device, dtype=rc.run_dtype(name))
         owner.load_state_dict({attr: t}, strict=False, assign=True)
         placed += t.numel() * t.element_size()
     return placed

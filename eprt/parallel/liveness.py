@@ -32,10 +32,12 @@ from eprt.errors import ConfigError, EprtError
 
 PEER_TIMEOUT_ENV = "EPRT_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 30.0
-# below a beat's round trip through the store (the heartbeat beats every timeout / 5 at most), a
+# both timeouts: below a beat's round trip through the store (the heartbeat beats every timeout / 5 at most), a
 # live peer would be taken for dead; above a day, the store's waits overflow their timedelta
-MIN_PEER_TIMEOUT_S = 0.5
-MAX_PEER_TIMEOUT_S = 86400.0
+MIN_TIMEOUT_S = 0.5
+MAX_TIMEOUT_S = 86400.0
+COLLECTIVE_TIMEOUT_ENV = "EPRT_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # How often a wait on other ranks looks at the store again: soon at first, since the ranks of a
 # step mostly arrive together and every guard of a run waits once, then less often up to POLL_S.
 FIRST_POLL_S = 0.001
@@ -63,17 +65,29 @@ class PeerLost(EprtError):
 
 def peer_timeout_s() -> float:
     """Seconds without a heartbeat after which a peer is dead (env EPRT_PEER_TIMEOUT)."""
-    text = os.environ.get(PEER_TIMEOUT_ENV, "")
+    return seconds_from_env(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S)
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may take before its backend gives it up (env EPRT_COLLECTIVE_TIMEOUT):
+    gloo's timeout, NCCL's watchdog's. The heartbeat ends a wait on a dead peer sooner; this bounds
+    a collective whose peers are alive but never join it."""
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    text = os.environ.get(name, "")
     if not text:
-        return DEFAULT_PEER_TIMEOUT_S
+        return default
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
-    if not MIN_PEER_TIMEOUT_S <= seconds <= MAX_PEER_TIMEOUT_S:  # NaN too
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # NaN too
         raise ConfigError(
-            f"{PEER_TIMEOUT_ENV}={text!r} is not a number of seconds from {MIN_PEER_TIMEOUT_S:g} to "
-            f"{MAX_PEER_TIMEOUT_S:g}; unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
+            f"{PEER_TIMEOUT_ENV}={text!r} is not a number of seconds from {MIN_TIMEOUT_S:g} to "
+            f"{MAX_TIMEOUT_S:g}; unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
+            f"{name}={text!r} is not a positive number of seconds; unset it for the default of {default:.0f} s"
         )
     return seconds
 

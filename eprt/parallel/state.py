@@ -24,6 +24,7 @@ import ctypes
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -32,10 +33,13 @@ import torch.distributed as dist
 
 from eprt.errors import ConfigError
 from eprt.parallel.liveness import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    FIRST_POLL_S,
     HOW_RANKS_DIE,
     PEER_TIMEOUT_ENV,
     Heartbeat,
     PeerLost,
+    collective_timeout_s,
     install_signal_handlers,
     name_ranks,
     peer_timeout_s,
@@ -46,7 +50,7 @@ from eprt.parallel.liveness import (
 )
 from eprt.parallel.placement import ExpertPlacement
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_TIMEOUT = timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
 # The least time a rank gives rank 0 to serve the run's store without torchrun's agent: ranks
 # of a manual launch start seconds apart.
 MIN_JOIN_S = 5.0
@@ -112,6 +116,7 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None  # the whole world
     store: dist.Store | None = field(default=None, repr=False)
     guards_entered: int = field(default=0, repr=False)  # names each guard's keys in the store
+    barriers_entered: int = field(default=0, repr=False)  # names each host barrier's keys (eprt.parallel.barrier)
     heartbeat: Heartbeat | None = field(default=None, repr=False)
     peers_lost: bool = field(default=False, repr=False)  # a guard found a rank dead, or the store gone
     open_guards: list[str] = field(default_factory=list, repr=False)  # the keys of the guards this rank is in
@@ -127,7 +132,7 @@ class ParallelState:
 
     @classmethod
     def from_env(
-        cls, ep: int | None = None, num_experts: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT
+        cls, ep: int | None = None, num_experts: int | None = None, timeout: timedelta | None = None
     ) -> ParallelState:
         """Join the run torchrun describes in RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
         MASTER_ADDR and MASTER_PORT, and build the groups of an (edp, ep) layout.
@@ -135,10 +140,12 @@ class ParallelState:
         `ep` defaults to the world size. With `num_experts`, an ep that does not divide the
         routed-expert count is refused too; every rank does that arithmetic alike, so every rank
         refuses before any connection is made. Devices are refused (`check_devices`) on every
-        rank once the ranks have exchanged what they see. `timeout` bounds every collective and
-        the wait of every guard (see `eprt.parallel.guard`); EPRT_PEER_TIMEOUT (seconds, default
-        30) how long a rank may go without a heartbeat before the others give up on it.
+        rank once the ranks have exchanged what they see. `timeout` (default EPRT_COLLECTIVE_TIMEOUT
+        seconds, 600) bounds every collective, NCCL's through its watchdog, and the wait of every
+        guard (see `eprt.parallel.guard`); EPRT_PEER_TIMEOUT (seconds, default 30) how long a rank
+        may go without a heartbeat before the others give up on it.
         """
+        timeout = timeout or timedelta(seconds=collective_timeout_s())
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -166,7 +173,7 @@ class ParallelState:
         signal_handlers = install_signal_handlers()
         try:
             device = _bind_device(store, rank, world, local_rank, local_world, timeout)
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = "nccl" if device.type == "cuda" and not ranks_share_gpu() else "gloo"
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore("eprt_pg", tcp_store),
@@ -254,10 +261,16 @@ class ParallelState:
         it up, once a peer has died or has failed or stopped its step.
 
         gloo's timed wait leaves the collective running, so this rank looks at its peers between
-        waits of one heartbeat. (NCCL's timed wait would abort the communicator: it keeps its
-        plain wait, which the watchdog of ProcessGroupNCCL bounds.)"""
-        if self.backend != "gloo" or self.heartbeat is None:
+        waits of one heartbeat. NCCL's wait returns at once on the host (the device's stream waits),
+        so the host polls the collective's completion instead, looking at its peers between polls;
+        once one is lost it aborts the communicators (NCCL's own way out of a collective that will
+        not complete) before it gives up. So on either backend a collective has completed on every
+        rank when `finish` returns."""
+        if self.heartbeat is None:
             work.wait()
+            return
+        if self.backend == "nccl":
+            self._finish_nccl(work)
             return
         beat = timedelta(seconds=self.heartbeat.interval)
         while True:
@@ -267,12 +280,24 @@ class ParallelState:
             except RuntimeError as e:
                 if str(e) != _POLL_EXPIRED:
                     raise
-            lost = self._peer_lost()
+            lost = self.peer_lost()
             if lost:
                 self.abandoned = True
                 raise PeerLost(f"{lost}; rank {self.rank} gave up waiting for it in a collective")
 
-    def _peer_lost(self) -> str | None:
+    def _finish_nccl(self, work: dist.Work) -> None:
+        work.wait()
+        pause = FIRST_POLL_S
+        while not work.is_completed():
+            lost = self.peer_lost()
+            if lost:
+                self.abandoned = True
+                abort_communicators()
+                raise PeerLost(f"{lost}; rank {self.rank} aborted the collective it waited for")
+            time.sleep(pause)
+            pause = min(2 * pause, self.heartbeat.interval)
+
+    def peer_lost(self) -> str | None:
         """Why no collective can complete any more: a peer died, or failed or stopped its step;
         None while every peer may still come."""
         dead = self.heartbeat.dead()
@@ -335,6 +360,17 @@ class ParallelState:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(failing=exc is not None)
+
+
+def abort_communicators() -> None:
+    """Abort every NCCL communicator of this process, so that no kernel waits on for a lost peer
+    (torch's experimental call: where this torch lacks it, the watchdog's timeout ends the wait)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+        except (RuntimeError, ValueError):
+            pass
 
 
 def _join_store(
@@ -425,8 +461,18 @@ def _bind_device(
     for r in range(world):
         c, lw, host = store.get(f"device/{r}").decode().split(" ", 2)
         reports.append((int(c), int(lw), host))
-    check_devices(reports)
+    if not ranks_share_gpu():
+        check_devices(reports)
     if not count:
         return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    gpu = local_rank % count
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def ranks_share_gpu() -> bool:
+    """EPRT_RANKS_SHARE_GPU=1: the ranks of a node take its GPUs in turn, several on one, over gloo,
+    which takes CUDA tensors too: every multi-rank path runs on CUDA tensors on a machine of one GPU
+    (the GPU check's layouts step). Slow (gloo copies through the host, and the ranks share the
+    GPU's memory and time): a check, never a run's setting."""
+    return os.environ.get("EPRT_RANKS_SHARE_GPU") == "1"

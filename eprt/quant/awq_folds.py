@@ -202,7 +202,8 @@ class FoldedCheckpoint:
     def __getattr__(self, name: str):
         return getattr(self._ck, name)
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None, device=None) -> torch.Tensor:
+        """Folded on the host, where the folds are: `device` is not used."""
         return self.folds.apply(name, self._ck.read(name, rows), rows)
 
     def read_unclipped(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.progress import bar, logger
+from eprt.quant.read_ahead import ReadAhead
 from eprt.quant.sequences import LayerState, RoutedStep, Schedule, Sequences
 
 
@@ -172,6 +173,8 @@ class LayerEngine:
     """Calibrates one rank's share of `samples`, layer by layer, through `passes` (their order is
     their hooks'), over checkpoint `rc` in its dtype. Every rank of `state` runs it alike."""
 
+    read_ahead: bool | None = None  # read the next layer while one computes (eprt.quant.read_ahead); None: on a GPU
+
     def __init__(
         self,
         state: ParallelState,
@@ -184,7 +187,7 @@ class LayerEngine:
     ):
         self.state, self.samples, self.passes, self.progress = state, samples, passes, progress
         self.ck, self.dtype, c = rc.ck, rc.dtype, rc.ck.config
-        self.rc = rc.holding(state.placement(c.num_experts).range if c.moe_layers else None)  # this rank's experts
+        self.rc = rc.holding(self.experts_held(state, c.num_experts) if c.moe_layers else None)
         self.model = checked_meta(self.rc)
         self.ck.check_decode(self.dtype)  # an encoding this install cannot decode is refused before any read
         self.prefix, self.decoder = self.model.decoder()
@@ -194,10 +197,16 @@ class LayerEngine:
             p.own_steps() for p in passes
         )
         self.log = logger()
+        self.ahead: ReadAhead | None = None  # while `run` runs, with read_ahead
+
+    def experts_held(self, state: ParallelState, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the routed experts of each MoE layer this rank holds: its placement's."""
+        return state.placement(num_experts).range
 
     def _assign(self, prefix: str) -> int:
         names = [n for n in self.names if n.startswith(prefix)]
-        return place_tensors(self.rc, self.model, names, device=self.state.device)
+        ahead = self.ahead.take(prefix) if self.ahead is not None else None
+        return place_tensors(self.rc, self.model, names, device=self.state.device, read=ahead)
 
     def embed(self) -> LayerState:
         """The hidden states entering layer 0 (and the passes' own sequences')."""
@@ -214,15 +223,18 @@ class LayerEngine:
     ) -> LayerState:
         """Layers [first_layer, num_layers) over `ls`; `after_layer(i, ls)` after each (to save it)."""
         layers = self.decoder.layers
+        ahead = self.state.device.type == "cuda" if self.read_ahead is None else self.read_ahead
         with (
             cpu_threads(self.state.device),
             bar(
                 (len(layers) - first_layer) * self.steps_per_layer, "calibrate", unit="step", enabled=self.progress
             ) as pb,
+            ReadAhead(self.rc, self.model, self.names) if ahead else contextlib.nullcontext() as self.ahead,
         ):
             for i in range(first_layer, len(layers)):
                 ls = self.run_layer(i, ls, pb)
                 after_layer(i, ls)
+            self.ahead = None
             for p in self.passes:
                 p.finish(self, ls)
         return ls
@@ -233,6 +245,8 @@ class LayerEngine:
         start = time.perf_counter()
         placed = self._assign(prefix)
         read_s = time.perf_counter() - start
+        if self.ahead is not None and i + 1 < len(self.decoder.layers):
+            self.ahead.start(f"{self.prefix}layers.{i + 1}.")
         sent_before = self.calibration.dispatcher.bytes_sent
         start = time.perf_counter()
 

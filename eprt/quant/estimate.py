@@ -6,16 +6,19 @@ besides its steps: GPTQ's solve, the quality report's held-out runs). The steps 
 the schedule's steps x the runs of the calibration sequences each layer takes (the statistics run, and
 with GPTQ its Hessian run and the run through the quantized layer).
 
-The probe times them: for the first layer of each kind, that layer's weights at random on the device
-(the checkpoint's bytes of it are read only where the run itself reads them again: GPTQ's and the
-scales' original weights), run through the run's own passes (eprt.quant.passes) over PROBE_STEPS steps
-of the run's size, once to warm up (kernels compiled, caches made) and once timed. Within each run of
-the timed layer the steps after its first give the step time; the rest of the layer's time is its
-own. The probe runs in one process holding every routed expert, a whole step at a time: on a world of
-N ranks a rank's share is taken as 1/N of it, and the token exchange between the ranks, which a
+The probe times them: for the first layer of each kind, this rank's share of that layer is read as
+the run reads it (from the checkpoint, source encodings decoded, copied to the device: the layer's read
+time, from this first, cold read), then its weights are set at random (the checkpoint's bytes are read
+again only where the run itself reads them again: GPTQ's and the scales' original weights), and it runs
+through the run's own passes (eprt.quant.passes) over PROBE_STEPS steps of this rank's share
+(eprt.quant.probe_share: its routed experts, its sequences of a step), once to warm up (kernels
+compiled, caches made) and once timed. Within each run of the timed layer the steps after its first give
+the step time; the rest of the layer's time is its own. The token exchange between the ranks, which a
 single process does not make, is timed apart: the bytes one step sends each way, by the same
-collectives, on the run's own process group. What the estimate leaves out: reading each layer from
-the checkpoint, and after the last layer the quality report's head.
+collectives, on the run's own process group. Saving a layer boundary to the work directory
+(eprt.quant.workdir) is timed by writing the probe's hidden states there, durably, and counted at the
+run's rate of saves (--save-every). What the estimate leaves out: after the last layer the quality
+report's head, and the output's writing.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from eprt.quant.passes import layer_passes
 from eprt.quant.passes.mtp import MTPLayers
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import RunShape
+from eprt.quant.probe_share import RankShare
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import Recipe
-from eprt.quant.sequences import LayerState, Schedule, Sequences
+from eprt.quant.save_time import save_seconds, saves
+from eprt.quant.sequences import LayerState
 
 PROBE_STEPS = 3  # steps of each probe run: the first pays for what the run before it left, the others are timed
 EXCHANGE_REPEATS = 3  # timed exchanges of one step's bytes, after one to warm up
@@ -60,10 +65,11 @@ class KindTime:
     kind: LayerKind
     step_s: float  # one counted step on one rank
     layer_s: float  # one layer's work besides its steps, on one rank
+    read_s: float = 0.0  # reading this rank's share of one layer: from disk, decoded, to the device
 
     @property
     def seconds(self) -> float:
-        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s)
+        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s + self.read_s)
 
 
 @dataclass(frozen=True)
@@ -72,20 +78,28 @@ class TimeEstimate:
     kinds: tuple[KindTime, ...]
     exchange_s: float = 0.0  # one counted step's token exchange, on a world of several ranks
     exchange_steps: int = 0  # the counted steps that exchange tokens (those of MoE layers)
+    save_s: float | None = None  # one save of a layer boundary to the work directory; None: not measured
+    saves: int = 0  # the saves the run makes (eprt.quant.save_time.saves)
 
     @property
     def seconds(self) -> float:
-        return sum(k.seconds for k in self.kinds) + self.exchange_steps * self.exchange_s
+        saving = self.saves * (self.save_s or 0.0)
+        return sum(k.seconds for k in self.kinds) + self.exchange_steps * self.exchange_s + saving
 
     def summary(self) -> str:
         """'about 12 min 30 s (its terms)': the dry run prints it."""
         terms = [
-            f"{len(k.kind.layers)} {k.kind.name} x ({k.kind.steps} steps x {k.step_s:.3g} s + {k.layer_s:.3g} s)"
+            f"{len(k.kind.layers)} {k.kind.name} x ({k.kind.steps} steps x {k.step_s:.3g} s + {k.layer_s:.3g} s"
+            f" + reading {k.read_s:.3g} s)"
             for k in self.kinds
         ]
         if self.exchange_steps:
             terms.append(f"token exchange {self.exchange_steps} steps x {self.exchange_s:.3g} s")
-        return f"about {format_seconds(self.seconds)} ({', '.join(terms)}; reading the layers not counted)"
+        if self.save_s is not None:
+            terms.append(f"work directory {self.saves} saves x {self.save_s:.3g} s")
+        elif self.saves:
+            terms.append(f"{self.saves} saves to the work directory not counted (no --work-dir or --out given)")
+        return f"about {format_seconds(self.seconds)} ({', '.join(terms)})"
 
 
 def format_seconds(s: float) -> str:
@@ -119,24 +133,28 @@ def layer_kinds(engine: LayerEngine, mtp_runs: int) -> list[LayerKind]:
 
 
 class ProbeEngine(LayerEngine):
-    """The engine over layers whose weights are placed at random, not read; its per-layer log lines are
-    the probe's own, not shown."""
+    """The engine over one rank's share (`share`) of each layer, read as the run reads it (each read's
+    seconds in `read_s`), then set at random; its per-layer log lines are the probe's own, not shown."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, share: RankShare, **kw):
+        self.share = share
         super().__init__(*args, **kw)
         self.log = logging.getLogger("eprt.probe")
         self.log.disabled = True
+        self.read_s: list[float] = []
+
+    def experts_held(self, state: ParallelState, num_experts: int) -> tuple[int, int]:
+        return self.share.held(num_experts)
 
     def _assign(self, prefix: str) -> int:
-        placed = 0
+        start = time.perf_counter()
+        placed = super()._assign(prefix)
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
+        self.read_s.append(time.perf_counter() - start)
         for name in (n for n in self.names if n.startswith(prefix)):
             module, _, attr = name.rpartition(".")
-            owner = self.model.get_submodule(module)
-            meta = getattr(owner, attr)
-            t = torch.empty(meta.shape, dtype=self.rc.run_dtype(name), device=self.state.device)
-            random_like(t)
-            owner.load_state_dict({attr: t}, strict=False, assign=True)
-            placed += t.nbytes
+            random_like(getattr(self.model.get_submodule(module), attr))
         return placed
 
 
@@ -174,10 +192,11 @@ def probe_time(
     kv: bool,
     expert_stack: int,
 ) -> TimeEstimate:
-    """The calibration's time on one rank of `shape` (without the token exchange), measured on
-    `device` with `recipe`'s passes over `targets`."""
+    """The calibration's time on one rank of `shape` (without the token exchange and the saves),
+    measured on `device` with `recipe`'s passes over `targets`, on that rank's share alone."""
     state = ParallelState.single(device)
-    T, D = shape.seq_len, rc.ck.config.hidden_size
+    share = RankShare(shape, PROBE_STEPS)
+    T, D, K = shape.seq_len, rc.ck.config.hidden_size, rc.ck.config.num_experts_per_tok
     schedule = shape.schedule
     cal = Calibrator(None, targets, kv=kv, all_experts=shape.all_experts)
     # every expert a probe step reaches is solved, as a run's many tokens reach them all
@@ -188,19 +207,18 @@ def probe_time(
     )
     quality = None
     if shape.eval_sequences:
-        eval_ids = torch.zeros(shape.eval_sequences, T, dtype=torch.int64)
+        eval_ids = torch.zeros(share.eval_sequences, T, dtype=torch.int64)
         report = QualityReport(state, rc.ck, recipe, targets, eval_ids, "the probe's")
-        quality = QualityStreams(state, report, shape.eval_schedule)
+        quality = QualityStreams(state, report, share.eval_schedule)
+        quality.sequences = share.sequences(state, share.eval_schedule, K)
     passes = layer_passes(cal, recipe, rc, quality=quality, gptq=gptq)
     samples = torch.zeros(shape.num_sequences, T, dtype=torch.int64)
-    engine = ProbeEngine(state, rc, samples, passes, schedule=schedule, progress=False)
+    engine = ProbeEngine(state, rc, samples, passes, schedule=schedule, progress=False, share=share)
     mtp_runs = 1 + sum(p.calibration_runs for p in passes if p.covers_mtp)
     kinds = layer_kinds(engine, mtp_runs)
     counted = engine.steps_per_layer // schedule.num_steps  # runs of the calibration sequences a layer takes
-    # PROBE_STEPS whole steps of the run's size
-    step_sequences = schedule.groups_per_step * schedule.group_size
-    probe = Schedule(PROBE_STEPS * step_sequences, T, schedule.group_size, schedule.groups_per_step)
-    engine.calibration = Sequences(state, probe, rc.ck.config.num_experts_per_tok)
+    probe = share.schedule  # PROBE_STEPS steps of this rank's share
+    engine.calibration = share.sequences(state, probe, K)
 
     def hidden(n: int) -> torch.Tensor:
         return torch.randn(n, T, D, dtype=rc.dtype, device=device)
@@ -212,16 +230,17 @@ def probe_time(
         decoder_kinds = [k for k in kinds if k.name != "MTP"]
         for kind in decoder_kinds:
             i = kind.layers[0]
-            for _ in range(2):  # warm up, then timed
+            for _ in range(2):  # warm up (its read the cold one, the layer's first), then timed
                 clock = StepClock()
                 ls = LayerState(hidden(probe.num_sequences), [hidden(probe.num_sequences) for _ in snapshots(rc, i)])
                 start = time.perf_counter()
                 engine.run_layer(i, ls, clock)
                 total = time.perf_counter() - start
+            read_s = engine.read_s[-2]
             runs = [clock.ticks[r * PROBE_STEPS : (r + 1) * PROBE_STEPS] for r in range(counted)]
             step_s = sum((run[-1] - run[0]) / (PROBE_STEPS - 1) for run in runs)  # one schedule step, every run
-            layer_s = max(0.0, total - PROBE_STEPS * step_s)
-            times[kind.name] = (step_s / counted / shape.world, layer_s / shape.world)
+            layer_s = max(0.0, total - engine.read_s[-1] - PROBE_STEPS * step_s)
+            times[kind.name] = (step_s / counted, layer_s, read_s)
     out = [KindTime(k, *times[k.name]) for k in decoder_kinds]
     # an MTP layer is an MoE decoder layer with its input projection: timed as the first MoE kind
     moe_time = next((times[k.name] for k in decoder_kinds if k.moe), None)
@@ -274,11 +293,22 @@ def estimate_time(
     *,
     kv: bool,
     expert_stack: int,
+    save_every: int = 1,
+    work_dir: str | None = None,
+    save_bytes: int = 0,
 ) -> TimeEstimate:
     """The calibration's wall time on a rank of `shape` on this machine's device: the probe, run on
-    every rank, and the exchange's time per counted step of an MoE layer. Every rank calls it alike."""
+    every rank, the exchange's time per counted step of an MoE layer, and the run's saves of
+    `save_bytes` every `save_every` layers, timed in `work_dir`'s file system (None: not timed).
+    Every rank calls it alike."""
     estimate = probe_time(rc, state.device, recipe, targets, shape, kv=kv, expert_stack=expert_stack)
     exchange = exchange_time(state, rc, shape)
     # the exchange is made on each of a layer's calibration runs (its counted steps)
     steps = sum(len(k.kind.layers) * k.kind.steps for k in estimate.kinds if k.kind.moe)
-    return TimeEstimate(estimate.device, estimate.kinds, exchange, steps if exchange else 0)
+    count = saves(rc.ck.config.num_layers, save_every)
+    save_s = None
+    if count and work_dir is not None:
+        share = RankShare(shape, PROBE_STEPS).schedule.num_sequences
+        sample = torch.randn(share, shape.seq_len, rc.ck.config.hidden_size, dtype=rc.dtype, device=state.device)
+        save_s = save_seconds(work_dir, sample, save_bytes)
+    return TimeEstimate(estimate.device, estimate.kinds, exchange, steps if exchange else 0, save_s, count)

@@ -20,8 +20,12 @@ the calibration sequences (the layer's input, its output as it is, its output wi
 fake-quantized) and, while it runs, a copy of that group's weights: no more than the quality
 report's copy of every quantized weight of the layer, which comes after it.
 
-A GPU rank also holds host memory, planned apart and checked against the host's own limit: the
-process, the token ids, a tensor as it is read before it moves to the device, and GPTQ's codes,
+A GPU rank also holds, outside torch's allocations, the CUDA context, cuBLAS's workspaces and NCCL's
+buffers, and its caching allocator reserves above what is allocated (eprt.quant.device_terms); its
+attention keeps no T x T scores. It holds host memory too, planned apart and checked against the host's own limit: the
+process, the token ids, a tensor as it is read before it moves to the device, the next layer read
+ahead while one computes (eprt.quant.read_ahead), the hidden states as a save copies them to the host
+(eprt.quant.workdir), and GPTQ's codes,
 which move to the host as each layer is rounded and stay there until the output is written.
 On a CPU rank the host is the device, and those terms are in its one plan.
 """
@@ -42,6 +46,7 @@ from eprt.layout import layer_of
 from eprt.models.loader import checked_meta
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.awq_plan import AWQLayer, awq_bytes, awq_layers
+from eprt.quant.device_terms import ALLOCATOR_RESERVE, attention_scores, fixed_on_gpu
 from eprt.quant.gptq import columns_held_bytes, columns_of
 from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
 from eprt.quant.sequences import Schedule, own_sequences
@@ -116,9 +121,18 @@ class MemoryPlan:
     tokens: int = 0  # the calibration (and held-out) token ids, as read and as packed into sequences
     host: HostPlan | None = None  # on a GPU rank, what it holds in host memory; None on CPU (the host is the device)
     expert_stack: int = MOST_EXPERTS_STACKED  # with GPTQ: routed experts solved at once (the run takes it from here)
+    # on a GPU (eprt.quant.device_terms): the CUDA context, cuBLAS's workspaces and NCCL's buffers, and
+    # the caching allocator's reserve above the allocated peak, as a share of it
+    fixed: int = 0
+    reserve: float = 0.0
 
     @property
     def peak(self) -> int:
+        return self.allocated + int(self.allocated * self.reserve) + self.fixed
+
+    @property
+    def allocated(self) -> int:
+        """The peak of what torch allocates: on a GPU, the allocator's allocated high-water mark."""
         return (
             self.baseline
             + self.hidden
@@ -143,6 +157,11 @@ class MemoryPlan:
             f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
             f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}"
         )
+        if self.fixed:
+            text += (
+                f", CUDA context, cuBLAS and NCCL {format_bytes(self.fixed)}, the allocator's reserve "
+                f"{format_bytes(int(self.allocated * self.reserve))}"
+            )
         if self.gptq:
             text += f", GPTQ's Hessians {format_bytes(self.gptq)} (experts solved {self.expert_stack} at a time)"
             text += f", its codes {format_bytes(self.codes)}" if self.codes else ""  # on a GPU: the host's
@@ -164,15 +183,18 @@ class HostPlan:
     tokens: int  # the token ids, as read and as packed
     reading: int  # the largest tensor as read, before it moves to the device
     codes: int  # GPTQ's codes of every layer, kept until the output is written
+    ahead: int = 0  # the next layer's share, read ahead while one computes (eprt.quant.read_ahead)
+    saved: int = 0  # a save's copy of the hidden states (and streams), written to the work directory
 
     @property
     def peak(self) -> int:
-        return self.baseline + self.tokens + self.reading + self.codes
+        return self.baseline + self.tokens + self.reading + self.ahead + self.saved + self.codes
 
     def terms(self) -> str:
         return (
             f"process {format_bytes(self.baseline)}, token ids {format_bytes(self.tokens)}, a tensor as read "
-            f"{format_bytes(self.reading)}, GPTQ's codes {format_bytes(self.codes)}"
+            f"{format_bytes(self.reading)}, the next layer read ahead {format_bytes(self.ahead)}, a save's copy of "
+            f"the hidden states {format_bytes(self.saved)}, GPTQ's codes {format_bytes(self.codes)}"
         )
 
 
@@ -353,7 +375,8 @@ class Planner:
     def _host(self, shape: RunShape, baseline: int, tokens: int) -> HostPlan:
         """What a GPU rank of `shape` holds in host memory; `baseline`: its resident set now."""
         dense, experts = self.largest_read
-        return HostPlan(baseline, tokens, max(dense, experts // shape.ep), self._codes(shape.ep))
+        layer = self._layer(shape.ep)[0]
+        return HostPlan(baseline, tokens, max(dense, experts // shape.ep), self._codes(shape.ep), layer)
 
     def _codes(self, ep: int) -> int:
         """GPTQ's codes of every layer on one rank: its share of the routed experts' and every dense module's."""
@@ -393,7 +416,9 @@ class Planner:
         tokens = 2 * (shape.num_sequences + shape.eval_sequences) * T * 8  # int64, read then packed
         on_cpu = self.device == "cpu"
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
+        gpu = {} if on_cpu else {"fixed": fixed_on_gpu(world, ep), "reserve": ALLOCATOR_RESERVE}
         if not shape.eval_sequences:
+            host = replace(host, saved=hidden) if host else None
             return self._sized_stack(
                 MemoryPlan(
                     baseline + self.kernel_cache,
@@ -407,6 +432,7 @@ class Planner:
                     codes,
                     tokens=tokens,
                     host=host,
+                    **gpu,
                 ),
                 ep,
                 limit,
@@ -414,6 +440,7 @@ class Planner:
         hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
         if shape.search:
             hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        host = replace(host, saved=hidden) if host else None
         eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
         # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
         head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
@@ -433,6 +460,7 @@ class Planner:
                 head,
                 tokens,
                 host,
+                **gpu,
             ),
             ep,
             limit,
@@ -467,7 +495,13 @@ class Planner:
         pending = t * (2 * D + 2 * W) * b
         # one sequence's attention transients, and of a dense MLP, for each sequence run side by side
         side_by_side = max(1, min(self.workers, t // T))
-        attention = (6 * T * D * b + 2 * c.num_heads * T * T * 4) * side_by_side
+        # on CPU the scores as measured; a GPU's fused kernels keep none (eprt.quant.device_terms)
+        scores = (
+            2 * c.num_heads * T * T * 4
+            if self.device == "cpu"
+            else attention_scores(c.num_heads, T, b, bool(c.indexer))
+        )
+        attention = (6 * T * D * b + scores) * side_by_side
         dense_mlp = 3 * T * widest * b * side_by_side
         # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
         # activation and outputs; then the returns, gathered and widened to fp32 to combine;

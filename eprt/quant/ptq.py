@@ -54,6 +54,7 @@ from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, describe_calib, report_data
 from eprt.quant.run_plan import open_unquantized, plan_recipe, plan_run, run_shape
+from eprt.quant.save_time import saves_after
 from eprt.quant.sequences import own_sequences
 from eprt.quant.size import recipe_size
 from eprt.quant.workdir import WorkDir, check_work_dir
@@ -184,7 +185,7 @@ def run_calibration(
                 cal.reduce(state)
             check_base_unchanged(ck, identity)
         seconds = time.perf_counter() - start + (search.seconds if kept else 0.0)
-        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.peak))
+        log.info("peak memory %s, planned %s", format_bytes(measured_peak(state.device)), format_bytes(plan.allocated))
         coverage = report_coverage(cal, state, cfg.num_experts)
         quality = report.result if report is not None else None
         if report is not None:
@@ -362,7 +363,8 @@ def calibrate_layers(
 
     def after_layer(i: int, ls_) -> None:
         check_base_read(ck, work.fingerprint)  # the files this layer read are the ones pinned at the start
-        work.save(i, ls_, cal, quality, results, folds)
+        if saves_after(i, a.save_every):
+            work.save(i, ls_, cal, quality, results, folds)
 
     engine.run(done + 1, ls, after_layer=after_layer)
     return done

@@ -123,6 +123,12 @@ class PTQArgs:
     )
     work_dir: str | None = flag(help="where each layer boundary is saved for --resume (default: OUT.work)")
     resume: bool = flag(False, help="continue a killed run (same arguments) after its last completed layer")
+    save_every: int = flag(
+        1,
+        metavar="N",
+        help="save the layer boundary to the work directory after every N-th layer (0: never; a killed run "
+        "then starts over); --estimate-time counts the saves",
+    )
     dry_run: bool = flag(False, help="print the layout, each rank's weight bytes and planned peak memory, and exit")
     estimate_time: bool = flag(
         False,
@@ -156,6 +162,7 @@ CALIBRATION_SETTINGS = (
     "gptq_min_tokens",
     "work_dir",
     "resume",
+    "save_every",
     "max_memory",
     "max_host_memory",
     "device",

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from eprt.errors import ConfigError, EprtError
 from eprt.parallel import ParallelState
+from eprt.parallel.barrier import host_barrier
 from eprt.progress import logger
 from eprt.quant import workdir_lock
 from eprt.quant.calibrate import Calibrator
@@ -191,8 +192,9 @@ class WorkDir:
                 self.awq_saved |= gained.keys()
         # the layer file lists every side file it relies on with its digest: --resume checks each
         self._write(self._file(layer), tensors, {**metadata, SIDE_FILES: json.dumps(self.side_files, sort_keys=True)})
-        # every rank now holds `layer` durably: the older files are no longer the common last layer
-        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
+        # once every rank holds `layer` durably, the older files are no longer the common last layer
+        # (a barrier on the host: on NCCL a collective does not hold the host back)
+        host_barrier(self.state, f"layer {layer} saved")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
@@ -271,7 +273,7 @@ class WorkDir:
         """Once the output is written: every rank drops its own files, then rank 0 the marker and
         the directory, where eprt made it and nothing else is left in it."""
         remove_own_files(self.mine)
-        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
+        host_barrier(self.state, "work files removed")
         if self.state.rank != 0:
             return
         marker = os.path.join(self.path, MARKER)

@@ -105,6 +105,10 @@ class Component:
         n = math.prod(self.source_shape)
         return row.reshape(-1)[k * n : (k + 1) * n].reshape(self.source_shape)
 
+    def pieces(self, row: torch.Tensor) -> torch.Tensor:
+        """Every source tensor in one stored row, stacked: [per_row, *source_shape]."""
+        return row.reshape(-1, *self.source_shape)
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -313,15 +317,18 @@ class Checkpoint:
         source = (self.source_dir,) if self.source_dir else ()
         return (self.path, *source, *(self.base.input_dirs() if self.base else ()))
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None, device=None) -> torch.Tensor:
         """Tensor `name`, or only rows [a, b) of it, reading only their bytes: a raw tensor in its
-        stored dtype, an encoded one decoded (to `meta(name).dtype`) one weight at a time."""
+        stored dtype, an encoded one decoded (to `meta(name).dtype`) one stored row at a time. With
+        `device`, an encoding whose decoder computes anywhere (block FP8) is decoded there: its stored
+        bytes, a quarter to a half of the decoded ones, are what is copied to it; a raw tensor, or one
+        whose decoder runs on the CPU, is returned on the CPU as ever."""
         t = self.meta(name)
         if name not in self._own:
-            return self.base.read(name, rows)
+            return self.base.read(name, rows, device)
         a, b = self._rows(t, rows)
         if t.encoded:
-            return self._decode(t, a, b, rows is not None)
+            return self._decode(t, a, b, rows is not None, device)
         if not t.shape:
             return self._read_part(t.dtype, t.shape, t.parts[0], None)
         return self._read_parts(t.dtype, t.shape, t.parts, a, b)
@@ -398,17 +405,24 @@ class Checkpoint:
                 )
             return self._decoders[t.scheme]
 
-    def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool) -> torch.Tensor:
+    def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool, device=None) -> torch.Tensor:
         dec = self.decoder(t.name)
+        device = torch.device(device) if device is not None and getattr(dec, "on_device", False) else None
         if t.per_row is None:  # one weight, decoded whole
-            w = self._decoded(t, dec, {c: self.read_component(t.name, c) for c in t.components}, t.shape)
+            stored = {c: self.read_component(t.name, c).to(device) for c in t.components}
+            w = self._decoded(t, dec, stored, t.shape)
             return w[a:b] if sliced else w
         # Stacked experts: an expert row holds per_row source weights end to end, each decoded alone
-        # into its place; memory holds the rows' stored bytes and their decoded result, nothing more.
+        # into its place (a batched decoder takes the row's at once); memory holds the rows' stored
+        # bytes, one row's on the device, and their decoded result, nothing more.
         stored = {c: self.read_component(t.name, c, (a, b)) for c in t.components}
-        out = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype)
+        out = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype, device=device)
         h = t.shape[1] // t.per_row
         for i in range(b - a):
+            if getattr(dec, "batched", False):
+                local = {c: t.components[c].pieces(v[i]).to(device) for c, v in stored.items()}
+                out[i] = self._decoded(t, dec, local, (t.per_row, h, *t.shape[2:])).view(t.shape[1:])
+                continue
             for k in range(t.per_row):
                 local = {c: t.components[c].piece(v[i], k) for c, v in stored.items()}
                 out[i, k * h : (k + 1) * h] = self._decoded(t, dec, local, (h, *t.shape[2:]))

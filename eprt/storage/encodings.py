@@ -193,6 +193,8 @@ class BlockFP8:
     """DeepSeek-V3's block FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 per block."""
 
     components = ("weight", "weight_scale_inv")
+    batched = True  # decodes weights stacked along leading dims, each with its own blocks
+    on_device = True  # plain tensor arithmetic: decodes on the device its components are on
 
     def __init__(self, scheme: dict):
         self.block = tuple(scheme["weight_block_size"])
@@ -204,20 +206,31 @@ class BlockFP8:
 def dequantize_block_fp8(
     w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = FP8_DECODED
 ) -> torch.Tensor:
-    (rows, cols), (bo, bi) = w.shape, block
-    want = (math.ceil(rows / bo), math.ceil(cols / bi))
+    """w [..., rows, cols] in fp8 times its block's scale, in fp32, rounded to `dtype`; leading dims
+    stack weights, each with its own blocks. Where the blocks tile the weight, the scales multiply
+    a blocked view in place (no per-element copy of them: a third less memory traffic); the same
+    products, so the same bits."""
+    (rows, cols), (bo, bi) = w.shape[-2:], block
+    want = (*w.shape[:-2], math.ceil(rows / bo), math.ceil(cols / bi))
     if tuple(scale_inv.shape) != want:
         raise CheckpointError(
             f"weight_scale_inv has shape {list(scale_inv.shape)}, but a {rows}x{cols} weight in "
-            f"{bo}x{bi} blocks needs {list(want)}"
+            f"{bo}x{bi} blocks needs {list(want[-2:])}"
         )
-    return (w.float() * expand_blocks(scale_inv.float(), w.shape, block)).to(dtype)
+    x = w.float()
+    if rows % bo or cols % bi:
+        return (x * expand_blocks(scale_inv.float(), w.shape, block)).to(dtype)
+    lead = w.shape[:-2]
+    blocked = x.view(*lead, rows // bo, bo, cols // bi, bi)
+    blocked.mul_(scale_inv.float().view(*lead, rows // bo, 1, cols // bi, 1))
+    return x.to(dtype)
 
 
-def expand_blocks(per_block: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """One value per block -> one per element of a `shape` tensor; the last blocks may be partial."""
-    (rows, cols), (bo, bi) = shape, block
-    return per_block.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+def expand_blocks(per_block: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """One value per block -> one per element of a `shape` tensor (its last two dims blocked, leading
+    dims stacked); the last blocks may be partial."""
+    (rows, cols), (bo, bi) = shape[-2:], block
+    return per_block.repeat_interleave(bo, -2)[..., :rows, :].repeat_interleave(bi, -1)[..., :cols]
 
 
 class CompressedTensors:

@@ -1,0 +1,114 @@
+"""The time probe runs one rank's share of a layer, planned like the run: its routed experts (E/ep) and
+its sequences of a step (1/world), so that at real size it fits the GPU the run fits on."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.scale import REAL, TINY_DIMS, inflate, make_config
+from eprt.hf.convert import convert_hf
+from eprt.models.resolved import ResolvedCheckpoint
+from eprt.quant.estimate import PROBE_STEPS, ProbeEngine, probe_time
+from eprt.quant.plan import Planner, RunShape
+from eprt.quant.probe_share import RankShare, plan_probe
+from eprt.quant.run_plan import plan_recipe
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import make_tiny
+from eprt.units import parse_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_MEMORY = 80 * 10**9  # an 80 GB GPU
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("probe")
+    return convert_hf(make_tiny("qwen3_moe", str(root / "hf"), dtype="fp32"), str(root / "ck"), progress=False)
+
+
+def test_the_probe_holds_one_ranks_experts_and_sequences(tiny, monkeypatch):
+    """On a world of 4 at ep 4, the probe's MoE layers hold E/4 experts, its steps 1/4 of a step's
+    sequences, and every held expert computes rows."""
+    shape = RunShape(0, 4, 4, num_sequences=16, seq_len=24, step_sequences=8, group_tokens=48)
+    seen = {}
+    run_layer = ProbeEngine.run_layer
+
+    def spying(self, i, ls, pb):
+        experts = next((m for n, m in self.model.named_modules() if n.endswith(f"layers.{i}.mlp.experts")), None)
+        if experts is not None:
+            rows = []
+            forward_units = experts.forward_units
+            experts.forward_units = lambda x, per_unit: rows.append(per_unit.sum(1)) or forward_units(x, per_unit)
+        ls = run_layer(self, i, ls, pb)
+        if experts is not None:
+            seen[i] = (experts.count, ls.hidden.shape[0], torch.stack(rows).sum(0))
+        return ls
+
+    monkeypatch.setattr(ProbeEngine, "run_layer", spying)
+    with Checkpoint(tiny) as ck:
+        rc = ResolvedCheckpoint.of(ck, torch.float32)
+        recipe, targets = plan_recipe(rc, "nvfp4", None, "max")
+        estimate = probe_time(rc, torch.device("cpu"), recipe, targets, shape, kv=False, expert_stack=16)
+        E = ck.config.num_experts
+    assert seen and all(count == E // 4 for count, _, _ in seen.values())
+    assert all(n == PROBE_STEPS * math.ceil(8 / 4) for _, n, _ in seen.values())
+    assert all(bool((rows > 0).all()) and len(rows) == E // 4 for _, _, rows in seen.values())
+    assert all(k.step_s > 0 and k.read_s > 0 for k in estimate.kinds)
+
+
+def test_the_probes_plan_is_the_runs_at_its_sequences(tiny):
+    shape = RunShape(1, 4, 2, num_sequences=64, seq_len=24, step_sequences=8, group_tokens=48)
+    share = RankShare(shape, PROBE_STEPS)
+    with Checkpoint(tiny) as ck:
+        planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
+        probe, run = plan_probe(planner, share, 0, 0, None), planner.plan(shape, 0)
+        assert probe == planner.plan(share.plan_shape, 0)
+        assert (probe.layer, probe.step) == (run.layer, run.step)  # a rank's weights and step buffers
+        assert probe.hidden == PROBE_STEPS * 2 * 24 * ck.config.hidden_size * 4 < run.hidden  # 2 of a step's 8
+        with pytest.raises(Exception, match=r"the time probe of rank 1 would peak at .* --chunk-size"):
+            plan_probe(planner, share, 0, 0, probe.peak - 1)
+
+
+@pytest.fixture(scope="module", params=sorted(REAL))
+def real_dims(request, tmp_path_factory):
+    """The model's real dims and expert count (bench/scale.py's file holes), with 4 layers and the MTP
+    layers; nothing reads a weight."""
+    model = request.param
+    root = tmp_path_factory.mktemp(model)
+    real = {**REAL[model], "num_hidden_layers": 4, "first_k_dense_replace": 1}
+    hf = make_tiny("deepseek_v3", str(root / "hf"), **{**real, **TINY_DIMS})
+    ck = convert_hf(hf, str(root / "ck"), progress=False)
+    inflate(ck, {**make_config(hf), **real}, str(root / "real"))
+    return model, str(root / "real")
+
+
+def test_real_size_dry_runs_plan_a_probe_that_fits_an_80_gb_gpu(real_dims):
+    """DeepSeek-V3 and Kimi-K2 at world 8 with GPTQ and the quality report: the probe once held every
+    routed expert and a whole step (124-289 GiB); one rank's share fits beside the run's own plan."""
+    model, ck = real_dims
+    r = subprocess.run(
+        [
+            *(sys.executable, os.path.join(ROOT, "tools", "ptq.py"), "--nproc-per-node", "8", ck, "--dry-run"),
+            *("--device", "cuda", "--recipe", "nvfp4", "--algorithm", "gptq", "--estimate-time"),
+            *("--seq-len", "4096", "--calib-size", "512", "--max-memory", "80GB"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(
+        r"time probe on cuda: rank 0's share \((\d+) routed experts of a layer, 3 steps of (\d+) sequences\) "
+        r"peaks at ([\d.]+ \w+) \(",
+        r.stdout,
+    )
+    assert m, r.stdout
+    experts = {"deepseek_v3": 256, "kimi_k2": 384}[model] // 8
+    assert int(m.group(1)) == experts
+    assert 0 < parse_size(m.group(3)) <= GPU_MEMORY
+    assert "memory plan on cuda: rank 0 peaks at" in r.stdout
