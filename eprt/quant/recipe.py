@@ -24,6 +24,11 @@ A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weigh
 the module (eprt.quant.passes.awq), then max's or GPTQ's rounding of the scaled weight. AWQ balances
 a group of Linears that read one norm's output together: a group is balanced when every module of it
 the recipe quantizes says `awq` or `awq+gptq`.
+`rotate` in front of any of them (`rotate`, `rotate+mse`, `rotate+gptq`, `rotate+awq`,
+`rotate+awq+gptq`; in a rule also as a list, `[rotate, gptq]`) first rotates the residual stream and
+each head's values by randomised Hadamard matrices fused into the weights (eprt.quant.rotation),
+then chooses the scales as the rest says (`rotate` alone: max). The rotation is the whole model's:
+every rule that quantizes names it, or none does.
 A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
 records every rule's.
 
@@ -51,7 +56,9 @@ FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
-ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
+UNROTATED = ("max", "mse", "gptq", "awq", "awq+gptq")
+ROTATE = "rotate"  # the rotations fused into the weights first (eprt.quant.rotation); alone: then max
+ALGORITHMS = (*UNROTATED, ROTATE, *(f"{ROTATE}+{a}" for a in UNROTATED[1:]))
 # AWQ scales the weights, then rounds them as another algorithm does
 AWQ_ROUNDING = {"awq": "max", "awq+gptq": "gptq"}
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
@@ -80,8 +87,9 @@ class Recipe:
         return None if rule is None or rule.format == "none" else rule.format
 
     def algorithm_of(self, module: str) -> str | None:
-        """How `module`'s weight scales are chosen (ALGORITHMS); None where it is not quantized."""
-        return self.rule_of(module).algorithm if self.format_of(module) else None
+        """How `module`'s weight scales are chosen on the weights as the run reads them (UNROTATED:
+        the rotation, the whole model's, is `rotates`); None where it is not quantized."""
+        return unrotated(self.rule_of(module).algorithm) if self.format_of(module) else None
 
     def rounding_of(self, module: str) -> str | None:
         """How `module`'s scaled weight is rounded: its algorithm, AWQ's the one it runs after."""
@@ -99,13 +107,18 @@ class Recipe:
 
     @property
     def algorithms(self) -> list[str]:
-        """The algorithms of the rules that quantize."""
-        return sorted({r.algorithm for r in self.rules if r.format != "none"})
+        """The algorithms of the rules that quantize, their rotation left out (`rotates`)."""
+        return sorted({unrotated(r.algorithm) for r in self.rules if r.format != "none"})
 
     @property
     def roundings(self) -> list[str]:
         """How the rules that quantize round their weights (`rounding_of`)."""
         return sorted({AWQ_ROUNDING.get(a, a) for a in self.algorithms})
+
+    @property
+    def rotates(self) -> bool:
+        """Whether the model's weights are read rotated (eprt.quant.rotation): every quantizing rule says so."""
+        return any(rotated(r.algorithm) for r in self.rules if r.format != "none")
 
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
@@ -124,9 +137,23 @@ def refuse_unknown_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the valid keys are {', '.join(valid)}")
 
 
-def check_algorithm(algorithm, where: str) -> None:
+def rotated(algorithm: str) -> bool:
+    return algorithm == ROTATE or algorithm.startswith(f"{ROTATE}+")
+
+
+def unrotated(algorithm: str) -> str:
+    """What chooses the scales after the rotation: `rotate` alone, max's."""
+    return UNROTATED[0] if algorithm == ROTATE else algorithm.removeprefix(f"{ROTATE}+")
+
+
+def check_algorithm(algorithm, where: str) -> str:
+    """The algorithm a rule's (or --algorithm's) `algorithm` names: a string of ALGORITHMS, or the
+    list of its parts (`[rotate, gptq]`)."""
+    if isinstance(algorithm, list) and all(isinstance(a, str) for a in algorithm):
+        algorithm = "+".join(algorithm)
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"{where} {algorithm!r}: unknown algorithm; choose one of {', '.join(ALGORITHMS)}")
+    return algorithm
 
 
 def grouped(fmt: str, group_size, where: str) -> str:
@@ -163,13 +190,21 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             )
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
-        check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
+        algorithm = check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
-        rules.append(Rule(str(r["pattern"]), fmt, r.get("algorithm", default)))
+        rules.append(Rule(str(r["pattern"]), fmt, algorithm))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
             f"{source}: a recipe quantizes with at least one format, found none; "
             f"give a rule a format of {', '.join(FORMATS[:-1])}"
+        )
+    quantizing = [r for r in rules if r.format != "none"]
+    if len({rotated(r.algorithm) for r in quantizing}) > 1:
+        first = next(r for r in quantizing if rotated(r.algorithm))
+        other = next(r for r in quantizing if not rotated(r.algorithm))
+        raise ConfigError(
+            f"{source}: rule {first.pattern!r} rotates ({first.algorithm}) and rule {other.pattern!r} does not "
+            f"({other.algorithm}); the rotation is the whole model's: give every quantizing rule rotate, or none"
         )
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
