@@ -89,7 +89,11 @@ class QuantizedExport:
         if layout == "modelopt":
             refuse_modelopt_layout(formats, ck.path)
         self.scales = Scales.of_checkpoint(
-            ck, formats, self.record, {m: self.recipe.algorithm_of(m) for m in self.quantized}
+            ck,
+            formats,
+            self.record,
+            {m: self.recipe.algorithm_of(m) for m in self.quantized},
+            self.recipe.scale_headroom,
         )
         self.experts = {
             src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))

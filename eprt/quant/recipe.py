@@ -9,6 +9,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
+    scale_headroom: false          # true: NVFP4's mse weights under a per-tensor scale with headroom
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
@@ -35,6 +36,12 @@ records every rule's.
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
 wins, decide their modules' formats too (eprt.quant.feasibility).
+
+`scale_headroom: true` (ModelOpt's "four over six") gives an NVFP4 weight whose scales `mse` searches
+the per-tensor scale amax / (6 x 256) in place of amax / (6 x 448): a block scale code may then exceed
+the tensor's largest block's by up to 448 / 256, so every block, the largest too, can map its amax to
+the finer E2M1 grid of 4 instead of 6 where that has the smaller error; the mse search chooses per block
+among all the E4M3 codes (eprt.quant.formats.nvfp4). Other formats and algorithms do not read it.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
 UNROTATED = ("max", "mse", "gptq", "awq", "awq+gptq")
 ROTATE = "rotate"  # the rotations fused into the weights first (eprt.quant.rotation); alone: then max
@@ -77,6 +84,7 @@ class Recipe:
     rules: tuple[Rule, ...]
     kv_cache: str | None
     mtp: bool = False  # the rules apply to the multi-token-prediction layers too
+    scale_headroom: bool = False  # NVFP4's mse weights under the per-tensor scale with headroom
 
     def rule_of(self, module: str) -> Rule | None:
         """The first rule whose pattern matches `module`, or None."""
@@ -123,7 +131,11 @@ class Recipe:
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
         # written only when set, so a recipe without it reads back (and pins) as before
-        return {**out, "mtp": True} if self.mtp else out
+        return {
+            **out,
+            **({"mtp": True} if self.mtp else {}),
+            **({"scale_headroom": True} if self.scale_headroom else {}),
+        }
 
 
 def available() -> list[str]:
@@ -215,10 +227,16 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
             "rules) or false (carry them through unquantized, the default)"
         )
+    headroom = d.get("scale_headroom", False)
+    if not isinstance(headroom, bool):
+        raise ConfigError(
+            f"{source}: scale_headroom {headroom!r}; write true (NVFP4's mse weights under amax / (6 x 256)) "
+            "or false (amax / (6 x 448), the default)"
+        )
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
-    return Recipe(name, tuple(rules), kv, mtp)
+    return Recipe(name, tuple(rules), kv, mtp, headroom)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
