@@ -7,7 +7,9 @@ For every Linear and the routed experts' two projections: ||q(x) - x|| / ||x|| o
 the calibration tokens (each call's input fake-quantized under the per-tensor scale of its own amax,
 as a calibrated static input scale would be), and ||q(W) - W|| / ||W|| of the weight (max's
 scales), summed per module kind over the layers, for the model unrotated and rotated, and their
-ratio. The model runs unquantized: each figure is one module's own error on the same stream.
+ratio. The model runs unquantized: each figure is one module's own error on the same stream. And
+what the rotation alone costs in the model's dtype (its weights rounded once more): the mean
+per-token KL(unrotated || rotated) of the two models' next-token distributions.
 """
 
 import argparse
@@ -65,7 +67,8 @@ class Errors:
         return {k: (s[0] / s[1]).sqrt().item() for k, s in self.sums.items()}
 
 
-def measure(model, ids: torch.Tensor, fmt) -> dict:
+def measure(model, ids: torch.Tensor, fmt) -> tuple[dict, torch.Tensor]:
+    """(each module kind's relative errors, the log-probabilities of every token of `ids`)."""
     errors = Errors(fmt)
     with ExitStack() as stack:
         for name, m in model.named_modules():
@@ -84,9 +87,8 @@ def measure(model, ids: torch.Tensor, fmt) -> dict:
 
                 stack.enter_context(tapped(m, routed=routed))
         with torch.inference_mode():
-            for row in ids:
-                model(row[None])
-    return errors.relative()
+            logp = torch.cat([torch.log_softmax(model(row[None]).float(), -1)[0] for row in ids])
+    return errors.relative(), logp
 
 
 def main() -> None:
@@ -104,10 +106,12 @@ def main() -> None:
         with Checkpoint(ck_dir) as ck:
             a = PTQArgs(ck_dir, "nvfp4", "", calib=(args.calib,), calib_size=args.calib_size, seq_len=args.seq_len)
             ids = report_data(a, ck.hf_files_dir(), ck.config.vocab_size)[0]
-            plain = measure(load_parallel(ResolvedCheckpoint.of(ck, torch.bfloat16), state), ids, fmt)
-            rotated = measure(
+            plain, p = measure(load_parallel(ResolvedCheckpoint.of(ck, torch.bfloat16), state), ids, fmt)
+            rotated, q = measure(
                 load_parallel(ResolvedCheckpoint.of(RotatedCheckpoint(ck), torch.bfloat16), state), ids, fmt
             )
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    print(f"the rotation alone, unquantized: KL(unrotated || rotated) {kl:.3g} per token")
     print(f"{args.format}: relative quantization error per module kind, {args.calib_size} x {args.seq_len} tokens")
     print(f"{'module':<34} {'what':<7} {'plain':>8} {'rotated':>8} {'ratio':>6}")
     for key in sorted(k for k in plain if plain[k] > 0):  # a weight-only format leaves the inputs as they are
