@@ -125,12 +125,14 @@ def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "smoothquant"}]},
             None,
-            "r.yaml: quantize[0] algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
+            "r.yaml: quantize[0] algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq, rotate, rotate+mse, "
+            "rotate+gptq, rotate+awq, rotate+awq+gptq",
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4"}]},
             "smoothquant",
-            "--algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
+            "--algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq, rotate, rotate+mse, "
+            "rotate+gptq, rotate+awq, rotate+awq+gptq",
         ),
     ],
 )
