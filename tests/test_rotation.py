@@ -130,3 +130,25 @@ def test_a_recipe_says_rotate():
         parse_recipe(mixed, "r")
     with pytest.raises(ConfigError, match="unknown algorithm"):
         parse_recipe({"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": ["gptq", "rotate"]}]}, "r")
+
+
+def test_a_tensor_is_rotated_a_piece_at_a_time_as_whole(tmp_path, monkeypatch):
+    """The embedding (rotated along its rows' last dim), a down projection (along its rows) and a stack
+    of routed experts read in pieces of a few rows, columns or experts: the bits of the whole."""
+    from eprt.quant.rotation import rotated as rotated_module
+
+    monkeypatch.setattr(rotated_module, "PIECE_ROWS", 3)
+    with Checkpoint(fp32_checkpoint(tmp_path, "qwen3_moe")) as ck:
+        rotated = RotatedCheckpoint(ck)
+        for name in (
+            "model.embed_tokens.weight",
+            "model.layers.0.mlp.experts.w2",
+            "model.layers.0.self_attn.o_proj.weight",
+        ):
+            steps, t = rotated.plan.steps[name], ck.read(name)
+            whole = (
+                torch.stack([rotated.apply_whole(steps, x) for x in t])
+                if t.dim() == 3
+                else rotated.apply_whole(steps, t)
+            )
+            assert torch.equal(rotated.read(name), whole), name

@@ -38,6 +38,9 @@ def plan_of(ck: Checkpoint) -> RotationPlan:
     return plan
 
 
+PIECE_ROWS = 4096  # rows (or columns) of a tensor rotated at a time: 4096 x 7168 in fp64 is 235 MB
+
+
 def say_rotation(plan: RotationPlan, rank: int) -> None:
     """Log, on rank 0, what the rotation reads and what it leaves unrotated."""
     if rank != 0:
@@ -72,7 +75,20 @@ class RotatedCheckpoint:
         return Checkpoint.read_expert(self, spec, e)  # through this view's `read`
 
     def apply(self, steps: tuple[Step, ...], t: torch.Tensor) -> torch.Tensor:
-        """`t` with `steps` applied in fp64, rounded once to t's dtype."""
+        """`t` with `steps` applied in fp64, rounded once to t's dtype; a piece at a time where the
+        steps leave pieces apart (a stack of routed experts one expert at a time, the rows of a
+        tensor every step rotates along its last dim, the columns of one rotated along its rows),
+        so the fp64 copy is of a piece, not of a routed-expert stack or an embedding table."""
+        axes = {s.axis for s in steps if not isinstance(s, Identity)}
+        if t.dim() == 3:
+            return torch.stack([self.apply(steps, x) for x in t])
+        if t.dim() == 2 and axes == {-1}:
+            return torch.cat([self.apply_whole(steps, x) for x in t.split(PIECE_ROWS)])
+        if t.dim() == 2 and axes == {-2}:
+            return torch.cat([self.apply_whole(steps, x) for x in t.split(PIECE_ROWS, dim=1)], dim=1)
+        return self.apply_whole(steps, t)
+
+    def apply_whole(self, steps: tuple[Step, ...], t: torch.Tensor) -> torch.Tensor:
         w = t.to(torch.float64)
         for step in steps:
             if isinstance(step, Identity):
