@@ -10,16 +10,23 @@ scales), summed per module kind over the layers, for the model unrotated and rot
 ratio. The model runs unquantized: each figure is one module's own error on the same stream. And
 what the rotation alone costs in the model's dtype (its weights rounded once more): the mean
 per-token KL(unrotated || rotated) of the two models' next-token distributions.
+
+With --outlier-channels N the model is first given N outlier channels in its residual stream (its
+embedding's first N columns times --outlier-scale), the kind large trained models grow and a
+rotation is for: it shows what the rotation does where there are outliers to spread.
 """
 
 import argparse
+import glob
 import os
+import shutil
 import sys
 import tempfile
 from collections import defaultdict
 from contextlib import ExitStack
 
 import torch
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,6 +98,17 @@ def measure(model, ids: torch.Tensor, fmt) -> tuple[dict, torch.Tensor]:
     return errors.relative(), logp
 
 
+def with_outliers(hf: str, channels: int, scale: float, out: str) -> str:
+    """A copy of `hf` in `out` whose embedding's first `channels` columns are `scale` times larger."""
+    shutil.copytree(hf, out)
+    for path in glob.glob(os.path.join(out, "*.safetensors")):
+        tensors = load_file(path)
+        if "model.embed_tokens.weight" in tensors:
+            tensors["model.embed_tokens.weight"][:, :channels] *= scale
+            save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hf", required=True)
@@ -98,11 +116,16 @@ def main() -> None:
     p.add_argument("--format", default="nvfp4")
     p.add_argument("--calib-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--outlier-channels", type=int, default=0)
+    p.add_argument("--outlier-scale", type=float, default=20.0)
     args = p.parse_args()
     fmt = weight_format(args.format)
     state = ParallelState.single()
     with tempfile.TemporaryDirectory() as d:
-        ck_dir = convert_hf(args.hf, os.path.join(d, "ck"), progress=False)
+        hf = args.hf
+        if args.outlier_channels:
+            hf = with_outliers(hf, args.outlier_channels, args.outlier_scale, os.path.join(d, "hf"))
+        ck_dir = convert_hf(hf, os.path.join(d, "ck"), progress=False)
         with Checkpoint(ck_dir) as ck:
             a = PTQArgs(ck_dir, "nvfp4", "", calib=(args.calib,), calib_size=args.calib_size, seq_len=args.seq_len)
             ids = report_data(a, ck.hf_files_dir(), ck.config.vocab_size)[0]
