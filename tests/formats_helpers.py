@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.models.loader import load_model
+from eprt.models.loader import load_model, load_parallel
+from eprt.models.moe import LocalDispatcher
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.calibrate import Calibrator
@@ -28,6 +29,7 @@ from eprt.quant.feasibility import quantized_modules
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.rotation.rotated import RotatedCheckpoint
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
@@ -165,10 +167,15 @@ def fake_quantized_model(ck: str, q: str, dtype: torch.dtype):
     """eprt's own model of checkpoint `ck` (eprt.models, in dtype) fake-quantized with calibrated
     checkpoint `q` as the quality report and the preview do it (eprt.quant.preview.fake_quantize):
     every quantized weight is the export's dequantization, the input and KV hooks on. Returns
-    (the model, q's recipe, the Calibrator holding q's record and targets, what removes the hooks)."""
-    model = load_model(ck, dtype=dtype)
+    (the model, q's recipe, the Calibrator holding q's record and targets, what removes the hooks).
+    A recipe that rotates: the model of `ck` read rotated, as its export is."""
     with Checkpoint(ck) as base, Checkpoint(q) as calibrated:
         recipe = parse_recipe(calibrated.quantization["recipe"], q)
+        if recipe.rotates:
+            model = load_parallel(ResolvedCheckpoint.of(RotatedCheckpoint(base), dtype), ParallelState.single("cpu"))
+            model.set_dispatcher(lambda _layer, _block: LocalDispatcher())  # as load_model's
+        else:
+            model = load_model(ck, dtype=dtype)
         targets = list(quantized_modules(ResolvedCheckpoint.of(base, dtype).layout, recipe, ck))
         record = CalibrationRecord.read(calibrated)
         cal = Calibrator(None, targets, kv=recipe.kv_cache is not None)

@@ -184,6 +184,21 @@ def test_gptq_searches_with_max_and_calibrates_the_choice_with_gptq(searched, tm
     assert not filecmp.cmp(Path(exported, weights), Path(export, weights), shallow=False)
 
 
+def test_a_rotating_search_measures_the_rotated_model(searched, tmp_path):
+    """--algorithm rotate: the search measures its errors and statistics on the rotated model, and its
+    calibration keeps them: the written recipe, calibrated with rotate from scratch, exports the same bytes."""
+    _, ck, budget, _, _ = searched
+    args = {**DATA, "kv_cache": "fp8", "algorithm": "rotate"}
+    out = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, None, out, auto_quantize=budget, **args))
+    again = str(tmp_path / "reused")
+    run_ptq(ParallelState.single(), PTQArgs(ck, os.path.join(out, "auto_recipe.yaml"), again, **args))
+    exported = export_hf(out, str(tmp_path / "export"), progress=False)
+    same_but_the_search(exported, export_hf(again, str(tmp_path / "e"), progress=False), REPORT, "eprt_quality.html")
+    ours = json.loads(Path(exported, REPORT).read_text())
+    assert ours["auto_quantize"]["algorithms"] == {"search": "rotate", "calibration": "rotate"}
+
+
 def _search_at_ep_2(ck: str, out: str, budget: float) -> None:
     with ParallelState.from_env(ep=2, timeout=timedelta(seconds=60)) as state:
         run_ptq(state, PTQArgs(ck, None, out, auto_quantize=budget, kv_cache="fp8", batch_size=2, **DATA))

@@ -91,17 +91,24 @@ def test_folds_leave_the_model_computing_the_same(tmp_path, family):
     with Checkpoint(ck_dir) as ck:
         model = load_parallel(ResolvedCheckpoint.of(ck, torch.float32), state)
         folds = random_folds(model)
-        original, before = routed_logits(model, ids)
-        folded, after = routed_logits(
-            load_parallel(ResolvedCheckpoint.of(FoldedCheckpoint(ck, folds), torch.float32), state), ids
-        )
+        folded = load_parallel(ResolvedCheckpoint.of(FoldedCheckpoint(ck, folds), torch.float32), state)
+        assert_same_logits(model, folded, ids, family)
     assert folds.by_module, family  # every family has a group to balance
+
+
+def assert_same_logits(model, changed, ids: torch.Tensor, what: str, tol: float = 2e-4) -> None:
+    """`changed` computes `model`'s logits of `ids` [B, T] within `tol`, but where a router's choice
+    between experts of near-equal scores flipped on the last bits: such a token (and what attends to
+    it) is left out of the comparison, and the flips must be rare."""
+    B, T = ids.shape
+    original, before = routed_logits(model, ids)
+    logits, after = routed_logits(changed, ids)
     flipped = torch.zeros(B, T, dtype=torch.bool)
     for a, b in zip(before, after):
         flipped |= (a.sort(-1).values != b.sort(-1).values).any(-1).view(B, T)
-    assert flipped.float().mean() <= 0.1, (family, flipped)
+    assert flipped.float().mean() <= 0.1, (what, flipped)
     same = ~(flipped.int().cummax(1).values.bool())  # positions before a sequence's first flip
-    torch.testing.assert_close(folded[same], original[same], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(logits[same], original[same], rtol=tol, atol=tol)
 
 
 def test_the_search_balances_an_outlier_channel():

@@ -26,7 +26,7 @@ from eprt.quant.formats.fp8 import dequantize_fp8, fp8_mse_scale, fp8_scale
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.preview import fake_quantize
 from eprt.quant.ptq import PTQArgs, fingerprint, run_ptq
-from eprt.quant.recipe import ALGORITHMS, load_recipe, parse_recipe
+from eprt.quant.recipe import ALGORITHMS, UNROTATED, load_recipe, parse_recipe
 from eprt.quant.run_plan import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -70,7 +70,7 @@ def exports(qwen, recipe, tmp_path_factory):
     """{algorithm: (calibrated checkpoint, its export)} of the tiny model under the by-layer recipe."""
     d = tmp_path_factory.mktemp("exports")
     out = {}
-    for a in ALGORITHMS:
+    for a in UNROTATED:
         q = str(d / a)
         run_ptq(ParallelState.single(), PTQArgs(qwen, recipe, q, batch_size=2, algorithm=a, **CALIB))
         out[a] = q, export_hf(q, q + "-hf", progress=False)
@@ -125,12 +125,14 @@ def test_a_rule_names_its_algorithm_and_the_others_take_the_default():
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4", "algorithm": "smoothquant"}]},
             None,
-            "r.yaml: quantize[0] algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
+            "r.yaml: quantize[0] algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq, rotate, rotate+mse, "
+            "rotate+gptq, rotate+awq, rotate+awq+gptq",
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4"}]},
             "smoothquant",
-            "--algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq",
+            "--algorithm 'smoothquant': unknown algorithm; choose one of max, mse, gptq, awq, awq+gptq, rotate, rotate+mse, "
+            "rotate+gptq, rotate+awq, rotate+awq+gptq",
         ),
     ],
 )

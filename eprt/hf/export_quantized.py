@@ -31,6 +31,7 @@ from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.formats.base import CT_SCALAR
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.recipe import Recipe, parse_recipe
+from eprt.quant.rotation.rotated import RotatedCheckpoint
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import without_quantization
@@ -75,6 +76,8 @@ class QuantizedExport:
         self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
+        if self.recipe.rotates:  # every weight is read rotated, as the run read it
+            self.ck = ck = RotatedCheckpoint(ck)
         if self.record.folds:  # AWQ's: every weight is read folded, as the run read it
             self.ck = ck = FoldedCheckpoint(ck, self.record.read_folds(ck))
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
@@ -88,7 +91,11 @@ class QuantizedExport:
         if layout == "modelopt":
             refuse_modelopt_layout(formats, ck.path)
         self.scales = Scales.of_checkpoint(
-            ck, formats, self.record, {m: self.recipe.algorithm_of(m) for m in self.quantized}
+            ck,
+            formats,
+            self.record,
+            {m: self.recipe.algorithm_of(m) for m in self.quantized},
+            self.recipe.scale_headroom,
         )
         self.experts = {
             src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
@@ -207,7 +214,7 @@ class QuantizedExport:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
         for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
-            if self.record.folds:  # a folded tensor is not its stored bytes
+            if self.record.folds or self.recipe.rotates:  # a folded or rotated tensor is not its stored bytes
                 t = dataclasses.replace(t, stored=None)
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         kv = kv_cache_format(self.recipe.kv_cache)

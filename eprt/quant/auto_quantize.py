@@ -56,13 +56,14 @@ from eprt.quant.absorbed import ABSORBED, absorbed_in_4_bit_inputs
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.formats import weight_format
 from eprt.quant.fusion import FUSED_SIBLINGS
-from eprt.quant.recipe import FORMATS, Recipe, Rule
+from eprt.quant.recipe import FORMATS, ROTATE, Recipe, Rule, rotated
 
 DEFAULT_CANDIDATES = ("nvfp4", "fp8", "none")
 UNQUANTIZED_BITS = 16  # bf16
 # The algorithms whose statistics do not depend on the format, so the choice can come after the
 # loop and keep the search's statistics; GPTQ and AWQ work in each layer's format during the loop.
-SEARCHABLE_ALGORITHMS = ("max", "mse")
+# The rotation is the model's, whatever the formats: the search measures the rotated model.
+SEARCHABLE_ALGORITHMS = ("max", "mse", ROTATE, f"{ROTATE}+mse")
 # steps of the knapsack's grid over the bits between every group in its smallest candidate and every
 # group in its largest (`SearchSpace.choose`)
 GRID = 16384
@@ -106,8 +107,10 @@ def parse_candidates(text: str) -> tuple[str, ...]:
 def search_algorithm(algorithm: str) -> str:
     """The algorithm the search measures its errors with, under --algorithm `algorithm`: itself
     where its statistics do not depend on the format, else max (the calibration of the choice
-    then runs `algorithm`)."""
-    return algorithm if algorithm in SEARCHABLE_ALGORITHMS else SEARCHABLE_ALGORITHMS[0]
+    then runs `algorithm`); a rotating algorithm's search measures the rotated model (`rotate`)."""
+    if algorithm in SEARCHABLE_ALGORITHMS:
+        return algorithm
+    return ROTATE if rotated(algorithm) else SEARCHABLE_ALGORITHMS[0]
 
 
 def linear_bits(fmt: str, out_dim: int, in_dim: int) -> int:

@@ -40,6 +40,8 @@ from eprt.quant.passes import layer_passes
 from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.quality import QualityReport
+from eprt.quant.recipe import rotated
+from eprt.quant.rotation.rotated import RotatedCheckpoint
 from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, report_data
 from eprt.quant.run_plan import check_kv_cache, open_unquantized, plan_run, run_shape
@@ -65,6 +67,8 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
         if a.resume:
             raise ConfigError("--resume with --auto-quantize: the search does not resume; run it again")
         ck, rc = open_unquantized(state, a, ck)
+        if rotated(a.algorithm):  # the errors of the model the choice is calibrated as: rotated
+            rc = replace(rc, ck=RotatedCheckpoint(ck))
         cfg = ck.config
         check_kv_cache(a.kv_cache, cfg, ck.path)  # the chosen recipe's, refused before the search
         space = SearchSpace.of(

@@ -31,7 +31,7 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
-from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.recipe import Recipe, load_recipe, unrotated
 from eprt.quant.run_args import CALIBRATION_SETTINGS, PTQArgs
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import Checkpoint
@@ -50,7 +50,7 @@ def statistics_needed(recipe: Recipe) -> list[str]:
             continue
         if weight_format(rule.format).uses_activation_statistics:
             needs.append(f"format {rule.format} scales its inputs by their calibrated amax")
-        if rule.algorithm not in WEIGHT_ONLY_ALGORITHMS:
+        if unrotated(rule.algorithm) not in WEIGHT_ONLY_ALGORITHMS:  # the rotation needs no data
             needs.append(f"algorithm {rule.algorithm} rounds the weights against the calibration inputs")
     if recipe.kv_cache is not None:
         needs.append(f"the {recipe.kv_cache} KV cache is scaled by the keys' and values' calibrated amax")

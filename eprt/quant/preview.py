@@ -86,6 +86,7 @@ def fake_quantize(
         CalibrationRecord.of(cal),
         lambda m: as_quantized(f"{m}.weight", formats[m], sub(m).weight.detach()),
         {m: recipe.algorithm_of(m) for m in targets},
+        recipe.scale_headroom,
     )
 
     def fake_weight(m: str, name: str, w: torch.Tensor, scale: torch.Tensor, pieces: int = 1) -> torch.Tensor:

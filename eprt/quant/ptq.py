@@ -51,6 +51,7 @@ from eprt.quant.plan import measured_peak
 from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.rotation.rotated import RotatedCheckpoint, say_rotation
 from eprt.quant.run_args import PTQArgs
 from eprt.quant.run_data import check_data_settings, describe_calib, report_data
 from eprt.quant.run_plan import open_unquantized, plan_recipe, plan_run, run_shape
@@ -108,9 +109,12 @@ def run_calibration(
             raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
         # the routed experts' clips: this rank's experts' rows
         first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
+        if recipe.rotates:  # the run reads its layers rotated, AWQ folds the rotated weights
+            rc = dataclasses.replace(rc, ck=RotatedCheckpoint(ck))
+            say_rotation(rc.ck.plan, state.rank)
         folds = Folds(first) if any(recipe.balanced(m) for m in targets) else None
         if folds is not None:
-            rc = dataclasses.replace(rc, ck=FoldedCheckpoint(ck, folds))  # the run reads its layers folded
+            rc = dataclasses.replace(rc, ck=FoldedCheckpoint(rc.ck, folds))  # the run reads its layers folded
         check_data_settings(a)
         work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
     with ck:

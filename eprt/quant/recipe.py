@@ -9,6 +9,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
+    scale_headroom: false          # true: NVFP4's mse weights under a per-tensor scale with headroom
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
@@ -24,12 +25,23 @@ A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weigh
 the module (eprt.quant.passes.awq), then max's or GPTQ's rounding of the scaled weight. AWQ balances
 a group of Linears that read one norm's output together: a group is balanced when every module of it
 the recipe quantizes says `awq` or `awq+gptq`.
+`rotate` in front of any of them (`rotate`, `rotate+mse`, `rotate+gptq`, `rotate+awq`,
+`rotate+awq+gptq`; in a rule also as a list, `[rotate, gptq]`) first rotates the residual stream and
+each head's values by randomised Hadamard matrices fused into the weights (eprt.quant.rotation),
+then chooses the scales as the rest says (`rotate` alone: max). The rotation is the whole model's:
+every rule that quantizes names it, or none does.
 A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
 records every rule's.
 
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
 wins, decide their modules' formats too (eprt.quant.feasibility).
+
+`scale_headroom: true` (ModelOpt's "four over six") gives an NVFP4 weight whose scales `mse` searches
+the per-tensor scale amax / (6 x 256) in place of amax / (6 x 448): a block scale code may then exceed
+the tensor's largest block's by up to 448 / 256, so every block, the largest too, can map its amax to
+the finer E2M1 grid of 4 instead of 6 where that has the smaller error; the mse search chooses per block
+among all the E4M3 codes (eprt.quant.formats.nvfp4). Other formats and algorithms do not read it.
 """
 
 from __future__ import annotations
@@ -49,9 +61,11 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
-ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
+UNROTATED = ("max", "mse", "gptq", "awq", "awq+gptq")
+ROTATE = "rotate"  # the rotations fused into the weights first (eprt.quant.rotation); alone: then max
+ALGORITHMS = (*UNROTATED, ROTATE, *(f"{ROTATE}+{a}" for a in UNROTATED[1:]))
 # AWQ scales the weights, then rounds them as another algorithm does
 AWQ_ROUNDING = {"awq": "max", "awq+gptq": "gptq"}
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
@@ -70,6 +84,7 @@ class Recipe:
     rules: tuple[Rule, ...]
     kv_cache: str | None
     mtp: bool = False  # the rules apply to the multi-token-prediction layers too
+    scale_headroom: bool = False  # NVFP4's mse weights under the per-tensor scale with headroom
 
     def rule_of(self, module: str) -> Rule | None:
         """The first rule whose pattern matches `module`, or None."""
@@ -80,8 +95,9 @@ class Recipe:
         return None if rule is None or rule.format == "none" else rule.format
 
     def algorithm_of(self, module: str) -> str | None:
-        """How `module`'s weight scales are chosen (ALGORITHMS); None where it is not quantized."""
-        return self.rule_of(module).algorithm if self.format_of(module) else None
+        """How `module`'s weight scales are chosen on the weights as the run reads them (UNROTATED:
+        the rotation, the whole model's, is `rotates`); None where it is not quantized."""
+        return unrotated(self.rule_of(module).algorithm) if self.format_of(module) else None
 
     def rounding_of(self, module: str) -> str | None:
         """How `module`'s scaled weight is rounded: its algorithm, AWQ's the one it runs after."""
@@ -99,18 +115,27 @@ class Recipe:
 
     @property
     def algorithms(self) -> list[str]:
-        """The algorithms of the rules that quantize."""
-        return sorted({r.algorithm for r in self.rules if r.format != "none"})
+        """The algorithms of the rules that quantize, their rotation left out (`rotates`)."""
+        return sorted({unrotated(r.algorithm) for r in self.rules if r.format != "none"})
 
     @property
     def roundings(self) -> list[str]:
         """How the rules that quantize round their weights (`rounding_of`)."""
         return sorted({AWQ_ROUNDING.get(a, a) for a in self.algorithms})
 
+    @property
+    def rotates(self) -> bool:
+        """Whether the model's weights are read rotated (eprt.quant.rotation): every quantizing rule says so."""
+        return any(rotated(r.algorithm) for r in self.rules if r.format != "none")
+
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
         # written only when set, so a recipe without it reads back (and pins) as before
-        return {**out, "mtp": True} if self.mtp else out
+        return {
+            **out,
+            **({"mtp": True} if self.mtp else {}),
+            **({"scale_headroom": True} if self.scale_headroom else {}),
+        }
 
 
 def available() -> list[str]:
@@ -124,9 +149,23 @@ def refuse_unknown_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the valid keys are {', '.join(valid)}")
 
 
-def check_algorithm(algorithm, where: str) -> None:
+def rotated(algorithm: str) -> bool:
+    return algorithm == ROTATE or algorithm.startswith(f"{ROTATE}+")
+
+
+def unrotated(algorithm: str) -> str:
+    """What chooses the scales after the rotation: `rotate` alone, max's."""
+    return UNROTATED[0] if algorithm == ROTATE else algorithm.removeprefix(f"{ROTATE}+")
+
+
+def check_algorithm(algorithm, where: str) -> str:
+    """The algorithm a rule's (or --algorithm's) `algorithm` names: a string of ALGORITHMS, or the
+    list of its parts (`[rotate, gptq]`)."""
+    if isinstance(algorithm, list) and all(isinstance(a, str) for a in algorithm):
+        algorithm = "+".join(algorithm)
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"{where} {algorithm!r}: unknown algorithm; choose one of {', '.join(ALGORITHMS)}")
+    return algorithm
 
 
 def grouped(fmt: str, group_size, where: str) -> str:
@@ -175,13 +214,21 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             )
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
-        check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
+        algorithm = check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
-        rules.append(Rule(str(r["pattern"]), fmt, r.get("algorithm", default)))
+        rules.append(Rule(str(r["pattern"]), fmt, algorithm))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
             f"{source}: a recipe quantizes with at least one format, found none; "
             f"give a rule a format of {', '.join(FORMATS[:-1])}"
+        )
+    quantizing = [r for r in rules if r.format != "none"]
+    if len({rotated(r.algorithm) for r in quantizing}) > 1:
+        first = next(r for r in quantizing if rotated(r.algorithm))
+        other = next(r for r in quantizing if not rotated(r.algorithm))
+        raise ConfigError(
+            f"{source}: rule {first.pattern!r} rotates ({first.algorithm}) and rule {other.pattern!r} does not "
+            f"({other.algorithm}); the rotation is the whole model's: give every quantizing rule rotate, or none"
         )
     kv = kv_cache if kv_cache is not None else d.get("kv_cache")
     if kv not in KV_FORMATS:
@@ -192,10 +239,16 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
             "rules) or false (carry them through unquantized, the default)"
         )
+    headroom = d.get("scale_headroom", False)
+    if not isinstance(headroom, bool):
+        raise ConfigError(
+            f"{source}: scale_headroom {headroom!r}; write true (NVFP4's mse weights under amax / (6 x 256)) "
+            "or false (amax / (6 x 448), the default)"
+        )
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
-    return Recipe(name, tuple(rules), kv, mtp)
+    return Recipe(name, tuple(rules), kv, mtp, headroom)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

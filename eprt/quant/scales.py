@@ -35,7 +35,8 @@ class Scales:
     """`formats`: each quantized module (dense Linear or experts module) -> its format;
     `weight(module)`: a dense Linear's weight as it is quantized, read when its scale is first
     asked for; `algorithms`: each quantized module -> its algorithm (eprt.quant.recipe.ALGORITHMS;
-    `max` where it names none)."""
+    `max` where it names none); `headroom`: the recipe's scale_headroom (the mse weights' per-tensor
+    scale with the format's headroom, where it has one)."""
 
     def __init__(
         self,
@@ -43,9 +44,10 @@ class Scales:
         record: CalibrationRecord,
         weight: Callable[[str], torch.Tensor],
         algorithms: Mapping[str, str] | None = None,
+        headroom: bool = False,
     ):
         self.formats, self.record, self.weight = formats, record, weight
-        self.algorithms = algorithms or {}
+        self.algorithms, self.headroom = algorithms or {}, headroom
 
     @classmethod
     def of_checkpoint(
@@ -54,11 +56,11 @@ class Scales:
         formats: Mapping[str, str],
         record: CalibrationRecord,
         algorithms: Mapping[str, str] | None = None,
+        headroom: bool = False,
     ) -> "Scales":
         """The export's scales: over `record`, from the original weights of `ck` as they are quantized."""
-        return cls(
-            formats, record, lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight")), algorithms
-        )
+        weight = lambda m: as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight"))  # noqa: E731
+        return cls(formats, record, weight, algorithms, headroom)
 
     def format(self, module: str) -> WeightFormat:
         return weight_format(self.formats[module])
@@ -103,7 +105,10 @@ class Scales:
     def _weight_scale(self, module: str, amax: torch.Tensor, weight: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The per-tensor scale of `amax`, or under mse the format's search over the weight (read only then)."""
         fmt = self.format(module)
-        return fmt.mse_weight_scale(weight(), amax) if self.searched(module) else fmt.scale(amax)
+        if not self.searched(module):
+            return fmt.scale(amax)
+        roomy = fmt.headroom_scale(amax) if self.headroom else None
+        return roomy if roomy is not None else fmt.mse_weight_scale(weight(), amax)
 
     def quantize_weight(self, module: str, w: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
         """The export tensors (by ModelOpt leaf) of `w`, a weight of `module` as it is quantized

@@ -72,6 +72,7 @@ from tests.formats_helpers import (  # noqa: E402
     fake_quantized_model,
     tiny_checkpoint,
 )
+from tests.hf_utils import read_hf_tensors  # noqa: E402
 
 # every input dim a whole number of INT4's groups of 128 (MLA's ranks, o_proj's heads x v_head_dim,
 # the gated delta net's value heads x their dim, the shared experts)
@@ -84,6 +85,13 @@ FAMILIES = {
 TOKENS = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
 # routed experts left unquantized, every other Linear MXFP8: what transformers can load of MXFP8
 MXFP8_WITHOUT_EXPERTS = "mxfp8_without_routed_experts"
+# the model rotated (eprt.quant.rotation), then INT4 in groups of 32 (data-free): the export is a plain
+# checkpoint of rotated weights and identity norms
+ROTATED = "rotated_int4_g32"
+LOCAL_RECIPES = {
+    MXFP8_WITHOUT_EXPERTS: '  - {pattern: "*.experts", format: none}\n  - {pattern: "*", format: mxfp8}\n',
+    ROTATED: '  - {pattern: "*", format: int4, group_size: 32, algorithm: rotate}\n',
+}
 UNLOADABLE = {
     "mxfp8": "transformers 5.24 decompresses FP8 routed experts as weight x weight_scale: MXFP8's E8M0 "
     "scale bytes [out, in/32] are multiplied raw into the [out, in] weight, and the conversion fails",
@@ -188,8 +196,8 @@ class Family:
         return self.exports[recipe]
 
     def spec(self, recipe: str) -> str:
-        """The recipe's name, or its file for MXFP8_WITHOUT_EXPERTS."""
-        return str(self.dir / f"{recipe}.yaml") if recipe == MXFP8_WITHOUT_EXPERTS else recipe
+        """The recipe's name, or its file for one of LOCAL_RECIPES."""
+        return str(self.dir / f"{recipe}.yaml") if recipe in LOCAL_RECIPES else recipe
 
     def nvfp4_experts(self, recipe: str) -> bool:
         """Whether `recipe` quantizes the routed experts to NVFP4 (or NVFP4 weights only)."""
@@ -211,10 +219,8 @@ class Family:
 def family(request, tmp_path_factory) -> Family:
     d = tmp_path_factory.mktemp(request.param)
     _, ck = tiny_checkpoint(d, request.param, **FAMILIES[request.param])
-    Path(d, f"{MXFP8_WITHOUT_EXPERTS}.yaml").write_text(
-        f"name: {MXFP8_WITHOUT_EXPERTS}\nquantize:\n"
-        '  - {pattern: "*.experts", format: none}\n  - {pattern: "*", format: mxfp8}\n'
-    )
+    for name, rules in LOCAL_RECIPES.items():
+        Path(d, f"{name}.yaml").write_text(f"name: {name}\nquantize:\n{rules}")
     with torch.no_grad():
         ours = load_model(ck, dtype=torch.bfloat16).float()(TOKENS)
     theirs = transformers_logits(export_hf(ck, str(d / "unquantized"), progress=False), compressed=False)
@@ -225,6 +231,18 @@ def family(request, tmp_path_factory) -> Family:
 def test_transformers_logits_equal_eprts_fake_quantized_model(family, recipe):
     q, ct = family.export(recipe)
     family.assert_logits_agree(q, transformers_logits(ct, experts_from_the_library=family.nvfp4_experts(recipe)))
+
+
+def test_transformers_runs_a_rotated_export(family):
+    """The rotated model's export loads in transformers unchanged and computes eprt's rotated,
+    fake-quantized model (itself the original's in exact arithmetic: tests/test_rotation.py); its
+    residual-stream norms are the identity, their weights folded into the weights that read them."""
+    q, ct = family.export(ROTATED)
+    family.assert_logits_agree(q, transformers_logits(ct))
+    tensors = read_hf_tensors(ct)
+    norms = [n for n in tensors if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight"))]
+    identity = 0.0 if "qwen3_next" in str(family.dir) else 1.0  # Qwen3-Next's norms scale by 1 + w
+    assert norms and all(torch.all(tensors[n] == identity) for n in [*norms, "model.norm.weight"])
 
 
 @pytest.mark.xfail(

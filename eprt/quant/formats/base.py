@@ -97,6 +97,11 @@ class WeightFormat:
         the scale of `amax` where the format searches only other scales."""
         return self.scale(amax)
 
+    def headroom_scale(self, amax) -> torch.Tensor | None:
+        """The per-tensor weight scale of `amax` with headroom for the mse search (a recipe's
+        scale_headroom), where the format has one; None where it has none."""
+        return None
+
     def exact_weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
         """A per-tensor weight scale under which the format keeps w's values exactly, where it has one
         for w (NVFP4 for a weight stored in MXFP4: a routed expert's row of a Kimi-K3 source), else

@@ -59,6 +59,16 @@ def nvfp4_scale(amax) -> torch.Tensor:
     return per_tensor_scale(amax, E2M1_MAX * FP8_E4M3_MAX, zero_amax=E2M1_MAX)
 
 
+# ModelOpt's "four over six" normalisation of weight_scale_2 (its E4M3_MAX_46): a block at the tensor's
+# amax then takes block scale 256 to map its amax to 6, and up to 448 (1.75x) to map it to 4
+HEADROOM_E4M3_MAX = 256.0
+
+
+def nvfp4_headroom_scale(amax) -> torch.Tensor:
+    """weight_scale_2 with headroom: fp32 0-dim amax/(6*256) (amax == 0 gives 1/256)."""
+    return per_tensor_scale(amax, E2M1_MAX * HEADROOM_E4M3_MAX, zero_amax=E2M1_MAX)
+
+
 def _check_blocks(x: torch.Tensor) -> None:
     """Refuses an input dim that is not a multiple of 16."""
     if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
@@ -406,6 +416,9 @@ class Nvfp4(WeightFormat):
 
     def scale(self, amax) -> torch.Tensor:
         return nvfp4_scale(amax)
+
+    def headroom_scale(self, amax) -> torch.Tensor:
+        return nvfp4_headroom_scale(amax)
 
     def exact_weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
         return mx_exact_scale_2(w)
