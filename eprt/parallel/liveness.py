@@ -85,9 +85,8 @@ def seconds_from_env(name: str, default: float) -> float:
         seconds = math.nan
     if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # NaN too
         raise ConfigError(
-            f"{PEER_TIMEOUT_ENV}={text!r} is not a number of seconds from {MIN_TIMEOUT_S:g} to "
-            f"{MAX_TIMEOUT_S:g}; unset it for the default of {DEFAULT_PEER_TIMEOUT_S:.0f} s"
-            f"{name}={text!r} is not a positive number of seconds; unset it for the default of {default:.0f} s"
+            f"{name}={text!r} is not a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}; "
+            f"unset it for the default of {default:.0f} s"
         )
     return seconds
 
