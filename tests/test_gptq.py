@@ -397,7 +397,9 @@ def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monk
     _, ck = tiny
     stacks = []
     solve = gptq_layer.gptq
-    monkeypatch.setattr(gptq_layer, "gptq", lambda w, h, cols: (stacks.append(w.shape[0]), solve(w, h, cols))[1])
+    monkeypatch.setattr(
+        gptq_layer, "gptq", lambda w, h, cols, **kw: (stacks.append(w.shape[0]), solve(w, h, cols, **kw))[1]
+    )
     exports = []
     for most in (MOST_EXPERTS_STACKED, 1):
         monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)

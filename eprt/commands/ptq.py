@@ -25,10 +25,11 @@ from eprt.hf.export_plan import plan_export
 from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
+from eprt.quant.algorithms.program import Program, program_of
 from eprt.quant.datafree import data_free
 from eprt.quant.estimate import estimate_time
-from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.ptq import gptq_formats, run_ptq
+from eprt.quant.plan import available_memory, check_host_memory, check_memory, current_rss, memory_in_use
+from eprt.quant.ptq import run_ptq
 from eprt.quant.recipe import Recipe
 from eprt.quant.run_args import RUN_DTYPES, PTQArgs
 from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
@@ -66,8 +67,7 @@ def ptq() -> int:
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:
         if a.dry_run:
-            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
-            # layers and counts GPTQ's Hessians
+            # what PTQ would refuse about this recipe and model, refused now; the plan is the run's program's
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
             if a.recipe:
                 recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
@@ -77,15 +77,7 @@ def ptq() -> int:
             if recipe is not None and data_free(recipe, a):
                 data_free_dry_run(state, ck, recipe, targets)
                 return 0
-            dry_run(
-                state,
-                rc,
-                a,
-                targets,
-                mtp=bool(recipe and recipe.mtp),
-                gptq=gptq_formats(recipe, targets) if recipe else None,
-                recipe=recipe,
-            )
+            dry_run(state, rc, a, program_of(recipe, targets))
             return 0
         run_ptq(state, a, ck=ck)
     return 0
@@ -107,18 +99,10 @@ def without_nproc(argv: list[str]) -> list[str]:
 # --- dry run ---------------------------------------------------------------------------------
 
 
-def dry_run(
-    state: ParallelState,
-    rc: ResolvedCheckpoint,
-    a: PTQArgs,
-    targets: list[str],
-    mtp: bool = False,
-    gptq: dict[str, str] | None = None,
-    recipe: Recipe | None = None,
-) -> None:
+def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: Program) -> None:
     """Every rank works out its own share and memory plan from the manifest, for ranks on
-    --device (default its own; with the MTP layers when the recipe runs them, GPTQ's Hessians and
-    codes when it runs GPTQ), and refuses a plan over a limit it knows (--max-memory,
+    --device (default its own), as the run plans it from the same program (its MTP layers, every
+    algorithm's own terms), and refuses a plan over a limit it knows (--max-memory,
     --max-host-memory, or what this machine has free when the plan is for it); rank 0 prints them
     all, with its own plan's terms. With --estimate-time, and the plan for this machine's device,
     every rank probes the calibration's time (eprt.quant.estimate) and rank 0 prints its own."""
@@ -128,8 +112,8 @@ def dry_run(
         here = device.type == state.device.type  # planning this machine's ranks, not another's
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(rc.holding(held if c.moe_layers else None))
-        planner = Planner.of(rc, device, targets, mtp=mtp, gptq=gptq)
-        shape = run_shape(a, state, c)
+        planner = program.planner(rc, device)
+        shape = program.shape(run_shape(a, state, c))
         limit = a.max_memory or (available_memory(device) if here else None)
         plan = planner.plan(shape, memory_in_use(device) if here else 0, host_baseline=current_rss(), limit=limit)
         if limit is not None:
@@ -167,9 +151,7 @@ def dry_run(
             )
         return
     with fail_together(state, "estimating the calibration's time"):
-        estimate = estimate_time(
-            state, rc, recipe, targets, shape, kv=recipe.kv_cache is not None, expert_stack=plan.expert_stack
-        )
+        estimate = estimate_time(state, rc, program, shape, expert_stack=plan.expert_stack)
     if state.rank == 0:
         print(f"calibration time on {device.type}: rank 0 {estimate.summary()}")
 

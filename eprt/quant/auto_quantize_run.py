@@ -21,6 +21,7 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.progress import logger
+from eprt.quant.algorithms.program import program_of
 from eprt.quant.auto_quantize import (
     RECIPE_FILE,
     SEARCHABLE_ALGORITHMS,
@@ -35,7 +36,6 @@ from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerEngine
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.fingerprint import check_base_read
-from eprt.quant.passes import layer_passes
 from eprt.quant.passes.auto_quantize import FormatErrors
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.quality import QualityReport
@@ -82,7 +82,7 @@ def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = Non
         check_data_settings(a)
     with ck:
         with fail_together(state, "planning memory"):
-            plan_run(state, rc, replace(a, preview=None), space.targets, search=True)
+            plan_run(state, rc, replace(a, preview=None), program_of(None, space.targets, search=True))
         with fail_together(state, "reading the calibration data"):
             data = report_data(a, ck.hf_files_dir(), cfg.vocab_size)
             samples, eval_ids, _ = data
@@ -135,7 +135,12 @@ def measure_format_errors(
     calibration = shape.schedule_of(samples.shape[0])
     errors = FormatErrors(state, cal, rc, space, samples, calibration, algorithm)
     held_out = QualityStreams(state, report, shape.schedule_of(eval_ids.shape[0]))
-    passes = layer_passes(cal, smallest, rc, quality=held_out, format_errors=errors)
+    run = (
+        program_of(smallest, targets)
+        .start(rc, 0)
+        .begin(state, cal, tokens=samples.numel(), min_tokens=1, expert_stack=1)
+    )
+    passes = run.passes(cal, quality=held_out, format_errors=errors)
     engine = LayerEngine(state, rc, samples, passes, schedule=calibration, progress=a.progress)
     engine.run(0, engine.embed(), after_layer=lambda *_: check_base_read(rc.ck, {"base": base}))
     cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all

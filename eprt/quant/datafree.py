@@ -27,6 +27,7 @@ from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
+from eprt.quant.algorithms.registry import ALGORITHMS
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import refuse_calibrated, write_calibrated
 from eprt.quant.feasibility import quantized_modules
@@ -36,9 +37,8 @@ from eprt.quant.run_args import CALIBRATION_SETTINGS, PTQArgs
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import Checkpoint
 
-# the algorithms that set weight scales from the weights alone (gptq rounds against the Hessian of
-# the calibration inputs)
-WEIGHT_ONLY_ALGORITHMS = ("max", "mse")
+# the algorithms that set weight scales from the weights alone (eprt.quant.algorithms.registry)
+WEIGHT_ONLY_ALGORITHMS = tuple(name for name, entry in ALGORITHMS.items() if entry.weight_only)
 
 
 def statistics_needed(recipe: Recipe) -> list[str]:

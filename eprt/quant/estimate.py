@@ -30,15 +30,13 @@ import torch
 from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.algorithms.program import Program
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.engine import LayerEngine, cpu_threads
-from eprt.quant.gptq_layer import ALGORITHM, GPTQRun
-from eprt.quant.passes import layer_passes
 from eprt.quant.passes.mtp import MTPLayers
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import RunShape
 from eprt.quant.quality import QualityReport
-from eprt.quant.recipe import Recipe
 from eprt.quant.sequences import LayerState, Schedule, Sequences
 
 PROBE_STEPS = 3  # steps of each probe run: the first pays for what the run before it left, the others are timed
@@ -165,42 +163,38 @@ class StepClock:
 
 
 def probe_time(
-    rc: ResolvedCheckpoint,
-    device: torch.device,
-    recipe: Recipe,
-    targets: list[str],
-    shape: RunShape,
-    *,
-    kv: bool,
-    expert_stack: int,
+    rc: ResolvedCheckpoint, device: torch.device, program: Program, shape: RunShape, *, expert_stack: int
 ) -> TimeEstimate:
     """The calibration's time on one rank of `shape` (without the token exchange), measured on
-    `device` with `recipe`'s passes over `targets`."""
+    `device` with the passes of `program` (the run's: eprt.quant.algorithms.program)."""
     state = ParallelState.single(device)
     T, D = shape.seq_len, rc.ck.config.hidden_size
     schedule = shape.schedule
-    cal = Calibrator(None, targets, kv=kv, all_experts=shape.all_experts)
-    # every expert a probe step reaches is solved, as a run's many tokens reach them all
-    gptq = (
-        GPTQRun(state, rc, recipe, targets, tokens=shape.num_sequences * T, min_tokens=1, expert_stack=expert_stack)
-        if ALGORITHM in recipe.algorithms
-        else None
-    )
+    recipe, targets = program.recipe, list(program.targets)
+    cal = Calibrator(None, targets, kv=recipe.kv_cache is not None, all_experts=shape.all_experts)
     quality = None
     if shape.eval_sequences:
         eval_ids = torch.zeros(shape.eval_sequences, T, dtype=torch.int64)
         report = QualityReport(state, rc.ck, recipe, targets, eval_ids, "the probe's")
         quality = QualityStreams(state, report, shape.eval_schedule)
-    passes = layer_passes(cal, recipe, rc, quality=quality, gptq=gptq)
     samples = torch.zeros(shape.num_sequences, T, dtype=torch.int64)
-    engine = ProbeEngine(state, rc, samples, passes, schedule=schedule, progress=False)
+
+    def fresh() -> ProbeEngine:
+        """The program started afresh (one process holding every routed expert) and its engine: what
+        the warm-up decided (AWQ's folds) is not the timed run's to find already done."""
+        run = program.start(rc, 0)
+        # every expert a probe step reaches is solved, as a run's many tokens reach them all
+        run.begin(state, cal, tokens=shape.num_sequences * T, min_tokens=1, expert_stack=expert_stack)
+        return ProbeEngine(state, run.rc, samples, run.passes(cal, quality=quality), schedule=schedule, progress=False)
+
+    engine = fresh()
+    passes = engine.passes
     mtp_runs = 1 + sum(p.calibration_runs for p in passes if p.covers_mtp)
     kinds = layer_kinds(engine, mtp_runs)
     counted = engine.steps_per_layer // schedule.num_steps  # runs of the calibration sequences a layer takes
     # PROBE_STEPS whole steps of the run's size
     step_sequences = schedule.groups_per_step * schedule.group_size
     probe = Schedule(PROBE_STEPS * step_sequences, T, schedule.group_size, schedule.groups_per_step)
-    engine.calibration = Sequences(state, probe, rc.ck.config.num_experts_per_tok)
 
     def hidden(n: int) -> torch.Tensor:
         return torch.randn(n, T, D, dtype=rc.dtype, device=device)
@@ -213,6 +207,8 @@ def probe_time(
         for kind in decoder_kinds:
             i = kind.layers[0]
             for _ in range(2):  # warm up, then timed
+                engine = fresh()
+                engine.calibration = Sequences(state, probe, rc.ck.config.num_experts_per_tok)
                 clock = StepClock()
                 ls = LayerState(hidden(probe.num_sequences), [hidden(probe.num_sequences) for _ in snapshots(rc, i)])
                 start = time.perf_counter()
@@ -266,18 +262,12 @@ def exchange_time(state: ParallelState, rc: ResolvedCheckpoint, shape: RunShape)
 
 
 def estimate_time(
-    state: ParallelState,
-    rc: ResolvedCheckpoint,
-    recipe: Recipe,
-    targets: list[str],
-    shape: RunShape,
-    *,
-    kv: bool,
-    expert_stack: int,
+    state: ParallelState, rc: ResolvedCheckpoint, program: Program, shape: RunShape, *, expert_stack: int
 ) -> TimeEstimate:
-    """The calibration's wall time on a rank of `shape` on this machine's device: the probe, run on
-    every rank, and the exchange's time per counted step of an MoE layer. Every rank calls it alike."""
-    estimate = probe_time(rc, state.device, recipe, targets, shape, kv=kv, expert_stack=expert_stack)
+    """The calibration's wall time on a rank of `shape` on this machine's device under `program`
+    (the run's): the probe, run on every rank, and the exchange's time per counted step of an MoE
+    layer. Every rank calls it alike."""
+    estimate = probe_time(rc, state.device, program, shape, expert_stack=expert_stack)
     exchange = exchange_time(state, rc, shape)
     # the exchange is made on each of a layer's calibration runs (its counted steps)
     steps = sum(len(k.kind.layers) * k.kind.steps for k in estimate.kinds if k.kind.moe)

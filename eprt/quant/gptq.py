@@ -31,11 +31,12 @@ from collections.abc import Iterable
 
 import torch
 
+from eprt.quant.algorithms.registry import GPTQParams
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.base import ScaledByBlocks
 
-BLOCK = 128  # columns per lazy-batch block
-DAMP = 0.01  # damping, a fraction of the mean diagonal
+# the defaults of a rule's parameters: columns per lazy-batch block, damping as a fraction of the mean diagonal
+BLOCK, DAMP = GPTQParams.block, GPTQParams.damp
 FIXED_POINT_BITS = 62  # an entry of the whole sum stays below 2^62: int64 keeps a bit for the roundings
 
 

@@ -32,6 +32,7 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.algorithms.registry import params_of
 from eprt.quant.awq_folds import FoldedCheckpoint
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
@@ -138,6 +139,8 @@ class GPTQRun:
         self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
         self.tokens, self.min_tokens = tokens, min_tokens  # tokens: every dense Linear's rows, over the run
         self.results = GPTQResults()
+        # each module's sweep as its rule sets it (eprt.quant.algorithms.registry.GPTQParams)
+        self.params = {m: params_of(ALGORITHM, recipe.params_of(m)) for m in targets if self.uses_gptq(m)}
 
     def uses_gptq(self, module: str) -> bool:
         return self.recipe.rounding_of(module) == ALGORITHM
@@ -242,7 +245,8 @@ class LayerGPTQ:
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
                 aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
-                q = gptq(aim[None], self.hessians[m].hessian()[None], cols)
+                p = run.params[m]
+                q = gptq(aim[None], self.hessians[m].hessian()[None], cols, block=p.block, damp=p.damp)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -276,7 +280,8 @@ class LayerGPTQ:
                 ids = solved[j : j + stack]
                 cols = columns_of(fmt, rows[ids], scales[ids], EXPERT_PIECES[kind])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
-                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols)
+                p = run.params[m]
+                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code

@@ -10,7 +10,6 @@ fail-together guard, so a failure on one rank stops every rank with the same mes
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -22,14 +21,13 @@ import torch
 from eprt.data import parse_sources
 from eprt.errors import ConfigError
 from eprt.models.loader import load_parallel
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
+from eprt.quant.algorithms.program import ProgramRun, program_of
 from eprt.quant.auto_quantize import RECIPE_FILE, SearchResult
 from eprt.quant.auto_quantize_run import search_formats
-from eprt.quant.awq_folds import FoldedCheckpoint, Folds
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import write_calibrated
 from eprt.quant.datafree import data_free, run_data_free, say_calibrated, say_data_free
@@ -42,10 +40,7 @@ from eprt.quant.fingerprint import (
     check_pins_as_start,
     run_fingerprint,
 )
-from eprt.quant.gptq_layer import ALGORITHM, GPTQRun
 from eprt.quant.mxfp4_sources import mxfp4_blocks_kept
-from eprt.quant.passes import layer_passes
-from eprt.quant.passes.awq import AWQ
 from eprt.quant.passes.quality import QualityStreams
 from eprt.quant.plan import measured_peak
 from eprt.quant.preview import fake_quantize, greedy
@@ -94,66 +89,27 @@ def run_calibration(
     and runs the held-out sequences alone."""
     log = logger()
     kept = search is not None and search.statistics is not None
-    with fail_together(state, "reading the checkpoint and the recipe"):
-        ck, rc = open_unquantized(state, a, ck)
-        if kept:  # the statistics come from the base as the search read it
-            check_base_unchanged(ck, {"base": search.base})
-        recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
-        cfg, hf_dir = ck.config, ck.hf_files_dir()
-        state.check_experts(cfg.num_experts)
-        warn_beyond_positions(cfg, a.seq_len, state.rank)
-        if a.gptq_min_tokens < 1:
-            raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
-        # the routed experts' clips: this rank's experts' rows
-        first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
-        folds = Folds(first) if any(recipe.balanced(m) for m in targets) else None
-        if folds is not None:
-            rc = dataclasses.replace(rc, ck=FoldedCheckpoint(ck, folds))  # the run reads its layers folded
-        check_data_settings(a)
-        work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
+    ck, recipe, targets, run, work_path = settle(state, a, ck, search)
+    rc, cfg, hf_dir = run.rc, ck.config, ck.hf_files_dir()
     with ck:
         # planned from the sizes alone, before the data is read: a run too large for its memory
         # builds nothing of that size
         with fail_together(state, "planning memory"):
-            plan, preview = plan_run(
-                state,
-                rc,
-                a,
-                targets,
-                mtp=recipe.mtp,
-                gptq=gptq_formats(recipe, targets),
-                awq={m: recipe.format_of(m) for m in targets if recipe.balanced(m)},
-            )
+            plan, preview = plan_run(state, rc, a, run.program)
         with fail_together(state, "reading the calibration data"):
             samples, eval_ids, used = search.data if search is not None else report_data(a, hf_dir, cfg.vocab_size)
             identity = fingerprint(ck, a, state, samples, eval_ids, recipe)
         with fail_together(state, "comparing the ranks' inputs"):
             agree_over_ranks(state, identity, ck.path)  # every rank gets here: the guard above passed on all
-        model = None
-        if preview:
-            model = load_parallel(rc, state)
-            text = before = greedy(model, hf_dir, a.preview)  # every rank runs it: the experts need all of them
-            if state.rank == 0:
-                log.info("before: %r -> %r", a.preview, text)
+        model = load_parallel(rc, state) if preview else None
+        before = preview_text(model, hf_dir, a.preview, state.rank, "before") if preview else None
         kv = recipe.kv_cache is not None
         cal = (
             search.chosen_statistics(targets, kv)
             if kept
             else Calibrator(None, targets, kv=kv, all_experts=a.calibrate_all_experts)
         )
-        gptq = (
-            GPTQRun(
-                state,
-                rc,
-                recipe,
-                targets,
-                tokens=samples.numel(),
-                min_tokens=a.gptq_min_tokens,
-                expert_stack=plan.expert_stack,
-            )
-            if ALGORITHM in recipe.roundings
-            else None
-        )
+        run.begin(state, cal, tokens=samples.numel(), min_tokens=a.gptq_min_tokens, expert_stack=plan.expert_stack)
         work = WorkDir(work_path, state, identity, ck.path)
         with fail_together(state, "preparing the work directory"):
             work.prepare(a.resume)
@@ -161,23 +117,8 @@ def run_calibration(
             work.check_shared()
         start = time.perf_counter()
         with fail_together(state, "calibrating"), torch.inference_mode():
-            data = describe_calib(a.calib) or "the built-in corpus"
-            report = (
-                QualityReport(
-                    state,
-                    ck,
-                    recipe,
-                    targets,
-                    eval_ids,
-                    a.eval
-                    or f"the last {a.eval_size} of "
-                    f"{a.calib_size + a.eval_size} sequences of {data}, held out of calibration",
-                    on_weight,
-                )
-                if eval_ids is not None
-                else None
-            )
-            resumed = calibrate_layers(state, rc, cal, recipe, samples, a, work, report, gptq, folds, kept)
+            report = quality_report(state, a, ck, recipe, targets, eval_ids, on_weight)
+            resumed = calibrate_layers(state, run, cal, samples, a, work, report, kept)
             if not kept:  # the search's are reduced
                 cal.check_finite(state.rank)  # before the reduction spreads one rank's NaN to all
                 cal.reduce(state)
@@ -189,62 +130,22 @@ def run_calibration(
         if report is not None:
             report.log()
         if preview:
-            first = state.placement(cfg.num_experts).first if cfg.moe_layers else 0
-            if folds is not None:  # the model was loaded before calibration folded it
-                mine = rc.holding(state.placement(cfg.num_experts).range if cfg.moe_layers else None)
-                place_tensors(mine, model, folds.tensor_names(), device=state.device)
-            quantized = gptq.results.apply(model, rc.ck, gptq.formats, first) if gptq is not None else ()
+            # the model was loaded before the algorithms decided
+            quantized = run.apply(
+                model, rc, state.placement(cfg.num_experts).range if cfg.moe_layers else None, state.device
+            )
             fake_quantize(model, targets, recipe, cal, state, source_dtype=rc.source_dtype, quantized=quantized)
-            text = greedy(model, hf_dir, a.preview)
-            if state.rank == 0:
-                log.info("after (%s, fake-quantized): %r -> %r", recipe.name, a.preview, text)
-        summary = {
-            "algorithm": "+".join(recipe.algorithms),
-            "samples": a.calib_size,
-            "seq_len": a.seq_len,
-            "tokens": a.calib_size * a.seq_len,
-            "data": describe_calib(a.calib) or "built-in corpus",
-            "all_experts": a.calibrate_all_experts,
-        }
-        if gptq is not None:
-            summary.update(gptq_min_tokens=a.gptq_min_tokens, gptq_skipped_experts=gptq.results.summary())
-        summary["sources"] = [u.to_json() for u in used]
-        reencoded = mxfp4_blocks_kept(ck, rc.layout, {m: recipe.format_of(m) for m in targets})
-        if reencoded is not None:  # an MXFP4 source's experts, kept value for value where NVFP4 can
-            summary["mxfp4_reencoded"] = reencoded
-            if state.rank == 0:
-                log.info(
-                    "the source's MXFP4 experts re-encoded value for value: %d of %d blocks of 32 exact; %d lie "
-                    "more than 17 binades below their expert's largest block and are rounded",
-                    reencoded["kept"],
-                    reencoded["blocks"],
-                    reencoded["blocks"] - reencoded["kept"],
-                )
+            after = preview_text(model, hf_dir, a.preview, state.rank, f"after ({recipe.name}, fake-quantized)")
+        summary = run_summary(state, a, ck, run, used)
         if report is not None:  # the page's additions to the report (eprt.report)
             report.describe_run(
                 summary,
                 starved_experts(coverage, summary),
-                {"prompt": a.preview, "before": before, "after": text} if preview else None,
+                {"prompt": a.preview, "before": before, "after": after} if preview else None,
             )
             if search is not None:
                 quality["auto_quantize"] = {**search.summary, "measured_kl": quality["kl_mean"]}
-        results = gptq.results if gptq is not None else None
-
-        def write(tmp: str) -> None:
-            with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
-                write_calibrated(tmp, a.out, state, cal, ck, recipe, summary, quality, results, folds)
-                if search is not None and state.rank == 0:
-                    with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
-                        f.write(search.recipe_yaml)
-
-        write_together(
-            state,
-            a.out,
-            write,
-            overwrite=a.overwrite,
-            inputs=ck.input_dirs(),
-            check_fn=lambda tmp: check_pinned_as_read(tmp, ck, identity),
-        )
+        write_output(state, a, ck, run, cal, summary, quality, search, identity)
         with fail_together(state, "removing the work directory"):
             work.remove()
     if state.rank == 0:
@@ -252,6 +153,115 @@ def run_calibration(
         log.info("calibrated %s with %s -> %s", a.ckpt, recipe.name, a.out)
     mine = len(own_sequences(samples.shape[0], state.rank, state.world)) * samples.shape[1]
     return {"out": a.out, "calibration_s": seconds, "tokens": mine, "resumed_after": resumed, "quality": quality}
+
+
+def settle(
+    state: ParallelState, a: PTQArgs, ck: Checkpoint | None, search: SearchResult | None
+) -> tuple[Checkpoint, Recipe, list[str], ProgramRun, str]:
+    """What the run settles before it plans, on every rank together: the checkpoint, its recipe and
+    the modules it quantizes, the run's program (started: the checkpoint as the run reads it,
+    through the algorithms' views) and the work directory's path."""
+    with fail_together(state, "reading the checkpoint and the recipe"):
+        ck, rc = open_unquantized(state, a, ck)
+        if search is not None and search.statistics is not None:  # they come from the base as the search read it
+            check_base_unchanged(ck, {"base": search.base})
+        recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
+        cfg = ck.config
+        state.check_experts(cfg.num_experts)
+        warn_beyond_positions(cfg, a.seq_len, state.rank)
+        if a.gptq_min_tokens < 1:
+            raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
+        # the views hold this rank's routed experts' rows (AWQ's clips)
+        run = program_of(recipe, targets).start(rc, state.placement(cfg.num_experts).first if cfg.moe_layers else 0)
+        check_data_settings(a)
+        work_path = check_work_dir(a.work_dir or a.out.rstrip("/") + ".work", run_inputs(ck, a), a.out)
+    return ck, recipe, targets, run, work_path
+
+
+def preview_text(model, hf_dir: str, prompt: str, rank: int, when: str) -> str:
+    """The preview's greedy text (every rank runs it: the experts need all of them), logged by rank 0."""
+    text = greedy(model, hf_dir, prompt)
+    if rank == 0:
+        logger().info("%s: %r -> %r", when, prompt, text)
+    return text
+
+
+def quality_report(
+    state: ParallelState,
+    a: PTQArgs,
+    ck: Checkpoint,
+    recipe: Recipe,
+    targets: list[str],
+    eval_ids: torch.Tensor | None,
+    on_weight=None,
+) -> QualityReport | None:
+    """The quality report on the held-out sequences `eval_ids`; None without them."""
+    if eval_ids is None:
+        return None
+    data = describe_calib(a.calib) or "the built-in corpus"
+    held_out = (
+        a.eval or f"the last {a.eval_size} of {a.calib_size + a.eval_size} sequences of {data}, held out of calibration"
+    )
+    return QualityReport(state, ck, recipe, targets, eval_ids, held_out, on_weight)
+
+
+def run_summary(state: ParallelState, a: PTQArgs, ck: Checkpoint, run: ProgramRun, used) -> dict:
+    """The calibration summary the calibrated checkpoint records: the data, every algorithm's own
+    part, the sources read, and an MXFP4 source's experts (of `ck`, as stored) kept value for value."""
+    recipe = run.program.recipe
+    summary = {
+        "algorithm": "+".join(recipe.algorithms),
+        "samples": a.calib_size,
+        "seq_len": a.seq_len,
+        "tokens": a.calib_size * a.seq_len,
+        "data": describe_calib(a.calib) or "built-in corpus",
+        "all_experts": a.calibrate_all_experts,
+    }
+    summary.update(run.summary())
+    summary["sources"] = [u.to_json() for u in used]
+    reencoded = mxfp4_blocks_kept(ck, run.rc.layout, {m: recipe.format_of(m) for m in run.program.targets})
+    if reencoded is not None:  # an MXFP4 source's experts, kept value for value where NVFP4 can
+        summary["mxfp4_reencoded"] = reencoded
+        if state.rank == 0:
+            logger().info(
+                "the source's MXFP4 experts re-encoded value for value: %d of %d blocks of 32 exact; %d lie "
+                "more than 17 binades below their expert's largest block and are rounded",
+                reencoded["kept"],
+                reencoded["blocks"],
+                reencoded["blocks"] - reencoded["kept"],
+            )
+    return summary
+
+
+def write_output(
+    state: ParallelState,
+    a: PTQArgs,
+    ck: Checkpoint,
+    run: ProgramRun,
+    cal: Calibrator,
+    summary: dict,
+    quality: dict | None,
+    search: SearchResult | None,
+    identity: dict,
+) -> None:
+    """`a.out` written by every rank together (the record with every algorithm's part; with the
+    format search, its recipe), published only if it pins the base as this run read it."""
+
+    def write(tmp: str) -> None:
+        with naming_refused_writes(tmp, f"the output {a.out}", "write the output elsewhere"):
+            write_calibrated(tmp, a.out, state, cal, ck, run.program.recipe, summary, quality, **run.record())
+            if search is not None and state.rank == 0:
+                with open(os.path.join(tmp, RECIPE_FILE), "w", encoding="utf-8") as f:
+                    f.write(search.recipe_yaml)
+
+    write_together(
+        state,
+        a.out,
+        write,
+        overwrite=a.overwrite,
+        inputs=ck.input_dirs(),
+        check_fn=lambda tmp: check_pinned_as_read(tmp, ck, identity),
+    )
 
 
 def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Checkpoint | None = None) -> dict:
@@ -266,13 +276,6 @@ def run_auto_quantize(state: ParallelState, a: PTQArgs, on_weight=None, ck: Chec
         with open(path, "w", encoding="utf-8") as f:
             f.write(search.recipe_yaml)
         return run_calibration(state, replace(a, recipe=path, auto_quantize=None), on_weight, search=search)
-
-
-def gptq_formats(recipe: Recipe, targets: list[str]) -> dict[str, str] | None:
-    """The modules `recipe` runs GPTQ on, each with its format; None where it runs GPTQ on none."""
-    if ALGORITHM not in recipe.roundings:
-        return None
-    return {m: recipe.format_of(m) for m in targets if recipe.rounding_of(m) == ALGORITHM}
 
 
 def fingerprint(
@@ -319,37 +322,33 @@ def check_pinned_as_read(tmp: str, ck: Checkpoint, identity: dict) -> None:
 
 def calibrate_layers(
     state: ParallelState,
-    rc: ResolvedCheckpoint,
+    run: ProgramRun,
     cal: Calibrator,
-    recipe: Recipe,
     samples: torch.Tensor,
     a: PTQArgs,
     work: WorkDir,
     report: QualityReport | None = None,
-    gptq: GPTQRun | None = None,
-    folds: Folds | None = None,
     kept: bool = False,
 ) -> int:
     """The layer-major engine over this rank's share of `samples` (and with `report`, of the
-    held-out sequences), through the run's passes (eprt.quant.passes), each layer boundary saved in
-    `work` (with GPTQ's results and AWQ's `folds` so far, `rc` reading its checkpoint through
+    held-out sequences), through the run's passes (its program's), each layer boundary saved in
+    `work` (with every algorithm's state so far, `run.rc` reading its checkpoint through
     them); with --resume, from the last one saved. `kept`: `cal`'s statistics are final already
     (the format search's), so the calibration sequences stay out and the held-out ones run alone.
     Returns the layer it resumed after (-1: none)."""
+    rc = run.rc
     ck = rc.ck
     shape = run_shape(a, state, ck.config)
     quality = QualityStreams(state, report, shape.schedule_of(report.eval_ids.shape[0])) if report else None
-    awq = AWQ(cal, recipe, folds, writes=gptq is None) if folds is not None else None
-    passes = layer_passes(cal, recipe, rc, quality=quality, awq=awq, gptq=gptq, statistics=not kept)
+    passes = run.passes(cal, quality=quality, statistics=not kept)
     samples = samples[:0] if kept else samples
     engine = LayerEngine(state, rc, samples, passes, schedule=shape.schedule_of(samples.shape[0]), progress=a.progress)
-    results = gptq.results if gptq is not None else None
     done = work.last_completed(a.resume)
-    ls = work.load(done, cal, state.device, quality, results, folds) if done >= 0 else engine.embed()
+    ls = work.load(done, cal, state.device, quality, run.resumable()) if done >= 0 else engine.embed()
 
     def after_layer(i: int, ls_) -> None:
         check_base_read(ck, work.fingerprint)  # the files this layer read are the ones pinned at the start
-        work.save(i, ls_, cal, quality, results, folds)
+        work.save(i, ls_, cal, quality, run.resumable())
 
     engine.run(done + 1, ls, after_layer=after_layer)
     return done

@@ -7,7 +7,6 @@ here; the dry run plans from the same pieces."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -17,12 +16,12 @@ from eprt.models.loader import weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.algorithms.program import Program
 from eprt.quant.calibrated import refuse_calibrated
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.plan import (
     MemoryPlan,
-    Planner,
     RunShape,
     available_memory,
     check_host_memory,
@@ -111,25 +110,14 @@ def ranks_on_this_host(state: ParallelState) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", state.world))
 
 
-def plan_run(
-    state: ParallelState,
-    rc: ResolvedCheckpoint,
-    a: PTQArgs,
-    targets: list[str],
-    mtp: bool = False,
-    gptq: dict[str, str] | None = None,
-    search: bool = False,
-    awq: dict[str, str] | None = None,
-) -> tuple[MemoryPlan, bool]:
+def plan_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: Program) -> tuple[MemoryPlan, bool]:
     """Refuse, before any weight or token is read, a run whose planned peak exceeds --max-memory
     (on a GPU, or whose ranks' host memory on this host exceeds --max-host-memory); the plan, and
-    whether the preview's whole model fits beside it (rank 0 says so when it does not). `mtp`: the
-    recipe runs the multi-token-prediction layers; `gptq`: the modules it runs GPTQ on, with their
-    formats (the plan counts their Hessians and codes); `search`: the format search's pass (its streams);
-    `awq`: the modules AWQ balances, with their formats (the plan counts its samples and search)."""
+    whether the preview's whole model fits beside it (rank 0 says so when it does not). `program`:
+    what the run runs (eprt.quant.algorithms.program), whose algorithms give their own terms."""
     c = rc.ck.config
-    planner = Planner.of(rc, state.device, targets, mtp=mtp, gptq=gptq, awq=awq)
-    shape = replace(run_shape(a, state, c), search=search)
+    planner = program.planner(rc, state.device)
+    shape = program.shape(run_shape(a, state, c))
     limit = a.max_memory or available_memory(state.device)
     plan = planner.plan(shape, memory_in_use(state.device), host_baseline=current_rss(), limit=limit)
     check_memory(planner, plan, limit, shape, c.num_experts)

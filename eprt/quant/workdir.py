@@ -3,18 +3,17 @@
 After each decoder layer, every rank saves, atomically, its sequences' hidden states (and block
 snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`:
 written beside, synced, renamed. A rank drops its previous layer's file only once every rank has
-saved the new one durably, so the ranks always share a last completed layer. GPTQ's codes of the
-layer go, once, to their own `rank-RRRRR/gptq-NNNNN.safetensors`, and AWQ's folds the layer gained
-(scales, and clip steps: this rank's rows of the routed experts') to `rank-RRRRR/awq-NNNNN.safetensors`,
-each written the same way before the layer file and kept to the end: the work written grows with the
-layers, not with their square. A run started again with the same arguments and inputs
-(eprt.quant.fingerprint) and `--resume` continues after the last layer file, with the codes and
-folds of every layer up to it, and computes the same bits as a run never stopped.
+saved the new one durably, so the ranks always share a last completed layer. What each algorithm
+decided at the layer (its `Resumable` state: GPTQ's codes, AWQ's folds) goes, once, to its own
+`rank-RRRRR/ALGORITHM-NNNNN.safetensors`, written the same way before the layer file and kept to the
+end: the work written grows with the layers, not with their square. A run started again with the same
+arguments and inputs (eprt.quant.fingerprint) and `--resume` continues after the last layer file, with
+every algorithm's state of every layer up to it, and computes the same bits as a run never stopped.
 
 The directory is removed when the run ends, so eprt works only in one it made: a new (or empty)
 directory, which it marks with MARKER, or one that holds that marker. It refuses a directory that
 holds other files, and one that is, lies inside or holds an input or the output. It removes only
-what it wrote there (its layer, GPTQ and AWQ files, their rank directories, the marker), and the directory
+what it wrote there (its layer and algorithm files, their rank directories, the marker), and the directory
 itself only where it made it and nothing else is left. The ranks share it (rank 0 marks it), so it
 must lie on a file system every rank sees, as the output does.
 """
@@ -25,6 +24,8 @@ import errno
 import json
 import os
 import re
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from safetensors.torch import load_file
 from eprt.errors import ConfigError, EprtError
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.algorithms.registry import ALGORITHMS
 from eprt.quant.calibrate import Calibrator
 from eprt.quant.fingerprint import differences, saved_fingerprint
 from eprt.quant.sequences import LayerState
@@ -44,9 +46,19 @@ from eprt.storage.safetensors_io import save_tensors
 MARKER = ".eprt-work-dir.json"
 RANK_DIR = re.compile(r"rank-\d{5}")
 LAYER_FILE = re.compile(r"layer-(\d{5})\.safetensors")
-GPTQ_FILE = re.compile(r"gptq-(\d{5})\.safetensors")
-AWQ_FILE = re.compile(r"awq-(\d{5})\.safetensors")  # AWQ's folds a layer gained: MODULE.KIND -> s
-PARTIAL_FILE = re.compile(r"(layer|gptq|awq)-\d{5}\.safetensors\.partial")
+# a registered algorithm's state that a layer gained (eprt.quant.algorithms.registry)
+ALGORITHM_FILE = re.compile(rf"({'|'.join(ALGORITHMS)})-(\d{{5}})\.safetensors")
+PARTIAL_FILE = re.compile(rf"(layer|{'|'.join(ALGORITHMS)})-\d{{5}}\.safetensors\.partial")
+
+
+class Resumable(NamedTuple):
+    """An algorithm's state as a layer boundary saves it: `tensors()`, everything it decided so far
+    by a name that stays (a boundary writes the names it has not written yet), and `load(tensors)`,
+    what a resume gives it back."""
+
+    algorithm: str
+    tensors: Callable[[], dict[str, torch.Tensor]]
+    load: Callable[[dict[str, torch.Tensor]], None]
 
 
 def check_work_dir(path: str, inputs: tuple[str, ...], out: str) -> str:
@@ -85,8 +97,7 @@ class WorkDir:
         self.path, self.state, self.base = path, state, base
         self.fingerprint = fingerprint
         self.mine = os.path.join(path, f"rank-{state.rank:05d}")
-        self.gptq_saved: set[str] = set()  # the modules whose GPTQ codes a gptq file holds
-        self.awq_saved: set[str] = set()  # the folds (MODULE.KIND) an awq file holds
+        self.saved: dict[str, set[str]] = {}  # algorithm -> the names its files hold
 
     def prepare(self, resume: bool) -> None:
         """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
@@ -134,18 +145,14 @@ class WorkDir:
     def _file(self, layer: int) -> str:
         return os.path.join(self.mine, f"layer-{layer:05d}.safetensors")
 
-    def _gptq_file(self, layer: int) -> str:
-        return os.path.join(self.mine, f"gptq-{layer:05d}.safetensors")
+    def _algorithm_file(self, algorithm: str, layer: int) -> str:
+        return os.path.join(self.mine, f"{algorithm}-{layer:05d}.safetensors")
 
-    def _awq_file(self, layer: int) -> str:
-        return os.path.join(self.mine, f"awq-{layer:05d}.safetensors")
-
-    def _saved_layers(self, pattern: re.Pattern, last: int) -> list[int]:
-        """The layers up to `last` whose GPTQ codes (GPTQ_FILE) or AWQ folds (AWQ_FILE) this rank
-        saved (a later one's, from a layer not every rank completed, is written again when that
-        layer is)."""
-        found = (pattern.fullmatch(f) for f in os.listdir(self.mine))
-        return sorted(n for m in found if m and (n := int(m.group(1))) <= last)
+    def _saved_layers(self, algorithm: str, last: int) -> list[int]:
+        """The layers up to `last` whose state of `algorithm` this rank saved (a later one's, from a
+        layer not every rank completed, is written again when that layer is)."""
+        found = (ALGORITHM_FILE.fullmatch(f) for f in os.listdir(self.mine))
+        return sorted(n for m in found if m and m.group(1) == algorithm and (n := int(m.group(2))) <= last)
 
     def last_completed(self, resume: bool) -> int:
         """The last layer every rank has saved (-1: none, and always without `resume`), agreed over the world."""
@@ -154,14 +161,14 @@ class WorkDir:
         self.state.all_reduce(last, over="dp", op=dist.ReduceOp.MIN)
         return int(last)
 
-    def save(self, layer: int, ls: LayerState, cal: Calibrator, held=None, gptq=None, folds=None) -> None:
+    def save(
+        self, layer: int, ls: LayerState, cal: Calibrator, held=None, algorithms: tuple[Resumable, ...] = ()
+    ) -> None:
         """With `held` (the quality report's held-out streams, eprt.quant.passes.quality.QualityStreams), its two
-        streams and what the report measured so far are saved too; with `gptq`
-        (eprt.quant.gptq_layer.GPTQResults), the codes of the modules it gained since the last save,
-        in the layer's gptq file; with `folds` (eprt.quant.awq_folds.Folds), the folds it gained since
-        the last save, in the layer's awq file (the clip steps are a byte per quantization block:
-        written again at every layer, they would make the work written grow with the square of the
-        layers)."""
+        streams and what the report measured so far are saved too; of each of `algorithms`, what it
+        gained since the last save, in the layer's file of that algorithm (AWQ's clip steps are a byte
+        per quantization block: written again at every layer, they would make the work written grow
+        with the square of the layers)."""
         tensors = {**states("", ls), **stats(cal)}
         metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
@@ -171,16 +178,12 @@ class WorkDir:
             with self.refused_writes(self.mine):
                 os.makedirs(self.mine)
                 fsync_path(self.path)
-        if gptq is not None:
-            new = gptq.modules() - self.gptq_saved
-            if new:  # written before the layer file, which vouches for it
-                self._write(self._gptq_file(layer), gptq.tensors(new), metadata)
-                self.gptq_saved |= new
-        if folds is not None:
-            gained = {n: t for n, t in folds.tensors().items() if n not in self.awq_saved}
-            if gained:  # as GPTQ's: before the layer file
-                self._write(self._awq_file(layer), gained, metadata)
-                self.awq_saved |= gained.keys()
+        for a in algorithms:
+            saved = self.saved.setdefault(a.algorithm, set())
+            gained = {n: t for n, t in a.tensors().items() if n not in saved}
+            if gained:  # written before the layer file, which vouches for it
+                self._write(self._algorithm_file(a.algorithm, layer), gained, metadata)
+                saved.update(gained)
         self._write(self._file(layer), tensors, metadata)
         # every rank now holds `layer` durably: the older files are no longer the common last layer
         self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
@@ -215,20 +218,18 @@ class WorkDir:
                 f"{path}: the saved layer is truncated or corrupt ({e}); run without --resume to start over"
             ) from None
 
-    def load(self, layer: int, cal: Calibrator, device, held=None, gptq=None, folds=None) -> LayerState:
+    def load(
+        self, layer: int, cal: Calibrator, device, held=None, algorithms: tuple[Resumable, ...] = ()
+    ) -> LayerState:
         tensors, metadata = self._read(self._file(layer), device)
         load_stats(cal, tensors)
-        if folds is not None:
-            for done in self._saved_layers(AWQ_FILE, layer):
-                folds.load(self._read(self._awq_file(done), "cpu")[0])
-            self.awq_saved = set(folds.tensors())
+        for a in algorithms:
+            for done in self._saved_layers(a.algorithm, layer):
+                a.load(self._read(self._algorithm_file(a.algorithm, done), "cpu")[0])
+            self.saved[a.algorithm] = set(a.tensors())
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
-        if gptq is not None:
-            for done in self._saved_layers(GPTQ_FILE, layer):
-                gptq.load(self._read(self._gptq_file(done), "cpu")[0])
-            self.gptq_saved = gptq.modules()
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
         return from_states("", tensors)
@@ -263,11 +264,11 @@ def read_marker(path: str) -> dict:
 
 
 def remove_own_files(rank_dir: str) -> None:
-    """A rank directory's layer, GPTQ and AWQ files (whole or half-written), then the directory if nothing else is in it."""
+    """A rank directory's layer and algorithm files (whole or half-written), then the directory if nothing else is in it."""
     if not os.path.isdir(rank_dir):
         return
     for name in os.listdir(rank_dir):
-        if any(p.fullmatch(name) for p in (LAYER_FILE, GPTQ_FILE, AWQ_FILE, PARTIAL_FILE)):
+        if any(p.fullmatch(name) for p in (LAYER_FILE, ALGORITHM_FILE, PARTIAL_FILE)):
             os.remove(os.path.join(rank_dir, name))
     if not os.listdir(rank_dir):
         os.rmdir(rank_dir)

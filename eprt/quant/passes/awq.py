@@ -68,6 +68,8 @@ from eprt.quant.passes.awq_search import (
 )
 from eprt.quant.recipe import Recipe
 
+NAME = "awq"  # its name in the registry and in a recipe (eprt.quant.algorithms.registry)
+
 
 class ExpertSamples:
     """The routed rows of one experts module by (local expert, work unit): inputs and activations."""
@@ -106,9 +108,9 @@ class AWQ(Pass):
         out = []
         for g in groups:
             scored = [m for m, _ in g.readers if m in self.targets]
-            if scored and all(self.recipe.balanced(m) for m in scored):
+            if scored and all(self.recipe.runs(m, NAME) for m in scored):
                 out.append(g)
-            elif any(self.recipe.balanced(m) for m in scored):
+            elif any(self.recipe.runs(m, NAME) for m in scored):
                 left_out.append(f"{g.readers[0][0]}'s input ({g.what}): its other readers' rules are not AWQ")
         if layer.state.rank == 0:
             for what in left_out:
