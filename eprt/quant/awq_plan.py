@@ -19,7 +19,12 @@ search's working set.
   fp32 and held as [A, in, out], with one candidate's temporaries, or every candidate's where one
   call quantizes them all), the candidates of one batch of scored rows in the input dtype, one
   unit's outputs, and the group's readers' reference outputs on every scored row (fp32), made in
-  the search's first round and kept to its last."""
+  the search's first round and kept to its last.
+- The folds, read back into the layer through the folded checkpoint (eprt.quant.awq_folds.fold), after
+  the scale search and again after the clips: the largest tensor a fold rewrites (a routed experts'
+  stacked w13 or w2: this rank's experts'), as read and folded in its dtype and, at once, in fp32 its
+  scaled weight, the clip's blocks and their bounds (FOLD_FP32_COPIES). The first read comes while
+  the samples are held: the larger of it, the search and the clip search counts beside them."""
 
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ from eprt.quant.formats import weight_format
 from eprt.quant.formats.nvfp4 import BLOCK_SIZE as SMALLEST_CLIP_BLOCK
 from eprt.quant.passes.awq_search import BATCH_ELEMENTS, COARSE, SCORED_ROWS, candidates_at_once
 
+FOLD_FP32_COPIES = 3  # a fold's fp32 tensors at once: the scaled weight, the clip's blocks and their bound
+
 
 @dataclass(frozen=True)
 class AWQLayer:
@@ -47,6 +54,8 @@ class AWQLayer:
     outputs: int = 0  # the most output width of a group's quantized readers together: their kept references
     dense_clips: int = 0  # the clips' steps of its balanced dense readers, in bytes (uint8 a block)
     routed_clips: int = 0  # those of its balanced routed experts, every expert's (a rank holds its share)
+    folded_dense: int = 0  # the most elements of one dense tensor a fold rewrites (a reader's weight)
+    folded_routed: int = 0  # the same of the routed experts' stacked tensors, every expert's (a rank reads its share)
 
 
 def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) -> dict[int, AWQLayer]:
@@ -57,11 +66,18 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) ->
     out = {}
     for i, layer in enumerate(decoder.layers):
         dense = routed = largest = at_once = widest = outputs = dense_clips = routed_clips = 0
+        folded_dense = folded_routed = 0
         for g in layer_groups(layer, f"{prefix}layers.{i}.")[0]:
             quantized = [m for m, _ in g.readers if m in targets]
             if not quantized or not all(m in balanced for m in quantized):
                 continue
             first = model.get_submodule(g.readers[0][0])
+            for m, _ in g.readers:  # every reader's weight is folded, quantized or not (the router)
+                module = model.get_submodule(m)
+                if isinstance(module, Experts):
+                    folded_routed = max(folded_routed, module.w13.numel(), module.w2.numel())
+                else:
+                    folded_dense = max(folded_dense, module.weight.numel())
             width = 0
             for m in quantized:
                 module = model.get_submodule(m)
@@ -80,7 +96,9 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) ->
             if not isinstance(first, Experts):
                 dense += first.weight.shape[1]
         if dense or routed:
-            out[i] = AWQLayer(dense, routed, largest, at_once, widest, outputs, dense_clips, routed_clips)
+            out[i] = AWQLayer(
+                dense, routed, largest, at_once, widest, outputs, dense_clips, routed_clips, folded_dense, folded_routed
+            )
     return out
 
 
@@ -109,7 +127,9 @@ def awq_bytes(
         # the clip search, after it: a chunk of rows' every step, clipped (fp32 and the weight's
         # dtype), quantized (fp32), its error and the error's product with the Hessian blocks (fp64)
         clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)
-        most = max(most, (samples, max(inputs + weights + unit, clip)), key=sum)
+        # the fold of the largest tensor it rewrites, as read back into the layer
+        fold = max(layer.folded_dense, layer.folded_routed // ep) * (2 * itemsize + FOLD_FP32_COPIES * 4)
+        most = max(most, (samples, max(inputs + weights + unit, clip, fold)), key=sum)
     # the clips stay to the end of the run: at the last layer, every layer's (its routed experts' on
     # their ranks, ep of them sharing the experts evenly)
     return (*most, sum(layer.dense_clips + layer.routed_clips // ep for layer in layers.values()))
