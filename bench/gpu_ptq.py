@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ep import make_checkpoint, peak_rss, reset_peak, rss  # noqa: E402
 from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 
 # make_checkpoint's sizes. vocab: at most the tiny tokenizer's 512.
 FULL = dict(

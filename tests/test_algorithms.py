@@ -21,15 +21,15 @@ from eprt.parallel import ParallelState
 from eprt.quant.algorithms.registry import ALGORITHMS as REGISTERED
 from eprt.quant.algorithms.registry import GPTQParams, params_of, steps
 from eprt.quant.calibrated import DENSE_FILE
-from eprt.quant.engine import LayerEngine
-from eprt.quant.plan import Planner
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS, Rule, parse_recipe
+from eprt.quant.run.plan import Planner
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
 
 SIZES = {"calib_size": 6, "seq_len": 16, "eval_size": 0}
-# the plan's own term of each algorithm that holds memory of its own (eprt.quant.plan.MemoryPlan)
+# the plan's own term of each algorithm that holds memory of its own (eprt.quant.run.plan.MemoryPlan)
 OWN_TERM = {"gptq": "gptq", "awq": "awq"}
 
 

@@ -12,11 +12,11 @@ from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import program_of
-from eprt.quant.engine import LayerEngine
-from eprt.quant.estimate import estimate_time
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS
-from eprt.quant.run_plan import plan_recipe, run_shape
+from eprt.quant.run.estimate import estimate_time
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import plan_recipe, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 

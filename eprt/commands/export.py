@@ -12,7 +12,7 @@ from eprt.cli import run
 from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
 from eprt.hf.export_quantized import LAYOUTS
 from eprt.parallel import ParallelState
-from eprt.quant.datafree import WEIGHT_ONLY_ALGORITHMS, data_free_formats
+from eprt.quant.run.datafree import WEIGHT_ONLY_ALGORITHMS, data_free_formats
 from eprt.units import parse_size
 
 

@@ -26,13 +26,13 @@ from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.quant.algorithms.program import Program, program_of
-from eprt.quant.datafree import data_free
-from eprt.quant.estimate import estimate_time
-from eprt.quant.plan import available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.ptq import run_ptq
 from eprt.quant.recipe import Recipe
-from eprt.quant.run_args import RUN_DTYPES, PTQArgs
-from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
+from eprt.quant.run.args import RUN_DTYPES, PTQArgs
+from eprt.quant.run.datafree import data_free
+from eprt.quant.run.estimate import estimate_time
+from eprt.quant.run.plan import available_memory, check_host_memory, check_memory, current_rss, memory_in_use
+from eprt.quant.run.ptq import run_ptq
+from eprt.quant.run.setup import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
 
@@ -105,7 +105,7 @@ def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: P
     algorithm's own terms), and refuses a plan over a limit it knows (--max-memory,
     --max-host-memory, or what this machine has free when the plan is for it); rank 0 prints them
     all, with its own plan's terms. With --estimate-time, and the plan for this machine's device,
-    every rank probes the calibration's time (eprt.quant.estimate) and rank 0 prints its own."""
+    every rank probes the calibration's time (eprt.quant.run.estimate) and rank 0 prints its own."""
     with fail_together(state, "planning the layout"):
         ck, c, dtype = rc.ck, rc.ck.config, rc.dtype
         device = torch.device(a.device) if a.device else state.device
@@ -157,7 +157,7 @@ def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: P
 
 
 def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targets: list[str]) -> None:
-    """Rank 0 says the run is data-free (eprt.quant.datafree) and plans the memory of what holds
+    """Rank 0 says the run is data-free (eprt.quant.run.datafree) and plans the memory of what holds
     weights: the export, one tensor at a time."""
     if state.rank != 0:
         return

@@ -25,7 +25,7 @@ from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
-from eprt.quant.datafree import data_free_recipe
+from eprt.quant.run.datafree import data_free_recipe
 from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_files
@@ -133,7 +133,7 @@ def export_hf(
     unquantized checkpoint, for a calibrated one the quantized layout `fmt` (modelopt, the
     default, or compressed-tensors; checked before it appears). With `recipe` (and `algorithm`
     for its rules that name none), an unquantized checkpoint is quantized on the way out under
-    that data-free recipe (eprt.quant.datafree): the bytes its calibration and export write. An
+    that data-free recipe (eprt.quant.run.datafree): the bytes its calibration and export write. An
     option that cannot apply to the checkpoint is refused rather than ignored (`refuse_inapplicable`).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;

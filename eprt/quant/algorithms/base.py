@@ -1,14 +1,14 @@
 """What a calibration algorithm supplies, from the plan to the output (docs/adding-an-algorithm.md).
 
 A run asks each algorithm its recipe runs, in the registry's order (balances before roundings):
-- `plan_terms(modules)`: the memory plan's terms of its own, as eprt.quant.plan.Planner.of's keywords;
+- `plan_terms(modules)`: the memory plan's terms of its own, as eprt.quant.run.plan.Planner.of's keywords;
 - `view(rc, first_expert)`: the checkpoint as the run reads it after the algorithm changed weights
   (AWQ's folds), and its state that the view reads through; the plain checkpoint where it changes none;
 - `start(ctx)`: its state in a run (what it decided so far), None where it keeps none;
-- `passes(ctx, state, rounds_after)`: its passes of the layer loop (eprt.quant.engine.Pass), which the
+- `passes(ctx, state, rounds_after)`: its passes of the layer loop (eprt.quant.loop.engine.Pass), which the
   probe of the time estimate runs as the run does, so the estimate has its time terms;
 - `saved(state)` and `restore(state, tensors)`: what a layer boundary saves for --resume, in the
-  work dir's `NAME-LAYER.safetensors` (eprt.quant.workdir), and gives back;
+  work dir's `NAME-LAYER.safetensors` (eprt.quant.run.workdir), and gives back;
 - `record(state)`: what the calibrated checkpoint records of it (eprt.quant.calibrated);
 - `apply(state, model, rc, experts)`: what it decided, set into a whole model (the preview's);
 - `summary(state, ctx)`: what it adds to the calibration summary.
@@ -25,8 +25,8 @@ from torch import nn
 
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import Pass
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.loop.engine import Pass
 from eprt.quant.recipe import Recipe
 
 

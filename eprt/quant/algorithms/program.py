@@ -17,14 +17,14 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.algorithms.registry import ALGORITHMS, BALANCE, object_of
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import Pass
-from eprt.quant.passes import layer_passes
-from eprt.quant.passes.auto_quantize import FormatErrors
-from eprt.quant.passes.quality import QualityStreams
-from eprt.quant.plan import Planner, RunShape
+from eprt.quant.algorithms.search.passes import FormatErrors
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.loop.engine import Pass
+from eprt.quant.loop.passes import layer_passes
+from eprt.quant.loop.passes.quality import QualityStreams
 from eprt.quant.recipe import Recipe
-from eprt.quant.workdir import Resumable
+from eprt.quant.run.plan import Planner, RunShape
+from eprt.quant.run.workdir import Resumable
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class ProgramRun:
         return self.states.get(name)
 
     def resumable(self) -> tuple[Resumable, ...]:
-        """What a layer boundary saves of each algorithm that keeps a state (eprt.quant.workdir)."""
+        """What a layer boundary saves of each algorithm that keeps a state (eprt.quant.run.workdir)."""
         return tuple(
             Resumable(s.name, partial(s.algorithm.saved, st), partial(s.algorithm.restore, st))
             for s, st in self._kept()

@@ -31,7 +31,7 @@ BALANCE, ROUNDING = "balance", "rounding"
 
 @dataclass(frozen=True)
 class GPTQParams:
-    """GPTQ's column sweep (eprt.quant.gptq)."""
+    """GPTQ's column sweep (eprt.quant.algorithms.gptq.solve)."""
 
     block: int = 128  # columns per lazy-batch block
     damp: float = 0.01  # damping, a fraction of the Hessian's mean diagonal
@@ -51,8 +51,10 @@ ALGORITHMS: dict[str, Entry] = {
     for e in (
         Entry("max", ROUNDING, True, None, "eprt.quant.algorithms.statistics:Max"),
         Entry("mse", ROUNDING, True, None, "eprt.quant.algorithms.statistics:MSE"),
-        Entry("gptq", ROUNDING, False, GPTQParams, "eprt.quant.algorithms.gptq:GPTQAlgorithm", follows=("awq",)),
-        Entry("awq", BALANCE, False, None, "eprt.quant.algorithms.awq:AWQAlgorithm"),
+        Entry(
+            "gptq", ROUNDING, False, GPTQParams, "eprt.quant.algorithms.gptq.algorithm:GPTQAlgorithm", follows=("awq",)
+        ),
+        Entry("awq", BALANCE, False, None, "eprt.quant.algorithms.awq.algorithm:AWQAlgorithm"),
     )
 }
 DEFAULT = "max"  # a balance alone rounds as this does; a rule that names nothing takes it
