@@ -8,7 +8,8 @@ with GPTQ its Hessian run and the run through the quantized layer).
 
 The probe times them: for the first layer of each kind, that layer's weights at random on the device
 (the checkpoint's bytes of it are read only where the run itself reads them again: GPTQ's and the
-scales' original weights), run through the run's own passes (eprt.quant.loop.passes) over PROBE_STEPS steps
+scales' original weights, AWQ's folded ones), run through the run's own program's passes
+(eprt.quant.algorithms.program, the run's) over PROBE_STEPS steps
 of the run's size, once to warm up (kernels compiled, caches made) and once timed. Within each run of
 the timed layer the steps after its first give the step time; the rest of the layer's time is its
 own. The probe runs in one process holding every routed expert, a whole step at a time: on a world of
