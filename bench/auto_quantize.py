@@ -5,7 +5,7 @@
 HF_DIR is a trained Qwen3-MoE (random weights make every format look alike); CALIB and EVAL its
 calibration and held-out data. In one process, with the same data:
 1. `nvfp4_experts_fp8_attention` calibrated as shipped: its effective bits per active parameter
-   (eprt.quant.auto_quantize) and the quality report's mean KL on the held-out sequences;
+   (eprt.quant.algorithms.search.auto_quantize) and the quality report's mean KL on the held-out sequences;
 2. `--auto-quantize` at exactly those bits: the KL it estimates and the KL its export measures,
    and its time (the search with the calibration of its choice) over the shipped recipe's PTQ
    time, both in wall and in CPU seconds of this process;
@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.auto_quantize import RECIPE_FILE, SearchSpace, parse_candidates  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.algorithms.search.auto_quantize import RECIPE_FILE, SearchSpace, parse_candidates  # noqa: E402
 from eprt.quant.recipe import load_recipe  # noqa: E402
-from eprt.quant.run_args import RUN_DTYPES  # noqa: E402
+from eprt.quant.run.args import RUN_DTYPES  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 SHIPPED = "nvfp4_experts_fp8_attention"

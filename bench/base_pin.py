@@ -22,7 +22,7 @@ from bench.ep import make_checkpoint  # noqa: E402
 from bench.timing import timed  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint, check_weight_pins  # noqa: E402
 
 

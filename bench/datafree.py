@@ -41,7 +41,7 @@ MAKE = (
 )
 # each data-free shipped recipe and its export layout
 RECIPES = (
-    "from eprt.quant.datafree import statistics_needed; from eprt.quant.formats import weight_format; "
+    "from eprt.quant.run.datafree import statistics_needed; from eprt.quant.formats import weight_format; "
     "from eprt.quant.recipe import available, load_recipe\n"
     "for name in available():\n"
     "    r = load_recipe(name)\n"

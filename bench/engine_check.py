@@ -180,7 +180,7 @@ QUIET = ("--overwrite", "--no-progress")
 def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
     """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}. A
     data-free recipe is exported straight from the checkpoint (the same bytes, docs/export.md)."""
-    from eprt.quant.datafree import data_free_formats
+    from eprt.quant.run.datafree import data_free_formats
     from eprt.testing.tiny import make_tiny
 
     base = os.path.join(work, family)

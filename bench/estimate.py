@@ -53,8 +53,8 @@ def dry_run_estimate(world: int, ck: str, args) -> tuple[float, float, str]:
 def with_bar(ck: str, out: str, args) -> list[tuple[float, float]]:
     """Calibrate in this process; (seconds since the bar started, the bar's remaining seconds) after each layer."""
     from eprt.parallel import ParallelState
-    from eprt.quant.engine import LayerEngine
-    from eprt.quant.ptq import PTQArgs, run_ptq
+    from eprt.quant.loop.engine import LayerEngine
+    from eprt.quant.run.ptq import PTQArgs, run_ptq
 
     os.environ["RANK"] = "0"  # the bar counts on rank 0 only
     boundaries = []

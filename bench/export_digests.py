@@ -46,7 +46,7 @@ from eprt.errors import EprtError  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import distinct_models, make_tiny, tiny_config  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 

@@ -25,7 +25,7 @@ from tests.test_gptq import hessians_of_run, layer_output_errors  # noqa: E402
 
 def main() -> None:
     from eprt.parallel import ParallelState
-    from eprt.quant.ptq import PTQArgs, run_ptq
+    from eprt.quant.run.ptq import PTQArgs, run_ptq
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="nvfp4")

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import read_hf_tensors  # noqa: E402
 

@@ -12,8 +12,8 @@ calibrated in this process (a world of one) through run_ptq. The kernels are com
 problem first, so that the figure is the calibration's own: calibration tokens over run_ptq's
 calibration time (the forwards and the reduction; load and save excluded). Peak memory is the
 allocator's high-water mark from just before loading, beside the weight bytes it holds. Before the
-run, the run's own memory plan (eprt.quant.run_plan.plan_run) and the dry run's time estimate
-(eprt.quant.estimate, its probe included) are made for the same arguments; the figures set them
+run, the run's own memory plan (eprt.quant.run.setup.plan_run) and the dry run's time estimate
+(eprt.quant.run.estimate, its probe included) are made for the same arguments; the figures set them
 beside the measured peak (allocated, and reserved by the caching allocator: its margin) and time.
 """
 
@@ -35,11 +35,12 @@ from bench.ep import make_checkpoint, peak_rss, reset_peak, rss  # noqa: E402
 from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.estimate import estimate_time  # noqa: E402
-from eprt.quant.plan import MemoryPlan  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.quant.run_args import RUN_DTYPES  # noqa: E402
-from eprt.quant.run_plan import plan_recipe, plan_run, run_shape  # noqa: E402
+from eprt.quant.algorithms.program import program_of  # noqa: E402
+from eprt.quant.run.args import RUN_DTYPES  # noqa: E402
+from eprt.quant.run.estimate import estimate_time  # noqa: E402
+from eprt.quant.run.plan import MemoryPlan  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.setup import plan_recipe, plan_run, run_shape  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 # make_checkpoint's sizes. vocab: at most the tiny tokenizer's 512.
@@ -90,11 +91,11 @@ def plan_and_estimate(state: ParallelState, a: PTQArgs) -> tuple[MemoryPlan, flo
     estimate of its calibration time, for arguments `a`."""
     with Checkpoint(a.ckpt) as ck:
         rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
-        recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
-        plan, _ = plan_run(state, rc, a, targets)
-        shape = run_shape(a, state, ck.config)
+        program = program_of(*plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm))
+        plan, _ = plan_run(state, rc, a, program)
+        shape = program.shape(run_shape(a, state, ck.config))
         with torch.inference_mode():
-            estimate = estimate_time(state, rc, recipe, targets, shape, kv=True, expert_stack=plan.expert_stack)
+            estimate = estimate_time(state, rc, program, shape, expert_stack=plan.expert_stack)
     return plan, estimate.seconds
 
 

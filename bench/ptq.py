@@ -24,7 +24,7 @@ from tests.multiproc import free_port, run_world  # noqa: E402
 
 def rank_ptq(ck: str, ep: int, out: str, args) -> dict:
     from eprt.parallel import ParallelState
-    from eprt.quant.ptq import PTQArgs, run_ptq
+    from eprt.quant.run.ptq import PTQArgs, run_ptq
 
     with ParallelState.from_env(ep=ep) as state:
         reset_peak()

@@ -40,8 +40,8 @@ from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats import weight_format  # noqa: E402
 from eprt.quant.numerics import abs_amax  # noqa: E402
 from eprt.quant.rotation.rotated import RotatedCheckpoint  # noqa: E402
-from eprt.quant.run_args import PTQArgs  # noqa: E402
-from eprt.quant.run_data import report_data  # noqa: E402
+from eprt.quant.run.args import PTQArgs  # noqa: E402
+from eprt.quant.run.data import report_data  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 A source is a file or a saved dataset; several may be given, each with its share of the
 sequences (`--calib chat.jsonl:0.7 --calib code.txt:0.3`). The global list of sequences depends
 only on the data and (num_samples, seq_len); the layer-major engine gives each rank every
-world-th sequence of it (eprt.quant.sequences.own_sequences), so the set calibrated is the same at
+world-th sequence of it (eprt.quant.loop.sequences.own_sequences), so the set calibrated is the same at
 every layout. What was taken of each source is recorded (`SourceUse`): the calibrated checkpoint
 and the quality report keep it.
 """

@@ -12,7 +12,7 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port, run_world
 

@@ -23,13 +23,13 @@ from eprt.models.loader import load_model, load_parallel
 from eprt.models.moe import LocalDispatcher
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.calibrate import Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
+from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.preview import fake_quantize
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.rotation.rotated import RotatedCheckpoint
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors

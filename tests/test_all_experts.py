@@ -23,16 +23,16 @@ from eprt.models.loader import load_parallel
 from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.awq_folds import FoldedCheckpoint
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
-from eprt.quant.engine import LayerEngine
 from eprt.quant.formats import weight_format
-from eprt.quant.passes import layer_passes
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.loop.passes import layer_passes
+from eprt.quant.loop.sequences import Schedule
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.run_data import report_data
-from eprt.quant.sequences import Schedule
+from eprt.quant.run.data import report_data
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files

@@ -22,9 +22,9 @@ from eprt.families import parse_hf_config, reader_for
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.auto_quantize import SearchSpace
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.algorithms.search.auto_quantize import SearchSpace
 from eprt.quant.recipe import load_recipe
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world
 

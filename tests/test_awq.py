@@ -18,15 +18,11 @@ from eprt.models.loader import load_parallel
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
-from eprt.quant.awq_folds import COLUMNS, FoldedCheckpoint, Folds, fold
-from eprt.quant.awq_groups import layer_groups
-from eprt.quant.awq_plan import awq_bytes
-from eprt.quant.calibrated import DENSE_FILE, experts_file
-from eprt.quant.engine import LayerEngine
-from eprt.quant.formats import weight_format
-from eprt.quant.numerics import abs_amax
-from eprt.quant.passes import awq_search
-from eprt.quant.passes.awq_search import (
+from eprt.quant.algorithms.awq import search as awq_search
+from eprt.quant.algorithms.awq.folds import COLUMNS, FoldedCheckpoint, Folds, fold
+from eprt.quant.algorithms.awq.groups import layer_groups
+from eprt.quant.algorithms.awq.plan import awq_bytes
+from eprt.quant.algorithms.awq.search import (
     STEPS,
     Reader,
     candidates,
@@ -36,9 +32,13 @@ from eprt.quant.passes.awq_search import (
     readers_errors,
     unit_errors,
 )
-from eprt.quant.plan import Planner
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.algorithms.program import program_of
+from eprt.quant.calibrated import DENSE_FILE, experts_file
+from eprt.quant.formats import weight_format
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.numerics import abs_amax
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import FAMILIES, GROUP_TOKENS, same_files
@@ -237,9 +237,7 @@ def assert_clips_held_per_rank(whole: str, shared: str, ck: str) -> None:
     with Checkpoint(ck) as c:
         rc = ResolvedCheckpoint.of(c, torch.bfloat16)
         recipe, targets = plan_recipe(rc, "nvfp4", "fp8", "awq+gptq")
-        planner = Planner.of(
-            rc, torch.device("cpu"), targets, awq={m: recipe.format_of(m) for m in targets if recipe.balanced(m)}
-        )
+        planner = program_of(recipe, targets).planner(rc, torch.device("cpu"))
     planned = awq_bytes(planner.awq, 0, 0, 24, 2, 2)[2]
     assert planned == sum(t.nbytes for f in clips[:2] for t in f.values())
 

@@ -9,13 +9,13 @@ import torch
 
 from eprt.models.moe import Experts
 from eprt.parallel import ParallelState
-from eprt.quant.awq_clip import MOST_STEPS, block_errors, clip_steps, reader_hessian
-from eprt.quant.awq_folds import CLIP, CLIP_GRID, COLUMNS, W13_CLIP, FoldedCheckpoint, Folds, clipped
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.algorithms.awq.clip import MOST_STEPS, block_errors, clip_steps, reader_hessian
+from eprt.quant.algorithms.awq.folds import CLIP, CLIP_GRID, COLUMNS, W13_CLIP, FoldedCheckpoint, Folds, clipped
+from eprt.quant.algorithms.awq.passes import AWQ
+from eprt.quant.algorithms.gptq.solve import DAMP, HessianSum
 from eprt.quant.formats import weight_format
-from eprt.quant.gptq import DAMP, HessianSum
+from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.numerics import abs_amax
-from eprt.quant.passes.awq import AWQ
 
 
 @pytest.fixture(scope="module")

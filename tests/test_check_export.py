@@ -27,8 +27,8 @@ from eprt.quant.absorbed import quantizes_inputs_to_4_bits
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.fp8 import fp8_scale, quantize_fp8
 from eprt.quant.formats.nvfp4 import nvfp4_scale, quantize_nvfp4
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import load_recipe
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 
 H, VOCAB, EXPERTS = 32, 64, 4

@@ -26,7 +26,7 @@ from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.storage.encodings import dequantize_block_fp8  # noqa: E402
 from eprt.storage.safetensors_io import SafetensorsFile  # noqa: E402

@@ -1,4 +1,4 @@
-"""The data-free path (eprt.quant.datafree): a recipe that takes no activation statistic, under a
+"""The data-free path (eprt.quant.run.datafree): a recipe that takes no activation statistic, under a
 weight-only algorithm and without a KV cache, is quantized without calibration data or a forward pass.
 
 - PTQ takes it with a calibration file that does not exist (and with none), writes no work
@@ -30,11 +30,11 @@ from eprt.hf.export import export_hf
 from eprt.hf.export_plan import plan_export
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.datafree import data_free_formats
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.formats.fp8_block import Fp8Block
-from eprt.quant.ptq import PTQArgs, run_calibration, run_ptq
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.datafree import data_free_formats
+from eprt.quant.run.ptq import PTQArgs, run_calibration, run_ptq
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import run_world

@@ -9,8 +9,8 @@ import torch
 
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.device_terms import ALLOCATOR_RESERVE, CUBLAS_WORKSPACES, CUDA_CONTEXT, NCCL_PER_PEER
-from eprt.quant.plan import Planner, RunShape
+from eprt.quant.run.device_terms import ALLOCATOR_RESERVE, CUBLAS_WORKSPACES, CUDA_CONTEXT, NCCL_PER_PEER
+from eprt.quant.run.plan import Planner, RunShape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 

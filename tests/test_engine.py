@@ -13,10 +13,10 @@ from eprt.models.layers import silu_mul
 from eprt.models.loader import load_model
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.engine import LayerEngine, Pass
-from eprt.quant.passes import layer_passes
-from eprt.quant.sequences import Schedule, own_sequences
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.loop.engine import LayerEngine, Pass
+from eprt.quant.loop.passes import layer_passes
+from eprt.quant.loop.sequences import Schedule, own_sequences
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 

@@ -12,10 +12,12 @@ from eprt.hf.convert import convert_hf
 from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.engine import LayerEngine
-from eprt.quant.estimate import estimate_time
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.run_plan import plan_recipe, run_shape
+from eprt.quant.algorithms.program import program_of
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.recipe import ALGORITHMS
+from eprt.quant.run.estimate import estimate_time
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import plan_recipe, run_shape
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 
@@ -26,8 +28,9 @@ def ck(tmp_path_factory):
     return convert_hf(make_tiny("qwen3_moe", str(root / "hf"), dtype="fp32"), str(root / "ck"), progress=False)
 
 
-@pytest.mark.parametrize("algorithm", ["max", "gptq"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, monkeypatch, algorithm):
+    """Every algorithm a rule may name, AWQ's and awq+gptq's included: the probe runs the run's program."""
     a = PTQArgs(
         ck, "nvfp4", str(tmp_path / "q"), algorithm=algorithm, dtype="fp32", calib_size=9, seq_len=24, group_tokens=48
     )
@@ -38,10 +41,8 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
         estimate = estimate_time(
             state,
             rc,
-            recipe,
-            targets,
+            program_of(recipe, targets),
             run_shape(a, state, opened.config),
-            kv=False,
             expert_stack=16,
             work_dir=str(tmp_path / "q.work"),
             save_bytes=2**20,
@@ -63,7 +64,8 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
     monkeypatch.setenv("RANK", "0")  # the bar counts on rank 0
     run_ptq(state, a)
 
-    runs = 3 if algorithm == "gptq" else 1  # the statistics run; GPTQ's Hessian and quantized runs
+    # the statistics run; GPTQ's Hessian and quantized runs; AWQ's run of the folded layer
+    runs = {"max": 1, "mse": 1, "gptq": 3, "awq": 2, "awq+gptq": 4}[algorithm]
     steps = 5 * runs  # 9 sequences in groups of 2 (48 tokens of 24), one group a step
     kinds = {k.kind.name: (k.kind.layers, k.kind.steps) for k in estimate.kinds}
     assert kinds == {"MoE": ((0, 2), steps), "dense-MLP": ((1,), steps)}
@@ -99,7 +101,7 @@ def test_mtp_layers_are_a_kind_with_the_steps_the_run_makes_there(tmp_path, monk
         rc = ResolvedCheckpoint.of(opened, torch.float32)
         recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
         estimate = estimate_time(
-            state, rc, recipe, targets, run_shape(a, state, opened.config), kv=False, expert_stack=16
+            state, rc, program_of(recipe, targets), run_shape(a, state, opened.config), expert_stack=16
         )
         moe_layers, num_layers = opened.config.moe_layers, opened.config.num_layers
 

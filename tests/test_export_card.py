@@ -16,7 +16,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.serving import check_target, format_table, generation_of
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import summarize_excluded
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 

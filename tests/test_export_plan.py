@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from eprt.quant.datafree import data_free_formats
 from eprt.quant.formats import weight_format
+from eprt.quant.run.datafree import data_free_formats
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 ROWS, COLS = 2048, 4096  # a bf16 weight of 8M elements: 1 byte an element is 8 MiB of growth

@@ -10,7 +10,7 @@ from eprt.commands.ptq import parse_args
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, flag, from_flags
 from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.ptq import PTQArgs
+from eprt.quant.run.ptq import PTQArgs
 from eprt.units import parse_size
 
 

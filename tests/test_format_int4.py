@@ -30,8 +30,8 @@ from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.formats.int4 import INT4, INT4_G32, dequantize_int4, int4_codes, int4_scales, pack_int4, unpack_int4
 from eprt.quant.formats.w4a8 import W4A8
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors

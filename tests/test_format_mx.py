@@ -37,7 +37,7 @@ from eprt.quant.formats.e8m0 import e8m0_values
 from eprt.quant.formats.mxfp4 import dequantize_mxfp4, mxfp4_scales
 from eprt.quant.formats.mxfp8 import dequantize_mxfp8, fake_quant_mx_input, mxfp8_scales, quantize_mxfp8
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors

@@ -1,4 +1,4 @@
-"""GPTQ (eprt.quant.gptq): exact layout-free Hessians, the solve in the export's numerics."""
+"""GPTQ (eprt.quant.algorithms.gptq.solve): exact layout-free Hessians, the solve in the export's numerics."""
 
 import hashlib
 import os
@@ -13,13 +13,14 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
-from eprt.quant import gptq_layer, plan, workdir
-from eprt.quant.engine import LayerEngine
+from eprt.quant.algorithms.gptq import layer as gptq_layer
+from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED, LayerGPTQ
+from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
-from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED, LayerGPTQ
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run import plan, workdir
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
@@ -397,7 +398,9 @@ def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monk
     _, ck = tiny
     stacks = []
     solve = gptq_layer.gptq
-    monkeypatch.setattr(gptq_layer, "gptq", lambda w, h, cols: (stacks.append(w.shape[0]), solve(w, h, cols))[1])
+    monkeypatch.setattr(
+        gptq_layer, "gptq", lambda w, h, cols, **kw: (stacks.append(w.shape[0]), solve(w, h, cols, **kw))[1]
+    )
     exports = []
     for most in (MOST_EXPERTS_STACKED, 1):
         monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)

@@ -12,9 +12,9 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
 from eprt.quant.formats import WEIGHT_FORMATS
-from eprt.quant.gptq import HessianSum, columns_of, gptq
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 from tests.test_gptq import correlated_inputs

@@ -17,10 +17,10 @@ from eprt.hf.convert import convert_hf
 from eprt.models.registry import model_class
 from eprt.models.taps import KVTaps, tapped
 from eprt.parallel import ParallelState
-from eprt.quant import run_data
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.run_plan import check_kv_cache
+from eprt.quant.run import data as run_data
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import check_kv_cache
 from eprt.testing.tiny import families, make_tiny, tiny_config
 
 NVFP4_BLOCK = KV_CACHE_FORMATS["nvfp4"].block

@@ -14,8 +14,8 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.feasibility import RecipeError, quantized_modules
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import load_recipe, parse_recipe
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 
 

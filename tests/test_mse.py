@@ -25,9 +25,9 @@ from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_mse_scale, fp8_scale
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.preview import fake_quantize
-from eprt.quant.ptq import PTQArgs, fingerprint, run_ptq
 from eprt.quant.recipe import ALGORITHMS, UNROTATED, load_recipe, parse_recipe
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.ptq import PTQArgs, fingerprint, run_ptq
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors

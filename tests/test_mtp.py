@@ -20,10 +20,10 @@ from eprt.models.loader import load_model  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.calibrate import Calibrator  # noqa: E402
-from eprt.quant.engine import LayerEngine  # noqa: E402
-from eprt.quant.passes import layer_passes  # noqa: E402
-from eprt.quant.sequences import Schedule  # noqa: E402
+from eprt.quant.loop.calibrate import Calibrator  # noqa: E402
+from eprt.quant.loop.engine import LayerEngine  # noqa: E402
+from eprt.quant.loop.passes import layer_passes  # noqa: E402
+from eprt.quant.loop.sequences import Schedule  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 

@@ -23,10 +23,10 @@ from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
-from eprt.quant.plan import Planner
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.plan import Planner
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files

@@ -14,9 +14,9 @@ from eprt.errors import ConfigError
 from eprt.parallel import ParallelState
 from eprt.parallel.barrier import host_barrier
 from eprt.parallel.liveness import PeerLost, collective_timeout_s
-from eprt.quant.calibrate import Calibrator
-from eprt.quant.sequences import LayerState
-from eprt.quant.workdir import WorkDir
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.loop.sequences import LayerState
+from eprt.quant.run.workdir import WorkDir
 from tests.multiproc import run_world
 
 LATE_S = 1.0  # how late rank 1 is with each file operation

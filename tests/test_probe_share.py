@@ -13,10 +13,10 @@ import torch
 from bench.scale import REAL, TINY_DIMS, inflate, make_config
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.estimate import PROBE_STEPS, ProbeEngine, probe_time
-from eprt.quant.plan import Planner, RunShape
-from eprt.quant.probe_share import RankShare, plan_probe
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.estimate import PROBE_STEPS, ProbeEngine, probe_time
+from eprt.quant.run.plan import Planner, RunShape
+from eprt.quant.run.probe_share import RankShare, plan_probe
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from eprt.units import parse_size

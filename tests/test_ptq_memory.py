@@ -14,20 +14,20 @@ import sys
 import pytest
 import torch
 
-import eprt.quant.ptq as ptq_module
+import eprt.quant.run.ptq as ptq_module
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.awq_plan import awq_bytes
+from eprt.quant.algorithms.awq.passes import AWQ
+from eprt.quant.algorithms.awq.plan import awq_bytes
+from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED
+from eprt.quant.algorithms.gptq.solve import columns_of
 from eprt.quant.formats import WEIGHT_FORMATS
 from eprt.quant.formats.base import ScaledByBlocks
-from eprt.quant.gptq import columns_of
-from eprt.quant.gptq_layer import MOST_EXPERTS_STACKED
-from eprt.quant.passes.awq import AWQ
-from eprt.quant.plan import GPTQLinear, Planner, RunShape, check_host_memory, check_memory
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.plan import GPTQLinear, Planner, RunShape, check_host_memory, check_memory
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from eprt.units import format_bytes
@@ -299,7 +299,7 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
         return plans[-1]
 
     def written(*args, **kw):
-        kept.append(args[-1])  # the run's folds, as it holds them at its end
+        kept.append(kw["folds"])  # the run's folds, as it holds them at its end
         return write(*args, **kw)
 
     monkeypatch.setattr(AWQ, "reference", measured)

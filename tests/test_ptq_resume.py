@@ -12,10 +12,10 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import QUALITY_FILE
-from eprt.quant.engine import LayerEngine
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.workdir import MARKER
-from eprt.quant.workdir_lock import LOCK_FILE
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.workdir import MARKER
+from eprt.quant.run.workdir_lock import LOCK_FILE
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import same_files
 from tests.multiproc import run_world

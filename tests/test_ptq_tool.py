@@ -15,8 +15,8 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import available
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import read_hf_tensors
 from tests.layouts.test_ep_model import SKEWED_OUT, skew

@@ -20,7 +20,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import QUALITY_FILE
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.report import render
 from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY, QUALITY_PAGE

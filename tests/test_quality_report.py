@@ -26,13 +26,13 @@ from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
-from eprt.quant.awq_folds import FoldedCheckpoint
+from eprt.quant.algorithms.awq import passes as awq_pass
+from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.passes import awq as awq_pass
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.quality import Probes
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
 from eprt.testing.tiny import make_tiny
@@ -270,7 +270,7 @@ def test_the_sequences_dense_parts_run_in_any_order(ckpts, tmp_path, monkeypatch
         return {p.name: p.read_bytes() for p in Path(out).iterdir()}
 
     as_they_come = calibrate(str(tmp_path / "threads"))
-    monkeypatch.setattr("eprt.quant.engine.for_each", in_reverse)
+    monkeypatch.setattr("eprt.quant.loop.engine.for_each", in_reverse)
     assert calibrate(str(tmp_path / "reversed")) == as_they_come
 
 

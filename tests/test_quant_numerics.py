@@ -406,7 +406,7 @@ def test_nvfp4_fake_quant_is_dequantize_of_quantize_bitwise(dtype, workers):
 def test_segment_amax_is_each_experts_abs_max(workers):
     """Each expert's largest magnitude over its rows alone (on CPU one expert a worker), 0 for an
     expert given none, and +0.0 for rows that are all negative zeros."""
-    from eprt.quant.calibrate import segment_amax
+    from eprt.quant.loop.calibrate import segment_amax
 
     g = torch.Generator().manual_seed(4)
     tokens = torch.tensor([3, 0, 5, 1, 0, 4])

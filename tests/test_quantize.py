@@ -19,7 +19,7 @@ from eprt.errors import ConfigError, OutputExistsError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.quant.formats import weight_format
-from eprt.quant.run_args import PTQArgs
+from eprt.quant.run.args import PTQArgs
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import assert_transformers_loads
 from tests.hf_utils import read_hf_tensors

@@ -6,8 +6,8 @@ import threading
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
-from eprt.quant.engine import LayerEngine
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import same_files
 

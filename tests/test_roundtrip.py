@@ -12,7 +12,7 @@ import torch
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import TOKENIZER_FILES, make_tiny
 from tests.hf_utils import raw, read_hf_tensors, tree_digest

@@ -11,7 +11,7 @@ from eprt.data import eos_id
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.samples import read_rows
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny

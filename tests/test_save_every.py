@@ -10,10 +10,10 @@ import pytest
 from eprt.hf.convert import convert_hf
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
-from eprt.quant.engine import LayerEngine
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.save_time import saves
-from eprt.quant.workdir import WorkDir
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.save_time import saves
+from eprt.quant.run.workdir import WorkDir
 from eprt.testing.tiny import make_tiny
 from tests.layouts.test_ptq import same_files
 

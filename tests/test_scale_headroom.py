@@ -16,8 +16,8 @@ from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.formats.nvfp4 import BLOCK_SIZE, NVFP4, dequantize_nvfp4, nvfp4_headroom_scale, quantize_nvfp4
 from eprt.quant.numerics import abs_amax
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from tests.formats_helpers import tiny_checkpoint
 from tests.hf_utils import read_hf_tensors
 

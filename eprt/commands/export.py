@@ -7,6 +7,8 @@ the compressed-tensors quantized layout). Under torchrun every rank writes its s
 """
 
 from eprt.cli import command_parser, run
+from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
+from eprt.parallel import ParallelState
 from eprt.units import parse_size
 
 
@@ -53,8 +55,6 @@ def export() -> None:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args()
     # after the arguments: --help answers without torch
-    from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
-    from eprt.parallel import ParallelState
 
     with ParallelState.from_env() as state:
         shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES

@@ -26,15 +26,16 @@ from eprt.models.loader import open_checkpoint, weight_bytes
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.parallel.state import check_ep
-from eprt.quant.datafree import data_free
-from eprt.quant.estimate import PROBE_STEPS, estimate_time
-from eprt.quant.plan import Planner, available_memory, check_host_memory, check_memory, current_rss, memory_in_use
-from eprt.quant.probe_share import RankShare, plan_probe
-from eprt.quant.ptq import gptq_formats, run_ptq
+from eprt.quant.algorithms.program import Program, program_of
 from eprt.quant.recipe import Recipe
-from eprt.quant.run_args import RUN_DTYPES, PTQArgs
-from eprt.quant.run_data import check_data_settings
-from eprt.quant.run_plan import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
+from eprt.quant.run.args import RUN_DTYPES, PTQArgs
+from eprt.quant.run.data import check_data_settings
+from eprt.quant.run.datafree import data_free
+from eprt.quant.run.estimate import PROBE_STEPS, estimate_time
+from eprt.quant.run.plan import available_memory, check_host_memory, check_memory, current_rss, memory_in_use
+from eprt.quant.run.probe_share import RankShare, plan_probe
+from eprt.quant.run.ptq import run_ptq
+from eprt.quant.run.setup import check_kv_cache, plan_recipe, ranks_on_this_host, run_shape
 from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
@@ -82,8 +83,7 @@ def ptq(argv: list[str] | None = None) -> int:
         return launch("eprt.commands.ptq", without_nproc(argv), nproc_per_node)
     with ParallelState.from_env(ep=a.ep) as state, open_checkpoint(a.ckpt, state) as ck:
         if a.dry_run:
-            # what PTQ would refuse about this recipe and model, refused now; the plan runs its MTP
-            # layers and counts GPTQ's Hessians
+            # what PTQ would refuse about this recipe and model, refused now; the plan is the run's program's
             rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
             if a.recipe:
                 recipe, targets = plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm)
@@ -93,15 +93,7 @@ def ptq(argv: list[str] | None = None) -> int:
             if recipe is not None and data_free(recipe, a):
                 data_free_dry_run(state, ck, recipe, targets)
                 return 0
-            dry_run(
-                state,
-                rc,
-                a,
-                targets,
-                mtp=bool(recipe and recipe.mtp),
-                gptq=gptq_formats(recipe, targets) if recipe else None,
-                recipe=recipe,
-            )
+            dry_run(state, rc, a, program_of(recipe, targets))
             return 0
         run_ptq(state, a, ck=ck)
     return 0
@@ -143,29 +135,21 @@ def without_nproc(argv: list[str]) -> list[str]:
 # --- dry run ---------------------------------------------------------------------------------
 
 
-def dry_run(
-    state: ParallelState,
-    rc: ResolvedCheckpoint,
-    a: PTQArgs,
-    targets: list[str],
-    mtp: bool = False,
-    gptq: dict[str, str] | None = None,
-    recipe: Recipe | None = None,
-) -> None:
+def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: Program) -> None:
     """Every rank works out its own share and memory plan from the manifest, for ranks on
-    --device (default its own; with the MTP layers when the recipe runs them, GPTQ's Hessians and
-    codes when it runs GPTQ), and refuses a plan over a limit it knows (--max-memory,
+    --device (default its own), as the run plans it from the same program (its MTP layers, every
+    algorithm's own terms), and refuses a plan over a limit it knows (--max-memory,
     --max-host-memory, or what this machine has free when the plan is for it); rank 0 prints them
     all, with its own plan's terms. With --estimate-time, and the plan for this machine's device,
-    every rank probes the calibration's time (eprt.quant.estimate) and rank 0 prints its own."""
+    every rank probes the calibration's time (eprt.quant.run.estimate) and rank 0 prints its own."""
     with fail_together(state, "planning the layout"):
         ck, c, dtype = rc.ck, rc.ck.config, rc.dtype
         device = torch.device(a.device) if a.device else state.device
         here = device.type == state.device.type  # planning this machine's ranks, not another's
         held = state.placement(c.num_experts).range
         dense, experts = weight_bytes(rc.holding(held if c.moe_layers else None))
-        planner = Planner.of(rc, device, targets, mtp=mtp, gptq=gptq)
-        shape = run_shape(a, state, c)
+        planner = program.planner(rc, device)
+        shape = program.shape(run_shape(a, state, c))
         limit = a.max_memory or (available_memory(device) if here else None)
         plan = planner.plan(shape, memory_in_use(device) if here else 0, host_baseline=current_rss(), limit=limit)
         if limit is not None:
@@ -192,8 +176,8 @@ def dry_run(
     if state.rank == 0:
         print(layout_table(state, ck, dtype, device, ranks))
         print(f"\nmemory plan on {device.type}: rank 0 {plan.summary()}")
-        if recipe is not None:
-            print(f"its export serves on: {describe_gpus(recipe.formats)}")
+        if program.recipe is not None:
+            print(f"its export serves on: {describe_gpus(program.recipe.formats)}")
     if not a.estimate_time:
         return
     with fail_together(state, "planning the time probe"):
@@ -217,10 +201,8 @@ def dry_run(
         estimate = estimate_time(
             state,
             rc,
-            recipe,
-            targets,
+            program,
             shape,
-            kv=recipe.kv_cache is not None,
             expert_stack=plan.expert_stack,
             save_every=a.save_every,
             work_dir=a.work_dir or (f"{a.out.rstrip('/')}.work" if a.out else None),
@@ -231,7 +213,7 @@ def dry_run(
 
 
 def data_free_dry_run(state: ParallelState, ck: Checkpoint, recipe: Recipe, targets: list[str]) -> None:
-    """Rank 0 says the run is data-free (eprt.quant.datafree) and plans the memory of what holds
+    """Rank 0 says the run is data-free (eprt.quant.run.datafree) and plans the memory of what holds
     weights: the export, one tensor at a time."""
     if state.rank != 0:
         return

@@ -33,10 +33,10 @@ from eprt.hf.model_card import serve_commands
 from eprt.hf.serving import DEFAULT_RECIPE, check_target, describe_gpus, generation_of, gpus_needed
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.progress import logger, quiet
-from eprt.quant.datafree import data_free
 from eprt.quant.recipe import Recipe, load_recipe
-from eprt.quant.run_args import RUN_DTYPES
-from eprt.quant.run_plan import plan_recipe
+from eprt.quant.run.args import RUN_DTYPES
+from eprt.quant.run.datafree import data_free
+from eprt.quant.run.setup import plan_recipe
 from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir, write_file
 from eprt.storage.checkpoint import Checkpoint
@@ -227,7 +227,7 @@ def write_data_free(
     ckpt: str, out: str, recipe: str, algorithm: str, fmt: str | None, base_model: str | None, overwrite: bool
 ) -> str:
     """The export of `ckpt` under a recipe that takes no activation statistic: each weight quantized
-    as it is written, without data or a forward pass (eprt.quant.datafree)."""
+    as it is written, without data or a forward pass (eprt.quant.run.datafree)."""
     return export_hf(
         ckpt,
         out,

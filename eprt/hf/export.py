@@ -25,8 +25,8 @@ from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
-from eprt.quant.datafree import data_free_recipe
 from eprt.quant.formats import weight_format
+from eprt.quant.run.datafree import data_free_recipe
 from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_file, copy_files, write_file
@@ -147,7 +147,7 @@ def export_hf(
     compressed-tensors; None: the one that holds the recipe; checked before it appears) with its
     model card. With `recipe` (and `algorithm`
     for its rules that name none), an unquantized checkpoint is quantized on the way out under
-    that data-free recipe (eprt.quant.datafree): the bytes its calibration and export write. An
+    that data-free recipe (eprt.quant.run.datafree): the bytes its calibration and export write. An
     option that cannot apply to the checkpoint is refused rather than ignored (`refuse_inapplicable`).
 
     Weights the source stored compressed or in block FP8 go back as they came, byte for byte;

@@ -24,7 +24,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
-from eprt.quant.awq_folds import FoldedCheckpoint
+from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat, weight_format
@@ -59,7 +59,7 @@ LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--forma
 
 class QuantizedExport:
     """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (LAYOUTS),
-    or with `recipe`, of unquantized `ck` under that data-free recipe (eprt.quant.datafree): the
+    or with `recipe`, of unquantized `ck` under that data-free recipe (eprt.quant.run.datafree): the
     same export as after its calibration, whose record holds nothing these formats read."""
 
     def __init__(self, ck: Checkpoint, layout: str | None = "modelopt", recipe: Recipe | None = None):

@@ -16,8 +16,8 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
-from eprt.quant.awq_folds import HELD_PER_RANK, TENSOR_LEAF, Folds
-from eprt.quant.calibrate import Calibrator
+from eprt.quant.algorithms.awq.folds import HELD_PER_RANK, TENSOR_LEAF, Folds
+from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.report import checked, label, page_path, write_page
 from eprt.storage.atomic import atomic_file
@@ -39,17 +39,17 @@ class CalibrationRecord:
     (w13 input amax [E], w2 input amax [E]), one row per expert; expert_tokens: experts module ->
     tokens routed to each expert [E]; kv_amax: attention module -> (k amax, v amax).
 
-    With GPTQ (eprt.quant.gptq), the quantized weight of each module it changed, in the export's
+    With GPTQ (eprt.quant.algorithms.gptq.solve), the quantized weight of each module it changed, in the export's
     encoding (FP8: float8_e4m3fn codes; NVFP4: packed E2M1 codes, the scales being the export's
     from the original weight): gptq_dense: dense Linear -> codes [out, in or in/2]; gptq_experts:
     experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
     (the whole model's weights): their values are None and `read_gptq` reads one at a time.
 
-    With AWQ (eprt.quant.passes.awq), its scales: folds: `module.kind` -> s (one per channel; the
+    With AWQ (eprt.quant.algorithms.awq.passes), its scales: folds: `module.kind` -> s (one per channel; the
     routed experts: a row per expert), each kind one of
-    eprt.quant.awq_folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
-    the checkpoint through them (eprt.quant.awq_folds.FoldedCheckpoint, `read_folds`). The routed
-    experts' clips (eprt.quant.awq_folds.HELD_PER_RANK) are per-expert tensors, each rank's rows
+    eprt.quant.algorithms.awq.folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
+    the checkpoint through them (eprt.quant.algorithms.awq.folds.FoldedCheckpoint, `read_folds`). The routed
+    experts' clips (eprt.quant.algorithms.awq.folds.HELD_PER_RANK) are per-expert tensors, each rank's rows
     written with its share like GPTQ's codes, and read back by rows, as the export asks."""
 
     INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = (
@@ -83,7 +83,7 @@ class CalibrationRecord:
 
     @classmethod
     def of(cls, cal: Calibrator, gptq=None, folds: Folds | None = None) -> "CalibrationRecord":
-        """`gptq`: eprt.quant.gptq_layer.GPTQResults, when GPTQ ran; `folds`: AWQ's, when it ran."""
+        """`gptq`: eprt.quant.algorithms.gptq.layer.GPTQResults, when GPTQ ran; `folds`: AWQ's, when it ran."""
         dense, experts = (gptq.dense, gptq.experts) if gptq is not None else (None, None)
         awq = folds.tensors() if folds is not None else None
         return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts, awq)
@@ -180,7 +180,7 @@ def write_calibrated(
 ) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
-    quantization section names (`quality`); `gptq` (eprt.quant.gptq_layer.GPTQResults): GPTQ's
+    quantization section names (`quality`); `gptq` (eprt.quant.algorithms.gptq.layer.GPTQResults): GPTQ's
     codes, when it ran; `folds`: AWQ's scales, when it ran."""
     cs = CalibrationRecord.of(cal, gptq, folds)
     experts = cs.expert_tensors()

@@ -186,7 +186,7 @@ def spec_name(spec: TensorSpec) -> str:
 def unmatched_hint(recipe: Recipe, modules: list[str]) -> str:
     """For each quantizing pattern that matches no module: the module names closest to it."""
     hints = []
-    for pattern, fmt, _ in recipe.rules:
+    for pattern, fmt, *_ in recipe.rules:  # a rule's algorithm and parameters do not matter here
         if fmt == "none" or any(fnmatch.fnmatchcase(m, pattern) for m in modules):
             continue
         close = difflib.get_close_matches(pattern, modules, n=SUGGESTIONS, cutoff=0.0)

@@ -4,7 +4,7 @@ After calibration the quantized modules are fake-quantized in place (weights qua
 dequantized with the export's scales, inputs through their calibrated input scale, the KV
 cache through its k/v scales), so the continuation shows what the engine will compute. The
 model is not used afterwards: export reads the weights from the checkpoint. The quality report
-(eprt.quant.quality) and GPTQ's quantized stream (eprt.quant.gptq_layer) fake-quantize each
+(eprt.quant.quality) and GPTQ's quantized stream (eprt.quant.algorithms.gptq.layer) fake-quantize each
 decoder layer the same way, the weights GPTQ chose in place of max's or mse's.
 """
 
@@ -21,10 +21,10 @@ from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
-from eprt.quant.calibrate import CalibrationError, Calibrator
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.kv import kv_cache_format
+from eprt.quant.loop.calibrate import CalibrationError, Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales
 
@@ -69,7 +69,7 @@ def fake_quantize(
     `source_dtype(tensor name)` is the dtype the export rounds an FP8 quotient to (the source's;
     default the weight's own), so that the weights are the export's dequantized, bit for bit
     wherever the run's dtype holds the checkpoint's weights exactly. `quantized`: the modules whose
-    weights already hold what the export writes (GPTQ's, eprt.quant.gptq_layer), left as they are.
+    weights already hold what the export writes (GPTQ's, eprt.quant.algorithms.gptq.layer), left as they are.
     `on_weight(tensor name, weight)` sees each weight as replaced (a routed-experts tensor: this
     rank's rows). Returns what removes the input and KV hooks (the weights stay replaced)."""
     sub = lambda m: model.get_submodule(m[len(prefix) :])  # noqa: E731

@@ -1,5 +1,5 @@
 """The quality report of a PTQ run: how far the quantized model is from the unquantized one on
-held-out sequences, computed inside the layer-major calibration (eprt.quant.engine).
+held-out sequences, computed inside the layer-major calibration (eprt.quant.loop.engine).
 
 The engine runs two streams of the held-out sequences through each layer once the layer's
 calibration is done and its amax reduced over the ranks (so its scales are the export's): the

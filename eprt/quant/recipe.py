@@ -19,19 +19,16 @@ a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unqu
 A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
 
-A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'):
-`max` (from the weight's amax), `mse` (a search for the least squared quantization error), `gptq`
-(GPTQ's rounding), or `awq` / `awq+gptq`: AWQ's per-input-channel scales folded into what precedes
-the module (eprt.quant.passes.awq), then max's or GPTQ's rounding of the scaled weight. AWQ balances
-a group of Linears that read one norm's output together: a group is balanced when every module of it
-the recipe quantizes says `awq` or `awq+gptq`.
+A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'): a
+registered algorithm or a sequence of them, a balance then a rounding, with parameters
+(eprt.quant.algorithms.registry: `max`, `mse`, `gptq`, `awq`, `awq+gptq` or `[awq, gptq]`,
+`{gptq: {damp: 0.02}}`). A rule that names none takes eprt-ptq's `--algorithm` (default max); the
+calibrated checkpoint records every rule's.
 `rotate` in front of any of them (`rotate`, `rotate+mse`, `rotate+gptq`, `rotate+awq`,
 `rotate+awq+gptq`; in a rule also as a list, `[rotate, gptq]`) first rotates the residual stream and
 each head's values by randomised Hadamard matrices fused into the weights (eprt.quant.rotation),
 then chooses the scales as the rest says (`rotate` alone: max). The rotation is the whole model's:
 every rule that quantizes names it, or none does.
-A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
-records every rule's.
 
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
@@ -54,6 +51,8 @@ from typing import NamedTuple
 import yaml
 
 from eprt.errors import ConfigError
+from eprt.quant.algorithms.registry import DEFAULT, Params, parse_algorithm, rotated, rounding, steps, unrotated
+from eprt.quant.algorithms.registry import sequences as algorithm_sequences
 from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_group_size
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 
@@ -62,12 +61,8 @@ RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom")
-# How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
-UNROTATED = ("max", "mse", "gptq", "awq", "awq+gptq")
-ROTATE = "rotate"  # the rotations fused into the weights first (eprt.quant.rotation); alone: then max
-ALGORITHMS = (*UNROTATED, ROTATE, *(f"{ROTATE}+{a}" for a in UNROTATED[1:]))
-# AWQ scales the weights, then rounds them as another algorithm does
-AWQ_ROUNDING = {"awq": "max", "awq+gptq": "gptq"}
+# How a rule's weight scales are chosen (eprt.quant.algorithms.registry): the first is the default.
+ALGORITHMS = algorithm_sequences()
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 
@@ -76,6 +71,7 @@ class Rule(NamedTuple):
     pattern: str  # a glob over module names
     format: str  # one of FORMATS: a weight format's name (eprt.quant.formats) or none
     algorithm: str  # one of ALGORITHMS
+    params: Params = ()  # the algorithms' parameters the rule sets apart from their defaults
 
 
 @dataclass(frozen=True)
@@ -100,13 +96,18 @@ class Recipe:
         return unrotated(self.rule_of(module).algorithm) if self.format_of(module) else None
 
     def rounding_of(self, module: str) -> str | None:
-        """How `module`'s scaled weight is rounded: its algorithm, AWQ's the one it runs after."""
+        """How `module`'s scaled weight is rounded: the last algorithm of its sequence."""
         algorithm = self.algorithm_of(module)
-        return AWQ_ROUNDING.get(algorithm, algorithm)
+        return None if algorithm is None else rounding(algorithm)
 
-    def balanced(self, module: str) -> bool:
-        """Whether `module`'s rule asks for AWQ's scales."""
-        return self.algorithm_of(module) in AWQ_ROUNDING
+    def runs(self, module: str, algorithm: str) -> bool:
+        """Whether `module`'s sequence runs `algorithm` (a balance alone rounds as the default does)."""
+        sequence = self.algorithm_of(module)
+        return sequence is not None and algorithm in steps(sequence)
+
+    def params_of(self, module: str) -> Params:
+        """The parameters `module`'s rule sets apart from their defaults."""
+        return self.rule_of(module).params if self.format_of(module) else ()
 
     @property
     def formats(self) -> list[str]:
@@ -121,7 +122,7 @@ class Recipe:
     @property
     def roundings(self) -> list[str]:
         """How the rules that quantize round their weights (`rounding_of`)."""
-        return sorted({AWQ_ROUNDING.get(a, a) for a in self.algorithms})
+        return sorted({rounding(a) for a in self.algorithms})
 
     @property
     def rotates(self) -> bool:
@@ -129,13 +130,20 @@ class Recipe:
         return any(rotated(r.algorithm) for r in self.rules if r.format != "none")
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
+        out = {"name": self.name, "quantize": [rule_json(r) for r in self.rules], "kv_cache": self.kv_cache}
         # written only when set, so a recipe without it reads back (and pins) as before
         return {
             **out,
             **({"mtp": True} if self.mtp else {}),
             **({"scale_headroom": True} if self.scale_headroom else {}),
         }
+
+
+def rule_json(r: Rule) -> dict:
+    """A rule as parse_recipe reads it back; its parameters, where it sets any, in its algorithm."""
+    params = dict(r.params)
+    algorithm = [{n: dict(params[n])} if n in params else n for n in r.algorithm.split("+")] if params else r.algorithm
+    return {"pattern": r.pattern, "format": r.format, "algorithm": algorithm}
 
 
 def available() -> list[str]:
@@ -147,25 +155,6 @@ def refuse_unknown_keys(d: dict, valid: tuple[str, ...], where: str) -> None:
     unknown = [k for k in d if k not in valid]
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the valid keys are {', '.join(valid)}")
-
-
-def rotated(algorithm: str) -> bool:
-    return algorithm == ROTATE or algorithm.startswith(f"{ROTATE}+")
-
-
-def unrotated(algorithm: str) -> str:
-    """What chooses the scales after the rotation: `rotate` alone, max's."""
-    return UNROTATED[0] if algorithm == ROTATE else algorithm.removeprefix(f"{ROTATE}+")
-
-
-def check_algorithm(algorithm, where: str) -> str:
-    """The algorithm a rule's (or --algorithm's) `algorithm` names: a string of ALGORITHMS, or the
-    list of its parts (`[rotate, gptq]`)."""
-    if isinstance(algorithm, list) and all(isinstance(a, str) for a in algorithm):
-        algorithm = "+".join(algorithm)
-    if algorithm not in ALGORITHMS:
-        raise ConfigError(f"{where} {algorithm!r}: unknown algorithm; choose one of {', '.join(ALGORITHMS)}")
-    return algorithm
 
 
 def grouped(fmt: str, group_size, where: str) -> str:
@@ -197,8 +186,7 @@ def kind_default(fmt: str):
 
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
     """`algorithm`: what a rule that names none gets (default ALGORITHMS[0])."""
-    default = ALGORITHMS[0] if algorithm is None else algorithm
-    check_algorithm(default, "--algorithm")
+    default, default_params = parse_algorithm(DEFAULT if algorithm is None else algorithm, "--algorithm")
     if isinstance(d, dict):
         refuse_unknown_keys(d, RECIPE_KEYS, source)
     if not isinstance(d, dict) or not isinstance(d.get("quantize"), list) or not d["quantize"]:
@@ -214,9 +202,13 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             )
         if r["format"] not in FORMATS:
             raise ConfigError(f"{source}: quantize[{i}] format {r['format']!r}; choose one of {', '.join(FORMATS)}")
-        algorithm = check_algorithm(r.get("algorithm", default), f"{source}: quantize[{i}] algorithm")
+        sequence, params = (
+            parse_algorithm(r["algorithm"], f"{source}: quantize[{i}] algorithm")
+            if "algorithm" in r
+            else (default, default_params)
+        )
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
-        rules.append(Rule(str(r["pattern"]), fmt, algorithm))
+        rules.append(Rule(str(r["pattern"]), fmt, sequence, params))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
             f"{source}: a recipe quantizes with at least one format, found none; "

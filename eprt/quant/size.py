@@ -10,7 +10,7 @@ weighted by top-k / experts).
 from __future__ import annotations
 
 from eprt.layout import Layout
-from eprt.quant.auto_quantize import UNQUANTIZED_BITS, linear_bits, linear_weights
+from eprt.quant.algorithms.search.auto_quantize import UNQUANTIZED_BITS, linear_bits, linear_weights
 from eprt.quant.recipe import Recipe
 
 

@@ -70,7 +70,7 @@ def side_by_side(reports: list[tuple[str, dict]], part: Callable[[int, str, dict
 
 
 def model_name(r: dict) -> str:
-    """The model a report measured, in words (its identity: eprt.quant.ptq.model_identity)."""
+    """The model a report measured, in words (its identity: eprt.quant.run.ptq.model_identity)."""
     m = r.get("model")
     if m is None:
         return "model not recorded"

@@ -24,7 +24,7 @@ def quality_report(tmp_path_factory) -> dict:
     """A real PTQ run's quality report (qwen3_moe, NVFP4, three held-out sequences, a preview)."""
     from eprt.hf.convert import convert_hf
     from eprt.parallel import ParallelState
-    from eprt.quant.ptq import PTQArgs, run_ptq
+    from eprt.quant.run.ptq import PTQArgs, run_ptq
     from eprt.testing.tiny import make_tiny
 
     d = tmp_path_factory.mktemp("report")

@@ -18,7 +18,7 @@ from eprt.errors import EprtError  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import SOURCE_FORMATS, compress_weight, encode_source, make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import tree_digest  # noqa: E402
 

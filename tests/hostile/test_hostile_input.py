@@ -26,9 +26,9 @@ from eprt.families import parse_hf_config, read_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState, fail_together
-from eprt.quant import ptq
-from eprt.quant.ptq import PTQArgs, run_ptq
 from eprt.quant.recipe import parse_recipe
+from eprt.quant.run import ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage import safetensors_io
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config

@@ -15,7 +15,7 @@ from eprt.errors import CheckpointError, EprtError, OutputExistsError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.atomic import atomic_output_dir
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile

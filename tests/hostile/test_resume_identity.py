@@ -17,8 +17,8 @@ from eprt.errors import EprtError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.engine import LayerEngine
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.hostile.test_workdir_safety import stop_after_layer
 from tests.multiproc import run_world

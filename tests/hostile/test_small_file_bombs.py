@@ -22,8 +22,8 @@ from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
-from eprt.quant.plan import Planner, RunShape, check_memory
 from eprt.quant.recipe import load_recipe
+from eprt.quant.run.plan import Planner, RunShape, check_memory
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
@@ -39,9 +39,9 @@ def peak_growth(code: str, timeout: int = 120) -> tuple[str, int]:
     child = textwrap.dedent("""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
-        import eprt.hf.convert, eprt.quant.ptq, eprt.data
+        import eprt.hf.convert, eprt.quant.run.ptq, eprt.data
         from eprt.errors import EprtError
-        from eprt.quant.plan import peak_rss
+        from eprt.quant.run.plan import peak_rss
         before = peak_rss()
         try:
         {code}
@@ -326,7 +326,7 @@ def test_the_ptq_run_refuses_a_seq_len_too_long_before_reading_any_data(ckpt, tm
     (25 GB of ids) or anything of their size is built, and the refusal names --seq-len."""
     out, grew = peak_growth(f"""
         from eprt.parallel import ParallelState
-        from eprt.quant.ptq import PTQArgs, run_ptq
+        from eprt.quant.run.ptq import PTQArgs, run_ptq
         run_ptq(ParallelState.single("cpu"), PTQArgs({ckpt!r}, "nvfp4", {str(tmp_path / "q")!r}, seq_len=5 * 10**7,
                                                     max_memory=512 * 2**20, progress=False))
     """)

@@ -11,14 +11,14 @@ import shutil
 
 import pytest
 
-import eprt.quant.workdir as workdir
+import eprt.quant.run.workdir as workdir
 import eprt.storage.atomic as atomic
 from eprt.cli import run
 from eprt.errors import EprtError
 from eprt.hf.convert import convert_hf
 from eprt.parallel import ParallelState
-from eprt.quant.engine import LayerEngine
-from eprt.quant.ptq import PTQArgs, run_ptq
+from eprt.quant.loop.engine import LayerEngine
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.atomic import atomic_output_dir
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import tree_digest

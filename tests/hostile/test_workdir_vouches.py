@@ -15,8 +15,8 @@ import pytest
 from eprt.errors import EprtError
 from eprt.hf.convert import convert_hf
 from eprt.parallel import ParallelState
-from eprt.quant.ptq import PTQArgs, run_ptq
-from eprt.quant.workdir_lock import HELD, LOCK_FILE
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.run.workdir_lock import HELD, LOCK_FILE
 from eprt.testing.tiny import make_tiny
 from tests.hostile.test_workdir_safety import stop_after_layer
 
@@ -88,7 +88,7 @@ def test_a_whole_side_file_resumes(ck, tmp_path):
 
 HOLDER = """
 import sys, time
-from eprt.quant.workdir_lock import hold
+from eprt.quant.run.workdir_lock import hold
 hold(sys.argv[1])
 print("held", flush=True)
 time.sleep(60)

@@ -38,7 +38,7 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats.fp8 import dequantize_fp8  # noqa: E402
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 

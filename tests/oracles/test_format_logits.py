@@ -63,8 +63,8 @@ from eprt.models.loader import load_model  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats import weight_format  # noqa: E402
 from eprt.quant.formats.nvfp4 import NVFP4  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.quant.recipe import available, load_recipe  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from tests.formats_helpers import (  # noqa: E402
     SAMPLES,
     SEQ_LEN,

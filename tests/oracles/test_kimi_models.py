@@ -25,7 +25,7 @@ from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kd
 from eprt.models.mla import MLAttention  # noqa: E402
 from eprt.models.registry import model_class  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import DEEPSEEK, VOCAB, assert_logits_and_carried  # noqa: E402

@@ -38,7 +38,7 @@ from eprt.data import calibration_samples  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import read_hf_tensors  # noqa: E402
 

@@ -69,7 +69,7 @@ class WeightFormat:
     largest_input: float | None
     # its export needs an amax of the inputs from calibration's forward passes (a static input
     # scale); False where the engine scales inputs at run time or leaves them unquantized: with
-    # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.datafree)
+    # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.run.datafree)
     uses_activation_statistics: bool = True
     # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
     # at the peak of `quantize`, besides the weight as read (its temporaries and its export
@@ -133,7 +133,7 @@ class WeightFormat:
         raise NotImplementedError
 
     def columns(self, w: torch.Tensor, scales: torch.Tensor):
-        """GPTQ's column quantizer (eprt.quant.gptq) for original weights w [L, out, in] with
+        """GPTQ's column quantizer (eprt.quant.algorithms.gptq.solve) for original weights w [L, out, in] with
         their per-tensor weight scales [L]: `round(j, col_LO)`, `encode(q)`, `decode(codes)`. A
         format whose blocks span rows (`blocks_span_rows`) also takes `pieces`: the weights a row
         of w holds end to end (a routed expert's w13: gate and up), quantized apart."""

@@ -1,4 +1,4 @@
-"""GPTQ's column quantizer (eprt.quant.gptq) for the formats whose only scales are a grid of block
+"""GPTQ's column quantizer (eprt.quant.algorithms.gptq.solve) for the formats whose only scales are a grid of block
 or row scales (eprt.quant.formats.base.ScaledByBlocks: FP8 block and per channel, MXFP8, MXFP4).
 
 The grid is the export's own, from the original weight (`scales_of`), fixed before the sweep: the

@@ -73,7 +73,7 @@ class Nvfp4KvCache(KvCacheFormat):
         return fp8_scale(amax)
 
     def fake_quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.unfit_head_dim(x.shape[-1]):  # refused before the run (eprt.quant.run_plan.check_kv_cache)
+        if self.unfit_head_dim(x.shape[-1]):  # refused before the run (eprt.quant.run.setup.check_kv_cache)
             raise ValueError(
                 f"--kv-cache nvfp4 quantizes cached keys and values in blocks of {BLOCK_SIZE} along the head dim, "
                 f"and this model caches heads of {x.shape[-1]}: calibrate with --kv-cache fp8"

@@ -1,7 +1,7 @@
 """A checkpoint read rotated: what a run with `rotate` and its export read in place of the checkpoint.
 
 The rotations are data-free and exact in real arithmetic (eprt.quant.rotation.plan), so they are a
-view of the checkpoint, as AWQ's folds are (eprt.quant.awq_folds): each tensor the plan changes is
+view of the checkpoint, as AWQ's folds are (eprt.quant.algorithms.awq.folds): each tensor the plan changes is
 read, its steps applied in fp64 (the norms it reads folded in, then the rotation of each axis),
 and rounded once to the dtype the checkpoint stores it in. Calibration reads its layers through
 the view, AWQ's folds and GPTQ's weights sit on top of it, and the export reads the same view:

@@ -1,0 +1,319 @@
+"""GPTQ inside the layer-major engine (eprt.quant.loop.engine; its pass: eprt.quant.algorithms.gptq.passes): one
+decoder layer at a time.
+
+For each layer, after the statistics run has recorded its inputs' amax (inputs are the quantized
+stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax):
+1. `LayerGPTQ` sums the layer's routed token counts over the ranks, on copies (the run's own are
+   summed once at the end, as without GPTQ);
+2. a Hessian pass: each quantized Linear GPTQ runs on sums x x^T over its inputs, one canonical
+   unit at a time (dense: one sequence; a routed expert: one work unit, w13 on the expert's input,
+   w2 on the gated activation), exactly (eprt.quant.algorithms.gptq.solve.HessianSum), then over the ranks (dense:
+   the world; experts: the edp replicas that computed the expert's other units);
+3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
+   rounding and is listed), each rank alike for what it holds, its weights set in place to what
+   the export writes; under awq+gptq, its scales are the clipped weight's (AWQ's clip,
+   eprt.quant.algorithms.awq.clip) and the sweep aims at the weight without the clip, so that the columns
+   after a clipped element take up its clipping error too;
+4. the rest of the layer is fake-quantized with the export's numerics (eprt.quant.loop.passes.quantized_layer,
+   eprt.quant.preview.fake_quantize: the other weights, inputs through their input scales, keys
+   and values through FP8 with an FP8 KV cache) and runs again to make the next layer's input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from eprt.models.moe import Experts
+from eprt.models.resolved import ResolvedCheckpoint
+from eprt.models.taps import tapped
+from eprt.parallel import ParallelState
+from eprt.progress import logger
+from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
+from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
+from eprt.quant.algorithms.registry import params_of
+from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales, as_quantized
+from eprt.storage.checkpoint import Checkpoint
+
+ALGORITHM = "gptq"
+DEFAULT_MIN_TOKENS = 128  # a routed expert with fewer keeps max rounding
+# Routed experts solved together: the column sweep's Python loop runs once per stack, not per
+# expert; each comes out as if alone (eprt.quant.algorithms.gptq.solve.gptq), so the stack size changes no bit. The
+# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.plan), up to
+# this many: beyond it the loop's share of the solve is already small.
+MOST_EXPERTS_STACKED = 16
+
+
+class GPTQResults:
+    """This rank's GPTQ weights so far, in the export's encoding (eprt.quant.calibrated):
+    dense: Linear -> codes; experts: experts module -> (w13 codes, w2 codes) of its local
+    experts; skipped: experts module -> the global ids of the experts kept at max rounding."""
+
+    def __init__(self):
+        self.dense: dict[str, torch.Tensor] = {}
+        self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.skipped: dict[str, list[int]] = {}
+
+    def modules(self) -> set[str]:
+        return set(self.dense) | set(self.experts)
+
+    def tensors(self, modules: set[str]) -> dict[str, torch.Tensor]:
+        """What a layer boundary saves of `modules` for --resume (eprt.quant.run.workdir)."""
+        out = {f"gptq/{m}": t for m, t in self.dense.items() if m in modules}
+        for m, (w13, w2) in ((m, pair) for m, pair in self.experts.items() if m in modules):
+            out[f"gptq_w13/{m}"], out[f"gptq_w2/{m}"] = w13, w2
+            out[f"gptq_skipped/{m}"] = torch.tensor(self.skipped.get(m, []), dtype=torch.int64)
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, t in tensors.items():
+            kind, _, name = key.partition("/")
+            if kind == "gptq":
+                self.dense[name] = t.cpu()
+            elif kind == "gptq_w13":
+                self.experts[name] = (t.cpu(), tensors[f"gptq_w2/{name}"].cpu())
+            elif kind == "gptq_skipped":
+                self.skipped[name] = t.tolist()
+
+    def summary(self) -> dict:
+        return {m: ids for m, ids in self.skipped.items() if ids}
+
+    def apply(self, model, ck: Checkpoint, formats: dict[str, str], first_expert: int) -> set[str]:
+        """Set GPTQ's weights (dequantized, under the export's scales from the original weights in
+        `ck`) into `model`'s modules (routed experts: this rank's, the first global id
+        `first_expert`); returns the modules set, for eprt.quant.preview.fake_quantize."""
+        scales = Scales.of_checkpoint(ck, formats, CalibrationRecord())
+        present = {name for name, _ in model.named_modules()}
+        done = set()
+        with torch.no_grad():
+            for m, codes in self.dense.items():
+                if m in present:
+                    w = as_quantized(ck, f"{m}.weight", formats[m], ck.read(f"{m}.weight"))
+                    weight = model.get_submodule(m).weight
+                    weight.copy_(_decode(formats[m], codes, w, scales.weight_scale(m)).to(weight.dtype))
+                    done.add(m)
+            for m, pair in self.experts.items():
+                if m not in present:
+                    continue
+                experts = model.get_submodule(m)
+                for kind, codes, param in zip(EXPERT_KINDS, pair, (experts.w13, experts.w2)):
+                    name = f"{m}.{kind}"
+                    for local in range(param.shape[0]):
+                        e = first_expert + local
+                        row = as_quantized(ck, name, formats[m], ck.read(name, rows=(e, e + 1))[0])
+                        scale = scales.expert_weight_scale(m, row)
+                        w = _decode(formats[m], codes[local], row, scale, EXPERT_PIECES[kind])
+                        param[local].copy_(w.to(param.dtype))
+                done.add(m)
+        return done
+
+
+def _decode(fmt: str, codes: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pieces: int = 1) -> torch.Tensor:
+    """fp32 weight of GPTQ's `codes` under the scales the export takes from original weight w."""
+    return columns_of(fmt, w[None], scale.reshape(1), pieces).decode(codes.to(w.device)[None])[0]
+
+
+class GPTQRun:
+    """What every layer's GPTQ shares: the run, the recipe, the results so far."""
+
+    def __init__(
+        self,
+        state: ParallelState,
+        rc: ResolvedCheckpoint,
+        recipe,
+        targets: list[str],
+        *,
+        tokens: int,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        expert_stack: int = MOST_EXPERTS_STACKED,
+    ):
+        self.state, self.rc, self.recipe = state, rc, recipe
+        self.ck, self.dtype = rc.ck, rc.dtype
+        self.expert_stack = expert_stack  # routed experts solved at once: the memory plan's (MemoryPlan.expert_stack)
+        self.formats = {m: recipe.format_of(m) for m in targets}
+        self.algorithms = {m: recipe.algorithm_of(m) for m in targets}
+        self.tokens, self.min_tokens = tokens, min_tokens  # tokens: every dense Linear's rows, over the run
+        self.results = GPTQResults()
+        # each module's sweep as its rule sets it (eprt.quant.algorithms.registry.GPTQParams)
+        self.params = {m: params_of(ALGORITHM, recipe.params_of(m)) for m in targets if self.uses_gptq(m)}
+
+    def uses_gptq(self, module: str) -> bool:
+        return self.recipe.rounding_of(module) == ALGORITHM
+
+
+class LayerGPTQ:
+    """GPTQ of one decoder layer `layer`, whose modules are named `prefix` + their name in it;
+    `cal`'s amax of the layer already reduced over the ranks (Calibrator.reduce_amax)."""
+
+    def __init__(self, run: GPTQRun, layer, prefix: str, cal: Calibrator):
+        self.run, self.layer, self.prefix = run, layer, prefix
+        st = run.state
+        mine = lambda names: [n for n in names if n.startswith(prefix)]  # noqa: E731
+        self.dense = [m for m in mine(cal.targets) if not isinstance(self._module(m), Experts)]
+        self.experts = [m for m in mine(cal.targets) if isinstance(self._module(m), Experts)]
+        # this layer's routed token counts summed over the ranks, on copies
+        tokens = {
+            m: st.all_reduce(cal.expert_tokens[m].clone(), over="edp", op=dist.ReduceOp.SUM) for m in self.experts
+        }
+        self.stats = CalibrationRecord(cal.input_amax, cal.expert_amax, tokens)
+        self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
+        self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
+        self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
+        self.hessians: dict[str, HessianSum] = {}
+        self.expert_hessians: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}  # local expert -> sums
+
+    def _module(self, name: str):
+        return self.layer.get_submodule(name[len(self.prefix) :])
+
+    def _read(
+        self, module: str, name: str, rows: tuple[int, int] | None = None, unclipped: bool = False
+    ) -> torch.Tensor:
+        """Original weight `name` of `module` (or its rows), as the export quantizes it (`unclipped`:
+        without AWQ's clip, the weight GPTQ aims at under the clipped one's scales)."""
+        ck = self.run.ck
+        if rows is not None and name not in ck.tensors:  # an MTP layer's experts
+            spec = self.run.rc.mtp_stacked[name]
+            w = torch.stack([ck.read_expert(spec, e) for e in range(*rows)])
+        elif unclipped and isinstance(ck, FoldedCheckpoint):
+            w = ck.read_unclipped(name, rows)
+        else:
+            w = ck.read(name, rows)
+        return as_quantized(ck, self.run.rc.source_tensor(name), self.run.formats[module], w)
+
+    @property
+    def needs_hessians(self) -> bool:
+        return bool(self.gptq_dense or self.gptq_experts)
+
+    # --- the Hessian pass -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        """While the context lasts, each canonical unit's inputs go into the Hessians."""
+        with contextlib.ExitStack() as taps:
+            self._observe(taps)
+            yield
+
+    def _observe(self, taps: contextlib.ExitStack) -> None:
+        for m in self.gptq_dense:
+            module = self._module(m)
+            hs = HessianSum(
+                module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens, module.weight.device
+            )
+            self.hessians[m] = hs
+            # the dense part runs one sequence a call (calls side by side): each call is one unit
+            hook = lambda _m, args, hs=hs: hs.add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
+            taps.callback(module.register_forward_pre_hook(hook).remove)
+        for m in self.gptq_experts:
+            experts = self._module(m)
+            w13_amax, w2_amax = self.stats.expert_input_amax[m]
+            tokens = self.stats.expert_tokens[m].tolist()
+            D, I = experts.w13.shape[2], experts.w2.shape[2]
+            sums = {
+                l: (
+                    HessianSum(D, w13_amax[l].item(), n, experts.w13.device),
+                    HessianSum(I, w2_amax[l].item(), n, experts.w13.device),
+                )
+                for l, n in enumerate(tokens)
+                if n >= self.run.min_tokens
+            }
+            self.expert_hessians[m] = sums
+            taps.enter_context(tapped(experts, units=lambda x, h, rows_LU, sums=sums: _add_units(sums, x, h, rows_LU)))
+
+    # --- the solve and the quantized layer ----------------------------------------------------
+    @property
+    def modules(self) -> set[str]:
+        """The modules GPTQ runs on: `quantize` sets their weights (the engine fake-quantizes the others)."""
+        return {*self.gptq_dense, *self.gptq_experts}
+
+    def quantize(self) -> None:
+        """Sum the Hessians over the ranks, run GPTQ, set the weights of `modules` to what the
+        export writes and record their codes."""
+        st, run = self.run.state, self.run
+        for hs in self.hessians.values():
+            st.all_reduce(hs.total, over="dp", op=dist.ReduceOp.SUM)
+        for sums in self.expert_hessians.values():
+            for pair in sums.values():
+                for hs in pair:
+                    st.all_reduce(hs.total, over="edp", op=dist.ReduceOp.SUM)
+        with torch.no_grad():
+            for m in self.gptq_dense:
+                module = self._module(m)
+                w = self._read(m, f"{m}.weight").to(module.weight.device)
+                cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
+                aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
+                p = run.params[m]
+                q = gptq(aim[None], self.hessians[m].hessian()[None], cols, block=p.block, damp=p.damp)
+                run.results.dense[m] = cols.encode(q)[0].cpu()
+                module.weight.copy_(q[0].to(module.weight.dtype))
+            for m in self.gptq_experts:
+                self._quantize_experts(m)
+
+    def free(self) -> None:
+        """Drop the Hessians, once solved: the quantized streams run without them."""
+        self.hessians.clear()
+        self.expert_hessians.clear()
+
+    def _quantize_experts(self, m: str) -> None:
+        """Every local expert's w13 and w2 as exported: GPTQ's (solved the run's expert_stack at a time) for
+        the experts with enough tokens, max rounding's (the module's scales) for the others."""
+        run, experts = self.run, self._module(m)
+        first, L = experts.first, experts.count
+        sums = self.expert_hessians[m]
+        codes = {}
+        for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
+            name, fmt = f"{m}.{kind}", run.formats[m]
+            rows = self._read(m, name, (first, first + L)).to(param.device)
+            aims = self._read(m, name, (first, first + L), unclipped=True).to(param.device)
+            scales = torch.stack([self.scales.expert_weight_scale(m, row) for row in rows]).to(param.device)
+            for l in (l for l in range(L) if l not in sums):  # the export's own codes
+                f, pieces = self.scales.format(m), EXPERT_PIECES[kind]  # gate and up apart where blocks span rows
+                t = f.quantize_stacked(rows[l], scales[l], self.scales.searched(m), pieces)
+                param[l].copy_(f.dequantize_stacked(t, param.dtype, pieces))
+                codes[(kind, l)] = t["weight"]
+            solved = sorted(sums)
+            stack = run.expert_stack
+            for j in range(0, len(solved), stack):
+                ids = solved[j : j + stack]
+                cols = columns_of(fmt, rows[ids], scales[ids], EXPERT_PIECES[kind])
+                # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
+                p = run.params[m]
+                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
+                param[ids] = q.to(param.dtype)
+                for l, code in zip(ids, cols.encode(q)):
+                    codes[(kind, l)] = code
+        run.results.experts[m] = tuple(torch.stack([codes[(k, l)].cpu() for l in range(L)]) for k in EXPERT_KINDS)
+        # the experts kept at max rounding, over every ep rank
+        skipped = torch.zeros(experts.num_experts, dtype=torch.int64, device=experts.w13.device)
+        for l in range(L):
+            skipped[first + l] = int(l not in sums)
+        run.state.all_reduce(skipped, over="ep", op=dist.ReduceOp.MAX)
+        run.results.skipped[m] = skipped.nonzero().view(-1).tolist()
+        if run.results.skipped[m] and run.state.rank == 0:
+            logger().info(
+                "%s: GPTQ kept max rounding for experts %s (fewer than %d tokens, --gptq-min-tokens)",
+                m,
+                run.results.skipped[m],
+                run.min_tokens,
+            )
+
+
+def _add_units(
+    sums: dict[int, tuple[HessianSum, HessianSum]],
+    x_sorted: torch.Tensor,
+    h_sorted: torch.Tensor,
+    rows_per_unit_LU: torch.Tensor,
+) -> None:
+    """Each (local expert, work unit)'s rows, as `Experts.forward_units` computed them, into the
+    expert's sums (those with enough tokens)."""
+    counts = rows_per_unit_LU.tolist()
+    start = 0
+    for l, row in enumerate(counts):
+        for n in row:
+            if n and l in sums:
+                sums[l][0].add(x_sorted[start : start + n])
+                sums[l][1].add(h_sorted[start : start + n])
+            start += n
