@@ -91,8 +91,8 @@ class Recipe:
         return None if rule is None or rule.format == "none" else rule.format
 
     def algorithm_of(self, module: str) -> str | None:
-        """How `module`'s weight scales are chosen on the weights as the run reads them (UNROTATED:
-        the rotation, the whole model's, is `rotates`); None where it is not quantized."""
+        """How `module`'s weight scales are chosen on the weights as the run reads them (its sequence
+        without the rotation, which is the whole model's: `rotates`); None where it is not quantized."""
         return unrotated(self.rule_of(module).algorithm) if self.format_of(module) else None
 
     def rounding_of(self, module: str) -> str | None:

@@ -66,7 +66,8 @@ class RotatedCheckpoint:
         """Whether tensor `name` is not its stored bytes."""
         return name in self.plan.steps
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None, device=None) -> torch.Tensor:
+        """Rotated on the host, in fp64: `device` is not used."""
         t = self._ck.read(name, rows)
         steps = self.plan.steps.get(name)
         return t if steps is None else self.apply(steps, t)
