@@ -49,7 +49,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "ignore")
 # How a rule's weight scales are chosen (eprt.quant.scales): the first is the default.
 ALGORITHMS = ("max", "mse", "gptq", "awq", "awq+gptq")
 # AWQ scales the weights, then rounds them as another algorithm does
@@ -70,9 +70,17 @@ class Recipe:
     rules: tuple[Rule, ...]
     kv_cache: str | None
     mtp: bool = False  # the rules apply to the multi-token-prediction layers too
+    # globs of modules left unquantized whatever the rules say; None: none named. The model-free
+    # export (eprt.hf.streaming) takes them in place of its default list of modules it leaves alone.
+    ignore: tuple[str, ...] | None = None
+
+    def ignores(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) for p in self.ignore or ())
 
     def rule_of(self, module: str) -> Rule | None:
-        """The first rule whose pattern matches `module`, or None."""
+        """The first rule whose pattern matches `module`, or None (also where `ignore` names it)."""
+        if self.ignores(module):
+            return None
         return next((r for r in self.rules if fnmatch.fnmatchcase(module, r.pattern)), None)
 
     def format_of(self, module: str) -> str | None:
@@ -109,8 +117,9 @@ class Recipe:
 
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [r._asdict() for r in self.rules], "kv_cache": self.kv_cache}
-        # written only when set, so a recipe without it reads back (and pins) as before
-        return {**out, "mtp": True} if self.mtp else out
+        # written only when set, so a recipe without them reads back (and pins) as before
+        out = {**out, "mtp": True} if self.mtp else out
+        return {**out, "ignore": list(self.ignore)} if self.ignore is not None else out
 
 
 def available() -> list[str]:
@@ -180,10 +189,16 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             f"{source}: mtp {mtp!r}; write true (quantize the multi-token-prediction layers by the same "
             "rules) or false (carry them through unquantized, the default)"
         )
+    ignore = d.get("ignore")
+    if ignore is not None and (not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore)):
+        raise ConfigError(
+            f"{source}: ignore {ignore!r:.80}: write a list of module-name globs left unquantized "
+            '(e.g. ["lm_head", "*.mlp.gate"]), or leave it out'
+        )
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
-    return Recipe(name, tuple(rules), kv, mtp)
+    return Recipe(name, tuple(rules), kv, mtp, tuple(ignore) if ignore is not None else None)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

@@ -71,6 +71,9 @@ class WeightFormat:
     # scale); False where the engine scales inputs at run time or leaves them unquantized: with
     # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.datafree)
     uses_activation_statistics: bool = True
+    # an input amax the format pins rather than calibrates (its input_scale is this amax's scale);
+    # None: the input scale, where it has one, comes from calibration
+    constant_input_amax: float | None = None
     # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
     # at the peak of `quantize`, besides the weight as read (its temporaries and its export
     # tensors), and bytes of chunk buffers each thread that quantizes keeps from call to call
