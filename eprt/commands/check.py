@@ -10,10 +10,14 @@ quirk the export runs into (eprt.hf.check_engine_quirks), which a recipe avoids.
 
 import argparse
 import sys
+from pathlib import Path
 
 from eprt.cli import run
 from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
+from eprt.hf.check_files import read_json
+from eprt.hf.check_unmodeled import not_modeled
+from eprt.storage.hf_files import CONFIG
 
 
 def check() -> int:
@@ -33,6 +37,9 @@ def check() -> int:
         return 1
     for w in engine_warnings(a.out):
         print(f"warning: {w}")
+    note = not_modeled(read_json(Path(a.out, CONFIG), []))
+    if note:
+        print(note)
     print(f"{a.out}: ok")
     return 0
 

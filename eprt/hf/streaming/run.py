@@ -149,7 +149,7 @@ def stream_export(
     if workers < 1:
         raise ConfigError(f"--workers {workers}: the number of processes must be at least 1")
     settings = Settings(hf_dir, recipe, algorithm, fmt or "modelopt", max_shard_bytes)
-    with fail_together(state, "planning the export"):
+    with guarded(state, "planning the export"):
         if not os.path.isdir(hf_dir):
             raise ConfigError(f"{hf_dir}: not a directory")
         stream = Stream(settings)
@@ -161,17 +161,17 @@ def stream_export(
                     logger().info("%s", line)
             return summary
         work = work_dir_for(out)
-        with fail_together(state, "preparing the output"):
+        with guarded(state, "preparing the output"):
             check_output_dir(out, overwrite, (hf_dir,))
             if state.rank == 0:
                 prepare_work_dir(work, stream.pin())
-        with fail_together(state, "writing the shards"):
+        with guarded(state, "writing the shards"):
             mine = [i for i in range(state.rank, len(stream.shards), state.world)]
             todo = [i for i in mine if not os.path.isfile(os.path.join(work, stream.names[i]))]
             if len(todo) < len(mine) and state.rank == 0:
                 logger().info("resuming %s: %d of %d shards already written", out, len(mine) - len(todo), len(mine))
             write_shards(stream, work, todo, workers, progress)
-        with fail_together(state, "publishing the output"):
+        with guarded(state, "publishing the output"):
             if state.rank == 0:
                 finish(stream, work, out, overwrite)
     finally:
@@ -179,6 +179,11 @@ def stream_export(
     if state.rank == 0:
         logger().info("exported %s -> %s (%d tensors, model-free)", hf_dir, out, len(stream.tensors))
     return out
+
+
+def guarded(state: ParallelState, what: str):
+    """A step every rank of a launched run fails together (eprt.parallel.guard); alone, as it is."""
+    return fail_together(state, what) if state.world > 1 else contextlib.nullcontext()
 
 
 def work_dir_for(out: str) -> str:

@@ -72,11 +72,13 @@ def ignored(module: str, recipe: Recipe) -> bool:
 
 
 def expert_group(name: str) -> tuple:
-    """A routed expert's projection's scale group: its expert's fused siblings, else itself."""
+    """The scale group of Linear `name`: a routed expert's projection's is its expert's fused
+    siblings (or itself alone), as a row of a family's w13 or w2; any other's ("linear") is
+    settled by the engines' fusion of dense Linears (eprt.hf.streaming.plan.scale_groups)."""
     m = EXPERT_LINEAR.fullmatch(name)
-    siblings = next((g for g in EXPERT_SIBLINGS if m and m["proj"] in g), None)
-    if m is None or siblings is None:
+    if m is None:
         return ("linear", name)
+    siblings = next((g for g in EXPERT_SIBLINGS if m["proj"] in g), {m["proj"]})
     return ("expert", m["experts"], int(m["e"]), min(siblings))
 
 
