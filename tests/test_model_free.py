@@ -362,3 +362,44 @@ def test_what_needs_calibration_or_a_recipe_is_refused(olmoe, tmp_path, monkeypa
     with pytest.raises(ConfigError, match="give a data-free --recipe"):
         export_command.export()
     assert not os.path.exists(tmp_path / "out")
+
+
+KIMI_K2 = dict(model_type="kimi_k2", num_nextn_predict_layers=0)
+# block FP8 with partial last blocks in both dimensions (tests/test_compressed.py's DeepSeek)
+FP8_DEEPSEEK = dict(hidden_size=192, intermediate_size=304, moe_intermediate_size=144, num_nextn_predict_layers=0)
+
+
+@pytest.mark.parametrize(
+    "source_format, overrides, recipe",
+    [
+        ("int4", KIMI_K2, "nvfp4_a16"),  # Kimi-K2-Thinking's INT4 experts
+        ("mxfp4", KIMI_K2, "nvfp4_experts_only_input_scale1"),  # MXFP4 experts into NVFP4, kept exactly
+        ("fp8-block", FP8_DEEPSEEK, "fp8_block"),  # DeepSeek-V3's block FP8
+    ],
+)
+def test_encoded_sources_are_decoded_tensor_by_tensor(source_format, overrides, recipe, tmp_path):
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"), shards=2, source_format=source_format, **overrides)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    modeled = export_hf(ck, str(tmp_path / "modeled"), progress=False, recipe=recipe)
+    assert same_files(modeled, stream_export(hf, str(tmp_path / "ours"), recipe, progress=False))
+    # the same checkpoint under a model_type eprt does not model: by name patterns, the same tensors
+    unknown = tmp_path / "unknown"
+    shutil.copytree(hf, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "not_modeled_moe"}))
+    by_patterns = read_hf_tensors(stream_export(str(unknown), str(tmp_path / "patterns"), recipe, progress=False))
+    expected = read_hf_tensors(modeled)
+    assert set(by_patterns) == set(expected)
+    for name, t in expected.items():
+        assert raw(by_patterns[name]) == raw(t), name
+
+
+def test_block_fp8_decodes_block_by_block_to_the_elementwise_products():
+    from eprt.storage.encodings import dequantize_block_fp8, expand_blocks
+
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((300, 200), (256, 384), (5, 130)):
+        w = (torch.randn(rows, cols, generator=g) * 100).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=g) + 0.01
+        spread = (w.float() * expand_blocks(scale, w.shape, (128, 128))).to(torch.bfloat16)
+        assert raw(dequantize_block_fp8(w, scale, (128, 128), torch.bfloat16)) == raw(spread)
