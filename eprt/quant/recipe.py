@@ -9,6 +9,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
       - {pattern: "*", format: none}
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
+    ignore: ["lm_head", "*.gate"]  # optional: modules left unquantized whatever the rules say
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
@@ -26,6 +27,9 @@ a group of Linears that read one norm's output together: a group is balanced whe
 the recipe quantizes says `awq` or `awq+gptq`.
 A rule that names none takes eprt-ptq's `--algorithm` (default max); the calibrated checkpoint
 records every rule's.
+
+`ignore` names modules (globs) no rule quantizes; the model-free export (eprt.hf.streaming), which
+has no family table of never-quantized modules, takes it in place of its default list.
 
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
