@@ -403,3 +403,16 @@ def test_block_fp8_decodes_block_by_block_to_the_elementwise_products():
         scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=g) + 0.01
         spread = (w.float() * expand_blocks(scale, w.shape, (128, 128))).to(torch.bfloat16)
         assert raw(dequantize_block_fp8(w, scale, (128, 128), torch.bfloat16)) == raw(spread)
+
+
+def test_the_command_starts_local_ranks_that_write_the_same_bytes(olmoe, tmp_path):
+    import subprocess
+    import sys
+
+    one = stream_export(olmoe, str(tmp_path / "one"), "fp8_block", max_shard_bytes=SHARD, progress=False)
+    out = str(tmp_path / "ranks")
+    cmd = [sys.executable, "-m", "eprt.commands.export", olmoe, out, "--recipe", "fp8_block"]
+    cmd += ["--nproc-per-node", "2", "--max-shard-size", str(SHARD), "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert same_files(one, out)

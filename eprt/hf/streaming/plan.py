@@ -11,6 +11,7 @@ alone, so a worker's shards are the same bytes whichever worker writes them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -179,9 +180,7 @@ def scale_groups(items: list) -> dict[tuple, list[Linear]]:
         x = q.linear
         if x.group[0] == "linear":  # a dense Linear: its fused siblings
             members = siblings(x.module, by_module, q.format)
-            x = Linear(
-                *[getattr(x, f) for f in ("name", "module", "source", "index", "rows", "shape")], ("linear", members[0])
-            )
+            x = dataclasses.replace(x, group=("linear", members[0]))
             items[i] = Quantized(x, q.format, q.mse)
         groups[x.group].append(x)
     return dict(groups)

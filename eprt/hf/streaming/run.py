@@ -26,7 +26,7 @@ import torch
 
 from eprt import __version__
 from eprt.errors import ConfigError, EprtError
-from eprt.families import load_hf_config, read_hf_config, supported_model_types
+from eprt.families import load_hf_config, read_hf_config, reader_for, supported_model_types
 from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.check_export import check_export
 from eprt.hf.export import DEFAULT_SHARD_BYTES, produced_ahead, shard
@@ -73,8 +73,6 @@ class Stream:
         model_type = read_hf_config(s.hf_dir).get("model_type")
         layout = None
         if model_type in supported_model_types():  # a family eprt models: its own table
-            from eprt.families import reader_for
-
             _, cfg = load_hf_config(s.hf_dir)
             layout = reader_for(cfg.model_type, s.hf_dir).layout(cfg)
         self.src = StreamSource(s.hf_dir, layout)
