@@ -288,25 +288,28 @@ def test_two_ranks_write_the_same_bytes_as_one(olmoe, tmp_path):
 def test_an_interrupted_run_resumes_shard_by_shard(olmoe, tmp_path, monkeypatch):
     clean = stream_export(olmoe, str(tmp_path / "clean"), "fp8_block", max_shard_bytes=SHARD, progress=False)
     out = str(tmp_path / "out")
+    work = streaming_run.work_dir_for(out)
     write = streaming_run.Stream.write_shard
-    written = []
 
     def stop_at_third(self, work, i, progress=None):
-        if len(written) == 2:
+        if len([f for f in os.listdir(work) if f.endswith(".safetensors")]) == 2:
             raise KeyboardInterrupt
         write(self, work, i, progress)
-        written.append(os.stat(os.path.join(work, self.names[i])).st_ino)
 
     monkeypatch.setattr(streaming_run.Stream, "write_shard", stop_at_third)
     with pytest.raises(KeyboardInterrupt):
         stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, progress=False)
     assert not os.path.exists(out)  # nothing that looks finished
+    kept = sorted(f for f in os.listdir(work) if f.endswith(".safetensors"))
+    assert len(kept) == 2
+    for f in kept:  # marked: a shard written again would not keep the mark
+        os.utime(os.path.join(work, f), ns=(1, 1))
     monkeypatch.setattr(streaming_run.Stream, "write_shard", write)
     stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, progress=False)
     assert same_files(clean, out)
-    kept = {os.stat(os.path.join(out, f)).st_ino for f in os.listdir(out)}
-    assert set(written) <= kept  # the shards of the first run were kept, not written again
-    assert not os.path.exists(streaming_run.work_dir_for(out))
+    marked = sorted(f for f in os.listdir(out) if os.stat(os.path.join(out, f)).st_mtime_ns == 1)
+    assert marked == kept  # the first run's shards were kept, the others written
+    assert not os.path.exists(work)
 
 
 def test_a_run_with_other_settings_starts_over(olmoe, tmp_path):
