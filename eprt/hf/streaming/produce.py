@@ -4,7 +4,8 @@ scaled and encoded by its format (eprt.quant.formats), with the scales the model
 (eprt.quant.scales): a per-tensor weight scale, where the format has one, from the amax of the
 Linears sharing it (a routed expert's fused projections: their joint weight's, or the scale that
 keeps an MXFP4 source's values exactly; the dense Linears the engines fuse: their largest amax),
-and the input scale a format pins.
+and the input scale a format pins. Each weight is read once: one read for its group's amax is
+kept until it is quantized (a group split between two shards is read by each of their writers).
 """
 
 from __future__ import annotations
@@ -27,40 +28,50 @@ class Producer:
     def __init__(self, src: StreamSource, plan: StreamPlan, layout: str):
         self.src, self.plan, self.layout = src, plan, layout
         self.format_of = {q.linear: q for q in plan.items if isinstance(q, Quantized)}
+        # weights read for their scale group's amax, kept until they are quantized: each is read once
+        self.held: dict[Linear, torch.Tensor] = {}
 
-    def weight(self, x: Linear) -> torch.Tensor:
+    def read(self, x: Linear) -> torch.Tensor:
         w = self.src.read(x.source, x.index)
         return w[x.rows[0] : x.rows[1]] if x.rows is not None else w
 
+    def group_weights(self, group: tuple) -> list[torch.Tensor]:
+        members = self.plan.groups[group]
+        for x in members:
+            if x not in self.held:
+                self.held[x] = self.read(x)
+        return [self.held[x] for x in members]
+
     @functools.lru_cache(maxsize=64)
     def group_amax(self, group: tuple) -> torch.Tensor:
-        return max(abs_amax(self.weight(x)) for x in self.plan.groups[group])
+        return max(abs_amax(w) for w in self.group_weights(group))
 
     @functools.lru_cache(maxsize=64)
     def expert_scale(self, group: tuple) -> torch.Tensor:
         """The per-tensor scale of a routed expert's fused projections, from their joint weight."""
-        members = self.plan.groups[group]
-        q = self.format_of[members[0]]
-        row = torch.cat([self.weight(x) for x in members])
+        q = self.format_of[self.plan.groups[group][0]]
+        row = torch.cat(self.group_weights(group))
         exact = q.format.exact_weight_scale(row)
         if exact is not None:
             return exact
         return q.format.mse_weight_scale(row, abs_amax(row)) if q.mse else q.format.scale(abs_amax(row))
 
-    def weight_scale(self, q: Quantized, w: torch.Tensor) -> torch.Tensor:
+    def weight_scale(self, q: Quantized) -> torch.Tensor:
+        """The per-tensor weight scale of `q` (its group's weights are read and held for it)."""
         fmt, group = q.format, q.linear.group
         if fmt.weight_scale_leaf is None:  # no per-tensor scale: the format's blocks carry it all
             return fmt.scale(torch.zeros(()))
         if group[0] != "linear":
             return self.expert_scale(group)
         amax = self.group_amax(group)
-        return fmt.mse_weight_scale(w, amax) if q.mse else fmt.scale(amax)
+        return fmt.mse_weight_scale(self.held[q.linear], amax) if q.mse else fmt.scale(amax)
 
     @functools.lru_cache(maxsize=2)
     def quantize(self, q: Quantized) -> dict[str, torch.Tensor]:
         """Every tensor of one quantized Linear, by its ModelOpt leaf."""
-        w = self.weight(q.linear)
-        out = q.format.quantize(w, self.weight_scale(q, w), q.mse)
+        scale = self.weight_scale(q)
+        w = self.held.pop(q.linear, None)
+        out = q.format.quantize(w if w is not None else self.read(q.linear), scale, q.mse)
         if q.format.constant_input_amax is not None:
             out["input_scale"] = q.format.scale(q.format.constant_input_amax)
         return out
