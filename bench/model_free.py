@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -90,14 +91,27 @@ def make_checkpoint(out: str, gb: float) -> int:
     return total
 
 
-def run(cmd: list[str], out: str) -> float:
+def run(cmd: list[str], out: str) -> tuple[float, int]:
+    """(wall seconds, peak RSS) of one run of `cmd`, writing `out`; its workers' peaks are their own."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": REPO}
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wall = time.perf_counter() - start
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"{cmd[:4]} failed: {err.read().decode()[-2000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    return wall
+    return wall, usage.ru_maxrss * 1024  # Linux reports kB
+
+
+def planned_peak(cmd: list[str]) -> str:
+    """The dry run's line of a process's planned peak."""
+    done = subprocess.run([*cmd, "--dry-run"], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True)
+    return next((line.split("each ", 1)[1] for line in done.stderr.splitlines() if "peaks at" in line), "?")
 
 
 def main() -> None:
@@ -126,12 +140,16 @@ def main() -> None:
             ]
         walls: dict[str, list[float]] = {k: [] for k in sides}
         run(sides["copy"], os.path.join(root, "copy"))  # a warm-up: the source in the page cache for every side
+        print(f"eprt's dry run: {planned_peak(sides['eprt'])}")
+        peaks = {}
         for _ in range(a.runs):
             for name, cmd in sides.items():
-                walls[name].append(run(cmd, os.path.join(root, {"copy": "copy", "eprt": "eprt"}.get(name, "llmc"))))
+                wall, peaks[name] = run(cmd, os.path.join(root, {"copy": "copy", "eprt": "eprt"}.get(name, "llmc")))
+                walls[name].append(wall)
         print(f"checkpoint {size / GB:.2f} GB (bf16, {a.workers} worker(s)), {a.runs} runs, medians:")
         for name, w in walls.items():
             print(f"  {name:>14}: {statistics.median(w):6.2f} s, {size / GB / statistics.median(w):5.2f} GB/s")
+        print(f"  eprt's process peaked at {peaks['eprt'] / 2**20:.0f} MiB (its last run; workers aside)")
         for other in [k for k in walls if k != "eprt"]:
             ratio = statistics.median(o / e for o, e in zip(walls[other], walls["eprt"]))
             print(f"  eprt's throughput / {other}'s: {ratio:.2f}x")

@@ -220,19 +220,21 @@ def write_shards(stream: Stream, work: str, todo: list[int], workers: int, progr
                 for i in todo:
                     stream.write_shard(work, i, pb)
             return
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(min(workers, len(todo)), initializer=_open, initargs=(stream.settings,)) as pool:
-            for i in pool.imap_unordered(_write, [(work, i) for i in todo]):
-                pb.update(sum(t.nbytes for t in stream.shards[i]))
+        # forked, the workers inherit the plan and the open source files (pread: no shared offset)
+        # rather than importing torch and planning again each (seconds a process); each runs torch
+        # on one thread, whose operations start no thread pool of their own
+        global _STREAM
+        _STREAM = stream
+        ctx = multiprocessing.get_context("fork")
+        try:
+            with ctx.Pool(min(workers, len(todo)), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                for i in pool.imap_unordered(_write, [(work, i) for i in todo]):
+                    pb.update(sum(t.nbytes for t in stream.shards[i]))
+        finally:
+            _STREAM = None
 
 
-_STREAM: Stream | None = None  # a pool worker's own
-
-
-def _open(settings: Settings) -> None:
-    global _STREAM
-    torch.set_num_threads(1)  # a worker's torch operations on one thread: the bits do not follow the split
-    _STREAM = Stream(settings)
+_STREAM: Stream | None = None  # what a forked worker writes from
 
 
 def _write(args: tuple[str, int]) -> int:
