@@ -46,6 +46,7 @@ from eprt.storage.atomic import check_output_dir, copy_files, publish
 from eprt.storage.checkpoint import weight_pin
 from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
 from eprt.storage.safetensors_io import SafetensorsWriter
+from eprt.units import format_bytes
 
 PLAN_FILE = "plan.json"  # the work directory's pin of what it is being written from
 PARTIAL = ".partial"  # a shard being written
@@ -283,7 +284,7 @@ def describe(stream: Stream, workers: int, world: int) -> dict:
         f"{stream.src.dir}: model-free export under {stream.recipe.name} "
         f"({'its family table' if stream.plan.modeled else 'name patterns'}, {stream.settings.layout} layout)",
         f"  {len(stream.tensors)} tensors in {len(stream.shards)} shards, "
-        f"{sum(t.nbytes for t in stream.tensors)} bytes; quantized Linears: "
+        f"{format_bytes(sum(t.nbytes for t in stream.tensors))}; quantized Linears: "
         + ", ".join(f"{n} {f}" for f, n in sorted(by_format.items())),
         f"  {world} rank(s) x {workers} worker process(es); each {memory.summary()}",
     ]

@@ -9,10 +9,10 @@ engines load quantized experts: `P.experts.{e}.gate_proj.weight` and so on.
 A recipe's rules match module names as for a family eprt models: a routed expert's projection
 `P.experts.7.up_proj` is matched as its experts module `P.experts`, every other Linear by its own
 name. What is never quantized is, for a model eprt does not model, `DEFAULT_IGNORE` (embeddings,
-heads, norms, routers and gates, convolutions, SSM and sink parameters: most are not 2-D Linear
-weights anyway), or the recipe's own `ignore:` list in its place; for a family eprt models, its own
-table decides (eprt.quant.feasibility.quantized_modules: the family's unquantized modules, the
-multi-token-prediction layers under `mtp`), so the export is the modeled one's.
+heads, norms, routers and gates, convolutions, SSM and sink parameters, a vision tower: most are
+not 2-D Linear weights anyway), or the recipe's own `ignore:` list in its place; for a family eprt
+models, its own table decides (eprt.quant.feasibility.quantized_modules: the family's unquantized
+modules; the recipe's `ignore:` besides), so the export is the modeled one's.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ DEFAULT_IGNORE = (
     "*A_log*",  # SSM parameters
     "*dt_proj*",
     "*sinks*",  # attention sinks
+    "*vision*",  # a vision tower and its projector, which the language model's recipes leave alone
+    "*visual*",
+    "*mm_projector*",
+    "*multi_modal_projector*",
 )
 
 # A routed expert's projections that the engines fuse into one weight (w13): they share NVFP4's
