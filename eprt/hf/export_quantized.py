@@ -165,8 +165,8 @@ class QuantizedExport:
         amax it pins for one that pins it, else nothing: a data-free format's record holds no input
         amax to ask for."""
         fmt = self.scales.format(module)
-        if fmt.constant_input_amax is not None:
-            return {"input_scale": fmt.scale(fmt.constant_input_amax)}
+        if fmt.pinned_input_scale() is not None:
+            return {"input_scale": fmt.pinned_input_scale()}
         return {"input_scale": fmt.scale(amax())} if fmt.uses_activation_statistics else {}
 
     def format_of(self, hf_weight: str) -> WeightFormat:

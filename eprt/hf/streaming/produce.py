@@ -72,8 +72,8 @@ class Producer:
         scale = self.weight_scale(q)
         w = self.held.pop(q.linear, None)
         out = q.format.quantize(w if w is not None else self.read(q.linear), scale, q.mse)
-        if q.format.constant_input_amax is not None:
-            out["input_scale"] = q.format.scale(q.format.constant_input_amax)
+        if q.format.pinned_input_scale() is not None:
+            out["input_scale"] = q.format.pinned_input_scale()
         return out
 
     def tensors(self, item) -> list[OutTensor]:

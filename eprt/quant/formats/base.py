@@ -95,6 +95,10 @@ class WeightFormat:
         """The per-tensor scale (fp32 0-dim) of an amax: a weight's (max) or an input's."""
         raise NotImplementedError
 
+    def pinned_input_scale(self) -> torch.Tensor | None:
+        """The input scale the format pins rather than calibrates (`constant_input_amax`'s), else None."""
+        return self.scale(self.constant_input_amax) if self.constant_input_amax is not None else None
+
     def mse_weight_scale(self, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """w's per-tensor weight scale under `mse`, from `amax` (its own, or its fused group's):
         the scale of `amax` where the format searches only other scales."""
