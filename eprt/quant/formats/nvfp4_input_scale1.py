@@ -4,8 +4,8 @@
 6 * 448, so amax / (6 * 448) = 1). No forward pass and no data enter it: the export is data-free
 (eprt.quant.datafree), and the engine quantizes each input's 16-element blocks under their own
 E4M3 scales, which an input scale of 1 leaves room for up to amax 2688. Its inputs' scales stand
-for no statistic of them: an input whose blocks exceed that range saturates, and one whose blocks
-are small gets block scales below E4M3's normals (2^-6 x 6 = 0.09 of amax), coarsely rounded;
+for no statistic of them: an input whose blocks exceed that range saturates, and a block whose amax
+is below 6 x 2^-6 = 0.094 gets a subnormal E4M3 block scale, coarsely rounded;
 calibrated NVFP4 (`nvfp4`) scales either into range (on eprt's tiny random Qwen3-MoE, whose
 activations are small, the quality report measures the experts' relative error at about 0.25).
 """
