@@ -359,7 +359,7 @@ def test_a_wrong_shape_is_named_against_the_source(olmoe, exported, tmp_path):
 def test_what_needs_calibration_or_a_recipe_is_refused(olmoe, tmp_path, monkeypatch):
     import eprt.commands.export as export_command
 
-    with pytest.raises(ConfigError, match="needs calibration data"):
+    with pytest.raises(ConfigError, match="needs calibration data and the model; the model-free export takes"):
         stream_export(olmoe, str(tmp_path / "out"), "nvfp4", progress=False)
     monkeypatch.setattr("sys.argv", ["eprt-export", olmoe, str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="give a data-free --recipe"):

@@ -40,8 +40,8 @@ from eprt.hf.tensors import OutTensor
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together
 from eprt.progress import bar, logger
-from eprt.quant.datafree import data_free_recipe
-from eprt.quant.recipe import Recipe
+from eprt.quant.datafree import statistics_needed
+from eprt.quant.recipe import Recipe, available, load_recipe
 from eprt.storage.atomic import check_output_dir, copy_files, publish
 from eprt.storage.checkpoint import weight_pin
 from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
@@ -70,7 +70,7 @@ class Stream:
         self.settings = s
         if s.layout not in LAYOUTS:
             raise ConfigError(f"--format {s.layout!r}: choose one of {', '.join(LAYOUTS)}")
-        self.recipe: Recipe = data_free_recipe(s.recipe, s.algorithm, s.hf_dir)
+        self.recipe: Recipe = model_free_recipe(s.recipe, s.algorithm, s.hf_dir)
         model_type = read_hf_config(s.hf_dir).get("model_type")
         layout = None
         if model_type in supported_model_types():  # a family eprt models: its own table
@@ -123,6 +123,20 @@ class Stream:
 
     def close(self) -> None:
         self.src.close()
+
+
+def model_free_recipe(spec: str, algorithm: str | None, hf_dir: str) -> Recipe:
+    """Recipe `spec` for a model-free export, refused where it needs calibration (and so the model)."""
+    recipe = load_recipe(spec, None, algorithm)
+    needs = statistics_needed(recipe)
+    if needs:
+        free = [r for r in available() if not statistics_needed(load_recipe(r))]
+        raise ConfigError(
+            f"--recipe {spec}: {'; '.join(needs)}, so it needs calibration data and the model; the model-free "
+            f"export takes a data-free recipe ({', '.join(free)}); or convert {hf_dir} (eprt-convert), calibrate "
+            f"it (eprt-ptq CKPT --recipe {spec} --out Q) and export Q"
+        )
+    return recipe
 
 
 def stream_export(
