@@ -216,11 +216,12 @@ def test_two_ranks_write_the_same_shards(qwen, tmp_path):
 
 
 def test_a_format_takes_activation_statistics_exactly_when_it_writes_an_input_scale():
-    """The data-free path stands on this: a format without a static input scale has nothing of
-    calibration's to write."""
+    """The data-free path stands on this: a format without a static input scale, or one that pins
+    it (NVFP4 with an input scale of 1), has nothing of calibration's to write."""
     for f in WEIGHT_FORMATS.values():
-        assert f.uses_activation_statistics == (f.modelopt_per_tensor_scales[1] is not None), f.name
-        assert f.uses_activation_statistics == (f.ct_input_scale_leaf is not None), f.name
+        calibrated = f.constant_input_amax is None
+        assert f.uses_activation_statistics == (f.modelopt_per_tensor_scales[1] is not None and calibrated), f.name
+        assert f.uses_activation_statistics == (f.ct_input_scale_leaf is not None and calibrated), f.name
     assert {"fp8_block", "fp8_channel", "nvfp4_a16"} <= set(data_free_formats())
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.hf.export_quantized import summarize_excluded
+from eprt.hf.quant_configs import summarize_excluded
 from eprt.parallel import ParallelState
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny

@@ -31,6 +31,7 @@ def check(argv: list[str] | None = None) -> int:
     from eprt.hf.check_engine_quirks import engine_warnings
     from eprt.hf.check_export import check_export, is_compressed_tensors
     from eprt.hf.check_files import read_json
+    from eprt.hf.check_unmodeled import not_modeled
 
     library = importlib.util.find_spec("compressed_tensors") is not None
     problems = check_export(a.out, a.source, library=library)
@@ -46,6 +47,9 @@ def check(argv: list[str] | None = None) -> int:
         return 1
     for w in engine_warnings(a.out):
         print(f"warning: {w}")
+    note = not_modeled(read_json(Path(a.out, CONFIG), []))
+    if note:
+        print(note)
     print(f"{a.out}: ok")
     return 0
 

@@ -4,15 +4,24 @@ the compressed-tensors quantized layout). Under torchrun every rank writes its s
     eprt-export CKPT OUT [--format modelopt|compressed-tensors] [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
     eprt-export CKPT OUT --recipe fp8_block [--algorithm max|mse]   # quantize without calibration (a data-free recipe)
     torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
+    eprt-export HF_DIR OUT --recipe fp8_block [--workers N] [--dry-run]   # model-free: any Hugging Face checkpoint
+    eprt-export --nproc-per-node N HF_DIR OUT --recipe fp8_block        # model-free, N local ranks
+
+A Hugging Face directory (config.json and safetensors, no eprt.json) is quantized straight from its
+shards under a data-free recipe, whatever its model_type (eprt.hf.streaming, docs/export.md).
 """
 
+import os
+import sys
+
 from eprt.cli import command_parser, run
-from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
-from eprt.parallel import ParallelState
+from eprt.commands.launch import launch, without_nproc
+from eprt.errors import ConfigError
+from eprt.storage.hf_files import CONFIG
 from eprt.units import parse_size
 
 
-def export() -> None:
+def export() -> int:
     ap = command_parser(__doc__, "export")
     ap.add_argument("ckpt")
     ap.add_argument("out")
@@ -53,11 +62,63 @@ def export() -> None:
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="a Hugging Face directory (model-free): processes on this host writing shards side by side (default 1)",
+    )
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="a Hugging Face directory (model-free): start N local ranks, each with --workers",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="a Hugging Face directory (model-free): print the plan (shards, what is quantized, memory) and write nothing",
+    )
     a = ap.parse_args()
     # after the arguments: --help answers without torch
+    from eprt.hf.export import DEFAULT_SHARD_BYTES, export_hf
+    from eprt.hf.streaming import stream_export
+    from eprt.parallel import ParallelState
+    from eprt.quant.run.datafree import data_free_formats
 
+    shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES
+    model_free = is_hf_dir(a.ckpt)
+    if not model_free and (a.workers != 1 or a.nproc_per_node is not None or a.dry_run):
+        raise ConfigError(
+            f"--workers, --nproc-per-node and --dry-run are for a Hugging Face directory; {a.ckpt} is an eprt "
+            f"checkpoint: run torchrun --nproc-per-node N $(which eprt-export) {a.ckpt} {a.out} for ranks"
+        )
+    if model_free and a.recipe is None:
+        raise ConfigError(
+            f"{a.ckpt} is a Hugging Face directory: give a data-free --recipe ({', '.join(data_free_formats())} "
+            "formats) to quantize it straight from its shards, or convert it first (eprt-convert)"
+        )
+    if model_free and a.dequantize:
+        raise ConfigError(
+            f"--dequantize with --recipe {a.recipe}: a quantized export always starts from decoded weights"
+        )
+    if a.nproc_per_node is not None:
+        return launch("eprt.commands.export", without_nproc(sys.argv[1:]), a.nproc_per_node)
     with ParallelState.from_env() as state:
-        shard = parse_size(a.max_shard_size, "--max-shard-size") if a.max_shard_size else DEFAULT_SHARD_BYTES
+        if model_free:
+            stream_export(
+                a.ckpt,
+                a.out,
+                a.recipe,
+                algorithm=a.algorithm,
+                fmt=a.format,
+                workers=a.workers,
+                max_shard_bytes=shard,
+                overwrite=a.overwrite,
+                dry_run=a.dry_run,
+                progress=not a.no_progress,
+                parallel=state,
+            )
+            return 0
         export_hf(
             a.ckpt,
             a.out,
@@ -71,11 +132,19 @@ def export() -> None:
             algorithm=a.algorithm,
             base_model=a.base_model,
         )
+    return 0
 
 
-def main() -> None:
-    run(export)
+def is_hf_dir(path: str) -> bool:
+    """A Hugging Face checkpoint directory (its config.json, no eprt manifest), which the export quantizes model-free."""
+    from eprt.storage.checkpoint import MANIFEST
+
+    return os.path.isfile(os.path.join(path, CONFIG)) and not os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def main() -> int:
+    return run(export)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -107,3 +107,16 @@ def verdict(failure) -> str:
         sig = signal.Signals(-failure.exitcode)
         return SILENT_DEATHS.get(sig, f"ended by {sig.name}") + "; the other ranks were stopped"
     return "it ended without saying why (its output is above)"
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line each rank runs: the same, less --nproc-per-node and its value."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from eprt.cli import command_parser, run
-from eprt.commands.launch import Stopped, launch
+from eprt.commands.launch import Stopped, launch, without_nproc
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
 from eprt.hf.export_plan import plan_export
@@ -117,19 +117,6 @@ def check_before_launch(a: PTQArgs, nproc: int) -> None:
         check_data_settings(a)
         if a.calib and not a.dry_run:
             first_sample(a.calib, ck.hf_files_dir(), a.calib_column)  # a chat without a template, refused now
-
-
-def without_nproc(argv: list[str]) -> list[str]:
-    """The command line each rank runs: the same, less --nproc-per-node and its value."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc-per-node":
-            skip = True
-        elif not arg.startswith("--nproc-per-node="):
-            out.append(arg)
-    return out
 
 
 # --- dry run ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from eprt.hf.check_names import KV_COMPANIONS, check_names, source_names_from_co
 from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
 from eprt.hf.check_scale_range import Scale, check_kv, check_linear
 from eprt.hf.check_shapes import check_shapes, source_specs
+from eprt.hf.check_unmodeled import source_shape_specs
 from eprt.quant.formats import WeightFormat
 from eprt.quant.formats.kv import KvCacheFormat, kv_by_ct_scheme
 from eprt.storage.encodings import without_quantization
@@ -103,7 +104,8 @@ def _check_shapes(
     except EprtError:
         return  # said by the name check's --source line
     if specs is None or without_quantization(source_config) != without_quantization(config):
-        source_specs_ = source_specs(source_config)
+        # a family eprt does not model: the source's own shapes (eprt.hf.check_unmodeled)
+        source_specs_ = source_specs(source_config) or source_shape_specs(source_dir)
         if source_specs_ is not None:
             check_shapes(tensors, companions, source_specs_, str(Path(source_dir, CONFIG)), problems)
 

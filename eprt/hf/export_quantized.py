@@ -17,10 +17,10 @@ from typing import Callable
 
 import torch
 
-from eprt import __version__
 from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
+from eprt.hf.quant_configs import QuantizedLinears, ct_config, modelopt_configs
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import Layout, TensorSpec, layer_of
@@ -34,10 +34,7 @@ from eprt.quant.recipe import Recipe, parse_recipe
 from eprt.quant.rotation.rotated import RotatedCheckpoint
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
-from eprt.storage.encodings import without_quantization
 
-MIXED = "MIXED_PRECISION"
-PRODUCER = {"name": "modelopt", "version": "0.47.0", "exported_by": f"eprt {__version__}"}
 # Expert rows quantized at once: at least one a CPU worker, up to this many weights. At the end
 # of a batch the first worker done waits for the last: batches of 32M weights (64 MiB in bf16;
 # 28 w13 rows of the bench model, where 2 a worker made 4) cut its export ~6%.
@@ -173,9 +170,12 @@ class QuantizedExport:
         return out
 
     def input_scale(self, module: str, amax: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """{"input_scale": the scale of `amax()`} for a format whose inputs calibration scales, else
-        nothing: a data-free format's record holds no input amax to ask for."""
+        """{"input_scale": the scale of `amax()`} for a format whose inputs calibration scales, of the
+        amax it pins for one that pins it, else nothing: a data-free format's record holds no input
+        amax to ask for."""
         fmt = self.scales.format(module)
+        if fmt.pinned_input_scale() is not None:
+            return {"input_scale": fmt.pinned_input_scale()}
         return {"input_scale": fmt.scale(amax())} if fmt.uses_activation_statistics else {}
 
     def format_of(self, hf_weight: str) -> WeightFormat:
@@ -270,83 +270,26 @@ class QuantizedExport:
             if layer_prefix(name) not in self.mtp_layers
         }
 
-    def excluded(self) -> list[str]:
-        """exclude_modules: the Linear-like modules left unquantized, summarized by prefix wildcards
-        as ModelOpt summarizes them (`summarize_excluded`), then what travels through, one pattern each."""
-        quantized, unquantized = self.linear_sets()
-        names = summarize_excluded(unquantized, quantized)
-        return sorted(names | {f"{p}.*" for p in self.passthrough_prefixes()})
+    def quantized_linears(self) -> QuantizedLinears:
+        """What the export quantizes, as its configs name it."""
+        _, unquantized = self.linear_sets()
+        return QuantizedLinears(
+            self.ck.source_config,
+            {self.hf_module(m): self.scales.format(m) for m in self.scales.formats},
+            {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()},
+            frozenset(unquantized),
+            frozenset(self.stacked_modules() - set(self.quantized)),
+            frozenset(self.passthrough_prefixes()),
+            self.recipe.kv_cache,
+        )
 
     def ct_config(self) -> dict:
-        """config.json: the source's, its own quantization configs replaced by compressed-tensors'
-        quantization_config."""
-        _, unquantized = self.linear_sets()
-        experts = self.stacked_modules() - set(self.quantized)
-        dense = {m for m in unquantized if not any(m.startswith(f"{e}.") for e in experts)}
-        formats = {self.scales.format(m) for m in self.scales.formats}
-        by_linear = {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()}
-        qc = ct.quantization_config(
-            formats,
-            ct.ignore_list(dense, experts, self.passthrough_prefixes()),
-            self.recipe.kv_cache,
-            ct.targets(by_linear, unquantized),
-        )
-        return {**without_quantization(self.ck.source_config), "quantization_config": qc}
+        """config.json with compressed-tensors' quantization_config (eprt.hf.quant_configs)."""
+        return ct_config(self.quantized_linears())
 
     def configs(self) -> tuple[dict, dict]:
-        """(config.json, hf_quant_config.json), as ModelOpt writes them: one quant_algo with its
-        exclude_modules, or MIXED_PRECISION with each quantized module's own (`quantized_layers`,
-        the routed experts of a layer as one `...experts` module), where a module it does not list
-        is unquantized and only what travels through unmodeled is excluded. The source's own
-        quantization configs (a VLM's text_config one too) describe its weights, not these: dropped."""
-        kv = kv_cache_format(self.recipe.kv_cache)
-        kv_algo = kv.quant_algo if kv is not None else None
-        formats = {m: self.scales.format(m) for m in self.scales.formats}
-        layers = {self.hf_module(m): fmt.modelopt_layer() for m, fmt in formats.items()}  # in module order
-        if len(set(formats.values())) == 1:
-            fmt, excluded = next(iter(formats.values())), self.excluded()
-            algo = fmt.quant_algo
-            quant = {
-                "quant_algo": algo,
-                "kv_cache_quant_algo": kv_algo,
-                "exclude_modules": excluded,
-                **{k: v for k, v in fmt.modelopt_layer().items() if k != "quant_algo"},
-            }
-            groups = {"group_0": {"targets": ["Linear"], **group_config(fmt)}}
-            qc = {
-                "quant_method": "modelopt",
-                "quant_algo": algo,
-                "config_groups": groups,
-                "ignore": excluded,
-                "producer": PRODUCER,
-            }
-        else:
-            quant = {"quant_algo": MIXED, "kv_cache_quant_algo": kv_algo, "quantized_layers": layers}
-            # what travels through unmodeled (MTP layers left whole) is excluded by prefix, as ModelOpt adds it
-            passthrough = sorted(f"{p}.*" for p in self.passthrough_prefixes())
-            if passthrough:
-                quant["exclude_modules"] = passthrough
-            by_config: dict[WeightFormat, list[str]] = {}  # in order of first use, as ModelOpt numbers its groups
-            for m, fmt in formats.items():
-                by_config.setdefault(fmt, []).append(self.hf_module(m))
-            groups = {
-                f"group_{i}": {**group_config(fmt), "targets": sorted(ms)}
-                for i, (fmt, ms) in enumerate(by_config.items())
-            }
-            qc = {
-                "quant_method": "modelopt",
-                "quant_algo": MIXED,
-                "config_groups": groups,
-                "ignore": passthrough,
-                "quantized_layers": layers,
-                "producer": PRODUCER,
-            }
-        if kv is not None:
-            qc["kv_cache_scheme"] = (
-                kv.modelopt_scheme if isinstance(kv.modelopt_scheme, str) else dict(kv.modelopt_scheme)
-            )
-        config = {**without_quantization(self.ck.source_config), "quantization_config": qc}
-        return config, {"producer": PRODUCER, "quantization": quant}
+        """(config.json, hf_quant_config.json), as ModelOpt writes them (eprt.hf.quant_configs)."""
+        return modelopt_configs(self.quantized_linears())
 
 
 def holding_layout(formats: list[str]) -> str:
@@ -378,29 +321,3 @@ def carried(name: str, quantized: set[str]) -> str:
     `vision_tower`, or `model.visual` beside a quantized `model.language_model`."""
     cuts = [i for i, c in enumerate(name) if c == "."]
     return next((name[:i] for i in cuts if not any(q.startswith(name[: i + 1]) for q in quantized)), name)
-
-
-def group_config(fmt: WeightFormat) -> dict:
-    """A config group's weights and input_activations (none where inputs stay unquantized) for one
-    module's quantization."""
-    inputs = fmt.modelopt_input_group()
-    return {"weights": fmt.modelopt_group(), **({"input_activations": inputs} if inputs is not None else {})}
-
-
-def summarize_excluded(unquantized: set[str], quantized: set[str]) -> set[str]:
-    """ModelOpt's exclude_modules for these module names (its export's prefix-wildcard summary).
-
-    Each unquantized module is named by the first of `P*` (cut at each dot, left to right), then
-    the pair `P`, `P.*` (written as `P.*` alone), then its own name, that covers no quantized
-    module: a prefix wildcard `Q[:i]*` of a quantized Q, or Q itself, is never used. So a layer
-    whose Linears all stay unquantized is one `model.layers.1*`, while an excluded lm_head next
-    to quantized model.* modules stays `lm_head`. Every engine reads these patterns (vLLM splits
-    `P*` into `P` and `P.*`)."""
-    taken = {q[:i] + "*" for q in quantized for i in range(len(q) + 1)} | quantized
-    out: set[str] = set()
-    for module in sorted(unquantized):
-        cuts = [i for i, c in enumerate(module) if c == "."]
-        candidates = [w for i in cuts for w in ([module[:i] + "*"], [module[:i], module[:i] + ".*"])] + [[module]]
-        chosen = next(c for c in candidates if not any(w in taken for w in c))
-        out.add(chosen[-1])  # the pair is written as its `P.*`
-    return out

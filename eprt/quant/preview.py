@@ -100,8 +100,12 @@ def fake_quantize(
 
     def input_scale(m: str) -> torch.Tensor | None:
         """The static input scale of `m`; None for a format that has none (inputs the engine scales
-        at run time or leaves in bf16): a data-free recipe's record holds no input amax to read."""
-        return scales.input_scale(m) if weight_format(formats[m]).uses_activation_statistics else None
+        at run time or leaves in bf16): a data-free recipe's record holds no input amax to read. A
+        format that pins its input scale has that one."""
+        fmt = weight_format(formats[m])
+        if fmt.pinned_input_scale() is not None:
+            return fmt.pinned_input_scale()
+        return scales.input_scale(m) if fmt.uses_activation_statistics else None
 
     taps = contextlib.ExitStack()
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
@@ -142,7 +146,7 @@ def fake_quantize(
                 for_each(range(0 if m in quantized else w.shape[0]), lambda: None, expert, w.device)
                 if on_weight is not None:
                     on_weight(name, w)
-            in_scale = dict.fromkeys(EXPERT_KINDS)
+            in_scale = dict.fromkeys(EXPERT_KINDS, weight_format(formats[m]).pinned_input_scale())
             for kind in EXPERT_KINDS if weight_format(formats[m]).uses_activation_statistics else ():
                 # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()

@@ -10,6 +10,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
     scale_headroom: false          # true: NVFP4's mse weights under a per-tensor scale with headroom
+    ignore: ["lm_head", "*.gate"]  # optional: modules left unquantized whatever the rules say
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
@@ -29,6 +30,9 @@ calibrated checkpoint records every rule's.
 each head's values by randomised Hadamard matrices fused into the weights (eprt.quant.rotation),
 then chooses the scales as the rest says (`rotate` alone: max). The rotation is the whole model's:
 every rule that quantizes names it, or none does.
+
+`ignore` names modules (globs) no rule quantizes; the model-free export (eprt.hf.streaming), which
+has no family table of never-quantized modules, takes it in place of its default list.
 
 The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
@@ -60,7 +64,7 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "ignore")
 # How a rule's weight scales are chosen (eprt.quant.algorithms.registry): the first is the default.
 ALGORITHMS = algorithm_sequences()
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
@@ -81,9 +85,17 @@ class Recipe:
     kv_cache: str | None
     mtp: bool = False  # the rules apply to the multi-token-prediction layers too
     scale_headroom: bool = False  # NVFP4's mse weights under the per-tensor scale with headroom
+    # globs of modules left unquantized whatever the rules say; None: none named. The model-free
+    # export (eprt.hf.streaming) takes them in place of its default list of modules it leaves alone.
+    ignore: tuple[str, ...] | None = None
+
+    def ignores(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) for p in self.ignore or ())
 
     def rule_of(self, module: str) -> Rule | None:
-        """The first rule whose pattern matches `module`, or None."""
+        """The first rule whose pattern matches `module`, or None (also where `ignore` names it)."""
+        if self.ignores(module):
+            return None
         return next((r for r in self.rules if fnmatch.fnmatchcase(module, r.pattern)), None)
 
     def format_of(self, module: str) -> str | None:
@@ -136,6 +148,7 @@ class Recipe:
             **out,
             **({"mtp": True} if self.mtp else {}),
             **({"scale_headroom": True} if self.scale_headroom else {}),
+            **({"ignore": list(self.ignore)} if self.ignore is not None else {}),
         }
 
 
@@ -237,10 +250,16 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             f"{source}: scale_headroom {headroom!r}; write true (NVFP4's mse weights under amax / (6 x 256)) "
             "or false (amax / (6 x 448), the default)"
         )
+    ignore = d.get("ignore")
+    if ignore is not None and (not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore)):
+        raise ConfigError(
+            f"{source}: ignore {ignore!r:.80}: write a list of module-name globs left unquantized "
+            '(e.g. ["lm_head", "*.mlp.gate"]), or leave it out'
+        )
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
-    return Recipe(name, tuple(rules), kv, mtp, headroom)
+    return Recipe(name, tuple(rules), kv, mtp, headroom, tuple(ignore) if ignore is not None else None)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

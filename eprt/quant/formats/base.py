@@ -71,6 +71,9 @@ class WeightFormat:
     # scale); False where the engine scales inputs at run time or leaves them unquantized: with
     # weight-only algorithms and no KV cache, such a recipe takes the data-free path (eprt.quant.run.datafree)
     uses_activation_statistics: bool = True
+    # an input amax the format pins rather than calibrates (its input_scale is this amax's scale);
+    # None: the input scale, where it has one, comes from calibration
+    constant_input_amax: float | None = None
     # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
     # at the peak of `quantize`, besides the weight as read (its temporaries and its export
     # tensors), and bytes of chunk buffers each thread that quantizes keeps from call to call
@@ -91,6 +94,10 @@ class WeightFormat:
     def scale(self, amax) -> torch.Tensor:
         """The per-tensor scale (fp32 0-dim) of an amax: a weight's (max) or an input's."""
         raise NotImplementedError
+
+    def pinned_input_scale(self) -> torch.Tensor | None:
+        """The input scale the format pins rather than calibrates (`constant_input_amax`'s), else None."""
+        return self.scale(self.constant_input_amax) if self.constant_input_amax is not None else None
 
     def mse_weight_scale(self, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """w's per-tensor weight scale under `mse`, from `amax` (its own, or its fused group's):

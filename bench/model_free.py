@@ -1,0 +1,161 @@
+"""The model-free export's throughput, side by side with copying the same safetensors and with
+llm-compressor's `model_free_ptq`, as ratios taken run by run.
+
+    python bench/model_free.py [--gb 1.1] [--workers 1] [--runs 3] [--peer-python PY] [--dir /tmp]
+
+A random MoE checkpoint of at least --gb GB, in bf16 and OLMoE's names (a model eprt does not
+model: its export goes by name pattern), is written once under --dir. Then, run by run, in turn
+(A B C, A B C, ...), each a fresh process:
+- copy: `cp -r` of the checkpoint directory: the disk's (and the page cache's) speed for its bytes;
+- eprt: `eprt-export HF OUT --recipe fp8_block --workers N` (the ModelOpt layout; compressed-tensors'
+  writes the same tensors);
+- llm-compressor (with --peer-python, a Python that has llm-compressor, kept out of eprt's
+  environment): bench/peer_model_free.py, `model_free_ptq(..., scheme="FP8_BLOCK", max_workers=N)`.
+Throughput is the source's bytes over wall seconds; reported are each side's median wall seconds,
+and the medians of the per-run ratios eprt / copy and eprt / llm-compressor in throughput (above 1:
+eprt is faster). On a machine other jobs share, run it under OMP_NUM_THREADS=1 with --workers 1.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 10**9
+HIDDEN, INTER, EXPERTS, HEADS, VOCAB = 1024, 512, 32, 8, 32000
+
+
+def layer_params() -> int:
+    return 4 * HIDDEN * HIDDEN + EXPERTS * 3 * HIDDEN * INTER + EXPERTS * HIDDEN + 2 * HIDDEN
+
+
+def make_checkpoint(out: str, gb: float) -> int:
+    """A random bf16 OLMoE-named checkpoint of at least `gb` GB in shards of ~500 MB; returns its weight bytes."""
+    layers = max(1, -(-int(gb * GB / 2 - 2 * VOCAB * HIDDEN) // layer_params()))
+    config = {
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": 4,
+        "torch_dtype": "bfloat16",
+    }
+    os.makedirs(out)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    shards, cur, total = [], {}, 0
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            cur[f"{p}.self_attn.{proj}.weight"] = w(HIDDEN, HIDDEN)
+        for e in range(EXPERTS):
+            cur[f"{p}.mlp.experts.{e}.gate_proj.weight"] = w(INTER, HIDDEN)
+            cur[f"{p}.mlp.experts.{e}.up_proj.weight"] = w(INTER, HIDDEN)
+            cur[f"{p}.mlp.experts.{e}.down_proj.weight"] = w(HIDDEN, INTER)
+        cur[f"{p}.mlp.gate.weight"] = w(EXPERTS, HIDDEN)
+        cur[f"{p}.input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        cur[f"{p}.post_attention_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        if sum(t.nbytes for t in cur.values()) > 500 * 10**6:
+            shards.append(cur)
+            cur = {}
+    cur.update({"model.embed_tokens.weight": w(VOCAB, HIDDEN), "lm_head.weight": w(VOCAB, HIDDEN)})
+    cur["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    shards.append(cur)
+    weight_map = {}
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return total
+
+
+def run(cmd: list[str], out: str) -> tuple[float, int]:
+    """(wall seconds, peak RSS) of one run of `cmd`, writing `out`; its workers' peaks are their own."""
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"{cmd[:4]} failed: {err.read().decode()[-2000:]}")
+    shutil.rmtree(out, ignore_errors=True)
+    return wall, usage.ru_maxrss * 1024  # Linux reports kB
+
+
+def planned_peak(cmd: list[str]) -> str:
+    """The dry run's line of a process's planned peak."""
+    done = subprocess.run([*cmd, "--dry-run"], env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True)
+    return next((line.split("each ", 1)[1] for line in done.stderr.splitlines() if "peaks at" in line), "?")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gb", type=float, default=1.1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--peer-python", help="a Python with llm-compressor, for its side")
+    ap.add_argument("--dir", default="/tmp")
+    a = ap.parse_args()
+    root = os.path.join(a.dir, f"eprt-model-free-bench-{os.getpid()}")
+    hf = os.path.join(root, "hf")
+    try:
+        size = make_checkpoint(hf, a.gb)
+        sides = {
+            "copy": ["cp", "-r", hf, os.path.join(root, "copy")],
+            "eprt": [
+                *(sys.executable, "-m", "eprt.commands.export", hf, os.path.join(root, "eprt")),
+                *("--recipe", "fp8_block", "--workers", str(a.workers), "--no-progress"),
+            ],
+        }
+        if a.peer_python:
+            peer = os.path.join(REPO, "bench", "peer_model_free.py")
+            sides["llm-compressor"] = [
+                *(a.peer_python, peer, "--hf", hf, "--out", os.path.join(root, "llmc"), "--workers", str(a.workers))
+            ]
+        walls: dict[str, list[float]] = {k: [] for k in sides}
+        run(sides["copy"], os.path.join(root, "copy"))  # a warm-up: the source in the page cache for every side
+        print(f"eprt's dry run: {planned_peak(sides['eprt'])}")
+        peaks = {}
+        for _ in range(a.runs):
+            for name, cmd in sides.items():
+                wall, peaks[name] = run(cmd, os.path.join(root, {"copy": "copy", "eprt": "eprt"}.get(name, "llmc")))
+                walls[name].append(wall)
+        print(f"checkpoint {size / GB:.2f} GB (bf16, {a.workers} worker(s)), {a.runs} runs, medians:")
+        for name, w in walls.items():
+            print(f"  {name:>14}: {statistics.median(w):6.2f} s, {size / GB / statistics.median(w):5.2f} GB/s")
+        print(f"  eprt's process peaked at {peaks['eprt'] / 2**20:.0f} MiB (its last run; workers aside)")
+        for other in [k for k in walls if k != "eprt"]:
+            ratio = statistics.median(o / e for o, e in zip(walls[other], walls["eprt"]))
+            print(f"  eprt's throughput / {other}'s: {ratio:.2f}x")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The model-free export's plan, from the source's headers alone: every output tensor in order,
+which Linears are quantized in which format (eprt.hf.streaming.selection), the shards they fill,
+and the memory a worker holds.
+
+The order: for a family eprt models, its table's (convert's plan, grouped as its checkpoint files
+are, each routed expert's projections one by one), so the export is the modeled export's, byte
+for byte; for any other, the source's own. Shards are cut from that order at `max_shard_bytes`,
+as eprt-export cuts them, whatever the number of workers: each shard is a function of the plan
+alone, so a worker's shards are the same bytes whichever worker writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from eprt.errors import ConfigError
+from eprt.hf.convert import file_for
+from eprt.hf.export_quantized import carried, layer_prefix
+from eprt.hf.quant_configs import QuantizedLinears
+from eprt.hf.streaming.selection import STACKED, Linear, ignored, stacked_linears, weight_linear
+from eprt.hf.streaming.source import StreamSource
+from eprt.layout import Layout, layer_of
+from eprt.quant.feasibility import quantized_modules
+from eprt.quant.formats import WeightFormat, weight_format
+from eprt.quant.fusion import siblings
+from eprt.quant.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A tensor written as the source holds it (decoded, where it stores it encoded)."""
+
+    name: str
+    source: str
+    index: int | None = None  # one expert of a stacked source
+    rows: tuple[int, int] | None = None  # its rows of that expert (gate or up of a fused gate_up)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    linear: Linear
+    format: WeightFormat
+    mse: bool  # its scales from the mse search
+
+
+@dataclass
+class StreamPlan:
+    items: list  # Carried and Quantized, in output order
+    groups: dict[tuple, list[Linear]]  # each scale group's Linears
+    unquantized: set[str] = field(default_factory=set)  # Linear-like modules left unquantized
+    unquantized_experts: set[str] = field(default_factory=set)  # routed-experts modules left whole
+    passthrough: set[str] = field(default_factory=set)  # what the family's table carries unmodeled
+    modeled: bool = False
+
+    def quantized_linears(self, source_config: dict, recipe: Recipe) -> QuantizedLinears:
+        quantized = [q for q in self.items if isinstance(q, Quantized)]
+        return QuantizedLinears(
+            source_config,
+            {q.linear.module: q.format for q in quantized},
+            {q.linear.name: q.format for q in quantized},
+            frozenset(self.unquantized),
+            frozenset(self.unquantized_experts),
+            frozenset(self.passthrough),
+            recipe.kv_cache,
+        )
+
+
+def plan_stream(src: StreamSource, recipe: Recipe, layout: Layout | None) -> StreamPlan:
+    """The plan of exporting `src` under data-free `recipe`: by the family's `layout` where eprt models it."""
+    if recipe.mtp:
+        raise ConfigError(
+            f"recipe {recipe.name}: mtp: true quantizes the multi-token-prediction layers, which only a "
+            "calibrated run models; export it from a converted checkpoint (eprt-convert, then eprt-export --recipe)"
+        )
+    plan = table_plan(src, recipe, layout) if layout is not None else pattern_plan(src, recipe)
+    for q in plan.items:
+        if isinstance(q, Quantized) and q.format.unfit_input_dim(q.linear.shape[1]):
+            raise ConfigError(
+                f"{src.dir}: {q.linear.name} has {q.linear.shape[1]} inputs, which {q.format.name}'s blocks of "
+                f"{q.format.group_size} do not fill; leave it unquantized (the recipe's ignore list) or choose "
+                "another format for it"
+            )
+    return plan
+
+
+def _quantized(linear: Linear, recipe: Recipe) -> Quantized:
+    return Quantized(
+        linear, weight_format(recipe.format_of(linear.module)), recipe.algorithm_of(linear.module) == "mse"
+    )
+
+
+def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
+    """Any checkpoint: its tensors in the source's order, quantized by name pattern."""
+    text = src.config.get("text_config") if isinstance(src.config.get("text_config"), dict) else src.config
+    hidden = text.get("hidden_size")
+    items: list = []
+    plan = StreamPlan(items, {})
+    for name, t in src.tensors.items():
+        stacked = STACKED.fullmatch(name)
+        module = stacked["experts"] if stacked and len(t.shape) == 3 else None
+        linear = weight_linear(name, t.shape) if module is None else None
+        if module is None and linear is not None:
+            module = linear.module
+        wanted = (
+            module is not None
+            and t.dtype.is_floating_point
+            and not ignored(module, recipe)
+            and recipe.format_of(module) is not None
+        )
+        if not wanted:
+            items.append(Carried(name, name))
+            if linear is not None:
+                plan.unquantized.add(linear.name)
+            elif module is not None:  # a stack of experts carried whole
+                plan.unquantized.add(module)
+                plan.unquantized_experts.add(module)
+            continue
+        linears = [linear] if linear is not None else stacked_linears(name, t.shape, hidden, src.dir)
+        items += [_quantized(x, recipe) for x in linears]
+    plan.groups = scale_groups(items)
+    return plan
+
+
+def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
+    """A family eprt models: its table's order, names and quantized modules, as its export writes them."""
+    quantized = quantized_modules(layout, recipe, src.dir)
+    specs = {s.name: s for s in layout.specs}
+    by_file: dict[str, list] = defaultdict(list)
+    for p in src.planner.plan():
+        by_file[file_for(p.spec.name, p.role)].append(p)
+    items: list = []
+    plan = StreamPlan(items, {}, modeled=True)
+    passthrough = []
+    for p in (p for ps in by_file.values() for p in ps):
+        spec, original = p.spec, specs.get(p.spec.name, p.spec)
+        if p.role == "passthrough":
+            items.append(Carried(spec.sources[0], spec.sources[0]))
+            passthrough.append(spec.sources[0])
+            continue
+        if original.stacked:
+            module, h = spec.name.rsplit(".", 1)[0], original.source_shape()[0]
+            for j, s in enumerate(original.sources):
+                e, k = divmod(j, original.per_row)
+                where = (spec.sources[0], e, (k * h, (k + 1) * h)) if p.fused else (s, None, None)
+                if module in quantized:
+                    x = Linear(s[: -len(".weight")], module, *where, original.source_shape(), ("row", spec.name, e))
+                    items.append(_quantized(x, recipe))
+                else:
+                    items.append(Carried(s, *where))
+                    plan.unquantized.add(s[: -len(".weight")])
+            if module not in quantized:
+                plan.unquantized_experts.add(module)
+            continue
+        hf, module = spec.sources[0], spec.name[: -len(".weight")]
+        if module in quantized:
+            x = Linear(hf[: -len(".weight")], module, hf, None, None, tuple(spec.shape), ("linear", module))
+            items.append(_quantized(x, recipe))
+        else:
+            items.append(Carried(hf, hf))
+            if spec.name.endswith(".weight") and len(spec.shape) == 2:
+                plan.unquantized.add(hf[: -len(".weight")])
+    linears = {q.linear.name for q in items if isinstance(q, Quantized)}
+    plan.passthrough = {layer_prefix(n) if layer_of(n) is not None else carried(n, linears) for n in passthrough}
+    plan.groups = scale_groups(items)
+    return plan
+
+
+def scale_groups(items: list) -> dict[tuple, list[Linear]]:
+    """Each quantized Linear's group of those sharing its per-tensor weight scale, where its format
+    has one: a routed expert's fused projections (a row of its family's w13), and the dense Linears
+    the engines fuse (eprt.quant.fusion); rewritten into each Linear's `group`."""
+    quantized = [q for q in items if isinstance(q, Quantized)]
+    by_module = {q.linear.module: q for q in quantized if q.linear.group[0] == "linear"}
+    groups: dict[tuple, list[Linear]] = defaultdict(list)
+    for i, q in enumerate(items):
+        if not isinstance(q, Quantized):
+            continue
+        x = q.linear
+        if x.group[0] == "linear":  # a dense Linear: its fused siblings
+            members = siblings(x.module, by_module, q.format)
+            x = dataclasses.replace(x, group=("linear", members[0]))
+            items[i] = Quantized(x, q.format, q.mse)
+        groups[x.group].append(x)
+    return dict(groups)

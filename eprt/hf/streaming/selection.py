@@ -1,0 +1,125 @@
+"""Which tensors of a checkpoint the model-free export quantizes, and under which names.
+
+A quantizable tensor is a 2-D floating `M.weight` (a Linear's, module M) or a 3-D stack of routed
+experts, `P.experts.gate_up_proj` [E, 2I, D] (each expert's gate rows, then its up rows),
+`P.experts.gate_proj` / `up_proj` [E, I, D] or `P.experts.down_proj` [E, D, I], as transformers 5
+holds them (with or without a `.weight` leaf). A stacked tensor is written expert by expert, as the
+engines load quantized experts: `P.experts.{e}.gate_proj.weight` and so on.
+
+A recipe's rules match module names as for a family eprt models: a routed expert's projection
+`P.experts.7.up_proj` is matched as its experts module `P.experts`, every other Linear by its own
+name. What is never quantized is, for a model eprt does not model, `DEFAULT_IGNORE` (embeddings,
+heads, norms, routers and gates, convolutions, SSM and sink parameters, a vision tower: most are
+not 2-D Linear weights anyway), or the recipe's own `ignore:` list in its place; for a family eprt
+models, its own table decides (eprt.quant.feasibility.quantized_modules: the family's unquantized
+modules; the recipe's `ignore:` besides), so the export is the modeled one's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from eprt.errors import ConfigError
+from eprt.quant.recipe import Recipe
+
+# module globs the model-free export leaves alone unless a recipe's `ignore:` replaces them
+DEFAULT_IGNORE = (
+    "*embed*",  # token and position embeddings
+    "lm_head",
+    "*.lm_head",
+    "*norm*",  # every norm's weight
+    "*.gate",  # MoE routers: mlp.gate, block_sparse_moe.gate
+    "*.gate.*",  # a router's own Linear (Hunyuan's mlp.gate.wg)
+    "*router*",
+    "*shared_expert_gate",
+    "*conv*",  # convolutions (Mamba's, a vision stem's)
+    "*A_log*",  # SSM parameters
+    "*dt_proj*",
+    "*sinks*",  # attention sinks
+    "*vision*",  # a vision tower and its projector, which the language model's recipes leave alone
+    "*visual*",
+    "*mm_projector*",
+    "*multi_modal_projector*",
+)
+
+# A routed expert's projections that the engines fuse into one weight (w13): they share NVFP4's
+# per-tensor scale, as gate and up of one row of a family's stacked w13 do.
+EXPERT_SIBLINGS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
+EXPERT_LINEAR = re.compile(r"(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)")
+STACKED = re.compile(r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One Linear the export writes quantized."""
+
+    name: str  # its module name in the export (a routed expert's projection one by one)
+    module: str  # the module the recipe's rules name (a layer's routed experts: `...experts`)
+    source: str  # the source tensor holding its weight
+    index: int | None  # its expert's entry along dim 0 of a stacked source; None: the whole tensor
+    rows: tuple[int, int] | None  # its rows of that entry (gate or up of gate_up_proj); None: all
+    shape: tuple[int, int]  # [out, in]
+    group: tuple  # the Linears sharing a per-tensor weight scale (where the format has one) have one group
+
+
+def recipe_module(name: str) -> str:
+    """The module a recipe's rules match for Linear `name`: a routed expert's, its experts module."""
+    m = EXPERT_LINEAR.fullmatch(name)
+    return m["experts"] if m else name
+
+
+def ignored(module: str, recipe: Recipe) -> bool:
+    patterns = recipe.ignore if recipe.ignore is not None else DEFAULT_IGNORE
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def expert_group(name: str) -> tuple:
+    """The scale group of Linear `name`: a routed expert's projection's is its expert's fused
+    siblings (or itself alone), as a row of a family's w13 or w2; any other's ("linear") is
+    settled by the engines' fusion of dense Linears (eprt.hf.streaming.plan.scale_groups)."""
+    m = EXPERT_LINEAR.fullmatch(name)
+    if m is None:
+        return ("linear", name)
+    siblings = next((g for g in EXPERT_SIBLINGS if m["proj"] in g), {m["proj"]})
+    return ("expert", m["experts"], int(m["e"]), min(siblings))
+
+
+def stacked_linears(name: str, shape: tuple[int, ...], hidden: int | None, where: str) -> list[Linear] | None:
+    """The per-expert Linears of stacked experts tensor `name` of `shape`, or None if it is not one."""
+    m = STACKED.fullmatch(name)
+    if m is None or len(shape) != 3:
+        return None
+    experts, proj = m["experts"], m["proj"]
+    num, out_dim, in_dim = shape
+    wants_in = proj != "down_proj"  # gate/up read the hidden state, down writes it
+    if hidden is None or (in_dim if wants_in else out_dim) != hidden or (proj == "gate_up_proj" and out_dim % 2):
+        raise ConfigError(
+            f"{where}: tensor {name!r} of shape {list(shape)} is not a stack of experts as [experts, out, in] "
+            f"(hidden_size {hidden}): the model-free export reads transformers 5's orientation only; "
+            "leave these experts unquantized with the recipe's ignore list, or convert the checkpoint first"
+        )
+    pieces = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+    h = out_dim // len(pieces)
+    return [
+        Linear(
+            f"{experts}.{e}.{piece}",
+            experts,
+            name,
+            e,
+            (k * h, (k + 1) * h) if len(pieces) > 1 else None,
+            (h, in_dim),
+            expert_group(f"{experts}.{e}.{piece}"),
+        )
+        for e in range(num)
+        for k, piece in enumerate(pieces)
+    ]
+
+
+def weight_linear(name: str, shape: tuple[int, ...]) -> Linear | None:
+    """The Linear of a 2-D `M.weight`, or None for any other tensor."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return None
+    module = name[: -len(".weight")]
+    return Linear(module, recipe_module(module), name, None, None, tuple(shape), expert_group(module))

@@ -1,0 +1,95 @@
+"""A Hugging Face directory as the model-free export reads it: every tensor by its name, in the
+order the source stores them, and a weight the source stores encoded (block FP8, any
+compressed-tensors format eprt decodes: eprt.storage.encodings) as the one decoded `M.weight` in
+place of its components, decoded when it is read, one weight at a time. Only headers are read to
+list them (and one weight per encoding scheme, to learn what it decodes to)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from eprt.families import read_hf_config
+from eprt.hf.convert import ConversionPlanner, Encoded
+from eprt.hf.source import HFSource, non_weight_files
+from eprt.layout import Layout
+from eprt.storage import encodings
+from eprt.storage.hf_files import CONFIG
+from eprt.storage.safetensors_io import SafetensorsFile
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str  # as the source names it; `M.weight` for the components of an encoded M
+    dtype: torch.dtype  # as read: an encoded weight's decoded dtype
+    shape: tuple[int, ...]
+    file: str  # the shard holding it (an encoded weight: its first component's)
+    encoded: Encoded | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+
+class StreamSource:
+    """The tensors of Hugging Face directory `hf_dir`, decoded; `layout`: its family's, where eprt
+    models it (convert's planner then checks the source against it)."""
+
+    def __init__(self, hf_dir: str, layout: Layout | None = None):
+        self.dir = hf_dir
+        self.config = read_hf_config(hf_dir)
+        self.quant = encodings.source_quantization(self.config, os.path.join(hf_dir, CONFIG))
+        self.src = HFSource(hf_dir)
+        try:
+            self.planner = ConversionPlanner(self.src, layout, None, hf_dir, self.quant)
+            self.tensors = self._decoded_names()
+            self.files = non_weight_files(hf_dir)
+        except BaseException:
+            self.src.close()
+            raise
+
+    def _decoded_names(self) -> dict[str, SourceTensor]:
+        owner = {n: m for m, e in self.planner.encoded.items() for n in e.components.values()}
+        out: dict[str, SourceTensor] = {}
+        for name, (f, info) in self.src.tensors.items():
+            module = owner.get(name)
+            if module is None:
+                out[name] = SourceTensor(name, info.dtype, tuple(info.shape), os.path.basename(f.path))
+            elif f"{module}.weight" not in out:
+                e = self.planner.encoded[module]
+                dtype, shape = self.planner.probe(e)
+                out[f"{module}.weight"] = SourceTensor(f"{module}.weight", dtype, shape, os.path.basename(f.path), e)
+        return out
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` (decoded), or entry `index` along its dim 0 only (one expert of a stacked tensor)."""
+        t = self.tensors[name]
+        if t.encoded is None:
+            f, _ = self.src.tensors[name]
+            return f.read(name, rows=(index, index + 1))[0] if index is not None else f.read(name)
+        e = t.encoded
+        self.planner.probe(e)  # the scheme's decoder, made once
+        decoder = self.planner.decoders[e.scheme]
+        w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
+        return w[index] if index is not None else w
+
+    def byte_range(self, name: str, index: int | None = None) -> tuple[SafetensorsFile, int, int]:
+        """Where a stored tensor's bytes lie (one entry along dim 0 with `index`), to copy them as they are."""
+        f, _ = self.src.tensors[name]
+        return (f, *f.byte_range(name, (index, index + 1) if index is not None else None))
+
+    @property
+    def bytes_read(self) -> int:
+        return self.src.bytes_read
+
+    def close(self) -> None:
+        self.src.close()
+
+    def __enter__(self) -> "StreamSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
