@@ -31,10 +31,10 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.streaming import run as streaming_run
 from eprt.hf.streaming import stream_export
-from eprt.quant.datafree import statistics_needed
 from eprt.quant.formats import weight_format
 from eprt.quant.numerics import abs_amax
 from eprt.quant.recipe import available, load_recipe
+from eprt.quant.run.datafree import statistics_needed
 from eprt.testing.tiny import make_tiny
 from tests.hf_utils import raw, read_hf_tensors, tree_digest
 from tests.multiproc import run_world

@@ -1,5 +1,5 @@
 """Model-free quantization: a Hugging Face checkpoint of any `model_type` quantized shard by shard
-under a data-free recipe (eprt.quant.datafree), with no model definition and no converted
+under a data-free recipe (eprt.quant.run.datafree), with no model definition and no converted
 checkpoint between (`eprt-export HF_DIR OUT --recipe R`; `stream_export`).
 
 - `source`: the checkpoint's tensors by name, each encoded weight decoded as it is read;

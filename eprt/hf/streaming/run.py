@@ -40,8 +40,8 @@ from eprt.hf.tensors import OutTensor
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together
 from eprt.progress import bar, logger
-from eprt.quant.datafree import statistics_needed
 from eprt.quant.recipe import Recipe, available, load_recipe
+from eprt.quant.run.datafree import statistics_needed
 from eprt.storage.atomic import check_output_dir, copy_files, publish
 from eprt.storage.checkpoint import weight_pin
 from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
