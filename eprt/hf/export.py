@@ -20,7 +20,7 @@ from eprt.families import reader_for
 from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport
-from eprt.hf.model_card import model_card
+from eprt.hf.model_card import base_model_id, model_card
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
@@ -274,6 +274,14 @@ def write_configs(
     if exp:
         write_file(
             os.path.join(tmp, CARD),
-            model_card(ck, exp.recipe, exp.target, exp.quantized, quality, base_model),
+            model_card(
+                ck.source_config,
+                exp.recipe,
+                exp.target,
+                exp.quantized,
+                base_model or base_model_id(ck.source_config, (ck.base or ck).source_dir),
+                quality,
+                ck.quantization,
+            ),
             "the model card",
         )

@@ -14,22 +14,19 @@ import re
 import eprt
 from eprt.hf.serving import COMPRESSED_TENSORS, describe_gpus, engines_for, runs_on, served
 from eprt.quant.recipe import Recipe
-from eprt.storage.checkpoint import Checkpoint
 
 # a Hugging Face Hub repository id, and the cache directory that holds one (models--ORG--NAME)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_CACHE = re.compile(r"models--([\w.-]+?)--([\w.-]+)(?:/|$)")
 
 
-def base_model_id(ck: Checkpoint) -> str | None:
-    """The Hub id of the model `ck` was made from, where the source says it: its config's
-    `_name_or_path`, or the Hugging Face cache directory it was converted from in place."""
-    named = ck.source_config.get("_name_or_path")
+def base_model_id(source_config: dict, source_dir: str | None) -> str | None:
+    """The Hub id of the model a checkpoint was made from, where the source says it: its config's
+    `_name_or_path`, or the Hugging Face cache directory it was read from in place (`source_dir`)."""
+    named = source_config.get("_name_or_path")
     if isinstance(named, str) and HUB_ID.match(named):
         return named
-    base = ck.base or ck
-    source = base.source_dir or ""
-    found = HUB_CACHE.search(source)
+    found = HUB_CACHE.search(source_dir or "")
     return f"{found.group(1)}/{found.group(2)}" if found else None
 
 
@@ -52,13 +49,19 @@ def serve_commands(layout: str, formats: list[str], kv_cache: str | None, remote
 
 
 def model_card(
-    ck: Checkpoint, recipe: Recipe, layout: str, quantized: set[str], quality: dict | None, base_model: str | None
+    source_config: dict,
+    recipe: Recipe,
+    layout: str,
+    quantized: set[str],
+    base_model: str | None,
+    quality: dict | None = None,
+    quantization: dict | None = None,
 ) -> str:
-    """The card of the export of `ck` under `recipe` in `layout` (`quantized`: its quantized
-    modules), with the run's quality report."""
-    base_model = base_model or base_model_id(ck)
+    """The card of the export of a model (its source's `source_config`) under `recipe` in `layout`
+    (`quantized`: its quantized modules), with the run's quality report and calibration record
+    (`quantization`) where it was calibrated."""
     formats = recipe.formats
-    name = base_model or ck.source_config.get("model_type", "model")
+    name = base_model or source_config.get("model_type", "model")
     front = ["---"]
     if base_model:
         front += [f"base_model: {base_model}", "base_model_relation: quantized"]
@@ -99,10 +102,10 @@ def model_card(
         "```bash",
         "MODEL=.   # this folder, or its Hub repository id once uploaded",
         "GPUS=8    # GPUs of one node",
-        *serve_commands(layout, formats, recipe.kv_cache, "auto_map" in ck.source_config),
+        *serve_commands(layout, formats, recipe.kv_cache, "auto_map" in source_config),
         "```",
         "",
-        *quality_section(quality, ck.quantization),
+        *quality_section(quality, quantization),
         f"Made with eprt {eprt.__version__} (its guide to serving: `eprt-docs quickstart`).",
         "",
     ]

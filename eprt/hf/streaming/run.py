@@ -31,6 +31,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.check_export import check_export
 from eprt.hf.export import DEFAULT_SHARD_BYTES, produced_ahead, shard
 from eprt.hf.export_quantized import LAYOUTS, refuse_modelopt_layout
+from eprt.hf.model_card import base_model_id, model_card
 from eprt.hf.quant_configs import ct_config, modelopt_configs
 from eprt.hf.streaming.memory import plan_memory
 from eprt.hf.streaming.plan import Quantized, StreamPlan, plan_stream
@@ -42,9 +43,9 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.progress import bar, logger
 from eprt.quant.recipe import Recipe, available, load_recipe
 from eprt.quant.run.datafree import statistics_needed
-from eprt.storage.atomic import check_output_dir, copy_files, publish
+from eprt.storage.atomic import check_output_dir, copy_files, publish, write_file
 from eprt.storage.checkpoint import weight_pin
-from eprt.storage.hf_files import CONFIG, QUANT_CONFIG, shard_name, write_index, write_json
+from eprt.storage.hf_files import CARD, CONFIG, QUANT_CONFIG, served_file, shard_name, write_index, write_json
 from eprt.storage.safetensors_io import SafetensorsWriter
 from eprt.units import format_bytes
 
@@ -275,8 +276,18 @@ def finish(stream: Stream, work: str, out: str, overwrite: bool) -> None:
     else:
         config, hf_quant = modelopt_configs(q)
         write_json(os.path.join(work, QUANT_CONFIG), hf_quant)
-    copy_files(stream.src.dir, [f for f in stream.src.files if f != CONFIG], work)
+    # what serving reads, not what describes the source (served_file), as the modeled export carries
+    copy_files(stream.src.dir, [f for f in stream.src.files if f != CONFIG and served_file(f)], work)
     write_json(os.path.join(work, CONFIG), config)
+    source_config = stream.src.config
+    card = model_card(
+        source_config,
+        stream.recipe,
+        stream.settings.layout,
+        {item.linear.module for item in stream.plan.items if isinstance(item, Quantized)},
+        base_model_id(source_config, stream.src.dir),
+    )
+    write_file(os.path.join(work, CARD), card, "the model card")
     problems = check_export(work, library=False)
     if problems:
         shutil.rmtree(work)  # nothing of it is worth resuming

@@ -190,13 +190,13 @@ class WorkDir:
             saved = self.saved.setdefault(a.algorithm, set())
             gained = {n: t for n, t in a.tensors().items() if n not in saved}
             if gained:  # written before the layer file, which vouches for it
-                self._write(self._algorithm_file(a.algorithm, layer), gained, metadata)
+                self._write_side(self._algorithm_file(a.algorithm, layer), gained, metadata)
                 saved.update(gained)
-        self._write(self._file(layer), tensors, metadata)
-        # every rank now holds `layer` durably: the older files are no longer the common last layer
-        self.state.all_reduce(torch.zeros((), device=self.state.device), over="dp")
-        self.side_files: dict[str, str] = {}  # this rank's algorithm files so far: name -> SHA-256
-        self.lock: int | None = None  # rank 0: the descriptor holding the directory's lock
+        # the layer file lists every algorithm file it relies on with its digest: --resume checks each
+        self._write(self._file(layer), tensors, {**metadata, SIDE_FILES: json.dumps(self.side_files, sort_keys=True)})
+        # once every rank holds `layer` durably, the older files are no longer the common last layer
+        # (a barrier on the host: on NCCL a collective does not hold the host back)
+        host_barrier(self.state, f"layer {layer} saved")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
@@ -259,14 +259,12 @@ class WorkDir:
         self.side_files = self._vouched(layer, metadata)
         load_stats(cal, tensors)
         for a in algorithms:
-            for done in self._saved_layers(a.algorithm, layer):
+            for done in self._saved_layers(a.algorithm):
                 a.load(self._read(self._algorithm_file(a.algorithm, done), "cpu")[0])
             self.saved[a.algorithm] = set(a.tensors())
         if held is not None:
             held.ref, held.quant = from_states("eval.ref.", tensors), from_states("eval.quant.", tensors)
             held.report.restore(metadata["quality"])
-        self.side_files: dict[str, str] = {}  # this rank's algorithm files so far: name -> SHA-256
-        self.lock: int | None = None  # rank 0: the descriptor holding the directory's lock
         if self.state.rank == 0:
             logger().info("resuming after layer %d from %s", layer, self.path)
         return from_states("", tensors)
