@@ -13,6 +13,7 @@ from eprt.models.moe import MoE
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import program_of
+from eprt.quant.algorithms.registry import unrotated
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS
 from eprt.quant.run.estimate import estimate_time
@@ -65,7 +66,9 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
     run_ptq(state, a)
 
     # the statistics run; GPTQ's Hessian and quantized runs; AWQ's run of the folded layer
-    runs = {"max": 1, "mse": 1, "gptq": 3, "awq": 2, "awq+gptq": 4}[algorithm]
+    runs = {"max": 1, "mse": 1, "gptq": 3, "awq": 2, "awq+gptq": 4}[
+        unrotated(algorithm)
+    ]  # the rotation is a view: no run
     steps = 5 * runs  # 9 sequences in groups of 2 (48 tokens of 24), one group a step
     kinds = {k.kind.name: (k.kind.layers, k.kind.steps) for k in estimate.kinds}
     assert kinds == {"MoE": ((0, 2), steps), "dense-MLP": ((1,), steps)}

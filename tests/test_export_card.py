@@ -14,8 +14,9 @@ from eprt.errors import ConfigError
 from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.hf.serving import check_target, format_table, generation_of
+from eprt.hf.serving import TABLE, check_target, format_table, generation_of
 from eprt.parallel import ParallelState
+from eprt.quant.formats import WEIGHT_FORMATS
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 
@@ -116,3 +117,8 @@ def test_the_card_names_the_hub_model_a_cache_snapshot_holds(tmp_path):
     card = open(os.path.join(out, "README.md")).read()
     assert card.startswith("---\nbase_model: tiny-org/Tiny-MoE\n")
     assert "No quality report" in card  # a data-free export
+
+
+def test_every_weight_format_has_its_row_of_gpus_and_engines():
+    """A format without a row would leave its card, --target and the plan without the GPUs it serves on."""
+    assert {f for row in TABLE for f in row.formats} == set(WEIGHT_FORMATS)

@@ -113,7 +113,7 @@ def test_the_export_holds_the_sources_tensors_with_each_quantized_linear_replace
     tensors = read_hf_tensors(out)
     assert set(tensors) == predicted
     assert sorted(os.listdir(out)) == sorted(
-        ["config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors.index.json"]
+        ["README.md", "config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors.index.json"]
         + ["model-00001-of-00001.safetensors"]
     )
     for name in set(source) - {f"{m}.weight" for m in quantized}:  # carried byte for byte: embeddings, norms, ...

@@ -13,6 +13,7 @@ import torch
 from bench.scale import REAL, TINY_DIMS, inflate, make_config
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
+from eprt.quant.algorithms.program import program_of
 from eprt.quant.run.estimate import PROBE_STEPS, ProbeEngine, probe_time
 from eprt.quant.run.plan import Planner, RunShape
 from eprt.quant.run.probe_share import RankShare, plan_probe
@@ -52,8 +53,8 @@ def test_the_probe_holds_one_ranks_experts_and_sequences(tiny, monkeypatch):
     monkeypatch.setattr(ProbeEngine, "run_layer", spying)
     with Checkpoint(tiny) as ck:
         rc = ResolvedCheckpoint.of(ck, torch.float32)
-        recipe, targets = plan_recipe(rc, "nvfp4", None, "max")
-        estimate = probe_time(rc, torch.device("cpu"), recipe, targets, shape, kv=False, expert_stack=16)
+        program = program_of(*plan_recipe(rc, "nvfp4", None, "max"))
+        estimate = probe_time(rc, torch.device("cpu"), program, shape, expert_stack=16)
         E = ck.config.num_experts
     assert seen and all(count == E // 4 for count, _, _ in seen.values())
     assert all(n == PROBE_STEPS * math.ceil(8 / 4) for _, n, _ in seen.values())

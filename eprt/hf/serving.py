@@ -79,6 +79,14 @@ TABLE = (
         ("nvfp4",), "E2M1 in 16-element blocks, NVFP4 inputs", ("blackwell",), (), ALL, "vLLM, SGLang, TensorRT-LLM"
     ),
     Served(
+        ("nvfp4_input_scale1",),
+        "NVFP4's weights, NVFP4 inputs under a constant input scale of 1 (not calibrated)",
+        ("blackwell",),
+        (),
+        ALL,
+        "vLLM, SGLang, TensorRT-LLM",
+    ),
+    Served(
         ("nvfp4_a16",),
         "NVFP4's weights, bf16 inputs",
         ("ampere", "hopper", "blackwell"),
