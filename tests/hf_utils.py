@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import sys
 
 import torch
 from safetensors import safe_open
@@ -33,3 +34,16 @@ def tree_digest(d: str) -> dict[str, str]:
             p = os.path.join(root, f)
             out[os.path.relpath(p, d)] = hashlib.sha256(open(p, "rb").read()).hexdigest() + f"@{os.stat(p).st_mtime_ns}"
     return out
+
+
+def eprt_report(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """`eprt-report ARGS` in this process: its exit status and everything it printed."""
+    from eprt.commands import report as report_command
+
+    monkeypatch.setattr(sys, "argv", ["eprt-report", *map(str, args)])
+    try:
+        code = report_command.main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out + out.err

@@ -226,7 +226,7 @@ def test_check_refuses_a_corrupted_scale(model, tmp_path, leaf, edit, fault):
 def test_the_modelopt_layout_is_refused_by_name(model, tmp_path):
     _, _, exports = model
     with pytest.raises(ConfigError, match=r"q_proj is quantized with w4a8 \(W4AFP8\).*--format compressed-tensors"):
-        export_hf(exports["w4a8"][0], str(tmp_path / "modelopt"), progress=False)
+        export_hf(exports["w4a8"][0], str(tmp_path / "modelopt"), progress=False, fmt="modelopt")
     assert not (tmp_path / "modelopt").exists()
 
 

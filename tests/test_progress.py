@@ -44,7 +44,8 @@ def test_a_log_line_is_written_above_the_bar_not_into_it(monkeypatch, capsys):
 
 def test_a_quiet_run_shows_warnings_only_and_no_bar(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv(QUIET, raising=False)
+    # set, not deleted: monkeypatch records a variable it sets, so its teardown leaves the environment as it was
+    monkeypatch.setenv(QUIET, "0")
     configure_logging(quiet_run=True)
     assert os.environ[QUIET] == "1"  # the ranks a launcher starts inherit it
     with bar(10, "calibrate", unit="step") as pb:
@@ -52,5 +53,5 @@ def test_a_quiet_run_shows_warnings_only_and_no_bar(monkeypatch, capsys):
     logger().info("calibrated")
     logger().warning("an expert got no token")
     assert capsys.readouterr().err == "[eprt rank 0] an expert got no token\n"
-    monkeypatch.delenv(QUIET)
+    monkeypatch.setenv(QUIET, "0")
     configure_logging()

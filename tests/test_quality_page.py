@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from eprt.commands import report as report_command
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -25,6 +24,7 @@ from eprt.report import render
 from eprt.storage.checkpoint import MANIFEST
 from eprt.storage.hf_files import QUALITY, QUALITY_PAGE
 from eprt.testing.tiny import make_tiny
+from tests.hf_utils import eprt_report
 
 CHATS = [
     [
@@ -155,16 +155,6 @@ def test_text_from_the_run_is_escaped(runs):
 
 
 # --- eprt-report ------------------------------------------------------------------------------------
-
-
-def eprt_report(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eprt-report", *map(str, args)])
-    try:
-        code = report_command.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 def test_eprt_report_draws_the_same_page_again(runs, tmp_path, monkeypatch, capsys):

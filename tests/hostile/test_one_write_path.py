@@ -6,25 +6,14 @@ failure leaves nothing behind."""
 import errno
 import json
 import os
-import sys
 
 import pytest
 
-from eprt.commands import report as report_command
 from eprt.errors import EprtError
 from eprt.storage import atomic
 from eprt.storage.atomic import atomic_file, new_file, write_file
 from eprt.storage.hf_files import QUALITY, QUALITY_PAGE
-
-
-def eprt_report(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eprt-report", *map(str, args)])
-    try:
-        code = report_command.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
+from tests.hf_utils import eprt_report
 
 
 @pytest.fixture

@@ -5,30 +5,19 @@ prints is escaped; a comparison of runs of different models says so."""
 import copy
 import json
 import os
-import sys
 import threading
 from html.parser import HTMLParser
 
 import pytest
 
-from eprt.commands import report as report_command
 from eprt.errors import ConfigError
 from eprt.report import render
 from eprt.report import reports as reports_module
 from eprt.report.schema import REPORT, Fields, read_report_json
 from eprt.storage.bounded import read_bounded
+from tests.hf_utils import eprt_report
 
 PAYLOAD = "<script>alert(1)</script><img src=x onerror=alert(2)>\"'&"
-
-
-def eprt_report(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["eprt-report", *map(str, args)])
-    try:
-        code = report_command.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 def refusal(tmp_path, monkeypatch, capsys, report) -> str:

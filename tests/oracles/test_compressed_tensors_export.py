@@ -352,4 +352,7 @@ def test_the_tools_write_and_check_it(exports, tmp_path):
     check = subprocess.run(
         [sys.executable, str(root / "tools" / "check_export.py"), out], capture_output=True, text=True, env=env
     )
-    assert (check.returncode, check.stdout.strip()) == (0, f"{out}: ok")
+    *warnings, verdict = check.stdout.strip().splitlines()
+    assert (check.returncode, verdict) == (0, f"{out}: ok")
+    # the one quirk this layout runs into: transformers' decompression of NVFP4 experts (the engines load it)
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "transformers 5 decompresses" in warnings[0]
