@@ -419,33 +419,17 @@ class Planner:
         on_cpu = self.device == "cpu"
         codes, host = (self._codes(ep), None) if on_cpu else (0, self._host(shape, host_baseline, tokens))
         gpu = {} if on_cpu else {"fixed": fixed_on_gpu(world, ep), "reserve": ALLOCATOR_RESERVE}
-        if not shape.eval_sequences:
-            host = replace(host, saved=hidden) if host else None
-            return self._sized_stack(
-                MemoryPlan(
-                    baseline + self.kernel_cache,
-                    hidden,
-                    self.embedding,
-                    layer,
-                    reading,
-                    step,
-                    gptq,
-                    awq,
-                    codes,
-                    tokens=tokens,
-                    host=host,
-                    **gpu,
-                ),
-                ep,
-                limit,
-            )
-        hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
-        if shape.search:
-            hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        # the quality report's held-out streams and its head, where the run has held-out sequences
+        eval_layer = eval_step = head = 0
+        if shape.eval_sequences:
+            hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+            if shape.search:
+                hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+            eval_layer = copied
+            eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
+            # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
+            head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
         host = replace(host, saved=hidden) if host else None
-        eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
-        # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
-        head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
         return self._sized_stack(
             MemoryPlan(
                 baseline + self.kernel_cache,
@@ -457,7 +441,7 @@ class Planner:
                 gptq,
                 awq,
                 codes,
-                copied,
+                eval_layer,
                 eval_step,
                 head,
                 tokens,
