@@ -10,6 +10,7 @@ where a field is absent, the value is the one the family's reference implementat
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,39 @@ class KimiLinearConfig:
     attn_res_block_size: int | None
 
 
+class FamilyConfig:
+    """The knobs only one family has (a clamp limit, sinks, an index-sharing pattern): a frozen
+    dataclass in the family's own folder (`eprt/families/<name>/config.py`), subclassing this and
+    registered for its family names with `own_config`. ModelConfig carries it as `own`, so the
+    global config holds only what every family has."""
+
+
+OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
+
+
+def own_config(*families: str):
+    """Class decorator: `cls` is the own config of these ModelConfig.family names."""
+
+    def register(cls: type[FamilyConfig]) -> type[FamilyConfig]:
+        assert dataclasses.is_dataclass(cls) and issubclass(cls, FamilyConfig), cls
+        for name in families:
+            OWN_CONFIGS[name] = cls
+        return cls
+
+    return register
+
+
+def own_config_class(family: str, where: str) -> type[FamilyConfig]:
+    """The own config class of `family`. The family folders register theirs as the family table
+    imports them; a checkpoint read before anything imported the table imports it here, by name,
+    as the table's plug-in directory."""
+    if family not in OWN_CONFIGS:
+        importlib.import_module("eprt.families")
+    if family not in OWN_CONFIGS:
+        raise ConfigError(f"{where}: family {family!r} has no own config, but the config holds one")
+    return OWN_CONFIGS[family]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model as eprt runs it: what every family has, then one typed part per kind of block.
@@ -203,6 +237,7 @@ class ModelConfig:
     indexer: IndexerConfig | None = None  # DeepSeek-V3.2 (on MLA)
     qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE (on GQA)
     kimi_linear: KimiLinearConfig | None = None  # Kimi-Linear and Kimi-K3 (on MLA)
+    own: FamilyConfig | None = None  # the knobs only this family has (FamilyConfig)
 
     def __post_init__(self):
         if (self.gqa is None) == (self.mla is None):
@@ -248,13 +283,21 @@ class ModelConfig:
         return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim, self.mla.v_head_dim
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.own is None:  # a family without knobs of its own writes the config it always wrote
+            del d["own"]
+        return d
 
     @classmethod
     def from_json(cls, d: Any, source: str = "config") -> "ModelConfig":
         """The config `to_json` wrote; a field missing, unknown or of the wrong type is refused by
         its path under `source` (`config.moe.num_experts`)."""
-        return typed_from_json(cls, d, source)
+        if not isinstance(d, dict) or d.get("own") is None:
+            return typed_from_json(cls, {**d, "own": None} if isinstance(d, dict) else d, source)
+        own = d["own"]
+        config = typed_from_json(cls, {**d, "own": None}, source)
+        own_cls = own_config_class(config.family, f"{source}.own")
+        return dataclasses.replace(config, own=typed_from_json(own_cls, own, f"{source}.own"))
 
 
 def read_rope(f: Fields, default_theta: float = 10000.0) -> RopeConfig:

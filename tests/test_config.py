@@ -1,12 +1,14 @@
 """config.json in transformers 4 and 5 spellings reads to the same ModelConfig; bad configs are refused by name;
 the typed ModelConfig goes through the checkpoint manifest's JSON and back, refusing a bad one by the field's path."""
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 
 import pytest
 
-from eprt.config import MLAConfig, ModelConfig, MoEConfig
+from eprt.config import FamilyConfig, MLAConfig, ModelConfig, MoEConfig, own_config
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
@@ -182,3 +184,26 @@ def test_a_checkpoint_of_the_previous_format_is_refused_with_the_way_out(tmp_pat
         r"reads version 2, .*: convert the source again \(tools/convert_hf\.py\)",
     ):
         Checkpoint(ck)
+
+
+@own_config("own_knobs_test")
+@dataclass(frozen=True)
+class _OwnKnobs(FamilyConfig):
+    clamp_limit: float
+    sinks: bool
+
+
+def test_a_family_own_config_round_trips_and_is_checked_by_field():
+    """A knob only one family has lives in its own config, carried through the manifest JSON
+    typed, and refused by its path when the JSON is wrong."""
+    base = parse_hf_config(tiny_config("qwen3_moe"))
+    c = dataclasses.replace(base, family="own_knobs_test", own=_OwnKnobs(7.0, True))
+    d = json.loads(json.dumps(c.to_json()))
+    assert d["own"] == {"clamp_limit": 7.0, "sinks": True}
+    assert ModelConfig.from_json(d) == c
+    assert "own" not in base.to_json()  # a family without knobs of its own writes what it always wrote
+    assert ModelConfig.from_json(base.to_json()) == base
+    with pytest.raises(ConfigError, match=r"config\.own\.sinks: is a string"):
+        ModelConfig.from_json({**d, "own": {"clamp_limit": 7.0, "sinks": "yes"}})
+    with pytest.raises(ConfigError, match=r"config\.own: family 'qwen3_moe' has no own config"):
+        ModelConfig.from_json({**base.to_json(), "own": {"clamp_limit": 7.0}})
