@@ -33,8 +33,8 @@ from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.algorithms.search.auto_quantize import RECIPE_FILE, SearchSpace, parse_candidates  # noqa: E402
 from eprt.quant.recipe import load_recipe  # noqa: E402
-from eprt.quant.run.args import RUN_DTYPES  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
+from eprt.quant.run.setup import run_dtype  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 SHIPPED = "nvfp4_experts_fp8_attention"
@@ -78,7 +78,7 @@ def main() -> None:
         with Checkpoint(ck) as opened:
             c = opened.config
             space = SearchSpace.of(
-                ResolvedCheckpoint.of(opened, RUN_DTYPES["bf16"]).layout,
+                ResolvedCheckpoint.of(opened, run_dtype("bf16")).layout,
                 parse_candidates(args.formats),
                 c.num_experts_per_tok,
                 c.num_experts,

@@ -36,11 +36,15 @@ from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
 from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.algorithms.program import program_of  # noqa: E402
-from eprt.quant.run.args import RUN_DTYPES  # noqa: E402
 from eprt.quant.run.estimate import estimate_time  # noqa: E402
 from eprt.quant.run.plan import MemoryPlan  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.quant.run.setup import plan_recipe, plan_run, run_shape  # noqa: E402
+from eprt.quant.run.setup import (  # noqa: E402
+    plan_recipe,
+    plan_run,
+    run_dtype,  # noqa: E402
+    run_shape,
+)
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 
 # make_checkpoint's sizes. vocab: at most the tiny tokenizer's 512.
@@ -90,7 +94,7 @@ def plan_and_estimate(state: ParallelState, a: PTQArgs) -> tuple[MemoryPlan, flo
     """The run's memory plan on its device (its baseline the memory in use now) and the dry run's
     estimate of its calibration time, for arguments `a`."""
     with Checkpoint(a.ckpt) as ck:
-        rc = ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])
+        rc = ResolvedCheckpoint.of(ck, run_dtype(a.dtype))
         program = program_of(*plan_recipe(rc, a.recipe, a.kv_cache, a.algorithm))
         plan, _ = plan_run(state, rc, a, program)
         shape = program.shape(run_shape(a, state, ck.config))

@@ -38,8 +38,7 @@ from eprt.data import (
 )
 from eprt.errors import ConfigError
 from eprt.progress import logger, rank
-
-ROWS = ("pack", "truncate", "pad")
+from eprt.quant.run.args import ROWS
 
 
 def read_rows(

@@ -9,7 +9,7 @@ import pytest
 from eprt.commands.ptq import parse_args
 from eprt.errors import ConfigError
 from eprt.flags import add_flags, flag, from_flags
-from eprt.quant.preview import DEFAULT_PROMPT
+from eprt.quant.run.args import DEFAULT_PROMPT
 from eprt.quant.run.ptq import PTQArgs
 from eprt.units import parse_size
 
@@ -92,3 +92,18 @@ def test_a_tuple_field_is_a_flag_given_again_and_again():
     assert from_flags(Args, parser.parse_args(["--data", "a", "--data", "b", "--shares", "0.5"])) == Args(
         ("a", "b"), (0.5,)
     )
+
+
+def test_the_flags_offer_exactly_the_formats_and_dtypes_the_run_has():
+    """The parser's vocabulary is written where no torch is imported (so `--help` is quick): it
+    offers each KV-cache format, calibration-row mode and run dtype the run itself knows, no other."""
+    import torch
+
+    from eprt.quant.formats.kv import KV_CACHE_FORMATS
+    from eprt.quant.run.args import KV_CACHE_NAMES, RUN_DTYPES
+    from eprt.quant.run.setup import run_dtype
+
+    assert KV_CACHE_NAMES == tuple(KV_CACHE_FORMATS)
+    assert {n: run_dtype(n) for n in RUN_DTYPES} == {"bf16": torch.bfloat16, "fp32": torch.float32}
+    with pytest.raises(ConfigError, match=r"--dtype 'fp16': choose one of bf16, fp32"):
+        run_dtype("fp16")

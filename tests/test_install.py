@@ -12,8 +12,8 @@ import sys
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.preview import DEFAULT_PROMPT
 from eprt.quant.recipe import available
+from eprt.quant.run.args import DEFAULT_PROMPT
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.multiproc import free_port

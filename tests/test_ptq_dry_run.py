@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from eprt.commands.ptq import size
+from eprt.commands.ptq_run import size
 from eprt.hf.convert import convert_hf
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.quant.run.setup import plan_recipe

@@ -174,7 +174,7 @@ def test_the_defaults_said_are_eprt_ptqs():
             assert int(said) == defaults[flag[2:].replace("-", "_")], flag
 
 
-@pytest.mark.parametrize("command", ["quantize", "convert", "export", "check", "report", "make_tiny", "docs"])
+@pytest.mark.parametrize("command", ["quantize", "ptq", "convert", "export", "check", "report", "make_tiny", "docs"])
 def test_help_and_version_answer_without_torch(command):
     """What makes --help slow is importing torch: a command's parser imports none of it."""
     code = (

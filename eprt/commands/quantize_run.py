@@ -34,9 +34,8 @@ from eprt.hf.serving import DEFAULT_RECIPE, check_target, describe_gpus, generat
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.progress import logger, quiet
 from eprt.quant.recipe import Recipe, load_recipe
-from eprt.quant.run.args import RUN_DTYPES
 from eprt.quant.run.datafree import data_free
-from eprt.quant.run.setup import plan_recipe
+from eprt.quant.run.setup import plan_recipe, run_dtype
 from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir, write_file
 from eprt.storage.checkpoint import Checkpoint
@@ -93,7 +92,7 @@ class Run:
         pa, _ = parse_args(ptq_argv)
         with Checkpoint(ckpt) as ck:
             recipe, targets = plan_recipe(
-                ResolvedCheckpoint.of(ck, RUN_DTYPES[pa.dtype]), self.recipe, pa.kv_cache, pa.algorithm
+                ResolvedCheckpoint.of(ck, run_dtype(pa.dtype)), self.recipe, pa.kv_cache, pa.algorithm
             )
             free = data_free(recipe, pa)
             layout = a.format or holding_layout(recipe.formats)

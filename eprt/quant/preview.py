@@ -28,8 +28,6 @@ from eprt.quant.loop.calibrate import CalibrationError, Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales
 
-DEFAULT_PROMPT = "The river ran low in late summer, and"
-
 
 @torch.inference_mode()
 def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:

@@ -10,7 +10,8 @@ weighted by top-k / experts).
 from __future__ import annotations
 
 from eprt.layout import Layout
-from eprt.quant.algorithms.search.auto_quantize import UNQUANTIZED_BITS, linear_bits, linear_weights
+from eprt.quant.algorithms.search.auto_quantize import linear_bits, linear_weights
+from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS
 from eprt.quant.recipe import Recipe
 
 

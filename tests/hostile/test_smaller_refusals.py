@@ -12,7 +12,7 @@ from eprt.hf.convert import convert_hf
 from eprt.parallel import ParallelState
 from eprt.parallel.liveness import PEER_TIMEOUT_ENV, peer_timeout_s
 from eprt.quant.algorithms.search import auto_quantize_run
-from eprt.quant.algorithms.search.auto_quantize import parse_budget
+from eprt.quant.algorithms.search.budget import parse_budget
 from eprt.quant.recipe import load_recipe
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny

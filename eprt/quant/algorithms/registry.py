@@ -41,6 +41,9 @@ class GPTQParams:
     damp: float = 0.01  # damping, a fraction of the Hessian's mean diagonal
 
 
+GPTQ_MIN_TOKENS = 128  # a routed expert with fewer calibration tokens keeps max rounding (--gptq-min-tokens)
+
+
 class Entry(NamedTuple):
     name: str
     role: str  # BALANCE or ROUNDING

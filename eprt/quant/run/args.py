@@ -7,19 +7,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from eprt.flags import flag
-from eprt.quant.algorithms.gptq.layer import DEFAULT_MIN_TOKENS
-from eprt.quant.algorithms.search.auto_quantize import DEFAULT_CANDIDATES, parse_budget
-from eprt.quant.formats.kv import KV_CACHE_FORMATS
-from eprt.quant.preview import DEFAULT_PROMPT
-from eprt.quant.recipe import ALGORITHMS
-from eprt.samples import ROWS
+from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS
+from eprt.quant.algorithms.registry import sequences as algorithm_sequences
+from eprt.quant.algorithms.search.budget import DEFAULT_CANDIDATES, parse_budget
 from eprt.units import parse_size
 
-# `--dtype`: the dtype the model runs in
-RUN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# This module imports no torch: a command's parser is built from PTQArgs, and `--help` answers
+# before the model code loads. The vocabulary of the flags lives here for that reason.
+
+# `--dtype`: the dtype the model runs in, by its torch name (eprt.quant.run.setup.run_dtype)
+RUN_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# `--kv-cache`: the KV-cache formats (eprt.quant.formats.kv holds them, by these names)
+KV_CACHE_NAMES = ("fp8", "nvfp4")
+# `--calib-rows`: how documents make sequences (eprt.samples)
+ROWS = ("pack", "truncate", "pad")
+# `--preview` without a prompt
+DEFAULT_PROMPT = "The river ran low in late summer, and"
+ALGORITHMS = algorithm_sequences()
 
 
 def _max_memory(text: str) -> int:
@@ -40,7 +45,7 @@ class PTQArgs:
     ep: int | None = flag(
         help="expert-parallel degree; divides the world size and the routed experts (default: the world size)"
     )
-    kv_cache: str | None = flag(choices=sorted(KV_CACHE_FORMATS), help="also quantize the KV cache")
+    kv_cache: str | None = flag(choices=KV_CACHE_NAMES, help="also quantize the KV cache")
     auto_quantize: float | None = flag(
         type=parse_budget,
         metavar="BUDGET",
@@ -59,9 +64,9 @@ class PTQArgs:
         f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')",
     )
     gptq_min_tokens: int = flag(
-        DEFAULT_MIN_TOKENS,
+        GPTQ_MIN_TOKENS,
         help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
-        f"and is listed (default {DEFAULT_MIN_TOKENS})",
+        f"and is listed (default {GPTQ_MIN_TOKENS})",
     )
     calib: tuple[str, ...] = flag(
         (),

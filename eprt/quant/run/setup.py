@@ -48,9 +48,14 @@ def open_unquantized(state: ParallelState, a: PTQArgs, ck: Checkpoint | None) ->
         )
     ck = ck if ck is not None else Checkpoint(a.ckpt)
     refuse_calibrated(ck, a.ckpt)
-    if a.dtype not in RUN_DTYPES:
-        raise ConfigError(f"--dtype {a.dtype!r}: choose one of {', '.join(RUN_DTYPES)}")
-    return ck, ResolvedCheckpoint.of(ck, RUN_DTYPES[a.dtype])  # the one resolution the whole run reads
+    return ck, ResolvedCheckpoint.of(ck, run_dtype(a.dtype))  # the one resolution the whole run reads
+
+
+def run_dtype(name: str) -> torch.dtype:
+    """The torch dtype of `--dtype NAME`."""
+    if name not in RUN_DTYPES:
+        raise ConfigError(f"--dtype {name!r}: choose one of {', '.join(RUN_DTYPES)}")
+    return getattr(torch, RUN_DTYPES[name])
 
 
 def plan_recipe(

@@ -34,14 +34,13 @@ from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
-from eprt.quant.algorithms.registry import params_of
+from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS, params_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
 ALGORITHM = "gptq"
-DEFAULT_MIN_TOKENS = 128  # a routed expert with fewer keeps max rounding
 # Routed experts solved together: the column sweep's Python loop runs once per stack, not per
 # expert; each comes out as if alone (eprt.quant.algorithms.gptq.solve.gptq), so the stack size changes no bit. The
 # memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.plan), up to
@@ -129,7 +128,7 @@ class GPTQRun:
         targets: list[str],
         *,
         tokens: int,
-        min_tokens: int = DEFAULT_MIN_TOKENS,
+        min_tokens: int = GPTQ_MIN_TOKENS,
         expert_stack: int = MOST_EXPERTS_STACKED,
     ):
         self.state, self.rc, self.recipe = state, rc, recipe

@@ -44,7 +44,6 @@ the chosen recipe is then calibrated again with the asked algorithm (eprt.quant.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,13 +53,12 @@ from eprt.errors import ConfigError
 from eprt.layout import Layout, layer_of
 from eprt.quant.absorbed import ABSORBED, absorbed_in_4_bit_inputs
 from eprt.quant.algorithms.registry import ROTATE, rotated
+from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS
 from eprt.quant.formats import weight_format
 from eprt.quant.fusion import FUSED_SIBLINGS
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.recipe import FORMATS, Recipe, Rule
 
-DEFAULT_CANDIDATES = ("nvfp4", "fp8", "none")
-UNQUANTIZED_BITS = 16  # bf16
 # The algorithms whose statistics do not depend on the format, so the choice can come after the
 # loop and keep the search's statistics; GPTQ and AWQ work in each layer's format during the loop.
 # The rotation is the model's, whatever the formats: the search measures the rotated model.
@@ -71,25 +69,6 @@ GRID = 16384
 # a budget met up to float rounding counts as met: one given as a choice's own effective bits admits that choice
 ROUNDING = 1e-12
 RECIPE_FILE = "auto_recipe.yaml"  # the chosen map, in the output
-
-
-def parse_budget(text: str) -> float:
-    """`4.8bits` or `4.8`: effective bits per active parameter."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:bits?)?\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"--auto-quantize {text!r}: give the budget as effective bits per parameter, e.g. 4.8bits")
-    return check_budget(float(m.group(1)))
-
-
-def check_budget(bits: float) -> float:
-    """A budget the search can spend: positive and at most UNQUANTIZED_BITS (more buys nothing; an
-    infinite one would run the whole search and then overflow)."""
-    if not (math.isfinite(bits) and 0 < bits <= UNQUANTIZED_BITS):
-        raise ConfigError(
-            f"--auto-quantize {bits:g}bits: give a budget of bits per parameter above 0 and at most "
-            f"{UNQUANTIZED_BITS} (bf16's), e.g. 4.8bits"
-        )
-    return bits
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:

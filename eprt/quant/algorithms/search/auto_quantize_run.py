@@ -26,14 +26,13 @@ from eprt.quant.algorithms.registry import rotated
 from eprt.quant.algorithms.search.auto_quantize import (
     RECIPE_FILE,
     SEARCHABLE_ALGORITHMS,
-    UNQUANTIZED_BITS,
     SearchResult,
     SearchSpace,
-    check_budget,
     parse_candidates,
     search_algorithm,
     search_summary,
 )
+from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS, check_budget
 from eprt.quant.algorithms.search.passes import FormatErrors
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.loop.calibrate import Calibrator
