@@ -97,6 +97,23 @@ def test_a_resume_after_a_change_is_refused_naming_it(made, tmp_path, change):
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize(
+    "kw, named",
+    [({"seed": 3}, "--seed (None, now 3)"), ({"calib_rows": "truncate"}, "--calib-rows (pack, now truncate)")],
+)
+def test_a_resume_that_samples_the_documents_otherwise_is_refused_naming_the_flag(made, tmp_path, kw, named):
+    ck, recipe, _ = setup(made, tmp_path)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(
+        "".join(f'{{"text": "document {i} says {" and ".join(["more"] * (i % 7 + 3))}"}}\n' for i in range(40))
+    )
+    out = tmp_path / "q"
+    stopped_after_layer(args(ck, out, recipe, docs), 0)
+    with pytest.raises(EprtError, match="saved by a run with other arguments or inputs") as e:
+        run_ptq(ParallelState.single("cpu"), args(ck, out, recipe, docs, resume=True, **kw))
+    assert named in str(e.value)
+
+
 def test_a_truncated_work_file_is_refused_by_path(made, tmp_path):
     ck, recipe, calib = setup(made, tmp_path)
     out = tmp_path / "q"

@@ -34,6 +34,9 @@ OPTIONS = {
     "group_size": "the sequences per expert work unit (group_tokens)",
     "gptq_min_tokens": "--gptq-min-tokens",
     "all_experts": "--calibrate-all-experts",
+    # the tokens' digest already holds what these change; named, a refusal says which flag moved
+    "seed": "--seed",
+    "calib_rows": "--calib-rows",
 }
 
 

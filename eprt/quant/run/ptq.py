@@ -321,6 +321,8 @@ def fingerprint(
             "group_size": run_shape(a, state, ck.config).schedule_of(samples.shape[0]).group_size,
             "gptq_min_tokens": a.gptq_min_tokens,
             "all_experts": a.calibrate_all_experts,
+            "seed": a.seed,
+            "calib_rows": a.calib_rows,
         },
     )
 
