@@ -193,3 +193,24 @@ def test_the_plan_says_which_gpus_serve_the_export(source, tmp_path, capsys):
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=True)
     assert ptq([ck, "--dry-run", "--recipe", "nvfp4_experts_fp8_attention"]) == 0
     assert "its export serves on: Blackwell (B200" in capsys.readouterr().out
+
+
+def test_a_data_free_recipe_streams_any_model_type_as_the_model_free_export_does(tmp_path):
+    """A recipe that takes no statistic needs no model code: eprt-quantize streams the source (no
+    convert, no work directory), for a model_type eprt does not model, byte for byte what
+    `eprt-export HF_DIR OUT --recipe R` writes; a calibrated recipe on that model is refused by name."""
+    from eprt.hf.streaming import stream_export
+    from tests.test_model_free import make_olmoe
+
+    hf = make_olmoe(str(tmp_path / "hf"))
+    out = str(tmp_path / "out")
+    assert quantize([hf, out, "--recipe", "fp8_block", "--base-model", "org/olmoe", "--quiet"]) == 0
+    ref = stream_export(hf, str(tmp_path / "ref"), "fp8_block", fmt="modelopt", base_model="org/olmoe", progress=False)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(ref))
+    for name in os.listdir(ref):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(ref, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert "base_model: org/olmoe" in open(os.path.join(out, "README.md")).read()
+    assert not os.path.exists(out + ".work") and check_export(out, hf) == []
+    with pytest.raises(ConfigError, match=r"model_type 'olmoe' is not supported"):
+        quantize([hf, str(tmp_path / "q"), "--recipe", "nvfp4", "--calib", "builtin", "--quiet"])

@@ -117,6 +117,7 @@ def export() -> int:
                 dry_run=a.dry_run,
                 progress=not a.no_progress,
                 parallel=state,
+                base_model=a.base_model,
             )
             return 0
         export_hf(

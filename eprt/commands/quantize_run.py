@@ -6,8 +6,9 @@ then the export, its check, the summary, and the work directory removed.
     WORK/calibrated     the calibrated checkpoint (eprt-ptq; its own WORK/calibrated.work resumes a layer)
     OUT                 the export with its model card (eprt-export), checked against HF_DIR (eprt-check)
 
-A recipe that takes no activation statistic skips calibration: `write_data_free` quantizes each
-weight as the export writes it.
+A recipe that takes no activation statistic needs neither the model code nor the work directory:
+the export streams HF_DIR's tensors, each quantized as it is written (eprt.hf.streaming), for any
+model_type, and resumes shard by shard.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ from eprt.commands.launch import launched_rank
 from eprt.commands.ptq import parse_args, ptq
 from eprt.data import check_sources
 from eprt.errors import ConfigError, EprtError
-from eprt.families import load_hf_config
+from eprt.families import load_hf_config, read_hf_config
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import holding_layout
 from eprt.hf.model_card import serve_commands
 from eprt.hf.serving import DEFAULT_RECIPE, check_target, describe_gpus, generation_of, gpus_needed
+from eprt.hf.streaming import stream_export
 from eprt.models.resolved import ResolvedCheckpoint
 from eprt.progress import logger, quiet
 from eprt.quant.recipe import Recipe, load_recipe
-from eprt.quant.run.datafree import data_free
+from eprt.quant.run.datafree import data_free, say_data_free
 from eprt.quant.run.setup import plan_recipe, run_dtype
 from eprt.samples import first_sample
 from eprt.storage.atomic import check_output_dir, write_file
@@ -53,6 +55,7 @@ class Run:
     ptq_args: list[str]  # eprt-ptq's arguments passed on
     recipe: str
     work: str
+    free: bool  # the recipe takes no activation statistic: streamed, not calibrated
 
     @classmethod
     def of(cls, a: Namespace, ptq_args: list[str]) -> "Run":
@@ -64,13 +67,18 @@ class Run:
             )
         if not os.path.isdir(a.hf_dir):
             raise ConfigError(f"{a.hf_dir}: not a directory; give the Hugging Face model's directory")
-        load_hf_config(a.hf_dir)  # an unsupported model is refused by name
         recipe = a.recipe or (DEFAULT_RECIPE[generation_of(a.target)] if a.target else None)
         if recipe is None:
             raise ConfigError("give --recipe NAME (eprt-quantize --list-recipes), or --target GPU to pick one")
-        formats = load_recipe(recipe, a.kv_cache, a.algorithm).formats
+        parsed = load_recipe(recipe, a.kv_cache, a.algorithm)
+        # eprt-ptq's own refusals of its options
+        free = data_free(parsed, parse_args(["-", "--recipe", recipe, "--out", "-", *ptq_args])[0])
+        if free:
+            read_hf_config(a.hf_dir)  # any model_type streams; a config.json it can read is all it needs
+        else:
+            load_hf_config(a.hf_dir)  # calibration runs eprt's model: an unsupported model is refused by name
         if a.target:
-            warning = check_target(formats, a.target, recipe)
+            warning = check_target(parsed.formats, a.target, recipe)
             if warning:
                 logger().warning(warning)
         work = os.path.abspath(a.work_dir or f"{a.out.rstrip(os.sep)}.work")
@@ -80,11 +88,12 @@ class Run:
             check_sources(a.calib)
         if a.chat_template is not None and not os.path.isfile(a.chat_template):
             raise ConfigError(f"--chat-template {a.chat_template}: no such file; give a Jinja chat template file")
-        parse_args(["-", "--recipe", recipe, "--out", "-", *ptq_args])  # eprt-ptq's own refusals of its options
-        return cls(a, ptq_args, recipe, work)
+        return cls(a, ptq_args, recipe, work, free)
 
     # --- the steps ---------------------------------------------------------------------------
     def run(self) -> int:
+        if self.free:
+            return self.stream()
         a = self.a
         self.claim_work_dir()
         ckpt = self.convert()
@@ -94,37 +103,48 @@ class Run:
             recipe, targets = plan_recipe(
                 ResolvedCheckpoint.of(ck, run_dtype(pa.dtype)), self.recipe, pa.kv_cache, pa.algorithm
             )
-            free = data_free(recipe, pa)
             layout = a.format or holding_layout(recipe.formats)
-            logger().info(
-                "plan: recipe %s (%s) on %d modules, %s; the %s layout; serves on %s",
-                recipe.name,
-                ", ".join(recipe.formats),
-                len(targets),
-                "without data (no statistic to take)" if free else f"calibrated on {a.nproc_per_node or 1} rank(s)",
-                layout,
-                describe_gpus(recipe.formats),
-            )
-            if not free:
-                self.check_data(ck)
-        if free:
-            write_data_free(ckpt, a.out, self.recipe, pa.algorithm, a.format, a.base_model, a.overwrite)
-        else:
-            code = self.calibrate(ptq_argv)
-            if code:
-                return code
-            say_data_used(self.path("calibrated"))
-            export_hf(
-                self.path("calibrated"),
-                a.out,
-                fmt=a.format,
-                overwrite=a.overwrite,
-                base_model=a.base_model,
-                progress=not quiet(),
-            )
+            say_plan(recipe, len(targets), f"calibrated on {a.nproc_per_node or 1} rank(s)", layout)
+            self.check_data(ck)
+        code = self.calibrate(ptq_argv)
+        if code:
+            return code
+        say_data_used(self.path("calibrated"))
+        export_hf(
+            self.path("calibrated"),
+            a.out,
+            fmt=a.format,
+            overwrite=a.overwrite,
+            base_model=a.base_model,
+            progress=not quiet(),
+        )
         self.check()
         print(summary(a.out, a.hf_dir, recipe, layout, "auto_map" in ck.source_config))
         shutil.rmtree(self.work)
+        return 0
+
+    def stream(self) -> int:
+        """The data-free export, streamed from HF_DIR (its workers: --nproc-per-node), checked, summarized."""
+        a = self.a
+        pa, _ = parse_args(["-", "--recipe", self.recipe, "--out", a.out, *self.ptq_args])
+        recipe = load_recipe(self.recipe, pa.kv_cache, pa.algorithm)
+        say_data_free(pa, recipe)
+        layout = a.format or holding_layout(recipe.formats)
+        workers = a.nproc_per_node or 1
+        say_plan(recipe, None, f"streamed from the weights on {workers} process(es)", layout)
+        stream_export(
+            a.hf_dir,
+            a.out,
+            self.recipe,
+            algorithm=pa.algorithm,
+            fmt=layout,
+            workers=workers,
+            overwrite=a.overwrite,
+            progress=not quiet(),
+            base_model=a.base_model,
+        )
+        self.check()
+        print(summary(a.out, a.hf_dir, recipe, layout, "auto_map" in read_hf_config(a.hf_dir)))
         return 0
 
     def path(self, step: str) -> str:
@@ -222,20 +242,15 @@ def say_data_used(calibrated: str) -> None:
         )
 
 
-def write_data_free(
-    ckpt: str, out: str, recipe: str, algorithm: str, fmt: str | None, base_model: str | None, overwrite: bool
-) -> str:
-    """The export of `ckpt` under a recipe that takes no activation statistic: each weight quantized
-    as it is written, without data or a forward pass (eprt.quant.run.datafree)."""
-    return export_hf(
-        ckpt,
-        out,
-        recipe=recipe,
-        algorithm=algorithm,
-        fmt=fmt,
-        base_model=base_model,
-        overwrite=overwrite,
-        progress=not quiet(),
+def say_plan(recipe: Recipe, modules: int | None, how: str, layout: str) -> None:
+    logger().info(
+        "plan: recipe %s (%s)%s, %s; the %s layout; serves on %s",
+        recipe.name,
+        ", ".join(recipe.formats),
+        "" if modules is None else f" on {modules} modules",
+        how,
+        layout,
+        describe_gpus(recipe.formats),
     )
 
 

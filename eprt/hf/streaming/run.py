@@ -153,12 +153,14 @@ def stream_export(
     dry_run: bool = False,
     progress: bool = True,
     parallel: ParallelState | None = None,
+    base_model: str | None = None,
 ) -> str | dict:
     """Quantize Hugging Face checkpoint `hf_dir` into `out` under data-free `recipe` (a name of
     eprt/configs/ptq or a YAML path; `algorithm` for its rules that name none), in layout `fmt`
     (modelopt, the default, or compressed-tensors), on `workers` processes (and, with `parallel`,
     on every rank of the run, each with its own workers). Returns `out`; with `dry_run`, writes
-    nothing and returns the plan's summary (also logged)."""
+    nothing and returns the plan's summary (also logged). `base_model`: the Hub id the model card
+    names (default: the source's own, eprt.hf.model_card.base_model_id)."""
     state = parallel or ParallelState.single()
     if workers < 1:
         raise ConfigError(f"--workers {workers}: the number of processes must be at least 1")
@@ -187,7 +189,7 @@ def stream_export(
             write_shards(stream, work, todo, workers, progress)
         with guarded(state, "publishing the output"):
             if state.rank == 0:
-                finish(stream, work, out, overwrite)
+                finish(stream, work, out, overwrite, base_model)
     finally:
         stream.close()
     if state.rank == 0:
@@ -260,7 +262,7 @@ def _write(args: tuple[str, int]) -> int:
     return i
 
 
-def finish(stream: Stream, work: str, out: str, overwrite: bool) -> None:
+def finish(stream: Stream, work: str, out: str, overwrite: bool, base_model: str | None) -> None:
     """The index, the configs and the source's other files beside the shards; checked, then published."""
     missing = [n for n in stream.names if not os.path.isfile(os.path.join(work, n))]
     if missing:
@@ -285,7 +287,7 @@ def finish(stream: Stream, work: str, out: str, overwrite: bool) -> None:
         stream.recipe,
         stream.settings.layout,
         {item.linear.module for item in stream.plan.items if isinstance(item, Quantized)},
-        base_model_id(source_config, stream.src.dir),
+        base_model or base_model_id(source_config, stream.src.dir),
     )
     write_file(os.path.join(work, CARD), card, "the model card")
     problems = check_export(work, library=False)
