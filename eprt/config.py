@@ -1,7 +1,7 @@
 """One normalized ModelConfig for every family, and the RoPE reads families share (a family's reader
 reads config.json's fields with eprt.config_fields.Fields).
 
-Each family's reader lives in `eprt/families/<name>.py` and the family table
+Each family's reader lives in `eprt/families/<name>/config.py` and the family table
 (`eprt/families/__init__.py`) says which `model_type`s it reads. Fields are read from the file;
 where a field is absent, the value is the one the family's reference implementation
 (transformers) assumes, never a guess of ours.

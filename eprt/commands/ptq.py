@@ -22,8 +22,8 @@ from eprt.errors import ConfigError
 from eprt.flags import add_flags, from_flags
 from eprt.hf.export_plan import plan_export
 from eprt.hf.serving import describe_gpus, list_recipes
-from eprt.models.loader import open_checkpoint, weight_bytes
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import open_checkpoint, weight_bytes
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.parallel.state import check_ep
 from eprt.quant.algorithms.program import Program, program_of

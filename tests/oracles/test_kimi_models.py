@@ -17,13 +17,16 @@ from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiL
 import eprt  # noqa: E402
 from eprt.config import SiTUConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.families import (  # noqa: E402
+    model_class,  # noqa: E402
+    parse_hf_config,
+    reader_for,
+)
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
 from eprt.models.mla import MLAttention  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
@@ -203,7 +206,7 @@ def test_kimi_linear_holding_both_spellings_of_a_tensor_is_refused(tmp_path):
 def test_parameter_names_are_the_layout_names(family):
     c = parse_hf_config(tiny_config(family))
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
 

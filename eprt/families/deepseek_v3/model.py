@@ -12,7 +12,6 @@ from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE, held_experts
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.router import SigmoidGroupRouter
 
 
@@ -80,16 +79,3 @@ class DeepseekV3MTP(DecoderLayer):
         emb = self.embed_tokens(input_ids[:, shift:])
         emb = torch.cat([emb, emb.new_zeros(emb.shape[0], input_ids.shape[1] - emb.shape[1], emb.shape[2])], dim=1)
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-
-
-def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> DeepseekV3MTP:
-    """MTP layer k of the checkpoint `rc` resolves, built from the tensors convert carries through
-    under their Hugging Face names: the routed experts of its range stacked as the decoder layers
-    hold theirs, in its run dtypes (the router's tensors in fp32, as everywhere)."""
-    c = rc.ck.config
-    with torch.device("meta"):
-        mtp = DeepseekV3MTP(c, rc.expert_range)
-    mtp.requires_grad_(False)
-    prefix = f"model.layers.{c.num_layers + k}."
-    place_tensors(rc, mtp, [s.name for s in rc.layout.mtp if s.name.startswith(prefix)], device=device, prefix=prefix)
-    return mtp

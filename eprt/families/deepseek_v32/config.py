@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3 plus DeepSeek Sparse Attention, a lightning indexer
 in every attention layer that picks the `index_topk` keys each query attends to. Its projections
-stay unquantized in every recipe (the family table, eprt.families.DEEPSEEK_V32, says why)."""
+stay unquantized in every recipe (its family entry, eprt.families.deepseek_v32.FAMILY, says why)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import dataclasses
 
 from eprt.config import IndexerConfig, ModelConfig, MoEConfig
 from eprt.config_fields import Fields
-from eprt.families import deepseek_v3
-from eprt.layout import Layout, mla_attention, plain
+from eprt.families.deepseek_v3 import config as deepseek_v3
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -46,21 +45,3 @@ def moe(f: Fields, c: ModelConfig) -> MoEConfig | None:
         raise f.refuse(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {c.num_layers} layers")
     layers = tuple(i for i, t in enumerate(types) if t == "sparse")
     return dataclasses.replace(c.moe, layers=layers) if layers else None
-
-
-def attention(prefix: str, c: ModelConfig) -> list:
-    """MLA's tensors, then the indexer's: its query from MLA's low-rank query, one key head with a
-    LayerNorm, and a weight per head and token."""
-    ix, D = c.indexer, c.hidden_size
-    p = f"{prefix}.indexer"
-    return mla_attention(prefix, c) + [
-        plain(f"{p}.wq_b.weight", ix.n_heads * ix.head_dim, c.mla.q_lora_rank),
-        plain(f"{p}.wk.weight", ix.head_dim, D),
-        plain(f"{p}.k_norm.weight", ix.head_dim),
-        plain(f"{p}.k_norm.bias", ix.head_dim),
-        plain(f"{p}.weights_proj.weight", ix.n_heads, D),
-    ]
-
-
-def layout(c: ModelConfig) -> Layout:
-    return deepseek_v3.decoder_layout(c, attention)

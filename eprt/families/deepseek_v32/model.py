@@ -4,8 +4,8 @@ indexer picks (DeepSeek Sparse Attention); the MoE and the dense first layers as
 from __future__ import annotations
 
 from eprt.config import ModelConfig
+from eprt.families.deepseek_v3.model import deepseek_mlp
 from eprt.models.decoder import CausalLM, DecoderLayer
-from eprt.models.deepseek_v3 import deepseek_mlp
 from eprt.models.dsa import Indexer
 from eprt.models.mla import MLAttention
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope, read_rotary_dim
 from eprt.config_fields import Fields
-from eprt.families import deepseek_v3
-from eprt.layout import Layout, gqa_attention
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -68,7 +66,3 @@ def parse(hf: dict, source: str) -> ModelConfig:
         # transformers assumes one MTP layer where the file names none; absent tensors carry nothing
         num_nextn_predict_layers=f.get("num_nextn_predict_layers", "num_mtp_layers", default=1),
     )
-
-
-def layout(c: ModelConfig) -> Layout:
-    return deepseek_v3.with_mtp(c, gqa_attention)

@@ -5,9 +5,9 @@ plus shared experts)."""
 from __future__ import annotations
 
 from eprt.config import ModelConfig
+from eprt.families.deepseek_v3.model import deepseek_mlp
 from eprt.models.attention import GQAttention
 from eprt.models.decoder import CausalLM, DecoderLayer
-from eprt.models.deepseek_v3 import deepseek_mlp
 
 
 class Glm4MoeForCausalLM(CausalLM):

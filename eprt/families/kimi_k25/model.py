@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import ModelConfig
-from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
+from eprt.families.deepseek_v3.model import DeepseekV3ForCausalLM
 from eprt.models.vlm import LanguageModelOf
 
 

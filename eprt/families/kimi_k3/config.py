@@ -5,9 +5,8 @@ the K3 additions (docs/models.md, 'Kimi-K3'). The text config is `text_config`, 
 from __future__ import annotations
 
 from eprt.config import ModelConfig
-from eprt.families import kimi_linear
-from eprt.families.kimi_k25 import text_config, vlm_layout
-from eprt.layout import Layout
+from eprt.families.kimi_k25.config import text_config
+from eprt.families.kimi_linear import config as kimi_linear
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -16,7 +15,3 @@ def parse(hf: dict, source: str) -> ModelConfig:
     return kimi_linear.parse_text(
         text_config(hf, source), f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"], flat_a_log=True
     )
-
-
-def layout(c: ModelConfig) -> Layout:
-    return vlm_layout(kimi_linear.layout(c))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import ModelConfig
-from eprt.models.kimi_linear import KimiLinearForCausalLM
+from eprt.families.kimi_linear.model import KimiLinearForCausalLM
 from eprt.models.vlm import LanguageModelOf
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.models.attn_res import attn_res_mix
+from eprt.models.balance import Balance, pre_norm_groups
 from eprt.models.decoder import CausalLM, Embedding
 from eprt.models.kda import KimiDeltaAttention
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiTU, silu_mul
@@ -77,6 +78,12 @@ class KimiDecoderLayer(nn.Module):
 
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def balance_groups(self) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): each norm's, with the mixer that reads it."""
+        return pre_norm_groups(self.input_layernorm, self.self_attn) + pre_norm_groups(
+            self.post_attention_layernorm, self.ffn()
+        )
 
     def forward(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
         carry, m = self.attend(x, blocks)

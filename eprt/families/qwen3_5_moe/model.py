@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from eprt.config import ModelConfig
+from eprt.families.qwen3_next.model import Qwen3NextDecoder, Qwen3NextDecoderLayer
 from eprt.models.decoder import CausalLM
-from eprt.models.qwen3_next import Qwen3NextDecoder, Qwen3NextDecoderLayer
 
 
 class LanguageModelInside(nn.Module):

@@ -13,6 +13,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.models.attention import GQAttention
+from eprt.models.balance import Balance, pre_norm_groups
 from eprt.models.decoder import CausalLM, Decoder
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.layers import GatedMLP, ZeroCenteredRMSNorm
@@ -69,6 +70,11 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     def ffn(self) -> nn.Module:
         return self.mlp
+
+    def balance_groups(self) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): each norm's, with the mixer that reads it."""
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        return pre_norm_groups(self.input_layernorm, mixer) + pre_norm_groups(self.post_attention_layernorm, self.mlp)
 
 
 class Qwen3NextDecoder(Decoder):

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import Program
 from eprt.quant.loop.calibrate import Calibrator

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from eprt.errors import CheckpointError
+from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.decoder import CausalLM
-from eprt.models.registry import model_class
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import EPDispatcher, ParallelState, fail_together
 from eprt.storage.checkpoint import Checkpoint
 
@@ -99,9 +98,23 @@ def weight_bytes(rc: ResolvedCheckpoint) -> tuple[int, int]:
 def build_meta(rc: ResolvedCheckpoint) -> CausalLM:
     """The model of `rc` built on the meta device, holding its range of the routed experts."""
     with torch.device("meta"):
-        model = model_class(rc.ck.config.family)(rc.ck.config, expert_range=rc.expert_range)
+        model = rc.family.model(rc.ck.config, expert_range=rc.expert_range)
     model.requires_grad_(False)
     return model
+
+
+def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> torch.nn.Module:
+    """MTP layer k of the checkpoint `rc` resolves (its family's `mtp_model`), built from the
+    tensors convert carries through under their Hugging Face names: the routed experts of its
+    range stacked as the decoder layers hold theirs, in its run dtypes (the router's tensors in
+    fp32, as everywhere)."""
+    c = rc.ck.config
+    with torch.device("meta"):
+        mtp = rc.family.mtp_model(c, rc.expert_range)
+    mtp.requires_grad_(False)
+    prefix = f"model.layers.{c.num_layers + k}."
+    place_tensors(rc, mtp, [s.name for s in rc.layout.mtp if s.name.startswith(prefix)], device=device, prefix=prefix)
+    return mtp
 
 
 def _load(rc: ResolvedCheckpoint, device: str | torch.device) -> CausalLM:

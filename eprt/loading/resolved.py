@@ -1,8 +1,8 @@
 """A checkpoint as a run reads it, resolved once: the family that reads it, its tensor layout, the
 routed experts this rank holds and the dtype each tensor runs in.
 
-What builds, loads or prices the model asks this object, not the family table: the model code
-needs nothing from the table, and `place_tensors` is the one path that reads tensors into a
+What builds, loads or prices the model asks this object, not the family table (the model class
+is `family.model`), and `place_tensors` is the one path that reads tensors into a
 model's places, the decoder layers' and the multi-token-prediction layers' alike.
 """
 
