@@ -26,7 +26,7 @@ FUSED_ON_LOAD = {
 }
 # Linears that read one input and share input_scale and the per-tensor weight scale in a format
 # that shares them (NVFP4's weight_scale_2): the fused ones, and gate/up of a routed expert as an
-# export names them apart (w1/w3; gate_proj/up_proj are above), which the fused MoE loads as w13
+# export names them apart (w1/w3; gate_proj/up_proj are above), which the fused MoE loads as one gate/up weight
 # with gate's weight scale.
 SAME_INPUT = (*FUSED_ON_LOAD.values(), ("w1", "w3"))
 

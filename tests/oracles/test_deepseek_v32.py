@@ -15,11 +15,7 @@ pytest.importorskip("transformers")
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
 
 import eprt  # noqa: E402
-from eprt.families import (  # noqa: E402
-    model_class,  # noqa: E402
-    parse_hf_config,
-    reader_for,
-)
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402

@@ -10,11 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 
-from eprt.families import (  # noqa: E402
-    model_class,  # noqa: E402
-    parse_hf_config,
-    reader_for,
-)
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.oracles.test_models import (
     TINY,

@@ -17,11 +17,8 @@ from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiL
 import eprt  # noqa: E402
 from eprt.config import SiTUConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
-from eprt.families import (  # noqa: E402
-    model_class,  # noqa: E402
-    parse_hf_config,
-    reader_for,
-)
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
+from eprt.families.kimi_linear.config import LatentExperts  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
@@ -229,11 +226,11 @@ def test_kimi_configs():
     linear = parse_hf_config(tiny_config("kimi_linear"))
     assert linear.kimi_linear.kda.layers == (0, 2) and linear.moe_layers == (1, 2)
     assert linear.kimi_linear.kda.a_log_shape == (1, 1, 4, 1) and linear.kimi_linear.attn_res_block_size is None
-    assert linear.rope is None and linear.kimi_linear.situ is None  # NoPE, SiLU
+    assert linear.rope is None and linear.kimi_linear.situ is None and linear.own is None  # NoPE, SiLU, no latent
     k3 = parse_hf_config(tiny_config("kimi_k3"))
     assert (k3.family, k3.model_type, k3.kimi_linear.situ) == ("kimi_k3", "kimi_k3", SiTUConfig(4.0, 25.0))
     # A_log one entry per head; the checkpoints pad it (tests below)
-    assert k3.kimi_linear.kda.a_log_shape == (4,) and (k3.moe.latent_size, k3.moe.latent_norm) == (32, True)
+    assert k3.kimi_linear.kda.a_log_shape == (4,) and k3.own == LatentExperts(latent_size=32, latent_norm=True)
     k25 = parse_hf_config(tiny_config("kimi_k25"))
     assert (k25.family, k25.model_type, k25.moe.n_group) == ("kimi_k25", "kimi_k25", 1)
     names = [s.name for s in reader_for("kimi_k25", "test").layout(k25).specs]

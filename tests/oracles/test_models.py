@@ -12,11 +12,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig
 
 import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
-from eprt.families import (  # noqa: E402
-    model_class,  # noqa: E402
-    parse_hf_config,
-    reader_for,
-)
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.kernels import combine, permute  # noqa: E402

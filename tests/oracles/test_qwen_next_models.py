@@ -20,11 +20,7 @@ from transformers import (
 import eprt  # noqa: E402
 from eprt.config import ModelConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
-from eprt.families import (  # noqa: E402
-    model_class,  # noqa: E402
-    parse_hf_config,
-    reader_for,
-)
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule  # noqa: E402

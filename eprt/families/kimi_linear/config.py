@@ -8,7 +8,17 @@ MLA output gate, the KDA gate lower bound and full-rank gate) are read where pre
 
 from __future__ import annotations
 
-from eprt.config import KDAConfig, KimiLinearConfig, ModelConfig, SiTUConfig, moe_or_dense
+from dataclasses import dataclass
+
+from eprt.config import (
+    FamilyConfig,
+    KDAConfig,
+    KimiLinearConfig,
+    ModelConfig,
+    SiTUConfig,
+    moe_or_dense,
+    own_config,
+)
 from eprt.config_fields import Fields
 from eprt.families.deepseek_v3 import config as deepseek_v3
 
@@ -18,6 +28,21 @@ DEFAULTS = {
     "kimi_linear": {"first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "num_experts_per_token": 8},
     "kimi_k3": {"first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "num_experts_per_token": 16},
 }
+
+
+@own_config("kimi_linear", "kimi_k3")
+@dataclass(frozen=True)
+class LatentExperts(FamilyConfig):
+    """Kimi-K3's latent MoE (`routed_expert_hidden_size`): the routed experts compute in a latent
+    of `latent_size`, projected down from and up to the hidden state, their combined output
+    normalized first under `latent_norm`. Absent (`ModelConfig.own` None): the experts read the
+    hidden state, as Kimi-Linear's do."""
+
+    latent_size: int
+    latent_norm: bool
+
+    def routed_width(self) -> int:
+        return self.latent_size
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -102,9 +127,8 @@ def parse_text(
             routed_scaling_factor=float(f.get("routed_scaling_factor", default=defaults["routed_scaling_factor"])),
             n_group=f.get("num_expert_group", "n_group", default=1),
             topk_group=f.get("topk_group", default=1),
-            latent_size=latent,
-            latent_norm=bool(latent and f.get("latent_moe_use_norm", default=False)),
         ),
+        own=LatentExperts(latent, bool(f.get("latent_moe_use_norm", default=False))) if latent and moe_layers else None,
         kimi_linear=KimiLinearConfig(
             kda=KDAConfig(
                 layers=tuple(kda_layers),

@@ -39,20 +39,23 @@ def layout(c: ModelConfig) -> Layout:
                 specs.append(plain(f"{a}.g_proj.weight", H * c.mla.v_head_dim, D))
         if c.is_moe(i):
             m, moe = f"{p}.block_sparse_moe", c.moe
-            Z = moe.latent_size
+            latent = c.own  # LatentExperts, where the experts compute in a latent
             specs += [
                 plain(f"{m}.gate.weight", moe.num_experts, D),
                 plain(f"{m}.gate.e_score_correction_bias", moe.num_experts),
             ]
-            specs += stacked_experts(f"{m}.experts", moe.num_experts, moe.intermediate_size, Z or D, "w1", "w3", "w2")
+            specs += stacked_experts(
+                f"{m}.experts", moe.num_experts, moe.intermediate_size, c.routed_width, "w1", "w3", "w2"
+            )
             if moe.num_shared_experts:
                 specs += gated_mlp(f"{m}.shared_experts", D, moe.intermediate_size * moe.num_shared_experts)
-            if Z:
+            if latent:
+                Z = latent.latent_size
                 specs += [
                     plain(f"{m}.routed_expert_down_proj.weight", Z, D),
                     plain(f"{m}.routed_expert_up_proj.weight", D, Z),
                 ]
-                if moe.latent_norm:
+                if latent.latent_norm:
                     specs.append(plain(f"{m}.routed_expert_norm.weight", Z))
         else:
             # transformers 5 saves a dense layer's MLP under the MoE layers' name

@@ -46,14 +46,14 @@ def attention(c: ModelConfig, i: int) -> nn.Module:
 def sparse_moe(c: ModelConfig, expert_range: tuple[int, int] | None) -> MoE:
     m = c.moe
     first, count = held_experts(expert_range, m.num_experts)
-    D, I, Z = c.hidden_size, m.intermediate_size, m.latent_size
+    D, I, latent = c.hidden_size, m.intermediate_size, c.own
     gate = SigmoidGroupRouter(
         m.num_experts, D, m.num_experts_per_tok, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor
     )
     shared = GatedMLP(D, I * m.num_shared_experts, activation(c)) if m.num_shared_experts else None
-    experts = Experts(m.num_experts, first, count, Z or D, I, activation(c))
-    if Z:
-        return LatentMoE(gate, experts, shared, D, Z, c.rms_norm_eps if m.latent_norm else None)
+    experts = Experts(m.num_experts, first, count, c.routed_width, I, activation(c))
+    if latent:  # the family's own config: LatentExperts
+        return LatentMoE(gate, experts, shared, D, latent.latent_size, c.rms_norm_eps if latent.latent_norm else None)
     return MoE(gate, experts, shared)
 
 

@@ -473,7 +473,7 @@ class Planner:
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        W = (c.moe.latent_size or D) if c.moe else D  # the routed experts' width
+        W = c.routed_width  # the routed experts' width
         widest = max(c.moe.intermediate_size if c.moe else 0, c.intermediate_size)
         R = t * K if c.moe_layers else 0
         # kept until the step's exchange returns, per token: the residual and the MLP input, the
