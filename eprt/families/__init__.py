@@ -2,8 +2,8 @@
 
 A family is one folder, `eprt/families/<name>/` (docs/adding-a-family.md): its config reader,
 its tensor layout, its model, and its entry (`FAMILY`, eprt.families.family.Family), registered
-here in one line of FAMILIES. The table is listed, not discovered: its order is the order a run
-over every family takes (bench/export_digests.py, the tests parametrized by the table), and a
+here in one line of FAMILIES. The table is listed, not discovered: its order is the order of the
+tests parametrized by the table, and a
 folder that is not yet a family (half-written) is never picked up by accident.
 
 The table sits above the model code (each entry names its model class); what a run needs of it
