@@ -2,9 +2,9 @@
 
 A family is one folder, `eprt/families/<name>/` (docs/adding-a-family.md): its config reader,
 its tensor layout, its model, and its entry (`FAMILY`, eprt.families.family.Family), registered
-here in one line of FAMILIES. The table is listed, not discovered: its order is the order of the
-tests parametrized by the table, and a
-folder that is not yet a family (half-written) is never picked up by accident.
+here in one line of FAMILIES. The table is listed, not discovered: the imports say
+which folders are families (the import graph's test sees them), and a folder being written is
+not picked up half done.
 
 The table sits above the model code (each entry names its model class); what a run needs of it
 (the layout, the tensors kept in fp32, the model class) it resolves once (eprt.loading.resolved).
