@@ -27,7 +27,8 @@ class Family:
     model_types: tuple[str, ...]  # the config.json `model_type`s it reads
     parse: Callable[[dict, str], ModelConfig]  # (config.json, its path for messages) -> ModelConfig
     tensors: Callable[[ModelConfig], Layout]  # the tensor layout: specs and what is only carried through
-    # The model class that runs it: Class(config, expert_range=None), an eprt.models.decoder.CausalLM.
+    # The model class that runs it: Class(config, expert_range=None), a CausalLM (eprt.models.decoder)
+    # or a VLM wrapping one (eprt.models.vlm.LanguageModelOf).
     model: type
     # Regexes over tensor names the reference keeps in fp32 whatever the model dtype: the model
     # holds them in fp32, and a `--dtype` conversion leaves them in their source dtype.
