@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eprt.hf.convert import convert_hf  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.algorithms.search.auto_quantize import RECIPE_FILE, SearchSpace, parse_candidates  # noqa: E402
 from eprt.quant.recipe import load_recipe  # noqa: E402

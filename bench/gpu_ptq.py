@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ep import make_checkpoint, peak_rss, reset_peak, rss  # noqa: E402
 from eprt.kernels import combine, grouped_mm, permute  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.algorithms.program import program_of  # noqa: E402
 from eprt.quant.run.estimate import estimate_time  # noqa: E402

@@ -31,8 +31,8 @@ import eprt  # noqa: E402
 from bench.ep import peak_rss, reset_peak, rss  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.models.loader import weight_bytes  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.loading.loader import weight_bytes  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.multiproc import free_port, run_world  # noqa: E402

@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.loading.loader import load_parallel  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.layers import Linear  # noqa: E402
-from eprt.models.loader import load_parallel  # noqa: E402
 from eprt.models.moe import Experts  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.taps import tapped  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats import weight_format  # noqa: E402

@@ -1,7 +1,7 @@
 """One normalized ModelConfig for every family, and the RoPE reads families share (a family's reader
 reads config.json's fields with eprt.config_fields.Fields).
 
-Each family's reader lives in `eprt/families/<name>.py` and the family table
+Each family's reader lives in `eprt/families/<name>/config.py` and the family table
 (`eprt/families/__init__.py`) says which `model_type`s it reads. Fields are read from the file;
 where a field is absent, the value is the one the family's reference implementation
 (transformers) assumes, never a guess of ours.
@@ -90,8 +90,8 @@ class MoEConfig:
     bias, the best `topk_group` of `n_group` groups, weights times `routed_scaling_factor`) router;
     `norm_topk_prob` renormalizes the chosen weights. `num_shared_experts` DeepSeek-style shared
     experts of `intermediate_size` each run on every token (Qwen-Next's gated shared expert is
-    `QwenNextConfig`'s). With `latent_size` (Kimi-K3) the routed experts compute in a latent of
-    that width, projected down from and up to the hidden state, normalized first under `latent_norm`."""
+    `QwenNextConfig`'s). A family whose routed experts compute in a width of their own (Kimi-K3's
+    latent) says so in its own config (`FamilyConfig.routed_width`)."""
 
     layers: tuple[int, ...]
     num_experts: int
@@ -103,8 +103,6 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    latent_size: int | None = None
-    latent_norm: bool = False
 
     def __post_init__(self):
         if not self.layers:
@@ -185,6 +183,10 @@ class FamilyConfig:
     dataclass in the family's own folder (`eprt/families/<name>/config.py`), subclassing this and
     registered for its family names with `own_config`. ModelConfig carries it as `own`, so the
     global config holds only what every family has."""
+
+    def routed_width(self) -> int | None:
+        """The width the routed experts read and write, where it is not the hidden size."""
+        return None
 
 
 OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
@@ -270,6 +272,12 @@ class ModelConfig:
         return layer in self.moe_layers
 
     @property
+    def routed_width(self) -> int:
+        """The width the routed experts read and write: the hidden size, or a family's own
+        (Kimi-K3's latent, `FamilyConfig.routed_width`)."""
+        return (self.own.routed_width() if self.own else None) or self.hidden_size
+
+    @property
     def rotary_dim(self) -> int:
         """How many dims of each head RoPE rotates."""
         return self.gqa.rotary_dim if self.gqa else self.mla.qk_rope_head_dim
@@ -291,13 +299,40 @@ class ModelConfig:
     @classmethod
     def from_json(cls, d: Any, source: str = "config") -> "ModelConfig":
         """The config `to_json` wrote; a field missing, unknown or of the wrong type is refused by
-        its path under `source` (`config.moe.num_experts`)."""
+        its path under `source` (`config.moe.num_experts`). A field the global config no longer
+        holds (`RETIRED`) reads on where it holds the value that meant "absent"."""
+        d = without_retired(d, source)
         if not isinstance(d, dict) or d.get("own") is None:
             return typed_from_json(cls, {**d, "own": None} if isinstance(d, dict) else d, source)
         own = d["own"]
         config = typed_from_json(cls, {**d, "own": None}, source)
         own_cls = own_config_class(config.family, f"{source}.own")
         return dataclasses.replace(config, own=typed_from_json(own_cls, own, f"{source}.own"))
+
+
+# Fields the global config held once, by part, with the value that meant "absent": a manifest
+# written then reads on where it holds that value. Another value is a knob that moved into its
+# family's own config (ModelConfig.own): refused, with the way out.
+RETIRED = {"moe": {"latent_size": None, "latent_norm": False}}  # Kimi-K3's latent: LatentExperts
+
+
+def without_retired(d: Any, source: str) -> Any:
+    """`d` with the retired fields that hold their "absent" value dropped."""
+    if not isinstance(d, dict):
+        return d
+    out = dict(d)
+    for part, retired in RETIRED.items():
+        held = out.get(part)
+        if not isinstance(held, dict) or not set(retired) & set(held):
+            continue
+        for name, absent in retired.items():
+            if name in held and held[name] != absent:
+                raise ConfigError(
+                    f"{source}.{part}.{name}: {held[name]!r}, written by an older eprt; this eprt holds it in "
+                    "the family's own config (own): convert the source again"
+                )
+        out[part] = {k: v for k, v in held.items() if k not in retired}
+    return out
 
 
 def read_rope(f: Fields, default_theta: float = 10000.0) -> RopeConfig:

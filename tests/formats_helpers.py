@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.models.loader import load_model, load_parallel
+from eprt.loading.loader import load_model, load_parallel
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import LocalDispatcher
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules

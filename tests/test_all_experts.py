@@ -18,10 +18,10 @@ from eprt.families import reader_for
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.kernels import unit_act, unit_mlp
+from eprt.loading.loader import load_parallel
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import silu_mul
-from eprt.models.loader import load_parallel
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord

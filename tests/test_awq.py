@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.loading.loader import load_parallel
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import silu_mul
-from eprt.models.loader import load_parallel
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.quant.algorithms.awq import search as awq_search

@@ -207,3 +207,27 @@ def test_a_family_own_config_round_trips_and_is_checked_by_field():
         ModelConfig.from_json({**d, "own": {"clamp_limit": 7.0, "sinks": "yes"}})
     with pytest.raises(ConfigError, match=r"config\.own: family 'qwen3_moe' has no own config"):
         ModelConfig.from_json({**base.to_json(), "own": {"clamp_limit": 7.0}})
+
+
+def test_kimi_k3s_latent_experts_live_in_its_own_config(tmp_path):
+    """Kimi-K3's latent (a knob no other family has) is its own config's, through the manifest and
+    back. A manifest written when the global MoE config held it reads on where it held nothing
+    (every other family's), and Kimi-K3's is refused by the field, with the way out."""
+    k3 = parse_hf_config(tiny_config("kimi_k3"))
+    d = json.loads(json.dumps(k3.to_json()))
+    assert d["own"] == {"latent_size": 32, "latent_norm": True} and "latent_size" not in d["moe"]
+    assert ModelConfig.from_json(d) == k3 and k3.routed_width == 32
+    for family in ("qwen3_moe", "kimi_linear"):
+        c = parse_hf_config(tiny_config(family))
+        before = c.to_json()
+        before["moe"].update(latent_size=None, latent_norm=False)
+        assert ModelConfig.from_json(before) == c and c.routed_width == c.hidden_size
+    ck = convert_hf(make_tiny("kimi_k3", str(tmp_path / "hf")), str(tmp_path / "ck"), progress=False)
+    assert Checkpoint(ck).config.own == k3.own
+    rewrite_manifest(ck, lambda m: m["config"]["moe"].update(m["config"].pop("own")))
+    with pytest.raises(
+        CheckpointError,
+        match=r"eprt\.json: corrupt manifest: config\.moe\.latent_size: 32, written by an older eprt; "
+        r"this eprt holds it in the family's own config \(own\): convert the source again",
+    ):
+        Checkpoint(ck)

@@ -28,7 +28,7 @@ from eprt.errors import ConfigError, EprtError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_plan import plan_export
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.formats.fp8_block import Fp8Block

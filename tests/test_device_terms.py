@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.run.device_terms import ALLOCATOR_RESERVE, CUBLAS_WORKSPACES, CUDA_CONTEXT, NCCL_PER_PEER
 from eprt.quant.run.plan import Planner, RunShape
 from eprt.storage.checkpoint import Checkpoint

@@ -9,9 +9,9 @@ from eprt import families
 from eprt.families import reader_for
 from eprt.hf.convert import convert_hf
 from eprt.kernels.grouped_gemm import grouped_mm_loop, unit_mlp
+from eprt.loading.loader import load_model
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import silu_mul
-from eprt.models.loader import load_model
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import LayerEngine, Pass

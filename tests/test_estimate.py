@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eprt.hf.convert import convert_hf
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import program_of
 from eprt.quant.algorithms.registry import unrotated

@@ -16,16 +16,20 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "eprt"
 
 # Low to high: a module may import from its own layer and the layers below it, never above.
-# A module (or package) is placed by its longest listed prefix.
+# A module (or package) is placed by its longest listed prefix; a `*` stands for one name, so that
+# a new family folder (eprt/families/<name>/) is placed without a line of its own.
 LAYERS = (
     ("foundation", ("eprt.errors", "eprt.units", "eprt.flags", "eprt.progress")),
     ("model description", ("eprt.config", "eprt.config_fields", "eprt.layout")),  # pure Python: no torch, no files
     ("storage", ("eprt.storage",)),  # checkpoint, safetensors, encodings, HF file names, atomic output
     ("report", ("eprt.report",)),  # the quality report as a page: rendering only, from its JSON
-    ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets
+    # a family described: its config reader, its tensor layout, the entry's type (no torch-side code)
+    ("family description", ("eprt.families.family", "eprt.families.*.config", "eprt.families.*.layout")),
     ("kernels", ("eprt.kernels",)),
     ("parallel", ("eprt.parallel",)),
-    ("models", ("eprt.models",)),
+    ("models", ("eprt.models", "eprt.families.*.model")),  # the shared blocks, and each family's model
+    ("family table", ("eprt.families",)),  # each folder's FAMILY entry (it names the model class), the table
+    ("loading", ("eprt.loading",)),  # a checkpoint resolved by its family, its model built and read
     ("quant", ("eprt.quant", "eprt.data", "eprt.samples")),
     ("hf", ("eprt.hf",)),  # the Hugging Face border: convert in, export out, checks
     ("testing", ("eprt.testing",)),  # fixtures the demo, eprt-make-tiny and the tests share
@@ -65,16 +69,17 @@ def graph() -> dict[str, set[str]]:
     return {m: imports(m, p, set(mods)) for m, p in mods.items()}
 
 
+def under(module: str, prefix: str) -> bool:
+    """`module` is `prefix` or inside it, a `*` in `prefix` matching any one name."""
+    parts, want = module.split("."), prefix.split(".")
+    return len(parts) >= len(want) and all(w in ("*", p) for w, p in zip(want, parts))
+
+
 def layer(module: str) -> int:
     if module == ROOT:
         return len(LAYERS) - 1
     best = max(
-        (
-            (len(prefix), i)
-            for i, (_, prefixes) in enumerate(LAYERS)
-            for prefix in prefixes
-            if module == prefix or module.startswith(prefix + ".")
-        ),
+        ((len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes if under(module, prefix)),
         default=None,
     )
     assert best is not None, f"{module} is in no layer: add it to LAYERS in {__file__}"
@@ -115,7 +120,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_lazy_and_submodule_imports():
     g = graph()
     # a function-level import (eprt/__init__.py loads the loader on first use)
-    assert "eprt.models.loader" in g["eprt"]
+    assert "eprt.loading.loader" in g["eprt"]
     # `from eprt.kernels import grouped_mm` is an edge to the package, which imports its submodules
     assert "eprt.kernels.grouped_gemm" in g["eprt.kernels"]
 
@@ -134,3 +139,17 @@ def test_no_import_from_a_higher_layer():
         if layer(d) > layer(m)
     ]
     assert not upward, "imports from a higher layer:\n  " + "\n  ".join(upward)
+
+
+def test_a_family_folder_is_placed_by_its_parts():
+    """A family's config and layout sit below the model code, its model among the models, its
+    entry above them: a new folder needs no line here."""
+    placed = {
+        part: LAYERS[layer(f"eprt.families.new_family{part}")][0] for part in (".config", ".layout", ".model", "")
+    }
+    assert placed == {
+        ".config": "family description",
+        ".layout": "family description",
+        ".model": "models",
+        "": "family table",
+    }

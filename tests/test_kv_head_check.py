@@ -12,9 +12,8 @@ import torch
 
 from eprt.commands import ptq as command
 from eprt.errors import ConfigError, EprtError
-from eprt.families import parse_hf_config
+from eprt.families import model_class, parse_hf_config
 from eprt.hf.convert import convert_hf
-from eprt.models.registry import model_class
 from eprt.models.taps import KVTaps, tapped
 from eprt.parallel import ParallelState
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
@@ -54,7 +53,7 @@ def test_the_widths_checked_are_those_every_familys_attention_caches():
     for family in families():
         config = parse_hf_config(tiny_config(family))
         torch.manual_seed(0)
-        model = model_class(config.family)(config)
+        model = model_class(config)(config)
         for p in model.parameters():
             p.data.normal_(0, 0.02)
         seen = set()

@@ -19,7 +19,7 @@ from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.registry import rotated
 from eprt.quant.calibrated import CalibrationRecord

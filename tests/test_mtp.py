@@ -15,9 +15,11 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from eprt.hf.convert import convert_hf  # noqa: E402
-from eprt.models.deepseek_v3 import load_mtp  # noqa: E402
-from eprt.models.loader import load_model  # noqa: E402
-from eprt.models.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.loading.loader import (
+    load_model,  # noqa: E402
+    load_mtp,  # noqa: E402
+)
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.loop.calibrate import Calibrator  # noqa: E402

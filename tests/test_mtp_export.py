@@ -17,7 +17,7 @@ from eprt.hf.check_export import check_export
 from eprt.hf.check_names import check_names
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import RecipeError

@@ -12,7 +12,7 @@ import torch
 
 from bench.scale import REAL, TINY_DIMS, inflate, make_config
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.program import program_of
 from eprt.quant.run.estimate import PROBE_STEPS, ProbeEngine, probe_time
 from eprt.quant.run.plan import Planner, RunShape

@@ -12,7 +12,7 @@ import torch
 
 from eprt.commands.ptq_run import size
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny

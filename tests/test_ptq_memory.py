@@ -17,7 +17,7 @@ import torch
 import eprt.quant.run.ptq as ptq_module
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.awq.passes import AWQ
 from eprt.quant.algorithms.awq.plan import awq_bytes

@@ -19,10 +19,10 @@ from eprt.data import held_out_samples
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
+from eprt.loading.loader import load_model, load_parallel
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import GatedMLP
-from eprt.models.loader import load_model, load_parallel
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger

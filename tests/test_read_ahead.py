@@ -4,7 +4,7 @@ not change. (On a GPU it is on by itself; here it is asked for.)"""
 import threading
 
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.run.ptq import PTQArgs, run_ptq

@@ -8,9 +8,8 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
-from eprt.models.deepseek_v3 import load_mtp
-from eprt.models.loader import load_parallel
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import load_mtp, load_parallel
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.rotation.hadamard import random_hadamard, rotate

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from eprt.commands.launch import launch, without_nproc
 from eprt.hf.export_plan import plan_export
 from eprt.hf.serving import describe_gpus
-from eprt.models.loader import open_checkpoint, weight_bytes
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import open_checkpoint, weight_bytes
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState, fail_together
 from eprt.parallel.state import check_ep
 from eprt.quant.algorithms.program import Program, program_of

@@ -33,7 +33,7 @@ from eprt.hf.export_quantized import holding_layout
 from eprt.hf.model_card import serve_commands
 from eprt.hf.serving import DEFAULT_RECIPE, check_target, describe_gpus, generation_of, gpus_needed
 from eprt.hf.streaming import stream_export
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.progress import logger, quiet
 from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run.datafree import data_free, say_data_free

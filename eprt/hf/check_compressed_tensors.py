@@ -21,6 +21,7 @@ from collections import defaultdict
 
 from eprt.hf.check_names import SourceNames, check_names
 from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format, by_ct_weight
+from eprt.quant.fusion import SAME_INPUT
 from eprt.storage.encodings import MIXED_FORMAT, matches
 
 CT_FORMATS = tuple(dict.fromkeys(f.ct_format for f in WEIGHT_FORMATS.values()))
@@ -31,13 +32,6 @@ PACKED_LEAVES = {f.ct_weight_leaf for f in WEIGHT_FORMATS.values()} - {"weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 KV_LEAVES = ("k_scale", "v_scale")
 WEIGHT_SHAPE = "weight_shape"  # pack-quantized's [out, in] of the packed weight
-# Linears that read one input and that the engines load as one fused weight; gate/up of an expert too.
-SAME_INPUT = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("w1", "w3"),
-)
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.\d+\.(?P<kind>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 EXPERT_KIND = {
     "gate_proj": "gate_up",

@@ -18,6 +18,7 @@ from eprt.hf.check_exclusions import Exclusions
 from eprt.hf.check_quant_config import MIXED
 from eprt.hf.check_scale_range import Scale, check_linear, scalar_scale
 from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_modelopt_weight_dtype, by_quant_algo
+from eprt.quant.fusion import FUSED_ON_LOAD, SAME_INPUT
 from eprt.storage.safetensors_io import dtype_name
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -25,17 +26,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 LINEAR_SCALES = {leaf for f in WEIGHT_FORMATS.values() for leaf in f.modelopt_leaves[1:]}
 FOREIGN_LEAVES = {f: sorted(LINEAR_SCALES - set(f.modelopt_leaves)) for f in WEIGHT_FORMATS.values()}
 
-# Linears that read one input and that vLLM loads as one fused weight (its packed_modules_mapping).
-FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
-FUSED_NAME = {shard: fused for fused, shards in FUSED.items() for shard in shards}
-# Linears that must share input_scale and the per-tensor weight scale in a format that shares them
-# (NVFP4's weight_scale_2): the fused ones, and gate/up of a routed expert, which the fused MoE loads
-# as w13 with gate's weight scale (Kimi: w1/w3).
-SAME_INPUT = (*FUSED.values(), ("w1", "w3"))
+FUSED_NAME = {shard: fused for fused, shards in FUSED_ON_LOAD.items() for shard in shards}
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 
 
@@ -263,7 +254,7 @@ class ModelOptModules:
         leaf = fused.rpartition(".")[2]
         if leaf == "experts" and fused in self.entries.expert_holders:
             return f"exclude entry {self.entries.expert_holders[fused]!r} names an expert of it"
-        if leaf in FUSED:
+        if leaf in FUSED_ON_LOAD:
             present = self._shards(fused)
             if present and all(s in self.exact for s in present):
                 return f"every shard is listed ({present})"
@@ -275,7 +266,7 @@ class ModelOptModules:
 
     def _shards(self, fused: str) -> list[str]:
         parent, _, leaf = fused.rpartition(".")
-        return [f"{parent}.{s}" for s in FUSED[leaf] if f"{parent}.{s}.weight" in self.tensors]
+        return [f"{parent}.{s}" for s in FUSED_ON_LOAD[leaf] if f"{parent}.{s}.weight" in self.tensors]
 
     def _check_not_excluded(self) -> None:
         for module in sorted(self.quantized):
@@ -308,7 +299,7 @@ class ModelOptModules:
         for fused, members in sorted(fused_members.items()):
             if fused in quantized_fused:
                 continue  # mixed precision, reported on its own
-            if fused.rpartition(".")[2] in FUSED:
+            if fused.rpartition(".")[2] in FUSED_ON_LOAD:
                 listed = [s for s in self._shards(fused) if s in self.exact]
                 if listed and len(listed) != len(self._shards(fused)):
                     self.problems.append(

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.config import ModelConfig
+from eprt.models.balance import Balance, BalanceGroup, Unbalanced
 from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_rotate_half
 from eprt.models.taps import KVTaps
@@ -50,6 +51,19 @@ class GQAttention(nn.Module):
         self.q_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): q/k/v read the norm's output; o_proj reads v, which
+        attention (and the output gate) passes through linearly, unless v_proj has a bias
+        (GLM-4.5's), which the fold would have to follow."""
+        values = (
+            Unbalanced(self.o_proj, "its input: v_proj has a bias")
+            if self.v_proj.bias is not None
+            else BalanceGroup(
+                "attention values", self.v_proj, (self.o_proj,), (self.num_heads // self.num_kv_heads, self.head_dim)
+            )
+        )
+        return [BalanceGroup("attention input", norm, (self.q_proj, self.k_proj, self.v_proj)), values]
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape

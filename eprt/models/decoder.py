@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.config import ModelConfig
+from eprt.models.balance import Balance, pre_norm_groups
 from eprt.models.layers import Linear, RMSNorm, linear
 from eprt.models.moe import MoE
 from eprt.models.rope import Rotary
@@ -44,6 +45,12 @@ class DecoderLayer(nn.Module):
 
     def ffn(self) -> nn.Module:
         return self.mlp
+
+    def balance_groups(self) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): each norm's, with the mixer that reads it."""
+        return pre_norm_groups(self.input_layernorm, self.self_attn) + pre_norm_groups(
+            self.post_attention_layernorm, self.mlp
+        )
 
 
 class Decoder(nn.Module):

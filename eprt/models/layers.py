@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eprt.kernels.backend import matmul_dtype
+from eprt.models.balance import Balance, BalanceGroup, Unbalanced
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,3 +85,17 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): gate/up read the norm's output; down reads the activation."""
+        return [BalanceGroup("MLP input", norm, self.input_readers()), self.activation_group("MLP activation")]
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        return self.gate_proj, self.up_proj
+
+    def activation_group(self, what: str) -> Balance:
+        """down reads silu(gate) * up, linear in up: up's rows / s, down's columns * s. Another
+        activation (Kimi's SiTU bounds up through tanh) is not linear in up."""
+        if self.act is not silu_mul:
+            return Unbalanced(self.down_proj, "its input: the activation is not SwiGLU's")
+        return BalanceGroup(what, self.up_proj, (self.down_proj,))

@@ -15,6 +15,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.models.attention import causal_attention
+from eprt.models.balance import Balance, BalanceGroup
 from eprt.models.layers import Linear, RMSNorm
 from eprt.models.rope import rope_interleaved, yarn_softmax_scale
 from eprt.models.taps import KVTaps
@@ -52,6 +53,17 @@ class MLAttention(nn.Module):
         # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
         self.indexer = indexer
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): what reads the norm's output, the query's first
+        projection, the latent's, the indexer's wk and weights_proj (DeepSeek-V3.2), the output gate
+        (Kimi's). The values come out of kv_b_proj beside the keys: v -> o is not balanced."""
+        readers = [self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa]
+        if self.indexer is not None:
+            readers += [self.indexer.wk, self.indexer.weights_proj]
+        if self.g_proj is not None:
+            readers.append(self.g_proj)
+        return [BalanceGroup("attention input", norm, tuple(readers))]
 
     def forward(
         self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None

@@ -13,7 +13,8 @@ from torch import nn
 
 from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
-from eprt.models.layers import Linear, RMSNorm, silu_mul
+from eprt.models.balance import Balance, BalanceGroup, Unbalanced
+from eprt.models.layers import GatedMLP, Linear, RMSNorm, silu_mul
 from eprt.models.taps import ExpertsTaps
 from eprt.parallel.placement import ExpertPlacement
 
@@ -43,6 +44,13 @@ class Experts(nn.Module):
         """act(gate, up), as the down projection reads it."""
         h = self.act(gate, up)
         return h if self.taps.activation is None else self.taps.activation(h)
+
+    def activation_group(self, what: str) -> Balance:
+        """AWQ's group of each expert's activation (eprt.models.balance), as GatedMLP's: its up rows
+        / s, its down columns * s, each expert a scale of its own."""
+        if self.act is not silu_mul:
+            return Unbalanced(self, "their down input: the activation is not SwiGLU's")
+        return BalanceGroup(what, self, (self,))
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
@@ -125,6 +133,20 @@ class MoE(nn.Module):
     def routed_out(self, y_TD: torch.Tensor) -> torch.Tensor:
         return y_TD
 
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): the block's input, read by the router, every routed
+        expert's gate/up and the shared experts'; then the experts' activations."""
+        groups = [BalanceGroup("MoE input", norm, self.input_readers())]
+        groups.append(self.experts.activation_group("routed experts' activation"))
+        groups += [m.activation_group("shared experts' activation") for m in self.shared_mlps()]
+        return groups
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        return (self.gate, self.experts, *(r for m in self.shared_mlps() for r in m.input_readers()))
+
+    def shared_mlps(self) -> list[GatedMLP]:
+        return [] if self.shared_experts is None else [self.shared_experts]
+
 
 class GatedSharedExpertMoE(MoE):
     """Routed experts plus one shared expert scaled per token by sigmoid(shared_expert_gate x)
@@ -141,6 +163,12 @@ class GatedSharedExpertMoE(MoE):
         gate_TD = torch.sigmoid(self.shared_expert_gate(x_TD).expand(-1, x_TD.shape[-1]))
         shared_TD = gate_TD * self.shared_expert(x_TD)
         return self.routed_out(routed_TD.to(x_TD.dtype)) + shared_TD
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        return (*super().input_readers(), self.shared_expert_gate)
+
+    def shared_mlps(self) -> list[GatedMLP]:
+        return [self.shared_expert]
 
 
 class LatentMoE(MoE):
@@ -165,6 +193,9 @@ class LatentMoE(MoE):
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         topk_ids_TK, topk_weights_TK = self.gate(x_TD)
         return self.routed_expert_down_proj(x_TD), topk_ids_TK, topk_weights_TK
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        return [Unbalanced(self, "the routed experts read a projection of the norm's output")]
 
     def routed_out(self, y_TZ: torch.Tensor) -> torch.Tensor:
         if self.routed_expert_norm is not None:

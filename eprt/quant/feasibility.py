@@ -17,7 +17,7 @@ import re
 from eprt.errors import ConfigError
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
-from eprt.quant.fusion import FUSED_SIBLINGS
+from eprt.quant.fusion import fused_members
 from eprt.quant.recipe import Recipe
 
 SUGGESTIONS = 3  # close module names shown for a pattern that matches none
@@ -118,7 +118,7 @@ def refuse_split_fusion(modules: dict, quantized: dict, recipe: Recipe, where: s
     formats, it cannot be loaded."""
     for module in quantized:
         parent, leaf = module.rsplit(".", 1)
-        group = next((g for g in FUSED_SIBLINGS if leaf in g), ())
+        group = fused_members(leaf)
         fmt = recipe.format_of(module)
         members = [m for m in (f"{parent}.{x}" for x in group) if m in modules]
         plain = sorted(m for m in members if m not in quantized)

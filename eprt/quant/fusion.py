@@ -7,13 +7,33 @@ fused weight, in a format that says so (`shares_fused_scales`: NVFP4), one per-t
 of them. FP8 per-tensor keeps separate scales (vLLM requantizes). FP8 block and FP8 per channel
 have no per-tensor scale and scale inputs at run time: each member keeps its own block or row
 scales, which the engines stack into the fused weight's, so they share nothing.
+
+`FUSED_ON_LOAD` is the one table of what the engines fuse: the calibration (`siblings`), the
+recipe's checks (eprt.quant.feasibility), auto_quantize's groups and the export checkers
+(eprt.hf.check_modelopt, eprt.hf.check_compressed_tensors) all read it.
 """
 
 from __future__ import annotations
 
 from eprt.quant.formats import WeightFormat
 
-FUSED_SIBLINGS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"q_a_proj", "kv_a_proj_with_mqa"})
+# The Linears vLLM and SGLang load as one fused Linear, by leaf name: the fused module -> its
+# members, in the fused weight's output order (vLLM's packed_modules_mapping).
+FUSED_ON_LOAD = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+# Linears that read one input and share input_scale and the per-tensor weight scale in a format
+# that shares them (NVFP4's weight_scale_2): the fused ones, and gate/up of a routed expert as an
+# export names them apart (w1/w3; gate_proj/up_proj are above), which the fused MoE loads as one gate/up weight
+# with gate's weight scale.
+SAME_INPUT = (*FUSED_ON_LOAD.values(), ("w1", "w3"))
+
+
+def fused_members(leaf: str) -> tuple[str, ...]:
+    """The leaves loaded fused with `leaf` (itself included), or () where it is loaded alone."""
+    return next((g for g in FUSED_ON_LOAD.values() if leaf in g), ())
 
 
 def siblings(module: str, quantized, fmt: WeightFormat) -> list[str]:
@@ -22,5 +42,5 @@ def siblings(module: str, quantized, fmt: WeightFormat) -> list[str]:
     if not fmt.shares_fused_scales:
         return [module]
     parent, leaf = module.rsplit(".", 1)
-    group = next((g for g in FUSED_SIBLINGS if leaf in g), {leaf})
+    group = fused_members(leaf) or (leaf,)
     return [f"{parent}.{x}" for x in sorted(group) if f"{parent}.{x}" in quantized] or [module]

@@ -132,7 +132,7 @@ def as_quantized(ck: Checkpoint, name: str, fmt: str, w: torch.Tensor) -> torch.
     weight's dtype first (FP8) gets the source's dtype, as the source is held when loaded as it is,
     whatever dtype eprt converted it to. A multi-token-prediction layer's stacked experts, which
     convert carries through under their Hugging Face names, are named by a source tensor of theirs
-    (eprt.models.resolved.ResolvedCheckpoint.source_dtype)."""
+    (eprt.loading.resolved.ResolvedCheckpoint.source_dtype)."""
     return w.to(ck.meta(name).source_dtype) if weight_format(fmt).rounds_in_weight_dtype else w
 
 

@@ -21,7 +21,7 @@ from eprt.data import calibration_samples
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.recipe import load_recipe
 from eprt.quant.run.plan import Planner, RunShape, check_memory
 from eprt.storage.checkpoint import MANIFEST, Checkpoint

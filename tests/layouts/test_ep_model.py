@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import eprt
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
-from eprt.models import loader
+from eprt.loading import loader
 from eprt.parallel import ParallelState, RankFailure, fail_together, write_together
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.safetensors_io import save_tensors

@@ -15,11 +15,10 @@ pytest.importorskip("transformers")
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
 
 import eprt  # noqa: E402
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
@@ -177,7 +176,7 @@ def test_settings_eprt_cannot_run_are_refused_by_name(bad, message):
 def test_parameter_names_are_the_layout_names():
     c = parse_hf_config(v32().to_dict())
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     layout = reader_for(c.model_type, "test").layout(c)
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == {s.name: s.shape for s in layout.specs}
     quantizable = layout.linear_modules()

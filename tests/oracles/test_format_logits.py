@@ -59,7 +59,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
 from eprt.hf.export import export_hf  # noqa: E402
-from eprt.models.loader import load_model  # noqa: E402
+from eprt.loading.loader import load_model  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.formats import weight_format  # noqa: E402
 from eprt.quant.formats.nvfp4 import NVFP4  # noqa: E402

@@ -10,8 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM  # noqa: E402
 
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.oracles.test_models import (
     TINY,
@@ -98,7 +97,7 @@ def test_a_rotary_width_that_cannot_rotate_is_refused():
 def test_parameter_names_are_the_layout_names(qk_norm):
     c = parse_hf_config(glm(use_qk_norm=qk_norm).to_dict())
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
     assert any(n.endswith("q_proj.bias") for n in want) and not any(n.endswith("o_proj.bias") for n in want)

@@ -17,13 +17,13 @@ from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiL
 import eprt  # noqa: E402
 from eprt.config import SiTUConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
+from eprt.families.kimi_linear.config import LatentExperts  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kda_recurrent, l2norm  # noqa: E402
 from eprt.models.mla import MLAttention  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
@@ -203,7 +203,7 @@ def test_kimi_linear_holding_both_spellings_of_a_tensor_is_refused(tmp_path):
 def test_parameter_names_are_the_layout_names(family):
     c = parse_hf_config(tiny_config(family))
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
 
@@ -226,11 +226,11 @@ def test_kimi_configs():
     linear = parse_hf_config(tiny_config("kimi_linear"))
     assert linear.kimi_linear.kda.layers == (0, 2) and linear.moe_layers == (1, 2)
     assert linear.kimi_linear.kda.a_log_shape == (1, 1, 4, 1) and linear.kimi_linear.attn_res_block_size is None
-    assert linear.rope is None and linear.kimi_linear.situ is None  # NoPE, SiLU
+    assert linear.rope is None and linear.kimi_linear.situ is None and linear.own is None  # NoPE, SiLU, no latent
     k3 = parse_hf_config(tiny_config("kimi_k3"))
     assert (k3.family, k3.model_type, k3.kimi_linear.situ) == ("kimi_k3", "kimi_k3", SiTUConfig(4.0, 25.0))
     # A_log one entry per head; the checkpoints pad it (tests below)
-    assert k3.kimi_linear.kda.a_log_shape == (4,) and (k3.moe.latent_size, k3.moe.latent_norm) == (32, True)
+    assert k3.kimi_linear.kda.a_log_shape == (4,) and k3.own == LatentExperts(latent_size=32, latent_norm=True)
     k25 = parse_hf_config(tiny_config("kimi_k25"))
     assert (k25.family, k25.model_type, k25.moe.n_group) == ("kimi_k25", "kimi_k25", 1)
     names = [s.name for s in reader_for("kimi_k25", "test").layout(k25).specs]

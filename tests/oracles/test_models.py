@@ -12,13 +12,12 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig
 
 import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.kernels import combine, permute  # noqa: E402
 from eprt.models.layers import linear  # noqa: E402
 from eprt.models.moe import LocalDispatcher  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.models.router import sigmoid_grouped_topk  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
@@ -248,7 +247,7 @@ def test_parameter_names_are_the_layout_names(family, tied):
     cfg = qwen(tie_word_embeddings=tied) if family == "qwen3_moe" else deepseek(tie_word_embeddings=tied)
     c = parse_hf_config(cfg.to_dict())
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
 
@@ -344,10 +343,3 @@ def test_bf16_logits_close_to_transformers_bf16(tmp_path, cfg):
         t = int(first_change[b])
         if t:
             assert (got[b, :t] - want[b, :t]).abs().max() <= bound
-
-
-def test_every_family_of_the_table_has_its_model_class():
-    from eprt.families import FAMILIES
-    from eprt.models.registry import MODEL_CLASSES
-
-    assert set(MODEL_CLASSES) == {f.name for f in FAMILIES}

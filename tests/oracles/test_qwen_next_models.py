@@ -20,12 +20,11 @@ from transformers import (
 import eprt  # noqa: E402
 from eprt.config import ModelConfig  # noqa: E402
 from eprt.errors import CheckpointError, ConfigError  # noqa: E402
-from eprt.families import parse_hf_config, reader_for  # noqa: E402
+from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.models.gated_delta import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrent, gated_delta_rule  # noqa: E402
 from eprt.models.kda import chunk_size, l2norm  # noqa: E402
-from eprt.models.registry import model_class  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import TINY, VOCAB, assert_logits_and_carried  # noqa: E402
@@ -296,7 +295,7 @@ def test_experts_stored_both_fused_and_per_expert_are_refused(tmp_path):
 def test_parameter_names_are_the_layout_names(family):
     c = parse_hf_config(tiny_config(family))
     with torch.device("meta"):
-        model = model_class(c.family)(c)
+        model = model_class(c)(c)
     want = {s.name: s.shape for s in reader_for(c.model_type, "test").layout(c).specs}
     assert {n: tuple(t.shape) for n, t in model.state_dict().items()} == want
 

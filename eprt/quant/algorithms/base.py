@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import Pass

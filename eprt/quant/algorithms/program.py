@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.algorithms.registry import ALGORITHMS, BALANCE, object_of

@@ -40,10 +40,9 @@ import torch
 from torch import nn
 
 from eprt.kernels.cpu_workers import cpu_workers, for_each
-from eprt.models.deepseek_v3 import load_mtp
-from eprt.models.loader import checked_meta
+from eprt.loading.loader import checked_meta, load_mtp
+from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.progress import bar, logger
 from eprt.quant.loop.read_ahead import ReadAhead

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 
 
 class ReadAhead:

@@ -108,7 +108,7 @@ def rotation_plan(model: nn.Module) -> RotationPlan:
     p.add("lm_head.weight", Residual(-1, (final,)))
     for i, layer in enumerate(decoder.layers):
         p.layer(layer, f"{prefix}layers.{i}.")
-    # an MTP layer's decoder layer is of the last MoE layer's kind (eprt.models.deepseek_v3.DeepseekV3MTP)
+    # an MTP layer's decoder layer is of the last MoE layer's kind (its family's mtp_model)
     like = c.moe_layers[-1] if c.moe_layers else c.num_layers - 1
     mtp = tuple(f"{prefix}layers.{c.num_layers + k}." for k in range(c.num_nextn_predict_layers))
     for layer_prefix in mtp:

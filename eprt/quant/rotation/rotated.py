@@ -16,8 +16,8 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.layout import TensorSpec
-from eprt.models.loader import build_meta
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import build_meta
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.progress import logger
 from eprt.quant.rotation.hadamard import Rotation, random_hadamard, rotate
 from eprt.quant.rotation.plan import R1_SEED, R2_SEED, Identity, PerHead, Residual, RotationPlan, Step, rotation_plan

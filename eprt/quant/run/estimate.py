@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import MoE
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import Program
 from eprt.quant.loop.calibrate import Calibrator
@@ -266,7 +266,7 @@ def exchange_time(state: ParallelState, rc: ResolvedCheckpoint, shape: RunShape)
     schedule = shape.schedule
     step_tokens = min(schedule.groups_per_step * schedule.group_size, shape.num_sequences) * shape.seq_len
     copies = math.ceil(step_tokens / state.world) * c.num_experts_per_tok
-    width = (c.moe.latent_size or c.hidden_size) if c.moe else c.hidden_size
+    width = c.routed_width
     per_peer = math.ceil(copies / state.world)  # copies spread evenly over the owners, this rank's stay
     row = width * rc.dtype.itemsize
     sizes = (8, per_peer * row, per_peer * 8, per_peer * row)  # counts, rows, keys, outputs back

@@ -43,8 +43,8 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.layout import layer_of
-from eprt.models.loader import checked_meta
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import checked_meta
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.awq.plan import AWQLayer, awq_bytes, awq_layers
 from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED
 from eprt.quant.algorithms.gptq.solve import columns_held_bytes, columns_of
@@ -298,7 +298,7 @@ class Planner:
     ) -> Planner:
         """The plan of a run over checkpoint `rc` in its dtype. `targets`: the modules the recipe quantizes (the quality report copies their weights);
         with `mtp`, the multi-token-prediction layers too, which the engine runs after the last
-        decoder layer when the recipe quantizes them (eprt.models.deepseek_v3.load_mtp); `gptq`:
+        decoder layer when the recipe quantizes them (eprt.loading.loader.load_mtp); `gptq`:
         the modules the recipe runs GPTQ on, each with its format (eprt.quant.algorithms.gptq.layer), None
         for none; `awq`: the modules whose rule asks for AWQ's scales, each with its format."""
         hessians: dict[int, list[GPTQLinear]] | None = {} if gptq is not None else None
@@ -473,7 +473,7 @@ class Planner:
         # one step: this rank's share of the step's sequences (the largest share any step gives it)
         step_seqs = schedule.groups_per_step * schedule.group_size
         t = math.ceil(min(step_seqs, num_sequences) / world) * T
-        W = (c.moe.latent_size or D) if c.moe else D  # the routed experts' width
+        W = c.routed_width  # the routed experts' width
         widest = max(c.moe.intermediate_size if c.moe else 0, c.intermediate_size)
         R = t * K if c.moe_layers else 0
         # kept until the step's exchange returns, per token: the residual and the MLP input, the

@@ -21,7 +21,7 @@ import torch
 
 from eprt.data import parse_sources
 from eprt.errors import ConfigError
-from eprt.models.loader import load_parallel
+from eprt.loading.loader import load_parallel
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together

@@ -12,8 +12,8 @@ import torch
 
 from eprt.config import ModelConfig
 from eprt.errors import ConfigError
-from eprt.models.loader import weight_bytes
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.loader import weight_bytes
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.algorithms.program import Program

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
+from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint, Folds
 from eprt.quant.algorithms.awq.passes import AWQ, NAME
 from eprt.quant.algorithms.base import Algorithm, RunContext

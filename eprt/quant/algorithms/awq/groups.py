@@ -1,26 +1,23 @@
 """AWQ's balance groups: in one decoder layer, what makes a tensor and every module that reads it.
 
 A group's scale s divides what makes the tensor and multiplies each reader's weight columns
-(eprt.quant.algorithms.awq.folds), so every reader of the tensor must be in the group, quantized or not, or the
-fold would change what the model computes. The groups by module kind:
+(eprt.quant.algorithms.awq.folds), so every reader of the tensor must be in the group, quantized or
+not, or the fold would change what the model computes. The model declares its groups
+(eprt.models.balance: each module kind its own, a decoder layer its norms with the mixers that read
+them); this module names their modules and picks each one's fold by the tensor it changes:
 
-- the attention input (`input_layernorm`'s output): GQA's q/k/v projections; MLA's q_a_proj
-  (q_proj without a q LoRA) and kv_a_proj_with_mqa, with DeepSeek-V3.2's indexer its wk and
-  weights_proj, with Kimi's output gate its g_proj;
-- the MoE input (`post_attention_layernorm`'s output): the router, every routed expert's gate/up
-  (w13), the shared experts' gate/up, and Qwen3-Next's shared_expert_gate;
-- a dense MLP's input (`post_attention_layernorm`'s output): its gate/up;
-- the attention's values (GQA): v_proj's rows / s, o_proj's columns * s repeated over the query
-  heads of each kv head (attention and Qwen3-Next's output gate are linear in v);
-- a gated MLP's activation silu(gate) * up, which is linear in up: up_proj's rows / s, down_proj's
-  columns * s (dense MLPs, shared experts), and each routed expert's, with a scale of its own
-  (w13's up rows, w2's columns).
+- what makes the tensor: an RMSNorm's weight (a zero-centered one's 1 + w), a Linear's rows, the
+  routed experts' up rows (w13's second half, each expert its own s);
+- a reader: a Linear's or router's columns, the routed experts' gate/up columns (w13), or their
+  down columns (w2) where they also make the tensor (their activation).
 
-Left out, by name (quantized as without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA), whose
-input projections feed convolutions and gates this fold does not model; Kimi-K3's latent MoE, whose
-routed experts read a projection of the norm's output, not the output itself; an activation other
-than SwiGLU's (Kimi's SiTU bounds up through tanh: dividing up is not exact); GLM-4.5's v -> o (its
-v_proj has a bias) and MLA's (v comes out of kv_b_proj beside the keys: not modeled yet).
+The groups the models declare today: the attention input (GQA's q/k/v; MLA's q_a_proj or q_proj
+and kv_a_proj_with_mqa, DeepSeek-V3.2's indexer wk and weights_proj, Kimi's g_proj); the MoE input
+(router, routed experts' gate/up, shared experts' gate/up, Qwen3-Next's shared_expert_gate); a dense
+MLP's input; GQA's values (v -> o, o's scale v's repeated over the query heads); a SwiGLU
+activation (dense MLPs, shared experts, each routed expert). Declared unbalanced (quantized as
+without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA declare no groups), Kimi-K3's latent
+MoE, an activation other than SwiGLU's, GLM-4.5's v -> o (v_proj has a bias), MLA's v -> o.
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eprt.models.attention import GQAttention
-from eprt.models.layers import GatedMLP, RMSNorm, ZeroCenteredRMSNorm, silu_mul
-from eprt.models.mla import MLAttention
-from eprt.models.moe import Experts, GatedSharedExpertMoE, LatentMoE, MoE
+from eprt.models.balance import Unbalanced
+from eprt.models.layers import Linear, RMSNorm, ZeroCenteredRMSNorm
+from eprt.models.moe import Experts
 from eprt.quant.algorithms.awq.folds import CENTERED_NORM, COLUMNS, NORM, ROWS, W2_COLUMNS, W13_COLUMNS, W13_UP_ROWS
 
 
@@ -61,74 +57,39 @@ class Group:
 
 
 def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]:
-    """(the balance groups of decoder layer `layer`, whose modules are `prefix` + their name in it;
-    what is left out, each a module name and the reason)."""
+    """(the balance groups decoder layer `layer` declares, whose modules are `prefix` + their name
+    in it; what is left out, each a module name and the reason)."""
     names = {id(m): prefix + n for n, m in layer.named_modules()}
+    declare = getattr(layer, "balance_groups", None)
+    if declare is None:
+        return [], [f"{prefix.rstrip('.')} ({type(layer).__name__} declares no balance groups)"]
     groups, left_out = [], []
-
-    def norm_group(what: str, norm: nn.Module | None, readers: list[tuple[nn.Module, str]]) -> None:
-        kind = norm_kind(norm)
-        if kind is None:
-            left_out.append(f"{names[id(readers[0][0])]}'s input ({what}): it is not an RMSNorm's output")
-            return
-        groups.append(Group(what, (names[id(norm)], kind), tuple((names[id(m)], k) for m, k in readers)))
-
-    def activation_group(what: str, mlp: nn.Module) -> None:
-        if isinstance(mlp, Experts):
-            if mlp.act is not silu_mul:
-                left_out.append(f"{names[id(mlp)]}'s down input: its activation is not SwiGLU's")
-                return
-            groups.append(Group(what, (names[id(mlp)], W13_UP_ROWS), ((names[id(mlp)], W2_COLUMNS),)))
-        elif mlp.act is not silu_mul:
-            left_out.append(f"{names[id(mlp.down_proj)]}'s input: its activation is not SwiGLU's")
-        else:
-            groups.append(Group(what, (names[id(mlp.up_proj)], ROWS), ((names[id(mlp.down_proj)], COLUMNS),)))
-
-    norm_in = getattr(layer, "input_layernorm", None)
-    attn = getattr(layer, "self_attn", None)
-    if isinstance(attn, GQAttention):
-        norm_group("attention input", norm_in, [(attn.q_proj, COLUMNS), (attn.k_proj, COLUMNS), (attn.v_proj, COLUMNS)])
-        if attn.v_proj.bias is not None:  # GLM-4.5's: its bias would need the fold too
-            left_out.append(f"{names[id(attn.o_proj)]}'s input: v_proj has a bias")
-        else:
-            repeat = (attn.num_heads // attn.num_kv_heads, attn.head_dim)
-            v, o = names[id(attn.v_proj)], names[id(attn.o_proj)]
-            groups.append(Group("attention values", (v, ROWS), ((o, COLUMNS),), repeat))
-    elif isinstance(attn, MLAttention):
-        readers = [attn.q_a_proj if attn.q_lora else attn.q_proj, attn.kv_a_proj_with_mqa]
-        if attn.indexer is not None:
-            readers += [attn.indexer.wk, attn.indexer.weights_proj]
-        if attn.g_proj is not None:  # Kimi's output gate
-            readers.append(attn.g_proj)
-        norm_group("attention input", norm_in, [(m, COLUMNS) for m in readers])
-    else:
-        mixer = attn if attn is not None else getattr(layer, "linear_attn", None)
-        if mixer is not None:
-            left_out.append(f"{names[id(mixer)]} ({type(mixer).__name__}): a hybrid mixer's input is not balanced")
-    ffn = layer.ffn()
-    norm_post = getattr(layer, "post_attention_layernorm", None)
-    if isinstance(ffn, LatentMoE):
-        left_out.append(f"{names[id(ffn)]}: the latent MoE's routed experts read a projection of the norm's output")
-    elif isinstance(ffn, MoE):
-        readers = [(ffn.gate, COLUMNS), (ffn.experts, W13_COLUMNS)]
-        shared = ffn.shared_expert if isinstance(ffn, GatedSharedExpertMoE) else ffn.shared_experts
-        if shared is not None:
-            readers += [(shared.gate_proj, COLUMNS), (shared.up_proj, COLUMNS)]
-        if isinstance(ffn, GatedSharedExpertMoE):
-            readers.append((ffn.shared_expert_gate, COLUMNS))
-        norm_group("MoE input", norm_post, readers)
-        activation_group("routed experts' activation", ffn.experts)
-        if shared is not None:
-            activation_group("shared experts' activation", shared)
-    elif isinstance(ffn, GatedMLP):
-        norm_group("MLP input", norm_post, [(ffn.gate_proj, COLUMNS), (ffn.up_proj, COLUMNS)])
-        activation_group("MLP activation", ffn)
+    for g in declare():
+        if isinstance(g, Unbalanced):
+            left_out.append(f"{names[id(g.module)]} ({g.why})")
+            continue
+        divided = source_fold(g.source)
+        if divided is None:
+            left_out.append(f"{names[id(g.readers[0])]}'s input ({g.what}): it is not an RMSNorm's output")
+            continue
+        readers = tuple((names[id(m)], reader_fold(m, g.source)) for m in g.readers)
+        groups.append(Group(g.what, (names[id(g.source)], divided), readers, g.repeat))
     return groups, left_out
 
 
-def norm_kind(norm: nn.Module | None) -> str | None:
-    if isinstance(norm, ZeroCenteredRMSNorm):
+def source_fold(m: nn.Module) -> str | None:
+    """The fold of what makes a group's tensor: divided by s (None: a module AWQ cannot fold)."""
+    if isinstance(m, ZeroCenteredRMSNorm):
         return CENTERED_NORM
-    if isinstance(norm, RMSNorm):
+    if isinstance(m, RMSNorm):
         return NORM
-    return None
+    if isinstance(m, Experts):
+        return W13_UP_ROWS
+    return ROWS if isinstance(m, Linear) else None
+
+
+def reader_fold(m: nn.Module, source: nn.Module) -> str:
+    """The fold of a reader of the tensor: its columns multiplied by s."""
+    if isinstance(m, Experts):
+        return W2_COLUMNS if m is source else W13_COLUMNS
+    return COLUMNS

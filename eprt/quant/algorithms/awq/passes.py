@@ -38,9 +38,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from eprt.loading.resolved import place_tensors
 from eprt.models.layers import GatedMLP
 from eprt.models.moe import Experts
-from eprt.models.resolved import place_tensors
 from eprt.models.taps import tapped
 from eprt.progress import logger
 from eprt.quant.algorithms.awq.clip import clip_steps, clips, reader_hessian

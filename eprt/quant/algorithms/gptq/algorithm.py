@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.algorithms.gptq.layer import ALGORITHM, GPTQRun
 from eprt.quant.algorithms.gptq.passes import GPTQ

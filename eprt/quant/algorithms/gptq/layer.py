@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import Experts
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger

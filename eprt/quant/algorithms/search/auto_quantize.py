@@ -55,7 +55,7 @@ from eprt.quant.absorbed import ABSORBED, absorbed_in_4_bit_inputs
 from eprt.quant.algorithms.registry import ROTATE, rotated
 from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS
 from eprt.quant.formats import weight_format
-from eprt.quant.fusion import FUSED_SIBLINGS
+from eprt.quant.fusion import fused_members
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.recipe import FORMATS, Recipe, Rule
 
@@ -137,7 +137,7 @@ class SearchSpace:
         grouped: dict[tuple[str, ...], None] = {}
         for m in modules:
             parent, _, leaf = m.rpartition(".")
-            siblings = next((g for g in FUSED_SIBLINGS if leaf in g), {leaf})
+            siblings = fused_members(leaf) or (leaf,)
             grouped[tuple(f"{parent}.{x}" for x in sorted(siblings) if f"{parent}.{x}" in modules)] = None
         groups = []
         for members in grouped:

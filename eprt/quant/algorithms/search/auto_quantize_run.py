@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from eprt.errors import ConfigError
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.progress import logger

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import torch
 
 from eprt.layout import layer_of
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import Experts
-from eprt.models.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.search.auto_quantize import Group, SearchSpace
 from eprt.quant.loop.calibrate import Calibrator

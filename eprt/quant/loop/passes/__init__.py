@@ -3,7 +3,7 @@ lists a run's passes in the order their hooks run (docs/adding-an-algorithm.md).
 
 from __future__ import annotations
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.search.passes import FormatErrors
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import Pass

@@ -4,7 +4,7 @@ the layer's final amax, the weights a pass already set (`LayerWork.exported`) le
 
 from __future__ import annotations
 
-from eprt.models.resolved import ResolvedCheckpoint
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import LayerWork, Pass
 from eprt.quant.preview import fake_quantize
