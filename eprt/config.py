@@ -291,17 +291,27 @@ class ModelConfig:
         return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim, self.mla.v_head_dim
 
     def to_json(self) -> dict:
+        """The config as the manifest stores it: every field, an own config under `own` but for one
+        of fields the global config once held (`STORED_AS_BEFORE`), stored where it was, so that
+        the manifest of every family keeps the bytes it always had (a calibrated checkpoint, and
+        its export's quality report, pin it by digest)."""
         d = dataclasses.asdict(self)
-        if self.own is None:  # a family without knobs of its own writes the config it always wrote
-            del d["own"]
+        own = d.pop("own")
+        for part, before in STORED_AS_BEFORE.items():
+            if d.get(part) is None:
+                continue
+            held = own if own is not None and set(own) == set(before) else {}
+            d[part].update({name: held.get(name, absent) for name, absent in before.items()})
+            own = None if held else own
+        if own is not None:  # a family without knobs of its own writes no `own`
+            d["own"] = own
         return d
 
     @classmethod
     def from_json(cls, d: Any, source: str = "config") -> "ModelConfig":
         """The config `to_json` wrote; a field missing, unknown or of the wrong type is refused by
-        its path under `source` (`config.moe.num_experts`). A field the global config no longer
-        holds (`RETIRED`) reads on where it holds the value that meant "absent"."""
-        d = without_retired(d, source)
+        its path under `source` (`config.moe.num_experts`)."""
+        d = own_stored_as_before(d, source)
         if not isinstance(d, dict) or d.get("own") is None:
             return typed_from_json(cls, {**d, "own": None} if isinstance(d, dict) else d, source)
         own = d["own"]
@@ -310,28 +320,27 @@ class ModelConfig:
         return dataclasses.replace(config, own=typed_from_json(own_cls, own, f"{source}.own"))
 
 
-# Fields the global config held once, by part, with the value that meant "absent": a manifest
-# written then reads on where it holds that value. Another value is a knob that moved into its
-# family's own config (ModelConfig.own): refused, with the way out.
-RETIRED = {"moe": {"latent_size": None, "latent_norm": False}}  # Kimi-K3's latent: LatentExperts
+# Fields the global config held once, by part, with the value that meant "absent": now an own
+# config's (Kimi-K3's latent experts: LatentExperts), still stored where they were (to_json).
+STORED_AS_BEFORE = {"moe": {"latent_size": None, "latent_norm": False}}
 
 
-def without_retired(d: Any, source: str) -> Any:
-    """`d` with the retired fields that hold their "absent" value dropped."""
+def own_stored_as_before(d: Any, source: str) -> Any:
+    """`d` with the fields of `STORED_AS_BEFORE` taken out of their part: dropped where they hold
+    their "absent" value, else moved to `own`, which the family's own config then reads."""
     if not isinstance(d, dict):
         return d
     out = dict(d)
-    for part, retired in RETIRED.items():
+    for part, before in STORED_AS_BEFORE.items():
         held = out.get(part)
-        if not isinstance(held, dict) or not set(retired) & set(held):
+        if not isinstance(held, dict):
             continue
-        for name, absent in retired.items():
-            if name in held and held[name] != absent:
-                raise ConfigError(
-                    f"{source}.{part}.{name}: {held[name]!r}, written by an older eprt; this eprt holds it in "
-                    "the family's own config (own): convert the source again"
-                )
-        out[part] = {k: v for k, v in held.items() if k not in retired}
+        values = {name: held.get(name, absent) for name, absent in before.items()}
+        out[part] = {k: v for k, v in held.items() if k not in before}
+        if values != before:
+            if out.get("own") is not None:
+                raise ConfigError(f"{source}: holds both {part}.{', '.join(before)} and own: convert the source again")
+            out["own"] = values
     return out
 
 

@@ -11,6 +11,7 @@ import pytest
 from eprt.config import FamilyConfig, MLAConfig, ModelConfig, MoEConfig, own_config
 from eprt.errors import CheckpointError, ConfigError
 from eprt.families import parse_hf_config
+from eprt.families.kimi_linear.config import LatentExperts
 from eprt.hf.convert import convert_hf
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.testing.tiny import families, make_tiny, tiny_config
@@ -210,24 +211,21 @@ def test_a_family_own_config_round_trips_and_is_checked_by_field():
 
 
 def test_kimi_k3s_latent_experts_live_in_its_own_config(tmp_path):
-    """Kimi-K3's latent (a knob no other family has) is its own config's, through the manifest and
-    back. A manifest written when the global MoE config held it reads on where it held nothing
-    (every other family's), and Kimi-K3's is refused by the field, with the way out."""
+    """Kimi-K3's latent (a knob no other family has) is its own config's (LatentExperts). The
+    manifest stores it where it always did, last in `moe`, so that every family's manifest keeps
+    its bytes (a calibrated checkpoint and its export pin it by digest), and reads it back into
+    the own config; a latent where the family has none is refused."""
     k3 = parse_hf_config(tiny_config("kimi_k3"))
+    assert k3.own == LatentExperts(latent_size=32, latent_norm=True) and k3.routed_width == 32
     d = json.loads(json.dumps(k3.to_json()))
-    assert d["own"] == {"latent_size": 32, "latent_norm": True} and "latent_size" not in d["moe"]
-    assert ModelConfig.from_json(d) == k3 and k3.routed_width == 32
+    assert list(d["moe"].items())[-2:] == [("latent_size", 32), ("latent_norm", True)] and "own" not in d
+    assert ModelConfig.from_json(d) == k3
     for family in ("qwen3_moe", "kimi_linear"):
         c = parse_hf_config(tiny_config(family))
-        before = c.to_json()
-        before["moe"].update(latent_size=None, latent_norm=False)
-        assert ModelConfig.from_json(before) == c and c.routed_width == c.hidden_size
+        d = c.to_json()
+        assert list(d["moe"].items())[-2:] == [("latent_size", None), ("latent_norm", False)] and "own" not in d
+        assert c.own is None and ModelConfig.from_json(d) == c and c.routed_width == c.hidden_size
+    with pytest.raises(ConfigError, match=r"config\.own: family 'qwen3_moe' has no own config"):
+        ModelConfig.from_json(with_field(parse_hf_config(tiny_config("qwen3_moe")).to_json(), "moe.latent_size", 32))
     ck = convert_hf(make_tiny("kimi_k3", str(tmp_path / "hf")), str(tmp_path / "ck"), progress=False)
     assert Checkpoint(ck).config.own == k3.own
-    rewrite_manifest(ck, lambda m: m["config"]["moe"].update(m["config"].pop("own")))
-    with pytest.raises(
-        CheckpointError,
-        match=r"eprt\.json: corrupt manifest: config\.moe\.latent_size: 32, written by an older eprt; "
-        r"this eprt holds it in the family's own config \(own\): convert the source again",
-    ):
-        Checkpoint(ck)

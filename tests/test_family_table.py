@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 import eprt.families
 from eprt.families import FAMILIES, model_class, parse_hf_config
@@ -34,3 +35,16 @@ def test_a_config_runs_with_the_model_class_of_its_entry(family):
     c = parse_hf_config(tiny_config(family.name))
     assert c.family == family.name
     assert model_class(c) is family.model
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_a_family_whose_layout_runs_mtp_layers_names_their_model(family):
+    """The MTP layers a recipe may quantize (Layout.mtp) are built from the entry's mtp_model."""
+    c = parse_hf_config(tiny_config(family.name))
+    if family.layout(c).mtp:
+        assert family.mtp_model is not None
+        with torch.device("meta"):
+            mtp = family.mtp_model(c)
+        prefix = f"model.layers.{c.num_layers}."
+        want = {s.name[len(prefix) :] for s in family.layout(c).mtp if s.name.startswith(prefix)}
+        assert set(mtp.state_dict()) == want
