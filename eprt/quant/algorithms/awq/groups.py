@@ -105,7 +105,7 @@ def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]
         mixer = attn if attn is not None else getattr(layer, "linear_attn", None)
         if mixer is not None:
             left_out.append(f"{names[id(mixer)]} ({type(mixer).__name__}): a hybrid mixer's input is not balanced")
-    ffn = layer.ffn()
+    ffn = getattr(layer, layer.blocks[-1].mixer)
     norm_post = getattr(layer, "post_attention_layernorm", None)
     if isinstance(ffn, LatentMoE):
         left_out.append(f"{names[id(ffn)]}: the latent MoE's routed experts read a projection of the norm's output")
