@@ -95,8 +95,9 @@ class DecoderLayer(nn.Module):
         return carry + y
 
     def snapshots(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """What the layer adds to `ctx.snapshots` from its input `x` (of any batch of sequences), for
-        a run that holds the snapshots of many sequences apart: nothing."""
+        """What the layer files into `ctx.snapshots` as it runs, from its input `x` alone (of any
+        batch of sequences: the engine, which runs a layer one sequence at a time, files them for
+        all its sequences at once): nothing."""
         return []
 
     # The calibration engine's view: the dense blocks, then at most one routed block.
