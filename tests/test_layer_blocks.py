@@ -34,14 +34,16 @@ SEQUENCES, SEQ_LEN = 5, 12
 
 class TwoStreams(DecoderLayer):
     """A residual rule of two streams [B, T, 2, D], as hyper-connections keep several: block k reads
-    a fixed mixture of them; its output goes into stream 0, whose old value moves to stream 1,
-    and stream 1's joins it."""
+    a mixture of them whose weights it computes from them, token by token; its output, scaled by
+    the first weight, joins stream 1 and becomes stream 0, and stream 0's old value stream 1."""
 
-    def enter(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, x[..., 0, :] + 0.5 * x[..., 1, :]
+    def enter(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[tuple, torch.Tensor]:
+        w = torch.sigmoid(x.mean(-1, keepdim=True))  # [B, T, 2, 1]
+        return (x, w), (w * x).sum(-2)
 
-    def leave(self, k: int, carry: torch.Tensor, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        return torch.stack([carry[..., 1, :] + y, carry[..., 0, :]], dim=-2)
+    def leave(self, k: int, carry: tuple, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        x, w = carry
+        return torch.stack([x[..., 1, :] + w[..., 0, :] * y, x[..., 0, :]], dim=-2)
 
 
 class TwoStreamDecoder(Decoder):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,11 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+# What a residual rule keeps from a block's entry to its leaving: the stream (a rule of several
+# streams: their mixing weights too); nothing but the rule looks into it.
+Carry = Any
 
 
 @dataclass(frozen=True)
@@ -79,18 +85,18 @@ class DecoderLayer(nn.Module):
         y = mixer(m, ctx.cos, ctx.sin) if block.rotary else mixer(m)
         return self.leave(k, carry, y, ctx)
 
-    def block_input(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_input(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
         """(what block k's output joins, its mixer's input) from the stream `x` before it."""
         carry, h = self.enter(k, x, ctx)
         return carry, getattr(self, self.blocks[k].norm)(h)
 
     # The residual rule: how block k reads the stream and how its mixer's output joins it.
 
-    def enter(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
         """(what `leave` joins block k's output to, what its norm reads): the stream, twice."""
         return x, x
 
-    def leave(self, k: int, carry: torch.Tensor, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    def leave(self, k: int, carry: Carry, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """The stream after block k, whose mixer gave `y`: the sum."""
         return carry + y
 
@@ -108,14 +114,14 @@ class DecoderLayer(nn.Module):
         mixer = getattr(self, self.blocks[-1].mixer)
         return mixer if isinstance(mixer, MoE) else None
 
-    def before_routed(self, x: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def before_routed(self, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
         """Every dense block, then the routed block's entry: (what its output joins, its MoE's input)."""
         last = len(self.blocks) - 1
         for k in range(last):
             x = self.run_block(k, x, ctx)
         return self.block_input(last, x, ctx)
 
-    def after_routed(self, carry: torch.Tensor, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    def after_routed(self, carry: Carry, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """The layer's output from `before_routed`'s carry and the routed block's output `y`."""
         return self.leave(len(self.blocks) - 1, carry, y, ctx)
 

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from eprt.kernels.cpu_workers import cpu_workers, for_each
-from eprt.models.decoder import LayerContext
+from eprt.models.decoder import Carry, LayerContext
 from eprt.models.deepseek_v3 import load_mtp
 from eprt.models.loader import checked_meta
 from eprt.models.moe import MoE
@@ -72,7 +72,7 @@ class Pending:
     sequence: int  # global index
     local: int  # row in the hidden states
     context: LayerContext  # what the layer reads of the sequence besides its hidden state
-    carry: torch.Tensor  # what the routed block's output joins (the layer's residual rule)
+    carry: Carry  # what the routed block's output joins (the layer's residual rule)
     moe_in_TD: torch.Tensor  # the routed block's MoE's input
     experts_in_TD: torch.Tensor  # what the routed experts read
     topk_ids_TK: torch.Tensor
