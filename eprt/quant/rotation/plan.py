@@ -44,7 +44,6 @@ from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
 R1_SEED, R2_SEED = 0, 1  # the residual rotation's and the per-head rotation's draws (hadamard.random_hadamard)
-LAYER_PARTS = {"input_layernorm", "self_attn", "linear_attn", "post_attention_layernorm", "mlp", "block_sparse_moe"}
 DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary"}
 
 
@@ -148,7 +147,7 @@ class _Planner:
             self.add(f"{name}.bias", Residual(-1))
 
     def layer(self, layer: nn.Module, prefix: str) -> None:
-        _known(layer, LAYER_PARTS, prefix.rstrip("."))
+        _known(layer, {name for block in layer.blocks for name in (block.norm, block.mixer)}, prefix.rstrip("."))
         if (type(layer).enter, type(layer).leave) != (DecoderLayer.enter, DecoderLayer.leave):
             raise ConfigError(
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(layer).__name__}) joins its blocks by a residual "
