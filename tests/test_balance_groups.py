@@ -11,7 +11,7 @@ from torch import nn
 
 from eprt.families import model_class, parse_hf_config
 from eprt.models.balance import BalanceGroup
-from eprt.models.decoder import Embedding
+from eprt.models.decoder import DecoderLayer, Embedding
 from eprt.models.layers import RMSNorm
 from eprt.models.moe import Experts
 from eprt.quant.algorithms.awq.groups import layer_groups
@@ -55,7 +55,7 @@ def test_a_norms_group_holds_every_module_that_reads_it(family):
     model = model_class(c)(c)
     for p in model.parameters():
         p.data.normal_(0, 0.05)
-    layers = [m for m in model.modules() if hasattr(m, "ffn")]  # the decoder layers
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     declared = {
         g.source: {m for m in g.readers if not isinstance(m, Experts)}  # experts read a permuted copy
         for layer in layers

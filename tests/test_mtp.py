@@ -20,6 +20,7 @@ from eprt.loading.loader import (
     load_mtp,  # noqa: E402
 )
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.models.decoder import LayerContext  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.loop.calibrate import Calibrator  # noqa: E402
@@ -98,7 +99,7 @@ def assert_runs_as_the_engines_do(hf: str, ck_dir: str, tmp_path, eps: float) ->
     cos, sin = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)(10, torch.float32, "cpu")
     with torch.no_grad():
         x_got = mtp.mtp_input(ids, h_last)
-        got = mtp(x_got, cos, sin)
+        got = mtp(x_got, LayerContext(cos, sin))
     torch.testing.assert_close(x_got, x, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # every tensor the checkpoint carries for the MTP layer has its place, and nothing else
@@ -138,7 +139,7 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
         mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
         whole = Calibrator(None, names, kv=True)
         whole.observe(mtp, f"model.layers.{LAYERS}.")
-        mtp(mtp.mtp_input(samples, captured["h"]), *model.model.rotary(12, torch.float32, "cpu"))
+        mtp(mtp.mtp_input(samples, captured["h"]), model.model.context(12, torch.float32, "cpu", []))
         layered = Calibrator(None, names, kv=True)
         engine = LayerEngine(
             ParallelState.single("cpu"),

@@ -22,7 +22,6 @@ from eprt.hf.export import export_hf
 from eprt.loading.loader import load_model, load_parallel
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import GatedMLP
-from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
@@ -343,13 +342,13 @@ def test_awq_reports_the_router_choices_its_folds_change(ckpts, tmp_path, monkey
     inputs, choices = {}, {}
     for tag, model in (("original", original), ("folded", folded)):
         for i, layer in enumerate(model.model.layers):
-            if isinstance(layer.ffn(), MoE):
+            if layer.routed is not None:
                 if tag == "original":
                     layer.register_forward_pre_hook(lambda _m, a, i=i: inputs.__setitem__(i, a[0]))
                 else:  # the original layer's input, through the folded layer
                     layer.register_forward_pre_hook(lambda _m, a, i=i: (inputs[i], *a[1:]))
                 hook = lambda _m, _a, out, key=(tag, i): choices.__setitem__(key, out[0])  # noqa: E731
-                layer.ffn().gate.register_forward_hook(hook)
+                layer.routed.gate.register_forward_hook(hook)
     with torch.inference_mode():
         original(eval_ids)
         folded(eval_ids)

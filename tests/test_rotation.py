@@ -87,10 +87,8 @@ def test_the_mtp_layer_computes_the_same_rotated(tmp_path):
         for view, h in ((ck, hidden), (rotated, rotate(hidden, rotated.residual).float())):
             mtp = load_mtp(ResolvedCheckpoint.of(view, torch.float32), 0, device="cpu")
             x = mtp.mtp_input(ids, h)
-            cos, sin = load_parallel(ResolvedCheckpoint.of(ck, torch.float32), ParallelState.single()).model.rotary(
-                12, x.dtype, x.device
-            )
-            out = mtp(x, cos, sin)
+            decoder = load_parallel(ResolvedCheckpoint.of(ck, torch.float32), ParallelState.single()).model
+            out = mtp(x, decoder.context(12, x.dtype, x.device, []))
             logits.append(mtp.shared_head.head(mtp.shared_head.norm(out)))
     torch.testing.assert_close(logits[1], logits[0], rtol=2e-4, atol=2e-4)
 

@@ -1,10 +1,19 @@
-"""The decoder-only causal LM the families share: embed, N x (attention, MLP) with pre-norm
-residuals, final norm, head. A family file chooses the attention and the MLP of each layer, or
-passes a decoder of its own (Kimi's, without rotary embeddings, with attention residuals)."""
+"""The decoder-only causal LM the families share: embed, N decoder layers, final norm, head.
+
+A decoder layer is a sequence of blocks, each a norm and a mixer (attention, linear attention, an
+MLP, a MoE), joined by a residual rule; a family file chooses each layer's blocks, and a layer with
+a residual rule of its own (attention residuals, several residual streams) overrides `enter` and
+`leave`. So an attention-only, a MoE-only or a Mamba layer holds exactly its parts. Every block but
+the last is dense; the last may be routed (a `MoE`): the calibration engine runs a layer as "the
+dense blocks, one sequence at a time, then the routed block over the step's tokens of every rank"
+(`before_routed`, `after_routed`), knowing nothing else of it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,31 +35,119 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+# What a residual rule keeps from a block's entry to its leaving: the stream (a rule of several
+# streams: their mixing weights too); nothing but the rule looks into it.
+Carry = Any
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of a decoder layer, by the names its modules (hence its tensors) carry in the
+    layer: the mixer `mixer` reads the output of the norm `norm`."""
+
+    norm: str
+    mixer: str
+    rotary: bool = False  # the mixer takes the rotary tables (cos, sin) after its input
+
+
+@dataclass
+class LayerContext:
+    """What a layer reads of its sequences besides the hidden states: the rotary tables (None where
+    no layer rotates) and the attention residuals' snapshots so far (`AttentionResidualLayer`),
+    to which a layer may add."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    snapshots: list[torch.Tensor] = field(default_factory=list)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+    """`blocks` in order, each (Block, its norm, its mixer), under the plain pre-norm residual rule:
+    x + mixer(norm(x)), block after block."""
+
+    def __init__(self, *blocks: tuple[Block, nn.Module, nn.Module]):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = mlp
+        for block, norm, mixer in blocks:
+            self.add_module(block.norm, norm)
+            self.add_module(block.mixer, mixer)
+        self.blocks = tuple(block for block, _, _ in blocks)
+        routed_early = [b.mixer for b in self.blocks[:-1] if isinstance(getattr(self, b.mixer), MoE)]
+        assert not routed_early, f"a routed block comes last in its layer, not {routed_early}"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        carry, m = self.attend(x, cos, sin)
-        return carry + self.mlp(m)
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        for k in range(len(self.blocks)):
+            x = self.run_block(k, x, ctx)
+        return x
 
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything before the MLP: (the residual the MLP's output is added to, the MLP's input)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x, self.post_attention_layernorm(x)
+    def run_block(self, k: int, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        carry, m = self.block_input(k, x, ctx)
+        block = self.blocks[k]
+        mixer = getattr(self, block.mixer)
+        y = mixer(m, ctx.cos, ctx.sin) if block.rotary else mixer(m)
+        return self.leave(k, carry, y, ctx)
 
-    def ffn(self) -> nn.Module:
-        return self.mlp
+    def block_input(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
+        """(what block k's output joins, its mixer's input) from the stream `x` before it."""
+        carry, h = self.enter(k, x, ctx)
+        return carry, getattr(self, self.blocks[k].norm)(h)
+
+    # The residual rule: how block k reads the stream and how its mixer's output joins it.
+
+    def enter(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
+        """(what `leave` joins block k's output to, what its norm reads): the stream, twice."""
+        return x, x
+
+    def leave(self, k: int, carry: Carry, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """The stream after block k, whose mixer gave `y`: the sum."""
+        return carry + y
+
+    def snapshots(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """What the layer files into `ctx.snapshots` as it runs, from its input `x` alone (of any
+        batch of sequences: the engine, which runs a layer one sequence at a time, files them for
+        all its sequences at once): nothing."""
+        return []
 
     def balance_groups(self) -> list[Balance]:
-        """AWQ's groups (eprt.models.balance): each norm's, with the mixer that reads it."""
-        return pre_norm_groups(self.input_layernorm, self.self_attn) + pre_norm_groups(
-            self.post_attention_layernorm, self.mlp
-        )
+        """AWQ's groups (eprt.models.balance): each block's norm, with the mixer that reads it."""
+        return [g for b in self.blocks for g in pre_norm_groups(getattr(self, b.norm), getattr(self, b.mixer))]
+
+    # The calibration engine's view: the dense blocks, then at most one routed block.
+
+    @property
+    def routed(self) -> MoE | None:
+        """The routed block's mixer: the last block's, where it is a MoE."""
+        mixer = getattr(self, self.blocks[-1].mixer)
+        return mixer if isinstance(mixer, MoE) else None
+
+    def before_routed(self, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
+        """Every dense block, then the routed block's entry: (what its output joins, its MoE's input)."""
+        last = len(self.blocks) - 1
+        for k in range(last):
+            x = self.run_block(k, x, ctx)
+        return self.block_input(last, x, ctx)
+
+    def after_routed(self, carry: Carry, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """The layer's output from `before_routed`'s carry and the routed block's output `y`."""
+        return self.leave(len(self.blocks) - 1, carry, y, ctx)
+
+
+def attention_then_mlp(
+    c: ModelConfig,
+    mixer: nn.Module,
+    mlp: nn.Module,
+    *,
+    mixer_name: str = "self_attn",
+    mlp_name: str = "mlp",
+    rotary: bool = True,
+    norm: type[nn.Module] = RMSNorm,
+) -> tuple[tuple[Block, nn.Module, nn.Module], ...]:
+    """The two blocks of the usual layer: `mixer` behind `input_layernorm`, then `mlp` behind
+    `post_attention_layernorm`."""
+    D, eps = c.hidden_size, c.rms_norm_eps
+    return (
+        (Block("input_layernorm", mixer_name, rotary), norm(D, eps), mixer),
+        (Block("post_attention_layernorm", mlp_name), norm(D, eps), mlp),
+    )
 
 
 class Decoder(nn.Module):
@@ -61,23 +158,29 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.rotary = Rotary(c.rotary_dim, c.rope.theta, c.rope.yarn, c.max_position_embeddings)
+        rope = c.rope
+        self.rotary = None if rope is None else Rotary(c.rotary_dim, rope.theta, rope.yarn, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(input_ids.shape[1], x.dtype, x.device)
+        x = self.embed(input_ids)
+        ctx = self.context(input_ids.shape[1], x.dtype, x.device, [])
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.final(x, [])
+            x = layer(x, ctx)
+        return self.final(x, ctx.snapshots)
 
-    def final(self, x: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """The decoder's output from the last layer's hidden states (and block snapshots): what
-        the head reads. A layer-by-layer run calls it after its last layer."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering layer 0."""
+        return self.embed_tokens(input_ids)
+
+    def final(self, x: torch.Tensor, snapshots: list[torch.Tensor]) -> torch.Tensor:
+        """The decoder's output from the last layer's hidden states (and the snapshots): what the
+        head reads. A layer-by-layer run calls it after its last layer."""
         return self.norm(x)
 
-    def layer_args(self, seq_len: int, dtype: torch.dtype, device, blocks: list[torch.Tensor]) -> tuple:
-        """What every layer takes after its input for sequences of `seq_len` tokens: the rotary tables."""
-        return self.rotary(seq_len, dtype, device)
+    def context(self, seq_len: int, dtype: torch.dtype, device, snapshots: list[torch.Tensor]) -> LayerContext:
+        """What every layer reads of sequences of `seq_len` tokens whose snapshots so far are `snapshots`."""
+        cos, sin = (None, None) if self.rotary is None else self.rotary(seq_len, dtype, device)
+        return LayerContext(cos, sin, snapshots)
 
 
 class CausalLM(nn.Module):
@@ -103,12 +206,7 @@ class CausalLM(nn.Module):
         return "model.", self.model
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
-        return [
-            (i, block)
-            for i, layer in enumerate(self.model.layers)
-            for block in layer.children()
-            if isinstance(block, MoE)
-        ]
+        return [(i, layer.routed) for i, layer in enumerate(self.model.layers) if layer.routed is not None]
 
     def set_dispatcher(self, make_dispatcher: Callable[[int, MoE], Callable]) -> None:
         """Install `make_dispatcher(layer_index, block)` as the dispatcher of every MoE block."""

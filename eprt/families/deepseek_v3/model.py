@@ -8,7 +8,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.models.attention import GQAttention
-from eprt.models.decoder import CausalLM, DecoderLayer, Embedding
+from eprt.models.decoder import CausalLM, DecoderLayer, Embedding, attention_then_mlp
 from eprt.models.layers import GatedMLP, Linear, RMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE, held_experts
@@ -39,7 +39,11 @@ def deepseek_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(
-            c, [DecoderLayer(c, MLAttention(c), deepseek_mlp(c, i, expert_range)) for i in range(c.num_layers)]
+            c,
+            [
+                DecoderLayer(*attention_then_mlp(c, MLAttention(c), deepseek_mlp(c, i, expert_range)))
+                for i in range(c.num_layers)
+            ],
         )
 
 
@@ -61,7 +65,7 @@ class DeepseekV3MTP(DecoderLayer):
         # the MTP layer is MoE whenever the model has MoE layers (DeepSeek-V3's last layer is)
         mlp_layer = c.moe_layers[-1] if c.moe_layers else 0
         attention = MLAttention(c) if c.mla else GQAttention(c)
-        super().__init__(c, attention, deepseek_mlp(c, mlp_layer, expert_range))
+        super().__init__(*attention_then_mlp(c, attention, deepseek_mlp(c, mlp_layer, expert_range)))
         D = c.hidden_size
         self.embed_tokens = Embedding(c.vocab_size, D)
         self.enorm = RMSNorm(D, c.rms_norm_eps)

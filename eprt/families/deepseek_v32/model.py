@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eprt.config import ModelConfig
 from eprt.families.deepseek_v3.model import deepseek_mlp
-from eprt.models.decoder import CausalLM, DecoderLayer
+from eprt.models.decoder import CausalLM, DecoderLayer, attention_then_mlp
 from eprt.models.dsa import Indexer
 from eprt.models.mla import MLAttention
 
@@ -15,7 +15,9 @@ class DeepseekV32ForCausalLM(CausalLM):
         super().__init__(
             c,
             [
-                DecoderLayer(c, MLAttention(c, indexer=Indexer(c)), deepseek_mlp(c, i, expert_range))
+                DecoderLayer(
+                    *attention_then_mlp(c, MLAttention(c, indexer=Indexer(c)), deepseek_mlp(c, i, expert_range))
+                )
                 for i in range(c.num_layers)
             ],
         )

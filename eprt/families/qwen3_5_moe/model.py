@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from eprt.config import ModelConfig
-from eprt.families.qwen3_next.model import Qwen3NextDecoder, Qwen3NextDecoderLayer
-from eprt.models.decoder import CausalLM
+from eprt.families.qwen3_next.model import Qwen3NextDecoder, qwen_next_layer
+from eprt.models.decoder import CausalLM, DecoderLayer
 
 
 class LanguageModelInside(nn.Module):
     """`model.language_model`: the decoder, where the checkpoint keeps it."""
 
-    def __init__(self, c: ModelConfig, layers: list[Qwen3NextDecoderLayer]):
+    def __init__(self, c: ModelConfig, layers: list[DecoderLayer]):
         super().__init__()
         self.language_model = Qwen3NextDecoder(c, layers)
 
@@ -34,7 +34,7 @@ class LanguageModelInside(nn.Module):
 class Qwen3_5MoeForConditionalGeneration(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(
-            c, [Qwen3NextDecoderLayer(c, i, expert_range) for i in range(c.num_layers)], decoder=LanguageModelInside
+            c, [qwen_next_layer(c, i, expert_range) for i in range(c.num_layers)], decoder=LanguageModelInside
         )
 
     def decoder(self) -> tuple[str, nn.Module]:

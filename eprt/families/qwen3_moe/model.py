@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from eprt.config import ModelConfig
 from eprt.models.attention import GQAttention
-from eprt.models.decoder import CausalLM, DecoderLayer
+from eprt.models.decoder import CausalLM, DecoderLayer, attention_then_mlp
 from eprt.models.layers import GatedMLP
 from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.router import SoftmaxRouter
@@ -23,4 +23,4 @@ class Qwen3MoeForCausalLM(CausalLM):
                 Experts(m.num_experts, first, count, c.hidden_size, m.intermediate_size),
             )
 
-        super().__init__(c, [DecoderLayer(c, GQAttention(c), mlp(i)) for i in range(c.num_layers)])
+        super().__init__(c, [DecoderLayer(*attention_then_mlp(c, GQAttention(c), mlp(i))) for i in range(c.num_layers)])

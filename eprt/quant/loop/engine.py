@@ -9,8 +9,11 @@ states and one step's exchange buffers.
 
 Layout invariance comes from canonical work units, not from batch-invariant kernels: every
 matmul sees rows that are a function of the model and the data alone.
-- The dense part of a layer (attention, dense MLP, router, shared experts) runs one sequence a
-  call: its rows are that sequence's tokens (a step's sequences side by side on CPU workers).
+- The dense part of a layer (its dense blocks: attention, linear attention, a dense MLP; its
+  routed block's router and shared experts) runs one sequence a call: its rows are that
+  sequence's tokens (a step's sequences side by side on CPU workers). The engine asks a layer
+  only for its routed block (`DecoderLayer.routed`, the last, if any) and runs it as
+  `before_routed`, the exchange, `after_routed` (eprt.models.decoder).
 - A routed expert runs over the copies routed to it from one group of `group_size` consecutive
   global sequences (a constant of the model and the data: `group_tokens`), in (sequence,
   position, k) order, as one matmul (eprt.parallel.dispatch.UnitDispatcher).
@@ -42,6 +45,7 @@ from torch import nn
 from eprt.kernels.cpu_workers import cpu_workers, for_each
 from eprt.loading.loader import checked_meta, load_mtp
 from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
+from eprt.models.decoder import Carry, LayerContext
 from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.progress import bar, logger
@@ -66,8 +70,9 @@ class Pending:
 
     sequence: int  # global index
     local: int  # row in the hidden states
-    carry: torch.Tensor  # the residual the MLP's output is added to [1, T, D]
-    mlp_in_TD: torch.Tensor  # the MLP's input
+    context: LayerContext  # what the layer reads of the sequence besides its hidden state
+    carry: Carry  # what the routed block's output joins (the layer's residual rule)
+    moe_in_TD: torch.Tensor  # the routed block's MoE's input
     experts_in_TD: torch.Tensor  # what the routed experts read
     topk_ids_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
@@ -113,8 +118,8 @@ class LayerWork:
         its sequence's hidden state (else the run only feeds the taps). `on_step(step)` before each
         step; `on_sequence(local index)` on the thread about to run that sequence's dense part."""
         layer = self.module
-        # a block's first layer files its input as the block's snapshot
-        snapshots = [ls.hidden.clone()] if write and getattr(layer, "attn_res", False) and layer.starts_block else []
+        # what the layer files from its input for the layers after it (attention residuals' snapshots)
+        snapshots = [s.clone() for s in layer.snapshots(ls.hidden)] if write else []
         for step in range(sequences.schedule.num_steps):
             on_step(step)
             self.engine._run_step(
@@ -211,12 +216,12 @@ class LayerEngine:
 
     def embed(self) -> LayerState:
         """The hidden states entering layer 0 (and the passes' own sequences')."""
-        table, device = self.decoder.embed_tokens, self.state.device
+        decoder, device = self.decoder, self.state.device
         self._assign(self.prefix + "embed_tokens.")
-        hidden = table(self.samples[self.calibration.mine].to(device))
+        hidden = decoder.embed(self.samples[self.calibration.mine].to(device))
         for p in self.passes:
-            p.begin(lambda ids: table(ids.to(device)))
-        table.to_empty(device="meta")
+            p.begin(lambda ids: decoder.embed(ids.to(device)))
+        decoder.embed_tokens.to_empty(device="meta")
         return LayerState(hidden, [])
 
     def run(
@@ -350,9 +355,9 @@ class LayerEngine:
         on_sequence: Callable[[int], None] = _nothing,
         on_routed: Callable[[RoutedStep], None] = _nothing,
     ) -> None:
-        """One step of one layer: its sequences' dense parts one sequence each, the routed experts
-        over the step's work units; each output replaces its sequence's hidden state (unless not
-        `write`: a run that only feeds the taps).
+        """One step of one layer: its sequences' dense blocks one sequence each, then its routed
+        block's experts over the step's work units; each output replaces its sequence's hidden
+        state (unless not `write`: a run that only feeds the taps).
 
         Each sequence's dense part runs whole on one thread, on eprt.kernels.cpu_workers' threads
         side by side: its rows are the sequence's whatever thread runs it, so the bits are the
@@ -361,36 +366,35 @@ class LayerEngine:
         runs it, which sequence's dense part comes next (the quality report files its probes'
         calls per sequence)."""
         T = sequences.schedule.seq_len
-        ffn = layer.ffn()
-        moe = isinstance(ffn, MoE)
+        moe = layer.routed
         mine = [(s, sequences.local[s]) for s in sequences.schedule.step_sequences(step) if s in sequences.local]
         pending: list[Pending] = [None] * len(mine)  # filled by `dense`, one per sequence, on the workers
 
         def dense(j: int, _) -> None:
             s, li = mine[j]
             on_sequence(li)
-            blocks = [b[li : li + 1] for b in ls.blocks]
-            args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
-            carry, m = layer.attend(ls.hidden[li : li + 1], *args)
-            if not moe:
-                out = (carry + ffn(m))[0]
+            context = self.decoder.context(T, self.dtype, self.state.device, [b[li : li + 1] for b in ls.blocks])
+            x = ls.hidden[li : li + 1]
+            if moe is None:
+                out = layer(x, context)[0]
                 if write:
                     ls.hidden[li] = out
                 return
+            carry, m = layer.before_routed(x, context)
             m_TD = m.reshape(T, -1)
-            pending[j] = Pending(s, li, carry, m_TD, *ffn.route(m_TD))
+            pending[j] = Pending(s, li, context, carry, m_TD, *moe.route(m_TD))
 
         for_each(range(len(mine)), lambda: None, dense, self.state.device)
-        if not moe:
+        if moe is None:
             return
-        routed_step = self._step_tokens(ffn, sequences, step, pending)
+        routed_step = self._step_tokens(moe, sequences, step, pending)
         on_routed(routed_step)
         routed = self._routed(routed_step, pending)
 
         def finish(j: int, _) -> None:
             p = pending[j]
             on_sequence(p.local)
-            out = (p.carry + ffn.finish(p.mlp_in_TD, routed[j]).view_as(p.carry))[0]
+            out = layer.after_routed(p.carry, moe.finish(p.moe_in_TD, routed[j])[None], p.context)[0]
             if write:
                 ls.hidden[p.local] = out
 

@@ -61,8 +61,9 @@ class Schedule:
 
 
 class LayerState:
-    """One rank's sequences as they stand at a layer boundary: the hidden states
-    [n, T, H] and, with attention residuals, the block snapshots (each [n, T, H])."""
+    """One rank's sequences as they stand at a layer boundary: the hidden states [n, T, D] ([n, T,
+    streams, D] under a residual rule of several streams) and, with attention residuals, the
+    snapshots the layers so far filed (`DecoderLayer.snapshots`, each as the hidden states)."""
 
     def __init__(self, hidden: torch.Tensor, blocks: list[torch.Tensor]):
         self.hidden, self.blocks = hidden, blocks

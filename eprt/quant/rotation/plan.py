@@ -23,7 +23,8 @@ commute with it: those values stay unrotated, said in `left_out`.
 
 What cannot be rotated exactly is refused, naming it: tied embeddings (the head would need the
 final norm folded into the embedding table), a module of the stream this plan does not know
-(attention residuals, a latent MoE), a tensor carried through the export untouched that reads or
+(attention residuals, a latent MoE) or a residual rule other than the plain sum (each layer is read
+block by block: a norm, then the mixer that reads it and writes the stream), a tensor carried through the export untouched that reads or
 writes the stream (a vision tower's projector).
 """
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from eprt.errors import ConfigError
 from eprt.models.attention import GQAttention
+from eprt.models.decoder import DecoderLayer
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.kda import KimiDeltaAttention
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
@@ -42,7 +44,6 @@ from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
 R1_SEED, R2_SEED = 0, 1  # the residual rotation's and the per-head rotation's draws (hadamard.random_hadamard)
-LAYER_PARTS = {"input_layernorm", "self_attn", "linear_attn", "post_attention_layernorm", "mlp", "block_sparse_moe"}
 DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary"}
 
 
@@ -146,13 +147,17 @@ class _Planner:
             self.add(f"{name}.bias", Residual(-1))
 
     def layer(self, layer: nn.Module, prefix: str) -> None:
-        _known(layer, LAYER_PARTS, prefix.rstrip("."))
-        attention_in = self.norm(layer.input_layernorm, f"{prefix}input_layernorm")
-        mixer_name = "self_attn" if hasattr(layer, "self_attn") else "linear_attn"
-        self.mixer(getattr(layer, mixer_name), f"{prefix}{mixer_name}.", attention_in)
-        ffn_in = self.norm(layer.post_attention_layernorm, f"{prefix}post_attention_layernorm")
-        ffn_name = "mlp" if hasattr(layer, "mlp") else "block_sparse_moe"
-        self.ffn(getattr(layer, ffn_name), f"{prefix}{ffn_name}.", ffn_in)
+        _known(layer, {name for block in layer.blocks for name in (block.norm, block.mixer)}, prefix.rstrip("."))
+        if (type(layer).enter, type(layer).leave) != (DecoderLayer.enter, DecoderLayer.leave):
+            raise ConfigError(
+                f"algorithm rotate: {prefix.rstrip('.')} ({type(layer).__name__}) joins its blocks by a residual "
+                "rule the rotation does not know; quantize without rotate"
+            )
+        for block in layer.blocks:  # each block's norm, then what reads it and writes the stream
+            norm = self.norm(getattr(layer, block.norm), f"{prefix}{block.norm}")
+            mixer = getattr(layer, block.mixer)
+            mixes = self.ffn if isinstance(mixer, (GatedMLP, MoE)) else self.mixer
+            mixes(mixer, f"{prefix}{block.mixer}.", norm)
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
         if isinstance(attn, GQAttention):

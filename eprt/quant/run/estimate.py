@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from eprt.loading.resolved import ResolvedCheckpoint
-from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import Program
 from eprt.quant.loop.calibrate import Calibrator
@@ -115,7 +114,7 @@ def layer_kinds(engine: LayerEngine, mtp_runs: int) -> list[LayerKind]:
     for i, layer in enumerate(engine.decoder.layers):
         structure = frozenset((n, tuple(t.shape)) for n, t in layer.state_dict().items())
         by_structure.setdefault(structure, []).append(i)
-    moe = [isinstance(engine.decoder.layers[ls[0]].ffn(), MoE) for ls in by_structure.values()]
+    moe = [engine.decoder.layers[ls[0]].routed is not None for ls in by_structure.values()]
     names = ["MoE" if m else "dense-MLP" for m in moe]
     kinds = [
         LayerKind(

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
 from eprt.quant.loop.engine import LayerEngine, LayerWork, Pass
 from eprt.quant.loop.sequences import LayerState, Schedule, Sequences
@@ -38,7 +37,7 @@ def routed_choices(layer: nn.Module) -> Iterator[tuple[Callable[[int], None], di
     def on_sequence(local: int) -> None:
         running.sequence = local
 
-    hook = layer.ffn().gate.register_forward_hook(chose)
+    hook = layer.routed.gate.register_forward_hook(chose)
     try:
         yield on_sequence, choices
     finally:
@@ -81,7 +80,7 @@ class QualityStreams(Pass):
         self.flips = True
 
     def reference(self, layer: LayerWork) -> None:
-        if not (self.flips and isinstance(layer.module.ffn(), MoE)):
+        if not (self.flips and layer.module.routed is not None):
             layer.run(self.sequences, self.ref)
             return
         held = LayerState(self.ref.hidden.clone(), list(self.ref.blocks))
