@@ -140,6 +140,9 @@ QWEN3_5_MOE = Family(
     unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized),
 )
 
+# a family of its own folder: its entry is built of Family, defined above
+from eprt.families import mistral4  # noqa: E402
+
 FAMILIES = (
     QWEN3_MOE,
     DEEPSEEK_V3,
@@ -151,6 +154,7 @@ FAMILIES = (
     QWEN3_NEXT,
     QWEN3_5_MOE_TEXT,
     QWEN3_5_MOE,
+    mistral4.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -1,0 +1,33 @@
+"""Mistral-Small-4's tensors, as released and as transformers 5.25 saves them (the same names):
+DeepSeek-V3's MLA in every layer; a dense MLP in the first `first_k_dense_replace` layers, else
+a router without correction bias, the routed experts held fused (`experts.gate_up_proj`
+[E, 2I, D], `experts.down_proj` [E, D, I]; per expert also read) and the shared experts."""
+
+from __future__ import annotations
+
+from eprt.config import ModelConfig
+from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
+
+
+def mlp(p: str, c: ModelConfig, i: int) -> list:
+    D, m = c.hidden_size, c.moe
+    if not c.is_moe(i):
+        return gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+    specs = [plain(f"{p}.mlp.gate.weight", m.num_experts, D)]
+    specs += stacked_experts(
+        f"{p}.mlp.experts", m.num_experts, m.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
+    )
+    return specs + gated_mlp(f"{p}.mlp.shared_experts", D, m.intermediate_size * m.num_shared_experts)
+
+
+def layout(c: ModelConfig) -> Layout:
+    D = c.hidden_size
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
+        specs += mla_attention(f"{p}.self_attn", c) + mlp(p, c, i)
+    specs.append(plain("model.norm.weight", D))
+    if not c.tie_word_embeddings:
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
+    return Layout(tuple(specs))
