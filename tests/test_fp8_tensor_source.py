@@ -46,8 +46,11 @@ def test_the_tiny_release_is_stored_as_the_release_stores_it(release):
 
 
 @pytest.mark.parametrize("reference", [False, True])
-def test_the_unquantized_export_gives_back_the_release_byte_for_byte(release, tmp_path, reference):
-    hf, _ = release
+@pytest.mark.parametrize("family", [FAMILY, "mistral4_vlm"])
+def test_the_unquantized_export_gives_back_the_release_byte_for_byte(release, tmp_path, reference, family):
+    """The language model alone, and as released inside its vision-language model (the vision tower
+    and projector in bf16, carried)."""
+    hf = release[0] if family == FAMILY else make_tiny(family, str(tmp_path / "hf"), **RELEASED_AS[family])
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=reference)
     assert {m.encoding for m in Checkpoint(ck).tensors.values() if m.encoded} == {FP8_TENSOR}
     saved, exported = read_hf_tensors(hf), read_hf_tensors(export_hf(ck, str(tmp_path / "out"), progress=False))

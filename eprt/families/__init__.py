@@ -155,6 +155,7 @@ FAMILIES = (
     QWEN3_5_MOE_TEXT,
     QWEN3_5_MOE,
     mistral4.FAMILY,
+    mistral4.VLM_FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from eprt.errors import ConfigError
-from eprt.families.mistral4.model import Mistral4ForCausalLM
+from eprt.families.mistral4.model import Mistral4ForCausalLM, Mistral4ForConditionalGeneration
 from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eprt.models.deepseek_v32 import DeepseekV32ForCausalLM
 from eprt.models.glm4_moe import Glm4MoeForCausalLM
@@ -28,6 +28,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_5_moe_text": Qwen3NextForCausalLM,  # Qwen3.5-MoE's language model saved alone runs as Qwen3-Next
     "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
     "mistral4": Mistral4ForCausalLM,
+    "mistral4_vlm": Mistral4ForConditionalGeneration,
 }
 
 

@@ -37,7 +37,7 @@ def families() -> list[str]:
 
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
-SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next"}
+SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next", "mistral4_vlm": "mistral4"}
 
 
 def distinct_models() -> list[str]:
@@ -93,6 +93,20 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "model.visual.blocks.0.norm1.weight": (16,),
             "model.visual.merger.linear_fc1.weight": (64, 64),
             "model.visual.merger.linear_fc2.weight": (hidden, 64),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "mistral3":  # Pixtral's tower and Mistral3's projector, as the tiny config sizes them
+        v = "vision_tower."
+        shapes = {
+            v + "patch_conv.weight": (16, 3, 4, 4),
+            v + "ln_pre.weight": (16,),
+            v + "transformer.layers.0.attention_norm.weight": (16,),
+            v + "transformer.layers.0.attention.q_proj.weight": (16, 16),
+            v + "transformer.layers.0.feed_forward.gate_proj.weight": (32, 16),
+            "multi_modal_projector.norm.weight": (16,),
+            "multi_modal_projector.patch_merger.merging_layer.weight": (16, 64),
+            "multi_modal_projector.linear_1.weight": (hidden, 16),
+            "multi_modal_projector.linear_2.weight": (hidden, hidden),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {
@@ -265,12 +279,16 @@ SOURCE_FORMATS = {
 }
 # How make_tiny stores a family as its release does, where that is not the plain default
 # (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
-RELEASED_AS = {"mistral4": {"source_format": "fp8-tensor", "fused_experts": True}}
+RELEASED_AS = {
+    "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
+    "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
+}
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # and DeepSeek-V3.2 its indexer's weights_proj.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
 _FP8_KEPT = re.compile(
     r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
+    r"|(vision_tower|multi_modal_projector)\..*"  # Mistral-Small-4 keeps its vision tower in bf16
 )
 
 

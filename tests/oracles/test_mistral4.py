@@ -1,8 +1,9 @@
 """Mistral-Small-4 (`mistral4`): logits equal transformers' Mistral4ForCausalLM (fp32) with every
 piece on and off (Llama-4's query temperature, YaRN, expert groups, dense first layers, low-rank
 q, shared experts, tied head), from the config as transformers writes it and with no rope
-parameters at all; expert-parallel logits equal the single-process ones; a PTQ export is the same
-bytes at every (world, ep)."""
+parameters at all, and as released, inside Mistral3ForConditionalGeneration (`mistral4_vlm`);
+expert-parallel logits equal the single-process ones; a PTQ export is the same bytes at every
+(world, ep)."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ import torch
 
 # an oracle of the tests, skipped by name where it is not installed
 pytest.importorskip("transformers")
-from transformers import Mistral4Config, Mistral4ForCausalLM  # noqa: E402
+from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Mistral4Config, Mistral4ForCausalLM  # noqa: E402
 
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
@@ -83,6 +84,29 @@ def test_expert_groups_change_the_routing(tmp_path):
         block.gate.n_group = block.gate.topk_group = 1
     with torch.no_grad():
         assert not torch.allclose(em(tokens()), want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_release_inside_mistral3_gives_the_language_models_logits(tmp_path):
+    """The release wraps the language model in Mistral3's vision-language model: eprt reads it under
+    `language_model.`, carries the vision tower, and gives the wrapper's text-only logits."""
+    vlm = tiny_config("mistral4_vlm")
+    cfg = Mistral3Config(**{k: v for k, v in vlm.items() if k not in ("model_type", "torch_dtype")})
+    cfg.text_config = mistral(**CASES["groups_dense_first_temperature"])
+    torch.manual_seed(0)
+    m = Mistral3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for layer in m.model.language_model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.3)
+    em, _ = assert_matches_transformers(tmp_path, m)
+    assert em.config.family == "mistral4_vlm" and em.decoder()[0] == "language_model.model."
+    assert em.config.own.temperature_beta == ROPE["llama_4_scaling_beta"]
+
+
+def test_a_mistral3_checkpoint_around_another_language_model_is_refused():
+    dense = {**tiny_config("mistral4_vlm"), "text_config": {"model_type": "mistral", "hidden_size": 64}}
+    with pytest.raises(ConfigError, match="text_config.model_type is 'mistral': eprt reads the mistral3 checkpoints"):
+        parse_hf_config(dense)
 
 
 def test_no_rope_parameters_reads_the_reference_defaults():

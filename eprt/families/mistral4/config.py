@@ -1,16 +1,18 @@
-"""Mistral-Small-4's config.json (`mistral4`) -> ModelConfig: DeepSeek-V3's MLA sizes, a softmax
-router with expert groups and no correction bias, YaRN, and Llama-4's query temperature, the one
-knob only this family has (`Mistral4Config`)."""
+"""Mistral-Small-4's config.json -> ModelConfig: DeepSeek-V3's MLA sizes, a softmax router with
+expert groups and no correction bias, YaRN, and Llama-4's query temperature, the one knob only
+this family has (`Mistral4Config`). `mistral4` is the language model saved alone; the release is
+the vision-language checkpoint (`mistral3` whose `text_config` is `mistral4`: `mistral4_vlm`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from eprt.config import FamilyConfig, ModelConfig, moe_or_dense, own_config, read_rope
 from eprt.config_fields import Fields
-from eprt.families import deepseek_v3
+from eprt.families import deepseek_v3, kimi_k25
 
-FAMILY = "mistral4"
+FAMILY, VLM_FAMILY = "mistral4", "mistral4_vlm"
 
 # What transformers 5.25's Mistral4Config assumes where config.json has no rope_parameters.
 DEFAULT_ROPE = {
@@ -26,7 +28,7 @@ DEFAULT_ROPE = {
 }
 
 
-@own_config(FAMILY)
+@own_config(FAMILY, VLM_FAMILY)
 @dataclass(frozen=True)
 class Mistral4Config(FamilyConfig):
     """Llama-4's attention temperature: the query at position t is scaled by
@@ -107,3 +109,14 @@ def read_temperature(f: Fields, rope) -> Mistral4Config:
         )
     # read_rope has checked beta as a number
     return Mistral4Config(float(beta), rope.yarn.original_max_position_embeddings)
+
+
+def parse_vlm(hf: dict, source: str) -> ModelConfig:
+    """The release's config.json: Mistral3's vision-language wrapper around a `mistral4` text_config."""
+    text = kimi_k25.text_config(hf, source)
+    if text.get("model_type") != FAMILY:
+        raise Fields(hf, source).refuse(
+            f"text_config.model_type is {text.get('model_type')!r}: eprt reads the mistral3 checkpoints whose "
+            f"language model is {FAMILY} (Mistral-Small-4), not Mistral-Small-3's dense one"
+        )
+    return dataclasses.replace(parse(text, f"{source} (text_config)"), family=VLM_FAMILY, model_type=hf["model_type"])

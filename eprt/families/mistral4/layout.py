@@ -5,8 +5,14 @@ a router without correction bias, the routed experts held fused (`experts.gate_u
 
 from __future__ import annotations
 
+import dataclasses
+
 from eprt.config import ModelConfig
+from eprt.families import kimi_k25
 from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
+
+# the release's vision tower and projector: carried through, not modeled
+VISION = (r"vision_tower\..+", r"multi_modal_projector\..+")
 
 
 def mlp(p: str, c: ModelConfig, i: int) -> list:
@@ -31,3 +37,10 @@ def layout(c: ModelConfig) -> Layout:
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, D))
     return Layout(tuple(specs))
+
+
+def vlm_layout(c: ModelConfig) -> Layout:
+    """The release's tensors, as transformers' Mistral3ForConditionalGeneration saves them too: the
+    language model's under `language_model.` (`language_model.model.layers.N`,
+    `language_model.lm_head`), the vision tower and the projector carried."""
+    return dataclasses.replace(kimi_k25.vlm_layout(layout(c)), passthrough=VISION)

@@ -12,6 +12,7 @@ from eprt.models.layers import GatedMLP
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.router import SoftmaxGroupRouter
+from eprt.models.vlm import LanguageModelOf
 
 
 def mistral4_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -> nn.Module:
@@ -28,13 +29,22 @@ def mistral4_mlp(c: ModelConfig, i: int, expert_range: tuple[int, int] | None) -
     return MoE(gate, Experts(m.num_experts, first, count, D, m.intermediate_size), shared)
 
 
+def decoder_layers(c: ModelConfig, expert_range: tuple[int, int] | None) -> list[DecoderLayer]:
+    temperature = (c.own.temperature_beta, c.own.temperature_positions)
+    return [
+        DecoderLayer(c, MLAttention(c, query_temperature=temperature), mistral4_mlp(c, i, expert_range))
+        for i in range(c.num_layers)
+    ]
+
+
 class Mistral4ForCausalLM(CausalLM):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
-        temperature = (c.own.temperature_beta, c.own.temperature_positions)
-        super().__init__(
-            c,
-            [
-                DecoderLayer(c, MLAttention(c, query_temperature=temperature), mistral4_mlp(c, i, expert_range))
-                for i in range(c.num_layers)
-            ],
-        )
+        super().__init__(c, decoder_layers(c, expert_range))
+
+
+class Mistral4ForConditionalGeneration(LanguageModelOf):
+    """The release: the causal LM under `language_model.`; the vision tower and the projector are
+    not modeled (their tensors travel through convert and export untouched)."""
+
+    def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
+        super().__init__(Mistral4ForCausalLM(c, expert_range))
