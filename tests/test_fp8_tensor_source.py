@@ -13,12 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eprt.errors import CheckpointError, ConfigError
+from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import FP8_TENSOR
 from eprt.testing.tiny import RELEASED_AS, make_tiny
+from tests.ep_checks import RECIPES, calibrate
 from tests.hf_utils import raw, read_hf_tensors
+from tests.multiproc import free_port
 
 FAMILY = "mistral4"
 EXPERTS = "model.layers.1.mlp.experts"
@@ -151,3 +154,18 @@ def test_what_does_not_add_up_is_refused_by_name(release, tmp_path, case):
     with pytest.raises(error, match=match):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not os.path.exists(tmp_path / "ck")
+
+
+def test_calibrated_from_the_release_every_layout_exports_and_passes_the_checks(release, tmp_path):
+    """Calibrated from the per-tensor FP8 release, the ModelOpt and compressed-tensors exports hold
+    exactly the source's tensors with each quantized weight's FP8 parts (scales, activation scales)
+    replaced by the recipe's: eprt-check against the source finds nothing."""
+    hf, ck = release
+    calibrate({"release": ck}, str(tmp_path), 1, free_port())
+    for recipe, *_ in RECIPES:
+        q = str(tmp_path / f"release-{recipe}-w1-ep1")
+        for fmt in ("modelopt", "compressed-tensors"):
+            out = export_hf(q, f"{q}-{fmt}", progress=False, fmt=fmt)
+            assert check_export(out, hf) == [], (recipe, fmt)
+            names = set(read_hf_tensors(out))
+            assert not any(n.endswith(("_scale_inv", "activation_scale")) for n in names), (recipe, fmt)
