@@ -7,6 +7,8 @@ name."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +171,13 @@ def test_calibrated_from_the_release_every_layout_exports_and_passes_the_checks(
             assert check_export(out, hf) == [], (recipe, fmt)
             names = set(read_hf_tensors(out))
             assert not any(n.endswith(("_scale_inv", "activation_scale")) for n in names), (recipe, fmt)
+
+
+def test_the_make_tiny_command_writes_the_release_form(release, tmp_path):
+    """`eprt-make-tiny mistral4` writes what make_tiny writes as released: per-tensor FP8, experts fused."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "hf")
+    subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny.py"), FAMILY, out], check=True)
+    made, want = read_hf_tensors(out), read_hf_tensors(release[0])
+    assert set(made) == set(want)
+    assert all((made[n].dtype, raw(made[n])) == (t.dtype, raw(t)) for n, t in want.items())

@@ -6,8 +6,8 @@ Without RoPE (NoPE: `config.rope` None) nothing rotates: the "rope" parts are pl
 of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
-With a query temperature (Mistral-Small-4: Llama-4's `(beta, positions)`, eprt.models.rope.
-llama4_attention_scale) each query is scaled by its position's factor after RoPE.
+With a query temperature (Mistral-Small-4: Llama-4's `(beta, positions)`, see
+`eprt.models.rope.llama4_attention_scale`) each query is scaled by its position's factor after RoPE.
 """
 
 from __future__ import annotations
