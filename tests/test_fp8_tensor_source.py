@@ -181,3 +181,20 @@ def test_the_make_tiny_command_writes_the_release_form(release, tmp_path):
     made, want = read_hf_tensors(out), read_hf_tensors(release[0])
     assert set(made) == set(want)
     assert all((made[n].dtype, raw(made[n])) == (t.dtype, raw(t)) for n, t in want.items())
+
+
+def test_the_model_run_from_the_release_is_transformers_model_of_its_decoded_export(release, tmp_path):
+    """`--dequantize` writes the release's decoded weights under its names, with no quantization_config:
+    transformers' Mistral4ForCausalLM loads that export and gives the logits eprt gives from the FP8
+    release itself (fp32, relative max error <= 1e-4)."""
+    transformers = pytest.importorskip("transformers")
+    import eprt
+
+    _, ck = release
+    out = export_hf(ck, str(tmp_path / "bf16"), progress=False, dequantize=True)
+    assert "quantization_config" not in json.load(open(os.path.join(out, "config.json")))
+    reference = transformers.Mistral4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, eprt.load_model(ck, dtype=torch.float32)(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
