@@ -158,11 +158,16 @@ def test_what_does_not_add_up_is_refused_by_name(release, tmp_path, case):
     assert not os.path.exists(tmp_path / "ck")
 
 
-def test_calibrated_from_the_release_every_layout_exports_and_passes_the_checks(release, tmp_path):
-    """Calibrated from the per-tensor FP8 release, the ModelOpt and compressed-tensors exports hold
-    exactly the source's tensors with each quantized weight's FP8 parts (scales, activation scales)
-    replaced by the recipe's: eprt-check against the source finds nothing."""
+@pytest.mark.parametrize("family", [FAMILY, "mistral4_vlm"])
+def test_calibrated_from_the_release_every_layout_exports_and_passes_the_checks(release, tmp_path, family):
+    """Calibrated from the per-tensor FP8 release (the language model alone, or inside its
+    vision-language model), the ModelOpt and compressed-tensors exports hold exactly the source's
+    tensors with each quantized weight's FP8 parts (scales, activation scales) replaced by the
+    recipe's: eprt-check against the source finds nothing."""
     hf, ck = release
+    if family != FAMILY:
+        hf = make_tiny(family, str(tmp_path / "hf"), **RELEASED_AS[family])
+        ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     calibrate({"release": ck}, str(tmp_path), 1, free_port())
     for recipe, *_ in RECIPES:
         q = str(tmp_path / f"release-{recipe}-w1-ep1")
