@@ -203,3 +203,26 @@ def test_the_model_run_from_the_release_is_transformers_model_of_its_decoded_exp
     with torch.no_grad():
         want, got = reference(ids).logits, eprt.load_model(ck, dtype=torch.float32)(ids)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def test_one_scale_shared_by_every_expert_decodes_and_a_rank_still_reads_only_its_rows(release, tmp_path):
+    """Fused experts may carry one scalar scale (and activation scale) for the whole stack: every
+    expert decodes with it, and a rank still reads only its experts' FP8 bytes (and the scalars)."""
+    pytest.importorskip("compressed_tensors")
+
+    def shared(t, c):
+        t[f"{EXPERTS}.gate_up_proj_scale_inv"] = t[f"{EXPERTS}.gate_up_proj_scale_inv"].flatten()[0].clone()
+        t[f"{EXPERTS}.gate_up_proj_activation_scale"] = torch.tensor(0.5)
+
+    hf = edited(release[0], tmp_path / "hf", shared)
+    ck = Checkpoint(convert_hf(hf, str(tmp_path / "ck"), progress=False))
+    src = read_hf_tensors(hf)
+    ck.read(f"{EXPERTS}.w2", rows=(0, 1))  # opens the layer's file: its header read once
+    before = ck.bytes_read
+    rows = ck.read(f"{EXPERTS}.w13", rows=(2, 5))
+    assert ck.bytes_read - before == 3 * 64 * 64 + 4 + 4
+    scale = src[f"{EXPERTS}.gate_up_proj_scale_inv"]
+    for i, e in enumerate(range(2, 5)):
+        assert torch.equal(rows[i], ct_decode(src[f"{EXPERTS}.gate_up_proj"][e], scale).to(torch.bfloat16))
+    exported = read_hf_tensors(export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), progress=False))
+    assert set(exported) == set(src) and all(raw(exported[n]) == raw(t) for n, t in src.items())

@@ -187,11 +187,12 @@ class TensorMeta:
 
 def stacks_weights(t: TensorMeta, dec) -> bool:
     """Whether encoded `t` is weights stacked along dim 0 (fused experts), each with its own
-    components along the same dim: its rows then decode from those rows of its components alone."""
+    components along the same dim or sharing a scalar one: its rows then decode from those rows of
+    its components (and the scalars) alone."""
     return (
         getattr(dec, "batched", False)
         and len(t.shape) == 3
-        and all(len(x.shape) >= 1 and x.shape[0] == t.shape[0] for x in t.components.values())
+        and all(not x.shape or x.shape[0] == t.shape[0] for x in t.components.values())
     )
 
 

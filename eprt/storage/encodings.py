@@ -249,8 +249,10 @@ class TensorFP8:
 
 def dequantize_tensor_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = FP8_DECODED) -> torch.Tensor:
     """w [..., rows, cols] in fp8 times its scale in fp32, rounded to `dtype`. Leading dims stack
-    weights (fused experts); each has `n` scales (scale_inv [...], [..., n] or [..., n, 1], or one
-    scalar where nothing stacks), scale j over the j-th of n equal spans of its rows."""
+    weights (fused experts); each has `n` scales (scale_inv [...], [..., n] or [..., n, 1]), scale j
+    over the j-th of n equal spans of its rows; or one scalar scales them all."""
+    if scale_inv.dim() == 0:
+        return (w.float() * scale_inv.float()).to(dtype)
     lead, (rows, cols) = w.shape[:-2], w.shape[-2:]
     per_weight = scale_inv.numel() // max(math.prod(lead), 1)
     shape_ok = tuple(scale_inv.shape[: len(lead)]) == tuple(lead) and all(
