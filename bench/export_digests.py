@@ -47,7 +47,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.testing.tiny import distinct_models, make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import RELEASED_AS, distinct_models, make_tiny, tiny_config  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 
 FAMILIES = tuple(distinct_models())
@@ -61,6 +61,7 @@ SOURCES = (
     ),
     ("kimi_k3-mxfp4", "kimi_k3", dict(source_format="mxfp4")),
     ("qwen3_5_moe-fused", "qwen3_5_moe", dict(fused_experts=True)),
+    ("mistral4-fp8_tensor", "mistral4", dict(RELEASED_AS["mistral4"])),
 )
 # Each family's wide tiny model: every Linear's input dim a multiple of 128 (the largest group of
 # a format), the tiny config's other sizes kept. The low ranks and head widths that feed a
@@ -79,6 +80,7 @@ WIDER = {
     "kimi_k3": dict(MLA, routed_expert_hidden_size=128, linear_attn_config={"head_dim": 128}),
     "qwen3_next": LINEAR,
     "qwen3_5_moe": LINEAR,
+    "mistral4": MLA,
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

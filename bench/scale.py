@@ -1,10 +1,13 @@
-"""Scale without the weights: Kimi-K2's and DeepSeek-V3's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and Mistral-Small-4's real tensor counts and real dims,
+on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3] [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4] [--worlds 8 16] [--seq-len 2048]
+        [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
-- real counts: the model's layers, experts and MTP layers at tiny dims, in block FP8 as released (Kimi-K2:
-  139,583 tensors in 62 shards). Make, convert, the dry run at each world and the export (as it came) are
+- real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
+  DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
+  experts fused). Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
@@ -33,7 +36,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
-from eprt.testing.tiny import make_tiny  # noqa: E402
+from eprt.testing.tiny import RELEASED_AS, make_tiny  # noqa: E402
 
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
 # DeepSeek-V3 config: rope, scoring, norms).
@@ -84,8 +87,34 @@ REAL = {
         first_k_dense_replace=3,
         max_position_embeddings=163840,
     ),
+    "mistral4": dict(
+        model_type="mistral4",
+        vocab_size=131072,
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        q_lora_rank=1024,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        max_position_embeddings=1048576,
+    ),
 }
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163}
+# shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB)
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24}
+# the eprt family of each model's tiny checkpoint, and how make_tiny stores it as released
+FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4"}
+RELEASED = {"kimi_k2": {"source_format": "fp8-block"}, "deepseek_v3": {"source_format": "fp8-block"}, **RELEASED_AS}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 TINY_DIMS = dict(
     vocab_size=512,
@@ -204,13 +233,13 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     real = REAL[model]
     root = os.path.join(tmp, model)
     rows = []
-    say(f"{model}: making the real-count checkpoint, in block FP8 as released")
+    say(f"{model}: making the real-count checkpoint, encoded as released")
     hf, t_make = timed(
         make_tiny,
-        "deepseek_v3",
+        FAMILY[model],
         os.path.join(root, "hf"),
         shards=SHARDS[model],
-        source_format="fp8-block",
+        **RELEASED[model],
         **{**real, **TINY_DIMS},
     )
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
@@ -231,7 +260,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        make_tiny(FAMILY[model], os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
         os.path.join(root, "ck-bf16"),
         progress=False,
     )

@@ -167,6 +167,7 @@ REAL_FIELDS = frozenset(
         "activation_situ_linear_beta",
         "gate_lower_bound",
         "partial_rotary_factor",
+        "llama_4_scaling_beta",
         # the RoPE scaling parameters (rope_scaling / rope_parameters)
         "factor",
         "attention_factor",

@@ -15,9 +15,9 @@ import torch
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
+from eprt.loading.loader import build_meta
+from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
 from eprt.models.decoder import Block, CausalLM, Decoder, DecoderLayer, LayerContext
-from eprt.models.loader import build_meta
-from eprt.models.resolved import ResolvedCheckpoint, place_tensors
 from eprt.parallel import ParallelState
 from eprt.quant.loop import engine as engine_module
 from eprt.quant.loop.engine import LayerEngine

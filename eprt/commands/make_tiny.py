@@ -1,4 +1,5 @@
-"""Write a tiny random Hugging Face checkpoint (real tensor names, a real tokenizer.json).
+"""Write a tiny random Hugging Face checkpoint (real tensor names, a real tokenizer.json), stored
+as the family's release stores it (Mistral-Small-4: per-tensor FP8, its experts fused).
 
 eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
 """
@@ -15,11 +16,12 @@ def make() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args()
-    from eprt.testing.tiny import families, make_tiny  # after --help: they import torch
+    from eprt.testing.tiny import RELEASED_AS, families, make_tiny  # after --help: they import torch
 
     if a.family not in families():
         ap.error(f"argument family: invalid choice: {a.family!r} (choose from {', '.join(families())})")
-    make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite)
+    release = RELEASED_AS.get(a.family, {})
+    make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite, **release)
     print(a.out)
 
 

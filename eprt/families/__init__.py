@@ -23,6 +23,7 @@ from eprt.families import (
     kimi_k3,
     kimi_k25,
     kimi_linear,
+    mistral4,
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
@@ -42,6 +43,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.FAMILY,
     qwen3_5_moe.TEXT_FAMILY,
     qwen3_5_moe.FAMILY,
+    mistral4.FAMILY,
+    mistral4.VLM_FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

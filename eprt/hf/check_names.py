@@ -22,7 +22,7 @@ from eprt.hf.source import HFSource
 from eprt.storage.hf_files import CONFIG
 
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
-# A source Linear stored encoded (compressed-tensors, block FP8) is exported decoded, as `weight`.
+# A source Linear stored encoded (compressed-tensors, block or per-tensor FP8) is exported decoded, as `weight`.
 ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
 ENCODED_PARTS = (
     "weight_packed",
@@ -31,7 +31,10 @@ ENCODED_PARTS = (
     "weight_shape",
     "weight_zero_point",
     "weight_global_scale",
+    "activation_scale",  # per-tensor FP8 with static activations
 )
+# Fused experts stored in per-tensor FP8 (a parameter P, not a module's weight): P's parts beside it.
+FUSED_ENCODED_PARTS = ("_scale_inv", "_activation_scale")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 # A multi-token-prediction layer's Linears the engines build without quantization, whatever the
 # config says: vLLM and SGLang make eh_proj a plain torch Linear and shared_head.head an lm head.
@@ -57,7 +60,8 @@ def decoded_names(names) -> set[str]:
     out = set()
     for n in names:
         module, _, leaf = n.rpartition(".")
-        out.add(f"{module}.weight" if module in encoded and leaf in ENCODED_PARTS else n)
+        fused = next((n[: -len(p)] for p in FUSED_ENCODED_PARTS if n.endswith(p) and n[: -len(p)] in names), None)
+        out.add(f"{module}.weight" if module in encoded and leaf in ENCODED_PARTS else fused or n)
     return out
 
 

@@ -66,6 +66,7 @@ class Encoded:
     encoding: str
     scheme: str  # the source quantization_config group (compressed-tensors) or FP8_SCHEME
     components: dict[str, str]  # local name (weight_packed, ...) -> Hugging Face name
+    weight: str  # the Hugging Face name of the weight they decode to (`M.weight`, or a fused `P`)
 
 
 @dataclass(frozen=True)
@@ -123,18 +124,28 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
     out: dict[str, Encoded] = {}
     names = src.tensors
     for name, (f, _) in names.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight_scale_inv":
+        if not name.endswith("_scale_inv"):
             continue
+        # a module's `M.weight_scale_inv`, or a fused parameter's `P_scale_inv` (transformers' spelling)
+        module, _, leaf = name.rpartition(".")
+        weight = f"{module}.weight" if leaf == "weight_scale_inv" else name[: -len("_scale_inv")]
         if quant is None or quant.method != "fp8":
             raise CheckpointError(
-                f"{f.path}: tensor {name!r} is a block-FP8 scale, but config.json declares no "
-                "block-FP8 quantization_config (quant_method fp8 with weight_block_size)"
+                f"{f.path}: tensor {name!r} is an FP8 scale, but config.json declares no FP8 "
+                "quantization_config (quant_method fp8, with weight_block_size for block FP8)"
             )
-        weight = f"{module}.weight"
         if weight not in names or names[weight][1].dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{f.path}: block-FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
-        out[module] = Encoded(encodings.FP8_BLOCK, FP8_SCHEME, {"weight": weight, "weight_scale_inv": name})
+            raise CheckpointError(f"{f.path}: FP8 scale {name!r} has no float8_e4m3fn {weight!r} beside it")
+        encoding = encodings.fp8_encoding(quant)
+        parts = encodings.component_names(weight, encodings.decoder(encoding, quant.config, quant.where).components)
+        missing = [n for n in parts.values() if n not in names]
+        if missing:
+            raise CheckpointError(
+                f"{f.path}: {weight!r} is FP8 with static activations ({quant.where}), but its "
+                f"{missing[0]!r} is missing; every FP8 weight of such a checkpoint has one"
+            )
+        key = weight[: -len(".weight")] if leaf == "weight_scale_inv" else weight
+        out[key] = Encoded(encoding, FP8_SCHEME, parts, weight)
     if quant is None:
         return out
     if quant.method != encodings.CT:
@@ -161,7 +172,10 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
                 f"'{module}.{missing[0]}' is missing"
             )
         out[module] = Encoded(
-            encodings.CT_PREFIX + groups[g]["format"], g, {c: f"{module}.{c}" for c in decoders[g].components}
+            encodings.CT_PREFIX + groups[g]["format"],
+            g,
+            {c: f"{module}.{c}" for c in decoders[g].components},
+            f"{module}.weight",
         )
     return refuse_false_claims(src, out, quant)
 
@@ -285,6 +299,11 @@ class ConversionPlanner:
         planned, claimed = [], set()
         for spec in self.layout.specs:
             spec, fused = as_source_holds(src, as_source_spells(src, self.encoded, spec, self.where))
+            if fused and spec.fused in self.encoded:  # fused experts stored encoded (per-tensor FP8)
+                e = self.encoded[spec.fused]
+                planned.append(replace(self.plan_encoded(spec, [e], "model"), fused=True))
+                claimed.update(e.components.values())
+                continue
             if fused:
                 planned.append(replace(self.plan_raw(spec), fused=True))
                 claimed.add(spec.fused)
@@ -310,7 +329,7 @@ class ConversionPlanner:
                     done.add(module)
                     e = self.encoded[module]
                     _, shape = self.probe(e)
-                    planned.append(self.plan_encoded(plain(f"{module}.weight", *shape), [e], "passthrough"))
+                    planned.append(self.plan_encoded(plain(e.weight, *shape), [e], "passthrough"))
             else:
                 self.refuse_unscaled_fp8(name)
                 planned.append(
@@ -369,9 +388,9 @@ class ConversionPlanner:
         f, info = self.src.tensors[name]
         if info.dtype in _FP8:
             raise CheckpointError(
-                f"{f.path}: tensor {name!r} is {info.dtype} without a block scale "
-                "(weight_scale_inv) beside it: per-tensor or unscaled FP8 would load unscaled; "
-                "eprt reads block FP8 only: dequantize the checkpoint to bf16 first"
+                f"{f.path}: tensor {name!r} is {info.dtype} without a scale (weight_scale_inv) "
+                "beside it: unscaled FP8 would load unscaled; eprt reads FP8 with its scales only: "
+                "dequantize the checkpoint to bf16 first"
             )
 
     def plan_encoded(self, spec: TensorSpec, encs: list[Encoded | None], role: str) -> Planned:
@@ -415,7 +434,7 @@ class ConversionPlanner:
                 self.decoders[e.scheme] = encodings.decoder(e.encoding, self.scheme(e), self.quant.where)
             try:
                 w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
-            except (ValueError, RuntimeError, IndexError, KeyError) as err:
+            except (ValueError, RuntimeError, IndexError, KeyError, CheckpointError) as err:
                 module = next(iter(e.components.values())).rpartition(".")[0]
                 raise CheckpointError(
                     f"{self.where}: {module} ({e.encoding}, scheme {e.scheme}) does not decode: {err}"

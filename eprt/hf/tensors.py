@@ -11,6 +11,7 @@ import torch
 
 from eprt.layout import Layout, TensorSpec
 from eprt.storage.checkpoint import Checkpoint, TensorMeta
+from eprt.storage.encodings import component_names
 from eprt.storage.safetensors_io import SafetensorsFile
 
 
@@ -87,10 +88,10 @@ def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -
     `M.weight`), each copied from where it lies."""
     name = meta.name
     if meta.per_row is None:
-        module = (meta.fused_source or name)[: -len(".weight")]
-        for c, x in meta.components.items():
+        for c, source in component_names(meta.fused_source or name, meta.components).items():
+            x = meta.components[c]
             yield OutTensor(
-                f"{module}.{c}",
+                source,
                 x.dtype,
                 x.source_shape,
                 partial(ck.read_component, name, c),

@@ -6,6 +6,8 @@ Without RoPE (NoPE: `config.rope` None) nothing rotates: the "rope" parts are pl
 of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
+With a query temperature (Mistral-Small-4: Llama-4's `(beta, positions)`, see
+`eprt.models.rope.llama4_attention_scale`) each query is scaled by its position's factor after RoPE.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from eprt.config import ModelConfig
 from eprt.models.attention import causal_attention
 from eprt.models.balance import Balance, BalanceGroup
 from eprt.models.layers import Linear, RMSNorm
-from eprt.models.rope import rope_interleaved, yarn_softmax_scale
+from eprt.models.rope import llama4_attention_scale, rope_interleaved, yarn_softmax_scale
 from eprt.models.taps import KVTaps
 
 # The reference builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
@@ -28,7 +30,13 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """`c.mla`'s attention, rotating the rope dims where the model has RoPE (`c.rope`)."""
 
-    def __init__(self, c: ModelConfig, output_gate: bool = False, indexer: nn.Module | None = None):
+    def __init__(
+        self,
+        c: ModelConfig,
+        output_gate: bool = False,
+        indexer: nn.Module | None = None,
+        query_temperature: tuple[float, int] | None = None,
+    ):
         super().__init__()
         m = c.mla
         self.num_heads = c.num_heads
@@ -52,6 +60,7 @@ class MLAttention(nn.Module):
         self.q_lora = bool(m.q_lora_rank)
         # indexer(x, q_latent, cos, sin) -> keep [B, T, T]: the keys each query may attend to
         self.indexer = indexer
+        self.query_temperature = query_temperature
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
     def balance_groups(self, norm: nn.Module) -> list[Balance]:
@@ -80,6 +89,8 @@ class MLAttention(nn.Module):
         if self.use_rope:
             q_pe, k_pe = rope_interleaved(q_pe, cos, sin), rope_interleaved(k_pe, cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)
+        if self.query_temperature is not None:
+            q = q * llama4_attention_scale(T, *self.query_temperature, q.dtype, q.device)
         k = torch.cat((k_nope, k_pe.expand(B, nh, T, self.rope)), dim=-1)
         if self.taps.observe is not None:
             self.taps.observe(k, v)

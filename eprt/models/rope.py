@@ -91,3 +91,11 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     cos, sin = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def llama4_attention_scale(seq_len: int, beta: float, positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Llama-4's attention temperature (Mistral-Small-4): the query at position t times
+    1 + beta * log(1 + floor(t / positions)), [T, 1] in fp32 rounded to `dtype` as the reference
+    rounds it; 1 within the first `positions` tokens, growing with each further span of them."""
+    t = torch.arange(seq_len, device=device)
+    return (1 + beta * torch.log(1 + torch.floor(t / positions)))[:, None].to(dtype)

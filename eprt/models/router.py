@@ -27,6 +27,33 @@ def softmax_topk(logits_TE: torch.Tensor, k: int, renormalize: bool) -> tuple[to
     return ids, w
 
 
+def in_best_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`choice_TE` with every expert outside each token's best `topk_group` of `n_group` equal
+    groups (ranked by the sum of their two best scores) at -inf, so that no top-k picks it."""
+    if topk_group >= n_group:
+        return choice_TE
+    T, E = choice_TE.shape
+    by_group = choice_TE.view(T, n_group, E // n_group)
+    group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_k(group_scores, topk_group), True)
+    return by_group.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+
+
+def softmax_grouped_topk(
+    logits_TE: torch.Tensor, k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's group-limited greedy routing (Mistral-Small-4): p = softmax(logits) over all
+    experts, rounded to the logits' dtype as the reference computes it there; p chooses (groups
+    ranked by the sum of their two best, the best topk_group kept, then the top k inside them);
+    the weights are the chosen p, divided by their sum + 1e-20 when renormalizing, times `scaling`."""
+    p = torch.softmax(logits_TE.float(), dim=-1).to(logits_TE.dtype).float()
+    ids = top_k(in_best_groups(p, n_group, topk_group), k)
+    w = p.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, w * scaling
+
+
 def sigmoid_grouped_topk(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor,
@@ -40,14 +67,7 @@ def sigmoid_grouped_topk(
     their two best, the best topk_group kept, then the top k inside them); the weights are the
     unbiased s, divided by their sum + 1e-20 when renormalizing, times `scaling`. All fp32."""
     s = torch.sigmoid(logits_TE.float())
-    choice = s + bias_E.float()
-    if topk_group < n_group:
-        T, E = choice.shape
-        by_group = choice.view(T, n_group, E // n_group)
-        group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_k(group_scores, topk_group), True)
-        choice = by_group.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
-    ids = top_k(choice, k)
+    ids = top_k(in_best_groups(s + bias_E.float(), n_group, topk_group), k)
     w = s.gather(1, ids)
     if renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -85,3 +105,23 @@ class SigmoidGroupRouter(nn.Module):
         return sigmoid_grouped_topk(
             logits, self.e_score_correction_bias, self.k, self.n_group, self.topk_group, self.renormalize, self.scaling
         )
+
+
+class SoftmaxGroupRouter(nn.Module):
+    """`softmax_grouped_topk` over logits in the model dtype; the weights rounded to it, as the
+    reference's are before the experts use them."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float
+    ):
+        super().__init__()
+        assert num_experts % n_group == 0 and topk_group <= n_group, (num_experts, n_group, topk_group)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
+        self.renormalize, self.scaling = renormalize, scaling
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, w = softmax_grouped_topk(
+            linear(x_TD, self.weight), self.k, self.n_group, self.topk_group, self.renormalize, self.scaling
+        )
+        return ids, w.to(x_TD.dtype).float()

@@ -185,6 +185,17 @@ class TensorMeta:
         )
 
 
+def stacks_weights(t: TensorMeta, dec) -> bool:
+    """Whether encoded `t` is weights stacked along dim 0 (fused experts), each with its own
+    components along the same dim or sharing a scalar one: its rows then decode from those rows of
+    its components (and the scalars) alone."""
+    return (
+        getattr(dec, "batched", False)
+        and len(t.shape) == 3
+        and all(not x.shape or x.shape[0] == t.shape[0] for x in t.components.values())
+    )
+
+
 def dims(shape: list) -> tuple[int, ...]:
     """A manifest's shape: a list of sizes, each a non-negative integer (ValueError otherwise: a
     crafted size would otherwise be allocated by)."""
@@ -256,7 +267,7 @@ class Checkpoint:
             if not encodings.is_known(t.encoding):
                 raise CheckpointError(
                     f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
-                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.CT_PREFIX}"
+                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.FP8_TENSOR}, {encodings.CT_PREFIX}"
                     f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
                     "crafted, or written by a newer eprt"
                 )
@@ -408,6 +419,9 @@ class Checkpoint:
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool, device=None) -> torch.Tensor:
         dec = self.decoder(t.name)
         device = torch.device(device) if device is not None and getattr(dec, "on_device", False) else None
+        if t.per_row is None and sliced and stacks_weights(t, dec):  # rows [a, b) of fused experts, read alone
+            stored = {c: self.read_component(t.name, c, (a, b)).to(device) for c in t.components}
+            return self._decoded(t, dec, stored, (b - a, *t.shape[1:]))
         if t.per_row is None:  # one weight, decoded whole
             stored = {c: self.read_component(t.name, c).to(device) for c in t.components}
             w = self._decoded(t, dec, stored, t.shape)

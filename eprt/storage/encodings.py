@@ -6,10 +6,17 @@
   a compressed checkpoint is converted or decoded, and it pulls in transformers.
 - block FP8 (DeepSeek-V3, Kimi-K2-Instruct) is decoded here: w = fp8 * weight_scale_inv per
   128x128 block, the last blocks partial where a dimension is not a multiple of 128.
+- per-tensor FP8 (Mistral-Small-4: quant_method fp8 without weight_block_size) is decoded here
+  too: w = fp8 * weight_scale_inv, one scale per weight (or per equal span of its rows: fused
+  experts hold one per expert, or one for each expert's gate rows and one for its up rows).
+  With static activations each weight also has the `activation_scale` its inputs were measured
+  at, kept beside it.
 
 An encoded weight of module M is kept as the source's own tensors `M.<component>`
 (`weight_packed`, `weight_scale`, ... or `weight`, `weight_scale_inv`), so export can write them
-back byte for byte.
+back byte for byte. Fused experts, a parameter P (`experts.gate_up_proj`) rather than a module's
+weight, spell theirs as transformers does: `P`, `P_scale_inv`, `P_activation_scale`
+(`component_names`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from eprt.errors import CheckpointError, ConfigError
 
 RAW = "raw"
 FP8_BLOCK = "fp8-block"
+FP8_TENSOR = "fp8-tensor"
 CT = "compressed-tensors"
 CT_PREFIX = CT + "/"
 MIN_VERSION = (0, 20)  # the classmethod compressor API: get_value_from_registry, decompress(state_dict, scheme)
@@ -71,7 +79,8 @@ MIXED_FORMAT = "mixed-precision"
 
 def is_known(encoding) -> bool:
     return isinstance(encoding, str) and (
-        encoding in (RAW, FP8_BLOCK) or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
+        encoding in (RAW, FP8_BLOCK, FP8_TENSOR)
+        or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
     )
 
 
@@ -124,16 +133,19 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
     method = qc.get("quant_method")
     if method == "fp8":
         block = qc.get("weight_block_size")
-        if not block:
+        if block is not None and (
+            not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
+        ):
             raise ConfigError(
-                f"{where}: quant_method fp8 without weight_block_size is per-tensor FP8, which eprt does "
-                "not read (it would load unscaled); dequantize it to bf16 first, or use a block-FP8 "
-                "checkpoint (weight_block_size [128, 128])"
+                f"{where}: weight_block_size {block!r} is not two positive integers (block FP8) "
+                "nor null (per-tensor FP8)"
             )
-        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-            raise ConfigError(f"{where}: weight_block_size {block!r} is not two positive integers")
         if qc.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"{where}: fmt {qc.get('fmt')!r}: eprt reads block FP8 in e4m3 only")
+            raise ConfigError(f"{where}: fmt {qc.get('fmt')!r}: eprt reads FP8 in e4m3 only")
+        if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise ConfigError(
+                f"{where}: activation_scheme {qc.get('activation_scheme')!r} is neither 'dynamic' nor 'static'"
+            )
     elif method == CT:
         library(where)
         from compressed_tensors.quantization import QuantizationConfig
@@ -153,7 +165,7 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
     else:
         raise ConfigError(
             f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
-            "block FP8 (quant_method fp8 with weight_block_size); dequantize the checkpoint to bf16 first"
+            "FP8 (quant_method fp8, block or per-tensor); dequantize the checkpoint to bf16 first"
         )
     return SourceQuantization(method, qc, where)
 
@@ -173,6 +185,21 @@ def without_quantization(config: dict) -> dict:
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = without_quantization(out["text_config"])
     return out
+
+
+def fp8_encoding(quant: SourceQuantization) -> str:
+    """The FP8 encoding a quant_method fp8 config describes: block with weight_block_size, else per-tensor."""
+    return FP8_BLOCK if quant.config.get("weight_block_size") else FP8_TENSOR
+
+
+def component_names(weight: str, components) -> dict[str, str]:
+    """The Hugging Face name of each component of the encoded weight stored as `weight`: a module's
+    `M.weight` has `M.<component>`; a fused parameter P (a name without `.weight`) has P itself
+    and `P_<component>` for the others, `weight_` dropped (`P_scale_inv`), as transformers names them."""
+    if weight.endswith(".weight"):
+        module = weight[: -len(".weight")]
+        return {c: f"{module}.{c}" for c in components}
+    return {c: weight if c == "weight" else f"{weight}_{c.removeprefix('weight_')}" for c in components}
 
 
 def matches(module: str, targets: list[str]) -> bool:
@@ -201,6 +228,44 @@ class BlockFP8:
 
     def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
         return dequantize_block_fp8(c["weight"], c["weight_scale_inv"], self.block)
+
+
+class TensorFP8:
+    """Per-tensor FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 of one value per weight (or
+    per equal span of its rows), and under static activations its `activation_scale`, carried."""
+
+    batched = True
+    on_device = True
+
+    def __init__(self, scheme: dict):
+        static = scheme.get("activation_scheme") == "static"
+        self.components = (
+            ("weight", "weight_scale_inv", "activation_scale") if static else ("weight", "weight_scale_inv")
+        )
+
+    def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_tensor_fp8(c["weight"], c["weight_scale_inv"])
+
+
+def dequantize_tensor_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = FP8_DECODED) -> torch.Tensor:
+    """w [..., rows, cols] in fp8 times its scale in fp32, rounded to `dtype`. Leading dims stack
+    weights (fused experts); each has `n` scales (scale_inv [...], [..., n] or [..., n, 1]), scale j
+    over the j-th of n equal spans of its rows; or one scalar scales them all."""
+    if scale_inv.dim() == 0:
+        return (w.float() * scale_inv.float()).to(dtype)
+    lead, (rows, cols) = w.shape[:-2], w.shape[-2:]
+    per_weight = scale_inv.numel() // max(math.prod(lead), 1)
+    shape_ok = tuple(scale_inv.shape[: len(lead)]) == tuple(lead) and all(
+        n == 1 for n in scale_inv.shape[len(lead) + 1 :]
+    )
+    if not shape_ok or per_weight * math.prod(lead) != scale_inv.numel() or not per_weight or rows % per_weight:
+        raise CheckpointError(
+            f"weight_scale_inv has shape {list(scale_inv.shape)}, which is not one scale per weight of "
+            f"{list(w.shape)} (nor one per equal span of its {rows} rows)"
+        )
+    x = w.float()
+    x.view(*lead, per_weight, rows // per_weight, cols).mul_(scale_inv.float().reshape(*lead, per_weight, 1, 1))
+    return x.to(dtype)
 
 
 def dequantize_block_fp8(
@@ -269,6 +334,8 @@ def decoder(encoding: str, scheme: dict, where: str):
     by local name) and `.decode(components) -> weight`."""
     if encoding == FP8_BLOCK:
         return BlockFP8(scheme)
+    if encoding == FP8_TENSOR:
+        return TensorFP8(scheme)
     if encoding.startswith(CT_PREFIX):
         return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
     raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")

@@ -13,7 +13,7 @@ from safetensors.torch import save
 from eprt.families import Family, parse_hf_config, reader_for
 from eprt.layout import Layout, TensorSpec, plain
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
-from eprt.storage.encodings import expand_blocks, matches
+from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")  # package data
@@ -37,7 +37,7 @@ def families() -> list[str]:
 
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
-SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next"}
+SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next", "mistral4_vlm": "mistral4"}
 
 
 def distinct_models() -> list[str]:
@@ -93,6 +93,20 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "model.visual.blocks.0.norm1.weight": (16,),
             "model.visual.merger.linear_fc1.weight": (64, 64),
             "model.visual.merger.linear_fc2.weight": (hidden, 64),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "mistral3":  # Pixtral's tower and Mistral3's projector, as the tiny config sizes them
+        v = "vision_tower."
+        shapes = {
+            v + "patch_conv.weight": (16, 3, 4, 4),
+            v + "ln_pre.weight": (16,),
+            v + "transformer.layers.0.attention_norm.weight": (16,),
+            v + "transformer.layers.0.attention.q_proj.weight": (16, 16),
+            v + "transformer.layers.0.feed_forward.gate_proj.weight": (32, 16),
+            "multi_modal_projector.norm.weight": (16,),
+            "multi_modal_projector.patch_merger.merging_layer.weight": (16, 64),
+            "multi_modal_projector.linear_1.weight": (hidden, 16),
+            "multi_modal_projector.linear_2.weight": (hidden, hidden),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {
@@ -257,22 +271,41 @@ SOURCE_FORMATS = {
         "quant_method": "fp8",  # DeepSeek-V3
         "weight_block_size": [128, 128],
     },
+    "fp8-tensor": {  # Mistral-Small-4: one scale per weight, static activation scales
+        "activation_scheme": "static",
+        "quant_method": "fp8",
+        "weight_block_size": None,
+    },
+}
+# How make_tiny stores a family as its release does, where that is not the plain default
+# (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
+RELEASED_AS = {
+    "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
+    "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # and DeepSeek-V3.2 its indexer's weights_proj.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
 _FP8_KEPT = re.compile(
     r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
+    r"|(vision_tower|multi_modal_projector)\..*"  # Mistral-Small-4 keeps its vision tower in bf16
 )
 
 
 def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch.Tensor]:
     """The tensors as a checkpoint quantized by `qc` stores them: each Linear weight `M.weight`
-    it covers replaced by its compressed or block-FP8 tensors."""
+    it covers replaced by its compressed or FP8 tensors (per-tensor FP8: fused experts too)."""
     out = {}
     for name, t in tensors.items():
         module = name[: -len(".weight")]
-        if not name.endswith(".weight") or t.dim() != 2:
+        per_tensor = qc["quant_method"] == "fp8" and not qc.get("weight_block_size")
+        if per_tensor and (
+            name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+            or (name.endswith(".weight") and t.dim() == 2 and not _FP8_KEPT.fullmatch(module))
+        ):
+            parts = quantize_tensor_fp8(t, halves=name.endswith("gate_up_proj"))
+            out.update({source: parts[c] for c, source in component_names(name, parts).items()})
+        elif not name.endswith(".weight") or t.dim() != 2:
             out[name] = t
         elif qc["quant_method"] == "fp8" and not _FP8_KEPT.fullmatch(module):
             out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]))
@@ -301,6 +334,27 @@ def compress_weight(weight: torch.Tensor, qc: dict, group: str = "group_0") -> d
     if "weight_shape" in c:  # the library writes int64; Kimi's checkpoints hold int32
         c["weight_shape"] = c["weight_shape"].to(torch.int32)
     return {k: v.contiguous() for k, v in c.items()}
+
+
+def quantize_tensor_fp8(weight: torch.Tensor, halves: bool = False) -> dict[str, torch.Tensor]:
+    """Per-tensor FP8 as Mistral-Small-4 stores it: e4m3 values, an fp32 weight_scale_inv (amax / 448)
+    and the static activation_scale of its inputs, scalars for a Linear; for fused experts [E, ...]
+    one per expert ([E, 1, 1]; with `halves`, [E, 2, 1]: the gate rows' and the up rows' of each,
+    as transformers allocates them) and the activation scales [E]."""
+    w = weight.float()
+    if w.dim() == 2:
+        scale = (w.abs().amax() / 448.0).clamp(min=1e-12)
+        return {
+            "weight": (w / scale).to(torch.float8_e4m3fn),
+            "weight_scale_inv": scale,
+            "activation_scale": scale * 10,
+        }
+    E, rows, cols = w.shape
+    n = 2 if halves else 1
+    spans = w.view(E, n, rows // n, cols)
+    scale = (spans.abs().amax((2, 3)) / 448.0).clamp(min=1e-12)[:, :, None]
+    q = (spans / scale[..., None]).to(torch.float8_e4m3fn).view(E, rows, cols)
+    return {"weight": q, "weight_scale_inv": scale, "activation_scale": torch.linspace(0.01, 0.02, E)}
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,10 +55,6 @@ def edit_tensors(src, fn):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def per_tensor_fp8(src):
-    edit_config(src, lambda qc, _: qc.pop("weight_block_size"))
-
-
 def other_method(src):
     edit_config(src, lambda qc, _: qc.update(quant_method="gptq"))
 
@@ -176,12 +172,6 @@ CASES = [
         r"model\.layers\.\d+\.mlp\.experts\.[1-9]\d*\.\w+\.weight is stored plain \(torch\.bfloat16\), but .* says "
         r"model\.layers\.\d+\.mlp\.experts\.[1-9]\d*\.\w+ is mxfp4-pack-quantized",
     ),
-    (
-        "fp8",
-        per_tensor_fp8,
-        r"config\.json \(quantization_config\): quant_method fp8 without weight_block_size is "
-        r"per-tensor FP8.*dequantize it to bf16 first",
-    ),
     ("int4", other_method, r"quant_method 'gptq' is not read by eprt"),
     (
         "int4",
@@ -219,14 +209,14 @@ CASES = [
     (
         "fp8",
         unscaled_fp8,
-        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' is torch\.float8_e4m3fn without a block "
+        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' is torch\.float8_e4m3fn without a "
         r"scale \(weight_scale_inv\)",
     ),
     (
         "fp8",
         no_quantization_config,
-        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' is a block-FP8 "
-        r"scale, but config\.json declares no block-FP8 quantization_config",
+        r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' is an FP8 "
+        r"scale, but config\.json declares no FP8 quantization_config",
     ),
     (
         "int4",

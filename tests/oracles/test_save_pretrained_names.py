@@ -29,6 +29,10 @@ VISION = {
 SAVED_UNLIKE_THE_RELEASE = {"kimi_k25"}
 
 
+# transformers 5.25 maps these model types to no AutoModelForCausalLM: their causal LM class by name
+CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+
+
 def implemented(family: str) -> bool:
     return tiny_config(family)["model_type"] in transformers.CONFIG_MAPPING
 
@@ -40,6 +44,10 @@ def save_pretrained(family: str, out: str) -> str:
     config = transformers.AutoConfig.for_model(**hf)
     auto = transformers.AutoModelForImageTextToText if "vision_config" in hf else transformers.AutoModelForCausalLM
     torch.manual_seed(0)
+    if family in CAUSAL_LM:
+        cls = getattr(transformers, CAUSAL_LM[family])
+        cls(cls.config_class(**{k: v for k, v in hf.items() if k != "model_type"})).save_pretrained(out)
+        return out
     auto.from_config(config).save_pretrained(out)
     return out
 

@@ -58,10 +58,10 @@ class StreamSource:
             module = owner.get(name)
             if module is None:
                 out[name] = SourceTensor(name, info.dtype, tuple(info.shape), os.path.basename(f.path))
-            elif f"{module}.weight" not in out:
+            elif self.planner.encoded[module].weight not in out:
                 e = self.planner.encoded[module]
                 dtype, shape = self.planner.probe(e)
-                out[f"{module}.weight"] = SourceTensor(f"{module}.weight", dtype, shape, os.path.basename(f.path), e)
+                out[e.weight] = SourceTensor(e.weight, dtype, shape, os.path.basename(f.path), e)
         return out
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
