@@ -140,6 +140,9 @@ QWEN3_5_MOE = Family(
     unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized),
 )
 
+# A family in a folder of its own: its entry needs Family, defined above
+from eprt.families.minimax_m2 import FAMILY as MINIMAX_M2  # noqa: E402
+
 FAMILIES = (
     QWEN3_MOE,
     DEEPSEEK_V3,
@@ -151,6 +154,7 @@ FAMILIES = (
     QWEN3_NEXT,
     QWEN3_5_MOE_TEXT,
     QWEN3_5_MOE,
+    MINIMAX_M2,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -1,0 +1,18 @@
+"""MiniMax-M2 / M2.5 / M2.7 (`minimax_m2`, 230B): the family's entry."""
+
+from __future__ import annotations
+
+from eprt.families import COMMON_UNQUANTIZED, Family
+from eprt.families.minimax_m2.config import NAME, parse
+from eprt.families.minimax_m2.layout import layout
+
+FAMILY = Family(
+    NAME,
+    ("minimax_m2",),
+    parse,
+    layout,
+    # the router computes in fp32 with its correction bias, as transformers and vLLM (params_dtype fp32) do
+    fp32=(r".*\.block_sparse_moe\.gate\.weight", r".*\.e_score_correction_bias"),
+    # vLLM builds the router as an unquantized ReplicatedLinear
+    unquantized=(*COMMON_UNQUANTIZED, r".*\.block_sparse_moe\.gate"),
+)
