@@ -6,6 +6,7 @@ runs decoded and exports back byte for byte."""
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 # an oracle of the tests, skipped by name where it is not installed
 pytest.importorskip("transformers")
@@ -141,13 +142,23 @@ def test_what_minimax_m2_does_not_have_is_refused_by_field(field, value, says):
         parse_hf_config(tiny_config(FAMILY, **{field: value}), "tiny.json")
 
 
-def test_mtp_modules_are_carried_by_name():
-    """Multi-token-prediction modules stored after the decoder travel through as stored."""
+def test_mtp_modules_are_carried_by_name(tmp_path):
+    """Multi-token-prediction modules stored after the decoder travel through convert and export as stored."""
     c = parse_hf_config(tiny_config(FAMILY, use_mtp=True, num_mtp_modules=3))
     layout = reader_for(c.model_type, "test").layout(c)
     assert c.own.mtp_modules == 3
     assert [layout.is_passthrough(f"model.layers.{i}.self_attn.q_proj.weight") for i in range(6)] == [0, 0, 1, 1, 1, 0]
     assert parse_hf_config(tiny_config(FAMILY, num_mtp_modules=3)).own.mtp_modules == 0  # use_mtp off
+
+    hf = make_tiny(FAMILY, str(tmp_path / "hf"), use_mtp=True, num_mtp_modules=1)
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = {
+        **read_hf_tensors(str(tmp_path / "hf")),
+        "model.layers.2.block_sparse_moe.experts.0.w1.weight": torch.ones(32, 64),
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    assert_same_checkpoint(hf, export_hf(ck, str(tmp_path / "out"), progress=False))
 
 
 def test_parameter_names_are_the_layout_names():
