@@ -1,6 +1,8 @@
-"""Scale without the weights: Kimi-K2's and DeepSeek-V3's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and MiniMax-M2's real tensor counts and real dims, on any
+machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3] [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model minimax_m2] [--worlds 8 16] [--seq-len 2048]
+        [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, in block FP8 as released (Kimi-K2:
@@ -36,7 +38,7 @@ from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
-# DeepSeek-V3 config: rope, scoring, norms).
+# config of the model's family: rope, scoring, norms).
 REAL = {
     "kimi_k2": dict(
         model_type="kimi_k2",
@@ -84,23 +86,50 @@ REAL = {
         first_k_dense_replace=3,
         max_position_embeddings=163840,
     ),
+    "minimax_m2": dict(
+        vocab_size=200064,
+        hidden_size=3072,
+        num_hidden_layers=62,
+        num_attention_heads=48,
+        num_key_value_heads=8,
+        head_dim=128,
+        rotary_dim=64,
+        intermediate_size=1536,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        attn_type_list=[1] * 62,
+        max_position_embeddings=196608,
+    ),
 }
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163}
+FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "minimax_m2": "minimax_m2"}
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "minimax_m2": 130}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
-TINY_DIMS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    max_position_embeddings=4096,
-)
+TINY_DIMS = {
+    "deepseek_v3": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        max_position_embeddings=4096,
+    ),
+    "minimax_m2": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        max_position_embeddings=4096,
+    ),
+}
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
@@ -201,17 +230,13 @@ def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int
 
 
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
-    real = REAL[model]
+    real, family = REAL[model], FAMILY[model]
+    tiny = {**real, **TINY_DIMS[family]}
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, in block FP8 as released")
     hf, t_make = timed(
-        make_tiny,
-        "deepseek_v3",
-        os.path.join(root, "hf"),
-        shards=SHARDS[model],
-        source_format="fp8-block",
-        **{**real, **TINY_DIMS},
+        make_tiny, family, os.path.join(root, "hf"), shards=SHARDS[model], source_format="fp8-block", **tiny
     )
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
@@ -231,7 +256,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        make_tiny(family, os.path.join(root, "hf-bf16"), **tiny),
         os.path.join(root, "ck-bf16"),
         progress=False,
     )
