@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 pytest.importorskip("transformers")
 from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM  # noqa: E402
 
-import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
@@ -27,7 +26,7 @@ from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import VOCAB, YARN, assert_matches_transformers, record_routing, tokens  # noqa: E402
-from tests.test_compressed import decompressed_copy, fp8_reference  # noqa: E402
+from tests.test_compressed import assert_block_fp8_source_runs_decoded_and_exports_back  # noqa: E402
 from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
 
 FAMILY = "minimax_m2"
@@ -202,17 +201,7 @@ def test_block_fp8_release_runs_decoded_and_exports_back(tmp_path):
     assert f"{layer0}.block_sparse_moe.experts.3.w2.weight_scale_inv" in source
     assert f"{layer0}.self_attn.q_proj.weight_scale_inv" in source
     assert f"{layer0}.block_sparse_moe.gate.weight_scale_inv" not in source
-    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    plain = convert_hf(
-        decompressed_copy(hf, str(tmp_path / "plain-hf"), torch.float32), str(tmp_path / "plain"), progress=False
-    )
-    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(
-            eprt.load_model(ck, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids)
-        )
-    export_hf(ck, str(tmp_path / "out"), progress=False)
-    assert_same_checkpoint(hf, str(tmp_path / "out"))
+    ck = assert_block_fp8_source_runs_decoded_and_exports_back(hf, tmp_path)
 
     run_ptq(
         ParallelState.single(),
@@ -224,4 +213,3 @@ def test_block_fp8_release_runs_decoded_and_exports_back(tmp_path):
     assert got[f"{layer0}.self_attn.q_proj.weight"].dtype == torch.uint8  # NVFP4 from the decoded weight
     assert raw(got[f"{layer0}.block_sparse_moe.gate.weight"]) == raw(source[f"{layer0}.block_sparse_moe.gate.weight"])
     assert f"{layer0}.block_sparse_moe.experts.0.w1.weight_scale_2" in got
-    assert fp8_reference(hf)  # the source held block-FP8 weights for the checks to decode
