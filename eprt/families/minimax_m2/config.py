@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eprt.config import FamilyConfig, GQAConfig, ModelConfig, MoEConfig, own_config, read_rope, read_rotary_dim
+from eprt.config import (
+    FamilyConfig,
+    GQAConfig,
+    ModelConfig,
+    MoEConfig,
+    own_config,
+    read_kv_heads,
+    read_rope,
+    read_rotary_dim,
+)
 from eprt.config_fields import MAX_LAYERS, Fields, is_integer
 
 NAME = "minimax_m2"
@@ -48,12 +57,8 @@ def parse(hf: dict, source: str) -> ModelConfig:
     if act != "silu":
         raise f.refuse(f"hidden_act {act!r} is not supported (MiniMax-M2 uses silu)")
     n_layers, hidden = f.get("num_hidden_layers"), f.get("hidden_size")
-    n_heads, n_kv = f.get("num_attention_heads"), f.get("num_key_value_heads", default=8)
-    if n_heads % n_kv:
-        raise f.refuse(
-            f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}: "
-            "grouped-query attention shares each key/value head among a whole number of query heads"
-        )
+    n_heads = f.get("num_attention_heads")
+    n_kv = read_kv_heads(f, n_heads, default=8)
     head_dim = f.get("head_dim", default=hidden // n_heads)
     n_experts = f.get("num_local_experts", "num_experts", default=256)
     if n_experts < 1:
