@@ -130,6 +130,7 @@ def test_the_release_spelling_reads_as_transformers_saves_it():
         ("use_routing_bias", False, "use_routing_bias is False"),
         ("shared_intermediate_size", 1536, "shared_intermediate_size is 1536"),
         ("attn_type_list", [0, 1], "attn_type_list marks linear-attention layers"),
+        ("attn_type_list", "11", "field 'attn_type_list' is '11'; it must be a JSON list"),
         ("rotary_dim", 7, "rotary_dim 7 of head_dim 16: RoPE rotates an even count"),
         ("rotary_dim", 64, "rotary_dim 64 of head_dim 16"),
         ("rotary_dim", "64", "field 'rotary_dim' is '64'; it must be an integer"),

@@ -48,7 +48,12 @@ def parse(hf: dict, source: str) -> ModelConfig:
     for name, assumed, meaning in FIXED:
         if f.get(name, default=assumed) != assumed:
             raise f.refuse(f"{name} is {hf[name]!r}: {meaning}, which MiniMax-M2 does not have (it is {assumed!r})")
-    if any(kind != 1 for kind in f.get("attn_type_list", default=[]) or []):
+    kinds = f.get("attn_type_list", default=[])
+    if not isinstance(kinds, list):
+        raise f.refuse(
+            f"field 'attn_type_list' is {kinds!r:.80}; it must be a JSON list of layer kinds (1: full attention)"
+        )
+    if any(kind != 1 for kind in kinds):
         raise f.refuse(
             "attn_type_list marks linear-attention layers (0): that is MiniMax-01's hybrid, which eprt does "
             "not run; MiniMax-M2 has full attention (1) in every layer"
