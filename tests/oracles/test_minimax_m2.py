@@ -100,11 +100,9 @@ def assert_bias_and_whole_norm_matter(em, cfg):
         changed |= not torch.equal(route(torch.zeros(cfg.num_local_experts)), route(block.e_score_correction_bias))
     assert changed
     attn = em.model.layers[0].self_attn
-    q = torch.randn(3, cfg.num_attention_heads * cfg.head_dim)
-    per_head = attn.q_norm.weight * q.unflatten(-1, (-1, cfg.head_dim)).pow(2).mean(-1, keepdim=True).add(
-        cfg.rms_norm_eps
-    ).rsqrt().mul(q.unflatten(-1, (-1, cfg.head_dim))).flatten(-2)
-    assert not torch.allclose(attn.q_norm(q), per_head, rtol=1e-3, atol=1e-4)
+    q_THd = torch.randn(3, cfg.num_attention_heads, cfg.head_dim)
+    per_head = (q_THd * torch.rsqrt(q_THd.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).flatten(-2)
+    assert not torch.allclose(attn.q_norm(q_THd.flatten(-2)), per_head * attn.q_norm.weight, rtol=1e-3, atol=1e-4)
 
 
 def test_the_release_spelling_reads_as_transformers_saves_it():
