@@ -1,13 +1,13 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and Mistral-Small-4's real tensor counts and real dims,
-on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's and MiniMax-M2's real tensor counts
+and real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4] [--worlds 8 16] [--seq-len 2048]
-        [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model minimax_m2] [--worlds 8 16]
+        [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused). Make, convert, the dry run at each world and the export (as it came) are
+  experts fused; MiniMax-M2 in block FP8). Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
@@ -39,7 +39,7 @@ from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import RELEASED_AS, make_tiny  # noqa: E402
 
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
-# DeepSeek-V3 config: rope, scoring, norms).
+# config of the model's family: rope, scoring, norms).
 REAL = {
     "kimi_k2": dict(
         model_type="kimi_k2",
@@ -109,14 +109,33 @@ REAL = {
         first_k_dense_replace=0,
         max_position_embeddings=1048576,
     ),
+    "minimax_m2": dict(
+        vocab_size=200064,
+        hidden_size=3072,
+        num_hidden_layers=62,
+        num_attention_heads=48,
+        num_key_value_heads=8,
+        head_dim=128,
+        rotary_dim=64,
+        intermediate_size=1536,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        attn_type_list=[1] * 62,
+        max_position_embeddings=196608,
+    ),
 }
 # shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB)
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24}
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24, "minimax_m2": 130}
 # the eprt family of each model's tiny checkpoint, and how make_tiny stores it as released
-FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4"}
-RELEASED = {"kimi_k2": {"source_format": "fp8-block"}, "deepseek_v3": {"source_format": "fp8-block"}, **RELEASED_AS}
+FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4", "minimax_m2": "minimax_m2"}
+RELEASED = {
+    "kimi_k2": {"source_format": "fp8-block"},
+    "deepseek_v3": {"source_format": "fp8-block"},
+    "minimax_m2": {"source_format": "fp8-block"},
+    **RELEASED_AS,
+}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
-TINY_DIMS = dict(
+MLA_TINY = dict(
     vocab_size=512,
     hidden_size=64,
     num_attention_heads=4,
@@ -130,6 +149,20 @@ TINY_DIMS = dict(
     moe_intermediate_size=32,
     max_position_embeddings=4096,
 )
+TINY_DIMS = {
+    "deepseek_v3": MLA_TINY,
+    "mistral4": MLA_TINY,
+    "minimax_m2": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        max_position_embeddings=4096,
+    ),
+}
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
@@ -230,18 +263,12 @@ def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int
 
 
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
-    real = REAL[model]
+    real, family = REAL[model], FAMILY[model]
+    tiny = {**real, **TINY_DIMS[family]}
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, encoded as released")
-    hf, t_make = timed(
-        make_tiny,
-        FAMILY[model],
-        os.path.join(root, "hf"),
-        shards=SHARDS[model],
-        **RELEASED[model],
-        **{**real, **TINY_DIMS},
-    )
+    hf, t_make = timed(make_tiny, family, os.path.join(root, "hf"), shards=SHARDS[model], **RELEASED[model], **tiny)
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         n_source = len(json.load(f)["weight_map"])
@@ -260,7 +287,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny(FAMILY[model], os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        make_tiny(family, os.path.join(root, "hf-bf16"), **tiny),
         os.path.join(root, "ck-bf16"),
         progress=False,
     )

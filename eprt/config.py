@@ -381,6 +381,18 @@ def rope_object(f: Fields, name: str) -> dict | None:
     return value
 
 
+def read_kv_heads(f: Fields, num_heads: int, default: int) -> int:
+    """Grouped-query attention's key/value heads (`num_key_value_heads`), each shared by a whole
+    number of the `num_heads` query heads."""
+    n_kv = f.get("num_key_value_heads", default=default)
+    if num_heads % n_kv:
+        raise f.refuse(
+            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {n_kv}: "
+            "grouped-query attention shares each key/value head among a whole number of query heads"
+        )
+    return n_kv
+
+
 def read_rotary_dim(f: Fields, head_dim: int, default_factor: float) -> int:
     """How many leading dims of each head RoPE rotates: int(head_dim * partial_rotary_factor), the
     factor from v5 `rope_parameters` or the v4 top level; an even count from 2 to head_dim."""

@@ -176,10 +176,11 @@ def mla_attention(prefix: str, c) -> list[TensorSpec]:
     ]
 
 
-def gqa_attention(prefix: str, c) -> list[TensorSpec]:
-    """Grouped-query attention's tensors (Qwen3, GLM-4.5, Qwen3-Next): q/k/v/o, the per-head q/k
-    norms under `c.gqa.qk_norm`, biases under `qkv_bias` and `output_bias`; under
-    `c.gqa.output_gate` q_proj holds each head's gate beside its query."""
+def gqa_attention(prefix: str, c, whole_qk_norm: bool = False) -> list[TensorSpec]:
+    """Grouped-query attention's tensors (Qwen3, GLM-4.5, Qwen3-Next, MiniMax-M2): q/k/v/o, the
+    q/k norms under `c.gqa.qk_norm` (one head wide, or with `whole_qk_norm` as wide as the whole
+    projection: MiniMax-M2), biases under `qkv_bias` and `output_bias`; under `c.gqa.output_gate`
+    q_proj holds each head's gate beside its query."""
     g, D = c.gqa, c.hidden_size
     q, kv = c.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     q_rows = 2 * q if g.output_gate else q
@@ -190,7 +191,8 @@ def gqa_attention(prefix: str, c) -> list[TensorSpec]:
         plain(f"{prefix}.o_proj.weight", D, q),
     ]
     if g.qk_norm:
-        specs += [plain(f"{prefix}.q_norm.weight", g.head_dim), plain(f"{prefix}.k_norm.weight", g.head_dim)]
+        q_norm, k_norm = (q, kv) if whole_qk_norm else (g.head_dim, g.head_dim)
+        specs += [plain(f"{prefix}.q_norm.weight", q_norm), plain(f"{prefix}.k_norm.weight", k_norm)]
     if g.qkv_bias:
         specs += [
             plain(f"{prefix}.q_proj.bias", q_rows),

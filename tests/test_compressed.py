@@ -112,6 +112,22 @@ def decompressed_copy(hf_dir: str, out: str, dtype: torch.dtype) -> str:
     return out
 
 
+def assert_block_fp8_source_runs_decoded_and_exports_back(hf: str, root) -> str:
+    """The block-FP8 source `hf` converts (under `root`) keeping its encoding, gives the logits (fp32)
+    of its copy decoded ahead of time, and exports back byte for byte. Returns its eprt checkpoint."""
+    ck = convert_hf(hf, str(root / "ck"), progress=False)
+    plain = convert_hf(
+        decompressed_copy(hf, str(root / "plain-hf"), torch.float32), str(root / "plain"), progress=False
+    )
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(
+            eprt.load_model(ck, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids)
+        )
+    assert_same_checkpoint(hf, export_hf(ck, str(root / "out"), progress=False))
+    return ck
+
+
 def expert_rows(want: dict[str, torch.Tensor], moe: str, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts [a, b) of one MoE layer stacked as eprt stacks them, from per-expert weights."""
     w13 = torch.stack(

@@ -40,6 +40,7 @@ FAMILIES = [
     "qwen3_5_moe",
     "qwen3_5_moe_text",
     "mistral4",
+    "minimax_m2",
 ]
 # each shipped one-format recipe once, with and without an FP8 KV cache among them: the KV scales on quantized
 # attention (fp8), on attention left unquantized (nvfp4_experts_only), and none (nvfp4)

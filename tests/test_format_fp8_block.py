@@ -15,11 +15,14 @@ size, 192, ends every weight of that dimension in a partial 64-wide block.
   dequantization multiplies the codes by the scale grid without spreading the blocks (a shape
   error), so no transformers test is made here.
 - eprt-check passes both layouts and refuses a zero, a NaN and a misshapen block scale in each.
+- It warns where a Linear the engines fuse with a sibling (MLA's q_a_proj with kv_a_proj_with_mqa)
+  has a row count that is not a multiple of 128, in either layout.
 """
 
 import pytest
 import torch
 
+from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.quant.formats.fp8_block import dequantize_fp8_block, fp8_block_scales, quantize_fp8_block
 from tests.formats_helpers import (
@@ -127,3 +130,29 @@ def test_check_refuses_a_corrupted_block_scale(model, tmp_path, layout, edit, fa
     name = "model.layers.0.self_attn.q_proj.weight_scale"
     problems = check_export(broken_copy(getattr(model, layout), tmp_path / "x", name, edit))
     assert any(p.startswith(name) and fault in p for p in problems), problems
+
+
+# DeepSeek-V3's MLA with every fused group but kv_a_proj_with_mqa in whole 128-row blocks: q_a_proj
+# 128 rows, the shared experts' and routed experts' gate/up 128, the dense MLP's 256
+MLA_WHOLE_BLOCKS = dict(
+    q_lora_rank=128, qk_rope_head_dim=16, intermediate_size=256, moe_intermediate_size=128, num_nextn_predict_layers=0
+)
+
+
+@pytest.mark.parametrize("kv_lora_rank, partial", [(128, True), (112, False)])
+def test_check_warns_of_a_fused_linear_ending_in_a_partial_block_row(tmp_path, kv_lora_rank, partial):
+    """kv_a_proj_with_mqa is kv_lora_rank + the rope dims rows (576 in DeepSeek-V3 and GLM-5): the
+    engines fuse it with q_a_proj, stacking both block-scale grids, and one read the partial last
+    row of GLM-5.3's wrongly. 128 + 16 rows end in a partial block, 112 + 16 do not."""
+    model = export_format(tmp_path, "fp8_block", family="deepseek_v3", kv_lora_rank=kv_lora_rank, **MLA_WHOLE_BLOCKS)
+    for out in (model.modelopt, model.ct):
+        assert check_export(out) == []  # a warning, not a violation
+        warnings = engine_warnings(out)
+        if not partial:
+            assert warnings == []
+            continue
+        (line,) = warnings
+        layers = 3  # every layer of the tiny model has one
+        assert line.startswith(f"{layers} fp8_block Linears the engines fuse with a sibling"), line
+        assert "(model.layers.0.self_attn.kv_a_proj_with_mqa: 144 rows, fused with q_a_proj/kv_a_proj_with_mqa;" in line
+        assert '{pattern: "*.kv_a_proj_with_mqa", format: fp8_channel}' in line

@@ -10,7 +10,7 @@ exact name or a `re:` regex) and
 must carry exactly its group's tensors with valid scales; an ignored or unmatched Linear keeps a
 float `weight` and no scale. Linears the engines fuse must agree on their per-tensor scales in a format that shares
 them (NVFP4: one global scale per fused weight), and every routed expert of a layer on its input
-scale per projection.
+scale per projection; a layer of NVFP4 W4A4 routed experts has that input scale on every expert.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def check_compressed_tensors(
         formats[module] = fmt
         _check_module(module, fmt, tensors, problems)
     _check_shared(formats, tensors, problems)
+    _check_w4a4_experts_have_input_scales(linears, formats, tensors, problems)
     kv = _check_kv(config["quantization_config"], ignore, tensors, problems)
     check_names(tensors, {m: tuple(f.ct_leaves) for m, f in formats.items()}, kv, source, problems)
 
@@ -279,6 +280,31 @@ def _check_shared(formats: dict[str, WeightFormat], tensors: dict, problems: lis
                     f"{name}: {value}, other {kind} experts of {moe} have {common}; "
                     "the fused MoE loads one input scale per projection"
                 )
+
+
+def _check_w4a4_experts_have_input_scales(
+    linears: dict[str, set[str]], formats: dict[str, WeightFormat], tensors: dict, problems: list[str]
+) -> None:
+    """A layer whose routed experts are NVFP4 W4A4 has an input scale on every expert projection:
+    the engines load the layer's experts as one fused NVFP4 MoE, whatever the config says of one of
+    them (ignored, or in a weight-only group), and vLLM reads an input scale the export lacks as 0,
+    then divides by it (an inf global scale, NaN for every token routed there)."""
+    by_layer: dict[str, list[str]] = defaultdict(list)
+    for module in linears:
+        if m := ROUTED_EXPERT.match(module):
+            by_layer[m["moe"]].append(module)
+    for moe, modules in sorted(by_layer.items()):
+        w4a4 = [m for m in modules if formats.get(m) is not None and formats[m].quant_algo == "NVFP4"]
+        leaf = formats[w4a4[0]].ct_input_scale_leaf if w4a4 else None
+        # a W4A4 module without its scale is named by its own check; these are the others
+        lacking = sorted(m for m in modules if m not in w4a4 and f"{m}.{leaf}" not in tensors)
+        if w4a4 and lacking:
+            problems.append(
+                f"{moe}: NVFP4 W4A4 routed experts, but {len(lacking)} expert projection(s) have no {leaf} "
+                f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}); the engines load the layer's "
+                f"experts as one fused NVFP4 MoE and vLLM reads a missing {leaf} as 0, an inf global scale: "
+                "quantize every expert of the layer in the same W4A4 format"
+            )
 
 
 def _check_kv(qc: dict, ignore: list[str], tensors: dict, problems: list[str]) -> tuple[str, ...]:

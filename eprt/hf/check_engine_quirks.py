@@ -13,6 +13,13 @@ transformers 5 decompresses a compressed-tensors export's NVFP4 routed experts w
 weight_global_scale (its fused-experts path builds a module of weight_packed and weight_scale only),
 so every expert weight it loads is global_scale times too large: the export is right (vLLM and the
 compressed-tensors library decode it), but a check in transformers is not one.
+
+The engines fuse Linears that read one input (q/k/v, gate/up, MLA's q_a_proj with
+kv_a_proj_with_mqa) and, in a format of row blocks (FP8 block's 128x128), stack the members' block
+scales into the fused weight's. A member whose row count is not a multiple of the block ends in a
+partial block row: the rows after it in the fused weight no longer start a block, and an engine
+that counts a member's scale rows as rows // 128 leaves the last one unread (GLM-5.3's 576-row
+kv_a_proj_with_mqa decoded to noise in an engine so).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 
 from eprt.hf.check_export import ct_formats, is_compressed_tensors
 from eprt.hf.check_files import read_json, read_tensors
-from eprt.hf.check_modelopt import ModelOptModules
+from eprt.hf.check_modelopt import SAME_INPUT, ModelOptModules
 from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
 from eprt.quant.absorbed import absorbed_in_4_bit_inputs
 from eprt.quant.formats.e2m1 import E2M1_MAX
@@ -54,10 +61,39 @@ def transformers_misreads(formats: dict) -> list[str]:
     ]
 
 
+def partial_fused_row_blocks(formats: dict, tensors: dict) -> list[str]:
+    """A line where a Linear stored in row blocks (`formats`: module -> format) is fused on load with
+    a sibling of its format and has a row count that is not a multiple of the block height."""
+    partial: dict[str, tuple[int, tuple[str, ...]]] = {}
+    for module, fmt in formats.items():
+        parent, _, leaf = module.rpartition(".")
+        group = next((g for g in SAME_INPUT if leaf in g), ())
+        fused = any(formats.get(f"{parent}.{x}") is fmt for x in group if x != leaf)
+        weight = tensors.get(f"{module}.weight")
+        if fmt.blocks_span_rows and fused and weight is not None and weight.shape[0] % fmt.scale_height:
+            partial[module] = weight.shape[0], group
+    if not partial:
+        return []
+    first = min(partial)
+    rows, group = partial[first]
+    kinds = sorted({f"{m.rpartition('.')[2]} ({r} rows)" for m, (r, _) in partial.items()})
+    height, name = formats[first].scale_height, formats[first].name
+    rules = ", ".join(f'{{pattern: "*.{x}", format: fp8_channel}}' for x in group)
+    return [
+        f"{len(partial)} {name} Linears the engines fuse with a sibling have a row count that is not a multiple "
+        f"of the {height}-row block ({first}: {rows} rows, fused with {'/'.join(group)}; {', '.join(kinds)}): "
+        f"the fused weight stacks the members' block scales, so a partial last block row shifts the rows after "
+        f"it or is left unread by an engine that counts rows // {height} (noise in the output); check the "
+        "engine's output against the source, or quantize that fused group in a format without row blocks "
+        f"(recipe rules {rules})"
+    ]
+
+
 def engine_warnings(out_dir) -> list[str]:
     """One line per engine quirk the export at `out_dir` runs into: MLA kv_b_projs in a W4A4 format,
-    and a compressed-tensors layout that transformers decodes otherwise than the engines. None where
-    its files cannot be read (the checks say why)."""
+    a compressed-tensors layout that transformers decodes otherwise than the engines, and fused
+    Linears in row blocks that end in a partial one. None where its files cannot be read (the checks
+    say why)."""
     out = Path(out_dir)
     problems: list[str] = []
     config = read_json(out / CONFIG, problems)
@@ -77,6 +113,7 @@ def engine_warnings(out_dir) -> list[str]:
         layers = quantized_layers(config, hf_quant) if algo == MIXED else None
         formats = ModelOptModules(tensors, algo, exclude, problems, layers).format_of
         input_leaf = {m: f.modelopt_per_tensor_scales[1] for m, f in formats.items()}
+    warnings += partial_fused_row_blocks(formats, tensors)
     factors = {}
     for module, fmt in formats.items():
         stored = tensors.get(f"{module}.{input_leaf[module]}") if input_leaf[module] else None

@@ -1,4 +1,4 @@
-"""Grouped-query attention (Qwen3, GLM-4.5, Qwen3-Next's gated one), and the causal attention core."""
+"""Grouped-query attention (Qwen3, GLM-4.5, Qwen3-Next's gated one, MiniMax-M2), and the causal attention core."""
 
 from __future__ import annotations
 
@@ -35,9 +35,13 @@ class GQAttention(nn.Module):
     """As `c.gqa` says (Qwen3, GLM-4.5, Qwen3-Next): the q/k norm optional, RoPE partial (the
     cos/sin tables are then narrower than a head), biases optional and, with `output_gate`, q_proj
     giving each head a gate beside its query: the attention output is multiplied by sigmoid(gate)
-    before o_proj. `norm` is the q/k norm's kind."""
+    before o_proj. `norm` is the q/k norm's kind; it normalizes each head apart, or with
+    `whole_qk_norm` (MiniMax-M2) all the heads of q, and of k, as one vector. The whole projection
+    is on every rank here (eprt splits no heads), so that norm needs nothing gathered; an engine
+    that splits heads over tensor-parallel ranks sums the squares over them first (vLLM's
+    MiniMaxText01RMSNormTP)."""
 
-    def __init__(self, c: ModelConfig, norm: type[RMSNorm] = RMSNorm):
+    def __init__(self, c: ModelConfig, norm: type[RMSNorm] = RMSNorm, whole_qk_norm: bool = False):
         super().__init__()
         g = c.gqa
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, g.num_kv_heads, g.head_dim
@@ -48,8 +52,11 @@ class GQAttention(nn.Module):
         self.k_proj = Linear(c.hidden_size, g.num_kv_heads * hd, bias=g.qkv_bias)
         self.v_proj = Linear(c.hidden_size, g.num_kv_heads * hd, bias=g.qkv_bias)
         self.o_proj = Linear(c.num_heads * hd, c.hidden_size, bias=g.output_bias)
-        self.q_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
-        self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
+        assert not (whole_qk_norm and self.output_gate), "a whole-projection q norm would mix in the gates"
+        self.whole_qk_norm = whole_qk_norm
+        q_width, k_width = (c.num_heads * hd, g.num_kv_heads * hd) if whole_qk_norm else (hd, hd)
+        self.q_norm = norm(q_width, c.rms_norm_eps) if g.qk_norm else None
+        self.k_norm = norm(k_width, c.rms_norm_eps) if g.qk_norm else None
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
     def balance_groups(self, norm: nn.Module) -> list[Balance]:
@@ -67,11 +74,14 @@ class GQAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
+        q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
-        k = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.whole_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)

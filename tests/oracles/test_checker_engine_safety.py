@@ -216,3 +216,77 @@ def test_expert_scales_out_of_the_engines_range_are_refused(built, tmp_path, kin
     problems = check_export(out)
     assert len(problems) == EXPERTS, problems
     assert all(p.startswith(f"{L0}.mlp.experts.") and f"down_proj.{leaf}" in p for p in problems), problems
+
+
+# ------------------------------------------------------------------------------ W4A4 experts' input scales
+
+
+def drop(out: Path, *names: str) -> None:
+    """Remove tensors `names` from their shards and the index."""
+    index = json.loads((out / INDEX).read_text())
+    for name in names:
+        path = shard_of(out, name)
+        held = load_file(path)
+        del held[name]
+        save_file(held, path)
+        del index["weight_map"][name]
+    (out / INDEX).write_text(json.dumps(index))
+
+
+def edit_quantization_config(out: Path, edit) -> None:
+    config = json.loads((out / "config.json").read_text())
+    edit(config["quantization_config"])
+    (out / "config.json").write_text(json.dumps(config))
+
+
+EXPERT = f"{L0}.mlp.experts.3.up_proj"
+NVFP4_LEAVES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+
+
+def ignored_expert(out: Path) -> None:
+    """Expert 3's up_proj left unquantized (bf16, no scale) and ignored by the config."""
+    packed = f"{EXPERT}.weight_packed"
+    rows, half = read(out, packed).shape
+    drop(out, *(f"{EXPERT}.{leaf}" for leaf in NVFP4_LEAVES if leaf != "weight_packed"))
+    index = json.loads((out / INDEX).read_text())
+    path = shard_of(out, packed)
+    held = load_file(path)
+    del held[packed]
+    held[f"{EXPERT}.weight"] = torch.zeros(rows, 2 * half, dtype=torch.bfloat16)
+    save_file(held, path)
+    index["weight_map"][f"{EXPERT}.weight"] = index["weight_map"].pop(packed)
+    (out / INDEX).write_text(json.dumps(index))
+    edit_quantization_config(out, lambda qc: qc["ignore"].append(EXPERT))
+
+
+def weight_only_expert(out: Path) -> None:
+    """Expert 3's up_proj in a group of its own with NVFP4 weights and bf16 inputs (W4A16), which
+    a fused MoE cannot give one expert: it stores no input scale."""
+    drop(out, f"{EXPERT}.input_global_scale")
+
+    def edit(qc):
+        nvfp4 = next(g for g in qc["config_groups"].values() if g["format"] == "nvfp4-pack-quantized")
+        qc["config_groups"] = {
+            "w4a16": {**nvfp4, "targets": [EXPERT], "input_activations": None},
+            **qc["config_groups"],
+        }
+
+    edit_quantization_config(out, edit)
+
+
+@pytest.mark.parametrize("break_it", [ignored_expert, weight_only_expert])
+def test_a_w4a4_experts_layer_with_an_expert_lacking_its_input_scale_is_refused(built, tmp_path, break_it):
+    """vLLM loads a layer's routed experts as one fused NVFP4 MoE: an expert projection the export
+    gives no input scale (left unquantized, or weight-only) loads as 0, an inf global scale."""
+    out = copy_of(built, "ct", tmp_path)
+    break_it(out)
+    for source in (None, built[0]):
+        problems = check_export(out, source)
+        assert len(problems) == 1 and problems[0].startswith(f"{L0}.mlp.experts: NVFP4 W4A4 routed experts"), problems
+        assert f"no input_global_scale ({EXPERT})" in problems[0]
+
+
+def test_a_modelopt_expert_without_its_input_scale_is_refused(built, tmp_path):
+    out = copy_of(built, "nvfp4", tmp_path)
+    drop(out, f"{EXPERT}.input_scale")
+    assert check_export(out) == [f"{EXPERT}.input_scale: missing (quantized module {EXPERT})"]

@@ -42,13 +42,22 @@ from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "mistral4"]
+FAMILIES = [
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "deepseek_v32",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "mistral4",
+    "minimax_m2",
+]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
 # from the checkpoint (model.layers, not model.language_model.layers), so the experts' global-scale
 # fix-up below cannot find their scales (Qwen3-Next is its text model). Both are checked by
 # compressed-tensors' own decompression.
-LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next"]
+LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "minimax_m2"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]
 CT_NAMES = {
     "fp8": {"weight": "weight", "weight_scale": "weight_scale", "input_scale": "input_scale"},
@@ -209,6 +218,11 @@ def test_transformers_decompresses_it_to_eprts_values(exports, family, recipe, t
     assert error < quantization_error / 2  # far closer to eprt's values than the unquantized model is
 
 
+# How a checkpoint spells a routed expert's (gate, up, down) projections, by what transformers names
+# its MoE block `mlp`: its own spelling, or MiniMax-M2's `block_sparse_moe.experts.E.w1/w3/w2`.
+EXPERT_SPELLINGS = {"mlp.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.": ("w1", "w3", "w2")}
+
+
 def apply_expert_global_scales(model, tensors: dict[str, torch.Tensor]) -> None:
     """Divide each routed expert's weights by its weight_global_scale, which transformers 5.24's
     fused-experts decompression leaves out (see the module doc)."""
@@ -216,9 +230,15 @@ def apply_expert_global_scales(model, tensors: dict[str, torch.Tensor]) -> None:
         if not hasattr(module, "gate_up_proj"):
             continue
         width = module.gate_up_proj.shape[1] // 2
+        stored, projections = next(
+            (name.replace("mlp.", block), p)
+            for block, p in EXPERT_SPELLINGS.items()
+            if f"{name.replace('mlp.', block)}.0.{p[0]}.weight_global_scale" in tensors
+        )
         for e in range(module.gate_up_proj.shape[0]):
             g = {
-                k: tensors[f"{name}.{e}.{k}.weight_global_scale"].item() for k in ("gate_proj", "up_proj", "down_proj")
+                k: tensors[f"{stored}.{e}.{p}.weight_global_scale"].item()
+                for k, p in zip(("gate_proj", "up_proj", "down_proj"), projections)
             }
             module.gate_up_proj[e, :width] = (module.gate_up_proj[e, :width].float() / g["gate_proj"]).bfloat16()
             module.gate_up_proj[e, width:] = (module.gate_up_proj[e, width:].float() / g["up_proj"]).bfloat16()

@@ -17,7 +17,6 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
 import eprt  # noqa: E402
 from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.check_export import check_export  # noqa: E402
-from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
@@ -25,8 +24,11 @@ from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.ep_checks import assert_ep_logits, assert_exports_layout_invariant, tiny_checkpoints  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import DEEPSEEK, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
-from tests.test_compressed import FP8_DEEPSEEK, decompressed_copy, fp8_reference  # noqa: E402
-from tests.test_roundtrip import assert_same_checkpoint  # noqa: E402
+from tests.test_compressed import (  # noqa: E402
+    FP8_DEEPSEEK,
+    assert_block_fp8_source_runs_decoded_and_exports_back,
+    fp8_reference,
+)
 
 FAMILY = "deepseek_v32"
 INDEXER = ("wq_b", "wk", "weights_proj")
@@ -223,17 +225,7 @@ def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path):
     hf = make_tiny(FAMILY, str(tmp_path / "fp8-hf"), source_format="fp8-block", **FP8_DEEPSEEK)
     source = read_hf_tensors(hf)
     assert f"{LAYER0}.wk.weight_scale_inv" in source and f"{LAYER0}.weights_proj.weight_scale_inv" not in source
-    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
-    plain = convert_hf(
-        decompressed_copy(hf, str(tmp_path / "plain-hf"), torch.float32), str(tmp_path / "plain"), progress=False
-    )
-    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(
-            eprt.load_model(ck, dtype=torch.float32)(ids), eprt.load_model(plain, dtype=torch.float32)(ids)
-        )
-    export_hf(ck, str(tmp_path / "out"), progress=False)
-    assert_same_checkpoint(hf, str(tmp_path / "out"))
+    ck = assert_block_fp8_source_runs_decoded_and_exports_back(hf, tmp_path)
 
     run_ptq(
         ParallelState.single(),

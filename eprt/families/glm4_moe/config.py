@@ -4,7 +4,7 @@ grouped-query attention with partial rotary, optional q/k norm and q/k/v biases.
 
 from __future__ import annotations
 
-from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope, read_rotary_dim
+from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_kv_heads, read_rope, read_rotary_dim
 from eprt.config_fields import Fields
 
 
@@ -16,12 +16,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
     if act != "silu":
         raise f.refuse(f"hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
-    n_kv = f.get("num_key_value_heads", default=8)
-    if n_heads % n_kv:
-        raise f.refuse(
-            f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}: "
-            "grouped-query attention shares each key/value head among a whole number of query heads"
-        )
+    n_kv = read_kv_heads(f, n_heads, default=8)
     head_dim = f.get("head_dim", default=hidden // n_heads)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=128)
     n_group, topk_group = f.get("n_group", default=1), f.get("topk_group", default=1)
