@@ -165,6 +165,11 @@ class ClampedSwiGLU:
     limit: float = 7.0
 
 
+# The stacked projections' eprt names: (their place among a module's two, 0 the one its input goes
+# through and 1 down; how many projections each expert's row holds end to end). The one spelling.
+EXPERT_LEAVES = {"w13": (0, 2), "w1": (0, 1), "w2": (1, 1)}
+
+
 @dataclass(frozen=True)
 class ExpertPieces:
     """What a family's routed experts are made of: gated (down(act(gate x, up x))) or not
@@ -185,7 +190,7 @@ class ExpertPieces:
     @property
     def fan(self) -> int:
         """How many projections the first stacked tensor holds end to end in each expert's row."""
-        return 2 if self.gated else 1
+        return EXPERT_LEAVES[self.leaves[0]][1]
 
     @property
     def up_scales_down(self) -> bool:

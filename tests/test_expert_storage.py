@@ -19,7 +19,7 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
-E, I, H = 4, 6, 8
+E, I, H = 4, 32, 64
 P = "model.layers.0.mlp.experts"
 RELU2 = ExpertPieces(gated=False, activation="relu2")
 GPT_OSS = ExpertPieces(bias=True, activation=ClampedSwiGLU())
