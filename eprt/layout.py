@@ -192,12 +192,6 @@ class ExpertPieces:
         """How many projections the first stacked tensor holds end to end in each expert's row."""
         return EXPERT_LEAVES[self.leaves[0]][1]
 
-    @property
-    def up_scales_down(self) -> bool:
-        """Whether scaling up's outputs by s scales what down reads by s (act(gate, s up) = s act(gate, up)),
-        so that a per-channel scale may move from up's rows to down's columns."""
-        return self.gated and self.activation == "silu"
-
 
 GATED_SILU = ExpertPieces()
 
@@ -252,20 +246,21 @@ def stacked_experts(
     shapes = {first: (num_experts, pieces.fan * width, hidden), second: (num_experts, hidden, width)}
     names = {first: storage.names[:-1], second: storage.names[-1:]}
     fused = dict(zip((first, second), storage.fused or (None, None)))
-    kinds = [(".weight", storage.suffix, "")] + ([("_bias", ".bias", "_bias")] if pieces.bias else [])
+    # (what eprt and a fused source append for it, what a per-expert source does): weights, then biases
+    kinds = [("", storage.suffix)] + ([("_bias", ".bias")] if pieces.bias else [])
     specs = []
-    for leaf_suffix, source_suffix, fused_suffix in kinds:
+    for bias, source_suffix in kinds:
         for leaf, shape in shapes.items():
             parts = names[leaf]
             specs.append(
                 TensorSpec(
-                    f"{prefix}.{leaf}{leaf_suffix}".removesuffix(".weight"),
-                    shape if leaf_suffix == ".weight" else shape[:2],
+                    f"{prefix}.{leaf}{bias}",
+                    shape[:2] if bias else shape,
                     tuple(f"{prefix}.{e}.{p}{source_suffix}" for e in range(num_experts) for p in parts),
                     stacked=True,
                     per_row=len(parts),
-                    fused=f"{prefix}.{fused[leaf]}{fused_suffix}" if fused[leaf] else None,
-                    transposed=storage.transposed and leaf_suffix == ".weight",
+                    fused=f"{prefix}.{fused[leaf]}{bias}" if fused[leaf] else None,
+                    transposed=storage.transposed and not bias,  # a bias [E, out] has no in to swap
                     interleaved=len(parts) if storage.interleaved else 1,
                 )
             )

@@ -34,7 +34,7 @@ FUSED = {
 FUSED_NAME = {shard: fused for fused, shards in FUSED.items() for shard in shards}
 # Linears that must share input_scale and the per-tensor weight scale in a format that shares them
 # (NVFP4's weight_scale_2): the fused ones, and gate/up of a routed expert, which the fused MoE loads
-# as w13 with gate's weight scale (Kimi: w1/w3).
+# as one weight with gate's weight scale (Kimi: w1/w3).
 SAME_INPUT = (*FUSED.values(), ("w1", "w3"))
 ROUTED_EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 

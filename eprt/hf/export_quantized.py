@@ -37,7 +37,7 @@ from eprt.storage.checkpoint import Checkpoint
 
 # Expert rows quantized at once: at least one a CPU worker, up to this many weights. At the end
 # of a batch the first worker done waits for the last: batches of 32M weights (64 MiB in bf16;
-# 28 w13 rows of the bench model, where 2 a worker made 4) cut its export ~6%.
+# 28 gate/up rows of the bench model, where 2 a worker made 4) cut its export ~6%.
 BATCH_ELEMENTS = 1 << 25
 
 
@@ -116,7 +116,7 @@ class QuantizedExport:
 
     # --- quantization -----------------------------------------------------------------------
     def quantized_row(self, name: str, module: str, e: int) -> dict[str, torch.Tensor]:
-        """Expert e's row of stacked `name` (gate and up together for w13) quantized in one call
+        """Expert e's row of stacked `name` (gate and up together, gated experts' first projection) quantized in one call
         under the per-tensor scale gate and up share: rows quantize independently, so each piece
         is a slice of it, the same bytes as quantized alone.
 
@@ -154,7 +154,7 @@ class QuantizedExport:
         if hf_weight in self.experts:
             x = self.experts[hf_weight]
             row = self.quantized_row(x.spec.name, x.module, x.expert)
-            kind = x.spec.name.rsplit(".", 1)[1]  # w13 or w2
+            kind = x.spec.name.rsplit(".", 1)[1]  # a stacked projection's name (eprt.layout.EXPERT_LEAVES)
             inputs = self.input_scale(x.module, lambda: self.scales.expert_input_amax(x.module, kind))
             # each tensor's own piece: rows of codes, rows of a block-scale grid
             return {**inputs, **{k: t.chunk(x.spec.per_row)[x.piece] if t.dim() else t for k, t in row.items()}}

@@ -174,7 +174,7 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
 
 def scale_groups(items: list) -> dict[tuple, list[Linear]]:
     """Each quantized Linear's group of those sharing its per-tensor weight scale, where its format
-    has one: a routed expert's fused projections (a row of its family's w13), and the dense Linears
+    has one: a routed expert's fused projections (a row of its family's first stacked projection), and the dense Linears
     the engines fuse (eprt.quant.fusion); rewritten into each Linear's `group`."""
     quantized = [q for q in items if isinstance(q, Quantized)]
     by_module = {q.linear.module: q for q in quantized if q.linear.group[0] == "linear"}

@@ -109,6 +109,10 @@ def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]
     norm_post = getattr(layer, "post_attention_layernorm", None)
     if isinstance(ffn, LatentMoE):
         left_out.append(f"{names[id(ffn)]}: the latent MoE's routed experts read a projection of the norm's output")
+    elif isinstance(ffn, MoE) and (ffn.experts.pieces.bias or not ffn.experts.pieces.gated):
+        left_out.append(
+            f"{names[id(ffn.experts)]}'s input and activation: the search models gated experts without biases"
+        )
     elif isinstance(ffn, MoE):
         readers = [(ffn.gate, COLUMNS), (ffn.experts, W13_COLUMNS)]
         shared = ffn.shared_expert if isinstance(ffn, GatedSharedExpertMoE) else ffn.shared_experts
