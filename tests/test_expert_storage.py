@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 
 import eprt.hf.convert
 import eprt.hf.export
+import eprt.hf.export_quantized
+from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -19,7 +21,7 @@ from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
-E, I, H = 4, 32, 64
+E, I, H = 4, 48, 64
 P = "model.layers.0.mlp.experts"
 RELU2 = ExpertPieces(gated=False, activation="relu2")
 GPT_OSS = ExpertPieces(bias=True, activation=ClampedSwiGLU())
@@ -137,3 +139,15 @@ def test_a_fused_tensor_in_the_wrong_shape_is_refused_by_name(tmp_path, layer_la
     with pytest.raises(Exception, match=rf"{P}\.gate_up_proj.*shape \[{E}, {2 * I}, {H}\].*\[{E}, {H}, {2 * I}\]"):
         convert_hf(hf, str(tmp_path / "ck"), progress=False)
     assert not os.path.exists(tmp_path / "ck")
+
+
+def test_a_quantized_export_of_experts_with_biases_is_refused_by_name(tmp_path, layer_layout, monkeypatch):
+    pieces, storage = CASES["biased, fused, transposed, interleaved"]
+    layer_layout(pieces, storage)
+    monkeypatch.setattr(eprt.hf.export_quantized, "reader_for", eprt.hf.convert.reader_for)
+    ck = convert_hf(
+        write_source(str(tmp_path / "hf"), source_tensors(pieces, storage)), str(tmp_path / "ck"), progress=False
+    )
+    with pytest.raises(ConfigError, match=rf"{P}\.w13_bias: the routed experts of {P} have biases.*format: none"):
+        export_hf(ck, str(tmp_path / "out"), recipe="fp8_block", progress=False)
+    assert not os.path.exists(tmp_path / "out")

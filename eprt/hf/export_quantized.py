@@ -23,7 +23,7 @@ from eprt.hf import compressed_tensors_export as ct
 from eprt.hf.quant_configs import QuantizedLinears, ct_config, modelopt_configs
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
-from eprt.layout import Layout, TensorSpec, layer_of
+from eprt.layout import EXPERT_LEAVES, Layout, TensorSpec, layer_of
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
@@ -52,6 +52,18 @@ class ExpertWeight:
 
 
 LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--format`)
+
+
+def refuse_expert_biases(specs, quantized) -> None:
+    """Routed experts with biases are refused by the quantized export: it writes each expert's
+    projections as quantized Linears and has no place yet for their biases beside them."""
+    for spec in specs:
+        module, leaf = spec.name.rsplit(".", 1)
+        if spec.stacked and module in quantized and leaf not in EXPERT_LEAVES:
+            raise ConfigError(
+                f"{spec.name}: the routed experts of {module} have biases, which the quantized export does not "
+                'write yet; exclude them in the recipe ({pattern: "*experts", format: none}) or export unquantized'
+            )
 
 
 class QuantizedExport:
@@ -94,6 +106,7 @@ class QuantizedExport:
             {m: self.recipe.algorithm_of(m) for m in self.quantized},
             self.recipe.scale_headroom,
         )
+        refuse_expert_biases(self.specs, self.quantized)
         self.experts = {
             src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
             for spec in self.specs
