@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 from eprt.hf.convert import convert_hf
-from eprt.models.moe import Experts
+from eprt.layout import ExpertPieces
+from eprt.models.layers import RMSNorm
+from eprt.models.moe import Experts, MoE
+from eprt.models.router import SoftmaxRouter
 from eprt.parallel.state import ParallelState
+from eprt.quant.algorithms.awq.groups import layer_groups
 from eprt.quant.algorithms.gptq.layer import GPTQRun, LayerGPTQ
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.loop.calibrate import Calibrator
@@ -130,3 +134,26 @@ def test_gptq_on_experts_of_any_pieces_beats_round_to_nearest(tmp_path, layer_la
             gptq_err += (rows[a:b] @ (q[e] - w[e]).T).square().sum().item()
             rtn_err += (rows[a:b] @ (rtn - w[e]).T).square().sum().item()
         assert gptq_err < rtn_err, (leaf, gptq_err, rtn_err)
+
+
+@pytest.mark.parametrize("case", ["gated", *SHAPES])
+def test_awq_balances_only_the_experts_its_search_models(case):
+    """AWQ's search models gated experts without biases; others are left out by name, quantized without AWQ."""
+    pieces = ExpertPieces() if case == "gated" else CASES[case][0]
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post_attention_layernorm = RMSNorm(H, 1e-6)
+            self.mlp = MoE(SoftmaxRouter(E, H, 2, True), Experts(E, 0, E, H, I, pieces=pieces))
+
+        def ffn(self):
+            return self.mlp
+
+    groups, left_out = layer_groups(Layer(), PREFIX)
+    if case == "gated":
+        assert [g.what for g in groups] == ["MoE input", "routed experts' activation"] and left_out == []
+    else:
+        assert groups == [] and left_out == [
+            f"{P}'s input and activation: the search models gated experts without biases"
+        ]
