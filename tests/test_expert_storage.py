@@ -151,3 +151,16 @@ def test_a_quantized_export_of_experts_with_biases_is_refused_by_name(tmp_path, 
     with pytest.raises(ConfigError, match=rf"{P}\.w13_bias: the routed experts of {P} have biases.*format: none"):
         export_hf(ck, str(tmp_path / "out"), recipe="fp8_block", progress=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_the_model_free_export_refuses_experts_it_cannot_slice_by_name(tmp_path, layer_layout, monkeypatch):
+    from eprt.hf.streaming import run
+    from eprt.hf.streaming.run import stream_export
+
+    pieces, storage = CASES["biased, fused, transposed, interleaved"]
+    layer_layout(pieces, storage)
+    monkeypatch.setattr(run, "reader_for", eprt.hf.convert.reader_for)
+    hf = write_source(str(tmp_path / "hf"), source_tensors(pieces, storage))
+    with pytest.raises(ConfigError, match=rf"{P}\.gate_up_proj holds its experts transposed or interleaved.*convert"):
+        stream_export(hf, str(tmp_path / "out"), "fp8_block", progress=False)
+    assert not os.path.exists(tmp_path / "out")
