@@ -18,8 +18,9 @@ fold would change what the model computes. The groups by module kind:
 
 Left out, by name (quantized as without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA), whose
 input projections feed convolutions and gates this fold does not model; Kimi-K3's latent MoE, whose
-routed experts read a projection of the norm's output, not the output itself; an activation other
-than SwiGLU's (Kimi's SiTU bounds up through tanh: dividing up is not exact); GLM-4.5's v -> o (its
+routed experts read a projection of the norm's output, not the output itself; routed experts with
+biases or without a gate (GPT-OSS's, Nemotron-H's: the search scores gated experts without biases);
+an activation other than SwiGLU's (Kimi's SiTU bounds up through tanh: dividing up is not exact); GLM-4.5's v -> o (its
 v_proj has a bias) and MLA's (v comes out of kv_b_proj beside the keys: not modeled yet).
 """
 
