@@ -65,9 +65,9 @@ class GPTQResults:
     def tensors(self, modules: set[str]) -> dict[str, torch.Tensor]:
         """What a layer boundary saves of `modules` for --resume (eprt.quant.run.workdir)."""
         out = {f"gptq/{m}": t for m, t in self.dense.items() if m in modules}
-        # the saved keys name the gated shape's projections, for every shape (its first, down)
+        codes_in_key, codes_down_key = CalibrationRecord.GPTQ_W13, CalibrationRecord.GPTQ_W2  # as the record names them
         for m, (codes_in, codes_down) in ((m, pair) for m, pair in self.experts.items() if m in modules):
-            out[f"gptq_w13/{m}"], out[f"gptq_w2/{m}"] = codes_in, codes_down
+            out[f"{codes_in_key}/{m}"], out[f"{codes_down_key}/{m}"] = codes_in, codes_down
             out[f"gptq_skipped/{m}"] = torch.tensor(self.skipped.get(m, []), dtype=torch.int64)
         return out
 
@@ -76,8 +76,8 @@ class GPTQResults:
             kind, _, name = key.partition("/")
             if kind == "gptq":
                 self.dense[name] = t.cpu()
-            elif kind == "gptq_w13":
-                self.experts[name] = (t.cpu(), tensors[f"gptq_w2/{name}"].cpu())
+            elif kind == CalibrationRecord.GPTQ_W13:
+                self.experts[name] = (t.cpu(), tensors[f"{CalibrationRecord.GPTQ_W2}/{name}"].cpu())
             elif kind == "gptq_skipped":
                 self.skipped[name] = t.tolist()
 
