@@ -57,6 +57,14 @@ class TensorSpec:
         """Whether the fused tensor holds this one's elements in another order."""
         return self.transposed or self.interleaved > 1
 
+    def as_fused(self) -> "TensorSpec":
+        """The one tensor `fused` names, as a plain spec: read whole, its order named (`permuted`)."""
+        return replace(self, sources=(self.fused,), stacked=False, per_row=1)
+
+    def as_piece(self) -> "TensorSpec":
+        """One of a stacked spec's per-expert sources, as a plain spec of its own shape."""
+        return replace(self, shape=self.source_shape(), stacked=False, per_row=1, transposed=False, interleaved=1)
+
     def fused_shape(self) -> tuple[int, ...]:
         """The shape of the one tensor `fused` names."""
         return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape

@@ -164,3 +164,25 @@ def test_the_model_free_export_refuses_experts_it_cannot_slice_by_name(tmp_path,
     with pytest.raises(ConfigError, match=rf"{P}\.gate_up_proj holds its experts transposed or interleaved.*convert"):
         stream_export(hf, str(tmp_path / "out"), "fp8_block", progress=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_shape_check_knows_each_storage(layer_layout, monkeypatch, case):
+    """eprt-check's shape rule: every tensor of the source in its stored shape passes, and a fused
+    tensor in eprt's order where the source transposes it is named."""
+    from eprt.hf import check_shapes
+
+    pieces, storage = CASES[case]
+    layer_layout(pieces, storage)
+    monkeypatch.setattr(check_shapes, "reader_for", eprt.hf.convert.reader_for)
+    specs = check_shapes.source_specs(tiny_config("qwen3_moe"))
+    source = source_tensors(pieces, storage)
+    problems = []
+    check_shapes.check_shapes(source, {}, specs, "config.json", problems)
+    assert problems == [] and set(source) <= set(specs)
+    if storage.transposed:
+        name = f"{P}.{storage.fused[0]}"
+        check_shapes.check_shapes({name: source[name].transpose(1, 2)}, {}, specs, "config.json", problems)
+        assert problems == [
+            f"{name}: has shape [{E}, {pieces.fan * I}, {H}] but config.json implies [{E}, {H}, {pieces.fan * I}]"
+        ]

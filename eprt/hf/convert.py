@@ -232,7 +232,7 @@ def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
             f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
             f"but {again[0]!r} holds one of them again; keep one of the two forms"
         )
-    return replace(spec, sources=(spec.fused,), stacked=False, per_row=1), True
+    return spec.as_fused(), True
 
 
 def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec, where: str) -> TensorSpec:
