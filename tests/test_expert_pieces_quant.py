@@ -157,3 +157,24 @@ def test_awq_balances_only_the_experts_its_search_models(case):
         assert groups == [] and left_out == [
             f"{P}'s input and activation: the search models gated experts without biases"
         ]
+
+
+@pytest.mark.parametrize("case", SHAPES)
+def test_the_quality_probe_measures_experts_of_any_pieces_against_their_own_output(tmp_path, layer_layout, case):  # noqa: F811
+    """The quality report's expert probe recomputes each unit from the original weights with the
+    experts' own pieces (activation, biases): unchanged weights have no error, changed ones do."""
+    from eprt.quant.quality import ModuleErrors, _expert_probe
+
+    _, experts = converted(tmp_path, layer_layout, case)
+    x, units = routed_rows()
+    errors = ModuleErrors(num_units=2)
+    experts.taps.units_output = _expert_probe(P, experts, errors)
+    with torch.no_grad():
+        experts.forward_units(x, units)
+        _, sums = errors.experts[P]
+        err, ref, rows = sums
+        assert torch.equal(err, torch.zeros_like(err)) and (ref > 0).all() and torch.equal(rows, units.double())
+        experts.w_out.mul_(1.01)  # what a quantized down would change
+        sums.zero_()
+        experts.forward_units(x, units)
+        assert (sums[0] > 0).all()
