@@ -129,3 +129,24 @@ def test_triton_units_of_any_pieces_match_the_fallback(family, monkeypatch):
 def test_an_activation_eprt_lacks_is_refused_by_name():
     with pytest.raises(ConfigError, match="ungated activation 'silu'"):
         Experts(E, 0, E, H, I, pieces=ExpertPieces(gated=False))
+
+
+@pytest.mark.parametrize("family", ORACLES)
+def test_every_expert_observed_over_all_rows_gets_its_own_activation(family):
+    """--calibrate-all-experts' statistics pass: each expert's activation over every row is what the
+    reference computes for that expert, bias and activation included."""
+    g = torch.Generator().manual_seed(2)
+    ref, pieces, storage, _ = ORACLES[family](g)
+    for p in ref.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    ex = eprt_experts(ref, pieces, storage)
+    x = torch.randn(10, H, generator=g)
+    seen = {}
+    ex.taps.every_expert = lambda e, x_, h: seen.setdefault(e, h)
+    with torch.no_grad():
+        ex.observe_every_expert(x, torch.tensor([6, 4]))
+        for e in range(E):
+            z = x @ ex.w_in[e].T + (0 if ex.b_in is None else ex.b_in[e])
+            want = ex.act(*z.chunk(2, dim=-1)) if pieces.gated else ex.act(z)
+            torch.testing.assert_close(seen[e], want, rtol=1e-5, atol=1e-5)
+    assert sorted(seen) == list(range(E))
