@@ -21,7 +21,7 @@ from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvf
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.run import plan, workdir
 from eprt.quant.run.ptq import PTQArgs, run_ptq
-from eprt.quant.scales import EXPERT_KINDS, as_quantized, dequantize_weight
+from eprt.quant.scales import as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
@@ -161,7 +161,7 @@ def hessians_of_run(setattr_) -> dict:
         seen.update({m: hs.hessian() for m, hs in self.hessians.items()})
         for m, sums in self.expert_hessians.items():
             for l, pair in sums.items():
-                for kind, hs in zip(EXPERT_KINDS, pair):
+                for kind, hs in zip(("w13", "w2"), pair):
                     seen[(m, l, kind)] = (hs.hessian(), int(self.stats.expert_tokens[m][l]))
 
     setattr_(LayerGPTQ, "quantize", spy)
@@ -249,7 +249,7 @@ def record_hessians() -> dict:
         for m, sums in self.expert_hessians.items():
             first = self._module(m).first
             for l, pair in sums.items():
-                seen.update({(m, first + l, kind): digest(hs) for kind, hs in zip(EXPERT_KINDS, pair)})
+                seen.update({(m, first + l, kind): digest(hs) for kind, hs in zip(("w13", "w2"), pair)})
 
     LayerGPTQ.quantize = spy
     return seen

@@ -14,7 +14,6 @@ with each of its companions that differs too.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 from eprt.errors import EprtError
@@ -41,10 +40,9 @@ def _by_source(layout: Layout) -> dict[str, TensorSpec]:
     out = {}
     for spec in (*layout.specs, *layout.mtp):
         if spec.stacked:
-            one = replace(spec, shape=spec.source_shape(), stacked=False, per_row=1)
-            out.update(dict.fromkeys(spec.sources, one))
+            out.update(dict.fromkeys(spec.sources, spec.as_piece()))
             if spec.fused:
-                out[spec.fused] = replace(spec, sources=(spec.fused,), stacked=False, per_row=1)
+                out[spec.fused] = spec.as_fused()
         else:  # a tensor spelled two ways (Kimi-Linear's dense MLP) has one shape under either name
             out.update(dict.fromkeys((*spec.sources, *([spec.alias] if spec.alias else [])), spec))
     return out

@@ -19,6 +19,7 @@ from typing import Iterable
 
 from eprt.hf.export import PRODUCE_AHEAD_BYTES
 from eprt.hf.export_quantized import BATCH_ELEMENTS
+from eprt.layout import EXPERT_LEAVES
 from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.recipe import Recipe
 from eprt.storage.checkpoint import Checkpoint, TensorMeta
@@ -57,13 +58,13 @@ def plan_export(ck: Checkpoint, modules: Iterable[str], recipe: Recipe, workers:
         fmt = weight_format(recipe.format_of(m))
         formats.add(fmt)
         mse = recipe.algorithm_of(m) == "mse"
-        for name in (f"{m}.weight", f"{m}.w13", f"{m}.w2"):
+        for name in (f"{m}.weight", *(f"{m}.{leaf}" for leaf in EXPERT_LEAVES)):
             if mse and name in ck.tensors:
                 searches[fmt] = max(searches.get(fmt, 0), fmt.mse_search_bytes(ck.tensors[name].shape[-1]))
         if f"{m}.weight" in ck.tensors:
             meta = ck.tensors[f"{m}.weight"]
             held.append((working(meta, fmt, math.prod(meta.shape), mse), f"{m}.weight"))
-        for name in (f"{m}.w13", f"{m}.w2"):
+        for name in (f"{m}.{leaf}" for leaf in EXPERT_LEAVES):
             if name in ck.tensors:
                 meta = ck.tensors[name]
                 row = math.prod(meta.shape[1:])

@@ -23,8 +23,9 @@ CPU_BLOCK_M = 64
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e].T, accumulated in fp32.
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """y[rows of expert e] = x[rows of expert e] @ w[e].T (+ b[e], after the rounding to x's dtype),
+    accumulated in fp32.
 
     x: [M, K], rows sorted by expert; w: [E, N, K]; offsets: int32 [E], cumulative row
     counts (offsets[e] is the end of expert e's rows, offsets[-1] == M). Returns [M, N] in
@@ -34,8 +35,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     if use_triton(x):
         from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
 
-        return grouped_mm_triton(x, w, offsets)
-    return grouped_mm_torch(x, w, offsets)
+        return _plus_bias(grouped_mm_triton(x, w, offsets), b, offsets)
+    return _plus_bias(grouped_mm_torch(x, w, offsets), b, offsets)
 
 
 def check_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -106,53 +107,69 @@ def _canonical_layout(w_e: torch.Tensor) -> torch.Tensor:
     return w_e.clone(memory_format=torch.contiguous_format)
 
 
-def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm_loop(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor | None = None
+) -> torch.Tensor:
     """The plain per-expert loop, in fp32: the reference the tests compare against."""
     out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
             out[start:end] = (x[start:end].float() @ w[e].float().T).to(x.dtype)
+            if b is not None:
+                out[start:end] += b[e]
         start = end
     return out
 
 
 def unit_mlp(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act, rows_per_unit_LU: torch.Tensor
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    act,
+    rows_per_unit_LU: torch.Tensor,
+    *,
+    gated: bool = True,
+    b_in: torch.Tensor | None = None,
+    b_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated expert MLP over work units: (h, y) with, for the rows of unit (e, u),
-    h = act(gate, up) of [gate | up] = x @ w13[e].T, and y = h @ w2[e].T.
+    """The expert MLP over work units: (h, y) with, for the rows of unit (e, u), z = x @ w_in[e].T
+    (+ b_in[e]), h = act(gate, up) of z = [gate | up] when `gated`, else act(z), and
+    y = h @ w_out[e].T (+ b_out[e]).
 
-    x: [M, K], rows sorted by (expert, unit); w13: [E, 2I, K]; w2: [E, K', I]; rows_per_unit_LU:
-    [E, U] row counts. A unit's result depends only on its rows and its expert's weights, however
-    the units are batched into calls: on CUDA through Triton's batch-invariant grouped GEMM (and
-    elementwise kernels that treat every element alike); on CPU one plain BLAS matmul per unit
-    and projection, and the activation per unit too, because the CPU's vectorized elementwise
-    loops give an element other bits in the scalar tail than in a vector lane, and where an
-    element falls depends on everything before it in the call. The CPU matmuls run in
-    `matmul_dtype` (fp32 for bf16 on a CPU without bf16 arithmetic), each result rounded once to
-    x's dtype before the activation, as the low-precision GEMM rounds it."""
+    x: [M, K], rows sorted by (expert, unit); w_in: [E, 2I or I, K]; w_out: [E, K', I]; biases
+    [E, 2I or I] and [E, K']; rows_per_unit_LU: [E, U] row counts. A unit's result depends only on
+    its rows and its expert's weights, however the units are batched into calls: on CUDA through
+    Triton's batch-invariant grouped GEMM (and elementwise kernels that treat every element
+    alike); on CPU one plain BLAS matmul per unit and projection, and the activation per unit
+    too, because the CPU's vectorized elementwise loops give an element other bits in the scalar
+    tail than in a vector lane, and where an element falls depends on everything before it in
+    the call. The CPU matmuls run in `matmul_dtype` (fp32 for bf16 on a CPU without bf16
+    arithmetic), each result rounded once to x's dtype before the bias and the activation, as
+    the low-precision GEMM rounds it."""
     offsets = torch.cumsum(rows_per_unit_LU.sum(1), dim=0, dtype=torch.int32)
-    check_grouped_mm_args(x, w13, offsets)
+    check_grouped_mm_args(x, w_in, offsets)
     if use_triton(x):
         from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
 
-        h = act(*grouped_mm_triton(x, w13, offsets).chunk(2, dim=-1))
-        return h, grouped_mm_triton(h, w2, offsets)
-    h = x.new_empty(x.shape[0], w13.shape[1] // 2)
-    y = x.new_empty(x.shape[0], w2.shape[1])
+        h = _activate(_plus_bias(grouped_mm_triton(x, w_in, offsets), b_in, offsets), act, gated)
+        return h, _plus_bias(grouped_mm_triton(h, w_out, offsets), b_out, offsets)
+    h = x.new_empty(x.shape[0], w_out.shape[2])
+    y = x.new_empty(x.shape[0], w_out.shape[1])
     wide = matmul_dtype(x.dtype, x.device)
     counts_EU = rows_per_unit_LU.tolist()
     starts = list(itertools.accumulate((sum(c) for c in counts_EU), initial=0))
 
     def expert(e: int, _) -> None:
-        w13_e, w2_e = _canonical_weight(w13[e], wide), _canonical_weight(w2[e], wide)
+        w_in_e, w_out_e = _canonical_weight(w_in[e], wide), _canonical_weight(w_out[e], wide)
+        bias_in, bias_out = (None if b is None else b[e] for b in (b_in, b_out))
         start = starts[e]
         for n in counts_EU[e]:
             if n:
-                h_u = _unit_act(x[start : start + n], w13_e, act)
+                h_u = _unit_act(x[start : start + n], w_in_e, bias_in, act, gated)
                 h[start : start + n] = h_u
-                y[start : start + n] = _unit_rows_mm(h_u, w2_e)
+                y_u = _unit_rows_mm(h_u, w_out_e)
+                y[start : start + n] = y_u if bias_out is None else y_u + bias_out
                 start += n
 
     # experts write disjoint rows: on CPU they may run on eprt.kernels.cpu_workers' threads
@@ -160,29 +177,52 @@ def unit_mlp(
     return h, y
 
 
-def unit_act(x: torch.Tensor, w13: torch.Tensor, act, rows_per_unit_U: torch.Tensor) -> torch.Tensor:
-    """h = act(gate, up) of [gate | up] = x @ w13[0].T for ONE expert (w13: [1, 2I, K]) over rows
-    sorted by work unit (rows_per_unit_U [U] row counts): each unit's h has the bits `unit_mlp`
-    gives that unit, its rows alone. No down projection: what reads h only measures it."""
+def unit_act(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    act,
+    rows_per_unit_U: torch.Tensor,
+    *,
+    gated: bool = True,
+    b_in: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`unit_mlp`'s h for ONE expert (w_in: [1, 2I or I, K], b_in [1, 2I or I]) over rows sorted by
+    work unit (rows_per_unit_U [U] row counts): each unit's h has the bits `unit_mlp` gives that
+    unit, its rows alone. No down projection: what reads h only measures it."""
     offsets = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
-    check_grouped_mm_args(x, w13, offsets)
+    check_grouped_mm_args(x, w_in, offsets)
     if use_triton(x):
         from eprt.kernels.grouped_gemm_triton import grouped_mm_triton
 
-        return act(*grouped_mm_triton(x, w13, offsets).chunk(2, dim=-1))
-    h = x.new_empty(x.shape[0], w13.shape[1] // 2)
-    w13_e = _canonical_weight(w13[0], matmul_dtype(x.dtype, x.device))
+        return _activate(_plus_bias(grouped_mm_triton(x, w_in, offsets), b_in, offsets), act, gated)
+    h = x.new_empty(x.shape[0], w_in.shape[1] // (2 if gated else 1))
+    w_in_e = _canonical_weight(w_in[0], matmul_dtype(x.dtype, x.device))
+    bias_in = None if b_in is None else b_in[0]
     start = 0
     for n in rows_per_unit_U.tolist():
         if n:
-            h[start : start + n] = _unit_act(x[start : start + n], w13_e, act)
+            h[start : start + n] = _unit_act(x[start : start + n], w_in_e, bias_in, act, gated)
             start += n
     return h
 
 
-def _unit_act(x_u: torch.Tensor, w13_e: torch.Tensor, act) -> torch.Tensor:
-    """One unit's act(gate, up) on CPU, its rows alone (`_unit_rows_mm`), the activation on them alone."""
-    return act(*_unit_rows_mm(x_u, w13_e).chunk(2, dim=-1))
+def _unit_act(x_u: torch.Tensor, w_in_e: torch.Tensor, b_in_e: torch.Tensor | None, act, gated: bool) -> torch.Tensor:
+    """One unit's activation on CPU, its rows alone (`_unit_rows_mm`), the bias and activation on them alone."""
+    z = _unit_rows_mm(x_u, w_in_e)
+    return _activate(z if b_in_e is None else z + b_in_e, act, gated)
+
+
+def _activate(z: torch.Tensor, act, gated: bool) -> torch.Tensor:
+    """act(gate, up) of z = [gate | up], or act(z) for experts that are not gated."""
+    return act(*z.chunk(2, dim=-1)) if gated else act(z)
+
+
+def _plus_bias(y: torch.Tensor, b: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
+    """y with each expert's bias row added to its rows (rows sorted by expert, cumulative `offsets`)."""
+    if b is None:
+        return y
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return y + b.repeat_interleave(counts, dim=0, output_size=y.shape[0])
 
 
 # A unit's rows go to a low-precision BLAS zero-padded to a multiple of this many. oneDNN (bf16

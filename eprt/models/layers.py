@@ -59,6 +59,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def relu2(up: torch.Tensor) -> torch.Tensor:
+    """relu(up)^2: Nemotron-H's experts, which are not gated."""
+    return torch.square(F.relu(up))
+
+
+class ClampedSwiGLUAct:
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = clamp(gate, max=limit): GPT-OSS's
+    and MiniMax-M3's gated activation (eprt.layout.ClampedSwiGLU holds its knobs), in the
+    reference's order of operations."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class SiTU:
     """Kimi-K3's gated activation, in fp32 and cast back:
     [b tanh(gate / b) sigmoid(gate)] * [bl tanh(up / bl)] (up unbounded when bl is None)."""

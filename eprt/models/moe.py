@@ -13,8 +13,9 @@ from torch import nn
 
 from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
+from eprt.layout import GATED_SILU, ClampedSwiGLU, ExpertPieces
 from eprt.models.balance import Balance, BalanceGroup, Unbalanced
-from eprt.models.layers import GatedMLP, Linear, RMSNorm, silu_mul
+from eprt.models.layers import ClampedSwiGLUAct, GatedMLP, Linear, RMSNorm, relu2, silu_mul
 from eprt.models.taps import ExpertsTaps
 from eprt.parallel.placement import ExpertPlacement
 
@@ -24,25 +25,76 @@ def held_experts(expert_range: tuple[int, int] | None, num_experts: int) -> tupl
     return expert_range or ExpertPlacement(num_experts).range
 
 
-class Experts(nn.Module):
-    """Experts [first, first + count) of num_experts, stacked: w13 [count, 2I, D] (gate rows,
-    then up rows), w2 [count, D, I]; each computes w2 act(gate x, up x), act silu(gate) * up unless given."""
+def expert_activation(pieces: ExpertPieces):
+    """The activation `pieces` names, as the kernels call it: act(gate, up) when gated, else act(up)."""
+    a = pieces.activation
+    if isinstance(a, ClampedSwiGLU) and pieces.gated:
+        return ClampedSwiGLUAct(a.alpha, a.limit)
+    found = {("silu", True): silu_mul, ("relu2", False): relu2}.get((a, pieces.gated))
+    if found is None:
+        raise ConfigError(f"routed experts: no {'gated' if pieces.gated else 'ungated'} activation {a!r} in eprt")
+    return found
 
-    def __init__(self, num_experts: int, first: int, count: int, hidden: int, width: int, act=silu_mul):
+
+class Experts(nn.Module):
+    """Experts [first, first + count) of num_experts, stacked as `pieces` describes them
+    (eprt.layout.ExpertPieces): `w_in` [count, 2I, D] (each expert's gate rows, then its up
+    rows) or, not gated, [count, I, D] (up); `w_out` [count, D, I] (down); where the experts
+    have biases, `b_in` [count, 2I or I] and `b_out` [count, D]. Each computes
+    down(act(gate x, up x)) (not gated: down(act(up x))), act the pieces' unless given.
+    The parameters carry the pieces' names (`pieces.leaves`: w13 and w2 for gated experts)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        first: int,
+        count: int,
+        hidden: int,
+        width: int,
+        act=None,
+        pieces: ExpertPieces = GATED_SILU,
+    ):
         super().__init__()
         assert 0 <= first and 0 < count and first + count <= num_experts, (first, count, num_experts)
         self.num_experts, self.first, self.count = num_experts, first, count
-        self.w13 = nn.Parameter(torch.empty(count, 2 * width, hidden))
-        self.w2 = nn.Parameter(torch.empty(count, hidden, width))
-        self.act = act
+        self.pieces = pieces
+        leaf_in, leaf_out = pieces.leaves
+        self.register_parameter(leaf_in, nn.Parameter(torch.empty(count, pieces.fan * width, hidden)))
+        self.register_parameter(leaf_out, nn.Parameter(torch.empty(count, hidden, width)))
+        if pieces.bias:
+            self.register_parameter(f"{leaf_in}_bias", nn.Parameter(torch.empty(count, pieces.fan * width)))
+            self.register_parameter(f"{leaf_out}_bias", nn.Parameter(torch.empty(count, hidden)))
+        self.act = act or expert_activation(pieces)
         self.taps = ExpertsTaps()  # where quantization observes or replaces a tensor (eprt.models.taps)
+
+    @property
+    def w_in(self) -> nn.Parameter:
+        """The projection the experts' input goes through: gate and up end to end, or up."""
+        return getattr(self, self.pieces.leaves[0])
+
+    @property
+    def w_out(self) -> nn.Parameter:
+        """The down projection."""
+        return getattr(self, self.pieces.leaves[1])
+
+    @property
+    def b_in(self) -> nn.Parameter | None:
+        return getattr(self, f"{self.pieces.leaves[0]}_bias") if self.pieces.bias else None
+
+    @property
+    def b_out(self) -> nn.Parameter | None:
+        return getattr(self, f"{self.pieces.leaves[1]}_bias") if self.pieces.bias else None
+
+    def projections(self) -> dict[str, nn.Parameter]:
+        """The stacked weights by their names (`pieces.leaves`), the input's projection first."""
+        return dict(zip(self.pieces.leaves, (self.w_in, self.w_out)))
 
     def _input(self, x_sorted: torch.Tensor) -> torch.Tensor:
         return x_sorted if self.taps.input is None else self.taps.input(x_sorted)
 
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """act(gate, up), as the down projection reads it."""
-        h = self.act(gate, up)
+    def _act(self, *gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate, up) (or act(up)), as the down projection reads it."""
+        h = self.act(*gate_up)
         return h if self.taps.activation is None else self.taps.activation(h)
 
     def activation_group(self, what: str) -> Balance:
@@ -55,11 +107,11 @@ class Experts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by local expert, tokens_per_expert [count] -> rows of output, in x's dtype."""
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate, up = grouped_mm(self._input(x_sorted), self.w13, offsets).chunk(2, dim=-1)
-        h = self._act(gate, up)
+        z = grouped_mm(self._input(x_sorted), self.w_in, offsets, self.b_in)
+        h = self._act(*z.chunk(2, dim=-1)) if self.pieces.gated else self._act(z)
         if self.taps.routed is not None:
             self.taps.routed(x_sorted, h, tokens_per_expert)
-        return grouped_mm(h, self.w2, offsets)
+        return grouped_mm(h, self.w_out, offsets, self.b_out)
 
     def forward_units(self, x_sorted: torch.Tensor, rows_per_unit_LU: torch.Tensor) -> torch.Tensor:
         """Rows sorted by (local expert, work unit), rows_per_unit_LU [count, U] -> rows of output.
@@ -67,7 +119,10 @@ class Experts(nn.Module):
         Each (expert, unit) block is computed as if alone (`unit_mlp`): the rows a matmul sees are
         the unit's, whatever else this call holds, so a deterministic kernel gives every layout
         the same bits."""
-        h, y = unit_mlp(self._input(x_sorted), self.w13, self.w2, self._act, rows_per_unit_LU)
+        x_in, gated = self._input(x_sorted), self.pieces.gated
+        h, y = unit_mlp(
+            x_in, self.w_in, self.w_out, self._act, rows_per_unit_LU, gated=gated, b_in=self.b_in, b_out=self.b_out
+        )
         if self.taps.routed is not None:
             self.taps.routed(x_sorted, h, rows_per_unit_LU.sum(1))
         if self.taps.units is not None:
@@ -79,11 +134,15 @@ class Experts(nn.Module):
     def observe_every_expert(self, x_sorted: torch.Tensor, rows_per_unit_U: torch.Tensor) -> None:
         """Statistics only: every expert held here over all the rows (sorted by work unit,
         rows_per_unit_U [U]), each (expert, unit) computed as if alone (`unit_act`); each
-        expert's act(gate, up) goes to the `every_expert` tap and is dropped, no down projection runs."""
+        expert's activation goes to the `every_expert` tap and is dropped, no down projection runs."""
         if self.taps.every_expert is None or not x_sorted.shape[0]:
             return
+        b_in = self.b_in
         for e in range(self.count):
-            self.taps.every_expert(e, x_sorted, unit_act(x_sorted, self.w13[e : e + 1], self._act, rows_per_unit_U))
+            one = {"gated": self.pieces.gated, "b_in": None if b_in is None else b_in[e : e + 1]}
+            self.taps.every_expert(
+                e, x_sorted, unit_act(x_sorted, self.w_in[e : e + 1], self._act, rows_per_unit_U, **one)
+            )
 
 
 class LocalDispatcher:
@@ -135,7 +194,11 @@ class MoE(nn.Module):
 
     def balance_groups(self, norm: nn.Module) -> list[Balance]:
         """AWQ's groups (eprt.models.balance): the block's input, read by the router, every routed
-        expert's gate/up and the shared experts'; then the experts' activations."""
+        expert's gate/up and the shared experts'; then the experts' activations. Routed experts with
+        biases or without a gate (GPT-OSS's, Nemotron-H's) are left out: the search scores gated
+        experts without biases."""
+        if self.experts.pieces.bias or not self.experts.pieces.gated:
+            return [Unbalanced(self.experts, "input and activation: the search models gated experts without biases")]
         groups = [BalanceGroup("MoE input", norm, self.input_readers())]
         groups.append(self.experts.activation_group("routed experts' activation"))
         groups += [m.activation_group("shared experts' activation") for m in self.shared_mlps()]

@@ -15,6 +15,7 @@ import os
 import torch
 
 from eprt.errors import CheckpointError, ConfigError
+from eprt.layout import EXPERT_LEAVES
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.awq.folds import HELD_PER_RANK, TENSOR_LEAF, Folds
 from eprt.quant.loop.calibrate import Calibrator
@@ -36,13 +37,14 @@ class CalibrationRecord:
     """What calibration found, by module, and the one place that names its tensors.
 
     input_amax: dense Linear -> scalar amax of its input; expert_input_amax: experts module ->
-    (w13 input amax [E], w2 input amax [E]), one row per expert; expert_tokens: experts module ->
+    (input amax [E], activation amax [E]: what the first stacked projection and down read), one
+    row per expert; expert_tokens: experts module ->
     tokens routed to each expert [E]; kv_amax: attention module -> (k amax, v amax).
 
     With GPTQ (eprt.quant.algorithms.gptq.solve), the quantized weight of each module it changed, in the export's
     encoding (FP8: float8_e4m3fn codes; NVFP4: packed E2M1 codes, the scales being the export's
     from the original weight): gptq_dense: dense Linear -> codes [out, in or in/2]; gptq_experts:
-    experts module -> (w13 codes [E, 2I, ...], w2 codes [E, D, ...]). Read back, they are not loaded
+    experts module -> (first projection's codes [E, 2I or I, ...], down's [E, D, ...]). Read back, they are not loaded
     (the whole model's weights): their values are None and `read_gptq` reads one at a time.
 
     With AWQ (eprt.quant.algorithms.awq.passes), its scales: folds: `module.kind` -> s (one per channel; the
@@ -60,6 +62,7 @@ class CalibrationRecord:
         "k_amax",
         "v_amax",
     )
+    # the experts' tensors carry the gated shape's names for every shape: the first projection's, down's
     GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2 = "gptq_weight", "gptq_w13", "gptq_w2"
     GPTQ = (GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2)
 
@@ -91,12 +94,12 @@ class CalibrationRecord:
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-expert tensor of the record (this rank's rows, during calibration), by name."""
         out = {}
-        for module, (w13_in, w2_in) in self.expert_input_amax.items():
-            out[f"{module}.{self.W13_INPUT}"] = w13_in
-            out[f"{module}.{self.W2_INPUT}"] = w2_in
+        for module, (x_amax, h_amax) in self.expert_input_amax.items():
+            out[f"{module}.{self.W13_INPUT}"] = x_amax
+            out[f"{module}.{self.W2_INPUT}"] = h_amax
             out[f"{module}.{self.TOKENS}"] = self.expert_tokens[module]
-        for module, (w13, w2) in self.gptq_experts.items():
-            out[f"{module}.{self.GPTQ_W13}"], out[f"{module}.{self.GPTQ_W2}"] = w13, w2
+        for module, (codes_in, codes_down) in self.gptq_experts.items():
+            out[f"{module}.{self.GPTQ_W13}"], out[f"{module}.{self.GPTQ_W2}"] = codes_in, codes_down
         out.update({n: t for n, t in self.folds.items() if _per_rank(n)})
         return out
 
@@ -121,9 +124,9 @@ class CalibrationRecord:
             raise CheckpointError(
                 f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; calibrate again with this eprt"
             )
-        experts = {m: (w13, get(cls.W2_INPUT)[m]) for m, w13 in get(cls.W13_INPUT).items()}
+        experts = {m: (x_amax, get(cls.W2_INPUT)[m]) for m, x_amax in get(cls.W13_INPUT).items()}
         kv = {m: (k, get(cls.V)[m]) for m, k in get(cls.K).items()}
-        gptq_experts = {m: (w13, get(cls.GPTQ_W2)[m]) for m, w13 in get(cls.GPTQ_W13).items()}
+        gptq_experts = {m: (codes, get(cls.GPTQ_W2)[m]) for m, codes in get(cls.GPTQ_W13).items()}
         folds = {f"{m}.{kind}": s for kind in TENSOR_LEAF for m, s in get(kind).items()}
         return cls(
             dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts, folds
@@ -147,10 +150,11 @@ class CalibrationRecord:
     def read_gptq(
         self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
     ) -> torch.Tensor:
-        """GPTQ's codes of dense Linear `module`, or of routed expert `expert`'s `kind` (w13, w2)."""
+        """GPTQ's codes of dense Linear `module`, or of routed expert `expert`'s stacked projection `kind`
+        (eprt.layout.EXPERT_LEAVES)."""
         if kind is None:
             return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
-        leaf = {"w13": self.GPTQ_W13, "w2": self.GPTQ_W2}[kind]
+        leaf = (self.GPTQ_W13, self.GPTQ_W2)[EXPERT_LEAVES[kind][0]]
         return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
 
 

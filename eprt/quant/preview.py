@@ -26,7 +26,7 @@ from eprt.quant.formats import weight_format
 from eprt.quant.formats.kv import kv_cache_format
 from eprt.quant.loop.calibrate import CalibrationError, Calibrator
 from eprt.quant.recipe import Recipe
-from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales
+from eprt.quant.scales import EXPERT_PIECES, Scales
 
 
 @torch.inference_mode()
@@ -132,7 +132,7 @@ def fake_quantize(
             if not isinstance(experts, Experts):
                 continue
             fake = weight_format(formats[m]).fake_quantize_input
-            for kind, w in zip(EXPERT_KINDS, (experts.w13, experts.w2)):  # per expert, gate and up under one scale
+            for kind, w in experts.projections().items():  # per expert, gate and up under one scale
                 name = f"{m}.{kind}"
 
                 def expert(e: int, _, m=m, name=name, w=w, first=experts.first, pieces=EXPERT_PIECES[kind]) -> None:
@@ -144,18 +144,19 @@ def fake_quantize(
                 for_each(range(0 if m in quantized else w.shape[0]), lambda: None, expert, w.device)
                 if on_weight is not None:
                     on_weight(name, w)
-            in_scale = dict.fromkeys(EXPERT_KINDS, weight_format(formats[m]).pinned_input_scale())
-            for kind in EXPERT_KINDS if weight_format(formats[m]).uses_activation_statistics else ():
+            leaf_in, leaf_out = experts.pieces.leaves
+            in_scale = dict.fromkeys((leaf_in, leaf_out), weight_format(formats[m]).pinned_input_scale())
+            for kind in (leaf_in, leaf_out) if weight_format(formats[m]).uses_activation_statistics else ():
                 # the layer's largest, over every rank's experts
                 layer_amax = scales.expert_input_amax(m, kind).clone()
                 state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
                 in_scale[kind] = scales.scale(m, layer_amax)
-            # w2 reads act(gate, up): quantized where it is made
+            # down reads the activation: quantized where it is made
             taps.enter_context(
                 tapped(
                     experts,
-                    input=lambda x, s=in_scale["w13"], f=fake: f(x, s),
-                    activation=lambda h, s=in_scale["w2"], f=fake: f(h, s),
+                    input=lambda x, s=in_scale[leaf_in], f=fake: f(x, s),
+                    activation=lambda h, s=in_scale[leaf_out], f=fake: f(h, s),
                 )
             )
     kv = kv_cache_format(recipe.kv_cache)

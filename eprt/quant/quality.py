@@ -138,12 +138,13 @@ class Probes:
 
 def _expert_probe(name: str, experts: Experts, errors: ModuleErrors) -> Callable:
     """The `units_output` tap that files each (expert, work unit)'s error against the experts' original weights."""
-    w13, w2, act = experts.w13.detach().clone(), experts.w2.detach().clone(), experts.act
-    sums = torch.zeros(3, experts.count, errors.num_units, dtype=torch.float64, device=w13.device)
+    w_in, w_out = experts.w_in.detach().clone(), experts.w_out.detach().clone()
+    biases = {"b_in": experts.b_in, "b_out": experts.b_out}  # left as they are by quantization
+    sums = torch.zeros(3, experts.count, errors.num_units, dtype=torch.float64, device=w_in.device)
     errors.experts[name] = (experts, sums)
 
     def probe(x_sorted, rows_per_unit_LU, y):
-        _, y_ref = unit_mlp(x_sorted, w13, w2, act, rows_per_unit_LU)
+        _, y_ref = unit_mlp(x_sorted, w_in, w_out, experts.act, rows_per_unit_LU, gated=experts.pieces.gated, **biases)
         U = rows_per_unit_LU.shape[1]
         counts = rows_per_unit_LU.reshape(-1).tolist()
         starts = list(itertools.accumulate(counts, initial=0))

@@ -4,8 +4,9 @@ the weights: the one rule the preview, both export layouts and the checks follow
 - A per-tensor scale is amax / 448 (FP8) or amax / (6 * 448) (NVFP4's weight_scale_2).
 - Linears the engines fuse (eprt.quant.fusion) share input amax and, under NVFP4, per-tensor
   weight amax.
-- Gate and up of one routed expert (one row of w13) share one weight amax; down (w2) has its own.
-- Every expert of a layer gets the layer's largest input amax per projection (w13, w2), also the
+- Gate and up of one routed expert (one row of its first stacked projection) share one weight
+  amax; down has its own.
+- Every expert of a layer gets the layer's largest input amax per stacked projection, also the
   experts no token reached, because the engines load one input scale per fused MoE.
 - Under a module's `mse` algorithm, its format searches the scales it searches (FP8 the
   per-tensor weight scale, NVFP4 and the block-scaled formats the block scales:
@@ -20,15 +21,15 @@ from typing import Callable, Mapping
 
 import torch
 
+from eprt.layout import EXPERT_LEAVES
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import WeightFormat, weight_format
 from eprt.quant.fusion import siblings
 from eprt.quant.numerics import abs_amax
 from eprt.storage.checkpoint import Checkpoint
 
-EXPERT_KINDS = ("w13", "w2")  # the stacked projections of a routed-experts module
-# the weights a routed expert's row of each stacked projection holds end to end: w13 gate and up
-EXPERT_PIECES = dict(zip(EXPERT_KINDS, (2, 1)))
+# the weights a routed expert's row of each stacked projection holds end to end (gate and up, or one)
+EXPERT_PIECES = {leaf: fan for leaf, (_, fan) in EXPERT_LEAVES.items()}
 
 
 class Scales:
@@ -93,10 +94,10 @@ class Scales:
     def expert_input_amax(self, module: str, kind: str) -> torch.Tensor:
         """The largest input amax of the experts held here (all of them at export; a rank's rows
         during calibration, which the preview reduces over the ranks)."""
-        return self.record.expert_input_amax[module][EXPERT_KINDS.index(kind)].max()
+        return self.record.expert_input_amax[module][EXPERT_LEAVES[kind][0]].max()
 
     def expert_weight_scale(self, module: str, row: torch.Tensor) -> torch.Tensor:
-        """One expert's per-tensor weight scale from its row of w13 (gate and up) or w2, as it is
+        """One expert's per-tensor weight scale from its row of a stacked projection (gate and up, or one), as it is
         quantized: the scale its format keeps the row's values exactly under where it has one (an
         MXFP4 source's experts in NVFP4), else the amax rule's."""
         exact = self.format(module).exact_weight_scale(row)

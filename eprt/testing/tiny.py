@@ -172,7 +172,7 @@ def make_tiny(
     tensors = {}
     for spec in specs:
         if fused_experts and spec.fused:
-            tensors[spec.fused] = init(spec.fused, spec.shape, g).to(WEIGHT_DTYPES[dtype])
+            tensors[spec.fused] = init(spec.fused, spec.fused_shape(), g).to(WEIGHT_DTYPES[dtype])
             continue
         for src in spec.sources:
             t = init(src, released_shape(spec), g)

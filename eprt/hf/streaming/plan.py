@@ -140,6 +140,11 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
             passthrough.append(spec.sources[0])
             continue
         if original.stacked:
+            if p.fused and original.permuted:
+                raise ConfigError(
+                    f"{spec.sources[0]} holds its experts transposed or interleaved, which the model-free export "
+                    "does not slice: convert the checkpoint (eprt-convert) and export that instead"
+                )
             module, h = spec.name.rsplit(".", 1)[0], original.source_shape()[0]
             for j, s in enumerate(original.sources):
                 e, k = divmod(j, original.per_row)
@@ -169,7 +174,7 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
 
 def scale_groups(items: list) -> dict[tuple, list[Linear]]:
     """Each quantized Linear's group of those sharing its per-tensor weight scale, where its format
-    has one: a routed expert's fused projections (a row of its family's w13), and the dense Linears
+    has one: a routed expert's fused projections (a row of its family's first stacked projection), and the dense Linears
     the engines fuse (eprt.quant.fusion); rewritten into each Linear's `group`."""
     quantized = [q for q in items if isinstance(q, Quantized)]
     by_module = {q.linear.module: q for q in quantized if q.linear.group[0] == "linear"}

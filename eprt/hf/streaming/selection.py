@@ -44,8 +44,8 @@ DEFAULT_IGNORE = (
     "*multi_modal_projector*",
 )
 
-# A routed expert's projections that the engines fuse into one weight (w13): they share NVFP4's
-# per-tensor scale, as gate and up of one row of a family's stacked w13 do.
+# A routed expert's projections that the engines fuse into one weight: they share NVFP4's
+# per-tensor scale, as gate and up of one row of a family's first stacked projection do.
 EXPERT_SIBLINGS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
 EXPERT_LINEAR = re.compile(r"(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)")
 STACKED = re.compile(r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
@@ -77,7 +77,7 @@ def ignored(module: str, recipe: Recipe) -> bool:
 
 def expert_group(name: str) -> tuple:
     """The scale group of Linear `name`: a routed expert's projection's is its expert's fused
-    siblings (or itself alone), as a row of a family's w13 or w2; any other's ("linear") is
+    siblings (or itself alone), as a row of a family's stacked projections; any other's ("linear") is
     settled by the engines' fusion of dense Linears (eprt.hf.streaming.plan.scale_groups)."""
     m = EXPERT_LINEAR.fullmatch(name)
     if m is None:

@@ -49,8 +49,8 @@ class WeightFormat:
     # ModelOpt's per-tensor weight scale (weight_scale_2 beside NVFP4's block scales); None: none
     weight_scale_leaf: str | None
     block_scale_leaf: str | None = None  # ModelOpt's and compressed-tensors' block-scale grid
-    # a row's codes depend on other rows (a block spans them): gate and up, stacked as one routed
-    # expert's w13, are quantized apart, each in its own blocks, as the releases store them
+    # a row's codes depend on other rows (a block spans them): gate and up, stacked in one row of a
+    # routed expert's first projection, are quantized apart, each in its own blocks, as the releases store them
     blocks_span_rows: bool = False
     algorithms: tuple[str, ...] = ("max", "mse", "gptq")  # the recipe algorithms it implements
     # its scales need calibrated statistics (a static input scale); False: weight-only or inputs the
@@ -143,14 +143,14 @@ class WeightFormat:
         """GPTQ's column quantizer (eprt.quant.algorithms.gptq.solve) for original weights w [L, out, in] with
         their per-tensor weight scales [L]: `round(j, col_LO)`, `encode(q)`, `decode(codes)`. A
         format whose blocks span rows (`blocks_span_rows`) also takes `pieces`: the weights a row
-        of w holds end to end (a routed expert's w13: gate and up), quantized apart."""
+        of w holds end to end (a gated routed expert's first projection: gate and up), quantized apart."""
         raise NotImplementedError
 
     def quantize_stacked(
         self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool, pieces: int
     ) -> dict[str, torch.Tensor]:
-        """`quantize` of w [out, in] whose rows hold `pieces` weights end to end (a routed expert's
-        w13: gate and up) under one per-tensor scale: in one call where rows quantize apart anyway
+        """`quantize` of w [out, in] whose rows hold `pieces` weights end to end (a gated routed
+        expert's first projection: gate and up) under one per-tensor scale: in one call where rows quantize apart anyway
         (each piece is a slice of it, the same bytes as quantized alone), each piece in blocks of
         its own where blocks span rows (`blocks_span_rows`)."""
         if not self.blocks_span_rows or pieces == 1:

@@ -11,7 +11,7 @@ block's original amax saturates, as the export's encoder does under the same sca
 `round` returns is exactly representable, `encode` (the export's encoder under the grid) gives its
 codes, and `decode` (the export's decoding) gives it back.
 
-A routed expert's w13 holds gate and up end to end along its rows, quantized apart, each in blocks
+A gated routed expert's first stacked projection holds gate and up end to end along its rows, quantized apart, each in blocks
 of its own, where the format's blocks span rows (FP8 block, `blocks_span_rows`): `pieces` says how
 many weights a row of the stack holds, and each has its own grid.
 """

@@ -131,9 +131,9 @@ class Calibrator:
         self.expert_tokens.setdefault(name, zeros(torch.int64))
 
         def observer(x_sorted, h_sorted, tokens_per_expert):
-            w13_in, w2_in = self.expert_amax[name]
-            torch.maximum(w13_in, segment_amax(x_sorted.detach(), tokens_per_expert), out=w13_in)
-            torch.maximum(w2_in, segment_amax(h_sorted.detach(), tokens_per_expert), out=w2_in)
+            x_amax, h_amax = self.expert_amax[name]  # each expert's input's, its activation's
+            torch.maximum(x_amax, segment_amax(x_sorted.detach(), tokens_per_expert), out=x_amax)
+            torch.maximum(h_amax, segment_amax(h_sorted.detach(), tokens_per_expert), out=h_amax)
             self.expert_tokens[name] += tokens_per_expert.to(torch.int64)
 
         self._taps.enter_context(tapped(experts, routed=observer))
@@ -147,9 +147,9 @@ class Calibrator:
         )
 
         def observer(e, x, h):
-            w13_in, w2_in = self.expert_amax[name]
-            w13_in[e] = torch.maximum(w13_in[e], x.detach().abs().amax().float())
-            w2_in[e] = torch.maximum(w2_in[e], h.detach().abs().amax().float())
+            x_amax, h_amax = self.expert_amax[name]
+            x_amax[e] = torch.maximum(x_amax[e], x.detach().abs().amax().float())
+            h_amax[e] = torch.maximum(h_amax[e], h.detach().abs().amax().float())
             self.expert_all_tokens[name][e] += x.shape[0]
 
         return observer
@@ -169,8 +169,8 @@ class Calibrator:
     def amax_by_name(self) -> dict[str, torch.Tensor]:
         """Every recorded amax, named as the module and what it measures."""
         out = {f"{m} (input)": t for m, t in self.input_amax.items()}
-        for m, (w13_in, w2_in) in self.expert_amax.items():
-            out[f"{m} (gate/up input)"], out[f"{m} (down input)"] = w13_in, w2_in
+        for m, (x_amax, h_amax) in self.expert_amax.items():
+            out[f"{m} (gate/up input)"], out[f"{m} (down input)"] = x_amax, h_amax
         for m, (k, v) in self.kv_amax.items():
             out[f"{m} (keys)"], out[f"{m} (values)"] = k, v
         return out

@@ -405,7 +405,7 @@ class LayerEngine:
         if pending:
             x_TD = torch.cat([p.experts_in_TD for p in pending])
         else:
-            x_TD = torch.empty(0, moe.experts.w13.shape[-1], dtype=self.dtype, device=dev)
+            x_TD = torch.empty(0, moe.experts.w_in.shape[-1], dtype=self.dtype, device=dev)
         seq_T = torch.tensor([p.sequence for p in pending], dtype=torch.int64, device=dev).repeat_interleave(T)
         key_T = seq_T * T + torch.arange(T, device=dev).repeat(len(pending))
         return RoutedStep(moe, sequences, step, x_TD, seq_T, key_T)

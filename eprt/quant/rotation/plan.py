@@ -217,8 +217,11 @@ class _Planner:
                 "know; quantize without rotate"
             )
         self.reads(ffn.gate, f"{prefix}gate.weight", norm)
-        self.reads(ffn.experts, f"{prefix}experts.w13", norm)
-        self.writes(ffn.experts, f"{prefix}experts.w2")
+        leaf_in, leaf_out = ffn.experts.pieces.leaves
+        self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
+        self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
+        if ffn.experts.pieces.bias:  # down's bias lies along the stream, as a Linear's does
+            self.add(f"{prefix}experts.{leaf_out}_bias", Residual(-1))
         if isinstance(ffn, GatedSharedExpertMoE):
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from eprt.errors import ConfigError
-from eprt.layout import layer_of
+from eprt.layout import EXPERT_LEAVES, layer_of
 from eprt.loading.loader import checked_meta
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.awq.plan import AWQLayer, awq_bytes, awq_layers
@@ -309,7 +309,7 @@ class Planner:
         reads: dict[int, list[tuple[int, int, bool, bool]]] = {}
         embedding = head = 0
         codes, largest_read = [0, 0], [0, 0]
-        weights = {f"{m}.{leaf}" for m in targets for leaf in ("weight", "w13", "w2")}
+        weights = {f"{m}.{leaf}" for m in targets for leaf in ("weight", *EXPERT_LEAVES)}
         for name, t in model.state_dict().items():
             meta = ck.meta(name)
             run_dtype = rc.run_dtype(name)
@@ -331,7 +331,7 @@ class Planner:
                 linear = GPTQLinear.of(count, out_dim, in_dim, name in stacked, gptq.get(name.rpartition(".")[0]))
                 hessians.setdefault(int(m.group(1)), []).append(linear)
             module, _, leaf = name.rpartition(".")
-            if gptq and module in gptq and leaf in ("weight", "w13", "w2"):
+            if gptq and module in gptq and (leaf == "weight" or leaf in EXPERT_LEAVES):
                 codes[name in stacked] += int(t.numel() * code_bytes(gptq[module]))
         if mtp:
             mtp_reads(rc, reads)

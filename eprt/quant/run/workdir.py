@@ -321,8 +321,8 @@ def from_states(prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
 
 def stats(cal: Calibrator) -> dict[str, torch.Tensor]:
     out = {f"input_amax/{n}": t for n, t in cal.input_amax.items()}
-    for n, (w13, w2) in cal.expert_amax.items():
-        out[f"w13_amax/{n}"], out[f"w2_amax/{n}"], out[f"tokens/{n}"] = w13, w2, cal.expert_tokens[n]
+    for n, (x_amax, h_amax) in cal.expert_amax.items():  # saved under the gated shape's names, for every shape
+        out[f"w13_amax/{n}"], out[f"w2_amax/{n}"], out[f"tokens/{n}"] = x_amax, h_amax, cal.expert_tokens[n]
     out.update({f"all_tokens/{n}": t for n, t in cal.expert_all_tokens.items()})
     for n, (k, v) in cal.kv_amax.items():
         out[f"k_amax/{n}"], out[f"v_amax/{n}"] = k, v

@@ -17,7 +17,7 @@ and kv_a_proj_with_mqa, DeepSeek-V3.2's indexer wk and weights_proj, Kimi's g_pr
 MLP's input; GQA's values (v -> o, o's scale v's repeated over the query heads); a SwiGLU
 activation (dense MLPs, shared experts, each routed expert). Declared unbalanced (quantized as
 without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA declare no groups), Kimi-K3's latent
-MoE, an activation other than SwiGLU's, GLM-4.5's v -> o (v_proj has a bias), MLA's v -> o.
+MoE, routed experts with biases or without a gate (GPT-OSS's, Nemotron-H's), an activation other than SwiGLU's, GLM-4.5's v -> o (v_proj has a bias), MLA's v -> o.
 """
 
 from __future__ import annotations

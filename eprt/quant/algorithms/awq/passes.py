@@ -167,7 +167,9 @@ class AWQ(Pass):
         layer; returns the tensors the clips change."""
         readers = [(m, kind) for m, kind in g.readers if m in self.targets and clips(self._format(m))]
         if g.per_expert:
-            changed = [self._clip_experts(layer, m, W2_CLIP, lambda ex: ex.w2, self.experts[m].h) for m, _ in readers]
+            changed = [
+                self._clip_experts(layer, m, W2_CLIP, lambda ex: ex.w_out, self.experts[m].h) for m, _ in readers
+            ]
             return [n for n in changed if n]
         first, st = g.readers[0][0], layer.state
         inputs = [x.reshape(-1, x.shape[-1]) for x in self.dense[first]]
@@ -195,7 +197,7 @@ class AWQ(Pass):
             s = self.folds.by_module[m][kind]
             if isinstance(module, Experts):
                 x = self.experts[m].x
-                changed.append(self._clip_experts(layer, m, W13_CLIP, lambda ex: ex.w13, x, s))
+                changed.append(self._clip_experts(layer, m, W13_CLIP, lambda ex: ex.w_in, x, s))
                 continue
             w = module.weight.detach()
             kept = None
@@ -208,8 +210,8 @@ class AWQ(Pass):
         return [n for n in changed if n]
 
     def _clip_experts(self, layer: LayerWork, name: str, kind: str, weights, units, s=None) -> str | None:
-        """The clips of this rank's routed experts' w13 (its input's Hessian `units` per local expert,
-        the group's scale s) or w2 (its activation's; each expert's own scale), held as this rank's
+        """The clips of this rank's routed experts' gate/up (its input's Hessian `units` per local expert,
+        the group's scale s) or down (its activation's; each expert's own scale), held as this rank's
         rows; returns the tensor they change, None where no block of any rank's experts clips."""
         st, experts, fmt = layer.state, self._sub(layer, name), self._format(name)
         stack, first, L = weights(experts).detach(), experts.first, experts.count
@@ -294,9 +296,9 @@ class AWQ(Pass):
                 samples = self.experts[name]
 
                 def gate_up(l: int, ex=ex, fmt=fmt) -> Reader:
-                    w13 = ex.w13[l].detach()
-                    down = ex.w2[l].detach().float()
-                    return Reader(fmt, w13.float(), fake_weights(fmt, w13, W13_COLUMNS, scales), down, ex.act)
+                    gate_up = ex.w_in[l].detach()
+                    down = ex.w_out[l].detach().float()
+                    return Reader(fmt, gate_up.float(), fake_weights(fmt, gate_up, W13_COLUMNS, scales), down, ex.act)
 
                 readers = [(partial(gate_up, l), [scored(x) for x in samples.x[l]]) for l in range(ex.count)]
                 rows += readers_errors(readers, fmt, scales, amax, expert_refs[name])
@@ -353,7 +355,7 @@ class AWQ(Pass):
         st, name = layer.state, g.readers[0][0]
         experts: Experts = self._sub(layer, name)
         samples, fmt = self.experts[name], weight_format(self.recipe.format_of(name))
-        L, I, device = experts.count, experts.w2.shape[2], experts.w2.device
+        L, I, device = experts.count, experts.w_out.shape[2], experts.w_out.device
         sums = torch.zeros(L, I, dtype=torch.int64, device=device)
         tokens = torch.zeros(L, dtype=torch.int64, device=device)
         amax = torch.zeros(L, I, dtype=torch.float32, device=device)
@@ -368,7 +370,7 @@ class AWQ(Pass):
         if not torch.isfinite(amax).all():
             raise CalibrationError(f"AWQ: {name}'s down input holds NaN or infinity")
         x_mean = sums.double() / 2.0**SUM_SHIFT / tokens.clamp(min=1)[:, None]
-        w2 = experts.w2.detach()
+        down = experts.w_out.detach()
         refs = [[None] * len(units) for units in samples.h]  # each unit's reference, kept from round to round
 
         def losses_of(ks: torch.Tensor) -> torch.Tensor:  # ks [A, L]: each expert's own candidates
@@ -376,7 +378,7 @@ class AWQ(Pass):
             rows = []  # one per unit: [L, A], the unit's expert's row filled
             for l, units in enumerate(samples.h):
                 if units:
-                    reader = Reader(fmt, w2[l].float(), fake_weights(fmt, w2[l], W2_COLUMNS, scales[:, l]))
+                    reader = Reader(fmt, down[l].float(), fake_weights(fmt, down[l], W2_COLUMNS, scales[:, l]))
                     scored_units = [scored(h) for h in units]
                     for err in unit_errors(reader, scored_units, scales[:, l], amax[l], refs=refs[l]):
                         row = torch.zeros(L, len(ks), dtype=torch.float64, device=device)

@@ -22,7 +22,7 @@ search's working set.
   the search's first round and kept to its last.
 - The folds, read back into the layer through the folded checkpoint (eprt.quant.algorithms.awq.folds.fold), after
   the scale search and again after the clips: the largest tensor a fold rewrites (a routed experts'
-  stacked w13 or w2: this rank's experts'), as read and folded in its dtype and, at once, in fp32 its
+  stacked projections: this rank's experts'), as read and folded in its dtype and, at once, in fp32 its
   scaled weight, the clip's blocks and their bounds (FOLD_FP32_COPIES). The first read comes while
   the samples are held: the larger of it, the search and the clip search counts beside them."""
 
@@ -75,16 +75,16 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) ->
             for m, _ in g.readers:  # every reader's weight is folded, quantized or not (the router)
                 module = model.get_submodule(m)
                 if isinstance(module, Experts):
-                    folded_routed = max(folded_routed, module.w13.numel(), module.w2.numel())
+                    folded_routed = max(folded_routed, module.w_in.numel(), module.w_out.numel())
                 else:
                     folded_dense = max(folded_dense, module.weight.numel())
             width = 0
             for m in quantized:
                 module = model.get_submodule(m)
                 if isinstance(module, Experts):
-                    routed = module.w13.shape[2] + module.w2.shape[2]
-                    w = module.w2[0] if g.per_expert else module.w13[0]
-                    routed_clips += (module.w2 if g.per_expert else module.w13).numel() // SMALLEST_CLIP_BLOCK
+                    routed = module.w_in.shape[2] + module.w_out.shape[2]
+                    w = module.w_out[0] if g.per_expert else module.w_in[0]
+                    routed_clips += (module.w_out if g.per_expert else module.w_in).numel() // SMALLEST_CLIP_BLOCK
                 else:
                     w = module.weight
                     dense_clips += w.numel() // SMALLEST_CLIP_BLOCK

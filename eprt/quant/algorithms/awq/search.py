@@ -10,7 +10,7 @@ as well, "duo" scaling, did worse on the trained bench model: docs/quality.md.)
 A candidate is scored by the error of what the group's readers compute, quantized as the export
 quantizes them (weights folded and fake-quantized, inputs x / s through the format's input
 quantization under the input scale the scaled amax gives), against their original output. A
-gated MLP's gate and up (a routed expert's w13, a dense or shared MLP's gate_proj and up_proj) are
+gated MLP's gate and up (a routed expert's first projection, a dense or shared MLP's gate_proj and up_proj) are
 scored on the MLP's output, through its activation and its original down projection: an error in
 gate or up weighs what it changes downstream, not its own magnitude."""
 

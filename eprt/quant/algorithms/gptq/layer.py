@@ -6,8 +6,8 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
 1. `LayerGPTQ` sums the layer's routed token counts over the ranks, on copies (the run's own are
    summed once at the end, as without GPTQ);
 2. a Hessian pass: each quantized Linear GPTQ runs on sums x x^T over its inputs, one canonical
-   unit at a time (dense: one sequence; a routed expert: one work unit, w13 on the expert's input,
-   w2 on the gated activation), exactly (eprt.quant.algorithms.gptq.solve.HessianSum), then over the ranks (dense:
+   unit at a time (dense: one sequence; a routed expert: one work unit, its first projection on the
+   expert's input, down on the activation), exactly (eprt.quant.algorithms.gptq.solve.HessianSum), then over the ranks (dense:
    the world; experts: the edp replicas that computed the expert's other units);
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
@@ -37,7 +37,7 @@ from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
 from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS, params_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.loop.calibrate import Calibrator
-from eprt.quant.scales import EXPERT_KINDS, EXPERT_PIECES, Scales, as_quantized
+from eprt.quant.scales import EXPERT_PIECES, Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
 ALGORITHM = "gptq"
@@ -50,7 +50,7 @@ MOST_EXPERTS_STACKED = 16
 
 class GPTQResults:
     """This rank's GPTQ weights so far, in the export's encoding (eprt.quant.calibrated):
-    dense: Linear -> codes; experts: experts module -> (w13 codes, w2 codes) of its local
+    dense: Linear -> codes; experts: experts module -> (first projection's codes, down's) of its local
     experts; skipped: experts module -> the global ids of the experts kept at max rounding."""
 
     def __init__(self):
@@ -64,8 +64,9 @@ class GPTQResults:
     def tensors(self, modules: set[str]) -> dict[str, torch.Tensor]:
         """What a layer boundary saves of `modules` for --resume (eprt.quant.run.workdir)."""
         out = {f"gptq/{m}": t for m, t in self.dense.items() if m in modules}
-        for m, (w13, w2) in ((m, pair) for m, pair in self.experts.items() if m in modules):
-            out[f"gptq_w13/{m}"], out[f"gptq_w2/{m}"] = w13, w2
+        codes_in_key, codes_down_key = CalibrationRecord.GPTQ_W13, CalibrationRecord.GPTQ_W2  # as the record names them
+        for m, (codes_in, codes_down) in ((m, pair) for m, pair in self.experts.items() if m in modules):
+            out[f"{codes_in_key}/{m}"], out[f"{codes_down_key}/{m}"] = codes_in, codes_down
             out[f"gptq_skipped/{m}"] = torch.tensor(self.skipped.get(m, []), dtype=torch.int64)
         return out
 
@@ -74,8 +75,8 @@ class GPTQResults:
             kind, _, name = key.partition("/")
             if kind == "gptq":
                 self.dense[name] = t.cpu()
-            elif kind == "gptq_w13":
-                self.experts[name] = (t.cpu(), tensors[f"gptq_w2/{name}"].cpu())
+            elif kind == CalibrationRecord.GPTQ_W13:
+                self.experts[name] = (t.cpu(), tensors[f"{CalibrationRecord.GPTQ_W2}/{name}"].cpu())
             elif kind == "gptq_skipped":
                 self.skipped[name] = t.tolist()
 
@@ -100,7 +101,7 @@ class GPTQResults:
                 if m not in present:
                     continue
                 experts = model.get_submodule(m)
-                for kind, codes, param in zip(EXPERT_KINDS, pair, (experts.w13, experts.w2)):
+                for (kind, param), codes in zip(experts.projections().items(), pair):
                     name = f"{m}.{kind}"
                     for local in range(param.shape[0]):
                         e = first_expert + local
@@ -208,13 +209,13 @@ class LayerGPTQ:
             taps.callback(module.register_forward_pre_hook(hook).remove)
         for m in self.gptq_experts:
             experts = self._module(m)
-            w13_amax, w2_amax = self.stats.expert_input_amax[m]
+            in_amax, down_amax = self.stats.expert_input_amax[m]
             tokens = self.stats.expert_tokens[m].tolist()
-            D, I = experts.w13.shape[2], experts.w2.shape[2]
+            (D, I), device = (experts.w_in.shape[2], experts.w_out.shape[2]), experts.w_in.device
             sums = {
                 l: (
-                    HessianSum(D, w13_amax[l].item(), n, experts.w13.device),
-                    HessianSum(I, w2_amax[l].item(), n, experts.w13.device),
+                    HessianSum(D, in_amax[l].item(), n, device),
+                    HessianSum(I, down_amax[l].item(), n, device),
                 )
                 for l, n in enumerate(tokens)
                 if n >= self.run.min_tokens
@@ -257,13 +258,13 @@ class LayerGPTQ:
         self.expert_hessians.clear()
 
     def _quantize_experts(self, m: str) -> None:
-        """Every local expert's w13 and w2 as exported: GPTQ's (solved the run's expert_stack at a time) for
+        """Every local expert's stacked projections as exported: GPTQ's (solved the run's expert_stack at a time) for
         the experts with enough tokens, max rounding's (the module's scales) for the others."""
         run, experts = self.run, self._module(m)
         first, L = experts.first, experts.count
         sums = self.expert_hessians[m]
         codes = {}
-        for k, (kind, param) in enumerate(zip(EXPERT_KINDS, (experts.w13, experts.w2))):
+        for k, (kind, param) in enumerate(experts.projections().items()):
             name, fmt = f"{m}.{kind}", run.formats[m]
             rows = self._read(m, name, (first, first + L)).to(param.device)
             aims = self._read(m, name, (first, first + L), unclipped=True).to(param.device)
@@ -284,9 +285,11 @@ class LayerGPTQ:
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
-        run.results.experts[m] = tuple(torch.stack([codes[(k, l)].cpu() for l in range(L)]) for k in EXPERT_KINDS)
+        run.results.experts[m] = tuple(
+            torch.stack([codes[(k, l)].cpu() for l in range(L)]) for k in experts.pieces.leaves
+        )
         # the experts kept at max rounding, over every ep rank
-        skipped = torch.zeros(experts.num_experts, dtype=torch.int64, device=experts.w13.device)
+        skipped = torch.zeros(experts.num_experts, dtype=torch.int64, device=experts.w_in.device)
         for l in range(L):
             skipped[first + l] = int(l not in sums)
         run.state.all_reduce(skipped, over="ep", op=dist.ReduceOp.MAX)

@@ -91,8 +91,8 @@ class HessianSum:
 
 def columns_of(fmt: str, w: torch.Tensor, scales: torch.Tensor, pieces: int = 1):
     """The column rounding of format `fmt` for original weights w [L, out, in] with their
-    per-tensor scales [L], each row of w holding `pieces` weights end to end (a routed expert's
-    w13: gate and up), which a format whose blocks span rows quantizes apart."""
+    per-tensor scales [L], each row of w holding `pieces` weights end to end (a gated routed
+    expert's first projection: gate and up), which a format whose blocks span rows quantizes apart."""
     f = weight_format(fmt)
     return f.columns(w, scales, pieces) if f.blocks_span_rows else f.columns(w, scales)
 

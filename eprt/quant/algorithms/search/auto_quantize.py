@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt.errors import ConfigError
-from eprt.layout import Layout, layer_of
+from eprt.layout import EXPERT_LEAVES, Layout, layer_of
 from eprt.quant.absorbed import ABSORBED, absorbed_in_4_bit_inputs
 from eprt.quant.algorithms.registry import ROTATE, rotated
 from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS
@@ -105,13 +105,13 @@ def linear_bits(fmt: str, out_dim: int, in_dim: int) -> int:
 
 def linear_weights(layout: Layout, module: str, top_k: int, num_experts: int) -> Iterator[tuple[int, int, int, float]]:
     """(Linears, out dim, in dim, the share of tokens each is active for) of `module`'s weights: a
-    Linear, or a stacked experts module's gate and up (w13) and down (w2)."""
+    Linear, or each stacked projection of an experts module (each expert's row holding `per_row` Linears)."""
     specs = {s.name: s for s in layout.specs}
-    if module + ".w13" in specs:
-        E, two_i, D = specs[module + ".w13"].shape
-        share = top_k / num_experts
-        yield from ((2 * E, two_i // 2, D, share), (E, D, specs[module + ".w2"].shape[-1], share))
-    else:
+    stacked = [specs[f"{module}.{leaf}"] for leaf in EXPERT_LEAVES if f"{module}.{leaf}" in specs]
+    for spec in stacked:
+        E, rows, D = spec.shape
+        yield (spec.per_row * E, rows // spec.per_row, D, top_k / num_experts)
+    if not stacked:
         yield (1, *specs[module + ".weight"].shape, 1.0)
 
 

@@ -93,7 +93,7 @@ class FormatErrors(Pass):
         tensors = []
         for m in g.modules:
             module = layer.module.get_submodule(m[len(layer.prefix) :])
-            tensors += [module.w13, module.w2] if isinstance(module, Experts) else [module.weight]
+            tensors += list(module.projections().values()) if isinstance(module, Experts) else [module.weight]
         saved = [t.detach().clone() for t in tensors]
         probe = Recipe(f"{fmt} probe", (Rule("*", fmt, self.algorithm),), None)
         undo = fake_quantize(
