@@ -140,6 +140,9 @@ QWEN3_5_MOE = Family(
     unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized),
 )
 
+# a family in a folder of its own builds its entries with the table's Family, defined above
+from eprt.families import minimax_m3_vl  # noqa: E402
+
 FAMILIES = (
     QWEN3_MOE,
     DEEPSEEK_V3,
@@ -151,6 +154,7 @@ FAMILIES = (
     QWEN3_NEXT,
     QWEN3_5_MOE_TEXT,
     QWEN3_5_MOE,
+    *minimax_m3_vl.FAMILIES,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -16,13 +16,14 @@ def causal_attention(
     q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BTS: torch.Tensor | None = None
 ) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
-    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True.
-    Returns [B, T, H*e]."""
+    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True, the same
+    for every head, or per head where it is [B, H, T, S]. Returns [B, T, H*e]."""
     B, H, T, _ = q_BHTd.shape
     mask = None
     if keep_BTS is not None:
         causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
-        mask = (keep_BTS & causal)[:, None]
+        mask = keep_BTS & causal
+        mask = mask[:, None] if mask.dim() == 3 else mask
     o = F.scaled_dot_product_attention(
         q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k_BhTd.shape[1] != H
     )
@@ -51,6 +52,15 @@ class GQAttention(nn.Module):
         self.k_norm = norm(hd, c.rms_norm_eps) if g.qk_norm else None
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
+    def input_readers(self) -> list[str]:
+        """The submodules that read the attention's input: what a transform of that input
+        (AWQ's scales, a rotation) must reach."""
+        return ["q_proj", "k_proj", "v_proj"]
+
+    def keep(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """Sparse attention's choice of keys (causal_attention's keep), or None: every earlier key."""
+        return None
+
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim * (2 if self.output_gate else 1))
@@ -66,7 +76,7 @@ class GQAttention(nn.Module):
             self.taps.observe(k, v)
         if self.taps.replace is not None:
             k, v = self.taps.replace(k, v)
-        o = causal_attention(q, k, v, self.head_dim**-0.5)
+        o = causal_attention(q, k, v, self.head_dim**-0.5, self.keep(x_BTD, cos, sin))
         if self.output_gate:
             o = o * torch.sigmoid(gate.flatten(-2))
         return self.o_proj(o)

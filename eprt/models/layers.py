@@ -72,6 +72,19 @@ class SiTU:
         return (self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g) * u).to(gate.dtype)
 
 
+class ClampedSwiGLU:
+    """GPT-OSS's and MiniMax-M3's gated activation, in the model dtype as the reference computes it:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + 1.0) * (g * torch.sigmoid(g * self.alpha))
+
+
 class GatedMLP(nn.Module):
     """down(act(gate x, up x)), act silu(gate) * up unless given: the dense layers and the shared experts."""
 
@@ -84,3 +97,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedGatedMLP(nn.Module):
+    """GatedMLP with gate and up in one projection, gate rows then up rows (`gate_up_proj`), as
+    transformers 5 stores some families' dense MLPs and shared experts."""
+
+    def __init__(self, hidden: int, width: int, act=silu_mul):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * width)
+        self.down_proj = Linear(width, hidden)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up))

@@ -95,6 +95,19 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "model.visual.merger.linear_fc2.weight": (hidden, 64),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "minimax_m3_vl":
+        shapes = {
+            "vision_tower.vision_model.embeddings.patch_embedding.weight": (16, 3, 2, 14, 14),
+            "vision_tower.vision_model.pre_layrnorm.weight": (16,),
+            "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight": (16, 16),
+            "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.bias": (16,),
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": (32, 16),
+            "multi_modal_projector.linear_1.weight": (32, 16),
+            "multi_modal_projector.linear_2.weight": (hidden, 32),
+            "patch_merge_mlp.linear_1.weight": (32, 4 * hidden),
+            "patch_merge_mlp.linear_2.weight": (hidden, 32),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {
         "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
         "vision_tower.patch_embed.proj.bias": (16,),
