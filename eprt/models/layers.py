@@ -95,6 +95,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(width, hidden)
         self.act = act
 
+    def input_readers(self) -> list[str]:
+        """The projections that read the MLP's input."""
+        return ["gate_proj", "up_proj"]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
@@ -108,6 +112,9 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * width)
         self.down_proj = Linear(width, hidden)
         self.act = act
+
+    def input_readers(self) -> list[str]:
+        return ["gate_up_proj"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

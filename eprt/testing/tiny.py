@@ -23,11 +23,15 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHT_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
+# Families whose releases store the router's weight in fp32 too (MiniMax-M3's, as vLLM loads it)
+ROUTER_WEIGHT_FP32 = {"minimax_m3_vl", "minimax_m3_vl_text"}
+
+
 def stored_fp32(family: Family, name: str) -> bool:
     """Whether the released checkpoints store tensor `name` in fp32 whatever their dtype: what the
     family keeps in fp32 (the router's correction bias, KDA's decay parameters), except the
-    router's weight, which they store in the checkpoint's dtype and the reference casts up."""
-    return family.keeps_fp32(name) and not name.endswith(".weight")
+    router's weight, which most store in the checkpoint's dtype and the reference casts up."""
+    return family.keeps_fp32(name) and (not name.endswith(".weight") or family.name in ROUTER_WEIGHT_FP32)
 
 
 def families() -> list[str]:
@@ -270,6 +274,13 @@ SOURCE_FORMATS = {
         "quant_method": "fp8",  # DeepSeek-V3
         "weight_block_size": [128, 128],
     },
+    "mxfp8": {  # MiniMax-M3: blocks of 1x32, each scale an E8M0 exponent (weight_scale_inv uint8)
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [1, 32],
+    },
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # and DeepSeek-V3.2 its indexer's weights_proj.
@@ -288,7 +299,8 @@ def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch
         if not name.endswith(".weight") or t.dim() != 2:
             out[name] = t
         elif qc["quant_method"] == "fp8" and not _FP8_KEPT.fullmatch(module):
-            out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]))
+            e8m0 = qc.get("scale_fmt") == "ue8m0"
+            out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]), e8m0)
         elif qc["quant_method"] != "fp8" and not _NOT_LINEAR.fullmatch(module) and not matches(module, qc["ignore"]):
             out.update({f"{module}.{c}": v for c, v in compress_weight(t, qc).items()})
         else:
@@ -316,11 +328,19 @@ def compress_weight(weight: torch.Tensor, qc: dict, group: str = "group_0") -> d
     return {k: v.contiguous() for k, v in c.items()}
 
 
-def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's block FP8: e4m3 values and an fp32 weight_scale_inv (block amax / 448) per block."""
+def quantize_block_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), e8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block FP8: e4m3 values and an fp32 weight_scale_inv (block amax / 448) per block;
+    with `e8m0` (MXFP8), that scale rounded up to a power of two, stored as its E8M0 exponent (uint8)."""
     (rows, cols), (bo, bi) = weight.shape, block
     w = weight.float()
     padded = torch.nn.functional.pad(w.abs(), (0, -cols % bi, 0, -rows % bo))
     amax = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).amax((1, 3))
     scale = (amax / 448.0).clamp(min=1e-12)
-    return (w / expand_blocks(scale, (rows, cols), block)).to(torch.float8_e4m3fn), scale
+    if e8m0:
+        exponent = torch.ceil(torch.log2(scale))
+        scale, stored = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
+    else:
+        stored = scale
+    return (w / expand_blocks(scale, (rows, cols), block)).to(torch.float8_e4m3fn), stored

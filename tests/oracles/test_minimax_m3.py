@@ -18,7 +18,9 @@ import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
-from eprt.testing.tiny import tiny_config  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
+from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import TINY, VOCAB, assert_logits_and_carried  # noqa: E402
 from tests.oracles.test_qwen_next_models import add_tensors  # noqa: E402
 
@@ -75,6 +77,7 @@ TEXT_CASES = {
             index_topk_blocks=3,
             index_local_blocks=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rotary_dim=16,
             swiglu_limit=0.05,
             swiglu_alpha=1.0,
             routed_scaling_factor=1.5,
@@ -143,20 +146,60 @@ def test_minimax_m3_configs():
         assert (c.own.indexer.n_heads, c.own.indexer.block_size, c.own.indexer.topk_blocks) == (2, 4, 2)
         assert c.intermediate_size == 48 and c.moe.intermediate_size == 32 and c.own.shared_intermediate_size == 16
     assert not vlm.own.transformers_names and text.own.transformers_names
-    # rope_parameters' factor wins over rotary_dim (transformers writes its default unread), and
-    # without a factor there the whole head rotates; a release config without rope_parameters: rotary_dim
+    # the factor (rope_parameters' or the top level's) wins over rotary_dim, which transformers writes
+    # unread; without a factor, the release's rotary_dim; without either, the whole head
     assert parse_hf_config(tiny_config("minimax_m3_vl_text", rotary_dim=64)).rotary_dim == 8
-    whole = tiny_config("minimax_m3_vl_text", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    assert parse_hf_config(whole).rotary_dim == 16
-    alone = {k: v for k, v in tiny_config("minimax_m3_vl_text").items() if k != "rope_parameters"}
-    assert parse_hf_config({**alone, "rotary_dim": 4, "rope_theta": 1e6}).rotary_dim == 4
+    alone = {k: v for k, v in tiny_config("minimax_m3_vl_text").items() if k not in ("rope_parameters", "rotary_dim")}
+    assert parse_hf_config({**alone, "rope_theta": 1e6, "partial_rotary_factor": 0.25}).rotary_dim == 4
+    assert parse_hf_config({**alone, "rope_theta": 1e6, "rotary_dim": 4}).rotary_dim == 4
+    assert parse_hf_config({**alone, "rope_theta": 1e6}).rotary_dim == 16
     with pytest.raises(ConfigError, match="RoPE would rotate 5 dims"):
         parse_hf_config({**alone, "rotary_dim": 5})
     with pytest.raises(ConfigError, match="index_n_heads 3 does not divide num_attention_heads 4"):
         parse_hf_config(tiny_config("minimax_m3_vl_text", index_n_heads=3))
     with pytest.raises(ConfigError, match="'index_local_blocks' is 0"):
         parse_hf_config(tiny_config("minimax_m3_vl_text", index_local_blocks=0))
-    with pytest.raises(ConfigError, match="scoring_func 'softmax'"):
-        parse_hf_config(tiny_config("minimax_m3_vl_text", scoring_func="softmax"))
+    for field, value in [("scoring_func", "softmax"), ("use_routing_bias", False), ("use_gemma_norm", False)]:
+        with pytest.raises(ConfigError, match=f"{field} is {value!r}; eprt runs MiniMax-M3 as released"):
+            parse_hf_config(tiny_config("minimax_m3_vl_text", **{field: value}))
+    # the release's sparse attention switches
+    release = tiny_config("minimax_m3_vl")
+    sparse = release["text_config"]["sparse_attention_config"]
+
+    def with_sparse(**kw):
+        return {**release, "text_config": {**release["text_config"], "sparse_attention_config": {**sparse, **kw}}}
+
+    assert parse_hf_config(with_sparse(use_sparse_attention=False)).own.sparse_layers == ()
+    with pytest.raises(ConfigError, match="sparse_score_type is 'mean'"):
+        parse_hf_config(with_sparse(sparse_score_type="mean"))
+    with pytest.raises(ConfigError, match="sparse_disable_index_value is not set on every sparse layer"):
+        parse_hf_config(with_sparse(sparse_disable_index_value=[0, 1, 0, 0]))
+    # the release's shared expert: n_shared_experts of intermediate_size where shared_intermediate_size is absent
+    text = {k: v for k, v in tiny_config("minimax_m3_vl_text").items() if k != "shared_intermediate_size"}
+    assert parse_hf_config({**text, "n_shared_experts": 2}).own.shared_intermediate_size == 64
     with pytest.raises(ConfigError, match="text_config"):
         parse_hf_config({"model_type": "minimax_m3_vl"})
+
+
+def test_the_mxfp8_release_reads_as_stored(tmp_path):
+    """MiniMax-M3 as the vendor ships it in MXFP8: each Linear's e4m3 `weight` with a `weight_scale_inv`
+    of E8M0 exponents (uint8) per 1x32 block. The model reads w = fp8 * 2^(e - 127) (the OCP MX
+    definition, rounded to bf16 as block FP8 is), and the unquantized export gives back every source
+    tensor, encoded ones included, byte for byte."""
+    hf = make_tiny("minimax_m3_vl", str(tmp_path / "hf"), source_format="mxfp8")
+    source = read_hf_tensors(hf)
+    encoded = sorted(n for n in source if n.endswith(".weight_scale_inv"))
+    assert encoded and all(source[n].dtype == torch.uint8 for n in encoded)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    model = eprt.load_model(ck, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    assert any(n.replace("_scale_inv", "") in params for n in encoded)
+    for scale in encoded:
+        weight = scale[: -len("_scale_inv")]
+        e = source[scale].float().repeat_interleave(32, dim=-1)[..., : source[weight].shape[-1]]
+        want = (source[weight].float() * 2.0 ** (e - 127)).to(torch.bfloat16).float()
+        if weight in params:  # the routed experts are stacked, the vision tower is carried
+            assert torch.equal(params[weight], want), weight
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "out"), progress=False))
+    assert set(exported) == set(source)
+    assert all(exported[n].dtype == t.dtype and raw(exported[n]) == raw(t) for n, t in source.items())

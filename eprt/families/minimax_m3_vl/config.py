@@ -67,17 +67,13 @@ def parse_text(hf: dict, source: str, family: str) -> ModelConfig:
     n_layers = f.get("num_hidden_layers")
     hidden, n_heads = f.get("hidden_size"), f.get("num_attention_heads")
     head_dim = f.get("head_dim", default=128)
-    scoring = f.get("scoring_func", default="sigmoid")
-    if scoring != "sigmoid":
-        raise f.refuse(f"scoring_func {scoring!r}; MiniMax-M3 routes by sigmoid with a correction bias")
+    refuse_other_branches(f)
     n_experts = f.get("num_local_experts", "num_experts", default=128)
     sparse_attn = Fields(f.get("sparse_attention_config", default={}) or {}, f"{source} (sparse_attention_config)")
     own = MiniMaxM3Config(
         swiglu_alpha=float(f.get("swiglu_alpha", default=1.702)),
         swiglu_limit=float(f.get("swiglu_limit", default=7.0)),
-        shared_intermediate_size=f.in_range(
-            "shared_intermediate_size", f.get("shared_intermediate_size", default=3072)
-        ),
+        shared_intermediate_size=shared_width(f),
         sparse_layers=sparse_layers(f, sparse_attn, n_layers),
         indexer=indexer(f, sparse_attn, n_heads),
         transformers_names=family == TEXT_FAMILY,
@@ -123,6 +119,39 @@ def parse_text(hf: dict, source: str, family: str) -> ModelConfig:
     )
 
 
+# The release's switches (vLLM reads them) whose other settings neither transformers nor eprt runs:
+# (field, the value MiniMax-M3 has, what it means)
+BRANCHES = (
+    ("scoring_func", "sigmoid", "the router scores by sigmoid"),
+    ("use_routing_bias", True, "the router chooses with a correction bias"),
+    ("swiglu_beta", 1.0, "the SwiGLU adds 1 to up"),
+    ("attention_output_gate", False, "the attention has no output gate"),
+    ("qk_norm_type", "per_head", "the q/k norm is per head"),
+    ("use_gemma_norm", True, "every RMSNorm scales by (1 + weight)"),
+)
+SPARSE_BRANCHES = (
+    ("sparse_score_type", "max", "a block scores the best of its keys"),
+    ("sparse_init_block", 0, "no leading block is always kept"),
+)
+
+
+def refuse_other_branches(f: Fields) -> None:
+    for name, value, meaning in BRANCHES:
+        if f.d.get(name, value) != value:
+            raise f.refuse(f"{name} is {f.d[name]!r}; eprt runs MiniMax-M3 as released, where {meaning} ({value!r})")
+
+
+def shared_width(f: Fields) -> int:
+    """The shared expert's width: transformers' shared_intermediate_size, else the release's
+    n_shared_experts experts of intermediate_size."""
+    if f.has("shared_intermediate_size"):
+        return f.in_range("shared_intermediate_size", f.get("shared_intermediate_size"))
+    width = f.get("intermediate_size", default=3072) * f.get("n_shared_experts", default=1)
+    if width < 1:
+        raise f.refuse("n_shared_experts is 0; MiniMax-M3's MoE layers have a shared expert")
+    return width
+
+
 def kinds(f: Fields, name: str, n_layers: int, allowed: set[str]) -> list[str]:
     value = f.get(name)
     if len(value) != n_layers or not set(value) <= allowed:
@@ -155,10 +184,23 @@ def sparse_layers(f: Fields, sparse_attn: Fields, n_layers: int) -> tuple[int, .
     if f.has("layer_types"):
         types = kinds(f, "layer_types", n_layers, {SPARSE, "full_attention"})
         return tuple(i for i, t in enumerate(types) if t == SPARSE)
-    if sparse_attn.has("sparse_attention_freq"):
-        on = flags(sparse_attn, "sparse_attention_freq", sparse_attn.d["sparse_attention_freq"], n_layers)
-        return tuple(i for i, x in enumerate(on) if x)
-    return ()
+    if not sparse_attn.d.get("use_sparse_attention", True) or not sparse_attn.has("sparse_attention_freq"):
+        return ()
+    for name, value, meaning in SPARSE_BRANCHES:
+        if sparse_attn.d.get(name, value) != value:
+            raise sparse_attn.refuse(
+                f"{name} is {sparse_attn.d[name]!r}; eprt runs MiniMax-M3's indexer as released, where {meaning}"
+            )
+    on = flags(sparse_attn, "sparse_attention_freq", sparse_attn.d["sparse_attention_freq"], n_layers)
+    layers = tuple(i for i, x in enumerate(on) if x)
+    # the release's indexer scores only (no value or output projection of its own) on every sparse layer
+    score_only = sparse_attn.d.get("sparse_disable_index_value")
+    if score_only is not None and not all(i < len(score_only) and score_only[i] for i in layers):
+        raise sparse_attn.refuse(
+            "sparse_disable_index_value is not set on every sparse layer; an indexer with value and output "
+            "projections of its own is not MiniMax-M3's (neither transformers nor eprt runs it)"
+        )
+    return layers
 
 
 def indexer(f: Fields, sparse_attn: Fields, n_heads: int) -> BlockSparseIndexerConfig:
@@ -187,17 +229,17 @@ def indexer(f: Fields, sparse_attn: Fields, n_heads: int) -> BlockSparseIndexerC
 
 
 def rotary_dim(f: Fields, head_dim: int) -> int:
-    """How many leading dims of each head RoPE rotates. A config in transformers 5's spelling
-    (`rope_parameters`): head_dim * its `partial_rotary_factor` (1 where absent), all transformers
-    reads; it writes its default `rotary_dim` beside it, unread. Otherwise (the release's spelling):
-    `rotary_dim`, what the vendor's engines read, else head_dim * a top-level partial_rotary_factor."""
+    """How many leading dims of each head RoPE rotates: head_dim * `partial_rotary_factor` (in
+    `rope_parameters` or on the top level) where the file has one, else the release's `rotary_dim`,
+    else the whole head. (transformers reads only the factor, and writes its default rotary_dim
+    beside it unread; the vendor's engines read both.)"""
     params = f.get("rope_parameters", default=None)
-    if isinstance(params, dict):
-        dim = int(head_dim * f.checked("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
-    elif f.has("rotary_dim"):
-        dim = f.d["rotary_dim"]
+    params = params if isinstance(params, dict) else {}
+    factor = params.get("partial_rotary_factor", f.d.get("partial_rotary_factor"))
+    if factor is not None:
+        dim = int(head_dim * f.checked("partial_rotary_factor", factor))
     else:
-        dim = int(head_dim * f.get("partial_rotary_factor", default=1.0))
+        dim = f.d.get("rotary_dim", head_dim)
     if isinstance(dim, bool) or not isinstance(dim, int) or not (2 <= dim <= head_dim and dim % 2 == 0):
         raise f.refuse(
             f"RoPE would rotate {dim!r} dims of head_dim {head_dim} (rotary_dim, or partial_rotary_factor "

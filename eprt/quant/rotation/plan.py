@@ -37,7 +37,7 @@ from eprt.errors import ConfigError
 from eprt.models.attention import GQAttention
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.kda import KimiDeltaAttention
-from eprt.models.layers import GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
+from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
@@ -156,7 +156,7 @@ class _Planner:
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
         if isinstance(attn, GQAttention):
-            readers = ["q_proj", "k_proj", "v_proj"]
+            readers = attn.input_readers()
         elif isinstance(attn, MLAttention):
             readers = ["q_a_proj" if attn.q_lora else "q_proj", "kv_a_proj_with_mqa"]
             readers += ["g_proj"] if attn.g_proj is not None else []
@@ -203,7 +203,7 @@ class _Planner:
             raise ConfigError(
                 f"algorithm rotate: {prefix.rstrip('.')}: the latent MoE is not rotated yet; quantize without rotate"
             )
-        if isinstance(ffn, GatedMLP):
+        if isinstance(ffn, (GatedMLP, FusedGatedMLP)):
             self.mlp(ffn, prefix, norm)
             return
         if not isinstance(ffn, MoE):
@@ -220,9 +220,9 @@ class _Planner:
         elif ffn.shared_experts is not None:
             self.mlp(ffn.shared_experts, f"{prefix}shared_experts.", norm)
 
-    def mlp(self, mlp: GatedMLP, prefix: str, norm: Norm) -> None:
-        self.reads(mlp.gate_proj, f"{prefix}gate_proj", norm)
-        self.reads(mlp.up_proj, f"{prefix}up_proj", norm)
+    def mlp(self, mlp: GatedMLP | FusedGatedMLP, prefix: str, norm: Norm) -> None:
+        for r in mlp.input_readers():
+            self.reads(mlp.get_submodule(r), f"{prefix}{r}", norm)
         self.writes(mlp.down_proj, f"{prefix}down_proj")
 
     def mtp(self, like: str, prefix: str, experts: int) -> None:

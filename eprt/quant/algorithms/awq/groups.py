@@ -4,12 +4,13 @@ A group's scale s divides what makes the tensor and multiplies each reader's wei
 (eprt.quant.algorithms.awq.folds), so every reader of the tensor must be in the group, quantized or not, or the
 fold would change what the model computes. The groups by module kind:
 
-- the attention input (`input_layernorm`'s output): GQA's q/k/v projections; MLA's q_a_proj
+- the attention input (`input_layernorm`'s output): GQA's q/k/v projections (and MiniMax-M3's
+  indexer's q/k projections: GQAttention.input_readers); MLA's q_a_proj
   (q_proj without a q LoRA) and kv_a_proj_with_mqa, with DeepSeek-V3.2's indexer its wk and
   weights_proj, with Kimi's output gate its g_proj;
 - the MoE input (`post_attention_layernorm`'s output): the router, every routed expert's gate/up
   (w13), the shared experts' gate/up, and Qwen3-Next's shared_expert_gate;
-- a dense MLP's input (`post_attention_layernorm`'s output): its gate/up;
+- a dense MLP's input (`post_attention_layernorm`'s output): its gate/up (or fused gate_up_proj);
 - the attention's values (GQA): v_proj's rows / s, o_proj's columns * s repeated over the query
   heads of each kv head (attention and Qwen3-Next's output gate are linear in v);
 - a gated MLP's activation silu(gate) * up, which is linear in up: up_proj's rows / s, down_proj's
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from eprt.models.attention import GQAttention
-from eprt.models.layers import GatedMLP, RMSNorm, ZeroCenteredRMSNorm, silu_mul
+from eprt.models.layers import FusedGatedMLP, GatedMLP, RMSNorm, ZeroCenteredRMSNorm, silu_mul
 from eprt.models.mla import MLAttention
 from eprt.models.moe import Experts, GatedSharedExpertMoE, LatentMoE, MoE
 from eprt.quant.algorithms.awq.folds import CENTERED_NORM, COLUMNS, NORM, ROWS, W2_COLUMNS, W13_COLUMNS, W13_UP_ROWS
@@ -81,13 +82,15 @@ def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]
             groups.append(Group(what, (names[id(mlp)], W13_UP_ROWS), ((names[id(mlp)], W2_COLUMNS),)))
         elif mlp.act is not silu_mul:
             left_out.append(f"{names[id(mlp.down_proj)]}'s input: its activation is not SwiGLU's")
+        elif isinstance(mlp, FusedGatedMLP):
+            left_out.append(f"{names[id(mlp.down_proj)]}'s input: gate and up are one projection (gate_up_proj)")
         else:
             groups.append(Group(what, (names[id(mlp.up_proj)], ROWS), ((names[id(mlp.down_proj)], COLUMNS),)))
 
     norm_in = getattr(layer, "input_layernorm", None)
     attn = getattr(layer, "self_attn", None)
     if isinstance(attn, GQAttention):
-        norm_group("attention input", norm_in, [(attn.q_proj, COLUMNS), (attn.k_proj, COLUMNS), (attn.v_proj, COLUMNS)])
+        norm_group("attention input", norm_in, [(attn.get_submodule(n), COLUMNS) for n in attn.input_readers()])
         if attn.v_proj.bias is not None:  # GLM-4.5's: its bias would need the fold too
             left_out.append(f"{names[id(attn.o_proj)]}'s input: v_proj has a bias")
         else:
@@ -113,15 +116,15 @@ def layer_groups(layer: nn.Module, prefix: str) -> tuple[list[Group], list[str]]
         readers = [(ffn.gate, COLUMNS), (ffn.experts, W13_COLUMNS)]
         shared = ffn.shared_expert if isinstance(ffn, GatedSharedExpertMoE) else ffn.shared_experts
         if shared is not None:
-            readers += [(shared.gate_proj, COLUMNS), (shared.up_proj, COLUMNS)]
+            readers += [(shared.get_submodule(n), COLUMNS) for n in shared.input_readers()]
         if isinstance(ffn, GatedSharedExpertMoE):
             readers.append((ffn.shared_expert_gate, COLUMNS))
         norm_group("MoE input", norm_post, readers)
         activation_group("routed experts' activation", ffn.experts)
         if shared is not None:
             activation_group("shared experts' activation", shared)
-    elif isinstance(ffn, GatedMLP):
-        norm_group("MLP input", norm_post, [(ffn.gate_proj, COLUMNS), (ffn.up_proj, COLUMNS)])
+    elif isinstance(ffn, (GatedMLP, FusedGatedMLP)):
+        norm_group("MLP input", norm_post, [(ffn.get_submodule(n), COLUMNS) for n in ffn.input_readers()])
         activation_group("MLP activation", ffn)
     return groups, left_out
 
