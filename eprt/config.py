@@ -186,6 +186,11 @@ class FamilyConfig:
     registered for its family names with `own_config`. ModelConfig carries it as `own`, so the
     global config holds only what every family has."""
 
+    def attention_bytes(self, seq_len: int, itemsize: int) -> int:
+        """What one sequence's attention holds at once beyond what every attention does (the memory
+        plan adds it to each sequence run side by side); `itemsize` is the activations' bytes."""
+        return 0
+
 
 OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
 

@@ -1,6 +1,7 @@
 """Write a tiny random Hugging Face checkpoint (real tensor names, a real tokenizer.json).
 
-eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0]   (or python tools/make_tiny.py)
+eprt-make-tiny qwen3_moe OUT [--shards 3] [--dtype bf16|fp32] [--seed 0] [--source-format mxfp8]
+(or python tools/make_tiny.py)
 """
 
 from eprt.cli import command_parser, run
@@ -14,12 +15,28 @@ def make() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument(
+        "--source-format",
+        help="store it encoded as a release is: int4, mxfp4, fp8-block, mxfp8 (a wrong one lists them all)",
+    )
     a = ap.parse_args()
-    from eprt.testing.tiny import families, make_tiny  # after --help: they import torch
+    from eprt.testing.tiny import SOURCE_FORMATS, families, make_tiny  # after --help: they import torch
 
     if a.family not in families():
         ap.error(f"argument family: invalid choice: {a.family!r} (choose from {', '.join(families())})")
-    make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite)
+    if a.source_format is not None and a.source_format not in SOURCE_FORMATS:
+        ap.error(
+            f"argument --source-format: invalid choice: {a.source_format!r} (choose from {', '.join(SOURCE_FORMATS)})"
+        )
+    make_tiny(
+        a.family,
+        a.out,
+        seed=a.seed,
+        shards=a.shards,
+        dtype=a.dtype,
+        overwrite=a.overwrite,
+        source_format=a.source_format,
+    )
     print(a.out)
 
 

@@ -16,19 +16,37 @@ def causal_attention(
     q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BTS: torch.Tensor | None = None
 ) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
-    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True, the same
-    for every head, or per head where it is [B, H, T, S]. Returns [B, T, H*e]."""
+    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True: the same
+    for every head, or, [B, n, T, S], its own for each of n groups of H/n consecutive heads.
+    Returns [B, T, H*e]."""
     B, H, T, _ = q_BHTd.shape
+    if keep_BTS is not None and keep_BTS.dim() == 4:
+        return grouped_causal_attention(q_BHTd, k_BhTd, v_BhTe, scale, keep_BTS)
     mask = None
     if keep_BTS is not None:
         causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
-        mask = keep_BTS & causal
-        mask = mask[:, None] if mask.dim() == 3 else mask
+        mask = (keep_BTS & causal)[:, None]
     o = F.scaled_dot_product_attention(
         q_BHTd, k_BhTd, v_BhTe, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k_BhTd.shape[1] != H
     )
     # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
+
+
+def grouped_causal_attention(
+    q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BnTS: torch.Tensor
+) -> torch.Tensor:
+    """causal_attention with a key choice per group of heads, one group at a time: a mask of one
+    group's size is alive at once, not one per head. Query head j reads key/value head j // (H/h),
+    so a group's heads read a consecutive run of key/value heads (or share one)."""
+    H, h, n = q_BHTd.shape[1], k_BhTd.shape[1], keep_BnTS.shape[1]
+    per_group, per_kv = H // n, H // h
+    outs = []
+    for g in range(n):
+        first, last = g * per_group, (g + 1) * per_group
+        kv = slice(first // per_kv, (last - 1) // per_kv + 1)
+        outs.append(causal_attention(q_BHTd[:, first:last], k_BhTd[:, kv], v_BhTe[:, kv], scale, keep_BnTS[:, g]))
+    return torch.cat(outs, dim=-1)
 
 
 class GQAttention(nn.Module):

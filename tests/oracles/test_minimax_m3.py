@@ -85,8 +85,12 @@ TEXT_CASES = {
         ),
         31,
     ),
-    # every layer sparse and routed, fewer tokens than the blocks the indexer may keep
-    "all_sparse_short": (dict(mlp_layer_types=["sparse"] * 4, layer_types=[SPARSE] * 4, index_topk_blocks=4), 9),
+    # every layer sparse and routed, one indexer head for both kv heads, fewer tokens than the blocks
+    # the indexer may keep
+    "all_sparse_short": (
+        dict(mlp_layer_types=["sparse"] * 4, layer_types=[SPARSE] * 4, index_n_heads=1, index_topk_blocks=4),
+        9,
+    ),
 }
 
 

@@ -61,6 +61,14 @@ class MiniMaxM3Config(FamilyConfig):
     indexer: BlockSparseIndexerConfig
     transformers_names: bool
 
+    def attention_bytes(self, seq_len: int, itemsize: int) -> int:
+        """A sparse layer's indexer: its fp32 scores per index head and their masked, padded copy,
+        the keys each group of heads keeps; then one group's mask and the additive bias SDPA makes of it."""
+        if not self.sparse_layers:
+            return 0
+        T, n = seq_len, self.indexer.n_heads
+        return 2 * n * T * T * 4 + n * T * T + T * T * (1 + itemsize)
+
 
 def parse_text(hf: dict, source: str, family: str) -> ModelConfig:
     f = Fields(hf, source)

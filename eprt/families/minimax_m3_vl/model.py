@@ -36,7 +36,7 @@ class BlockSparseIndexer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         ix, D = c.own.indexer, c.hidden_size
-        self.n_heads, self.head_dim, self.num_heads = ix.n_heads, ix.head_dim, c.num_heads
+        self.n_heads, self.head_dim = ix.n_heads, ix.head_dim
         self.block, self.topk, self.local = ix.block_size, ix.topk_blocks, ix.local_blocks
         self.q_proj = Linear(D, ix.n_heads * ix.head_dim)
         self.k_proj = Linear(D, ix.head_dim)
@@ -44,7 +44,8 @@ class BlockSparseIndexer(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(ix.head_dim, c.rms_norm_eps)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """keep [B, H, T, T]: True where query t of attention head h may see key s (before the causal mask)."""
+        """keep [B, n, T, T]: True where query t of the heads of index head g may see key s (before
+        the causal mask; eprt.models.attention.causal_attention applies it per group of heads)."""
         B, T, _ = x_BTD.shape
         n, d, L = self.n_heads, self.head_dim, self.block
         q_BnTd = self.q_norm(self.q_proj(x_BTD).view(B, T, n, d)).transpose(1, 2)
@@ -65,8 +66,7 @@ class BlockSparseIndexer(nn.Module):
         real = blocks_BnTN.reshape(-1, nb).gather(1, picked) > float("-inf")
         keep_blocks = torch.zeros(B * n * T, nb + 1, dtype=torch.bool, device=x_BTD.device)
         keep_blocks.scatter_(1, picked.masked_fill(~real, nb), True)
-        keep_BnTS = keep_blocks[:, :nb].view(B, n, T, nb).repeat_interleave(L, dim=-1)[..., :T]
-        return keep_BnTS.repeat_interleave(self.num_heads // n, dim=1)
+        return keep_blocks[:, :nb].view(B, n, T, nb).repeat_interleave(L, dim=-1)[..., :T]
 
 
 class MiniMaxM3Attention(GQAttention):
