@@ -49,8 +49,7 @@ FAMILIES = [
     "deepseek_v32",
     "qwen3_next",
     "qwen3_5_moe",
-    "minimax_m3_vl",
-    "minimax_m3_vl_text",
+    "minimax_m3_vl_text",  # MiniMax-M3's language model (the VLM's, spelled as released, is the same model)
 ]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
