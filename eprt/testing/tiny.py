@@ -283,10 +283,11 @@ SOURCE_FORMATS = {
     },
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
-# and DeepSeek-V3.2 its indexer's weights_proj.
+# DeepSeek-V3.2 its indexer's weights_proj, MiniMax-M3's MXFP8 release its vision tower and projectors.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
 _FP8_KEPT = re.compile(
-    r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
+    r"(vision_tower|multi_modal_projector|patch_merge_mlp)\..*"
+    r"|.*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
 )
 
 
