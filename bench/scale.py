@@ -1,13 +1,14 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's and MiniMax-M2's real tensor counts
-and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, MiniMax-M2's and MiniMax-M3's real
+tensor counts and real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model minimax_m2] [--worlds 8 16]
-        [--seq-len 2048] [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model minimax_m2
+                           --model minimax_m3]
+                          [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused; MiniMax-M2 in block FP8). Make, convert, the dry run at each world and the export (as it came) are
+  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8). Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
@@ -36,10 +37,12 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
-from eprt.testing.tiny import RELEASED_AS, make_tiny  # noqa: E402
+from eprt.testing.tiny import RELEASED_AS, make_tiny, tiny_config  # noqa: E402
 
+# MiniMax-M3 (428B-A23B): its first 3 layers dense, the other 57 sparse attention and MoE
+M3_SPARSE = [0] * 3 + [1] * 57
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
-# config of the model's family: rope, scoring, norms).
+# config of the model's family: rope, scoring, norms); a VLM's are its text_config's.
 REAL = {
     "kimi_k2": dict(
         model_type="kimi_k2",
@@ -123,19 +126,42 @@ REAL = {
         attn_type_list=[1] * 62,
         max_position_embeddings=196608,
     ),
+    "minimax_m3": dict(
+        vocab_size=200064,
+        hidden_size=6144,
+        num_hidden_layers=60,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=3072,
+        dense_intermediate_size=12288,
+        shared_intermediate_size=3072,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        moe_layer_freq=M3_SPARSE,
+        sparse_attention_config={
+            "sparse_attention_freq": M3_SPARSE,
+            "sparse_disable_index_value": M3_SPARSE,
+            "sparse_num_index_heads": 4,
+            "sparse_index_dim": 128,
+            "sparse_block_size": 128,
+            "sparse_topk_blocks": 16,
+            "sparse_local_block": 1,
+        },
+        max_position_embeddings=524288,
+    ),
 }
-# shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB)
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24, "minimax_m2": 130}
-# the eprt family of each model's tiny checkpoint, and how make_tiny stores it as released
-FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4", "minimax_m2": "minimax_m2"}
-RELEASED = {
-    "kimi_k2": {"source_format": "fp8-block"},
-    "deepseek_v3": {"source_format": "fp8-block"},
-    "minimax_m2": {"source_format": "fp8-block"},
-    **RELEASED_AS,
+# each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
+# shards: about 5 GB each where the count is not the release's own)
+RELEASE = {
+    "kimi_k2": ("deepseek_v3", {"source_format": "fp8-block"}, 62),
+    "deepseek_v3": ("deepseek_v3", {"source_format": "fp8-block"}, 163),
+    "mistral4": ("mistral4", RELEASED_AS["mistral4"], 24),
+    "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
+    "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
-MLA_TINY = dict(
+DEEPSEEK_TINY_DIMS = dict(
     vocab_size=512,
     hidden_size=64,
     num_attention_heads=4,
@@ -150,8 +176,8 @@ MLA_TINY = dict(
     max_position_embeddings=4096,
 )
 TINY_DIMS = {
-    "deepseek_v3": MLA_TINY,
-    "mistral4": MLA_TINY,
+    "deepseek_v3": DEEPSEEK_TINY_DIMS,
+    "mistral4": DEEPSEEK_TINY_DIMS,
     "minimax_m2": dict(
         vocab_size=512,
         hidden_size=64,
@@ -160,6 +186,17 @@ TINY_DIMS = {
         head_dim=16,
         rotary_dim=8,
         intermediate_size=32,
+        max_position_embeddings=4096,
+    ),
+    "minimax_m3_vl": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        intermediate_size=32,
+        dense_intermediate_size=48,
+        shared_intermediate_size=16,
+        sparse_attention_config={"sparse_index_dim": 16},
         max_position_embeddings=4096,
     ),
 }
@@ -200,9 +237,9 @@ def inflate(ck: str, hf: dict, out: str) -> int:
     m["config"], m["source_config"] = cfg.to_json(), hf
     by_file: dict[str, list[tuple[str, str, list[int]]]] = {}
     for name, t in m["tensors"].items():
-        if name not in shapes:
+        if name not in shapes and t["role"] != "passthrough":  # a VLM's vision tower keeps its tiny shape
             raise SystemExit(f"{name}: not in the real layout; the tiny and the real configs disagree")
-        t["shape"] = list(shapes[name])
+        t["shape"] = list(shapes.get(name, t["shape"]))
         for part in t["parts"]:  # converted checkpoints write one whole part per tensor
             part["rows"] = [0, t["shape"][0] if t["shape"] else 0]
             by_file.setdefault(part["file"], []).append((part["key"], t["dtype"], t["shape"]))
@@ -262,20 +299,35 @@ def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int
     return rows, terms, took
 
 
+def over(base: dict, fields: dict) -> dict:
+    """`base` with `fields` set, nested objects merged one level."""
+    nested = {k: {**base[k], **v} for k, v in fields.items() if isinstance(v, dict) and isinstance(base.get(k), dict)}
+    return {**base, **fields, **nested}
+
+
+def with_fields(family: str, config: dict, fields: dict) -> dict:
+    """`config` of the family with `fields` set: a VLM's in its text_config."""
+    if "text_config" in tiny_config(family):
+        return {**config, "text_config": over(config["text_config"], fields)}
+    return over(config, fields)
+
+
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
-    real, family = REAL[model], FAMILY[model]
-    tiny = {**real, **TINY_DIMS[family]}
+    real = REAL[model]
+    family, released, shards = RELEASE[model]
+    # make_tiny's keywords: the real counts at tiny dims, over the family's tiny config
+    counts = with_fields(family, tiny_config(family), over(real, TINY_DIMS[family]))
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, encoded as released")
-    hf, t_make = timed(make_tiny, family, os.path.join(root, "hf"), shards=SHARDS[model], **RELEASED[model], **tiny)
+    hf, t_make = timed(make_tiny, family, os.path.join(root, "hf"), shards=shards, **released, **counts)
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         n_source = len(json.load(f)["weight_map"])
     with open(os.path.join(ck, MANIFEST)) as f:
         n_tensors = len(json.load(f)["tensors"])
     rows += [
-        (f"{model} real counts", f"{n_source:,} tensors in {SHARDS[model]} shards, {n_tensors:,} in eprt's layout"),
+        (f"{model} real counts", f"{n_source:,} tensors in {shards} shards, {n_tensors:,} in eprt's layout"),
         ("  make (s)", f"{t_make:.1f}"),
         ("  convert (s)", f"{t_convert:.1f}"),
     ]
@@ -287,12 +339,10 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny(family, os.path.join(root, "hf-bf16"), **tiny),
-        os.path.join(root, "ck-bf16"),
-        progress=False,
+        make_tiny(family, os.path.join(root, "hf-bf16"), **counts), os.path.join(root, "ck-bf16"), progress=False
     )
     big = os.path.join(root, "real")
-    apparent = inflate(plain, {**make_config(hf), **real}, big)
+    apparent = inflate(plain, with_fields(family, make_config(hf), real), big)
     disk = sum(os.stat(os.path.join(big, f)).st_blocks * 512 for f in os.listdir(big) if f.endswith(".safetensors"))
     rows.append((f"{model} real dims", f"{apparent / 2**40:.2f} TiB of weights in {disk / 2**20:.1f} MiB on disk"))
     for world in worlds:

@@ -188,6 +188,11 @@ class FamilyConfig:
         """The width the routed experts read and write, where it is not the hidden size."""
         return None
 
+    def attention_bytes(self, seq_len: int, itemsize: int) -> int:
+        """What one sequence's attention holds at once beyond what every attention does (the memory
+        plan adds it to each sequence run side by side); `itemsize` is the activations' bytes."""
+        return 0
+
 
 OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
 

@@ -41,6 +41,8 @@ FAMILIES = [
     "qwen3_5_moe_text",
     "mistral4",
     "minimax_m2",
+    "minimax_m3_vl",
+    "minimax_m3_vl_text",
 ]
 # each shipped one-format recipe once, with and without an FP8 KV cache among them: the KV scales on quantized
 # attention (fp8), on attention left unquantized (nvfp4_experts_only), and none (nvfp4)
@@ -58,12 +60,14 @@ COMPANIONS = {
 # DeepSeek-V3.2's lightning indexer (vLLM fuses its wk and weights_proj into one unquantized Linear),
 # Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
 # them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
-# vLLM and SGLang) and shared head (an lm head).
+# vLLM and SGLang) and shared head (an lm head), MiniMax-M3's block-sparse indexer (it only chooses
+# key blocks) and its projectors.
 NEVER_QUANTIZED = re.compile(
     r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
     r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
     r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
     r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
+    r"|.*\.self_attn\.(index_|indexer\.)(q|k)_proj|multi_modal_projector\..*|patch_merge_mlp\..*"
     r"|.*\.eh_proj|.*\.shared_head\.head)"
 )
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")

@@ -25,6 +25,7 @@ REFUSED = {
     "kimi_k3": "output_attn_res_norm",  # attention residuals
     "qwen3_5_moe": "model.visual.",  # a vision tower carried through untouched
     "kimi_k25": "mm_projector.",
+    "minimax_m3_vl": "multi_modal_projector.",
 }
 ROTATED = [f for f in FAMILIES if f not in REFUSED]
 

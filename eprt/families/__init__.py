@@ -24,6 +24,7 @@ from eprt.families import (
     kimi_k25,
     kimi_linear,
     minimax_m2,
+    minimax_m3_vl,
     mistral4,
     qwen3_5_moe,
     qwen3_moe,
@@ -47,6 +48,8 @@ FAMILIES: tuple[Family, ...] = (
     mistral4.FAMILY,
     mistral4.VLM_FAMILY,
     minimax_m2.FAMILY,
+    minimax_m3_vl.TEXT_FAMILY,
+    minimax_m3_vl.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -17,9 +17,12 @@ def causal_attention(
     q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BTS: torch.Tensor | None = None
 ) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v, with h key/value heads shared by H/h query heads;
-    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True.
+    with `keep_BTS` (sparse attention) query t sees only the earlier keys s it marks True: the same
+    for every head, or, [B, n, T, S], its own for each of n groups of H/n consecutive heads.
     Returns [B, T, H*e]."""
     B, H, T, _ = q_BHTd.shape
+    if keep_BTS is not None and keep_BTS.dim() == 4:
+        return grouped_causal_attention(q_BHTd, k_BhTd, v_BhTe, scale, keep_BTS)
     mask = None
     if keep_BTS is not None:
         causal = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
@@ -29,6 +32,22 @@ def causal_attention(
     )
     # explicit sizes: an empty batch (a rank with no sequence this step) has no -1 to infer
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
+
+
+def grouped_causal_attention(
+    q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTe: torch.Tensor, scale: float, keep_BnTS: torch.Tensor
+) -> torch.Tensor:
+    """causal_attention with a key choice per group of heads, one group at a time: a mask of one
+    group's size is alive at once, not one per head. Query head j reads key/value head j // (H/h),
+    so a group's heads read a consecutive run of key/value heads (or share one)."""
+    H, h, n = q_BHTd.shape[1], k_BhTd.shape[1], keep_BnTS.shape[1]
+    per_group, per_kv = H // n, H // h
+    outs = []
+    for g in range(n):
+        first, last = g * per_group, (g + 1) * per_group
+        kv = slice(first // per_kv, (last - 1) // per_kv + 1)
+        outs.append(causal_attention(q_BHTd[:, first:last], k_BhTd[:, kv], v_BhTe[:, kv], scale, keep_BnTS[:, g]))
+    return torch.cat(outs, dim=-1)
 
 
 class GQAttention(nn.Module):
@@ -70,7 +89,16 @@ class GQAttention(nn.Module):
                 "attention values", self.v_proj, (self.o_proj,), (self.num_heads // self.num_kv_heads, self.head_dim)
             )
         )
-        return [BalanceGroup("attention input", norm, (self.q_proj, self.k_proj, self.v_proj)), values]
+        return [BalanceGroup("attention input", norm, self.input_readers()), values]
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        """The modules that read the attention's input: what a transform of that input (AWQ's
+        scales, a rotation) must reach."""
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def keep(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """Sparse attention's choice of keys (causal_attention's keep), or None: every earlier key."""
+        return None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -90,7 +118,7 @@ class GQAttention(nn.Module):
             self.taps.observe(k, v)
         if self.taps.replace is not None:
             k, v = self.taps.replace(k, v)
-        o = causal_attention(q, k, v, self.head_dim**-0.5)
+        o = causal_attention(q, k, v, self.head_dim**-0.5, self.keep(x_BTD, cos, sin))
         if self.output_gate:
             o = o * torch.sigmoid(gate.flatten(-2))
         return self.o_proj(o)

@@ -92,6 +92,19 @@ class SiTU:
         return (self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g) * u).to(gate.dtype)
 
 
+class ClampedSwiGLU:
+    """GPT-OSS's and MiniMax-M3's gated activation, in the model dtype as the reference computes it:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return (u + 1.0) * (g * torch.sigmoid(g * self.alpha))
+
+
 class GatedMLP(nn.Module):
     """down(act(gate x, up x)), act silu(gate) * up unless given: the dense layers and the shared experts."""
 
@@ -118,3 +131,29 @@ class GatedMLP(nn.Module):
         if self.act is not silu_mul:
             return Unbalanced(self.down_proj, "its input: the activation is not SwiGLU's")
         return BalanceGroup(what, self.up_proj, (self.down_proj,))
+
+
+class FusedGatedMLP(nn.Module):
+    """GatedMLP with gate and up in one projection, gate rows then up rows (`gate_up_proj`), as
+    transformers 5 stores some families' dense MLPs and shared experts."""
+
+    def __init__(self, hidden: int, width: int, act=silu_mul):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * width)
+        self.down_proj = Linear(width, hidden)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up))
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): gate_up reads the norm's output; up's rows are half
+        of one projection, which the fold does not split: down's input is left out."""
+        return [BalanceGroup("MLP input", norm, self.input_readers()), self.activation_group("MLP activation")]
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        return (self.gate_up_proj,)
+
+    def activation_group(self, what: str) -> Balance:
+        return Unbalanced(self.down_proj, "its input: gate and up are one projection (gate_up_proj)")

@@ -5,7 +5,9 @@
   take 2-D tensors only). The library is optional (`eprt[compressed]`): it is imported only when
   a compressed checkpoint is converted or decoded, and it pulls in transformers.
 - block FP8 (DeepSeek-V3, Kimi-K2-Instruct) is decoded here: w = fp8 * weight_scale_inv per
-  128x128 block, the last blocks partial where a dimension is not a multiple of 128.
+  128x128 block, the last blocks partial where a dimension is not a multiple of 128. MXFP8
+  (MiniMax-M3: blocks of 1x32) is block FP8 whose weight_scale_inv holds E8M0 exponents (uint8
+  e: the scale 2^(e - 127)) in place of fp32 scales.
 - per-tensor FP8 (Mistral-Small-4: quant_method fp8 without weight_block_size) is decoded here
   too: w = fp8 * weight_scale_inv, one scale per weight (or per equal span of its rows: fused
   experts hold one per expert, or one for each expert's gate rows and one for its up rows).
@@ -217,7 +219,8 @@ def matches(module: str, targets: list[str]) -> bool:
 
 
 class BlockFP8:
-    """DeepSeek-V3's block FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 per block."""
+    """DeepSeek-V3's block FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 per block (or, MXFP8,
+    an E8M0 exponent per block)."""
 
     components = ("weight", "weight_scale_inv")
     batched = True  # decodes weights stacked along leading dims, each with its own blocks
@@ -282,13 +285,18 @@ def dequantize_block_fp8(
             f"weight_scale_inv has shape {list(scale_inv.shape)}, but a {rows}x{cols} weight in "
             f"{bo}x{bi} blocks needs {list(want[-2:])}"
         )
-    x = w.float()
+    x, scale = w.float(), e8m0_scales(scale_inv) if scale_inv.dtype == torch.uint8 else scale_inv.float()
     if rows % bo or cols % bi:
-        return (x * expand_blocks(scale_inv.float(), w.shape, block)).to(dtype)
+        return (x * expand_blocks(scale, w.shape, block)).to(dtype)
     lead = w.shape[:-2]
     blocked = x.view(*lead, rows // bo, bo, cols // bi, bi)
-    blocked.mul_(scale_inv.float().view(*lead, rows // bo, 1, cols // bi, 1))
+    blocked.mul_(scale.view(*lead, rows // bo, 1, cols // bi, 1))
     return x.to(dtype)
+
+
+def e8m0_scales(e: torch.Tensor) -> torch.Tensor:
+    """OCP MX's E8M0 scales (uint8 exponents, bias 127; 255 is NaN) as fp32: exact, 2^-127 a subnormal."""
+    return torch.exp2(e.float() - 127.0).masked_fill(e == 255, float("nan"))
 
 
 def expand_blocks(per_block: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:

@@ -23,11 +23,15 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHT_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
+# Families whose releases store the router's weight in fp32 too (MiniMax-M3's, as vLLM loads it)
+ROUTER_WEIGHT_FP32 = {"minimax_m3_vl", "minimax_m3_vl_text"}
+
+
 def stored_fp32(family: Family, name: str) -> bool:
     """Whether the released checkpoints store tensor `name` in fp32 whatever their dtype: what the
     family keeps in fp32 (the router's correction bias, KDA's decay parameters), except the
-    router's weight, which they store in the checkpoint's dtype and the reference casts up."""
-    return family.keeps_fp32(name) and not name.endswith(".weight")
+    router's weight, which most store in the checkpoint's dtype and the reference casts up."""
+    return family.keeps_fp32(name) and (not name.endswith(".weight") or family.name in ROUTER_WEIGHT_FP32)
 
 
 def families() -> list[str]:
@@ -107,6 +111,19 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "multi_modal_projector.patch_merger.merging_layer.weight": (16, 64),
             "multi_modal_projector.linear_1.weight": (hidden, 16),
             "multi_modal_projector.linear_2.weight": (hidden, hidden),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "minimax_m3_vl":
+        shapes = {
+            "vision_tower.vision_model.embeddings.patch_embedding.weight": (16, 3, 2, 14, 14),
+            "vision_tower.vision_model.pre_layrnorm.weight": (16,),
+            "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight": (16, 16),
+            "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.bias": (16,),
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": (32, 16),
+            "multi_modal_projector.linear_1.weight": (32, 16),
+            "multi_modal_projector.linear_2.weight": (hidden, 32),
+            "patch_merge_mlp.linear_1.weight": (32, 4 * hidden),
+            "patch_merge_mlp.linear_2.weight": (hidden, 32),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {
@@ -276,6 +293,13 @@ SOURCE_FORMATS = {
         "quant_method": "fp8",
         "weight_block_size": None,
     },
+    "mxfp8": {  # MiniMax-M3: blocks of 1x32, each scale an E8M0 exponent (weight_scale_inv uint8)
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [1, 32],
+    },
 }
 # How make_tiny stores a family as its release does, where that is not the plain default
 # (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
@@ -284,11 +308,11 @@ RELEASED_AS = {
     "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
-# and DeepSeek-V3.2 its indexer's weights_proj.
+# DeepSeek-V3.2 its indexer's weights_proj, MiniMax-M3's MXFP8 release its vision tower and projectors.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")
 _FP8_KEPT = re.compile(
     r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate|lm_head|shared_head\.head|indexer\.weights_proj)"
-    r"|(vision_tower|multi_modal_projector)\..*"  # Mistral-Small-4 keeps its vision tower in bf16
+    r"|(vision_tower|multi_modal_projector|patch_merge_mlp)\..*"  # the releases keep their vision towers in bf16
 )
 
 
@@ -308,7 +332,8 @@ def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch
         elif not name.endswith(".weight") or t.dim() != 2:
             out[name] = t
         elif qc["quant_method"] == "fp8" and not _FP8_KEPT.fullmatch(module):
-            out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]))
+            e8m0 = qc.get("scale_fmt") == "ue8m0"
+            out[name], out[f"{module}.weight_scale_inv"] = quantize_block_fp8(t, tuple(qc["weight_block_size"]), e8m0)
         elif qc["quant_method"] != "fp8" and not _NOT_LINEAR.fullmatch(module) and not matches(module, qc["ignore"]):
             out.update({f"{module}.{c}": v for c, v in compress_weight(t, qc).items()})
         else:
@@ -357,11 +382,19 @@ def quantize_tensor_fp8(weight: torch.Tensor, halves: bool = False) -> dict[str,
     return {"weight": q, "weight_scale_inv": scale, "activation_scale": torch.linspace(0.01, 0.02, E)}
 
 
-def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's block FP8: e4m3 values and an fp32 weight_scale_inv (block amax / 448) per block."""
+def quantize_block_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), e8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block FP8: e4m3 values and an fp32 weight_scale_inv (block amax / 448) per block;
+    with `e8m0` (MXFP8), that scale rounded up to a power of two, stored as its E8M0 exponent (uint8)."""
     (rows, cols), (bo, bi) = weight.shape, block
     w = weight.float()
     padded = torch.nn.functional.pad(w.abs(), (0, -cols % bi, 0, -rows % bo))
     amax = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).amax((1, 3))
     scale = (amax / 448.0).clamp(min=1e-12)
-    return (w / expand_blocks(scale, (rows, cols), block)).to(torch.float8_e4m3fn), scale
+    if e8m0:
+        exponent = torch.ceil(torch.log2(scale))
+        scale, stored = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
+    else:
+        stored = scale
+    return (w / expand_blocks(scale, (rows, cols), block)).to(torch.float8_e4m3fn), stored

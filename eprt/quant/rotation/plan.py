@@ -39,7 +39,7 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import DecoderLayer
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.kda import KimiDeltaAttention
-from eprt.models.layers import GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
+from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
 from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
@@ -156,12 +156,12 @@ class _Planner:
         for block in layer.blocks:  # each block's norm, then what reads it and writes the stream
             norm = self.norm(getattr(layer, block.norm), f"{prefix}{block.norm}")
             mixer = getattr(layer, block.mixer)
-            mixes = self.ffn if isinstance(mixer, (GatedMLP, MoE)) else self.mixer
+            mixes = self.ffn if isinstance(mixer, (GatedMLP, FusedGatedMLP, MoE)) else self.mixer
             mixes(mixer, f"{prefix}{block.mixer}.", norm)
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
         if isinstance(attn, GQAttention):
-            readers = ["q_proj", "k_proj", "v_proj"]
+            readers = names_of(attn, attn.input_readers())
         elif isinstance(attn, MLAttention):
             readers = ["q_a_proj" if attn.q_lora else "q_proj", "kv_a_proj_with_mqa"]
             readers += ["g_proj"] if attn.g_proj is not None else []
@@ -208,7 +208,7 @@ class _Planner:
             raise ConfigError(
                 f"algorithm rotate: {prefix.rstrip('.')}: the latent MoE is not rotated yet; quantize without rotate"
             )
-        if isinstance(ffn, GatedMLP):
+        if isinstance(ffn, (GatedMLP, FusedGatedMLP)):
             self.mlp(ffn, prefix, norm)
             return
         if not isinstance(ffn, MoE):
@@ -228,9 +228,9 @@ class _Planner:
         elif ffn.shared_experts is not None:
             self.mlp(ffn.shared_experts, f"{prefix}shared_experts.", norm)
 
-    def mlp(self, mlp: GatedMLP, prefix: str, norm: Norm) -> None:
-        self.reads(mlp.gate_proj, f"{prefix}gate_proj", norm)
-        self.reads(mlp.up_proj, f"{prefix}up_proj", norm)
+    def mlp(self, mlp: GatedMLP | FusedGatedMLP, prefix: str, norm: Norm) -> None:
+        for r in names_of(mlp, mlp.input_readers()):
+            self.reads(mlp.get_submodule(r), f"{prefix}{r}", norm)
         self.writes(mlp.down_proj, f"{prefix}down_proj")
 
     def mtp(self, like: str, prefix: str, experts: int) -> None:
@@ -259,6 +259,12 @@ def _rebased(step: Step, like: str, prefix: str) -> Step:
     if not isinstance(step, Residual):
         return step
     return Residual(step.axis, tuple(Norm(prefix + n.name[len(like) :], n.centered) for n in step.norms))
+
+
+def names_of(parent: nn.Module, modules: tuple[nn.Module, ...]) -> list[str]:
+    """The names `modules` have inside `parent`."""
+    names = {id(m): n for n, m in parent.named_modules()}
+    return [names[id(m)] for m in modules]
 
 
 def _known(module: nn.Module, parts: set[str], name: str) -> None:

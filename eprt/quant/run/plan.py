@@ -487,7 +487,8 @@ class Planner:
             if self.device == "cpu"
             else attention_scores(c.num_heads, T, b, bool(c.indexer))
         )
-        attention = (6 * T * D * b + scores) * side_by_side
+        own = c.own.attention_bytes(T, b) if c.own is not None else 0  # a family's own (sparse attention)
+        attention = (6 * T * D * b + scores + own) * side_by_side
         dense_mlp = 3 * T * widest * b * side_by_side
         # the routed copies: rows sent (and received, on more ranks), sorted, the experts'
         # activation and outputs; then the returns, gathered and widened to fp32 to combine;

@@ -11,13 +11,14 @@ them); this module names their modules and picks each one's fold by the tensor i
 - a reader: a Linear's or router's columns, the routed experts' gate/up columns (w13), or their
   down columns (w2) where they also make the tensor (their activation).
 
-The groups the models declare today: the attention input (GQA's q/k/v; MLA's q_a_proj or q_proj
-and kv_a_proj_with_mqa, DeepSeek-V3.2's indexer wk and weights_proj, Kimi's g_proj); the MoE input
-(router, routed experts' gate/up, shared experts' gate/up, Qwen3-Next's shared_expert_gate); a dense
+The groups the models declare today: the attention input (GQA's q/k/v, with MiniMax-M3's
+block-sparse indexer its q/k projections; MLA's q_a_proj or q_proj and kv_a_proj_with_mqa,
+DeepSeek-V3.2's indexer wk and weights_proj, Kimi's g_proj); the MoE input (router, routed experts'
+gate/up, shared experts' gate/up or fused gate_up_proj, Qwen3-Next's shared_expert_gate); a dense
 MLP's input; GQA's values (v -> o, o's scale v's repeated over the query heads); a SwiGLU
 activation (dense MLPs, shared experts, each routed expert). Declared unbalanced (quantized as
 without AWQ): the hybrid layers' mixers (Gated DeltaNet, KDA declare no groups), Kimi-K3's latent
-MoE, routed experts with biases or without a gate (GPT-OSS's, Nemotron-H's), an activation other than SwiGLU's, GLM-4.5's v -> o (v_proj has a bias), MLA's v -> o.
+MoE, routed experts with biases or without a gate (GPT-OSS's, Nemotron-H's), an activation other than SwiGLU's, the activation behind a fused gate_up_proj, GLM-4.5's v -> o (v_proj has a bias), MLA's v -> o.
 """
 
 from __future__ import annotations

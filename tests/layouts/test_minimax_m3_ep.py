@@ -1,0 +1,93 @@
+"""MiniMax-M3 under expert parallelism, as released (the vision-language checkpoint) and as
+transformers saves its language model: every rank's logits are bitwise the single-process logits of
+its batch, and FP8 and NVFP4 exports are the same bytes at every (world, ep), with what the
+engines build unquantized (the router, the indexer's projections, the vision tower and projectors)
+left as the source holds it."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from eprt.hf.check_export import check_export
+from tests.ep_checks import (
+    LAYOUTS,
+    RECIPES,
+    assert_ep_logits,
+    calibrate_every_layout,
+    exports_by_layout,
+    same_files,
+    tiny_checkpoints,
+)
+from tests.hf_utils import raw, read_hf_tensors
+
+FAMILIES = ["minimax_m3_vl", "minimax_m3_vl_text"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """{family: {dtype: (Hugging Face dir, eprt checkpoint)}}."""
+    root = tmp_path_factory.mktemp("minimax_m3")
+    return {family: tiny_checkpoints(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
+def test_expert_parallel_logits_are_bitwise_the_single_process_logits(ckpts, world, ep):
+    # 20 tokens: five blocks of 4, more than the indexer keeps
+    assert_ep_logits([ckpts[f]["fp32"][1] for f in FAMILIES], world, ep, seq_len=20)
+
+
+L = "language_model.model.layers"
+NEVER_QUANTIZED = {
+    "minimax_m3_vl": [
+        f"{L}.1.block_sparse_moe.gate",
+        f"{L}.1.self_attn.index_q_proj",
+        f"{L}.3.self_attn.index_k_proj",
+        "multi_modal_projector.linear_1",
+        "patch_merge_mlp.linear_2",
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1",
+    ],
+    "minimax_m3_vl_text": ["model.layers.2.mlp.gate", "model.layers.1.self_attn.indexer.q_proj"],
+}
+QUANTIZED = {
+    "minimax_m3_vl": [
+        f"{L}.0.mlp.gate_proj",
+        f"{L}.1.self_attn.q_proj",
+        f"{L}.1.block_sparse_moe.shared_experts.down_proj",
+        f"{L}.3.block_sparse_moe.experts.7.w3",
+    ],
+    "minimax_m3_vl_text": [
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.3.self_attn.o_proj",
+        "model.layers.1.mlp.shared_experts.gate_up_proj",
+        "model.layers.2.mlp.experts.0.gate_proj",
+    ],
+}
+
+
+@pytest.mark.timeout(400)
+def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
+    out = str(tmp_path)
+    calibrate_every_layout({f: ckpts[f]["bf16"][1] for f in FAMILIES}, out, calib_size=6)
+    for family in FAMILIES:
+        source = read_hf_tensors(ckpts[family]["bf16"][0])
+        for recipe, *_ in RECIPES:
+            exports = exports_by_layout(out, family, recipe)
+            ref = exports["w1-ep1"]
+            assert check_export(ref, ckpts[family]["bf16"][0]) == []
+            for layout in LAYOUTS:
+                assert same_files(ref, exports[layout]), (family, recipe, layout)
+            exported = read_hf_tensors(ref)
+            for module in NEVER_QUANTIZED[family]:
+                assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), module
+                assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
+            for module in QUANTIZED[family]:
+                assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
+                assert f"{module}.weight_scale" in exported, module
+            # the router's fp32 weight and correction bias travel as they are
+            for n in (n for n in source if n.endswith(("e_score_correction_bias", ".gate.weight"))):
+                assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype == torch.float32, n
+            excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
+            assert excluded, family
