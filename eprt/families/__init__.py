@@ -140,6 +140,10 @@ QWEN3_5_MOE = Family(
     unquantized=qwen3_5_moe.patterns_under_language_model(QWEN3_NEXT.unquantized),
 )
 
+# A family folder's entry is built of the table's own pieces above, so it is imported after them.
+from eprt.families.llama4 import TEXT as LLAMA4_TEXT  # noqa: E402
+from eprt.families.llama4 import VLM as LLAMA4  # noqa: E402
+
 FAMILIES = (
     QWEN3_MOE,
     DEEPSEEK_V3,
@@ -151,6 +155,8 @@ FAMILIES = (
     QWEN3_NEXT,
     QWEN3_5_MOE_TEXT,
     QWEN3_5_MOE,
+    LLAMA4_TEXT,
+    LLAMA4,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from eprt.errors import ConfigError
+from eprt.families.llama4.model import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eprt.models.deepseek_v32 import DeepseekV32ForCausalLM
 from eprt.models.glm4_moe import Glm4MoeForCausalLM
@@ -26,6 +27,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_moe_text": Qwen3NextForCausalLM,  # Qwen3.5-MoE's language model saved alone runs as Qwen3-Next
     "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
+    "llama4_text": Llama4ForCausalLM,
+    "llama4": Llama4ForConditionalGeneration,
 }
 
 

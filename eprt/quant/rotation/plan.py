@@ -42,7 +42,15 @@ from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
 R1_SEED, R2_SEED = 0, 1  # the residual rotation's and the per-head rotation's draws (hadamard.random_hadamard)
-LAYER_PARTS = {"input_layernorm", "self_attn", "linear_attn", "post_attention_layernorm", "mlp", "block_sparse_moe"}
+LAYER_PARTS = {
+    "input_layernorm",
+    "self_attn",
+    "linear_attn",
+    "post_attention_layernorm",
+    "mlp",
+    "block_sparse_moe",
+    "feed_forward",
+}
 DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary"}
 
 
@@ -151,8 +159,7 @@ class _Planner:
         mixer_name = "self_attn" if hasattr(layer, "self_attn") else "linear_attn"
         self.mixer(getattr(layer, mixer_name), f"{prefix}{mixer_name}.", attention_in)
         ffn_in = self.norm(layer.post_attention_layernorm, f"{prefix}post_attention_layernorm")
-        ffn_name = "mlp" if hasattr(layer, "mlp") else "block_sparse_moe"
-        self.ffn(getattr(layer, ffn_name), f"{prefix}{ffn_name}.", ffn_in)
+        self.ffn(layer.ffn(), f"{prefix}{_child_name(layer, layer.ffn())}.", ffn_in)
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
         if isinstance(attn, GQAttention):
@@ -211,14 +218,14 @@ class _Planner:
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(ffn).__name__}) is an MLP the rotation does not "
                 "know; quantize without rotate"
             )
-        self.reads(ffn.gate, f"{prefix}gate.weight", norm)
+        self.reads(ffn.gate, f"{prefix}{_child_name(ffn, ffn.gate)}.weight", norm)
         self.reads(ffn.experts, f"{prefix}experts.w13", norm)
         self.writes(ffn.experts, f"{prefix}experts.w2")
         if isinstance(ffn, GatedSharedExpertMoE):
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)
         elif ffn.shared_experts is not None:
-            self.mlp(ffn.shared_experts, f"{prefix}shared_experts.", norm)
+            self.mlp(ffn.shared_experts, f"{prefix}{_child_name(ffn, ffn.shared_experts)}.", norm)
 
     def mlp(self, mlp: GatedMLP, prefix: str, norm: Norm) -> None:
         self.reads(mlp.gate_proj, f"{prefix}gate_proj", norm)
@@ -251,6 +258,11 @@ def _rebased(step: Step, like: str, prefix: str) -> Step:
     if not isinstance(step, Residual):
         return step
     return Residual(step.axis, tuple(Norm(prefix + n.name[len(like) :], n.centered) for n in step.norms))
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    """The name `parent` holds `child` under (a layer's `mlp` or `feed_forward`, a MoE's `gate` or `router`)."""
+    return next(name for name, m in parent.named_children() if m is child)
 
 
 def _known(module: nn.Module, parts: set[str], name: str) -> None:
