@@ -6,6 +6,7 @@ travels through export byte for byte; the router's score scales the expert's inp
 
 import pytest
 import torch
+from safetensors.torch import save
 
 import eprt
 
@@ -18,6 +19,7 @@ from transformers import (  # noqa: E402
     Llama4TextConfig,
 )
 
+from tests.hf_utils import read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import VOCAB, assert_logits_and_carried, record_routing  # noqa: E402
 
 LLAMA3 = {
@@ -141,3 +143,35 @@ def test_the_router_score_scales_the_experts_input(tmp_path):
         assert ids_TK.shape[1] == 1 and torch.equal(w_TK, torch.ones_like(w_TK))
         assert torch.equal(ids_TK[:, 0], logits.argmax(-1))
         assert x_TD.abs().sum() > 0 and score.min() < 0.9  # a score far from 1 would show a misplaced scale
+
+
+def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused, transposed experts of a saved model split into Linear-shaped tensors per expert, as
+    Meta's FP8 Maverick names them (`feed_forward.experts.E.{gate,up,down}_proj.weight`)."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            for e, gate_up_DI in enumerate(t):
+                gate_DI, up_DI = gate_up_DI.chunk(2, dim=-1)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate_DI.T.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up_DI.T.contiguous()
+        elif leaf == "down_proj" and t.dim() == 3:
+            out.update({f"{prefix}.{e}.down_proj.weight": down_ID.T.contiguous() for e, down_ID in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def test_experts_stored_per_expert_read_and_export_as_stored(tmp_path):
+    """The same model with its experts stored per expert gives transformers' logits, and exports back
+    exactly the per-expert tensors it was given."""
+    cfg = text_config("maverick_like")
+    torch.manual_seed(0)
+    m = Llama4ForCausalLM(cfg).eval()
+    spread_routers(m)
+    m.save_pretrained(tmp_path / "hf")
+    split = per_expert(read_hf_tensors(str(tmp_path / "hf")))
+    assert any(".experts.7.up_proj.weight" in n for n in split) and not any("gate_up_proj" in n for n in split)
+    (tmp_path / "hf" / "model.safetensors").write_bytes(save(split, metadata={"format": "pt"}))
+    assert_logits_and_carried(tmp_path, m, "llama4_text", list(cfg.moe_layers), T, carried=("model.",))
