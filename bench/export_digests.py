@@ -79,6 +79,7 @@ WIDER = {
     "kimi_k3": dict(MLA, routed_expert_hidden_size=128, linear_attn_config={"head_dim": 128}),
     "qwen3_next": LINEAR,
     "qwen3_5_moe": LINEAR,
+    "llama4": dict(head_dim=32, intermediate_size_mlp=256),  # o_proj reads 4 heads of 32; the dense layers' MLP
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

@@ -28,7 +28,8 @@ REFUSED = {
     "kimi_k25": "mm_projector.",
     "llama4": "multi_modal_projector.",
 }
-ROTATED = [f for f in FAMILIES if f not in REFUSED]
+# Llama-4's language model rotates where the VLM's projector keeps it from rotating
+ROTATED = [f for f in FAMILIES if f not in REFUSED] + ["llama4_text"]
 
 
 def sylvester(b: int) -> torch.Tensor:

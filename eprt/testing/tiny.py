@@ -41,7 +41,10 @@ def families() -> list[str]:
 RELEASED_FUSED = {"llama4", "llama4_text"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
-SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next"}
+SAME_MODEL_AS = {
+    "qwen3_5_moe_text": "qwen3_next",
+    "llama4_text": "llama4",  # the VLM's language model, without the vision tower beside it
+}
 
 
 def distinct_models() -> list[str]:
