@@ -15,7 +15,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from eprt.config import FamilyConfig, GQAConfig, ModelConfig, RopeConfig, moe_or_dense, own_config, read_rope
+from eprt.config import (
+    FamilyConfig,
+    GQAConfig,
+    ModelConfig,
+    RopeConfig,
+    moe_or_dense,
+    own_config,
+    read_rope,
+    rope_object,
+)
 from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, is_number
 
 TEXT_FAMILY, VLM_FAMILY = "llama4_text", "llama4"
@@ -107,7 +116,7 @@ def _moe_layers(f: Fields, n_layers: int) -> list[int]:
 
 def _rope(f: Fields, hf: dict) -> tuple[RopeConfig, Llama3Rope | None]:
     """The RoPE base and, where the file asks for it (Scout), Llama-3's frequency scaling."""
-    params = {**(f.get("rope_parameters", default={}) or {}), **(f.get("rope_scaling", default={}) or {})}
+    params = {**(rope_object(f, "rope_parameters") or {}), **(rope_object(f, "rope_scaling") or {})}
     if (params.get("rope_type") or params.get("type")) != "llama3":
         return read_rope(f, DEFAULT_THETA), None
     scoped = Fields(params, f"{f.source} (rope parameters)")
@@ -141,7 +150,7 @@ def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
     bias = bool(f.get("attention_bias", default=False))
     interval = _count(f, "no_rope_layer_interval", 4, MAX_LAYERS)
     rotates = _flags(f, "no_rope_layers", n_layers) or [int((i + 1) % interval != 0) for i in range(n_layers)]
-    chunk = f.get("attention_chunk_size", default=8192)
+    chunk = hf.get("attention_chunk_size", 8192)  # null: no layer attends in chunks (absent: transformers' 8192)
     if chunk is not None:
         chunk = _count(f, "attention_chunk_size", 8192, MAX_POSITIONS)
     types = _layer_types(f, rotates, chunk, n_layers)
