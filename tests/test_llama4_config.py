@@ -62,6 +62,7 @@ def test_scout_and_maverick_as_released():
         ({"interleave_moe_layer_step": 0}, "'interleave_moe_layer_step'"),
         ({"floor_scale": 0}, "'floor_scale'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": "x"}}, "'factor'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "required field low_freq_factor is missing"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
 )

@@ -26,6 +26,7 @@ from eprt.config import (
     rope_object,
 )
 from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, is_number
+from eprt.errors import ConfigError
 
 TEXT_FAMILY, VLM_FAMILY = "llama4_text", "llama4"
 DEFAULT_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
@@ -58,14 +59,16 @@ class Llama4Config(FamilyConfig):
     llama3_rope: Llama3Rope | None = None
 
 
-def _count(f: Fields, name: str, default: int, high: int) -> int:
+def _count(f: Fields, name: str, default: int | type[ConfigError], high: int) -> int:
+    """An integer field from 1 to `high`; `default` ConfigError: required."""
     value = f.get(name, default=default)
     if not is_integer(value):
         raise f.refuse(f"field {name!r} is {value!r}; it must be an integer: write it as a JSON number")
     return f.in_range(name, int(value), 1, high)
 
 
-def _real(f: Fields, name: str, default: float) -> float:
+def _real(f: Fields, name: str, default: float | type[ConfigError] = ConfigError) -> float:
+    """A positive finite number; without a default: required."""
     value = f.get(name, default=default)
     if not is_number(value) or not value > 0 or value == float("inf"):
         raise f.refuse(f"field {name!r} is {value!r}; it must be a positive number: fix it to the model's value")
@@ -120,11 +123,12 @@ def _rope(f: Fields, hf: dict) -> tuple[RopeConfig, Llama3Rope | None]:
     if (params.get("rope_type") or params.get("type")) != "llama3":
         return read_rope(f, DEFAULT_THETA), None
     scoped = Fields(params, f"{f.source} (rope parameters)")
+    # each required, as transformers' llama3 frequencies require them
     scaling = Llama3Rope(
-        factor=_real(scoped, "factor", 8.0),
-        low_freq_factor=_real(scoped, "low_freq_factor", 1.0),
-        high_freq_factor=_real(scoped, "high_freq_factor", 4.0),
-        original_max_position_embeddings=_count(scoped, "original_max_position_embeddings", 8192, MAX_POSITIONS),
+        factor=_real(scoped, "factor"),
+        low_freq_factor=_real(scoped, "low_freq_factor"),
+        high_freq_factor=_real(scoped, "high_freq_factor"),
+        original_max_position_embeddings=_count(scoped, "original_max_position_embeddings", ConfigError, MAX_POSITIONS),
     )
     plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
     if "rope_theta" in params:
