@@ -175,3 +175,21 @@ def test_experts_stored_per_expert_read_and_export_as_stored(tmp_path):
     assert any(".experts.7.up_proj.weight" in n for n in split) and not any("gate_up_proj" in n for n in split)
     (tmp_path / "hf" / "model.safetensors").write_bytes(save(split, metadata={"format": "pt"}))
     assert_logits_and_carried(tmp_path, m, "llama4_text", list(cfg.moe_layers), T, carried=("model.",))
+
+
+def test_llama3_frequencies_are_transformers_at_scouts_settings():
+    """Scout's own rope_scaling (low_freq_factor == high_freq_factor: the smoothing band is empty and the
+    reference divides by zero there) and a band that is not, at the real head width: bit for bit."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from eprt.models.rope import llama3_frequencies, rope_frequencies
+
+    for low, high in ((1.0, 1.0), (1.0, 4.0)):
+        params = dict(LLAMA3, factor=16.0, low_freq_factor=low, high_freq_factor=high)
+        params["original_max_position_embeddings"] = 8192
+        cfg = Llama4TextConfig(**{**BASE, "head_dim": 128, "rope_parameters": params})
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        default, _ = rope_frequencies(128, 500000.0, None, cfg.max_position_embeddings)
+        got = llama3_frequencies(default, 16.0, low, high, 8192)
+        assert torch.equal(got, want), (low, high)
+        assert not torch.equal(got, default)
