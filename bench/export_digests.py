@@ -81,6 +81,7 @@ WIDER = {
     "qwen3_next": LINEAR,
     "qwen3_5_moe": LINEAR,
     "mistral4": MLA,
+    "llama4": dict(head_dim=32, intermediate_size_mlp=256),  # o_proj reads 4 heads of 32; the dense layers' MLP
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

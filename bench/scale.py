@@ -1,13 +1,14 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and Mistral-Small-4's real tensor counts and real dims,
-on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's and Llama-4 Maverick's real tensor
+counts and real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4] [--worlds 8 16] [--seq-len 2048]
-        [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model llama4_maverick]
+        [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused). Make, convert, the dry run at each world and the export (as it came) are
+  experts fused; Maverick in bf16, each layer's experts fused). Make, convert, the dry run at each world and
+  the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
@@ -38,8 +39,8 @@ from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import RELEASED_AS, make_tiny  # noqa: E402
 
-# The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
-# DeepSeek-V3 config: rope, scoring, norms).
+# The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny config
+# of the model's family, FAMILY: rope, scoring, norms).
 REAL = {
     "kimi_k2": dict(
         model_type="kimi_k2",
@@ -109,12 +110,44 @@ REAL = {
         first_k_dense_replace=0,
         max_position_embeddings=1048576,
     ),
+    # Llama-4 Maverick's language model (the VLM's text_config): MoE and dense layers interleaved
+    "llama4_maverick": dict(
+        model_type="llama4_text",
+        vocab_size=202048,
+        hidden_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=128,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        moe_layers=None,
+        no_rope_layers=None,
+        use_qk_norm=False,
+        attention_chunk_size=8192,
+        floor_scale=8192,
+        rope_scaling=None,
+        max_position_embeddings=1048576,
+    ),
 }
 # shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB)
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24}
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24, "llama4_maverick": 55}
 # the eprt family of each model's tiny checkpoint, and how make_tiny stores it as released
-FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4"}
-RELEASED = {"kimi_k2": {"source_format": "fp8-block"}, "deepseek_v3": {"source_format": "fp8-block"}, **RELEASED_AS}
+FAMILY = {
+    "kimi_k2": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
+    "mistral4": "mistral4",
+    "llama4_maverick": "llama4_text",
+}
+RELEASED = {
+    "kimi_k2": {"source_format": "fp8-block"},
+    "deepseek_v3": {"source_format": "fp8-block"},
+    **RELEASED_AS,
+    "llama4_maverick": {},  # bf16, its experts fused as make_tiny stores the family by default
+}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 TINY_DIMS = dict(
     vocab_size=512,
@@ -130,6 +163,17 @@ TINY_DIMS = dict(
     moe_intermediate_size=32,
     max_position_embeddings=4096,
 )
+LLAMA4_TINY_DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    intermediate_size_mlp=128,
+    max_position_embeddings=4096,
+)
+TINY_DIMS_OF = {"llama4_maverick": LLAMA4_TINY_DIMS}
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
@@ -231,16 +275,12 @@ def dry_run(ck: str, world: int, extra: list[str], seq_len: int, calib_size: int
 
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
     real = REAL[model]
+    tiny = {**real, **TINY_DIMS_OF.get(model, TINY_DIMS)}
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, encoded as released")
     hf, t_make = timed(
-        make_tiny,
-        FAMILY[model],
-        os.path.join(root, "hf"),
-        shards=SHARDS[model],
-        **RELEASED[model],
-        **{**real, **TINY_DIMS},
+        make_tiny, FAMILY[model], os.path.join(root, "hf"), shards=SHARDS[model], **RELEASED[model], **tiny
     )
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
@@ -260,7 +300,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny(FAMILY[model], os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        make_tiny(FAMILY[model], os.path.join(root, "hf-bf16"), **tiny),
         os.path.join(root, "ck-bf16"),
         progress=False,
     )

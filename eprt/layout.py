@@ -1,8 +1,10 @@
 """How a family's Hugging Face tensors map onto eprt tensors.
 
 Every eprt tensor keeps its Hugging Face name except the routed experts, which are stacked
-per layer with the expert index leading: `...experts.w13` [E, 2I, D] (each expert's gate rows,
-then its up rows) and `...experts.w2` [E, D, I]. Both conversion and export read this one table.
+per layer with the expert index leading, one tensor per projection as `ExpertPieces` names it
+(gated: `...experts.w13` [E, 2I, D], each expert's gate rows then its up rows, and
+`...experts.w2` [E, D, I]; not gated: `w1` [E, I, D] and `w2`; a bias beside each where the
+experts have them). Both conversion and export read this one table.
 
 A tensor may have two Hugging Face spellings (`alias`): transformers 5 saves Kimi-Linear's dense MLP
 under `block_sparse_moe.`, Moonshot's code and the release under `mlp.`. Convert reads either, and
@@ -11,7 +13,9 @@ the export writes it back under the one the source used.
 A source may hold a layer's experts already stacked, one 3-D tensor per projection (`experts.gate_up_proj`
 [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]): Qwen3.5-MoE as released, and the
 parameters of transformers 5's MoE modules. A stacked spec names that tensor in `fused`; its
-bytes are the eprt tensor's.
+bytes are the eprt tensor's, or a permutation of them the spec names (`transposed`: stored
+[E, in, out], as GPT-OSS and Llama-4 do; `interleaved`: gate and up alternate along the
+outputs, gate at even, up at odd, as GPT-OSS does), which convert undoes and export redoes.
 """
 
 from __future__ import annotations
@@ -38,11 +42,42 @@ class TensorSpec:
     fused: str | None = None
     # A plain tensor: the other Hugging Face name the source may hold it under, in its place.
     alias: str | None = None
+    # How `fused` permutes the eprt tensor (the module docstring): its last two dims swapped, and
+    # the `interleaved` pieces of each row (gate, up) alternating element by element along dim 1.
+    transposed: bool = False
+    interleaved: int = 1
 
     def source_shape(self) -> tuple[int, ...]:
         if not self.stacked:
-            return self.shape
+            return self.fused_shape() if self.permuted else self.shape
         return (self.shape[1] // self.per_row, *self.shape[2:])
+
+    @property
+    def permuted(self) -> bool:
+        """Whether the fused tensor holds this one's elements in another order."""
+        return self.transposed or self.interleaved > 1
+
+    def fused_shape(self) -> tuple[int, ...]:
+        """The shape of the one tensor `fused` names."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape
+
+    def from_fused(self, t):
+        """The eprt tensor from the fused one (a torch tensor of `fused_shape()`): a view."""
+        if self.transposed:
+            t = t.transpose(-2, -1)
+        if self.interleaved > 1:  # [E, I*k, ...] as (i, piece) -> (piece, i)
+            E, n, k = *t.shape[:2], self.interleaved
+            t = t.unflatten(1, (n // k, k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
+        return t
+
+    def to_fused(self, t):
+        """The fused tensor from the eprt one: `from_fused` undone, contiguous."""
+        if self.interleaved > 1:
+            E, n, k = *t.shape[:2], self.interleaved
+            t = t.unflatten(1, (k, n // k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
+        if self.transposed:
+            t = t.transpose(-2, -1)
+        return t.contiguous()
 
     def shape_problem(self, shape: tuple[int, ...]) -> str | None:
         """Why a source tensor of `shape` cannot be this one (after `tensor NAME `), or None."""
@@ -121,22 +156,115 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit):
+    GPT-OSS's and MiniMax-M3's gated activation."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class ExpertPieces:
+    """What a family's routed experts are made of: gated (down(act(gate x, up x))) or not
+    (down(act(up x))), a bias on each projection or none, and the activation, by name ("silu":
+    silu(gate) * up; "relu2": relu(up)^2) or as a `ClampedSwiGLU`. The model resolves the
+    activation (eprt.models.moe); the stacked tensors are named by `leaves`."""
+
+    gated: bool = True
+    bias: bool = False
+    activation: str | ClampedSwiGLU = "silu"
+
+    @property
+    def leaves(self) -> tuple[str, str]:
+        """The eprt names of the stacked projections under `...experts`: the one the experts'
+        input goes through (gate and up end to end, or up), and down."""
+        return ("w13", "w2") if self.gated else ("w1", "w2")
+
+    @property
+    def fan(self) -> int:
+        """How many projections the first stacked tensor holds end to end in each expert's row."""
+        return 2 if self.gated else 1
+
+    @property
+    def up_scales_down(self) -> bool:
+        """Whether scaling up's outputs by s scales what down reads by s (act(gate, s up) = s act(gate, up)),
+        so that a per-channel scale may move from up's rows to down's columns."""
+        return self.gated and self.activation == "silu"
+
+
+GATED_SILU = ExpertPieces()
+
+
+@dataclass(frozen=True)
+class ExpertStorage:
+    """How a checkpoint stores a layer's routed experts: per expert (`prefix.E.{name}{suffix}`, the
+    projections `names` give: gate, up, down, or up, down when not gated), and/or fused, one 3-D
+    tensor per projection (`fused`: the first and down's names, their biases `{name}_bias`),
+    `transposed` ([E, in, out]) and `interleaved` (gate and up alternating along the outputs)."""
+
+    names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    suffix: str = ".weight"
+    fused: tuple[str, str] | None = None
+    transposed: bool = False
+    interleaved: bool = False
+
+    @classmethod
+    def named(cls, gate: str | None, up: str, down: str, suffix: str = ".weight") -> "ExpertStorage":
+        """Per-expert names, with transformers' fused form beside them where the names are transformers'
+        (a family with its own names has no fused form to read)."""
+        names = (up, down) if gate is None else (gate, up, down)
+        transformers_names = names[-2:] == ("up_proj", "down_proj") and gate in (None, "gate_proj")
+        fused = (
+            ("gate_up_proj" if gate else "up_proj", "down_proj") if transformers_names and suffix == ".weight" else None
+        )
+        return cls(names, suffix, fused)
+
+
 def stacked_experts(
-    prefix: str, num_experts: int, width: int, hidden: int, gate: str, up: str, down: str, suffix: str = ".weight"
+    prefix: str,
+    num_experts: int,
+    width: int,
+    hidden: int,
+    gate: str | None = "gate_proj",
+    up: str = "up_proj",
+    down: str = "down_proj",
+    suffix: str = ".weight",
+    *,
+    pieces: ExpertPieces = GATED_SILU,
+    storage: ExpertStorage | None = None,
 ) -> list[TensorSpec]:
-    """The two stacked expert tensors of one MoE layer, from per-expert `prefix.E.{gate,up,down}`,
-    or from transformers' fused `prefix.gate_up_proj` and `prefix.down_proj` where the per-expert
-    names are transformers' too (a family with its own names has no fused form to read)."""
-    gate_up = tuple(f"{prefix}.{e}.{p}{suffix}" for e in range(num_experts) for p in (gate, up))
-    down_src = tuple(f"{prefix}.{e}.{down}{suffix}" for e in range(num_experts))
-    transformers_names = (gate, up, down, suffix) == ("gate_proj", "up_proj", "down_proj", ".weight")
-    fused_w13, fused_w2 = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj") if transformers_names else (None, None)
-    return [
-        TensorSpec(
-            f"{prefix}.w13", (num_experts, 2 * width, hidden), gate_up, stacked=True, per_row=2, fused=fused_w13
-        ),
-        TensorSpec(f"{prefix}.w2", (num_experts, hidden, width), down_src, stacked=True, per_row=1, fused=fused_w2),
-    ]
+    """The stacked expert tensors of one MoE layer (`pieces.leaves`, then their biases), read from
+    per-expert `prefix.E.{gate,up,down}` or from the fused tensors `storage` names (default: the
+    names given here, and transformers' fused form where they are transformers')."""
+    storage = storage or ExpertStorage.named(gate if pieces.gated else None, up, down, suffix)
+    if len(storage.names) != pieces.fan + 1:
+        raise ValueError(
+            f"{prefix}: {'gated' if pieces.gated else 'ungated'} experts name {pieces.fan + 1} projections, got {storage.names}"
+        )
+    first, second = pieces.leaves
+    shapes = {first: (num_experts, pieces.fan * width, hidden), second: (num_experts, hidden, width)}
+    names = {first: storage.names[:-1], second: storage.names[-1:]}
+    fused = dict(zip((first, second), storage.fused or (None, None)))
+    kinds = [(".weight", storage.suffix, "")] + ([("_bias", ".bias", "_bias")] if pieces.bias else [])
+    specs = []
+    for leaf_suffix, source_suffix, fused_suffix in kinds:
+        for leaf, shape in shapes.items():
+            parts = names[leaf]
+            specs.append(
+                TensorSpec(
+                    f"{prefix}.{leaf}{leaf_suffix}".removesuffix(".weight"),
+                    shape if leaf_suffix == ".weight" else shape[:2],
+                    tuple(f"{prefix}.{e}.{p}{source_suffix}" for e in range(num_experts) for p in parts),
+                    stacked=True,
+                    per_row=len(parts),
+                    fused=f"{prefix}.{fused[leaf]}{fused_suffix}" if fused[leaf] else None,
+                    transposed=storage.transposed and leaf_suffix == ".weight",
+                    interleaved=len(parts) if storage.interleaved else 1,
+                )
+            )
+    return specs
 
 
 def plain(name: str, *shape: int) -> TensorSpec:

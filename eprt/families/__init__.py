@@ -23,6 +23,7 @@ from eprt.families import (
     kimi_k3,
     kimi_k25,
     kimi_linear,
+    llama4,
     mistral4,
     qwen3_5_moe,
     qwen3_moe,
@@ -45,6 +46,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_5_moe.FAMILY,
     mistral4.FAMILY,
     mistral4.VLM_FAMILY,
+    llama4.TEXT_FAMILY,
+    llama4.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

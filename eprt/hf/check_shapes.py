@@ -41,10 +41,19 @@ def _by_source(layout: Layout) -> dict[str, TensorSpec]:
     out = {}
     for spec in (*layout.specs, *layout.mtp):
         if spec.stacked:
-            one = replace(spec, shape=spec.source_shape(), stacked=False, per_row=1)
+            # one expert's projection, as Linear-shaped as the per-expert form stores it (whatever the fused form's order)
+            one = replace(spec, shape=spec.source_shape(), stacked=False, per_row=1, transposed=False, interleaved=1)
             out.update(dict.fromkeys(spec.sources, one))
             if spec.fused:
-                out[spec.fused] = replace(spec, sources=(spec.fused,), stacked=False, per_row=1)
+                out[spec.fused] = replace(
+                    spec,
+                    shape=spec.fused_shape(),
+                    sources=(spec.fused,),
+                    stacked=False,
+                    per_row=1,
+                    transposed=False,
+                    interleaved=1,
+                )
         else:  # a tensor spelled two ways (Kimi-Linear's dense MLP) has one shape under either name
             out.update(dict.fromkeys((*spec.sources, *([spec.alias] if spec.alias else [])), spec))
     return out

@@ -63,6 +63,11 @@ def source_tensors(
             continue
         dtype = meta.source_dtype
         as_stored = meta.dtype == dtype and not meta.encoded
+        if spec is not None and spec.stacked and meta.fused_source and not per_expert and spec.permuted:
+            # fused experts the source stores transposed or interleaved: its order back
+            read = lambda n=name, d=dtype, s=spec: s.to_fused(ck.read(n).to(d))  # noqa: E731
+            yield OutTensor(meta.fused_source, dtype, spec.fused_shape(), read)
+            continue
         if spec is None or not spec.stacked or (meta.fused_source and not per_expert):
             stored = (lambda n=name: ck.byte_range(n)) if as_stored and len(meta.parts) == 1 else None
             yield OutTensor(

@@ -140,6 +140,11 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
             passthrough.append(spec.sources[0])
             continue
         if original.stacked:
+            if p.fused and original.permuted:
+                raise ConfigError(
+                    f"{spec.sources[0]} holds its experts transposed or interleaved, which the model-free export "
+                    "does not slice: convert the checkpoint (eprt-convert) and export that instead"
+                )
             module, h = spec.name.rsplit(".", 1)[0], original.source_shape()[0]
             for j, s in enumerate(original.sources):
                 e, k = divmod(j, original.per_row)

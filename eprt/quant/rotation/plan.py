@@ -216,14 +216,14 @@ class _Planner:
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(ffn).__name__}) is an MLP the rotation does not "
                 "know; quantize without rotate"
             )
-        self.reads(ffn.gate, f"{prefix}gate.weight", norm)
+        self.reads(ffn.gate, f"{prefix}{_child_name(ffn, ffn.gate)}.weight", norm)
         self.reads(ffn.experts, f"{prefix}experts.w13", norm)
         self.writes(ffn.experts, f"{prefix}experts.w2")
         if isinstance(ffn, GatedSharedExpertMoE):
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)
         elif ffn.shared_experts is not None:
-            self.mlp(ffn.shared_experts, f"{prefix}shared_experts.", norm)
+            self.mlp(ffn.shared_experts, f"{prefix}{_child_name(ffn, ffn.shared_experts)}.", norm)
 
     def mlp(self, mlp: GatedMLP, prefix: str, norm: Norm) -> None:
         self.reads(mlp.gate_proj, f"{prefix}gate_proj", norm)
@@ -256,6 +256,11 @@ def _rebased(step: Step, like: str, prefix: str) -> Step:
     if not isinstance(step, Residual):
         return step
     return Residual(step.axis, tuple(Norm(prefix + n.name[len(like) :], n.centered) for n in step.norms))
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    """The name `parent` holds `child` under (a layer's `mlp` or `feed_forward`, a MoE's `gate` or `router`)."""
+    return next(name for name, m in parent.named_children() if m is child)
 
 
 def _known(module: nn.Module, parts: set[str], name: str) -> None:

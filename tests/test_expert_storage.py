@@ -1,0 +1,139 @@
+"""Routed experts of every storage a checkpoint uses convert to eprt's stacked tensors in eprt's
+order and export back byte for byte: per expert, fused, fused and transposed (Llama-4), fused,
+transposed and interleaved with biases (GPT-OSS), and experts that are not gated (Nemotron-H)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import eprt.hf.convert
+import eprt.hf.export
+from eprt.families import reader_for
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.layout import ClampedSwiGLU, ExpertPieces, ExpertStorage, Layout, plain, stacked_experts
+from eprt.storage.checkpoint import Checkpoint
+from eprt.testing.tiny import tiny_config
+from tests.hf_utils import raw, read_hf_tensors
+
+E, I, H = 4, 6, 8
+P = "model.layers.0.mlp.experts"
+RELU2 = ExpertPieces(gated=False, activation="relu2")
+GPT_OSS = ExpertPieces(bias=True, activation=ClampedSwiGLU())
+FUSED = ("gate_up_proj", "down_proj")
+
+CASES = {
+    "gated, per expert": (ExpertPieces(), ExpertStorage()),
+    "gated, fused": (ExpertPieces(), ExpertStorage(fused=FUSED)),
+    "gated, fused, transposed": (ExpertPieces(), ExpertStorage(fused=FUSED, transposed=True)),
+    "biased, fused, transposed, interleaved": (GPT_OSS, ExpertStorage(fused=FUSED, transposed=True, interleaved=True)),
+    "biased, per expert": (GPT_OSS, ExpertStorage()),
+    "not gated, per expert": (RELU2, ExpertStorage(("up_proj", "down_proj"))),
+    "not gated, fused": (RELU2, ExpertStorage(("up_proj", "down_proj"), fused=("up_proj", "down_proj"))),
+}
+
+
+def source_tensors(pieces: ExpertPieces, storage: ExpertStorage) -> dict[str, torch.Tensor]:
+    """One MoE layer's experts as the checkpoint stores them, random bf16."""
+    g = torch.Generator().manual_seed(0)
+    first = ("gate_proj", "up_proj") if pieces.gated else ("up_proj",)
+    if storage.fused:
+        up, down = storage.fused
+        shapes = {up: (E, len(first) * I, H), down: (E, H, I)}
+        if storage.transposed:
+            shapes = {n: (s[0], s[2], s[1]) for n, s in shapes.items()}
+        if pieces.bias:
+            shapes |= {f"{up}_bias": (E, len(first) * I), f"{down}_bias": (E, H)}
+        return {f"{P}.{n}": torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
+    kinds = [".weight"] + ([".bias"] if pieces.bias else [])
+    out = {}
+    for e in range(E):
+        for p in storage.names:
+            for k in kinds:
+                shape = (H, I) if p == "down_proj" else (I, H)
+                out[f"{P}.{e}.{p}{k}"] = torch.randn(shape[: 1 if k == ".bias" else 2], generator=g).bfloat16()
+    return out
+
+
+@pytest.fixture
+def layer_layout(monkeypatch):
+    """The tiny qwen3_moe checkpoint's config, with a layout of one experts layer: the one set."""
+    layouts = {}
+    family = reader_for("qwen3_moe", "test")
+
+    class OneLayer:
+        def layout(self, c):
+            return layouts["layout"]
+
+    monkeypatch.setattr(eprt.hf.convert, "reader_for", lambda *a: OneLayer())
+    monkeypatch.setattr(eprt.hf.export, "reader_for", lambda *a: OneLayer())
+    assert family.layout  # the config below is that family's
+
+    def use(pieces, storage):
+        specs = stacked_experts(P, E, I, H, pieces=pieces, storage=storage)
+        layouts["layout"] = Layout((plain("model.norm.weight", H), *specs))
+        return specs
+
+    return use
+
+
+def write_source(d: str, tensors: dict[str, torch.Tensor]) -> str:
+    os.makedirs(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(tiny_config("qwen3_moe"), f)
+    save_file(
+        tensors | {"model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}, os.path.join(d, "model.safetensors")
+    )
+    return d
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_experts_convert_in_eprt_order_and_export_byte_for_byte(tmp_path, layer_layout, case):
+    pieces, storage = CASES[case]
+    specs = layer_layout(pieces, storage)
+    source = source_tensors(pieces, storage)
+    hf = write_source(str(tmp_path / "hf"), source)
+
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    first, down = pieces.leaves
+    want_names = {f"{P}.{first}", f"{P}.{down}"} | ({f"{P}.{first}_bias", f"{P}.{down}_bias"} if pieces.bias else set())
+    with Checkpoint(ck) as c:
+        assert {n for n in c.tensors if n.startswith(P)} == want_names == {s.name for s in specs}
+        stacked = {n: c.read(n) for n in want_names}
+    # eprt's order: each expert's row holds its gate rows, then its up rows (or up alone), [out, in]
+    w_in, w_out = stacked[f"{P}.{first}"], stacked[f"{P}.{down}"]
+    assert w_in.shape == (E, pieces.fan * I, H) and w_out.shape == (E, H, I)
+    for e in range(E):
+        if storage.fused:
+            gate_up, down_e = source[f"{P}.{storage.fused[0]}"][e], source[f"{P}.{storage.fused[1]}"][e]
+            if storage.transposed:
+                gate_up, down_e = gate_up.T, down_e.T
+            if storage.interleaved:
+                gate_up = torch.cat([gate_up[0::2], gate_up[1::2]])
+            want_in = gate_up
+        else:
+            want_in = torch.cat([source[f"{P}.{e}.{p}.weight"] for p in storage.names[:-1]])
+            down_e = source[f"{P}.{e}.{storage.names[-1]}.weight"]
+        assert torch.equal(w_in[e], want_in) and torch.equal(w_out[e], down_e), e
+    if pieces.bias and storage.interleaved:
+        b = source[f"{P}.gate_up_proj_bias"]
+        assert torch.equal(stacked[f"{P}.{first}_bias"], torch.cat([b[:, 0::2], b[:, 1::2]], dim=1))
+
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "out"), progress=False))
+    assert set(exported) == set(source) | {"model.norm.weight"}
+    for n, t in source.items():
+        assert exported[n].dtype == t.dtype and raw(exported[n]) == raw(t), n
+
+
+def test_a_fused_tensor_in_the_wrong_shape_is_refused_by_name(tmp_path, layer_layout):
+    pieces, storage = CASES["gated, fused, transposed"]
+    layer_layout(pieces, storage)
+    source = source_tensors(pieces, storage)
+    source[f"{P}.gate_up_proj"] = source[f"{P}.gate_up_proj"].transpose(1, 2).contiguous()  # not transposed
+    hf = write_source(str(tmp_path / "hf"), source)
+    with pytest.raises(Exception, match=rf"{P}\.gate_up_proj.*shape \[{E}, {2 * I}, {H}\].*\[{E}, {H}, {2 * I}\]"):
+        convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    assert not os.path.exists(tmp_path / "ck")
