@@ -87,6 +87,7 @@ WIDER = {
     # the dense and shared MLPs have widths of their own; the indexer is never quantized
     "minimax_m3_vl": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
     "minimax_m3_vl_text": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
+    "llama4": dict(head_dim=32, intermediate_size_mlp=256),  # o_proj reads 4 heads of 32; the dense layers' MLP
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

@@ -1,14 +1,15 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, MiniMax-M2's and MiniMax-M3's real
-tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, MiniMax-M2's, MiniMax-M3's and Llama-4
+Maverick's real tensor counts and real dims, on any machine.
 
     python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model minimax_m2
-                           --model minimax_m3]
+                           --model minimax_m3 --model llama4_maverick]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8). Make, convert, the dry run at each world and the export (as it came) are
+  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused).
+  Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
   data left as file holes (a file of 1 TB apparent size taking a few MB of disk). Nothing reads its weights;
@@ -150,6 +151,28 @@ REAL = {
         },
         max_position_embeddings=524288,
     ),
+    # Llama-4 Maverick's language model (the VLM's text_config): MoE and dense layers interleaved
+    "llama4_maverick": dict(
+        model_type="llama4_text",
+        vocab_size=202048,
+        hidden_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=128,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        moe_layers=None,
+        no_rope_layers=None,
+        use_qk_norm=False,
+        attention_chunk_size=8192,
+        floor_scale=8192,
+        rope_scaling=None,
+        max_position_embeddings=1048576,
+    ),
 }
 # each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
 # shards: about 5 GB each where the count is not the release's own)
@@ -159,6 +182,7 @@ RELEASE = {
     "mistral4": ("mistral4", RELEASED_AS["mistral4"], 24),
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
+    "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -197,6 +221,16 @@ TINY_DIMS = {
         dense_intermediate_size=48,
         shared_intermediate_size=16,
         sparse_attention_config={"sparse_index_dim": 16},
+        max_position_embeddings=4096,
+    ),
+    "llama4_text": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        intermediate_size_mlp=128,
         max_position_embeddings=4096,
     ),
 }

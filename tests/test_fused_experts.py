@@ -18,7 +18,7 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "llama4_text"]
 
 
 def layer(name: str) -> int:

@@ -44,6 +44,7 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "qwen3_5_moe_text",
         "mistral4",
         "minimax_m2",
+        "llama4",
     ],
 )
 @pytest.mark.parametrize("shards", [1, 3])

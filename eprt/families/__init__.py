@@ -23,6 +23,7 @@ from eprt.families import (
     kimi_k3,
     kimi_k25,
     kimi_linear,
+    llama4,
     minimax_m2,
     minimax_m3_vl,
     mistral4,
@@ -50,6 +51,8 @@ FAMILIES: tuple[Family, ...] = (
     minimax_m2.FAMILY,
     minimax_m3_vl.TEXT_FAMILY,
     minimax_m3_vl.FAMILY,
+    llama4.TEXT_FAMILY,
+    llama4.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -581,7 +581,7 @@ def write_raw(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, pb) -
         f, info = src.tensors[s]
         t = f.read(s)
         refuse_non_finite(f.path, s, t)
-        if p.spec.permuted:  # fused experts stored transposed or interleaved: in eprt's order
+        if p.fused and p.spec.permuted:  # fused experts stored transposed or interleaved: in eprt's order
             w.write(p.spec.name, cast_finite(f.path, s, p.spec.from_fused(t), p.dtype).contiguous())
         elif info.dtype == p.dtype:
             w.copy_range(p.spec.name, f, info.start, info.nbytes)  # from the page cache the read just filled
@@ -633,7 +633,7 @@ def in_place(src: HFSource, p: Planned) -> bool:
     tensor (a plain or fused one) or one expert's piece of its row."""
     if p.encoded:
         return True
-    if p.dtype != p.source_dtype or p.spec.permuted:
+    if p.dtype != p.source_dtype or (p.fused and p.spec.permuted):
         return False
     want = p.spec.source_shape() if p.spec.stacked else p.spec.shape
     return all(tuple(src.tensors[s][1].shape) == tuple(want) for s in p.spec.sources)

@@ -52,6 +52,22 @@ def rope_frequencies(
     return inv_freq, float(attention_factor)
 
 
+def llama3_frequencies(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
+) -> torch.Tensor:
+    """Llama-3's scaling of default frequencies (transformers' `llama3` rope type): wavelengths longer
+    than original / low_freq_factor slowed by `factor`, shorter than original / high_freq_factor kept,
+    those between interpolated smoothly."""
+    low_wavelen, high_wavelen = original / low_freq_factor, original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    # (the reference divides by zero here where low == high; no frequency then takes the smoothed value)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def yarn_softmax_scale(scaling: YarnConfig | None) -> float:
     """DeepSeek's extra factor on the attention softmax scale under YaRN: mscale(factor, mscale_all_dim)^2."""
     if scaling is None or not scaling.mscale_all_dim:

@@ -40,8 +40,16 @@ def families() -> list[str]:
     )
 
 
+# the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
+# tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
+RELEASED_FUSED = {"llama4", "llama4_text"}
+
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
-SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next", "mistral4_vlm": "mistral4"}
+SAME_MODEL_AS = {
+    "qwen3_5_moe_text": "qwen3_next",
+    "mistral4_vlm": "mistral4",
+    "llama4_text": "llama4",  # the VLM's language model, without the vision tower beside it
+}
 
 
 def distinct_models() -> list[str]:
@@ -72,7 +80,9 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
         return 0.1 * torch.randn(shape, generator=g)
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    if re.search(r"\.(mlp|block_sparse_moe)\.gate\.weight$", name):  # routers: spread enough that routing is not a tie
+    if re.search(
+        r"\.((mlp|block_sparse_moe)\.gate|feed_forward\.router)\.weight$", name
+    ):  # routers: spread enough that routing is not a tie
         return 0.5 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
 
@@ -126,6 +136,17 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "patch_merge_mlp.linear_2.weight": (hidden, 32),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "llama4":
+        shapes = {
+            "vision_model.patch_embedding.linear.weight": (16, 48),
+            "vision_model.positional_embedding_vlm": (5, 16),
+            "vision_model.model.layers.0.self_attn.q_proj.weight": (16, 16),
+            "vision_model.model.layers.0.self_attn.q_proj.bias": (16,),
+            "vision_model.layernorm_post.weight": (16,),
+            "vision_model.vision_adapter.mlp.fc1.weight": (32, 64),
+            "multi_modal_projector.linear_1.weight": (hidden, 32),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {
         "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
         "vision_tower.patch_embed.proj.bias": (16,),
@@ -168,7 +189,7 @@ def make_tiny(
     dtype: str = "bf16",
     overwrite: bool = False,
     source_format: str | None = None,
-    fused_experts: bool = False,
+    fused_experts: bool | None = None,
     **overrides,
 ) -> str:
     """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
@@ -176,7 +197,11 @@ def make_tiny(
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
     INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3).
     fused_experts stores each layer's routed experts as Qwen3.5-MoE is released (and as transformers
-    5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I]."""
+    5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I],
+    in the storage the family's layout names (Llama-4's transposed); None: as the family's
+    releases store them (`RELEASED_FUSED`)."""
+    if fused_experts is None:
+        fused_experts = family in RELEASED_FUSED
     hf = tiny_config(family, **overrides)
     hf["torch_dtype"] = WEIGHT_DTYPE_NAMES[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")

@@ -23,7 +23,7 @@ FAMILIES = distinct_models()
 LAYOUTS = {(1, 1): (1, None), (2, 2): (3, 2), (2, 1): (8, 5), (4, 2): (1, 5), (4, 4): (3, 2)}
 # World 4 runs four processes on the test machine's cores: it calibrates the families whose own
 # layout test (tests/ep_checks.py's `assert_exports_layout_invariant`, test_kimi_ep.py,
-# test_qwen_next_ep.py) does not already run them at world 4.
+# test_qwen_next_ep.py, test_llama4_ep.py) does not already run them at world 4.
 WORLD_4_FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k25"]
 # 48 tokens per expert work unit's group (2 sequences of 24): the 9 sequences make 5 groups
 GROUP_TOKENS = 48
