@@ -36,6 +36,7 @@ FAMILIES = [
     "kimi_k25",
     "glm4_moe",
     "deepseek_v32",
+    "glm_moe_dsa",
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",

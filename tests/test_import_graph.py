@@ -25,7 +25,7 @@ LAYERS = (
     ("families", ("eprt.families",)),  # the family table: config readers, layouts, fp32 and unquantized sets
     ("kernels", ("eprt.kernels",)),
     ("parallel", ("eprt.parallel",)),
-    ("models", ("eprt.models",)),
+    ("models", ("eprt.models", "eprt.families.glm_moe_dsa.model")),
     ("quant", ("eprt.quant", "eprt.data", "eprt.samples")),
     ("hf", ("eprt.hf",)),  # the Hugging Face border: convert in, export out, checks
     ("testing", ("eprt.testing",)),  # fixtures the demo, eprt-make-tiny and the tests share

@@ -33,7 +33,17 @@ def assert_same_checkpoint(src: str, out: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]
+    "family",
+    [
+        "qwen3_moe",
+        "deepseek_v3",
+        "glm4_moe",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+    ],
 )
 @pytest.mark.parametrize("shards", [1, 3])
 def test_tiny_round_trip(tmp_path, family, shards):

@@ -91,6 +91,9 @@ DEEPSEEK_V32 = Family(
     # excluded with them, so that each engine loads the whole indexer as the source held it.
     unquantized=(*COMMON_UNQUANTIZED, r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"),
 )
+# GLM-5's family folder builds its entry from DeepSeek-V3.2's, so it comes in once that is defined
+from eprt.families import glm_moe_dsa  # noqa: E402
+
 KIMI_LINEAR = Family(
     "kimi_linear",
     ("kimi_linear",),
@@ -145,6 +148,7 @@ FAMILIES = (
     DEEPSEEK_V3,
     GLM4_MOE,
     DEEPSEEK_V32,
+    glm_moe_dsa.FAMILY,
     KIMI_LINEAR,
     KIMI_K25,
     KIMI_K3,

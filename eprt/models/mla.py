@@ -6,6 +6,8 @@ Without RoPE (NoPE: `config.rope` None) nothing rotates: the "rope" parts are pl
 of q and of the shared key.
 With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj x) before o_proj.
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
+With index sharing (GLM-5) a layer without an indexer of its own attends to the keys the last
+layer that ran one picked: `shared` carries them from layer to layer.
 """
 
 from __future__ import annotations
@@ -54,8 +56,15 @@ class MLAttention(nn.Module):
         self.taps = KVTaps()  # the keys and values, observed or replaced (eprt.models.taps)
 
     def forward(
-        self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        shared: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`shared` (index sharing): the list holding the keep of the last layer that ran its
+        indexer; this layer leaves its own there if it runs one, else it reads it (an empty list,
+        for a layer timed out of order: every earlier key)."""
         B, T, _ = x_BTD.shape
         nh = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x_BTD)) if self.q_lora else None
@@ -73,7 +82,13 @@ class MLAttention(nn.Module):
             self.taps.observe(k, v)
         if self.taps.replace is not None:
             k, v = self.taps.replace(k, v)
-        keep = self.indexer(x_BTD, q_latent, cos, sin) if self.indexer is not None else None
+        keep = None
+        if self.indexer is not None:
+            keep = self.indexer(x_BTD, q_latent, cos, sin)
+            if shared is not None:
+                shared[:] = [keep]
+        elif shared:
+            (keep,) = shared
         o = causal_attention(q, k, v, self.scale, keep)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from eprt.errors import ConfigError
+from eprt.families.glm_moe_dsa.model import GlmMoeDsaForCausalLM
 from eprt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eprt.models.deepseek_v32 import DeepseekV32ForCausalLM
 from eprt.models.glm4_moe import Glm4MoeForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "deepseek_v32": DeepseekV32ForCausalLM,
+    "glm_moe_dsa": GlmMoeDsaForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
     "kimi_k25": KimiK25ForConditionalGeneration,
     "kimi_k3": KimiK3ForConditionalGeneration,

@@ -62,6 +62,8 @@ def logits_with_ties_to_the_lowest_position(m, ids) -> tuple[torch.Tensor, list[
 
     for layer in m.model.layers:
         indexer = layer.self_attn.indexer
+        if indexer is None:  # a layer sharing another's top-k (GLM-5)
+            continue
 
         def forward(*args, _forward=indexer.forward, **kwargs):
             with mock.patch.object(torch.Tensor, "topk", topk):
@@ -217,11 +219,13 @@ def test_ptq_exports_are_the_same_bytes_at_every_layout_and_keep_the_indexer(tin
             assert f"model.layers.{layer}.self_attn.q_b_proj.weight_scale" in exported, recipe
 
 
-def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path):
-    """DeepSeek-V3.2 ships block FP8 like DeepSeek-V3 (the indexer's wq_b and wk too, its weights_proj
-    in bf16): it stays encoded, runs as if decoded ahead of time, exports back byte for byte; a
-    quantized export writes the indexer decoded to bf16 and excluded, the way the engines load it."""
-    hf = make_tiny(FAMILY, str(tmp_path / "fp8-hf"), source_format="fp8-block", **FP8_DEEPSEEK)
+@pytest.mark.parametrize("family", [FAMILY, "glm_moe_dsa"])
+def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path, family):
+    """DeepSeek-V3.2 and GLM-5 ship block FP8 like DeepSeek-V3 (the indexer's wq_b and wk too, its
+    weights_proj in bf16): it stays encoded, runs as if decoded ahead of time, exports back byte for
+    byte; a quantized export writes the indexer decoded to bf16 and excluded, the way the engines
+    load it."""
+    hf = make_tiny(family, str(tmp_path / "fp8-hf"), source_format="fp8-block", **FP8_DEEPSEEK)
     source = read_hf_tensors(hf)
     assert f"{LAYER0}.wk.weight_scale_inv" in source and f"{LAYER0}.weights_proj.weight_scale_inv" not in source
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)

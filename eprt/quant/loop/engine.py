@@ -116,13 +116,26 @@ class LayerWork:
         layer = self.module
         # a block's first layer files its input as the block's snapshot
         snapshots = [ls.hidden.clone()] if write and getattr(layer, "attn_res", False) and layer.starts_block else []
+        # a layer that passes on what later layers read (GLM-5's full indexer layers: their top-k)
+        # refills each sequence's carried list; with `write`, those lists become the carried state
+        passed_on: dict[int, list[torch.Tensor]] | None = {} if write and getattr(layer, "passes_on", False) else None
         for step in range(sequences.schedule.num_steps):
             on_step(step)
             self.engine._run_step(
-                layer, step, ls, sequences=sequences, write=write, on_sequence=on_sequence, on_routed=on_routed
+                layer,
+                step,
+                ls,
+                sequences=sequences,
+                write=write,
+                on_sequence=on_sequence,
+                on_routed=on_routed,
+                passed_on=passed_on,
             )
             tick()
         ls.blocks += snapshots
+        if passed_on:
+            rows = [passed_on[li] for li in range(len(passed_on))]
+            ls.blocks = [torch.cat([r[j] for r in rows]) for j in range(len(rows[0]))]
 
     def run_calibration(self, *, write: bool, on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
         """The calibration sequences through the layer (counted on the progress bar)."""
@@ -350,10 +363,12 @@ class LayerEngine:
         write: bool = True,
         on_sequence: Callable[[int], None] = _nothing,
         on_routed: Callable[[RoutedStep], None] = _nothing,
+        passed_on: dict[int, list[torch.Tensor]] | None = None,
     ) -> None:
         """One step of one layer: its sequences' dense parts one sequence each, the routed experts
         over the step's work units; each output replaces its sequence's hidden state (unless not
-        `write`: a run that only feeds the taps).
+        `write`: a run that only feeds the taps). `passed_on`, where the layer passes state on,
+        gets each sequence's carried list as the layer left it, by local index.
 
         Each sequence's dense part runs whole on one thread, on eprt.kernels.cpu_workers' threads
         side by side: its rows are the sequence's whatever thread runs it, so the bits are the
@@ -373,6 +388,8 @@ class LayerEngine:
             blocks = [b[li : li + 1] for b in ls.blocks]
             args = self.decoder.layer_args(T, self.dtype, self.state.device, blocks)
             carry, m = layer.attend(ls.hidden[li : li + 1], *args)
+            if passed_on is not None:
+                passed_on[li] = blocks
             if not moe:
                 out = (carry + ffn(m))[0]
                 if write:

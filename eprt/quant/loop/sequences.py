@@ -62,7 +62,9 @@ class Schedule:
 
 class LayerState:
     """One rank's sequences as they stand at a layer boundary: the hidden states
-    [n, T, H] and, with attention residuals, the block snapshots (each [n, T, H])."""
+    [n, T, H] and what the layers carry across layers, per sequence (`blocks`, each [n, ...]):
+    with attention residuals the block snapshots (each [n, T, H]), with index sharing the keys
+    the last full indexer layer picked ([n, T, T] bool)."""
 
     def __init__(self, hidden: torch.Tensor, blocks: list[torch.Tensor]):
         self.hidden, self.blocks = hidden, blocks
