@@ -91,8 +91,9 @@ DEEPSEEK_V32 = Family(
     # excluded with them, so that each engine loads the whole indexer as the source held it.
     unquantized=(*COMMON_UNQUANTIZED, r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"),
 )
-# GLM-5's family folder builds its entry from DeepSeek-V3.2's, so it comes in once that is defined
-from eprt.families import glm_moe_dsa  # noqa: E402
+# GLM-5's and Kimi-VL's family folders build their entries from DeepSeek-V3.2's and DeepSeek-V3's,
+# so they come in once those are defined
+from eprt.families import glm_moe_dsa, kimi_vl  # noqa: E402
 
 KIMI_LINEAR = Family(
     "kimi_linear",
@@ -151,6 +152,7 @@ FAMILIES = (
     glm_moe_dsa.FAMILY,
     KIMI_LINEAR,
     KIMI_K25,
+    kimi_vl.FAMILY,
     KIMI_K3,
     QWEN3_NEXT,
     QWEN3_5_MOE_TEXT,

@@ -30,8 +30,9 @@ def parse(hf: dict, source: str) -> ModelConfig:
     return dataclasses.replace(text, family="kimi_k25", model_type=hf["model_type"])
 
 
-def vlm_layout(text: Layout) -> Layout:
-    """A text model's layout under `language_model.`, the vision tower and projector carried through."""
+def vlm_layout(text: Layout, vision: tuple[str, ...] = VISION) -> Layout:
+    """A text model's layout under `language_model.`, the vision tower and projector (`vision`,
+    regexes over their names) carried through."""
     return Layout(
         tuple(
             dataclasses.replace(
@@ -43,7 +44,7 @@ def vlm_layout(text: Layout) -> Layout:
             )
             for s in text.specs
         ),
-        passthrough=(*under_language_model(text.passthrough), *VISION),
+        passthrough=(*under_language_model(text.passthrough), *vision),
     )
 
 

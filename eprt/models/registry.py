@@ -24,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm_moe_dsa": GlmMoeDsaForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
     "kimi_k25": KimiK25ForConditionalGeneration,
+    "kimi_vl": KimiK25ForConditionalGeneration,  # Kimi-VL's language model is Kimi-K2.5's: DeepSeek-V3
     "kimi_k3": KimiK3ForConditionalGeneration,
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_moe_text": Qwen3NextForCausalLM,  # Qwen3.5-MoE's language model saved alone runs as Qwen3-Next
