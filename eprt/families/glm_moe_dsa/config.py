@@ -42,7 +42,13 @@ class GlmMoeDsaConfig(FamilyConfig):
 
 def parse(hf: dict, source: str) -> ModelConfig:
     c = deepseek_v32.parse({**GLM_DEFAULTS, **hf}, source)
-    shared = shared_index_layers(Fields(hf, source), c.num_layers)
+    f = Fields(hf, source)
+    if not f.get("indexer_rope_interleave", default=True):
+        raise f.refuse(
+            "indexer_rope_interleave is false; GLM-5's indexer rotates interleaved pairs (as transformers' "
+            "reference does) and eprt runs only that"
+        )
+    shared = shared_index_layers(f, c.num_layers)
     return dataclasses.replace(c, family="glm_moe_dsa", own=GlmMoeDsaConfig(shared))
 
 
@@ -51,10 +57,9 @@ def shared_index_layers(f: Fields, n_layers: int) -> tuple[int, ...]:
     types = f.get("indexer_types", default=None)
     if types is None:
         pattern = f.get("index_topk_pattern", default=None)
-        if isinstance(pattern, str):
-            types = [PATTERN_LETTERS.get(ch, ch) for ch in pattern]
-        elif pattern is not None:
-            types = pattern
+        if pattern is not None:
+            letters = list(pattern) if isinstance(pattern, str) else pattern
+            types = [PATTERN_LETTERS.get(x, x) for x in f.layer_list("index_topk_pattern", letters)]
         else:
             freq = max(f.get("index_topk_freq", default=1), 1)
             offset = f.get("index_skip_topk_offset", default=2)
