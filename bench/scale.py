@@ -1,6 +1,7 @@
-"""Scale without the weights: Kimi-K2's and DeepSeek-V3's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and GLM-5's real tensor counts and real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3] [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model glm_moe_dsa] [--worlds 8 16] [--seq-len 2048]
+        [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, in block FP8 as released (Kimi-K2:
@@ -33,7 +34,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
-from eprt.testing.tiny import make_tiny  # noqa: E402
+from eprt.testing.tiny import make_tiny, mtp_layout  # noqa: E402
 
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
 # DeepSeek-V3 config: rope, scoring, norms).
@@ -84,8 +85,40 @@ REAL = {
         first_k_dense_replace=3,
         max_position_embeddings=163840,
     ),
+    # GLM-5 (744B); every layer runs its indexer (GLM-5.1 on may mark some "shared": fewer indexer tensors)
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        vocab_size=154880,
+        hidden_size=6144,
+        num_hidden_layers=78,
+        num_nextn_predict_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        index_topk_freq=1,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        max_position_embeddings=202752,
+    ),
 }
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163}
+# the tiny family whose config fills in the rest (rope, scoring, norms)
+TINY_FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "glm_moe_dsa": "glm_moe_dsa"}
+# the real-count checkpoint's shards: the releases' for Kimi-K2 and DeepSeek-V3; GLM-5's a round number
+# (the steps timed grow with the tensors, not the shards)
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "glm_moe_dsa": 150}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 TINY_DIMS = dict(
     vocab_size=512,
@@ -117,11 +150,12 @@ def timed(fn, *args, **kw) -> tuple[object, float]:
 
 def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     """Stored name -> shape, for every tensor the family's layout gives the real config. The MTP layers are
-    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart."""
+    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart
+    (those eprt does not run, DeepSeek-V3.2's and GLM-5's, only carried: their shapes as the release's)."""
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
     shapes = {s.name: s.shape for s in layout.specs}
-    for spec in layout.mtp:
+    for spec in layout.mtp or mtp_layout(hf).specs:
         shapes.update(
             {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
         )
@@ -207,7 +241,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: making the real-count checkpoint, in block FP8 as released")
     hf, t_make = timed(
         make_tiny,
-        "deepseek_v3",
+        TINY_FAMILY[model],
         os.path.join(root, "hf"),
         shards=SHARDS[model],
         source_format="fp8-block",
@@ -231,7 +265,7 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     say(f"{model}: inflating to the real dims")
     # in bf16, the dtype calibration runs in: every tensor raw, so its real shape is all the inflation needs
     plain = convert_hf(
-        make_tiny("deepseek_v3", os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
+        make_tiny(TINY_FAMILY[model], os.path.join(root, "hf-bf16"), **{**real, **TINY_DIMS}),
         os.path.join(root, "ck-bf16"),
         progress=False,
     )
