@@ -42,7 +42,6 @@ CASES = {
         ),
         21,
     ),
-    "every_layer_full": (dict(rope_parameters=YARN), 9),
 }
 
 

@@ -47,9 +47,6 @@ class GlmMoeDsaDecoder(Decoder):
             x = layer(x, cos, sin, picked)
         return self.final(x, [])
 
-    def final(self, x: torch.Tensor, carried: list[torch.Tensor]) -> torch.Tensor:
-        return self.norm(x)
-
     def layer_args(self, seq_len: int, dtype: torch.dtype, device, carried: list[torch.Tensor]) -> tuple:
         """The rotary tables and the sequence's carried keep (the list a full layer refills)."""
         return (*self.rotary(seq_len, dtype, device), carried)
