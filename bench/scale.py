@@ -1,7 +1,8 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's and Mistral-Small-4's real tensor counts and real dims,
-on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's and GLM-5's real tensor counts and
+real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4] [--worlds 8 16] [--seq-len 2048]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa] [--worlds 8 16]
+        [--seq-len 2048]
         [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
@@ -36,7 +37,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
-from eprt.testing.tiny import RELEASED_AS, make_tiny  # noqa: E402
+from eprt.testing.tiny import RELEASED_AS, make_tiny, mtp_layout  # noqa: E402
 
 # The released config.json values that set tensor counts and sizes (the rest comes from eprt's tiny
 # DeepSeek-V3 config: rope, scoring, norms).
@@ -109,12 +110,46 @@ REAL = {
         first_k_dense_replace=0,
         max_position_embeddings=1048576,
     ),
+    # GLM-5 (744B); every layer runs its indexer (GLM-5.1 on may mark some "shared": fewer indexer tensors)
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        vocab_size=154880,
+        hidden_size=6144,
+        num_hidden_layers=78,
+        num_nextn_predict_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        index_topk_freq=1,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        max_position_embeddings=202752,
+    ),
 }
-# shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB)
-SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24}
+# shards of the release (Mistral-Small-4's about 120 GB in shards of about 5 GB; GLM-5's a round number:
+# the steps timed grow with the tensors, not the shards)
+SHARDS = {"kimi_k2": 62, "deepseek_v3": 163, "mistral4": 24, "glm_moe_dsa": 150}
 # the eprt family of each model's tiny checkpoint, and how make_tiny stores it as released
-FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4"}
-RELEASED = {"kimi_k2": {"source_format": "fp8-block"}, "deepseek_v3": {"source_format": "fp8-block"}, **RELEASED_AS}
+FAMILY = {"kimi_k2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "mistral4": "mistral4", "glm_moe_dsa": "glm_moe_dsa"}
+RELEASED = {
+    "kimi_k2": {"source_format": "fp8-block"},
+    "deepseek_v3": {"source_format": "fp8-block"},
+    "glm_moe_dsa": {"source_format": "fp8-block"},
+    **RELEASED_AS,
+}
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 TINY_DIMS = dict(
     vocab_size=512,
@@ -146,11 +181,12 @@ def timed(fn, *args, **kw) -> tuple[object, float]:
 
 def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     """Stored name -> shape, for every tensor the family's layout gives the real config. The MTP layers are
-    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart."""
+    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart
+    (those eprt does not run, DeepSeek-V3.2's and GLM-5's, only carried: their shapes as the release's)."""
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
     shapes = {s.name: s.shape for s in layout.specs}
-    for spec in layout.mtp:
+    for spec in layout.mtp or mtp_layout(hf).specs:
         shapes.update(
             {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
         )

@@ -188,6 +188,11 @@ class FamilyConfig:
         """The width the routed experts read and write, where it is not the hidden size."""
         return None
 
+    def carried_bytes(self, seq_len: int) -> int:
+        """The most bytes a sequence of `seq_len` tokens holds, at once, of what its layers leave for
+        later ones (eprt.models.decoder.LayerContext.carried), for the memory plan."""
+        return 0
+
 
 OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
 

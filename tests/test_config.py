@@ -71,8 +71,8 @@ def test_kimi_k2_runs_as_deepseek_v3():
     [
         (
             {"model_type": "mixtral"},
-            "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, kimi_k2, kimi_k25, "
-            "kimi_k3, kimi_linear, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
+            "model_type 'mixtral' is not supported; eprt reads deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, kimi_k2, "
+            "kimi_k25, kimi_k3, kimi_linear, kimi_vl, mistral3, mistral4, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
         ),
         ({"moe_layer_freq": 2}, "moe_layer_freq"),
         (

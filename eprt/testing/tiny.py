@@ -37,7 +37,7 @@ def families() -> list[str]:
 
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
-SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next", "mistral4_vlm": "mistral4"}
+SAME_MODEL_AS = {"qwen3_5_moe_text": "qwen3_next", "mistral4_vlm": "mistral4", "kimi_vl": "kimi_k25"}
 
 
 def distinct_models() -> list[str]:
@@ -107,6 +107,22 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "multi_modal_projector.patch_merger.merging_layer.weight": (16, 64),
             "multi_modal_projector.linear_1.weight": (hidden, 16),
             "multi_modal_projector.linear_2.weight": (hidden, hidden),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "kimi_vl":  # MoonViT and its projector (patches merged 2 x 2)
+        shapes = {
+            "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
+            "vision_tower.patch_embed.pos_emb.weight": (4, 4, 16),
+            "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16),
+            "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
+            "vision_tower.encoder.blocks.0.wo.weight": (16, 16),
+            "vision_tower.encoder.blocks.0.norm0.weight": (16,),
+            "vision_tower.encoder.blocks.0.mlp.fc0.weight": (32, 16),
+            "vision_tower.encoder.final_layernorm.weight": (16,),
+            "multi_modal_projector.pre_norm.weight": (16,),
+            "multi_modal_projector.linear_1.weight": (64, 64),
+            "multi_modal_projector.linear_1.bias": (64,),
+            "multi_modal_projector.linear_2.weight": (hidden, 64),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {

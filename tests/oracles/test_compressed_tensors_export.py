@@ -42,8 +42,17 @@ from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "mistral4"]
-# transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key
+FAMILIES = [
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "mistral4",
+]
+# transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2 and GLM-5, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
 # from the checkpoint (model.layers, not model.language_model.layers), so the experts' global-scale
 # fix-up below cannot find their scales (Qwen3-Next is its text model). Both are checked by
