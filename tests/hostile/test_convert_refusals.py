@@ -81,7 +81,7 @@ CASES = [
     (
         lambda s: edit_config(s, model_type="llama"),
         r"model_type 'llama' is not supported.*deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, kimi_k2, kimi_k25, kimi_k3, "
-        r"kimi_linear, kimi_vl, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
+        r"kimi_linear, kimi_vl, minimax_m2, mistral3, mistral4, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
     ),
     (lambda s: edit_config(s, rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope scaling type 'dynamic'"),
     (truncate, rf"{SHARD}: .*truncated"),
