@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench.scale import REAL, TINY_DIMS, inflate, make_config
+from bench.scale import FAMILY, REAL, TINY_DIMS, inflate, make_config
 from eprt.hf.convert import convert_hf
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.program import program_of
@@ -77,20 +77,21 @@ def test_the_probes_plan_is_the_runs_at_its_sequences(tiny):
 
 @pytest.fixture(scope="module", params=sorted(REAL))
 def real_dims(request, tmp_path_factory):
-    """The model's real dims and expert count (bench/scale.py's file holes), with 4 layers and the MTP
-    layers; nothing reads a weight."""
+    """The model's real dims and expert count (bench/scale.py's file holes, its family's tiny config
+    filling in the rest), with 4 layers and the MTP layers; nothing reads a weight."""
     model = request.param
     root = tmp_path_factory.mktemp(model)
     real = {**REAL[model], "num_hidden_layers": 4, "first_k_dense_replace": 1}
-    hf = make_tiny("deepseek_v3", str(root / "hf"), **{**real, **TINY_DIMS})
+    hf = make_tiny(FAMILY[model], str(root / "hf"), **{**real, **TINY_DIMS})
     ck = convert_hf(hf, str(root / "ck"), progress=False)
     inflate(ck, {**make_config(hf), **real}, str(root / "real"))
     return model, str(root / "real")
 
 
 def test_real_size_dry_runs_plan_a_probe_that_fits_an_80_gb_gpu(real_dims):
-    """DeepSeek-V3 and Kimi-K2 at world 8 with GPTQ and the quality report: the probe once held every
-    routed expert and a whole step (124-289 GiB); one rank's share fits beside the run's own plan."""
+    """Each model of bench/scale.py (DeepSeek-V3, Kimi-K2, GLM-5, Mistral-Small-4) at world 8 with
+    GPTQ and the quality report: the probe once held every routed expert and a whole step (124-289
+    GiB); one rank's share fits beside the run's own plan."""
     model, ck = real_dims
     r = subprocess.run(
         [
@@ -109,7 +110,7 @@ def test_real_size_dry_runs_plan_a_probe_that_fits_an_80_gb_gpu(real_dims):
         r.stdout,
     )
     assert m, r.stdout
-    experts = {"deepseek_v3": 256, "kimi_k2": 384}[model] // 8
+    experts = REAL[model]["n_routed_experts"] // 8
     assert int(m.group(1)) == experts
     assert 0 < parse_size(m.group(3)) <= GPU_MEMORY
     assert "memory plan on cuda: rank 0 peaks at" in r.stdout

@@ -14,7 +14,12 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
+from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.rope import rope_rotate_half  # noqa: E402
+from eprt.quant.run.plan import Planner, RunShape  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.oracles.test_deepseek_v32 import keys_chosen_differently  # noqa: E402
 from tests.oracles.test_deepseek_v32 import logits_with_ties_to_the_lowest_position as with_lowest_ties  # noqa: E402
 from tests.oracles.test_models import DEEPSEEK, YARN, assert_groups_and_bias_matter, build, to_eprt, tokens  # noqa: E402
@@ -126,3 +131,18 @@ def test_parameter_names_are_the_layout_names():
     with_indexer = {s.name.split(".")[2] for s in layout.specs if ".indexer." in s.name}
     assert with_indexer == {"0", "3"}
     assert not any(".indexer." in m for m in layout.linear_modules())
+
+
+def test_the_memory_plan_counts_the_top_k_each_sequence_carries(tmp_path):
+    """Where a layer shares the top-k, each sequence a rank holds carries 3 x T x T bytes beside its
+    hidden states (the last full layer's pick, the new one per sequence, the two joined); where
+    no layer shares, nothing."""
+    shape = RunShape(1, 4, 2, num_sequences=64, seq_len=24, step_sequences=8, group_tokens=48)
+    hidden = {}
+    for freq, shares in ((2, True), (1, False)):
+        hf = make_tiny("glm_moe_dsa", str(tmp_path / f"hf{freq}"), index_topk_freq=freq)
+        with Checkpoint(convert_hf(hf, str(tmp_path / f"ck{freq}"), progress=False)) as ck:
+            assert bool(ck.config.own.shared_index_layers) == shares
+            planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
+            hidden[shares] = planner.plan(shape, 0).hidden
+    assert hidden[True] - hidden[False] == 16 * 3 * 24 * 24  # rank 1 of 4 holds 16 of the 64 sequences
