@@ -77,6 +77,7 @@ WIDER = {
     "glm4_moe": dict(head_dim=32),
     "deepseek_v3": MLA,
     "deepseek_v32": MLA,
+    "glm_moe_dsa": MLA,
     "kimi_k25": MLA,
     "kimi_linear": dict(MLA, linear_attn_config={"head_dim": 128}),
     "kimi_k3": dict(MLA, routed_expert_hidden_size=128, linear_attn_config={"head_dim": 128}),

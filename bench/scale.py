@@ -1,8 +1,8 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, MiniMax-M2's, MiniMax-M3's and Llama-4
-Maverick's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's and
+Llama-4 Maverick's real tensor counts and real dims, on any machine.
 
-    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model minimax_m2
-                           --model minimax_m3 --model llama4_maverick]
+    python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa
+                           --model minimax_m2 --model minimax_m3 --model llama4_maverick]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
@@ -38,7 +38,12 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
-from eprt.testing.tiny import RELEASED_AS, make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import (  # noqa: E402
+    RELEASED_AS,
+    make_tiny,
+    mtp_layout,  # noqa: E402
+    tiny_config,
+)
 
 # MiniMax-M3 (428B-A23B): its first 3 layers dense, the other 57 sparse attention and MoE
 M3_SPARSE = [0] * 3 + [1] * 57
@@ -151,6 +156,34 @@ REAL = {
         },
         max_position_embeddings=524288,
     ),
+    # GLM-5 (744B); every layer runs its indexer (GLM-5.1 on may mark some "shared": fewer indexer tensors)
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        vocab_size=154880,
+        hidden_size=6144,
+        num_hidden_layers=78,
+        num_nextn_predict_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        index_topk_freq=1,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        max_position_embeddings=202752,
+    ),
     # Llama-4 Maverick's language model (the VLM's text_config): MoE and dense layers interleaved
     "llama4_maverick": dict(
         model_type="llama4_text",
@@ -180,6 +213,7 @@ RELEASE = {
     "kimi_k2": ("deepseek_v3", {"source_format": "fp8-block"}, 62),
     "deepseek_v3": ("deepseek_v3", {"source_format": "fp8-block"}, 163),
     "mistral4": ("mistral4", RELEASED_AS["mistral4"], 24),
+    "glm_moe_dsa": ("glm_moe_dsa", {"source_format": "fp8-block"}, 150),  # a round number: steps grow with tensors
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
@@ -202,6 +236,7 @@ DEEPSEEK_TINY_DIMS = dict(
 TINY_DIMS = {
     "deepseek_v3": DEEPSEEK_TINY_DIMS,
     "mistral4": DEEPSEEK_TINY_DIMS,
+    "glm_moe_dsa": DEEPSEEK_TINY_DIMS,
     "minimax_m2": dict(
         vocab_size=512,
         hidden_size=64,
@@ -250,11 +285,12 @@ def timed(fn, *args, **kw) -> tuple[object, float]:
 
 def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     """Stored name -> shape, for every tensor the family's layout gives the real config. The MTP layers are
-    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart."""
+    stored as convert carries them: under their Hugging Face names, each routed expert's weights apart
+    (those eprt does not run, DeepSeek-V3.2's and GLM-5's, only carried: their shapes as the release's)."""
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
     shapes = {s.name: s.shape for s in layout.specs}
-    for spec in layout.mtp:
+    for spec in layout.mtp or mtp_layout(hf).specs:
         shapes.update(
             {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
         )

@@ -193,6 +193,11 @@ class FamilyConfig:
         plan adds it to each sequence run side by side); `itemsize` is the activations' bytes."""
         return 0
 
+    def carried_bytes(self, seq_len: int) -> int:
+        """The most bytes a sequence of `seq_len` tokens holds, at once, of what its layers leave for
+        later ones (eprt.models.decoder.LayerContext.carried), for the memory plan."""
+        return 0
+
 
 OWN_CONFIGS: dict[str, type[FamilyConfig]] = {}
 

@@ -128,6 +128,8 @@ INTEGER_FIELDS = frozenset(
         "index_topk",
         "index_n_heads",
         "index_head_dim",
+        "index_topk_freq",
+        "index_skip_topk_offset",
         "linear_num_key_heads",
         "linear_num_value_heads",
         "linear_key_head_dim",
@@ -156,6 +158,8 @@ ZERO_ALLOWED = frozenset(
         "num_nextn_predict_layers",
         "num_mtp_layers",
         "shared_expert_intermediate_size",
+        "index_topk_freq",  # GLM-5's index-sharing schedule: 0 reads as 1, as transformers reads it
+        "index_skip_topk_offset",
     }
 )
 REAL_FIELDS = frozenset(
@@ -189,7 +193,7 @@ REAL_ABOVE = {
 }
 # Lists of layers: indices (from their first index) or a kind per layer.
 LAYER_INDEX_FIELDS = {"kda_layers": 1, "mlp_only_layers": 0}
-LAYER_KIND_FIELDS = frozenset({"layer_types", "mlp_layer_types"})
+LAYER_KIND_FIELDS = frozenset({"layer_types", "mlp_layer_types", "indexer_types"})
 
 # The largest count or size a config may declare, each far beyond any released model (the largest
 # in brackets) and small enough that what eprt builds from a config before it reads a weight (a
@@ -218,6 +222,8 @@ LIMITS = {
             "moe_layer_freq",
             "full_attention_interval",
             "attn_res_block_size",
+            "index_topk_freq",
+            "index_skip_topk_offset",
         ),
         MAX_LAYERS,
     ),

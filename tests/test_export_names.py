@@ -34,8 +34,10 @@ FAMILIES = [
     "kimi_linear",
     "kimi_k3",
     "kimi_k25",
+    "kimi_vl",
     "glm4_moe",
     "deepseek_v32",
+    "glm_moe_dsa",
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
@@ -64,7 +66,7 @@ COMPANIONS = {
 # key blocks) and its projectors.
 NEVER_QUANTIZED = re.compile(
     r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
-    r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|mm_projector\..*"
+    r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|(mm|multi_modal)_projector\..*"
     r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
     r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
     r"|.*\.self_attn\.(index_|indexer\.)(q|k)_proj|multi_modal_projector\..*|patch_merge_mlp\..*"

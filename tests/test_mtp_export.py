@@ -173,10 +173,11 @@ def test_a_block_fp8_source_quantizes_its_mtp_layer_from_the_decoded_weights(tmp
     assert not [n for n in got if n.endswith("weight_scale_inv")]
 
 
-def test_deepseek_v32s_mtp_is_refused_by_name(tmp_path):
-    """DeepSeek-V3.2's MTP layer (its attention has the DSA indexer) is carried through; eprt does not
-    run it, so a recipe asking to quantize it is refused before anything is read."""
-    hf = make_tiny("deepseek_v32", str(tmp_path / "hf"))
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_mtp_is_refused_by_name(tmp_path, family):
+    """DeepSeek-V3.2's and GLM-5's MTP layer (its attention has the DSA indexer) is carried through;
+    eprt does not run it, so a recipe asking to quantize it is refused before anything is read."""
+    hf = make_tiny(family, str(tmp_path / "hf"))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     with (
         pytest.raises(

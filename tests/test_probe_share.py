@@ -79,8 +79,8 @@ def test_the_probes_plan_is_the_runs_at_its_sequences(tiny):
 # the two largest releases of the DeepSeek-V3 architecture (each run: a dry run of 8 ranks at real dims)
 @pytest.fixture(scope="module", params=["deepseek_v3", "kimi_k2"])
 def real_dims(request, tmp_path_factory):
-    """The model's real dims and expert count (bench/scale.py's file holes), with 4 layers and the MTP
-    layers; nothing reads a weight."""
+    """The model's real dims and expert count (bench/scale.py's file holes, its family's tiny config
+    filling in the rest), with 4 layers and the MTP layers; nothing reads a weight."""
     model = request.param
     root = tmp_path_factory.mktemp(model)
     real = {**REAL[model], "num_hidden_layers": 4, "first_k_dense_replace": 1}

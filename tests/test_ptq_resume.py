@@ -46,10 +46,10 @@ def resumed(ck, out):
         return run_ptq(state, args(ck, out, resume=True))["resumed_after"]
 
 
-def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path):
-    ck = convert_hf(
-        make_tiny("deepseek_v3", str(tmp_path / "hf"), num_hidden_layers=4), str(tmp_path / "ck"), progress=False
-    )
+# GLM-5's layer KILL_LAYER shares layer 1's top-k: the resumed run reads it from the work directory
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path, family):
+    ck = convert_hf(make_tiny(family, str(tmp_path / "hf"), num_hidden_layers=4), str(tmp_path / "ck"), progress=False)
     run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "whole")))
     out = str(tmp_path / "q")
     with pytest.raises(AssertionError, match="rank 1"):

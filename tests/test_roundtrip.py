@@ -39,6 +39,8 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "deepseek_v3",
         "glm4_moe",
         "deepseek_v32",
+        "glm_moe_dsa",
+        "kimi_vl",
         "qwen3_next",
         "qwen3_5_moe",
         "qwen3_5_moe_text",

@@ -48,17 +48,21 @@ class Block:
     norm: str
     mixer: str
     rotary: bool = False  # the mixer takes the rotary tables (cos, sin) after its input
+    carries: bool = False  # the mixer takes the context's `carried` (keyword `carried`)
 
 
 @dataclass
 class LayerContext:
     """What a layer reads of its sequences besides the hidden states: the rotary tables (None where
-    no layer rotates) and the attention residuals' snapshots so far (`AttentionResidualLayer`),
-    to which a layer may add."""
+    no layer rotates), the attention residuals' snapshots so far (`AttentionResidualLayer`), to
+    which a layer may add, and what earlier layers left for the layers after them (`carried`, by
+    name: each entry the latest a layer left, which a later layer may replace; index sharing's
+    top-k, eprt.models.mla). Every tensor in it holds the same sequences as the hidden states."""
 
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     snapshots: list[torch.Tensor] = field(default_factory=list)
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class DecoderLayer(nn.Module):
@@ -83,7 +87,8 @@ class DecoderLayer(nn.Module):
         carry, m = self.block_input(k, x, ctx)
         block = self.blocks[k]
         mixer = getattr(self, block.mixer)
-        y = mixer(m, ctx.cos, ctx.sin) if block.rotary else mixer(m)
+        args = (ctx.cos, ctx.sin) if block.rotary else ()
+        y = mixer(m, *args, carried=ctx.carried) if block.carries else mixer(m, *args)
         return self.leave(k, carry, y, ctx)
 
     def block_input(self, k: int, x: torch.Tensor, ctx: LayerContext) -> tuple[Carry, torch.Tensor]:
@@ -139,13 +144,14 @@ def attention_then_mlp(
     mixer_name: str = "self_attn",
     mlp_name: str = "mlp",
     rotary: bool = True,
+    carries: bool = False,
     norm: type[nn.Module] = RMSNorm,
 ) -> tuple[tuple[Block, nn.Module, nn.Module], ...]:
     """The two blocks of the usual layer: `mixer` behind `input_layernorm`, then `mlp` behind
     `post_attention_layernorm`."""
     D, eps = c.hidden_size, c.rms_norm_eps
     return (
-        (Block("input_layernorm", mixer_name, rotary), norm(D, eps), mixer),
+        (Block("input_layernorm", mixer_name, rotary, carries), norm(D, eps), mixer),
         (Block("post_attention_layernorm", mlp_name), norm(D, eps), mlp),
     )
 
@@ -177,10 +183,18 @@ class Decoder(nn.Module):
         head reads. A layer-by-layer run calls it after its last layer."""
         return self.norm(x)
 
-    def context(self, seq_len: int, dtype: torch.dtype, device, snapshots: list[torch.Tensor]) -> LayerContext:
-        """What every layer reads of sequences of `seq_len` tokens whose snapshots so far are `snapshots`."""
+    def context(
+        self,
+        seq_len: int,
+        dtype: torch.dtype,
+        device,
+        snapshots: list[torch.Tensor],
+        carried: dict[str, torch.Tensor] | None = None,
+    ) -> LayerContext:
+        """What every layer reads of sequences of `seq_len` tokens whose snapshots so far are
+        `snapshots` and to which earlier layers left `carried` (none: nothing yet)."""
         cos, sin = (None, None) if self.rotary is None else self.rotary(seq_len, dtype, device)
-        return LayerContext(cos, sin, snapshots)
+        return LayerContext(cos, sin, snapshots, {} if carried is None else carried)
 
 
 class CausalLM(nn.Module):

@@ -2,7 +2,8 @@
 
 From MLA's low-rank query latent and the layer input x, per token t and earlier token s:
     q_t = wq_b(latent_t) in n heads of d,  k_s = LayerNorm(wk x_s) (one head of d),
-    each with rotate-half RoPE on its leading qk_rope_head_dim dims (MLA itself rotates interleaved),
+    each with RoPE on its leading qk_rope_head_dim dims: rotate-half in DeepSeek-V3.2 (MLA itself
+    rotates interleaved), interleaved in GLM-5,
     I(t, s) = sum_h w_th * relu(q_th . k_s * d^-0.5),  w_t = weights_proj(x_t) * n^-0.5,
 and query t attends to the `topk` keys s <= t of highest I(t, s); with t + 1 <= topk keys before it,
 to all of them. Scores are fp32. Among equal scores the lower position wins, as in DeepSeek's own
@@ -20,7 +21,7 @@ from torch import nn
 
 from eprt.config import ModelConfig
 from eprt.models.layers import Linear
-from eprt.models.rope import rope_rotate_half
+from eprt.models.rope import rope_interleaved, rope_rotate_half
 from eprt.models.router import top_k
 
 # The reference builds the indexer's key LayerNorm with eps 1e-6, whatever rms_norm_eps says.
@@ -39,8 +40,9 @@ class LayerNorm(nn.Module):
 
 
 class Indexer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, interleaved_rope: bool = False):
         super().__init__()
+        self.rope = rope_interleaved if interleaved_rope else rope_rotate_half
         ix = c.indexer
         self.n_heads, self.head_dim, self.topk = ix.n_heads, ix.head_dim, ix.topk
         self.wq_b = Linear(c.mla.q_lora_rank, ix.n_heads * ix.head_dim)
@@ -53,10 +55,8 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """keep [B, T, T]: True where query t may attend to key s (the causal mask still applies)."""
         B, T, _ = x_BTD.shape
-        q_BTHd = rope_rotate_half(
-            self.wq_b(q_latent_BTZ).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None]
-        )
-        k_BTd = rope_rotate_half(self.k_norm(self.wk(x_BTD)), cos, sin)
+        q_BTHd = self.rope(self.wq_b(q_latent_BTZ).view(B, T, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        k_BTd = self.rope(self.k_norm(self.wk(x_BTD)), cos, sin)
         scores_BTHS = F.relu(q_BTHd.float() @ k_BTd.float().transpose(-1, -2)[:, None] * self.head_dim**-0.5)
         w_BTH = self.weights_proj(x_BTD).float() * self.n_heads**-0.5
         index_BTS = (w_BTH[:, :, None, :] @ scores_BTHS).squeeze(-2)

@@ -8,6 +8,9 @@ With the output gate (Kimi-K3) the heads' output is multiplied by sigmoid(g_proj
 With an indexer (DeepSeek-V3.2) each query attends only to the keys the indexer picks for it.
 With a query temperature (Mistral-Small-4: Llama-4's `(beta, positions)`, see
 `eprt.models.rope.llama4_attention_scale`) each query is scaled by its position's factor after RoPE.
+With index sharing (GLM-5) a layer leaves its indexer's pick in the layer context (`carried`,
+under INDEX_KEEP), and a layer without an indexer of its own attends to the keys found there: those
+the last layer that ran one picked.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from eprt.models.taps import KVTaps
 # The reference builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # rms_norm_eps (DeepSeek's own inference code does the same).
 LATENT_NORM_EPS = 1e-6
+# index sharing: the name, in LayerContext.carried, of the keys [B, T, T] the last indexer picked
+INDEX_KEEP = "index_keep"
 
 
 class MLAttention(nn.Module):
@@ -75,8 +80,15 @@ class MLAttention(nn.Module):
         return [BalanceGroup("attention input", norm, tuple(readers))]
 
     def forward(
-        self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        carried: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`carried` (index sharing: eprt.models.decoder.LayerContext.carried): this layer leaves
+        its indexer's keep there under INDEX_KEEP if it runs one, else attends to the keep found
+        there (none, for a layer run alone, as the time probe does: to every earlier key)."""
         B, T, _ = x_BTD.shape
         nh = self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x_BTD)) if self.q_lora else None
@@ -96,7 +108,13 @@ class MLAttention(nn.Module):
             self.taps.observe(k, v)
         if self.taps.replace is not None:
             k, v = self.taps.replace(k, v)
-        keep = self.indexer(x_BTD, q_latent, cos, sin) if self.indexer is not None else None
+        keep = None
+        if self.indexer is not None:
+            keep = self.indexer(x_BTD, q_latent, cos, sin)
+            if carried is not None:
+                carried[INDEX_KEEP] = keep
+        elif carried is not None:
+            keep = carried.get(INDEX_KEEP)
         o = causal_attention(q, k, v, self.scale, keep)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))

@@ -102,8 +102,12 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek style: pairs (x0, x1), (x2, x3), ... rotate together. The result comes out
     de-interleaved ([rotated evens | rotated odds]), as in the reference; q and k get the same
-    permutation, so their dot products are unchanged."""
-    half = cos.shape[-1] // 2
+    permutation, so their dot products are unchanged. Partial rotary (GLM-5's indexer): when
+    cos.shape[-1] is less than x's last dim, only the leading dims rotate and the rest pass through."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((rope_interleaved(x[..., :d], cos, sin), x[..., d:]), dim=-1)
+    half = d // 2
     cos, sin = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -48,7 +48,8 @@ RELEASED_FUSED = {"llama4", "llama4_text"}
 SAME_MODEL_AS = {
     "qwen3_5_moe_text": "qwen3_next",
     "mistral4_vlm": "mistral4",
-    "llama4_text": "llama4",  # the VLM's language model, without the vision tower beside it
+    "llama4_text": "llama4",
+    "kimi_vl": "kimi_k25",  # the VLM's language model, without the vision tower beside it
 }
 
 
@@ -145,6 +146,22 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "vision_model.layernorm_post.weight": (16,),
             "vision_model.vision_adapter.mlp.fc1.weight": (32, 64),
             "multi_modal_projector.linear_1.weight": (hidden, 32),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "kimi_vl":  # MoonViT and its projector (patches merged 2 x 2)
+        shapes = {
+            "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
+            "vision_tower.patch_embed.pos_emb.weight": (4, 4, 16),
+            "vision_tower.encoder.blocks.0.wqkv.weight": (48, 16),
+            "vision_tower.encoder.blocks.0.wqkv.bias": (48,),
+            "vision_tower.encoder.blocks.0.wo.weight": (16, 16),
+            "vision_tower.encoder.blocks.0.norm0.weight": (16,),
+            "vision_tower.encoder.blocks.0.mlp.fc0.weight": (32, 16),
+            "vision_tower.encoder.final_layernorm.weight": (16,),
+            "multi_modal_projector.pre_norm.weight": (16,),
+            "multi_modal_projector.linear_1.weight": (64, 64),
+            "multi_modal_projector.linear_1.bias": (64,),
+            "multi_modal_projector.linear_2.weight": (hidden, 64),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
     shapes = {

@@ -68,3 +68,25 @@ def test_k3_ptq_export_is_the_same_bytes_at_every_layout(k3, tmp_path):
     # the routed experts keep Kimi's names, quantized
     assert exported[f"{lm}.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.uint8
     assert f"{lm}.1.block_sparse_moe.experts.7.w2.weight_scale_2" in exported
+
+
+@pytest.mark.timeout(300)
+def test_kimi_vl_ptq_export_is_the_same_bytes_at_every_layout(tmp_path_factory, tmp_path):
+    """Kimi-VL (Kimi-K2.5's language model, its own MoonViT tower and projector names): the same bytes at
+    every (world, ep), the tower and the projector excluded and exported as the source held them."""
+    hf, ck = tiny_checkpoints(tmp_path_factory.mktemp("kimi_vl"), "kimi_vl")["bf16"]
+    out = str(tmp_path)
+    calibrate_every_layout({"kimi_vl": ck}, out, RECIPES, calib_size=6)
+    exports = exports_by_layout(out, "kimi_vl", "nvfp4")
+    ref = exports["w1-ep1"]
+    assert check_export(ref, hf) == []
+    for layout in LAYOUTS:
+        assert same_files(ref, exports[layout]), layout
+    excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
+    assert {"vision_tower.*", "multi_modal_projector.*"} <= set(excluded)
+    source, exported = read_hf_tensors(hf), read_hf_tensors(ref)
+    carried = [n for n in source if n.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert len(carried) == 12
+    for name in carried:
+        assert raw(exported[name]) == raw(source[name]), name
+    assert exported["language_model.model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.uint8

@@ -47,6 +47,7 @@ FAMILIES = [
     "deepseek_v3",
     "glm4_moe",
     "deepseek_v32",
+    "glm_moe_dsa",
     "qwen3_next",
     "qwen3_5_moe",
     "mistral4",
@@ -54,7 +55,7 @@ FAMILIES = [
     "minimax_m3_vl_text",  # MiniMax-M3's language model (the VLM's, spelled as released, is the same model)
     "llama4",
 ]
-# transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2, whose indexer's top-k key
+# transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2 and GLM-5, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
 # from the checkpoint (model.layers, not model.language_model.layers), so the experts' global-scale
 # fix-up below cannot find their scales (Qwen3-Next is its text model); MiniMax-M3, whose language

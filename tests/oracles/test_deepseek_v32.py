@@ -5,6 +5,7 @@ key; both config spellings; expert-parallel logits equal the single-process ones
 PTQ exports are the same bytes at every (world, ep), with the indexer unquantized and excluded."""
 
 import json
+import re
 from unittest import mock
 
 import pytest
@@ -63,6 +64,8 @@ def logits_with_ties_to_the_lowest_position(m, ids) -> tuple[torch.Tensor, list[
 
     for layer in m.model.layers:
         indexer = layer.self_attn.indexer
+        if indexer is None:  # a layer sharing another's top-k (GLM-5)
+            continue
 
         def forward(*args, _forward=indexer.forward, **kwargs):
             with mock.patch.object(torch.Tensor, "topk", topk):
@@ -186,9 +189,11 @@ def test_parameter_names_are_the_layout_names():
     assert not any(".indexer." in m for m in quantizable)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory.mktemp(FAMILY), FAMILY)
+# GLM-5 (tests/oracles/test_glm_moe_dsa.py) is DeepSeek-V3.2 with index sharing: its tiny model's
+# layer 2 runs no indexer and reuses layer 1's top-k
+@pytest.fixture(scope="module", params=[FAMILY, "glm_moe_dsa"])
+def tiny(tmp_path_factory, request):
+    return tiny_checkpoints(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.mark.timeout(150)
@@ -200,29 +205,40 @@ def test_expert_parallel_logits_equal_single_process(tiny, world, ep):
 
 @pytest.mark.timeout(400)
 def test_ptq_exports_are_the_same_bytes_at_every_layout_and_keep_the_indexer(tiny, tmp_path):
+    """Every indexer of the decoder layers (those the model has: a GLM-5 layer that shares another's
+    top-k has none) is excluded and exported as the source held it; MLA is quantized."""
     hf, ck = tiny["bf16"]
     refs = assert_exports_layout_invariant(ck, hf, str(tmp_path))
     source = read_hf_tensors(hf)
+    decoder = json.load(open(f"{hf}/config.json"))["num_hidden_layers"]
+    indexers = {
+        n.rsplit(".", 1)[0]
+        for n in source
+        if re.fullmatch(rf"model\.layers\.\d+\.self_attn\.indexer\.({'|'.join(INDEXER)})\.weight", n)
+    }
+    indexers = {m for m in indexers if int(m.split(".")[2]) < decoder}
+    assert len(indexers) == len(INDEXER) * len({m.split(".")[2] for m in indexers}) >= 2 * len(INDEXER)
     for recipe, out in refs.items():
         excluded = json.load(open(f"{out}/hf_quant_config.json"))["quantization"]["exclude_modules"]
         exported = read_hf_tensors(out)
-        for layer in range(3):
-            for proj in INDEXER:
-                module = f"model.layers.{layer}.self_attn.indexer.{proj}"
-                assert any(module == e or (e.endswith("*") and module.startswith(e[:-1])) for e in excluded), (
-                    recipe,
-                    module,
-                )
-                assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), (recipe, module)
-                assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
+        for module in sorted(indexers):
+            assert any(module == e or (e.endswith("*") and module.startswith(e[:-1])) for e in excluded), (
+                recipe,
+                module,
+            )
+            assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), (recipe, module)
+            assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
+        for layer in range(decoder):
             assert f"model.layers.{layer}.self_attn.q_b_proj.weight_scale" in exported, recipe
 
 
-def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path):
-    """DeepSeek-V3.2 ships block FP8 like DeepSeek-V3 (the indexer's wq_b and wk too, its weights_proj
-    in bf16): it stays encoded, runs as if decoded ahead of time, exports back byte for byte; a
-    quantized export writes the indexer decoded to bf16 and excluded, the way the engines load it."""
-    hf = make_tiny(FAMILY, str(tmp_path / "fp8-hf"), source_format="fp8-block", **FP8_DEEPSEEK)
+@pytest.mark.parametrize("family", [FAMILY, "glm_moe_dsa"])
+def test_block_fp8_source_runs_decoded_and_exports_back(tmp_path, family):
+    """DeepSeek-V3.2 and GLM-5 ship block FP8 like DeepSeek-V3 (the indexer's wq_b and wk too, its
+    weights_proj in bf16): it stays encoded, runs as if decoded ahead of time, exports back byte for
+    byte; a quantized export writes the indexer decoded to bf16 and excluded, the way the engines
+    load it."""
+    hf = make_tiny(family, str(tmp_path / "fp8-hf"), source_format="fp8-block", **FP8_DEEPSEEK)
     source = read_hf_tensors(hf)
     assert f"{LAYER0}.wk.weight_scale_inv" in source and f"{LAYER0}.weights_proj.weight_scale_inv" not in source
     ck = assert_block_fp8_source_runs_decoded_and_exports_back(hf, tmp_path)

@@ -1,6 +1,7 @@
 """The Kimi family's models against outside implementations, on tiny random checkpoints in the
 real layout: Kimi-Linear and Kimi-K2.5 against transformers, Kimi-K3 against mlx-lm's kimi_k3
-(transformers has no K3), all in float32; and the chunked KDA against its recurrence."""
+(transformers has no K3), Kimi-VL against transformers' DeepSeek-V3 on its text config, all in
+float32; and the chunked KDA against its recurrence."""
 
 import json
 from pathlib import Path
@@ -12,7 +13,14 @@ from safetensors.torch import load_file, save_file
 
 # an oracle of the tests, skipped by name where it is not installed
 pytest.importorskip("transformers")
-from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Kimi_K25Config,
+    Kimi_K25ForConditionalGeneration,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
+)
 
 import eprt  # noqa: E402
 from eprt.config import SiTUConfig  # noqa: E402
@@ -26,7 +34,7 @@ from eprt.models.kda import KimiDeltaAttention, chunk_size, kda, kda_chunked, kd
 from eprt.models.mla import MLAttention  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import make_tiny, tiny_config, vision_tensors  # noqa: E402
 from tests.hf_utils import raw, read_hf_tensors  # noqa: E402
 from tests.oracles.test_models import DEEPSEEK, VOCAB, assert_logits_and_carried  # noqa: E402
 
@@ -199,7 +207,7 @@ def test_kimi_linear_holding_both_spellings_of_a_tensor_is_refused(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "kimi_k25"])
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "kimi_k25", "kimi_vl"])
 def test_parameter_names_are_the_layout_names(family):
     c = parse_hf_config(tiny_config(family))
     with torch.device("meta"):
@@ -417,3 +425,38 @@ def test_kimi_k25_logits_and_vision_tensors(tmp_path):
     m.save_pretrained(tmp_path / "hf")
     rename_tensors(tmp_path / "hf", to_released_names)
     assert_logits_and_carried(tmp_path, m, "kimi_k25", [1, 2], 12, ("vision_tower.", "mm_projector."))
+
+
+# --- Kimi-VL against transformers' DeepSeek-V3 on its text config ---------------------------------
+
+
+def as_kimi_vl(text_dir: Path, out: Path) -> None:
+    """A Kimi-VL checkpoint around the DeepSeek-V3 saved in `text_dir`: its tensors under
+    `language_model.`, its config as `text_config`, and a MoonViT tower and projector beside them."""
+    text = json.loads((text_dir / "config.json").read_text())
+    out.mkdir()
+    tensors = {f"language_model.{n}": t for n, t in load_file(text_dir / "model.safetensors").items()}
+    tensors.update(vision_tensors(text["hidden_size"], torch.Generator().manual_seed(0), "kimi_vl"))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    vision = tiny_config("kimi_vl")["vision_config"]
+    config = {"model_type": "kimi_vl", "text_config": text, "vision_config": vision, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config))
+
+
+KIMI_VL_CASES = {
+    "released_no_q_lora_two_shared": dict(q_lora_rank=None, n_shared_experts=2, n_group=1, topk_group=1),
+    "q_lora_groups": dict(),
+}
+
+
+@pytest.mark.parametrize("case", KIMI_VL_CASES)
+def test_kimi_vl_logits_and_vision_tensors(tmp_path, case):
+    """Kimi-VL's language model is DeepSeek-V3 (remote code, no transformers class of its own):
+    eprt's logits are transformers' DeepseekV3ForCausalLM's on the text config, and the MoonViT
+    tower and projector export byte for byte."""
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK, **KIMI_VL_CASES[case]})).eval()
+    spread_routers(m.model.layers, "mlp")
+    m.save_pretrained(tmp_path / "text")
+    as_kimi_vl(tmp_path / "text", tmp_path / "hf")
+    assert_logits_and_carried(tmp_path, m, "kimi_vl", [1, 2], 12, ("vision_tower.", "multi_modal_projector."))

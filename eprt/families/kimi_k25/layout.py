@@ -15,8 +15,9 @@ PREFIX = "language_model."
 VISION = (r"vision_tower\..+", r"mm_projector\..+")
 
 
-def vlm_layout(text: Layout) -> Layout:
-    """A text model's layout under `language_model.`, the vision tower and projector carried through."""
+def vlm_layout(text: Layout, vision: tuple[str, ...] = VISION) -> Layout:
+    """A text model's layout under `language_model.`, the vision tower and projector (`vision`,
+    regexes over their names) carried through."""
     return Layout(
         tuple(
             dataclasses.replace(
@@ -28,7 +29,7 @@ def vlm_layout(text: Layout) -> Layout:
             )
             for s in text.specs
         ),
-        passthrough=(*under_language_model(text.passthrough), *VISION),
+        passthrough=(*under_language_model(text.passthrough), *vision),
     )
 
 

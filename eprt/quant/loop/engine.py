@@ -78,6 +78,21 @@ class Pending:
     topk_weights_TK: torch.Tensor
 
 
+def newly_carried(context: LayerContext, handed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a layer left in `context.carried` (LayerContext) for the layers after it: the entries
+    it set, not those it was `handed` [1, ...]."""
+    return {k: v for k, v in context.carried.items() if handed.get(k) is not v}
+
+
+def joined(left: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each sequence's entries left by a layer's run (by local index, every sequence of the rank),
+    as the rank's [n, ...] by name. A layer leaves an entry for every sequence or for none."""
+    rows = [left[li] for li in range(len(left))]
+    names = set(rows[0])
+    assert all(set(r) == names for r in rows), "a layer left carried entries for some of its sequences only"
+    return {k: torch.cat([r[k] for r in rows]) for k in names}
+
+
 def _nothing(*_) -> None:
     return None
 
@@ -120,13 +135,25 @@ class LayerWork:
         layer = self.module
         # what the layer files from its input for the layers after it (attention residuals' snapshots)
         snapshots = [s.clone() for s in layer.snapshots(ls.hidden)] if write else []
+        # what the layer leaves for the layers after it as it runs (LayerContext.carried), by
+        # sequence: with `write`, it replaces what the sequences carried under those names
+        left: dict[int, dict[str, torch.Tensor]] | None = {} if write else None
         for step in range(sequences.schedule.num_steps):
             on_step(step)
             self.engine._run_step(
-                layer, step, ls, sequences=sequences, write=write, on_sequence=on_sequence, on_routed=on_routed
+                layer,
+                step,
+                ls,
+                sequences=sequences,
+                write=write,
+                on_sequence=on_sequence,
+                on_routed=on_routed,
+                left=left,
             )
             tick()
         ls.blocks += snapshots
+        if left:
+            ls.carried = {**ls.carried, **joined(left)}
 
     def run_calibration(self, *, write: bool, on_routed: Callable[[RoutedStep], None] = _nothing) -> None:
         """The calibration sequences through the layer (counted on the progress bar)."""
@@ -336,7 +363,7 @@ class LayerEngine:
             self._assign(prefix)
 
         def logits(ls: LayerState, li: int) -> torch.Tensor:
-            return self.model.logits(self.decoder.final(ls.hidden[li : li + 1], [b[li : li + 1] for b in ls.blocks]))[0]
+            return self.model.logits(self.decoder.final(ls.hidden[li : li + 1], ls.of_sequence(li)[0]))[0]
 
         try:
             yield logits
@@ -354,10 +381,12 @@ class LayerEngine:
         write: bool = True,
         on_sequence: Callable[[int], None] = _nothing,
         on_routed: Callable[[RoutedStep], None] = _nothing,
+        left: dict[int, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """One step of one layer: its sequences' dense blocks one sequence each, then its routed
         block's experts over the step's work units; each output replaces its sequence's hidden
-        state (unless not `write`: a run that only feeds the taps).
+        state (unless not `write`: a run that only feeds the taps). `left`, where given, gets
+        by local index what each sequence's dense blocks left in its context's `carried`.
 
         Each sequence's dense part runs whole on one thread, on eprt.kernels.cpu_workers' threads
         side by side: its rows are the sequence's whatever thread runs it, so the bits are the
@@ -373,14 +402,20 @@ class LayerEngine:
         def dense(j: int, _) -> None:
             s, li = mine[j]
             on_sequence(li)
-            context = self.decoder.context(T, self.dtype, self.state.device, [b[li : li + 1] for b in ls.blocks])
+            snapshots, carried = ls.of_sequence(li)
+            handed = dict(carried)
+            context = self.decoder.context(T, self.dtype, self.state.device, snapshots, carried)
             x = ls.hidden[li : li + 1]
             if moe is None:
                 out = layer(x, context)[0]
+                if left is not None:
+                    left[li] = newly_carried(context, handed)
                 if write:
                     ls.hidden[li] = out
                 return
             carry, m = layer.before_routed(x, context)
+            if left is not None:
+                left[li] = newly_carried(context, handed)
             m_TD = m.reshape(T, -1)
             pending[j] = Pending(s, li, context, carry, m_TD, *moe.route(m_TD))
 

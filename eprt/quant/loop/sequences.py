@@ -62,11 +62,26 @@ class Schedule:
 
 class LayerState:
     """One rank's sequences as they stand at a layer boundary: the hidden states [n, T, D] ([n, T,
-    streams, D] under a residual rule of several streams) and, with attention residuals, the
-    snapshots the layers so far filed (`DecoderLayer.snapshots`, each as the hidden states)."""
+    streams, D] under a residual rule of several streams); with attention residuals, the
+    snapshots the layers so far filed (`DecoderLayer.snapshots`, each as the hidden states); and
+    what the layers so far left for the layers after them (`carried`, by name, each [n, ...]:
+    eprt.models.decoder.LayerContext.carried; with index sharing the keys the last full indexer
+    layer picked, [n, T, T] bool)."""
 
-    def __init__(self, hidden: torch.Tensor, blocks: list[torch.Tensor]):
+    def __init__(
+        self, hidden: torch.Tensor, blocks: list[torch.Tensor], carried: dict[str, torch.Tensor] | None = None
+    ):
         self.hidden, self.blocks = hidden, blocks
+        self.carried = {} if carried is None else carried
+
+    def copy(self) -> LayerState:
+        """A copy whose hidden states change apart from these (what is filed or carried is replaced
+        whole, never changed in place: it is shared)."""
+        return LayerState(self.hidden.clone(), list(self.blocks), dict(self.carried))
+
+    def of_sequence(self, li: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """The snapshots and the carried entries of the sequence at local row `li`, each [1, ...]."""
+        return [b[li : li + 1] for b in self.blocks], {k: v[li : li + 1] for k, v in self.carried.items()}
 
 
 def own_sequences(num_sequences: int, rank: int, world: int) -> list[int]:

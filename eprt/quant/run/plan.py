@@ -2,12 +2,12 @@
 
 A rank holds, at its peak, what it held before the run (the process: interpreter, torch,
 eprt; measured when the plan is made, so the plan covers it), the hidden states of its own
-sequences (and Kimi-K3's block snapshots), and the larger of: the embedding table while the
-first hidden states are formed, or one decoder layer's weights with one step's buffers (the
-activations of the sequences whose dense parts run side by side, the routed copies sent,
-received, sorted and returned, the experts' intermediate rows, the fp32 combine; with
---calibrate-all-experts, the larger of those and the statistics pass's) and the largest tensor
-in flight as it is read.
+sequences (and what its layers carry across: Kimi-K3's block snapshots, GLM-5's shared top-k),
+and the larger of: the embedding table while the first hidden states are formed, or one decoder
+layer's weights with one step's buffers (the activations of the sequences whose dense parts run
+side by side, the routed copies sent, received, sorted and returned, the experts' intermediate
+rows, the fp32 combine; with --calibrate-all-experts, the larger of those and the statistics
+pass's) and the largest tensor in flight as it is read.
 
 The quality report (eprt.quant.quality) adds the hidden states of its held-out sequences, twice
 (a reference and a quantized stream); while a layer runs them quantized, a copy of the layer's
@@ -107,7 +107,9 @@ CPU_BF16_KERNEL_CACHE = 64 * 2**20
 @dataclass(frozen=True)
 class MemoryPlan:
     baseline: int  # the process before the run, with what its kernels will cache
-    hidden: int  # hidden states and block snapshots of this rank's sequences
+    hidden: (
+        int  # hidden states and what the layers carry across (block snapshots, shared top-k) of this rank's sequences
+    )
     embedding: int
     layer: int  # the largest layer's weights (dense + this rank's experts)
     reading: int  # the most a layer holds while it is read: tensors placed so far, one in flight
@@ -406,9 +408,8 @@ class Planner:
         c, b = self.ck.config, self.dtype.itemsize
         rank, world, ep = shape.rank, shape.world, shape.ep
         D, T = c.hidden_size, shape.seq_len
-        block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
-        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
-        hidden = len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+        per_sequence = T * D * b + self._carried(T)
+        hidden = len(own_sequences(shape.num_sequences, rank, world)) * per_sequence
         layer, reading, copied = self._layer(ep)
         step = self._step(
             rank, world, shape.num_sequences, T, shape.schedule, probes=False, all_experts=shape.all_experts, ep=ep
@@ -422,9 +423,9 @@ class Planner:
         # the quality report's held-out streams and its head, where the run has held-out sequences
         eval_layer = eval_step = head = 0
         if shape.eval_sequences:
-            hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * T * D * b * (1 + snapshots)
+            hidden += 2 * len(own_sequences(shape.eval_sequences, rank, world)) * per_sequence
             if shape.search:
-                hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * T * D * b * (1 + snapshots)
+                hidden += 3 * len(own_sequences(shape.num_sequences, rank, world)) * per_sequence
             eval_layer = copied
             eval_step = self._step(rank, world, shape.eval_sequences, T, shape.eval_schedule, probes=True)
             # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
@@ -451,6 +452,16 @@ class Planner:
             ep,
             limit,
         )
+
+    def _carried(self, T: int) -> int:
+        """What the layers carry across layers for one sequence of T tokens: Kimi-K3's block
+        snapshots, and what the family's layers leave for later ones (FamilyConfig.carried_bytes:
+        GLM-5's shared top-k)."""
+        c = self.ck.config
+        block_size = c.kimi_linear.attn_res_block_size if c.kimi_linear else None
+        snapshots = math.ceil(c.num_layers / block_size) if block_size else 0
+        own = c.own.carried_bytes(T) if c.own is not None else 0
+        return snapshots * T * c.hidden_size * self.dtype.itemsize + own
 
     def _step(
         self,

@@ -311,12 +311,17 @@ def remove_own_files(rank_dir: str) -> None:
 
 
 def states(prefix: str, ls: LayerState) -> dict[str, torch.Tensor]:
-    return {f"{prefix}hidden": ls.hidden, **{f"{prefix}block.{j}": b for j, b in enumerate(ls.blocks)}}
+    return {
+        f"{prefix}hidden": ls.hidden,
+        **{f"{prefix}block.{j}": b for j, b in enumerate(ls.blocks)},
+        **{f"{prefix}carried.{name}": t for name, t in ls.carried.items()},
+    }
 
 
 def from_states(prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
     count = sum(k.startswith(f"{prefix}block.") for k in tensors)
-    return LayerState(tensors[f"{prefix}hidden"], [tensors[f"{prefix}block.{j}"] for j in range(count)])
+    carried = {k.removeprefix(f"{prefix}carried."): t for k, t in tensors.items() if k.startswith(f"{prefix}carried.")}
+    return LayerState(tensors[f"{prefix}hidden"], [tensors[f"{prefix}block.{j}"] for j in range(count)], carried)
 
 
 def stats(cal: Calibrator) -> dict[str, torch.Tensor]:

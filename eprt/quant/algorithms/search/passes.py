@@ -66,7 +66,7 @@ class FormatErrors(Pass):
 
     def _through(self, layer: LayerWork) -> LayerState:
         """The stream through the layer as it stands now, into a copy."""
-        out = LayerState(self.stream.hidden.clone(), list(self.stream.blocks))
+        out = self.stream.copy()
         layer.run(self.sequences, out, tick=layer.count_step)
         return out
 

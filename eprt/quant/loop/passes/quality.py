@@ -83,7 +83,7 @@ class QualityStreams(Pass):
         if not (self.flips and layer.module.routed is not None):
             layer.run(self.sequences, self.ref)
             return
-        held = LayerState(self.ref.hidden.clone(), list(self.ref.blocks))
+        held = self.ref.copy()
         with routed_choices(layer.module) as (on_sequence, choices):
             layer.run(self.sequences, self.ref, on_sequence=on_sequence)
         self.before = (held, choices)
