@@ -10,7 +10,6 @@ where a field is absent, the value is the one the family's reference implementat
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,11 +214,8 @@ def own_config(*families: str):
 
 
 def own_config_class(family: str, where: str) -> type[FamilyConfig]:
-    """The own config class of `family`. The family folders register theirs as the family table
-    imports them; a checkpoint read before anything imported the table imports it here, by name,
-    as the table's plug-in directory."""
-    if family not in OWN_CONFIGS:
-        importlib.import_module("eprt.families")
+    """The own config class of `family`, as its folder registered it when the family table
+    (eprt.families, above this module) imported it: every reader of a manifest runs under the table."""
     if family not in OWN_CONFIGS:
         raise ConfigError(f"{where}: family {family!r} has no own config, but the config holds one")
     return OWN_CONFIGS[family]
