@@ -36,6 +36,7 @@ from eprt.hf.streaming import stream_export
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.progress import logger, quiet
 from eprt.quant.recipe import Recipe, load_recipe
+from eprt.quant.run.args import PTQArgs
 from eprt.quant.run.datafree import data_free, say_data_free
 from eprt.quant.run.setup import plan_recipe, run_dtype
 from eprt.samples import first_sample
@@ -55,7 +56,13 @@ class Run:
     ptq_args: list[str]  # eprt-ptq's arguments passed on
     recipe: str
     work: str
-    free: bool  # the recipe takes no activation statistic: streamed, not calibrated
+    settings: PTQArgs  # eprt-ptq's settings of the run, as it parses them
+    parsed: Recipe  # `recipe` under those settings
+
+    @property
+    def free(self) -> bool:
+        """The recipe takes no activation statistic: streamed, not calibrated."""
+        return data_free(self.parsed, self.settings)
 
     @classmethod
     def of(cls, a: Namespace, ptq_args: list[str]) -> "Run":
@@ -70,10 +77,10 @@ class Run:
         recipe = a.recipe or (DEFAULT_RECIPE[generation_of(a.target)] if a.target else None)
         if recipe is None:
             raise ConfigError("give --recipe NAME (eprt-quantize --list-recipes), or --target GPU to pick one")
-        parsed = load_recipe(recipe, a.kv_cache, a.algorithm)
         # eprt-ptq's own refusals of its options
-        free = data_free(parsed, parse_args(["-", "--recipe", recipe, "--out", "-", *ptq_args])[0])
-        if free:
+        settings, _ = parse_args(["-", "--recipe", recipe, "--out", "-", *ptq_args])
+        parsed = load_recipe(recipe, settings.kv_cache, settings.algorithm)
+        if data_free(parsed, settings):
             read_hf_config(a.hf_dir)  # any model_type streams; a config.json it can read is all it needs
         else:
             load_hf_config(a.hf_dir)  # calibration runs eprt's model: an unsupported model is refused by name
@@ -88,7 +95,7 @@ class Run:
             check_sources(a.calib)
         if a.chat_template is not None and not os.path.isfile(a.chat_template):
             raise ConfigError(f"--chat-template {a.chat_template}: no such file; give a Jinja chat template file")
-        return cls(a, ptq_args, recipe, work, free)
+        return cls(a, ptq_args, recipe, work, settings, parsed)
 
     # --- the steps ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -125,10 +132,8 @@ class Run:
 
     def stream(self) -> int:
         """The data-free export, streamed from HF_DIR (its workers: --nproc-per-node), checked, summarized."""
-        a = self.a
-        pa, _ = parse_args(["-", "--recipe", self.recipe, "--out", a.out, *self.ptq_args])
-        recipe = load_recipe(self.recipe, pa.kv_cache, pa.algorithm)
-        say_data_free(pa, recipe)
+        a, recipe = self.a, self.parsed
+        say_data_free(self.settings, recipe)
         layout = a.format or holding_layout(recipe.formats)
         workers = a.nproc_per_node or 1
         say_plan(recipe, None, f"streamed from the weights on {workers} process(es)", layout)
@@ -136,7 +141,7 @@ class Run:
             a.hf_dir,
             a.out,
             self.recipe,
-            algorithm=pa.algorithm,
+            algorithm=self.settings.algorithm,
             fmt=layout,
             workers=workers,
             overwrite=a.overwrite,
