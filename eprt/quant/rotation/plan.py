@@ -216,7 +216,7 @@ class _Planner:
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(ffn).__name__}) is an MLP the rotation does not "
                 "know; quantize without rotate"
             )
-        self.reads(ffn.gate, f"{prefix}{_child_name(ffn, ffn.gate)}.weight", norm)
+        self.reads(ffn.gate, f"{prefix}{names_of(ffn, (ffn.gate,))[0]}.weight", norm)
         leaf_in, leaf_out = ffn.experts.pieces.leaves
         self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
         self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
@@ -226,7 +226,7 @@ class _Planner:
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)
         elif ffn.shared_experts is not None:
-            self.mlp(ffn.shared_experts, f"{prefix}{_child_name(ffn, ffn.shared_experts)}.", norm)
+            self.mlp(ffn.shared_experts, f"{prefix}{names_of(ffn, (ffn.shared_experts,))[0]}.", norm)
 
     def mlp(self, mlp: GatedMLP | FusedGatedMLP, prefix: str, norm: Norm) -> None:
         for r in names_of(mlp, mlp.input_readers()):
@@ -262,14 +262,9 @@ def _rebased(step: Step, like: str, prefix: str) -> Step:
 
 
 def names_of(parent: nn.Module, modules: tuple[nn.Module, ...]) -> list[str]:
-    """The names `modules` have inside `parent`."""
+    """The names `modules` have inside `parent` (a MoE's `gate` or `router`, its shared experts under any name)."""
     names = {id(m): n for n, m in parent.named_modules()}
     return [names[id(m)] for m in modules]
-
-
-def _child_name(parent: nn.Module, child: nn.Module) -> str:
-    """The name `parent` holds `child` under (a layer's `mlp` or `feed_forward`, a MoE's `gate` or `router`)."""
-    return next(name for name, m in parent.named_children() if m is child)
 
 
 def _known(module: nn.Module, parts: set[str], name: str) -> None:
