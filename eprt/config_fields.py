@@ -354,3 +354,12 @@ class Fields:
 
     def refuse(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.source}: {msg}")
+
+
+def vlm_text_config(hf: dict, source: str) -> dict:
+    """A vision-language model's `text_config`: its language model's config, with the fields the VLM
+    sets for it on its top level (`tie_word_embeddings`)."""
+    text = dict(Fields(hf, source).get("text_config"))
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text

@@ -7,19 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from eprt.config import ModelConfig
-from eprt.config_fields import Fields
+from eprt.config_fields import vlm_text_config
 from eprt.families.deepseek_v3 import config as deepseek_v3
 
 
-def text_config(hf: dict, source: str) -> dict:
-    """The language model's config, with the fields the VLM sets for it on its top level."""
-    f = Fields(hf, source)
-    text = dict(f.get("text_config"))
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
-
-
 def parse(hf: dict, source: str) -> ModelConfig:
-    text = deepseek_v3.parse(text_config(hf, source), f"{source} (text_config)")
+    text = deepseek_v3.parse(vlm_text_config(hf, source), f"{source} (text_config)")
     return dataclasses.replace(text, family="kimi_k25", model_type=hf["model_type"])

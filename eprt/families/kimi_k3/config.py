@@ -5,7 +5,7 @@ the K3 additions (docs/models.md, 'Kimi-K3'). The text config is `text_config`, 
 from __future__ import annotations
 
 from eprt.config import ModelConfig
-from eprt.families.kimi_k25.config import text_config
+from eprt.config_fields import vlm_text_config
 from eprt.families.kimi_linear import config as kimi_linear
 
 
@@ -13,5 +13,5 @@ def parse(hf: dict, source: str) -> ModelConfig:
     # A_log is a vector of any length from one entry per head: the release pads it to 128 entries
     # for its 96 heads, and the heads use the first ones (kimi_linear.a_log)
     return kimi_linear.parse_text(
-        text_config(hf, source), f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"], flat_a_log=True
+        vlm_text_config(hf, source), f"{source} (text_config)", "kimi_k3", model_type=hf["model_type"], flat_a_log=True
     )

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 from eprt.config import ModelConfig
+from eprt.config_fields import vlm_text_config
 from eprt.families.deepseek_v3 import config as deepseek_v3
-from eprt.families.kimi_k25 import config as kimi_k25
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
-    text = deepseek_v3.parse(kimi_k25.text_config(hf, source), f"{source} (text_config)")
+    text = deepseek_v3.parse(vlm_text_config(hf, source), f"{source} (text_config)")
     return dataclasses.replace(text, family="kimi_vl", model_type=hf["model_type"])

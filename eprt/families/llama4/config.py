@@ -25,7 +25,7 @@ from eprt.config import (
     read_rope,
     rope_object,
 )
-from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, is_number
+from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, is_number, vlm_text_config
 from eprt.errors import ConfigError
 
 TEXT_FAMILY, VLM_FAMILY = "llama4_text", "llama4"
@@ -203,15 +203,7 @@ def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
     )
 
 
-def text_config(hf: dict, source: str) -> dict:
-    """The VLM's language model config, with the fields the VLM sets for it on its top level."""
-    text = dict(Fields(hf, source).get("text_config"))
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
-
-
 def parse(hf: dict, source: str) -> ModelConfig:
     """The `llama4` VLM: its language model's config, under the VLM's family and model_type."""
-    text = parse_text(text_config(hf, source), f"{source} (text_config)", VLM_FAMILY)
+    text = parse_text(vlm_text_config(hf, source), f"{source} (text_config)", VLM_FAMILY)
     return dataclasses.replace(text, model_type=hf["model_type"])

@@ -8,8 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from eprt.config import FamilyConfig, GQAConfig, ModelConfig, moe_or_dense, own_config, read_rope
-from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields
-from eprt.families.kimi_k25.config import text_config
+from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, vlm_text_config
 
 TEXT_FAMILY = "minimax_m3_vl_text"  # the language model saved alone, as transformers writes it
 VLM_FAMILY = "minimax_m3_vl"  # the vision-language checkpoint, as released
@@ -258,7 +257,7 @@ def rotary_dim(f: Fields, head_dim: int) -> int:
 
 def parse(hf: dict, source: str) -> ModelConfig:
     """The vision-language checkpoint: its language model's config, under the VLM's model_type."""
-    c = parse_text(text_config(hf, source), f"{source} (text_config)", VLM_FAMILY)
+    c = parse_text(vlm_text_config(hf, source), f"{source} (text_config)", VLM_FAMILY)
     return dataclasses.replace(c, model_type=hf["model_type"])
 
 

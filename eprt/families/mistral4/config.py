@@ -9,9 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from eprt.config import FamilyConfig, ModelConfig, moe_or_dense, own_config, read_rope
-from eprt.config_fields import Fields
+from eprt.config_fields import Fields, vlm_text_config
 from eprt.families.deepseek_v3 import config as deepseek_v3
-from eprt.families.kimi_k25 import config as kimi_k25
 
 FAMILY, VLM_FAMILY = "mistral4", "mistral4_vlm"
 
@@ -114,7 +113,7 @@ def read_temperature(f: Fields, rope) -> Mistral4Config:
 
 def parse_vlm(hf: dict, source: str) -> ModelConfig:
     """The release's config.json: Mistral3's vision-language wrapper around a `mistral4` text_config."""
-    text = kimi_k25.text_config(hf, source)
+    text = vlm_text_config(hf, source)
     if text.get("model_type") != FAMILY:
         raise Fields(hf, source).refuse(
             f"text_config.model_type is {text.get('model_type')!r}: eprt reads the mistral3 checkpoints whose "

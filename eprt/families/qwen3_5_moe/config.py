@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from eprt.config import ModelConfig
-from eprt.config_fields import Fields
+from eprt.config_fields import vlm_text_config
 from eprt.families.qwen3_next import config as qwen3_next
 
 
@@ -21,14 +21,6 @@ def parse_text(hf: dict, source: str) -> ModelConfig:
     return qwen3_next.parse_text(hf, source, "qwen3_5_moe_text", split_projections=True, every_layer_moe=True)
 
 
-def text_config(hf: dict, source: str) -> dict:
-    """The language model's config, with the fields the VLM sets for it on its top level."""
-    text = dict(Fields(hf, source).get("text_config"))
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
-
-
 def parse(hf: dict, source: str) -> ModelConfig:
-    text = parse_text(text_config(hf, source), f"{source} (text_config)")
+    text = parse_text(vlm_text_config(hf, source), f"{source} (text_config)")
     return dataclasses.replace(text, family="qwen3_5_moe", model_type=hf["model_type"])
