@@ -21,19 +21,17 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from eprt.calib_files import TOKEN_ID_KINDS, documents, source_kind
 from eprt.data import (
     BUILTIN,
-    TOKEN_ID_KINDS,
     Calibration,
     SourceUse,
     check_sizes,
     check_sources,
-    documents,
     eos_id,
     leading_tokens,
     load_tokenizer,
     pack,
-    source_kind,
     split_counts,
 )
 from eprt.errors import ConfigError

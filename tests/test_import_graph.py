@@ -30,7 +30,7 @@ LAYERS = (
     ("models", ("eprt.models", "eprt.families.*.model")),  # the shared blocks, and each family's model
     ("family table", ("eprt.families",)),  # each folder's FAMILY entry (it names the model class), the table
     ("loading", ("eprt.loading",)),  # a checkpoint resolved by its family, its model built and read
-    ("quant", ("eprt.quant", "eprt.data", "eprt.samples")),
+    ("quant", ("eprt.quant", "eprt.data", "eprt.calib_files", "eprt.samples")),
     ("hf", ("eprt.hf",)),  # the Hugging Face border: convert in, export out, checks
     ("testing", ("eprt.testing",)),  # fixtures the demo, eprt-make-tiny and the tests share
     ("commands", ("eprt.commands", "eprt.cli", "eprt.ptq")),

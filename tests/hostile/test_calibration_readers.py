@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from eprt import data as data_module
+from eprt import calib_files
 from eprt.data import read_calibration
 from eprt.errors import EprtError
 from eprt.storage import tables, template_bounds
@@ -115,7 +115,7 @@ def test_a_fifo_calib_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_long_line_is_refused_by_number_before_it_is_decoded(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_module, "MAX_ROW_BYTES", 1024)
+    monkeypatch.setattr(calib_files, "MAX_ROW_BYTES", 1024)
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 4096}) + "\n")
     assert refused(path).startswith(f"{path}:2: a line longer than 1.00 KiB")
