@@ -14,6 +14,7 @@ from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
+from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port, run_world
 
 E = 8  # routed experts of the tiny configs
@@ -134,3 +135,41 @@ def assert_exports_layout_invariant(ck: str, hf: str, out: str) -> dict[str, str
         for layout in LAYOUTS:
             assert same_files(refs[recipe], exports[layout]), (recipe, layout)
     return refs
+
+
+def assert_family_exports(
+    ckpts: dict[str, dict[str, tuple[str, str]]],
+    out: str,
+    never_quantized: dict[str, list[str]],
+    quantized: dict[str, list[str]],
+    as_is=lambda name: False,
+) -> list[tuple[str, str, dict, dict, str]]:
+    """Calibrate each family's bf16 checkpoint (`ckpts`: tiny_checkpoints by family) with every
+    recipe at every layout and export it: each export passes eprt-check against its source and is
+    the same files at every layout; the modules of `never_quantized` keep the source's bytes and
+    have no scales, those of `quantized` are stored in the recipe's format with their scales, and
+    every source tensor `as_is` names travels as the source holds it. Returns (family, recipe,
+    source tensors, exported tensors, export dir) of each single-process export, for the family's
+    own assertions."""
+    calibrate_every_layout({f: c["bf16"][1] for f, c in ckpts.items()}, out, calib_size=6)
+    seen = []
+    for family, by_dtype in ckpts.items():
+        hf = by_dtype["bf16"][0]
+        source = read_hf_tensors(hf)
+        for recipe, *_ in RECIPES:
+            exports = exports_by_layout(out, family, recipe)
+            ref = exports["w1-ep1"]
+            assert check_export(ref, hf) == [], (family, recipe)
+            for layout in LAYOUTS:
+                assert same_files(ref, exports[layout]), (family, recipe, layout)
+            exported = read_hf_tensors(ref)
+            for module in never_quantized[family]:
+                assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), module
+                assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
+            for module in quantized[family]:
+                assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
+                assert f"{module}.weight_scale" in exported, module
+            for n in filter(as_is, source):
+                assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype, n
+            seen.append((family, recipe, source, exported, ref))
+    return seen

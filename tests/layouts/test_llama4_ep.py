@@ -7,19 +7,12 @@ import json
 import os
 
 import pytest
-import torch
 
-from eprt.hf.check_export import check_export
 from tests.ep_checks import (
-    LAYOUTS,
-    RECIPES,
     assert_ep_logits,
-    calibrate_every_layout,
-    exports_by_layout,
-    same_files,
+    assert_family_exports,
     tiny_checkpoints,
 )
-from tests.hf_utils import raw, read_hf_tensors
 
 FAMILY = "llama4"
 L = "language_model.model.layers"
@@ -47,24 +40,9 @@ def test_expert_parallel_logits_are_bitwise_the_single_process_logits(ckpts, wor
 
 @pytest.mark.timeout(400)
 def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
-    out = str(tmp_path)
-    hf, ck = ckpts["bf16"]
-    calibrate_every_layout({FAMILY: ck}, out, calib_size=6)
-    source = read_hf_tensors(hf)
-    for recipe, *_ in RECIPES:
-        exports = exports_by_layout(out, FAMILY, recipe)
-        ref = exports["w1-ep1"]
-        assert check_export(ref, hf) == []
-        for layout in LAYOUTS:
-            assert same_files(ref, exports[layout]), (recipe, layout)
-        exported = read_hf_tensors(ref)
-        for module in NEVER_QUANTIZED:
-            assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), module
-            assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
-        for module in QUANTIZED:
-            assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
-            assert f"{module}.weight_scale" in exported, module
-        for n in (n for n in source if n.startswith(("vision_model.", "multi_modal_projector."))):
-            assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype, n
+    vision = lambda n: n.startswith(("vision_model.", "multi_modal_projector."))  # noqa: E731
+    for *_, ref in assert_family_exports(
+        {FAMILY: ckpts}, str(tmp_path), {FAMILY: NEVER_QUANTIZED}, {FAMILY: QUANTIZED}, vision
+    ):
         excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
         assert f"{L}.1.feed_forward.router" in excluded

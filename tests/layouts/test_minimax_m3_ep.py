@@ -10,17 +10,11 @@ import os
 import pytest
 import torch
 
-from eprt.hf.check_export import check_export
 from tests.ep_checks import (
-    LAYOUTS,
-    RECIPES,
     assert_ep_logits,
-    calibrate_every_layout,
-    exports_by_layout,
-    same_files,
+    assert_family_exports,
     tiny_checkpoints,
 )
-from tests.hf_utils import raw, read_hf_tensors
 
 FAMILIES = ["minimax_m3_vl", "minimax_m3_vl_text"]
 
@@ -69,25 +63,11 @@ QUANTIZED = {
 
 @pytest.mark.timeout(400)
 def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
-    out = str(tmp_path)
-    calibrate_every_layout({f: ckpts[f]["bf16"][1] for f in FAMILIES}, out, calib_size=6)
-    for family in FAMILIES:
-        source = read_hf_tensors(ckpts[family]["bf16"][0])
-        for recipe, *_ in RECIPES:
-            exports = exports_by_layout(out, family, recipe)
-            ref = exports["w1-ep1"]
-            assert check_export(ref, ckpts[family]["bf16"][0]) == []
-            for layout in LAYOUTS:
-                assert same_files(ref, exports[layout]), (family, recipe, layout)
-            exported = read_hf_tensors(ref)
-            for module in NEVER_QUANTIZED[family]:
-                assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), module
-                assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
-            for module in QUANTIZED[family]:
-                assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
-                assert f"{module}.weight_scale" in exported, module
-            # the router's fp32 weight and correction bias travel as they are
-            for n in (n for n in source if n.endswith(("e_score_correction_bias", ".gate.weight"))):
-                assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype == torch.float32, n
-            excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
-            assert excluded, family
+    # the router's fp32 weight and correction bias travel as they are
+    router = lambda n: n.endswith(("e_score_correction_bias", ".gate.weight"))  # noqa: E731
+    for family, _, source, exported, ref in assert_family_exports(
+        ckpts, str(tmp_path), NEVER_QUANTIZED, QUANTIZED, router
+    ):
+        assert all(source[n].dtype == torch.float32 for n in filter(router, source)), family
+        excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
+        assert excluded, family

@@ -6,19 +6,12 @@ import json
 import os
 
 import pytest
-import torch
 
-from eprt.hf.check_export import check_export
 from tests.ep_checks import (
-    LAYOUTS,
-    RECIPES,
     assert_ep_logits,
-    calibrate_every_layout,
-    exports_by_layout,
-    same_files,
+    assert_family_exports,
     tiny_checkpoints,
 )
-from tests.hf_utils import raw, read_hf_tensors
 
 FAMILIES = ["qwen3_next", "qwen3_5_moe"]
 
@@ -76,31 +69,15 @@ KV_LAYERS = {"qwen3_next": ["model.layers.1", "model.layers.3"], "qwen3_5_moe": 
 
 @pytest.mark.timeout(400)
 def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
-    out = str(tmp_path)
-    calibrate_every_layout({f: ckpts[f]["bf16"][1] for f in FAMILIES}, out, calib_size=6)
-    for family in FAMILIES:
-        source = read_hf_tensors(ckpts[family]["bf16"][0])
-        for recipe, *_ in RECIPES:
-            exports = exports_by_layout(out, family, recipe)
-            ref = exports["w1-ep1"]
-            assert check_export(ref, ckpts[family]["bf16"][0]) == []
-            for layout in LAYOUTS:
-                assert same_files(ref, exports[layout]), (family, recipe, layout)
-            exported = read_hf_tensors(ref)
-            for module in NEVER_QUANTIZED[family]:
-                assert raw(exported[f"{module}.weight"]) == raw(source[f"{module}.weight"]), module
-                assert f"{module}.weight_scale" not in exported and f"{module}.input_scale" not in exported
-            for module in QUANTIZED[family]:
-                assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
-                assert f"{module}.weight_scale" in exported, module
-            # conv1d, A_log, dt_bias travel as they are
-            for n in (n for n in source if n.endswith(("conv1d.weight", ".A_log", ".dt_bias"))):
-                assert raw(exported[n]) == raw(source[n]) and exported[n].dtype == source[n].dtype, n
-            kv = sorted(n for n in exported if n.endswith(("k_scale", "v_scale")))
-            assert kv == (
-                sorted(f"{layer}.self_attn.{p}_proj.{p}_scale" for layer in KV_LAYERS[family] for p in "kv")
-                if recipe == "nvfp4"
-                else []
-            )
-            excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
-            assert excluded, family
+    # conv1d, A_log, dt_bias travel as they are
+    linear_attention_state = lambda n: n.endswith(("conv1d.weight", ".A_log", ".dt_bias"))  # noqa: E731
+    exports = assert_family_exports(ckpts, str(tmp_path), NEVER_QUANTIZED, QUANTIZED, linear_attention_state)
+    for family, recipe, _, exported, ref in exports:
+        kv = sorted(n for n in exported if n.endswith(("k_scale", "v_scale")))
+        assert kv == (
+            sorted(f"{layer}.self_attn.{p}_proj.{p}_scale" for layer in KV_LAYERS[family] for p in "kv")
+            if recipe == "nvfp4"
+            else []
+        )
+        excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
+        assert excluded, family
