@@ -3,7 +3,7 @@
     python bench/base_pin.py [--layers 4] [--hidden 512] [--experts 32] [--width 256] [--iters 3]
 
 One random Qwen3-MoE (bench/ep.py's model) is converted and calibrated (FP8, a few tokens); then,
-in this process, the pin check (`eprt.storage.checkpoint.check_weight_pins`: a stat, the header and 16
+in this process, the pin check (`eprt.storage.pins.check_weight_pins`: a stat, the header and 16
 sampled 4 KiB blocks of every base weight file) and the FP8 export of the calibrated checkpoint
 are each timed (best of --iters). The files are in the page cache for both; on a cold disk the
 check costs one small read per sample, the export reads every byte.
@@ -23,7 +23,8 @@ from bench.timing import timed  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.storage.checkpoint import Checkpoint, check_weight_pins  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.storage.pins import check_weight_pins  # noqa: E402
 
 
 def main() -> None:

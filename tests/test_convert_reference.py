@@ -12,7 +12,8 @@ import torch
 from eprt.errors import CheckpointError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.storage.checkpoint import MANIFEST, SOURCE, Checkpoint
+from eprt.storage.checkpoint import MANIFEST, Checkpoint
+from eprt.storage.pins import SOURCE
 from eprt.testing.tiny import make_tiny
 
 SOURCES = {

@@ -13,7 +13,7 @@ component of the eprt tensor, and the manifest records the scheme. Nothing is de
 disk; `Checkpoint.read` decodes.
 
 With `reference`, nothing the source holds as eprt reads it is copied: the manifest names the
-source's own files (`eprt.storage.checkpoint.SOURCE`, pinned as a calibrated checkpoint pins its
+source's own files (`eprt.storage.pins.SOURCE`, pinned as a calibrated checkpoint pins its
 base), so conversion costs what reading the headers costs. Stacked experts need no restacking
 on disk either: an expert's row is the parts that hold its source tensors (gate, then up) end
 to end (`Part.piece`), each read in place. Only a tensor `--dtype` casts is written; a tensor
@@ -41,16 +41,15 @@ from eprt.storage import encodings
 from eprt.storage.atomic import atomic_output_dir, copy_files
 from eprt.storage.checkpoint import (
     HF_FILES,
-    SOURCE,
     Component,
     Part,
     TensorMeta,
     manifest,
-    source_reference,
     stored_files,
     write_manifest,
 )
 from eprt.storage.hf_files import CHAT_TEMPLATE, CONFIG
+from eprt.storage.pins import SOURCE, source_reference
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}

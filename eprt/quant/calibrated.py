@@ -1,7 +1,7 @@
 """Writing a calibrated checkpoint: the calibration record, the recipe, and a reference to the base.
 
 The weights are not copied: the manifest names the input checkpoint, the SHA-256 of its
-manifest and a pin of each of its weight files (eprt.storage.checkpoint.weight_pin), checked whenever
+manifest and a pin of each of its weight files (eprt.storage.pins.weight_pin), checked whenever
 the calibrated checkpoint is opened. Rank 0 writes the dense and KV
 amax and the manifest; the first replica of each expert shard (edp rank 0) writes its own
 experts' rows of the stacked per-expert record, so nothing is gathered.

@@ -44,8 +44,8 @@ from eprt.progress import bar, logger
 from eprt.quant.recipe import Recipe, available, load_recipe
 from eprt.quant.run.datafree import statistics_needed
 from eprt.storage.atomic import check_output_dir, copy_files, publish, write_file
-from eprt.storage.checkpoint import weight_pin
 from eprt.storage.hf_files import CARD, CONFIG, QUANT_CONFIG, served_file, shard_name, write_index, write_json
+from eprt.storage.pins import weight_pin
 from eprt.storage.safetensors_io import SafetensorsWriter
 from eprt.units import format_bytes
 

@@ -1,7 +1,7 @@
 """What a calibration's result depends on, so that it is computed from exactly one model, recipe and data.
 
 The fingerprint of a run holds its base checkpoint (the SHA-256 of its manifest and a pin of each
-weight file, eprt.storage.checkpoint.weight_pin), the recipe's rules as parsed (not its path: an
+weight file, eprt.storage.pins.weight_pin), the recipe's rules as parsed (not its path: an
 edited file is another recipe), the digest, shape and dtype of the calibration and held-out tokens
 (the same tokens as 8 sequences of 8 are other data than 4 of 16), and every option that changes
 a byte of the result. It serves three checks, each refusing by name what differs:
@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
-from eprt.storage.checkpoint import MANIFEST, Checkpoint, manifest_digest, pin_changes, weight_pins
+from eprt.storage.checkpoint import MANIFEST, Checkpoint, manifest_digest
+from eprt.storage.pins import pin_changes, weight_pins
 
 # options that change a byte of the result, and how the user names each
 OPTIONS = {

@@ -44,7 +44,8 @@ from eprt.quant.run.args import PTQArgs
 from eprt.quant.run.data import check_data_settings, report_data
 from eprt.quant.run.fingerprint import check_base_read
 from eprt.quant.run.setup import check_kv_cache, open_unquantized, plan_run, run_shape
-from eprt.storage.checkpoint import Checkpoint, manifest_digest, weight_pins
+from eprt.storage.checkpoint import Checkpoint, manifest_digest
+from eprt.storage.pins import weight_pins
 
 
 def search_formats(state: ParallelState, a: PTQArgs, ck: Checkpoint | None = None) -> SearchResult:
