@@ -79,6 +79,7 @@ WIDER = {
     "deepseek_v32": MLA,
     "glm_moe_dsa": MLA,
     "kimi_k25": MLA,
+    "kimi_vl": MLA,
     "kimi_linear": dict(MLA, linear_attn_config={"head_dim": 128}),
     "kimi_k3": dict(MLA, routed_expert_hidden_size=128, linear_attn_config={"head_dim": 128}),
     "qwen3_next": LINEAR,
@@ -294,17 +295,25 @@ def main() -> int:
         help="calibrate every case with --calibrate-all-experts (cases NAME/RECIPE/ALGORITHM/all-experts)",
     )
     a = p.parse_args()
-    digests = all_digests(
-        a.family or list(FAMILIES),
-        a.recipe or shipped_recipes() + list(MIXED),
-        a.algorithm or list(ALGORITHMS),
-        a.world,
-        a.ep or a.world,
-        a.calibrate_all_experts,
-    )
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(digests, f, indent=1, sort_keys=True)
+    no_wide = sorted(set(a.family or FAMILIES) - set(WIDER))
+    if no_wide:
+        p.error(f"no wide tiny model in WIDER for {', '.join(no_wide)}: add its sizes there")
+    digests = {}
+    for family in a.family or list(FAMILIES):  # written after each family: a long run keeps what it did
+        digests.update(
+            all_digests(
+                [family],
+                a.recipe or shipped_recipes() + list(MIXED),
+                a.algorithm or list(ALGORITHMS),
+                a.world,
+                a.ep or a.world,
+                a.calibrate_all_experts,
+            )
+        )
+        if a.out:
+            with open(a.out + ".tmp", "w") as f:
+                json.dump(digests, f, indent=1, sort_keys=True)
+            os.replace(a.out + ".tmp", a.out)
     if a.against:
         with open(a.against) as f:
             before = json.load(f)
