@@ -39,12 +39,14 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import DecoderLayer
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.kda import KimiDeltaAttention
-from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
+from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, UngatedMLP, ZeroCenteredRMSNorm
+from eprt.models.mamba2 import Mamba2Mixer
 from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
 R1_SEED, R2_SEED = 0, 1  # the residual rotation's and the per-head rotation's draws (hadamard.random_hadamard)
 DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary"}
+MLPS = (GatedMLP, FusedGatedMLP, UngatedMLP)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class _Planner:
         for block in layer.blocks:  # each block's norm, then what reads it and writes the stream
             norm = self.norm(getattr(layer, block.norm), f"{prefix}{block.norm}")
             mixer = getattr(layer, block.mixer)
-            mixes = self.ffn if isinstance(mixer, (GatedMLP, FusedGatedMLP, MoE)) else self.mixer
+            mixes = self.ffn if isinstance(mixer, (*MLPS, MoE)) else self.mixer
             mixes(mixer, f"{prefix}{block.mixer}.", norm)
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
@@ -172,6 +174,8 @@ class _Planner:
         elif isinstance(attn, KimiDeltaAttention):
             readers = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj"]
             readers += ["g_proj"] if attn.full_rank_gate else ["g_a_proj"]
+        elif isinstance(attn, Mamba2Mixer):
+            readers = names_of(attn, attn.input_readers())
         else:
             raise ConfigError(
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(attn).__name__}) is a mixer the rotation does "
@@ -179,7 +183,7 @@ class _Planner:
             )
         for r in readers:
             self.reads(attn.get_submodule(r), prefix + r, norm)
-        out = "out_proj" if isinstance(attn, GatedDeltaNet) else "o_proj"
+        out = "out_proj" if isinstance(attn, (GatedDeltaNet, Mamba2Mixer)) else "o_proj"
         self.writes(attn.get_submodule(out), prefix + out)
         self.values(attn, prefix)
 
@@ -200,15 +204,12 @@ class _Planner:
                 MLAttention: "its output gate multiplies each channel",
                 GatedDeltaNet: "a norm sits between its values and out_proj",
                 KimiDeltaAttention: "a norm sits between its values and o_proj",
+                Mamba2Mixer: "a gated norm sits between its scan and out_proj",
             }[type(attn)]
             self.left_out.append(f"{prefix.rstrip('.')}: values left unrotated ({why})")
 
     def ffn(self, ffn: nn.Module, prefix: str, norm: Norm) -> None:
-        if isinstance(ffn, LatentMoE):
-            raise ConfigError(
-                f"algorithm rotate: {prefix.rstrip('.')}: the latent MoE is not rotated yet; quantize without rotate"
-            )
-        if isinstance(ffn, (GatedMLP, FusedGatedMLP)):
+        if isinstance(ffn, MLPS):
             self.mlp(ffn, prefix, norm)
             return
         if not isinstance(ffn, MoE):
@@ -217,18 +218,23 @@ class _Planner:
                 "know; quantize without rotate"
             )
         self.reads(ffn.gate, f"{prefix}{names_of(ffn, (ffn.gate,))[0]}.weight", norm)
-        leaf_in, leaf_out = ffn.experts.pieces.leaves
-        self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
-        self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
-        if ffn.experts.pieces.bias:  # down's bias lies along the stream, as a Linear's does
-            self.add(f"{prefix}experts.{leaf_out}_bias", Residual(-1))
+        if isinstance(ffn, LatentMoE):  # the experts compute in the latent, which is not rotated
+            down, up = ffn.projections
+            self.reads(getattr(ffn, down), f"{prefix}{down}", norm)
+            self.writes(getattr(ffn, up), f"{prefix}{up}")
+        else:
+            leaf_in, leaf_out = ffn.experts.pieces.leaves
+            self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
+            self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
+            if ffn.experts.pieces.bias:  # down's bias lies along the stream, as a Linear's does
+                self.add(f"{prefix}experts.{leaf_out}_bias", Residual(-1))
         if isinstance(ffn, GatedSharedExpertMoE):
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)
         elif ffn.shared_experts is not None:
             self.mlp(ffn.shared_experts, f"{prefix}{names_of(ffn, (ffn.shared_experts,))[0]}.", norm)
 
-    def mlp(self, mlp: GatedMLP | FusedGatedMLP, prefix: str, norm: Norm) -> None:
+    def mlp(self, mlp: GatedMLP | FusedGatedMLP | UngatedMLP, prefix: str, norm: Norm) -> None:
         for r in names_of(mlp, mlp.input_readers()):
             self.reads(mlp.get_submodule(r), f"{prefix}{r}", norm)
         self.writes(mlp.down_proj, f"{prefix}down_proj")
