@@ -149,6 +149,16 @@ def check_names(
 
 
 def _attentions(tensors: dict, source: SourceNames | None) -> set[str]:
-    """Attention modules (`...self_attn`) of the source, or of the export when the source is unknown."""
-    names = source.names if source is not None else tensors
-    return {m.group(1) for n in names if (m := re.match(r"(.*\.self_attn)\.", n))}
+    """Attention modules of the source, or of the export when the source is unknown."""
+    return attention_modules(source.names if source is not None else tensors)
+
+
+def attention_modules(names) -> set[str]:
+    """The attention modules among tensor `names`: every `...self_attn`, and a module of another name
+    that holds both a k_proj and a v_proj (Nemotron-H's `mixer`, the one mixer of an attention layer)."""
+    found = {m.group(1) for n in names if (m := re.match(r"(.*\.self_attn)\.", n))}
+    projections: dict[str, set[str]] = {}
+    for n in names:
+        if m := re.match(r"(.*)\.([kv]_proj)\.", n):
+            projections.setdefault(m.group(1), set()).add(m.group(2))
+    return found | {module for module, held in projections.items() if len(held) == 2}
