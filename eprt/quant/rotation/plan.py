@@ -10,20 +10,23 @@ folded into what reads it (‖hQ‖ = ‖h‖, so rmsnorm(hQ) = rmsnorm(h) Q whe
   centred on 0 and scales by 1 + w: Qwen3-Next's), its weight folded into each of its readers;
 - every reader of a norm's output (attention and mixer input projections, MLA's q_a/kv_a, the
   DSA indexer's wk and weights_proj, routers, every routed and shared expert's gate/up, the
-  shared-expert gate, dense MLPs, the head, MTP's eh_proj) reads W diag(g) Q over its input;
-- every writer into the stream (o_proj, a mixer's out_proj, every down projection, eh_proj)
+  shared-expert gate, dense MLPs, a latent MoE's down projection into its latent, Mamba's in_proj,
+  the head, MTP's eh_proj) reads W diag(g) Q over its input;
+- every writer into the stream (o_proj, a mixer's out_proj, every down projection, a latent MoE's
+  up projection out of its latent, eh_proj)
   writes Qᵀ W: its rows rotated, and its bias with them.
 
 The per-head rotation (R2) rotates each head's values by an orthogonal H of the head width and
 o_proj's columns of that head by the same H, where the attention is linear in each head's value:
 GQA without an output gate (v_proj's rows), MLA without one (kv_b_proj's value rows). Where a
 gate multiplies the attention output channel by channel (Qwen3-Next's gated attention, Kimi's
-MLA output gate) or a norm sits between the values and o_proj (Gated DeltaNet, KDA), H does not
+MLA output gate) or a norm sits between the values and o_proj (Gated DeltaNet, KDA, Mamba-2's gated
+group norm), H does not
 commute with it: those values stay unrotated, said in `left_out`.
 
 What cannot be rotated exactly is refused, naming it: tied embeddings (the head would need the
 final norm folded into the embedding table), a module of the stream this plan does not know
-(attention residuals, a latent MoE) or a residual rule other than the plain sum (each layer is read
+(attention residuals) or a residual rule other than the plain sum (each layer is read
 block by block: a norm, then the mixer that reads it and writes the stream), a tensor carried through the export untouched that reads or
 writes the stream (a vision tower's projector).
 """
