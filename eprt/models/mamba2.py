@@ -39,18 +39,20 @@ def ssd_scan(
     x_BTHP: torch.Tensor,
     dt_BTH: torch.Tensor,
     A_H: torch.Tensor,
-    B_BTHN: torch.Tensor,
-    C_BTHN: torch.Tensor,
+    B_BTGN: torch.Tensor,
+    C_BTGN: torch.Tensor,
     chunk: int,
 ) -> torch.Tensor:
     """The scan's output y [B, T, H, P] in fp32 (without the D skip) from the fp32 inputs: x, the
-    time steps dt (after softplus and clamping), A, and B and C already one per head."""
+    time steps dt (after softplus and clamping), A, and B and C one per group of H / G heads (each
+    chunk's widened to one per head as it runs)."""
     Bsz, T, H, P = x_BTHP.shape
-    state = x_BTHP.new_zeros(Bsz, H, P, B_BTHN.shape[-1])
+    per_group = H // B_BTGN.shape[2]
+    state = x_BTHP.new_zeros(Bsz, H, P, B_BTGN.shape[-1])
     ys = []
     for s in range(0, T, chunk):
         x, dt = x_BTHP[:, s : s + chunk], dt_BTH[:, s : s + chunk]
-        Bc, Cc = B_BTHN[:, s : s + chunk], C_BTHN[:, s : s + chunk]
+        Bc, Cc = (m[:, s : s + chunk].repeat_interleave(per_group, dim=2) for m in (B_BTGN, C_BTGN))
         xdt = x * dt[..., None]
         a_BHL = (A_H * dt).transpose(1, 2)
         within_BHL = a_BHL.cumsum(-1)  # the decay from the chunk's start through each step
@@ -139,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         # the time step in the model dtype, as the reference computes it, then fp32 like the rest
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.dt_limit).float()
         x32 = x.float().view(Bsz, T, H, P)
-        per_head = lambda m: m.float().view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)  # noqa: E731
-        y = ssd_scan(x32, dt, -torch.exp(self.A_log.float()), per_head(B), per_head(C), self.chunk)
+        B, C = (m.float().view(Bsz, T, G, N) for m in (B, C))
+        y = ssd_scan(x32, dt, -torch.exp(self.A_log.float()), B, C, self.chunk)
         y = y + self.D.float()[:, None] * x32
         return self.out_proj(self.norm(y.reshape(Bsz, T, self.inner), z).to(x_BTD.dtype))

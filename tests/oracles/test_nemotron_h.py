@@ -154,10 +154,13 @@ def test_what_eprt_does_not_run_is_refused_by_name(change, named):
 
 def test_the_chunked_scan_is_the_step_by_step_recurrence():
     """The scan chunk by chunk (memory bounded by the chunk) is the recurrence one step at a time:
-    state = exp(dt A) state + dt x B^T, y = state C, at any chunk size, a partial last chunk included."""
+    state = exp(dt A) state + dt x B^T, y = state C, at any chunk size, a partial last chunk included;
+    B and C shared by each group of heads (here 2 groups of 3)."""
     g = torch.Generator().manual_seed(0)
-    Bsz, L, H, Pd, N = 2, 11, 3, 4, 5
-    x, B, C = (torch.randn(Bsz, L, H, k, generator=g, dtype=torch.float64) for k in (Pd, N, N))
+    Bsz, L, H, Pd, N, G = 2, 11, 6, 4, 5, 2
+    x = torch.randn(Bsz, L, H, Pd, generator=g, dtype=torch.float64)
+    B_grouped, C_grouped = (torch.randn(Bsz, L, G, N, generator=g, dtype=torch.float64) for _ in "BC")
+    B, C = (m.repeat_interleave(H // G, dim=2) for m in (B_grouped, C_grouped))
     dt = torch.rand(Bsz, L, H, generator=g, dtype=torch.float64) * 0.5
     A = -torch.rand(H, generator=g, dtype=torch.float64) * 2
     state, want = torch.zeros(Bsz, H, Pd, N, dtype=torch.float64), []
@@ -167,7 +170,7 @@ def test_the_chunked_scan_is_the_step_by_step_recurrence():
         want.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
     want = torch.stack(want, dim=1)
     for chunk in (1, 4, 11, 16):
-        torch.testing.assert_close(ssd_scan(x, dt, A, B, C, chunk), want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(ssd_scan(x, dt, A, B_grouped, C_grouped, chunk), want, rtol=1e-10, atol=1e-10)
 
 
 def test_the_rotated_model_computes_the_same_where_nothing_carried_reads_the_stream(tmp_path):

@@ -66,8 +66,20 @@ class NemotronHConfig(FamilyConfig):
     def routed_width(self) -> int | None:
         return self.latent_size
 
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == kind)
+    def attention_bytes(self, seq_len: int, itemsize: int) -> int:
+        """A Mamba-2 mixer's transients for one sequence of T tokens (eprt.models.mamba2), which a
+        layer of attention does not hold at once with them: in_proj's output, the conv's padded
+        input and output, the time steps, x, B and C widened to fp32, the scan's outputs (per
+        chunk and joined), the D skip, the gated norm's four fp32 temporaries, out_proj's input;
+        and one chunk's [H, L, L] decays and scores, B and C widened per head, and the [H, P, N]
+        state before and after."""
+        m, T, b = self.mamba, seq_len, itemsize
+        inner, L = m.heads * m.head_dim, min(m.chunk_size, seq_len)
+        whole = T * b * (2 * inner + 3 * m.conv_dim + m.heads) + 4 * T * (
+            8 * inner + m.heads + 2 * m.groups * m.state_size
+        )
+        chunk = 4 * (5 * m.heads * L * L + 2 * L * m.heads * m.state_size + 2 * m.heads * m.head_dim * m.state_size)
+        return whole + chunk if MAMBA in self.layer_kinds else 0
 
 
 def layer_kinds(f: Fields, list_field: str, pattern_field: str, default: list[str] | None) -> list[str]:
