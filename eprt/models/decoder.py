@@ -213,6 +213,8 @@ class CausalLM(nn.Module):
     @property
     def model(self) -> nn.Module:
         """The decoder, whatever the checkpoint names it."""
+        if self.decoder_name not in self._modules:  # not yet built: no attribute, as nn.Module says
+            raise AttributeError(f"{type(self).__name__} has no decoder yet")
         return self._modules[self.decoder_name]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

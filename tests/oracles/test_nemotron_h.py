@@ -6,18 +6,25 @@ dims; the export gives back every source tensor byte for byte (the Omni's towers
 release's spelling of the config reads as transformers'; what eprt does not run is refused by name;
 the rotation runs where nothing carried reads the stream."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import eprt
 from eprt.errors import ConfigError
 from eprt.families import parse_hf_config
+from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
 from eprt.loading.loader import load_parallel
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.mamba2 import ssd_scan
 from eprt.parallel import ParallelState
 from eprt.quant.rotation.rotated import RotatedCheckpoint
+from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny, tiny_config
 from tests.hf_utils import read_hf_tensors
@@ -202,3 +209,29 @@ def test_make_tiny_writes_the_releases_names(tmp_path):
     assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in names and "backbone.embed_tokens.weight" not in names
     em = eprt.load_model(convert_hf(hf, str(tmp_path / "ck"), progress=False), dtype=torch.float32)
     assert [i for i, _ in em.moe_blocks()] == [1, 4]
+
+
+def test_eprt_check_refuses_a_quantized_router_which_the_engines_build_unquantized(tmp_path):
+    """An FP8 export passes eprt-check; the same export with the router's weight in FP8 beside its
+    scales (as a tool quantizing every Linear writes it) is refused, naming the router, with and
+    without the source: vLLM builds Nemotron-H's router (GateLinear) unquantized."""
+    hf = make_tiny("nemotron_h", str(tmp_path / "hf"), num_nextn_predict_layers=0)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, "fp8", q, calib_size=2, seq_len=16, eval_size=0, progress=False))
+    out = Path(export_hf(q, q + "-hf", progress=False))
+    assert check_export(str(out), hf) == []
+    router = "backbone.layers.1.mixer.gate"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"][f"{router}.weight"]
+    held = load_file(shard)
+    scale = held[f"{router}.weight"].float().abs().amax() / 448
+    held[f"{router}.weight"] = (held[f"{router}.weight"].float() / scale).to(torch.float8_e4m3fn)
+    held[f"{router}.weight_scale"], held[f"{router}.input_scale"] = scale, torch.tensor(1.0)
+    save_file(held, shard)
+    for name in ("weight_scale", "input_scale"):
+        index["weight_map"][f"{router}.{name}"] = index["weight_map"][f"{router}.weight"]
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    for source in (hf, None):
+        problems = check_export(str(out), source)
+        assert any(p.startswith(f"{router}.weight: quantized, but the engines build") for p in problems), problems

@@ -22,7 +22,7 @@ FAMILY = Family(
     ),
     # vLLM builds the router (GateLinear) unquantized; Mamba's conv1d, A_log, D, dt_bias and its
     # gated norm are no Linears; in_proj, out_proj and the latent projections load quantized
-    unquantized=(*COMMON_UNQUANTIZED, rf"{layout.DECODER}\.embed_tokens", r".*\.mixer\.gate"),
+    unquantized=(*COMMON_UNQUANTIZED, rf"{layout.DECODER}\.(embed_tokens|embeddings)", r".*\.mixer\.gate"),
 )
 OMNI_FAMILY = language_model_of(
     FAMILY,
