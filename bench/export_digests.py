@@ -72,6 +72,7 @@ SOURCES = (
 WIDE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128)
 MLA = dict(q_lora_rank=128, kv_lora_rank=128, v_head_dim=32)
 LINEAR = dict(head_dim=32, shared_expert_intermediate_size=128, linear_key_head_dim=32, linear_value_head_dim=32)
+NEMOTRON_H = dict(head_dim=32, mamba_head_dim=32, moe_latent_size=128, moe_shared_expert_intermediate_size=128)
 WIDER = {
     "qwen3_moe": dict(head_dim=32),
     "glm4_moe": dict(head_dim=32),
@@ -90,6 +91,9 @@ WIDER = {
     "minimax_m3_vl": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
     "minimax_m3_vl_text": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
     "llama4": dict(head_dim=32, intermediate_size_mlp=256),  # o_proj reads 4 heads of 32; the dense layers' MLP
+    # out_proj reads 4 Mamba heads of 32; the routed experts and fc2 read the latent; the shared expert its width
+    "nemotron_h": NEMOTRON_H,
+    "nemotron_h_omni": NEMOTRON_H,
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.
@@ -230,11 +234,13 @@ def converted(tmp: str, name: str, family: str, kw: dict, digests: dict) -> str:
 def wide(family: str) -> dict:
     """make_tiny's keywords of the family's wide tiny model (WIDER), nested configs merged."""
     config = tiny_config(family)
-    text = config.get("text_config")  # a multimodal family's language model
+    # a multimodal family's language model (Nemotron-H-Omni's release calls it llm_config)
+    key = next((k for k in ("text_config", "llm_config") if k in config), None)
+    text = config.get(key)
     sizes = {**WIDE, **WIDER[family]}
     within = text if text is not None else config
     merged = {k: {**within[k], **v} if isinstance(v, dict) else v for k, v in sizes.items()}
-    return {"text_config": {**text, **merged}} if text is not None else merged
+    return {key: {**text, **merged}} if text is not None else merged
 
 
 def all_digests(

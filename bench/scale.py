@@ -1,8 +1,9 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's and
-Llama-4 Maverick's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's,
+Llama-4 Maverick's and Nemotron-3 Ultra's real tensor counts and real dims, on any machine.
 
     python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa
-                           --model minimax_m2 --model minimax_m3 --model llama4_maverick]
+                           --model minimax_m2 --model minimax_m3 --model llama4_maverick
+                           --model nemotron3_ultra]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
@@ -39,6 +40,7 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import (  # noqa: E402
+    CARRIED_MTP,
     RELEASED_AS,
     make_tiny,
     mtp_layout,  # noqa: E402
@@ -206,6 +208,33 @@ REAL = {
         rope_scaling=None,
         max_position_embeddings=1048576,
     ),
+    # Nemotron-3 Ultra (550B-A55B), an estimate: NVIDIA states the hidden size (8192), the latent (2048), 512
+    # experts with 22 active, LatentMoE and one MTP layer; the layer pattern, Mamba-2 and attention sizes
+    # are Nemotron-3 Nano's and Super's scaled to that width, the experts' widths set to give 550B-A55B
+    "nemotron3_ultra": dict(
+        model_type="nemotron_h",
+        vocab_size=131072,
+        hidden_size=8192,
+        hybrid_override_pattern="MEMEM*EMEMEM*E" * 6 + "MEME",
+        num_attention_heads=64,
+        num_key_value_heads=2,
+        head_dim=128,
+        mamba_num_heads=256,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        chunk_size=128,
+        n_routed_experts=512,
+        num_experts_per_tok=22,
+        moe_intermediate_size=6400,
+        moe_shared_expert_intermediate_size=12288,
+        moe_latent_size=2048,
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=1,
+        mtp_hybrid_override_pattern="*E",
+        max_position_embeddings=1048576,
+    ),
 }
 # each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
 # shards: about 5 GB each where the count is not the release's own)
@@ -217,6 +246,7 @@ RELEASE = {
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
+    "nemotron3_ultra": ("nemotron_h", {}, 110),  # bf16 (its NVFP4 release is ModelOpt's own export)
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -258,6 +288,21 @@ TINY_DIMS = {
         sparse_attention_config={"sparse_index_dim": 16},
         max_position_embeddings=4096,
     ),
+    "nemotron_h": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64,
+        moe_latent_size=32,
+        max_position_embeddings=4096,
+    ),
     "llama4_text": dict(
         vocab_size=512,
         hidden_size=64,
@@ -290,7 +335,8 @@ def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
     shapes = {s.name: s.shape for s in layout.specs}
-    for spec in layout.mtp or mtp_layout(hf).specs:
+    carried = CARRIED_MTP.get(cfg.family)  # MTP layers carried by their Hugging Face names (Nemotron-H's)
+    for spec in layout.mtp or (carried(cfg) if carried else mtp_layout(hf).specs):
         shapes.update(
             {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
         )

@@ -136,6 +136,14 @@ INTEGER_FIELDS = frozenset(
         "linear_value_head_dim",
         "shared_expert_intermediate_size",
         "full_attention_interval",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "n_groups",
+        "conv_kernel",
+        "chunk_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_latent_size",
     }
 )
 # The counts that may be 0 (no experts, no dense MLP, no low-rank q, no MTP layers, no rope dims
@@ -158,6 +166,7 @@ ZERO_ALLOWED = frozenset(
         "num_nextn_predict_layers",
         "num_mtp_layers",
         "shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
         "index_topk_freq",  # GLM-5's index-sharing schedule: 0 reads as 1, as transformers reads it
         "index_skip_topk_offset",
     }
@@ -172,6 +181,7 @@ REAL_FIELDS = frozenset(
         "gate_lower_bound",
         "partial_rotary_factor",
         "llama_4_scaling_beta",
+        "layer_norm_epsilon",
         # the RoPE scaling parameters (rope_scaling / rope_parameters)
         "factor",
         "attention_factor",
@@ -185,6 +195,7 @@ REAL_FIELDS = frozenset(
 # frequencies theta^(-2i/d) fall only for theta above 1 (YaRN divides by log(theta)).
 REAL_ABOVE = {
     "rms_norm_eps": 0,
+    "layer_norm_epsilon": 0,
     "rope_theta": 1,
     "factor": 0,
     "beta_fast": 0,
@@ -193,7 +204,9 @@ REAL_ABOVE = {
 }
 # Lists of layers: indices (from their first index) or a kind per layer.
 LAYER_INDEX_FIELDS = {"kda_layers": 1, "mlp_only_layers": 0}
-LAYER_KIND_FIELDS = frozenset({"layer_types", "mlp_layer_types", "indexer_types"})
+LAYER_KIND_FIELDS = frozenset(
+    {"layer_types", "mlp_layer_types", "indexer_types", "layers_block_type", "mtp_layers_block_type"}
+)
 
 # The largest count or size a config may declare, each far beyond any released model (the largest
 # in brackets) and small enough that what eprt builds from a config before it reads a weight (a

@@ -45,6 +45,8 @@ FAMILIES = [
     "minimax_m2",
     "minimax_m3_vl",
     "minimax_m3_vl_text",
+    "nemotron_h",
+    "nemotron_h_omni",
 ]
 # each shipped one-format recipe once, with and without an FP8 KV cache among them: the KV scales on quantized
 # attention (fp8), on attention left unquantized (nvfp4_experts_only), and none (nvfp4)
@@ -63,14 +65,16 @@ COMPANIONS = {
 # Qwen3-Next's and Qwen3.5's shared-expert gate and linear-attention b/a projections (vLLM merges
 # them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
 # vLLM and SGLang) and shared head (an lm head), MiniMax-M3's block-sparse indexer (it only chooses
-# key blocks) and its projectors.
+# key blocks) and its projectors, Nemotron-H's router (mixer.gate), embeddings and the MTP layers it
+# carries through, Nemotron-H-Omni's vision and sound towers and projectors.
 NEVER_QUANTIZED = re.compile(
     r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
     r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|(mm|multi_modal)_projector\..*"
     r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
     r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
     r"|.*\.self_attn\.(index_|indexer\.)(q|k)_proj|multi_modal_projector\..*|patch_merge_mlp\..*"
-    r"|.*\.eh_proj|.*\.shared_head\.head)"
+    r"|.*\.eh_proj|.*\.shared_head\.head|.*\.mixer\.gate|.*backbone\.embeddings|(language_model\.)?mtp\..*"
+    r"|(vision_model|mlp1|vision_projector|sound_encoder|sound_projection)\..*)"
 )
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
@@ -81,7 +85,8 @@ def source_names(hf_dir: str) -> dict[str, tuple[int, ...]]:
 
 def text_layers(hf_dir: str) -> int:
     config = json.loads(Path(hf_dir, "config.json").read_text())
-    return config.get("text_config", config)["num_hidden_layers"]
+    text = config.get("text_config") or config.get("llm_config") or config  # a VLM's language model
+    return len(text["hybrid_override_pattern"]) if "hybrid_override_pattern" in text else text["num_hidden_layers"]
 
 
 def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
@@ -109,7 +114,9 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
             out.add(name)
     if kv:
         # attentions with a KV cache: softmax attention (q/k/v or MLA), not Kimi's delta attention (A_log)
-        attns = {m.group(1) for n in sources if (m := re.match(r"(.*\.self_attn)\.(k_proj|kv_a_proj_with_mqa)\.", n))}
+        # (Nemotron-H's attention is a layer's `mixer`; its carried MTP layers have none)
+        found = (re.match(r"(.*\.(self_attn|mixer))\.(k_proj|kv_a_proj_with_mqa)\.", n) for n in sources)
+        attns = {m.group(1) for m in found if m and "mtp." not in m.group(1)}
         attns -= {n.rsplit(".", 1)[0] for n in sources if n.endswith(".A_log")}
         attns = {a for a in attns if int(re.search(r"layers\.(\d+)\.", a).group(1)) < layers or mtp}
         out |= {f"{a}.k_proj.k_scale" for a in attns} | {f"{a}.v_proj.v_scale" for a in attns}

@@ -27,6 +27,8 @@ REFUSED = {
     "kimi_k25": "mm_projector.",
     "minimax_m3_vl": "multi_modal_projector.",
     "llama4": "multi_modal_projector.",
+    "nemotron_h": "mtp.layers.",  # its multi-token-prediction layers carried through untouched
+    "nemotron_h_omni": "mtp.layers.",
 }
 # Llama-4's language model rotates where the VLM's projector keeps it from rotating
 ROTATED = [f for f in FAMILIES if f not in REFUSED] + ["llama4_text"]

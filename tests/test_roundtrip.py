@@ -47,6 +47,8 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "mistral4",
         "minimax_m2",
         "llama4",
+        "nemotron_h",
+        "nemotron_h_omni",
     ],
 )
 @pytest.mark.parametrize("shards", [1, 3])

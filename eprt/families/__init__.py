@@ -29,6 +29,7 @@ from eprt.families import (
     minimax_m2,
     minimax_m3_vl,
     mistral4,
+    nemotron_h,
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
@@ -57,6 +58,8 @@ FAMILIES: tuple[Family, ...] = (
     minimax_m3_vl.FAMILY,
     llama4.TEXT_FAMILY,
     llama4.FAMILY,
+    nemotron_h.FAMILY,
+    nemotron_h.OMNI_FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -19,7 +19,7 @@ import math
 import re
 from collections import defaultdict
 
-from eprt.hf.check_names import SourceNames, check_names
+from eprt.hf.check_names import SourceNames, attention_modules, check_names
 from eprt.quant.formats import WEIGHT_FORMATS, WeightFormat, by_ct_format, by_ct_weight
 from eprt.quant.fusion import SAME_INPUT
 from eprt.storage.encodings import MIXED_FORMAT, matches
@@ -312,7 +312,7 @@ def _check_kv(qc: dict, ignore: list[str], tensors: dict, problems: list[str]) -
     config declares a kv_cache_scheme, but an ignored one (a layer carried through unmodeled,
     DeepSeek-V3's MTP layer). Returns the KV leaves the export may hold."""
     declared = qc.get("kv_cache_scheme") is not None
-    attentions = {m.group(1) for n in tensors if (m := re.match(r"(.*\.self_attn)\.", n))}
+    attentions = attention_modules(tensors)
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf in KV_LEAVES and not declared:

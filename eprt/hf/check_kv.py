@@ -5,6 +5,7 @@ fp32 arithmetic survives (eprt.hf.check_scale_range)."""
 from __future__ import annotations
 
 from eprt.hf.check_exclusions import Exclusions
+from eprt.hf.check_names import attention_modules
 from eprt.hf.check_scale_range import check_kv, scalar_scale
 from eprt.quant.formats.kv import kv_by_quant_algo
 
@@ -19,15 +20,10 @@ def check_kv_scales(tensors: dict, kv_algo: str | None, exclude: Exclusions, pro
 
     A layer excluded whole by a pattern (DeepSeek-V3's multi-token-prediction layer,
     `model.layers.61.*`) is outside the quantized model and needs none."""
-    attention = set()
-    linear_attention = set()
-    for name in tensors:
-        head, sep, rest = name.partition(".self_attn.")
-        if sep and not name.startswith(VISION_PREFIXES):
-            attention.add(head + ".self_attn")
-            if rest == "A_log":  # KDA keeps a recurrent state, not a KV cache
-                linear_attention.add(head + ".self_attn")
-    attention -= linear_attention
+    # KDA keeps a recurrent state (its A_log), not a KV cache
+    attention = {
+        a for a in attention_modules(tensors) if not a.startswith(VISION_PREFIXES) and f"{a}.A_log" not in tensors
+    }
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf not in KV_SCALES:
@@ -35,7 +31,7 @@ def check_kv_scales(tensors: dict, kv_algo: str | None, exclude: Exclusions, pro
         if kv_algo is None:
             problems.append(f"{name}: KV-cache scale in an export without kv_cache_quant_algo")
         elif module.rpartition(".")[0] not in attention or not module.endswith(f".{KV_SCALES[leaf]}"):
-            problems.append(f"{name}: not on an attention layer's self_attn.{KV_SCALES[leaf]}")
+            problems.append(f"{name}: not on an attention layer's {KV_SCALES[leaf]}")
     kv = kv_by_quant_algo(kv_algo)
     if kv is None:
         return

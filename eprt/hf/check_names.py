@@ -19,6 +19,7 @@ import re
 from eprt.errors import EprtError
 from eprt.families import load_hf_config, parse_hf_config, reader_for
 from eprt.hf.source import HFSource
+from eprt.layout import Layout
 from eprt.storage.hf_files import CONFIG
 
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
@@ -44,10 +45,17 @@ MTP_UNQUANTIZED = re.compile(r".*\.layers\.\d+\.(eh_proj|shared_head\.head)")
 class SourceNames:
     """The source tensors an export may carry: exact names, plus regexes for tensors carried through."""
 
-    def __init__(self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False):
+    def __init__(
+        self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False, unquantized: tuple[str, ...] = ()
+    ):
         self.names = names
         self.passthrough = passthrough
         self.exact = exact  # the whole source is known: a missing tensor is a fault too
+        # regexes over the modules the engines build unquantized in the source's family (Family.unquantized)
+        self.unquantized = unquantized
+
+    def built_unquantized(self, module: str) -> bool:
+        return any(re.fullmatch(p, module) for p in self.unquantized)
 
     def __contains__(self, name: str) -> bool:
         return name in self.names or any(re.fullmatch(p, name) for p in self.passthrough)
@@ -68,20 +76,26 @@ def decoded_names(names) -> set[str]:
 def source_names_from_dir(source_dir: str) -> SourceNames:
     src = HFSource(source_dir)
     try:
-        return SourceNames(per_expert_names(decoded_names(src.tensors), source_dir), exact=True)
+        layout = family_layout(source_dir)
+        names = per_expert_names(decoded_names(src.tensors), layout)
+        return SourceNames(names, exact=True, unquantized=layout.unquantized if layout else ())
     finally:
         src.close()
 
 
-def per_expert_names(names: set[str], source_dir: str) -> set[str]:
-    """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
-    names the quantized export writes them under: engines load a quantized expert per expert."""
+def family_layout(source_dir: str) -> Layout | None:
+    """The family layout of the source's config.json; None when eprt cannot read it."""
     try:
         _, cfg = load_hf_config(source_dir)
-        layout = reader_for(cfg.model_type, source_dir).layout(cfg)
+        return reader_for(cfg.model_type, source_dir).layout(cfg)
     except EprtError:
-        return names
-    for spec in layout.specs:
+        return None
+
+
+def per_expert_names(names: set[str], layout: Layout | None) -> set[str]:
+    """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
+    names the quantized export writes them under: engines load a quantized expert per expert."""
+    for spec in layout.specs if layout else ():
         if spec.fused in names:
             names = (names - {spec.fused}) | set(spec.sources)
     return names
@@ -100,7 +114,8 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     passthrough = tuple(p for p in layout.passthrough if not any(re.fullmatch(p, n) for n in mtp))
     # a tensor spelled two ways (eprt.layout.TensorSpec.alias) may be under either name
     aliases = {spec.alias for spec in layout.specs if spec.alias}
-    return SourceNames({s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough)
+    names = {s for spec in layout.specs for s in spec.sources} | aliases | mtp
+    return SourceNames(names, passthrough, unquantized=layout.unquantized)
 
 
 def check_names(
@@ -124,6 +139,11 @@ def check_names(
                 problems.append(
                     f"{name}: quantized, but vLLM and SGLang build a multi-token-prediction layer's "
                     f"{m.group(1)} unquantized and cannot load it; keep it in the source dtype"
+                )
+            if leaf == "weight" and source is not None and source.built_unquantized(module):
+                problems.append(
+                    f"{name}: quantized, but the engines build {module} unquantized in this family (a router, "
+                    "an embedding, a projection they load without a quantization config); keep it in the source dtype"
                 )
             if source is not None and f"{module}.weight" not in source:
                 problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
@@ -149,6 +169,16 @@ def check_names(
 
 
 def _attentions(tensors: dict, source: SourceNames | None) -> set[str]:
-    """Attention modules (`...self_attn`) of the source, or of the export when the source is unknown."""
-    names = source.names if source is not None else tensors
-    return {m.group(1) for n in names if (m := re.match(r"(.*\.self_attn)\.", n))}
+    """Attention modules of the source, or of the export when the source is unknown."""
+    return attention_modules(source.names if source is not None else tensors)
+
+
+def attention_modules(names) -> set[str]:
+    """The attention modules among tensor `names`: every `...self_attn`, and a module of another name
+    that holds both a k_proj and a v_proj (Nemotron-H's `mixer`, the one mixer of an attention layer)."""
+    found = {m.group(1) for n in names if (m := re.match(r"(.*\.self_attn)\.", n))}
+    projections: dict[str, set[str]] = {}
+    for n in names:
+        if m := re.match(r"(.*)\.([kv]_proj)\.", n):
+            projections.setdefault(m.group(1), set()).add(m.group(2))
+    return found | {module for module, held in projections.items() if len(held) == 2}

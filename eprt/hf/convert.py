@@ -661,8 +661,10 @@ def referenced(src: HFSource, p: Planned) -> TensorMeta:
 
 
 def renamed(spec: TensorSpec) -> bool:
-    """Whether the source spelled this tensor otherwise (eprt.layout.TensorSpec.alias): export writes that name back."""
-    return spec.alias is not None and spec.sources == (spec.alias,)
+    """Whether the source spelled this tensor otherwise than eprt names it (eprt.layout.TensorSpec.alias,
+    or a plain tensor whose one source has a name of its own: Nemotron-H's `backbone.embeddings`):
+    export writes that name back."""
+    return not spec.stacked and spec.sources != (spec.name,)
 
 
 def copy_hf_files(hf_dir: str, tmp: str, chat_template: str | None = None) -> list[str]:

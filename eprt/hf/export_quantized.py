@@ -114,9 +114,11 @@ class QuantizedExport:
             for j, src in enumerate(spec.sources)
         }
         self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
-        # weights the source spells otherwise (eprt.layout.TensorSpec.alias): the export keeps its names
+        # weights the source spells otherwise (eprt.hf.convert.renamed): the export keeps its names
         self.source_name = {
-            s.name: ck.meta(s.name).fused_source for s in self.layout.specs if s.alias and ck.meta(s.name).fused_source
+            s.name: ck.meta(s.name).fused_source
+            for s in self.layout.specs
+            if not s.stacked and s.name in ck.tensors and ck.meta(s.name).fused_source
         }
         self.eprt_name = {hf: name for name, hf in self.source_name.items()}
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch

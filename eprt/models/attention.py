@@ -100,7 +100,10 @@ class GQAttention(nn.Module):
         """Sparse attention's choice of keys (causal_attention's keep), or None: every earlier key."""
         return None
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Without rotary tables (a block built with rotary=False: Nemotron-H's), no position is encoded."""
         B, T, _ = x_BTD.shape
         q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
         if self.whole_qk_norm:
@@ -113,7 +116,8 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+        if cos is not None:
+            q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
         if self.taps.observe is not None:
             self.taps.observe(k, v)
         if self.taps.replace is not None:

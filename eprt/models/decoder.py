@@ -200,12 +200,22 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """`model(input_ids)` ([B, T] int64, causal, no padding) -> logits [B, T, vocab]."""
 
+    # The name the checkpoint gives the decoder, the prefix of its tensors (Nemotron-H's `backbone`).
+    decoder_name = "model"
+
     def __init__(self, c: ModelConfig, layers: list[nn.Module], decoder: type[nn.Module] = Decoder):
         super().__init__()
         self.config = c
-        self.model = decoder(c, layers)
+        self.add_module(self.decoder_name, decoder(c, layers))
         # Tied embeddings: the head reads model.embed_tokens.weight and has no tensor of its own.
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
+
+    @property
+    def model(self) -> nn.Module:
+        """The decoder, whatever the checkpoint names it."""
+        if self.decoder_name not in self._modules:  # not yet built: no attribute, as nn.Module says
+            raise AttributeError(f"{type(self).__name__} has no decoder yet")
+        return self._modules[self.decoder_name]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.logits(self.model(input_ids))
@@ -217,7 +227,7 @@ class CausalLM(nn.Module):
 
     def decoder(self) -> tuple[str, nn.Module]:
         """(the prefix of its tensor names, the decoder): what a layer-by-layer run walks."""
-        return "model.", self.model
+        return f"{self.decoder_name}.", self.model
 
     def moe_blocks(self) -> list[tuple[int, MoE]]:
         return [(i, layer.routed) for i, layer in enumerate(self.model.layers) if layer.routed is not None]

@@ -157,3 +157,27 @@ class FusedGatedMLP(nn.Module):
 
     def activation_group(self, what: str) -> Balance:
         return Unbalanced(self.down_proj, "its input: gate and up are one projection (gate_up_proj)")
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up x)), no gate: Nemotron-H's dense layers and shared experts (act relu(up)^2)."""
+
+    def __init__(self, hidden: int, width: int, act=relu2):
+        super().__init__()
+        self.up_proj = Linear(hidden, width)
+        self.down_proj = Linear(width, hidden)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+    def balance_groups(self, norm: nn.Module) -> list[Balance]:
+        """AWQ's groups (eprt.models.balance): up reads the norm's output; down reads act(up x),
+        which a scale on up's rows does not pass through unchanged."""
+        return [BalanceGroup("MLP input", norm, self.input_readers()), self.activation_group("MLP activation")]
+
+    def input_readers(self) -> tuple[nn.Module, ...]:
+        return (self.up_proj,)
+
+    def activation_group(self, what: str) -> Balance:
+        return Unbalanced(self.down_proj, "its input: the activation is not SwiGLU's")

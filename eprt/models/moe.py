@@ -235,9 +235,10 @@ class GatedSharedExpertMoE(MoE):
 
 
 class LatentMoE(MoE):
-    """Routed experts that work in a smaller latent space (Kimi-K3): the router reads x, the
-    experts read z = routed_expert_down_proj(x); their combined output is normalized (when the
-    model has the norm) and projected back up. The shared experts read x."""
+    """Routed experts that work in a smaller latent space (Kimi-K3, Nemotron-3 Super and Ultra):
+    the router reads x, the experts read z = down(x); their combined output is normalized (when the
+    model has the norm) and projected back up. The shared experts read x. The projections carry
+    the checkpoint's names (`projections`: down's, up's; Kimi-K3's unless given)."""
 
     def __init__(
         self,
@@ -247,15 +248,17 @@ class LatentMoE(MoE):
         hidden: int,
         latent: int,
         norm_eps: float | None,
+        projections: tuple[str, str] = ("routed_expert_down_proj", "routed_expert_up_proj"),
     ):
         super().__init__(gate, experts, shared_experts)
-        self.routed_expert_down_proj = Linear(hidden, latent)
+        self.projections = projections
+        self.add_module(projections[0], Linear(hidden, latent))
         self.routed_expert_norm = RMSNorm(latent, norm_eps) if norm_eps is not None else None
-        self.routed_expert_up_proj = Linear(latent, hidden)
+        self.add_module(projections[1], Linear(latent, hidden))
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         topk_ids_TK, topk_weights_TK = self.gate(x_TD)
-        return self.routed_expert_down_proj(x_TD), topk_ids_TK, topk_weights_TK
+        return getattr(self, self.projections[0])(x_TD), topk_ids_TK, topk_weights_TK
 
     def balance_groups(self, norm: nn.Module) -> list[Balance]:
         return [Unbalanced(self, "the routed experts read a projection of the norm's output")]
@@ -263,4 +266,4 @@ class LatentMoE(MoE):
     def routed_out(self, y_TZ: torch.Tensor) -> torch.Tensor:
         if self.routed_expert_norm is not None:
             y_TZ = self.routed_expert_norm(y_TZ)
-        return self.routed_expert_up_proj(y_TZ)
+        return getattr(self, self.projections[1])(y_TZ)

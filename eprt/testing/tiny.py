@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save
 
 from eprt.families import Family, parse_hf_config, reader_for
+from eprt.families.nemotron_h import layout as nemotron_h
 from eprt.layout import Layout, TensorSpec, plain
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import component_names, expand_blocks, matches
@@ -82,7 +83,7 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if re.search(
-        r"\.((mlp|block_sparse_moe)\.gate|feed_forward\.router)\.weight$", name
+        r"\.((mlp|block_sparse_moe|mixer)\.gate|feed_forward\.router)\.weight$", name
     ):  # routers: spread enough that routing is not a tie
         return 0.5 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
@@ -148,6 +149,21 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
             "multi_modal_projector.linear_1.weight": (hidden, 32),
         }
         return {name: init(name, shape, g) for name, shape in shapes.items()}
+    if model_type == "nemotron_h_omni":  # RADIO, its final norm and projector (mlp1), the sound encoder's
+        shapes = {
+            "vision_model.radio_model.model.patch_generator.embedder.weight": (16, 48),
+            "vision_model.radio_model.model.blocks.0.attn.qkv.weight": (48, 16),
+            "vision_model.radio_model.model.blocks.0.attn.qkv.bias": (48,),
+            "vision_model.radio_model.model.blocks.0.norm1.weight": (16,),
+            "vision_projector.vision_final_layernorm.weight": (16,),
+            "mlp1.0.weight": (64,),
+            "mlp1.1.weight": (32, 64),
+            "mlp1.3.weight": (hidden, 32),
+            "sound_encoder.encoder.layers.0.feed_forward1.linear1.weight": (32, 16),
+            "sound_projection.linear1.weight": (32, 16),
+            "sound_projection.linear2.weight": (hidden, 32),
+        }
+        return {name: init(name, shape, g) for name, shape in shapes.items()}
     if model_type == "kimi_vl":  # MoonViT and its projector (patches merged 2 x 2)
         shapes = {
             "vision_tower.patch_embed.proj.weight": (16, 3, 2, 2),
@@ -197,6 +213,13 @@ def mtp_layout(hf: dict) -> Layout:
     return Layout(tuple(specs))
 
 
+# Families whose multi-token-prediction layers eprt carries without running them: their tensors
+CARRIED_MTP = {
+    "nemotron_h": nemotron_h.mtp_layers,
+    "nemotron_h_omni": lambda c: nemotron_h.mtp_layers(c, "language_model."),
+}
+
+
 def make_tiny(
     family: str,
     out: str,
@@ -227,6 +250,8 @@ def make_tiny(
     specs = list(layout.specs)
     if cfg.num_nextn_predict_layers:
         specs += mtp_layout(hf).specs
+    if cfg.family in CARRIED_MTP:
+        specs += CARRIED_MTP[cfg.family](cfg)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for spec in specs:

@@ -54,6 +54,7 @@ FAMILIES = [
     "minimax_m2",
     "minimax_m3_vl_text",  # MiniMax-M3's language model (the VLM's, spelled as released, is the same model)
     "llama4",
+    "nemotron_h",
 ]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2 and GLM-5, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart

@@ -10,20 +10,23 @@ folded into what reads it (‖hQ‖ = ‖h‖, so rmsnorm(hQ) = rmsnorm(h) Q whe
   centred on 0 and scales by 1 + w: Qwen3-Next's), its weight folded into each of its readers;
 - every reader of a norm's output (attention and mixer input projections, MLA's q_a/kv_a, the
   DSA indexer's wk and weights_proj, routers, every routed and shared expert's gate/up, the
-  shared-expert gate, dense MLPs, the head, MTP's eh_proj) reads W diag(g) Q over its input;
-- every writer into the stream (o_proj, a mixer's out_proj, every down projection, eh_proj)
+  shared-expert gate, dense MLPs, a latent MoE's down projection into its latent, Mamba's in_proj,
+  the head, MTP's eh_proj) reads W diag(g) Q over its input;
+- every writer into the stream (o_proj, a mixer's out_proj, every down projection, a latent MoE's
+  up projection out of its latent, eh_proj)
   writes Qᵀ W: its rows rotated, and its bias with them.
 
 The per-head rotation (R2) rotates each head's values by an orthogonal H of the head width and
 o_proj's columns of that head by the same H, where the attention is linear in each head's value:
 GQA without an output gate (v_proj's rows), MLA without one (kv_b_proj's value rows). Where a
 gate multiplies the attention output channel by channel (Qwen3-Next's gated attention, Kimi's
-MLA output gate) or a norm sits between the values and o_proj (Gated DeltaNet, KDA), H does not
+MLA output gate) or a norm sits between the values and o_proj (Gated DeltaNet, KDA, Mamba-2's gated
+group norm), H does not
 commute with it: those values stay unrotated, said in `left_out`.
 
 What cannot be rotated exactly is refused, naming it: tied embeddings (the head would need the
 final norm folded into the embedding table), a module of the stream this plan does not know
-(attention residuals, a latent MoE) or a residual rule other than the plain sum (each layer is read
+(attention residuals) or a residual rule other than the plain sum (each layer is read
 block by block: a norm, then the mixer that reads it and writes the stream), a tensor carried through the export untouched that reads or
 writes the stream (a vision tower's projector).
 """
@@ -39,12 +42,14 @@ from eprt.models.attention import GQAttention
 from eprt.models.decoder import DecoderLayer
 from eprt.models.gated_delta import GatedDeltaNet
 from eprt.models.kda import KimiDeltaAttention
-from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, ZeroCenteredRMSNorm
+from eprt.models.layers import FusedGatedMLP, GatedMLP, Linear, RMSNorm, UngatedMLP, ZeroCenteredRMSNorm
+from eprt.models.mamba2 import Mamba2Mixer
 from eprt.models.mla import MLAttention
 from eprt.models.moe import GatedSharedExpertMoE, LatentMoE, MoE
 
 R1_SEED, R2_SEED = 0, 1  # the residual rotation's and the per-head rotation's draws (hadamard.random_hadamard)
 DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary"}
+MLPS = (GatedMLP, FusedGatedMLP, UngatedMLP)
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ class _Planner:
         for block in layer.blocks:  # each block's norm, then what reads it and writes the stream
             norm = self.norm(getattr(layer, block.norm), f"{prefix}{block.norm}")
             mixer = getattr(layer, block.mixer)
-            mixes = self.ffn if isinstance(mixer, (GatedMLP, FusedGatedMLP, MoE)) else self.mixer
+            mixes = self.ffn if isinstance(mixer, (*MLPS, MoE)) else self.mixer
             mixes(mixer, f"{prefix}{block.mixer}.", norm)
 
     def mixer(self, attn: nn.Module, prefix: str, norm: Norm) -> None:
@@ -172,6 +177,8 @@ class _Planner:
         elif isinstance(attn, KimiDeltaAttention):
             readers = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj"]
             readers += ["g_proj"] if attn.full_rank_gate else ["g_a_proj"]
+        elif isinstance(attn, Mamba2Mixer):
+            readers = names_of(attn, attn.input_readers())
         else:
             raise ConfigError(
                 f"algorithm rotate: {prefix.rstrip('.')} ({type(attn).__name__}) is a mixer the rotation does "
@@ -179,7 +186,7 @@ class _Planner:
             )
         for r in readers:
             self.reads(attn.get_submodule(r), prefix + r, norm)
-        out = "out_proj" if isinstance(attn, GatedDeltaNet) else "o_proj"
+        out = "out_proj" if isinstance(attn, (GatedDeltaNet, Mamba2Mixer)) else "o_proj"
         self.writes(attn.get_submodule(out), prefix + out)
         self.values(attn, prefix)
 
@@ -200,15 +207,12 @@ class _Planner:
                 MLAttention: "its output gate multiplies each channel",
                 GatedDeltaNet: "a norm sits between its values and out_proj",
                 KimiDeltaAttention: "a norm sits between its values and o_proj",
+                Mamba2Mixer: "a gated norm sits between its scan and out_proj",
             }[type(attn)]
             self.left_out.append(f"{prefix.rstrip('.')}: values left unrotated ({why})")
 
     def ffn(self, ffn: nn.Module, prefix: str, norm: Norm) -> None:
-        if isinstance(ffn, LatentMoE):
-            raise ConfigError(
-                f"algorithm rotate: {prefix.rstrip('.')}: the latent MoE is not rotated yet; quantize without rotate"
-            )
-        if isinstance(ffn, (GatedMLP, FusedGatedMLP)):
+        if isinstance(ffn, MLPS):
             self.mlp(ffn, prefix, norm)
             return
         if not isinstance(ffn, MoE):
@@ -217,18 +221,23 @@ class _Planner:
                 "know; quantize without rotate"
             )
         self.reads(ffn.gate, f"{prefix}{names_of(ffn, (ffn.gate,))[0]}.weight", norm)
-        leaf_in, leaf_out = ffn.experts.pieces.leaves
-        self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
-        self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
-        if ffn.experts.pieces.bias:  # down's bias lies along the stream, as a Linear's does
-            self.add(f"{prefix}experts.{leaf_out}_bias", Residual(-1))
+        if isinstance(ffn, LatentMoE):  # the experts compute in the latent, which is not rotated
+            down, up = ffn.projections
+            self.reads(getattr(ffn, down), f"{prefix}{down}", norm)
+            self.writes(getattr(ffn, up), f"{prefix}{up}")
+        else:
+            leaf_in, leaf_out = ffn.experts.pieces.leaves
+            self.reads(ffn.experts, f"{prefix}experts.{leaf_in}", norm)
+            self.writes(ffn.experts, f"{prefix}experts.{leaf_out}")
+            if ffn.experts.pieces.bias:  # down's bias lies along the stream, as a Linear's does
+                self.add(f"{prefix}experts.{leaf_out}_bias", Residual(-1))
         if isinstance(ffn, GatedSharedExpertMoE):
             self.mlp(ffn.shared_expert, f"{prefix}shared_expert.", norm)
             self.reads(ffn.shared_expert_gate, f"{prefix}shared_expert_gate", norm)
         elif ffn.shared_experts is not None:
             self.mlp(ffn.shared_experts, f"{prefix}{names_of(ffn, (ffn.shared_experts,))[0]}.", norm)
 
-    def mlp(self, mlp: GatedMLP | FusedGatedMLP, prefix: str, norm: Norm) -> None:
+    def mlp(self, mlp: GatedMLP | FusedGatedMLP | UngatedMLP, prefix: str, norm: Norm) -> None:
         for r in names_of(mlp, mlp.input_readers()):
             self.reads(mlp.get_submodule(r), f"{prefix}{r}", norm)
         self.writes(mlp.down_proj, f"{prefix}down_proj")
