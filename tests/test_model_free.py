@@ -10,7 +10,9 @@ under a data-free recipe, without a model definition.
 - The same experts stored stacked (transformers 5's `experts.gate_up_proj`, `experts.down_proj`)
   give the same tensors; a recipe's ignore list replaces the default one.
 - For families eprt models, the export is the modeled data-free one (convert, then eprt-export
-  --recipe) byte for byte, every file, for every data-free recipe.
+  --recipe) byte for byte, every file, for every data-free recipe, and with `mtp: true` their
+  multi-token-prediction layers quantized as it quantizes them; a model eprt does not model has
+  its MTP layers found by name, carried whole without `mtp: true`.
 - Two worker processes, or two ranks, write the same bytes as one; a run stopped after some
   shards resumes with them and ends with the same bytes; the output appears only when whole; the
   source is untouched; the dry run plans and writes nothing.
@@ -256,6 +258,48 @@ def test_a_modeled_family_gives_the_modeled_export_byte_for_byte(family, tmp_pat
                 continue
             ours = stream_export(hf, str(tmp_path / f"s-{recipe}-{algorithm}"), progress=False, **kw)
             assert same_files(modeled, ours), (recipe, algorithm)
+
+
+def mtp_recipe(tmp_path, fmt: str) -> str:
+    """Data-free `fmt` on every Linear, the multi-token-prediction layers' too."""
+    recipe = tmp_path / f"{fmt}_mtp.yaml"
+    recipe.write_text(f'name: {fmt}_mtp\nquantize:\n  - {{pattern: "*", format: {fmt}}}\nmtp: true\n')
+    return str(recipe)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_true_quantizes_the_mtp_layers_as_the_modeled_export_does(family, tmp_path):
+    hf = make_tiny(family, str(tmp_path / "hf"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    mtp = f"model.layers.{json.loads((tmp_path / 'hf' / 'config.json').read_text())['num_hidden_layers']}"
+    for fmt in ("fp8_block", "nvfp4_a16"):  # block scales; a per-tensor scale gate and up share
+        recipe = mtp_recipe(tmp_path, fmt)
+        modeled = export_hf(ck, str(tmp_path / f"m-{fmt}"), progress=False, recipe=recipe)
+        ours = stream_export(hf, str(tmp_path / f"s-{fmt}"), recipe, progress=False)
+        assert same_files(modeled, ours), fmt
+        names = set(read_hf_tensors(ours))
+        assert f"{mtp}.self_attn.o_proj.weight_scale" in names and f"{mtp}.mlp.experts.0.up_proj.weight_scale" in names
+        assert f"{mtp}.eh_proj.weight" in names and f"{mtp}.eh_proj.weight_scale" not in names
+
+
+def test_a_model_eprt_does_not_model_has_its_mtp_layers_found_by_name(tmp_path):
+    """DeepSeek-V3's layers under a model_type eprt does not model: its MTP layer (past
+    num_hidden_layers) is carried whole without `mtp: true` and quantized by the rules with it, but
+    for its own input projection and shared head: the tensors the modeled export writes."""
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(hf, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "not_modeled_moe"}))
+    for recipe in ("fp8_block", mtp_recipe(tmp_path, "fp8_block")):
+        tag = "mtp" if recipe.endswith(".yaml") else "plain"
+        expected = read_hf_tensors(export_hf(ck, str(tmp_path / f"m-{tag}"), progress=False, recipe=recipe))
+        got = read_hf_tensors(stream_export(str(unknown), str(tmp_path / f"s-{tag}"), recipe, progress=False))
+        assert set(got) == set(expected), tag
+        for name, t in expected.items():
+            assert raw(got[name]) == raw(t), (tag, name)
+        assert ("model.layers.3.self_attn.o_proj.weight_scale" in got) == (tag == "mtp")
 
 
 def same_files(a: str, b: str) -> bool:
