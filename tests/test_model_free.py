@@ -409,6 +409,9 @@ def test_what_needs_calibration_or_a_recipe_is_refused(olmoe, tmp_path, monkeypa
 
     with pytest.raises(ConfigError, match="needs calibration data and the model; the model-free export takes"):
         stream_export(olmoe, str(tmp_path / "out"), "nvfp4", progress=False)
+    # data-free, but a rotation rewrites the model's residual stream, which only a modeled family names
+    with pytest.raises(ConfigError, match="its rotation folds the norms .* takes a model eprt models; convert"):
+        stream_export(olmoe, str(tmp_path / "out"), "fp8_block", algorithm="rotate", progress=False)
     monkeypatch.setattr("sys.argv", ["eprt-export", olmoe, str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="give a data-free --recipe"):
         export_command.export()
