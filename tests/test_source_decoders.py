@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eprt.errors import ConfigError
+from eprt.errors import CheckpointError, ConfigError
 from eprt.hf.streaming import stream_export
 from eprt.storage import source_decoders
 from tests.hf_utils import raw, read_hf_tensors
@@ -107,3 +107,20 @@ def test_without_the_entry_the_quant_method_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=f"quant_method '{METHOD}' is not read by eprt"):
         stream_export(encoded, str(tmp_path / "out"), "fp8_block", progress=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_weight_missing_a_component_or_claimed_twice_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setitem(source_decoders._REGISTRY, ENTRY.encoding, ENTRY)
+    encoded, _ = make_pair(str(tmp_path))
+    tensors = read_hf_tensors(encoded)
+    del tensors["model.layers.0.mlp.experts.2.down_proj.weight_rowscale"]
+    save_file(tensors, os.path.join(encoded, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts.2.down_proj.weight_codes' is encoded, but its .*_rowscale"):
+        stream_export(encoded, str(tmp_path / "out"), "fp8_block", progress=False)
+    # a second entry that finds the same tensors under another encoding
+    twin = source_decoders.SourceDecoder("int8-rows-twin", (METHOD,), ENTRY.find, RowScaledInt8)
+    monkeypatch.setitem(source_decoders._REGISTRY, twin.encoding, twin)
+    with pytest.raises(CheckpointError, match="is a component of both"):
+        stream_export(make_pair(str(tmp_path / "again"))[0], str(tmp_path / "out"), "fp8_block", progress=False)
+    with pytest.raises(ValueError, match="registered twice"):
+        source_decoders.register(source_decoders.SourceDecoder(ENTRY.encoding, ("other",), ENTRY.find, RowScaledInt8))

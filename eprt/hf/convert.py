@@ -151,7 +151,13 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
     # the encodings a family registers (eprt.storage.source_decoders), found by their names
     infos = {n: info for n, (_, info) in names.items()}
     for weight, (encoding, parts) in source_decoders.find_encoded(infos, quant.method, quant.config, src.dir).items():
-        out[source_module(weight) or weight] = Encoded(encoding, quant.method, parts, weight)
+        key = source_module(weight) or weight
+        if key in out:
+            raise CheckpointError(
+                f"{src.dir}: {weight!r} is stored both as {out[key].encoding} and as {encoding}; "
+                "the checkpoint's names are ambiguous"
+            )
+        out[key] = Encoded(encoding, quant.method, parts, weight)
     if quant.method != encodings.CT:
         return refuse_false_claims(src, out, quant)
     groups = quant.groups()
