@@ -372,6 +372,18 @@ def test_a_run_with_other_settings_starts_over(olmoe, tmp_path):
     assert check_export(out) == []
 
 
+def test_relative_paths_are_the_same_export(olmoe, exported, tmp_path, monkeypatch):
+    """`eprt-export OLMOE_DIR olmoe-fp8 --recipe fp8_block`, as the README writes it, from the directory holding both."""
+    import eprt.commands.export as export_command
+
+    shutil.copytree(olmoe, tmp_path / "OLMOE_DIR")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["eprt-export", "OLMOE_DIR", "olmoe-fp8", "--recipe", "fp8_block", "--no-progress"])
+    export_command.export()
+    assert same_files(exported("fp8_block"), str(tmp_path / "olmoe-fp8"))
+    assert sorted(os.listdir(tmp_path)) == ["OLMOE_DIR", "olmoe-fp8"]  # no work directory left
+
+
 def test_the_dry_run_plans_and_writes_nothing(olmoe, tmp_path):
     plan = stream_export(olmoe, str(tmp_path / "out"), "nvfp4_a16", max_shard_bytes=SHARD, dry_run=True, workers=2)
     assert plan["quantized"] == {"nvfp4_a16": len(quantized_modules())}
