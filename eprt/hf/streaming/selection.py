@@ -46,11 +46,11 @@ DEFAULT_IGNORE = (
 )
 
 # The multi-token-prediction layers of a model eprt does not model, by name: DeepSeek-V3's and
-# GLM-4.5's decoder layers past `num_hidden_layers` (`model.layers.61`), and the layers under an
-# `mtp` module (Qwen3-Next's `mtp.layers.0`). A recipe without `mtp: true` carries them whole, as a
+# GLM-4.5's decoder layers past `num_hidden_layers` (`model.layers.61`), the layers under an `mtp`
+# module (Qwen3-Next's `mtp.layers.0`) and MiMo's `model.mtp_layers.0`. A recipe without `mtp: true` carries them whole, as a
 # modeled family's table does; one with it quantizes them by its rules, but for the modules an
 # MTP layer has of its own, which the engines build unquantized (its input projection, shared head).
-MTP_PREFIX = re.compile(r"(?P<layer>(?:.*\.)?mtp)\.")
+MTP_PREFIX = re.compile(r"(?P<layer>(?:.*\.)?mtp(?:_layers\.\d+)?)\.")
 TEXT_LAYER = re.compile(r"(?P<layer>(?:.*\.)?(?:model|language_model)\.layers\.(?P<n>\d+))\.")
 MTP_OWN = ("*.eh_proj", "*.shared_head.*", "*mtp.fc")
 
