@@ -260,6 +260,26 @@ def test_a_modeled_family_gives_the_modeled_export_byte_for_byte(family, tmp_pat
             assert same_files(modeled, ours), (recipe, algorithm)
 
 
+def test_fused_fp8_experts_are_decoded_expert_by_expert_to_the_modeled_export(tmp_path, monkeypatch):
+    """Mistral-Small-4 as released: per-tensor FP8, each layer's experts fused in one tensor with a
+    scale per expert's gate and up rows. Each expert is decoded from its own rows of the weight and
+    scales, never the whole stack per expert, to the modeled export's bytes."""
+    from eprt.storage.encodings import TensorFP8
+    from eprt.testing.tiny import RELEASED_AS
+
+    hf = make_tiny("mistral4", str(tmp_path / "hf"), **RELEASED_AS["mistral4"])
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    decoded = []
+    decode = TensorFP8.decode
+    monkeypatch.setattr(TensorFP8, "decode", lambda self, c: decoded.append(c["weight"].shape) or decode(self, c))
+    for recipe in ("fp8_block", "nvfp4_a16"):
+        modeled = export_hf(ck, str(tmp_path / f"m-{recipe}"), progress=False, recipe=recipe)
+        decoded.clear()
+        assert same_files(modeled, stream_export(hf, str(tmp_path / f"s-{recipe}"), recipe, progress=False)), recipe
+        whole = [s for s in decoded if len(s) == 3 and s[0] > 1]
+        assert len(whole) <= 2 and (1, *whole[0][1:]) in decoded, decoded  # the stacks' probes, then one expert each
+
+
 def mtp_recipe(tmp_path, fmt: str) -> str:
     """Data-free `fmt` on every Linear, the multi-token-prediction layers' too."""
     recipe = tmp_path / f"{fmt}_mtp.yaml"
