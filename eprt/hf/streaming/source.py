@@ -2,8 +2,9 @@
 order the source stores them, and a weight the source stores encoded (block FP8, any
 compressed-tensors format eprt decodes: eprt.storage.encodings; an encoding a family registers:
 eprt.storage.source_decoders) as the one decoded `M.weight` in place of its components, decoded
-when it is read, one weight at a time (one expert of a stack, where its decoder decodes stacks). Only headers are read to
-list them (and one weight per encoding scheme, to learn what it decodes to)."""
+when it is read, one weight at a time (one expert of a stack, where its decoder decodes stacks).
+Only headers are read to list them (and one weight per encoding scheme, to learn what it decodes
+to)."""
 
 from __future__ import annotations
 
