@@ -10,10 +10,15 @@ model: its export goes by name pattern), is written once under --dir. Then, run 
 - eprt: `eprt-export HF OUT --recipe fp8_block --workers N` (the ModelOpt layout; compressed-tensors'
   writes the same tensors);
 - llm-compressor (with --peer-python, a Python that has llm-compressor, kept out of eprt's
-  environment): bench/peer_model_free.py, `model_free_ptq(..., scheme="FP8_BLOCK", max_workers=N)`.
-Throughput is the source's bytes over wall seconds; reported are each side's median wall seconds,
-and the medians of the per-run ratios eprt / copy and eprt / llm-compressor in throughput (above 1:
-eprt is faster). On a machine other jobs share, run it under OMP_NUM_THREADS=1 with --workers 1.
+  environment): bench/peer_model_free.py, `model_free_ptq(..., scheme="FP8_BLOCK", max_workers=N)`;
+- torch's import: `python -c "import torch"`, what any process that quantizes with torch pays
+  before its first byte.
+Throughput is the source's bytes over wall seconds; reported are each side's median wall and CPU
+seconds, and the medians of the per-run ratios eprt / copy and eprt / llm-compressor in throughput
+(above 1: eprt is faster). What bounds eprt is printed beside: torch's import against the time
+0.7x the copy's throughput allows, and fp8_block's arithmetic alone (the bench's weights quantized
+in memory, one thread) in GB/s of bf16 per core. On a machine other jobs share, run it under
+OMP_NUM_THREADS=1 with --workers 1.
 """
 
 import argparse
@@ -26,12 +31,10 @@ import sys
 import tempfile
 import time
 
-import torch
-from safetensors.torch import save_file
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 10**9
 HIDDEN, INTER, EXPERTS, HEADS, VOCAB = 1024, 512, 32, 8, 32000
+AIM = 0.7  # the throughput, as a fraction of the copy's, the model-free export aims at
 
 
 def layer_params() -> int:
@@ -40,6 +43,9 @@ def layer_params() -> int:
 
 def make_checkpoint(out: str, gb: float) -> int:
     """A random bf16 OLMoE-named checkpoint of at least `gb` GB in shards of ~500 MB; returns its weight bytes."""
+    import torch
+    from safetensors.torch import save_file
+
     layers = max(1, -(-int(gb * GB / 2 - 2 * VOCAB * HIDDEN) // layer_params()))
     config = {
         "model_type": "olmoe",
@@ -91,8 +97,8 @@ def make_checkpoint(out: str, gb: float) -> int:
     return total
 
 
-def run(cmd: list[str], out: str) -> tuple[float, int]:
-    """(wall seconds, peak RSS) of one run of `cmd`, writing `out`; its workers' peaks are their own."""
+def run(cmd: list[str], out: str) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, peak RSS) of one run of `cmd`, writing `out`; its workers' are their own."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": REPO}
     with tempfile.TemporaryFile() as err:
@@ -105,7 +111,38 @@ def run(cmd: list[str], out: str) -> tuple[float, int]:
             err.seek(0)
             raise RuntimeError(f"{cmd[:4]} failed: {err.read().decode()[-2000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    return wall, usage.ru_maxrss * 1024  # Linux reports kB
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # Linux reports kB
+
+
+def arithmetic_gbps(seconds: float = 2.0) -> float:
+    """fp8_block's quantization alone of the bench's expert weights (bf16, in memory, one thread), in
+    GB of bf16 per second of this thread's CPU time (which other jobs on the host do not stretch, as
+    they do wall time): the floor of the export's time per core, reading and writing aside."""
+    import torch
+
+    from eprt.quant.formats.fp8_block import FP8_BLOCK
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(INTER, HIDDEN, generator=g) * 0.02).to(torch.bfloat16) for _ in range(32)]
+    done, start = 0, time.thread_time()
+    with torch.inference_mode():
+        while time.thread_time() - start < seconds:
+            for w in weights:
+                FP8_BLOCK.quantize(w, None, False)
+            done += sum(w.nbytes for w in weights)
+    return done / (time.thread_time() - start) / GB
+
+
+CHILD = {"make": lambda out, gb: make_checkpoint(out, float(gb)), "arithmetic": lambda: arithmetic_gbps()}
+
+
+def in_child(what: str, *args) -> float:
+    """CHILD[what](*args) in a process of its own, so that this one holds neither torch nor tensors:
+    a child's peak resident set counts its parent's at the fork."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, *map(str, args)]
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
 
 
 def planned_peak(cmd: list[str]) -> str:
@@ -121,11 +158,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--peer-python", help="a Python with llm-compressor, for its side")
     ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        print(CHILD[a.child[0]](*a.child[1:]))
+        return
     root = os.path.join(a.dir, f"eprt-model-free-bench-{os.getpid()}")
     hf = os.path.join(root, "hf")
     try:
-        size = make_checkpoint(hf, a.gb)
+        size = int(in_child("make", hf, a.gb))
         sides = {
             "copy": ["cp", "-r", hf, os.path.join(root, "copy")],
             "eprt": [
@@ -138,21 +179,34 @@ def main() -> None:
             sides["llm-compressor"] = [
                 *(a.peer_python, peer, "--hf", hf, "--out", os.path.join(root, "llmc"), "--workers", str(a.workers))
             ]
+        sides["import torch"] = [sys.executable, "-c", "import torch"]
         walls: dict[str, list[float]] = {k: [] for k in sides}
+        cpus: dict[str, list[float]] = {k: [] for k in sides}
         run(sides["copy"], os.path.join(root, "copy"))  # a warm-up: the source in the page cache for every side
         print(f"eprt's dry run: {planned_peak(sides['eprt'])}")
         peaks = {}
         for _ in range(a.runs):
             for name, cmd in sides.items():
-                wall, peaks[name] = run(cmd, os.path.join(root, {"copy": "copy", "eprt": "eprt"}.get(name, "llmc")))
+                out = os.path.join(root, {"copy": "copy", "eprt": "eprt"}.get(name, "llmc"))
+                wall, cpu, peaks[name] = run(cmd, out)
                 walls[name].append(wall)
+                cpus[name].append(cpu)
         print(f"checkpoint {size / GB:.2f} GB (bf16, {a.workers} worker(s)), {a.runs} runs, medians:")
         for name, w in walls.items():
-            print(f"  {name:>14}: {statistics.median(w):6.2f} s, {size / GB / statistics.median(w):5.2f} GB/s")
+            wall = statistics.median(w)
+            print(
+                f"  {name:>14}: {wall:6.2f} s ({statistics.median(cpus[name]):6.2f} s CPU), {size / GB / wall:5.2f} GB/s"
+            )
         print(f"  eprt's process peaked at {peaks['eprt'] / 2**20:.0f} MiB (its last run; workers aside)")
-        for other in [k for k in walls if k != "eprt"]:
+        for other in [k for k in walls if k not in ("eprt", "import torch")]:
             ratio = statistics.median(o / e for o, e in zip(walls[other], walls["eprt"]))
             print(f"  eprt's throughput / {other}'s: {ratio:.2f}x")
+        budget, floor = statistics.median(walls["copy"]) / AIM, in_child("arithmetic")
+        print(
+            f"  {AIM}x the copy's throughput allows {budget:.2f} s; torch's import alone takes "
+            f"{statistics.median(walls['import torch']):.2f} s; fp8_block's arithmetic alone runs at "
+            f"{floor:.2f} GB of bf16 per CPU second ({size / GB / floor:.2f} CPU s for the checkpoint)"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -49,9 +49,10 @@ def model(tmp_path_factory):
     )
 
 
-def test_the_numerics_are_modelopts_block_quantizer():
+@pytest.mark.parametrize("rows, cols", [(200, 300), (256, 384)])  # partial last blocks, and whole blocks only
+def test_the_numerics_are_modelopts_block_quantizer(rows, cols):
     qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
-    w = torch.randn(2, 200, 300, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w = torch.randn(2, rows, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
     w[1, :128, :128] = 0  # a zero block: scale 1, codes 0
     scales = fp8_block_scales(w)
     assert scales.shape == (2, 2, 3)
@@ -65,7 +66,7 @@ def test_the_numerics_are_modelopts_block_quantizer():
     assert scales[1, 0, 0] == 1.0 and not codes[1, :128, :128].view(torch.uint8).any()
     assert torch.equal(
         dequantize_fp8_block(codes, scales),
-        codes.float() * scales.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :300],
+        codes.float() * scales.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols],
     )
 
 

@@ -10,7 +10,9 @@ under a data-free recipe, without a model definition.
 - The same experts stored stacked (transformers 5's `experts.gate_up_proj`, `experts.down_proj`)
   give the same tensors; a recipe's ignore list replaces the default one.
 - For families eprt models, the export is the modeled data-free one (convert, then eprt-export
-  --recipe) byte for byte, every file, for every data-free recipe.
+  --recipe) byte for byte, every file, for every data-free recipe, and with `mtp: true` their
+  multi-token-prediction layers quantized as it quantizes them; a model eprt does not model has
+  its MTP layers found by name, carried whole without `mtp: true`.
 - Two worker processes, or two ranks, write the same bytes as one; a run stopped after some
   shards resumes with them and ends with the same bytes; the output appears only when whole; the
   source is untouched; the dry run plans and writes nothing.
@@ -258,6 +260,68 @@ def test_a_modeled_family_gives_the_modeled_export_byte_for_byte(family, tmp_pat
             assert same_files(modeled, ours), (recipe, algorithm)
 
 
+def test_fused_fp8_experts_are_decoded_expert_by_expert_to_the_modeled_export(tmp_path, monkeypatch):
+    """Mistral-Small-4 as released: per-tensor FP8, each layer's experts fused in one tensor with a
+    scale per expert's gate and up rows. Each expert is decoded from its own rows of the weight and
+    scales, never the whole stack per expert, to the modeled export's bytes."""
+    from eprt.storage.encodings import TensorFP8
+    from eprt.testing.tiny import RELEASED_AS
+
+    hf = make_tiny("mistral4", str(tmp_path / "hf"), **RELEASED_AS["mistral4"])
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    decoded = []
+    decode = TensorFP8.decode
+    monkeypatch.setattr(TensorFP8, "decode", lambda self, c: decoded.append(c["weight"].shape) or decode(self, c))
+    for recipe in ("fp8_block", "nvfp4_a16"):
+        modeled = export_hf(ck, str(tmp_path / f"m-{recipe}"), progress=False, recipe=recipe)
+        decoded.clear()
+        assert same_files(modeled, stream_export(hf, str(tmp_path / f"s-{recipe}"), recipe, progress=False)), recipe
+        whole = [s for s in decoded if len(s) == 3 and s[0] > 1]
+        assert len(whole) <= 2 and (1, *whole[0][1:]) in decoded, decoded  # the stacks' probes, then one expert each
+
+
+def mtp_recipe(tmp_path, fmt: str) -> str:
+    """Data-free `fmt` on every Linear, the multi-token-prediction layers' too."""
+    recipe = tmp_path / f"{fmt}_mtp.yaml"
+    recipe.write_text(f'name: {fmt}_mtp\nquantize:\n  - {{pattern: "*", format: {fmt}}}\nmtp: true\n')
+    return str(recipe)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_true_quantizes_the_mtp_layers_as_the_modeled_export_does(family, tmp_path):
+    hf = make_tiny(family, str(tmp_path / "hf"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    mtp = f"model.layers.{json.loads((tmp_path / 'hf' / 'config.json').read_text())['num_hidden_layers']}"
+    for fmt in ("fp8_block", "nvfp4_a16"):  # block scales; a per-tensor scale gate and up share
+        recipe = mtp_recipe(tmp_path, fmt)
+        modeled = export_hf(ck, str(tmp_path / f"m-{fmt}"), progress=False, recipe=recipe)
+        ours = stream_export(hf, str(tmp_path / f"s-{fmt}"), recipe, progress=False)
+        assert same_files(modeled, ours), fmt
+        names = set(read_hf_tensors(ours))
+        assert f"{mtp}.self_attn.o_proj.weight_scale" in names and f"{mtp}.mlp.experts.0.up_proj.weight_scale" in names
+        assert f"{mtp}.eh_proj.weight" in names and f"{mtp}.eh_proj.weight_scale" not in names
+
+
+def test_a_model_eprt_does_not_model_has_its_mtp_layers_found_by_name(tmp_path):
+    """DeepSeek-V3's layers under a model_type eprt does not model: its MTP layer (past
+    num_hidden_layers) is carried whole without `mtp: true` and quantized by the rules with it, but
+    for its own input projection and shared head: the tensors the modeled export writes."""
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"))
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(hf, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "not_modeled_moe"}))
+    for recipe in ("fp8_block", mtp_recipe(tmp_path, "fp8_block")):
+        tag = "mtp" if recipe.endswith(".yaml") else "plain"
+        expected = read_hf_tensors(export_hf(ck, str(tmp_path / f"m-{tag}"), progress=False, recipe=recipe))
+        got = read_hf_tensors(stream_export(str(unknown), str(tmp_path / f"s-{tag}"), recipe, progress=False))
+        assert set(got) == set(expected), tag
+        for name, t in expected.items():
+            assert raw(got[name]) == raw(t), (tag, name)
+        assert ("model.layers.3.self_attn.o_proj.weight_scale" in got) == (tag == "mtp")
+
+
 def same_files(a: str, b: str) -> bool:
     return {k: v.split("@")[0] for k, v in tree_digest(a).items()} == {
         k: v.split("@")[0] for k, v in tree_digest(b).items()
@@ -328,6 +392,18 @@ def test_a_run_with_other_settings_starts_over(olmoe, tmp_path):
     assert check_export(out) == []
 
 
+def test_relative_paths_are_the_same_export(olmoe, exported, tmp_path, monkeypatch):
+    """`eprt-export OLMOE_DIR olmoe-fp8 --recipe fp8_block`, as the README writes it, from the directory holding both."""
+    import eprt.commands.export as export_command
+
+    shutil.copytree(olmoe, tmp_path / "OLMOE_DIR")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["eprt-export", "OLMOE_DIR", "olmoe-fp8", "--recipe", "fp8_block", "--no-progress"])
+    export_command.export()
+    assert same_files(exported("fp8_block"), str(tmp_path / "olmoe-fp8"))
+    assert sorted(os.listdir(tmp_path)) == ["OLMOE_DIR", "olmoe-fp8"]  # no work directory left
+
+
 def test_the_dry_run_plans_and_writes_nothing(olmoe, tmp_path):
     plan = stream_export(olmoe, str(tmp_path / "out"), "nvfp4_a16", max_shard_bytes=SHARD, dry_run=True, workers=2)
     assert plan["quantized"] == {"nvfp4_a16": len(quantized_modules())}
@@ -365,6 +441,9 @@ def test_what_needs_calibration_or_a_recipe_is_refused(olmoe, tmp_path, monkeypa
 
     with pytest.raises(ConfigError, match="needs calibration data and the model; the model-free export takes"):
         stream_export(olmoe, str(tmp_path / "out"), "nvfp4", progress=False)
+    # data-free, but a rotation rewrites the model's residual stream, which only a modeled family names
+    with pytest.raises(ConfigError, match="its rotation folds the norms .* takes a model eprt models; convert"):
+        stream_export(olmoe, str(tmp_path / "out"), "fp8_block", algorithm="rotate", progress=False)
     monkeypatch.setattr("sys.argv", ["eprt-export", olmoe, str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="give a data-free --recipe"):
         export_command.export()

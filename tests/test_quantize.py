@@ -214,3 +214,6 @@ def test_a_data_free_recipe_streams_any_model_type_as_the_model_free_export_does
     assert not os.path.exists(out + ".work") and check_export(out, hf) == []
     with pytest.raises(ConfigError, match=r"model_type 'olmoe' is not supported"):
         quantize([hf, str(tmp_path / "q"), "--recipe", "nvfp4", "--calib", "builtin", "--quiet"])
+    # a rotation takes no statistic either, but rewrites the model: converted, so refused for a model eprt does not model
+    with pytest.raises(ConfigError, match=r"model_type 'olmoe' is not supported"):
+        quantize([hf, str(tmp_path / "r"), "--recipe", "fp8_block", "--algorithm", "rotate", "--quiet"])

@@ -50,6 +50,13 @@ FIRST_SAMPLE_CHARS = 400
 TINY_PARAMETERS = 10**9  # above this, the built-in text is refused unless asked for (--calib builtin)
 
 
+def streamed(recipe: Recipe, settings: PTQArgs) -> bool:
+    """Whether the run streams HF_DIR into OUT (eprt.hf.streaming): its recipe takes no activation
+    statistic (eprt.quant.run.datafree.data_free) and rotates nothing, a rotation rewriting the
+    model's residual stream, which takes the converted model."""
+    return data_free(recipe, settings) and not recipe.rotates
+
+
 @dataclass
 class Run:
     a: Namespace
@@ -61,8 +68,8 @@ class Run:
 
     @property
     def free(self) -> bool:
-        """The recipe takes no activation statistic: streamed, not calibrated."""
-        return data_free(self.parsed, self.settings)
+        """Streamed, not calibrated (`streamed`)."""
+        return streamed(self.parsed, self.settings)
 
     @classmethod
     def of(cls, a: Namespace, ptq_args: list[str]) -> "Run":
@@ -80,7 +87,7 @@ class Run:
         # eprt-ptq's own refusals of its options
         settings, _ = parse_args(["-", "--recipe", recipe, "--out", "-", *ptq_args])
         parsed = load_recipe(recipe, settings.kv_cache, settings.algorithm)
-        if data_free(parsed, settings):
+        if streamed(parsed, settings):
             read_hf_config(a.hf_dir)  # any model_type streams; a config.json it can read is all it needs
         else:
             load_hf_config(a.hf_dir)  # calibration runs eprt's model: an unsupported model is refused by name

@@ -37,7 +37,7 @@ from eprt.hf.check_modelopt import ROUTED_EXPERT
 from eprt.hf.source import HFSource, non_weight_files
 from eprt.layout import Layout, TensorSpec, layer_of, plain
 from eprt.progress import bar, logger
-from eprt.storage import encodings
+from eprt.storage import encodings, source_decoders
 from eprt.storage.atomic import atomic_output_dir, copy_files
 from eprt.storage.checkpoint import (
     HF_FILES,
@@ -63,7 +63,7 @@ class Encoded:
     """The source tensors of one encoded weight."""
 
     encoding: str
-    scheme: str  # the source quantization_config group (compressed-tensors) or FP8_SCHEME
+    scheme: str  # the quantization_config group (compressed-tensors), else its quant_method (FP8_SCHEME, ...)
     components: dict[str, str]  # local name (weight_packed, ...) -> Hugging Face name
     weight: str  # the Hugging Face name of the weight they decode to (`M.weight`, or a fused `P`)
 
@@ -147,6 +147,16 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         out[key] = Encoded(encoding, FP8_SCHEME, parts, weight)
     if quant is None:
         return out
+    # the encodings a family registers (eprt.storage.source_decoders), found by their names
+    infos = {n: info for n, (_, info) in names.items()}
+    for weight, (encoding, parts) in source_decoders.find_encoded(infos, quant.method, quant.config, src.dir).items():
+        key = source_module(weight) or weight
+        if key in out:
+            raise CheckpointError(
+                f"{src.dir}: {weight!r} is stored both as {out[key].encoding} and as {encoding}; "
+                "the checkpoint's names are ambiguous"
+            )
+        out[key] = Encoded(encoding, quant.method, parts, weight)
     if quant.method != encodings.CT:
         return refuse_false_claims(src, out, quant)
     groups = quant.groups()
@@ -284,13 +294,13 @@ class ConversionPlanner:
     def schemes(self, planned: list[Planned]) -> dict[str, dict]:
         """The manifest's `schemes`: each one an encoded tensor names."""
         used = {e.scheme for p in planned for e in p.encoded}
-        if FP8_SCHEME in used:
-            return {FP8_SCHEME: self.quant.config}
+        if used and self.quant.method != encodings.CT:  # one scheme: the whole quantization_config
+            return {self.quant.method: self.quant.config}
         groups = self.quant.groups() if used else {}
         return {g: groups[g] for g in sorted(used)}
 
     def scheme(self, e: Encoded) -> dict:
-        return self.quant.config if e.scheme == FP8_SCHEME else self.quant.groups()[e.scheme]
+        return self.quant.groups()[e.scheme] if self.quant.method == encodings.CT else self.quant.config
 
     def plan(self) -> list[Planned]:
         """Every output tensor; refuses on any mismatch."""

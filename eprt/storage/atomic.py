@@ -223,6 +223,7 @@ def publish(tmp: str, out: str, overwrite: bool = False) -> None:
     """Sync the finished temp directory and move it into place. An output that exists by then
     (another run may have made it meanwhile) is replaced only with `overwrite`: the two exchange
     names, and the old one, now under the temp name, is removed."""
+    parent = os.path.dirname(os.path.abspath(out))  # a relative `out` has none of its own
     sync_tree(tmp)
     try:
         os.rename(tmp, out)  # succeeds when `out` is absent or an empty directory
@@ -236,10 +237,10 @@ def publish(tmp: str, out: str, overwrite: bool = False) -> None:
                 "output"
             ) from None
         old = tmp if exchange_names(tmp, out) else replace_aside(tmp, out)
-        fsync_path(os.path.dirname(out))
+        fsync_path(parent)
         shutil.rmtree(old, ignore_errors=True)
         return
-    fsync_path(os.path.dirname(out))
+    fsync_path(parent)
 
 
 RENAME_EXCHANGE = 2  # linux/fs.h

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from eprt.errors import CheckpointError, ConfigError
+from eprt.storage import source_decoders
 
 RAW = "raw"
 FP8_BLOCK = "fp8-block"
@@ -82,6 +83,7 @@ MIXED_FORMAT = "mixed-precision"
 def is_known(encoding) -> bool:
     return isinstance(encoding, str) and (
         encoding in (RAW, FP8_BLOCK, FP8_TENSOR)
+        or source_decoders.registered(encoding) is not None
         or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
     )
 
@@ -164,10 +166,11 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
             QuantizationConfig.model_validate(qc)
         except ValueError as e:
             raise ConfigError(f"{where}: compressed-tensors cannot parse it: {first_problem(e)}") from None
-    else:
+    elif not source_decoders.announced_by(method):
+        others = "".join(f", {m}" for m in source_decoders.methods())
         raise ConfigError(
             f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
-            "FP8 (quant_method fp8, block or per-tensor); dequantize the checkpoint to bf16 first"
+            f"FP8 (quant_method fp8, block or per-tensor){others}; dequantize the checkpoint to bf16 first"
         )
     return SourceQuantization(method, qc, where)
 
@@ -339,13 +342,17 @@ class CompressedTensors:
 
 def decoder(encoding: str, scheme: dict, where: str):
     """The decoder of one encoding and scheme: `.components` (the source tensors of one weight,
-    by local name) and `.decode(components) -> weight`."""
+    by local name) and `.decode(components) -> weight`; a registered encoding's
+    (eprt.storage.source_decoders) from its entry."""
     if encoding == FP8_BLOCK:
         return BlockFP8(scheme)
     if encoding == FP8_TENSOR:
         return TensorFP8(scheme)
     if encoding.startswith(CT_PREFIX):
         return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
+    entry = source_decoders.registered(encoding)
+    if entry is not None:
+        return entry.decoder(scheme)
     raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")
 
 

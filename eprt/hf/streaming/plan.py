@@ -19,7 +19,15 @@ from eprt.errors import ConfigError
 from eprt.hf.convert import file_for
 from eprt.hf.export_quantized import carried, layer_prefix
 from eprt.hf.quant_configs import QuantizedLinears
-from eprt.hf.streaming.selection import STACKED, Linear, ignored, stacked_linears, weight_linear
+from eprt.hf.streaming.selection import (
+    STACKED,
+    Linear,
+    ignored,
+    mtp_layer,
+    mtp_own,
+    stacked_linears,
+    weight_linear,
+)
 from eprt.hf.streaming.source import StreamSource
 from eprt.layout import Layout, layer_of
 from eprt.quant.feasibility import quantized_modules
@@ -69,11 +77,6 @@ class StreamPlan:
 
 def plan_stream(src: StreamSource, recipe: Recipe, layout: Layout | None) -> StreamPlan:
     """The plan of exporting `src` under data-free `recipe`: by the family's `layout` where eprt models it."""
-    if recipe.mtp:
-        raise ConfigError(
-            f"recipe {recipe.name}: mtp: true quantizes the multi-token-prediction layers, which only a "
-            "calibrated run models; export it from a converted checkpoint (eprt-convert, then eprt-export --recipe)"
-        )
     plan = table_plan(src, recipe, layout) if layout is not None else pattern_plan(src, recipe)
     for q in plan.items:
         if isinstance(q, Quantized) and q.format.unfit_input_dim(q.linear.shape[1]):
@@ -94,10 +97,15 @@ def _quantized(linear: Linear, recipe: Recipe) -> Quantized:
 def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
     """Any checkpoint: its tensors in the source's order, quantized by name pattern."""
     text = src.config.get("text_config") if isinstance(src.config.get("text_config"), dict) else src.config
-    hidden = text.get("hidden_size")
+    hidden, num_layers = text.get("hidden_size"), text.get("num_hidden_layers")
     items: list = []
     plan = StreamPlan(items, {})
     for name, t in src.tensors.items():
+        mtp = mtp_layer(name, num_layers if isinstance(num_layers, int) else None)
+        if mtp is not None and not recipe.mtp:  # carried whole, as a modeled family's table carries it
+            items.append(Carried(name, name))
+            plan.passthrough.add(mtp)
+            continue
         stacked = STACKED.fullmatch(name)
         module = stacked["experts"] if stacked and len(t.shape) == 3 else None
         linear = weight_linear(name, t.shape) if module is None else None
@@ -107,6 +115,7 @@ def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
             module is not None
             and t.dtype.is_floating_point
             and not ignored(module, recipe)
+            and not (mtp is not None and mtp_own(module))
             and recipe.format_of(module) is not None
         )
         if not wanted:
@@ -132,12 +141,17 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
         by_file[file_for(p.spec.name, p.role)].append(p)
     items: list = []
     plan = StreamPlan(items, {}, modeled=True)
+    mtp, mtp_layers = mtp_linears(layout, quantized, plan)
     passthrough = []
     for p in (p for ps in by_file.values() for p in ps):
         spec, original = p.spec, specs.get(p.spec.name, p.spec)
         if p.role == "passthrough":
-            items.append(Carried(spec.sources[0], spec.sources[0]))
-            passthrough.append(spec.sources[0])
+            hf = spec.sources[0]
+            if hf in mtp:  # an MTP layer's Linear the recipe quantizes (mtp: true), in its carried place
+                items.append(_quantized(mtp[hf], recipe))
+            else:
+                items.append(Carried(hf, hf))
+                passthrough.append(hf)
             continue
         if original.stacked:
             if p.fused and original.permuted:
@@ -167,9 +181,41 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
             if spec.name.endswith(".weight") and len(spec.shape) == 2:
                 plan.unquantized.add(hf[: -len(".weight")])
     linears = {q.linear.name for q in items if isinstance(q, Quantized)}
-    plan.passthrough = {layer_prefix(n) if layer_of(n) is not None else carried(n, linears) for n in passthrough}
+    plan.passthrough = {
+        layer_prefix(n) if layer_of(n) is not None else carried(n, linears)
+        for n in passthrough
+        if layer_prefix(n) not in mtp_layers
+    }
     plan.groups = scale_groups(items)
     return plan
+
+
+def mtp_linears(layout: Layout, quantized: dict, plan: StreamPlan) -> tuple[dict[str, Linear], set[str]]:
+    """The Linears of the multi-token-prediction layers `quantized` holds a module of (a recipe with
+    `mtp: true`), by their source weights, and those layers: modeled as the decoder's layers are,
+    their other Linears counted unquantized in `plan` (convert carries the layers through under
+    their Hugging Face names, each routed expert apart; eprt.layout.Layout.mtp)."""
+    layers = {layer_prefix(m) for m in quantized} & {layer_prefix(s.name) for s in layout.mtp}
+    out: dict[str, Linear] = {}
+    for spec in (s for s in layout.mtp if layer_prefix(s.name) in layers):
+        if spec.stacked:
+            module = spec.name.rsplit(".", 1)[0]
+            if module not in quantized:
+                plan.unquantized.update(s[: -len(".weight")] for s in spec.sources)
+                plan.unquantized_experts.add(module)
+                continue
+            for j, s in enumerate(spec.sources):
+                group = ("row", spec.name, j // spec.per_row)
+                out[s] = Linear(s[: -len(".weight")], module, s, None, None, spec.source_shape(), group)
+        elif spec.name.endswith(".weight") and len(spec.shape) == 2:
+            module = spec.name[: -len(".weight")]
+            if module in quantized:
+                out[spec.sources[0]] = Linear(
+                    module, module, spec.sources[0], None, None, tuple(spec.shape), ("linear", module)
+                )
+            else:
+                plan.unquantized.add(module)
+    return out, layers
 
 
 def scale_groups(items: list) -> dict[tuple, list[Linear]]:

@@ -129,6 +129,12 @@ class Stream:
 def model_free_recipe(spec: str, algorithm: str | None, hf_dir: str) -> Recipe:
     """Recipe `spec` for a model-free export, refused where it needs calibration (and so the model)."""
     recipe = load_recipe(spec, None, algorithm)
+    if recipe.rotates:
+        raise ConfigError(
+            f"--recipe {spec}: its rotation folds the norms into the Linears and rotates every reader and writer "
+            f"of the residual stream, which takes a model eprt models; convert {hf_dir} (eprt-convert) and export "
+            "the checkpoint with the same recipe (eprt-export CKPT OUT --recipe ...)"
+        )
     needs = statistics_needed(recipe)
     if needs:
         free = [r for r in available() if not statistics_needed(load_recipe(r))]

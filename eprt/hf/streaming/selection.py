@@ -12,7 +12,8 @@ name. What is never quantized is, for a model eprt does not model, `DEFAULT_IGNO
 heads, norms, routers and gates, convolutions, SSM and sink parameters, a vision tower: most are
 not 2-D Linear weights anyway), or the recipe's own `ignore:` list in its place; for a family eprt
 models, its own table decides (eprt.quant.feasibility.quantized_modules: the family's unquantized
-modules; the recipe's `ignore:` besides), so the export is the modeled one's.
+modules; the recipe's `ignore:` besides), so the export is the modeled one's. The
+multi-token-prediction layers are carried whole unless the recipe says `mtp: true` (`mtp_layer`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ DEFAULT_IGNORE = (
     "*multi_modal_projector*",
 )
 
+# The multi-token-prediction layers of a model eprt does not model, by name: DeepSeek-V3's and
+# GLM-4.5's decoder layers past `num_hidden_layers` (`model.layers.61`), the layers under an `mtp`
+# module (Qwen3-Next's `mtp.layers.0`) and MiMo's `model.mtp_layers.0`. A recipe without `mtp: true` carries them whole, as a
+# modeled family's table does; one with it quantizes them by its rules, but for the modules an
+# MTP layer has of its own, which the engines build unquantized (its input projection, shared head).
+MTP_PREFIX = re.compile(r"(?P<layer>(?:.*\.)?mtp(?:_layers\.\d+)?)\.")
+TEXT_LAYER = re.compile(r"(?P<layer>(?:.*\.)?(?:model|language_model)\.layers\.(?P<n>\d+))\.")
+MTP_OWN = ("*.eh_proj", "*.shared_head.*", "*mtp.fc")
+
 # A routed expert's projections that the engines fuse into one weight: they share NVFP4's
 # per-tensor scale, as gate and up of one row of a family's first stacked projection do.
 EXPERT_SIBLINGS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
@@ -68,6 +78,19 @@ def recipe_module(name: str) -> str:
     """The module a recipe's rules match for Linear `name`: a routed expert's, its experts module."""
     m = EXPERT_LINEAR.fullmatch(name)
     return m["experts"] if m else name
+
+
+def mtp_layer(name: str, num_layers: int | None) -> str | None:
+    """The multi-token-prediction layer tensor `name` belongs to (its module prefix), or None."""
+    m = MTP_PREFIX.match(name)
+    if m:
+        return m["layer"]
+    m = TEXT_LAYER.match(name)
+    return m["layer"] if m and num_layers is not None and int(m["n"]) >= num_layers else None
+
+
+def mtp_own(module: str) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) for p in MTP_OWN)
 
 
 def ignored(module: str, recipe: Recipe) -> bool:

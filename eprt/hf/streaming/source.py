@@ -1,8 +1,10 @@
 """A Hugging Face directory as the model-free export reads it: every tensor by its name, in the
 order the source stores them, and a weight the source stores encoded (block FP8, any
-compressed-tensors format eprt decodes: eprt.storage.encodings) as the one decoded `M.weight` in
-place of its components, decoded when it is read, one weight at a time. Only headers are read to
-list them (and one weight per encoding scheme, to learn what it decodes to)."""
+compressed-tensors format eprt decodes: eprt.storage.encodings; an encoding a family registers:
+eprt.storage.source_decoders) as the one decoded `M.weight` in place of its components, decoded
+when it is read, one weight at a time (one expert of a stack, where its decoder decodes stacks).
+Only headers are read to list them (and one weight per encoding scheme, to learn what it decodes
+to)."""
 
 from __future__ import annotations
 
@@ -73,8 +75,17 @@ class StreamSource:
         e = t.encoded
         self.planner.probe(e)  # the scheme's decoder, made once
         decoder = self.planner.decoders[e.scheme]
-        w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
-        return w[index] if index is not None else w
+        if index is None or not getattr(decoder, "batched", False):
+            w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
+            return w[index] if index is not None else w
+        # one expert of a stack a batched decoder decodes alike: its rows of each component stacked as
+        # the weight is (a component of one value for every expert, whole), not every expert's
+        parts = {}
+        for c, n in e.components.items():
+            f, info = self.src.tensors[n]
+            stacked = len(info.shape) > 0 and info.shape[0] == t.shape[0]
+            parts[c] = f.read(n, rows=(index, index + 1)) if stacked else f.read(n)
+        return decoder.decode(parts)[0]
 
     def byte_range(self, name: str, index: int | None = None) -> tuple[SafetensorsFile, int, int]:
         """Where a stored tensor's bytes lie (one entry along dim 0 with `index`), to copy them as they are."""

@@ -55,8 +55,15 @@ def of_blocks(blocks: torch.Tensor, shape) -> torch.Tensor:
 
 def block_amax(w: torch.Tensor) -> torch.Tensor:
     """fp32 [..., ceil(out/128), ceil(in/128)] abs-max of each block of w [..., out, in]."""
-    # a block's rows first, then its columns: the same maximum, in two fast inner reductions
-    return as_blocks(w).abs_().amax(dim=-1).amax(dim=-2)
+    *lead, out_dim, in_dim = w.shape
+    rows, cols = grid_shape(out_dim, in_dim)
+    if (rows * BLOCK, cols * BLOCK) != (out_dim, in_dim):  # partial blocks: a zero-padded fp32 copy
+        return as_blocks(w).abs_().amax(dim=-1).amax(dim=-2)
+    # In w's own dtype (a maximum of magnitudes is exact in any), over each block's 128 rows first:
+    # a reduction across rows runs along whole contiguous rows, three times as fast as one along
+    # each row's 128 elements of a block, and no fp32 copy of w is made.
+    per_column = w.abs().reshape(*lead, rows, BLOCK, cols * BLOCK).amax(dim=-2)
+    return per_column.reshape(*lead, rows, cols, BLOCK).amax(dim=-1).float()
 
 
 def fp8_block_scales(w: torch.Tensor) -> torch.Tensor:
