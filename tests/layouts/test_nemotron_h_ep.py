@@ -8,19 +8,8 @@ import json
 import os
 
 import pytest
-import torch
 
-from eprt.hf.check_export import check_export
-from tests.ep_checks import (
-    LAYOUTS,
-    RECIPES,
-    assert_ep_logits,
-    calibrate_every_layout,
-    exports_by_layout,
-    same_files,
-    tiny_checkpoints,
-)
-from tests.hf_utils import raw, read_hf_tensors
+from tests.ep_checks import assert_ep_logits, assert_family_exports, tiny_checkpoints
 
 FAMILY = "nemotron_h"
 L = "backbone.layers"
@@ -64,22 +53,12 @@ def test_expert_parallel_logits_are_bitwise_the_single_process_logits(ckpts, wor
 
 @pytest.mark.timeout(400)
 def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
-    out = str(tmp_path)
-    hf, ck = ckpts["bf16"]
-    calibrate_every_layout({FAMILY: ck}, out, calib_size=6)
-    source = read_hf_tensors(hf)
-    for recipe, *_ in RECIPES:
-        exports = exports_by_layout(out, FAMILY, recipe)
-        ref = exports["w1-ep1"]
-        assert check_export(ref, hf) == []
-        for layout in LAYOUTS:
-            assert same_files(ref, exports[layout]), (recipe, layout)
-        exported = read_hf_tensors(ref)
+    exports = assert_family_exports(
+        {FAMILY: ckpts}, str(tmp_path), {FAMILY: []}, {FAMILY: QUANTIZED}, KEPT.__contains__
+    )
+    for _, _, source, exported, ref in exports:
+        assert set(KEPT) <= set(source)
         for name in KEPT:
-            assert raw(exported[name]) == raw(source[name]) and exported[name].dtype == source[name].dtype, name
             assert f"{name.rpartition('.')[0]}.weight_scale" not in exported, name
-        for module in QUANTIZED:
-            assert exported[f"{module}.weight"].dtype == (torch.uint8 if recipe == "nvfp4" else torch.float8_e4m3fn)
-            assert f"{module}.weight_scale" in exported, module
         excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
         assert {f"{L}.1.mixer.gate", "backbone.embeddings", "mtp.layers.0.*"} <= set(excluded), excluded
