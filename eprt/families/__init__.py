@@ -21,6 +21,7 @@ from eprt.families import (
     deepseek_v32,
     glm4_moe,
     glm_moe_dsa,
+    gpt_oss,
     kimi_k3,
     kimi_k25,
     kimi_linear,
@@ -57,6 +58,7 @@ FAMILIES: tuple[Family, ...] = (
     minimax_m3_vl.FAMILY,
     llama4.TEXT_FAMILY,
     llama4.FAMILY,
+    gpt_oss.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

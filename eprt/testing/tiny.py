@@ -42,7 +42,7 @@ def families() -> list[str]:
 
 # the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
 # tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
-RELEASED_FUSED = {"llama4", "llama4_text"}
+RELEASED_FUSED = {"llama4", "llama4_text", "gpt_oss"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
 SAME_MODEL_AS = {
