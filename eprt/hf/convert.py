@@ -51,12 +51,15 @@ from eprt.storage.checkpoint import (
     write_manifest,
 )
 from eprt.storage.hf_files import CHAT_TEMPLATE, CONFIG
+from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, MxFp4Blocks
 from eprt.storage.safetensors_io import SafetensorsWriter
 
 DTYPE_CHOICES = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_SCHEME = "fp8"  # the manifest's name for a block-FP8 source's quantization_config
+# the schemes that are a source's whole quantization_config (not one of its compressed-tensors groups)
+WHOLE_CONFIG_SCHEMES = {FP8_SCHEME, MXFP4_BLOCKS}
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         out[key] = Encoded(encoding, FP8_SCHEME, parts, weight)
     if quant is None:
         return out
+    if quant.method == MXFP4_BLOCKS:
+        return mxfp4_blocks(src, out)
     if quant.method != encodings.CT:
         return refuse_false_claims(src, out, quant)
     groups = quant.groups()
@@ -178,6 +183,20 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
             f"{module}.weight",
         )
     return refuse_false_claims(src, out, quant)
+
+
+def mxfp4_blocks(src: HFSource, out: dict[str, Encoded]) -> dict[str, Encoded]:
+    """`out` with every weight P stored in OpenAI's MXFP4 (`P_blocks` beside `P_scales`), by P."""
+    names = src.tensors
+    for name, (f, _) in names.items():
+        if not name.endswith("_blocks"):
+            continue
+        weight = name[: -len("_blocks")]
+        parts = encodings.component_names(weight, MxFp4Blocks.components)
+        if parts["scales"] not in names:
+            raise CheckpointError(f"{f.path}: MXFP4 tensor {name!r} has no {parts['scales']!r} beside it")
+        out[weight] = Encoded(MXFP4_BLOCKS, MXFP4_BLOCKS, parts, weight)
+    return out
 
 
 def refuse_false_claims(
@@ -234,19 +253,23 @@ def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     return found[0]
 
 
-def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
+def as_source_holds(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec) -> tuple[TensorSpec, bool]:
     """`spec` as the source stores it, and whether that is fused: stacked experts the source holds
-    whole in `spec.fused` become one plain tensor of the stacked shape, read from there."""
-    if spec.fused is None or spec.fused not in src.tensors:
+    whole in `spec.fused` become one plain tensor of the stacked shape, read from there. Stored
+    encoded, its components hold each weight's outputs along dim 1 whatever the raw form's
+    orientation: the tensor is then not transposed, though still interleaved where it is."""
+    if spec.fused is None or (spec.fused not in src.tensors and spec.fused not in encoded):
         return spec, False
+    fused = spec.as_fused() if spec.fused not in encoded else replace(spec.as_fused(), transposed=False)
     again = [s for s in spec.sources if s in src.tensors]
     if again:
-        f, _ = src.tensors[spec.fused]
+        held = next(iter(encoded[spec.fused].components.values())) if spec.fused in encoded else spec.fused
+        f, _ = src.tensors[held]
         raise CheckpointError(
             f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
             f"but {again[0]!r} holds one of them again; keep one of the two forms"
         )
-    return spec.as_fused(), True
+    return fused, True
 
 
 def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec, where: str) -> TensorSpec:
@@ -285,21 +308,22 @@ class ConversionPlanner:
     def schemes(self, planned: list[Planned]) -> dict[str, dict]:
         """The manifest's `schemes`: each one an encoded tensor names."""
         used = {e.scheme for p in planned for e in p.encoded}
-        if FP8_SCHEME in used:
-            return {FP8_SCHEME: self.quant.config}
+        whole = used & WHOLE_CONFIG_SCHEMES
+        if whole:
+            return {whole.pop(): self.quant.config}
         groups = self.quant.groups() if used else {}
         return {g: groups[g] for g in sorted(used)}
 
     def scheme(self, e: Encoded) -> dict:
-        return self.quant.config if e.scheme == FP8_SCHEME else self.quant.groups()[e.scheme]
+        return self.quant.config if e.scheme in WHOLE_CONFIG_SCHEMES else self.quant.groups()[e.scheme]
 
     def plan(self) -> list[Planned]:
         """Every output tensor; refuses on any mismatch."""
         src = self.src
         planned, claimed = [], set()
         for spec in self.layout.specs:
-            spec, fused = as_source_holds(src, as_source_spells(src, self.encoded, spec, self.where))
-            if fused and spec.fused in self.encoded:  # fused experts stored encoded (per-tensor FP8)
+            spec, fused = as_source_holds(src, self.encoded, as_source_spells(src, self.encoded, spec, self.where))
+            if fused and spec.fused in self.encoded:  # fused experts stored encoded (per-tensor FP8, MXFP4)
                 e = self.encoded[spec.fused]
                 planned.append(replace(self.plan_encoded(spec, [e], "model"), fused=True))
                 claimed.update(e.components.values())
@@ -598,7 +622,10 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
     for (c, (dt, shape)), (key, _, stored) in zip(p.components.items(), p.stored()):
         for e in p.encoded:
             f, info = src.tensors[e.components[c]]
-            w.copy_range(key, f, info.start, info.nbytes)
+            if p.fused and p.spec.interleaved > 1:  # gate and up apart along the outputs, as eprt holds them
+                w.write(key, p.spec.deinterleave(f.read(e.components[c])).contiguous())
+            else:
+                w.copy_range(key, f, info.start, info.nbytes)
             pb.update(info.nbytes)
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
     return meta_of(p, components=components)
@@ -628,11 +655,11 @@ def meta_of(p: Planned, parts: tuple[Part, ...] = (), components: dict[str, Comp
 
 
 def in_place(src: HFSource, p: Planned) -> bool:
-    """Whether the source holds `p` as eprt reads it: encoded weights always (their components are
-    copied as they are), a raw one when it keeps its dtype and each source tensor is the whole
+    """Whether the source holds `p` as eprt reads it: encoded weights unless interleaved (their
+    components are copied as they are), a raw one when it keeps its dtype and each source tensor is the whole
     tensor (a plain or fused one) or one expert's piece of its row."""
     if p.encoded:
-        return True
+        return not (p.fused and p.spec.interleaved > 1)
     if p.dtype != p.source_dtype or (p.fused and p.spec.permuted):
         return False
     want = p.spec.source_shape() if p.spec.stacked else p.spec.shape
