@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.testing.tiny import RELEASED_AS, make_tiny
 from tests.ep_checks import (
     LAYOUTS,
     RECIPES,
@@ -42,6 +44,13 @@ def ckpts(tmp_path_factory):
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
 def test_expert_parallel_logits_are_bitwise_the_single_process_logits(ckpts, world, ep):
     assert_ep_logits([ckpts["fp32"][1]], world, ep, seq_len=12)  # windows of 4: three of them
+
+
+@pytest.mark.timeout(200)
+def test_the_mxfp4_release_under_expert_parallelism(tmp_path):
+    """The release's MXFP4 experts, each rank decoding only its own rows: the single-process logits."""
+    hf = make_tiny(FAMILY, str(tmp_path / "hf"), dtype="fp32", **RELEASED_AS[FAMILY])
+    assert_ep_logits([convert_hf(hf, str(tmp_path / "ck"), progress=False)], 2, 2, seq_len=12)
 
 
 def predicted_names(source: dict[str, torch.Tensor], recipe: str) -> set[str]:
