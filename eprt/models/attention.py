@@ -44,7 +44,9 @@ def causal_attention(
     return o.transpose(1, 2).reshape(B, T, H * v_BhTe.shape[-1])
 
 
-SINK_WIDTH = 8  # the dims the sink key adds to each head: one carries it, the rest keep the width a multiple of 8
+# the dims the sink key adds to each head: one carries it, the rest keep a width that is a multiple of 8
+# one (the fused kernels' alignment)
+SINK_WIDTH = 8
 
 
 def with_sink_key(
@@ -58,7 +60,7 @@ def with_sink_key(
     """The sinks as one more key that every query sees, so that the fused attention kernels compute
     them: each query head gains a dim holding sinks_H[h] / scale, each key a zero there, and the sink
     key (a one there, zeros elsewhere, a zero value) scores exactly sinks_H[h] against every query
-    of head h. The key/value heads stay shared; the extra dims pad the head to a multiple of 8."""
+    of head h. The key/value heads stay shared."""
     B, H, T, d = q_BHTd.shape
     pad = q_BHTd.new_zeros(B, H, T, SINK_WIDTH)
     pad[..., 0] = (sinks_H.to(q_BHTd.dtype) / scale)[None, :, None]
