@@ -4,11 +4,14 @@ does (the same logits), keeps them encoded in eprt's order so that each rank rea
 rows, writes them back byte for byte, and re-encodes them to NVFP4 as ModelOpt's lossless cast does."""
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import save
 
 import eprt
+from eprt.errors import CheckpointError, ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -16,8 +19,9 @@ from eprt.parallel.state import ParallelState
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.encodings import source_quantization
 from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, decode_mxfp4_blocks
-from eprt.testing.tiny import RELEASED_AS, make_tiny
+from eprt.testing.tiny import RELEASED_AS, make_tiny, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 FAMILY, E, LAYERS = "gpt_oss", 8, 2
@@ -119,3 +123,21 @@ def test_nvfp4_reencodes_the_release_value_for_value(release, tmp_path):
     record = json.loads((tmp_path / "q" / "eprt.json").read_text())["quantization"]["calibration"]
     blocks = sum(source[f"{m}.{p}_scales"].numel() for m in EXPERTS for p in ("gate_up_proj", "down_proj"))
     assert record["mxfp4_reencoded"] == {"experts_tensors": 2 * LAYERS, "blocks": blocks, "kept": blocks}
+
+
+def test_blocks_without_their_scales_are_refused_by_name(release, tmp_path):
+    hf, _ = release
+    broken = tmp_path / "hf"
+    shutil.copytree(hf, broken)
+    tensors = read_hf_tensors(str(broken))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    (broken / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks'.*down_proj_scales"):
+        convert_hf(str(broken), str(tmp_path / "ck"), progress=False)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_malformed_mxfp4_config_is_refused_by_name(tmp_path):
+    cfg = dict(tiny_config(FAMILY), quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"})
+    with pytest.raises(ConfigError, match="modules_to_not_convert"):
+        source_quantization(cfg, "config.json")
