@@ -3,7 +3,9 @@ quant_method mxfp4), fused and interleaved. eprt decodes them as transformers' M
 does (the same logits), keeps them encoded in eprt's order so that each rank reads only its experts'
 rows, writes them back byte for byte, and re-encodes them to NVFP4 as ModelOpt's lossless cast does."""
 
+import filecmp
 import json
+import os
 import shutil
 
 import pytest
@@ -141,3 +143,19 @@ def test_a_malformed_mxfp4_config_is_refused_by_name(tmp_path):
     cfg = dict(tiny_config(FAMILY), quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"})
     with pytest.raises(ConfigError, match="modules_to_not_convert"):
         source_quantization(cfg, "config.json")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4_experts_only_input_scale1"])
+def test_the_model_free_export_of_the_release_is_the_modeled_export(release, tmp_path, recipe):
+    """`eprt-export HF_DIR OUT --recipe R` decodes the release's MXFP4 experts, gate and up read apart
+    from their interleaved rows, each expert's rows alone: the same files as the export of its
+    converted checkpoint."""
+    from eprt.hf.streaming.run import stream_export
+
+    hf, ck = release
+    modeled = export_hf(ck, str(tmp_path / "modeled"), recipe=recipe, progress=False)
+    ours = stream_export(hf, str(tmp_path / "ours"), recipe, progress=False)
+    names = sorted(os.listdir(modeled))
+    assert names == sorted(os.listdir(ours))
+    for n in names:
+        assert filecmp.cmp(os.path.join(modeled, n), os.path.join(ours, n), shallow=False), n
