@@ -1,5 +1,5 @@
 """GPT-OSS (`gpt_oss`: gpt-oss-20b and gpt-oss-120b). Config: config.py; tensors: layout.py; model:
-model.py; the release's MXFP4 experts: mxfp4.py."""
+model.py; the release's MXFP4 experts are an encoding (eprt.storage.mxfp4_blocks)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 holds them (`mlp.experts.gate_up_proj` [E, D, 2I], gate and up alternating along its last dim,
 `gate_up_proj_bias` [E, 2I] alike, `down_proj` [E, I, D], `down_proj_bias` [E, D]). The release
 stores the expert weights MXFP4-encoded in the same places (`gate_up_proj_blocks`/`_scales`,
-eprt.families.gpt_oss.mxfp4), their biases as they are."""
+eprt.storage.mxfp4_blocks), their biases as they are."""
 
 from __future__ import annotations
 
