@@ -19,6 +19,7 @@ import re
 from eprt.errors import EprtError
 from eprt.families import load_hf_config, parse_hf_config, reader_for
 from eprt.hf.source import HFSource
+from eprt.layout import Layout
 from eprt.storage.hf_files import CONFIG
 
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
@@ -46,10 +47,14 @@ MTP_UNQUANTIZED = re.compile(r".*\.layers\.\d+\.(eh_proj|shared_head\.head)")
 class SourceNames:
     """The source tensors an export may carry: exact names, plus regexes for tensors carried through."""
 
-    def __init__(self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False):
+    def __init__(
+        self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False, unquantized: tuple[str, ...] = ()
+    ):
         self.names = names
         self.passthrough = passthrough
         self.exact = exact  # the whole source is known: a missing tensor is a fault too
+        # the modules its family's engines build unquantized (eprt.families.Family.unquantized), as regexes
+        self.unquantized = unquantized
 
     def __contains__(self, name: str) -> bool:
         return name in self.names or any(re.fullmatch(p, name) for p in self.passthrough)
@@ -76,20 +81,26 @@ def mxfp4_parts(weight: str) -> set[str]:
 def source_names_from_dir(source_dir: str) -> SourceNames:
     src = HFSource(source_dir)
     try:
-        return SourceNames(per_expert_names(decoded_names(src.tensors), source_dir), exact=True)
+        layout = family_layout(source_dir)
+        names = per_expert_names(decoded_names(src.tensors), layout)
+        return SourceNames(names, exact=True, unquantized=layout.unquantized if layout else ())
     finally:
         src.close()
 
 
-def per_expert_names(names: set[str], source_dir: str) -> set[str]:
-    """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
-    names the quantized export writes them under: engines load a quantized expert per expert."""
+def family_layout(source_dir: str) -> Layout | None:
+    """The layout of the family of `source_dir`'s config.json, or None where eprt does not read it."""
     try:
         _, cfg = load_hf_config(source_dir)
-        layout = reader_for(cfg.model_type, source_dir).layout(cfg)
+        return reader_for(cfg.model_type, source_dir).layout(cfg)
     except EprtError:
-        return names
-    for spec in layout.specs:
+        return None
+
+
+def per_expert_names(names: set[str], layout: Layout | None) -> set[str]:
+    """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
+    names the quantized export writes them under: engines load a quantized expert per expert."""
+    for spec in layout.specs if layout is not None else ():
         if spec.fused in names:
             names = (names - {spec.fused}) | set(spec.sources)
     return names
@@ -108,7 +119,9 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     passthrough = tuple(p for p in layout.passthrough if not any(re.fullmatch(p, n) for n in mtp))
     # a tensor spelled two ways (eprt.layout.TensorSpec.alias) may be under either name
     aliases = {spec.alias for spec in layout.specs if spec.alias}
-    return SourceNames({s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough)
+    return SourceNames(
+        {s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough, unquantized=layout.unquantized
+    )
 
 
 def check_names(
@@ -135,6 +148,11 @@ def check_names(
                 )
             if source is not None and f"{module}.weight" not in source:
                 problems.append(f"{name}: quantized module {module} is not in the source; no engine has it")
+            elif leaf == "weight" and source is not None and any(re.fullmatch(p, module) for p in source.unquantized):
+                problems.append(
+                    f"{name}: quantized, but the engines build {module} unquantized (its family's table: a "
+                    "router, an embedding, the head, ...) and cannot load it; keep it in the source dtype"
+                )
             continue
         if name in allowed_kv:
             continue

@@ -7,9 +7,11 @@ the source's dtype beside them."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
@@ -114,5 +116,29 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
                 ):
                     assert got.dtype == want.dtype and raw(got) == raw(want.contiguous()), x
         excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
-        # vLLM builds the router without a quantization config
+        # vLLM builds the router without a quantization config, and eprt-check says so of a quantized one
         assert excluded == ["lm_head", "model.embed_tokens", f"{L}.0.mlp.router", f"{L}.1.mlp.router"]
+        if recipe == "fp8":
+            assert any(
+                p.startswith(f"{L}.1.mlp.router.weight: quantized, but") for p in with_fp8_router(ref, hf, tmp_path)
+            )
+
+
+def with_fp8_router(export: str, hf: str, tmp_path) -> list[str]:
+    """eprt-check's problems with a copy of `export` whose layer-1 router is stored in FP8 with its scales."""
+    forged = tmp_path / "forged"
+    shutil.copytree(export, forged)
+    tensors = read_hf_tensors(str(forged))
+    router = f"{L}.1.mlp.router"
+    tensors[f"{router}.weight"] = tensors[f"{router}.weight"].to(torch.float8_e4m3fn)
+    tensors[f"{router}.weight_scale"], tensors[f"{router}.input_scale"] = torch.tensor(1.0), torch.tensor(1.0)
+    files = [f for f in os.listdir(forged) if f.endswith(".safetensors")]
+    for f in files:
+        os.remove(forged / f)
+    save_file(tensors, str(forged / files[0]))
+    index = forged / "model.safetensors.index.json"
+    if index.exists():
+        m = json.loads(index.read_text())
+        m["weight_map"] = {n: files[0] for n in tensors}
+        index.write_text(json.dumps(m))
+    return check_export(str(forged), hf)
