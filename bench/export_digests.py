@@ -64,6 +64,7 @@ SOURCES = (
     ("mistral4-fp8_tensor", "mistral4", dict(RELEASED_AS["mistral4"])),
     ("minimax_m2-fp8_block", "minimax_m2", dict(source_format="fp8-block", hidden_size=192, intermediate_size=144)),
     ("minimax_m3_vl-mxfp8", "minimax_m3_vl", dict(source_format="mxfp8")),
+    ("gpt_oss-mxfp4", "gpt_oss", dict(RELEASED_AS["gpt_oss"])),
 )
 # Each family's wide tiny model: every Linear's input dim a multiple of 128 (the largest group of
 # a format), the tiny config's other sizes kept. The low ranks and head widths that feed a
@@ -94,6 +95,7 @@ WIDER = {
     # out_proj reads 4 Mamba heads of 32; the routed experts and fc2 read the latent; the shared expert its width
     "nemotron_h": NEMOTRON_H,
     "nemotron_h_omni": NEMOTRON_H,
+    "gpt_oss": dict(head_dim=32),  # o_proj reads 4 heads of 32
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

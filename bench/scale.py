@@ -1,15 +1,16 @@
 """Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's,
-Llama-4 Maverick's and Nemotron-3 Ultra's real tensor counts and real dims, on any machine.
+Llama-4 Maverick's, Nemotron-3 Ultra's and GPT-OSS-120B's real tensor counts and real dims, on any machine.
 
     python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa
                            --model minimax_m2 --model minimax_m3 --model llama4_maverick
-                           --model nemotron3_ultra]
+                           --model nemotron3_ultra --model gpt_oss_120b]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused).
+  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused;
+  GPT-OSS-120B's experts in OpenAI's MXFP4, fused).
   Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
@@ -235,6 +236,23 @@ REAL = {
         mtp_hybrid_override_pattern="*E",
         max_position_embeddings=1048576,
     ),
+    # GPT-OSS-120B: every layer MoE, sliding-window and full attention alternating
+    "gpt_oss_120b": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        experts_per_token=4,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+        sliding_window=128,
+        max_position_embeddings=131072,
+    ),
 }
 # each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
 # shards: about 5 GB each where the count is not the release's own)
@@ -247,6 +265,7 @@ RELEASE = {
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
     "nemotron3_ultra": ("nemotron_h", {}, 110),  # bf16 (its NVFP4 release is ModelOpt's own export)
+    "gpt_oss_120b": ("gpt_oss", RELEASED_AS["gpt_oss"], 15),
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -311,6 +330,15 @@ TINY_DIMS = {
         head_dim=16,
         intermediate_size=32,
         intermediate_size_mlp=128,
+        max_position_embeddings=4096,
+    ),
+    "gpt_oss": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
         max_position_embeddings=4096,
     ),
 }

@@ -71,21 +71,28 @@ class TensorSpec:
 
     def from_fused(self, t):
         """The eprt tensor from the fused one (a torch tensor of `fused_shape()`): a view."""
-        if self.transposed:
-            t = t.transpose(-2, -1)
-        if self.interleaved > 1:  # [E, I*k, ...] as (i, piece) -> (piece, i)
-            E, n, k = *t.shape[:2], self.interleaved
-            t = t.unflatten(1, (n // k, k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
-        return t
+        return self.deinterleave(t.transpose(-2, -1) if self.transposed else t)
 
     def to_fused(self, t):
         """The fused tensor from the eprt one: `from_fused` undone, contiguous."""
-        if self.interleaved > 1:
-            E, n, k = *t.shape[:2], self.interleaved
-            t = t.unflatten(1, (k, n // k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
-        if self.transposed:
-            t = t.transpose(-2, -1)
-        return t.contiguous()
+        t = self.interleave(t)
+        return (t.transpose(-2, -1) if self.transposed else t).contiguous()
+
+    def deinterleave(self, t):
+        """[E, n, ...] with the `interleaved` pieces alternating along dim 1 as eprt holds them, each
+        piece's entries together: (i, piece) -> (piece, i). Also an encoded source's components, whose
+        dim 1 follows the weight's outputs (eprt.storage.mxfp4_blocks)."""
+        if self.interleaved == 1:
+            return t
+        E, n, k = *t.shape[:2], self.interleaved
+        return t.unflatten(1, (n // k, k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
+
+    def interleave(self, t):
+        """`deinterleave` undone."""
+        if self.interleaved == 1:
+            return t
+        E, n, k = *t.shape[:2], self.interleaved
+        return t.unflatten(1, (k, n // k)).transpose(1, 2).reshape(E, n, *t.shape[2:])
 
     def shape_problem(self, shape: tuple[int, ...]) -> str | None:
         """Why a source tensor of `shape` cannot be this one (after `tensor NAME `), or None."""

@@ -141,16 +141,39 @@ def test_a_fused_tensor_in_the_wrong_shape_is_refused_by_name(tmp_path, layer_la
     assert not os.path.exists(tmp_path / "ck")
 
 
-def test_a_quantized_export_of_experts_with_biases_is_refused_by_name(tmp_path, layer_layout, monkeypatch):
-    pieces, storage = CASES["biased, fused, transposed, interleaved"]
+@pytest.mark.parametrize("case", ["biased, fused, transposed, interleaved", "biased, per expert"])
+def test_a_quantized_export_of_experts_with_biases_writes_them_per_expert_unquantized(
+    tmp_path, layer_layout, monkeypatch, case
+):
+    """Each expert's weights quantized, its biases in the source's dtype beside them under the per-expert
+    names (`experts.E.gate_proj.bias`: gate and up apart where the source interleaves them)."""
+    import eprt.hf.check_names
+
+    pieces, storage = CASES[case]
     layer_layout(pieces, storage)
-    monkeypatch.setattr(eprt.hf.export_quantized, "reader_for", eprt.hf.convert.reader_for)
-    ck = convert_hf(
-        write_source(str(tmp_path / "hf"), source_tensors(pieces, storage)), str(tmp_path / "ck"), progress=False
-    )
-    with pytest.raises(ConfigError, match=rf"{P}\.w13_bias: the routed experts of {P} have biases.*format: none"):
-        export_hf(ck, str(tmp_path / "out"), recipe="fp8_block", progress=False)
-    assert not os.path.exists(tmp_path / "out")
+    for module in (eprt.hf.export_quantized, eprt.hf.check_names):  # the export and its check read the layout
+        monkeypatch.setattr(module, "reader_for", eprt.hf.convert.reader_for)
+    source = source_tensors(pieces, storage)
+    hf = write_source(str(tmp_path / "hf"), source)
+    # the experts' dims in config.json too: the export's shape check builds each expert from it
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(tiny_config("qwen3_moe", num_experts=E, moe_intermediate_size=I, hidden_size=H), f)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    exported = read_hf_tensors(export_hf(ck, str(tmp_path / "out"), recipe="fp8_block", progress=False))
+    names = ("gate_proj", "up_proj", "down_proj")
+    quantized = {f"{P}.{e}.{p}.{leaf}" for e in range(E) for p in names for leaf in ("weight", "weight_scale")}
+    biases = {f"{P}.{e}.{p}.bias" for e in range(E) for p in names}
+    assert set(exported) == quantized | biases | {"model.norm.weight"}
+    for e in range(E):
+        if storage.fused:
+            gate_up, down = source[f"{P}.gate_up_proj_bias"][e], source[f"{P}.down_proj_bias"][e]
+            want = {"gate_proj": gate_up[0::2], "up_proj": gate_up[1::2], "down_proj": down}
+        else:
+            want = {p: source[f"{P}.{e}.{p}.bias"] for p in names}
+        for p, t in want.items():
+            got = exported[f"{P}.{e}.{p}.bias"]
+            assert got.dtype == t.dtype and raw(got) == raw(t.contiguous()), (e, p)
+        assert exported[f"{P}.{e}.down_proj.weight"].dtype == torch.float8_e4m3fn
 
 
 def test_the_model_free_export_refuses_experts_it_cannot_slice_by_name(tmp_path, layer_layout, monkeypatch):
@@ -161,7 +184,7 @@ def test_the_model_free_export_refuses_experts_it_cannot_slice_by_name(tmp_path,
     layer_layout(pieces, storage)
     monkeypatch.setattr(run, "reader_for", eprt.hf.convert.reader_for)
     hf = write_source(str(tmp_path / "hf"), source_tensors(pieces, storage))
-    with pytest.raises(ConfigError, match=rf"{P}\.gate_up_proj holds its experts transposed or interleaved.*convert"):
+    with pytest.raises(ConfigError, match=rf"{P}\.gate_up_proj holds its experts transposed, which.*convert"):
         stream_export(hf, str(tmp_path / "out"), "fp8_block", progress=False)
     assert not os.path.exists(tmp_path / "out")
 

@@ -49,6 +49,7 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "llama4",
         "nemotron_h",
         "nemotron_h_omni",
+        "gpt_oss",
     ],
 )
 @pytest.mark.parametrize("shards", [1, 3])

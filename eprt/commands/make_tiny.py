@@ -18,7 +18,7 @@ def make() -> None:
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument(
         "--source-format",
-        help="store it encoded as this release is (int4, mxfp4, fp8-block, fp8-tensor, mxfp8; a wrong one lists them all)",
+        help="store it encoded as this release is (int4, mxfp4, mxfp4-blocks, fp8-block, fp8-tensor, mxfp8; a wrong one lists them all)",
     )
     a = ap.parse_args()
     from eprt.testing.tiny import RELEASED_AS, SOURCE_FORMATS, families, make_tiny  # after --help: they import torch

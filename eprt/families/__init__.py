@@ -21,6 +21,7 @@ from eprt.families import (
     deepseek_v32,
     glm4_moe,
     glm_moe_dsa,
+    gpt_oss,
     kimi_k3,
     kimi_k25,
     kimi_linear,
@@ -60,6 +61,7 @@ FAMILIES: tuple[Family, ...] = (
     llama4.FAMILY,
     nemotron_h.FAMILY,
     nemotron_h.OMNI_FAMILY,
+    gpt_oss.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

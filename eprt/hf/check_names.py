@@ -36,6 +36,8 @@ ENCODED_PARTS = (
 )
 # Fused experts stored in per-tensor FP8 (a parameter P, not a module's weight): P's parts beside it.
 FUSED_ENCODED_PARTS = ("_scale_inv", "_activation_scale")
+# Fused experts stored in OpenAI's MXFP4 (GPT-OSS: eprt.storage.mxfp4_blocks): P's parts, without P.
+MXFP4_PARTS = ("_blocks", "_scales")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 # A multi-token-prediction layer's Linears the engines build without quantization, whatever the
 # config says: vLLM and SGLang make eh_proj a plain torch Linear and shared_head.head an lm head.
@@ -62,15 +64,21 @@ class SourceNames:
 
 
 def decoded_names(names) -> set[str]:
-    """Source names with each encoded weight's stored parts (`M.weight_packed`, ...) as one `M.weight`."""
+    """Source names with each encoded weight's stored parts (`M.weight_packed`, ..., a fused `P_blocks`
+    and `P_scales`) as the one weight (`M.weight`, `P`)."""
     names = set(names)
     encoded = {n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1] in ENCODED_MARKERS}
     out = set()
     for n in names:
         module, _, leaf = n.rpartition(".")
         fused = next((n[: -len(p)] for p in FUSED_ENCODED_PARTS if n.endswith(p) and n[: -len(p)] in names), None)
-        out.add(f"{module}.weight" if module in encoded and leaf in ENCODED_PARTS else fused or n)
+        mxfp4 = next((n[: -len(p)] for p in MXFP4_PARTS if n.endswith(p) and mxfp4_parts(n[: -len(p)]) <= names), None)
+        out.add(f"{module}.weight" if module in encoded and leaf in ENCODED_PARTS else fused or mxfp4 or n)
     return out
+
+
+def mxfp4_parts(weight: str) -> set[str]:
+    return {weight + p for p in MXFP4_PARTS}
 
 
 def source_names_from_dir(source_dir: str) -> SourceNames:
@@ -84,7 +92,7 @@ def source_names_from_dir(source_dir: str) -> SourceNames:
 
 
 def family_layout(source_dir: str) -> Layout | None:
-    """The family layout of the source's config.json; None when eprt cannot read it."""
+    """The layout of the family of `source_dir`'s config.json, or None where eprt does not read it."""
     try:
         _, cfg = load_hf_config(source_dir)
         return reader_for(cfg.model_type, source_dir).layout(cfg)
@@ -95,7 +103,7 @@ def family_layout(source_dir: str) -> Layout | None:
 def per_expert_names(names: set[str], layout: Layout | None) -> set[str]:
     """Source names with routed experts held fused (eprt.layout.TensorSpec.fused) as the per-expert
     names the quantized export writes them under: engines load a quantized expert per expert."""
-    for spec in layout.specs if layout else ():
+    for spec in layout.specs if layout is not None else ():
         if spec.fused in names:
             names = (names - {spec.fused}) | set(spec.sources)
     return names
@@ -114,8 +122,9 @@ def source_names_from_config(config: dict | None) -> SourceNames | None:
     passthrough = tuple(p for p in layout.passthrough if not any(re.fullmatch(p, n) for n in mtp))
     # a tensor spelled two ways (eprt.layout.TensorSpec.alias) may be under either name
     aliases = {spec.alias for spec in layout.specs if spec.alias}
-    names = {s for spec in layout.specs for s in spec.sources} | aliases | mtp
-    return SourceNames(names, passthrough, unquantized=layout.unquantized)
+    return SourceNames(
+        {s for spec in layout.specs for s in spec.sources} | aliases | mtp, passthrough, unquantized=layout.unquantized
+    )
 
 
 def check_names(

@@ -49,6 +49,7 @@ from eprt.storage.checkpoint import (
     write_manifest,
 )
 from eprt.storage.hf_files import CHAT_TEMPLATE, CONFIG
+from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, MxFp4Blocks
 from eprt.storage.pins import SOURCE, source_reference
 from eprt.storage.safetensors_io import SafetensorsWriter
 
@@ -147,6 +148,8 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
         out[key] = Encoded(encoding, FP8_SCHEME, parts, weight)
     if quant is None:
         return out
+    if quant.method == MXFP4_BLOCKS:
+        return mxfp4_blocks(src, out)
     # the encodings a family registers (eprt.storage.source_decoders), found by their names
     infos = {n: info for n, (_, info) in names.items()}
     for weight, (encoding, parts) in source_decoders.find_encoded(infos, quant.method, quant.config, src.dir).items():
@@ -187,6 +190,20 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
             f"{module}.weight",
         )
     return refuse_false_claims(src, out, quant)
+
+
+def mxfp4_blocks(src: HFSource, out: dict[str, Encoded]) -> dict[str, Encoded]:
+    """`out` with every weight P stored in OpenAI's MXFP4 (`P_blocks` beside `P_scales`), by P."""
+    names = src.tensors
+    for name, (f, _) in names.items():
+        if not name.endswith("_blocks"):
+            continue
+        weight = name[: -len("_blocks")]
+        parts = encodings.component_names(weight, MxFp4Blocks.components)
+        if parts["scales"] not in names:
+            raise CheckpointError(f"{f.path}: MXFP4 tensor {name!r} has no {parts['scales']!r} beside it")
+        out[weight] = Encoded(MXFP4_BLOCKS, MXFP4_BLOCKS, parts, weight)
+    return out
 
 
 def refuse_false_claims(
@@ -243,19 +260,23 @@ def group_of(module: str, groups: dict[str, dict], where: str) -> str:
     return found[0]
 
 
-def as_source_holds(src: HFSource, spec: TensorSpec) -> tuple[TensorSpec, bool]:
+def as_source_holds(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec) -> tuple[TensorSpec, bool]:
     """`spec` as the source stores it, and whether that is fused: stacked experts the source holds
-    whole in `spec.fused` become one plain tensor of the stacked shape, read from there."""
-    if spec.fused is None or spec.fused not in src.tensors:
+    whole in `spec.fused` become one plain tensor of the stacked shape, read from there. Stored
+    encoded, its components hold each weight's outputs along dim 1 whatever the raw form's
+    orientation: the tensor is then not transposed, though still interleaved where it is."""
+    if spec.fused is None or (spec.fused not in src.tensors and spec.fused not in encoded):
         return spec, False
+    fused = spec.as_fused() if spec.fused not in encoded else replace(spec.as_fused(), transposed=False)
     again = [s for s in spec.sources if s in src.tensors]
     if again:
-        f, _ = src.tensors[spec.fused]
+        held = next(iter(encoded[spec.fused].components.values())) if spec.fused in encoded else spec.fused
+        f, _ = src.tensors[held]
         raise CheckpointError(
             f"{f.path}: tensor {spec.fused!r} holds every expert of {spec.name.rsplit('.', 1)[0]}, "
             f"but {again[0]!r} holds one of them again; keep one of the two forms"
         )
-    return spec.as_fused(), True
+    return fused, True
 
 
 def as_source_spells(src: HFSource, encoded: dict[str, Encoded], spec: TensorSpec, where: str) -> TensorSpec:
@@ -307,8 +328,8 @@ class ConversionPlanner:
         src = self.src
         planned, claimed = [], set()
         for spec in self.layout.specs:
-            spec, fused = as_source_holds(src, as_source_spells(src, self.encoded, spec, self.where))
-            if fused and spec.fused in self.encoded:  # fused experts stored encoded (per-tensor FP8)
+            spec, fused = as_source_holds(src, self.encoded, as_source_spells(src, self.encoded, spec, self.where))
+            if fused and spec.fused in self.encoded:  # fused experts stored encoded (per-tensor FP8, MXFP4)
                 e = self.encoded[spec.fused]
                 planned.append(replace(self.plan_encoded(spec, [e], "model"), fused=True))
                 claimed.update(e.components.values())
@@ -607,7 +628,10 @@ def write_encoded(src: HFSource, w: SafetensorsWriter, fname: str, p: Planned, p
     for (c, (dt, shape)), (key, _, stored) in zip(p.components.items(), p.stored()):
         for e in p.encoded:
             f, info = src.tensors[e.components[c]]
-            w.copy_range(key, f, info.start, info.nbytes)
+            if p.fused and p.spec.interleaved > 1:  # gate and up apart along the outputs, as eprt holds them
+                w.write(key, p.spec.deinterleave(f.read(e.components[c])).contiguous())
+            else:
+                w.copy_range(key, f, info.start, info.nbytes)
             pb.update(info.nbytes)
         components[c] = Component(dt, stored, shape, (Part(fname, key, (0, stored[0] if stored else 0)),))
     return meta_of(p, components=components)
@@ -637,11 +661,11 @@ def meta_of(p: Planned, parts: tuple[Part, ...] = (), components: dict[str, Comp
 
 
 def in_place(src: HFSource, p: Planned) -> bool:
-    """Whether the source holds `p` as eprt reads it: encoded weights always (their components are
-    copied as they are), a raw one when it keeps its dtype and each source tensor is the whole
+    """Whether the source holds `p` as eprt reads it: encoded weights unless interleaved (their
+    components are copied as they are), a raw one when it keeps its dtype and each source tensor is the whole
     tensor (a plain or fused one) or one expert's piece of its row."""
     if p.encoded:
-        return True
+        return not (p.fused and p.spec.interleaved > 1)
     if p.dtype != p.source_dtype or (p.fused and p.spec.permuted):
         return False
     want = p.spec.source_shape() if p.spec.stacked else p.spec.shape

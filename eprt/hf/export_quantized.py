@@ -54,16 +54,11 @@ class ExpertWeight:
 LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--format`)
 
 
-def refuse_expert_biases(specs, quantized) -> None:
-    """Routed experts with biases are refused by the quantized export: it writes each expert's
-    projections as quantized Linears and has no place yet for their biases beside them."""
-    for spec in specs:
-        module, leaf = spec.name.rsplit(".", 1)
-        if spec.stacked and module in quantized and leaf not in EXPERT_LEAVES:
-            raise ConfigError(
-                f"{spec.name}: the routed experts of {module} have biases, which the quantized export does not "
-                'write yet; exclude them in the recipe ({pattern: "*experts", format: none}) or export unquantized'
-            )
+def is_expert_weight(spec: TensorSpec) -> bool:
+    """Whether stacked `spec` holds routed experts' weights (a projection of EXPERT_LEAVES), not
+    their biases: the biases of quantized experts stay unquantized, written per expert beside
+    the quantized weights (`...experts.E.down_proj.bias`), as the engines load them."""
+    return spec.stacked and spec.name.rsplit(".", 1)[1] in EXPERT_LEAVES
 
 
 class QuantizedExport:
@@ -106,11 +101,10 @@ class QuantizedExport:
             {m: self.recipe.algorithm_of(m) for m in self.quantized},
             self.recipe.scale_headroom,
         )
-        refuse_expert_biases(self.specs, self.quantized)
         self.experts = {
             src: ExpertWeight(spec.name.rsplit(".", 1)[0], spec, *divmod(j, spec.per_row))
             for spec in self.specs
-            if spec.stacked and spec.name.rsplit(".", 1)[0] in self.quantized
+            if is_expert_weight(spec) and spec.name.rsplit(".", 1)[0] in self.quantized
             for j, src in enumerate(spec.sources)
         }
         self.stacked = {spec.name: spec for spec in self.specs if spec.stacked}
@@ -256,7 +250,7 @@ class QuantizedExport:
         expert's projections one by one."""
         quantized, unquantized = set(), set()
         for spec in self.specs:
-            if spec.stacked:
+            if is_expert_weight(spec):
                 modules = {src[: -len(".weight")] for src in spec.sources}
                 (quantized if spec.name.rsplit(".", 1)[0] in self.quantized else unquantized).update(modules)
             elif spec.name.endswith(".weight") and len(spec.shape) == 2:

@@ -93,8 +93,14 @@ def encoded_sources(ck: Checkpoint, meta: TensorMeta, spec: TensorSpec | None) -
     `M.weight`), each copied from where it lies."""
     name = meta.name
     if meta.per_row is None:
+        # fused experts whose source alternates gate and up along the outputs: that order back
+        interleaved = spec is not None and meta.fused_source is not None and spec.interleaved > 1
         for c, source in component_names(meta.fused_source or name, meta.components).items():
             x = meta.components[c]
+            if interleaved:
+                read = lambda c=c: spec.interleave(ck.read_component(name, c)).contiguous()  # noqa: E731
+                yield OutTensor(source, x.dtype, x.source_shape, read)
+                continue
             yield OutTensor(
                 source,
                 x.dtype,

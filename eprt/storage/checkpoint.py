@@ -264,7 +264,8 @@ class Checkpoint:
             if not encodings.is_known(t.encoding):
                 raise CheckpointError(
                     f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
-                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.FP8_TENSOR}, {encodings.CT_PREFIX}"
+                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.FP8_TENSOR}, {encodings.MXFP4_BLOCKS}, "
+                    f"{encodings.CT_PREFIX}"
                     f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
                     "crafted, or written by a newer eprt"
                 )

@@ -8,6 +8,8 @@
   128x128 block, the last blocks partial where a dimension is not a multiple of 128. MXFP8
   (MiniMax-M3: blocks of 1x32) is block FP8 whose weight_scale_inv holds E8M0 exponents (uint8
   e: the scale 2^(e - 127)) in place of fp32 scales.
+- OpenAI's MXFP4 (GPT-OSS: `P_blocks` and `P_scales` of each fused expert weight P) is decoded
+  here too (eprt.storage.mxfp4_blocks).
 - per-tensor FP8 (Mistral-Small-4: quant_method fp8 without weight_block_size) is decoded here
   too: w = fp8 * weight_scale_inv, one scale per weight (or per equal span of its rows: fused
   experts hold one per expert, or one for each expert's gate rows and one for its up rows).
@@ -31,6 +33,7 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.storage import source_decoders
+from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, MxFp4Blocks
 
 RAW = "raw"
 FP8_BLOCK = "fp8-block"
@@ -82,7 +85,7 @@ MIXED_FORMAT = "mixed-precision"
 
 def is_known(encoding) -> bool:
     return isinstance(encoding, str) and (
-        encoding in (RAW, FP8_BLOCK, FP8_TENSOR)
+        encoding in (RAW, FP8_BLOCK, FP8_TENSOR, MXFP4_BLOCKS)
         or source_decoders.registered(encoding) is not None
         or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
     )
@@ -103,7 +106,7 @@ def check_ct_format(fmt, where: str) -> str:
 
 @dataclass(frozen=True)
 class SourceQuantization:
-    method: str  # "compressed-tensors" or "fp8"
+    method: str  # "compressed-tensors", "fp8" or "mxfp4"
     config: dict  # quantization_config as config.json has it
     where: str  # config.json and the key that holds it, for messages
 
@@ -166,11 +169,16 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
             QuantizationConfig.model_validate(qc)
         except ValueError as e:
             raise ConfigError(f"{where}: compressed-tensors cannot parse it: {first_problem(e)}") from None
+    elif method == MXFP4_BLOCKS:
+        kept = qc.get("modules_to_not_convert")
+        if kept is not None and (not isinstance(kept, list) or not all(isinstance(m, str) for m in kept)):
+            raise ConfigError(f"{where}: modules_to_not_convert {kept!r:.80} is not a list of module names")
     elif not source_decoders.announced_by(method):
         others = "".join(f", {m}" for m in source_decoders.methods())
         raise ConfigError(
-            f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors and "
-            f"FP8 (quant_method fp8, block or per-tensor){others}; dequantize the checkpoint to bf16 first"
+            f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors, "
+            f"FP8 (quant_method fp8, block or per-tensor) and MXFP4 (quant_method mxfp4, GPT-OSS's){others}; "
+            "dequantize the checkpoint to bf16 first"
         )
     return SourceQuantization(method, qc, where)
 
@@ -348,6 +356,8 @@ def decoder(encoding: str, scheme: dict, where: str):
         return BlockFP8(scheme)
     if encoding == FP8_TENSOR:
         return TensorFP8(scheme)
+    if encoding == MXFP4_BLOCKS:
+        return MxFp4Blocks(scheme)
     if encoding.startswith(CT_PREFIX):
         return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
     entry = source_decoders.registered(encoding)

@@ -12,7 +12,8 @@ from safetensors.torch import save
 
 from eprt.families import Family, parse_hf_config, reader_for
 from eprt.families.nemotron_h import layout as nemotron_h
-from eprt.layout import Layout, TensorSpec, plain
+from eprt.layout import EXPERT_LEAVES, Layout, TensorSpec, plain
+from eprt.quant.formats.mxfp4 import mxfp4_scales, quantize_mxfp4
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
@@ -43,7 +44,7 @@ def families() -> list[str]:
 
 # the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
 # tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
-RELEASED_FUSED = {"llama4", "llama4_text"}
+RELEASED_FUSED = {"llama4", "llama4_text", "gpt_oss"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
 SAME_MODEL_AS = {
@@ -235,7 +236,8 @@ def make_tiny(
     """Write a random checkpoint of `family` (config from eprt/configs/tiny, `overrides` on top) to `out`.
 
     source_format stores it as the checkpoints users hold (SOURCE_FORMATS): "int4" (Kimi-K2-Thinking's
-    INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts) or "fp8-block" (DeepSeek-V3).
+    INT4 routed experts), "mxfp4" (Kimi-K3's MXFP4 experts), "mxfp4-blocks" (GPT-OSS's) or "fp8-block"
+    (DeepSeek-V3).
     fused_experts stores each layer's routed experts as Qwen3.5-MoE is released (and as transformers
     5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I],
     in the storage the family's layout names (Llama-4's transposed); None: as the family's
@@ -267,7 +269,10 @@ def make_tiny(
         )
     if source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
-        tensors = encode_source(tensors, hf["quantization_config"])
+        if hf["quantization_config"]["quant_method"] == "mxfp4":
+            tensors = encode_mxfp4_blocks(tensors, specs)
+        else:
+            tensors = encode_source(tensors, hf["quantization_config"])
     names = list(tensors)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(TINY_DIR,)) as tmp:
         if shards == 1:
@@ -360,6 +365,15 @@ SOURCE_FORMATS = {
         "quant_method": "fp8",
         "weight_block_size": None,
     },
+    "mxfp4-blocks": {  # GPT-OSS: its routed experts' weights in OpenAI's MXFP4 (eprt.storage.mxfp4_blocks)
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
     "mxfp8": {  # MiniMax-M3: blocks of 1x32, each scale an E8M0 exponent (weight_scale_inv uint8)
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
@@ -371,6 +385,7 @@ SOURCE_FORMATS = {
 # How make_tiny stores a family as its release does, where that is not the plain default
 # (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
 RELEASED_AS = {
+    "gpt_oss": {"source_format": "mxfp4-blocks"},
     "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
     "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
 }
@@ -405,6 +420,22 @@ def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch
             out.update({f"{module}.{c}": v for c, v in compress_weight(t, qc).items()})
         else:
             out[name] = t
+    return out
+
+
+def encode_mxfp4_blocks(tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """The tensors with each fused routed-expert weight P stored as GPT-OSS's release stores it:
+    `P_blocks` [E, out, in/32, 16] and `P_scales` [E, out, in/32] (eprt.storage.mxfp4_blocks), its
+    rows the outputs in the fused tensor's own order (gate and up interleaved); biases as they are."""
+    out = dict(tensors)
+    for spec in specs:
+        if not (spec.stacked and spec.fused in tensors and spec.name.rsplit(".", 1)[1] in EXPERT_LEAVES):
+            continue
+        t = out.pop(spec.fused)
+        w = (t.transpose(-2, -1) if spec.transposed else t).float().contiguous()
+        scales = mxfp4_scales(w)
+        out[f"{spec.fused}_blocks"] = quantize_mxfp4(w, scales).view(*w.shape[:-1], -1, 16)
+        out[f"{spec.fused}_scales"] = scales
     return out
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import file_for
-from eprt.hf.export_quantized import carried, layer_prefix
+from eprt.hf.export_quantized import carried, is_expert_weight, layer_prefix
 from eprt.hf.quant_configs import QuantizedLinears
 from eprt.hf.streaming.selection import (
     STACKED,
@@ -154,21 +154,25 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
                 passthrough.append(hf)
             continue
         if original.stacked:
-            if p.fused and original.permuted:
+            if p.fused and spec.transposed:
                 raise ConfigError(
-                    f"{spec.sources[0]} holds its experts transposed or interleaved, which the model-free export "
+                    f"{spec.sources[0]} holds its experts transposed, which the model-free export "
                     "does not slice: convert the checkpoint (eprt-convert) and export that instead"
                 )
+            if p.fused and spec.interleaved > 1:  # each expert's pieces read apart, then sliced as eprt's
+                src.interleaved[spec.sources[0]] = spec
             module, h = spec.name.rsplit(".", 1)[0], original.source_shape()[0]
+            weights = is_expert_weight(original)  # else their biases, which stay as the source holds them
             for j, s in enumerate(original.sources):
                 e, k = divmod(j, original.per_row)
                 where = (spec.sources[0], e, (k * h, (k + 1) * h)) if p.fused else (s, None, None)
-                if module in quantized:
+                if module in quantized and weights:
                     x = Linear(s[: -len(".weight")], module, *where, original.source_shape(), ("row", spec.name, e))
                     items.append(_quantized(x, recipe))
                 else:
                     items.append(Carried(s, *where))
-                    plan.unquantized.add(s[: -len(".weight")])
+                    if weights:
+                        plan.unquantized.add(s[: -len(".weight")])
             if module not in quantized:
                 plan.unquantized_experts.add(module)
             continue

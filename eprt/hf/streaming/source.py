@@ -17,7 +17,7 @@ import torch
 from eprt.families import read_hf_config
 from eprt.hf.convert import ConversionPlanner, Encoded
 from eprt.hf.source import HFSource, non_weight_files
-from eprt.layout import Layout
+from eprt.layout import Layout, TensorSpec
 from eprt.storage import encodings
 from eprt.storage.hf_files import CONFIG
 from eprt.storage.safetensors_io import SafetensorsFile
@@ -49,6 +49,8 @@ class StreamSource:
             self.planner = ConversionPlanner(self.src, layout, None, hf_dir, self.quant)
             self.tensors = self._decoded_names()
             self.files = non_weight_files(hf_dir)
+            # fused tensors read with their interleaved pieces apart (GPT-OSS's gate and up), by name
+            self.interleaved: dict[str, TensorSpec] = {}
         except BaseException:
             self.src.close()
             raise
@@ -67,25 +69,36 @@ class StreamSource:
         return out
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` (decoded), or entry `index` along its dim 0 only (one expert of a stacked tensor)."""
+        """Tensor `name` (decoded), or entry `index` along its dim 0 only (one expert of a stacked
+        tensor); a fused tensor whose pieces alternate along dim 1 (`interleaved`) with its pieces apart."""
         t = self.tensors[name]
+        rows = (index, index + 1) if index is not None else None
         if t.encoded is None:
             f, _ = self.src.tensors[name]
-            return f.read(name, rows=(index, index + 1))[0] if index is not None else f.read(name)
+            w = f.read(name, rows=rows)
+        else:
+            w = self._decoded(t, rows)
+        spec = self.interleaved.get(name)
+        w = spec.deinterleave(w) if spec is not None else w
+        return w[0] if index is not None else w
+
+    def _decoded(self, t: SourceTensor, rows: tuple[int, int] | None) -> torch.Tensor:
+        """An encoded tensor decoded, or its entries `rows` along dim 0: from those rows of its
+        components alone where each leads with them (a batched decoder's fused experts)."""
         e = t.encoded
         self.planner.probe(e)  # the scheme's decoder, made once
         decoder = self.planner.decoders[e.scheme]
-        if index is None or not getattr(decoder, "batched", False):
+        if rows is None or not getattr(decoder, "batched", False):
             w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
-            return w[index] if index is not None else w
+            return w[rows[0] : rows[1]] if rows is not None else w
         # one expert of a stack a batched decoder decodes alike: its rows of each component stacked as
         # the weight is (a component of one value for every expert, whole), not every expert's
         parts = {}
         for c, n in e.components.items():
             f, info = self.src.tensors[n]
             stacked = len(info.shape) > 0 and info.shape[0] == t.shape[0]
-            parts[c] = f.read(n, rows=(index, index + 1)) if stacked else f.read(n)
-        return decoder.decode(parts)[0]
+            parts[c] = f.read(n, rows=rows) if stacked else f.read(n)
+        return decoder.decode(parts)
 
     def byte_range(self, name: str, index: int | None = None) -> tuple[SafetensorsFile, int, int]:
         """Where a stored tensor's bytes lie (one entry along dim 0 with `index`), to copy them as they are."""

@@ -328,7 +328,8 @@ class Planner:
             # encoded one's decoded rows) is in flight beside it
             flight = n if meta.encoded else 0 if meta.dtype == run_dtype else t.numel() * meta.dtype.itemsize
             reads.setdefault(int(m.group(1)), []).append((n, flight, name in stacked, name in weights))
-            if gptq and (name in stacked or (name.endswith(".weight") and t.dim() == 2)):
+            # (a stacked experts' bias, [E, out], is no weight GPTQ solves)
+            if gptq and ((name in stacked and t.dim() == 3) or (name.endswith(".weight") and t.dim() == 2)):
                 count, out_dim, in_dim = t.shape if name in stacked else (1, *t.shape)
                 linear = GPTQLinear.of(count, out_dim, in_dim, name in stacked, gptq.get(name.rpartition(".")[0]))
                 hessians.setdefault(int(m.group(1)), []).append(linear)
