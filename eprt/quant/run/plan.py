@@ -49,6 +49,7 @@ from eprt.quant.algorithms.awq.plan import AWQLayer, awq_bytes, awq_layers
 from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED
 from eprt.quant.algorithms.gptq.solve import columns_held_bytes, columns_of
 from eprt.quant.loop.sequences import Schedule, own_sequences
+from eprt.quant.quality import REFERENCE_PARTS
 from eprt.quant.run.device_terms import ALLOCATOR_RESERVE, attention_scores, fixed_on_gpu
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
@@ -513,8 +514,10 @@ class Planner:
         # with a handful of int64 indices per copy throughout
         moved = 3 if world == 1 else 4
         routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
-        if probes:  # the experts' reference rows (activation and output) and their fp64 errors
-            routed += R * (widest * b + W * b + 2 * W * 8)
+        if probes:  # the experts' reference rows (activation and output) of one part of the experts, and fp64 errors
+            # eprt.quant.quality.expert_parts: a part's share of the rows and one expert's, at most the step's tokens
+            part = min(R, math.ceil(R / REFERENCE_PARTS) + min(step_seqs, num_sequences) * T)
+            routed += part * (widest * b + W * b) + R * 2 * W * 8
         if all_experts and c.moe_layers:
             routed = max(routed, self._every_expert(schedule, world, ep, num_sequences, T, t, W))
         snapshot = n_mine * T * D * b if block_size else 0
