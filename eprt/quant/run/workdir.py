@@ -251,8 +251,7 @@ class WorkDir:
             self.finish()
         except BaseException:
             if self.in_flight is not None:
-                layer, written = self.in_flight
-                if written.exception() is None and self.state.world == 1:
+                if self.in_flight[1].exception() is None and self.state.world == 1:
                     self.finish()
                 self.in_flight = None
             raise
