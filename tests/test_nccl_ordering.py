@@ -23,8 +23,9 @@ LATE_S = 1.0  # how late rank 1 is with each file operation
 
 
 def nccl_like(tmp):
-    """Rank 1 writes and removes its files late; after each save and the removal, every rank checks
-    what the others must have done by then."""
+    """Rank 1 writes and removes its files late; once a save is finished (by the next save, or at the
+    end of the layers) and once the files are removed, every rank checks what the others must have
+    done by then, and waits for them to have looked before it goes on."""
     ParallelState.finish = lambda self, work: None  # the host goes on at once, as on NCCL
     with ParallelState.from_env() as state:
         work = WorkDir(str(tmp), state, {"run": 1})
@@ -36,9 +37,18 @@ def nccl_like(tmp):
         cal = Calibrator(None, [], kv=False)
         ls = LayerState(torch.zeros(2, 3, 4), [])
         seen = []
-        for layer in range(2):
-            work.save(layer, ls, cal)
-            seen.append(sorted(os.listdir(tmp / f"rank-{1 - state.rank:05d}")))
+
+        def look(path):
+            seen.append(sorted(os.listdir(path)))
+            # a peer goes on to remove its files once its save is finished: not before this rank looked
+            host_barrier(state, f"looked {len(seen)}")
+
+        with work.saving():
+            for layer in range(2):
+                work.save(layer, ls, cal)  # finishes the save of the layer before
+                if layer:
+                    look(tmp / f"rank-{1 - state.rank:05d}")
+        look(tmp / f"rank-{1 - state.rank:05d}")
         if state.rank == 1:
             WorkDir._write = write
             os.remove = lambda path: time.sleep(LATE_S / 4) or remove(path)
@@ -50,7 +60,7 @@ def nccl_like(tmp):
 def test_the_work_directory_orders_its_files_on_the_host(tmp_path):
     rank0, rank1 = run_world(nccl_like, 2, tmp_path, timeout=60)
     for seen in (rank0, rank1):
-        # a save returns once the peer's file of that layer is written (its older one may be there still)
+        # a save is finished once the peer's file of that layer is written (its older one may be there still)
         assert all(f"layer-{layer:05d}.safetensors" in seen[layer] for layer in range(2))
     # rank 0 removes the marker (and the directory's last entries) only after rank 1 removed its files
     assert rank0[2] == [] and f"rank-{0:05d}" not in rank1[2]

@@ -25,12 +25,13 @@ from eprt.models.layers import GatedMLP
 from eprt.parallel import ParallelState
 from eprt.parallel.guard import RankFailure
 from eprt.progress import logger
+from eprt.quant import quality
 from eprt.quant.algorithms.awq import passes as awq_pass
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import QUALITY_FILE, CalibrationRecord
 from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
-from eprt.quant.quality import Probes
+from eprt.quant.quality import Probes, expert_parts
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.hf_files import QUALITY
@@ -219,6 +220,25 @@ def test_the_report_is_saved_exported_printed_and_the_same_at_every_layout(ckpts
     (rank0, printed0), (rank1, printed1) = run_world(world_two, 2, ck, str(tmp_path / "two"), timeout=120)
     assert printed0 == printed and printed1 == []  # rank 0 prints, the others do not
     assert rank0 == rank1 == report  # every number summed per sequence or work unit, then in order
+
+
+def test_the_expert_probes_make_their_reference_a_part_of_the_experts_at_a_time(ckpts, tmp_path, monkeypatch):
+    """A step holds one part's reference rows, not the step's: the same report in any parts."""
+    ck, made = ckpts["qwen3_moe"], []
+    monkeypatch.setattr(quality, "expert_parts", lambda rows, n: made.append(found := expert_parts(rows, n)) or found)
+    report = run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "parts")))["quality"]
+    assert made and all(len(parts) > 1 for parts in made)
+    monkeypatch.setattr(quality, "REFERENCE_PARTS", 1)
+    assert run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "whole")))["quality"] == report
+
+
+@pytest.mark.parametrize("rows", [[5, 0, 3, 9, 1, 0, 0, 2], [0, 0, 7], [1] * 20, [40, 1, 1, 1], [0, 0]])
+def test_expert_parts_take_every_expert_in_order_each_part_within_its_share(rows):
+    parts = expert_parts(rows, 4)
+    share = math.ceil(sum(rows) / 4)
+    assert [e for e0, e1 in parts for e in range(e0, e1)] == list(range(len(rows)))[: parts[-1][1] if parts else 0]
+    assert sum(rows[parts[-1][1] :] if parts else rows) == 0  # only experts without rows are left out
+    assert all(sum(rows[e0:e1]) < share + max(rows[e0:e1]) for e0, e1 in parts)
 
 
 def test_eval_size_0_writes_no_report_and_eval_reads_its_own_file(ckpts, tmp_path):

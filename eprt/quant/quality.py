@@ -144,20 +144,55 @@ def _expert_probe(name: str, experts: Experts, errors: ModuleErrors) -> Callable
     errors.experts[name] = (experts, sums)
 
     def probe(x_sorted, rows_per_unit_LU, y):
-        _, y_ref = unit_mlp(x_sorted, w_in, w_out, experts.act, rows_per_unit_LU, gated=experts.pieces.gated, **biases)
         U = rows_per_unit_LU.shape[1]
         counts = rows_per_unit_LU.reshape(-1).tolist()
         starts = list(itertools.accumulate(counts, initial=0))
+        # the reference rows a part of the experts at a time: a unit's result depends only on its
+        # rows and its expert's weights, so the bits are the same, and the step holds one part's
+        # reference activation and output, not the whole step's
+        for e0, e1 in expert_parts(rows_per_unit_LU.sum(1).tolist(), REFERENCE_PARTS):
+            first, last = starts[e0 * U], starts[e1 * U]
+            part = {k: None if b is None else b[e0:e1] for k, b in biases.items()}
+            _, y_ref = unit_mlp(
+                x_sorted[first:last],
+                w_in[e0:e1],
+                w_out[e0:e1],
+                experts.act,
+                rows_per_unit_LU[e0:e1],
+                gated=experts.pieces.gated,
+                **part,
+            )
 
-        # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran, on
-        # whichever worker; in fp64 a unit at a time, so that the widened copies are a unit's
-        def unit(j: int, _) -> None:
-            a, b = starts[j], starts[j + 1]
-            sums[:, j // U, errors.first_unit + j % U] = _sums(*_row_sums(y[a:b], y_ref[a:b]))
+            # one sum per (expert, unit) over the unit's own rows: the same bits wherever it ran, on
+            # whichever worker; in fp64 a unit at a time, so that the widened copies are a unit's
+            def unit(j: int, _, first=first, y_ref=y_ref) -> None:
+                a, b = starts[j], starts[j + 1]
+                sums[:, j // U, errors.first_unit + j % U] = _sums(*_row_sums(y[a:b], y_ref[a - first : b - first]))
 
-        for_each([j for j, n in enumerate(counts) if n], lambda: None, unit, y.device)
+            units = [j for j in range(e0 * U, e1 * U) if counts[j]]
+            for_each(units, lambda: None, unit, y.device)
+            del unit, y_ref  # the part's reference rows go before the next part's are made
 
     return probe
+
+
+# the probes' reference rows of a step are computed in about this many parts (eprt.quant.run.plan prices one)
+REFERENCE_PARTS = 8
+
+
+def expert_parts(rows_E: list[int], parts: int) -> list[tuple[int, int]]:
+    """Consecutive runs [e0, e1) of experts with rows, each closed once its rows reach 1/`parts` of
+    them all: a run holds fewer rows than that share plus one expert's."""
+    share = max(1, math.ceil(sum(rows_E) / parts))
+    out, e0, held = [], 0, 0
+    for e, rows in enumerate(rows_E):
+        held += rows
+        if held >= share:
+            out.append((e0, e + 1))
+            e0, held = e + 1, 0
+    if held:
+        out.append((e0, len(rows_E)))
+    return out
 
 
 class QualityReport:

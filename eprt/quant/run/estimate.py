@@ -17,7 +17,7 @@ the step time; the rest of the layer's time is its own. The token exchange betwe
 single process does not make, is timed apart: the bytes one step sends each way, by the same
 collectives, on the run's own process group. Saving a layer boundary to the work directory
 (eprt.quant.run.workdir) is timed by writing the probe's hidden states there, durably, and counted at the
-run's rate of saves (--save-every). What the estimate leaves out: after the last layer the quality
+run's rate of saves (--save-every), less the time of the next layer, which computes while a save is written. What the estimate leaves out: after the last layer the quality
 report's head, and the output's writing.
 """
 
@@ -79,9 +79,18 @@ class TimeEstimate:
     saves: int = 0  # the saves the run makes (eprt.quant.run.save_time.saves)
 
     @property
+    def saving_s(self) -> float:
+        """The time the run waits on its saves: a save is written while the next layer computes, so of
+        each only what outlasts a layer (of the quickest kind) counts, and of the last, which no layer
+        follows, all of it."""
+        if not self.saves or self.save_s is None:
+            return 0.0
+        layer_s = min(k.seconds / len(k.kind.layers) for k in self.kinds)
+        return self.save_s + (self.saves - 1) * max(0.0, self.save_s - layer_s)
+
+    @property
     def seconds(self) -> float:
-        saving = self.saves * (self.save_s or 0.0)
-        return sum(k.seconds for k in self.kinds) + self.exchange_steps * self.exchange_s + saving
+        return sum(k.seconds for k in self.kinds) + self.exchange_steps * self.exchange_s + self.saving_s
 
     def summary(self) -> str:
         """'about 12 min 30 s (its terms)': the dry run prints it."""
@@ -93,7 +102,10 @@ class TimeEstimate:
         if self.exchange_steps:
             terms.append(f"token exchange {self.exchange_steps} steps x {self.exchange_s:.3g} s")
         if self.save_s is not None:
-            terms.append(f"work directory {self.saves} saves x {self.save_s:.3g} s")
+            terms.append(
+                f"work directory {self.saves} saves x {self.save_s:.3g} s, written while the next layer "
+                f"computes: {self.saving_s:.3g} s waited"
+            )
         elif self.saves:
             terms.append(f"{self.saves} saves to the work directory not counted (no --work-dir or --out given)")
         return f"about {format_seconds(self.seconds)} ({', '.join(terms)})"

@@ -25,7 +25,7 @@ buffers, and its caching allocator reserves above what is allocated (eprt.quant.
 attention keeps no T x T scores. It holds host memory too, planned apart and checked against the host's own limit: the
 process, the token ids, a tensor as it is read before it moves to the device, the next layer read
 ahead while one computes (eprt.quant.loop.read_ahead), the hidden states as a save copies them to the host
-(eprt.quant.run.workdir), and GPTQ's codes,
+(eprt.quant.run.workdir: written while the next layer computes), and GPTQ's codes,
 which move to the host as each layer is rounded and stay there until the output is written.
 On a CPU rank the host is the device, and those terms are in its one plan.
 """
@@ -49,6 +49,7 @@ from eprt.quant.algorithms.awq.plan import AWQLayer, awq_bytes, awq_layers
 from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED
 from eprt.quant.algorithms.gptq.solve import columns_held_bytes, columns_of
 from eprt.quant.loop.sequences import Schedule, own_sequences
+from eprt.quant.quality import REFERENCE_PARTS
 from eprt.quant.run.device_terms import ALLOCATOR_RESERVE, attention_scores, fixed_on_gpu
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
@@ -124,6 +125,8 @@ class MemoryPlan:
     head: int = 0  # the final norm and the head with one sequence's logits, after the last layer
     tokens: int = 0  # the calibration (and held-out) token ids, as read and as packed into sequences
     host: HostPlan | None = None  # on a GPU rank, what it holds in host memory; None on CPU (the host is the device)
+    # on CPU: a save's copy of the hidden states, written while the next layer computes (on a GPU: `host.saved`)
+    saving: int = 0
     expert_stack: int = MOST_EXPERTS_STACKED  # with GPTQ: routed experts solved at once (the run takes it from here)
     # on a GPU (eprt.quant.run.device_terms): the CUDA context, cuBLAS's workspaces and NCCL's buffers, and
     # the caching allocator's reserve above the allocated peak, as a share of it
@@ -140,6 +143,7 @@ class MemoryPlan:
         return (
             self.baseline
             + self.hidden
+            + self.saving
             + self.tokens
             + self.codes
             + max(
@@ -161,6 +165,8 @@ class MemoryPlan:
             f"layer {format_bytes(self.layer)}, hidden states {format_bytes(self.hidden)}, step "
             f"{format_bytes(self.step)}, process {format_bytes(self.baseline)}"
         )
+        if self.saving:
+            text += f", a save's copy being written {format_bytes(self.saving)}"
         if self.fixed:
             text += (
                 f", CUDA context, cuBLAS and NCCL {format_bytes(self.fixed)}, the allocator's reserve "
@@ -432,6 +438,7 @@ class Planner:
             # one sequence's logits of both streams: as computed, in fp32, log-softmaxed, the KL's terms
             head = self.head + T * c.vocab_size * (2 * b + 5 * 4)
         host = replace(host, saved=hidden) if host else None
+        saving = hidden if on_cpu else 0  # the copy a save writes while the next layer computes
         return self._sized_stack(
             MemoryPlan(
                 baseline + self.kernel_cache,
@@ -448,6 +455,7 @@ class Planner:
                 head,
                 tokens,
                 host,
+                saving=saving,
                 **gpu,
             ),
             ep,
@@ -507,8 +515,10 @@ class Planner:
         # with a handful of int64 indices per copy throughout
         moved = 3 if world == 1 else 4
         routed = R * (max(moved * W * b + widest * b, 3 * W * b + 4 * W) + 8 * 8) + t * W * 4
-        if probes:  # the experts' reference rows (activation and output) and their fp64 errors
-            routed += R * (widest * b + W * b + 2 * W * 8)
+        if probes:  # the experts' reference rows (activation and output) of one part of the experts, and fp64 errors
+            # eprt.quant.quality.expert_parts: a part's share of the rows and one expert's, at most the step's tokens
+            part = min(R, math.ceil(R / REFERENCE_PARTS) + min(step_seqs, num_sequences) * T)
+            routed += part * (widest * b + W * b) + R * 2 * W * 8
         if all_experts and c.moe_layers:
             routed = max(routed, self._every_expert(schedule, world, ep, num_sequences, T, t, W))
         snapshot = n_mine * T * D * b if block_size else 0

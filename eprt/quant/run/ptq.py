@@ -372,7 +372,8 @@ def calibrate_layers(
         if saves_after(i, a.save_every):
             work.save(i, ls_, cal, quality, run.resumable())
 
-    engine.run(done + 1, ls, after_layer=after_layer)
+    with work.saving():  # a save is written while the next layer computes
+        engine.run(done + 1, ls, after_layer=after_layer)
     return done
 
 

@@ -2,8 +2,11 @@
 
 After each decoder layer, every rank saves, atomically, its sequences' hidden states (and block
 snapshots) at that layer boundary with its statistics so far, as `rank-RRRRR/layer-NNNNN.safetensors`:
-written beside, synced, renamed. A rank drops its previous layer's file only once every rank has
-saved the new one durably, so the ranks always share a last completed layer. What each algorithm
+written beside, synced, renamed. The write runs on a thread of its own while the next layer
+computes, from a copy of what it saves on the host (one save in flight at most: the memory plan's
+`saving`, or on a GPU its host term `saved`). A rank drops its previous layer's file only once every
+rank has saved the new one durably (a barrier on the host, at the next save or the end of the
+layers), so the ranks always share a last completed layer. What each algorithm
 decided at the layer (its `Resumable` state: GPTQ's codes, AWQ's folds) goes, once, to its own
 `rank-RRRRR/ALGORITHM-NNNNN.safetensors`, written the same way before the layer file and kept to the
 end: the work written grows with the layers, not with their square. A run started again with the same
@@ -20,12 +23,14 @@ must lie on a file system every rank sees, as the output does.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -106,6 +111,8 @@ class WorkDir:
         self.saved: dict[str, set[str]] = {}  # algorithm -> the names its files hold
         self.side_files: dict[str, str] = {}  # this rank's algorithm files so far: name -> SHA-256
         self.lock: int | None = None  # rank 0: the descriptor holding the directory's lock
+        self.writer: ThreadPoolExecutor | None = None  # writes a save while the next layer computes
+        self.in_flight: tuple[int, Future] | None = None  # the save being written: (layer, its write)
 
     def prepare(self, resume: bool) -> None:
         """On rank 0: make and mark the directory, or, in one marked already, without `resume`,
@@ -176,30 +183,82 @@ class WorkDir:
         streams and what the report measured so far are saved too; of each of `algorithms`, what it
         gained since the last save, in the layer's file of that algorithm (AWQ's clip steps are a byte
         per quantization block: written again at every layer, they would make the work written grow
-        with the square of the layers)."""
-        tensors = {**states("", ls), **stats(cal)}
+        with the square of the layers).
+
+        The files are written in the background while the next layer computes: this call finishes
+        the save before it (`finish`), copies what this one holds to the host (the next layer
+        replaces the hidden states in place) and hands the copy to the writer; an error of the
+        writer is raised by the next `save` or `finish`, naming the file."""
+        self.finish()
+        tensors = {k: host_copy(v) for k, v in {**states("", ls), **stats(cal)}.items()}
         metadata = {"fingerprint": json.dumps(self.fingerprint, sort_keys=True)}
         if held is not None:
-            tensors.update({**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)})
+            streams = {**states("eval.ref.", held.ref), **states("eval.quant.", held.quant)}
+            tensors.update({k: host_copy(v) for k, v in streams.items()})
             metadata["quality"] = held.report.saved()
-        if not os.path.isdir(self.mine):
-            with self.refused_writes(self.mine):
-                os.makedirs(self.mine)
-                fsync_path(self.path)
+        sides = []
         for a in algorithms:
             saved = self.saved.setdefault(a.algorithm, set())
+            # what an algorithm decided stays as it is: written without a copy
             gained = {n: t for n, t in a.tensors().items() if n not in saved}
-            if gained:  # written before the layer file, which vouches for it
-                self._write_side(self._algorithm_file(a.algorithm, layer), gained, metadata)
+            if gained:
+                sides.append((self._algorithm_file(a.algorithm, layer), gained))
                 saved.update(gained)
-        # the layer file lists every algorithm file it relies on with its digest: --resume checks each
-        self._write(self._file(layer), tensors, {**metadata, SIDE_FILES: json.dumps(self.side_files, sort_keys=True)})
+        if self.writer is None:
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="eprt-work-dir")
+        self.in_flight = (layer, self.writer.submit(self._write_layer, layer, tensors, metadata, sides))
+
+    def _write_layer(self, layer: int, tensors: dict, metadata: dict[str, str], sides: list) -> None:
+        """On the writer's thread: the layer's algorithm files, then the layer file that vouches for them."""
+        path = self.mine
+        try:
+            if not os.path.isdir(self.mine):
+                with self.refused_writes(self.mine):
+                    os.makedirs(self.mine)
+                    fsync_path(self.path)
+            for path, gained in sides:  # written before the layer file, which vouches for them
+                self._write_side(path, gained, metadata)
+            path = self._file(layer)
+            # the layer file lists every algorithm file it relies on with its digest: --resume checks each
+            self._write(path, tensors, {**metadata, SIDE_FILES: json.dumps(self.side_files, sort_keys=True)})
+        except EprtError:
+            raise
+        except Exception as e:
+            raise EprtError(
+                f"{path}: saving layer {layer} to the work directory failed: {type(e).__name__}: {e}"
+            ) from e
+
+    def finish(self) -> None:
+        """Wait for the save being written; once every rank has written it, drop the older layer files."""
+        if self.in_flight is None:
+            return
+        (layer, written), self.in_flight = self.in_flight, None
+        written.result()  # the writer's error, raised here on the main thread
         # once every rank holds `layer` durably, the older files are no longer the common last layer
         # (a barrier on the host: on NCCL a collective does not hold the host back)
         host_barrier(self.state, f"layer {layer} saved")
         for old in self._layers():
             if old < layer:
                 os.remove(self._file(old))
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around the layers that `save`: on leaving, the last save is finished; on an error, the write
+        in flight is waited for (no write outlives the run) and, with peers, not finished: a rank
+        failing cannot know its peers wrote theirs, so its older file stays for --resume."""
+        try:
+            yield
+            self.finish()
+        except BaseException:
+            if self.in_flight is not None:
+                if self.in_flight[1].exception() is None and self.state.world == 1:
+                    self.finish()
+                self.in_flight = None
+            raise
+        finally:
+            if self.writer is not None:
+                self.writer.shutdown(wait=True)
+                self.writer = None
 
     def _write(self, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
         # durable before it takes its name (eprt.storage.atomic): a crash leaves the old or the new
@@ -308,6 +367,11 @@ def remove_own_files(rank_dir: str) -> None:
             os.remove(os.path.join(rank_dir, name))
     if not os.listdir(rank_dir):
         os.rmdir(rank_dir)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied to the host, contiguous, as a save writes it: its own memory whatever `t` does next."""
+    return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
 
 
 def states(prefix: str, ls: LayerState) -> dict[str, torch.Tensor]:
