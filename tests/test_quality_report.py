@@ -33,8 +33,9 @@ from eprt.quant.formats.e2m1 import E2M1_VALUES, unpack_fp4
 from eprt.quant.formats.fp8 import fake_quant_fp8, fp8_scale
 from eprt.quant.quality import Probes, expert_parts
 from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.report.schema import read_report_json
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
-from eprt.storage.hf_files import QUALITY
+from eprt.storage.hf_files import QUALITY, QUALITY_PAGE
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import fake_quantized_model
 from tests.hf_utils import read_hf_tensors
@@ -383,3 +384,18 @@ def test_awq_reports_the_router_choices_its_folds_change(ckpts, tmp_path, monkey
     assert report["router_flips"] == share
     page = Path(q, QUALITY_FILE).with_suffix(".html").read_text()
     assert f'data-key="router_flips" data-value="{share!r}"' in page
+
+
+def test_a_run_calibrated_on_token_ids_writes_its_report_and_page(tmp_path):
+    """Token ids hold no documents: their source records none (null), which the report's schema
+    reads as such, so the run's report is read back and its export carries the page, as a text
+    source's does."""
+    ck = convert_hf(make_tiny("qwen3_moe", str(tmp_path / "hf")), str(tmp_path / "ck"), progress=False)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 512, size=(8, 24)))
+    out = tmp_path / "q"
+    args = PTQArgs(ck, "fp8", str(out), calib=str(ids), calib_size=4, seq_len=24, eval_size=2, progress=False)
+    report = run_ptq(ParallelState.single("cpu"), args)["quality"]
+    assert [s["documents"] for s in report["calibration"]["sources"]] == [None]
+    assert read_report_json(json.loads(Path(out, QUALITY_FILE).read_text()))["calibration"]["sources"][0]["tokens"] > 0
+    assert Path(export_hf(str(out), str(tmp_path / "export"), progress=False), QUALITY_PAGE).is_file()

@@ -164,7 +164,7 @@ SOURCE = Fields(
         "sequences": Count(),
         "held_out": Count(),
         "tokens": Count(),
-        "documents": Count(),
+        "documents": OrNull(Count()),  # null: token ids, which hold no documents
         "truncated": Count(),
         "repeated": Flag(),
     }
