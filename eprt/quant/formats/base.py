@@ -74,6 +74,9 @@ class WeightFormat:
     # an input amax the format pins rather than calibrates (its input_scale is this amax's scale);
     # None: the input scale, where it has one, comes from calibration
     constant_input_amax: float | None = None
+    # its inputs quantize at run time in blocks of this size under the calibrated per-tensor input
+    # scale (NVFP4 W4A4): where a recipe's act_headroom sets that scale (eprt.quant.act_headroom)
+    input_block: int | None = None
     # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
     # at the peak of `quantize`, besides the weight as read (its temporaries and its export
     # tensors), and bytes of chunk buffers each thread that quantizes keeps from call to call
