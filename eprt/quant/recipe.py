@@ -20,6 +20,9 @@ a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unqu
 
 A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
+A rule's `grid` picks INT4's grid (eprt.quant.formats.int4): `kimi`, the Kimi releases' codes -7..7
+at about amax / 7 (the default: `int4`, `int4_g32`), or `full`, compressed-tensors' own -8..7 at
+about amax / 7.5 (`int4_full`, `int4_g32_full`, as `format:` also names them).
 
 A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'): a
 registered algorithm or a sequence of them, a balance then a rounding, with parameters
@@ -64,7 +67,8 @@ from eprt.errors import ConfigError
 from eprt.quant.act_headroom import ActHeadroom, parse_act_headroom
 from eprt.quant.algorithms.registry import DEFAULT, Params, parse_algorithm, rotated, rounding, steps, unrotated
 from eprt.quant.algorithms.registry import sequences as algorithm_sequences
-from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_group_size
+from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_grid, with_group_size
+from eprt.quant.formats.int4 import GRIDS, KIMI
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 
 # Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
@@ -74,7 +78,7 @@ KV_FORMATS = (None, *KV_CACHE_FORMATS)
 RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "act_headroom", "ignore")
 # How a rule's weight scales are chosen (eprt.quant.algorithms.registry): the first is the default.
 ALGORITHMS = algorithm_sequences()
-RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
+RULE_KEYS = ("pattern", "format", "algorithm", "group_size", "grid")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 
 
@@ -203,7 +207,24 @@ def grouped(fmt: str, group_size, where: str) -> str:
 
 def kind_default(fmt: str):
     """The format of `fmt`'s kind that names no group size (`int4` of `int4_g32`): the first registered."""
-    return next(f for f in WEIGHT_FORMATS.values() if type(f) is type(WEIGHT_FORMATS[fmt]))
+    return next(f for f in WEIGHT_FORMATS.values() if f.kind == WEIGHT_FORMATS[fmt].kind)
+
+
+def on_grid(fmt: str, grid, where: str) -> str:
+    """The registered name of INT4 format `fmt` on grid `grid` (a rule's `grid:`)."""
+    found = with_grid(fmt, grid) if fmt != "none" and isinstance(grid, str) else None
+    if found is None:
+        if fmt == "none" or with_grid(fmt, "kimi") is None:
+            raise ConfigError(f"{where} grid: format {fmt!r} has no INT4 grid to choose; drop grid from the rule")
+        offered = [g for g in GRIDS if with_grid(fmt, g) is not None]
+        raise ConfigError(f"{where} grid {grid!r}: {fmt} comes on the {' or '.join(offered)} grid; choose one")
+    named = WEIGHT_FORMATS[fmt]
+    if named.grid != KIMI and named.grid.name != grid:  # `int4_full` says its grid already
+        raise ConfigError(
+            f"{where} grid {grid}: format {fmt!r} is on the {named.grid.name} grid, so the rule asks for two "
+            "grids; drop grid, or name the format without it"
+        )
+    return found.name
 
 
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
@@ -230,6 +251,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             else (default, default_params)
         )
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
+        fmt = on_grid(fmt, r["grid"], f"{source}: quantize[{i}]") if "grid" in r else fmt
         rules.append(Rule(str(r["pattern"]), fmt, sequence, params))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(

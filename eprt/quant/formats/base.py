@@ -88,6 +88,11 @@ class WeightFormat:
     # and a thread's bytes where it searches a chunk of rows at a time (`mse_search_bytes`).
     export_mse_working_bytes: float = 0.0
 
+    @property
+    def kind(self) -> tuple:
+        """What formats share to be one another in other groups (a rule's `group_size`): their class."""
+        return (type(self),)
+
     def mse_search_bytes(self, in_dim: int) -> int:
         """Bytes a thread's mse search holds at once for a weight of `in_dim` columns, beyond
         `export_mse_working_bytes` an element."""
