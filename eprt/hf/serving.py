@@ -96,13 +96,22 @@ TABLE = (
         "Marlin's FP4 kernels off Blackwell",
     ),
     Served(
-        ("int4", "int4_g32", "int4_full", "int4_g32_full"),
-        "INT4 (-7..7, or -8..7 on the full grid) in groups of 128 or 32 with bf16 group scales, bf16 inputs; "
-        "compressed-tensors layout only",
+        ("int4", "int4_g32"),
+        "INT4 (-7..7) in groups of 128 or 32 with bf16 group scales, bf16 inputs; compressed-tensors layout only",
         ("ampere", "hopper"),
         (),
         {COMPRESSED_TENSORS: ("vllm", "sglang")},
         "vLLM, SGLang: the format the Kimi releases ship (groups of 32)",
+        "Marlin kernels",
+    ),
+    Served(
+        ("int4_full", "int4_g32_full"),
+        "INT4 (-8..7, compressed-tensors' own grid) in groups of 128 or 32 with bf16 group scales, bf16 inputs; "
+        "compressed-tensors layout only",
+        ("ampere", "hopper"),
+        (),
+        {COMPRESSED_TENSORS: ("vllm", "sglang")},
+        "vLLM, SGLang",
         "Marlin kernels",
     ),
     Served(
