@@ -102,14 +102,16 @@ def qwen3_moe(tmp_path_factory):
     return convert_hf(make_tiny("qwen3_moe", str(d / "hf"), dtype="bf16"), str(d / "ck"), progress=False)
 
 
-def test_every_input_of_a_calibrated_model_gets_modelopts_amax(qwen3_moe):
+@pytest.mark.parametrize("all_experts", [False, True], ids=["routed", "all-experts"])
+def test_every_input_of_a_calibrated_model_gets_modelopts_amax(qwen3_moe, all_experts):
+    """With --calibrate-all-experts, an expert's histograms take every token's rows, as its amax does."""
     recipe = parse_recipe({"quantize": RULES, "act_headroom": {"anchor_percentile": 5, "rho": 256}}, "r")
     samples = torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))
     with Checkpoint(qwen3_moe) as ck, torch.inference_mode():
         targets = reader_for(ck.config.model_type, qwen3_moe).layout(ck.config).linear_modules()
         headroom = headroom_targets(recipe, targets)
         assert set(headroom) == set(targets) and targets
-        cal = Capturing(None, targets, kv=False, headroom=headroom)
+        cal = Capturing(None, targets, kv=False, all_experts=all_experts, headroom=headroom)
         rc = ResolvedCheckpoint.of(ck, torch.bfloat16)
         engine = LayerEngine(
             ParallelState.single("cpu"),
@@ -128,6 +130,8 @@ def test_every_input_of_a_calibrated_model_gets_modelopts_amax(qwen3_moe):
             assert torch.equal(cal.input_amax[m], theirs(cal.seen[m], settings)), m
             continue
         for e in range(cal.expert_amax[m][0].shape[0]):
+            rows_of_e = sum(int((step[0] == e).sum()) for step in cal.seen[m])
+            assert rows_of_e >= samples.numel() if all_experts else rows_of_e < samples.numel(), (m, e)
             for j, amax in enumerate(cal.expert_amax[m]):  # the expert's input, then its activation
                 rows = [step[1 + j][step[0] == e] for step in cal.seen[m]]
                 rows = [r for r in rows if r.shape[0]]
