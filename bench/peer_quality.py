@@ -3,6 +3,10 @@
     python bench/peer_quality.py --hf TRAINED_HF_DIR --calib CALIB.jsonl --eval EVAL.txt \
         --peer-python PEER_VENV/bin/python --recipes int4_g32 nvfp4_a16 --calib-size 64 --seq-len 256 --eval-size 32
 
+--recipes takes recipe names or YAML paths (a rule's `grid: full`, say); by default the weight-only
+recipes of INT4 in groups of 32, NVFP4, FP8 in blocks and per channel, and MXFP4. A run the peer
+fails (a format it does not write) is said on stderr and left out of the table.
+
 Both sides calibrate on the same token sequences (eprt's reading of --calib) and quantize the
 same modules in the same format: the peer (bench/peer_llmcompressor.py, run by --peer-python, an
 environment with llm-compressor) takes its scheme and ignore list from eprt's compressed-tensors
@@ -67,7 +71,8 @@ def dequantized(export: str, out: str) -> str:
         if found is None:
             raise SystemExit(f"{export}: {module} has quantized tensors but no config group quantizes it")
         d = decoder(CT_PREFIX + found[0], found[1], f"{export}: {module}")
-        plain[f"{module}.weight"] = d.decode({c: tensors[f"{module}.{c}"] for c in d.components}).to(torch.bfloat16)
+        weight = d.decode({c: tensors[f"{module}.{c}"] for c in d.components})
+        plain[f"{module}.weight"] = weight.to(torch.bfloat16).contiguous()  # a partial block's decoding is a view
     os.makedirs(out)
     save_file(plain, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -94,12 +99,14 @@ def scored(ref: torch.Tensor, q: torch.Tensor) -> dict:
     }
 
 
-def peer_run(args, tokens: str, scheme: str, algorithm: str, out: str) -> float:
+def peer_run(args, tokens: str, scheme: str, algorithm: str, out: str) -> float | None:
+    """The peer's run's seconds; None where it failed (a format it does not write), said on stderr."""
     start = time.perf_counter()
     cmd = [args.peer_python, PEER, "--hf", args.hf, "--tokens", tokens, "--scheme", scheme]
     done = subprocess.run([*cmd, "--algorithm", algorithm, "--out", out], capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"the peer's {algorithm} run failed:\n{done.stderr[-4000:]}")
+        print(f"the peer's {algorithm} run of {scheme} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
     return time.perf_counter() - start
 
 
@@ -109,7 +116,8 @@ def main() -> None:
     p.add_argument("--calib", required=True)
     p.add_argument("--eval", required=True, help="held-out text, scored by both sides' decoded exports")
     p.add_argument("--peer-python", required=True, help="the Python of an environment with llm-compressor")
-    p.add_argument("--recipes", nargs="+", default=["int4_g32", "nvfp4_a16"])
+    # the formats both tools write, by their weights (a decoded checkpoint has no input quantization)
+    p.add_argument("--recipes", nargs="+", default=["int4_g32", "nvfp4_a16", "fp8_block", "fp8_channel", "mxfp4"])
     p.add_argument("--algorithms", nargs="+", default=list(EPRT_ALGORITHMS), choices=EPRT_ALGORITHMS)
     p.add_argument(
         "--peer-algorithms", nargs="+", choices=EPRT_ALGORITHMS, help="the peer's runs (default: --algorithms)"
@@ -133,23 +141,24 @@ def main() -> None:
             f"both sides decoded and run by transformers; {a.hf}"
         )
         print(
-            f"{'recipe':<10} {'side':<15} {'algorithm':<9} {'KL mean':>9} {'/ gptq':>7} {'KL p99':>8} {'top-1':>7} "
+            f"{'recipe':<13} {'side':<15} {'algorithm':<9} {'KL mean':>9} {'/ gptq':>7} {'KL p99':>8} {'top-1':>7} "
             f"{'KL report':>9} {'ptq s':>6}"
         )
         for recipe in a.recipes:
             rows = []
             for algorithm in a.algorithms:
                 r = run(ck, recipe, algorithm, args, d)
-                rows.append(("eprt", algorithm, f"{d}/{recipe}-{algorithm}-hf", r["quality"]["kl_mean"], r["ptq_s"]))
+                rows.append(("eprt", algorithm, r["export"], r["quality"]["kl_mean"], r["ptq_s"]))
+            label = os.path.splitext(os.path.basename(recipe))[0]
             with open(os.path.join(rows[0][2], "config.json")) as f:
-                scheme = os.path.join(d, f"{recipe}-scheme.json")
+                scheme = os.path.join(d, f"{label}-scheme.json")
                 with open(scheme, "w") as g:
                     json.dump(json.load(f)["quantization_config"], g)
             for algorithm in a.peer_algorithms or a.algorithms:
-                out = f"{d}/{recipe}-peer-{algorithm}"
-                rows.append(
-                    ("llm-compressor", algorithm, out, None, peer_run(a, tokens, scheme, PEER_OF[algorithm], out))
-                )
+                out = f"{d}/{label}-peer-{algorithm}"
+                seconds = peer_run(a, tokens, scheme, PEER_OF[algorithm], out)
+                if seconds is not None:
+                    rows.append(("llm-compressor", algorithm, out, None, seconds))
             results = {}
             for side, algorithm, export, report, seconds in rows:
                 plain = dequantized(export, export + "-bf16")
@@ -159,7 +168,7 @@ def main() -> None:
                 gptq = results.get((side, "gptq"))
                 ratio = f"{s['kl_mean'] / gptq[0]['kl_mean']:>7.3f}" if gptq else f"{'':>7}"
                 print(
-                    f"{recipe:<10} {side:<15} {algorithm:<9} {s['kl_mean']:>9.4g} {ratio} {s['kl_p99']:>8.4g} "
+                    f"{label:<13} {side:<15} {algorithm:<9} {s['kl_mean']:>9.4g} {ratio} {s['kl_p99']:>8.4g} "
                     f"{100 * s['top1']:>6.2f}% {report if report is None else f'{report:.4g}'!s:>9} {seconds:>6.1f}"
                 )
 

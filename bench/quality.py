@@ -47,7 +47,8 @@ def checkpoint(model: str, args, directory: str) -> str:
 
 
 def run(ck: str, recipe: str, algorithm: str, args, directory: str) -> dict:
-    out = os.path.join(directory, f"{recipe}-{algorithm}")
+    # a recipe given as a path is named by its file's stem
+    out = os.path.join(directory, f"{os.path.splitext(os.path.basename(recipe))[0]}-{algorithm}")
     start = time.perf_counter()
     result = run_ptq(
         ParallelState.single(),
@@ -70,6 +71,7 @@ def run(ck: str, recipe: str, algorithm: str, args, directory: str) -> dict:
     export_hf(out, out + "-hf", progress=False, fmt=args.export_format)
     export_s = time.perf_counter() - start
     return {
+        "export": out + "-hf",
         "quality": result["quality"],
         "ptq_s": ptq_s,
         "calibration_s": result["calibration_s"],

@@ -2,7 +2,9 @@
 
 - The numerics: compressed-tensors' own quantizer, given eprt's group scales, encodes a weight to
   eprt's codes, its `pack_to_int32` packs them to eprt's words, and its unpacking and dequantization
-  give eprt's values; the scales are the Kimi releases' grid (amax / 7 in bf16, codes -7..7).
+  give eprt's values; the scales are the Kimi releases' grid (amax / 7 in bf16, codes -7..7) or, on
+  the full grid (a rule's `grid: full`), the library's own (its `calculate_qparams`: amax / 7.5 in
+  bf16, codes -8..7), or a bf16 neighbour of either that decodes the group closer.
 - The compressed-tensors layout, for RTN in groups of 128, GPTQ in groups of 32 and W4A8: its config
   parses with the library's classes as the W4A16 / W4AFP8 schemes, the library decompresses every
   module to eprt's dequantized values exactly, and transformers loads the INT4 and the W4A8 export on
@@ -28,7 +30,17 @@ from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
-from eprt.quant.formats.int4 import INT4, INT4_G32, dequantize_int4, int4_codes, int4_scales, pack_int4, unpack_int4
+from eprt.quant.formats import weight_format
+from eprt.quant.formats.int4 import (
+    FULL,
+    INT4,
+    KIMI,
+    dequantize_int4,
+    int4_codes,
+    int4_scales,
+    pack_int4,
+    unpack_int4,
+)
 from eprt.quant.formats.w4a8 import W4A8
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.run.ptq import PTQArgs, run_ptq
@@ -40,7 +52,13 @@ from tests.multiproc import run_world
 SAMPLES, SEQ_LEN = 2, 16
 # every quantized Linear's input dim a multiple of 128
 WIDE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32)
-CASES = {"int4": ("int4", "max"), "int4_g32-gptq": ("int4_g32", "gptq"), "w4a8": ("w4a8", "max")}
+CASES = {
+    "int4": ("int4", "max"),
+    "int4_g32-gptq": ("int4_g32", "gptq"),
+    "w4a8": ("w4a8", "max"),
+    "int4_full": ("int4_full", "max"),  # a rule's `grid: full` (a recipe of the test's own)
+    "int4_g32_full-gptq": ("int4_g32_full", "gptq"),
+}
 KIMI_EXPERTS = {
     "name": "kimi_experts_int4",
     "quantize": [{"pattern": "*.experts", "format": "int4", "group_size": 32}, {"pattern": "*", "format": "none"}],
@@ -60,14 +78,19 @@ def model(tmp_path_factory):
     ck = convert_hf(hf, str(d / "ck"), progress=False)
     out = {}
     for case, (recipe, algorithm) in CASES.items():
+        if recipe.endswith("_full"):
+            rule = {"pattern": "*", "format": recipe.removesuffix("_full"), "grid": "full"}
+            (d / f"{recipe}.json").write_text(json.dumps({"name": recipe, "quantize": [rule]}))
+            recipe = str(d / f"{recipe}.json")
         q = str(d / case)
         ptq(ParallelState.single(), ck, q, recipe, algorithm)
         out[case] = (q, export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"))
     return hf, ck, out
 
 
+@pytest.mark.parametrize("grid", [KIMI, FULL], ids=lambda g: g.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype):
+def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype, grid):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
@@ -81,14 +104,19 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype):
     x = w if dtype in (torch.bfloat16, torch.float32) else w.float()
     for group in (128, 32):
         args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=True)
-        scales = int4_scales(w, group)
-        codes = int4_codes(w, scales)
-        assert codes.abs().max() == 7 and scales[1, 3, 0] == 1 and not codes[1, 3, :128].any()
-        # the Kimi grid: amax / 7 in bf16, or the bf16 neighbour of it the library decodes closer
+        scales = int4_scales(w, group, grid)
+        codes = int4_codes(w, scales, grid)
+        assert (codes.min(), codes.max()) == (grid.lowest, 7) and scales[1, 3, 0] == 1 and not codes[1, 3, :128].any()
+        # amax / the grid's divisor in bf16, or the bf16 neighbour of it the library decodes closer
         amax = w.float().abs().reshape(2, 24, -1, group).amax(-1)
         # scales no smaller than the least normal fp32 (and bf16) number
         tiny = torch.finfo(torch.float32).tiny
-        nearest = torch.where(amax == 0, 1.0, amax / 7).bfloat16().clamp(min=tiny)
+        nearest = torch.where(amax == 0, 1.0, amax / grid.divisor).bfloat16().clamp(min=tiny)
+        if grid is FULL and dtype == torch.bfloat16:  # the library's own scale of a bf16 group, where it is normal
+            groups = w.reshape(2, 24, -1, group)
+            theirs, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            normal = amax / grid.divisor >= tiny
+            assert torch.equal(theirs[normal], nearest[normal]) and normal.float().mean() > 0.9
         errors = []
         for step in (0, 1, -1):
             s = (nearest.view(torch.int16) + step).view(torch.bfloat16).clamp(min=tiny)
@@ -102,7 +130,7 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype):
         errors = torch.stack(errors)  # by step 0, 1, -1: index step % 3
         least = errors.amin(0)
         assert torch.equal(errors.gather(0, (step % 3)[None])[0], least)
-        assert (step == 0)[errors[0] == least].all()  # a tie keeps amax / 7
+        assert (step == 0)[errors[0] == least].all()  # a tie keeps amax / the divisor
         for e in range(2):
             theirs = quantize(x[e], scales[e], torch.zeros_like(scales[e]), args, dtype=torch.int8)
             assert torch.equal(theirs, codes[e])
@@ -114,7 +142,12 @@ def test_the_numerics_are_compressed_tensors_quantizer_and_packing(dtype):
         # mse: each group's error never above max's, below it somewhere
         errors = []
         for mse in (False, True):
-            t = (INT4 if group == 128 else INT4_G32).quantize(w, INT4.scale(0.0), mse)
+            fmt = next(
+                f
+                for f in (INT4, *map(weight_format, ("int4_g32", "int4_full", "int4_g32_full")))
+                if (f.group_size, f.grid) == (group, grid)
+            )
+            t = fmt.quantize(w, INT4.scale(0.0), mse)
             if not mse:  # the export's tensors: these scales and codes
                 assert torch.equal(t["weight_scale"], scales) and torch.equal(t["weight"], pack_int4(codes))
             values = dequantize_int4(t["weight"], t["weight_scale"], torch.bfloat16).double()
@@ -147,18 +180,22 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(model, cas
     t, source = read_hf_tensors(ct), read_hf_tensors(hf)
     modules = sorted(n[: -len(".weight_packed")] for n in t if n.endswith(".weight_packed"))
     assert any(".experts." in m for m in modules) and any("self_attn" in m for m in modules)
+    lowest = []
     for module in modules:
         packed, scales = t[f"{module}.weight_packed"], t[f"{module}.weight_scale"]
         assert t[f"{module}.weight_shape"].tolist() == list(source[f"{module}.weight"].shape), module
         state = {leaf: t[f"{module}.{leaf}"] for leaf in compressor.compression_param_names(scheme)}
         decompressed = compressor.decompress(state, scheme)["weight"]
         assert torch.equal(decompressed, dequantize_int4(packed, scales, torch.bfloat16)), module
-        if case != "int4_g32-gptq":  # RTN: the library's codes of the source weights under eprt's scales
+        codes = unpack_int4(packed)
+        lowest.append(codes.min().item())
+        if not case.endswith("gptq"):  # RTN: the library's codes of the source weights under eprt's scales
             theirs = quantize(source[f"{module}.weight"], scales, torch.zeros_like(scales), w, dtype=torch.int8)
-            assert torch.equal(theirs, unpack_int4(packed)), module
+            assert torch.equal(theirs, codes), module
+    assert min(lowest) == (-8 if "full" in case else -7)  # the grid's lowest code is written, and only there
 
 
-@pytest.mark.parametrize("case", ["int4", "w4a8"])
+@pytest.mark.parametrize("case", ["int4", "w4a8", "int4_full"])
 def test_transformers_loads_eprts_values(model, case):
     _, _, exports = model
     ct = exports[case][1]
@@ -240,6 +277,23 @@ def test_a_rules_group_size_picks_the_groups():
         rule(format="int4", group_size=64)
     with pytest.raises(ConfigError, match=r"format 'fp8' has no groups to size; drop group_size"):
         rule(format="fp8", group_size=32)
+
+
+def test_a_rules_grid_picks_the_grid():
+    def rule(**extra):
+        return parse_recipe({"quantize": [{"pattern": "*", **extra}]}, "r.yaml").rules[0].format
+
+    assert rule(format="int4", grid="kimi") == "int4" and rule(format="int4_g32", grid="full") == "int4_g32_full"
+    assert rule(format="int4", group_size=32, grid="full") == rule(format="int4_full", group_size=32)
+    assert weight_format(rule(format="int4", grid="full")).grid is FULL
+    with pytest.raises(ConfigError, match=r"grid 'coarse': int4 comes on the kimi or full grid; choose one"):
+        rule(format="int4", grid="coarse")
+    with pytest.raises(ConfigError, match=r"grid 'full': w4a8 comes on the kimi grid; choose one"):
+        rule(format="w4a8", grid="full")
+    with pytest.raises(ConfigError, match=r"format 'nvfp4' has no INT4 grid to choose; drop grid"):
+        rule(format="nvfp4", grid="full")
+    with pytest.raises(ConfigError, match=r"'int4_full' is on the full grid, so the rule asks for two grids"):
+        rule(format="int4_full", grid="kimi")
 
 
 def _ptq_ep2(ck: str, out: str) -> None:

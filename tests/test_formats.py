@@ -67,7 +67,7 @@ def test_the_checkers_tell_the_formats_apart():
     dtype of its first scale, and its leaves: NVFP4 and NVFP4 weights only differ by input_scale, which
     the checks look up by the quant_algo the configs declare), its quant_algo and its compressed-tensors
     config group (format name, weights' strategy, quantized inputs or not, group size): each must name
-    one format. The ModelOpt signs only among the formats the ModelOpt layout holds (not INT4, MXFP4)."""
+    one format (INT4's grids aside). The ModelOpt signs only among the formats the ModelOpt layout holds (not INT4, MXFP4)."""
     # NVFP4 with its input scale pinned to 1 is stored as NVFP4 is, and read back as NVFP4
     pinned = [f for f in WEIGHT_FORMATS.values() if f.constant_input_amax is not None]
     assert [by_quant_algo(f.quant_algo) for f in pinned] == [WEIGHT_FORMATS["nvfp4"]] * len(pinned)
@@ -79,9 +79,13 @@ def test_the_checkers_tell_the_formats_apart():
     for fmt in modelopt:
         assert by_modelopt_weight_dtype(fmt.modelopt_weight_dtype, fmt.modelopt_scale_rank, [fmt]) is fmt
         assert by_quant_algo(fmt.quant_algo) is fmt
+    # INT4 on the full grid is stored and decoded as on the Kimi grid (no config says a grid): read back as it
+    regridded = {
+        f: WEIGHT_FORMATS[f.name.removesuffix("_full")] for f in WEIGHT_FORMATS.values() if f.name.endswith("_full")
+    }
     for fmt in (f for f in WEIGHT_FORMATS.values() if f not in pinned):
         inputs = fmt.modelopt_input_group() is not None
-        assert by_ct_format(fmt.ct_format, fmt.ct_strategy, inputs, fmt.group_size) is fmt
+        assert by_ct_format(fmt.ct_format, fmt.ct_strategy, inputs, fmt.group_size) is regridded.get(fmt, fmt)
     # FP8 block and MXFP8 store an F8_E4M3 weight with a 2-D grid: fp32 scales or E8M0 bytes
     assert by_modelopt_weight_dtype("F8_E4M3", 2, scale_dtype="F32") is WEIGHT_FORMATS["fp8_block"]
     assert by_modelopt_weight_dtype("F8_E4M3", 2, scale_dtype="U8") is WEIGHT_FORMATS["mxfp8"]
@@ -94,6 +98,6 @@ def test_a_recipe_names_a_registered_format_or_none():
     with pytest.raises(
         ConfigError,
         match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, int4, int4_g32, w4a8, "
-        r"mxfp8, mxfp4, nvfp4_input_scale1, none",
+        r"mxfp8, mxfp4, nvfp4_input_scale1, int4_full, int4_g32_full, none",
     ):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

@@ -105,6 +105,16 @@ TABLE = (
         "Marlin kernels",
     ),
     Served(
+        ("int4_full", "int4_g32_full"),
+        "INT4 (-8..7, compressed-tensors' own grid) in groups of 128 or 32 with bf16 group scales, bf16 inputs; "
+        "compressed-tensors layout only",
+        ("ampere", "hopper"),
+        (),
+        {COMPRESSED_TENSORS: ("vllm", "sglang")},
+        "vLLM, SGLang",
+        "Marlin kernels",
+    ),
+    Served(
         ("w4a8",),
         "INT4 in groups of 128, FP8 inputs per token at run time; compressed-tensors layout only",
         ("hopper",),

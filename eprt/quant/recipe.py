@@ -10,6 +10,7 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
     kv_cache: null                 # or fp8 (eprt.quant.formats.kv)
     mtp: false                     # true: the rules quantize the multi-token-prediction layers too
     scale_headroom: false          # true: NVFP4's mse weights under a per-tensor scale with headroom
+    act_headroom: false            # true: NVFP4 input scales with headroom (ModelOpt's nvfp4_act_headroom)
     ignore: ["lm_head", "*.gate"]  # optional: modules left unquantized whatever the rules say
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
@@ -19,6 +20,9 @@ a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unqu
 
 A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
+A rule's `grid` picks INT4's grid (eprt.quant.formats.int4): `kimi`, the Kimi releases' codes -7..7
+at about amax / 7 (the default: `int4`, `int4_g32`), or `full`, compressed-tensors' own -8..7 at
+about amax / 7.5 (`int4_full`, `int4_g32_full`, as `format:` also names them).
 
 A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'): a
 registered algorithm or a sequence of them, a balance then a rounding, with parameters
@@ -43,6 +47,11 @@ the per-tensor scale amax / (6 x 256) in place of amax / (6 x 448): a block scal
 the tensor's largest block's by up to 448 / 256, so every block, the largest too, can map its amax to
 the finer E2M1 grid of 4 instead of 6 where that has the smaller error; the mse search chooses per block
 among all the E4M3 codes (eprt.quant.formats.nvfp4). Other formats and algorithms do not read it.
+
+`act_headroom: true` (or a mapping of `anchor_percentile`, `upper_percentile`, `rho`: ModelOpt's
+`nvfp4_act_headroom` settings) calibrates the input scale of every module whose inputs NVFP4
+quantizes (W4A4) from the distribution of its inputs' block amax, with headroom above them
+(eprt.quant.act_headroom); other formats' inputs keep max's.
 """
 
 from __future__ import annotations
@@ -55,19 +64,21 @@ from typing import NamedTuple
 import yaml
 
 from eprt.errors import ConfigError
+from eprt.quant.act_headroom import ActHeadroom, parse_act_headroom
 from eprt.quant.algorithms.registry import DEFAULT, Params, parse_algorithm, rotated, rounding, steps, unrotated
 from eprt.quant.algorithms.registry import sequences as algorithm_sequences
-from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_group_size
+from eprt.quant.formats import WEIGHT_FORMATS, group_sizes, with_grid, with_group_size
+from eprt.quant.formats.int4 import GRIDS, KIMI
 from eprt.quant.formats.kv import KV_CACHE_FORMATS
 
 # Shipped inside the package (package data), so an installed eprt finds them wherever it runs.
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "ignore")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "act_headroom", "ignore")
 # How a rule's weight scales are chosen (eprt.quant.algorithms.registry): the first is the default.
 ALGORITHMS = algorithm_sequences()
-RULE_KEYS = ("pattern", "format", "algorithm", "group_size")
+RULE_KEYS = ("pattern", "format", "algorithm", "group_size", "grid")
 REQUIRED_RULE_KEYS = ("pattern", "format")
 
 
@@ -88,6 +99,7 @@ class Recipe:
     # globs of modules left unquantized whatever the rules say; None: none named. The model-free
     # export (eprt.hf.streaming) takes them in place of its default list of modules it leaves alone.
     ignore: tuple[str, ...] | None = None
+    act_headroom: ActHeadroom | None = None  # NVFP4 input scales with headroom; None: max's
 
     def ignores(self, module: str) -> bool:
         return any(fnmatch.fnmatchcase(module, p) for p in self.ignore or ())
@@ -149,6 +161,7 @@ class Recipe:
             **({"mtp": True} if self.mtp else {}),
             **({"scale_headroom": True} if self.scale_headroom else {}),
             **({"ignore": list(self.ignore)} if self.ignore is not None else {}),
+            **({"act_headroom": self.act_headroom.to_json()} if self.act_headroom is not None else {}),
         }
 
 
@@ -194,7 +207,24 @@ def grouped(fmt: str, group_size, where: str) -> str:
 
 def kind_default(fmt: str):
     """The format of `fmt`'s kind that names no group size (`int4` of `int4_g32`): the first registered."""
-    return next(f for f in WEIGHT_FORMATS.values() if type(f) is type(WEIGHT_FORMATS[fmt]))
+    return next(f for f in WEIGHT_FORMATS.values() if f.kind == WEIGHT_FORMATS[fmt].kind)
+
+
+def on_grid(fmt: str, grid, where: str) -> str:
+    """The registered name of INT4 format `fmt` on grid `grid` (a rule's `grid:`)."""
+    found = with_grid(fmt, grid) if fmt != "none" and isinstance(grid, str) else None
+    if found is None:
+        if fmt == "none" or with_grid(fmt, "kimi") is None:
+            raise ConfigError(f"{where} grid: format {fmt!r} has no INT4 grid to choose; drop grid from the rule")
+        offered = [g for g in GRIDS if with_grid(fmt, g) is not None]
+        raise ConfigError(f"{where} grid {grid!r}: {fmt} comes on the {' or '.join(offered)} grid; choose one")
+    named = WEIGHT_FORMATS[fmt]
+    if named.grid != KIMI and named.grid.name != grid:  # `int4_full` says its grid already
+        raise ConfigError(
+            f"{where} grid {grid}: format {fmt!r} is on the {named.grid.name} grid, so the rule asks for two "
+            "grids; drop grid, or name the format without it"
+        )
+    return found.name
 
 
 def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:
@@ -221,6 +251,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
             else (default, default_params)
         )
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
+        fmt = on_grid(fmt, r["grid"], f"{source}: quantize[{i}]") if "grid" in r else fmt
         rules.append(Rule(str(r["pattern"]), fmt, sequence, params))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
@@ -259,7 +290,8 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
     name = d.get("name", os.path.basename(source))
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
-    return Recipe(name, tuple(rules), kv, mtp, headroom, tuple(ignore) if ignore is not None else None)
+    act_headroom = parse_act_headroom(d.get("act_headroom"), source)
+    return Recipe(name, tuple(rules), kv, mtp, headroom, tuple(ignore) if ignore is not None else None, act_headroom)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

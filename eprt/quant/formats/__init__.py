@@ -13,7 +13,7 @@ from eprt.quant.formats.base import WeightFormat
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.fp8_block import FP8_BLOCK
 from eprt.quant.formats.fp8_channel import FP8_CHANNEL
-from eprt.quant.formats.int4 import INT4, INT4_G32
+from eprt.quant.formats.int4 import INT4, INT4_FULL, INT4_G32, INT4_G32_FULL
 from eprt.quant.formats.mxfp4 import MXFP4
 from eprt.quant.formats.mxfp8 import MXFP8
 from eprt.quant.formats.nvfp4 import NVFP4
@@ -23,7 +23,10 @@ from eprt.quant.formats.w4a8 import W4A8
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     f.name: f
-    for f in (FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8, MXFP8, MXFP4, NVFP4_INPUT_SCALE1)
+    for f in (
+        *(FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8, MXFP8, MXFP4, NVFP4_INPUT_SCALE1),
+        *(INT4_FULL, INT4_G32_FULL),
+    )
 }
 
 
@@ -37,16 +40,30 @@ def with_group_size(name: str, group_size: int) -> WeightFormat | None:
     where those are its groups, else the registered format of the same kind in such groups (`int4` in
     groups of 32 is `int4_g32`), else None."""
     fmt = WEIGHT_FORMATS[name]
-    return next(
-        (f for f in WEIGHT_FORMATS.values() if f.group_size == group_size and type(f) is type(fmt)),
-        None,
-    )
+    return next((f for f in WEIGHT_FORMATS.values() if f.group_size == group_size and f.kind == fmt.kind), None)
 
 
 def group_sizes(name: str) -> list[int]:
     """The groups format `name` comes in (a rule's `group_size:` choices): its own and its kind's."""
     fmt = WEIGHT_FORMATS[name]
-    return sorted({f.group_size for f in WEIGHT_FORMATS.values() if type(f) is type(fmt) and f.group_size})
+    return sorted({f.group_size for f in WEIGHT_FORMATS.values() if f.kind == fmt.kind and f.group_size})
+
+
+def with_grid(name: str, grid: str) -> WeightFormat | None:
+    """Format `name` on INT4 grid `grid` (a rule's `grid:`, eprt.quant.formats.int4.GRIDS), in the
+    same groups: itself where that is its grid, else None where it has no such grid."""
+    fmt = WEIGHT_FORMATS[name]
+    return next(
+        (
+            f
+            for f in WEIGHT_FORMATS.values()
+            if type(f) is type(fmt)
+            and f.group_size == fmt.group_size
+            and getattr(f, "grid", None)
+            and f.grid.name == grid
+        ),
+        None,
+    )
 
 
 def by_quant_algo(quant_algo) -> WeightFormat | None:

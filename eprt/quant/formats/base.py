@@ -74,6 +74,9 @@ class WeightFormat:
     # an input amax the format pins rather than calibrates (its input_scale is this amax's scale);
     # None: the input scale, where it has one, comes from calibration
     constant_input_amax: float | None = None
+    # its inputs quantize at run time in blocks of this size under the calibrated per-tensor input
+    # scale (NVFP4 W4A4): where a recipe's act_headroom sets that scale (eprt.quant.act_headroom)
+    input_block: int | None = None
     # The export's memory plan (eprt.hf.export_plan): bytes a weight element being quantized holds
     # at the peak of `quantize`, besides the weight as read (its temporaries and its export
     # tensors), and bytes of chunk buffers each thread that quantizes keeps from call to call
@@ -84,6 +87,11 @@ class WeightFormat:
     # Under `mse`, what its search adds: bytes an element where it searches the whole weight at once,
     # and a thread's bytes where it searches a chunk of rows at a time (`mse_search_bytes`).
     export_mse_working_bytes: float = 0.0
+
+    @property
+    def kind(self) -> tuple:
+        """What formats share to be one another in other groups (a rule's `group_size`): their class."""
+        return (type(self),)
 
     def mse_search_bytes(self, in_dim: int) -> int:
         """Bytes a thread's mse search holds at once for a weight of `in_dim` columns, beyond

@@ -3,12 +3,15 @@ Kimi releases ship their routed experts in (Kimi-K2-Thinking, K2.5: compressed-t
 `pack-quantized`, groups of 32), which vLLM and SGLang run with Marlin kernels on Ampere and
 Hopper (docs/export.md, 'INT4').
 
-The grid is the Kimi releases': codes -7..7 under a bf16 scale per group of about amax / 7 (the
-releases store bf16 scales; a zero group gets 1.0). A code is the quotient weight / scale rounded
-half to even and clamped, compressed-tensors' own rounding, so a code of -8 is never written; the
+Two grids (`GRIDS`, a rule's `grid:`): the Kimi releases' (`kimi`, `int4` and `int4_g32`): codes
+-7..7 under a bf16 scale per group of about amax / 7 (the releases store bf16 scales; a zero group
+gets 1.0), so a code of -8 is never written; and compressed-tensors' own symmetric one (`full`,
+`int4_full` and `int4_g32_full`), llm-compressor's: codes -8..7 under about amax / 7.5, where a
+group's largest magnitude lands on 7.5, rounded to 8 and kept at -8 or clamped to 7. A code is the
+quotient weight / scale rounded half to even and clamped, compressed-tensors' own rounding; the
 quotient is taken in the weight's dtype (bf16 / bf16, as the library's quantizer divides), or in fp32
 for any other dtype. A value is code x scale, exact in fp32 (4 by 8 significant bits). A group's
-scale is amax / 7 rounded to bf16, or the bf16 neighbour of that under which the group decodes
+scale is amax / 7 (7.5) rounded to bf16, or the bf16 neighbour of that under which the group decodes
 closer (`_Groups.closest_neighbour`): a decoded INT4 weight (a Kimi release, converted) so re-quantizes to
 its own codes and scales in every group that reaches the code 7 or -7.
 
@@ -19,13 +22,25 @@ and `weight_shape` [out, in]. No calibrated statistic enters: the scales come fr
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from eprt.quant.formats.base import Tensors, WeightFormat
 from eprt.quant.formats.e2m1 import pack_fp4, unpack_fp4
 from eprt.quant.numerics import CHUNK_ELEMENTS, FP32_TINY, check_finite, chunk_buffer, for_chunks, row_chunks
 
-GRID_MAX = 7  # codes are -7..7, the Kimi releases' symmetric grid
+
+class Grid(NamedTuple):
+    name: str
+    lowest: int  # the most negative code (the largest is 7)
+    divisor: float  # a group's scale is about its amax / divisor
+
+
+KIMI = Grid("kimi", -7, 7.0)  # the Kimi releases' symmetric grid
+FULL = Grid("full", -8, 7.5)  # compressed-tensors' symmetric grid (llm-compressor's)
+GRIDS = {g.name: g for g in (KIMI, FULL)}
+GRID_MAX = 7  # the largest code of either grid
 OFFSET = 8  # a code is stored as code + 8, a nibble 1..15
 CODES_PER_WORD = 8  # 4-bit codes in one int32
 SCALE_DTYPE = torch.bfloat16  # the Kimi releases' weight_scale, as the engines read it
@@ -45,7 +60,8 @@ class _Groups:
     that every step works in the kept buffers), in fp32 for any other.
     `shape`: the whole weight's, which a refusal names."""
 
-    def __init__(self, w: torch.Tensor, group: int, kept: tuple | None = None, shape=None):
+    def __init__(self, w: torch.Tensor, group: int, grid: Grid, kept: tuple | None = None, shape=None):
+        self.grid = grid
         n = w.numel()
         fresh = (torch.empty(n, device=w.device) for _ in range(2))
         f, work, rounded = kept or (*fresh, torch.empty(n, dtype=SCALE_DTYPE, device=w.device))
@@ -72,7 +88,7 @@ class _Groups:
         q = torch.div(self.f32, scales.float().unsqueeze(-1), out=self._work)
         if self._bf16_quotient:
             self._to_bf16(q)
-        return q.round_().clamp_(-GRID_MAX, GRID_MAX)
+        return q.round_().clamp_(self.grid.lowest, GRID_MAX)
 
     def error(self, scales: torch.Tensor) -> torch.Tensor:
         """fp32 [..., in/group]: each group's squared error, its values decoded in bf16 as the engines
@@ -95,21 +111,21 @@ class _Groups:
         return best
 
 
-def nearest_scales(amax: torch.Tensor) -> torch.Tensor:
-    """bf16 amax / 7 (computed in fp32), at least the smallest normal; a zero amax's 1.0."""
-    nearest = (amax / GRID_MAX).to(SCALE_DTYPE).clamp_(min=FP32_TINY)
+def nearest_scales(amax: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """bf16 amax / the grid's divisor (computed in fp32), at least the smallest normal; a zero amax's 1.0."""
+    nearest = (amax / grid.divisor).to(SCALE_DTYPE).clamp_(min=FP32_TINY)
     return torch.where(amax == 0, torch.ones_like(nearest), nearest)
 
 
-def int4_scales(w: torch.Tensor, group: int) -> torch.Tensor:
-    """bf16 scales [..., in/group] of w [..., in]: each group's amax / 7 rounded to bf16 (a zero
-    group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises ValueError
-    for NaN or infinity."""
-    return int4_quantized(w, group)[0]
+def int4_scales(w: torch.Tensor, group: int, grid: Grid = KIMI) -> torch.Tensor:
+    """bf16 scales [..., in/group] of w [..., in]: each group's amax / the grid's divisor rounded to
+    bf16 (a zero group's 1.0), or the bf16 neighbour of that which decodes the group closer. Raises
+    ValueError for NaN or infinity."""
+    return int4_quantized(w, group, grid=grid)[0]
 
 
 def int4_quantized(
-    w: torch.Tensor, group: int, scales: torch.Tensor | None = None
+    w: torch.Tensor, group: int, scales: torch.Tensor | None = None, grid: Grid = KIMI
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(bf16 group scales [..., in/group], packed codes int32 [..., in/8]) of w [..., in]: the scales
     given, or `int4_scales`' rule; the codes `pack_int4(int4_codes(w, scales))`. A chunk of rows
@@ -127,9 +143,9 @@ def int4_quantized(
         return tuple(chunk_buffer(f"int4.{slot}", (step, width), dtype, w.device) for slot, dtype in slots)
 
     def chunk(a: int, b: int, kept: tuple[torch.Tensor, ...]) -> None:
-        groups = _Groups(rows[a:b], group, tuple(t[: b - a] for t in kept), w.shape)
+        groups = _Groups(rows[a:b], group, grid, tuple(t[: b - a] for t in kept), w.shape)
         if scales is None:
-            out[a:b] = groups.closest_neighbour(nearest_scales(groups.amax()))
+            out[a:b] = groups.closest_neighbour(nearest_scales(groups.amax(), grid))
         codes = groups.codes(out[a:b]).add_(OFFSET).view(b - a, width)
         # a byte of each pair, the first code in the low nibble, into the spent weight buffer
         pairs = kept[0].view(-1)[: (b - a) * width // 2].view(b - a, width // 2)
@@ -142,10 +158,10 @@ def int4_quantized(
     )
 
 
-def int4_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int8 codes [..., in] in [-7, 7] of w [..., in] under its group scales [..., in/group]: the
+def int4_codes(w: torch.Tensor, scales: torch.Tensor, grid: Grid = KIMI) -> torch.Tensor:
+    """int8 codes [..., in] on `grid` of w [..., in] under its group scales [..., in/group]: the
     quotient as in w's dtype where it is bf16 (else fp32), rounded half to even, clamped."""
-    return _Groups(w, w.shape[-1] // scales.shape[-1]).codes(scales).to(torch.int8).reshape(w.shape)
+    return _Groups(w, w.shape[-1] // scales.shape[-1], grid).codes(scales).to(torch.int8).reshape(w.shape)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -178,16 +194,16 @@ def _values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
     return values.reshape(codes.shape).to(dtype)
 
 
-def int4_mse_scales(w: torch.Tensor, group: int) -> torch.Tensor:
+def int4_mse_scales(w: torch.Tensor, group: int, grid: Grid = KIMI) -> torch.Tensor:
     """bf16 group scales of least squared error for w [..., in]: each group's own choice among max's
-    scale (`int4_scales`) and amax x MSE_FACTORS[1:] / 7 rounded to bf16, in that order, so a tie
-    keeps max's."""
-    groups = _Groups(w, group)
+    scale (`int4_scales`) and amax x MSE_FACTORS[1:] / the grid's divisor rounded to bf16, in that
+    order, so a tie keeps max's."""
+    groups = _Groups(w, group, grid)
     amax = groups.amax()
-    best = groups.closest_neighbour(nearest_scales(amax))
+    best = groups.closest_neighbour(nearest_scales(amax, grid))
     best_err = groups.error(best)
     for factor in MSE_FACTORS[1:]:
-        scales = nearest_scales(amax * factor)
+        scales = nearest_scales(amax * factor, grid)
         err = groups.error(scales)
         better = err < best_err
         best, best_err = torch.where(better, scales, best), torch.where(better, err, best_err)
@@ -198,18 +214,18 @@ class Int4Columns:
     """GPTQ's columns in INT4, for a stack of original weights w [L, out, in]: the group scales fixed
     from w (the export's), column j rounded under its group's scale by the export's rule."""
 
-    def __init__(self, w: torch.Tensor, group: int):
-        self.group = group
-        self.scales = int4_scales(w, group)
+    def __init__(self, w: torch.Tensor, group: int, grid: Grid):
+        self.group, self.grid = group, grid
+        self.scales = int4_scales(w, group, grid)
         self.step = self.scales.float()
 
     def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
         step = self.step[:, :, j // self.group]
-        return (col_LO.float() / step).round_().clamp_(-GRID_MAX, GRID_MAX) * step
+        return (col_LO.float() / step).round_().clamp_(self.grid.lowest, GRID_MAX) * step
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:
         """Packed codes (int32 [L, out, in/8]) of GPTQ's weights: each an exact multiple of its scale."""
-        return pack_int4(int4_codes(q.float(), self.scales))
+        return pack_int4(int4_codes(q.float(), self.scales, self.grid))
 
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         return dequantize_int4(packed, self.scales)
@@ -232,8 +248,12 @@ class Int4(WeightFormat):
     ct_weight_scale_leaf = ct_input_scale_leaf = None
     largest_input = None
 
-    def __init__(self, name: str, group_size: int):
-        self.name, self.group_size = name, group_size
+    def __init__(self, name: str, group_size: int, grid: Grid = KIMI):
+        self.name, self.group_size, self.grid = name, group_size, grid
+
+    @property
+    def kind(self) -> tuple:
+        return (type(self), self.grid)  # in other groups, on the same grid
 
     # each thread's chunk buffers: the fp32 weight and work, the bf16 rounding (`int4_quantized`)
     export_worker_bytes = (4 + 4 + 2) * CHUNK_ELEMENTS
@@ -254,7 +274,8 @@ class Int4(WeightFormat):
         return torch.as_tensor(amax, dtype=torch.float32).reshape(())
 
     def quantize(self, w: torch.Tensor, w_scale: torch.Tensor, mse: bool) -> dict[str, torch.Tensor]:
-        scales, packed = int4_quantized(w, self.group_size, int4_mse_scales(w, self.group_size) if mse else None)
+        searched = int4_mse_scales(w, self.group_size, self.grid) if mse else None
+        scales, packed = int4_quantized(w, self.group_size, searched, self.grid)
         return {"weight": packed, "weight_scale": scales}
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -264,7 +285,7 @@ class Int4(WeightFormat):
         return x  # the engine computes with the inputs as they come
 
     def columns(self, w: torch.Tensor, scales: torch.Tensor) -> Int4Columns:
-        return Int4Columns(w, self.group_size)
+        return Int4Columns(w, self.group_size, self.grid)
 
     def modelopt_tensors(self, out_dim: int, in_dim: int) -> Tensors:
         # what `quantize` returns; no ModelOpt layout is written (`modelopt_layout`)
@@ -292,8 +313,10 @@ class Int4(WeightFormat):
         return None
 
     def largest_code(self, largest_block: float | None) -> float:
-        return GRID_MAX
+        return -self.grid.lowest
 
 
 INT4 = Int4("int4", 128)
 INT4_G32 = Int4("int4_g32", 32)  # the Kimi releases' groups
+INT4_FULL = Int4("int4_full", 128, FULL)
+INT4_G32_FULL = Int4("int4_g32_full", 32, FULL)

@@ -408,6 +408,7 @@ class Nvfp4(WeightFormat):
     ct_weight_scale_leaf, ct_input_scale_leaf = "weight_global_scale", "input_global_scale"
     ct_reciprocal = True
     largest_input = E2M1_MAX * FP8_E4M3_MAX
+    input_block = BLOCK_SIZE
     # the packed codes (1/2), an E4M3 block scale, the fp32 block amax and divisor a block of 16;
     # each thread's chunk buffers: the fp32 amax rows, quotient and keys (4 + 4 + 4), each pair's
     # fp32 key and int32 index (2 + 2 an element)

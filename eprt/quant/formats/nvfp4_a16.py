@@ -22,6 +22,7 @@ class Nvfp4A16(Nvfp4):
     ct_input_scale_leaf = None
     largest_input = None
     uses_activation_statistics = False
+    input_block = None
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come

@@ -23,6 +23,7 @@ class Nvfp4InputScale1(Nvfp4):
 
     name = "nvfp4_input_scale1"
     uses_activation_statistics = False
+    input_block = None
     constant_input_amax = INPUT_AMAX_OF_SCALE_1
 
 

@@ -8,6 +8,9 @@ for statistics only, so an expert's amax covers all of its layer's tokens, and n
 left without one.
 Max is exact, so reducing dense amax over the world and expert amax over the edp replicas gives
 the same result at every layout, given bitwise-identical activations.
+Where a recipe's `act_headroom` applies (eprt.quant.act_headroom), the inputs' block amax are
+also counted in histograms (summed over the ranks: exact), and once a layer's statistics are
+final each such amax is replaced by its headroom amax.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from eprt.kernels.cpu_workers import for_each
 from eprt.models.moe import Experts
 from eprt.models.taps import KVTaps, tapped
 from eprt.parallel import ParallelState
+from eprt.quant.act_headroom import ActHeadroom
 from eprt.quant.numerics import abs_amax
 
 
@@ -68,10 +72,19 @@ class Calibrator:
     `targets` are module names (dense Linears and `...experts` modules); `kv` adds the keys and
     values of every attention layer; `all_experts` (--calibrate-all-experts): each expert's amax
     also takes the tokens the layer-major engine runs through every expert for statistics
-    (`every_expert_observer`, eprt.quant.loop.passes.all_experts), counted apart in `expert_all_tokens`.
+    (`every_expert_observer`, eprt.quant.loop.passes.all_experts), counted apart in `expert_all_tokens`;
+    `headroom`: the targets whose input amax take activation headroom, each with its settings and
+    input block size (`headroom_targets`).
     """
 
-    def __init__(self, model: nn.Module | None, targets: list[str], kv: bool, all_experts: bool = False):
+    def __init__(
+        self,
+        model: nn.Module | None,
+        targets: list[str],
+        kv: bool,
+        all_experts: bool = False,
+        headroom: dict[str, tuple[ActHeadroom, int]] | None = None,
+    ):
         self.input_amax: dict[str, torch.Tensor] = {}
         self.expert_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.expert_tokens: dict[str, torch.Tensor] = {}  # tokens the router sent to each expert
@@ -79,6 +92,10 @@ class Calibrator:
         self.all_experts = all_experts
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.targets, self.kv = targets, kv
+        self.headroom = headroom or {}
+        # the block amax histograms of the headroom targets' inputs, until their layer is final
+        self.input_hist: dict[str, torch.Tensor] = {}
+        self.expert_hist: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # the dense modules and the attention run one sequence per thread, side by side: a max is
         # the same in any order, but an update in place must not interleave with another
         self._lock = threading.Lock()
@@ -118,10 +135,19 @@ class Calibrator:
     def _observe_input(self, name: str, module: nn.Module) -> None:
         self.input_amax.setdefault(name, torch.zeros((), dtype=torch.float32, device=device_of(module)))
 
+        if name in self.headroom:
+            settings, _ = self.headroom[name]
+            self.input_hist.setdefault(name, torch.zeros(settings.bins, dtype=torch.int64, device=device_of(module)))
+
         def hook(_module, args):
             x = args[0]
             if x.numel():
                 self._raise(self.input_amax[name], abs_amax(x.detach()))
+                if name in self.headroom:
+                    settings, block = self.headroom[name]
+                    counts = settings.histogram(x, block)
+                    with self._lock:
+                        self.input_hist[name] += counts
 
         self._taps.callback(module.register_forward_pre_hook(hook).remove)
 
@@ -129,12 +155,21 @@ class Calibrator:
         zeros = lambda dtype: torch.zeros(experts.count, dtype=dtype, device=device_of(experts))  # noqa: E731
         self.expert_amax.setdefault(name, (zeros(torch.float32), zeros(torch.float32)))
         self.expert_tokens.setdefault(name, zeros(torch.int64))
+        if name in self.headroom:
+            settings, _ = self.headroom[name]
+            hist = lambda: torch.zeros(experts.count, settings.bins, dtype=torch.int64, device=device_of(experts))  # noqa: E731
+            self.expert_hist.setdefault(name, (hist(), hist()))
 
         def observer(x_sorted, h_sorted, tokens_per_expert):
             x_amax, h_amax = self.expert_amax[name]  # each expert's input's, its activation's
             torch.maximum(x_amax, segment_amax(x_sorted.detach(), tokens_per_expert), out=x_amax)
             torch.maximum(h_amax, segment_amax(h_sorted.detach(), tokens_per_expert), out=h_amax)
             self.expert_tokens[name] += tokens_per_expert.to(torch.int64)
+            if name in self.headroom:
+                expert_of_row = torch.repeat_interleave(
+                    torch.arange(experts.count, device=x_sorted.device), tokens_per_expert
+                )
+                self._count_blocks(name, expert_of_row, experts.count, x_sorted, h_sorted)
 
         self._taps.enter_context(tapped(experts, routed=observer))
 
@@ -151,8 +186,18 @@ class Calibrator:
             x_amax[e] = torch.maximum(x_amax[e], x.detach().abs().amax().float())
             h_amax[e] = torch.maximum(h_amax[e], h.detach().abs().amax().float())
             self.expert_all_tokens[name][e] += x.shape[0]
+            if name in self.headroom:
+                expert_of_row = torch.full((x.shape[0],), e, dtype=torch.long, device=x.device)
+                self._count_blocks(name, expert_of_row, experts.count, x, h)
 
         return observer
+
+    def _count_blocks(self, name: str, expert_of_row: torch.Tensor, count: int, x: torch.Tensor, h: torch.Tensor):
+        """Add rows x (the experts' input) and h (their activation), each of expert `expert_of_row`,
+        to experts module `name`'s block amax histograms."""
+        settings, block = self.headroom[name]
+        for held, rows in zip(self.expert_hist[name], (x, h)):
+            held += settings.histograms(rows, expert_of_row, count, block)
 
     def _observe_kv(self, name: str, attn: nn.Module) -> None:
         zero = lambda: torch.zeros((), dtype=torch.float32, device=device_of(attn))  # noqa: E731
@@ -196,6 +241,7 @@ class Calibrator:
             state.all_reduce(self.expert_tokens[name], over="edp", op=dist.ReduceOp.SUM)
             if name in self.expert_all_tokens:
                 state.all_reduce(self.expert_all_tokens[name], over="edp", op=dist.ReduceOp.SUM)
+        self._take_headroom(state, "")
 
     def reduce_amax(self, state: ParallelState, prefix: str) -> None:
         """The amax of the modules under `prefix` (one layer, once its steps are done) made final
@@ -208,6 +254,22 @@ class Calibrator:
             state.all_reduce(t, over="dp", op=dist.ReduceOp.MAX)
         for t in (x for pair in under(self.expert_amax) for x in pair):
             state.all_reduce(t, over="edp", op=dist.ReduceOp.MAX)
+        self._take_headroom(state, prefix)
+
+    def _take_headroom(self, state: ParallelState, prefix: str) -> None:
+        """Each headroom target's amax under `prefix` (already reduced over the ranks) replaced by its
+        headroom amax, from its histogram summed over the ranks; the histograms are then dropped,
+        so a later reduction leaves the amax as they are (the same on every rank: max keeps them)."""
+        for name in [m for m in self.input_hist if m.startswith(prefix)]:
+            counts = state.all_reduce(self.input_hist.pop(name), over="dp", op=dist.ReduceOp.SUM)
+            amax = self.input_amax[name]
+            amax.copy_(self.headroom[name][0].amax(counts, amax))
+        for name in [m for m in self.expert_hist if m.startswith(prefix)]:
+            settings = self.headroom[name][0]
+            for counts, amax in zip(self.expert_hist.pop(name), self.expert_amax[name]):
+                counts = state.all_reduce(counts, over="edp", op=dist.ReduceOp.SUM)
+                for e in range(amax.shape[0]):
+                    amax[e] = settings.amax(counts[e], amax[e])
 
     def close(self) -> None:
         self._taps.close()

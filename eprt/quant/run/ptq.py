@@ -26,6 +26,7 @@ from eprt.parallel import ParallelState
 from eprt.parallel.guard import fail_together
 from eprt.parallel.output import write_together
 from eprt.progress import logger
+from eprt.quant.act_headroom import headroom_targets
 from eprt.quant.algorithms.program import ProgramRun, program_of
 from eprt.quant.algorithms.search.auto_quantize import RECIPE_FILE, SearchResult
 from eprt.quant.algorithms.search.auto_quantize_run import search_formats
@@ -111,7 +112,9 @@ def run_calibration(
         cal = (
             search.chosen_statistics(targets, kv)
             if kept
-            else Calibrator(None, targets, kv=kv, all_experts=a.calibrate_all_experts)
+            else Calibrator(
+                None, targets, kv=kv, all_experts=a.calibrate_all_experts, headroom=headroom_targets(recipe, targets)
+            )
         )
         run.begin(state, cal, tokens=samples.numel(), min_tokens=a.gptq_min_tokens, expert_stack=plan.expert_stack)
         work = WorkDir(work_path, state, identity, ck.path)

@@ -413,7 +413,7 @@ class AWQ(Pass):
         """The layer's amax and routed token counts from a run through it folded, in place of the
         statistics run's (and its output, unless GPTQ's run makes it)."""
         mine = [m for m in self.cal.targets if m.startswith(layer.prefix)]
-        fresh = Calibrator(None, mine, kv=self.cal.kv, all_experts=self.cal.all_experts)
+        fresh = Calibrator(None, mine, kv=self.cal.kv, all_experts=self.cal.all_experts, headroom=self.cal.headroom)
         measure(layer, fresh, write=self.writes)  # with --calibrate-all-experts, every folded expert's rows too
         self.cal.input_amax.update(fresh.input_amax)
         self.cal.expert_amax.update(fresh.expert_amax)
