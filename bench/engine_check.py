@@ -98,6 +98,10 @@ KIMI_K3_NVIDIA = (
 )
 FAMILY_NOT_RUN = {
     "kimi_linear": KIMI_K3_NVIDIA.format("Kimi-Linear"),
+    "kimi_k3": (
+        "vLLM's KimiK3ForConditionalGeneration loads Kimi-K3's image processor, remote code that the release "
+        "ships and the tiny checkpoint does not (Can't load image processor)"
+    ),
     "deepseek_v32": SPARSE_ATTENTION,
     "glm_moe_dsa": SPARSE_ATTENTION,
     "kimi_vl": (
@@ -366,7 +370,7 @@ def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str
         if sep and rest.split(".")[0].isdigit():
             experts.add(prefix + ".experts")
         elif m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
-            submodule(model, name).forward = lambda x, m=m: engine_linear(x, m.weight, m.inputs)
+            submodule(model, name).forward = lambda x, m=m: engine_linear(x, m.weight, m.inputs, bias=m.bias)
     for name in experts:
         projections = routed_projections(modules, name)
         m = next(iter(projections.values()))

@@ -6,6 +6,8 @@ and the reference's own noise floor they are held to (docs/engine-check.md, "Tol
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 
 import torch
 from engine_reference import FUSED, InputQuant, Module, engine_linear, jittered_inputs, nvfp4_input, silu_and_mul
@@ -53,14 +55,25 @@ def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
 
 
 def submodule(model, name: str) -> torch.nn.Module:
-    """The reference's module of checkpoint name `name`: a vision-language model's language model is
-    `language_model.model.*` in the checkpoint and in vLLM, `model.language_model.*` in the
-    transformers classes that hold it under their base model (Mistral-3, MiniMax-M3), and `model.*`
-    where the reference is the language model alone (Kimi-VL, `engine_check.reference_model`)."""
-    if not name.startswith("language_model.model."):
-        return model.get_submodule(name)
+    """The reference's module of checkpoint name `name`: as transformers renames the checkpoint's
+    modules on load (its WeightRenamings of the model type: MiniMax-M2's `block_sparse_moe` is its
+    `mlp`); a vision-language model's language model is `language_model.model.*` in the checkpoint
+    and in vLLM, `model.language_model.*` in the transformers classes that hold it under their base
+    model (Mistral-3, MiniMax-M3), and `model.*` where the reference is the language model alone
+    (Kimi-VL, `engine_check.reference_model`)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     rest = name.removeprefix("language_model.model.")
-    for candidate in (name, f"model.language_model.{rest}", f"model.{rest}"):
+    names = [name] if rest == name else [name, f"model.language_model.{rest}", f"model.{rest}"]
+    renamings = [
+        (source, target)
+        for r in get_checkpoint_conversion_mapping(model.config.model_type) or []
+        if type(r).__name__ == "WeightRenaming"
+        for source, target in zip(r.source_patterns, r.target_patterns)
+    ]
+    # the renamings match a tensor's name, so a module's is matched with a "." after it
+    renamed = [functools.reduce(lambda n, st: re.sub(*st, n), renamings, f"{n}.")[:-1] for n in names]
+    for candidate in names + renamed:
         with contextlib.suppress(AttributeError):
             return model.get_submodule(candidate)
     raise ValueError(f"{type(model).__name__} holds no module {name}")
@@ -111,7 +124,7 @@ def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str],
                 raise ValueError(f"vLLM ran {name} quantized, but the export holds no quantized {member}")
             m = modules[member]
             quantized = m.inputs and ran(semantics, m.fmt, "linear", member) != WEIGHT_ONLY
-            outs.append(engine_linear(x, m.weight, m.inputs if quantized else None).float())
+            outs.append(engine_linear(x, m.weight, m.inputs if quantized else None, bias=m.bias).float())
         ref = torch.cat(outs, dim=-1)
         diff = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
         diffs[name] = (diff, ran(semantics, m.fmt, "linear", member))

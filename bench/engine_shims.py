@@ -60,10 +60,15 @@ def experts_in_torch(experts, output, x_TD, topk_weights, topk_ids, activation, 
 def replace_experts_forward(cls, forward) -> None:
     """Let an experts class load on the CPU and run `forward(self, output, hidden_states, w1, w2,
     topk_weights, topk_ids, activation, a1q_scale, a2_scale)` in place of its Triton apply. vLLM calls
-    apply with keywords; what the forward does not take (workspaces, expert metadata) is unused."""
+    apply with keywords; what the forward does not take (workspaces, expert metadata) is unused. A
+    router weight applied on the input (Llama-4's top-1 score scaling the expert's input) is already in
+    hidden_states (vLLM's prepare step multiplies it in before the input quantization), so the
+    forward sums the experts' outputs unweighted, as vLLM's Triton kernel does then."""
 
     def apply(self, *, expert_map, apply_router_weight_on_input, **kw):
-        assert expert_map is None and not apply_router_weight_on_input, "one rank, router weights after w2"
+        assert expert_map is None, "one rank"
+        if apply_router_weight_on_input:
+            kw["topk_weights"] = torch.ones_like(kw["topk_weights"])
         for unused in ("global_num_experts", "workspace13", "workspace2", "expert_tokens_meta"):
             kw.pop(unused)
         forward(self, **kw)
