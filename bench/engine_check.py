@@ -83,8 +83,22 @@ FAMILIES = {
     # config's [1, 2] with a step of 2): the releases' moe_layers, as the step places them; and its
     # chunked attention takes chunks of whole KV blocks of 128 (the tiny config's are 8)
     "llama4_text": {**GQA, "moe_layers": [1], "attention_chunk_size": 128},
+    # vLLM runs it through its Transformers backend, whose MoE takes a moe_intermediate_size (which
+    # MiniMax-M3 does not have) for the experts' width: widened by the fields MiniMax-M3 reads
+    "minimax_m3_vl_text": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "dense_intermediate_size": 256,
+        "shared_intermediate_size": 128,
+        "head_dim": 32,
+    },
     # vLLM's CPU Gated DeltaNet (chunk_gated_delta_rule_cpu) takes head sizes that are multiples of 32
-    "qwen3_next": {**GQA, "linear_key_head_dim": 32, "linear_value_head_dim": 32},
+    "qwen3_next": {
+        **GQA,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "shared_expert_intermediate_size": 128,
+    },
 }
 # The families eprt reads that vLLM 0.32's CPU build cannot run at all, with the reason (one row each).
 TORCHVISION = (
@@ -117,10 +131,6 @@ FAMILY_NOT_RUN = {
     "qwen3_5_moe": TORCHVISION.format("Qwen3_5MoeForConditionalGeneration (Qwen3-VL's)"),
     "qwen3_5_moe_text": TORCHVISION.format("Qwen3_5MoeForCausalLM (Qwen3-VL's, which it imports)"),
     "minimax_m3_vl": TORCHVISION.format("MiniMaxM3SparseForConditionalGeneration"),
-    "minimax_m3_vl_text": (
-        "vLLM names MiniMax-M3's language model MiniMaxM3SparseForCausalLM; the architecture transformers "
-        "saves, MiniMaxM3VLForCausalLM, is not in its registry"
-    ),
 }
 # The families whose quantized exports vLLM runs but the reference cannot hold yet: their rows say why.
 QUANTIZED_NOT_COMPARED = {
