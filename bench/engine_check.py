@@ -83,16 +83,8 @@ FAMILIES = {
     # config's [1, 2] with a step of 2): the releases' moe_layers, as the step places them; and its
     # chunked attention takes chunks of whole KV blocks of 128 (the tiny config's are 8)
     "llama4_text": {**GQA, "moe_layers": [1], "attention_chunk_size": 128},
-    # vLLM runs it through its Transformers backend, whose MoE takes a moe_intermediate_size (which
-    # MiniMax-M3 does not have) for the experts' width: widened by the fields MiniMax-M3 reads
-    "minimax_m3_vl_text": {
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "dense_intermediate_size": 256,
-        "shared_intermediate_size": 128,
-        "head_dim": 32,
-    },
-    # vLLM's CPU Gated DeltaNet (chunk_gated_delta_rule_cpu) takes head sizes that are multiples of 32
+    # vLLM's CPU Gated DeltaNet (chunk_gated_delta_rule_cpu) takes head size 128, the release's (16 and
+    # 32 refused); MXFP8's groups of 32 take a shared expert wider than the tiny one's 48
     "qwen3_next": {
         **GQA,
         "linear_key_head_dim": 128,
@@ -130,6 +122,11 @@ FAMILY_NOT_RUN = {
     ),
     "qwen3_5_moe": TORCHVISION.format("Qwen3_5MoeForConditionalGeneration (Qwen3-VL's)"),
     "qwen3_5_moe_text": TORCHVISION.format("Qwen3_5MoeForCausalLM (Qwen3-VL's, which it imports)"),
+    "minimax_m3_vl_text": (
+        "vLLM's own MiniMax-M3 class is MiniMaxM3SparseForCausalLM; the MiniMaxM3VLForCausalLM transformers "
+        "saves runs through vLLM's Transformers backend, where transformers' block-sparse indexer fails on "
+        "vLLM's flattened batch beyond a few tokens (index 1 is out of bounds for dimension 3 with size 1)"
+    ),
     "minimax_m3_vl": TORCHVISION.format("MiniMaxM3SparseForConditionalGeneration"),
 }
 # The families whose quantized exports vLLM runs but the reference cannot hold yet: their rows say why.
@@ -351,8 +348,9 @@ def run_engine(export: str, result: str) -> dict:
         text=True,
         check=False,
     )
-    if r.returncode:
-        return {"error": (r.stdout + r.stderr).strip().splitlines()[-1]}
+    if r.returncode:  # the last error line vLLM printed, else its last line (a progress bar may follow)
+        lines = (r.stdout + r.stderr).strip().splitlines() or ["(no output)"]
+        return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1])}
     with open(result) as f:
         return json.load(f)
 
