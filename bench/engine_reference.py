@@ -118,6 +118,7 @@ class Module:
     weight: torch.Tensor  # fp32 [out, in]
     inputs: InputQuant | None  # what a quantizing kernel does with the input; None: weights only
     tensor_scale: float = 0.0  # per-tensor FP8's weight_scale
+    bias: torch.Tensor | None = None  # the Linear's bias as stored (GLM-4.5's q/k/v)
 
 
 def fake_quantize(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
@@ -182,6 +183,7 @@ def engine_linear(
     q: InputQuant | None,
     fp8_by_reciprocal: bool = True,
     dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A quantized Linear's output in x's dtype as vLLM's kernel computes it, `q` what the kernel does
     with the input (None: weight-only), `weight` the dequantized fp32 weight. An FP8 W8A8 kernel
@@ -190,28 +192,33 @@ def engine_linear(
     the experts' fp32 GEMMs), scaling the fp32 sum once: both enter unrounded, only the output rounds.
     The others (vLLM's NVFP4 emulation, the weight-only kernels) multiply the input and the weight
     each in bf16 (docs/engine-check.md, "FP8 Linears"). `dtype` float32: the fp32 sum unrounded, as the
-    routed experts' down GEMM leaves it for the router weight (bench/engine_shims.py)."""
+    routed experts' down GEMM leaves it for the router weight (bench/engine_shims.py). A `bias` is added
+    to the sum before that rounding, as torch._scaled_mm and a bf16 matmul add it."""
     dtype = dtype or x.dtype
     if q is not None and q.kind.startswith("fp8"):
-        return torch.nn.functional.linear(quantize_dequantize(x, q, fp8_by_reciprocal), weight).to(dtype)
+        b = None if bias is None else bias.float()
+        return torch.nn.functional.linear(quantize_dequantize(x, q, fp8_by_reciprocal), weight, b).to(dtype)
     xq = x if q is None else fake_quantize(x, q)
     if dtype == torch.float32:
-        return torch.nn.functional.linear(xq.float(), weight.float())
-    return torch.nn.functional.linear(xq, weight.to(x.dtype))
+        return torch.nn.functional.linear(xq.float(), weight.float(), None if bias is None else bias.float())
+    return torch.nn.functional.linear(xq, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def toward_zero_bf16(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x to bf16 by dropping its low 16 bits (rounding toward zero), as vLLM's CPU kernels
-    convert their fp32 results."""
+def engine_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x to bf16 as vLLM's CPU kernels convert their fp32 results: on a CPU with AVX-512 BF16,
+    its conversion instruction (round to nearest even); on the others, by dropping the low 16 bits
+    (rounding toward zero)."""
+    if torch.cpu._is_avx512_bf16_supported():
+        return x.float().to(torch.bfloat16)
     return (x.float().contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The routed experts' activation as vLLM's CPU MoE computes it (its compiled `silu_and_mul`):
-    silu(gate) * up in fp32, rounded toward zero to bf16. transformers rounds silu(gate) and the
-    product each to nearest: half the elements land a bf16 step apart (docs/engine-check.md,
+    silu(gate) * up in fp32, converted to bf16 once (`engine_bf16`). transformers rounds silu(gate)
+    and the product each to nearest: half the elements land a bf16 step apart (docs/engine-check.md,
     "Activations"). vLLM's dense MLPs compute it as transformers does (torch's own ops)."""
-    return toward_zero_bf16(torch.nn.functional.silu(gate.float()) * up.float())
+    return engine_bf16(torch.nn.functional.silu(gate.float()) * up.float())
 
 
 def nvfp4_quantize_dequantize(x: torch.Tensor, global_scale: float) -> torch.Tensor:
@@ -290,6 +297,7 @@ def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, Module]
     requantize_fused_fp8(modules)
     for module, m in modules.items():
         weights[f"{module}.weight"] = m.weight.to(torch.bfloat16)
+        m.bias = tensors.get(f"{module}.bias")
     return weights, modules
 
 

@@ -25,9 +25,10 @@ from engine_shims import SHIMS
 
 
 def decoder_layers(llm) -> list[torch.nn.Module]:
-    """The model's decoder layers, reached in this process (V1 engine without multiprocessing)."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    return list(runner.get_model().model.layers)
+    """The model's decoder layers, reached in this process (V1 engine without multiprocessing); a
+    vision-language model's are its language model's."""
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    return list(getattr(model, "language_model", model).model.layers)
 
 
 def kernels(llm) -> dict[str, str]:
@@ -108,11 +109,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    with open(os.path.join(a.export, "config.json")) as f:
+        config = json.load(f)
     llm = LLM(
         model=a.export,
         dtype="bfloat16",
         enforce_eager=True,
-        skip_tokenizer_init=True,
+        # a vision-language model's multimodal processor is built from the tokenizer (the tiny
+        # checkpoints carry one); the prompts are token ids either way
+        skip_tokenizer_init="vision_config" not in config,
         max_model_len=256,
         max_num_seqs=1,
         gpu_memory_utilization=0.2,

@@ -60,10 +60,15 @@ def experts_in_torch(experts, output, x_TD, topk_weights, topk_ids, activation, 
 def replace_experts_forward(cls, forward) -> None:
     """Let an experts class load on the CPU and run `forward(self, output, hidden_states, w1, w2,
     topk_weights, topk_ids, activation, a1q_scale, a2_scale)` in place of its Triton apply. vLLM calls
-    apply with keywords; what the forward does not take (workspaces, expert metadata) is unused."""
+    apply with keywords; what the forward does not take (workspaces, expert metadata) is unused. A
+    router weight applied on the input (Llama-4's top-1 score scaling the expert's input) is already in
+    hidden_states (vLLM's prepare step multiplies it in before the input quantization), so the
+    forward sums the experts' outputs unweighted, as vLLM's Triton kernel does then."""
 
     def apply(self, *, expert_map, apply_router_weight_on_input, **kw):
-        assert expert_map is None and not apply_router_weight_on_input, "one rank, router weights after w2"
+        assert expert_map is None, "one rank"
+        if apply_router_weight_on_input:
+            kw["topk_weights"] = torch.ones_like(kw["topk_weights"])
         for unused in ("global_num_experts", "workspace13", "workspace2", "expert_tokens_meta"):
             kw.pop(unused)
         forward(self, **kw)
@@ -216,10 +221,37 @@ def fp8_quant_in_torch() -> None:
     ops.scaled_fp8_quant = scaled_fp8_quant
 
 
+def route_sigmoid_as_one_group() -> None:
+    """A sigmoid router without expert groups (MiniMax-M2, MiniMax-M3: sigmoid scores, the correction
+    bias choosing the top-k): vLLM's CPU router runs such a router only through its grouped top-k, and
+    asserts softmax scoring otherwise. A single group is the same routing (the one group always kept,
+    the top-k of every expert): run it through vLLM's own `_grouped_topk` with one group."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    compute = cpu_router.CPURouter._compute_routing
+
+    def compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        if self.use_grouped_topk or self.scoring_func != "sigmoid" or self.custom_routing_function is not None:
+            return compute(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+        return cpu_router._grouped_topk(
+            gating_output=router_logits,
+            topk=self.top_k,
+            renormalize=self.renormalize,
+            num_expert_group=1,
+            topk_group=1,
+            scoring_func=self.scoring_func,
+            routed_scaling_factor=self.routed_scaling_factor,
+            e_score_correction_bias=self.e_score_correction_bias,
+        )
+
+    cpu_router.CPURouter._compute_routing = compute_routing
+
+
 SHIMS = [
     register_emulation_linear_kernels,
     run_nvfp4_emulation_experts_in_torch,
     fp8_quant_in_torch,
     run_triton_experts_in_torch,
     add_int4_emulation_experts,
+    route_sigmoid_as_one_group,
 ]
