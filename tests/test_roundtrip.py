@@ -47,6 +47,7 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "mistral4",
         "minimax_m2",
         "llama4",
+        "deepseek_v4",
     ],
 )
 @pytest.mark.parametrize("shards", [1, 3])

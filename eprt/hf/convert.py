@@ -368,7 +368,7 @@ class ConversionPlanner:
             if problem:
                 raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
-            if not info.dtype.is_floating_point:
+            if not info.dtype.is_floating_point and not spec.table:
                 raise CheckpointError(
                     f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
                     "which is floating point: the file is not this model's checkpoint"

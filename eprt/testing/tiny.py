@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save
 
 from eprt.families import Family, parse_hf_config, reader_for
+from eprt.families.deepseek_v4 import layout as deepseek_v4_layout
 from eprt.layout import Layout, TensorSpec, plain
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import component_names, expand_blocks, matches
@@ -43,6 +44,9 @@ def families() -> list[str]:
 # the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
 # tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
 RELEASED_FUSED = {"llama4", "llama4_text"}
+# the families whose releases spell their plain tensors as the layout's `alias` (DeepSeek-V4's flat
+# names, where eprt names them as transformers saves them)
+RELEASED_ALIASED = {"deepseek_v4"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
 SAME_MODEL_AS = {
@@ -82,10 +86,15 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if re.search(
-        r"\.((mlp|block_sparse_moe)\.gate|feed_forward\.router)\.weight$", name
+        r"\.((mlp|block_sparse_moe|ffn)\.gate|feed_forward\.router)\.weight$", name
     ):  # routers: spread enough that routing is not a tie
         return 0.5 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
+
+
+def expert_table(shape: tuple[int, ...], num_experts: int, g: torch.Generator) -> torch.Tensor:
+    """A hash-routing table [vocab, k] (DeepSeek-V4's tid2eid): k distinct experts per token, int32 as released."""
+    return torch.rand(shape[0], num_experts, generator=g).argsort(-1)[:, : shape[1]].to(torch.int32)
 
 
 def released_shape(spec: TensorSpec) -> tuple[int, ...]:
@@ -178,7 +187,11 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
 
 
 def mtp_layout(hf: dict) -> Layout:
-    """DeepSeek-V3's multi-token-prediction layers: a decoder layer plus its own norms and projection."""
+    """The multi-token-prediction layers (DeepSeek-V3's: a decoder layer plus its own norms and
+    projection; a family that stores them otherwise names them in its layout module, `MTP_LAYOUTS`)."""
+    own = MTP_LAYOUTS.get(hf["model_type"])
+    if own is not None:
+        return own(parse_hf_config(hf, "tiny"))
     n, k = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 0)
     big = parse_hf_config({**hf, "num_hidden_layers": n + k, "num_nextn_predict_layers": 0})
     D, vocab = big.hidden_size, big.vocab_size
@@ -195,6 +208,10 @@ def mtp_layout(hf: dict) -> Layout:
             plain(p + "shared_head.head.weight", vocab, D),
         ]
     return Layout(tuple(specs))
+
+
+# the families whose MTP layers are not DeepSeek-V3's, by model_type: their layout's MTP tensors
+MTP_LAYOUTS = {"deepseek_v4": deepseek_v4_layout.mtp_layout}
 
 
 def make_tiny(
@@ -233,7 +250,10 @@ def make_tiny(
         if fused_experts and spec.fused:
             tensors[spec.fused] = init(spec.fused, spec.fused_shape(), g).to(WEIGHT_DTYPES[dtype])
             continue
-        for src in spec.sources:
+        for src in (spec.alias,) if spec.alias and family in RELEASED_ALIASED else spec.sources:
+            if spec.table:
+                tensors[src] = expert_table(spec.shape, cfg.num_experts, g)
+                continue
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:

@@ -245,11 +245,12 @@ class LayerEngine:
         """The hidden states entering layer 0 (and the passes' own sequences')."""
         decoder, device = self.decoder, self.state.device
         self._assign(self.prefix + "embed_tokens.")
-        hidden = decoder.embed(self.samples[self.calibration.mine].to(device))
+        ids = self.samples[self.calibration.mine].to(device)
+        hidden = decoder.embed(ids)
         for p in self.passes:
             p.begin(lambda ids: decoder.embed(ids.to(device)))
         decoder.embed_tokens.to_empty(device="meta")
-        return LayerState(hidden, [])
+        return LayerState(hidden, [], decoder.first_carried(ids))
 
     def run(
         self, first_layer: int, ls: LayerState, after_layer: Callable[[int, LayerState], None] = _nothing
@@ -417,7 +418,7 @@ class LayerEngine:
             if left is not None:
                 left[li] = newly_carried(context, handed)
             m_TD = m.reshape(T, -1)
-            pending[j] = Pending(s, li, context, carry, m_TD, *moe.route(m_TD))
+            pending[j] = Pending(s, li, context, carry, m_TD, *layer.route(m_TD, context))
 
         for_each(range(len(mine)), lambda: None, dense, self.state.device)
         if moe is None:
