@@ -57,6 +57,10 @@ class DeepseekV4Config(FamilyConfig):
     def residual_streams(self) -> int:
         return self.hc_mult
 
+    def carried_bytes(self, seq_len: int) -> int:
+        """The sequence's token ids (int64), which the hash-routed layers read."""
+        return 8 * seq_len
+
 
 def parse(hf: dict, source: str) -> ModelConfig:
     f = Fields(hf, source)
