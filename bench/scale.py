@@ -1,8 +1,8 @@
-"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's and
-Llama-4 Maverick's real tensor counts and real dims, on any machine.
+"""Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's,
+Llama-4 Maverick's and DeepSeek-V4-Pro's real tensor counts and real dims, on any machine.
 
     python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa
-                           --model minimax_m2 --model minimax_m3 --model llama4_maverick]
+                           --model minimax_m2 --model minimax_m3 --model llama4_maverick --model deepseek_v4_pro]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
@@ -206,6 +206,42 @@ REAL = {
         rope_scaling=None,
         max_position_embeddings=1048576,
     ),
+    # DeepSeek-V4-Pro (1.6T): 61 layers, two heavily compressed ones then CSA and HCA in turn (the
+    # MTP layer's ratio last), the first 3 hash-routed; 4 residual streams
+    "deepseek_v4_pro": dict(
+        model_type="deepseek_v4",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_nextn_predict_layers=1,
+        num_attention_heads=128,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        compress_ratios=[128, 128] + [4 if i % 2 else 128 for i in range(59)] + [0],
+        compress_rate_hca=128,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=1024,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        moe_intermediate_size=3072,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        num_experts_per_tok=6,
+        num_hash_layers=3,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=1048576,
+    ),
 }
 # each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
 # shards: about 5 GB each where the count is not the release's own)
@@ -217,6 +253,7 @@ RELEASE = {
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
+    "deepseek_v4_pro": ("deepseek_v4", {}, 64),  # bf16 under the release's names
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -256,6 +293,20 @@ TINY_DIMS = {
         dense_intermediate_size=48,
         shared_intermediate_size=16,
         sparse_attention_config={"sparse_index_dim": 16},
+        max_position_embeddings=4096,
+    ),
+    "deepseek_v4": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        moe_intermediate_size=32,
         max_position_embeddings=4096,
     ),
     "llama4_text": dict(

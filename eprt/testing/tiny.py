@@ -14,6 +14,7 @@ from eprt.families import Family, parse_hf_config, reader_for
 from eprt.families.deepseek_v4 import layout as deepseek_v4_layout
 from eprt.layout import Layout, TensorSpec, plain
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
+from eprt.storage.deepseek_encodings import encode_fp4
 from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
 
@@ -260,7 +261,10 @@ def make_tiny(
         tensors.update(
             {n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()}
         )
-    if source_format:
+    if source_format == DEEPSEEK_V4:
+        hf["quantization_config"], hf["expert_dtype"] = SOURCE_FORMATS[source_format], "fp4"
+        tensors = encode_deepseek_v4(tensors)
+    elif source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         tensors = encode_source(tensors, hf["quantization_config"])
     names = list(tensors)
@@ -294,6 +298,7 @@ _GROUP32 = {
     "strategy": "group",
     "symmetric": True,
 }
+DEEPSEEK_V4 = "deepseek-v4"
 SOURCE_FORMATS = {
     "int4": {  # Kimi-K2-Thinking, K2.5
         "config_groups": {
@@ -362,12 +367,20 @@ SOURCE_FORMATS = {
         "scale_fmt": "ue8m0",
         "weight_block_size": [1, 32],
     },
+    DEEPSEEK_V4: {  # DeepSeek-V4: the dense Linears FP8, the routed experts FP4, every scale E8M0 (`.scale`)
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
 }
 # How make_tiny stores a family as its release does, where that is not the plain default
 # (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
 RELEASED_AS = {
     "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
     "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
+    "deepseek_v4": {"source_format": DEEPSEEK_V4},
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # DeepSeek-V3.2 its indexer's weights_proj, MiniMax-M3's MXFP8 release its vision tower and projectors.
@@ -400,6 +413,29 @@ def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch
             out.update({f"{module}.{c}": v for c, v in compress_weight(t, qc).items()})
         else:
             out[name] = t
+    return out
+
+
+# DeepSeek-V4's release: the Linears it keeps in bf16 (embedding, head, router, the grouped output
+# projection's first half, the compressors' projections, the indexer's head weights), its FP4 routed experts
+_DEEPSEEK_V4_BF16 = re.compile(r"embed|head|.*\.ffn\.gate|.*\.attn\.wo_a|.*\.compressor\.(wkv|wgate)|.*\.weights_proj")
+_DEEPSEEK_V4_FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]")
+
+
+def encode_deepseek_v4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as DeepSeek-V4's release stores them: each Linear weight `M.weight` it quantizes
+    replaced by its codes and its E8M0 `M.scale` (eprt.storage.deepseek_encodings)."""
+    out = {}
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or t.dim() != 2 or _DEEPSEEK_V4_BF16.fullmatch(module):
+            out[name] = t
+            continue
+        if _DEEPSEEK_V4_FP4.fullmatch(module):
+            out[name], out[f"{module}.scale"] = encode_fp4(t)
+        else:
+            out[name], exponents = quantize_block_fp8(t, (128, 128), e8m0=True)
+            out[f"{module}.scale"] = exponents.view(torch.float8_e8m0fnu)
     return out
 
 
