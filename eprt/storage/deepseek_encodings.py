@@ -51,18 +51,3 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         )
     factor = torch.exp2(e.float() - 127.0).masked_fill(e == 255, float("nan"))
     return (values.unflatten(-1, (-1, FP4_BLOCK)) * factor.unsqueeze(-1)).flatten(-2).to(dtype)
-
-
-def encode_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 packed codes, float8_e8m0fnu scales) of a weight, each 32 of a row scaled by the power
-    of two that takes its amax to at most 6 and rounded to the nearest E2M1 code (ties to the lower
-    code): the release's encoding, for tiny checkpoints and tests."""
-    w = weight.float().unflatten(-1, (-1, FP4_BLOCK))
-    amax = w.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    grid = torch.tensor(E2M1_VALUES[:8])
-    scaled = (w / torch.exp2(exponent)).flatten(-2)
-    codes = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) | ((scaled < 0).long() << 3)
-    pairs = codes.unflatten(-1, (-1, 2))
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, (exponent.squeeze(-1) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)

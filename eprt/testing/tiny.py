@@ -13,8 +13,8 @@ from safetensors.torch import save
 from eprt.families import Family, parse_hf_config, reader_for
 from eprt.families.deepseek_v4 import layout as deepseek_v4_layout
 from eprt.layout import Layout, TensorSpec, plain
+from eprt.quant.formats.mxfp4 import mxfp4_scales, quantize_mxfp4
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
-from eprt.storage.deepseek_encodings import encode_fp4
 from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
 
@@ -431,8 +431,10 @@ def encode_deepseek_v4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         if not name.endswith(".weight") or t.dim() != 2 or _DEEPSEEK_V4_BF16.fullmatch(module):
             out[name] = t
             continue
-        if _DEEPSEEK_V4_FP4.fullmatch(module):
-            out[name], out[f"{module}.scale"] = encode_fp4(t)
+        if _DEEPSEEK_V4_FP4.fullmatch(module):  # MXFP4's codes and scales, in the release's dtypes
+            scales = mxfp4_scales(t.float())
+            out[name] = quantize_mxfp4(t.float(), scales).view(torch.int8)
+            out[f"{module}.scale"] = scales.view(torch.float8_e8m0fnu)
         else:
             out[name], exponents = quantize_block_fp8(t, (128, 128), e8m0=True)
             out[f"{module}.scale"] = exponents.view(torch.float8_e8m0fnu)
