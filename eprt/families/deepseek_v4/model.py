@@ -130,7 +130,8 @@ class Indexer(nn.Module):
         keys = self.compressor(x_BTD, rotary)
         W = keys.shape[1]
         cos, sin = rotary(torch.arange(T, device=x_BTD.device), x_BTD.dtype)
-        q = rotate_trailing(self.wq_b(q_BTR).view(B, T, self.n_heads, -1).transpose(1, 2), cos, sin).transpose(1, 2)
+        q = self.wq_b(q_BTR).view(B, T, self.n_heads, self.head_dim)  # explicit dims: a rank may hold no sequence
+        q = rotate_trailing(q.transpose(1, 2), cos, sin).transpose(1, 2)
         scores = F.relu(q.float() @ keys.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5
         weights = self.weights_proj(x_BTD).float() * self.n_heads**-0.5
         score_BTW = (scores * weights.unsqueeze(-1)).sum(dim=2)
@@ -179,7 +180,7 @@ class V4Attention(nn.Module):
         B, T, _ = x_BTD.shape
         cos, sin = self.rotary(torch.arange(T, device=x_BTD.device), x_BTD.dtype)
         q_BTR = self.q_norm(self.wq_a(x_BTD))
-        q = unweighted_rms(self.wq_b(q_BTR).view(B, T, self.n_heads, -1).transpose(1, 2), self.eps)
+        q = unweighted_rms(self.wq_b(q_BTR).view(B, T, self.n_heads, self.head_dim).transpose(1, 2), self.eps)
         q = rotate_trailing(q, cos, sin)
         kv = rotate_trailing(self.norm(self.wkv(x_BTD))[:, None], cos, sin)  # [B, 1, T, hd]
         t = torch.arange(T, device=x_BTD.device)
@@ -192,9 +193,10 @@ class V4Attention(nn.Module):
             kv = torch.cat([kv, entries[:, None]], dim=2)
             bias = torch.cat([bias, picked.expand(B, 1, T, -1)], dim=-1)
         out = sink_attention(q, kv, bias, self.attn_sink, self.head_dim**-0.5)
-        out = rotate_trailing(out, cos, -sin).transpose(1, 2).reshape(B * T, self.groups, -1)
-        w = self.wo_a.weight.view(self.groups, -1, out.shape[-1]).transpose(1, 2)
-        grouped = torch.bmm(out.transpose(0, 1), w).transpose(0, 1).reshape(B, T, -1)
+        per_group = self.n_heads * self.head_dim // self.groups
+        out = rotate_trailing(out, cos, -sin).transpose(1, 2).reshape(B * T, self.groups, per_group)
+        w = self.wo_a.weight.view(self.groups, -1, per_group).transpose(1, 2)
+        grouped = torch.bmm(out.transpose(0, 1), w).transpose(0, 1).reshape(B, T, self.wo_a.weight.shape[0])
         return self.wo_b(grouped)
 
 
