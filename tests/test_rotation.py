@@ -27,6 +27,7 @@ REFUSED = {
     "kimi_k25": "mm_projector.",
     "minimax_m3_vl": "multi_modal_projector.",
     "llama4": "multi_modal_projector.",
+    "deepseek_v4": "model.hc_head",  # hyper-connections: several residual streams, mixed token by token
 }
 # Llama-4's language model rotates where the VLM's projector keeps it from rotating
 ROTATED = [f for f in FAMILIES if f not in REFUSED] + ["llama4_text"]

@@ -223,7 +223,8 @@ class V4Router(nn.Module):
         self.k, self.scaling, self.hashed = m.num_experts_per_tok, m.routed_scaling_factor, hashed
         self.weight = nn.Parameter(torch.empty(m.num_experts, c.hidden_size))
         if hashed:
-            self.register_buffer("tid2eid", torch.empty(c.vocab_size, m.num_experts_per_tok, dtype=torch.int64))
+            # every token to expert 0 until the checkpoint's table is read (transformers' init)
+            self.register_buffer("tid2eid", torch.zeros(c.vocab_size, m.num_experts_per_tok, dtype=torch.int64))
         else:
             self.bias = nn.Parameter(torch.empty(m.num_experts))
 
