@@ -72,7 +72,7 @@ class StreamSource:
             return f.read(name, rows=(index, index + 1))[0] if index is not None else f.read(name)
         e = t.encoded
         self.planner.probe(e)  # the scheme's decoder, made once
-        decoder = self.planner.decoders[e.scheme]
+        decoder = self.planner.decoders[(e.encoding, e.scheme)]
         w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
         return w[index] if index is not None else w
 
