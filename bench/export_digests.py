@@ -64,6 +64,7 @@ SOURCES = (
     ("mistral4-fp8_tensor", "mistral4", dict(RELEASED_AS["mistral4"])),
     ("minimax_m2-fp8_block", "minimax_m2", dict(source_format="fp8-block", hidden_size=192, intermediate_size=144)),
     ("minimax_m3_vl-mxfp8", "minimax_m3_vl", dict(source_format="mxfp8")),
+    ("deepseek_v4-fp8_fp4", "deepseek_v4", dict(RELEASED_AS["deepseek_v4"])),
 )
 # Each family's wide tiny model: every Linear's input dim a multiple of 128 (the largest group of
 # a format), the tiny config's other sizes kept. The low ranks and head widths that feed a
@@ -89,6 +90,7 @@ WIDER = {
     "minimax_m3_vl": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
     "minimax_m3_vl_text": dict(head_dim=32, dense_intermediate_size=256, shared_intermediate_size=128),
     "llama4": dict(head_dim=32, intermediate_size_mlp=256),  # o_proj reads 4 heads of 32; the dense layers' MLP
+    "deepseek_v4": dict(q_lora_rank=128, o_lora_rank=64),  # wq_b and the indexer's read q; wo_b 2 groups of 64
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

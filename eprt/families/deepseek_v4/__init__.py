@@ -12,17 +12,16 @@ FAMILY = Family(
     config.parse,
     layout.layout,
     model.DeepseekV4ForCausalLM,
-    # what transformers keeps in fp32 (`_keep_in_fp32_modules_strict`) and DeepSeek's release stores
-    # so: the hyper-connections, the sinks, the compressors' position biases, the router's bias and
-    # every norm; the router computes in fp32 (DeepSeek's Gate)
+    # what DeepSeek's release stores in fp32 and its reference computes with in fp32: the
+    # hyper-connections, the sinks, the compressors' position biases and the router's bias. (Its
+    # norms and router weight are stored in the model dtype and computed with in fp32: the model
+    # upcasts them itself, and keeping them in the model dtype keeps AWQ's folds into them exact.)
     fp32=(
         r".*\.hc_(attn|ffn)_(fn|base|scale)",
-        r"model\.hc_head\..+",
+        r"(model\.hc_head\.hc_|hc_head_)(fn|base|scale)",
         r".*\.attn_sink",
         r".*\.ape",
-        r".*\.ffn\.gate\.(weight|bias)",
-        r".*(_norm|\.norm|q_norm)\.weight",
-        r"model\.norm\.weight",
+        r".*\.ffn\.gate\.bias",
     ),
     # The head (`head`, not `lm_head`) and the router, as in every family; DeepSeek's release and
     # reference keep in bf16 the grouped output projection's first half (wo_a, an einsum over its
