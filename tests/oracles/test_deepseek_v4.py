@@ -18,7 +18,10 @@ import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
-from eprt.testing.tiny import tiny_config  # noqa: E402
+from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.quant.run.plan import Planner, RunShape  # noqa: E402
+from eprt.storage.checkpoint import Checkpoint  # noqa: E402
+from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
 from tests.oracles.test_models import record_routing  # noqa: E402
 
 # (config.json overrides of the tiny release config, tokens): each case has every layer kind and
@@ -144,3 +147,17 @@ def test_the_model_holds_exactly_the_layout(tmp_path):
 def test_what_eprt_does_not_run_is_refused_by_name(overrides, named):
     with pytest.raises(ConfigError, match=named):
         parse_hf_config({**tiny_config("deepseek_v4"), **overrides}, "config.json")
+
+
+def test_the_memory_plan_counts_every_residual_stream_and_the_token_ids(tmp_path):
+    """A rank's hidden states hold, per sequence, hc_mult streams of T x D and its T token ids (int64,
+    which the hash layers read): twice the streams, twice the stream bytes."""
+    shape = RunShape(1, 4, 2, num_sequences=64, seq_len=24, step_sequences=8, group_tokens=48)
+    hidden = {}
+    for streams in (2, 4):
+        hf = make_tiny("deepseek_v4", str(tmp_path / f"hf{streams}"), hc_mult=streams)
+        with Checkpoint(convert_hf(hf, str(tmp_path / f"ck{streams}"), progress=False)) as ck:
+            planner = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
+            hidden[streams] = planner.plan(shape, 0).hidden
+    per_stream = 16 * 24 * 64 * 4  # rank 1 of 4 holds 16 of the 64 sequences, fp32
+    assert hidden[2] == 2 * per_stream + 16 * 24 * 8 and hidden[4] - hidden[2] == 2 * per_stream
