@@ -54,6 +54,7 @@ FAMILIES = [
     "minimax_m2",
     "minimax_m3_vl_text",  # MiniMax-M3's language model (the VLM's, spelled as released, is the same model)
     "llama4",
+    "deepseek_v4",
 ]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2 and GLM-5, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
@@ -61,7 +62,8 @@ FAMILIES = [
 # fix-up below cannot find their scales (Qwen3-Next is its text model); MiniMax-M3, whose language
 # model transformers loads only with its experts fused (the export writes them per expert, as vLLM
 # loads quantized experts); Llama-4's VLM, whose experts transformers holds fused and transposed
-# ([E, D, 2I]), which the global-scale fix-up below does not slice. All are checked by
+# ([E, D, 2I]), which the global-scale fix-up below does not slice; DeepSeek-V4, whose tiny indexer's
+# choice of compressed entries, like DeepSeek-V3.2's, flips with a weight's rounding. All are checked by
 # compressed-tensors' own decompression.
 LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "minimax_m2"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]
