@@ -18,10 +18,15 @@ import eprt  # noqa: E402
 from eprt.errors import ConfigError  # noqa: E402
 from eprt.families import parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
+from eprt.hf.export import export_hf  # noqa: E402
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
+from eprt.parallel import ParallelState  # noqa: E402
+from eprt.quant.loop.engine import LayerEngine  # noqa: E402
 from eprt.quant.run.plan import Planner, RunShape  # noqa: E402
+from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402
+from tests.ep_checks import same_files  # noqa: E402
 from tests.oracles.test_models import record_routing  # noqa: E402
 
 # (config.json overrides of the tiny release config, tokens): each case has every layer kind and
@@ -161,3 +166,32 @@ def test_the_memory_plan_counts_every_residual_stream_and_the_token_ids(tmp_path
             hidden[streams] = planner.plan(shape, 0).hidden
     per_stream = 16 * 24 * 64 * 4  # rank 1 of 4 holds 16 of the 64 sequences, fp32
     assert hidden[2] == 2 * per_stream + 16 * 24 * 8 and hidden[4] - hidden[2] == 2 * per_stream
+
+
+def test_a_run_stopped_after_the_hash_layers_resumes_to_the_same_export(tmp_path, monkeypatch):
+    """The token ids ride with the hidden states in the work directory: a run stopped after layer 1
+    (the second layer routes by hash in this config) resumes to the same bytes as a whole run."""
+    hf = make_tiny("deepseek_v4", str(tmp_path / "hf"), num_hash_layers=3)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    state = ParallelState.single("cpu")
+
+    def args(out: str, **kw) -> PTQArgs:
+        return PTQArgs(ck, "nvfp4", out, calib_size=4, seq_len=12, eval_size=0, progress=False, **kw)
+
+    whole, out = str(tmp_path / "whole"), str(tmp_path / "q")
+    run_ptq(state, args(whole))
+    run_layer = LayerEngine.run_layer
+
+    def stopping(self, i, ls, pb):
+        if i == 2:
+            raise RuntimeError("stopped")
+        return run_layer(self, i, ls, pb)
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerEngine, "run_layer", stopping)
+        with pytest.raises(Exception, match="stopped"):
+            run_ptq(state, args(out))
+    assert run_ptq(state, args(out, resume=True))["resumed_after"] == 1
+    for d in (whole, out):
+        export_hf(d, d + "-hf", progress=False)
+    assert same_files(whole + "-hf", out + "-hf")
