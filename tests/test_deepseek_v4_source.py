@@ -6,10 +6,12 @@ FP4 experts re-encoded to NVFP4 value for value under ModelOpt's closed-form cas
 every block kept counted."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from eprt.errors import CheckpointError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -118,3 +120,14 @@ def test_the_fp4_experts_in_nvfp4_are_modelopts_lossless_cast(release, tmp_path)
     record = json.loads((tmp_path / "q" / "eprt.json").read_text())["quantization"]["calibration"]
     blocks = sum(source[f"{m}.scale"].numel() for m in experts)
     assert record["mxfp4_reencoded"] == {"experts_tensors": 8, "blocks": blocks, "kept": blocks}
+
+
+def test_weights_stored_with_a_scale_under_a_config_that_declares_none_are_refused_by_name(release, tmp_path):
+    hf, _ = release
+    bare = tmp_path / "bare"
+    shutil.copytree(hf, bare)
+    config = json.loads((bare / "config.json").read_text())
+    del config["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"with its scale '.*\.scale', but config.json declares no FP8"):
+        convert_hf(str(bare), str(tmp_path / "ck"), progress=False)
