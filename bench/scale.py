@@ -8,7 +8,8 @@ Llama-4 Maverick's and DeepSeek-V4-Pro's real tensor counts and real dims, on an
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
-  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused).
+  experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused;
+  DeepSeek-V4-Pro in FP8 with its FP4 experts, every scale E8M0: 145,051 tensors in 64 shards).
   Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
@@ -253,7 +254,7 @@ RELEASE = {
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
-    "deepseek_v4_pro": ("deepseek_v4", {}, 64),  # bf16 under the release's names
+    "deepseek_v4_pro": ("deepseek_v4", RELEASED_AS["deepseek_v4"], 64),  # FP8 and FP4 experts, E8M0 scales
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
