@@ -6,6 +6,8 @@ pass eprt-check against the source, in the release's names."""
 import pytest
 
 from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.testing.tiny import RELEASED_AS, make_tiny
 from tests.ep_checks import (
     LAYOUTS,
     RECIPES,
@@ -46,3 +48,17 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
         exported = set(read_hf_tensors(ref))
         assert "layers.1.attn.wq_a.weight_scale" in exported and "layers.0.ffn.gate.tid2eid" in exported
         assert {n for n in source if not n.startswith("layers.")} <= exported  # embed, head, norm, hc_head_*, mtp
+
+
+@pytest.mark.timeout(400)
+def test_the_releases_fp8_and_fp4_source_exports_the_same_bytes_at_every_layout(tmp_path):
+    """Each rank reads its experts' FP4 codes and E8M0 scales alone: the NVFP4 export of the encoded
+    source is the same bytes at (2, ep 2) and (4, ep 2) as in one process."""
+    hf = make_tiny(FAMILY, str(tmp_path / "hf"), **RELEASED_AS[FAMILY])
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    out = str(tmp_path / "out")
+    calibrate_every_layout({"release": ck}, out, recipes=[("nvfp4", None, "bf16")], calib_size=6)
+    exports = exports_by_layout(out, "release", "nvfp4")
+    assert check_export(exports["w1-ep1"], hf) == []
+    for layout in LAYOUTS:
+        assert same_files(exports["w1-ep1"], exports[layout]), layout
