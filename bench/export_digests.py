@@ -65,6 +65,7 @@ SOURCES = (
     ("minimax_m2-fp8_block", "minimax_m2", dict(source_format="fp8-block", hidden_size=192, intermediate_size=144)),
     ("minimax_m3_vl-mxfp8", "minimax_m3_vl", dict(source_format="mxfp8")),
     ("gpt_oss-mxfp4", "gpt_oss", dict(RELEASED_AS["gpt_oss"])),
+    ("deepseek_v4-fp8_fp4", "deepseek_v4", dict(RELEASED_AS["deepseek_v4"])),
 )
 # Each family's wide tiny model: every Linear's input dim a multiple of 128 (the largest group of
 # a format), the tiny config's other sizes kept. The low ranks and head widths that feed a
@@ -96,6 +97,7 @@ WIDER = {
     "nemotron_h": NEMOTRON_H,
     "nemotron_h_omni": NEMOTRON_H,
     "gpt_oss": dict(head_dim=32),  # o_proj reads 4 heads of 32
+    "deepseek_v4": dict(q_lora_rank=128, o_lora_rank=64),  # wq_b and the indexer's read q; wo_b 2 groups of 64
 }
 # Mixed recipes of the formats no shipped recipe mixes: routed experts in one, attention (and
 # shared experts) in another, the rest unquantized; every data-free format in one of them.

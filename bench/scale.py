@@ -1,16 +1,18 @@
 """Scale without the weights: Kimi-K2's, DeepSeek-V3's, Mistral-Small-4's, GLM-5's, MiniMax-M2's, MiniMax-M3's,
-Llama-4 Maverick's, Nemotron-3 Ultra's and GPT-OSS-120B's real tensor counts and real dims, on any machine.
+Llama-4 Maverick's, Nemotron-3 Ultra's, GPT-OSS-120B's and DeepSeek-V4-Pro's real tensor counts and real
+dims, on any machine.
 
     python bench/scale.py [--model kimi_k2 --model deepseek_v3 --model mistral4 --model glm_moe_dsa
                            --model minimax_m2 --model minimax_m3 --model llama4_maverick
-                           --model nemotron3_ultra --model gpt_oss_120b]
+                           --model nemotron3_ultra --model gpt_oss_120b --model deepseek_v4_pro]
                           [--worlds 8 16] [--seq-len 2048] [--calib-size 64]
 
 Two checkpoints per model, neither holding weight bytes worth the name:
 - real counts: the model's layers, experts and MTP layers at tiny dims, encoded as released (Kimi-K2 and
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
   experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused;
-  GPT-OSS-120B's experts in OpenAI's MXFP4, fused).
+  GPT-OSS-120B's experts in OpenAI's MXFP4, fused; DeepSeek-V4-Pro in FP8 with its FP4 experts, every
+  scale E8M0: 145,051 tensors in 64 shards).
   Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the
@@ -253,6 +255,42 @@ REAL = {
         sliding_window=128,
         max_position_embeddings=131072,
     ),
+    # DeepSeek-V4-Pro (1.6T): 61 layers, two heavily compressed ones then CSA and HCA in turn (the
+    # MTP layer's ratio last), the first 3 hash-routed; 4 residual streams
+    "deepseek_v4_pro": dict(
+        model_type="deepseek_v4",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_nextn_predict_layers=1,
+        num_attention_heads=128,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        compress_ratios=[128, 128] + [4 if i % 2 else 128 for i in range(59)] + [0],
+        compress_rate_hca=128,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=1024,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        moe_intermediate_size=3072,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        num_experts_per_tok=6,
+        num_hash_layers=3,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=1048576,
+    ),
 }
 # each model's release: (the eprt family of its tiny config, how make_tiny stores it as released, its
 # shards: about 5 GB each where the count is not the release's own)
@@ -266,6 +304,7 @@ RELEASE = {
     "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
     "nemotron3_ultra": ("nemotron_h", {}, 110),  # bf16 (its NVFP4 release is ModelOpt's own export)
     "gpt_oss_120b": ("gpt_oss", RELEASED_AS["gpt_oss"], 15),
+    "deepseek_v4_pro": ("deepseek_v4", RELEASED_AS["deepseek_v4"], 64),  # FP8 and FP4 experts, E8M0 scales
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -320,6 +359,20 @@ TINY_DIMS = {
         moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=64,
         moe_latent_size=32,
+        max_position_embeddings=4096,
+    ),
+    "deepseek_v4": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        moe_intermediate_size=32,
         max_position_embeddings=4096,
     ),
     "llama4_text": dict(

@@ -192,6 +192,12 @@ class FamilyConfig:
         plan adds it to each sequence run side by side); `itemsize` is the activations' bytes."""
         return 0
 
+    def residual_streams(self) -> int:
+        """How many residual streams of the hidden size a layer reads and writes (DeepSeek-V4's
+        hyper-connections keep several): the hidden state a sequence holds between layers is
+        [T, streams, hidden] where more than one, [T, hidden] where one."""
+        return 1
+
     def carried_bytes(self, seq_len: int) -> int:
         """The most bytes a sequence of `seq_len` tokens holds, at once, of what its layers leave for
         later ones (eprt.models.decoder.LayerContext.carried), for the memory plan."""
@@ -282,6 +288,16 @@ class ModelConfig:
         """The width the routed experts read and write: the hidden size, or a family's own
         (Kimi-K3's latent, `FamilyConfig.routed_width`)."""
         return (self.own.routed_width() if self.own else None) or self.hidden_size
+
+    @property
+    def residual_streams(self) -> int:
+        """FamilyConfig.residual_streams: 1 but where a family keeps several."""
+        return self.own.residual_streams() if self.own else 1
+
+    @property
+    def streams_shape(self) -> tuple[int, ...]:
+        """The dims of the hidden state between a token's and the hidden size: (streams,) or ()."""
+        return (self.residual_streams,) if self.residual_streams > 1 else ()
 
     @property
     def rotary_dim(self) -> int:

@@ -46,6 +46,9 @@ class TensorSpec:
     # the `interleaved` pieces of each row (gate, up) alternating element by element along dim 1.
     transposed: bool = False
     interleaved: int = 1
+    # An integer lookup table (DeepSeek-V4's token-to-expert `tid2eid`): kept in the source's
+    # integer dtype through convert, the run and export, never cast nor quantized.
+    table: bool = False
 
     def source_shape(self) -> tuple[int, ...]:
         if not self.stacked:
@@ -180,6 +183,13 @@ class ClampedSwiGLU:
     limit: float = 7.0
 
 
+@dataclass(frozen=True)
+class SwiGLULimit:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): DeepSeek-V4's SwiGLU, bounded."""
+
+    limit: float
+
+
 # The stacked projections' eprt names: (their place among a module's two, 0 the one its input goes
 # through and 1 down; how many projections each expert's row holds end to end). The one spelling.
 EXPERT_LEAVES = {"w13": (0, 2), "w1": (0, 1), "w2": (1, 1)}
@@ -189,12 +199,12 @@ EXPERT_LEAVES = {"w13": (0, 2), "w1": (0, 1), "w2": (1, 1)}
 class ExpertPieces:
     """What a family's routed experts are made of: gated (down(act(gate x, up x))) or not
     (down(act(up x))), a bias on each projection or none, and the activation, by name ("silu":
-    silu(gate) * up; "relu2": relu(up)^2) or as a `ClampedSwiGLU`. The model resolves the
+    silu(gate) * up; "relu2": relu(up)^2) or as a `ClampedSwiGLU` or a `SwiGLULimit`. The model resolves the
     activation (eprt.models.moe); the stacked tensors are named by `leaves`."""
 
     gated: bool = True
     bias: bool = False
-    activation: str | ClampedSwiGLU = "silu"
+    activation: str | ClampedSwiGLU | SwiGLULimit = "silu"
 
     @property
     def leaves(self) -> tuple[str, str]:
@@ -282,8 +292,8 @@ def stacked_experts(
     return specs
 
 
-def plain(name: str, *shape: int) -> TensorSpec:
-    return TensorSpec(name, tuple(shape), (name,))
+def plain(name: str, *shape: int, alias: str | None = None) -> TensorSpec:
+    return TensorSpec(name, tuple(shape), (name,), alias=alias)
 
 
 def gated_mlp(prefix: str, hidden: int, width: int, alias: str | None = None) -> list[TensorSpec]:

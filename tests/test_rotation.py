@@ -29,6 +29,7 @@ REFUSED = {
     "llama4": "multi_modal_projector.",
     "nemotron_h": "mtp.layers.",  # its multi-token-prediction layers carried through untouched
     "nemotron_h_omni": "mtp.layers.",
+    "deepseek_v4": "model.hc_head",  # hyper-connections: several residual streams, mixed token by token
 }
 # Llama-4's language model rotates where the VLM's projector keeps it from rotating
 ROTATED = [f for f in FAMILIES if f not in REFUSED] + ["llama4_text"]

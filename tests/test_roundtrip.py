@@ -50,6 +50,7 @@ def assert_same_checkpoint(src: str, out: str) -> None:
         "nemotron_h",
         "nemotron_h_omni",
         "gpt_oss",
+        "deepseek_v4",
     ],
 )
 @pytest.mark.parametrize("shards", [1, 3])

@@ -18,6 +18,7 @@ from eprt.config import ModelConfig
 from eprt.errors import ConfigError
 from eprt.families import (
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     glm4_moe,
     glm_moe_dsa,
@@ -62,6 +63,7 @@ FAMILIES: tuple[Family, ...] = (
     nemotron_h.FAMILY,
     nemotron_h.OMNI_FAMILY,
     gpt_oss.FAMILY,
+    deepseek_v4.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
 

@@ -23,8 +23,9 @@ from eprt.layout import Layout
 from eprt.storage.hf_files import CONFIG
 
 KV_COMPANIONS = ("k_proj.k_scale", "v_proj.v_scale")  # under an attention module (compressed-tensors: k_scale, v_scale)
-# A source Linear stored encoded (compressed-tensors, block or per-tensor FP8) is exported decoded, as `weight`.
-ENCODED_MARKERS = ("weight_packed", "weight_scale_inv")
+# A source Linear stored encoded (compressed-tensors, block or per-tensor FP8, DeepSeek-V4's FP8 and FP4
+# with their E8M0 `scale`) is exported decoded, as `weight`.
+ENCODED_MARKERS = ("weight_packed", "weight_scale_inv", "scale")
 ENCODED_PARTS = (
     "weight_packed",
     "weight_scale",
@@ -33,6 +34,7 @@ ENCODED_PARTS = (
     "weight_zero_point",
     "weight_global_scale",
     "activation_scale",  # per-tensor FP8 with static activations
+    "scale",  # DeepSeek-V4's
 )
 # Fused experts stored in per-tensor FP8 (a parameter P, not a module's weight): P's parts beside it.
 FUSED_ENCODED_PARTS = ("_scale_inv", "_activation_scale")

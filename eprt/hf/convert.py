@@ -146,6 +146,7 @@ def encoded_modules(src: HFSource, quant: encodings.SourceQuantization | None) -
             )
         key = weight[: -len(".weight")] if leaf == "weight_scale_inv" else weight
         out[key] = Encoded(encoding, FP8_SCHEME, parts, weight)
+    out.update(deepseek_scaled(src, quant))
     if quant is None:
         return out
     if quant.method == MXFP4_BLOCKS:
@@ -203,6 +204,34 @@ def mxfp4_blocks(src: HFSource, out: dict[str, Encoded]) -> dict[str, Encoded]:
         if parts["scales"] not in names:
             raise CheckpointError(f"{f.path}: MXFP4 tensor {name!r} has no {parts['scales']!r} beside it")
         out[weight] = Encoded(MXFP4_BLOCKS, MXFP4_BLOCKS, parts, weight)
+
+
+# DeepSeek-V4's encodings by the dtype of the weight beside a `M.scale` (eprt.storage.deepseek_encodings)
+DEEPSEEK_WEIGHTS = {torch.float8_e4m3fn: encodings.DEEPSEEK_FP8, torch.int8: encodings.DEEPSEEK_FP4}
+
+
+def deepseek_scaled(src: HFSource, quant: encodings.SourceQuantization | None) -> dict[str, Encoded]:
+    """The modules DeepSeek-V4's release stores as `M.weight` (FP8, or FP4 packed in int8) with an
+    E8M0 `M.scale`; a `scale` beside any other weight is no encoding's."""
+    out = {}
+    for name, (f, meta) in src.tensors.items():
+        module, _, leaf = name.rpartition(".")
+        weight = f"{module}.weight"
+        if leaf != "scale" or weight not in src.tensors:
+            continue
+        encoding = DEEPSEEK_WEIGHTS.get(src.tensors[weight][1].dtype)
+        if encoding is None:
+            continue
+        if quant is None or quant.method != "fp8":
+            raise CheckpointError(
+                f"{f.path}: {weight!r} is stored {src.tensors[weight][1].dtype} with its scale {name!r}, but "
+                "config.json declares no FP8 quantization_config (quant_method fp8), as DeepSeek-V4's release does"
+            )
+        if meta.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+            raise CheckpointError(
+                f"{f.path}: {name!r} is {meta.dtype}, not the E8M0 scale (float8_e8m0fnu) of {weight!r}"
+            )
+        out[module] = Encoded(encoding, FP8_SCHEME, {"weight": weight, "scale": name}, weight)
     return out
 
 
@@ -309,7 +338,7 @@ class ConversionPlanner:
     ):
         self.src, self.layout, self.dtype, self.where, self.quant = src, layout, dtype, where, quant
         self.encoded = encoded_modules(src, quant)
-        self.decoders: dict[str, object] = {}
+        self.decoders: dict[tuple[str, str], object] = {}
         self.probed: dict[tuple, tuple[torch.dtype, tuple[int, ...]]] = {}
 
     def schemes(self, planned: list[Planned]) -> dict[str, dict]:
@@ -398,7 +427,7 @@ class ConversionPlanner:
             if problem:
                 raise CheckpointError(f"{f.path}: tensor {s!r} {problem}")
             self.refuse_unscaled_fp8(s)
-            if not info.dtype.is_floating_point:
+            if not info.dtype.is_floating_point and not spec.table:
                 raise CheckpointError(
                     f"{f.path}: tensor {s!r} is {info.dtype}, but it is a weight of the model, "
                     "which is floating point: the file is not this model's checkpoint"
@@ -460,10 +489,11 @@ class ConversionPlanner:
         infos = {c: self.src.tensors[n] for c, n in e.components.items()}
         key = (e.encoding, e.scheme, tuple((c, i.dtype, i.shape) for c, (_, i) in infos.items()))
         if key not in self.probed:
-            if e.scheme not in self.decoders:
-                self.decoders[e.scheme] = encodings.decoder(e.encoding, self.scheme(e), self.quant.where)
+            kind = (e.encoding, e.scheme)  # one scheme may hold several encodings (DeepSeek-V4's FP8 and FP4)
+            if kind not in self.decoders:
+                self.decoders[kind] = encodings.decoder(e.encoding, self.scheme(e), self.quant.where)
             try:
-                w = self.decoders[e.scheme].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
+                w = self.decoders[kind].decode({c: f.read(e.components[c]) for c, (f, _) in infos.items()})
             except (ValueError, RuntimeError, IndexError, KeyError, CheckpointError) as err:
                 module = next(iter(e.components.values())).rpartition(".")[0]
                 raise CheckpointError(

@@ -95,7 +95,8 @@ def place_tensors(
         module, _, attr = name[len(prefix) :].rpartition(".")
         owner = model.get_submodule(module)
         t = read[name] if read is not None else rc.read(name, getattr(owner, attr), device)
-        t = t.to(device=device, dtype=rc.run_dtype(name))
+        # an integer table (eprt.layout.TensorSpec.table) runs in its own dtype
+        t = t.to(device=device, dtype=rc.run_dtype(name) if t.is_floating_point() else t.dtype)
         owner.load_state_dict({attr: t}, strict=False, assign=True)
         placed += t.numel() * t.element_size()
     return placed

@@ -131,6 +131,11 @@ class DecoderLayer(nn.Module):
             x = self.run_block(k, x, ctx)
         return self.block_input(last, x, ctx)
 
+    def route(self, m_TD: torch.Tensor, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed block's `route` of its input rows `m_TD` (one sequence's, in `ctx`): a layer
+        whose router reads more of the sequence than its input (token ids) passes it on."""
+        return self.routed.route(m_TD)
+
     def after_routed(self, carry: Carry, y: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """The layer's output from `before_routed`'s carry and the routed block's output `y`."""
         return self.leave(len(self.blocks) - 1, carry, y, ctx)
@@ -169,7 +174,7 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
-        ctx = self.context(input_ids.shape[1], x.dtype, x.device, [])
+        ctx = self.context(input_ids.shape[1], x.dtype, x.device, [], self.first_carried(input_ids))
         for layer in self.layers:
             x = layer(x, ctx)
         return self.final(x, ctx.snapshots)
@@ -177,6 +182,11 @@ class Decoder(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states entering layer 0."""
         return self.embed_tokens(input_ids)
+
+    def first_carried(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the layers read of the sequences `input_ids` [B, T] besides their embedding, in the
+        context's `carried` from layer 0 on (DeepSeek-V4's hash routing reads the token ids): nothing."""
+        return {}
 
     def final(self, x: torch.Tensor, snapshots: list[torch.Tensor]) -> torch.Tensor:
         """The decoder's output from the last layer's hidden states (and the snapshots): what the

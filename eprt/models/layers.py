@@ -78,6 +78,17 @@ class ClampedSwiGLUAct:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+class SiLUMulLimit:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): DeepSeek-V4's bounded SwiGLU, routed and
+    shared experts alike (eprt.layout.SwiGLULimit holds its knob)."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+
 class SiTU:
     """Kimi-K3's gated activation, in fp32 and cast back:
     [b tanh(gate / b) sigmoid(gate)] * [bl tanh(up / bl)] (up unbounded when bl is None)."""

@@ -13,9 +13,9 @@ from torch import nn
 
 from eprt.errors import ConfigError
 from eprt.kernels import combine, grouped_mm, permute, unit_act, unit_mlp
-from eprt.layout import GATED_SILU, ClampedSwiGLU, ExpertPieces
+from eprt.layout import GATED_SILU, ClampedSwiGLU, ExpertPieces, SwiGLULimit
 from eprt.models.balance import Balance, BalanceGroup, Unbalanced
-from eprt.models.layers import ClampedSwiGLUAct, GatedMLP, Linear, RMSNorm, relu2, silu_mul
+from eprt.models.layers import ClampedSwiGLUAct, GatedMLP, Linear, RMSNorm, SiLUMulLimit, relu2, silu_mul
 from eprt.models.taps import ExpertsTaps
 from eprt.parallel.placement import ExpertPlacement
 
@@ -30,6 +30,8 @@ def expert_activation(pieces: ExpertPieces):
     a = pieces.activation
     if isinstance(a, ClampedSwiGLU) and pieces.gated:
         return ClampedSwiGLUAct(a.alpha, a.limit)
+    if isinstance(a, SwiGLULimit) and pieces.gated:
+        return SiLUMulLimit(a.limit)
     found = {("silu", True): silu_mul, ("relu2", False): relu2}.get((a, pieces.gated))
     if found is None:
         raise ConfigError(f"routed experts: no {'gated' if pieces.gated else 'ungated'} activation {a!r} in eprt")

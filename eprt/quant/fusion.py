@@ -23,12 +23,13 @@ FUSED_ON_LOAD = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "w13": ("w1", "w3"),  # DeepSeek-V4's shared expert, its gate and up under DeepSeek's names
 }
 # Linears that read one input and share input_scale and the per-tensor weight scale in a format
-# that shares them (NVFP4's weight_scale_2): the fused ones, and gate/up of a routed expert as an
-# export names them apart (w1/w3; gate_proj/up_proj are above), which the fused MoE loads as one gate/up weight
+# that shares them (NVFP4's weight_scale_2): the fused ones, among them gate/up of a routed expert as an
+# export names them apart (gate_proj/up_proj, or w1/w3), which the fused MoE loads as one gate/up weight
 # with gate's weight scale.
-SAME_INPUT = (*FUSED_ON_LOAD.values(), ("w1", "w3"))
+SAME_INPUT = tuple(FUSED_ON_LOAD.values())
 
 
 def fused_members(leaf: str) -> tuple[str, ...]:

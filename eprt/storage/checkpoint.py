@@ -282,7 +282,7 @@ class Checkpoint:
         self.base = open_base(path, m["base"]) if "base" in m else None
         self.tensors = {**(self.base.tensors if self.base else {}), **own}
         self._files: dict[str, SafetensorsFile] = {}
-        self._decoders: dict[str, object] = {}
+        self._decoders: dict[tuple[str, str], object] = {}
         # threads may read side by side (the export's CPU workers): files and decoders open once
         self._opening = threading.Lock()
         # each own weight file's pin, taken as it was opened for reading: what a run computed from
@@ -408,11 +408,10 @@ class Checkpoint:
         if name not in self._own:
             return self.base.decoder(name)
         with self._opening:
-            if t.scheme not in self._decoders:
-                self._decoders[t.scheme] = encodings.decoder(
-                    t.encoding, self.schemes[t.scheme], f"{self.path} ({name})"
-                )
-            return self._decoders[t.scheme]
+            kind = (t.encoding, t.scheme)  # one scheme may hold several encodings (DeepSeek-V4's FP8 and FP4)
+            if kind not in self._decoders:
+                self._decoders[kind] = encodings.decoder(t.encoding, self.schemes[t.scheme], f"{self.path} ({name})")
+            return self._decoders[kind]
 
     def _decode(self, t: TensorMeta, a: int, b: int, sliced: bool, device=None) -> torch.Tensor:
         dec = self.decoder(t.name)

@@ -33,11 +33,15 @@ import torch
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.storage import source_decoders
+from eprt.storage.deepseek_encodings import DeepSeekFP4, e8m0_exponents
 from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, MxFp4Blocks
 
 RAW = "raw"
 FP8_BLOCK = "fp8-block"
 FP8_TENSOR = "fp8-tensor"
+# DeepSeek-V4's release: FP8 and FP4 weights with an E8M0 `scale` (eprt.storage.deepseek_encodings)
+DEEPSEEK_FP8 = "deepseek-fp8"
+DEEPSEEK_FP4 = "deepseek-fp4"
 CT = "compressed-tensors"
 CT_PREFIX = CT + "/"
 MIN_VERSION = (0, 20)  # the classmethod compressor API: get_value_from_registry, decompress(state_dict, scheme)
@@ -85,7 +89,7 @@ MIXED_FORMAT = "mixed-precision"
 
 def is_known(encoding) -> bool:
     return isinstance(encoding, str) and (
-        encoding in (RAW, FP8_BLOCK, FP8_TENSOR, MXFP4_BLOCKS)
+        encoding in (RAW, FP8_BLOCK, FP8_TENSOR, MXFP4_BLOCKS, DEEPSEEK_FP8, DEEPSEEK_FP4)
         or source_decoders.registered(encoding) is not None
         or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
     )
@@ -244,6 +248,18 @@ class BlockFP8:
         return dequantize_block_fp8(c["weight"], c["weight_scale_inv"], self.block)
 
 
+class DeepSeekFP8(BlockFP8):
+    """DeepSeek-V4's block FP8: `weight` float8_e4m3fn, `scale` an E8M0 (float8_e8m0fnu) per 128x128 block."""
+
+    components = ("weight", "scale")
+
+    def __init__(self):
+        self.block = (128, 128)
+
+    def decode(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_block_fp8(c["weight"], e8m0_exponents(c["scale"]), self.block)
+
+
 class TensorFP8:
     """Per-tensor FP8: `weight` float8_e4m3fn, `weight_scale_inv` fp32 of one value per weight (or
     per equal span of its rows), and under static activations its `activation_scale`, carried."""
@@ -358,6 +374,10 @@ def decoder(encoding: str, scheme: dict, where: str):
         return TensorFP8(scheme)
     if encoding == MXFP4_BLOCKS:
         return MxFp4Blocks(scheme)
+    if encoding == DEEPSEEK_FP8:
+        return DeepSeekFP8()
+    if encoding == DEEPSEEK_FP4:
+        return DeepSeekFP4()
     if encoding.startswith(CT_PREFIX):
         return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
     entry = source_decoders.registered(encoding)

@@ -29,6 +29,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's scales
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,

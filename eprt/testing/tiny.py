@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save
 
 from eprt.families import Family, parse_hf_config, reader_for
+from eprt.families.deepseek_v4 import layout as deepseek_v4_layout
 from eprt.families.nemotron_h import layout as nemotron_h
 from eprt.layout import EXPERT_LEAVES, Layout, TensorSpec, plain
 from eprt.quant.formats.mxfp4 import mxfp4_scales, quantize_mxfp4
@@ -45,6 +46,9 @@ def families() -> list[str]:
 # the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
 # tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
 RELEASED_FUSED = {"llama4", "llama4_text", "gpt_oss"}
+# the families whose releases spell their plain tensors as the layout's `alias` (DeepSeek-V4's flat
+# names, where eprt names them as transformers saves them)
+RELEASED_ALIASED = {"deepseek_v4"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
 SAME_MODEL_AS = {
@@ -84,10 +88,15 @@ def init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     if len(shape) == 1:  # norms
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if re.search(
-        r"\.((mlp|block_sparse_moe|mixer)\.gate|feed_forward\.router)\.weight$", name
+        r"\.((mlp|block_sparse_moe|mixer|ffn)\.gate|feed_forward\.router)\.weight$", name
     ):  # routers: spread enough that routing is not a tie
         return 0.5 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g) * (5.0 if "embed_tokens" in name else 1.0)
+
+
+def expert_table(shape: tuple[int, ...], num_experts: int, g: torch.Generator) -> torch.Tensor:
+    """A hash-routing table [vocab, k] (DeepSeek-V4's tid2eid): k distinct experts per token, int32 as released."""
+    return torch.rand(shape[0], num_experts, generator=g).argsort(-1)[:, : shape[1]].to(torch.int32)
 
 
 def released_shape(spec: TensorSpec) -> tuple[int, ...]:
@@ -195,7 +204,11 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
 
 
 def mtp_layout(hf: dict) -> Layout:
-    """DeepSeek-V3's multi-token-prediction layers: a decoder layer plus its own norms and projection."""
+    """The multi-token-prediction layers (DeepSeek-V3's: a decoder layer plus its own norms and
+    projection; a family that stores them otherwise names them in its layout module, `MTP_LAYOUTS`)."""
+    own = MTP_LAYOUTS.get(hf["model_type"])
+    if own is not None:
+        return own(parse_hf_config(hf, "tiny"))
     n, k = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 0)
     big = parse_hf_config({**hf, "num_hidden_layers": n + k, "num_nextn_predict_layers": 0})
     D, vocab = big.hidden_size, big.vocab_size
@@ -219,6 +232,8 @@ CARRIED_MTP = {
     "nemotron_h": nemotron_h.mtp_layers,
     "nemotron_h_omni": lambda c: nemotron_h.mtp_layers(c, "language_model."),
 }
+# the families whose MTP layers are not DeepSeek-V3's, by model_type: their layout's MTP tensors
+MTP_LAYOUTS = {"deepseek_v4": deepseek_v4_layout.mtp_layout}
 
 
 def make_tiny(
@@ -260,14 +275,20 @@ def make_tiny(
         if fused_experts and spec.fused:
             tensors[spec.fused] = init(spec.fused, spec.fused_shape(), g).to(WEIGHT_DTYPES[dtype])
             continue
-        for src in spec.sources:
+        for src in (spec.alias,) if spec.alias and family in RELEASED_ALIASED else spec.sources:
+            if spec.table:
+                tensors[src] = expert_table(spec.shape, cfg.num_experts, g)
+                continue
             t = init(src, released_shape(spec), g)
             tensors[src] = t if stored_fp32(fam, src) else t.to(WEIGHT_DTYPES[dtype])
     if "vision_config" in hf:
         tensors.update(
             {n: t.to(WEIGHT_DTYPES[dtype]) for n, t in vision_tensors(cfg.hidden_size, g, cfg.model_type).items()}
         )
-    if source_format:
+    if source_format == DEEPSEEK_V4:
+        hf["quantization_config"], hf["expert_dtype"] = SOURCE_FORMATS[source_format], "fp4"
+        tensors = encode_deepseek_v4(tensors)
+    elif source_format:
         hf["quantization_config"] = SOURCE_FORMATS[source_format]
         if hf["quantization_config"]["quant_method"] == "mxfp4":
             tensors = encode_mxfp4_blocks(tensors, specs)
@@ -304,6 +325,7 @@ _GROUP32 = {
     "strategy": "group",
     "symmetric": True,
 }
+DEEPSEEK_V4 = "deepseek-v4"
 SOURCE_FORMATS = {
     "int4": {  # Kimi-K2-Thinking, K2.5
         "config_groups": {
@@ -381,6 +403,13 @@ SOURCE_FORMATS = {
         "scale_fmt": "ue8m0",
         "weight_block_size": [1, 32],
     },
+    DEEPSEEK_V4: {  # DeepSeek-V4: the dense Linears FP8, the routed experts FP4, every scale E8M0 (`.scale`)
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
 }
 # How make_tiny stores a family as its release does, where that is not the plain default
 # (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
@@ -388,6 +417,7 @@ RELEASED_AS = {
     "gpt_oss": {"source_format": "mxfp4-blocks"},
     "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
     "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
+    "deepseek_v4": {"source_format": DEEPSEEK_V4},
 }
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # DeepSeek-V3.2 its indexer's weights_proj, MiniMax-M3's MXFP8 release its vision tower and projectors.
@@ -436,6 +466,31 @@ def encode_mxfp4_blocks(tensors: dict[str, torch.Tensor], specs: list[TensorSpec
         scales = mxfp4_scales(w)
         out[f"{spec.fused}_blocks"] = quantize_mxfp4(w, scales).view(*w.shape[:-1], -1, 16)
         out[f"{spec.fused}_scales"] = scales
+    return out
+
+
+# DeepSeek-V4's release: the Linears it keeps in bf16 (embedding, head, router, the grouped output
+# projection's first half, the compressors' projections, the indexer's head weights), its FP4 routed experts
+_DEEPSEEK_V4_BF16 = re.compile(r"embed|head|.*\.ffn\.gate|.*\.attn\.wo_a|.*\.compressor\.(wkv|wgate)|.*\.weights_proj")
+_DEEPSEEK_V4_FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]")
+
+
+def encode_deepseek_v4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as DeepSeek-V4's release stores them: each Linear weight `M.weight` it quantizes
+    replaced by its codes and its E8M0 `M.scale` (eprt.storage.deepseek_encodings)."""
+    out = {}
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or t.dim() != 2 or _DEEPSEEK_V4_BF16.fullmatch(module):
+            out[name] = t
+            continue
+        if _DEEPSEEK_V4_FP4.fullmatch(module):  # MXFP4's codes and scales, in the release's dtypes
+            scales = mxfp4_scales(t.float())
+            out[name] = quantize_mxfp4(t.float(), scales).view(torch.int8)
+            out[f"{module}.scale"] = scales.view(torch.float8_e8m0fnu)
+        else:
+            out[name], exponents = quantize_block_fp8(t, (128, 128), e8m0=True)
+            out[f"{module}.scale"] = exponents.view(torch.float8_e8m0fnu)
     return out
 
 

@@ -56,6 +56,7 @@ FAMILIES = [
     "llama4",
     "nemotron_h",
     "gpt_oss",
+    "deepseek_v4",
 ]
 # transformers' logits as the oracle, not for: the tiny DeepSeek-V3.2 and GLM-5, whose indexer's top-k key
 # choice flips with a weight's bf16 rounding; Qwen3.5-MoE, whose causal LM names its modules apart
@@ -64,7 +65,8 @@ FAMILIES = [
 # model transformers loads only with its experts fused (the export writes them per expert, as vLLM
 # loads quantized experts); Llama-4's VLM, whose experts transformers holds fused and transposed
 # ([E, D, 2I]), which the global-scale fix-up below does not slice; GPT-OSS, whose experts transformers
-# holds fused, transposed and interleaved alike. All are checked by
+# holds fused, transposed and interleaved alike; DeepSeek-V4, whose tiny indexer's choice of compressed
+# entries, like DeepSeek-V3.2's, flips with a weight's rounding. All are checked by
 # compressed-tensors' own decompression.
 LOGIT_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "minimax_m2"]
 RECIPES = ["fp8", "nvfp4", "nvfp4_experts_fp8_attention"]

@@ -87,7 +87,7 @@ class StreamSource:
         components alone where each leads with them (a batched decoder's fused experts)."""
         e = t.encoded
         self.planner.probe(e)  # the scheme's decoder, made once
-        decoder = self.planner.decoders[e.scheme]
+        decoder = self.planner.decoders[(e.encoding, e.scheme)]
         if rows is None or not getattr(decoder, "batched", False):
             w = decoder.decode({c: self.src.tensors[n][0].read(n) for c, n in e.components.items()})
             return w[rows[0] : rows[1]] if rows is not None else w

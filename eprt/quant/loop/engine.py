@@ -177,8 +177,9 @@ class Pass:
         """The most steps of its own sequences it runs in a layer and counts (`LayerWork.count_step`)."""
         return 0
 
-    def begin(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Before layer 0 (not on a resume): `embed(ids [n, T])` -> the hidden states entering it."""
+    def begin(self, embed: Callable[[torch.Tensor], LayerState]) -> None:
+        """Before layer 0 (not on a resume): `embed(ids [n, T])` -> the layer state entering it (the
+        hidden states, and what the layers read of the tokens: eprt.models.decoder.Decoder.first_carried)."""
 
     def observe(self, layer: LayerWork) -> contextlib.AbstractContextManager[None]:
         """The statistics run happens inside this context."""
@@ -245,11 +246,16 @@ class LayerEngine:
         """The hidden states entering layer 0 (and the passes' own sequences')."""
         decoder, device = self.decoder, self.state.device
         self._assign(self.prefix + "embed_tokens.")
-        hidden = decoder.embed(self.samples[self.calibration.mine].to(device))
+
+        def entering(ids: torch.Tensor) -> LayerState:
+            ids = ids.to(device)
+            return LayerState(decoder.embed(ids), [], decoder.first_carried(ids))
+
+        ls = entering(self.samples[self.calibration.mine])
         for p in self.passes:
-            p.begin(lambda ids: decoder.embed(ids.to(device)))
+            p.begin(entering)
         decoder.embed_tokens.to_empty(device="meta")
-        return LayerState(hidden, [])
+        return ls
 
     def run(
         self, first_layer: int, ls: LayerState, after_layer: Callable[[int, LayerState], None] = _nothing
@@ -417,7 +423,7 @@ class LayerEngine:
             if left is not None:
                 left[li] = newly_carried(context, handed)
             m_TD = m.reshape(T, -1)
-            pending[j] = Pending(s, li, context, carry, m_TD, *moe.route(m_TD))
+            pending[j] = Pending(s, li, context, carry, m_TD, *layer.route(m_TD, context))
 
         for_each(range(len(mine)), lambda: None, dense, self.state.device)
         if moe is None:

@@ -230,11 +230,18 @@ def probe_time(
     counted = engine.steps_per_layer // schedule.num_steps  # runs of the calibration sequences a layer takes
     probe = share.schedule  # PROBE_STEPS steps of this rank's share
 
-    def hidden(n: int) -> torch.Tensor:
-        return torch.randn(n, T, D, dtype=rc.dtype, device=device)
+    def entering(n: int, snapshots: int = 0) -> LayerState:
+        """A layer state of n random sequences: hidden states (and snapshots), and what the layers
+        read of the tokens (eprt.models.decoder.Decoder.first_carried) of random token ids."""
+
+        def hidden() -> torch.Tensor:
+            return torch.randn(n, T, *rc.ck.config.streams_shape, D, dtype=rc.dtype, device=device)
+
+        ids = torch.randint(rc.ck.config.vocab_size, (n, T), device=device)
+        return LayerState(hidden(), [hidden() for _ in range(snapshots)], engine.decoder.first_carried(ids))
 
     if quality is not None:
-        quality.begin(lambda ids: hidden(ids.shape[0]))
+        quality.begin(lambda ids: entering(ids.shape[0]))
     times = {}
     with torch.inference_mode(), cpu_threads(device):
         decoder_kinds = [k for k in kinds if k.name != "MTP"]
@@ -244,7 +251,7 @@ def probe_time(
                 engine = fresh()
                 engine.calibration = share.sequences(state, probe, K)
                 clock = StepClock()
-                ls = LayerState(hidden(probe.num_sequences), [hidden(probe.num_sequences) for _ in snapshots(rc, i)])
+                ls = entering(probe.num_sequences, len(snapshots(rc, i)))
                 start = time.perf_counter()
                 engine.run_layer(i, ls, clock)
                 total = time.perf_counter() - start
@@ -319,6 +326,7 @@ def estimate_time(
     save_s = None
     if count and work_dir is not None:
         share = RankShare(shape, PROBE_STEPS).schedule.num_sequences
-        sample = torch.randn(share, shape.seq_len, rc.ck.config.hidden_size, dtype=rc.dtype, device=state.device)
+        c = rc.ck.config
+        sample = torch.randn(share, shape.seq_len, *c.streams_shape, c.hidden_size, dtype=rc.dtype, device=state.device)
         save_s = save_seconds(work_dir, sample, save_bytes)
     return TimeEstimate(estimate.device, estimate.kinds, exchange, steps if exchange else 0, save_s, count)

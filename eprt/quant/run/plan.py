@@ -415,7 +415,7 @@ class Planner:
         c, b = self.ck.config, self.dtype.itemsize
         rank, world, ep = shape.rank, shape.world, shape.ep
         D, T = c.hidden_size, shape.seq_len
-        per_sequence = T * D * b + self._carried(T)
+        per_sequence = T * c.residual_streams * D * b + self._carried(T)
         hidden = len(own_sequences(shape.num_sequences, rank, world)) * per_sequence
         layer, reading, copied = self._layer(ep)
         step = self._step(

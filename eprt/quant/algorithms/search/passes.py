@@ -62,7 +62,7 @@ class FormatErrors(Pass):
         return (1 + runs) * self.sequences.schedule.num_steps
 
     def begin(self, embed) -> None:
-        self.stream = LayerState(embed(self.samples[self.sequences.mine]), [])
+        self.stream = embed(self.samples[self.sequences.mine])
 
     def _through(self, layer: LayerWork) -> LayerState:
         """The stream through the layer as it stands now, into a copy."""

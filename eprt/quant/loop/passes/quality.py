@@ -73,7 +73,7 @@ class QualityStreams(Pass):
 
     def begin(self, embed) -> None:
         held = embed(self.report.eval_ids[self.sequences.mine])
-        self.ref, self.quant = LayerState(held, []), LayerState(held.clone(), [])
+        self.ref, self.quant = held, held.copy()
 
     def measure_router_flips(self) -> None:
         """Count the router choices AWQ's folds change (the run folds each layer after `reference`)."""
