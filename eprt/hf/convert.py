@@ -204,6 +204,7 @@ def mxfp4_blocks(src: HFSource, out: dict[str, Encoded]) -> dict[str, Encoded]:
         if parts["scales"] not in names:
             raise CheckpointError(f"{f.path}: MXFP4 tensor {name!r} has no {parts['scales']!r} beside it")
         out[weight] = Encoded(MXFP4_BLOCKS, MXFP4_BLOCKS, parts, weight)
+    return out
 
 
 # DeepSeek-V4's encodings by the dtype of the weight beside a `M.scale` (eprt.storage.deepseek_encodings)
