@@ -23,14 +23,15 @@ from eprt.quant.algorithms.registry import GPTQParams, params_of, steps
 from eprt.quant.calibrated import DENSE_FILE
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS, Rule, parse_recipe
-from eprt.quant.run.plan import Planner
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
 
 SIZES = {"calib_size": 6, "seq_len": 16, "eval_size": 0}
-# the plan's own term of each algorithm that holds memory of its own (eprt.quant.run.plan.MemoryPlan)
-OWN_TERM = {"gptq": "gptq", "awq": "awq"}
+# the algorithms that hold memory of their own (a term of the plan: eprt.quant.run.memory_plan.AlgorithmTerm)
+# and keep a state a layer boundary saves
+OWN_TERM = {"gptq", "awq"}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,8 @@ def test_the_dry_run_plans_the_memory_the_run_plans(ck, tmp_path, monkeypatch, a
     run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "q"), algorithm))
     dry, run = (dataclasses.replace(p, baseline=0) for p in plans)  # the process's size is measured when planned
     assert dry == run
-    own = {OWN_TERM[a] for a in steps(algorithm) if a in OWN_TERM}
-    assert {t for t in OWN_TERM.values() if getattr(run, t)} == own
+    own = {a for a in steps(algorithm) if a in OWN_TERM}
+    assert {t.name for t in run.algorithms if t.held} == own
 
 
 def stopped_after_layer_1(monkeypatch):

@@ -24,7 +24,7 @@ from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.run.plan import Planner
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint

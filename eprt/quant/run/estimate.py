@@ -11,7 +11,8 @@ the run reads it (from the checkpoint, source encodings decoded, copied to the d
 time, from this first, cold read), then its weights are set at random (the checkpoint's bytes are read
 again only where the run itself reads them again: GPTQ's and the scales' original weights), and it runs
 through the run's own program's passes (eprt.quant.algorithms.program) over PROBE_STEPS steps of this rank's share
-(eprt.quant.run.probe_share: its routed experts, its sequences of a step), once to warm up (kernels
+(eprt.quant.run.probe_share: its routed experts, its sequences of a step; a run of fewer steps probed whole, so
+what a layer does once over all its sequences, AWQ's search, is timed over the run's count), once to warm up (kernels
 compiled, caches made) and once timed. Within each run of the timed layer the steps after its first give
 the step time; the rest of the layer's time is its own. The token exchange between the ranks, which a
 single process does not make, is timed apart: the bytes one step sends each way, by the same
@@ -33,13 +34,14 @@ import torch
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import Program
+from eprt.quant.algorithms.registry import option_default, option_flags, run_options
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import LayerEngine, cpu_threads
 from eprt.quant.loop.passes.mtp import MTPLayers
 from eprt.quant.loop.passes.quality import QualityStreams
 from eprt.quant.loop.sequences import LayerState
 from eprt.quant.quality import QualityReport
-from eprt.quant.run.plan import RunShape
+from eprt.quant.run.memory_plan import RunShape
 from eprt.quant.run.probe_share import RankShare
 from eprt.quant.run.save_time import save_seconds, saves
 
@@ -198,6 +200,7 @@ def probe_time(
         quality = QualityStreams(state, report, share.eval_schedule)
         quality.sequences = share.sequences(state, share.eval_schedule, K)
     samples = torch.zeros(shape.num_sequences, T, dtype=torch.int64)
+    options = run_options({field: option_default(field) for field in option_flags()}, probed=True)
     read_s: list[float] = []  # every probe engine's reads, in turn
 
     def fresh() -> ProbeEngine:
@@ -205,7 +208,7 @@ def probe_time(
         (AWQ's folds) is not the timed run's to find already done."""
         run = program.start(rc, share.held(rc.ck.config.num_experts)[0])
         # every expert a probe step reaches is solved, as a run's many tokens reach them all
-        run.begin(state, cal, tokens=shape.num_sequences * T, min_tokens=1, expert_stack=expert_stack)
+        run.begin(state, cal, tokens=shape.num_sequences * T, options=options, expert_stack=expert_stack)
         passes = run.passes(cal, quality=quality)
         engine = ProbeEngine(state, run.rc, samples, passes, schedule=schedule, progress=False, share=share)
         engine.read_s = read_s
@@ -216,7 +219,8 @@ def probe_time(
     mtp_runs = 1 + sum(p.calibration_runs for p in passes if p.covers_mtp)
     kinds = layer_kinds(engine, mtp_runs)
     counted = engine.steps_per_layer // schedule.num_steps  # runs of the calibration sequences a layer takes
-    probe = share.schedule  # PROBE_STEPS steps of this rank's share
+    probe = share.schedule  # at most PROBE_STEPS steps of this rank's share
+    S = probe.num_steps
 
     def hidden(n: int) -> torch.Tensor:
         return torch.randn(n, T, D, dtype=rc.dtype, device=device)
@@ -237,9 +241,10 @@ def probe_time(
                 engine.run_layer(i, ls, clock)
                 total = time.perf_counter() - start
             cold_read_s = read_s[-2]
-            runs = [clock.ticks[r * PROBE_STEPS : (r + 1) * PROBE_STEPS] for r in range(counted)]
-            step_s = sum((run[-1] - run[0]) / (PROBE_STEPS - 1) for run in runs)  # one schedule step, every run
-            layer_s = max(0.0, total - read_s[-1] - PROBE_STEPS * step_s)
+            runs = [clock.ticks[r * S : (r + 1) * S] for r in range(counted)]
+            # one schedule step, every run; a probe of one step (a run of one) is all the layer's own time
+            step_s = sum((run[-1] - run[0]) / (S - 1) for run in runs) if S > 1 else 0.0
+            layer_s = max(0.0, total - read_s[-1] - S * step_s)
             times[kind.name] = (step_s / counted, layer_s, cold_read_s)
     out = [KindTime(k, *times[k.name]) for k in decoder_kinds]
     # an MTP layer is an MoE decoder layer with its input projection: timed as the first MoE kind

@@ -34,7 +34,7 @@ from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
-from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS, params_of
+from eprt.quant.algorithms.registry import GPTQRunOptions, params_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.scales import EXPERT_PIECES, Scales, as_quantized
@@ -43,7 +43,7 @@ from eprt.storage.checkpoint import Checkpoint
 ALGORITHM = "gptq"
 # Routed experts solved together: the column sweep's Python loop runs once per stack, not per
 # expert; each comes out as if alone (eprt.quant.algorithms.gptq.solve.gptq), so the stack size changes no bit. The
-# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.plan), up to
+# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.planner), up to
 # this many: beyond it the loop's share of the solve is already small.
 MOST_EXPERTS_STACKED = 16
 
@@ -129,7 +129,7 @@ class GPTQRun:
         targets: list[str],
         *,
         tokens: int,
-        min_tokens: int = GPTQ_MIN_TOKENS,
+        min_tokens: int = GPTQRunOptions.min_tokens,
         expert_stack: int = MOST_EXPERTS_STACKED,
     ):
         self.state, self.rc, self.recipe = state, rc, recipe
