@@ -10,7 +10,8 @@ A run asks each algorithm its recipe runs, in the registry's order (balances bef
   probe of the time estimate runs as the run does, so the estimate has its time terms;
 - `saved(state)` and `restore(state, tensors)`: what a layer boundary saves for --resume, in the
   work dir's `NAME-LAYER.safetensors` (eprt.quant.run.workdir), and gives back;
-- `record(state)`: what the calibrated checkpoint records of it (eprt.quant.calibrated);
+- `record(state)`: its part of the calibrated checkpoint's record (eprt.quant.calibrated.RecordPart, whose
+  class the registry names, so that the export reads it back);
 - `apply(state, model, rc, experts)`: what it decided, set into a whole model (the preview's);
 - `summary(state, ctx)`: what it adds to the calibration summary (with, where the registry's entry names
   them, the quality report's per-expert lists: eprt.quant.algorithms.registry.Entry.expert_notes).
@@ -27,6 +28,7 @@ from torch import nn
 
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.calibrated import RecordPart
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import Pass
 from eprt.quant.recipe import Recipe
@@ -79,9 +81,9 @@ class Algorithm:
     def restore(self, state, tensors: dict[str, torch.Tensor]) -> None:
         pass
 
-    def record(self, state) -> dict:
-        """Its part of the calibration record: eprt.quant.calibrated.write_calibrated's keywords."""
-        return {}
+    def record(self, state) -> RecordPart | None:
+        """Its part of the calibration record (its tensors, by names its module gives them); None: none."""
+        return None
 
     def apply(
         self, state, model: nn.Module, rc: ResolvedCheckpoint, experts: tuple[int, int] | None, device

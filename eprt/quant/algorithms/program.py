@@ -129,8 +129,10 @@ class ProgramRun:
         )
 
     def record(self) -> dict:
-        """The algorithms' parts of the calibration record (eprt.quant.calibrated.write_calibrated's keywords)."""
-        return {k: v for s, st in self._kept() for k, v in s.algorithm.record(st).items()}
+        """The algorithms' parts of the calibration record, in the registry's order, the order their
+        tensors are written (eprt.quant.calibrated.write_calibrated's keywords)."""
+        parts = {s.name: s.algorithm.record(st) for s, st in self._kept()}
+        return {"parts": {name: parts[name] for name in ALGORITHMS if parts.get(name) is not None}}
 
     def apply(self, model: nn.Module, rc: ResolvedCheckpoint, experts: tuple[int, int] | None, device) -> set[str]:
         """What every algorithm decided, set into `model` (loaded from `rc` before they ran, holding

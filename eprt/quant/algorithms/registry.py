@@ -66,6 +66,8 @@ class Entry(NamedTuple):
     # the quality report's per-expert lists it fills (eprt.quant.run.expert_coverage): report key -> its
     # summary entry of {experts module: global expert ids}
     expert_notes: tuple[tuple[str, str], ...] = ()
+    # "module:Class" of its part of the calibration record (eprt.quant.calibrated.RecordPart); "" for none
+    record: str = ""
 
 
 ALGORITHMS: dict[str, Entry] = {
@@ -82,8 +84,16 @@ ALGORITHMS: dict[str, Entry] = {
             follows=("awq",),
             options=GPTQRunOptions,
             expert_notes=(("gptq_max_rounding", "gptq_skipped_experts"),),
+            record="eprt.quant.algorithms.gptq.record:GPTQRecord",
         ),
-        Entry("awq", BALANCE, False, None, "eprt.quant.algorithms.awq.algorithm:AWQAlgorithm"),
+        Entry(
+            "awq",
+            BALANCE,
+            False,
+            None,
+            "eprt.quant.algorithms.awq.algorithm:AWQAlgorithm",
+            record="eprt.quant.algorithms.awq.folds:Folds",
+        ),
     )
 }
 DEFAULT = "max"  # a balance alone rounds as this does; a rule that names nothing takes it
@@ -119,8 +129,18 @@ def rounding(sequence: str) -> str:
 
 def object_of(name: str):
     """The registered object of algorithm `name`, imported on first use."""
-    module, _, attr = ALGORITHMS[name].home.partition(":")
-    return getattr(importlib.import_module(module), attr)()
+    return imported(ALGORITHMS[name].home)()
+
+
+def imported(home: str):
+    module, _, attr = home.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def record_parts() -> dict[str, type]:
+    """The classes of the algorithms' parts of the calibration record, by algorithm, in the order
+    their tensors are written (the registry's)."""
+    return {e.name: imported(e.record) for e in ALGORITHMS.values() if e.record}
 
 
 Params = tuple[tuple[str, tuple[tuple[str, object], ...]], ...]  # ((algorithm, ((field, value), ...)), ...)

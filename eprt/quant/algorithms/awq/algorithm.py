@@ -42,8 +42,8 @@ class AWQAlgorithm(Algorithm):
     def restore(self, folds: Folds, tensors: dict[str, torch.Tensor]) -> None:
         folds.load(tensors)
 
-    def record(self, folds: Folds) -> dict:
-        return {"folds": folds}
+    def record(self, folds: Folds) -> Folds:
+        return folds
 
     def apply(self, folds: Folds, model: nn.Module, rc: ResolvedCheckpoint, experts, device) -> set[str]:
         """The folded tensors read into `model` again through the run's view (`rc`); the fake

@@ -14,6 +14,7 @@ from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.algorithms.gptq.layer import ALGORITHM, GPTQRun
 from eprt.quant.algorithms.gptq.passes import GPTQ
 from eprt.quant.algorithms.gptq.plan import GPTQMemory
+from eprt.quant.algorithms.gptq.record import GPTQRecord
 from eprt.quant.loop.engine import Pass
 
 
@@ -43,8 +44,8 @@ class GPTQAlgorithm(Algorithm):
     def restore(self, run: GPTQRun, tensors: dict[str, torch.Tensor]) -> None:
         run.results.load(tensors)
 
-    def record(self, run: GPTQRun) -> dict:
-        return {"gptq": run.results}
+    def record(self, run: GPTQRun) -> GPTQRecord:
+        return GPTQRecord(run.results.dense, run.results.experts)
 
     def apply(self, run: GPTQRun, model: nn.Module, rc: ResolvedCheckpoint, experts, device) -> set[str]:
         return run.results.apply(model, rc.ck, run.formats, experts[0] if experts else 0)
