@@ -166,7 +166,7 @@ CALIBRATION_SETTINGS = (
     "chunk_size",
     "dtype",
     "calibrate_all_experts",
-    "gptq_min_tokens",
+    *option_flags(),  # each algorithm's run options
     "work_dir",
     "resume",
     "save_every",
