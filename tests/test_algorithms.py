@@ -19,10 +19,12 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.registry import ALGORITHMS as REGISTERED
-from eprt.quant.algorithms.registry import GPTQParams, params_of, steps
+from eprt.quant.algorithms.registry import GPTQParams, GPTQRunOptions, option_flags, params_of, steps
 from eprt.quant.calibrated import DENSE_FILE
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS, Rule, parse_recipe
+from eprt.quant.run.args import CALIBRATION_SETTINGS
+from eprt.quant.run.fingerprint import OPTIONS
 from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
@@ -181,3 +183,19 @@ def test_a_rules_parameters_reach_its_algorithm(ck, tmp_path):
     codes = lambda name: {n: t for n, t in written[name].items() if n.endswith(".gptq_weight")}  # noqa: E731
     assert codes("plain") and all(torch.equal(t, codes("default")[n]) for n, t in codes("plain").items())
     assert any(not torch.equal(t, codes("damped")[n]) for n, t in codes("plain").items())
+
+
+def test_an_algorithms_run_option_is_a_flag_the_run_fingerprints(ck, tmp_path, monkeypatch):
+    """GPTQ's --gptq-min-tokens, declared by its registry entry: a PTQArgs field with the option's
+    default, a calibration setting, and part of what a saved layer boundary is resumed under."""
+    assert option_flags() == {"gptq_min_tokens": "--gptq-min-tokens"}
+    assert PTQArgs.__dataclass_fields__["gptq_min_tokens"].default == GPTQRunOptions().min_tokens
+    assert "gptq_min_tokens" in CALIBRATION_SETTINGS and OPTIONS["gptq_min_tokens"] == "--gptq-min-tokens"
+    state, out = ParallelState.single("cpu"), str(tmp_path / "q")
+    with monkeypatch.context() as m:
+        stopped_after_layer_1(m)
+        with pytest.raises(Exception, match="stopped"):
+            run_ptq(state, args(ck, out, "gptq"))
+    with pytest.raises(Exception, match=r"--gptq-min-tokens \(128, now 1\)"):
+        run_ptq(state, args(ck, out, "gptq", resume=True, gptq_min_tokens=1))
+    assert run_ptq(state, args(ck, out, "gptq", resume=True))["resumed_after"] == 1
