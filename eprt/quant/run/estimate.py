@@ -14,7 +14,9 @@ through the run's own program's passes (eprt.quant.algorithms.program) over PROB
 (eprt.quant.run.probe_share: its routed experts, its sequences of a step; a run of fewer steps probed whole, so
 what a layer does once over all its sequences, AWQ's search, is timed over the run's count), once to warm up (kernels
 compiled, caches made) and once timed. Within each run of the timed layer the steps after its first give
-the step time; the rest of the layer's time is its own. The token exchange between the ranks, which a
+the step time; the rest of the layer's time is its own, but for what a pass does once over every
+calibration sequence (Pass.per_sequence_work: AWQ's search), timed apart and scaled from the probe's
+sequences to the rank's in the run. The token exchange between the ranks, which a
 single process does not make, is timed apart: the bytes one step sends each way, by the same
 collectives, on the run's own process group. Saving a layer boundary to the work directory
 (eprt.quant.run.workdir) is timed by writing the probe's hidden states there, durably, and counted at the
@@ -65,10 +67,13 @@ class KindTime:
     step_s: float  # one counted step on one rank
     layer_s: float  # one layer's work besides its steps, on one rank
     read_s: float = 0.0  # reading this rank's share of one layer: from disk, decoded, to the device
+    # one layer's own work that grows with the calibration sequences (Pass.per_sequence_work: AWQ's
+    # search), at the run's count of this rank's sequences
+    sequences_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s + self.read_s)
+        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s + self.read_s + self.sequences_s)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ class TimeEstimate:
         """'about 12 min 30 s (its terms)': the dry run prints it."""
         terms = [
             f"{len(k.kind.layers)} {k.kind.name} x ({k.kind.steps} steps x {k.step_s:.3g} s + {k.layer_s:.3g} s"
-            f" + reading {k.read_s:.3g} s)"
+            + (f" + over the sequences {k.sequences_s:.3g} s" if k.sequences_s else "")
+            + f" + reading {k.read_s:.3g} s)"
             for k in self.kinds
         ]
         if self.exchange_steps:
@@ -227,6 +233,8 @@ def probe_time(
 
     if quality is not None:
         quality.begin(lambda ids: hidden(ids.shape[0]))
+    # the run's sequences on this rank over the probe's: what a layer does once over each is scaled by it
+    scale = math.ceil(shape.num_sequences / shape.world) / probe.num_sequences
     times = {}
     with torch.inference_mode(), cpu_threads(device):
         decoder_kinds = [k for k in kinds if k.name != "MTP"]
@@ -236,6 +244,7 @@ def probe_time(
                 engine = fresh()
                 engine.calibration = share.sequences(state, probe, K)
                 clock = StepClock()
+                per_sequence = timed_references(engine.passes, clock)
                 ls = LayerState(hidden(probe.num_sequences), [hidden(probe.num_sequences) for _ in snapshots(rc, i)])
                 start = time.perf_counter()
                 engine.run_layer(i, ls, clock)
@@ -244,13 +253,32 @@ def probe_time(
             runs = [clock.ticks[r * S : (r + 1) * S] for r in range(counted)]
             # one schedule step, every run; a probe of one step (a run of one) is all the layer's own time
             step_s = sum((run[-1] - run[0]) / (S - 1) for run in runs) if S > 1 else 0.0
-            layer_s = max(0.0, total - read_s[-1] - S * step_s)
-            times[kind.name] = (step_s / counted, layer_s, cold_read_s)
+            # the per-sequence work: its references' time less the counted steps they ran
+            own = sum(max(0.0, seconds - ticks * step_s / counted) for seconds, ticks in per_sequence)
+            layer_s = max(0.0, total - read_s[-1] - S * step_s - own)
+            times[kind.name] = (step_s / counted, layer_s, cold_read_s, own * scale)
     out = [KindTime(k, *times[k.name]) for k in decoder_kinds]
     # an MTP layer is an MoE decoder layer with its input projection: timed as the first MoE kind
     moe_time = next((times[k.name] for k in decoder_kinds if k.moe), None)
+    if moe_time and not any(p.per_sequence_work and p.covers_mtp for p in passes):
+        moe_time = (*moe_time[:3], 0.0)
     out += [KindTime(k, *moe_time) for k in kinds if k.name == "MTP" and moe_time]
     return TimeEstimate(device.type, tuple(out))
+
+
+def timed_references(passes: list, clock: StepClock) -> list[tuple[float, int]]:
+    """The `reference` of each pass whose own work grows with the sequences (Pass.per_sequence_work),
+    timed: each call's (seconds, the counted steps it ran), in the list returned."""
+    out: list[tuple[float, int]] = []
+    for p in (p for p in passes if p.per_sequence_work):
+
+        def timed(layer, reference=p.reference) -> None:
+            start, ticks = time.perf_counter(), len(clock.ticks)
+            reference(layer)
+            out.append((time.perf_counter() - start, len(clock.ticks) - ticks))
+
+        p.reference = timed
+    return out
 
 
 def snapshots(rc: ResolvedCheckpoint, i: int) -> range:
