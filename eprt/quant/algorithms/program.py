@@ -72,6 +72,7 @@ class Program:
 
 
 def memory_of(step: Step, targets: list[str], device, rc: ResolvedCheckpoint, model: nn.Module):
+    """Step's algorithm's memory, as the planner asks it of its checkpoint and meta model."""
     return step.algorithm.memory(rc, model, targets, step.modules, device)
 
 

@@ -211,8 +211,8 @@ def option_flags() -> dict[str, str]:
 
 def option_default(field: str):
     """The default of run option `field` (a key of option_flags)."""
-    name, _, key = field.partition("_")
-    return getattr(ALGORITHMS[name].options(), key)
+    entry = next(e for e in ALGORITHMS.values() if e.options and field.startswith(f"{e.name}_"))
+    return getattr(entry.options(), field.removeprefix(f"{entry.name}_"))
 
 
 def run_options(values: dict, probed: bool = False) -> dict[str, object]:
