@@ -37,7 +37,7 @@ from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.algorithms.program import program_of  # noqa: E402
 from eprt.quant.run.estimate import estimate_time  # noqa: E402
-from eprt.quant.run.plan import MemoryPlan  # noqa: E402
+from eprt.quant.run.memory_plan import MemoryPlan  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.quant.run.setup import (  # noqa: E402
     plan_recipe,

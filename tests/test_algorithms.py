@@ -19,18 +19,21 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.registry import ALGORITHMS as REGISTERED
-from eprt.quant.algorithms.registry import GPTQParams, params_of, steps
+from eprt.quant.algorithms.registry import GPTQParams, GPTQRunOptions, option_flags, params_of, steps
 from eprt.quant.calibrated import DENSE_FILE
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS, Rule, parse_recipe
-from eprt.quant.run.plan import Planner
+from eprt.quant.run.args import CALIBRATION_SETTINGS
+from eprt.quant.run.fingerprint import OPTIONS
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
 from tests.ep_checks import same_files
 
 SIZES = {"calib_size": 6, "seq_len": 16, "eval_size": 0}
-# the plan's own term of each algorithm that holds memory of its own (eprt.quant.run.plan.MemoryPlan)
-OWN_TERM = {"gptq": "gptq", "awq": "awq"}
+# the algorithms that hold memory of their own (a term of the plan: eprt.quant.run.memory_plan.AlgorithmTerm)
+# and keep a state a layer boundary saves
+OWN_TERM = {"gptq", "awq"}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,8 @@ def test_the_dry_run_plans_the_memory_the_run_plans(ck, tmp_path, monkeypatch, a
     run_ptq(ParallelState.single("cpu"), args(ck, str(tmp_path / "q"), algorithm))
     dry, run = (dataclasses.replace(p, baseline=0) for p in plans)  # the process's size is measured when planned
     assert dry == run
-    own = {OWN_TERM[a] for a in steps(algorithm) if a in OWN_TERM}
-    assert {t for t in OWN_TERM.values() if getattr(run, t)} == own
+    own = {a for a in steps(algorithm) if a in OWN_TERM}
+    assert {t.name for t in run.algorithms if t.held} == own
 
 
 def stopped_after_layer_1(monkeypatch):
@@ -180,3 +183,19 @@ def test_a_rules_parameters_reach_its_algorithm(ck, tmp_path):
     codes = lambda name: {n: t for n, t in written[name].items() if n.endswith(".gptq_weight")}  # noqa: E731
     assert codes("plain") and all(torch.equal(t, codes("default")[n]) for n, t in codes("plain").items())
     assert any(not torch.equal(t, codes("damped")[n]) for n, t in codes("plain").items())
+
+
+def test_an_algorithms_run_option_is_a_flag_the_run_fingerprints(ck, tmp_path, monkeypatch):
+    """GPTQ's --gptq-min-tokens, declared by its registry entry: a PTQArgs field with the option's
+    default, a calibration setting, and part of what a saved layer boundary is resumed under."""
+    assert option_flags() == {"gptq_min_tokens": "--gptq-min-tokens"}
+    assert PTQArgs.__dataclass_fields__["gptq_min_tokens"].default == GPTQRunOptions().min_tokens
+    assert "gptq_min_tokens" in CALIBRATION_SETTINGS and OPTIONS["gptq_min_tokens"] == "--gptq-min-tokens"
+    state, out = ParallelState.single("cpu"), str(tmp_path / "q")
+    with monkeypatch.context() as m:
+        stopped_after_layer_1(m)
+        with pytest.raises(Exception, match="stopped"):
+            run_ptq(state, args(ck, out, "gptq"))
+    with pytest.raises(Exception, match=r"--gptq-min-tokens \(128, now 1\)"):
+        run_ptq(state, args(ck, out, "gptq", resume=True, gptq_min_tokens=1))
+    assert run_ptq(state, args(ck, out, "gptq", resume=True))["resumed_after"] == 1

@@ -23,7 +23,6 @@ from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.layers import silu_mul
 from eprt.models.moe import MoE
 from eprt.parallel import ParallelState
-from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.formats import weight_format
 from eprt.quant.loop.calibrate import Calibrator
@@ -257,15 +256,14 @@ def test_awq_calibrates_the_folded_experts_on_every_token(awq_run):
     single = ParallelState.single("cpu")
     with Checkpoint(out) as q:
         record = CalibrationRecord.read(q)
-        folded_model = load_parallel(
-            ResolvedCheckpoint.of(FoldedCheckpoint(q, record.read_folds(q)), torch.float32), single
-        )
+        folded_model = load_parallel(ResolvedCheckpoint.of(record.view(q), torch.float32), single)
         folded = every_expert_amax(folded_model, samples)
         num_experts, recipe = q.config.num_experts, parse_recipe(q.quantization["recipe"], out)
     before = every_expert_amax(eprt.load_model(ck, dtype=torch.float32), samples)
 
     assert record.expert_input_amax.keys() == folded.keys() == before.keys() == {FOLDED, KEPT}
-    assert any(n.startswith(FOLDED) for n in record.folds) and not any(n.startswith(KEPT) for n in record.folds)
+    folds = record.parts["awq"].tensors()
+    assert any(n.startswith(FOLDED) for n in folds) and not any(n.startswith(KEPT) for n in folds)
     # AWQ folded layer 0's experts' input and activation: the amax before the folds are not these
     assert not torch.allclose(folded[FOLDED][0], before[FOLDED][0], rtol=1e-3)
     assert not torch.allclose(folded[FOLDED][1], before[FOLDED][1], rtol=1e-3)

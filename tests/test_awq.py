@@ -238,7 +238,8 @@ def assert_clips_held_per_rank(whole: str, shared: str, ck: str) -> None:
         rc = ResolvedCheckpoint.of(c, torch.bfloat16)
         recipe, targets = plan_recipe(rc, "nvfp4", "fp8", "awq+gptq")
         planner = program_of(recipe, targets).planner(rc, torch.device("cpu"))
-    planned = awq_bytes(planner.awq, 0, 0, 24, 2, 2)[2]
+    awq = next(m for m in planner.algorithms if m.name == "awq")
+    planned = awq_bytes(awq.layers, 0, 0, 24, 2, 2)[2]
     assert planned == sum(t.nbytes for f in clips[:2] for t in f.values())
 
 

@@ -10,7 +10,8 @@ import torch
 from eprt.hf.convert import convert_hf
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.run.device_terms import ALLOCATOR_RESERVE, CUBLAS_WORKSPACES, CUDA_CONTEXT, NCCL_PER_PEER
-from eprt.quant.run.plan import Planner, RunShape
+from eprt.quant.run.memory_plan import RunShape
+from eprt.quant.run.planner import Planner
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny
 

@@ -12,6 +12,7 @@ from eprt.hf.convert import convert_hf
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import program_of
+from eprt.quant.algorithms.registry import steps as steps_of
 from eprt.quant.algorithms.registry import unrotated
 from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.recipe import ALGORITHMS
@@ -73,13 +74,18 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
     assert kinds == {"MoE": ((0, 2), steps), "dense-MLP": ((1,), steps)}
     assert counted == {0: (True, steps), 1: (False, steps), 2: (True, steps)}
     assert all(k.step_s > 0 and k.layer_s >= 0 and k.read_s > 0 for k in estimate.kinds)
+    # AWQ's search, once a layer over every sequence, timed apart (the probe's 6 of the run's 9, scaled)
+    assert all((k.sequences_s > 0) == ("awq" in steps_of(algorithm)) for k in estimate.kinds)
     assert (estimate.exchange_s, estimate.exchange_steps) == (0, 0)  # a world of one exchanges nothing
     assert estimate.saves == 3 and estimate.save_s > 0  # a save after each layer
     # each save but the last is written while the next layer computes: only what outlasts it is waited
     quickest = min(k.kind.steps * k.step_s + k.layer_s + k.read_s for k in estimate.kinds)
     assert estimate.saving_s == pytest.approx(estimate.save_s + 2 * max(0.0, estimate.save_s - quickest))
     assert estimate.seconds == pytest.approx(
-        sum(len(k.kind.layers) * (k.kind.steps * k.step_s + k.layer_s + k.read_s) for k in estimate.kinds)
+        sum(
+            len(k.kind.layers) * (k.kind.steps * k.step_s + k.layer_s + k.read_s + k.sequences_s)
+            for k in estimate.kinds
+        )
         + estimate.saving_s
     )
     assert math.isfinite(estimate.seconds)

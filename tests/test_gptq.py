@@ -15,11 +15,12 @@ from eprt.hf.export_quantized import QuantizedExport
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.gptq import layer as gptq_layer
 from eprt.quant.algorithms.gptq.layer import MOST_EXPERTS_STACKED, LayerGPTQ
+from eprt.quant.algorithms.gptq.plan import GPTQMemory
 from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
 from eprt.quant.formats.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from eprt.quant.formats.nvfp4 import dequantize_nvfp4, nvfp4_scale, quantize_nvfp4
 from eprt.quant.loop.engine import LayerEngine
-from eprt.quant.run import plan, workdir
+from eprt.quant.run import workdir
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.quant.scales import as_quantized, dequantize_weight
 from eprt.storage.checkpoint import Checkpoint
@@ -403,7 +404,7 @@ def test_the_expert_stack_the_memory_allows_changes_no_byte(tiny, tmp_path, monk
     )
     exports = []
     for most in (MOST_EXPERTS_STACKED, 1):
-        monkeypatch.setattr(plan, "MOST_EXPERTS_STACKED", most)
+        monkeypatch.setattr(GPTQMemory, "most_stacked", most)
         q = str(tmp_path / f"q{most}")
         run_ptq(
             ParallelState.single(), PTQArgs(ck, "nvfp4", q, kv_cache="fp8", algorithm="gptq", progress=False, **CALIB)

@@ -24,7 +24,7 @@ from eprt.quant.feasibility import RecipeError
 from eprt.quant.formats.fp8 import FP8
 from eprt.quant.formats.nvfp4 import nvfp4_scale
 from eprt.quant.recipe import parse_recipe
-from eprt.quant.run.plan import Planner
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
@@ -271,7 +271,8 @@ def test_gptq_quantizes_the_mtp_layer_beside_all_experts_calibration(tiny, calib
     with Checkpoint(q) as c:
         record = CalibrationRecord.read(c)
         assert c.quantization["calibration"]["all_experts"] is True
-    assert f"{MTP}.mlp.experts" in record.gptq_experts and f"{MTP}.self_attn.o_proj" in record.gptq_dense
+    gptq = record.parts["gptq"]
+    assert f"{MTP}.mlp.experts" in gptq.experts and f"{MTP}.self_attn.o_proj" in gptq.dense
     out = export_hf(q, str(tmp_path / "q-hf"), progress=False)
     assert check_export(out, hf) == []
     got, plain = tensors(out), tensors(calibrated[1])

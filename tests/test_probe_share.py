@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.program import program_of
+from eprt.quant.loop.sequences import own_sequences
 from eprt.quant.run.estimate import PROBE_STEPS, ProbeEngine, probe_time
-from eprt.quant.run.plan import Planner, RunShape
+from eprt.quant.run.memory_plan import RunShape
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.probe_share import RankShare, plan_probe
 from eprt.quant.run.setup import plan_recipe
 from eprt.storage.checkpoint import Checkpoint
@@ -36,7 +39,7 @@ def tiny(tmp_path_factory):
 def test_the_probe_holds_one_ranks_experts_and_sequences(tiny, monkeypatch):
     """On a world of 4 at ep 4, the probe's MoE layers hold E/4 experts, its steps 1/4 of a step's
     sequences, and every held expert computes rows."""
-    shape = RunShape(0, 4, 4, num_sequences=16, seq_len=24, step_sequences=8, group_tokens=48)
+    shape = RunShape(0, 4, 4, num_sequences=64, seq_len=24, step_sequences=8, group_tokens=48)
     seen = {}
     run_layer = ProbeEngine.run_layer
 
@@ -61,6 +64,21 @@ def test_the_probe_holds_one_ranks_experts_and_sequences(tiny, monkeypatch):
     assert all(n == PROBE_STEPS * math.ceil(8 / 4) for _, n, _ in seen.values())
     assert all(bool((rows > 0).all()) and len(rows) == E // 4 for _, _, rows in seen.values())
     assert all(k.step_s > 0 and k.read_s > 0 for k in estimate.kinds)
+
+
+def test_a_run_of_fewer_steps_than_the_probe_is_probed_whole():
+    """A step is at least one work-unit group (16 sequences of 128 tokens at group_tokens 2048): a run
+    of 32 sequences makes two, and the probe runs those two, not PROBE_STEPS steps of 16 (what a
+    layer does once over all its sequences, AWQ's search, is then timed over the run's count); a
+    run of more steps is probed over PROBE_STEPS of them."""
+    shape = RunShape(0, 1, 1, num_sequences=32, seq_len=128, step_sequences=1, group_tokens=2048)
+    share = RankShare(shape, PROBE_STEPS)
+    assert (share.schedule.num_sequences, share.schedule.num_steps) == (32, 2)
+    assert share.plan_shape == shape
+    longer = RankShare(replace(shape, num_sequences=320), PROBE_STEPS)
+    assert (longer.schedule.num_sequences, longer.schedule.num_steps) == (PROBE_STEPS * 16, PROBE_STEPS)
+    split = RankShare(replace(shape, world=2, num_sequences=20), PROBE_STEPS)  # rank 0 runs 10 of them
+    assert split.schedule.num_sequences == len(own_sequences(20, 0, 2)) == 10
 
 
 def test_the_probes_plan_is_the_runs_at_its_sequences(tiny):
@@ -109,7 +127,7 @@ def test_real_size_dry_runs_plan_a_probe_that_fits_an_80_gb_gpu(real_dims):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     m = re.search(
-        r"time probe on cuda: rank 0's share \((\d+) routed experts of a layer, 3 steps of (\d+) sequences\) "
+        r"time probe on cuda: rank 0's share \((\d+) routed experts of a layer, [23] steps of (\d+) sequences\) "
         r"peaks at ([\d.]+ \w+) \(",
         r.stdout,
     )

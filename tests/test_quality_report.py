@@ -356,7 +356,7 @@ def test_awq_reports_the_router_choices_its_folds_change(ckpts, tmp_path, monkey
         )
         K = c.config.num_experts_per_tok
         original = load_model(ck, dtype=torch.bfloat16)
-        folds = CalibrationRecord.read(calibrated).read_folds(calibrated)
+        folds = CalibrationRecord.read(calibrated).parts["awq"]
         folded = load_parallel(
             ResolvedCheckpoint.of(FoldedCheckpoint(c, folds), torch.bfloat16), ParallelState.single()
         )

@@ -18,8 +18,9 @@ from eprt.quant.run.args import PTQArgs
 from eprt.quant.run.data import check_data_settings
 from eprt.quant.run.datafree import data_free
 from eprt.quant.run.estimate import PROBE_STEPS, estimate_time
-from eprt.quant.run.plan import available_memory, check_host_memory, check_memory, current_rss, memory_in_use
+from eprt.quant.run.memory_check import check_host_memory, check_memory
 from eprt.quant.run.probe_share import RankShare, plan_probe
+from eprt.quant.run.process_memory import available_memory, current_rss, memory_in_use
 from eprt.quant.run.ptq import run_ptq
 from eprt.quant.run.setup import check_kv_cache, plan_recipe, ranks_on_this_host, run_dtype, run_shape
 from eprt.samples import first_sample
@@ -126,7 +127,7 @@ def dry_run(state: ParallelState, rc: ResolvedCheckpoint, a: PTQArgs, program: P
     if state.rank == 0:
         print(
             f"time probe on {device.type}: rank 0's share ({share.held(c.num_experts)[1] if c.moe_layers else 0} "
-            f"routed experts of a layer, {PROBE_STEPS} steps of {share.step_sequences} sequences) "
+            f"routed experts of a layer, {share.schedule.num_steps} steps of {share.step_sequences} sequences) "
             f"{probe.summary()}"
         )
     if not here:

@@ -24,7 +24,6 @@ from eprt.hf.quant_configs import QuantizedLinears, ct_config, modelopt_configs
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
 from eprt.layout import EXPERT_LEAVES, Layout, TensorSpec, layer_of
-from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.feasibility import quantized_modules
 from eprt.quant.formats import WeightFormat, weight_format
@@ -80,10 +79,12 @@ class QuantizedExport:
         self.mtp_layers = {layer_prefix(m) for m in self.quantized} & {layer_prefix(s.name) for s in self.layout.mtp}
         self.specs = (*self.layout.specs, *(s for s in self.layout.mtp if layer_prefix(s.name) in self.mtp_layers))
         self.record = CalibrationRecord.read(ck)
+        opened = ck
         if self.recipe.rotates:  # every weight is read rotated, as the run read it
-            self.ck = ck = RotatedCheckpoint(ck)
-        if self.record.folds:  # AWQ's: every weight is read folded, as the run read it
-            self.ck = ck = FoldedCheckpoint(ck, self.record.read_folds(ck))
+            ck = RotatedCheckpoint(ck)
+        # and through every algorithm's view (AWQ's folds), as the run read it
+        self.ck = ck = self.record.view(ck)
+        self.viewed = ck is not opened  # a tensor read through a view is not its stored bytes
         formats = {m: self.recipe.format_of(m) for m in self.quantized}
         kv = kv_cache_format(self.recipe.kv_cache)
         if layout == ct.NAME and kv is not None and kv.ct_args is None:
@@ -153,8 +154,9 @@ class QuantizedExport:
         out = self.scales.format(module).quantize_stacked(
             w, scale, self.scales.searched(module), self.stacked[name].per_row
         )
-        if module in self.record.gptq_experts:  # GPTQ's codes, under the same scales
-            out["weight"] = self.record.read_gptq(self.ck, module, name.rsplit(".", 1)[1], e)
+        codes = self.record.weight(self.ck, module, name.rsplit(".", 1)[1], e)
+        if codes is not None:  # an algorithm's codes (GPTQ's), under the same scales
+            out["weight"] = codes
         return out
 
     @functools.lru_cache(maxsize=2)
@@ -174,8 +176,9 @@ class QuantizedExport:
             **self.input_scale(module, lambda: self.scales.input_amax(module)),
             **self.scales.quantize_weight(module, w, self.scales.weight_scale(module)),
         }
-        if module in self.record.gptq_dense:  # GPTQ's codes, under the same scales
-            out["weight"] = self.record.read_gptq(self.ck, module)
+        codes = self.record.weight(self.ck, module)
+        if codes is not None:  # an algorithm's codes (GPTQ's), under the same scales
+            out["weight"] = codes
         return out
 
     def input_scale(self, module: str, amax: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,7 +226,7 @@ class QuantizedExport:
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
         for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
-            if self.record.folds or self.recipe.rotates:  # a folded or rotated tensor is not its stored bytes
+            if self.viewed:  # a folded or rotated tensor is not its stored bytes
                 t = dataclasses.replace(t, stored=None)
             out += self.quantized_out(t) if self.is_quantized(t.name) else [t]
         kv = kv_cache_format(self.recipe.kv_cache)

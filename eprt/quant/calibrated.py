@@ -15,9 +15,8 @@ import os
 import torch
 
 from eprt.errors import CheckpointError, ConfigError
-from eprt.layout import EXPERT_LEAVES
 from eprt.parallel import ParallelState
-from eprt.quant.algorithms.awq.folds import HELD_PER_RANK, TENSOR_LEAF, Folds
+from eprt.quant.algorithms.registry import record_parts
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.recipe import Recipe
 from eprt.report import checked, label, page_path, write_page
@@ -33,6 +32,33 @@ def experts_file(ep_rank: int) -> str:
     return f"calibration-experts-{ep_rank:05d}.safetensors"
 
 
+class RecordPart:
+    """One algorithm's part of the calibration record: its own tensors, under names that are a format
+    (its module names them), each either written by rank 0 or, with a rank's routed experts' rows,
+    by each rank (`per_rank`) and read back by name only."""
+
+    leaves: tuple[str, ...] = ()  # the record tensors' leaves it owns: `module.LEAF`
+    per_rank: tuple[str, ...] = ()  # of those, the ones stored with the routed experts' rows
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors, by record name, in the order they are written."""
+        return {}
+
+    @classmethod
+    def read(cls, ck: Checkpoint, names: list[str]) -> RecordPart:
+        """The part of calibrated checkpoint `ck` whose tensors are `names`."""
+        return cls()
+
+    def view(self, ck: Checkpoint) -> Checkpoint:
+        """`ck` as the export reads it once this part applies (AWQ's folds); `ck` where it changes no weight."""
+        return ck
+
+    def weight(self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None):
+        """The export's codes this part decided for dense Linear `module`, or for routed expert `expert`'s
+        stacked projection `kind` (eprt.layout.EXPERT_LEAVES), read from `ck`; None where it decided none."""
+        return None
+
+
 class CalibrationRecord:
     """What calibration found, by module, and the one place that names its tensors.
 
@@ -41,18 +67,9 @@ class CalibrationRecord:
     row per expert; expert_tokens: experts module ->
     tokens routed to each expert [E]; kv_amax: attention module -> (k amax, v amax).
 
-    With GPTQ (eprt.quant.algorithms.gptq.solve), the quantized weight of each module it changed, in the export's
-    encoding (FP8: float8_e4m3fn codes; NVFP4: packed E2M1 codes, the scales being the export's
-    from the original weight): gptq_dense: dense Linear -> codes [out, in or in/2]; gptq_experts:
-    experts module -> (first projection's codes [E, 2I or I, ...], down's [E, D, ...]). Read back, they are not loaded
-    (the whole model's weights): their values are None and `read_gptq` reads one at a time.
-
-    With AWQ (eprt.quant.algorithms.awq.passes), its scales: folds: `module.kind` -> s (one per channel; the
-    routed experts: a row per expert), each kind one of
-    eprt.quant.algorithms.awq.folds.TENSOR_LEAF (what the fold does to the module's weight); the export reads
-    the checkpoint through them (eprt.quant.algorithms.awq.folds.FoldedCheckpoint, `read_folds`). The routed
-    experts' clips (eprt.quant.algorithms.awq.folds.HELD_PER_RANK) are per-expert tensors, each rank's rows
-    written with its share like GPTQ's codes, and read back by rows, as the export asks."""
+    `parts`: each algorithm's own part by its name (RecordPart, made in its module: GPTQ's codes,
+    AWQ's folds), in the registry's order (eprt.quant.algorithms.registry.record_parts), which is the
+    order their tensors are written in."""
 
     INPUT, W13_INPUT, W2_INPUT, TOKENS, K, V = (
         "input_amax",
@@ -62,9 +79,6 @@ class CalibrationRecord:
         "k_amax",
         "v_amax",
     )
-    # the experts' tensors carry the gated shape's names for every shape: the first projection's, down's
-    GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2 = "gptq_weight", "gptq_w13", "gptq_w2"
-    GPTQ = (GPTQ_WEIGHT, GPTQ_W13, GPTQ_W2)
 
     def __init__(
         self,
@@ -72,24 +86,25 @@ class CalibrationRecord:
         expert_input_amax=None,
         expert_tokens=None,
         kv_amax=None,
-        gptq_dense=None,
-        gptq_experts=None,
-        folds=None,
+        parts: dict[str, RecordPart] | None = None,
     ):
         self.input_amax: dict[str, torch.Tensor] = input_amax or {}
         self.expert_input_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = expert_input_amax or {}
         self.expert_tokens: dict[str, torch.Tensor] = expert_tokens or {}
         self.kv_amax: dict[str, tuple[torch.Tensor, torch.Tensor]] = kv_amax or {}
-        self.gptq_dense: dict[str, torch.Tensor | None] = gptq_dense or {}
-        self.gptq_experts: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = gptq_experts or {}
-        self.folds: dict[str, torch.Tensor | None] = folds or {}
+        self.parts: dict[str, RecordPart] = parts or {}
 
     @classmethod
-    def of(cls, cal: Calibrator, gptq=None, folds: Folds | None = None) -> "CalibrationRecord":
-        """`gptq`: eprt.quant.algorithms.gptq.layer.GPTQResults, when GPTQ ran; `folds`: AWQ's, when it ran."""
-        dense, experts = (gptq.dense, gptq.experts) if gptq is not None else (None, None)
-        awq = folds.tensors() if folds is not None else None
-        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, dense, experts, awq)
+    def of(cls, cal: Calibrator, parts: dict[str, RecordPart] | None = None) -> CalibrationRecord:
+        return cls(cal.input_amax, cal.expert_amax, cal.expert_tokens, cal.kv_amax, parts)
+
+    def _parts_tensors(self, per_rank: bool) -> dict[str, torch.Tensor]:
+        return {
+            n: t
+            for part in self.parts.values()
+            for n, t in part.tensors().items()
+            if (n.rsplit(".", 1)[1] in part.per_rank) == per_rank
+        }
 
     def expert_tensors(self) -> dict[str, torch.Tensor]:
         """Every per-expert tensor of the record (this rank's rows, during calibration), by name."""
@@ -98,69 +113,46 @@ class CalibrationRecord:
             out[f"{module}.{self.W13_INPUT}"] = x_amax
             out[f"{module}.{self.W2_INPUT}"] = h_amax
             out[f"{module}.{self.TOKENS}"] = self.expert_tokens[module]
-        for module, (codes_in, codes_down) in self.gptq_experts.items():
-            out[f"{module}.{self.GPTQ_W13}"], out[f"{module}.{self.GPTQ_W2}"] = codes_in, codes_down
-        out.update({n: t for n, t in self.folds.items() if _per_rank(n)})
-        return out
+        return {**out, **self._parts_tensors(per_rank=True)}
 
     def dense_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"{m}.{self.INPUT}": t for m, t in self.input_amax.items()}
         for attn, (k, v) in self.kv_amax.items():
             out[f"{attn}.{self.K}"], out[f"{attn}.{self.V}"] = k, v
-        out.update({f"{m}.{self.GPTQ_WEIGHT}": t for m, t in self.gptq_dense.items()})
-        out.update({n: t for n, t in self.folds.items() if not _per_rank(n)})
-        return out
+        return {**out, **self._parts_tensors(per_rank=False)}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor | None]) -> "CalibrationRecord":
-        """The record back from its tensors by name (what `expert_tensors` and `dense_tensors` wrote)."""
+    def read(cls, ck: Checkpoint) -> CalibrationRecord:
+        """The record of a calibrated checkpoint: the statistics read, each algorithm's part as it reads
+        its own (eprt.quant.algorithms.registry.record_parts)."""
+        owners = {leaf: name for name, part in record_parts().items() for leaf in part.leaves}
         by: dict[str, dict[str, torch.Tensor]] = {}  # leaf -> module -> tensor
-        for name, t in tensors.items():
+        of_part: dict[str, list[str]] = {}
+        for name in ck.names(role="calibration"):
             module, leaf = name.rsplit(".", 1)
-            by.setdefault(leaf, {})[module] = t
+            if leaf in owners:
+                of_part.setdefault(owners[leaf], []).append(name)
+            elif leaf in (cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V):
+                by.setdefault(leaf, {})[module] = ck.read(name)
+            else:
+                raise CheckpointError(
+                    f"calibration state tensor *.{leaf}: not one eprt writes; calibrate again with this eprt"
+                )
         get = lambda leaf: by.get(leaf, {})  # noqa: E731
-        unknown = set(by) - {cls.INPUT, cls.W13_INPUT, cls.W2_INPUT, cls.TOKENS, cls.K, cls.V, *cls.GPTQ, *TENSOR_LEAF}
-        if unknown:
-            raise CheckpointError(
-                f"calibration state tensor *.{sorted(unknown)[0]}: not one eprt writes; calibrate again with this eprt"
-            )
         experts = {m: (x_amax, get(cls.W2_INPUT)[m]) for m, x_amax in get(cls.W13_INPUT).items()}
         kv = {m: (k, get(cls.V)[m]) for m, k in get(cls.K).items()}
-        gptq_experts = {m: (codes, get(cls.GPTQ_W2)[m]) for m, codes in get(cls.GPTQ_W13).items()}
-        folds = {f"{m}.{kind}": s for kind in TENSOR_LEAF for m, s in get(kind).items()}
-        return cls(
-            dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, dict(get(cls.GPTQ_WEIGHT)), gptq_experts, folds
-        )
+        parts = {name: part.read(ck, of_part[name]) for name, part in record_parts().items() if name in of_part}
+        return cls(dict(get(cls.INPUT)), experts, dict(get(cls.TOKENS)), kv, parts)
 
-    @classmethod
-    def read(cls, ck: Checkpoint) -> "CalibrationRecord":
-        """The record of a calibrated checkpoint; GPTQ's weights and the routed experts' clips by
-        name only (`read_gptq`, `read_folds`)."""
-        return cls.from_tensors(
-            {
-                n: None if n.rsplit(".", 1)[1] in cls.GPTQ or _per_rank(n) else ck.read(n)
-                for n in ck.names(role="calibration")
-            }
-        )
+    def view(self, ck: Checkpoint) -> Checkpoint:
+        """`ck` as the export reads it: through every part's view, in turn."""
+        for part in self.parts.values():
+            ck = part.view(ck)
+        return ck
 
-    def read_folds(self, ck: Checkpoint) -> Folds:
-        """AWQ's folds of calibrated checkpoint `ck`, the routed experts' clips read by rows from it."""
-        return Folds.of(self.folds, read=lambda name, rows: ck.read(name, rows=rows))
-
-    def read_gptq(
-        self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None
-    ) -> torch.Tensor:
-        """GPTQ's codes of dense Linear `module`, or of routed expert `expert`'s stacked projection `kind`
-        (eprt.layout.EXPERT_LEAVES)."""
-        if kind is None:
-            return ck.read(f"{module}.{self.GPTQ_WEIGHT}")
-        leaf = (self.GPTQ_W13, self.GPTQ_W2)[EXPERT_LEAVES[kind][0]]
-        return ck.read(f"{module}.{leaf}", rows=(expert, expert + 1))[0]
-
-
-def _per_rank(name: str) -> bool:
-    """Whether record tensor `name` is a routed experts' clip: written by rank, read by rows."""
-    return name.rsplit(".", 1)[1] in HELD_PER_RANK
+    def weight(self, ck: Checkpoint, module: str, kind: str | None = None, expert: int | None = None):
+        """The export's codes an algorithm decided for `module` (RecordPart.weight); None where none did."""
+        return next((w for p in self.parts.values() if (w := p.weight(ck, module, kind, expert)) is not None), None)
 
 
 def refuse_calibrated(ck: Checkpoint, path: str) -> None:
@@ -179,14 +171,12 @@ def write_calibrated(
     recipe: Recipe,
     summary: dict,
     quality: dict | None = None,
-    gptq=None,
-    folds: Folds | None = None,
+    parts: dict[str, RecordPart] | None = None,
 ) -> None:
     """Every rank calls this with the same shared temp directory `tmp` (published later as `out`).
     The quality report, when there is one, goes into QUALITY_FILE, which the manifest's
-    quantization section names (`quality`); `gptq` (eprt.quant.algorithms.gptq.layer.GPTQResults): GPTQ's
-    codes, when it ran; `folds`: AWQ's scales, when it ran."""
-    cs = CalibrationRecord.of(cal, gptq, folds)
+    quantization section names (`quality`); `parts`: the algorithms' own (CalibrationRecord.parts)."""
+    cs = CalibrationRecord.of(cal, parts)
     experts = cs.expert_tensors()
     if experts and state.edp_rank == 0:
         save_tensors(os.path.join(tmp, experts_file(state.ep_rank)), experts)

@@ -176,7 +176,7 @@ def _expert_probe(name: str, experts: Experts, errors: ModuleErrors) -> Callable
     return probe
 
 
-# the probes' reference rows of a step are computed in about this many parts (eprt.quant.run.plan prices one)
+# the probes' reference rows of a step are computed in about this many parts (eprt.quant.run.planner prices one)
 REFERENCE_PARTS = 8
 
 

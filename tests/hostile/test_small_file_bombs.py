@@ -23,7 +23,9 @@ from eprt.families import parse_hf_config
 from eprt.hf.convert import convert_hf
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.recipe import load_recipe
-from eprt.quant.run.plan import Planner, RunShape, check_memory
+from eprt.quant.run.memory_check import check_memory
+from eprt.quant.run.memory_plan import RunShape
+from eprt.quant.run.planner import Planner
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.storage.safetensors_io import SafetensorsFile
 from eprt.testing.tiny import TINY_DIR, make_tiny, tiny_config
@@ -41,7 +43,7 @@ def peak_growth(code: str, timeout: int = 120) -> tuple[str, int]:
         resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
         import eprt.hf.convert, eprt.quant.run.ptq, eprt.data
         from eprt.errors import EprtError
-        from eprt.quant.run.plan import peak_rss
+        from eprt.quant.run.process_memory import peak_rss
         before = peak_rss()
         try:
         {code}

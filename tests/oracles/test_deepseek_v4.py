@@ -22,7 +22,8 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.loop.engine import LayerEngine  # noqa: E402
-from eprt.quant.run.plan import Planner, RunShape  # noqa: E402
+from eprt.quant.run.memory_plan import RunShape  # noqa: E402
+from eprt.quant.run.planner import Planner  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny, tiny_config  # noqa: E402

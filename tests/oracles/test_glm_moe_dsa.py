@@ -17,7 +17,8 @@ from eprt.families import model_class, parse_hf_config, reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.rope import rope_rotate_half  # noqa: E402
-from eprt.quant.run.plan import Planner, RunShape  # noqa: E402
+from eprt.quant.run.memory_plan import RunShape  # noqa: E402
+from eprt.quant.run.planner import Planner  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 from tests.oracles.test_deepseek_v32 import keys_chosen_differently  # noqa: E402

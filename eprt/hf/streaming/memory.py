@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from eprt.hf.export import PRODUCE_AHEAD_BYTES
 from eprt.hf.streaming.plan import Carried
-from eprt.quant.run.plan import current_rss
+from eprt.quant.run.process_memory import current_rss
 from eprt.units import format_bytes
 
 

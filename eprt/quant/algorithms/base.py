@@ -1,7 +1,8 @@
 """What a calibration algorithm supplies, from the plan to the output (docs/adding-an-algorithm.md).
 
 A run asks each algorithm its recipe runs, in the registry's order (balances before roundings):
-- `plan_terms(modules)`: the memory plan's terms of its own, as eprt.quant.run.plan.Planner.of's keywords;
+- `memory(rc, model, targets, modules, device)`: what it holds of its own in a run, for the memory plan
+  (eprt.quant.run.memory_plan.AlgorithmMemory);
 - `view(rc, first_expert)`: the checkpoint as the run reads it after the algorithm changed weights
   (AWQ's folds), and its state that the view reads through; the plain checkpoint where it changes none;
 - `start(ctx)`: its state in a run (what it decided so far), None where it keeps none;
@@ -9,9 +10,11 @@ A run asks each algorithm its recipe runs, in the registry's order (balances bef
   probe of the time estimate runs as the run does, so the estimate has its time terms;
 - `saved(state)` and `restore(state, tensors)`: what a layer boundary saves for --resume, in the
   work dir's `NAME-LAYER.safetensors` (eprt.quant.run.workdir), and gives back;
-- `record(state)`: what the calibrated checkpoint records of it (eprt.quant.calibrated);
+- `record(state)`: its part of the calibrated checkpoint's record (eprt.quant.calibrated.RecordPart, whose
+  class the registry names, so that the export reads it back);
 - `apply(state, model, rc, experts)`: what it decided, set into a whole model (the preview's);
-- `summary(state, ctx)`: what it adds to the calibration summary.
+- `summary(state, ctx)`: what it adds to the calibration summary (with, where the registry's entry names
+  them, the quality report's per-expert lists: eprt.quant.algorithms.registry.Entry.expert_notes).
 Refusals belong where the recipe is checked against the model (eprt.quant.feasibility) and to its
 typed parameters (eprt.quant.algorithms.registry)."""
 
@@ -25,9 +28,11 @@ from torch import nn
 
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
+from eprt.quant.calibrated import RecordPart
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import Pass
 from eprt.quant.recipe import Recipe
+from eprt.quant.run.memory_plan import AlgorithmMemory
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class RunContext:
     modules: Mapping[str, str]  # the modules the algorithm runs on, each with its format
     cal: Calibrator
     tokens: int  # the calibration tokens of the whole run
-    min_tokens: int  # --gptq-min-tokens: a routed expert with fewer keeps the default rounding
+    options: object | None  # its options for the whole run (eprt.quant.algorithms.registry.Entry.options)
     expert_stack: int  # routed experts solved at once (the memory plan's)
 
 
@@ -51,8 +56,12 @@ class Algorithm:
     name = ""
     measures_again = False  # its pass measures a layer's statistics again after changing it (a balance)
 
-    def plan_terms(self, modules: Mapping[str, str]) -> dict:
-        return {}
+    def memory(
+        self, rc: ResolvedCheckpoint, model: nn.Module, targets: list[str], modules: Mapping[str, str], device
+    ) -> AlgorithmMemory | None:
+        """What it holds of its own in a run over `rc` (every expert; `model`: its meta model) on
+        `device`, running on `modules` of the quantized `targets`; None: nothing."""
+        return None
 
     def view(self, rc: ResolvedCheckpoint, first_expert: int) -> tuple[ResolvedCheckpoint, object | None]:
         return rc, None
@@ -72,9 +81,9 @@ class Algorithm:
     def restore(self, state, tensors: dict[str, torch.Tensor]) -> None:
         pass
 
-    def record(self, state) -> dict:
-        """Its part of the calibration record: eprt.quant.calibrated.write_calibrated's keywords."""
-        return {}
+    def record(self, state) -> RecordPart | None:
+        """Its part of the calibration record (its tensors, by names its module gives them); None: none."""
+        return None
 
     def apply(
         self, state, model: nn.Module, rc: ResolvedCheckpoint, experts: tuple[int, int] | None, device

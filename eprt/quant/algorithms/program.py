@@ -23,7 +23,8 @@ from eprt.quant.loop.engine import Pass
 from eprt.quant.loop.passes import layer_passes
 from eprt.quant.loop.passes.quality import QualityStreams
 from eprt.quant.recipe import Recipe
-from eprt.quant.run.plan import Planner, RunShape
+from eprt.quant.run.memory_plan import RunShape
+from eprt.quant.run.planner import Planner
 from eprt.quant.run.workdir import Resumable
 
 
@@ -54,9 +55,9 @@ class Program:
 
     def planner(self, rc: ResolvedCheckpoint, device: torch.device) -> Planner:
         """The memory planner of this program: every algorithm's own terms."""
-        terms = {k: v for s in self.steps for k, v in s.algorithm.plan_terms(s.modules).items()}
-        mtp = bool(self.recipe and self.recipe.mtp)
-        return Planner.of(rc, device, list(self.targets), mtp=mtp, **terms)
+        targets = list(self.targets)
+        memories = [partial(memory_of, s, targets, device) for s in self.steps]
+        return Planner.of(rc, device, targets, mtp=bool(self.recipe and self.recipe.mtp), algorithms=memories)
 
     def shape(self, shape: RunShape) -> RunShape:
         return replace(shape, search=self.search)
@@ -68,6 +69,11 @@ class Program:
         for s in self.steps:
             rc, viewed[s.name] = s.algorithm.view(rc, first_expert)
         return ProgramRun(self, rc, viewed)
+
+
+def memory_of(step: Step, targets: list[str], device, rc: ResolvedCheckpoint, model: nn.Module):
+    """Step's algorithm's memory, as the planner asks it of its checkpoint and meta model."""
+    return step.algorithm.memory(rc, model, targets, step.modules, device)
 
 
 def program_of(recipe: Recipe | None, targets: list[str], *, search: bool = False) -> Program:
@@ -93,12 +99,20 @@ class ProgramRun:
         self.states: dict[str, object | None] = {}
 
     def begin(
-        self, state: ParallelState, cal: Calibrator, *, tokens: int, min_tokens: int, expert_stack: int
+        self,
+        state: ParallelState,
+        cal: Calibrator,
+        *,
+        tokens: int,
+        options: Mapping[str, object],
+        expert_stack: int,
     ) -> ProgramRun:
+        """`options`: each algorithm's run options by its name (eprt.quant.algorithms.registry.run_options);
+        `expert_stack`: the routed experts an algorithm works on at once (the memory plan's)."""
         p = self.program
         for s in p.steps:
             ctx = RunContext(
-                state, self.rc, p.recipe, list(p.targets), s.modules, cal, tokens, min_tokens, expert_stack
+                state, self.rc, p.recipe, list(p.targets), s.modules, cal, tokens, options.get(s.name), expert_stack
             )
             self.contexts[s.name] = ctx
             self.states[s.name] = s.algorithm.start(ctx, self.viewed[s.name])
@@ -116,8 +130,10 @@ class ProgramRun:
         )
 
     def record(self) -> dict:
-        """The algorithms' parts of the calibration record (eprt.quant.calibrated.write_calibrated's keywords)."""
-        return {k: v for s, st in self._kept() for k, v in s.algorithm.record(st).items()}
+        """The algorithms' parts of the calibration record, in the registry's order, the order their
+        tensors are written (eprt.quant.calibrated.write_calibrated's keywords)."""
+        parts = {s.name: s.algorithm.record(st) for s, st in self._kept()}
+        return {"parts": {name: parts[name] for name in ALGORITHMS if parts.get(name) is not None}}
 
     def apply(self, model: nn.Module, rc: ResolvedCheckpoint, experts: tuple[int, int] | None, device) -> set[str]:
         """What every algorithm decided, set into `model` (loaded from `rc` before they ran, holding

@@ -41,7 +41,16 @@ class GPTQParams:
     damp: float = 0.01  # damping, a fraction of the Hessian's mean diagonal
 
 
-GPTQ_MIN_TOKENS = 128  # a routed expert with fewer calibration tokens keeps max rounding (--gptq-min-tokens)
+@dataclass(frozen=True)
+class GPTQRunOptions:
+    """GPTQ's options for a whole run, each set by eprt-ptq's --gptq-FIELD."""
+
+    min_tokens: int = 128  # a routed expert with fewer calibration tokens keeps max rounding and is listed
+
+    def probed(self) -> GPTQRunOptions:
+        """As the time probe runs it: every expert a probe step reaches is solved, as a run's many
+        tokens reach them all."""
+        return dataclasses.replace(self, min_tokens=1)
 
 
 class Entry(NamedTuple):
@@ -51,6 +60,14 @@ class Entry(NamedTuple):
     params: type | None  # its typed parameters (a frozen dataclass of defaults), None where it has none
     home: str  # "module:Class" of its object
     follows: tuple[str, ...] = ()  # a rounding: the balances it may round after
+    # its options for a whole run (a frozen dataclass of positive ints with their defaults and a
+    # `probed()`), each field set by eprt-ptq's --NAME-FIELD (PTQArgs.NAME_FIELD)
+    options: type | None = None
+    # the quality report's per-expert lists it fills (eprt.quant.run.expert_coverage): report key -> its
+    # summary entry of {experts module: global expert ids}
+    expert_notes: tuple[tuple[str, str], ...] = ()
+    # "module:Class" of its part of the calibration record (eprt.quant.calibrated.RecordPart); "" for none
+    record: str = ""
 
 
 ALGORITHMS: dict[str, Entry] = {
@@ -59,9 +76,24 @@ ALGORITHMS: dict[str, Entry] = {
         Entry("max", ROUNDING, True, None, "eprt.quant.algorithms.statistics:Max"),
         Entry("mse", ROUNDING, True, None, "eprt.quant.algorithms.statistics:MSE"),
         Entry(
-            "gptq", ROUNDING, False, GPTQParams, "eprt.quant.algorithms.gptq.algorithm:GPTQAlgorithm", follows=("awq",)
+            "gptq",
+            ROUNDING,
+            False,
+            GPTQParams,
+            "eprt.quant.algorithms.gptq.algorithm:GPTQAlgorithm",
+            follows=("awq",),
+            options=GPTQRunOptions,
+            expert_notes=(("gptq_max_rounding", "gptq_skipped_experts"),),
+            record="eprt.quant.algorithms.gptq.record:GPTQRecord",
         ),
-        Entry("awq", BALANCE, False, None, "eprt.quant.algorithms.awq.algorithm:AWQAlgorithm"),
+        Entry(
+            "awq",
+            BALANCE,
+            False,
+            None,
+            "eprt.quant.algorithms.awq.algorithm:AWQAlgorithm",
+            record="eprt.quant.algorithms.awq.folds:Folds",
+        ),
     )
 }
 DEFAULT = "max"  # a balance alone rounds as this does; a rule that names nothing takes it
@@ -97,8 +129,18 @@ def rounding(sequence: str) -> str:
 
 def object_of(name: str):
     """The registered object of algorithm `name`, imported on first use."""
-    module, _, attr = ALGORITHMS[name].home.partition(":")
-    return getattr(importlib.import_module(module), attr)()
+    return imported(ALGORITHMS[name].home)()
+
+
+def imported(home: str):
+    module, _, attr = home.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def record_parts() -> dict[str, type]:
+    """The classes of the algorithms' parts of the calibration record, by algorithm, in the order
+    their tensors are written (the registry's)."""
+    return {e.name: imported(e.record) for e in ALGORITHMS.values() if e.record}
 
 
 Params = tuple[tuple[str, tuple[tuple[str, object], ...]], ...]  # ((algorithm, ((field, value), ...)), ...)
@@ -155,3 +197,42 @@ def params_of(name: str, params: Params):
     """Algorithm `name`'s typed parameters, as a rule sets them (`params`) over the defaults."""
     entry = ALGORITHMS[name]
     return entry.params(**dict(dict(params).get(name, ()))) if entry.params else None
+
+
+def option_flags() -> dict[str, str]:
+    """Every algorithm's run options by their PTQArgs field (`gptq_min_tokens`) -> their flag."""
+    return {
+        f"{e.name}_{f.name}": f"--{e.name}-{f.name.replace('_', '-')}"
+        for e in ALGORITHMS.values()
+        if e.options
+        for f in dataclasses.fields(e.options)
+    }
+
+
+def option_default(field: str):
+    """The default of run option `field` (a key of option_flags)."""
+    entry = next(e for e in ALGORITHMS.values() if e.options and field.startswith(f"{e.name}_"))
+    return getattr(entry.options(), field.removeprefix(f"{entry.name}_"))
+
+
+def run_options(values: dict, probed: bool = False) -> dict[str, object]:
+    """Each algorithm's run options from `values` ({PTQArgs field: value}, as option_flags names
+    them), refused by flag where one is not positive; `probed`: as the time probe runs them."""
+    out = {}
+    for e in ALGORITHMS.values():
+        if e.options is None:
+            continue
+        given = {}
+        for f in dataclasses.fields(e.options):
+            key = f"{e.name}_{f.name}"
+            if values[key] < 1:
+                raise ConfigError(f"{option_flags()[key]} {values[key]} must be positive")
+            given[f.name] = values[key]
+        out[e.name] = e.options(**given).probed() if probed else e.options(**given)
+    return out
+
+
+def expert_notes() -> dict[str, str]:
+    """The quality report's per-expert lists the algorithms fill: report key -> the summary entry it
+    comes from (eprt.quant.run.expert_coverage.starved_experts)."""
+    return {key: entry for e in ALGORITHMS.values() for key, entry in e.expert_notes}

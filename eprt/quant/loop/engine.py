@@ -172,6 +172,9 @@ class Pass:
     rewrites = False  # its runs make the calibration sequences' output: the statistics run only observes
     covers_mtp = True  # runs on the multi-token-prediction layers too
     calibration_runs = 0  # runs of the calibration sequences it adds per layer (for the progress bar)
+    # its `reference` does work of its own (besides its counted runs) that grows with the calibration
+    # sequences (AWQ's search scores each): the time probe, which runs fewer, scales it to the run's
+    per_sequence_work = False
 
     def own_steps(self) -> int:
         """The most steps of its own sequences it runs in a layer and counts (`LayerWork.count_step`)."""

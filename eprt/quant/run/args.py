@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eprt.flags import flag
-from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS
+from eprt.quant.algorithms.registry import option_default, option_flags, run_options
 from eprt.quant.algorithms.registry import sequences as algorithm_sequences
 from eprt.quant.algorithms.search.budget import DEFAULT_CANDIDATES, parse_budget
 from eprt.units import parse_size
@@ -63,10 +63,12 @@ class PTQArgs:
         help=f"how weight scales are chosen, for the recipe rules that name no algorithm: "
         f"{', '.join(ALGORITHMS)} (default {ALGORITHMS[0]}; docs/export.md, 'Weight scales')",
     )
+    # an algorithm's run option (eprt.quant.algorithms.registry.option_flags): its meaning is the
+    # algorithm's, its flag the run's
     gptq_min_tokens: int = flag(
-        GPTQ_MIN_TOKENS,
+        option_default("gptq_min_tokens"),
         help=f"with gptq, a routed expert with fewer calibration tokens keeps max rounding "
-        f"and is listed (default {GPTQ_MIN_TOKENS})",
+        f"and is listed (default {option_default('gptq_min_tokens')})",
     )
     calib: tuple[str, ...] = flag(
         (),
@@ -164,7 +166,7 @@ CALIBRATION_SETTINGS = (
     "chunk_size",
     "dtype",
     "calibrate_all_experts",
-    "gptq_min_tokens",
+    *option_flags(),  # each algorithm's run options
     "work_dir",
     "resume",
     "save_every",
@@ -172,3 +174,9 @@ CALIBRATION_SETTINGS = (
     "max_host_memory",
     "device",
 )
+
+
+def algorithm_options(a: PTQArgs) -> dict[str, object]:
+    """Each algorithm's run options, from their flags (eprt.quant.algorithms.registry.option_flags),
+    refused by flag where one is out of range."""
+    return run_options({field: getattr(a, field) for field in option_flags()})

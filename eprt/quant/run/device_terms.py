@@ -1,6 +1,6 @@
 """What a GPU rank's memory holds beside torch's allocations, and what attention keeps per sequence.
 
-The plan (eprt.quant.run.plan) counts what torch allocates. A GPU also holds, outside the allocator:
+The plan (eprt.quant.run.memory_plan) counts what torch allocates. A GPU also holds, outside the allocator:
 - the CUDA context: the driver's state and the kernels of torch, Triton and cuBLAS loaded on it
   (with CUDA's lazy loading, those a run calls);
 - NCCL's buffers: each communicator keeps, for each peer it exchanges with, send and receive

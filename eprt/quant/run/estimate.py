@@ -11,9 +11,12 @@ the run reads it (from the checkpoint, source encodings decoded, copied to the d
 time, from this first, cold read), then its weights are set at random (the checkpoint's bytes are read
 again only where the run itself reads them again: GPTQ's and the scales' original weights), and it runs
 through the run's own program's passes (eprt.quant.algorithms.program) over PROBE_STEPS steps of this rank's share
-(eprt.quant.run.probe_share: its routed experts, its sequences of a step), once to warm up (kernels
+(eprt.quant.run.probe_share: its routed experts, its sequences of a step; a run of fewer steps probed whole, so
+what a layer does once over all its sequences, AWQ's search, is timed over the run's count), once to warm up (kernels
 compiled, caches made) and once timed. Within each run of the timed layer the steps after its first give
-the step time; the rest of the layer's time is its own. The token exchange between the ranks, which a
+the step time; the rest of the layer's time is its own, but for what a pass does once over every
+calibration sequence (Pass.per_sequence_work: AWQ's search), timed apart and scaled from the probe's
+sequences to the rank's in the run. The token exchange between the ranks, which a
 single process does not make, is timed apart: the bytes one step sends each way, by the same
 collectives, on the run's own process group. Saving a layer boundary to the work directory
 (eprt.quant.run.workdir) is timed by writing the probe's hidden states there, durably, and counted at the
@@ -33,13 +36,14 @@ import torch
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.program import Program
+from eprt.quant.algorithms.registry import option_default, option_flags, run_options
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import LayerEngine, cpu_threads
 from eprt.quant.loop.passes.mtp import MTPLayers
 from eprt.quant.loop.passes.quality import QualityStreams
 from eprt.quant.loop.sequences import LayerState
 from eprt.quant.quality import QualityReport
-from eprt.quant.run.plan import RunShape
+from eprt.quant.run.memory_plan import RunShape
 from eprt.quant.run.probe_share import RankShare
 from eprt.quant.run.save_time import save_seconds, saves
 
@@ -63,10 +67,13 @@ class KindTime:
     step_s: float  # one counted step on one rank
     layer_s: float  # one layer's work besides its steps, on one rank
     read_s: float = 0.0  # reading this rank's share of one layer: from disk, decoded, to the device
+    # one layer's own work that grows with the calibration sequences (Pass.per_sequence_work: AWQ's
+    # search), at the run's count of this rank's sequences
+    sequences_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s + self.read_s)
+        return len(self.kind.layers) * (self.kind.steps * self.step_s + self.layer_s + self.read_s + self.sequences_s)
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,8 @@ class TimeEstimate:
         """'about 12 min 30 s (its terms)': the dry run prints it."""
         terms = [
             f"{len(k.kind.layers)} {k.kind.name} x ({k.kind.steps} steps x {k.step_s:.3g} s + {k.layer_s:.3g} s"
-            f" + reading {k.read_s:.3g} s)"
+            + (f" + over the sequences {k.sequences_s:.3g} s" if k.sequences_s else "")
+            + f" + reading {k.read_s:.3g} s)"
             for k in self.kinds
         ]
         if self.exchange_steps:
@@ -210,6 +218,7 @@ def probe_time(
         quality = QualityStreams(state, report, share.eval_schedule)
         quality.sequences = share.sequences(state, share.eval_schedule, K)
     samples = torch.zeros(shape.num_sequences, T, dtype=torch.int64)
+    options = run_options({field: option_default(field) for field in option_flags()}, probed=True)
     read_s: list[float] = []  # every probe engine's reads, in turn
 
     def fresh() -> ProbeEngine:
@@ -217,7 +226,7 @@ def probe_time(
         (AWQ's folds) is not the timed run's to find already done."""
         run = program.start(rc, share.held(rc.ck.config.num_experts)[0])
         # every expert a probe step reaches is solved, as a run's many tokens reach them all
-        run.begin(state, cal, tokens=shape.num_sequences * T, min_tokens=1, expert_stack=expert_stack)
+        run.begin(state, cal, tokens=shape.num_sequences * T, options=options, expert_stack=expert_stack)
         passes = run.passes(cal, quality=quality)
         engine = ProbeEngine(state, run.rc, samples, passes, schedule=schedule, progress=False, share=share)
         engine.read_s = read_s
@@ -228,7 +237,8 @@ def probe_time(
     mtp_runs = 1 + sum(p.calibration_runs for p in passes if p.covers_mtp)
     kinds = layer_kinds(engine, mtp_runs)
     counted = engine.steps_per_layer // schedule.num_steps  # runs of the calibration sequences a layer takes
-    probe = share.schedule  # PROBE_STEPS steps of this rank's share
+    probe = share.schedule  # at most PROBE_STEPS steps of this rank's share
+    S = probe.num_steps
 
     def entering(n: int, snapshots: int = 0) -> LayerState:
         """A layer state of n random sequences: hidden states (and snapshots), and what the layers
@@ -242,6 +252,8 @@ def probe_time(
 
     if quality is not None:
         quality.begin(lambda ids: entering(ids.shape[0]))
+    # the run's sequences on this rank over the probe's: what a layer does once over each is scaled by it
+    scale = math.ceil(shape.num_sequences / shape.world) / probe.num_sequences
     times = {}
     with torch.inference_mode(), cpu_threads(device):
         decoder_kinds = [k for k in kinds if k.name != "MTP"]
@@ -251,20 +263,41 @@ def probe_time(
                 engine = fresh()
                 engine.calibration = share.sequences(state, probe, K)
                 clock = StepClock()
+                per_sequence = timed_references(engine.passes, clock)
                 ls = entering(probe.num_sequences, len(snapshots(rc, i)))
                 start = time.perf_counter()
                 engine.run_layer(i, ls, clock)
                 total = time.perf_counter() - start
             cold_read_s = read_s[-2]
-            runs = [clock.ticks[r * PROBE_STEPS : (r + 1) * PROBE_STEPS] for r in range(counted)]
-            step_s = sum((run[-1] - run[0]) / (PROBE_STEPS - 1) for run in runs)  # one schedule step, every run
-            layer_s = max(0.0, total - read_s[-1] - PROBE_STEPS * step_s)
-            times[kind.name] = (step_s / counted, layer_s, cold_read_s)
+            runs = [clock.ticks[r * S : (r + 1) * S] for r in range(counted)]
+            # one schedule step, every run; a probe of one step (a run of one) is all the layer's own time
+            step_s = sum((run[-1] - run[0]) / (S - 1) for run in runs) if S > 1 else 0.0
+            # the per-sequence work: its references' time less the counted steps they ran
+            own = sum(max(0.0, seconds - ticks * step_s / counted) for seconds, ticks in per_sequence)
+            layer_s = max(0.0, total - read_s[-1] - S * step_s - own)
+            times[kind.name] = (step_s / counted, layer_s, cold_read_s, own * scale)
     out = [KindTime(k, *times[k.name]) for k in decoder_kinds]
     # an MTP layer is an MoE decoder layer with its input projection: timed as the first MoE kind
     moe_time = next((times[k.name] for k in decoder_kinds if k.moe), None)
+    if moe_time and not any(p.per_sequence_work and p.covers_mtp for p in passes):
+        moe_time = (*moe_time[:3], 0.0)
     out += [KindTime(k, *moe_time) for k in kinds if k.name == "MTP" and moe_time]
     return TimeEstimate(device.type, tuple(out))
+
+
+def timed_references(passes: list, clock: StepClock) -> list[tuple[float, int]]:
+    """The `reference` of each pass whose own work grows with the sequences (Pass.per_sequence_work),
+    timed: each call's (seconds, the counted steps it ran), in the list returned."""
+    out: list[tuple[float, int]] = []
+    for p in (p for p in passes if p.per_sequence_work):
+
+        def timed(layer, reference=p.reference) -> None:
+            start, ticks = time.perf_counter(), len(clock.ticks)
+            reference(layer)
+            out.append((time.perf_counter() - start, len(clock.ticks) - ticks))
+
+        p.reference = timed
+    return out
 
 
 def snapshots(rc: ResolvedCheckpoint, i: int) -> range:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from eprt.parallel import ParallelState
 from eprt.progress import logger
+from eprt.quant.algorithms.registry import expert_notes
 from eprt.quant.loop.calibrate import Calibrator
 
 
@@ -57,8 +58,9 @@ def report_coverage(
 
 def starved_experts(coverage: dict[str, tuple[torch.Tensor, torch.Tensor | None]], summary: dict) -> list[dict]:
     """Per MoE module, for the quality report: the calibration tokens the router sent each expert,
-    those --calibrate-all-experts gave it, and what was done for the experts that starved."""
-    gptq_skipped = summary.get("gptq_skipped_experts", {})
+    those --calibrate-all-experts gave it, and what was done for the experts that starved (each
+    algorithm's own lists, from its summary entry: eprt.quant.algorithms.registry.expert_notes)."""
+    notes = {key: summary.get(entry, {}) for key, entry in expert_notes().items()}
     out = []
     for module, (full, seen) in coverage.items():
         unreached = (full == 0).nonzero().view(-1).tolist()
@@ -68,7 +70,7 @@ def starved_experts(coverage: dict[str, tuple[torch.Tensor, torch.Tensor | None]
                 "tokens": full.tolist(),
                 "all_experts_tokens": None if seen is None else seen.tolist(),
                 "unreached": unreached,
-                "gptq_max_rounding": gptq_skipped.get(module, []),
+                **{key: listed.get(module, []) for key, listed in notes.items()},
                 "unreached_handling": ""
                 if not unreached
                 else "calibrated on every token of the layer (--calibrate-all-experts)"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from eprt.errors import CheckpointError, ConfigError
 from eprt.parallel import ParallelState
+from eprt.quant.algorithms.registry import option_flags
 from eprt.storage.checkpoint import MANIFEST, Checkpoint, manifest_digest
 from eprt.storage.pins import pin_changes, weight_pins
 
@@ -33,7 +34,7 @@ OPTIONS = {
     "world": "the world size",
     "ep": "--ep",
     "group_size": "the sequences per expert work unit (group_tokens)",
-    "gptq_min_tokens": "--gptq-min-tokens",
+    **option_flags(),  # each algorithm's run options (eprt.quant.algorithms.registry)
     "all_experts": "--calibrate-all-experts",
     # the tokens' digest already holds what these change; named, a refusal says which flag moved
     "seed": "--seed",

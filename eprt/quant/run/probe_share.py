@@ -8,7 +8,7 @@ gives modulo E/ep (`ShareDispatcher`). So the probe's memory is one rank's, and 
 rank's rows; they come in ep times fewer work units of ep times the rows (an expert's units of a step
 merged), which a GPU computes no slower.
 
-What the probe holds is the run's plan (eprt.quant.run.plan) at `RankShare.plan_shape`: the rank's weights
+What the probe holds is the run's plan (eprt.quant.run.planner) at `RankShare.plan_shape`: the rank's weights
 of a layer, its step buffers, and the hidden states of the probe's sequences rather than the whole
 calibration's. `plan_probe` prices it and refuses it over the device's limit before the probe starts,
 as the run's own plan is refused.
@@ -23,7 +23,8 @@ from eprt.errors import ConfigError
 from eprt.parallel import ParallelState
 from eprt.parallel.dispatch import UnitDispatcher
 from eprt.quant.loop.sequences import Schedule, Sequences, own_sequences
-from eprt.quant.run.plan import MemoryPlan, Planner, RunShape
+from eprt.quant.run.memory_plan import MemoryPlan, RunShape
+from eprt.quant.run.planner import Planner
 from eprt.units import format_bytes
 
 
@@ -42,10 +43,16 @@ class RankShare:
         return math.ceil(step / self.shape.world)
 
     @property
+    def num_sequences(self) -> int:
+        """The probe's calibration sequences: `steps` steps of this rank's share, no more than the rank
+        runs (a run of fewer steps is probed whole: what a layer does once over every sequence, AWQ's
+        search, is then timed over as many as the run's)."""
+        return min(self.steps * self.step_sequences, math.ceil(self.shape.num_sequences / self.shape.world))
+
+    @property
     def schedule(self) -> Schedule:
-        """The probe's calibration sequences: `steps` steps of this rank's share, in the run's groups."""
-        s = self.step_sequences
-        return Schedule.of(self.steps * s, self.shape.seq_len, s, self.shape.group_tokens)
+        """The probe's calibration sequences in steps of this rank's share, in the run's groups."""
+        return Schedule.of(self.num_sequences, self.shape.seq_len, self.step_sequences, self.shape.group_tokens)
 
     @property
     def eval_sequences(self) -> int:
@@ -68,7 +75,7 @@ class RankShare:
     def plan_shape(self) -> RunShape:
         """The run's shape whose plan for this rank is what the probe holds: as many calibration
         sequences as give this rank the probe's, in steps of the run's size."""
-        return replace(self.shape, num_sequences=self.steps * self.step_sequences * self.shape.world)
+        return replace(self.shape, num_sequences=self.num_sequences * self.shape.world)
 
     def sequences(self, state: ParallelState, schedule: Schedule, top_k: int) -> Sequences:
         """`schedule`'s sequences in the probe's world of one, their copies sent to the held experts."""

@@ -28,6 +28,7 @@ from eprt.parallel.output import write_together
 from eprt.progress import logger
 from eprt.quant.act_headroom import headroom_targets
 from eprt.quant.algorithms.program import ProgramRun, program_of
+from eprt.quant.algorithms.registry import option_flags
 from eprt.quant.algorithms.search.auto_quantize import RECIPE_FILE, SearchResult
 from eprt.quant.algorithms.search.auto_quantize_run import search_formats
 from eprt.quant.calibrated import write_calibrated
@@ -40,7 +41,7 @@ from eprt.quant.preview import fake_quantize, greedy
 from eprt.quant.quality import QualityReport
 from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.rotation.rotated import RotatedCheckpoint, say_rotation
-from eprt.quant.run.args import PTQArgs
+from eprt.quant.run.args import PTQArgs, algorithm_options
 from eprt.quant.run.data import check_data_settings, describe_calib, report_data
 from eprt.quant.run.datafree import data_free, run_data_free, say_calibrated, say_data_free
 from eprt.quant.run.expert_coverage import report_coverage, starved_experts
@@ -51,7 +52,7 @@ from eprt.quant.run.fingerprint import (
     check_pins_as_start,
     run_fingerprint,
 )
-from eprt.quant.run.plan import measured_peak
+from eprt.quant.run.process_memory import measured_peak
 from eprt.quant.run.save_time import saves_after
 from eprt.quant.run.setup import open_unquantized, plan_recipe, plan_run, run_shape
 from eprt.quant.run.workdir import WorkDir, check_work_dir
@@ -116,7 +117,7 @@ def run_calibration(
                 None, targets, kv=kv, all_experts=a.calibrate_all_experts, headroom=headroom_targets(recipe, targets)
             )
         )
-        run.begin(state, cal, tokens=samples.numel(), min_tokens=a.gptq_min_tokens, expert_stack=plan.expert_stack)
+        run.begin(state, cal, tokens=samples.numel(), options=algorithm_options(a), expert_stack=plan.expert_stack)
         work = WorkDir(work_path, state, identity, ck.path)
         with fail_together(state, "preparing the work directory"):
             work.prepare(a.resume)
@@ -178,8 +179,7 @@ def settle(
         cfg = ck.config
         state.check_experts(cfg.num_experts)
         warn_beyond_positions(cfg, a.seq_len, state.rank)
-        if a.gptq_min_tokens < 1:
-            raise ConfigError(f"--gptq-min-tokens {a.gptq_min_tokens} must be positive")
+        algorithm_options(a)  # refused by flag before anything is planned
         if recipe.rotates:  # the run reads its layers rotated; the algorithms' views (AWQ's folds) read them so
             rc = dataclasses.replace(rc, ck=RotatedCheckpoint(ck))
             say_rotation(rc.ck.plan, state.rank)
@@ -322,7 +322,7 @@ def fingerprint(
             "world": state.world,
             "ep": state.ep_size,
             "group_size": run_shape(a, state, ck.config).schedule_of(samples.shape[0]).group_size,
-            "gptq_min_tokens": a.gptq_min_tokens,
+            **{field: getattr(a, field) for field in option_flags()},
             "all_experts": a.calibrate_all_experts,
             "seed": a.seed,
             "calib_rows": a.calib_rows,

@@ -23,15 +23,9 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 from eprt.quant.loop.sequences import group_tokens
 from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run.args import RUN_DTYPES, PTQArgs
-from eprt.quant.run.plan import (
-    MemoryPlan,
-    RunShape,
-    available_memory,
-    check_host_memory,
-    check_memory,
-    current_rss,
-    memory_in_use,
-)
+from eprt.quant.run.memory_check import check_host_memory, check_memory
+from eprt.quant.run.memory_plan import MemoryPlan, RunShape
+from eprt.quant.run.process_memory import available_memory, current_rss, memory_in_use
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes

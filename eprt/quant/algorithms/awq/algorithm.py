@@ -1,4 +1,4 @@
-"""AWQ as a registered algorithm: the memory plan's samples and search (eprt.quant.algorithms.awq.plan), the
+"""AWQ as a registered algorithm: its memory (eprt.quant.algorithms.awq.plan: samples, searches, folds), the
 checkpoint view its folds leave (eprt.quant.algorithms.awq.folds.FoldedCheckpoint, read by the run's later
 layers, by the preview and by the export), its state (the folds, saved at each layer boundary and
 recorded in the calibrated checkpoint) and its pass (eprt.quant.algorithms.awq.passes)."""
@@ -14,6 +14,7 @@ from torch import nn
 from eprt.loading.resolved import ResolvedCheckpoint, place_tensors
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint, Folds
 from eprt.quant.algorithms.awq.passes import AWQ, NAME
+from eprt.quant.algorithms.awq.plan import AWQMemory
 from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.loop.engine import Pass
 
@@ -22,8 +23,8 @@ class AWQAlgorithm(Algorithm):
     name = NAME
     measures_again = True
 
-    def plan_terms(self, modules: Mapping[str, str]) -> dict:
-        return {"awq": dict(modules)}
+    def memory(self, rc, model, targets, modules: Mapping[str, str], device) -> AWQMemory:
+        return AWQMemory.of(rc, model, targets, modules, on_cpu=torch.device(device).type == "cpu")
 
     def view(self, rc: ResolvedCheckpoint, first_expert: int) -> tuple[ResolvedCheckpoint, Folds]:
         """The run reads its layers through the folds (the routed experts' clips: this rank's rows,
@@ -41,8 +42,8 @@ class AWQAlgorithm(Algorithm):
     def restore(self, folds: Folds, tensors: dict[str, torch.Tensor]) -> None:
         folds.load(tensors)
 
-    def record(self, folds: Folds) -> dict:
-        return {"folds": folds}
+    def record(self, folds: Folds) -> Folds:
+        return folds
 
     def apply(self, folds: Folds, model: nn.Module, rc: ResolvedCheckpoint, experts, device) -> set[str]:
         """The folded tensors read into `model` again through the run's view (`rc`); the fake

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from eprt.layout import TensorSpec
+from eprt.quant.calibrated import RecordPart
 from eprt.storage.checkpoint import Checkpoint
 
 # a fold's kind, the leaf of its scale in the calibration record -> the leaf of the tensor it changes
@@ -132,10 +133,15 @@ def _scaled(folds: list[tuple[str, torch.Tensor]], t: torch.Tensor, rows: tuple[
     return w.to(t.dtype)
 
 
-class Folds:
+class Folds(RecordPart):
     """The folds of a run by the module they change (module -> {kind: s fp32}), and by the tensor.
     The routed experts' clips (HELD_PER_RANK) are ExpertRows: the rows of experts `first` onwards
-    (this rank's), or the calibrated checkpoint's."""
+    (this rank's), or the calibrated checkpoint's. AWQ's part of the calibration record: `module.kind`
+    -> s (one per channel; the routed experts: a row per expert), the export reading the checkpoint
+    through them (`view`)."""
+
+    leaves = tuple(TENSOR_LEAF)
+    per_rank = HELD_PER_RANK
 
     def __init__(self, first: int = 0):
         self.first = first
@@ -183,6 +189,15 @@ class Folds:
                 folds.add(module, kind, ExpertRows(None, read=lambda a, b, n=name: read(n, (a, b))))
         folds.load({n: t for n, t in tensors.items() if t is not None})
         return folds
+
+    @classmethod
+    def read(cls, ck: Checkpoint, names: list[str]) -> Folds:
+        """The folds of calibrated checkpoint `ck`, the routed experts' clips read by rows from it."""
+        tensors = {n: None if n.rsplit(".", 1)[1] in HELD_PER_RANK else ck.read(n) for n in names}
+        return cls.of(tensors, read=lambda name, rows: ck.read(name, rows=rows))
+
+    def view(self, ck: Checkpoint) -> FoldedCheckpoint:
+        return FoldedCheckpoint(ck, self)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Back from `tensors` (eprt.quant.run.workdir's saved ones: the routed experts' clips this

@@ -92,6 +92,7 @@ class AWQ(Pass):
     rewrites = True
     covers_mtp = False
     calibration_runs = 1  # the folded layer's statistics
+    per_sequence_work = True  # the search scores every unit of the calibration sequences
 
     def __init__(self, cal: Calibrator, recipe: Recipe, folds: Folds, *, writes: bool):
         """`folds`: the run's, which its checkpoint is read through; `writes`: the folded layer's run

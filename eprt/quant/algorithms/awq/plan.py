@@ -1,4 +1,4 @@
-"""What AWQ holds per decoder layer, for the memory plan (eprt.quant.run.plan): the calibration inputs
+"""What AWQ holds per decoder layer, for the memory plan (eprt.quant.run.memory_plan.AlgorithmMemory): the calibration inputs
 its balanced groups keep from the statistics run to the search (eprt.quant.algorithms.awq.passes), and the
 search's working set.
 
@@ -24,22 +24,34 @@ search's working set.
   the scale search and again after the clips: the largest tensor a fold rewrites (a routed experts'
   stacked projections: this rank's experts'), as read and folded in its dtype and, at once, in fp32 its
   scaled weight, the clip's blocks and their bounds (FOLD_FP32_COPIES). The first read comes while
-  the samples are held: the larger of it, the search and the clip search counts beside them."""
+  the samples are held: the larger of it, the search and the clip search counts beside them.
+  On a CPU rank the fold comes beside what the two searches held, too: their working sets are freed
+  in pieces below glibc's mmap threshold (which rises, up to 32 MiB, to the largest block freed), so
+  the process's heap keeps them for reuse, while the fold's larger tensors are mapped afresh beside it
+  (measured on the memory test's model, 1.12 GiB where the fold alone was planned at 0.94; 0.90 GiB with
+  MALLOC_MMAP_THRESHOLD_ set low, which gives every freed block back). A GPU's allocator reuses them,
+  and its reserve is priced apart (eprt.quant.run.device_terms)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
+from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.moe import Experts
 from eprt.quant.algorithms.awq.clip import CHUNK_ELEMENTS as CLIP_CHUNK_ELEMENTS
 from eprt.quant.algorithms.awq.clip import MOST_STEPS as CLIP_STEPS
 from eprt.quant.algorithms.awq.groups import layer_groups
+from eprt.quant.algorithms.awq.passes import NAME
 from eprt.quant.algorithms.awq.search import BATCH_ELEMENTS, COARSE, SCORED_ROWS, candidates_at_once
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.nvfp4 import BLOCK_SIZE as SMALLEST_CLIP_BLOCK
+from eprt.quant.loop.sequences import own_sequences
+from eprt.quant.run.memory_plan import AlgorithmMemory, RunShape
+from eprt.units import format_bytes
 
 FOLD_FP32_COPIES = 3  # a fold's fp32 tensors at once: the scaled weight, the clip's blocks and their bound
 
@@ -103,12 +115,19 @@ def awq_layers(model: nn.Module, targets: set[str], balanced: dict[str, str]) ->
 
 
 def awq_bytes(
-    layers: dict[int, AWQLayer], own_tokens: int, routed_copies: int, seq_len: int, itemsize: int, ep: int
+    layers: dict[int, AWQLayer],
+    own_tokens: int,
+    routed_copies: int,
+    seq_len: int,
+    itemsize: int,
+    ep: int,
+    heap_keeps: bool = False,
 ) -> tuple[int, int, int]:
     """(the samples, the search's working set) of the layer that holds the most, and every layer's
     clips this rank holds, in bytes: this rank holding `own_tokens` calibration tokens, computing
     `routed_copies` routed copies, in `itemsize`-byte activations, and a share of the routed
-    experts at expert parallelism `ep`."""
+    experts at expert parallelism `ep`; with `heap_keeps` (a CPU rank), the fold beside what the
+    searches freed before it."""
     A = len(COARSE)  # the most candidates the search holds at once
     scored = math.ceil(seq_len / max(1, seq_len // SCORED_ROWS))  # a sequence's rows the search scores
     most = (0, 0)
@@ -129,7 +148,35 @@ def awq_bytes(
         clip = min(CLIP_CHUNK_ELEMENTS, CLIP_STEPS * layer.largest) * (4 + itemsize + 4 + 8 + 8)
         # the fold of the largest tensor it rewrites, as read back into the layer
         fold = max(layer.folded_dense, layer.folded_routed // ep) * (2 * itemsize + FOLD_FP32_COPIES * 4)
-        most = max(most, (samples, max(inputs + weights + unit, clip, fold)), key=sum)
+        search = inputs + weights + unit
+        fold += search + clip if heap_keeps else 0
+        most = max(most, (samples, max(search, clip, fold)), key=sum)
     # the clips stay to the end of the run: at the last layer, every layer's (its routed experts' on
     # their ranks, ep of them sharing the experts evenly)
     return (*most, sum(layer.dense_clips + layer.routed_clips // ep for layer in layers.values()))
+
+
+@dataclass(frozen=True)
+class AWQMemory(AlgorithmMemory):
+    layers: dict[int, AWQLayer]
+    top_k: int  # routed copies per token
+    itemsize: int  # the run's activations
+    on_cpu: bool  # the fold comes beside the searches' freed working sets (the heap keeps them)
+    name = NAME
+
+    @classmethod
+    def of(cls, rc: ResolvedCheckpoint, model: nn.Module, targets, modules: Mapping[str, str], on_cpu: bool):
+        """Of meta model `model` of `rc`, AWQ balancing `modules` (each with its format) of `targets`."""
+        layers = awq_layers(model, set(targets), dict(modules))
+        return cls(layers, max(rc.ck.config.num_experts_per_tok, 1), rc.dtype.itemsize, on_cpu)
+
+    def held(self, shape: RunShape, stack: int) -> int:
+        """Its samples, its search and every layer's clips, on rank `shape.rank`: the routed copies at
+        an even share of the routing."""
+        T = shape.seq_len
+        own = len(own_sequences(shape.num_sequences, shape.rank, shape.world)) * T
+        routed = math.ceil(shape.num_sequences * T * self.top_k / shape.world)
+        return sum(awq_bytes(self.layers, own, routed, T, self.itemsize, shape.ep, self.on_cpu))
+
+    def terms(self, held: int, stack: int) -> str:
+        return f"AWQ's samples and search {format_bytes(held)}"

@@ -1,4 +1,4 @@
-"""GPTQ as a registered algorithm: the memory plan's Hessians and codes (eprt.quant.run.plan), its run
+"""GPTQ as a registered algorithm: its memory (eprt.quant.algorithms.gptq.plan: Hessians, solves, codes), its run
 state (eprt.quant.algorithms.gptq.layer.GPTQRun: the codes so far, saved at each layer boundary and recorded
 in the calibrated checkpoint), its pass (eprt.quant.algorithms.gptq.passes) and its summary."""
 
@@ -13,14 +13,16 @@ from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.algorithms.base import Algorithm, RunContext
 from eprt.quant.algorithms.gptq.layer import ALGORITHM, GPTQRun
 from eprt.quant.algorithms.gptq.passes import GPTQ
+from eprt.quant.algorithms.gptq.plan import GPTQMemory
+from eprt.quant.algorithms.gptq.record import GPTQRecord
 from eprt.quant.loop.engine import Pass
 
 
 class GPTQAlgorithm(Algorithm):
     name = ALGORITHM
 
-    def plan_terms(self, modules: Mapping[str, str]) -> dict:
-        return {"gptq": dict(modules)}
+    def memory(self, rc, model, targets, modules: Mapping[str, str], device) -> GPTQMemory:
+        return GPTQMemory.of(rc, model, modules)
 
     def start(self, ctx: RunContext, viewed) -> GPTQRun:
         return GPTQRun(
@@ -29,7 +31,7 @@ class GPTQAlgorithm(Algorithm):
             ctx.recipe,
             ctx.targets,
             tokens=ctx.tokens,
-            min_tokens=ctx.min_tokens,
+            min_tokens=ctx.options.min_tokens,
             expert_stack=ctx.expert_stack,
         )
 
@@ -42,11 +44,11 @@ class GPTQAlgorithm(Algorithm):
     def restore(self, run: GPTQRun, tensors: dict[str, torch.Tensor]) -> None:
         run.results.load(tensors)
 
-    def record(self, run: GPTQRun) -> dict:
-        return {"gptq": run.results}
+    def record(self, run: GPTQRun) -> GPTQRecord:
+        return GPTQRecord(run.results.dense, run.results.experts)
 
     def apply(self, run: GPTQRun, model: nn.Module, rc: ResolvedCheckpoint, experts, device) -> set[str]:
         return run.results.apply(model, rc.ck, run.formats, experts[0] if experts else 0)
 
     def summary(self, run: GPTQRun, ctx: RunContext) -> dict:
-        return {"gptq_min_tokens": ctx.min_tokens, "gptq_skipped_experts": run.results.summary()}
+        return {"gptq_min_tokens": ctx.options.min_tokens, "gptq_skipped_experts": run.results.summary()}

@@ -33,8 +33,9 @@ from eprt.models.taps import tapped
 from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
+from eprt.quant.algorithms.gptq.record import W2, W13
 from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
-from eprt.quant.algorithms.registry import GPTQ_MIN_TOKENS, params_of
+from eprt.quant.algorithms.registry import GPTQRunOptions, params_of
 from eprt.quant.calibrated import CalibrationRecord
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.scales import EXPERT_PIECES, Scales, as_quantized
@@ -43,13 +44,13 @@ from eprt.storage.checkpoint import Checkpoint
 ALGORITHM = "gptq"
 # Routed experts solved together: the column sweep's Python loop runs once per stack, not per
 # expert; each comes out as if alone (eprt.quant.algorithms.gptq.solve.gptq), so the stack size changes no bit. The
-# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.plan), up to
+# memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.planner), up to
 # this many: beyond it the loop's share of the solve is already small.
 MOST_EXPERTS_STACKED = 16
 
 
 class GPTQResults:
-    """This rank's GPTQ weights so far, in the export's encoding (eprt.quant.calibrated):
+    """This rank's GPTQ weights so far, in the export's encoding (eprt.quant.algorithms.gptq.record):
     dense: Linear -> codes; experts: experts module -> (first projection's codes, down's) of its local
     experts; skipped: experts module -> the global ids of the experts kept at max rounding."""
 
@@ -64,9 +65,8 @@ class GPTQResults:
     def tensors(self, modules: set[str]) -> dict[str, torch.Tensor]:
         """What a layer boundary saves of `modules` for --resume (eprt.quant.run.workdir)."""
         out = {f"gptq/{m}": t for m, t in self.dense.items() if m in modules}
-        codes_in_key, codes_down_key = CalibrationRecord.GPTQ_W13, CalibrationRecord.GPTQ_W2  # as the record names them
         for m, (codes_in, codes_down) in ((m, pair) for m, pair in self.experts.items() if m in modules):
-            out[f"{codes_in_key}/{m}"], out[f"{codes_down_key}/{m}"] = codes_in, codes_down
+            out[f"{W13}/{m}"], out[f"{W2}/{m}"] = codes_in, codes_down  # as the record names them
             out[f"gptq_skipped/{m}"] = torch.tensor(self.skipped.get(m, []), dtype=torch.int64)
         return out
 
@@ -75,8 +75,8 @@ class GPTQResults:
             kind, _, name = key.partition("/")
             if kind == "gptq":
                 self.dense[name] = t.cpu()
-            elif kind == CalibrationRecord.GPTQ_W13:
-                self.experts[name] = (t.cpu(), tensors[f"{CalibrationRecord.GPTQ_W2}/{name}"].cpu())
+            elif kind == W13:
+                self.experts[name] = (t.cpu(), tensors[f"{W2}/{name}"].cpu())
             elif kind == "gptq_skipped":
                 self.skipped[name] = t.tolist()
 
@@ -129,7 +129,7 @@ class GPTQRun:
         targets: list[str],
         *,
         tokens: int,
-        min_tokens: int = GPTQ_MIN_TOKENS,
+        min_tokens: int = GPTQRunOptions.min_tokens,
         expert_stack: int = MOST_EXPERTS_STACKED,
     ):
         self.state, self.rc, self.recipe = state, rc, recipe

@@ -40,7 +40,7 @@ from eprt.quant.loop.engine import LayerEngine
 from eprt.quant.loop.passes.quality import QualityStreams
 from eprt.quant.quality import QualityReport
 from eprt.quant.rotation.rotated import RotatedCheckpoint
-from eprt.quant.run.args import PTQArgs
+from eprt.quant.run.args import PTQArgs, algorithm_options
 from eprt.quant.run.data import check_data_settings, report_data
 from eprt.quant.run.fingerprint import check_base_read
 from eprt.quant.run.setup import check_kv_cache, open_unquantized, plan_run, run_shape
@@ -142,7 +142,7 @@ def measure_format_errors(
     run = (
         program_of(smallest, targets)
         .start(rc, 0)
-        .begin(state, cal, tokens=samples.numel(), min_tokens=1, expert_stack=1)
+        .begin(state, cal, tokens=samples.numel(), options=algorithm_options(a), expert_stack=1)
     )
     passes = run.passes(cal, quality=held_out, format_errors=errors)
     engine = LayerEngine(state, rc, samples, passes, schedule=calibration, progress=a.progress)
