@@ -15,6 +15,7 @@ from bench.engine_reference import (
     bf16_steps,
     e2m1,
     e4m3,
+    engine_bf16,
     engine_linear,
     fake_quantize,
     jittered_inputs,
@@ -22,7 +23,6 @@ from bench.engine_reference import (
     quantize_dequantize,
     read_export,
     silu_and_mul,
-    toward_zero_bf16,
 )
 from eprt.hf.export import export_hf
 from tests.formats_helpers import ct_scheme, decompressed, tiny_checkpoint
@@ -188,20 +188,26 @@ def test_the_noise_floors_jitter_moves_half_the_inputs_one_bf16_step():
     assert torch.equal(quantize_dequantize(x, q), plain)  # the context restores the plain rule
 
 
-def test_vllms_cpu_activation_rounds_toward_zero():
-    """The reference's gated activation is silu(gate) * up in fp32 taken to the bf16 value next to it
-    toward zero (vLLM's CPU silu_and_mul), which differs from rounding to nearest on about half the
-    elements; a product that is already a bf16 value is kept."""
+@pytest.mark.parametrize("avx512_bf16", [True, False])
+def test_the_activation_converts_to_bf16_as_vllms_cpu_kernels_do(monkeypatch, avx512_bf16):
+    """The reference's gated activation is silu(gate) * up in fp32 converted to bf16 once, as vLLM's
+    CPU silu_and_mul converts it: to nearest on a CPU with AVX-512 BF16 (its conversion instruction),
+    else toward zero, which differs from rounding to nearest on about half the elements; a product
+    that is already a bf16 value is kept either way."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     gate, up = torch.randn(2, 4096), torch.randn(2, 4096)
     got = silu_and_mul(gate.to(torch.bfloat16), up.to(torch.bfloat16))
     exact = torch.nn.functional.silu(gate.to(torch.bfloat16).float()) * up.to(torch.bfloat16).float()
+    nearest = exact.to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
+    assert torch.equal(silu_and_mul(torch.zeros(3), torch.zeros(3)), torch.zeros(3, dtype=torch.bfloat16))
+    representable = torch.tensor([1.0, -2.5, 0.75])
+    assert torch.equal(engine_bf16(representable), representable.to(torch.bfloat16))
+    if avx512_bf16:
+        assert torch.equal(got, nearest)
+        return
     g = got.float()
     assert (g.abs() <= exact.abs()).all() and ((g == 0) | (g.sign() == exact.sign())).all()
     away = torch.nextafter(got, (exact.sign() * float("inf")).to(torch.bfloat16)).float()
     assert ((exact - g).abs() < (away - g).abs()).all()  # short of the next bf16 value away from zero
-    nearest = exact.to(torch.bfloat16)
     assert 0.4 < (nearest != got).float().mean().item() < 0.6
-    assert torch.equal(silu_and_mul(torch.zeros(3), torch.zeros(3)), torch.zeros(3, dtype=torch.bfloat16))
-    representable = torch.tensor([1.0, -2.5, 0.75])
-    assert torch.equal(toward_zero_bf16(representable), representable.to(torch.bfloat16))

@@ -306,7 +306,7 @@ def test_the_plan_counts_what_awq_holds(tmp_path, monkeypatch):
         return plans[-1]
 
     def written(*args, **kw):
-        kept.append(kw["folds"])  # the run's folds, as it holds them at its end
+        kept.append(kw["parts"]["awq"])  # the run's folds, as it holds them at its end
         return write(*args, **kw)
 
     monkeypatch.setattr(AWQ, "reference", measured)

@@ -57,8 +57,12 @@ def test_a_run_killed_mid_layer_resumes_and_exports_the_same_bytes(tmp_path, fam
     assert not os.path.exists(out)
     work = out + ".work"
     assert sorted(os.listdir(work)) == [MARKER, LOCK_FILE, "rank-00000", "rank-00001"]  # the lock file, unlocked
-    for rank_dir in ("rank-00000", "rank-00001"):  # the last layer both ranks completed, and nothing half-written
-        assert os.listdir(os.path.join(work, rank_dir)) == [f"layer-{KILL_LAYER - 1:05d}.safetensors"]
+    # the last layer both ranks completed, and nothing half-written; the layer before it stays where its
+    # drop waited on the peers' next save (eprt.quant.run.workdir), which never came
+    last, before = (f"layer-{KILL_LAYER - k:05d}.safetensors" for k in (1, 2))
+    for rank_dir in ("rank-00000", "rank-00001"):
+        held = set(os.listdir(os.path.join(work, rank_dir)))
+        assert last in held and held <= {last, before}, (rank_dir, held)
 
     with pytest.raises(AssertionError, match="other arguments"):  # a resume of another run is refused
         run_world(resumed_other, 2, ck, out, timeout=120)

@@ -269,15 +269,15 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
     [
         (
             {"name": "r", "quantize": [{"pattern": "*", "format": "nvfp4"}], "kv-cache": "fp8"},
-            "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, ignore",
+            "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore",
         ),
         (
             {"quantise": [{"pattern": "*", "format": "nvfp4"}]},
-            "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, ignore",
+            "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore",
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},
-            "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm, group_size",
+            "r.yaml: quantize[0]: unknown key 'kv_cache'; the valid keys are pattern, format, algorithm, group_size, grid",
         ),
     ],
 )
