@@ -198,6 +198,12 @@ class FamilyConfig:
         [T, streams, hidden] where more than one, [T, hidden] where one."""
         return 1
 
+    def kv_cache_calibrated(self) -> bool:
+        """Whether the family's attention hands the keys and values it caches to the KV-cache taps,
+        so that a KV-cache format is calibrated for it; where not, a run writes no KV-cache scales
+        and says so (eprt.quant.run.setup.check_kv_cache)."""
+        return True
+
     def carried_bytes(self, seq_len: int) -> int:
         """The most bytes a sequence of `seq_len` tokens holds, at once, of what its layers leave for
         later ones (eprt.models.decoder.LayerContext.carried), for the memory plan."""

@@ -79,7 +79,7 @@ def test_estimate_counts_the_steps_the_run_counts_per_layer_kind(ck, tmp_path, m
     assert (estimate.exchange_s, estimate.exchange_steps) == (0, 0)  # a world of one exchanges nothing
     assert estimate.saves == 3 and estimate.save_s > 0  # a save after each layer
     # each save but the last is written while the next layer computes: only what outlasts it is waited
-    quickest = min(k.kind.steps * k.step_s + k.layer_s + k.read_s for k in estimate.kinds)
+    quickest = min(k.kind.steps * k.step_s + k.layer_s + k.read_s + k.sequences_s for k in estimate.kinds)
     assert estimate.saving_s == pytest.approx(estimate.save_s + 2 * max(0.0, estimate.save_s - quickest))
     assert estimate.seconds == pytest.approx(
         sum(

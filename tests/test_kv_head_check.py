@@ -3,6 +3,7 @@ is read or layer run, in the calibrated run, the format search and the dry run, 
 the model's head widths and the way out; the widths read are those the model's attention caches."""
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -52,6 +53,8 @@ def test_the_widths_checked_are_those_every_familys_attention_caches():
     """The check reads the config; the oracle is what each family's attention hands its KV taps."""
     for family in families():
         config = parse_hf_config(tiny_config(family))
+        if config.own is not None and not config.own.kv_cache_calibrated():
+            continue  # no KV-cache taps: test_a_family_whose_cache_eprt_does_not_calibrate_says_so
         torch.manual_seed(0)
         model = model_class(config)(config)
         for p in model.parameters():
@@ -106,3 +109,14 @@ def test_the_dry_run_refuses_it(deepseek, monkeypatch, capsys, recipe):
     monkeypatch.setattr(sys, "argv", ["eprt-ptq", ck, "--dry-run", *recipe, "--kv-cache", "nvfp4"])
     with pytest.raises(EprtError, match=refusal(ck, keys, "--kv-cache nvfp4") + "$"):
         command.ptq()
+
+
+def test_a_family_whose_cache_eprt_does_not_calibrate_says_so(caplog):
+    """DeepSeek-V4's attention hands no keys and values to the KV taps: a KV-cache format is not
+    refused (the recipes that name one still run) but said to write no scales, naming the family."""
+    config = parse_hf_config(tiny_config("deepseek_v4"))
+    model = model_class(config)(config)
+    assert not [m for m in model.modules() if isinstance(getattr(m, "taps", None), KVTaps)]
+    with caplog.at_level(logging.WARNING, logger="eprt"):
+        check_kv_cache("fp8", config, "CK")
+    assert "CK (deepseek_v4) caches entries eprt does not calibrate yet" in caplog.text

@@ -54,6 +54,11 @@ class DeepseekV4Config(FamilyConfig):
         """Tokens per compressed entry of `layer`'s attention, 0 for a sliding-window layer."""
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_kinds[layer]]
 
+    def kv_cache_calibrated(self) -> bool:
+        # its cache holds the sliding window's entries and the compressed ones beside them, which
+        # eprt's KV taps do not observe yet: no KV-cache scales are written for it
+        return False
+
     def residual_streams(self) -> int:
         return self.hc_mult
 

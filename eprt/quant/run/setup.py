@@ -74,6 +74,12 @@ def check_kv_cache(kv_cache: str | None, config: ModelConfig, where: str, settin
     kv = KV_CACHE_FORMATS.get(kv_cache)  # a name that is no format is the recipe's to refuse
     if kv is None:
         return
+    if config.own is not None and not config.own.kv_cache_calibrated():
+        logger().warning(
+            f"{setting or f'--kv-cache {kv_cache}'}: {where} ({config.family}) caches entries eprt does not "
+            "calibrate yet: the export carries no KV-cache scales, and an engine uses its default for them"
+        )
+        return
     keys, values = config.kv_head_dims
     unfit = [
         f"{what} heads {width} wide" for what, width in (("key", keys), ("value", values)) if kv.unfit_head_dim(width)
