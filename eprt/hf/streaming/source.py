@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from eprt.families import read_hf_config
-from eprt.hf.convert import ConversionPlanner, Encoded
+from eprt.hf.convert import ConversionPlanner
 from eprt.hf.source import HFSource, non_weight_files
+from eprt.hf.source_encoded import Encoded
 from eprt.layout import Layout, TensorSpec
 from eprt.storage import encodings
 from eprt.storage.hf_files import CONFIG
