@@ -43,10 +43,9 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import (  # noqa: E402
-    CARRIED_MTP,
     RELEASED_AS,
     make_tiny,
-    mtp_layout,  # noqa: E402
+    mtp_specs,
     tiny_config,
 )
 
@@ -416,8 +415,7 @@ def real_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     cfg = parse_hf_config(hf, "the real config")
     layout = reader_for(cfg.model_type, "the real config").layout(cfg)
     shapes = {s.name: s.shape for s in layout.specs}
-    carried = CARRIED_MTP.get(cfg.family)  # MTP layers carried by their Hugging Face names (Nemotron-H's)
-    for spec in layout.mtp or (carried(cfg) if carried else mtp_layout(hf).specs):
+    for spec in layout.mtp or mtp_specs(hf, cfg):
         shapes.update(
             {source: spec.source_shape() for source in spec.sources} if spec.stacked else {spec.name: spec.shape}
         )

@@ -204,11 +204,8 @@ def vision_tensors(hidden: int, g: torch.Generator, model_type: str) -> dict[str
 
 
 def mtp_layout(hf: dict) -> Layout:
-    """The multi-token-prediction layers (DeepSeek-V3's: a decoder layer plus its own norms and
-    projection; a family that stores them otherwise names them in its layout module, `MTP_LAYOUTS`)."""
-    own = MTP_LAYOUTS.get(hf["model_type"])
-    if own is not None:
-        return own(parse_hf_config(hf, "tiny"))
+    """DeepSeek-V3's multi-token-prediction layers: a decoder layer plus its own norms and projection
+    (a family that stores them otherwise names them in its layout module: `MTP_LAYERS`)."""
     n, k = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 0)
     big = parse_hf_config({**hf, "num_hidden_layers": n + k, "num_nextn_predict_layers": 0})
     D, vocab = big.hidden_size, big.vocab_size
@@ -227,13 +224,21 @@ def mtp_layout(hf: dict) -> Layout:
     return Layout(tuple(specs))
 
 
-# Families whose multi-token-prediction layers eprt carries without running them: their tensors
-CARRIED_MTP = {
+# The families whose multi-token-prediction layers are not DeepSeek-V3's (eprt carries them without
+# running them): their tensors, from the family's layout module
+MTP_LAYERS = {
     "nemotron_h": nemotron_h.mtp_layers,
     "nemotron_h_omni": lambda c: nemotron_h.mtp_layers(c, "language_model."),
+    "deepseek_v4": lambda c: list(deepseek_v4_layout.mtp_layout(c).specs),
 }
-# the families whose MTP layers are not DeepSeek-V3's, by model_type: their layout's MTP tensors
-MTP_LAYOUTS = {"deepseek_v4": deepseek_v4_layout.mtp_layout}
+
+
+def mtp_specs(hf: dict, cfg) -> list[TensorSpec]:
+    """The tensors of the multi-token-prediction layers of config `hf` (parsed: `cfg`), none without."""
+    own = MTP_LAYERS.get(cfg.family)
+    if own is not None:
+        return own(cfg)
+    return list(mtp_layout(hf).specs) if cfg.num_nextn_predict_layers else []
 
 
 def make_tiny(
@@ -265,10 +270,7 @@ def make_tiny(
     fam = reader_for(cfg.model_type, "tiny")
     layout = fam.layout(cfg)
     specs = list(layout.specs)
-    if cfg.num_nextn_predict_layers:
-        specs += mtp_layout(hf).specs
-    if cfg.family in CARRIED_MTP:
-        specs += CARRIED_MTP[cfg.family](cfg)
+    specs += mtp_specs(hf, cfg)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for spec in specs:
