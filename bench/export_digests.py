@@ -47,7 +47,7 @@ from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.hf.export import export_hf  # noqa: E402
 from eprt.parallel import ParallelState  # noqa: E402
 from eprt.quant.run.ptq import PTQArgs, run_ptq  # noqa: E402
-from eprt.testing.tiny import RELEASED_AS, distinct_models, make_tiny, tiny_config  # noqa: E402
+from eprt.testing.tiny import distinct_models, make_tiny, released, tiny_config  # noqa: E402
 from tests.multiproc import run_world  # noqa: E402
 
 FAMILIES = tuple(distinct_models())
@@ -61,11 +61,11 @@ SOURCES = (
     ),
     ("kimi_k3-mxfp4", "kimi_k3", dict(source_format="mxfp4")),
     ("qwen3_5_moe-fused", "qwen3_5_moe", dict(fused_experts=True)),
-    ("mistral4-fp8_tensor", "mistral4", dict(RELEASED_AS["mistral4"])),
+    ("mistral4-fp8_tensor", "mistral4", released("mistral4")),
     ("minimax_m2-fp8_block", "minimax_m2", dict(source_format="fp8-block", hidden_size=192, intermediate_size=144)),
     ("minimax_m3_vl-mxfp8", "minimax_m3_vl", dict(source_format="mxfp8")),
-    ("gpt_oss-mxfp4", "gpt_oss", dict(RELEASED_AS["gpt_oss"])),
-    ("deepseek_v4-fp8_fp4", "deepseek_v4", dict(RELEASED_AS["deepseek_v4"])),
+    ("gpt_oss-mxfp4", "gpt_oss", released("gpt_oss")),
+    ("deepseek_v4-fp8_fp4", "deepseek_v4", released("deepseek_v4")),
 )
 # Each family's wide tiny model: every Linear's input dim a multiple of 128 (the largest group of
 # a format), the tiny config's other sizes kept. The low ranks and head widths that feed a

@@ -43,9 +43,9 @@ from eprt.hf.export import export_hf  # noqa: E402
 from eprt.storage.checkpoint import MANIFEST  # noqa: E402
 from eprt.storage.safetensors_io import SAFETENSORS_DTYPES  # noqa: E402
 from eprt.testing.tiny import (  # noqa: E402
-    RELEASED_AS,
     make_tiny,
     mtp_specs,
+    released,
     tiny_config,
 )
 
@@ -296,14 +296,14 @@ REAL = {
 RELEASE = {
     "kimi_k2": ("deepseek_v3", {"source_format": "fp8-block"}, 62),
     "deepseek_v3": ("deepseek_v3", {"source_format": "fp8-block"}, 163),
-    "mistral4": ("mistral4", RELEASED_AS["mistral4"], 24),
+    "mistral4": ("mistral4", released("mistral4"), 24),
     "glm_moe_dsa": ("glm_moe_dsa", {"source_format": "fp8-block"}, 150),  # a round number: steps grow with tensors
     "minimax_m2": ("minimax_m2", {"source_format": "fp8-block"}, 130),
     "minimax_m3": ("minimax_m3_vl", {"source_format": "mxfp8"}, 86),
-    "llama4_maverick": ("llama4_text", {}, 55),  # bf16, its experts fused as make_tiny stores the family
-    "nemotron3_ultra": ("nemotron_h", {}, 110),  # bf16 (its NVFP4 release is ModelOpt's own export)
-    "gpt_oss_120b": ("gpt_oss", RELEASED_AS["gpt_oss"], 15),
-    "deepseek_v4_pro": ("deepseek_v4", RELEASED_AS["deepseek_v4"], 64),  # FP8 and FP4 experts, E8M0 scales
+    "llama4_maverick": ("llama4_text", released("llama4_text"), 55),  # bf16, its experts fused
+    "nemotron3_ultra": ("nemotron_h", released("nemotron_h"), 110),  # bf16 (its NVFP4 release is ModelOpt's own export)
+    "gpt_oss_120b": ("gpt_oss", released("gpt_oss"), 15),
+    "deepseek_v4_pro": ("deepseek_v4", released("deepseek_v4"), 64),  # FP8 and FP4 experts, E8M0 scales
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
 DEEPSEEK_TINY_DIMS = dict(
@@ -509,13 +509,13 @@ def with_fields(family: str, config: dict, fields: dict) -> dict:
 
 def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str) -> list[tuple[str, str]]:
     real = REAL[model]
-    family, released, shards = RELEASE[model]
+    family, storage, shards = RELEASE[model]
     # make_tiny's keywords: the real counts at tiny dims, over the family's tiny config
     counts = with_fields(family, tiny_config(family), over(real, TINY_DIMS[family]))
     root = os.path.join(tmp, model)
     rows = []
     say(f"{model}: making the real-count checkpoint, encoded as released")
-    hf, t_make = timed(make_tiny, family, os.path.join(root, "hf"), shards=shards, **released, **counts)
+    hf, t_make = timed(make_tiny, family, os.path.join(root, "hf"), shards=shards, **storage, **counts)
     ck, t_convert = timed(convert_hf, hf, os.path.join(root, "ck"), progress=False)
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         n_source = len(json.load(f)["weight_map"])

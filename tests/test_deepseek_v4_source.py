@@ -20,14 +20,14 @@ from eprt.quant.formats.nvfp4 import dequantize_nvfp4
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import DEEPSEEK_FP4, DEEPSEEK_FP8, decoder
-from eprt.testing.tiny import RELEASED_AS, make_tiny
+from eprt.testing.tiny import make_tiny, released
 from tests.hf_utils import raw, read_hf_tensors
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     d = tmp_path_factory.mktemp("dsv4")
-    hf = make_tiny("deepseek_v4", str(d / "hf"), **RELEASED_AS["deepseek_v4"])
+    hf = make_tiny("deepseek_v4", str(d / "hf"), **released("deepseek_v4"))
     return hf, convert_hf(hf, str(d / "ck"), progress=False)
 
 

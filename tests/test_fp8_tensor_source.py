@@ -20,7 +20,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import FP8_TENSOR
-from eprt.testing.tiny import RELEASED_AS, make_tiny
+from eprt.testing.tiny import make_tiny, released
 from tests.ep_checks import RECIPES, calibrate
 from tests.hf_utils import raw, read_hf_tensors
 from tests.multiproc import free_port
@@ -32,7 +32,7 @@ EXPERTS = "model.layers.1.mlp.experts"
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-tensor")
-    hf = make_tiny(FAMILY, str(root / "hf"), **RELEASED_AS[FAMILY])
+    hf = make_tiny(FAMILY, str(root / "hf"), **released(FAMILY))
     return hf, convert_hf(hf, str(root / "ck"), progress=False)
 
 
@@ -55,7 +55,7 @@ def test_the_tiny_release_is_stored_as_the_release_stores_it(release):
 def test_the_unquantized_export_gives_back_the_release_byte_for_byte(release, tmp_path, reference, family):
     """The language model alone, and as released inside its vision-language model (the vision tower
     and projector in bf16, carried)."""
-    hf = release[0] if family == FAMILY else make_tiny(family, str(tmp_path / "hf"), **RELEASED_AS[family])
+    hf = release[0] if family == FAMILY else make_tiny(family, str(tmp_path / "hf"), **released(family))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False, reference=reference)
     assert {m.encoding for m in Checkpoint(ck).tensors.values() if m.encoded} == {FP8_TENSOR}
     saved, exported = read_hf_tensors(hf), read_hf_tensors(export_hf(ck, str(tmp_path / "out"), progress=False))
@@ -166,7 +166,7 @@ def test_calibrated_from_the_release_every_layout_exports_and_passes_the_checks(
     recipe's: eprt-check against the source finds nothing."""
     hf, ck = release
     if family != FAMILY:
-        hf = make_tiny(family, str(tmp_path / "hf"), **RELEASED_AS[family])
+        hf = make_tiny(family, str(tmp_path / "hf"), **released(family))
         ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     calibrate({"release": ck}, str(tmp_path), 1, free_port())
     for recipe, *_ in RECIPES:

@@ -23,7 +23,7 @@ from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.storage.encodings import source_quantization
 from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, decode_mxfp4_blocks
-from eprt.testing.tiny import RELEASED_AS, make_tiny, tiny_config
+from eprt.testing.tiny import make_tiny, released, tiny_config
 from tests.hf_utils import raw, read_hf_tensors
 
 FAMILY, E, LAYERS = "gpt_oss", 8, 2
@@ -34,7 +34,7 @@ EXPERTS = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
 def release(tmp_path_factory):
     """(release dir, its eprt checkpoint): the tiny model as GPT-OSS is released, the rest in fp32."""
     d = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    hf = make_tiny(FAMILY, str(d / "hf"), dtype="fp32", **RELEASED_AS[FAMILY])
+    hf = make_tiny(FAMILY, str(d / "hf"), dtype="fp32", **released(FAMILY))
     return hf, convert_hf(hf, str(d / "ck"), progress=False)
 
 

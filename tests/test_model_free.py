@@ -265,9 +265,9 @@ def test_fused_fp8_experts_are_decoded_expert_by_expert_to_the_modeled_export(tm
     scale per expert's gate and up rows. Each expert is decoded from its own rows of the weight and
     scales, never the whole stack per expert, to the modeled export's bytes."""
     from eprt.storage.encodings import TensorFP8
-    from eprt.testing.tiny import RELEASED_AS
+    from eprt.testing.tiny import released
 
-    hf = make_tiny("mistral4", str(tmp_path / "hf"), **RELEASED_AS["mistral4"])
+    hf = make_tiny("mistral4", str(tmp_path / "hf"), **released("mistral4"))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     decoded = []
     decode = TensorFP8.decode

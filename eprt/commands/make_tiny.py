@@ -21,7 +21,7 @@ def make() -> None:
         help="store it encoded as this release is (int4, mxfp4, mxfp4-blocks, fp8-block, fp8-tensor, mxfp8; a wrong one lists them all)",
     )
     a = ap.parse_args()
-    from eprt.testing.tiny import RELEASED_AS, SOURCE_FORMATS, families, make_tiny  # after --help: they import torch
+    from eprt.testing.tiny import SOURCE_FORMATS, families, make_tiny, released  # after --help: they import torch
 
     if a.family not in families():
         ap.error(f"argument family: invalid choice: {a.family!r} (choose from {', '.join(families())})")
@@ -29,7 +29,7 @@ def make() -> None:
         ap.error(
             f"argument --source-format: invalid choice: {a.source_format!r} (choose from {', '.join(SOURCE_FORMATS)})"
         )
-    release = RELEASED_AS.get(a.family, {})
+    release = released(a.family)
     if a.source_format is not None:
         release = {**release, "source_format": a.source_format}
     make_tiny(a.family, a.out, seed=a.seed, shards=a.shards, dtype=a.dtype, overwrite=a.overwrite, **release)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save
@@ -42,13 +43,6 @@ def families() -> list[str]:
         f[:-5] for f in os.listdir(TINY_DIR) if f.endswith(".json") and f[:-5] not in {n[:-5] for n in TOKENIZER_FILES}
     )
 
-
-# the families whose releases store each layer's routed experts fused (make_tiny's default); Qwen3.5-MoE's
-# tiny checkpoint keeps the per-expert form its first tiny checkpoints had, its fused form asked for by name
-RELEASED_FUSED = {"llama4", "llama4_text", "gpt_oss"}
-# the families whose releases spell their plain tensors as the layout's `alias` (DeepSeek-V4's flat
-# names, where eprt names them as transformers saves them)
-RELEASED_ALIASED = {"deepseek_v4"}
 
 # a tiny family that runs another's model under its own name: a run across every model leaves it out
 SAME_MODEL_AS = {
@@ -261,9 +255,10 @@ def make_tiny(
     fused_experts stores each layer's routed experts as Qwen3.5-MoE is released (and as transformers
     5's MoE modules hold them): `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I],
     in the storage the family's layout names (Llama-4's transposed); None: as the family's
-    releases store them (`RELEASED_FUSED`)."""
+    releases store them (`RELEASES`)."""
+    release = RELEASES.get(family, PLAIN)
     if fused_experts is None:
-        fused_experts = family in RELEASED_FUSED
+        fused_experts = release.fused_experts
     hf = tiny_config(family, **overrides)
     hf["torch_dtype"] = WEIGHT_DTYPE_NAMES[dtype]
     cfg = parse_hf_config(hf, f"tiny {family}")
@@ -277,7 +272,7 @@ def make_tiny(
         if fused_experts and spec.fused:
             tensors[spec.fused] = init(spec.fused, spec.fused_shape(), g).to(WEIGHT_DTYPES[dtype])
             continue
-        for src in (spec.alias,) if spec.alias and family in RELEASED_ALIASED else spec.sources:
+        for src in (spec.alias,) if spec.alias and release.flat_names else spec.sources:
             if spec.table:
                 tensors[src] = expert_table(spec.shape, cfg.num_experts, g)
                 continue
@@ -413,14 +408,39 @@ SOURCE_FORMATS = {
         "weight_block_size": [128, 128],
     },
 }
-# How make_tiny stores a family as its release does, where that is not the plain default
-# (`eprt-make-tiny` writes these): Mistral-Small-4 ships per-tensor FP8 with its experts fused.
-RELEASED_AS = {
-    "gpt_oss": {"source_format": "mxfp4-blocks"},
-    "mistral4": {"source_format": "fp8-tensor", "fused_experts": True},
-    "mistral4_vlm": {"source_format": "fp8-tensor", "fused_experts": True},
-    "deepseek_v4": {"source_format": DEEPSEEK_V4},
+
+
+@dataclass(frozen=True)
+class Release:
+    """How a family's releases store its tensors, where not as the plain tiny checkpoint does (each
+    expert apart, the layout's names, the checkpoint's dtype). make_tiny writes a family's names and
+    expert storage so unless told otherwise; `released` adds the encoding (what eprt-make-tiny writes)."""
+
+    fused_experts: bool = False  # each layer's routed experts one tensor per projection, in the layout's storage
+    flat_names: bool = False  # plain tensors under the layout's `alias` (DeepSeek-V4's own names)
+    source_format: str | None = None  # the weights encoded as this SOURCE_FORMATS entry says
+    # experts fused only in the encoded release: the plain tiny checkpoint keeps the per-expert form its
+    # first tests had (as Qwen3.5-MoE's, fused in its release too, keeps it always)
+    encoded_fused: bool = False
+
+
+RELEASES = {
+    "llama4": Release(fused_experts=True),
+    "llama4_text": Release(fused_experts=True),
+    "gpt_oss": Release(fused_experts=True, source_format="mxfp4-blocks"),
+    "mistral4": Release(source_format="fp8-tensor", encoded_fused=True),  # per-tensor FP8, its experts fused
+    "mistral4_vlm": Release(source_format="fp8-tensor", encoded_fused=True),
+    "deepseek_v4": Release(flat_names=True, source_format=DEEPSEEK_V4),
 }
+PLAIN = Release()
+
+
+def released(family: str) -> dict:
+    """make_tiny's keywords that store `family` as its release does (`eprt-make-tiny`'s checkpoint)."""
+    release = RELEASES.get(family, PLAIN)
+    return {"source_format": release.source_format, "fused_experts": release.fused_experts or release.encoded_fused}
+
+
 # Not Linears (embeddings, the router), so never compressed; DeepSeek-V3 also keeps its heads in bf16,
 # DeepSeek-V3.2 its indexer's weights_proj, MiniMax-M3's MXFP8 release its vision tower and projectors.
 _NOT_LINEAR = re.compile(r".*(embed_tokens|\.(mlp|block_sparse_moe)\.gate)")

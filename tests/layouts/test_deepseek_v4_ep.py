@@ -7,7 +7,7 @@ import pytest
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
-from eprt.testing.tiny import RELEASED_AS, make_tiny
+from eprt.testing.tiny import make_tiny, released
 from tests.ep_checks import (
     LAYOUTS,
     RECIPES,
@@ -54,7 +54,7 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
 def test_the_releases_fp8_and_fp4_source_exports_the_same_bytes_at_every_layout(tmp_path):
     """Each rank reads its experts' FP4 codes and E8M0 scales alone: the NVFP4 export of the encoded
     source is the same bytes at (2, ep 2) and (4, ep 2) as in one process."""
-    hf = make_tiny(FAMILY, str(tmp_path / "hf"), **RELEASED_AS[FAMILY])
+    hf = make_tiny(FAMILY, str(tmp_path / "hf"), **released(FAMILY))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     out = str(tmp_path / "out")
     calibrate_every_layout({"release": ck}, out, recipes=[("nvfp4", None, "bf16")], calib_size=6)

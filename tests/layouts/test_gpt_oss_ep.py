@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
-from eprt.testing.tiny import RELEASED_AS, make_tiny
+from eprt.testing.tiny import make_tiny, released
 from tests.ep_checks import (
     LAYOUTS,
     RECIPES,
@@ -51,7 +51,7 @@ def test_expert_parallel_logits_are_bitwise_the_single_process_logits(ckpts, wor
 @pytest.mark.timeout(200)
 def test_the_mxfp4_release_under_expert_parallelism(tmp_path):
     """The release's MXFP4 experts, each rank decoding only its own rows: the single-process logits."""
-    hf = make_tiny(FAMILY, str(tmp_path / "hf"), dtype="fp32", **RELEASED_AS[FAMILY])
+    hf = make_tiny(FAMILY, str(tmp_path / "hf"), dtype="fp32", **released(FAMILY))
     assert_ep_logits([convert_hf(hf, str(tmp_path / "ck"), progress=False)], 2, 2, seq_len=12)
 
 
