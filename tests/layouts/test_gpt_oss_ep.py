@@ -16,15 +16,7 @@ from safetensors.torch import save_file
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.testing.tiny import make_tiny, released
-from tests.ep_checks import (
-    LAYOUTS,
-    RECIPES,
-    assert_ep_logits,
-    calibrate_every_layout,
-    exports_by_layout,
-    same_files,
-    tiny_checkpoints,
-)
+from tests.ep_checks import assert_ep_logits, assert_family_exports, tiny_checkpoints
 from tests.hf_utils import raw, read_hf_tensors
 
 FAMILY = "gpt_oss"
@@ -35,6 +27,19 @@ QUANTIZED_LEAVES = {
     "fp8": ("weight", "weight_scale", "input_scale"),
     "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
 }
+# vLLM builds the router unquantized; the attention's Linears and every routed expert are quantized
+NEVER_QUANTIZED = [f"{L}.0.mlp.router", f"{L}.1.mlp.router"]
+QUANTIZED = [
+    f"{L}.0.self_attn.q_proj",
+    f"{L}.1.self_attn.o_proj",
+    f"{L}.0.mlp.experts.0.gate_proj",
+    f"{L}.1.mlp.experts.7.down_proj",
+]
+
+
+def as_is(name: str) -> bool:
+    """The sinks, the router and the attention's output bias travel in the source's dtype and bytes."""
+    return name.endswith((".self_attn.sinks", ".mlp.router.weight", ".mlp.router.bias", ".self_attn.o_proj.bias"))
 
 
 @pytest.fixture(scope="module")
@@ -81,44 +86,26 @@ def predicted_names(source: dict[str, torch.Tensor], recipe: str) -> set[str]:
 
 @pytest.mark.timeout(400)
 def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
-    out = str(tmp_path)
-    hf, ck = ckpts["bf16"]
-    calibrate_every_layout({FAMILY: ck}, out, calib_size=6)
-    source = read_hf_tensors(hf)
-    for recipe, *_ in RECIPES:
-        exports = exports_by_layout(out, FAMILY, recipe)
-        ref = exports["w1-ep1"]
-        assert check_export(ref, hf) == []
-        for layout in LAYOUTS:
-            assert same_files(ref, exports[layout]), (recipe, layout)
-        exported = read_hf_tensors(ref)
+    for _, recipe, source, exported, ref in assert_family_exports(
+        {FAMILY: ckpts}, str(tmp_path), {FAMILY: NEVER_QUANTIZED}, {FAMILY: QUANTIZED}, as_is
+    ):
         assert set(exported) == predicted_names(source, recipe), recipe
         for i in range(2):
-            p = f"{L}.{i}"
-            for n in (
-                f"{p}.self_attn.sinks",
-                f"{p}.mlp.router.weight",
-                f"{p}.mlp.router.bias",
-                f"{p}.self_attn.o_proj.bias",
-            ):
-                assert exported[n].dtype == source[n].dtype and raw(exported[n]) == raw(source[n]), n
-            gate_up_bias, down_bias = (
-                source[f"{p}.mlp.experts.gate_up_proj_bias"],
-                source[f"{p}.mlp.experts.down_proj_bias"],
-            )
+            p = f"{L}.{i}.mlp.experts"
+            gate_up_bias, down_bias = source[f"{p}.gate_up_proj_bias"], source[f"{p}.down_proj_bias"]
             for e in range(E):
-                x = f"{p}.mlp.experts.{e}"
                 # gate at the even columns of the interleaved source, up at the odd
                 for got, want in (
-                    (exported[f"{x}.gate_proj.bias"], gate_up_bias[e, 0::2]),
-                    (exported[f"{x}.up_proj.bias"], gate_up_bias[e, 1::2]),
-                    (exported[f"{x}.down_proj.bias"], down_bias[e]),
+                    (exported[f"{p}.{e}.gate_proj.bias"], gate_up_bias[e, 0::2]),
+                    (exported[f"{p}.{e}.up_proj.bias"], gate_up_bias[e, 1::2]),
+                    (exported[f"{p}.{e}.down_proj.bias"], down_bias[e]),
                 ):
-                    assert got.dtype == want.dtype and raw(got) == raw(want.contiguous()), x
+                    assert got.dtype == want.dtype and raw(got) == raw(want.contiguous()), (p, e)
         excluded = json.load(open(os.path.join(ref, "hf_quant_config.json")))["quantization"]["exclude_modules"]
         # vLLM builds the router without a quantization config, and eprt-check says so of a quantized one
         assert excluded == ["lm_head", "model.embed_tokens", f"{L}.0.mlp.router", f"{L}.1.mlp.router"]
         if recipe == "fp8":
+            hf = ckpts["bf16"][0]
             assert any(
                 p.startswith(f"{L}.1.mlp.router.weight: quantized, but") for p in with_fp8_router(ref, hf, tmp_path)
             )
