@@ -409,6 +409,25 @@ def rope_object(f: Fields, name: str) -> dict | None:
     return value
 
 
+def require_silu(f: Fields, model: str) -> None:
+    """Refuses a `hidden_act` other than SiLU, the activation of `model`'s MLPs and experts."""
+    act = f.get("hidden_act", default="silu")
+    if act != "silu":
+        raise f.refuse(f"hidden_act {act!r} is not supported ({model} uses silu)")
+
+
+def read_expert_groups(f: Fields, num_experts: int) -> tuple[int, int]:
+    """The router's expert groups (`n_group`) and how many of them a token chooses from (`topk_group`),
+    one of each where absent; the groups split the routed experts evenly."""
+    n_group, topk_group = f.get("n_group", default=1), f.get("topk_group", default=1)
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise f.refuse(
+            f"n_group {n_group} / topk_group {topk_group} do not split {num_experts} routed experts into "
+            "equal groups of which topk_group are kept: fix n_group or topk_group"
+        )
+    return n_group, topk_group
+
+
 def read_kv_heads(f: Fields, num_heads: int, default: int) -> int:
     """Grouped-query attention's key/value heads (`num_key_value_heads`), each shared by a whole
     number of the `num_heads` query heads."""

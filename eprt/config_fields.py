@@ -354,6 +354,20 @@ class Fields:
             return [self.in_range(name, int(x), LAYER_INDEX_FIELDS[name], MAX_LAYERS) for x in value]
         return value
 
+    def integer(self, name: str, default: int | type[ConfigError], low: int, high: int) -> int:
+        """An integer field only some families read, from `low` to `high`; `default` ConfigError: required."""
+        value = self.get(name, default=default)
+        if not is_integer(value):
+            raise self.refuse(f"field {name!r} is {value!r}; it must be an integer: write it as a JSON number")
+        return self.in_range(name, int(value), low, high)
+
+    def positive(self, name: str, default: float | type[ConfigError] = ConfigError) -> float:
+        """A positive finite number only some families read; without a default: required."""
+        value = self.get(name, default=default)
+        if not is_number(value) or not 0 < value < float("inf"):
+            raise self.refuse(f"field {name!r} is {value!r}; it must be a positive number: fix it to the model's value")
+        return float(value)
+
     def experts_per_token(self, num_experts: int, *names: str, default: int) -> int:
         """How many routed experts each token goes to: 1 to `num_experts` in a model with experts."""
         top_k = self.get(*names, default=default)

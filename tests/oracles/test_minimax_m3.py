@@ -157,7 +157,7 @@ def test_minimax_m3_configs():
     assert parse_hf_config({**alone, "rope_theta": 1e6, "partial_rotary_factor": 0.25}).rotary_dim == 4
     assert parse_hf_config({**alone, "rope_theta": 1e6, "rotary_dim": 4}).rotary_dim == 4
     assert parse_hf_config({**alone, "rope_theta": 1e6}).rotary_dim == 16
-    with pytest.raises(ConfigError, match="RoPE would rotate 5 dims"):
+    with pytest.raises(ConfigError, match="rotary_dim 5 of head_dim 16: RoPE rotates an even count"):
         parse_hf_config({**alone, "rotary_dim": 5})
     with pytest.raises(ConfigError, match="index_n_heads 3 does not divide num_attention_heads 4"):
         parse_hf_config(tiny_config("minimax_m3_vl_text", index_n_heads=3))

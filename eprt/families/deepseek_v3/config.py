@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import MLAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config import MLAConfig, ModelConfig, moe_or_dense, read_rope, require_silu
 from eprt.config_fields import Fields
 
 
@@ -18,21 +18,9 @@ def parse(hf: dict, source: str) -> ModelConfig:
             "only the sigmoid noaux_tc router of DeepSeek-V3 is supported "
             f"(scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r})"
         )
-    if f.get("attention_bias", default=False):
-        raise f.refuse("attention_bias is true; DeepSeek-V3 attention has no biases and eprt refuses to guess them")
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (DeepSeek-V3 uses silu)")
-    if not f.get("rope_interleave", default=True):
-        raise f.refuse(
-            "rope_interleave is false; DeepSeek-V3 and Kimi-K2 rotate interleaved pairs and eprt runs only that"
-        )
-    n_heads = f.get("num_attention_heads")
-    if f.get("num_key_value_heads", default=n_heads) != n_heads:
-        raise f.refuse(
-            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
-            "one key/value head per attention head"
-        )
+    refuse_other_mla(f, "DeepSeek-V3")
+    require_silu(f, "DeepSeek-V3")
+    n_heads = read_mla_heads(f)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=256)
     return ModelConfig(
         family="deepseek_v3",
@@ -72,3 +60,22 @@ def read_mla(f: Fields) -> MLAConfig:
         qk_rope_head_dim=f.get("qk_rope_head_dim", default=64),
         v_head_dim=f.get("v_head_dim", default=128),
     )
+
+
+def read_mla_heads(f: Fields) -> int:
+    """The attention heads of an MLA model, each its own key/value head."""
+    n_heads = f.get("num_attention_heads")
+    if f.get("num_key_value_heads", default=n_heads) != n_heads:
+        raise f.refuse(
+            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
+            "one key/value head per attention head"
+        )
+    return n_heads
+
+
+def refuse_other_mla(f: Fields, model: str) -> None:
+    """DeepSeek-V3's MLA as `model` has it and eprt runs it: no biases, RoPE on interleaved pairs."""
+    if f.get("attention_bias", default=False):
+        raise f.refuse(f"attention_bias is true; {model}'s attention has no biases and eprt refuses to guess them")
+    if not f.get("rope_interleave", default=True):
+        raise f.refuse(f"rope_interleave is false; {model} rotates interleaved pairs and eprt runs only that")

@@ -4,7 +4,16 @@ grouped-query attention with partial rotary, optional q/k norm and q/k/v biases.
 
 from __future__ import annotations
 
-from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_kv_heads, read_rope, read_rotary_dim
+from eprt.config import (
+    GQAConfig,
+    ModelConfig,
+    moe_or_dense,
+    read_expert_groups,
+    read_kv_heads,
+    read_rope,
+    read_rotary_dim,
+    require_silu,
+)
 from eprt.config_fields import Fields
 
 
@@ -12,19 +21,12 @@ def parse(hf: dict, source: str) -> ModelConfig:
     f = Fields(hf, source)
     n_layers = f.get("num_hidden_layers")
     first_dense = f.get("first_k_dense_replace", default=1)
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (GLM-4.5 uses silu)")
+    require_silu(f, "GLM-4.5")
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
     n_kv = read_kv_heads(f, n_heads, default=8)
     head_dim = f.get("head_dim", default=hidden // n_heads)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=128)
-    n_group, topk_group = f.get("n_group", default=1), f.get("topk_group", default=1)
-    if n_experts % n_group or not 1 <= topk_group <= n_group:
-        raise f.refuse(
-            f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} routed experts into "
-            "equal groups of which topk_group are kept: fix n_group or topk_group"
-        )
+    n_group, topk_group = read_expert_groups(f, n_experts)
     return ModelConfig(
         family="glm4_moe",
         model_type=hf["model_type"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eprt.config import FamilyConfig, GQAConfig, ModelConfig, moe_or_dense, own_config, read_rope
-from eprt.config_fields import MAX_POSITIONS, Fields, is_integer, is_number
+from eprt.config_fields import MAX_POSITIONS, Fields, is_integer
 from eprt.layout import ClampedSwiGLU
 
 FAMILY = "gpt_oss"
@@ -51,13 +51,6 @@ class GptOssConfig(FamilyConfig):
         return 4 * seq_len * (seq_len + 1)
 
 
-def _positive(f: Fields, name: str, default: float) -> float:
-    value = f.get(name, default=default)
-    if not is_number(value) or not 0 < value < float("inf"):
-        raise f.refuse(f"field {name!r} is {value!r}; it must be a positive number: fix it to the model's value")
-    return float(value)
-
-
 def _sliding_layers(f: Fields, n_layers: int) -> tuple[int, ...]:
     """The sliding-window layers: `layer_types`, else transformers' rule (even layers slide)."""
     types = f.get("layer_types", default=None)
@@ -90,8 +83,8 @@ def parse(hf: dict, source: str) -> ModelConfig:
     own = GptOssConfig(
         sliding_layers=sliding,
         sliding_window=int(window) if sliding else 0,
-        swiglu_alpha=_positive(f, "swiglu_alpha", 1.702),
-        swiglu_limit=_positive(f, "swiglu_limit", 7.0),
+        swiglu_alpha=f.positive("swiglu_alpha", 1.702),
+        swiglu_limit=f.positive("swiglu_limit", 7.0),
     )
     return ModelConfig(
         family=FAMILY,

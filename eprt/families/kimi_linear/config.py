@@ -77,12 +77,7 @@ def parse_text(
         raise f.refuse("mla_use_nope is false; eprt runs Kimi's MLA layers without RoPE only")
     if f.get("moe_router_activation_func", default="sigmoid") != "sigmoid":
         raise f.refuse(f"moe_router_activation_func {hf['moe_router_activation_func']!r}; Kimi routes by sigmoid")
-    n_heads = f.get("num_attention_heads")
-    if f.get("num_key_value_heads", default=n_heads) != n_heads:
-        raise f.refuse(
-            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
-            "one key/value head per attention head"
-        )
+    n_heads = deepseek_v3.read_mla_heads(f)
 
     n_experts = f.get("num_experts", "num_local_experts", default=0)
     first_dense = f.get("first_k_dense_replace", default=defaults["first_k_dense_replace"])

@@ -23,9 +23,10 @@ from eprt.config import (
     moe_or_dense,
     own_config,
     read_rope,
+    require_silu,
     rope_object,
 )
-from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, is_number, vlm_text_config
+from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, is_integer, vlm_text_config
 from eprt.errors import ConfigError
 
 TEXT_FAMILY, VLM_FAMILY = "llama4_text", "llama4"
@@ -57,22 +58,6 @@ class Llama4Config(FamilyConfig):
     floor_scale: float
     attn_scale: float
     llama3_rope: Llama3Rope | None = None
-
-
-def _count(f: Fields, name: str, default: int | type[ConfigError], high: int) -> int:
-    """An integer field from 1 to `high`; `default` ConfigError: required."""
-    value = f.get(name, default=default)
-    if not is_integer(value):
-        raise f.refuse(f"field {name!r} is {value!r}; it must be an integer: write it as a JSON number")
-    return f.in_range(name, int(value), 1, high)
-
-
-def _real(f: Fields, name: str, default: float | type[ConfigError] = ConfigError) -> float:
-    """A positive finite number; without a default: required."""
-    value = f.get(name, default=default)
-    if not is_number(value) or not value > 0 or value == float("inf"):
-        raise f.refuse(f"field {name!r} is {value!r}; it must be a positive number: fix it to the model's value")
-    return float(value)
 
 
 def _flags(f: Fields, name: str, n_layers: int) -> list[int] | None:
@@ -110,7 +95,7 @@ def _layer_types(f: Fields, rotates: list[int], chunk: int | None, n_layers: int
 def _moe_layers(f: Fields, n_layers: int) -> list[int]:
     layers = f.get("moe_layers", default=None)
     if layers is None:
-        step = _count(f, "interleave_moe_layer_step", 1, MAX_LAYERS)
+        step = f.integer("interleave_moe_layer_step", 1, 1, MAX_LAYERS)
         return list(range(step - 1, n_layers, step))
     if not isinstance(layers, list) or any(not is_integer(i) or not 0 <= i < n_layers for i in layers):
         raise f.refuse(f"field 'moe_layers' is {layers!r:.80}; it must list layer indices from 0 to {n_layers - 1}")
@@ -125,10 +110,12 @@ def _rope(f: Fields, hf: dict) -> tuple[RopeConfig, Llama3Rope | None]:
     scoped = Fields(params, f"{f.source} (rope parameters)")
     # each required, as transformers' llama3 frequencies require them
     scaling = Llama3Rope(
-        factor=_real(scoped, "factor"),
-        low_freq_factor=_real(scoped, "low_freq_factor"),
-        high_freq_factor=_real(scoped, "high_freq_factor"),
-        original_max_position_embeddings=_count(scoped, "original_max_position_embeddings", ConfigError, MAX_POSITIONS),
+        factor=scoped.positive("factor"),
+        low_freq_factor=scoped.positive("low_freq_factor"),
+        high_freq_factor=scoped.positive("high_freq_factor"),
+        original_max_position_embeddings=scoped.integer(
+            "original_max_position_embeddings", ConfigError, 1, MAX_POSITIONS
+        ),
     )
     plain = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
     if "rope_theta" in params:
@@ -139,9 +126,7 @@ def _rope(f: Fields, hf: dict) -> tuple[RopeConfig, Llama3Rope | None]:
 def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
     f = Fields(hf, source)
     n_layers = f.get("num_hidden_layers")
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (Llama-4 uses silu)")
+    require_silu(f, "Llama-4")
     n_experts = f.get("num_local_experts", default=16)
     top_k = f.experts_per_token(n_experts, "num_experts_per_tok", default=1)
     if top_k != 1:
@@ -152,11 +137,11 @@ def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
     head_dim = f.get("head_dim", default=hidden // n_heads)
     bias = bool(f.get("attention_bias", default=False))
-    interval = _count(f, "no_rope_layer_interval", 4, MAX_LAYERS)
+    interval = f.integer("no_rope_layer_interval", 4, 1, MAX_LAYERS)
     rotates = _flags(f, "no_rope_layers", n_layers) or [int((i + 1) % interval != 0) for i in range(n_layers)]
     chunk = hf.get("attention_chunk_size", 8192)  # null: no layer attends in chunks (absent: transformers' 8192)
     if chunk is not None:
-        chunk = _count(f, "attention_chunk_size", 8192, MAX_POSITIONS)
+        chunk = f.integer("attention_chunk_size", 8192, 1, MAX_POSITIONS)
     types = _layer_types(f, rotates, chunk, n_layers)
     rope, llama3 = _rope(f, hf)
     own = Llama4Config(
@@ -165,8 +150,8 @@ def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
         attention_chunk_size=chunk or 0,
         qk_l2_norm=bool(f.get("use_qk_norm", default=True)),
         temperature_tuning=bool(f.get("attn_temperature_tuning", default=True)),
-        floor_scale=_real(f, "floor_scale", 8192.0),
-        attn_scale=_real(f, "attn_scale", 0.1),
+        floor_scale=f.positive("floor_scale", 8192.0),
+        attn_scale=f.positive("attn_scale", 0.1),
         llama3_rope=llama3,
     )
     return ModelConfig(
@@ -178,7 +163,7 @@ def parse_text(hf: dict, source: str, family: str = TEXT_FAMILY) -> ModelConfig:
         num_heads=n_heads,
         rms_norm_eps=float(f.get("rms_norm_eps", default=1e-5)),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
-        intermediate_size=_count(f, "intermediate_size_mlp", 16384, 2**20),  # the dense layers' MLP
+        intermediate_size=f.integer("intermediate_size_mlp", 16384, 1, 2**20),  # the dense layers' MLP
         max_position_embeddings=f.get("max_position_embeddings", default=4096 * 32),
         rope=rope,
         # the L2 norm has no weights: no q/k norm tensors

@@ -19,8 +19,9 @@ from eprt.config import (
     read_kv_heads,
     read_rope,
     read_rotary_dim,
+    require_silu,
 )
-from eprt.config_fields import MAX_LAYERS, Fields, is_integer
+from eprt.config_fields import MAX_LAYERS, Fields
 
 NAME = "minimax_m2"
 # The release's switches for what transformers' and vLLM's MiniMax-M2 always do: (field, the value
@@ -58,9 +59,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
             "attn_type_list marks linear-attention layers (0): that is MiniMax-01's hybrid, which eprt does "
             "not run; MiniMax-M2 has full attention (1) in every layer"
         )
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (MiniMax-M2 uses silu)")
+    require_silu(f, "MiniMax-M2")
     n_layers, hidden = f.get("num_hidden_layers"), f.get("hidden_size")
     n_heads = f.get("num_attention_heads")
     n_kv = read_kv_heads(f, n_heads, default=8)
@@ -68,7 +67,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
     n_experts = f.get("num_local_experts", "num_experts", default=256)
     if n_experts < 1:
         raise f.refuse("num_local_experts is 0: every MiniMax-M2 layer routes to experts")
-    mtp = count(f, "num_mtp_modules", 0, 0, MAX_LAYERS) if f.get("use_mtp", default=False) is True else 0
+    mtp = f.integer("num_mtp_modules", 0, 0, MAX_LAYERS) if f.get("use_mtp", default=False) is True else 0
     return ModelConfig(
         family=NAME,
         model_type=hf["model_type"],
@@ -103,21 +102,14 @@ def parse(hf: dict, source: str) -> ModelConfig:
 
 
 def rotary_dim(f: Fields, head_dim: int) -> int:
-    """How many leading dims of each head rotate: `partial_rotary_factor` where the file gives one
-    (transformers 5 writes it), else the release's `rotary_dim`, else the whole head."""
+    """How many leading dims of each head rotate (MiniMax-M2's and M3's): `partial_rotary_factor` where
+    the file gives one (transformers 5 writes it, and its default rotary_dim beside it unread), else the
+    release's `rotary_dim` (the vendor's engines read both), else the whole head."""
     if f.has("partial_rotary_factor") or (f.get("rope_parameters", default={}) or {}).get("partial_rotary_factor"):
         return read_rotary_dim(f, head_dim, default_factor=1.0)
-    dim = count(f, "rotary_dim", head_dim, 0, MAX_LAYERS)
+    dim = f.integer("rotary_dim", head_dim, 0, MAX_LAYERS)
     if not (2 <= dim <= head_dim and dim % 2 == 0):
         raise f.refuse(
             f"rotary_dim {dim} of head_dim {head_dim}: RoPE rotates an even count of dims from 2 to the head"
         )
     return dim
-
-
-def count(f: Fields, name: str, default: int, low: int, high: int) -> int:
-    """Integer field `name`, one only this family has, in [low, high]."""
-    value = f.get(name, default=default)
-    if not is_integer(value):
-        raise f.refuse(f"field {name!r} is {value!r}; it must be an integer: write it as a JSON number")
-    return f.in_range(name, int(value), low, high)

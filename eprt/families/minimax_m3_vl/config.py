@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from eprt.config import FamilyConfig, GQAConfig, ModelConfig, moe_or_dense, own_config, read_rope
 from eprt.config_fields import MAX_LAYERS, MAX_POSITIONS, Fields, vlm_text_config
+from eprt.families.minimax_m2.config import rotary_dim
 
 TEXT_FAMILY = "minimax_m3_vl_text"  # the language model saved alone, as transformers writes it
 VLM_FAMILY = "minimax_m3_vl"  # the vision-language checkpoint, as released
@@ -233,26 +234,6 @@ def indexer(f: Fields, sparse_attn: Fields, n_heads: int) -> BlockSparseIndexerC
             "picks the blocks of an equal group of attention heads"
         )
     return ix
-
-
-def rotary_dim(f: Fields, head_dim: int) -> int:
-    """How many leading dims of each head RoPE rotates: head_dim * `partial_rotary_factor` (in
-    `rope_parameters` or on the top level) where the file has one, else the release's `rotary_dim`,
-    else the whole head. (transformers reads only the factor, and writes its default rotary_dim
-    beside it unread; the vendor's engines read both.)"""
-    params = f.get("rope_parameters", default=None)
-    params = params if isinstance(params, dict) else {}
-    factor = params.get("partial_rotary_factor", f.d.get("partial_rotary_factor"))
-    if factor is not None:
-        dim = int(head_dim * f.checked("partial_rotary_factor", factor))
-    else:
-        dim = f.d.get("rotary_dim", head_dim)
-    if isinstance(dim, bool) or not isinstance(dim, int) or not (2 <= dim <= head_dim and dim % 2 == 0):
-        raise f.refuse(
-            f"RoPE would rotate {dim!r} dims of head_dim {head_dim} (rotary_dim, or partial_rotary_factor "
-            "times head_dim); it needs an even count from 2 to head_dim"
-        )
-    return dim
 
 
 def parse(hf: dict, source: str) -> ModelConfig:

@@ -8,7 +8,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from eprt.config import FamilyConfig, ModelConfig, moe_or_dense, own_config, read_rope
+from eprt.config import (
+    FamilyConfig,
+    ModelConfig,
+    moe_or_dense,
+    own_config,
+    read_expert_groups,
+    read_rope,
+    require_silu,
+)
 from eprt.config_fields import Fields, vlm_text_config
 from eprt.families.deepseek_v3 import config as deepseek_v3
 
@@ -43,28 +51,11 @@ def parse(hf: dict, source: str) -> ModelConfig:
         hf = {**hf, "rope_parameters": DEFAULT_ROPE}
     f = Fields(hf, source)
     n_layers = f.get("num_hidden_layers")
-    if f.get("attention_bias", default=False):
-        raise f.refuse(
-            "attention_bias is true; Mistral-Small-4's attention has no biases and eprt refuses to guess them"
-        )
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (Mistral-Small-4 uses silu)")
-    if not f.get("rope_interleave", default=True):
-        raise f.refuse("rope_interleave is false; Mistral-Small-4 rotates interleaved pairs and eprt runs only that")
-    n_heads = f.get("num_attention_heads")
-    if f.get("num_key_value_heads", default=n_heads) != n_heads:
-        raise f.refuse(
-            "num_key_value_heads differs from num_attention_heads; MLA expands its latent into "
-            "one key/value head per attention head"
-        )
+    deepseek_v3.refuse_other_mla(f, "Mistral-Small-4")
+    require_silu(f, "Mistral-Small-4")
+    n_heads = deepseek_v3.read_mla_heads(f)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=128)
-    n_group, topk_group = f.get("n_group", default=1) or 1, f.get("topk_group", default=1) or 1
-    if n_experts % n_group or not 1 <= topk_group <= n_group:
-        raise f.refuse(
-            f"n_group {n_group} / topk_group {topk_group} do not split {n_experts} routed experts into "
-            "equal groups of which topk_group are kept: fix n_group or topk_group"
-        )
+    n_group, topk_group = read_expert_groups(f, n_experts)
     rope = read_rope(f)
     first_dense = f.get("first_k_dense_replace", default=0) or 0
     return ModelConfig(

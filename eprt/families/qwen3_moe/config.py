@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope
+from eprt.config import GQAConfig, ModelConfig, moe_or_dense, read_rope, require_silu
 from eprt.config_fields import Fields
 
 
@@ -10,14 +10,9 @@ def parse(hf: dict, source: str) -> ModelConfig:
     f = Fields(hf, source)
     n_layers = f.get("num_hidden_layers")
     n_experts = f.get("num_experts", "num_local_experts", default=128)
-    step = f.get("decoder_sparse_step", default=1)
-    mlp_only = set(f.get("mlp_only_layers", default=[]) or [])
-    moe_layers = tuple(i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
     if f.get("use_sliding_window", default=False):
         raise f.refuse("use_sliding_window is true; eprt runs full causal attention only")
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (Qwen3-MoE uses silu)")
+    require_silu(f, "Qwen3-MoE")
     n_heads = f.get("num_attention_heads")
     hidden = f.get("hidden_size")
     head_dim = f.get("head_dim", default=hidden // n_heads)
@@ -44,7 +39,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
             output_bias=attention_bias,
         ),
         moe=moe_or_dense(
-            moe_layers,
+            sparse_step_layers(f, n_layers, n_experts),
             num_experts=n_experts,
             num_experts_per_tok=f.experts_per_token(n_experts, "num_experts_per_tok", default=8),
             intermediate_size=f.get("moe_intermediate_size", default=768),
@@ -54,3 +49,10 @@ def parse(hf: dict, source: str) -> ModelConfig:
             norm_topk_prob=bool(f.get("norm_topk_prob", default=False)),
         ),
     )
+
+
+def sparse_step_layers(f: Fields, n_layers: int, n_experts: int) -> tuple[int, ...]:
+    """Qwen's MoE layers: every `decoder_sparse_step`-th, less the `mlp_only_layers`; none without experts."""
+    step = f.get("decoder_sparse_step", default=1)
+    mlp_only = set(f.get("mlp_only_layers", default=[]) or [])
+    return tuple(i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)

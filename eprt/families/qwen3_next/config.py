@@ -15,8 +15,10 @@ from eprt.config import (
     moe_or_dense,
     read_rope,
     read_rotary_dim,
+    require_silu,
 )
 from eprt.config_fields import Fields
+from eprt.families.qwen3_moe.config import sparse_step_layers
 
 
 def parse(hf: dict, source: str) -> ModelConfig:
@@ -48,12 +50,8 @@ def parse_text(
     if every_layer_moe:
         moe_layers = tuple(range(n_layers))
     else:
-        step = f.get("decoder_sparse_step", default=1)
-        mlp_only = set(f.get("mlp_only_layers", default=[]) or [])
-        moe_layers = tuple(i for i in range(n_layers) if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
-    act = f.get("hidden_act", default="silu")
-    if act != "silu":
-        raise f.refuse(f"hidden_act {act!r} is not supported (Qwen3-Next uses silu)")
+        moe_layers = sparse_step_layers(f, n_layers, n_experts)
+    require_silu(f, "Qwen3-Next")
     if f.get("attention_bias", default=False):
         raise f.refuse("attention_bias is true; eprt runs Qwen3-Next attention without biases (as released)")
     n_heads, hidden = f.get("num_attention_heads"), f.get("hidden_size")
