@@ -306,10 +306,10 @@ RELEASE = {
     "deepseek_v4_pro": ("deepseek_v4", released("deepseek_v4"), 64),  # FP8 and FP4 experts, E8M0 scales
 }
 # Tiny dims with the real counts: every width small, every count (layers, experts, MTP) as released.
+SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, max_position_embeddings=4096)
+SMALL_GQA = dict(SMALL, num_key_value_heads=2, head_dim=16)  # two query heads share a key/value head
 DEEPSEEK_TINY_DIMS = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_attention_heads=4,
+    SMALL,
     num_key_value_heads=4,
     q_lora_rank=32,
     kv_lora_rank=32,
@@ -318,39 +318,22 @@ DEEPSEEK_TINY_DIMS = dict(
     v_head_dim=16,
     intermediate_size=128,
     moe_intermediate_size=32,
-    max_position_embeddings=4096,
 )
 TINY_DIMS = {
     "deepseek_v3": DEEPSEEK_TINY_DIMS,
     "mistral4": DEEPSEEK_TINY_DIMS,
     "glm_moe_dsa": DEEPSEEK_TINY_DIMS,
-    "minimax_m2": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rotary_dim=8,
-        intermediate_size=32,
-        max_position_embeddings=4096,
-    ),
+    "minimax_m2": dict(SMALL_GQA, rotary_dim=8, intermediate_size=32),
     "minimax_m3_vl": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
+        SMALL,
         head_dim=16,
         intermediate_size=32,
         dense_intermediate_size=48,
         shared_intermediate_size=16,
         sparse_attention_config={"sparse_index_dim": 16},
-        max_position_embeddings=4096,
     ),
     "nemotron_h": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        SMALL_GQA,
         mamba_num_heads=4,
         mamba_head_dim=16,
         ssm_state_size=16,
@@ -358,12 +341,9 @@ TINY_DIMS = {
         moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=64,
         moe_latent_size=32,
-        max_position_embeddings=4096,
     ),
     "deepseek_v4": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
+        SMALL,
         head_dim=32,
         qk_rope_head_dim=8,
         q_lora_rank=32,
@@ -372,27 +352,9 @@ TINY_DIMS = {
         index_n_heads=4,
         index_head_dim=16,
         moe_intermediate_size=32,
-        max_position_embeddings=4096,
     ),
-    "llama4_text": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=32,
-        intermediate_size_mlp=128,
-        max_position_embeddings=4096,
-    ),
-    "gpt_oss": dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=32,
-        max_position_embeddings=4096,
-    ),
+    "llama4_text": dict(SMALL_GQA, intermediate_size=32, intermediate_size_mlp=128),
+    "gpt_oss": dict(SMALL_GQA, intermediate_size=32),
 }
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
