@@ -46,12 +46,10 @@ def add_model_args(p, vocab: int = 512) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
 
 
-def make_checkpoint(args, directory: str) -> str:
+def model_fields(args) -> dict:
+    """The Qwen3-MoE config fields of add_model_args' options: heads of 64, two query heads to a key/value head."""
     heads = args.hidden // 64
-    hf = make_tiny(
-        "qwen3_moe",
-        os.path.join(directory, "hf"),
-        dtype=args.dtype,
+    return dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
@@ -61,7 +59,12 @@ def make_checkpoint(args, directory: str) -> str:
         num_experts=args.experts,
         num_experts_per_tok=args.topk,
         moe_intermediate_size=args.width,
-        mlp_only_layers=[],
+    )
+
+
+def make_checkpoint(args, directory: str) -> str:
+    hf = make_tiny(
+        "qwen3_moe", os.path.join(directory, "hf"), dtype=args.dtype, **model_fields(args), mlp_only_layers=[]
     )
     return convert_hf(hf, os.path.join(directory, "ck"), progress=False)
 

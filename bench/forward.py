@@ -19,26 +19,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eprt  # noqa: E402
+from bench.ep import model_fields  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
 
 
 def make_checkpoint(args, directory: str) -> tuple[str, int]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    heads = args.hidden // 64
     cfg = Qwen3MoeConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=64,
-        num_experts=args.experts,
-        num_experts_per_tok=args.topk,
-        moe_intermediate_size=args.width,
-        norm_topk_prob=True,
-        max_position_embeddings=4096,
+        **model_fields(args), intermediate_size=4 * args.hidden, norm_topk_prob=True, max_position_embeddings=4096
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
