@@ -296,6 +296,22 @@ def plain(name: str, *shape: int, alias: str | None = None) -> TensorSpec:
     return TensorSpec(name, tuple(shape), (name,), alias=alias)
 
 
+def decoder_specs(c, layer, final: tuple[TensorSpec, ...] = ()) -> list[TensorSpec]:
+    """A decoder's tensors as most families name them: the embedding; each layer's two norms, then
+    `layer(prefix, i)`'s tensors (`model.layers.{i}`); `final`, the final norm and the head (none where
+    the embedding is tied)."""
+    D = c.hidden_size
+    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
+        specs += layer(p, i)
+    specs += [*final, plain("model.norm.weight", D)]
+    if not c.tie_word_embeddings:
+        specs.append(plain("lm_head.weight", c.vocab_size, D))
+    return specs
+
+
 def gated_mlp(prefix: str, hidden: int, width: int, alias: str | None = None) -> list[TensorSpec]:
     """`prefix.{gate,up,down}_proj`: a dense MLP or the shared experts; the source may spell
     `prefix` as `alias` instead."""

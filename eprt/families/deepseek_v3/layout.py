@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from eprt.config import ModelConfig
-from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
+from eprt.layout import Layout, decoder_specs, gated_mlp, mla_attention, plain, stacked_experts
 
 
 def mlp(p: str, c: ModelConfig, i: int) -> list:
@@ -54,16 +54,7 @@ def mtp_layout(c: ModelConfig, k: int, attention=mla_attention) -> Layout:
 
 def decoder_layout(c: ModelConfig, attention) -> Layout:
     """DeepSeek-V3's decoder with `attention(prefix, c)`'s tensors in each layer (GLM-4.5 has GQA there)."""
-    D = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
-        specs += attention(f"{p}.self_attn", c)
-        specs += mlp(p, c, i)
-    specs.append(plain("model.norm.weight", D))
-    if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, D))
+    specs = decoder_specs(c, lambda p, i: attention(f"{p}.self_attn", c) + mlp(p, c, i))
     return Layout(tuple(specs), passthrough=mtp_passthrough(c))
 
 

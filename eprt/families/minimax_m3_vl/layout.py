@@ -22,7 +22,7 @@ import dataclasses
 
 from eprt.config import ModelConfig
 from eprt.families.kimi_k25.layout import vlm_layout
-from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
+from eprt.layout import Layout, TensorSpec, decoder_specs, gated_mlp, gqa_attention, plain, stacked_experts
 
 # carried, not run: the vision tower, the projectors, the multi-token-prediction layers
 VISION = (r"vision_tower\..+", r"multi_modal_projector\..+", r"patch_merge_mlp\..+")
@@ -50,11 +50,9 @@ def gated(prefix: str, D: int, width: int, fused: bool) -> list[TensorSpec]:
 def text_layout(c: ModelConfig) -> Layout:
     own, ix, D = c.own, c.own.indexer, c.hidden_size
     fused = own.transformers_names
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
-        specs += gqa_attention(f"{p}.self_attn", c)
+
+    def layer(p: str, i: int) -> list[TensorSpec]:
+        specs = gqa_attention(f"{p}.self_attn", c)
         if i in own.sparse_layers:
             shapes = {
                 "q_proj": (ix.n_heads * ix.head_dim, D),
@@ -64,8 +62,7 @@ def text_layout(c: ModelConfig) -> Layout:
             }
             specs += [plain(f"{p}.self_attn.{n}.weight", *shapes[k]) for k, n in indexer_names(c).items()]
         if not c.is_moe(i):
-            specs += gated(f"{p}.mlp", D, c.intermediate_size, fused)
-            continue
+            return specs + gated(f"{p}.mlp", D, c.intermediate_size, fused)
         m, E = f"{p}.{moe_name(c)}", c.num_experts
         specs += [
             plain(f"{m}.gate.weight", E, D),
@@ -74,11 +71,9 @@ def text_layout(c: ModelConfig) -> Layout:
         ]
         proj = ("gate_proj", "up_proj", "down_proj") if fused else ("w1", "w3", "w2")
         specs += stacked_experts(f"{m}.experts", E, c.moe.intermediate_size, D, *proj)
-        specs += gated(f"{m}.shared_experts", D, own.shared_intermediate_size, fused)
-    specs.append(plain("model.norm.weight", D))
-    if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, D))
-    return Layout(tuple(specs), passthrough=MTP)
+        return specs + gated(f"{m}.shared_experts", D, own.shared_intermediate_size, fused)
+
+    return Layout(tuple(decoder_specs(c, layer)), passthrough=MTP)
 
 
 def layout(c: ModelConfig) -> Layout:

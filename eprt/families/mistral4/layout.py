@@ -9,7 +9,7 @@ import dataclasses
 
 from eprt.config import ModelConfig
 from eprt.families.kimi_k25 import layout as kimi_k25
-from eprt.layout import Layout, gated_mlp, mla_attention, plain, stacked_experts
+from eprt.layout import Layout, decoder_specs, gated_mlp, mla_attention, plain, stacked_experts
 
 # the release's vision tower and projector: carried through, not modeled
 VISION = (r"vision_tower\..+", r"multi_modal_projector\..+")
@@ -27,16 +27,7 @@ def mlp(p: str, c: ModelConfig, i: int) -> list:
 
 
 def layout(c: ModelConfig) -> Layout:
-    D = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
-        specs += mla_attention(f"{p}.self_attn", c) + mlp(p, c, i)
-    specs.append(plain("model.norm.weight", D))
-    if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, D))
-    return Layout(tuple(specs))
+    return Layout(tuple(decoder_specs(c, lambda p, i: mla_attention(f"{p}.self_attn", c) + mlp(p, c, i))))
 
 
 def vlm_layout(c: ModelConfig) -> Layout:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eprt.config import ModelConfig
-from eprt.layout import Layout, TensorSpec, gated_mlp, gqa_attention, plain, stacked_experts
+from eprt.layout import Layout, TensorSpec, decoder_specs, gated_mlp, gqa_attention, plain, stacked_experts
 
 
 def gated_delta_net(prefix: str, c: ModelConfig) -> list[TensorSpec]:
@@ -32,24 +32,19 @@ def gated_delta_net(prefix: str, c: ModelConfig) -> list[TensorSpec]:
 
 def layout(c: ModelConfig) -> Layout:
     D = c.hidden_size
-    specs = [plain("model.embed_tokens.weight", c.vocab_size, D)]
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        specs += [plain(f"{p}.input_layernorm.weight", D), plain(f"{p}.post_attention_layernorm.weight", D)]
+
+    def layer(p: str, i: int) -> list[TensorSpec]:
         if i in c.qwen_next.gated_delta_net.layers:
-            specs += gated_delta_net(f"{p}.linear_attn", c)
+            specs = gated_delta_net(f"{p}.linear_attn", c)
         else:
-            specs += gqa_attention(f"{p}.self_attn", c)
-        if c.is_moe(i):
-            specs += [plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D)]
-            specs += stacked_experts(
-                f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
-            )
-            specs += gated_mlp(f"{p}.mlp.shared_expert", D, c.qwen_next.shared_expert_intermediate_size)
-            specs.append(plain(f"{p}.mlp.shared_expert_gate.weight", 1, D))
-        else:
-            specs += gated_mlp(f"{p}.mlp", D, c.intermediate_size)
-    specs.append(plain("model.norm.weight", D))
-    if not c.tie_word_embeddings:
-        specs.append(plain("lm_head.weight", c.vocab_size, D))
-    return Layout(tuple(specs))
+            specs = gqa_attention(f"{p}.self_attn", c)
+        if not c.is_moe(i):
+            return specs + gated_mlp(f"{p}.mlp", D, c.intermediate_size)
+        specs += [plain(f"{p}.mlp.gate.weight", c.moe.num_experts, D)]
+        specs += stacked_experts(
+            f"{p}.mlp.experts", c.moe.num_experts, c.moe.intermediate_size, D, "gate_proj", "up_proj", "down_proj"
+        )
+        specs += gated_mlp(f"{p}.mlp.shared_expert", D, c.qwen_next.shared_expert_intermediate_size)
+        return specs + [plain(f"{p}.mlp.shared_expert_gate.weight", 1, D)]
+
+    return Layout(tuple(decoder_specs(c, layer)))
