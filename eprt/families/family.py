@@ -37,6 +37,10 @@ class Family:
     # The class of its multi-token-prediction layers, where it runs them (Layout.mtp), else None:
     # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`.
     mtp_model: type | None = None
+    # Other names a recipe knows some of its modules by: (regex over module names, its replacement),
+    # so that a family whose attention is named otherwise (Nemotron-H's `mixer`) answers to the
+    # shipped recipes' `*.self_attn.*` as every other family's attention does (eprt.families.recipe_names).
+    recipe_aliases: tuple[tuple[str, str], ...] = ()
 
     def layout(self, c: ModelConfig) -> Layout:
         return replace(self.tensors(c), precise=self.fp32, unquantized=self.unquantized)
@@ -48,4 +52,6 @@ class Family:
 def language_model_of(text: Family, under: Callable[[tuple[str, ...]], tuple[str, ...]], **fields) -> Family:
     """A vision-language family whose language model is `text`'s: its fp32 and unquantized sets
     moved by `under` (regexes over the text model's names -> the same names in the VLM)."""
-    return Family(**fields, fp32=under(text.fp32), unquantized=under(text.unquantized))
+    return Family(
+        **fields, fp32=under(text.fp32), unquantized=under(text.unquantized), recipe_aliases=text.recipe_aliases
+    )

@@ -23,6 +23,9 @@ FAMILY = Family(
     # vLLM builds the router (GateLinear) unquantized; Mamba's conv1d, A_log, D, dt_bias and its
     # gated norm are no Linears; in_proj, out_proj and the latent projections load quantized
     unquantized=(*COMMON_UNQUANTIZED, rf"{layout.DECODER}\.(embed_tokens|embeddings)", r".*\.mixer\.gate"),
+    # its attention is a layer's `mixer` (no other mixer has q/k/v/o projections): the recipes'
+    # `*.self_attn.*` names it too
+    recipe_aliases=((r"(.*\.)mixer\.([qkvo]_proj)", r"\1self_attn.\2"),),
 )
 OMNI_FAMILY = language_model_of(
     FAMILY,
