@@ -21,6 +21,12 @@ from eprt.layout import Layout
 COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
 
 
+def next_layers(decoder: str, c: ModelConfig, k: int) -> str:
+    """Where DeepSeek-V3's MTP layer k is named, given the decoder's prefix (`model.`): as the decoder
+    layer after the last, `model.layers.{num_hidden_layers + k}.`."""
+    return f"{decoder}layers.{c.num_layers + k}."
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
@@ -37,6 +43,10 @@ class Family:
     # The class of its multi-token-prediction layers, where it runs them (Layout.mtp), else None:
     # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`.
     mtp_model: type | None = None
+    # The prefix of MTP layer k's tensor names, the module's own names following it: (the decoder's
+    # prefix, config, k) -> prefix (Nemotron-H's step sits at the model's root, its own layers under
+    # `mtp.layers.`, beside the embedding and final norm it shares with the decoder).
+    mtp_prefix: Callable[[str, ModelConfig, int], str] = next_layers
     # Other names a recipe knows some of its modules by: (regex over module names, its replacement),
     # so that a family whose attention is named otherwise (Nemotron-H's `mixer`) answers to the
     # shipped recipes' `*.self_attn.*` as every other family's attention does (eprt.families.recipe_names).
@@ -53,5 +63,9 @@ def language_model_of(text: Family, under: Callable[[tuple[str, ...]], tuple[str
     """A vision-language family whose language model is `text`'s: its fp32 and unquantized sets
     moved by `under` (regexes over the text model's names -> the same names in the VLM)."""
     return Family(
-        **fields, fp32=under(text.fp32), unquantized=under(text.unquantized), recipe_aliases=text.recipe_aliases
+        **fields,
+        fp32=under(text.fp32),
+        unquantized=under(text.unquantized),
+        recipe_aliases=text.recipe_aliases,
+        mtp_prefix=text.mtp_prefix,
     )
