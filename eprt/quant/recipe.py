@@ -41,7 +41,8 @@ every rule that quantizes names it, or none does.
 `ignore` names modules (globs) no rule quantizes; the model-free export (eprt.hf.streaming), which
 has no family table of never-quantized modules, takes it in place of its default list.
 
-The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
+The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`, Nemotron-H's
+`mtp.layers.K`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
 wins, decide their modules' formats too (eprt.quant.feasibility).
 

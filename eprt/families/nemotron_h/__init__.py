@@ -34,7 +34,7 @@ FAMILY = Family(
     # `*.self_attn.*` names it too
     recipe_aliases=((r"(.*\.)mixer\.([qkvo]_proj)", r"\1self_attn.\2"),),
     mtp_model=mtp.NemotronHMTP,
-    mtp_prefix=mtp.model_root,
+    mtp_prefix=mtp.step_prefix,
 )
 OMNI_FAMILY = language_model_of(
     FAMILY,

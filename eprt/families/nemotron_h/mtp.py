@@ -24,7 +24,7 @@ from eprt.models.decoder import Block, DecoderLayer, Embedding
 from eprt.models.layers import Linear, RMSNorm
 
 
-def model_root(decoder: str, c: ModelConfig, k: int) -> str:
+def step_prefix(decoder: str, c: ModelConfig, k: int) -> str:
     """The step's tensors are `mtp.layers.N` beside the decoder (`backbone.`): under the decoder's
     parent, `mtp.` (`language_model.mtp.` in the Omni)."""
     return decoder.removesuffix(f"{DECODER}.") + "mtp."
