@@ -41,11 +41,12 @@ class Family:
     fp32: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names no recipe quantizes
     # The class of its multi-token-prediction layers, where it runs them (Layout.mtp), else None:
-    # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`.
+    # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`; the decoder's
+    # modules it reads, where it reads any (Nemotron-H's embedding and final norm), held apart in
+    # its `decoder_parts` under their names in the decoder (eprt.loading.loader.mtp_meta).
     mtp_model: type | None = None
-    # The prefix of MTP layer k's tensor names, the module's own names following it: (the decoder's
-    # prefix, config, k) -> prefix (Nemotron-H's step sits at the model's root, its own layers under
-    # `mtp.layers.`, beside the embedding and final norm it shares with the decoder).
+    # Where MTP layer k's tensors are named: (the decoder's prefix, config, k) -> the prefix its
+    # module's names follow (DeepSeek-V3's `model.layers.{num_hidden_layers + k}.`, Nemotron-H's `mtp.`).
     mtp_prefix: Callable[[str, ModelConfig, int], str] = next_layers
     # Other names a recipe knows some of its modules by: (regex over module names, its replacement),
     # so that a family whose attention is named otherwise (Nemotron-H's `mixer`) answers to the
