@@ -171,18 +171,21 @@ def test_the_engine_calibrates_the_mtp_step_on_the_decoders_output(tiny):
     assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
 
 
-def test_an_mtp_recipe_exports_the_step_quantized(tiny, tmp_path):
+@pytest.mark.parametrize("family, under", [("nemotron_h", ""), ("nemotron_h_omni", "language_model.")])
+def test_an_mtp_recipe_exports_the_step_quantized(family, under, tmp_path):
     """`nvfp4_experts_fp8_attention_mtp`: the step's attention in FP8 and its routed experts in NVFP4,
     as the decoder's, every other tensor of it (eh_proj, the norms, the router, the shared expert,
-    the latent projections) as the source holds it; the whole export predicted; eprt-check passes."""
-    hf, ck_dir = tiny
+    the latent projections) as the source holds it; the whole export predicted; eprt-check passes.
+    The Omni's step is its language model's, under `language_model.`."""
+    hf = make_tiny(family, str(tmp_path / "hf"))
+    ck_dir = convert_hf(hf, str(tmp_path / "ck"), progress=False)
     q = str(tmp_path / "q")
     args = PTQArgs(ck_dir, RECIPE, q, calib_size=2, seq_len=16, eval_size=0, progress=False)
     run_ptq(ParallelState.single(), args)
     out = export_hf(q, q + "-hf", progress=False)
     source, got = read_hf_tensors(hf), read_hf_tensors(out)
-    fp8 = re.compile(r"(backbone|mtp)\.layers\.\d+\.mixer\.[qkvo]_proj")
-    nvfp4 = re.compile(r"(backbone|mtp)\.layers\.\d+\.mixer\.experts\.\d+\.(up|down)_proj")
+    fp8 = re.compile(r"(language_model\.)?(backbone|mtp)\.layers\.\d+\.mixer\.[qkvo]_proj")
+    nvfp4 = re.compile(r"(language_model\.)?(backbone|mtp)\.layers\.\d+\.mixer\.experts\.\d+\.(up|down)_proj")
     want = set()
     for name in source:
         module = name.removesuffix(".weight")
@@ -193,13 +196,14 @@ def test_an_mtp_recipe_exports_the_step_quantized(tiny, tmp_path):
         else:
             want.add(name)
     assert set(got) == want
-    assert got[f"{MTP}0.mixer.q_proj.weight"].dtype == torch.float8_e4m3fn
-    assert got[f"{MTP}1.mixer.experts.0.up_proj.weight"].dtype == torch.uint8
-    for name in (f"{MTP}0.eh_proj.weight", f"{MTP}1.mixer.gate.weight", f"{MTP}1.mixer.fc1_latent_proj.weight"):
-        assert torch.equal(got[name], source[name].to(got[name].dtype)), name
+    mtp = under + MTP
+    assert got[f"{mtp}0.mixer.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert got[f"{mtp}1.mixer.experts.0.up_proj.weight"].dtype == torch.uint8
+    for name in (f"{mtp}0.eh_proj.weight", f"{mtp}1.mixer.gate.weight", f"{mtp}1.mixer.fc1_latent_proj.weight"):
+        assert torch.equal(got[name], source[name]), name
     layers = json.load(open(os.path.join(out, "hf_quant_config.json")))["quantization"]["quantized_layers"]
-    assert {m for m in layers if m.startswith(MTP)} == {f"{MTP}0.mixer.{p}_proj" for p in "qkvo"} | {
-        f"{MTP}1.mixer.experts"
+    assert {m for m in layers if m.startswith(mtp)} == {f"{mtp}0.mixer.{p}_proj" for p in "qkvo"} | {
+        f"{mtp}1.mixer.experts"
     }
     assert check_export(str(out), hf) == []
 

@@ -101,7 +101,8 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(renamed(f"{DECODER}.norm.weight", f"{DECODER}.norm_f.weight", D))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, D))
-    return Layout(tuple(specs), passthrough=MTP, mtp=tuple(mtp_layers(c)))
+    # a checkpoint converted before eprt ran the step says no MTP layer: it carries them only
+    return Layout(tuple(specs), passthrough=MTP, mtp=tuple(mtp_layers(c)) if c.num_nextn_predict_layers else ())
 
 
 def mtp_layers(c: ModelConfig, prefix: str = "") -> list[TensorSpec]:
@@ -131,5 +132,5 @@ def omni_layout(c: ModelConfig) -> Layout:
     return dataclasses.replace(
         kimi_k25.vlm_layout(text),
         passthrough=(*kimi_k25.under_language_model(text.passthrough), *TOWERS),
-        mtp=tuple(mtp_layers(c, kimi_k25.PREFIX)),
+        mtp=tuple(mtp_layers(c, kimi_k25.PREFIX)) if c.num_nextn_predict_layers else (),
     )
