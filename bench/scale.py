@@ -357,6 +357,8 @@ TINY_DIMS = {
     "gpt_oss": dict(SMALL_GQA, intermediate_size=32),
 }
 DRY_RUNS = (("max", []), ("gptq", ["--recipe", "nvfp4", "--algorithm", "gptq"]))
+# where eprt runs the model's MTP layers: a recipe that quantizes them, whose plan holds them
+MTP_RUN = ("max, MTP layers run", ["--recipe", "nvfp4_experts_fp8_attention_mtp"])
 GPU = ["--device", "cuda"]  # planned for GPU ranks from this host, whatever it has
 
 
@@ -502,8 +504,10 @@ def scale(model: str, worlds: list[int], seq_len: int, calib_size: int, tmp: str
     apparent = inflate(plain, with_fields(family, make_config(hf), real), big)
     disk = sum(os.stat(os.path.join(big, f)).st_blocks * 512 for f in os.listdir(big) if f.endswith(".safetensors"))
     rows.append((f"{model} real dims", f"{apparent / 2**40:.2f} TiB of weights in {disk / 2**20:.1f} MiB on disk"))
+    cfg = parse_hf_config(with_fields(family, make_config(hf), real), "the real config")
+    runs_mtp = cfg.num_nextn_predict_layers and reader_for(cfg.model_type, "the real config").mtp_model
     for world in worlds:
-        for label, extra in DRY_RUNS:
+        for label, extra in (*DRY_RUNS, MTP_RUN) if runs_mtp else DRY_RUNS:
             ranks, terms, took = dry_run(big, world, [*GPU, *extra], seq_len, calib_size)
             device = sorted({" ".join(r[-4:-2]) for r in ranks})
             host = sorted({" ".join(r[-2:]) for r in ranks})

@@ -253,7 +253,7 @@ class ModelConfig:
     gqa: GQAConfig | None = None
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
-    num_nextn_predict_layers: int = 0  # DeepSeek-V3 MTP layers: carried, not run
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers (steps): carried, run where the family runs them
     indexer: IndexerConfig | None = None  # DeepSeek-V3.2 (on MLA)
     qwen_next: QwenNextConfig | None = None  # Qwen3-Next and Qwen3.5-MoE (on GQA)
     kimi_linear: KimiLinearConfig | None = None  # Kimi-Linear and Kimi-K3 (on MLA)

@@ -101,7 +101,12 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
         carried = layer is not None and int(layer.group(1)) >= layers and not mtp  # DeepSeek's MTP layers
         expert = EXPERT.fullmatch(module)
         as_recipe_sees = expert.group(1) if expert else module
-        chosen = next((r["format"] for r in rules if fnmatch.fnmatchcase(as_recipe_sees, r["pattern"])), "none")
+        # Nemotron-H's attention (a layer's mixer q/k/v/o) answers to the recipes' `self_attn` too
+        also = re.sub(r"\.mixer\.([qkvo]_proj)$", r".self_attn.\1", as_recipe_sees)
+        chosen = next(
+            (r["format"] for r in rules if any(fnmatch.fnmatchcase(n, r["pattern"]) for n in (as_recipe_sees, also))),
+            "none",
+        )
         if (
             leaf == "weight"
             and len(shape) == 2

@@ -39,12 +39,13 @@ def test_a_config_runs_with_the_model_class_of_its_entry(family):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_a_family_whose_layout_runs_mtp_layers_names_their_model(family):
-    """The MTP layers a recipe may quantize (Layout.mtp) are built from the entry's mtp_model."""
+    """The MTP layers a recipe may quantize (Layout.mtp) are built from the entry's mtp_model, and
+    named by its mtp_prefix."""
     c = parse_hf_config(tiny_config(family.name))
     if family.layout(c).mtp:
         assert family.mtp_model is not None
         with torch.device("meta"):
-            mtp = family.mtp_model(c)
-        prefix = f"model.layers.{c.num_layers}."
+            mtp, model = family.mtp_model(c), family.model(c)
+        prefix = family.mtp_prefix(model.decoder()[0], c, 0)
         want = {s.name[len(prefix) :] for s in family.layout(c).mtp if s.name.startswith(prefix)}
         assert set(mtp.state_dict()) == want

@@ -13,6 +13,7 @@ The table sits above the model code (each entry names its model class); what a r
 from __future__ import annotations
 
 import os
+import re
 
 from eprt.config import ModelConfig
 from eprt.errors import ConfigError
@@ -66,6 +67,14 @@ FAMILIES: tuple[Family, ...] = (
     deepseek_v4.FAMILY,
 )
 _BY_MODEL_TYPE = {mt: f for f in FAMILIES for mt in f.model_types}
+# Every family's other names of its modules: each names modules no other family has (Nemotron-H's
+# attention `mixer.q_proj`), so they apply to a module name of any family.
+_RECIPE_ALIASES = tuple(dict.fromkeys((re.compile(p), r) for f in FAMILIES for p, r in f.recipe_aliases))
+
+
+def recipe_names(module: str) -> tuple[str, ...]:
+    """`module` and the other names a recipe's patterns match it by (Family.recipe_aliases)."""
+    return (module, *(p.sub(r, module) for p, r in _RECIPE_ALIASES if p.fullmatch(module)))
 
 
 def supported_model_types() -> list[str]:

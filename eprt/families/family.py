@@ -21,6 +21,12 @@ from eprt.layout import Layout
 COMMON_UNQUANTIZED = (r"model\.embed_tokens", r"lm_head", r".*\.mlp\.gate")
 
 
+def next_layers(decoder: str, c: ModelConfig, k: int) -> str:
+    """Where DeepSeek-V3's MTP layer k is named, given the decoder's prefix (`model.`): as the decoder
+    layer after the last, `model.layers.{num_hidden_layers + k}.`."""
+    return f"{decoder}layers.{c.num_layers + k}."
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # ModelConfig.family
@@ -35,8 +41,17 @@ class Family:
     fp32: tuple[str, ...] = ()
     unquantized: tuple[str, ...] = COMMON_UNQUANTIZED  # regexes over module names no recipe quantizes
     # The class of its multi-token-prediction layers, where it runs them (Layout.mtp), else None:
-    # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`.
+    # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`; the decoder's
+    # modules it reads, where it reads any (Nemotron-H's embedding and final norm), held apart in
+    # its `decoder_parts` under their names in the decoder (eprt.loading.loader.mtp_meta).
     mtp_model: type | None = None
+    # Where MTP layer k's tensors are named: (the decoder's prefix, config, k) -> the prefix its
+    # module's names follow (DeepSeek-V3's `model.layers.{num_hidden_layers + k}.`, Nemotron-H's `mtp.`).
+    mtp_prefix: Callable[[str, ModelConfig, int], str] = next_layers
+    # Other names a recipe knows some of its modules by: (regex over module names, its replacement),
+    # so that a family whose attention is named otherwise (Nemotron-H's `mixer`) answers to the
+    # shipped recipes' `*.self_attn.*` as every other family's attention does (eprt.families.recipe_names).
+    recipe_aliases: tuple[tuple[str, str], ...] = ()
 
     def layout(self, c: ModelConfig) -> Layout:
         return replace(self.tensors(c), precise=self.fp32, unquantized=self.unquantized)
@@ -48,4 +63,10 @@ class Family:
 def language_model_of(text: Family, under: Callable[[tuple[str, ...]], tuple[str, ...]], **fields) -> Family:
     """A vision-language family whose language model is `text`'s: its fp32 and unquantized sets
     moved by `under` (regexes over the text model's names -> the same names in the VLM)."""
-    return Family(**fields, fp32=under(text.fp32), unquantized=under(text.unquantized))
+    return Family(
+        **fields,
+        fp32=under(text.fp32),
+        unquantized=under(text.unquantized),
+        recipe_aliases=text.recipe_aliases,
+        mtp_prefix=text.mtp_prefix,
+    )

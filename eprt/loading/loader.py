@@ -103,17 +103,30 @@ def build_meta(rc: ResolvedCheckpoint) -> CausalLM:
     return model
 
 
-def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> torch.nn.Module:
-    """MTP layer k of the checkpoint `rc` resolves (its family's `mtp_model`), built from the
-    tensors convert carries through under their Hugging Face names: the routed experts of its
-    range stacked as the decoder layers hold theirs, in its run dtypes (the router's tensors in
-    fp32, as everywhere)."""
+def mtp_meta(rc: ResolvedCheckpoint, k: int) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, str]]]:
+    """MTP layer k of `rc` (its family's `mtp_model`) built on the meta device, and what it reads:
+    (a module, the prefix of its tensor names) for the layer itself (its family's `mtp_prefix`) and,
+    where it has them, the decoder's parts it holds apart (`decoder_parts`: Nemotron-H's embedding
+    and final norm, under the decoder's prefix)."""
     c = rc.ck.config
+    decoder = build_meta(rc).decoder()[0]
     with torch.device("meta"):
         mtp = rc.family.mtp_model(c, rc.expert_range)
     mtp.requires_grad_(False)
-    prefix = f"model.layers.{c.num_layers + k}."
-    place_tensors(rc, mtp, [s.name for s in rc.layout.mtp if s.name.startswith(prefix)], device=device, prefix=prefix)
+    parts = [(mtp, rc.family.mtp_prefix(decoder, c, k))]
+    if getattr(mtp, "decoder_parts", None) is not None:
+        parts.append((mtp.decoder_parts, decoder))
+    return mtp, parts
+
+
+def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> torch.nn.Module:
+    """MTP layer k of the checkpoint `rc` resolves, built from the tensors convert carries through
+    under their Hugging Face names (and the decoder's it reads: `mtp_meta`): the routed experts of
+    its range stacked as the decoder layers hold theirs, in its run dtypes (the router's tensors in
+    fp32, as everywhere)."""
+    mtp, parts = mtp_meta(rc, k)
+    for part, prefix in parts:
+        place_tensors(rc, part, [prefix + n for n in part.state_dict()], device=device, prefix=prefix)
     return mtp
 
 

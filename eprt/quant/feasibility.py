@@ -11,14 +11,13 @@ blocks fill (`WeightFormat.unfit_input_dim`). FP8 per-tensor quantizes any shape
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import re
 
 from eprt.errors import ConfigError
 from eprt.layout import Layout, TensorSpec, layer_of
 from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.fusion import fused_members
-from eprt.quant.recipe import Recipe
+from eprt.quant.recipe import Recipe, matches
 
 SUGGESTIONS = 3  # close module names shown for a pattern that matches none
 
@@ -85,7 +84,7 @@ def mtp_candidates(layout: Layout, recipe: Recipe, where: str) -> dict[str, Tens
         return layout.linear_modules(mtp=True)
     for mtp in carried:
         rule = recipe.rule_of(mtp)
-        if rule and rule.format != "none" and not any(fnmatch.fnmatchcase(m, rule.pattern) for m in modules):
+        if rule and rule.format != "none" and not any(matches(m, rule.pattern) for m in modules):
             way_out = (
                 "add `mtp: true` to the recipe to quantize the MTP layers by its rules, or drop the rule"
                 if layout.mtp
@@ -187,7 +186,7 @@ def unmatched_hint(recipe: Recipe, modules: list[str]) -> str:
     """For each quantizing pattern that matches no module: the module names closest to it."""
     hints = []
     for pattern, fmt, *_ in recipe.rules:  # a rule's algorithm and parameters do not matter here
-        if fmt == "none" or any(fnmatch.fnmatchcase(m, pattern) for m in modules):
+        if fmt == "none" or any(matches(m, pattern) for m in modules):
             continue
         close = difflib.get_close_matches(pattern, modules, n=SUGGESTIONS, cutoff=0.0)
         hints.append(f"pattern {pattern!r} matches no module (closest: {', '.join(close)})")

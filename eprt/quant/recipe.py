@@ -15,8 +15,11 @@ A recipe is a YAML file (eprt/configs/ptq/NAME.yaml, or any path):
 
 Different patterns may give different formats (mixed precision: NVFP4 experts, FP8 attention).
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
-layer's routed experts are one module (`model.layers.3.mlp.experts`). Whatever a recipe says,
-a family's never-quantized modules (embeddings, lm_head, routers, ...) stay unquantized.
+layer's routed experts are one module (`model.layers.3.mlp.experts`). A family whose attention is
+named otherwise gives it its `self_attn` name too (Nemotron-H's `backbone.layers.3.mixer.q_proj` is
+also `backbone.layers.3.self_attn.q_proj`: eprt.families.recipe_names), so `*.self_attn.*` means the
+attention in every family. Whatever a recipe says, a family's never-quantized modules (embeddings,
+lm_head, routers, ...) stay unquantized.
 
 A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
@@ -38,7 +41,8 @@ every rule that quantizes names it, or none does.
 `ignore` names modules (globs) no rule quantizes; the model-free export (eprt.hf.streaming), which
 has no family table of never-quantized modules, takes it in place of its default list.
 
-The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`) are
+The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`, Nemotron-H's
+`mtp.layers.K`) are
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
 wins, decide their modules' formats too (eprt.quant.feasibility).
 
@@ -64,6 +68,7 @@ from typing import NamedTuple
 import yaml
 
 from eprt.errors import ConfigError
+from eprt.families import recipe_names
 from eprt.quant.act_headroom import ActHeadroom, parse_act_headroom
 from eprt.quant.algorithms.registry import DEFAULT, Params, parse_algorithm, rotated, rounding, steps, unrotated
 from eprt.quant.algorithms.registry import sequences as algorithm_sequences
@@ -102,13 +107,13 @@ class Recipe:
     act_headroom: ActHeadroom | None = None  # NVFP4 input scales with headroom; None: max's
 
     def ignores(self, module: str) -> bool:
-        return any(fnmatch.fnmatchcase(module, p) for p in self.ignore or ())
+        return any(matches(module, p) for p in self.ignore or ())
 
     def rule_of(self, module: str) -> Rule | None:
         """The first rule whose pattern matches `module`, or None (also where `ignore` names it)."""
         if self.ignores(module):
             return None
-        return next((r for r in self.rules if fnmatch.fnmatchcase(module, r.pattern)), None)
+        return next((r for r in self.rules if matches(module, r.pattern)), None)
 
     def format_of(self, module: str) -> str | None:
         rule = self.rule_of(module)
@@ -163,6 +168,12 @@ class Recipe:
             **({"ignore": list(self.ignore)} if self.ignore is not None else {}),
             **({"act_headroom": self.act_headroom.to_json()} if self.act_headroom is not None else {}),
         }
+
+
+def matches(module: str, pattern: str) -> bool:
+    """Whether glob `pattern` matches `module` by its name or by another name its family gives it
+    (eprt.families.recipe_names: Nemotron-H's attention `mixer.q_proj` is also `self_attn.q_proj`)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for name in recipe_names(module))
 
 
 def rule_json(r: Rule) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eprt.families.family import COMMON_UNQUANTIZED, Family, language_model_of
 from eprt.families.kimi_k25.layout import under_language_model
-from eprt.families.nemotron_h import config, layout, model
+from eprt.families.nemotron_h import config, layout, model, mtp
 
 FAMILY = Family(
     config.FAMILY,
@@ -21,8 +21,20 @@ FAMILY = Family(
         r".*\.mixer\.(A_log|D|dt_bias)",
     ),
     # vLLM builds the router (GateLinear) unquantized; Mamba's conv1d, A_log, D, dt_bias and its
-    # gated norm are no Linears; in_proj, out_proj and the latent projections load quantized
-    unquantized=(*COMMON_UNQUANTIZED, rf"{layout.DECODER}\.(embed_tokens|embeddings)", r".*\.mixer\.gate"),
+    # gated norm are no Linears; in_proj, out_proj and the latent projections load quantized. The
+    # MTP step's eh_proj stays in the source dtype, as every family's (eprt-check holds an MTP
+    # eh_proj unquantized: SGLang builds DeepSeek's as a plain Linear)
+    unquantized=(
+        *COMMON_UNQUANTIZED,
+        rf"{layout.DECODER}\.(embed_tokens|embeddings)",
+        r".*\.mixer\.gate",
+        r"mtp\.layers\.\d+\.eh_proj",
+    ),
+    # its attention is a layer's `mixer` (no other mixer has q/k/v/o projections): the recipes'
+    # `*.self_attn.*` names it too
+    recipe_aliases=((r"(.*\.)mixer\.([qkvo]_proj)", r"\1self_attn.\2"),),
+    mtp_model=mtp.NemotronHMTP,
+    mtp_prefix=mtp.step_prefix,
 )
 OMNI_FAMILY = language_model_of(
     FAMILY,
@@ -32,4 +44,5 @@ OMNI_FAMILY = language_model_of(
     parse=config.parse_omni,
     tensors=layout.omni_layout,
     model=model.NemotronHOmni,
+    mtp_model=mtp.NemotronHMTP,
 )

@@ -7,8 +7,9 @@ Each layer is one mixer behind one RMSNorm, as `layers_block_type` (transformers
 grouped-query attention without positional encoding, a dense relu² MLP, or a MoE of relu² experts
 (not gated) chosen by a sigmoid router with a correction bias and expert groups, beside one shared
 expert; Super and Ultra route in a latent (`moe_latent_size`: fc1_latent_proj / fc2_latent_proj
-around the routed experts). Super and Ultra ship multi-token-prediction layers (`mtp.layers.N`, as
-`mtp_layers_block_type` lists them), which eprt carries through unchanged.
+around the routed experts). Super and Ultra ship a multi-token-prediction step (`mtp.layers.N`, as
+`mtp_layers_block_type` lists them: attention then MoE), which eprt runs as vLLM's NemotronHMTP does
+(eprt.families.nemotron_h.mtp).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Mamba2Config:
 class NemotronHConfig(FamilyConfig):
     """What only Nemotron-H has (the module docstring): each layer's kind, the Mamba-2 sizes, the
     shared expert's width, the routed experts' latent (None: they read the hidden state), and the
-    carried multi-token-prediction layers' kinds."""
+    kinds of the multi-token-prediction step's layers."""
 
     layer_kinds: tuple[str, ...]
     mamba: Mamba2Config
@@ -131,12 +132,29 @@ def refuse_unmodeled(f: Fields) -> None:
         raise f.refuse("n_shared_experts is not 1; every Nemotron-H MoE layer has one shared expert")
 
 
+def refuse_unrunnable_mtp(f: Fields, count: int, kinds: list[str]) -> None:
+    """The multi-token prediction eprt runs, as vLLM's NemotronHMTP builds it: one step whose layers
+    are attention and MoE (a MoE only last, where the calibration runs a routed block)."""
+    if count != 1:
+        raise f.refuse(
+            f"num_nextn_predict_layers is {count}; Nemotron-H's multi-token prediction is one step of the "
+            "mtp_layers_block_type layers (vLLM's NemotronHMTP runs one): set it to 1 or 0"
+        )
+    if set(kinds) - {ATTENTION, MOE} or MOE in kinds[:-1]:
+        raise f.refuse(
+            f"the MTP layers are {kinds}; eprt runs Nemotron-H's MTP step as vLLM builds it, attention "
+            "and MoE layers, a MoE only last"
+        )
+
+
 def parse(hf: dict, source: str, family: str = FAMILY) -> ModelConfig:
     f = Fields(hf, source)
     refuse_unmodeled(f)
     kinds = layer_kinds(f, "layers_block_type", "hybrid_override_pattern", [MAMBA, MOE, ATTENTION, MLP])
     mtp_count = f.get("num_nextn_predict_layers", default=0)
     mtp_kinds = layer_kinds(f, "mtp_layers_block_type", "mtp_hybrid_override_pattern", [ATTENTION, MOE])
+    if mtp_count:
+        refuse_unrunnable_mtp(f, mtp_count, mtp_kinds)
     n_heads = f.get("num_attention_heads", default=32)
     n_experts = f.get("n_routed_experts", "num_local_experts", default=8)
     heads, groups = f.get("mamba_num_heads", default=128), f.get("n_groups", "mamba_n_groups", default=8)
@@ -195,6 +213,7 @@ def parse(hf: dict, source: str, family: str = FAMILY) -> ModelConfig:
             latent_size=f.get("moe_latent_size", default=None) if moe_layers else None,
             mtp_layer_kinds=tuple(mtp_kinds * mtp_count),
         ),
+        num_nextn_predict_layers=mtp_count,
     )
 
 

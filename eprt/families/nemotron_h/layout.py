@@ -3,7 +3,8 @@ holds one `norm` and one `mixer` (Mamba-2, attention, MLP or MoE), the routed ex
 (`mixer.experts.E.{up,down}_proj`, not gated) or fused as transformers holds them (`mixer.experts.up_proj`
 [E, I, D], `down_proj` [E, D, I]); the embeddings `backbone.embeddings` and the final norm
 `backbone.norm_f`, which eprt's decoder names `embed_tokens` and `norm` (the export writes the
-release's names back). The multi-token-prediction layers (`mtp.layers.N`) are carried through.
+release's names back). The multi-token-prediction layers (`mtp.layers.N`) are carried through convert
+under their names, and run and quantized under a recipe's `mtp: true` (`Layout.mtp`).
 The Omni VLM holds all of it under `language_model.` beside its vision and audio towers."""
 
 from __future__ import annotations
@@ -100,12 +101,13 @@ def layout(c: ModelConfig) -> Layout:
     specs.append(renamed(f"{DECODER}.norm.weight", f"{DECODER}.norm_f.weight", D))
     if not c.tie_word_embeddings:
         specs.append(plain("lm_head.weight", c.vocab_size, D))
-    return Layout(tuple(specs), passthrough=MTP)
+    # a checkpoint converted before eprt ran the step says no MTP layer: it carries them only
+    return Layout(tuple(specs), passthrough=MTP, mtp=tuple(mtp_layers(c)) if c.num_nextn_predict_layers else ())
 
 
 def mtp_layers(c: ModelConfig, prefix: str = "") -> list[TensorSpec]:
-    """The multi-token-prediction layers eprt carries (`passthrough`), as vLLM's NemotronHMTP loads
-    them: one block per kind of `mtp_layers_block_type` (`mtp.layers.K.norm` and `.mixer`), the
+    """The multi-token-prediction layers (`Layout.mtp`; convert carries them as `passthrough`), as
+    vLLM's NemotronHMTP loads them: one block per kind of `mtp_layers_block_type` (`mtp.layers.K.norm` and `.mixer`), the
     first also joining the embedding and the hidden state (`enorm`, `hnorm`, `eh_proj`), the last
     normalizing its output (`final_layernorm`); the embeddings and head are the model's."""
     D, kinds = c.hidden_size, c.own.mtp_layer_kinds
@@ -128,5 +130,7 @@ def omni_layout(c: ModelConfig) -> Layout:
     """The Omni VLM: the text layout under `language_model.`, the towers and projectors carried."""
     text = layout(c)
     return dataclasses.replace(
-        kimi_k25.vlm_layout(text), passthrough=(*kimi_k25.under_language_model(text.passthrough), *TOWERS)
+        kimi_k25.vlm_layout(text),
+        passthrough=(*kimi_k25.under_language_model(text.passthrough), *TOWERS),
+        mtp=tuple(mtp_layers(c, kimi_k25.PREFIX)) if c.num_nextn_predict_layers else (),
     )

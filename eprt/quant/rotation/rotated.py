@@ -15,6 +15,7 @@ import functools
 import torch
 
 from eprt.errors import ConfigError
+from eprt.families.family import next_layers
 from eprt.layout import TensorSpec
 from eprt.loading.loader import build_meta
 from eprt.loading.resolved import ResolvedCheckpoint
@@ -26,9 +27,17 @@ from eprt.storage.checkpoint import Checkpoint
 
 def plan_of(ck: Checkpoint) -> RotationPlan:
     """The rotation plan of `ck`'s model (built on the meta device); refuses a tensor the export
-    carries through untouched outside the MTP layers (a vision tower), which would read or write
-    the rotated stream unrotated."""
-    plan = rotation_plan(build_meta(ResolvedCheckpoint.of(ck, torch.float32)))
+    carries through untouched outside the MTP layers (a vision tower), and MTP layers other than
+    DeepSeek-V3's (the plan's `mtp`), which would read or write the rotated stream unrotated."""
+    rc = ResolvedCheckpoint.of(ck, torch.float32)
+    c = ck.config
+    if rc.layout.mtp and rc.family.mtp_prefix is not next_layers:
+        raise ConfigError(
+            f"algorithm rotate: the rotation knows DeepSeek-V3's multi-token-prediction layers, not {c.family}'s "
+            f"({rc.layout.mtp[0].name}, ...), which would see the rotated residual stream unrotated; quantize "
+            "without rotate"
+        )
+    plan = rotation_plan(build_meta(rc))
     for name, meta in ck.tensors.items():
         if meta.role == "passthrough" and not name.startswith(plan.mtp):
             raise ConfigError(

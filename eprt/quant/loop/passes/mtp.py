@@ -1,5 +1,6 @@
 """The multi-token-prediction layers as a pass: after the last decoder layer, each MTP layer the
-recipe quantizes a module of (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`), in order, on
+recipe quantizes a module of (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`, Nemotron-H's
+`mtp.layers.*`: eprt.families.Family.mtp_prefix), in order, on
 the final hidden states and the next tokens' embeddings, through the passes that cover MTP layers
 (eprt.quant.loop.engine.LayerEngine.run_mtp). The chain stops at the first layer it skips."""
 
@@ -14,11 +15,12 @@ class MTPLayers(Pass):
         self.targets = targets
 
     def prefixes(self, engine: LayerEngine) -> list[str]:
-        c = engine.ck.config
+        c, rc = engine.ck.config, engine.rc
+        mtp_modules = rc.layout.linear_modules(mtp=True)
         out = []
         for k in range(c.num_nextn_predict_layers):
-            prefix = f"{engine.prefix}layers.{c.num_layers + k}."
-            if not any(t.startswith(prefix) for t in self.targets):
+            prefix = rc.family.mtp_prefix(engine.prefix, c, k)
+            if not any(t.startswith(prefix) and t in mtp_modules for t in self.targets):
                 break
             out.append(prefix)
         return out
