@@ -47,6 +47,7 @@ FAMILIES = [
     "minimax_m3_vl_text",
     "nemotron_h",
     "nemotron_h_omni",
+    "deepseek_v4",
 ]
 # each shipped one-format recipe once, with and without an FP8 KV cache among them: the KV scales on quantized
 # attention (fp8), on attention left unquantized (nvfp4_experts_only), and none (nvfp4)
@@ -66,7 +67,9 @@ COMPANIONS = {
 # them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
 # vLLM and SGLang) and shared head (an lm head), MiniMax-M3's block-sparse indexer (it only chooses
 # key blocks) and its projectors, Nemotron-H's router (mixer.gate), embeddings and the MTP layers it
-# carries through, Nemotron-H-Omni's vision and sound towers and projectors.
+# carries through, Nemotron-H-Omni's vision and sound towers and projectors, DeepSeek-V4's embedding
+# and head (`embed`, `head`), router (ffn.gate), grouped output projection's first half (wo_a, an einsum
+# in the engines), compressors' projections and indexer's head weights.
 NEVER_QUANTIZED = re.compile(
     r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
     r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|(mm|multi_modal)_projector\..*"
@@ -74,7 +77,8 @@ NEVER_QUANTIZED = re.compile(
     r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
     r"|.*\.self_attn\.(index_|indexer\.)(q|k)_proj|multi_modal_projector\..*|patch_merge_mlp\..*"
     r"|.*\.eh_proj|.*\.shared_head\.head|.*\.mixer\.gate|.*backbone\.embeddings|(language_model\.)?mtp\..*"
-    r"|(vision_model|mlp1|vision_projector|sound_encoder|sound_projection)\..*)"
+    r"|(vision_model|mlp1|vision_projector|sound_encoder|sound_projection)\..*"
+    r"|embed|head|.*\.ffn\.gate|.*\.attn\.wo_a|.*\.compressor\.(wkv|wgate)|.*\.indexer\.weights_proj)"
 )
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
