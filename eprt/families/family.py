@@ -37,6 +37,12 @@ class Family:
     # The class of its multi-token-prediction layers, where it runs them (Layout.mtp), else None:
     # Class(config, expert_range=None), with `mtp_input(input_ids, hidden, shift)`.
     mtp_model: type | None = None
+    # Where MTP layer k's tensors are: (config, k) -> their prefix; None: DeepSeek-V3's
+    # `layers.{num_hidden_layers + k}.` under the decoder's prefix.
+    mtp_prefix: Callable[[ModelConfig, int], str] | None = None
+    # The model's own tensors its MTP layers read too (DeepSeek-V4's shares the embedding), each
+    # placed in an MTP layer under its name past `model.`.
+    mtp_shared: tuple[str, ...] = ()
 
     def layout(self, c: ModelConfig) -> Layout:
         return replace(self.tensors(c), precise=self.fp32, unquantized=self.unquantized)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from eprt.layout import EXPERT_LEAVES, layer_of
-from eprt.loading.loader import checked_meta
+from eprt.layout import EXPERT_LEAVES
+from eprt.loading.loader import checked_meta, mtp_prefix
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.loop.sequences import Schedule, own_sequences
 from eprt.quant.quality import REFERENCE_PARTS
@@ -260,19 +260,27 @@ class Planner:
 
 
 def mtp_reads(rc: ResolvedCheckpoint, reads: dict[int, list[tuple[int, int, bool, bool]]]) -> None:
-    """Each MTP layer's tensors as `Planner.reads` holds a layer's. An MTP layer is loaded whole (its
-    own embedding and shared head too); its routed experts are read expert by expert from their
-    source tensors and stacked, the rows in flight beside the stacked copy."""
-    for spec in rc.layout.mtp:
-        run_dtype = rc.run_dtype(spec.name)
-        n = math.prod(spec.shape) * run_dtype.itemsize
-        if spec.stacked:
-            flight = n
-        else:
-            meta = rc.ck.meta(spec.name)
-            stored = math.prod(spec.shape) * meta.dtype.itemsize
-            flight = n if meta.encoded else 0 if meta.dtype == run_dtype else stored
-        reads.setdefault(layer_of(spec.name), []).append((n, flight, spec.stacked, False))
+    """Each MTP layer's tensors as `Planner.reads` holds a layer's (MTP layer k as layer
+    num_hidden_layers + k). An MTP layer is loaded whole (its own embedding and shared head too, or
+    the model's it shares: `Family.mtp_shared`); its routed experts are read expert by expert from
+    their source tensors and stacked, the rows in flight beside the stacked copy."""
+    c = rc.ck.config
+    shared = [s for s in rc.layout.specs if s.name in rc.family.mtp_shared]
+    for k in range(c.num_nextn_predict_layers):
+        prefix = mtp_prefix(rc, k)
+        for spec in [s for s in rc.layout.mtp if s.name.startswith(prefix)] + shared:
+            reads.setdefault(c.num_layers + k, []).append(mtp_read(rc, spec))
+
+
+def mtp_read(rc: ResolvedCheckpoint, spec) -> tuple[int, int, bool, bool]:
+    """One MTP tensor's read as `Planner.reads` holds it: (bytes placed, bytes in flight, stacked, a weight)."""
+    run_dtype = rc.run_dtype(spec.name)
+    n = math.prod(spec.shape) * run_dtype.itemsize
+    if spec.stacked:
+        return n, n, True, False
+    meta = rc.ck.meta(spec.name)
+    stored = math.prod(spec.shape) * meta.dtype.itemsize
+    return n, n if meta.encoded else 0 if meta.dtype == run_dtype else stored, False, False
 
 
 def largest_fitting(most: int, fits) -> int:
