@@ -50,6 +50,13 @@ class Family:
     def keeps_fp32(self, name: str) -> bool:
         return any(re.fullmatch(p, name) for p in self.fp32)
 
+    def mtp_layer(self, c: ModelConfig, k: int, decoder_prefix: str = "model.") -> str:
+        """The prefix of MTP layer k's tensors: `mtp_prefix`'s, else DeepSeek-V3's
+        `layers.{num_hidden_layers + k}.` under `decoder_prefix`."""
+        if self.mtp_prefix is not None:
+            return self.mtp_prefix(c, k)
+        return f"{decoder_prefix}layers.{c.num_layers + k}."
+
 
 def language_model_of(text: Family, under: Callable[[tuple[str, ...]], tuple[str, ...]], **fields) -> Family:
     """A vision-language family whose language model is `text`'s: its fp32 and unquantized sets

@@ -103,13 +103,6 @@ def build_meta(rc: ResolvedCheckpoint) -> CausalLM:
     return model
 
 
-def mtp_prefix(rc: ResolvedCheckpoint, k: int, decoder_prefix: str = "model.") -> str:
-    """The prefix of MTP layer k's tensors: its family's `mtp_prefix`, else DeepSeek-V3's
-    `layers.{num_hidden_layers + k}.` under `decoder_prefix`."""
-    c, own = rc.ck.config, rc.family.mtp_prefix
-    return own(c, k) if own is not None else f"{decoder_prefix}layers.{c.num_layers + k}."
-
-
 def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> torch.nn.Module:
     """MTP layer k of the checkpoint `rc` resolves (its family's `mtp_model`), built from the
     tensors convert carries through under their Hugging Face names (and the model's tensors it
@@ -119,7 +112,7 @@ def load_mtp(rc: ResolvedCheckpoint, k: int, *, device) -> torch.nn.Module:
     with torch.device("meta"):
         mtp = rc.family.mtp_model(c, rc.expert_range)
     mtp.requires_grad_(False)
-    prefix = mtp_prefix(rc, k)
+    prefix = rc.family.mtp_layer(c, k)
     place_tensors(rc, mtp, [s.name for s in rc.layout.mtp if s.name.startswith(prefix)], device=device, prefix=prefix)
     place_tensors(rc, mtp, list(rc.family.mtp_shared), device=device, prefix="model.")
     return mtp

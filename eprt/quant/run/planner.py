@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from eprt.layout import EXPERT_LEAVES
-from eprt.loading.loader import checked_meta, mtp_prefix
+from eprt.loading.loader import checked_meta
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.quant.loop.sequences import Schedule, own_sequences
 from eprt.quant.quality import REFERENCE_PARTS
@@ -267,7 +267,7 @@ def mtp_reads(rc: ResolvedCheckpoint, reads: dict[int, list[tuple[int, int, bool
     c = rc.ck.config
     shared = [s for s in rc.layout.specs if s.name in rc.family.mtp_shared]
     for k in range(c.num_nextn_predict_layers):
-        prefix = mtp_prefix(rc, k)
+        prefix = rc.family.mtp_layer(c, k)
         for spec in [s for s in rc.layout.mtp if s.name.startswith(prefix)] + shared:
             reads.setdefault(c.num_layers + k, []).append(mtp_read(rc, spec))
 

@@ -1,12 +1,11 @@
 """The multi-token-prediction layers as a pass: after the last decoder layer, each MTP layer the
 recipe quantizes a module of (DeepSeek-V3's `model.layers.{num_hidden_layers + k}`, DeepSeek-V4's
-`mtp.k`: eprt.loading.loader.mtp_prefix), in order, on
+`mtp.k`: eprt.families.family.Family.mtp_layer), in order, on
 the final hidden states and the next tokens' embeddings, through the passes that cover MTP layers
 (eprt.quant.loop.engine.LayerEngine.run_mtp). The chain stops at the first layer it skips."""
 
 from __future__ import annotations
 
-from eprt.loading.loader import mtp_prefix
 from eprt.quant.loop.engine import LayerEngine, Pass
 from eprt.quant.loop.sequences import LayerState
 
@@ -19,7 +18,7 @@ class MTPLayers(Pass):
         c = engine.ck.config
         out = []
         for k in range(c.num_nextn_predict_layers):
-            prefix = mtp_prefix(engine.rc, k, engine.prefix)
+            prefix = engine.rc.family.mtp_layer(c, k, engine.prefix)
             if not any(t.startswith(prefix) for t in self.targets):
                 break
             out.append(prefix)
