@@ -36,8 +36,8 @@ class DeepseekV4Config(FamilyConfig):
     o_groups: int  # the grouped output projection: heads in `o_groups` groups, each to `o_lora_rank`
     o_lora_rank: int
     sliding_window: int
-    # SLIDING, CSA or HCA per decoder layer, then per multi-token-prediction layer (layer
-    # num_hidden_layers + k, as DeepSeek's reference indexes compress_ratios)
+    # SLIDING, CSA or HCA per decoder layer, then per multi-token-prediction layer the file lists
+    # (layer num_hidden_layers + k, as DeepSeek's reference indexes compress_ratios): `kind`
     layer_kinds: tuple[str, ...]
     csa_rate: int  # tokens per compressed entry in a CSA layer
     hca_rate: int  # in an HCA layer
@@ -52,9 +52,15 @@ class DeepseekV4Config(FamilyConfig):
     swiglu_limit: float  # every expert's gate clamped above, up clamped both ways
     transformers_names: bool  # the checkpoint is transformers' save_pretrained (names under `model.`)
 
+    def kind(self, layer: int) -> str:
+        """`layer`'s attention kind; an MTP layer the file lists no kind for (a list that stops at
+        the decoder layers: transformers' spelling, which saves no MTP layer, and eprt's tiny
+        configs) is of the last listed layer's kind."""
+        return self.layer_kinds[min(layer, len(self.layer_kinds) - 1)]
+
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry of `layer`'s attention, 0 for a sliding-window layer."""
-        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_kinds[layer]]
+        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.kind(layer)]
 
     def kv_cache_calibrated(self) -> bool:
         # vLLM caches V4's keys only in its own FP8 format, a UE8M0 scale per 64 dims computed as
@@ -197,11 +203,9 @@ def compress_rope(f: Fields) -> RopeConfig:
 
 def layer_kinds(f: Fields, n_layers: int, n_mtp: int) -> tuple[str, ...]:
     """Each layer's attention: `layer_types`, else the release's `compress_ratios` (0, 4, 128),
-    else transformers' default (two HCA, then CSA and HCA in turn); then each of the `n_mtp`
-    multi-token-prediction layers': the release's compress_ratios go on into them (one more entry
-    per MTP layer, 0 in every release: a sliding window), and where a list stops at the decoder
-    layers (transformers' spelling, which saves no MTP layer) an MTP layer is of the last layer's
-    kind, as eprt's tiny checkpoints build it."""
+    else transformers' default (two HCA, then CSA and HCA in turn); then those of the `n_mtp`
+    multi-token-prediction layers the list goes on into (the release's compress_ratios: one more
+    entry per MTP layer, 0 in every release, a sliding window)."""
     if f.has("layer_types"):
         kinds = f.get("layer_types")
     elif f.has("compress_ratios"):
@@ -215,9 +219,7 @@ def layer_kinds(f: Fields, n_layers: int, n_mtp: int) -> tuple[str, ...]:
         raise f.refuse(
             f"layer_types (or compress_ratios) must give each of the {n_layers} layers one of {SLIDING}, {CSA}, {HCA}"
         )
-    mtp = list(kinds[n_layers : n_layers + n_mtp])
-    mtp += [kinds[n_layers - 1]] * (n_mtp - len(mtp))
-    return tuple(kinds[:n_layers]) + tuple(mtp)
+    return tuple(kinds[: n_layers + n_mtp])
 
 
 def compress_rate(f: Fields, kind: str, legacy: str) -> int:

@@ -74,7 +74,7 @@ def attention(put, i: int, c: ModelConfig) -> list[TensorSpec]:
         put("attn.wo_a.weight", g * own.o_lora_rank, H * hd // g),
         put("attn.wo_b.weight", D, g * own.o_lora_rank),
     ]
-    kind = own.layer_kinds[i]
+    kind = own.kind(i)
     if kind == SLIDING:
         return specs
     specs += compressor(put, "attn.compressor", c, own.rate(i), hd, overlap=kind == CSA)
@@ -141,7 +141,7 @@ def layout(c: ModelConfig) -> Layout:
 def mtp_layers(c: ModelConfig) -> tuple[TensorSpec, ...]:
     """The release's MTP layers (`mtp.K.`) as eprt runs them (eprt.families.deepseek_v4.model.DeepseekV4MTP)
     and convert carries them (under their own names, each routed expert apart): a decoder layer of
-    their own kind (`layer_kinds[num_hidden_layers + K]`, routed by score), the embedding's and the
+    their own kind (`kind(num_hidden_layers + K)`, routed by score), the embedding's and the
     streams' norms and projections (enorm, hnorm, e_proj, h_proj), and what its logits read: a norm
     and the streams' collapse (hc_head_*) before the model's own head."""
     D, n = c.hidden_size, c.own.hc_mult

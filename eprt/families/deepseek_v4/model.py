@@ -159,7 +159,7 @@ class V4Attention(nn.Module):
     def __init__(self, c: ModelConfig, i: int):
         super().__init__()
         own, D, H = c.own, c.hidden_size, c.num_heads
-        self.kind, self.eps, self.window = own.layer_kinds[i], c.rms_norm_eps, own.sliding_window
+        self.kind, self.eps, self.window = own.kind(i), c.rms_norm_eps, own.sliding_window
         self.n_heads, self.head_dim, self.groups = H, own.head_dim, own.o_groups
         self.attn_sink = nn.Parameter(torch.empty(H))
         self.wq_a = Linear(D, own.q_lora_rank)
@@ -391,7 +391,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 class DeepseekV4MTP(HyperConnectedLayer):
     """One multi-token-prediction layer (the release's `mtp.K.`), as DeepSeek's inference code
     (`MTPBlock`) and vLLM's deepseek_v4_mtp.py run it: a decoder layer of the MTP layers' kind
-    (`layer_kinds[num_hidden_layers]`, routed by score) on the hidden streams of the layer before,
+    (`kind(num_hidden_layers)`, routed by score) on the hidden streams of the layer before,
     each normed (`hnorm`) and projected (`h_proj`), plus the next token's embedding (the model's
     own, shared) normed (`enorm`) and projected (`e_proj`). Its logits are the model's head on its
     streams collapsed by its own `hc_head_*` and normed by its `norm`."""
