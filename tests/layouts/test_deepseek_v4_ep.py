@@ -2,23 +2,28 @@
 its batch (the hash-routed layers reading each rank's own token ids), over more tokens than the
 sliding window and a CSA window; FP8 and NVFP4 exports are the same bytes at every (world, ep) and
 pass eprt-check against the source, in the release's names, with what the engines build unquantized
-left as the source holds it (tests/ep_checks.assert_family_exports)."""
+left as the source holds it (tests/ep_checks.assert_family_exports); the recipe that quantizes the
+MTP layer exports the same bytes at (2, ep 2)."""
 
 import pytest
 import torch
 
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
 from eprt.testing.tiny import RELEASED_AS, make_tiny
 from tests.ep_checks import (
     LAYOUTS,
     assert_ep_logits,
     assert_family_exports,
+    calibrate,
     calibrate_every_layout,
     exports_by_layout,
     same_files,
     tiny_checkpoints,
 )
+from tests.hf_utils import read_hf_tensors
+from tests.multiproc import free_port, run_world
 
 FAMILY = "deepseek_v4"
 
@@ -72,6 +77,25 @@ def test_exports_are_the_same_bytes_at_every_layout(ckpts, tmp_path):
         hyper = [n for n in source if n.startswith("layers.") and ".hc_" in n]  # the release's fp32
         assert hyper and all(exported[n].dtype == source[n].dtype == torch.float32 for n in hyper)
         assert any(n.startswith("mtp.0.ffn.experts.") for n in exported)
+
+
+@pytest.mark.timeout(400)
+def test_the_mtp_recipe_exports_the_same_bytes_at_world_2_ep_2(ckpts, tmp_path):
+    """The MTP layer runs on each rank's own sequences (their streams and next tokens) with its own
+    experts: the export of a recipe that quantizes it is the single process's, byte for byte."""
+    cks, out, recipes = (
+        {FAMILY: ckpts[FAMILY]["bf16"][1]},
+        str(tmp_path),
+        [("nvfp4_experts_fp8_attention_mtp", None, "bf16")],
+    )
+    calibrate(cks, out, 1, free_port(), recipes, calib_size=6)
+    run_world(calibrate, 2, cks, out, 2, free_port(), recipes, 6, timeout=240)
+    one, two = (
+        export_hf(f"{out}/{FAMILY}-{recipes[0][0]}-{layout}", f"{out}/export-{layout}", progress=False)
+        for layout in ("w1-ep1", "w2-ep2")
+    )
+    assert same_files(one, two)
+    assert any(n.startswith("mtp.0.ffn.experts.") and n.endswith(".input_scale") for n in read_hf_tensors(one))
 
 
 @pytest.mark.timeout(400)
