@@ -219,6 +219,10 @@ def layer_kinds(f: Fields, n_layers: int, n_mtp: int) -> tuple[str, ...]:
         raise f.refuse(
             f"layer_types (or compress_ratios) must give each of the {n_layers} layers one of {SLIDING}, {CSA}, {HCA}"
         )
+    if len(set(kinds[n_layers : n_layers + n_mtp])) > 1:
+        raise f.refuse(
+            "compress_ratios gives the MTP layers different attention kinds; eprt runs MTP layers of one kind"
+        )
     return tuple(kinds[: n_layers + n_mtp])
 
 

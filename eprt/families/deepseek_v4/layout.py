@@ -55,8 +55,11 @@ def compressor(put, p: str, c: ModelConfig, rate: int, width: int, overlap: bool
     """A compressor of `width`-wide entries, every `rate` tokens; overlapping windows (CSA's) hold
     two series side by side."""
     w, D = (2 if overlap else 1) * width, c.hidden_size
-    return [put(f"{p}.ape", rate, w), put(f"{p}.wkv.weight", w, D), put(f"{p}.wgate.weight", w, D)] + [
-        put(f"{p}.norm.weight", width)
+    return [
+        put(f"{p}.ape", rate, w),
+        put(f"{p}.wkv.weight", w, D),
+        put(f"{p}.wgate.weight", w, D),
+        put(f"{p}.norm.weight", width),
     ]
 
 
