@@ -5,7 +5,7 @@ vLLM's deepseek_v4_mtp.py compose them: its decoder layer, loaded as one more la
 on `h_proj(hnorm(streams)) + e_proj(enorm(embedding of the next token))` in every stream, and the
 logits through transformers' hyper-head and norm loaded with the MTP layer's own `hc_head_*` and
 `norm`, then the model's head. The engine then calibrates the layer on the last decoder layer's
-streams as one forward of the whole batch does."""
+streams as one forward of the whole batch does, and the memory plan prices it with the embedding it shares."""
 
 import json
 import os
@@ -31,6 +31,7 @@ from eprt.quant.loop.calibrate import Calibrator  # noqa: E402
 from eprt.quant.loop.engine import LayerEngine  # noqa: E402
 from eprt.quant.loop.passes import layer_passes  # noqa: E402
 from eprt.quant.loop.sequences import Schedule  # noqa: E402
+from eprt.quant.run.planner import Planner  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
 
@@ -190,3 +191,18 @@ def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
             getattr(half.ffn.experts, name), getattr(whole.ffn.experts, name)[4:8], rtol=0, atol=0
         )
     assert half.ffn.experts.w13.shape[0] == 4
+
+
+def test_the_memory_plan_prices_the_mtp_layer_with_the_embedding_it_shares(tiny):
+    """Loaded whole with the model's embedding it reads, the MTP layer is the tiny model's largest:
+    the plan of a recipe that runs it holds its bytes and the embedding's (its routed experts shared by ep)."""
+    hf, ck_dir = tiny
+    size = {n: t.numel() * 4 for n, t in load_file(os.path.join(hf, "model.safetensors")).items()}
+    experts = sum(v for n, v in size.items() if n.startswith(MTP + "ffn.experts."))
+    whole = sum(v for n, v in size.items() if n.startswith(MTP)) + size["embed.weight"]
+    with Checkpoint(ck_dir) as ck:
+        plain = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"))
+        planned = Planner.of(ResolvedCheckpoint.of(ck, torch.float32), torch.device("cpu"), mtp=True)
+    for ep in (1, 2):
+        assert planned._layer(ep)[0] == whole - experts + experts // ep
+        assert plain._layer(ep)[0] < planned._layer(ep)[0]
