@@ -12,7 +12,7 @@ Two checkpoints per model, neither holding weight bytes worth the name:
   DeepSeek-V3 in block FP8, Kimi-K2: 139,583 tensors in 62 shards; Mistral-Small-4 in per-tensor FP8, its
   experts fused; MiniMax-M2 in block FP8; MiniMax-M3 in MXFP8; Maverick in bf16, each layer's experts fused;
   GPT-OSS-120B's experts in OpenAI's MXFP4, fused; DeepSeek-V4-Pro in FP8 with its FP4 experts, every
-  scale E8M0: 145,051 tensors in 64 shards).
+  scale E8M0: 145,047 tensors in 64 shards).
   Make, convert, the dry run at each world and the export (as it came) are
   timed: every step must grow about linearly in the tensor count.
 - real dims: the converted checkpoint's manifest and safetensors headers rewritten to the real shapes, the

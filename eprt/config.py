@@ -199,9 +199,10 @@ class FamilyConfig:
         return 1
 
     def kv_cache_calibrated(self) -> bool:
-        """Whether the family's attention hands the keys and values it caches to the KV-cache taps,
-        so that a KV-cache format is calibrated for it; where not, a run writes no KV-cache scales
-        and says so (eprt.quant.run.setup.check_kv_cache)."""
+        """Whether a KV-cache format is calibrated for the family (its attention hands the keys and
+        values it caches to the KV-cache taps) and its scales written; where not (DeepSeek-V4, whose
+        engine scales its own FP8 cache and reads no scale), a run writes no KV-cache scales and
+        says so (eprt.quant.run.setup.check_kv_cache)."""
         return True
 
     def carried_bytes(self, seq_len: int) -> int:

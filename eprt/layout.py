@@ -134,9 +134,10 @@ class Layout:
     precise: tuple[str, ...] = ()  # regexes over eprt names
     # and modules no recipe quantizes.
     unquantized: tuple[str, ...] = ()  # regexes over module names
-    # The multi-token-prediction layers eprt runs and may quantize (DeepSeek-V3's, GLM-4.5's), as convert
-    # carries them (their names also match `passthrough`): under their Hugging Face names, each
-    # routed expert apart; a stacked spec here names them in `sources`, no eprt tensor holds them.
+    # The multi-token-prediction layers eprt runs and may quantize (DeepSeek-V3's, GLM-4.5's,
+    # DeepSeek-V4's), as convert carries them (their names also match `passthrough`): under their
+    # Hugging Face names, each routed expert apart; a stacked spec here names them in `sources`, no
+    # eprt tensor holds them.
     mtp: tuple[TensorSpec, ...] = ()
 
     def linear_modules(self, mtp: bool = False) -> dict[str, TensorSpec]:

@@ -47,6 +47,7 @@ FAMILIES = [
     "minimax_m3_vl_text",
     "nemotron_h",
     "nemotron_h_omni",
+    "deepseek_v4",
 ]
 # each shipped one-format recipe once, with and without an FP8 KV cache among them: the KV scales on quantized
 # attention (fp8), on attention left unquantized (nvfp4_experts_only), and none (nvfp4)
@@ -66,15 +67,18 @@ COMPANIONS = {
 # them into in_proj_ba, unquantized), a multi-token-prediction layer's eh_proj (a plain torch Linear in
 # vLLM and SGLang) and shared head (an lm head), MiniMax-M3's block-sparse indexer (it only chooses
 # key blocks) and its projectors, Nemotron-H's router (mixer.gate), embeddings and the MTP layers it
-# carries through, Nemotron-H-Omni's vision and sound towers and projectors.
+# carries through (DeepSeek-V4's `mtp.K`, which eprt runs, are MTP layers as DeepSeek-V3's), Nemotron-H-Omni's vision and sound towers and projectors, DeepSeek-V4's embedding
+# and head (`embed`, `head`), router (ffn.gate), grouped output projection's first half (wo_a, an einsum
+# in the engines), compressors' projections and indexer's head weights.
 NEVER_QUANTIZED = re.compile(
     r"(.*embed_tokens|.*lm_head|.*\.mlp\.gate|.*\.block_sparse_moe\.gate"
     r"|.*\.routed_expert_(down|up)_proj|.*_res_proj|vision_tower\..*|(mm|multi_modal)_projector\..*"
     r"|.*\.self_attn\.indexer\.(wq_b|wk|weights_proj)"
     r"|.*\.mlp\.shared_expert_gate|.*\.linear_attn\.in_proj_(ba|b|a)|model\.visual\..*"
     r"|.*\.self_attn\.(index_|indexer\.)(q|k)_proj|multi_modal_projector\..*|patch_merge_mlp\..*"
-    r"|.*\.eh_proj|.*\.shared_head\.head|.*\.mixer\.gate|.*backbone\.embeddings|(language_model\.)?mtp\..*"
-    r"|(vision_model|mlp1|vision_projector|sound_encoder|sound_projection)\..*)"
+    r"|.*\.eh_proj|.*\.shared_head\.head|.*\.mixer\.gate|.*backbone\.embeddings|(language_model\.)?mtp\.(?!\d+\.).*"
+    r"|(vision_model|mlp1|vision_projector|sound_encoder|sound_projection)\..*"
+    r"|embed|head|.*\.ffn\.gate|.*\.attn\.wo_a|.*\.compressor\.(wkv|wgate)|.*\.indexer\.weights_proj)"
 )
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.[^.]+")
 
@@ -98,7 +102,9 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
     for name, shape in sources.items():
         module, _, leaf = name.rpartition(".")
         layer = re.search(r"layers\.(\d+)\.", name)
-        carried = layer is not None and int(layer.group(1)) >= layers and not mtp  # DeepSeek's MTP layers
+        # DeepSeek's MTP layers: V3's past the decoder layers, V4's `mtp.K`
+        in_mtp = layer is not None and int(layer.group(1)) >= layers or re.match(r"mtp\.\d+\.", name) is not None
+        carried = in_mtp and not mtp
         expert = EXPERT.fullmatch(module)
         as_recipe_sees = expert.group(1) if expert else module
         # Nemotron-H's attention (a layer's mixer q/k/v/o) answers to the recipes' `self_attn` too
@@ -183,10 +189,18 @@ def test_the_export_holds_exactly_the_predicted_tensors(sources, family, tmp_pat
         assert check_export(out, hf) == []
 
 
-@pytest.mark.parametrize("family, kv", [("deepseek_v3", None), ("deepseek_v3", "fp8"), ("glm4_moe", "fp8")])
-def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, tmp_path):
-    """nvfp4_experts_fp8_attention_mtp (mtp: true): DeepSeek-V3's and GLM-4.5's MTP layer as the
-    decoder's layers, its KV scales with an FP8 KV cache."""
+@pytest.mark.parametrize(
+    "family, kv, layer",
+    [
+        ("deepseek_v3", None, "model.layers.3."),
+        ("deepseek_v3", "fp8", "model.layers.3."),
+        ("glm4_moe", "fp8", "model.layers.3."),
+        ("deepseek_v4", None, "mtp.0."),
+    ],
+)
+def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, layer, tmp_path):
+    """nvfp4_experts_fp8_attention_mtp (mtp: true): DeepSeek-V3's, GLM-4.5's and DeepSeek-V4's MTP
+    layer as the decoder's layers, its KV scales with an FP8 KV cache."""
     hf, ck = sources[family]
     q = str(tmp_path / "q")
     run_ptq(
@@ -196,7 +210,7 @@ def test_the_mtp_recipe_also_quantizes_the_mtp_layer(sources, family, kv, tmp_pa
     out = export_hf(q, q + "-hf", progress=False)
     got, want = exported_names(out), predicted_names(hf, "nvfp4_experts_fp8_attention_mtp", kv is not None)
     assert got == want, (kv, sorted(got - want), sorted(want - got))
-    assert {n for n in want if n.startswith("model.layers.3.") and n.endswith("_scale")}  # the MTP layer's
+    assert {n for n in want if n.startswith(layer) and n.endswith("_scale")}  # the MTP layer's
     assert check_export(out, hf) == []
 
 

@@ -112,11 +112,12 @@ def test_the_dry_run_refuses_it(deepseek, monkeypatch, capsys, recipe):
 
 
 def test_a_family_whose_cache_eprt_does_not_calibrate_says_so(caplog):
-    """DeepSeek-V4's attention hands no keys and values to the KV taps: a KV-cache format is not
-    refused (the recipes that name one still run) but said to write no scales, naming the family."""
+    """DeepSeek-V4's attention hands no keys and values to the KV taps (vLLM scales its FP8 cache
+    itself and reads no scale): a KV-cache format is not refused (the recipes that name one still
+    run) but said to write no scales, naming the family."""
     config = parse_hf_config(tiny_config("deepseek_v4"))
     model = model_class(config)(config)
     assert not [m for m in model.modules() if isinstance(getattr(m, "taps", None), KVTaps)]
     with caplog.at_level(logging.WARNING, logger="eprt"):
         check_kv_cache("fp8", config, "CK")
-    assert "CK (deepseek_v4) caches entries eprt does not calibrate yet" in caplog.text
+    assert "CK (deepseek_v4) has a KV cache its engine scales itself" in caplog.text

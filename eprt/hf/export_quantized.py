@@ -324,8 +324,9 @@ def refuse_modelopt_layout(formats: dict[str, str], where: str) -> None:
 
 
 def layer_prefix(name: str) -> str:
-    """The layer a name is under (`model.layers.61` of `model.layers.61.eh_proj.weight`), else the name."""
-    return re.sub(r"(layers\.\d+)\..*", r"\1", name)
+    """The layer a name is under (`model.layers.61` of `model.layers.61.eh_proj.weight`, DeepSeek-V4's
+    MTP layer `mtp.0` of `mtp.0.e_proj.weight`), else the name."""
+    return re.sub(r"((?:^|\.)(?:layers|mtp)\.\d+)\..*", r"\1", name)
 
 
 def carried(name: str, quantized: set[str]) -> str:

@@ -145,6 +145,7 @@ def test_the_model_holds_exactly_the_layout(tmp_path):
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"compress_ratios": [0, 4, 7, 4]}, "compress_ratios"),
+        ({"compress_ratios": [0, 4, 128, 4, 0, 4], "num_nextn_predict_layers": 2}, "MTP layers different"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"o_groups": 3}, "o_groups"),
         ({"hidden_act": "gelu"}, "hidden_act"),

@@ -80,6 +80,12 @@ class DeepseekV3MTP(DecoderLayer):
         deepseek_mtp.py and DeepSeek's own inference code concatenate (MTP layer k predicts with
         shift k + 1). The last positions have no such token in a calibration sample: their
         embedding is zero, as vLLM zeroes one it has none for."""
-        emb = self.embed_tokens(input_ids[:, shift:])
-        emb = torch.cat([emb, emb.new_zeros(emb.shape[0], input_ids.shape[1] - emb.shape[1], emb.shape[2])], dim=1)
+        emb = tokens_ahead(self.embed_tokens, input_ids, shift)
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+
+
+def tokens_ahead(embed: nn.Module, input_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """[B, T, D]: at position t the embedding of token t + shift of `input_ids` [B, T], zero past
+    the end of the sample (as vLLM zeroes an MTP input it has no token for)."""
+    emb = embed(input_ids[:, shift:])
+    return torch.cat([emb, emb.new_zeros(emb.shape[0], input_ids.shape[1] - emb.shape[1], emb.shape[2])], dim=1)

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (`deepseek_v4`: Flash 284B, Pro 1.6T): hyper-connected residual streams, MQA over a
 sliding window and compressed entries (CSA, HCA), hash-routed then sqrt(softplus)-routed experts
-clamped at swiglu_limit, one shared expert; MTP layers carried. Config in config.py, tensors in
+clamped at swiglu_limit, one shared expert; MTP layers. Config in config.py, tensors in
 layout.py, the model in model.py."""
 
 from eprt.families.deepseek_v4 import config, layout, model
@@ -35,4 +35,7 @@ FAMILY = Family(
         r".*\.compressor\.(wkv|wgate)",
         r".*\.indexer\.weights_proj",
     ),
+    # its MTP layers (the release's `mtp.K.`) run on the model's own embedding (their `decoder_parts`)
+    mtp_model=model.DeepseekV4MTP,
+    mtp_prefix=layout.mtp_prefix,
 )

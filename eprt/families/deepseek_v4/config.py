@@ -36,7 +36,9 @@ class DeepseekV4Config(FamilyConfig):
     o_groups: int  # the grouped output projection: heads in `o_groups` groups, each to `o_lora_rank`
     o_lora_rank: int
     sliding_window: int
-    layer_kinds: tuple[str, ...]  # SLIDING, CSA or HCA per decoder layer
+    # SLIDING, CSA or HCA per decoder layer, then per multi-token-prediction layer the file lists
+    # (layer num_hidden_layers + k, as DeepSeek's reference indexes compress_ratios): `kind`
+    layer_kinds: tuple[str, ...]
     csa_rate: int  # tokens per compressed entry in a CSA layer
     hca_rate: int  # in an HCA layer
     compress_rope: RopeConfig  # the compressed layers' RoPE (and their compressors' and indexer's)
@@ -50,13 +52,19 @@ class DeepseekV4Config(FamilyConfig):
     swiglu_limit: float  # every expert's gate clamped above, up clamped both ways
     transformers_names: bool  # the checkpoint is transformers' save_pretrained (names under `model.`)
 
+    def kind(self, layer: int) -> str:
+        """`layer`'s attention kind; an MTP layer the file lists no kind for (a list that stops at
+        the decoder layers: transformers' spelling, which saves no MTP layer, and eprt's tiny
+        configs) is of the last listed layer's kind."""
+        return self.layer_kinds[min(layer, len(self.layer_kinds) - 1)]
+
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry of `layer`'s attention, 0 for a sliding-window layer."""
-        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_kinds[layer]]
+        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.kind(layer)]
 
     def kv_cache_calibrated(self) -> bool:
-        # its cache holds the sliding window's entries and the compressed ones beside them, which
-        # eprt's KV taps do not observe yet: no KV-cache scales are written for it
+        # vLLM caches V4's keys only in its own FP8 format, a UE8M0 scale per 64 dims computed as
+        # each entry is written, and reads no k/v scale from the checkpoint (docs/models.md)
         return False
 
     def residual_streams(self) -> int:
@@ -98,7 +106,7 @@ def parse(hf: dict, source: str) -> ModelConfig:
         o_groups=o_groups,
         o_lora_rank=small(f, "o_lora_rank", 1024),
         sliding_window=small(f, "sliding_window", 128),
-        layer_kinds=layer_kinds(f, n_layers),
+        layer_kinds=layer_kinds(f, n_layers, f.get("num_nextn_predict_layers", default=1)),
         csa_rate=compress_rate(f, CSA, "compress_rate_csa"),
         hca_rate=compress_rate(f, HCA, "compress_rate_hca"),
         compress_rope=compress_rope(f),
@@ -193,10 +201,11 @@ def compress_rope(f: Fields) -> RopeConfig:
     return rope
 
 
-def layer_kinds(f: Fields, n_layers: int) -> tuple[str, ...]:
-    """Each layer's attention: `layer_types`, else the release's `compress_ratios` (0, 4, 128; a
-    longer list goes on into the MTP layers), else transformers' default (two HCA, then CSA and
-    HCA in turn)."""
+def layer_kinds(f: Fields, n_layers: int, n_mtp: int) -> tuple[str, ...]:
+    """Each layer's attention: `layer_types`, else the release's `compress_ratios` (0, 4, 128),
+    else transformers' default (two HCA, then CSA and HCA in turn); then those of the `n_mtp`
+    multi-token-prediction layers the list goes on into (the release's compress_ratios: one more
+    entry per MTP layer, 0 in every release, a sliding window)."""
     if f.has("layer_types"):
         kinds = f.get("layer_types")
     elif f.has("compress_ratios"):
@@ -206,11 +215,15 @@ def layer_kinds(f: Fields, n_layers: int) -> tuple[str, ...]:
         kinds = [KIND_OF_RATIO[r] for r in ratios]
     else:
         kinds = [HCA] * min(n_layers, 2) + [CSA if i % 2 else HCA for i in range(max(n_layers - 2, 0))]
-    if len(kinds) < n_layers or not set(kinds[:n_layers]) <= {SLIDING, CSA, HCA}:
+    if len(kinds) < n_layers or not set(kinds[: n_layers + n_mtp]) <= {SLIDING, CSA, HCA}:
         raise f.refuse(
             f"layer_types (or compress_ratios) must give each of the {n_layers} layers one of {SLIDING}, {CSA}, {HCA}"
         )
-    return tuple(kinds[:n_layers])
+    if len(set(kinds[n_layers : n_layers + n_mtp])) > 1:
+        raise f.refuse(
+            "compress_ratios gives the MTP layers different attention kinds; eprt runs MTP layers of one kind"
+        )
+    return tuple(kinds[: n_layers + n_mtp])
 
 
 def compress_rate(f: Fields, kind: str, legacy: str) -> int:

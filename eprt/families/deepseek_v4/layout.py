@@ -42,57 +42,83 @@ def in_layer(i: int, name: str, *shape: int) -> TensorSpec:
     return plain(f"model.layers.{i}.{name}", *shape, alias=f"layers.{i}.{name}")
 
 
-def compressor(i: int, p: str, c: ModelConfig, rate: int, width: int, overlap: bool) -> list[TensorSpec]:
+def mtp_prefix(decoder: str, c: ModelConfig, k: int) -> str:
+    """MTP layer k's tensors are under the release's `mtp.k.` only, whatever the decoder's prefix:
+    transformers saves none."""
+    return f"mtp.{k}."
+
+
+def in_mtp(c: ModelConfig, k: int):
+    prefix = mtp_prefix("", c, k)
+    return lambda name, *shape: plain(f"{prefix}{name}", *shape)
+
+
+def compressor(put, p: str, c: ModelConfig, rate: int, width: int, overlap: bool) -> list[TensorSpec]:
     """A compressor of `width`-wide entries, every `rate` tokens; overlapping windows (CSA's) hold
     two series side by side."""
     w, D = (2 if overlap else 1) * width, c.hidden_size
     return [
-        in_layer(i, f"{p}.ape", rate, w),
-        in_layer(i, f"{p}.wkv.weight", w, D),
-        in_layer(i, f"{p}.wgate.weight", w, D),
-        in_layer(i, f"{p}.norm.weight", width),
+        put(f"{p}.ape", rate, w),
+        put(f"{p}.wkv.weight", w, D),
+        put(f"{p}.wgate.weight", w, D),
+        put(f"{p}.norm.weight", width),
     ]
 
 
-def attention(i: int, c: ModelConfig) -> list[TensorSpec]:
+def attention(put, i: int, c: ModelConfig) -> list[TensorSpec]:
+    """Layer i's attention (i past the decoder layers: an MTP layer's), each tensor named by `put`."""
     own, D, H = c.own, c.hidden_size, c.num_heads
     hd, g = own.head_dim, own.o_groups
     specs = [
-        in_layer(i, "attn.attn_sink", H),
-        in_layer(i, "attn.wq_a.weight", own.q_lora_rank, D),
-        in_layer(i, "attn.q_norm.weight", own.q_lora_rank),
-        in_layer(i, "attn.wq_b.weight", H * hd, own.q_lora_rank),
-        in_layer(i, "attn.wkv.weight", hd, D),
-        in_layer(i, "attn.norm.weight", hd),
-        in_layer(i, "attn.wo_a.weight", g * own.o_lora_rank, H * hd // g),
-        in_layer(i, "attn.wo_b.weight", D, g * own.o_lora_rank),
+        put("attn.attn_sink", H),
+        put("attn.wq_a.weight", own.q_lora_rank, D),
+        put("attn.q_norm.weight", own.q_lora_rank),
+        put("attn.wq_b.weight", H * hd, own.q_lora_rank),
+        put("attn.wkv.weight", hd, D),
+        put("attn.norm.weight", hd),
+        put("attn.wo_a.weight", g * own.o_lora_rank, H * hd // g),
+        put("attn.wo_b.weight", D, g * own.o_lora_rank),
     ]
-    kind = own.layer_kinds[i]
+    kind = own.kind(i)
     if kind == SLIDING:
         return specs
-    specs += compressor(i, "attn.compressor", c, own.rate(i), hd, overlap=kind == CSA)
+    specs += compressor(put, "attn.compressor", c, own.rate(i), hd, overlap=kind == CSA)
     if kind == CSA:
         ihd = own.index_head_dim
         specs += [
-            in_layer(i, "attn.indexer.wq_b.weight", own.index_n_heads * ihd, own.q_lora_rank),
-            in_layer(i, "attn.indexer.weights_proj.weight", own.index_n_heads, D),
+            put("attn.indexer.wq_b.weight", own.index_n_heads * ihd, own.q_lora_rank),
+            put("attn.indexer.weights_proj.weight", own.index_n_heads, D),
         ]
-        specs += compressor(i, "attn.indexer.compressor", c, own.rate(i), ihd, overlap=True)
+        specs += compressor(put, "attn.indexer.compressor", c, own.rate(i), ihd, overlap=True)
     return specs
 
 
-def moe(i: int, c: ModelConfig) -> list[TensorSpec]:
+def moe(put, i: int, c: ModelConfig, experts: str, stacked: str) -> list[TensorSpec]:
+    """Layer i's MoE, each tensor named by `put`; its routed experts stored per expert under
+    `experts` (`experts.E.w1`) and stacked under `stacked` (`stacked.w13`)."""
     m, D, E = c.moe, c.hidden_size, c.moe.num_experts
-    specs = [in_layer(i, "ffn.gate.weight", E, D)]
+    specs = [put("ffn.gate.weight", E, D)]
     if i in c.own.hash_layers:
-        specs.append(replace(in_layer(i, "ffn.gate.tid2eid", c.vocab_size, m.num_experts_per_tok), table=True))
+        specs.append(replace(put("ffn.gate.tid2eid", c.vocab_size, m.num_experts_per_tok), table=True))
     else:
-        specs.append(in_layer(i, "ffn.gate.bias", E))
-    prefix = f"{'model.' if c.own.transformers_names else ''}layers.{i}.ffn.experts"
+        specs.append(put("ffn.gate.bias", E))
     storage = ExpertStorage(("w1", "w3", "w2"))
-    for s in stacked_experts(prefix, E, m.intermediate_size, D, pieces=pieces(c), storage=storage):
-        specs.append(replace(s, name=f"model.layers.{i}.ffn.experts.{s.name.rsplit('.', 1)[1]}"))
-    specs += [in_layer(i, f"ffn.shared_experts.{w}.weight", *shape) for w, shape in shared(c).items()]
+    for s in stacked_experts(experts, E, m.intermediate_size, D, pieces=pieces(c), storage=storage):
+        specs.append(replace(s, name=f"{stacked}.{s.name.rsplit('.', 1)[1]}"))
+    specs += [put(f"ffn.shared_experts.{w}.weight", *shape) for w, shape in shared(c).items()]
+    return specs
+
+
+def decoder_moe(i: int, c: ModelConfig) -> list[TensorSpec]:
+    prefix = f"{'model.' if c.own.transformers_names else ''}layers.{i}.ffn.experts"
+    return moe(lambda name, *shape: in_layer(i, name, *shape), i, c, prefix, f"model.layers.{i}.ffn.experts")
+
+
+def hyper_connected(put, D: int, n: int) -> list[TensorSpec]:
+    """A layer's two norms and the hyper-connections of its two blocks."""
+    specs, mix = [put("attn_norm.weight", D), put("ffn_norm.weight", D)], (2 + n) * n
+    for part in ("attn", "ffn"):
+        specs += [put(f"hc_{part}_fn", mix, n * D), put(f"hc_{part}_base", mix), put(f"hc_{part}_scale", 3)]
     return specs
 
 
@@ -103,39 +129,44 @@ def shared(c: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def layout(c: ModelConfig) -> Layout:
     D, n = c.hidden_size, c.own.hc_mult
-    mix = (2 + n) * n
     specs = [plain("model.embed_tokens.weight", c.vocab_size, D, alias=TOP["model.embed_tokens.weight"])]
     for i in range(c.num_layers):
-        specs += [in_layer(i, "attn_norm.weight", D), in_layer(i, "ffn_norm.weight", D)]
-        for part in ("attn", "ffn"):
-            specs += [
-                in_layer(i, f"hc_{part}_fn", mix, n * D),
-                in_layer(i, f"hc_{part}_base", mix),
-                in_layer(i, f"hc_{part}_scale", 3),
-            ]
-        specs += attention(i, c) + moe(i, c)
+        put = lambda name, *shape, i=i: in_layer(i, name, *shape)  # noqa: E731
+        specs += hyper_connected(put, D, n) + attention(put, i, c) + decoder_moe(i, c)
     shapes = {"model.norm.weight": (D,), "model.hc_head.hc_fn": (n, n * D), "model.hc_head.hc_base": (n,)}
     shapes["model.hc_head.hc_scale"] = (1,)
     specs += [plain(name, *shape, alias=TOP[name]) for name, shape in shapes.items()]
     if not c.tie_word_embeddings:
         specs.append(plain("head.weight", c.vocab_size, D))
-    return Layout(tuple(specs), passthrough=MTP)
+    # transformers saves no MTP layer: only the release's spelling has them to run
+    mtp = () if c.own.transformers_names else mtp_layers(c)
+    return Layout(tuple(specs), passthrough=MTP, mtp=mtp)
+
+
+def mtp_layers(c: ModelConfig) -> tuple[TensorSpec, ...]:
+    """The release's MTP layers (`mtp.K.`) as eprt runs them (eprt.families.deepseek_v4.model.DeepseekV4MTP)
+    and convert carries them (under their own names, each routed expert apart): a decoder layer of
+    their own kind (`kind(num_hidden_layers + K)`, routed by score), the embedding's and the
+    streams' norms and projections (enorm, hnorm, e_proj, h_proj), and what its logits read: a norm
+    and the streams' collapse (hc_head_*) before the model's own head."""
+    D, n = c.hidden_size, c.own.hc_mult
+    specs = []
+    for k in range(c.num_nextn_predict_layers):
+        put, i, p = in_mtp(c, k), c.num_layers + k, mtp_prefix("", c, k)
+        specs += hyper_connected(put, D, n) + attention(put, i, c)
+        specs += moe(put, i, c, f"{p}ffn.experts", f"{p}ffn.experts")
+        own = {"enorm.weight": (D,), "hnorm.weight": (D,), "e_proj.weight": (D, D), "h_proj.weight": (D, D)}
+        own |= {"norm.weight": (D,), "hc_head_fn": (n, n * D), "hc_head_base": (n,), "hc_head_scale": (1,)}
+        specs += [put(name, *shape) for name, shape in own.items()]
+    return tuple(specs)
 
 
 def mtp_layout(c: ModelConfig) -> Layout:
-    """The release's MTP layers (`mtp.K.`), which eprt carries without running, one source tensor
-    per spec: a decoder layer like the last (its tensors under the release's names), plus the
-    embedding's and the hidden state's norms and projections (enorm, hnorm, e_proj, h_proj), its
-    final norm and the streams' collapse (hc_head_*)."""
-    D, n, last = c.hidden_size, c.own.hc_mult, c.num_layers - 1
-    released = layout(replace(c, own=replace(c.own, transformers_names=False)))
-    inner = [s for s in released.specs if s.name.startswith(f"model.layers.{last}.")]
-    own = {"enorm.weight": (D,), "hnorm.weight": (D,), "e_proj.weight": (D, D), "h_proj.weight": (D, D)}
-    own |= {"norm.weight": (D,), "hc_head_fn": (n, n * D), "hc_head_base": (n,), "hc_head_scale": (1,)}
-    specs = []
-    for k in range(c.num_nextn_predict_layers):
-        for s in inner:
-            for source in (s.alias,) if s.alias else s.sources:
-                specs.append(plain(f"mtp.{k}.{source.split('.', 2)[2]}", *s.as_piece().shape))
-        specs += [plain(f"mtp.{k}.{name}", *shape) for name, shape in own.items()]
-    return Layout(tuple(specs))
+    """The release's MTP layers one source tensor per spec (each routed expert's projections apart),
+    as a checkpoint stores them: what eprt-make-tiny writes."""
+    released = replace(c, own=replace(c.own, transformers_names=False))
+    return Layout(tuple(piece for s in mtp_layers(released) for piece in per_source(s)))
+
+
+def per_source(spec: TensorSpec) -> list[TensorSpec]:
+    return [plain(source, *spec.as_piece().shape) for source in spec.sources] if spec.stacked else [spec]

@@ -21,9 +21,10 @@ from torch import nn
 
 from eprt.config import ModelConfig, RopeConfig
 from eprt.errors import ConfigError
+from eprt.families.deepseek_v3.model import tokens_ahead
 from eprt.families.deepseek_v4.config import CSA, SLIDING
 from eprt.families.deepseek_v4.layout import pieces
-from eprt.models.decoder import Block, CausalLM, Decoder, DecoderLayer, LayerContext
+from eprt.models.decoder import Block, CausalLM, Decoder, DecoderLayer, Embedding, LayerContext
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiLUMulLimit, linear
 from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.rope import rope_frequencies
@@ -158,7 +159,7 @@ class V4Attention(nn.Module):
     def __init__(self, c: ModelConfig, i: int):
         super().__init__()
         own, D, H = c.own, c.hidden_size, c.num_heads
-        self.kind, self.eps, self.window = own.layer_kinds[i], c.rms_norm_eps, own.sliding_window
+        self.kind, self.eps, self.window = own.kind(i), c.rms_norm_eps, own.sliding_window
         self.n_heads, self.head_dim, self.groups = H, own.head_dim, own.o_groups
         self.attn_sink = nn.Parameter(torch.empty(H))
         self.wq_a = Linear(D, own.q_lora_rank)
@@ -343,9 +344,14 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(unweighted_rms(x.flatten(2).float(), self.eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
+        return collapse(x, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)
+
+
+def collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float):
+    """The streams x [B, T, n, D] as one [B, T, D]: weighted by sigmoids of a linear map of the normed streams."""
+    mixes = F.linear(unweighted_rms(x.flatten(2).float(), eps), fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
 
 
 class HyperConnectedDecoder(Decoder):
@@ -380,3 +386,46 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.head.weight)
+
+
+class DecoderParts(nn.Module):
+    """The decoder's embedding, under its name in the decoder (`embed_tokens`)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+
+
+class DeepseekV4MTP(HyperConnectedLayer):
+    """One multi-token-prediction layer (the release's `mtp.K.`), as DeepSeek's inference code
+    (`MTPBlock`) and vLLM's deepseek_v4_mtp.py run it: a decoder layer of the MTP layers' kind
+    (`kind(num_hidden_layers)`, routed by score) on the hidden streams of the layer before,
+    each normed (`hnorm`) and projected (`h_proj`), plus the next token's embedding (the model's
+    own, held apart in `decoder_parts` as the loader fills it from the decoder's tensors) normed
+    (`enorm`) and projected (`e_proj`). Its logits are the model's head on its streams collapsed by
+    its own `hc_head_*` and normed by its `norm`."""
+
+    def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
+        super().__init__(c, c.num_layers, expert_range)
+        D, eps, n = c.hidden_size, c.rms_norm_eps, c.own.hc_mult
+        object.__setattr__(self, "decoder_parts", DecoderParts(c))  # not registered: not the layer's
+        self.enorm, self.hnorm, self.norm = Norm(D, eps), Norm(D, eps), Norm(D, eps)
+        self.e_proj, self.h_proj = Linear(D, D), Linear(D, D)
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * D))
+        self.hc_head_base = nn.Parameter(torch.empty(n))
+        self.hc_head_scale = nn.Parameter(torch.empty(1))
+
+    def mtp_input(self, input_ids: torch.Tensor, hidden: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """The decoder layer's input streams [B, T, n, D] for sequences `input_ids` [B, T] whose last
+        decoder layer (or previous MTP layer) left the streams `hidden` [B, T, n, D] (before the
+        head's collapse): at position t, h_proj(hnorm(hidden[t])) + e_proj(enorm(embed(token[t +
+        shift]))) in every stream (MTP layer k predicts with shift k + 1; zero past the sample's end)."""
+        emb = self.e_proj(self.enorm(tokens_ahead(self.decoder_parts.embed_tokens, input_ids, shift)))
+        return self.h_proj(self.hnorm(hidden)) + emb.unsqueeze(2)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """What the model's head reads of the layer's output streams x [B, T, n, D]."""
+        c = self.config
+        return self.norm(
+            collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, c.own.hc_eps)
+        )

@@ -76,8 +76,8 @@ def check_kv_cache(kv_cache: str | None, config: ModelConfig, where: str, settin
         return
     if config.own is not None and not config.own.kv_cache_calibrated():
         logger().warning(
-            f"{setting or f'--kv-cache {kv_cache}'}: {where} ({config.family}) caches entries eprt does not "
-            "calibrate yet: the export carries no KV-cache scales, and an engine uses its default for them"
+            f"{setting or f'--kv-cache {kv_cache}'}: {where} ({config.family}) has a KV cache its engine scales "
+            "itself, reading no scale from the checkpoint: the export carries no KV-cache scales"
         )
         return
     keys, values = config.kv_head_dims
