@@ -181,3 +181,21 @@ def test_experts_storage_reads_back_from_the_recipes_json():
     )
     assert recipe.to_json()["experts_storage"] == {"interleaved": True}
     assert parse_recipe(recipe.to_json(), "r") == recipe
+
+
+def test_the_memory_plan_counts_an_experts_entry_and_its_copy_in_eprts_order(olmoe, tmp_path):
+    """A transposed stack's expert is read whole (gate and up) and copied into [out, in]: the plan's
+    largest piece holds both, beyond what the same Linear read per expert holds."""
+    from eprt.hf.streaming.memory import plan_memory
+    from eprt.hf.streaming.run import Settings, Stream
+
+    def largest(hf: str) -> int:
+        stream = Stream(Settings(hf, "fp8_block", None, "modelopt", 1 << 30))
+        try:
+            return plan_memory(stream, 1, process=0).largest
+        finally:
+            stream.src.close()
+
+    entry = 2 * 128 * 2 * 128  # bf16 gate_up_proj entry [128, 256]
+    hf = restacked(olmoe, tmp_path / "hf", transposed=True)
+    assert largest(hf) - largest(olmoe) == 2 * entry
