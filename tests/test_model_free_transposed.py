@@ -3,8 +3,9 @@ GPT-OSS in bf16, with gate and up interleaved, and Llama-4, concatenated).
 
 - A family eprt models reads the order from its own table: its model-free export is its modeled
   data-free export byte for byte (tests/test_model_free.py holds every data-free recipe on GPT-OSS,
-  Llama-4 and Llama-4's text model); here also a recipe that leaves the experts unquantized, which
-  writes them expert by expert in bf16, and a recipe's experts_storage, which such a family refuses.
+  Llama-4 and Llama-4's text model); here also checkpoints transformers' save_pretrained wrote, a
+  recipe that leaves the experts unquantized, which writes them expert by expert in bf16, and a
+  recipe's experts_storage, which such a family refuses. The memory plan counts each expert's read.
 - A checkpoint eprt does not model (OLMoE, a transformers model made here) stored with its experts
   fused and transposed gives the tensors of the same checkpoint stored per expert, byte for byte:
   each expert's Linear is quantized [out, in], its blocks along its inputs. A layer's stacks share
@@ -199,3 +200,27 @@ def test_the_memory_plan_counts_an_experts_entry_and_its_copy_in_eprts_order(olm
     entry = 2 * 128 * 2 * 128  # bf16 gate_up_proj entry [128, 256]
     hf = restacked(olmoe, tmp_path / "hf", transposed=True)
     assert largest(hf) - largest(olmoe) == 2 * entry
+
+
+def saved_by_transformers(family: str, out: str) -> str:
+    """`family`'s tiny config as transformers builds and saves the model (bf16, random weights)."""
+    from eprt.testing.tiny import tiny_config
+
+    classes = {"gpt_oss": transformers.GptOssForCausalLM, "llama4_text": transformers.Llama4ForCausalLM}
+    cls = classes[family]
+    torch.manual_seed(0)
+    cls(cls.config_class.from_dict(tiny_config(family))).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_transformers_save_pretrained_exports_as_its_conversion(family, tmp_path):
+    """GPT-OSS in bf16 and Llama-4 as transformers' save_pretrained writes them (experts fused and
+    transposed): the model-free export is the export of the converted checkpoint, every file."""
+    hf = saved_by_transformers(family, str(tmp_path / "hf"))
+    block = {"gpt_oss": "mlp", "llama4_text": "feed_forward"}[family]
+    assert read_hf_tensors(hf)[f"model.layers.1.{block}.experts.gate_up_proj"].shape == (8, 64, 64)  # [E, D, 2I]
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    for recipe in ("nvfp4_a16", "fp8_block"):
+        modeled = export_hf(ck, str(tmp_path / f"m-{recipe}"), recipe=recipe, progress=False)
+        assert same_files(modeled, stream_export(hf, str(tmp_path / f"s-{recipe}"), recipe, progress=False)), recipe
