@@ -224,3 +224,40 @@ def test_transformers_save_pretrained_exports_as_its_conversion(family, tmp_path
     for recipe in ("nvfp4_a16", "fp8_block"):
         modeled = export_hf(ck, str(tmp_path / f"m-{recipe}"), recipe=recipe, progress=False)
         assert same_files(modeled, stream_export(hf, str(tmp_path / f"s-{recipe}"), recipe, progress=False)), recipe
+
+
+def test_eprt_check_holds_stacked_experts_against_the_source_either_way(olmoe, tmp_path):
+    """With --source, an export of stacks of experts (either order, their biases too) passes: each stack
+    written expert by expert where quantized, whole where not; an expert the export lacks is named."""
+    from safetensors.torch import load_file
+
+    from eprt.hf.check_export import check_export
+
+    for transposed in (False, True):
+        hf = restacked(olmoe, tmp_path / f"hf-{transposed}", transposed=transposed)
+        out = stream_export(hf, str(tmp_path / f"out-{transposed}"), "nvfp4_a16", progress=False)
+        assert check_export(out, hf) == [], transposed
+    whole = tmp_path / "no_experts.yaml"
+    whole.write_text(
+        "name: no_experts\nquantize:\n  - {pattern: '*', format: fp8_channel}\nignore: ['*.experts', '*.gate', '*norm*', '*embed*', lm_head]\n"
+    )
+    out = stream_export(hf, str(tmp_path / "whole"), str(whole), progress=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in read_hf_tensors(out) and check_export(out, hf) == []
+    gpt_oss = make_tiny("gpt_oss", str(tmp_path / "gpt_oss"))
+    config = json.loads((tmp_path / "gpt_oss" / "config.json").read_text())
+    (tmp_path / "gpt_oss" / "config.json").write_text(json.dumps({**config, "model_type": "not_modeled_moe"}))
+    told = recipe_with(tmp_path, "nvfp4_a16", interleaved=True)
+    assert check_export(stream_export(gpt_oss, str(tmp_path / "biased"), told, progress=False), gpt_oss) == []
+    # one expert's down projection gone
+    broken = tmp_path / "broken"
+    shutil.copytree(str(tmp_path / "out-True"), broken)
+    shard = next(broken.glob("*.safetensors"))
+    tensors = {
+        n: t for n, t in load_file(str(shard)).items() if ".experts.3.down_proj." not in n or ".layers.1." not in n
+    }
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n in tensors}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    problems = check_export(str(broken), hf)
+    assert "model.layers.1.mlp.experts.down_proj: a source tensor missing from the export" in problems, problems

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import file_for
+from eprt.hf.expert_stacks import STACKED, STACKED_BIAS, hidden_size
 from eprt.hf.export_quantized import carried, is_expert_weight, layer_prefix
 from eprt.hf.quant_configs import QuantizedLinears
 from eprt.hf.streaming.selection import (
-    STACKED,
-    STACKED_BIAS,
     Linear,
     Stacks,
     ignored,
@@ -98,9 +97,10 @@ def _quantized(linear: Linear, recipe: Recipe) -> Quantized:
 def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
     """Any checkpoint: its tensors in the source's order, quantized by name pattern."""
     text = src.config.get("text_config") if isinstance(src.config.get("text_config"), dict) else src.config
-    hidden, num_layers = text.get("hidden_size"), text.get("num_hidden_layers")
+    num_layers = text.get("num_hidden_layers")
     num_layers = num_layers if isinstance(num_layers, int) else None
-    stacks = Stacks({n: t.shape for n, t in src.tensors.items()}, hidden, recipe.experts_storage, src.dir)
+    shapes = {n: t.shape for n, t in src.tensors.items()}
+    stacks = Stacks(shapes, hidden_size(src.config), recipe.experts_storage, src.dir)
     items: list = []
     plan = StreamPlan(items, {})
 

@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from eprt.errors import ConfigError
+from eprt.hf.expert_stacks import STACKED, STACKED_BIAS, orders, pieces_of
 from eprt.layout import TensorSpec
 from eprt.quant.recipe import ExpertsStorage, Recipe
 
@@ -62,8 +63,6 @@ MTP_OWN = ("*.eh_proj", "*.shared_head.*", "*mtp.fc")
 # per-tensor scale, as gate and up of one row of a family's first stacked projection do.
 EXPERT_SIBLINGS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
 EXPERT_LINEAR = re.compile(r"(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)")
-STACKED = re.compile(r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
-STACKED_BIAS = re.compile(r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)_bias")
 
 
 @dataclass(frozen=True)
@@ -112,22 +111,6 @@ def expert_group(name: str) -> tuple:
         return ("linear", name)
     siblings = next((g for g in EXPERT_SIBLINGS if m["proj"] in g), {m["proj"]})
     return ("expert", m["experts"], int(m["e"]), min(siblings))
-
-
-def pieces_of(proj: str) -> tuple[str, ...]:
-    """The per-expert projections a stacked projection holds end to end along its outputs."""
-    return ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
-
-
-def orders(proj: str, shape: tuple[int, ...], hidden: int) -> set[bool]:
-    """Which orders a stack of projection `proj` of `shape` fits (False: [E, out, in]; True: [E, in, out]):
-    gate and up read the hidden state, down writes it; a fused gate_up's outputs come in pairs."""
-    _, a, b = shape
-    fits = set()
-    for transposed, (out_dim, in_dim) in ((False, (a, b)), (True, (b, a))):
-        if (in_dim if proj != "down_proj" else out_dim) == hidden and out_dim % len(pieces_of(proj)) == 0:
-            fits.add(transposed)
-    return fits
 
 
 class Stacks:
