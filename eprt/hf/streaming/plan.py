@@ -129,7 +129,8 @@ def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
         bias = STACKED_BIAS.fullmatch(name)
         if bias is not None and bias["experts"] in split and len(t.shape) == 2:
             pieces, spec = stacks.biases(name, t.shape)
-            src.permuted[name] = spec
+            if spec.permuted:
+                src.permuted[name] = spec
             items += [Carried(piece, name, e, rows) for piece, e, rows in pieces]
             continue
         stacked = STACKED.fullmatch(name)
