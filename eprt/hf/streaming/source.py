@@ -73,7 +73,8 @@ class StreamSource:
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
         """Tensor `name` (decoded), or entry `index` along its dim 0 only (one expert of a stacked
-        tensor); a fused stack stored in another order (`permuted`) in eprt's: [E, out, in], pieces apart."""
+        tensor); a fused stack stored in another order (`permuted`) in eprt's: [E, out, in], pieces apart
+        (a view of what was read: the format's arithmetic copies it as it needs, as fast as the stored order)."""
         t = self.tensors[name]
         rows = (index, index + 1) if index is not None else None
         if t.encoded is None:
@@ -82,7 +83,7 @@ class StreamSource:
         else:
             w = self._decoded(t, rows)
         spec = self.permuted.get(name)
-        w = spec.from_fused(w).contiguous() if spec is not None else w
+        w = spec.from_fused(w) if spec is not None else w
         return w[0] if index is not None else w
 
     def read_shape(self, name: str) -> tuple[int, ...]:
