@@ -1,6 +1,7 @@
 """Routed experts of every storage a checkpoint uses convert to eprt's stacked tensors in eprt's
 order and export back byte for byte: per expert, fused, fused and transposed (Llama-4), fused,
-transposed and interleaved with biases (GPT-OSS), and experts that are not gated (Nemotron-H)."""
+transposed and interleaved with biases (GPT-OSS), and experts that are not gated (Nemotron-H); the
+model-free export reads each storage straight from the source to the same files."""
 
 import json
 import os
@@ -12,7 +13,6 @@ from safetensors.torch import save_file
 import eprt.hf.convert
 import eprt.hf.export
 import eprt.hf.export_quantized
-from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
@@ -176,17 +176,25 @@ def test_a_quantized_export_of_experts_with_biases_writes_them_per_expert_unquan
         assert exported[f"{P}.{e}.down_proj.weight"].dtype == torch.float8_e4m3fn
 
 
-def test_the_model_free_export_refuses_experts_it_cannot_slice_by_name(tmp_path, layer_layout, monkeypatch):
+@pytest.mark.parametrize("case", CASES)
+def test_the_model_free_export_reads_each_storage_as_the_modeled_export(tmp_path, layer_layout, monkeypatch, case):
+    """Each expert read from its own entry of a fused stack, transposed back and its pieces apart
+    where the layout says so: the files of the export of the converted checkpoint."""
+    import eprt.hf.check_names
     from eprt.hf.streaming import run
     from eprt.hf.streaming.run import stream_export
+    from tests.test_model_free import same_files
 
-    pieces, storage = CASES["biased, fused, transposed, interleaved"]
+    pieces, storage = CASES[case]
     layer_layout(pieces, storage)
-    monkeypatch.setattr(run, "reader_for", eprt.hf.convert.reader_for)
+    for module in (eprt.hf.export_quantized, eprt.hf.check_names, run):  # what reads the layout
+        monkeypatch.setattr(module, "reader_for", eprt.hf.convert.reader_for)
     hf = write_source(str(tmp_path / "hf"), source_tensors(pieces, storage))
-    with pytest.raises(ConfigError, match=rf"{P}\.gate_up_proj holds its experts transposed, which.*convert"):
-        stream_export(hf, str(tmp_path / "out"), "fp8_block", progress=False)
-    assert not os.path.exists(tmp_path / "out")
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(tiny_config("qwen3_moe", num_experts=E, moe_intermediate_size=I, hidden_size=H), f)
+    ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    modeled = export_hf(ck, str(tmp_path / "modeled"), recipe="nvfp4_a16", progress=False)
+    assert same_files(modeled, stream_export(hf, str(tmp_path / "out"), "nvfp4_a16", progress=False))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,5 +1,8 @@
 """Llama-4's config.json as the releases write it (Scout's and Maverick's text_config fields, transformers'
-defaults where they leave one out), and the settings eprt cannot run refused by name."""
+defaults where they leave one out), its MoE layers read as transformers reads them (the tiny
+config's too), and the settings eprt cannot run refused by name."""
+
+import json
 
 import pytest
 
@@ -59,6 +62,8 @@ def test_scout_and_maverick_as_released():
         ({"layer_types": ["sliding_attention"] * 3}, "'layer_types'"),
         ({"attention_chunk_size": None, "layer_types": ["chunked_attention"] * 3}, "attention_chunk_size is null"),
         ({"moe_layers": [5]}, "'moe_layers'"),
+        # the tiny config as it was: transformers builds layers 1 and 2 MoE, vLLM layer 1 alone
+        ({"moe_layers": [1, 2]}, r"moe_layers \[1, 2\] and interleave_moe_layer_step 2 disagree"),
         ({"interleave_moe_layer_step": 0}, "'interleave_moe_layer_step'"),
         ({"floor_scale": 0}, "'floor_scale'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": "x"}}, "'factor'"),
@@ -72,3 +77,28 @@ def test_what_eprt_cannot_run_is_refused_by_name(fields, named):
         hf.pop("moe_layers")
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
         parse_hf_config(hf, "config.json")
+
+
+@pytest.mark.parametrize("family", ["llama4_text", "llama4"])
+def test_the_tiny_config_is_maverick_interleaved_as_transformers_and_vllm_read_it(family):
+    """MoE every 2nd layer, as Maverick's release: transformers' moe_layers and the layers vLLM's step places."""
+    transformers = pytest.importorskip("transformers")
+    hf = tiny_config(family)
+    text = hf.get("text_config", hf)
+    theirs = transformers.Llama4TextConfig.from_dict(text).moe_layers
+    step = text["interleave_moe_layer_step"]
+    assert step == 2 and theirs == list(range(step - 1, text["num_hidden_layers"], step)) == [1]
+    assert parse_hf_config(hf).moe_layers == tuple(theirs)
+
+
+def test_transformers_own_file_of_layers_no_step_places_is_refused_naming_both_keys(tmp_path):
+    """transformers writes both keys, the step at its default 1 beside a list of its own: an engine
+    reading the step would make every layer MoE."""
+    transformers = pytest.importorskip("transformers")
+    transformers.Llama4TextConfig(num_hidden_layers=3, moe_layers=[0, 2]).save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert (hf["moe_layers"], hf["interleave_moe_layer_step"]) == ([0, 2], 1)
+    with pytest.raises(ConfigError, match=r"moe_layers \[0, 2\] and interleave_moe_layer_step 1 disagree"):
+        parse_hf_config(hf, "config.json")
+    del hf["interleave_moe_layer_step"]  # the list alone: read as transformers reads it
+    assert parse_hf_config(hf, "config.json").moe_layers == (0, 2)

@@ -243,7 +243,9 @@ def test_a_recipes_ignore_list_replaces_the_default(olmoe, tmp_path):
     assert not any(".experts." in n and n.endswith("_scale") for n in names)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_5_moe", "minimax_m2"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "deepseek_v3", "qwen3_5_moe", "minimax_m2", "gpt_oss", "llama4", "llama4_text"]
+)
 def test_a_modeled_family_gives_the_modeled_export_byte_for_byte(family, tmp_path):
     hf = make_tiny(family, str(tmp_path / "hf"))
     ck = convert_hf(hf, str(tmp_path / "ck"), progress=False)

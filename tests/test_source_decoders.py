@@ -17,7 +17,7 @@ from eprt.storage import source_decoders
 from tests.hf_utils import raw, read_hf_tensors
 
 METHOD = "int8-rows"
-HIDDEN, INTER, EXPERTS = 128, 64, 4
+HIDDEN, INTER, EXPERTS = 128, 96, 4  # gate_up_proj [4, 192, 128]: its shape tells its order
 
 
 class RowScaledInt8:

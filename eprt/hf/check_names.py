@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 
 from eprt.errors import EprtError
-from eprt.families import load_hf_config, parse_hf_config, reader_for
+from eprt.families import load_hf_config, parse_hf_config, read_hf_config, reader_for
+from eprt.hf.check_unmodeled import split_stacks
 from eprt.hf.source import HFSource
 from eprt.layout import Layout
 from eprt.storage.hf_files import CONFIG
@@ -50,11 +51,20 @@ class SourceNames:
     """The source tensors an export may carry: exact names, plus regexes for tensors carried through."""
 
     def __init__(
-        self, names: set[str], passthrough: tuple[str, ...] = (), exact: bool = False, unquantized: tuple[str, ...] = ()
+        self,
+        names: set[str],
+        passthrough: tuple[str, ...] = (),
+        exact: bool = False,
+        unquantized: tuple[str, ...] = (),
+        split: dict[str, frozenset[str]] | None = None,
     ):
         self.names = names
         self.passthrough = passthrough
         self.exact = exact  # the whole source is known: a missing tensor is a fault too
+        # a model eprt does not model: each stack of experts -> its experts' tensors, which the
+        # export holds in its place where it quantizes them (both are in `names`)
+        self.split = split or {}
+        self.stack_of = {n: stack for stack, names_ in self.split.items() for n in names_}
         # regexes over the modules the engines build unquantized in the source's family (Family.unquantized)
         self.unquantized = unquantized
 
@@ -63,6 +73,13 @@ class SourceNames:
 
     def __contains__(self, name: str) -> bool:
         return name in self.names or any(re.fullmatch(p, name) for p in self.passthrough)
+
+    def held_otherwise(self, name: str, held) -> bool:
+        """Whether source tensor `name` is in the export in its other form: a stack expert by expert,
+        or an expert's tensor inside its stack carried whole (`held`: whether a name is in the export)."""
+        if name in self.split:
+            return all(held(n) for n in self.split[name])
+        return name in self.stack_of and held(self.stack_of[name])
 
 
 def decoded_names(names) -> set[str]:
@@ -88,7 +105,11 @@ def source_names_from_dir(source_dir: str) -> SourceNames:
     try:
         layout = family_layout(source_dir)
         names = per_expert_names(decoded_names(src.tensors), layout)
-        return SourceNames(names, exact=True, unquantized=layout.unquantized if layout else ())
+        if layout is not None:
+            return SourceNames(names, exact=True, unquantized=layout.unquantized)
+        shapes = {n: tuple(info.shape) for n, (_, info) in src.tensors.items()}
+        split = {n: frozenset(e) for n, e in split_stacks(shapes, read_hf_config(source_dir)).items()}
+        return SourceNames(names.union(*split.values()), exact=True, split=split)
     finally:
         src.close()
 
@@ -173,9 +194,13 @@ def check_names(
                 "vLLM refuses the checkpoint"
             )
     if source is not None and source.exact:
-        for name in sorted(source.names):
+
+        def held(name: str) -> bool:
             module, _, leaf = name.rpartition(".")
-            if name not in tensors and not (leaf == "weight" and module in quantized):
+            return name in tensors or (leaf == "weight" and module in quantized)
+
+        for name in sorted(source.names):
+            if not held(name) and not source.held_otherwise(name, held):
                 problems.append(f"{name}: a source tensor missing from the export")
 
 

@@ -3,13 +3,15 @@ layout predicts its names and shapes, so the check holds it to what every export
 quantized Linear's companions, of the shapes its format gives its weight; no tensor an engine
 does not load), and, with the source directory, to the source's own names and shapes: each
 tensor carried as the source holds it, each quantized Linear's companions shaped from the
-source's weight. It says so, rather than passing the export as checked against a model."""
+source's weight, a stack of experts carried whole or written expert by expert (`split_stacks`). It
+says so, rather than passing the export as checked against a model."""
 
 from __future__ import annotations
 
 import os
 
 from eprt.families import read_hf_config, supported_model_types
+from eprt.hf.expert_stacks import expert_entries, hidden_size
 from eprt.hf.source import HFSource
 from eprt.layout import TensorSpec
 from eprt.storage.encodings import source_quantization
@@ -28,6 +30,14 @@ def not_modeled(config: dict | None) -> str | None:
     )
 
 
+def split_stacks(shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Each stack of experts of a source (and each stack's biases) -> its experts' tensors as a
+    quantized export writes them, by name and shape (eprt.hf.expert_stacks.expert_entries)."""
+    hidden = hidden_size(config)
+    entries = {n: expert_entries(n, tuple(shape), hidden) for n, shape in shapes.items()}
+    return {n: e for n, e in entries.items() if e}
+
+
 def source_shape_specs(source_dir: str) -> dict[str, TensorSpec] | None:
     """Each tensor of an unquantized source directory -> a spec of its shape, or None where the
     source stores weights encoded (their decoded shapes are the export's concern, not this check's)."""
@@ -38,6 +48,8 @@ def source_shape_specs(source_dir: str) -> dict[str, TensorSpec] | None:
     except Exception:  # said by the name check's --source line
         return None
     try:
-        return {n: TensorSpec(n, tuple(info.shape), (n,)) for n, (_, info) in src.tensors.items()}
+        shapes = {n: tuple(info.shape) for n, (_, info) in src.tensors.items()}
     finally:
         src.close()
+    experts = {n: shape for e in split_stacks(shapes, read_hf_config(source_dir)).values() for n, shape in e.items()}
+    return {n: TensorSpec(n, shape, (n,)) for n, shape in {**shapes, **experts}.items()}

@@ -30,6 +30,11 @@ def quantized_modules(layout: Layout, recipe: Recipe, where: str) -> dict[str, T
     """The modules `recipe` quantizes in `layout`, by name; refuses a recipe that quantizes none,
     or a module its format cannot quantize. `where` names the checkpoint in the refusal. The
     multi-token-prediction layers count only for a recipe that says `mtp: true` (`mtp_candidates`)."""
+    if recipe.experts_storage is not None:
+        raise RecipeError(
+            f"recipe {recipe.name!r} says experts_storage, which is for a checkpoint eprt does not model; "
+            f"{where} is of a family eprt models, whose own table says how it stores its experts: leave it out"
+        )
     modules = {**layout.linear_modules(), **mtp_candidates(layout, recipe, where)}
     quantized = {m: spec for m, spec in modules.items() if recipe.format_of(m)}
     if not quantized:

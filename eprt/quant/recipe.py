@@ -46,6 +46,14 @@ The multi-token-prediction layers (DeepSeek-V3's `model.layers.{num_hidden_layer
 carried through unquantized unless the recipe says `mtp: true`: then the same rules, first match
 wins, decide their modules' formats too (eprt.quant.feasibility).
 
+`experts_storage: {transposed: true, interleaved: true}` says how a checkpoint eprt does not model
+stores its 3-D stacks of routed experts, for the model-free export (eprt.hf.streaming.selection):
+`transposed`, [experts, in, out] (transformers' GPT-OSS and Llama-4) where `false` is [experts, out,
+in] (left out: told by each layer's stacks' shapes against `hidden_size`, which a square stack cannot
+tell); `interleaved`, gate and up alternating along a fused `gate_up_proj`'s outputs (GPT-OSS) where
+`false`, the default, is gate then up (transformers' `is_concatenated`). A family eprt models says
+it in its own table, and refuses the key.
+
 `scale_headroom: true` (ModelOpt's "four over six") gives an NVFP4 weight whose scales `mse` searches
 the per-tensor scale amax / (6 x 256) in place of amax / (6 x 448): a block scale code may then exceed
 the tensor's largest block's by up to 448 / 256, so every block, the largest too, can map its amax to
@@ -80,11 +88,38 @@ from eprt.quant.formats.kv import KV_CACHE_FORMATS
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "ptq")
 FORMATS = (*WEIGHT_FORMATS, "none")
 KV_FORMATS = (None, *KV_CACHE_FORMATS)
-RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "act_headroom", "ignore")
+RECIPE_KEYS = ("name", "quantize", "kv_cache", "mtp", "scale_headroom", "act_headroom", "ignore", "experts_storage")
 # How a rule's weight scales are chosen (eprt.quant.algorithms.registry): the first is the default.
 ALGORITHMS = algorithm_sequences()
 RULE_KEYS = ("pattern", "format", "algorithm", "group_size", "grid")
 REQUIRED_RULE_KEYS = ("pattern", "format")
+
+
+@dataclass(frozen=True)
+class ExpertsStorage:
+    """How a checkpoint eprt does not model stores its stacks of routed experts (`experts_storage:`)."""
+
+    transposed: bool | None = None  # [experts, in, out]; None: told by the shapes
+    interleaved: bool = False  # a fused gate_up_proj's gate and up alternate along its outputs
+
+    def to_json(self) -> dict:
+        return {
+            **({"transposed": self.transposed} if self.transposed is not None else {}),
+            "interleaved": self.interleaved,
+        }
+
+
+def parse_experts_storage(d, source: str) -> ExpertsStorage | None:
+    if d is None:
+        return None
+    keys = ("transposed", "interleaved")
+    if not isinstance(d, dict) or not d or not all(k in keys and isinstance(v, bool) for k, v in d.items()):
+        raise ConfigError(
+            f"{source}: experts_storage {d!r:.80}: write a mapping of transposed: true|false (the stacks of "
+            "experts stored [experts, in, out]) and interleaved: true|false (gate and up alternating along a "
+            "fused gate_up_proj's outputs), or leave it out"
+        )
+    return ExpertsStorage(d.get("transposed"), d.get("interleaved", False))
 
 
 class Rule(NamedTuple):
@@ -105,6 +140,8 @@ class Recipe:
     # export (eprt.hf.streaming) takes them in place of its default list of modules it leaves alone.
     ignore: tuple[str, ...] | None = None
     act_headroom: ActHeadroom | None = None  # NVFP4 input scales with headroom; None: max's
+    # how a checkpoint eprt does not model stores its stacks of experts; None: told by their shapes
+    experts_storage: ExpertsStorage | None = None
 
     def ignores(self, module: str) -> bool:
         return any(matches(module, p) for p in self.ignore or ())
@@ -167,6 +204,7 @@ class Recipe:
             **({"scale_headroom": True} if self.scale_headroom else {}),
             **({"ignore": list(self.ignore)} if self.ignore is not None else {}),
             **({"act_headroom": self.act_headroom.to_json()} if self.act_headroom is not None else {}),
+            **({"experts_storage": self.experts_storage.to_json()} if self.experts_storage is not None else {}),
         }
 
 
@@ -302,7 +340,9 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
     if not isinstance(name, str):
         raise ConfigError(f"{source}: name {name!r:.80} is not a string; name the recipe in plain text")
     act_headroom = parse_act_headroom(d.get("act_headroom"), source)
-    return Recipe(name, tuple(rules), kv, mtp, headroom, tuple(ignore) if ignore is not None else None, act_headroom)
+    storage = parse_experts_storage(d.get("experts_storage"), source)
+    ignored = tuple(ignore) if ignore is not None else None
+    return Recipe(name, tuple(rules), kv, mtp, headroom, ignored, act_headroom, storage)
 
 
 def load_recipe(spec: str, kv_cache: str | None = None, algorithm: str | None = None) -> Recipe:

@@ -17,13 +17,14 @@ from tests.ep_checks import (
 FAMILY = "llama4"
 L = "language_model.model.layers"
 # vLLM builds the router unquantized; the vision tower and its projector are carried
-NEVER_QUANTIZED = [f"{L}.1.feed_forward.router", f"{L}.2.feed_forward.router", "multi_modal_projector.linear_1"]
-QUANTIZED = [
+NEVER_QUANTIZED = [f"{L}.1.feed_forward.router", "multi_modal_projector.linear_1"]
+QUANTIZED = [  # the tiny model interleaves as Maverick does: layer 1 MoE, layers 0 and 2 dense
     f"{L}.0.self_attn.q_proj",
     f"{L}.0.feed_forward.down_proj",  # a dense layer's MLP
     f"{L}.1.self_attn.o_proj",
     f"{L}.1.feed_forward.shared_expert.gate_proj",
-    f"{L}.2.feed_forward.experts.7.down_proj",
+    f"{L}.1.feed_forward.experts.7.down_proj",
+    f"{L}.2.feed_forward.gate_proj",
 ]
 
 

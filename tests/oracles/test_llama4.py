@@ -69,13 +69,15 @@ CASES = {
         intermediate_size=24,
     ),
     # no chunking, no temperature, biases on every projection, tied embeddings, explicit layer lists
+    # (the MoE layers listed beside the step that places them: the two must agree)
     "unchunked_biased_tied": dict(
         num_hidden_layers=3,
         attention_chunk_size=None,
         attn_temperature_tuning=False,
         attention_bias=True,
         tie_word_embeddings=True,
-        moe_layers=[0, 2],
+        moe_layers=[2],
+        interleave_moe_layer_step=3,
         no_rope_layers=[1, 0, 1],
     ),
 }

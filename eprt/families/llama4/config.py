@@ -93,13 +93,25 @@ def _layer_types(f: Fields, rotates: list[int], chunk: int | None, n_layers: int
 
 
 def _moe_layers(f: Fields, n_layers: int) -> list[int]:
+    """The MoE layers as transformers reads them: `moe_layers` where the file lists them, else every
+    `interleave_moe_layer_step`-th layer (Scout: 1, every layer; Maverick: 2). transformers writes both;
+    vLLM reads the step alone, so a file whose two disagree is refused: its engines and transformers
+    would build different models from one checkpoint."""
+    step = f.integer("interleave_moe_layer_step", 1, 1, MAX_LAYERS)
+    stepped = list(range(step - 1, n_layers, step))
     layers = f.get("moe_layers", default=None)
     if layers is None:
-        step = f.integer("interleave_moe_layer_step", 1, 1, MAX_LAYERS)
-        return list(range(step - 1, n_layers, step))
+        return stepped
     if not isinstance(layers, list) or any(not is_integer(i) or not 0 <= i < n_layers for i in layers):
         raise f.refuse(f"field 'moe_layers' is {layers!r:.80}; it must list layer indices from 0 to {n_layers - 1}")
-    return sorted(set(layers))
+    layers = sorted(set(layers))
+    if f.has("interleave_moe_layer_step") and layers != stepped:
+        raise f.refuse(
+            f"moe_layers {layers!r:.80} and interleave_moe_layer_step {step} disagree: transformers builds the "
+            f"layers moe_layers lists, vLLM one every {step} layers ({stepped!r:.80}); correct the one that is wrong so "
+            "that both name the model's MoE layers"
+        )
+    return layers
 
 
 def _rope(f: Fields, hf: dict) -> tuple[RopeConfig, Llama3Rope | None]:

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 from eprt.errors import ConfigError
 from eprt.hf.convert import file_for
+from eprt.hf.expert_stacks import STACKED, STACKED_BIAS, hidden_size
 from eprt.hf.export_quantized import carried, is_expert_weight, layer_prefix
 from eprt.hf.quant_configs import QuantizedLinears
 from eprt.hf.streaming.selection import (
-    STACKED,
     Linear,
+    Stacks,
     ignored,
     mtp_layer,
     mtp_own,
-    stacked_linears,
     weight_linear,
 )
 from eprt.hf.streaming.source import StreamSource
@@ -97,28 +97,48 @@ def _quantized(linear: Linear, recipe: Recipe) -> Quantized:
 def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
     """Any checkpoint: its tensors in the source's order, quantized by name pattern."""
     text = src.config.get("text_config") if isinstance(src.config.get("text_config"), dict) else src.config
-    hidden, num_layers = text.get("hidden_size"), text.get("num_hidden_layers")
+    num_layers = text.get("num_hidden_layers")
+    num_layers = num_layers if isinstance(num_layers, int) else None
+    shapes = {n: t.shape for n, t in src.tensors.items()}
+    stacks = Stacks(shapes, hidden_size(src.config), recipe.experts_storage, src.dir)
     items: list = []
     plan = StreamPlan(items, {})
+
+    def wanted(module: str | None, name: str) -> bool:
+        mtp = mtp_layer(name, num_layers)
+        return (
+            module is not None
+            and src.tensors[name].dtype.is_floating_point
+            and not ignored(module, recipe)
+            and not (mtp is not None and mtp_own(module))
+            and recipe.format_of(module) is not None
+        )
+
+    # the experts modules whose stacks are quantized: their biases are written expert by expert beside them
+    split = {
+        m["experts"]
+        for n, t in src.tensors.items()
+        if (m := STACKED.fullmatch(n)) and len(t.shape) == 3 and wanted(m["experts"], n)
+    }
     for name, t in src.tensors.items():
-        mtp = mtp_layer(name, num_layers if isinstance(num_layers, int) else None)
+        mtp = mtp_layer(name, num_layers)
         if mtp is not None and not recipe.mtp:  # carried whole, as a modeled family's table carries it
             items.append(Carried(name, name))
             plan.passthrough.add(mtp)
+            continue
+        bias = STACKED_BIAS.fullmatch(name)
+        if bias is not None and bias["experts"] in split and len(t.shape) == 2:
+            pieces, spec = stacks.biases(name, t.shape)
+            if spec.permuted:
+                src.permuted[name] = spec
+            items += [Carried(piece, name, e, rows) for piece, e, rows in pieces]
             continue
         stacked = STACKED.fullmatch(name)
         module = stacked["experts"] if stacked and len(t.shape) == 3 else None
         linear = weight_linear(name, t.shape) if module is None else None
         if module is None and linear is not None:
             module = linear.module
-        wanted = (
-            module is not None
-            and t.dtype.is_floating_point
-            and not ignored(module, recipe)
-            and not (mtp is not None and mtp_own(module))
-            and recipe.format_of(module) is not None
-        )
-        if not wanted:
+        if not wanted(module, name):
             items.append(Carried(name, name))
             if linear is not None:
                 plan.unquantized.add(linear.name)
@@ -126,7 +146,12 @@ def pattern_plan(src: StreamSource, recipe: Recipe) -> StreamPlan:
                 plan.unquantized.add(module)
                 plan.unquantized_experts.add(module)
             continue
-        linears = [linear] if linear is not None else stacked_linears(name, t.shape, hidden, src.dir)
+        if linear is not None:
+            items.append(_quantized(linear, recipe))
+            continue
+        linears, spec = stacks.linears(name, t.shape)
+        if spec.permuted:
+            src.permuted[name] = spec
         items += [_quantized(x, recipe) for x in linears]
     plan.groups = scale_groups(items)
     return plan
@@ -154,13 +179,8 @@ def table_plan(src: StreamSource, recipe: Recipe, layout: Layout) -> StreamPlan:
                 passthrough.append(hf)
             continue
         if original.stacked:
-            if p.fused and spec.transposed:
-                raise ConfigError(
-                    f"{spec.sources[0]} holds its experts transposed, which the model-free export "
-                    "does not slice: convert the checkpoint (eprt-convert) and export that instead"
-                )
-            if p.fused and spec.interleaved > 1:  # each expert's pieces read apart, then sliced as eprt's
-                src.interleaved[spec.sources[0]] = spec
+            if p.fused and spec.permuted:  # each expert read [out, in], its pieces apart, then sliced as eprt's
+                src.permuted[spec.sources[0]] = spec
             module, h = spec.name.rsplit(".", 1)[0], original.source_shape()[0]
             weights = is_expert_weight(original)  # else their biases, which stay as the source holds them
             for j, s in enumerate(original.sources):

@@ -93,10 +93,11 @@ class Producer:
 
     def carried(self, c: Carried) -> OutTensor:
         t = self.src.tensors[c.source]
-        shape = t.shape[1:] if c.index is not None else t.shape
+        shape = self.src.read_shape(c.source)
+        shape = shape[1:] if c.index is not None else shape
         if c.rows is not None:
             shape = (c.rows[1] - c.rows[0], *shape[1:])
-        as_stored = t.encoded is None and c.rows is None
+        as_stored = t.encoded is None and c.rows is None and c.source not in self.src.permuted
         return OutTensor(
             c.name,
             t.dtype,

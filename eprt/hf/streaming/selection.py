@@ -3,8 +3,10 @@
 A quantizable tensor is a 2-D floating `M.weight` (a Linear's, module M) or a 3-D stack of routed
 experts, `P.experts.gate_up_proj` [E, 2I, D] (each expert's gate rows, then its up rows),
 `P.experts.gate_proj` / `up_proj` [E, I, D] or `P.experts.down_proj` [E, D, I], as transformers 5
-holds them (with or without a `.weight` leaf). A stacked tensor is written expert by expert, as the
-engines load quantized experts: `P.experts.{e}.gate_proj.weight` and so on.
+holds them (with or without a `.weight` leaf), or transposed, [E, in, out], as transformers' GPT-OSS
+and Llama-4 hold them (`Stacks`). A stacked tensor is written expert by expert, [out, in], as the
+engines load quantized experts: `P.experts.{e}.gate_proj.weight` and so on, and so are the biases of
+a quantized stack (`P.experts.gate_up_proj_bias` [E, 2I] as `P.experts.{e}.gate_proj.bias`, ...).
 
 A recipe's rules match module names as for a family eprt models: a routed expert's projection
 `P.experts.7.up_proj` is matched as its experts module `P.experts`, every other Linear by its own
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 from eprt.errors import ConfigError
-from eprt.quant.recipe import Recipe
+from eprt.hf.expert_stacks import STACKED, STACKED_BIAS, orders, pieces_of
+from eprt.layout import TensorSpec
+from eprt.quant.recipe import ExpertsStorage, Recipe
 
 # module globs the model-free export leaves alone unless a recipe's `ignore:` replaces them
 DEFAULT_IGNORE = (
@@ -58,7 +63,6 @@ MTP_OWN = ("*.eh_proj", "*.shared_head.*", "*mtp.fc")
 # per-tensor scale, as gate and up of one row of a family's first stacked projection do.
 EXPERT_SIBLINGS = ({"gate_proj", "up_proj"}, {"w1", "w3"})
 EXPERT_LINEAR = re.compile(r"(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)")
-STACKED = re.compile(r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
 
 
 @dataclass(frozen=True)
@@ -109,35 +113,89 @@ def expert_group(name: str) -> tuple:
     return ("expert", m["experts"], int(m["e"]), min(siblings))
 
 
-def stacked_linears(name: str, shape: tuple[int, ...], hidden: int | None, where: str) -> list[Linear] | None:
-    """The per-expert Linears of stacked experts tensor `name` of `shape`, or None if it is not one."""
-    m = STACKED.fullmatch(name)
-    if m is None or len(shape) != 3:
-        return None
-    experts, proj = m["experts"], m["proj"]
-    num, out_dim, in_dim = shape
-    wants_in = proj != "down_proj"  # gate/up read the hidden state, down writes it
-    if hidden is None or (in_dim if wants_in else out_dim) != hidden or (proj == "gate_up_proj" and out_dim % 2):
+class Stacks:
+    """The 3-D stacks of routed experts of a checkpoint eprt does not model, and how each layer's are
+    stored. A layer's stacks (one `...experts` module's) share one order, which their shapes tell
+    against `hidden_size` together: GPT-OSS-120B's square down_proj [E, 2880, 2880] takes the order of
+    its gate_up_proj [E, 2880, 5760]. Where every stack of a layer is square the shapes cannot tell,
+    and the recipe's `experts_storage: {transposed: ...}` must; it also says whether a fused
+    gate_up_proj interleaves gate and up (default: gate, then up)."""
+
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], hidden: int | None, storage: ExpertsStorage | None, where: str
+    ):
+        self.hidden, self.where = hidden, where
+        self.storage = storage or ExpertsStorage()
+        self.fits: dict[str, set[bool]] = defaultdict(lambda: {False, True})
+        self.names: dict[str, list[str]] = defaultdict(list)
+        for name, shape in shapes.items():
+            m = STACKED.fullmatch(name)
+            if m is not None and len(shape) == 3:
+                self.fits[m["experts"]] &= orders(m["proj"], shape, hidden) if hidden is not None else set()
+                self.names[m["experts"]].append(f"{name} {list(shape)}")
+
+    def transposed(self, experts: str) -> bool:
+        """Whether the stacks of `experts` are stored [E, in, out]; refused where no order or both fit."""
+        fits, said = self.fits[experts], self.storage.transposed
+        stacks = ", ".join(self.names[experts])
+        if said is not None and said in fits:
+            return said
+        if said is None and len(fits) == 1:
+            return next(iter(fits))
+        if said is None and fits:
+            raise ConfigError(
+                f"{self.where}: the stacks of {experts} ({stacks}) are square, so their shapes cannot tell "
+                "[experts, out, in] from [experts, in, out]: say which in the recipe, experts_storage: "
+                "{transposed: true} (transformers' GPT-OSS and Llama-4) or {transposed: false}"
+            )
+        told = f", as the recipe's experts_storage says (transposed: {said})" if said is not None else ""
         raise ConfigError(
-            f"{where}: tensor {name!r} of shape {list(shape)} is not a stack of experts as [experts, out, in] "
-            f"(hidden_size {hidden}): the model-free export reads transformers 5's orientation only; "
-            "leave these experts unquantized with the recipe's ignore list, or convert the checkpoint first"
+            f"{self.where}: the stacks of {experts} ({stacks}) are not stacks of experts as [experts, out, in] "
+            f"nor [experts, in, out] with hidden_size {self.hidden}{told}: leave them unquantized with the "
+            "recipe's ignore list, or convert the checkpoint first"
         )
-    pieces = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
-    h = out_dim // len(pieces)
-    return [
-        Linear(
-            f"{experts}.{e}.{piece}",
-            experts,
-            name,
-            e,
-            (k * h, (k + 1) * h) if len(pieces) > 1 else None,
-            (h, in_dim),
-            expert_group(f"{experts}.{e}.{piece}"),
-        )
-        for e in range(num)
-        for k, piece in enumerate(pieces)
-    ]
+
+    def order(self, name: str, shape: tuple[int, ...], proj: str, transposed: bool) -> TensorSpec:
+        """Stack `name` as a spec whose `from_fused` reads it [E, out, in], its pieces apart."""
+        interleaved = len(pieces_of(proj)) if self.storage.interleaved else 1
+        eprt_shape = (shape[0], shape[2], shape[1]) if transposed else tuple(shape)
+        return TensorSpec(name, eprt_shape, (name,), transposed=transposed, interleaved=interleaved)
+
+    def linears(self, name: str, shape: tuple[int, ...]) -> tuple[list[Linear], TensorSpec]:
+        """The per-expert Linears of stack `name` of `shape`, and its order (`order`)."""
+        m = STACKED.fullmatch(name)
+        experts, pieces = m["experts"], pieces_of(m["proj"])
+        spec = self.order(name, shape, m["proj"], self.transposed(experts))
+        num, out_dim, in_dim = spec.shape
+        h = out_dim // len(pieces)
+        linears = [
+            Linear(
+                f"{experts}.{e}.{piece}",
+                experts,
+                name,
+                e,
+                (k * h, (k + 1) * h) if len(pieces) > 1 else None,
+                (h, in_dim),
+                expert_group(f"{experts}.{e}.{piece}"),
+            )
+            for e in range(num)
+            for k, piece in enumerate(pieces)
+        ]
+        return linears, spec
+
+    def biases(self, name: str, shape: tuple[int, ...]) -> tuple[list[tuple[str, int, tuple[int, int]]], TensorSpec]:
+        """Stack `name`'s biases [E, out] expert by expert, each projection's apart: (name, expert, rows)
+        of each, and the order they are read in (gate and up interleaved as the weights are)."""
+        m = STACKED_BIAS.fullmatch(name)
+        pieces = pieces_of(m["proj"])
+        spec = self.order(name, shape, m["proj"], False)
+        h = shape[1] // len(pieces)
+        out = [
+            (f"{m['experts']}.{e}.{piece}.bias", e, (k * h, (k + 1) * h))
+            for e in range(shape[0])
+            for k, piece in enumerate(pieces)
+        ]
+        return out, spec
 
 
 def weight_linear(name: str, shape: tuple[int, ...]) -> Linear | None:

@@ -50,8 +50,10 @@ class StreamSource:
             self.planner = ConversionPlanner(self.src, layout, None, hf_dir, self.quant)
             self.tensors = self._decoded_names()
             self.files = non_weight_files(hf_dir)
-            # fused tensors read with their interleaved pieces apart (GPT-OSS's gate and up), by name
-            self.interleaved: dict[str, TensorSpec] = {}
+            # fused stacks read in eprt's order, each expert [out, in] with its pieces apart (a stack
+            # stored transposed, [E, in, out]; GPT-OSS's gate and up interleaved), by name: the
+            # spec whose `from_fused` undoes the stored order
+            self.permuted: dict[str, TensorSpec] = {}
         except BaseException:
             self.src.close()
             raise
@@ -71,7 +73,8 @@ class StreamSource:
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
         """Tensor `name` (decoded), or entry `index` along its dim 0 only (one expert of a stacked
-        tensor); a fused tensor whose pieces alternate along dim 1 (`interleaved`) with its pieces apart."""
+        tensor); a fused stack stored in another order (`permuted`) in eprt's: [E, out, in], pieces apart
+        (a view of what was read: the format's arithmetic copies it as it needs, as fast as the stored order)."""
         t = self.tensors[name]
         rows = (index, index + 1) if index is not None else None
         if t.encoded is None:
@@ -79,9 +82,15 @@ class StreamSource:
             w = f.read(name, rows=rows)
         else:
             w = self._decoded(t, rows)
-        spec = self.interleaved.get(name)
-        w = spec.deinterleave(w) if spec is not None else w
+        spec = self.permuted.get(name)
+        w = spec.from_fused(w) if spec is not None else w
         return w[0] if index is not None else w
+
+    def read_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` as `read` gives it whole: a permuted stack's in eprt's order."""
+        spec = self.permuted.get(name)
+        shape = self.tensors[name].shape
+        return (*shape[:-2], shape[-1], shape[-2]) if spec is not None and spec.transposed else shape
 
     def _decoded(self, t: SourceTensor, rows: tuple[int, int] | None) -> torch.Tensor:
         """An encoded tensor decoded, or its entries `rows` along dim 0: from those rows of its
