@@ -173,6 +173,17 @@ def compressed_modules(tensors: Mapping, quant, components_of: GroupComponents) 
     return out
 
 
+# The last scan's (tensors, quant, its modules): each format's entry asks for the same scan of one source in turn
+_LAST_SCAN: list = []
+
+
+def scanned(tensors: Mapping, quant, components_of: GroupComponents) -> dict[str, tuple[str, Components]]:
+    """`compressed_modules`, scanned once for the entries of every format of one source."""
+    if not (_LAST_SCAN and _LAST_SCAN[0] is tensors and _LAST_SCAN[1] is quant):
+        _LAST_SCAN[:] = [tensors, quant, compressed_modules(tensors, quant, components_of)]
+    return _LAST_SCAN[2]
+
+
 def ct_finder(fmt: str, components_of: GroupComponents):
     """The `find` of compressed-tensors format `fmt`: the compressed modules whose group is in it
     (`components_of`: a group's components, from its scheme with its format resolved)."""
@@ -183,7 +194,7 @@ def ct_finder(fmt: str, components_of: GroupComponents):
         groups = quant.groups()
         return {
             f"{module}.weight": parts
-            for module, (g, parts) in compressed_modules(tensors, quant, components_of).items()
+            for module, (g, parts) in scanned(tensors, quant, components_of).items()
             if groups[g]["format"] == fmt
         }
 
