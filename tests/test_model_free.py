@@ -401,6 +401,27 @@ def test_an_interrupted_run_resumes_shard_by_shard(olmoe, tmp_path, monkeypatch)
     assert not os.path.exists(work)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_run_stopped_inside_a_shard_resumes(olmoe, tmp_path, monkeypatch, workers):
+    """A run killed while it wrote a shard leaves its temporary file; the next run writes it again."""
+    clean = stream_export(olmoe, str(tmp_path / "clean"), "fp8_block", max_shard_bytes=SHARD, progress=False)
+    out = str(tmp_path / "out")
+    close = streaming_run.SafetensorsWriter.close
+
+    def stop_before_renaming(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming_run.SafetensorsWriter, "close", stop_before_renaming)
+    with pytest.raises(KeyboardInterrupt):
+        stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, progress=False)
+    work = streaming_run.work_dir_for(out)
+    assert [f for f in os.listdir(work) if f.endswith(streaming_run.PARTIAL)]
+    monkeypatch.setattr(streaming_run.SafetensorsWriter, "close", close)
+    stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, workers=workers, progress=False)
+    assert same_files(clean, out)
+
+
 def test_a_run_with_other_settings_starts_over(olmoe, tmp_path):
     out = str(tmp_path / "out")
     work = streaming_run.work_dir_for(out)

@@ -108,11 +108,14 @@ class Stream:
         }
 
     def write_shard(self, work: str, i: int, progress=None, span: tuple[int, int] | None = None) -> None:
-        """Shard i into `work`, whole: written under a temporary name and renamed when complete; with
+        """Shard i into `work`, whole: written under a temporary name (a stopped run's replaced) and
+        renamed when complete; with
         `span` (a, b), its tensors a to b - 1 only, into the temporary file `prepare_parts` made,
         which the caller renames once every span of it is written."""
         path = os.path.join(work, self.names[i])
         tensors = self.shards[i]
+        if span is None:
+            remove_partial(path)
         w = SafetensorsWriter(path + PARTIAL, [(t.name, t.dtype, t.shape) for t in tensors], span=span)
         with contextlib.closing(produced_ahead(tensors if span is None else tensors[span[0] : span[1]])) as ahead:
             for t, got in ahead:
@@ -127,14 +130,12 @@ class Stream:
             os.replace(path + PARTIAL, path)
 
     def prepare_parts(self, work: str, i: int, parts: int) -> list[tuple[int, int]]:
-        """Shard i's temporary file, made for `parts` writers of its spans side by side (an earlier
-        run's, interrupted, replaced), and its spans: up to `parts` runs of consecutive tensors
+        """Shard i's temporary file, made for `parts` writers of its spans side by side, and its spans: up to `parts` runs of consecutive tensors
         of about equal bytes."""
-        path = os.path.join(work, self.names[i]) + PARTIAL
-        if os.path.lexists(path):
-            os.remove(path)
+        path = os.path.join(work, self.names[i])
+        remove_partial(path)
         tensors = self.shards[i]
-        SafetensorsWriter.create_for_parts(path, [(t.name, t.dtype, t.shape) for t in tensors])
+        SafetensorsWriter.create_for_parts(path + PARTIAL, [(t.name, t.dtype, t.shape) for t in tensors])
         total, done, cuts = sum(t.nbytes for t in tensors), 0, [0]
         for j, t in enumerate(tensors[:-1]):
             done += t.nbytes
@@ -144,6 +145,12 @@ class Stream:
 
     def close(self) -> None:
         self.src.close()
+
+
+def remove_partial(shard: str) -> None:
+    """Shard path `shard`'s temporary file, where a run stopped while writing it left one."""
+    if os.path.lexists(shard + PARTIAL):
+        os.remove(shard + PARTIAL)
 
 
 def model_free_recipe(spec: str, algorithm: str | None, hf_dir: str) -> Recipe:
