@@ -21,12 +21,13 @@ checkpoint was just written; under 24 GiB of memory an 8 GB one stays cached), w
 Throughput is the source's bytes over wall seconds; reported are each side's median wall and CPU
 seconds, and the medians of the per-run ratios of eprt's throughput to each other side's (above 1:
 eprt is faster). What bounds eprt is printed beside: torch's import against the time 0.7x the copy's
-throughput allows, and fp8_block's arithmetic alone (the bench's weights quantized in memory, one
-thread) in GB/s of bf16 per core. With --stages, one export more runs in a process of its own with
-each stage timed (one worker): the CPU seconds of torch's and eprt's imports and the plan, which a
-checkpoint of any size pays once, and per GB of the source those of reading, decoding, quantizing,
-writing, syncing and checking the export, with the wall seconds of the sync. On a machine other
-jobs share, run it under OMP_NUM_THREADS=1 and compare CPU seconds.
+throughput allows, and fp8_block's arithmetic alone (the bench's weights, and weights of a
+DeepSeek-V3 expert's size, quantized in memory, one thread) in GB/s of bf16 per core. With
+--stages, one export more runs in a process of its own with each stage timed (one worker): the CPU
+seconds of torch's and eprt's imports and the plan, which a checkpoint of any size pays once, and
+per GB of the source those of reading, decoding, quantizing, writing, syncing and checking the
+export, with the wall seconds of the sync. On a machine other jobs share, run it under
+OMP_NUM_THREADS=1 and compare CPU seconds.
 """
 
 import argparse
@@ -123,17 +124,23 @@ def run(cmd: list[str], out: str) -> tuple[float, float, int]:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # Linux reports kB
 
 
-def arithmetic_gbps(seconds: float = 2.0) -> float:
-    """fp8_block's quantization alone of the bench's expert weights (bf16, in memory, one thread), in
-    GB of bf16 per second of this thread's CPU time (which other jobs on the host do not stretch, as
-    they do wall time): the floor of the export's time per core, reading and writing aside."""
+# A routed expert's gate projection of DeepSeek-V3's size: a weight whose fp32 copy outgrows a core's cache
+LARGE_WEIGHT = (2048, 7168)
+
+
+def arithmetic_gbps(rows: int = INTER, cols: int = HIDDEN, seconds: float = 2.0) -> float:
+    """fp8_block's quantization alone of bf16 weights [rows, cols] (the bench's experts', by default;
+    in memory, one thread), in GB of bf16 per second of this thread's CPU time (which other jobs on
+    the host do not stretch, as they do wall time): the floor of the export's time per core, reading
+    and writing aside."""
     import torch
 
     from eprt.quant.formats.fp8_block import FP8_BLOCK
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(INTER, HIDDEN, generator=g) * 0.02).to(torch.bfloat16) for _ in range(32)]
+    count = max(2, 32 * INTER * HIDDEN // (rows * cols))
+    weights = [(torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16) for _ in range(count)]
     done, start = 0, time.thread_time()
     with torch.inference_mode():
         while time.thread_time() - start < seconds:
@@ -195,7 +202,7 @@ def stages(hf: str, out: str) -> str:
 
 CHILD = {
     "make": lambda out, gb: make_checkpoint(out, float(gb)),
-    "arithmetic": lambda: arithmetic_gbps(),
+    "arithmetic": lambda *shape: arithmetic_gbps(*map(int, shape)),
     "stages": stages,
 }
 
@@ -271,10 +278,12 @@ def main() -> None:
             ratio = statistics.median(o / e for o, e in zip(walls[other], walls["eprt"]))
             print(f"  eprt's throughput / {other}'s: {ratio:.2f}x")
         budget, floor = statistics.median(walls["copy"]) / AIM, in_child("arithmetic")
+        large = in_child("arithmetic", *LARGE_WEIGHT)
         print(
             f"  {AIM}x the copy's throughput allows {budget:.2f} s; torch's import alone takes "
             f"{statistics.median(walls['import torch']):.2f} s; fp8_block's arithmetic alone runs at "
-            f"{floor:.2f} GB of bf16 per CPU second ({size / GB / floor:.2f} CPU s for the checkpoint)"
+            f"{floor:.2f} GB of bf16 per CPU second ({size / GB / floor:.2f} CPU s for the checkpoint), "
+            f"{large:.2f} on {LARGE_WEIGHT[0]} x {LARGE_WEIGHT[1]} weights"
         )
         if a.stages:
             print_stages(size, in_child_json("stages", hf, os.path.join(root, "eprt")))

@@ -102,8 +102,8 @@ def per_block(scales: torch.Tensor) -> torch.Tensor:
 
 # Columns of a band of 128 rows quantized at once where the blocks tile the weight: 16 blocks, 1 MiB of
 # fp32, which stays in a core's cache through the piece's four passes (to fp32, divide, clamp, round),
-# where the whole weight's fp32 copy went to memory and back in each: twice the speed on a 7168 x 2048
-# weight (bench/model_free.py), the same on a weight of one piece.
+# where the whole weight's fp32 copy went to memory and back in each: twice the speed on 2048 x 7168
+# weights (`python bench/model_free.py --child arithmetic 2048 7168`), the same on a weight of one piece.
 PIECE_COLUMNS = 16 * BLOCK
 
 
