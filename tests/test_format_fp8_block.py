@@ -49,13 +49,15 @@ def model(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("rows, cols", [(200, 300), (256, 384)])  # partial last blocks, and whole blocks only
+@pytest.mark.parametrize(
+    "rows, cols", [(200, 300), (256, 384), (256, 2304)]
+)  # partial last blocks, whole blocks only (in pieces of up to 16 blocks: 2304 is 16 + 2)
 def test_the_numerics_are_modelopts_block_quantizer(rows, cols):
     qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
     w = torch.randn(2, rows, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
     w[1, :128, :128] = 0  # a zero block: scale 1, codes 0
     scales = fp8_block_scales(w)
-    assert scales.shape == (2, 2, 3)
+    assert scales.shape == (2, -(-rows // 128), -(-cols // 128))
     codes = quantize_fp8_block(w, scales)
     for e in range(2):
         theirs, their_scales = qtensor.FP8QTensor.quantize(w[e], scales[e], block_sizes={-1: 128, -2: 128})

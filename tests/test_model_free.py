@@ -342,6 +342,27 @@ def test_workers_write_the_same_bytes_as_one(olmoe, tmp_path):
     assert tree_digest(olmoe) == before  # the input untouched
 
 
+def test_workers_share_a_shard_and_write_the_same_bytes_as_one(olmoe, tmp_path, monkeypatch):
+    """An export of one shard (any under 5 GiB) is cut into a span of tensors a worker, each written
+    at its place in the one file: the same bytes as one process writes, every span once."""
+    one = stream_export(olmoe, str(tmp_path / "one"), "fp8_block", progress=False)
+    assert [f for f in os.listdir(one) if f.endswith(".safetensors")] == ["model-00001-of-00001.safetensors"]
+    log = tmp_path / "spans.txt"
+    write = streaming_run.Stream.write_shard
+
+    def logged(self, work, i, progress=None, span=None):
+        write(self, work, i, progress, span)
+        with open(log, "a") as f:  # from the forked workers: appended, line by line
+            f.write(f"{i} {span[0]} {span[1]} {len(self.shards[i])}\n")
+
+    monkeypatch.setattr(streaming_run.Stream, "write_shard", logged)
+    two = stream_export(olmoe, str(tmp_path / "two"), "fp8_block", workers=2, progress=False)
+    assert same_files(one, two)  # every file, the temporary ones gone
+    spans = sorted(tuple(map(int, line.split())) for line in log.read_text().splitlines())
+    (_, a, b, n), (_, c, d, _) = spans
+    assert len(spans) == 2 and (a, b, c, d) == (0, b, b, n) and 0 < b < n
+
+
 def write_as_rank(olmoe: str, out: str) -> str:
     from eprt.parallel import ParallelState
 
@@ -380,6 +401,27 @@ def test_an_interrupted_run_resumes_shard_by_shard(olmoe, tmp_path, monkeypatch)
     marked = sorted(f for f in os.listdir(out) if os.stat(os.path.join(out, f)).st_mtime_ns == 1)
     assert marked == kept  # the first run's shards were kept, the others written
     assert not os.path.exists(work)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_run_stopped_inside_a_shard_resumes(olmoe, tmp_path, monkeypatch, workers):
+    """A run killed while it wrote a shard leaves its temporary file; the next run writes it again."""
+    clean = stream_export(olmoe, str(tmp_path / "clean"), "fp8_block", max_shard_bytes=SHARD, progress=False)
+    out = str(tmp_path / "out")
+    close = streaming_run.SafetensorsWriter.close
+
+    def stop_before_renaming(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming_run.SafetensorsWriter, "close", stop_before_renaming)
+    with pytest.raises(KeyboardInterrupt):
+        stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, progress=False)
+    work = streaming_run.work_dir_for(out)
+    assert [f for f in os.listdir(work) if f.endswith(streaming_run.PARTIAL)]
+    monkeypatch.setattr(streaming_run.SafetensorsWriter, "close", close)
+    stream_export(olmoe, out, "fp8_block", max_shard_bytes=SHARD, workers=workers, progress=False)
+    assert same_files(clean, out)
 
 
 def test_a_run_with_other_settings_starts_over(olmoe, tmp_path):

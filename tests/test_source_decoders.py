@@ -2,7 +2,10 @@
 uses: a checkpoint whose config announces it by its quant_method, with weights stored as its
 components (a 2-D Linear's and a stack of experts'), exports model-free to the very tensors and
 configs of the same checkpoint stored decoded, and a stacked weight is decoded one expert at a
-time from that expert's rows alone. Without the entry, the quant_method is refused by name."""
+time from that expert's rows alone. Without the entry, the quant_method is refused by name. The
+encodings eprt reads of itself (block and per-tensor FP8, MXFP8, DeepSeek-V4's, GPT-OSS's MXFP4,
+compressed-tensors') are entries too: reading finds them through the registry, and nothing reads a
+checkpoint stored in one whose entry is gone."""
 
 import json
 import os
@@ -12,8 +15,14 @@ import torch
 from safetensors.torch import save_file
 
 from eprt.errors import CheckpointError, ConfigError
+from eprt.families import read_hf_config
+from eprt.hf.convert import convert_hf
+from eprt.hf.source import HFSource
+from eprt.hf.source_encoded import encoded_modules
 from eprt.hf.streaming import stream_export
-from eprt.storage import source_decoders
+from eprt.storage import encodings, source_decoders
+from eprt.storage.encodings import source_quantization
+from eprt.testing.tiny import RELEASED_AS, SOURCE_FORMATS, make_tiny
 from tests.hf_utils import raw, read_hf_tensors
 
 METHOD = "int8-rows"
@@ -36,7 +45,10 @@ class RowScaledInt8:
 
 
 ENTRY = source_decoders.SourceDecoder(
-    "int8-rows", (METHOD,), source_decoders.suffix_finder(codes="_codes", scales="_rowscale"), RowScaledInt8
+    "int8-rows",
+    (METHOD,),
+    source_decoders.suffix_finder(codes="_codes", scales="_rowscale"),
+    lambda scheme, where: RowScaledInt8(scheme),
 )
 
 
@@ -118,9 +130,58 @@ def test_a_weight_missing_a_component_or_claimed_twice_is_refused_by_name(tmp_pa
     with pytest.raises(CheckpointError, match="experts.2.down_proj.weight_codes' is encoded, but its .*_rowscale"):
         stream_export(encoded, str(tmp_path / "out"), "fp8_block", progress=False)
     # a second entry that finds the same tensors under another encoding
-    twin = source_decoders.SourceDecoder("int8-rows-twin", (METHOD,), ENTRY.find, RowScaledInt8)
+    twin = source_decoders.SourceDecoder("int8-rows-twin", (METHOD,), ENTRY.find, ENTRY.decoder)
     monkeypatch.setitem(source_decoders._REGISTRY, twin.encoding, twin)
     with pytest.raises(CheckpointError, match="is a component of both"):
         stream_export(make_pair(str(tmp_path / "again"))[0], str(tmp_path / "out"), "fp8_block", progress=False)
     with pytest.raises(ValueError, match="registered twice"):
-        source_decoders.register(source_decoders.SourceDecoder(ENTRY.encoding, ("other",), ENTRY.find, RowScaledInt8))
+        source_decoders.register(source_decoders.SourceDecoder(ENTRY.encoding, ("other",), ENTRY.find, ENTRY.decoder))
+
+
+# Each encoding eprt reads of itself, a tiny checkpoint stored in it, and what its encoded weights are
+# found as (encoding, scheme): the built-in encodings are registry entries like any family's.
+BUILT_IN = {
+    "fp8-block": ("qwen3_moe", {"source_format": "fp8-block"}, {("fp8-block", "fp8")}),
+    "fp8-tensor": ("mistral4", RELEASED_AS["mistral4"], {("fp8-tensor", "fp8")}),
+    "mxfp8": ("qwen3_moe", {"source_format": "mxfp8"}, {("fp8-block", "fp8")}),
+    "deepseek-v4": ("deepseek_v4", RELEASED_AS["deepseek_v4"], {("deepseek-fp8", "fp8"), ("deepseek-fp4", "fp8")}),
+    "mxfp4-blocks": ("gpt_oss", RELEASED_AS["gpt_oss"], {("mxfp4", "mxfp4")}),
+    "ct-int4": ("qwen3_moe", {"source_format": "int4"}, {("compressed-tensors/pack-quantized", "group_0")}),
+    "ct-mxfp4": ("qwen3_moe", {"source_format": "mxfp4"}, {("compressed-tensors/mxfp4-pack-quantized", "group_0")}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUILT_IN))
+def test_each_built_in_encoding_is_a_registry_entry_that_reading_consults(case, tmp_path, monkeypatch):
+    family, options, want = BUILT_IN[case]
+    hf = make_tiny(family, str(tmp_path / "hf"), **options)
+    quant = source_quantization(read_hf_config(hf), os.path.join(hf, "config.json"))
+    src = HFSource(hf)
+    try:
+        found = encoded_modules(src, quant).values()
+    finally:
+        src.close()
+    assert {(e.encoding, e.scheme) for e in found} == want
+    for encoding, _ in want:
+        assert encodings.is_known(encoding) and source_decoders.registered(encoding).encoding == encoding
+    # without its entries, neither convert nor the model-free export reads the checkpoint
+    for encoding, _ in want:
+        monkeypatch.delitem(source_decoders._REGISTRY, encoding)
+    with pytest.raises((CheckpointError, ConfigError)):
+        convert_hf(hf, str(tmp_path / "ck"), progress=False)
+    with pytest.raises((CheckpointError, ConfigError)):
+        stream_export(hf, str(tmp_path / "out"), "fp8_block", progress=False)
+    assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "out")
+
+
+def test_an_mxfp4_config_with_no_mxfp4_tensor_is_refused_as_an_fp8_one_is(tmp_path):
+    """Every announced encoding alike: a config announcing weights no tensor holds would be passed on."""
+    for name, options in (("fp8", {"source_format": "fp8-block"}), ("mxfp4", RELEASED_AS["gpt_oss"])):
+        hf = make_tiny("gpt_oss", str(tmp_path / name))
+        with open(os.path.join(hf, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = SOURCE_FORMATS[options["source_format"]]
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump(config, f)
+        with pytest.raises(CheckpointError, match=f"declares {config['quantization_config']['quant_method']} quantiz"):
+            convert_hf(hf, str(tmp_path / f"{name}-ck"), progress=False)

@@ -264,9 +264,7 @@ class Checkpoint:
             if not encodings.is_known(t.encoding):
                 raise CheckpointError(
                     f"{mpath}: {t.name!r} has encoding {t.encoding!r}, which this eprt does not "
-                    f"read ({encodings.RAW}, {encodings.FP8_BLOCK}, {encodings.FP8_TENSOR}, {encodings.MXFP4_BLOCKS}, "
-                    f"{encodings.CT_PREFIX}"
-                    f"{{{', '.join(encodings.CT_FORMATS)}}}): the checkpoint is corrupt, "
+                    f"read ({', '.join(encodings.known())}): the checkpoint is corrupt, "
                     "crafted, or written by a newer eprt"
                 )
             for f in stored_files(t):

@@ -35,6 +35,15 @@ from eprt.errors import CheckpointError, ConfigError
 from eprt.storage import source_decoders
 from eprt.storage.deepseek_encodings import DeepSeekFP4, e8m0_exponents
 from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS, MxFp4Blocks
+from eprt.storage.source_decoders import SourceDecoder, register, suffix_finder
+from eprt.storage.source_finders import (  # component_names and matches: the config's rules, read here by name
+    component_names,  # noqa: F401
+    ct_finder,
+    ct_group,
+    deepseek_finder,
+    fp8_finder,
+    matches,  # noqa: F401
+)
 
 RAW = "raw"
 FP8_BLOCK = "fp8-block"
@@ -88,11 +97,12 @@ MIXED_FORMAT = "mixed-precision"
 
 
 def is_known(encoding) -> bool:
-    return isinstance(encoding, str) and (
-        encoding in (RAW, FP8_BLOCK, FP8_TENSOR, MXFP4_BLOCKS, DEEPSEEK_FP8, DEEPSEEK_FP4)
-        or source_decoders.registered(encoding) is not None
-        or (encoding.startswith(CT_PREFIX) and encoding[len(CT_PREFIX) :] in CT_FORMATS)
-    )
+    return isinstance(encoding, str) and (encoding == RAW or source_decoders.registered(encoding) is not None)
+
+
+def known() -> list[str]:
+    """Every encoding a checkpoint's tensor may have: stored as it is (raw), or a registered one."""
+    return [RAW, *(d.encoding for d in source_decoders.entries())]
 
 
 def check_ct_format(fmt, where: str) -> str:
@@ -178,11 +188,10 @@ def source_quantization(hf: dict, where: str) -> SourceQuantization | None:
         if kept is not None and (not isinstance(kept, list) or not all(isinstance(m, str) for m in kept)):
             raise ConfigError(f"{where}: modules_to_not_convert {kept!r:.80} is not a list of module names")
     elif not source_decoders.announced_by(method):
-        others = "".join(f", {m}" for m in source_decoders.methods())
         raise ConfigError(
-            f"{where}: quant_method {method!r} is not read by eprt, which reads compressed-tensors, "
-            f"FP8 (quant_method fp8, block or per-tensor) and MXFP4 (quant_method mxfp4, GPT-OSS's){others}; "
-            "dequantize the checkpoint to bf16 first"
+            f"{where}: quant_method {method!r} is not read by eprt, which reads quant_method "
+            f"{', '.join(source_decoders.methods())} (FP8 block or per-tensor, MXFP4 as GPT-OSS stores it, "
+            "and the encodings registered in eprt.storage.source_decoders); dequantize the checkpoint to bf16 first"
         )
     return SourceQuantization(method, qc, where)
 
@@ -207,27 +216,6 @@ def without_quantization(config: dict) -> dict:
 def fp8_encoding(quant: SourceQuantization) -> str:
     """The FP8 encoding a quant_method fp8 config describes: block with weight_block_size, else per-tensor."""
     return FP8_BLOCK if quant.config.get("weight_block_size") else FP8_TENSOR
-
-
-def component_names(weight: str, components) -> dict[str, str]:
-    """The Hugging Face name of each component of the encoded weight stored as `weight`: a module's
-    `M.weight` has `M.<component>`; a fused parameter P (a name without `.weight`) has P itself
-    and `P_<component>` for the others, `weight_` dropped (`P_scale_inv`), as transformers names them."""
-    if weight.endswith(".weight"):
-        module = weight[: -len(".weight")]
-        return {c: f"{module}.{c}" for c in components}
-    return {c: weight if c == "weight" else f"{weight}_{c.removeprefix('weight_')}" for c in components}
-
-
-def matches(module: str, targets: list[str]) -> bool:
-    """compressed-tensors' own rule for `ignore` and `targets` (its `match_name`): a `re:` entry
-    matches where its regex matches at the start of the name (`re.match`, not a full match), any
-    other entry where it equals the name; of the class targets, a compressed module is a torch
-    Linear, which "Linear" names. Written here rather than imported, so that reading or writing
-    a config does not import the library (and transformers with it)."""
-    return any(
-        t == "Linear" or (re.match(t[3:], module) is not None if t.startswith("re:") else t == module) for t in targets
-    )
 
 
 # --- decoders ---------------------------------------------------------------------------------
@@ -365,27 +353,55 @@ class CompressedTensors:
 
 
 def decoder(encoding: str, scheme: dict, where: str):
-    """The decoder of one encoding and scheme: `.components` (the source tensors of one weight,
-    by local name) and `.decode(components) -> weight`; a registered encoding's
-    (eprt.storage.source_decoders) from its entry."""
-    if encoding == FP8_BLOCK:
-        return BlockFP8(scheme)
-    if encoding == FP8_TENSOR:
-        return TensorFP8(scheme)
-    if encoding == MXFP4_BLOCKS:
-        return MxFp4Blocks(scheme)
-    if encoding == DEEPSEEK_FP8:
-        return DeepSeekFP8()
-    if encoding == DEEPSEEK_FP4:
-        return DeepSeekFP4()
-    if encoding.startswith(CT_PREFIX):
-        return CompressedTensors(encoding[len(CT_PREFIX) :], scheme, where)
+    """The decoder of one encoding and scheme, from its registry entry (eprt.storage.source_decoders;
+    the built-in encodings' are registered below): `.components` (the source tensors of one weight,
+    by local name) and `.decode(components) -> weight`."""
     entry = source_decoders.registered(encoding)
-    if entry is not None:
-        return entry.decoder(scheme)
-    raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")
+    if entry is None:
+        raise CheckpointError(f"{where}: encoding {encoding!r} is unknown to this eprt; upgrade eprt")
+    return entry.decoder(scheme, where)
 
 
 def decoded_dtype_ok(decoded: torch.dtype, dtype: torch.dtype) -> bool:
     """Whether weights decoded to `decoded` keep every bit when held in `dtype`."""
     return dtype in (decoded, torch.float32, torch.float64)
+
+
+# --- the built-in encodings, as entries of the registry (eprt.storage.source_decoders) ------------
+# Found by eprt.storage.source_finders, decoded by the decoders above and those of
+# eprt.storage.deepseek_encodings and eprt.storage.mxfp4_blocks; registered when this module is
+# imported, as every reader of a source or a checkpoint does.
+
+FP8_METHOD = "fp8"
+
+
+def fp8_components(encoding: str):
+    """The components of a weight stored in FP8 encoding `encoding`, where the source's FP8 is it."""
+    return lambda quant: (
+        decoder(encoding, quant.config, quant.where).components if fp8_encoding(quant) == encoding else None
+    )
+
+
+def ct_components(scheme: dict, where: str) -> tuple[str, ...]:
+    return decoder(CT_PREFIX + scheme["format"], scheme, where).components
+
+
+register(SourceDecoder(FP8_BLOCK, (FP8_METHOD,), fp8_finder(fp8_components(FP8_BLOCK)), lambda s, _: BlockFP8(s)))
+register(SourceDecoder(FP8_TENSOR, (FP8_METHOD,), fp8_finder(fp8_components(FP8_TENSOR)), lambda s, _: TensorFP8(s)))
+register(SourceDecoder(DEEPSEEK_FP8, (FP8_METHOD,), deepseek_finder(torch.float8_e4m3fn), lambda s, _: DeepSeekFP8()))
+register(SourceDecoder(DEEPSEEK_FP4, (FP8_METHOD,), deepseek_finder(torch.int8), lambda s, _: DeepSeekFP4()))
+register(
+    SourceDecoder(
+        MXFP4_BLOCKS, (MXFP4_BLOCKS,), suffix_finder(blocks="_blocks", scales="_scales"), lambda s, _: MxFp4Blocks(s)
+    )
+)
+for _fmt in CT_FORMATS:
+    register(
+        SourceDecoder(
+            CT_PREFIX + _fmt,
+            (CT,),
+            ct_finder(_fmt, ct_components),
+            lambda s, where, fmt=_fmt: CompressedTensors(fmt, s, where),
+            ct_group,
+        )
+    )

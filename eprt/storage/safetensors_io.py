@@ -226,32 +226,58 @@ class SafetensorsWriter:
     synced as a whole once it is complete (eprt.storage.atomic); meanwhile, every
     SYNC_BEHIND_BYTES a thread of the writer's own flushes what was written so far, so the
     disk writes while the next tensors are computed and the final sync finds little left.
+
+    With `span` (a, b), the writer writes entries a to b - 1 only, at their places in a file
+    `create_for_parts` made: processes writing its spans side by side fill one file, the same bytes
+    as one writer writes.
     """
 
     def __init__(
-        self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None
+        self,
+        path: str,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict | None = None,
+        span: tuple[int, int] | None = None,
     ):
         self.path = path
         header, offset = {}, 0
         self._sizes = []
+        self._offsets = []
         for name, dtype, shape in entries:
             n = dtype.itemsize * math.prod(shape)
             header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
             self._sizes.append((name, n))
+            self._offsets.append(offset)
             offset += n
         header["__metadata__"] = {"format": "pt", **(metadata or {})}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the library writes it
+        self.data_start = 8 + len(raw)
+        self._next, self._end = span or (0, len(entries))
         # unbuffered: tensor writes are large, and copy_range appends through the same descriptor
-        self._f = new_file(path, "wb", buffering=0)  # a new file, never written through a link
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        if span is None:
+            self._f = new_file(path, "wb", buffering=0)  # a new file, never written through a link
+            self._f.write(struct.pack("<Q", len(raw)) + raw)
+        else:
+            self._f = open(os.open(path, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)), "wb", buffering=0)
+            self._f.seek(self.data_start + (self._offsets[self._next] if self._next < len(entries) else offset))
         self._buffer = bytearray()  # small tensors' bytes not yet written
-        self._next, self._pending = 0, 0
+        self._pending = 0
         self._copy_run: tuple[SafetensorsFile, int, int] | None = None  # (file, offset, length) not yet copied
         self.total = offset
         self._unsynced = 0
         self._syncing: threading.Thread | None = None
         self._sync_error: OSError | None = None
+
+    @classmethod
+    def create_for_parts(
+        cls, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None
+    ) -> None:
+        """A new file of `entries`, its header written and its data (zeros) to be written by writers of
+        its spans."""
+        w = cls(path, entries, metadata, span=None)
+        os.ftruncate(w._f.fileno(), w.data_start + w.total)
+        w._close()
 
     def write(self, name: str, data: torch.Tensor | memoryview | bytes) -> None:
         buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data)
@@ -288,7 +314,7 @@ class SafetensorsWriter:
     def _claim(self, name: str, nbytes: int) -> None:
         """Check that `nbytes` more of tensor `name` come next in the declared order."""
         if self._pending == 0:
-            if self._next >= len(self._sizes) or self._sizes[self._next][0] != name:
+            if self._next >= self._end or self._sizes[self._next][0] != name:
                 raise RuntimeError(f"{self.path}: wrote {name!r} out of the declared order")
             self._pending = self._sizes[self._next][1]
             self._next += 1
@@ -330,7 +356,7 @@ class SafetensorsWriter:
         self._wrote(nbytes)
 
     def close(self) -> None:
-        if self._pending or self._next != len(self._sizes):
+        if self._pending or self._next != self._end:
             self._close()
             raise RuntimeError(f"{self.path}: closed before every declared tensor was written")
         self._flush_copy()

@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -106,12 +107,17 @@ class Stream:
             "shards": self.names,
         }
 
-    def write_shard(self, work: str, i: int, progress=None) -> None:
-        """Shard i into `work`, whole: written under a temporary name and renamed when complete."""
+    def write_shard(self, work: str, i: int, progress=None, span: tuple[int, int] | None = None) -> None:
+        """Shard i into `work`, whole: written under a temporary name (a stopped run's replaced) and
+        renamed when complete; with
+        `span` (a, b), its tensors a to b - 1 only, into the temporary file `prepare_parts` made,
+        which the caller renames once every span of it is written."""
         path = os.path.join(work, self.names[i])
         tensors = self.shards[i]
-        w = SafetensorsWriter(path + PARTIAL, [(t.name, t.dtype, t.shape) for t in tensors])
-        with contextlib.closing(produced_ahead(tensors)) as ahead:
+        if span is None:
+            remove_partial(path)
+        w = SafetensorsWriter(path + PARTIAL, [(t.name, t.dtype, t.shape) for t in tensors], span=span)
+        with contextlib.closing(produced_ahead(tensors if span is None else tensors[span[0] : span[1]])) as ahead:
             for t, got in ahead:
                 if t.stored is not None:
                     w.copy_range(t.name, *got)
@@ -120,10 +126,31 @@ class Stream:
                 if progress is not None:
                     progress.update(t.nbytes)
         w.close()
-        os.replace(path + PARTIAL, path)
+        if span is None:
+            os.replace(path + PARTIAL, path)
+
+    def prepare_parts(self, work: str, i: int, parts: int) -> list[tuple[int, int]]:
+        """Shard i's temporary file, made for `parts` writers of its spans side by side, and its spans: up to `parts` runs of consecutive tensors
+        of about equal bytes."""
+        path = os.path.join(work, self.names[i])
+        remove_partial(path)
+        tensors = self.shards[i]
+        SafetensorsWriter.create_for_parts(path + PARTIAL, [(t.name, t.dtype, t.shape) for t in tensors])
+        total, done, cuts = sum(t.nbytes for t in tensors), 0, [0]
+        for j, t in enumerate(tensors[:-1]):
+            done += t.nbytes
+            if len(cuts) < parts and done * parts >= total * len(cuts):
+                cuts.append(j + 1)
+        return list(zip(cuts, cuts[1:] + [len(tensors)]))
 
     def close(self) -> None:
         self.src.close()
+
+
+def remove_partial(shard: str) -> None:
+    """Shard path `shard`'s temporary file, where a run stopped while writing it left one."""
+    if os.path.lexists(shard + PARTIAL):
+        os.remove(shard + PARTIAL)
 
 
 def model_free_recipe(spec: str, algorithm: str | None, hf_dir: str) -> Recipe:
@@ -236,14 +263,19 @@ def prepare_work_dir(work: str, pin: dict) -> None:
 
 
 def write_shards(stream: Stream, work: str, todo: list[int], workers: int, progress: bool) -> None:
-    """The shards `todo`, on `workers` processes (each whole shards, torch on one thread each)."""
+    """The shards `todo`, on `workers` processes (torch on one thread each), each shard cut into as
+    many spans as there are workers and written by them side by side into one file: a model of
+    fewer shards than workers (every export under 5 GiB is one) keeps them all busy, and the last
+    shard does not run alone."""
     total = sum(t.nbytes for i in todo for t in stream.shards[i])
     with bar(total, "export", unit="B", enabled=progress) as pb:
-        if workers == 1 or len(todo) < 2:
+        if workers == 1 or not todo:
             with cpu_workers(1):
                 for i in todo:
                     stream.write_shard(work, i, pb)
             return
+        tasks = [(work, i, span) for i in todo for span in stream.prepare_parts(work, i, workers)]
+        left = Counter(i for _, i, _ in tasks)
         # forked, the workers inherit the plan and the open source files (pread: no shared offset)
         # rather than importing torch and planning again each (seconds a process); each runs torch
         # on one thread, whose operations start no thread pool of their own
@@ -251,9 +283,13 @@ def write_shards(stream: Stream, work: str, todo: list[int], workers: int, progr
         _STREAM = stream
         ctx = multiprocessing.get_context("fork")
         try:
-            with ctx.Pool(min(workers, len(todo)), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                for i in pool.imap_unordered(_write, [(work, i) for i in todo]):
-                    pb.update(sum(t.nbytes for t in stream.shards[i]))
+            with ctx.Pool(min(workers, len(tasks)), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                for i, nbytes in pool.imap_unordered(_write, tasks):
+                    pb.update(nbytes)
+                    left[i] -= 1
+                    if not left[i]:  # every span written: the shard is complete
+                        path = os.path.join(work, stream.names[i])
+                        os.replace(path + PARTIAL, path)
         finally:
             _STREAM = None
 
@@ -261,11 +297,11 @@ def write_shards(stream: Stream, work: str, todo: list[int], workers: int, progr
 _STREAM: Stream | None = None  # what a forked worker writes from
 
 
-def _write(args: tuple[str, int]) -> int:
-    work, i = args
+def _write(args: tuple[str, int, tuple[int, int]]) -> tuple[int, int]:
+    work, i, span = args
     with cpu_workers(1):
-        _STREAM.write_shard(work, i)
-    return i
+        _STREAM.write_shard(work, i, span=span)
+    return i, sum(t.nbytes for t in _STREAM.shards[i][span[0] : span[1]])
 
 
 def finish(stream: Stream, work: str, out: str, overwrite: bool, base_model: str | None) -> None:
