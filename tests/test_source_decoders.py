@@ -22,7 +22,7 @@ from eprt.hf.source_encoded import encoded_modules
 from eprt.hf.streaming import stream_export
 from eprt.storage import encodings, source_decoders
 from eprt.storage.encodings import source_quantization
-from eprt.testing.tiny import RELEASED_AS, SOURCE_FORMATS, make_tiny
+from eprt.testing.tiny import SOURCE_FORMATS, make_tiny, released
 from tests.hf_utils import raw, read_hf_tensors
 
 METHOD = "int8-rows"
@@ -142,10 +142,10 @@ def test_a_weight_missing_a_component_or_claimed_twice_is_refused_by_name(tmp_pa
 # found as (encoding, scheme): the built-in encodings are registry entries like any family's.
 BUILT_IN = {
     "fp8-block": ("qwen3_moe", {"source_format": "fp8-block"}, {("fp8-block", "fp8")}),
-    "fp8-tensor": ("mistral4", RELEASED_AS["mistral4"], {("fp8-tensor", "fp8")}),
+    "fp8-tensor": ("mistral4", released("mistral4"), {("fp8-tensor", "fp8")}),
     "mxfp8": ("qwen3_moe", {"source_format": "mxfp8"}, {("fp8-block", "fp8")}),
-    "deepseek-v4": ("deepseek_v4", RELEASED_AS["deepseek_v4"], {("deepseek-fp8", "fp8"), ("deepseek-fp4", "fp8")}),
-    "mxfp4-blocks": ("gpt_oss", RELEASED_AS["gpt_oss"], {("mxfp4", "mxfp4")}),
+    "deepseek-v4": ("deepseek_v4", released("deepseek_v4"), {("deepseek-fp8", "fp8"), ("deepseek-fp4", "fp8")}),
+    "mxfp4-blocks": ("gpt_oss", released("gpt_oss"), {("mxfp4", "mxfp4")}),
     "ct-int4": ("qwen3_moe", {"source_format": "int4"}, {("compressed-tensors/pack-quantized", "group_0")}),
     "ct-mxfp4": ("qwen3_moe", {"source_format": "mxfp4"}, {("compressed-tensors/mxfp4-pack-quantized", "group_0")}),
 }
@@ -176,7 +176,7 @@ def test_each_built_in_encoding_is_a_registry_entry_that_reading_consults(case, 
 
 def test_an_mxfp4_config_with_no_mxfp4_tensor_is_refused_as_an_fp8_one_is(tmp_path):
     """Every announced encoding alike: a config announcing weights no tensor holds would be passed on."""
-    for name, options in (("fp8", {"source_format": "fp8-block"}), ("mxfp4", RELEASED_AS["gpt_oss"])):
+    for name, options in (("fp8", {"source_format": "fp8-block"}), ("mxfp4", released("gpt_oss"))):
         hf = make_tiny("gpt_oss", str(tmp_path / name))
         with open(os.path.join(hf, "config.json")) as f:
             config = json.load(f)
