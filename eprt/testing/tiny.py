@@ -218,8 +218,8 @@ def mtp_layout(hf: dict) -> Layout:
     return Layout(tuple(specs))
 
 
-# The families whose multi-token-prediction layers are not DeepSeek-V3's (eprt carries them without
-# running them): their tensors, from the family's layout module
+# The families whose multi-token-prediction layers are not stored as DeepSeek-V3's: their tensors,
+# from the family's layout module
 MTP_LAYERS = {
     "nemotron_h": nemotron_h.mtp_layers,
     "nemotron_h_omni": lambda c: nemotron_h.mtp_layers(c, "language_model."),
