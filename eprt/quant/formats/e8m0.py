@@ -1,11 +1,13 @@
 """E8M0, the block scale of the MX formats (MXFP8, MXFP4): a power of two stored as its biased
 exponent in one byte, 2^(byte - 127), for each block of 32 consecutive elements along the input dim.
 
-A block's exponent is the least that brings its amax within the element format's largest value:
+MXFP8's block exponent is the least that brings its amax within the element format's largest value:
 ceil(log2(amax / largest)), clamped to [-127, 127], and -127 (byte 0) for a zero block, as
 ModelOpt's MXFP8 and MXFP4 quantizers compute it (`MXFP8QTensor._compute_e8m0_exponent`), so no
-element of a block saturates; under `mse` a block takes that exponent or the one below, whichever
-decodes it closer (`Microscaled.mse_candidates`). Byte 255 is E8M0's NaN and is never written.
+element of a block saturates; MXFP4's is the OCP rule (`ocp_exponents`), which lets a block's top
+values saturate for a finer grid. Under `mse` a block takes the exponent that saturates nothing or
+the one below, whichever decodes it closer (`Microscaled.mse_candidates`). Byte 255 is E8M0's NaN
+and is never written.
 """
 
 from __future__ import annotations

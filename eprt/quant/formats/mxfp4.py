@@ -12,8 +12,9 @@ rounded to E2M1 nearest with ties to even (eprt.quant.formats.e2m1, NVFP4's code
 sign bit, as compressed-tensors packs it), two a byte, the even element in the low nibble. On the
 values of any MXFP4 weight both rules give the weight's own scales, so a source stored in this
 format (Kimi-K3's) gets back its own scales and bytes in every block that reaches 4 or 6 times its
-scale. `mse` chooses each block's exponent between the one that clips nothing and the one below. Only compressed-tensors' layout exists: ModelOpt's export has no MXFP4
-weights-only algorithm an engine reads, so the ModelOpt layout is refused by name.
+scale. `mse` chooses each block's exponent between the one that clips nothing and the one below.
+Only compressed-tensors' layout exists: ModelOpt's export has no MXFP4 weights-only algorithm an
+engine reads, so the ModelOpt layout is refused by name.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ class Mxfp4(Microscaled):
     round_quotient = staticmethod(e2m1_values)
 
     def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
-        # the exponent that clips nothing (ceil(log2(amax / 6))) and the one below: OCP's is one of
-        # them (the one below where the block's amax lies above 6 x 2^floor(log2(amax / 6))). One
-        # further below clips more than its finer steps give back (docs/quality.md, "MXFP4's scale").
+        # the exponent that clips nothing (ceil(log2(amax / 6))) and the one below, max's (the OCP
+        # rule's) always one of them; one further below clips more than its finer steps give back.
+        # A tie keeps the first, as the search chose before max took the OCP rule.
         scales = checked_scales(w, E2M1_MAX)
         return [scales, scales.clamp(min=1).sub_(1)]
 
