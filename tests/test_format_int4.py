@@ -275,6 +275,15 @@ def test_the_format_searchs_written_rule_keeps_the_grid_it_measured(fmt):
         assert parse_recipe(yaml.safe_load(text), "auto_recipe.yaml").on_source(source).rules[0].format == fmt
 
 
+def test_the_data_free_export_takes_the_sources_grid_as_calibration_does(model, tmp_path):
+    _, ck, exports = model
+    out = export_hf(ck, str(tmp_path / "x"), progress=False, fmt="compressed-tensors", recipe="int4")
+    weights = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert weights and weights == sorted(n for n in os.listdir(exports["int4_full"][1]) if n.endswith(".safetensors"))
+    for n in weights:
+        assert Path(out, n).read_bytes() == Path(exports["int4_full"][1], n).read_bytes(), n
+
+
 def test_the_calibrated_checkpoint_records_the_grid_by_its_formats_name(model):
     _, _, exports = model
     for case, (recipe, _, grid) in CASES.items():
