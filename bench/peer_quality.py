@@ -3,9 +3,13 @@
     python bench/peer_quality.py --hf TRAINED_HF_DIR --calib CALIB.jsonl --eval EVAL.txt \
         --peer-python PEER_VENV/bin/python --recipes int4_g32 nvfp4_a16 --calib-size 64 --seq-len 256 --eval-size 32
 
---recipes takes recipe names or YAML paths (a rule's `grid: full`, say); by default the weight-only
-recipes of INT4 in groups of 32, NVFP4, FP8 in blocks and per channel, and MXFP4. A run the peer
-fails (a format it does not write) is said on stderr and left out of the table.
+--recipes takes recipe names or YAML paths (a rule's `grid: kimi`, say); by default the recipes of
+every weight format both tools write and the scorer decodes: INT4 in groups of 32 and 128 (on the
+source's grid), NVFP4, FP8 per tensor (scored by its weights alone), in blocks and per channel, and
+MXFP4 (MXFP8's `mxfp8-quantized` layout is not among the compressed-tensors formats eprt's decoding
+reads, eprt.storage.encodings.CT_FORMATS). A
+recipe eprt refuses on the model (INT4's groups of 128 beside a narrower input dim) and a run the
+peer fails (a format it does not write) are said on stderr and left out of the table.
 
 Both sides calibrate on the same token sequences (eprt's reading of --calib) and quantize the
 same modules in the same format: the peer (bench/peer_llmcompressor.py, run by --peer-python, an
@@ -37,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.quality import checkpoint, run  # noqa: E402
 from eprt.data import calibration_samples  # noqa: E402
+from eprt.errors import EprtError  # noqa: E402
 from eprt.storage.encodings import CT_PREFIX, decoder, matches  # noqa: E402
 
 EPRT_ALGORITHMS = ("max", "gptq", "awq", "awq+gptq")
@@ -117,7 +122,11 @@ def main() -> None:
     p.add_argument("--eval", required=True, help="held-out text, scored by both sides' decoded exports")
     p.add_argument("--peer-python", required=True, help="the Python of an environment with llm-compressor")
     # the formats both tools write, by their weights (a decoded checkpoint has no input quantization)
-    p.add_argument("--recipes", nargs="+", default=["int4_g32", "nvfp4_a16", "fp8_block", "fp8_channel", "mxfp4"])
+    p.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["int4_g32", "int4", "nvfp4_a16", "fp8_block", "fp8_channel", "fp8", "mxfp4"],
+    )
     p.add_argument("--algorithms", nargs="+", default=list(EPRT_ALGORITHMS), choices=EPRT_ALGORITHMS)
     p.add_argument(
         "--peer-algorithms", nargs="+", choices=EPRT_ALGORITHMS, help="the peer's runs (default: --algorithms)"
@@ -146,9 +155,13 @@ def main() -> None:
         )
         for recipe in a.recipes:
             rows = []
-            for algorithm in a.algorithms:
-                r = run(ck, recipe, algorithm, args, d)
-                rows.append(("eprt", algorithm, r["export"], r["quality"]["kl_mean"], r["ptq_s"]))
+            try:
+                for algorithm in a.algorithms:
+                    r = run(ck, recipe, algorithm, args, d)
+                    rows.append(("eprt", algorithm, r["export"], r["quality"]["kl_mean"], r["ptq_s"]))
+            except EprtError as e:  # a format whose blocks the model's widths do not fill, say
+                print(f"eprt refuses {recipe} on {a.hf}, left out: {e}", file=sys.stderr)
+                continue
             label = os.path.splitext(os.path.basename(recipe))[0]
             with open(os.path.join(rows[0][2], "config.json")) as f:
                 scheme = os.path.join(d, f"{label}-scheme.json")

@@ -24,15 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from eprt.errors import ConfigError
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
+from eprt.quant.algorithms.search.auto_quantize import rule_format
 from eprt.quant.formats import weight_format
 from eprt.quant.formats.int4 import (
     FULL,
+    GRIDS,
     INT4,
     KIMI,
     dequantize_int4,
@@ -44,6 +47,9 @@ from eprt.quant.formats.int4 import (
 from eprt.quant.formats.w4a8 import W4A8
 from eprt.quant.recipe import parse_recipe
 from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.quant.source_grid import checkpoint_int4_grid, hf_int4_grid
+from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.encodings import source_quantization
 from eprt.testing.tiny import make_tiny
 from tests.formats_helpers import assert_transformers_loads, broken_copy, set_first
 from tests.hf_utils import raw, read_hf_tensors
@@ -52,12 +58,15 @@ from tests.multiproc import run_world
 SAMPLES, SEQ_LEN = 2, 16
 # every quantized Linear's input dim a multiple of 128
 WIDE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32)
+# (recipe, algorithm, the rule's grid): the Kimi grid named by the rule (a recipe of the test's own);
+# none named, the shipped recipe takes the source's, which is no Kimi release: the full grid
 CASES = {
-    "int4": ("int4", "max"),
-    "int4_g32-gptq": ("int4_g32", "gptq"),
-    "w4a8": ("w4a8", "max"),
-    "int4_full": ("int4_full", "max"),  # a rule's `grid: full` (a recipe of the test's own)
-    "int4_g32_full-gptq": ("int4_g32_full", "gptq"),
+    "int4": ("int4", "max", "kimi"),
+    "int4_g32-gptq": ("int4_g32", "gptq", "kimi"),
+    "w4a8": ("w4a8", "max", "kimi"),
+    "int4_full": ("int4", "max", None),
+    "int4_g32_full-gptq": ("int4_g32", "gptq", None),
+    "w4a8_full": ("w4a8", "max", None),
 }
 KIMI_EXPERTS = {
     "name": "kimi_experts_int4",
@@ -77,11 +86,11 @@ def model(tmp_path_factory):
     hf = make_tiny("qwen3_moe", str(d / "hf"), **WIDE)
     ck = convert_hf(hf, str(d / "ck"), progress=False)
     out = {}
-    for case, (recipe, algorithm) in CASES.items():
-        if recipe.endswith("_full"):
-            rule = {"pattern": "*", "format": recipe.removesuffix("_full"), "grid": "full"}
-            (d / f"{recipe}.json").write_text(json.dumps({"name": recipe, "quantize": [rule]}))
-            recipe = str(d / f"{recipe}.json")
+    for case, (recipe, algorithm, grid) in CASES.items():
+        if grid is not None:
+            rule = {"pattern": "*", "format": recipe, "grid": grid}
+            (d / f"{case}.json").write_text(json.dumps({"name": recipe, "quantize": [rule]}))
+            recipe = str(d / f"{case}.json")
         q = str(d / case)
         ptq(ParallelState.single(), ck, q, recipe, algorithm)
         out[case] = (q, export_hf(q, q + "-ct", progress=False, fmt="compressed-tensors"))
@@ -175,7 +184,8 @@ def test_compressed_tensors_decompresses_every_module_to_eprts_values(model, cas
     w, a = scheme.weights, scheme.input_activations
     assert (qc.format, w.type, w.num_bits, w.strategy, w.symmetric) == ("pack-quantized", "int", 4, "group", True)
     assert w.group_size == (32 if "g32" in case else 128)
-    assert (a.type, a.num_bits, a.strategy, a.dynamic) == ("float", 8, "token", True) if case == "w4a8" else a is None
+    w4a8 = case.startswith("w4a8")
+    assert (a.type, a.num_bits, a.strategy, a.dynamic) == ("float", 8, "token", True) if w4a8 else a is None
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     t, source = read_hf_tensors(ct), read_hf_tensors(hf)
     modules = sorted(n[: -len(".weight_packed")] for n in t if n.endswith(".weight_packed"))
@@ -237,6 +247,51 @@ def test_a_kimi_int4_source_requantizes_to_its_own_codes_and_scales(tmp_path):
     assert kept > 100
 
 
+@pytest.mark.parametrize(
+    "model_type, source_format, grid",
+    [("kimi_k2", "int4", "kimi"), ("deepseek_v3", "int4", "full"), ("kimi_k2", None, "full")],
+)
+def test_a_rule_naming_no_grid_takes_the_sources(tmp_path, model_type, source_format, grid):
+    """The Kimi grid for a Kimi release stored in INT4 (whose round trip is above), the full grid for
+    any other source, stored in INT4 or not: as converted (the data-free export's, the calibration's)
+    and as Hugging Face holds it (the model-free export's)."""
+    if source_format:
+        pytest.importorskip("compressed_tensors")
+    extra = {"source_format": source_format} if source_format else {}
+    hf = make_tiny("deepseek_v3", str(tmp_path / "hf"), model_type=model_type, num_nextn_predict_layers=0, **extra)
+    with Checkpoint(convert_hf(hf, str(tmp_path / "ck"), progress=False)) as ck:
+        assert checkpoint_int4_grid(ck) == grid
+    config = json.loads(Path(hf, "config.json").read_text())
+    assert hf_int4_grid(config, source_quantization(config, "config.json")) == grid
+    recipe = parse_recipe(KIMI_EXPERTS, "r.yaml").on_source(grid)
+    assert recipe.format_of("model.layers.1.mlp.experts") == ("int4_g32" if grid == "kimi" else "int4_g32_full")
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32", "w4a8", "int4_full"])
+def test_the_format_searchs_written_rule_keeps_the_grid_it_measured(fmt):
+    """`--recipe OUT/auto_recipe.yaml` on any source quantizes as the search measured: its rules name the grid."""
+    text = f'quantize:\n  - {{pattern: "*", format: {rule_format(fmt)}}}\n'
+    for source in GRIDS:
+        assert parse_recipe(yaml.safe_load(text), "auto_recipe.yaml").on_source(source).rules[0].format == fmt
+
+
+def test_the_data_free_export_takes_the_sources_grid_as_calibration_does(model, tmp_path):
+    _, ck, exports = model
+    out = export_hf(ck, str(tmp_path / "x"), progress=False, fmt="compressed-tensors", recipe="int4")
+    weights = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert weights and weights == sorted(n for n in os.listdir(exports["int4_full"][1]) if n.endswith(".safetensors"))
+    for n in weights:
+        assert Path(out, n).read_bytes() == Path(exports["int4_full"][1], n).read_bytes(), n
+
+
+def test_the_calibrated_checkpoint_records_the_grid_by_its_formats_name(model):
+    _, _, exports = model
+    for case, (recipe, _, grid) in CASES.items():
+        with Checkpoint(exports[case][0]) as q:
+            (rule,) = q.quantization["recipe"]["quantize"]
+        assert rule["format"] == (recipe if grid == "kimi" else f"{recipe}_full"), case
+
+
 def test_check_passes_every_export_with_the_sources_names(model):
     hf, _, exports = model
     for _, ct in exports.values():
@@ -288,8 +343,7 @@ def test_a_rules_grid_picks_the_grid():
     assert weight_format(rule(format="int4", grid="full")).grid is FULL
     with pytest.raises(ConfigError, match=r"grid 'coarse': int4 comes on the kimi or full grid; choose one"):
         rule(format="int4", grid="coarse")
-    with pytest.raises(ConfigError, match=r"grid 'full': w4a8 comes on the kimi grid; choose one"):
-        rule(format="w4a8", grid="full")
+    assert rule(format="w4a8", grid="full") == "w4a8_full"
     with pytest.raises(ConfigError, match=r"format 'nvfp4' has no INT4 grid to choose; drop grid"):
         rule(format="nvfp4", grid="full")
     with pytest.raises(ConfigError, match=r"'int4_full' is on the full grid, so the rule asks for two grids"):
@@ -305,7 +359,7 @@ def test_two_ranks_at_ep_2_export_the_same_bytes(model, tmp_path):
     _, ck, exports = model
     run_world(_ptq_ep2, 2, ck, str(tmp_path / "q"), timeout=300)
     ours = export_hf(str(tmp_path / "q"), str(tmp_path / "export"), progress=False, fmt="compressed-tensors")
-    single = exports["int4_g32-gptq"][1]
+    single = exports["int4_g32_full-gptq"][1]  # the shipped recipe: the source's grid
     names = sorted(os.listdir(single))
     assert names == sorted(os.listdir(ours))
     for n in names:

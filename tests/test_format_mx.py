@@ -1,8 +1,9 @@
 """MXFP8 and MXFP4 (`format: mxfp8`, `format: mxfp4`) against references nobody here wrote.
 
 - The numerics: ModelOpt's MXFP8 quantizer (`MXFP8QTensor`) gives eprt's E8M0 scales and codes, for
-  weights and for inputs, and its MXFP4 quantizer eprt's E8M0 scales (its E2M1 rounding sends ties
-  down; compressed-tensors', below, to even, as eprt's).
+  weights and for inputs; MXFP4's scales are compressed-tensors' (`generate_mx_scales`, the OCP
+  rule), and ModelOpt's MXFP4 quantizer, which clips nothing, gives mse's first candidates (its E2M1
+  rounding sends ties down; compressed-tensors', below, to even, as eprt's).
 - The ModelOpt layout (MXFP8): byte for byte ModelOpt 0.47's `export_hf_checkpoint` of its MXFP8
   config on the same model, and the same hf_quant_config.json. MXFP4 has none: it is refused by name.
 - The compressed-tensors layout (both): the library's compressor decompresses every module to eprt's
@@ -88,8 +89,18 @@ def test_the_numerics_are_modelopts_quantizers():
     assert torch.equal(
         dequantize_mxfp8(quantize_mxfp8(w, scales), scales), theirs.dequantize(torch.float32, scale=scales)
     )
+    # MXFP4's scales: compressed-tensors' (the OCP rule, llm-compressor's) of each block's amax in the
+    # weight's dtype; ModelOpt's, which clip nothing, are mse's first candidates
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    scales = mxfp4_scales(w)
+    amax = w.abs().reshape(*scales.shape, 32).amax(-1)
+    theirs = generate_mx_scales(amax)
+    assert torch.equal(theirs[amax > 0].to(torch.uint8), scales[amax > 0]) and scales[1, 3, 0] == 0
     _, their_fp4_scales = qtensor.MXFP4QTensor.quantize(w, 32)
-    assert raw(their_fp4_scales.reshape(mxfp4_scales(w).shape)) == raw(mxfp4_scales(w))
+    clipping_nothing = weight_format("mxfp4").mse_candidates(w)[0]
+    assert raw(their_fp4_scales.reshape(scales.shape)) == raw(clipping_nothing)
+    assert (clipping_nothing != scales).any()  # blocks whose amax lies above 6 x their OCP scale
 
 
 def test_the_modelopt_export_is_modelopts(model, tmp_path):

@@ -98,6 +98,6 @@ def test_a_recipe_names_a_registered_format_or_none():
     with pytest.raises(
         ConfigError,
         match=r"format 'int3'; choose one of fp8, nvfp4, fp8_block, fp8_channel, nvfp4_a16, int4, int4_g32, w4a8, "
-        r"mxfp8, mxfp4, nvfp4_input_scale1, int4_full, int4_g32_full, none",
+        r"mxfp8, mxfp4, nvfp4_input_scale1, int4_full, int4_g32_full, w4a8_full, none",
     ):
         parse_recipe({"quantize": [{"pattern": "*", "format": "int3"}]}, "r.yaml")

@@ -27,6 +27,7 @@ from eprt.parallel import ParallelState, fail_together, write_together
 from eprt.progress import bar, logger
 from eprt.quant.formats import weight_format
 from eprt.quant.run.datafree import data_free_recipe
+from eprt.quant.source_grid import checkpoint_int4_grid
 from eprt.report import page_path
 from eprt.storage import encodings
 from eprt.storage.atomic import copy_file, copy_files, write_file
@@ -163,7 +164,11 @@ def export_hf(
         refuse_inapplicable(ck, fmt, dequantize, recipe)
         if algorithm is not None and recipe is None:
             raise ConfigError(f"--algorithm {algorithm} applies to a --recipe's rules: give --recipe, or leave it out")
-        quantize = data_free_recipe(recipe, algorithm, ckpt_dir) if recipe is not None else None
+        quantize = (
+            data_free_recipe(recipe, algorithm, ckpt_dir).on_source(checkpoint_int4_grid(ck))
+            if recipe is not None
+            else None
+        )
         exp = QuantizedExport(ck, fmt, quantize) if ck.quantization is not None or quantize else None
         if exp is not None and fmt is None and exp.target != "modelopt":
             logger().info(

@@ -107,7 +107,8 @@ TABLE = (
     Served(
         ("int4_full", "int4_g32_full"),
         "INT4 (-8..7, compressed-tensors' own grid) in groups of 128 or 32 with bf16 group scales, bf16 inputs; "
-        "compressed-tensors layout only",
+        "compressed-tensors layout only; the `int4` and `int4_g32` recipes write it for every source but a Kimi "
+        "release stored in INT4",
         ("ampere", "hopper"),
         (),
         {COMPRESSED_TENSORS: ("vllm", "sglang")},
@@ -117,6 +118,16 @@ TABLE = (
     Served(
         ("w4a8",),
         "INT4 in groups of 128, FP8 inputs per token at run time; compressed-tensors layout only",
+        ("hopper",),
+        (),
+        {COMPRESSED_TENSORS: ("vllm", "sglang")},
+        "vLLM, SGLang",
+        "CUTLASS W4A8 kernels",
+    ),
+    Served(
+        ("w4a8_full",),
+        "INT4 (-8..7, compressed-tensors' own grid) in groups of 128, FP8 inputs per token at run time; "
+        "compressed-tensors layout only; the `w4a8` recipe writes it for every source but a Kimi release stored in INT4",
         ("hopper",),
         (),
         {COMPRESSED_TENSORS: ("vllm", "sglang")},

@@ -23,9 +23,13 @@ lm_head, routers, ...) stay unquantized.
 
 A rule's `group_size` picks a grouped format's groups along the input dim (INT4: 128, its default,
 or 32, as `format: int4_g32` also names it); the rule then holds that format's registered name.
-A rule's `grid` picks INT4's grid (eprt.quant.formats.int4): `kimi`, the Kimi releases' codes -7..7
-at about amax / 7 (the default: `int4`, `int4_g32`), or `full`, compressed-tensors' own -8..7 at
-about amax / 7.5 (`int4_full`, `int4_g32_full`, as `format:` also names them).
+A rule's `grid` picks INT4's grid (eprt.quant.formats.int4; `int4`, `int4_g32`, `w4a8`): `kimi`, the
+Kimi releases' codes -7..7 at about amax / 7 (formats `int4`, `int4_g32`, `w4a8`), or `full`,
+compressed-tensors' own -8..7 at about amax / 7.5 (`int4_full`, `int4_g32_full`, `w4a8_full`, as
+`format:` also names them). A rule that names neither takes its source's grid where the recipe
+meets the source (`Recipe.on_source`, eprt.quant.source_grid: `kimi` for a Kimi release stored in
+INT4, `full` for any other); until then, and read back from a calibrated checkpoint (whose recorded
+formats name the grid chosen), a format is the one it names.
 
 A rule's `algorithm` is how its weight scales are chosen (docs/export.md, 'Weight scales'): a
 registered algorithm or a sequence of them, a balance then a rounding, with parameters
@@ -70,7 +74,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import yaml
@@ -127,6 +131,7 @@ class Rule(NamedTuple):
     format: str  # one of FORMATS: a weight format's name (eprt.quant.formats) or none
     algorithm: str  # one of ALGORITHMS
     params: Params = ()  # the algorithms' parameters the rule sets apart from their defaults
+    grid: str | None = None  # the INT4 grid the rule names (`grid:`, or a format named by it); None: the source's
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,11 @@ class Recipe:
         """Whether the model's weights are read rotated (eprt.quant.rotation): every quantizing rule says so."""
         return any(rotated(r.algorithm) for r in self.rules if r.format != "none")
 
+    def on_source(self, int4_grid: str) -> Recipe:
+        """The recipe for a source whose INT4 grid is `int4_grid` (eprt.quant.source_grid): each rule
+        that names no grid takes it where its format has one."""
+        return replace(self, rules=tuple(rule_on_source(r, int4_grid) for r in self.rules))
+
     def to_json(self) -> dict:
         out = {"name": self.name, "quantize": [rule_json(r) for r in self.rules], "kv_cache": self.kv_cache}
         # written only when set, so a recipe without it reads back (and pins) as before
@@ -212,6 +222,19 @@ def matches(module: str, pattern: str) -> bool:
     """Whether glob `pattern` matches `module` by its name or by another name its family gives it
     (eprt.families.recipe_names: Nemotron-H's attention `mixer.q_proj` is also `self_attn.q_proj`)."""
     return any(fnmatch.fnmatchcase(name, pattern) for name in recipe_names(module))
+
+
+def named_grid(fmt: str, explicit: bool) -> str | None:
+    """The grid a rule of format `fmt` names: its `grid:` (`explicit`), or one its format's name says
+    (`int4_full`); None where it follows the source, or has no grid."""
+    grid = getattr(WEIGHT_FORMATS.get(fmt), "grid", None)
+    return grid.name if grid is not None and (explicit or grid is not KIMI) else None
+
+
+def rule_on_source(r: Rule, int4_grid: str) -> Rule:
+    """Rule r on the source's INT4 grid where it names none and its format has one."""
+    found = with_grid(r.format, int4_grid) if r.grid is None and r.format != "none" else None
+    return r if found is None else r._replace(format=found.name, grid=int4_grid)
 
 
 def rule_json(r: Rule) -> dict:
@@ -301,7 +324,7 @@ def parse_recipe(d: dict, source: str, kv_cache: str | None = None, algorithm: s
         )
         fmt = grouped(r["format"], r["group_size"], f"{source}: quantize[{i}]") if "group_size" in r else r["format"]
         fmt = on_grid(fmt, r["grid"], f"{source}: quantize[{i}]") if "grid" in r else fmt
-        rules.append(Rule(str(r["pattern"]), fmt, sequence, params))
+        rules.append(Rule(str(r["pattern"]), fmt, sequence, params, named_grid(fmt, "grid" in r)))
     if not {r.format for r in rules} - {"none"}:
         raise ConfigError(
             f"{source}: a recipe quantizes with at least one format, found none; "

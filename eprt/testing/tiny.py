@@ -15,7 +15,9 @@ from eprt.families import Family, parse_hf_config, reader_for
 from eprt.families.deepseek_v4 import layout as deepseek_v4_layout
 from eprt.families.nemotron_h import layout as nemotron_h
 from eprt.layout import EXPERT_LEAVES, Layout, TensorSpec, plain
-from eprt.quant.formats.mxfp4 import mxfp4_scales, quantize_mxfp4
+from eprt.quant.formats.e2m1 import E2M1_MAX
+from eprt.quant.formats.e8m0 import checked_scales
+from eprt.quant.formats.mxfp4 import quantize_mxfp4
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
@@ -475,6 +477,12 @@ def encode_source(tensors: dict[str, torch.Tensor], qc: dict) -> dict[str, torch
     return out
 
 
+def release_mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales of the tiny MXFP4 sources (GPT-OSS's experts, DeepSeek-V4's): 2^ceil(log2(amax / 6)),
+    nothing clipped; a source's own encoding, apart from the rule of eprt's MXFP4 export."""
+    return checked_scales(w, E2M1_MAX)
+
+
 def encode_mxfp4_blocks(tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
     """The tensors with each fused routed-expert weight P stored as GPT-OSS's release stores it:
     `P_blocks` [E, out, in/32, 16] and `P_scales` [E, out, in/32] (eprt.storage.mxfp4_blocks), its
@@ -485,7 +493,7 @@ def encode_mxfp4_blocks(tensors: dict[str, torch.Tensor], specs: list[TensorSpec
             continue
         t = out.pop(spec.fused)
         w = (t.transpose(-2, -1) if spec.transposed else t).float().contiguous()
-        scales = mxfp4_scales(w)
+        scales = release_mxfp4_scales(w)
         out[f"{spec.fused}_blocks"] = quantize_mxfp4(w, scales).view(*w.shape[:-1], -1, 16)
         out[f"{spec.fused}_scales"] = scales
     return out
@@ -507,7 +515,7 @@ def encode_deepseek_v4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             out[name] = t
             continue
         if _DEEPSEEK_V4_FP4.fullmatch(module):  # MXFP4's codes and scales, in the release's dtypes
-            scales = mxfp4_scales(t.float())
+            scales = release_mxfp4_scales(t.float())
             out[name] = quantize_mxfp4(t.float(), scales).view(torch.int8)
             out[f"{module}.scale"] = scales.view(torch.float8_e8m0fnu)
         else:

@@ -44,6 +44,7 @@ from eprt.parallel import ParallelState, fail_together
 from eprt.progress import bar, logger
 from eprt.quant.recipe import Recipe, available, load_recipe
 from eprt.quant.run.datafree import statistics_needed
+from eprt.quant.source_grid import hf_int4_grid
 from eprt.storage.atomic import check_output_dir, copy_files, publish, write_file
 from eprt.storage.hf_files import CARD, CONFIG, QUANT_CONFIG, served_file, shard_name, write_index, write_json
 from eprt.storage.pins import weight_pin
@@ -79,6 +80,7 @@ class Stream:
             _, cfg = load_hf_config(s.hf_dir)
             layout = reader_for(cfg.model_type, s.hf_dir).layout(cfg)
         self.src = StreamSource(s.hf_dir, layout)
+        self.recipe = self.recipe.on_source(hf_int4_grid(self.src.config, self.src.quant))
         try:
             self.plan: StreamPlan = plan_stream(self.src, self.recipe, layout)
             quantized = [q for q in self.plan.items if isinstance(q, Quantized)]

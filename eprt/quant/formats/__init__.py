@@ -19,13 +19,13 @@ from eprt.quant.formats.mxfp8 import MXFP8
 from eprt.quant.formats.nvfp4 import NVFP4
 from eprt.quant.formats.nvfp4_a16 import NVFP4_A16
 from eprt.quant.formats.nvfp4_input_scale1 import NVFP4_INPUT_SCALE1
-from eprt.quant.formats.w4a8 import W4A8
+from eprt.quant.formats.w4a8 import W4A8, W4A8_FULL
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
         *(FP8, NVFP4, FP8_BLOCK, FP8_CHANNEL, NVFP4_A16, INT4, INT4_G32, W4A8, MXFP8, MXFP4, NVFP4_INPUT_SCALE1),
-        *(INT4_FULL, INT4_G32_FULL),
+        *(INT4_FULL, INT4_G32_FULL, W4A8_FULL),
     )
 }
 

@@ -10,6 +10,7 @@ is code 0 (compressed-tensors, whose MXFP4 eprt writes, keeps -0.0's sign: `e2m1
 import torch
 
 E2M1_MAX = 6.0
+E2M1_MANTISSA_BITS = 1
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # Every E2M1 midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a whole number of quarters, so the

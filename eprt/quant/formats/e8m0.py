@@ -1,14 +1,18 @@
 """E8M0, the block scale of the MX formats (MXFP8, MXFP4): a power of two stored as its biased
 exponent in one byte, 2^(byte - 127), for each block of 32 consecutive elements along the input dim.
 
-A block's exponent is the least that brings its amax within the element format's largest value:
+MXFP8's block exponent is the least that brings its amax within the element format's largest value:
 ceil(log2(amax / largest)), clamped to [-127, 127], and -127 (byte 0) for a zero block, as
 ModelOpt's MXFP8 and MXFP4 quantizers compute it (`MXFP8QTensor._compute_e8m0_exponent`), so no
-element of a block saturates; under `mse` a block takes that exponent or the one below, whichever
-decodes it closer (`Microscaled.mse_candidates`). Byte 255 is E8M0's NaN and is never written.
+element of a block saturates; MXFP4's is the OCP rule (`ocp_exponents`), which lets a block's top
+values saturate for a finer grid. Under `mse` a block takes the exponent that saturates nothing or
+the one below, whichever decodes it closer (`Microscaled.mse_candidates`). Byte 255 is E8M0's NaN
+and is never written.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -18,6 +22,7 @@ from eprt.quant.numerics import check_finite, chunk_buffer, for_chunks, row_chun
 BLOCK = 32  # elements sharing one E8M0 scale
 BIAS = 127
 NAN = 255  # E8M0's one code that is not a power of two
+FP32_MANTISSA_BITS = 23
 
 
 def as_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -45,12 +50,17 @@ def e8m0_scales(x: torch.Tensor, largest: float) -> torch.Tensor:
     return exponents(block_amax(x), largest)
 
 
-def checked_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
-    """`e8m0_scales` of a weight w. Raises ValueError for a weight holding NaN or infinity."""
+def checked_amax(w: torch.Tensor) -> torch.Tensor:
+    """`block_amax` of a weight w. Raises ValueError for a weight holding NaN or infinity."""
     amax = block_amax(w)
     if amax.numel():  # a NaN or infinity shows in its block's amax, and amax keeps NaN
         check_finite(amax.amax(), w.shape)
-    return exponents(amax, largest)
+    return amax
+
+
+def checked_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
+    """`e8m0_scales` of a weight w. Raises ValueError for a weight holding NaN or infinity."""
+    return exponents(checked_amax(w), largest)
 
 
 def exponents(amax: torch.Tensor, largest: float) -> torch.Tensor:
@@ -58,6 +68,20 @@ def exponents(amax: torch.Tensor, largest: float) -> torch.Tensor:
     descale = amax / largest
     log2 = torch.where(descale > 0, torch.log2(descale), torch.tensor(-float(BIAS), device=amax.device))
     return (torch.ceil(log2).clamp(-BIAS, BIAS) + BIAS).to(torch.uint8)
+
+
+def ocp_exponents(amax: torch.Tensor, largest: float, mantissa_bits: int) -> torch.Tensor:
+    """uint8 biased exponents of blocks' fp32 `amax` by the OCP MX rule as compressed-tensors computes
+    it (`generate_mx_scales`): floor(log2(amax)), amax first rounded half up to the element format's
+    precision (`mantissa_bits`: E2M1's 1, so a significand from 1.75 up counts as 2), less the exponent
+    of its largest value (E2M1's 6: 2); clamped to [-127, 127], byte 0 for a zero block. A block's
+    values from `largest` to within half a step above it saturate to `largest` (E2M1: 6 to 7 times the
+    scale), for a grid up to twice as fine as `exponents`' (which saturates nothing) would give it."""
+    emax = math.frexp(largest)[1] - 1
+    half_step = 1 << (FP32_MANTISSA_BITS - mantissa_bits - 1)  # in the fp32 significand's last bits
+    rounded = (amax.float().view(torch.int32) + half_step) >> FP32_MANTISSA_BITS  # the exponent field
+    biased = torch.where(amax > 0, rounded - emax, torch.zeros_like(rounded))
+    return biased.clamp(0, 2 * BIAS).to(torch.uint8)
 
 
 def e8m0_values(scales: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,12 @@ Kimi releases ship their routed experts in (Kimi-K2-Thinking, K2.5: compressed-t
 `pack-quantized`, groups of 32), which vLLM and SGLang run with Marlin kernels on Ampere and
 Hopper (docs/export.md, 'INT4').
 
-Two grids (`GRIDS`, a rule's `grid:`): the Kimi releases' (`kimi`, `int4` and `int4_g32`): codes
--7..7 under a bf16 scale per group of about amax / 7 (the releases store bf16 scales; a zero group
-gets 1.0), so a code of -8 is never written; and compressed-tensors' own symmetric one (`full`,
-`int4_full` and `int4_g32_full`), llm-compressor's: codes -8..7 under about amax / 7.5, where a
-group's largest magnitude lands on 7.5, rounded to 8 and kept at -8 or clamped to 7. A code is the
+Two grids (`GRIDS`, a rule's `grid:`; a rule naming none takes its source's, eprt.quant.source_grid):
+the Kimi releases' (`kimi`, `int4` and `int4_g32`): codes -7..7 under a bf16 scale per group of about
+amax / 7 (the releases store bf16 scales; a zero group gets 1.0), so a code of -8 is never written;
+and compressed-tensors' own symmetric one (`full`, `int4_full` and `int4_g32_full`), llm-compressor's:
+codes -8..7 under about amax / 7.5, where a group's largest magnitude lands on 7.5, rounded to 8 and
+kept at -8 or clamped to 7. A code is the
 quotient weight / scale rounded half to even and clamped, compressed-tensors' own rounding; the
 quotient is taken in the weight's dtype (bf16 / bf16, as the library's quantizer divides), or in fp32
 for any other dtype. A value is code x scale, exact in fp32 (4 by 8 significant bits). A group's

@@ -3,13 +3,18 @@ dim, inputs left unquantized: the layout Kimi-K3 ships its routed experts in (co
 `mxfp4-pack-quantized`), which Blackwell engines run as FP4 weights against bf16 activations
 (vLLM's compressed-tensors MXFP4 path; docs/export.md, 'MXFP4').
 
-A block's scale is 2^ceil(log2(amax / 6)) (eprt.quant.formats.e8m0), and a code fp32(w) times
-2^-exponent (exact) rounded to E2M1 nearest with ties to even (eprt.quant.formats.e2m1, NVFP4's
-codes; -0.0 keeps its sign bit, as compressed-tensors packs it), two a byte, the even element in the
-low nibble. On weights a source stored in this format
-(Kimi-K3's), whose blocks each reach 4 or 6 times their scale, the rule gives back the source's
-own scales and bytes. Only compressed-tensors' layout exists: ModelOpt's export has no MXFP4
-weights-only algorithm an engine reads, so the ModelOpt layout is refused by name.
+A block's scale is 2^(floor(log2(amax)) - 2) with amax first rounded to E2M1's precision, the OCP MX
+rule as compressed-tensors computes it (`generate_mx_scales`, llm-compressor's;
+eprt.quant.formats.e8m0.ocp_exponents): a block whose amax lies between 6 and 7 times that scale has
+its top values clipped to 6, for a grid up to twice as fine as 2^ceil(log2(amax / 6)) (nothing
+clipped) would give it (docs/quality.md, "MXFP4's scale"). A code is fp32(w) times 2^-exponent (exact)
+rounded to E2M1 nearest with ties to even (eprt.quant.formats.e2m1, NVFP4's codes; -0.0 keeps its
+sign bit, as compressed-tensors packs it), two a byte, the even element in the low nibble. On the
+values of any MXFP4 weight both rules give the weight's own scales, so a source stored in this
+format (Kimi-K3's) gets back its own scales and bytes in every block that reaches 4 or 6 times its
+scale. `mse` chooses each block's exponent between the one that clips nothing and the one below.
+Only compressed-tensors' layout exists: ModelOpt's export has no MXFP4 weights-only algorithm an
+engine reads, so the ModelOpt layout is refused by name.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from eprt.quant.formats.base import Tensors
 from eprt.quant.formats.e2m1 import (
+    E2M1_MANTISSA_BITS,
     E2M1_MAX,
     PAIR_CODES,
     PAIR_OFFSET,
@@ -28,15 +34,25 @@ from eprt.quant.formats.e2m1 import (
     quarter_keys,
     unpack_fp4,
 )
-from eprt.quant.formats.e8m0 import BLOCK, Microscaled, check_shape, checked_scales, scaled_down, scaled_up
+from eprt.quant.formats.e8m0 import (
+    BLOCK,
+    Microscaled,
+    check_shape,
+    checked_amax,
+    checked_scales,
+    ocp_exponents,
+    scaled_down,
+    scaled_up,
+)
 from eprt.quant.numerics import CHUNK_ELEMENTS, chunk_buffer, for_chunks, row_chunks
 
 NEGATIVE_ZERO = -(2**31)  # the bits of fp32 -0.0 read as an int32
 
 
 def mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 scales [..., in/32] of w [..., in]. Raises ValueError for a weight holding NaN or infinity."""
-    return checked_scales(w, E2M1_MAX)
+    """uint8 E8M0 scales [..., in/32] of w [..., in] by the OCP rule (`ocp_exponents`). Raises
+    ValueError for a weight holding NaN or infinity."""
+    return ocp_exponents(checked_amax(w), E2M1_MAX, E2M1_MANTISSA_BITS)
 
 
 def quantize_mxfp4(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -105,6 +121,13 @@ class Mxfp4(Microscaled):
     encode = staticmethod(quantize_mxfp4)
     decode = staticmethod(dequantize_mxfp4)
     round_quotient = staticmethod(e2m1_values)
+
+    def mse_candidates(self, w: torch.Tensor) -> list[torch.Tensor]:
+        # the exponent that clips nothing (ceil(log2(amax / 6))) and the one below, max's (the OCP
+        # rule's) always one of them; one further below clips more than its finer steps give back.
+        # A tie keeps the first, as the search chose before max took the OCP rule.
+        scales = checked_scales(w, E2M1_MAX)
+        return [scales, scales.clamp(min=1).sub_(1)]
 
     def fake_quantize_input(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x  # the engine computes with the inputs as they come

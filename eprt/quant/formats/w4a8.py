@@ -1,7 +1,8 @@
 """INT4 weights with FP8 inputs the engine quantizes at run time per token (W4A8): INT4's codes and
 bf16 group scales in groups of 128, byte for byte (eprt.quant.formats.int4), as compressed-tensors'
 W4AFP8 scheme declares them; the fastest MoE path on Hopper (vLLM's and SGLang's CUTLASS W4A8
-kernels; docs/export.md, 'W4A8'). Each token's scale is its own amax / 448, so nothing is calibrated.
+kernels; docs/export.md, 'W4A8'), on either of INT4's grids (`w4a8`, `w4a8_full`). Each token's
+scale is its own amax / 448, so nothing is calibrated.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from eprt.quant.formats.fp8_block import fake_quant_input_groups
-from eprt.quant.formats.int4 import Int4
+from eprt.quant.formats.int4 import FULL, Int4
 
 
 class W4a8(Int4):
@@ -26,3 +27,4 @@ class W4a8(Int4):
 
 
 W4A8 = W4a8("w4a8", 128)
+W4A8_FULL = W4a8("w4a8_full", 128, FULL)  # compressed-tensors' own grid (a rule's `grid: full`)

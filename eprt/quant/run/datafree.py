@@ -34,6 +34,7 @@ from eprt.quant.formats import WEIGHT_FORMATS, weight_format
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.recipe import Recipe, load_recipe
 from eprt.quant.run.args import CALIBRATION_SETTINGS, PTQArgs
+from eprt.quant.source_grid import checkpoint_int4_grid
 from eprt.storage.atomic import check_output_dir, naming_refused_writes
 from eprt.storage.checkpoint import Checkpoint
 
@@ -133,6 +134,7 @@ def run_data_free(
         check_output_dir(out, overwrite, (ckpt,))  # before anything is read: refused again when it is written
         ck = ck if ck is not None else Checkpoint(ckpt)
         refuse_calibrated(ck, ckpt)
+        recipe = recipe.on_source(checkpoint_int4_grid(ck))
         quantized_modules(reader_for(ck.config.model_type, ck.path).layout(ck.config), recipe, ck.path)
     with ck:
         summary = {"algorithm": "+".join(recipe.algorithms), "data_free": True}

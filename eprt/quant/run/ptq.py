@@ -57,6 +57,7 @@ from eprt.quant.run.save_time import saves_after
 from eprt.quant.run.setup import open_unquantized, plan_recipe, plan_run, run_shape
 from eprt.quant.run.workdir import WorkDir, check_work_dir
 from eprt.quant.size import recipe_size
+from eprt.quant.source_grid import checkpoint_int4_grid
 from eprt.storage.atomic import naming_refused_writes, write_file
 from eprt.storage.checkpoint import MANIFEST, Checkpoint
 from eprt.units import format_bytes
@@ -311,7 +312,7 @@ def fingerprint(
     """What a saved layer boundary and the output depend on (eprt.quant.run.fingerprint): a run
     resumes only from its own (batch and chunk sizes change no bit, so they may differ).
     `recipe`: as the run parsed it (default: `a`'s, parsed now)."""
-    recipe = recipe or load_recipe(a.recipe, a.kv_cache, a.algorithm)
+    recipe = recipe or load_recipe(a.recipe, a.kv_cache, a.algorithm).on_source(checkpoint_int4_grid(ck))
     return run_fingerprint(
         ck,
         recipe,

@@ -26,6 +26,7 @@ from eprt.quant.run.args import RUN_DTYPES, PTQArgs
 from eprt.quant.run.memory_check import check_host_memory, check_memory
 from eprt.quant.run.memory_plan import MemoryPlan, RunShape
 from eprt.quant.run.process_memory import available_memory, current_rss, memory_in_use
+from eprt.quant.source_grid import checkpoint_int4_grid
 from eprt.storage.atomic import check_output_dir
 from eprt.storage.checkpoint import Checkpoint
 from eprt.units import format_bytes
@@ -58,7 +59,7 @@ def plan_recipe(
     """The recipe `spec` (its rules that name no algorithm get `algorithm`) and the modules it
     quantizes in `rc`, from the manifest alone: whatever export would refuse about this recipe
     and this model is refused here, before a weight is read."""
-    recipe = load_recipe(spec, kv_cache, algorithm)
+    recipe = load_recipe(spec, kv_cache, algorithm).on_source(checkpoint_int4_grid(rc.ck))
     setting = (
         f"--kv-cache {kv_cache}" if kv_cache is not None else f"recipe {recipe.name!r}'s kv_cache: {recipe.kv_cache}"
     )

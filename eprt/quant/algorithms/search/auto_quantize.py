@@ -57,7 +57,7 @@ from eprt.quant.algorithms.search.budget import UNQUANTIZED_BITS
 from eprt.quant.formats import weight_format
 from eprt.quant.fusion import fused_members
 from eprt.quant.loop.calibrate import Calibrator
-from eprt.quant.recipe import FORMATS, Recipe, Rule
+from eprt.quant.recipe import FORMATS, Recipe, Rule, named_grid
 
 # The algorithms whose statistics do not depend on the format, so the choice can come after the
 # loop and keep the search's statistics; GPTQ and AWQ work in each layer's format during the loop.
@@ -245,7 +245,12 @@ class SearchSpace:
 
     def recipe(self, choice: dict[str, str], kv_cache: str | None, algorithm: str) -> Recipe:
         """`choice` as a recipe: one rule per module, everything else unquantized."""
-        rules = [Rule(m, choice[g.name], algorithm) for g in self.groups for m in g.modules]
+        # a candidate is the format it names, on the grid it names whatever the source's (`Recipe.on_source`)
+        rules = [
+            Rule(m, choice[g.name], algorithm, (), named_grid(choice[g.name], True))
+            for g in self.groups
+            for m in g.modules
+        ]
         return Recipe("auto_quantize", (*rules, Rule("*", "none", algorithm)), kv_cache)
 
     def recipe_yaml(self, choice: dict[str, str], kv_cache: str | None, budget: float, algorithm: str) -> str:
@@ -256,11 +261,18 @@ class SearchSpace:
             f"{algorithm}): {self.effective_bits(choice):.4f} effective bits per active parameter.",
             "name: auto_quantize",
             "quantize:",
-            *(f'  - {{pattern: "{m}", format: {choice[g.name]}}}' for g in self.groups for m in g.modules),
+            *(f'  - {{pattern: "{m}", format: {rule_format(choice[g.name])}}}' for g in self.groups for m in g.modules),
             '  - {pattern: "*", format: none}',
             f"kv_cache: {kv_cache or 'null'}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def rule_format(fmt: str) -> str:
+    """A chosen format as a written rule gives it: with its INT4 grid, so that the recipe reused on
+    any source quantizes as the search measured (a rule without one takes the source's)."""
+    grid = named_grid(fmt, True)
+    return fmt if grid is None else f"{fmt}, grid: {grid}"
 
 
 def _group_name(members: tuple[str, ...]) -> str:
