@@ -352,8 +352,8 @@ DeepSeek-V3 that was actually trained, so quantization changes its predictions a
   groups, top-4 experts), sigmoid router with correction bias and routed_scaling_factor 2.5, one shared expert,
   `moe_intermediate_size` 64, untied embeddings, 512 positions (trained on 256-token windows), no MTP layer.
   {params:.2f} M parameters, bf16 (the router in fp32), `save_pretrained` layout.
-- Trained for {steps} steps ({tokens:.1f} M tokens, {minutes:.0f} min on one CPU thread) on {corpus:.1f} M tokens of
-  English technical prose (Python docstrings, package and system documentation files), with DeepSeek-V3's
+- Trained for {steps} steps ({tokens:.1f} M tokens of 256-token windows, {minutes:.0f} min wall on one CPU thread)
+  drawn from {corpus:.1f} M tokens of English technical prose (Python docstrings, package and system documentation files), with DeepSeek-V3's
   per-layer load balancing (correction-bias updates and a small sequence-wise loss): on the held-out text every
   expert of every layer takes between {least:.1%} and {most:.1%} of its layer's routed tokens (1/16 = 6.25%).
 - Tokenizer: the byte-level BPE of eprt's tiny models (vocab 512); `<|endoftext|>` = id 0 separates documents.
