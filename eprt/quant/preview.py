@@ -43,6 +43,21 @@ def greedy(model, hf_dir: str, prompt: str, new_tokens: int = 12) -> str:
     return tok.decode(ids[0, start:].tolist())
 
 
+def expert_input_scales(
+    scales: Scales, module: str, leaves: tuple[str, str], state: ParallelState
+) -> dict[str, torch.Tensor | None]:
+    """The input scales the engine quantizes routed experts `module`'s projections' inputs under
+    (by leaf: what gate/up read, what down reads): each the layer's largest amax over every rank's
+    experts (a collective: every rank calls it alike), the format's pinned scale, or None."""
+    fmt = scales.format(module)
+    out = dict.fromkeys(leaves, fmt.pinned_input_scale())
+    for kind in leaves if fmt.uses_activation_statistics else ():
+        layer_amax = scales.expert_input_amax(module, kind).clone()
+        state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
+        out[kind] = scales.scale(module, layer_amax)
+    return out
+
+
 def fake_quantize(
     model,
     targets: list[str],
@@ -96,20 +111,14 @@ def fake_quantize(
         except ValueError as e:  # a non-finite weight has no scale: name it, as export would fail on it
             raise CalibrationError(f"{what}: weight scale: {e}; check the checkpoint's weights for NaN/Inf") from None
 
-    def input_scale(m: str) -> torch.Tensor | None:
-        """The static input scale of `m`; None for a format that has none (inputs the engine scales
-        at run time or leaves in bf16): a data-free recipe's record holds no input amax to read. A
-        format that pins its input scale has that one."""
-        fmt = weight_format(formats[m])
-        if fmt.pinned_input_scale() is not None:
-            return fmt.pinned_input_scale()
-        return scales.input_scale(m) if fmt.uses_activation_statistics else None
-
     taps = contextlib.ExitStack()
     dense = [m for m in targets if not isinstance(sub(m), Experts)]
     # every scale first: a weight scale reads its fused siblings' weights, replaced below
     resolved = {
-        m: (None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)), input_scale(m))
+        m: (
+            None if m in quantized else weight_scale(m, lambda m=m: scales.weight_scale(m)),
+            scales.engine_input_scale(m),
+        )
         for m in dense
     }
     with torch.no_grad():
@@ -145,12 +154,7 @@ def fake_quantize(
                 if on_weight is not None:
                     on_weight(name, w)
             leaf_in, leaf_out = experts.pieces.leaves
-            in_scale = dict.fromkeys((leaf_in, leaf_out), weight_format(formats[m]).pinned_input_scale())
-            for kind in (leaf_in, leaf_out) if weight_format(formats[m]).uses_activation_statistics else ():
-                # the layer's largest, over every rank's experts
-                layer_amax = scales.expert_input_amax(m, kind).clone()
-                state.all_reduce(layer_amax, over="ep", op=dist.ReduceOp.MAX)
-                in_scale[kind] = scales.scale(m, layer_amax)
+            in_scale = expert_input_scales(scales, m, experts.pieces.leaves, state)
             # down reads the activation: quantized where it is made
             taps.enter_context(
                 tapped(

@@ -91,6 +91,15 @@ class Scales:
     def input_scale(self, module: str) -> torch.Tensor:
         return self.scale(module, self.input_amax(module))
 
+    def engine_input_scale(self, module: str) -> torch.Tensor | None:
+        """The input scale a dense Linear's inputs are quantized under by the engine: the format's
+        pinned one, the calibrated one, or None for a format that has none (inputs the engine scales
+        at run time or leaves in bf16: a data-free recipe's record holds no input amax to read)."""
+        fmt = self.format(module)
+        if fmt.pinned_input_scale() is not None:
+            return fmt.pinned_input_scale()
+        return self.input_scale(module) if fmt.uses_activation_statistics else None
+
     def expert_input_amax(self, module: str, kind: str) -> torch.Tensor:
         """The largest input amax of the experts held here (all of them at export; a rank's rows
         during calibration, which the preview reduces over the ranks)."""

@@ -57,10 +57,17 @@ class Algorithm:
     measures_again = False  # its pass measures a layer's statistics again after changing it (a balance)
 
     def memory(
-        self, rc: ResolvedCheckpoint, model: nn.Module, targets: list[str], modules: Mapping[str, str], device
+        self,
+        rc: ResolvedCheckpoint,
+        model: nn.Module,
+        targets: list[str],
+        modules: Mapping[str, str],
+        device,
+        params: Mapping[str, object],
     ) -> AlgorithmMemory | None:
         """What it holds of its own in a run over `rc` (every expert; `model`: its meta model) on
-        `device`, running on `modules` of the quantized `targets`; None: nothing."""
+        `device`, running on `modules` of the quantized `targets`, each with its typed parameters
+        `params` (the registry's; None where it has none); None: nothing."""
         return None
 
     def view(self, rc: ResolvedCheckpoint, first_expert: int) -> tuple[ResolvedCheckpoint, object | None]:

@@ -16,7 +16,7 @@ from torch import nn
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.base import Algorithm, RunContext
-from eprt.quant.algorithms.registry import ALGORITHMS, BALANCE, object_of
+from eprt.quant.algorithms.registry import ALGORITHMS, BALANCE, object_of, params_of
 from eprt.quant.algorithms.search.passes import FormatErrors
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import Pass
@@ -32,6 +32,7 @@ from eprt.quant.run.workdir import Resumable
 class Step:
     algorithm: Algorithm
     modules: Mapping[str, str]  # the modules it runs on, each with its format
+    params: Mapping[str, object]  # each of those modules' typed parameters of it, as its rule sets them
 
     @property
     def name(self) -> str:
@@ -73,7 +74,7 @@ class Program:
 
 def memory_of(step: Step, targets: list[str], device, rc: ResolvedCheckpoint, model: nn.Module):
     """Step's algorithm's memory, as the planner asks it of its checkpoint and meta model."""
-    return step.algorithm.memory(rc, model, targets, step.modules, device)
+    return step.algorithm.memory(rc, model, targets, step.modules, device, step.params)
 
 
 def program_of(recipe: Recipe | None, targets: list[str], *, search: bool = False) -> Program:
@@ -85,7 +86,8 @@ def program_of(recipe: Recipe | None, targets: list[str], *, search: bool = Fals
     for name, entry in sorted(ALGORITHMS.items(), key=lambda kv: kv[1].role != BALANCE):
         modules = {m: recipe.format_of(m) for m in targets if recipe.runs(m, name)}
         if modules:
-            steps.append(Step(object_of(name), modules))
+            params = {m: params_of(name, recipe.params_of(m)) for m in modules}
+            steps.append(Step(object_of(name), modules, params))
     return Program(recipe, tuple(targets), tuple(steps), search)
 
 

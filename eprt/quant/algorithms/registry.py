@@ -39,6 +39,9 @@ class GPTQParams:
 
     block: int = 128  # columns per lazy-batch block
     damp: float = 0.01  # damping, a fraction of the Hessian's mean diagonal
+    # aim at what the weight computes from the inputs as they are, from the inputs as the engine
+    # quantizes them (GPTAQ's asymmetric calibration): for formats that quantize inputs (NVFP4 W4A4)
+    quantized_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ def parse_algorithm(value, where: str) -> tuple[str, Params]:
 
 def typed_params(name: str, given, where: str) -> tuple[tuple[str, object], ...]:
     """`given` ({field: value}) checked against algorithm `name`'s parameters: the fields set that
-    differ from their defaults, each of its declared type (an int is taken where a float is)."""
+    differ from their defaults, each of its declared type (an int is taken where a float is; a
+    number must be positive)."""
     entry = ALGORITHMS.get(name)
     if entry is None:
         raise ConfigError(f"{where}: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -185,8 +189,10 @@ def typed_params(name: str, given, where: str) -> tuple[tuple[str, object], ...]
             known = ", ".join(fields) or "none"
             raise ConfigError(f"{where} {name}: unknown parameter {key!r}; its parameters are {known}")
         kind, default = type(fields[key].default), fields[key].default
-        fits = isinstance(v, kind) or (kind is float and isinstance(v, int))
-        if isinstance(v, bool) or not fits or not v > 0:
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where} {name} {key} {v!r}: give true or false (default {str(default).lower()})")
+        elif isinstance(v, bool) or not (isinstance(v, kind) or (kind is float and isinstance(v, int))) or not v > 0:
             raise ConfigError(f"{where} {name} {key} {v!r}: give a positive {kind.__name__} (default {default})")
         if v != default:
             out.append((key, kind(v)))

@@ -23,7 +23,7 @@ class AWQAlgorithm(Algorithm):
     name = NAME
     measures_again = True
 
-    def memory(self, rc, model, targets, modules: Mapping[str, str], device) -> AWQMemory:
+    def memory(self, rc, model, targets, modules: Mapping[str, str], device, params) -> AWQMemory:
         return AWQMemory.of(rc, model, targets, modules, on_cpu=torch.device(device).type == "cpu")
 
     def view(self, rc: ResolvedCheckpoint, first_expert: int) -> tuple[ResolvedCheckpoint, Folds]:

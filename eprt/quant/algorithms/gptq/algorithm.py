@@ -21,8 +21,8 @@ from eprt.quant.loop.engine import Pass
 class GPTQAlgorithm(Algorithm):
     name = ALGORITHM
 
-    def memory(self, rc, model, targets, modules: Mapping[str, str], device) -> GPTQMemory:
-        return GPTQMemory.of(rc, model, modules)
+    def memory(self, rc, model, targets, modules: Mapping[str, str], device, params) -> GPTQMemory:
+        return GPTQMemory.of(rc, model, modules, {m for m, p in params.items() if p.quantized_inputs})
 
     def start(self, ctx: RunContext, viewed) -> GPTQRun:
         return GPTQRun(

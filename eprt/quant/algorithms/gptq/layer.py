@@ -9,6 +9,10 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
    unit at a time (dense: one sequence; a routed expert: one work unit, its first projection on the
    expert's input, down on the activation), exactly (eprt.quant.algorithms.gptq.solve.HessianSum), then over the ranks (dense:
    the world; experts: the edp replicas that computed the expert's other units);
+   Under the rule's `quantized_inputs` (GPTQParams), the sums are over each row's input as the
+   engine quantizes it, x~ (the format's `fake_quantize_input` under the scale the export writes),
+   with a cross sum (x - x~)^T x~ beside them, and each weight's aim moves to the one that computes
+   w x best from x~ (eprt.quant.algorithms.gptq.solve.input_error_aim) before its sweep;
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
    the export writes; under awq+gptq, its scales are the clipped weight's (AWQ's clip,
@@ -34,10 +38,12 @@ from eprt.parallel import ParallelState
 from eprt.progress import logger
 from eprt.quant.algorithms.awq.folds import FoldedCheckpoint
 from eprt.quant.algorithms.gptq.record import W2, W13
-from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq
+from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq, input_error_aim
 from eprt.quant.algorithms.registry import GPTQRunOptions, params_of
 from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.formats.base import WeightFormat
 from eprt.quant.loop.calibrate import Calibrator
+from eprt.quant.preview import expert_input_scales
 from eprt.quant.scales import EXPERT_PIECES, Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
 
@@ -47,6 +53,10 @@ ALGORITHM = "gptq"
 # memory plan sizes the stack to the memory free beside the rest of the run (eprt.quant.run.planner), up to
 # this many: beyond it the loop's share of the solve is already small.
 MOST_EXPERTS_STACKED = 16
+# Under `quantized_inputs`, the bound of the sums' rows as a multiple of the input amax: a quantized
+# input's block reaches past its amax by its scale's rounding (NVFP4: E4M3's, at most 1/16), and
+# its error stays below its amax.
+QUANTIZED_INPUT_BOUND = 2.0
 
 
 class GPTQResults:
@@ -166,6 +176,9 @@ class LayerGPTQ:
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
         self.hessians: dict[str, HessianSum] = {}
         self.expert_hessians: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}  # local expert -> sums
+        # under quantized_inputs: the cross sums (x - x~)^T x~, kept as the Hessians are
+        self.crosses: dict[str, HessianSum] = {}
+        self.expert_crosses: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}
 
     def _module(self, name: str):
         return self.layer.get_submodule(name[len(self.prefix) :])
@@ -200,28 +213,49 @@ class LayerGPTQ:
     def _observe(self, taps: contextlib.ExitStack) -> None:
         for m in self.gptq_dense:
             module = self._module(m)
-            hs = HessianSum(
-                module.weight.shape[1], self.stats.input_amax[m].item(), self.run.tokens, module.weight.device
-            )
+            dim, amax, device = module.weight.shape[1], self.stats.input_amax[m].item(), module.weight.device
+            if self.run.params[m].quantized_inputs:
+                quantized = InputsQuantized(self.scales.format(m), self.scales.engine_input_scale(m))
+                hs, cross = (HessianSum(dim, QUANTIZED_INPUT_BOUND * amax, self.run.tokens, device) for _ in "hc")
+                self.crosses[m] = cross
+                add = lambda x, hs=hs, cross=cross, q=quantized: q.add(x, hs, cross)  # noqa: E731
+            else:
+                hs = HessianSum(dim, amax, self.run.tokens, device)
+                add = hs.add
             self.hessians[m] = hs
             # the dense part runs one sequence a call (calls side by side): each call is one unit
-            hook = lambda _m, args, hs=hs: hs.add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
+            hook = lambda _m, args, add=add: add(args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
             taps.callback(module.register_forward_pre_hook(hook).remove)
         for m in self.gptq_experts:
-            experts = self._module(m)
-            in_amax, down_amax = self.stats.expert_input_amax[m]
-            tokens = self.stats.expert_tokens[m].tolist()
-            (D, I), device = (experts.w_in.shape[2], experts.w_out.shape[2]), experts.w_in.device
-            sums = {
+            self._observe_experts(m, taps)
+
+    def _observe_experts(self, m: str, taps: contextlib.ExitStack) -> None:
+        experts = self._module(m)
+        in_amax, down_amax = self.stats.expert_input_amax[m]
+        tokens = self.stats.expert_tokens[m].tolist()
+        (D, I), device = (experts.w_in.shape[2], experts.w_out.shape[2]), experts.w_in.device
+        solved = [(l, n) for l, n in enumerate(tokens) if n >= self.run.min_tokens]
+        quantized = self.run.params[m].quantized_inputs
+        bound = QUANTIZED_INPUT_BOUND if quantized else 1.0
+
+        def sums_of() -> dict[int, tuple[HessianSum, HessianSum]]:
+            return {
                 l: (
-                    HessianSum(D, in_amax[l].item(), n, device),
-                    HessianSum(I, down_amax[l].item(), n, device),
+                    HessianSum(D, bound * in_amax[l].item(), n, device),
+                    HessianSum(I, bound * down_amax[l].item(), n, device),
                 )
-                for l, n in enumerate(tokens)
-                if n >= self.run.min_tokens
+                for l, n in solved
             }
-            self.expert_hessians[m] = sums
-            taps.enter_context(tapped(experts, units=lambda x, h, rows_LU, sums=sums: _add_units(sums, x, h, rows_LU)))
+
+        sums, crosses, inputs = sums_of(), None, None
+        if quantized:
+            fmt, leaves = self.scales.format(m), experts.pieces.leaves
+            in_scales = expert_input_scales(self.scales, m, leaves, self.run.state)
+            inputs = tuple(InputsQuantized(fmt, in_scales[leaf]) for leaf in leaves)
+            crosses = self.expert_crosses[m] = sums_of()
+        self.expert_hessians[m] = sums
+        add = lambda x, h, rows_LU: _add_units(sums, x, h, rows_LU, crosses, inputs)  # noqa: E731
+        taps.enter_context(tapped(experts, units=add))
 
     # --- the solve and the quantized layer ----------------------------------------------------
     @property
@@ -233,9 +267,9 @@ class LayerGPTQ:
         """Sum the Hessians over the ranks, run GPTQ, set the weights of `modules` to what the
         export writes and record their codes."""
         st, run = self.run.state, self.run
-        for hs in self.hessians.values():
+        for hs in (*self.hessians.values(), *self.crosses.values()):
             st.all_reduce(hs.total, over="dp", op=dist.ReduceOp.SUM)
-        for sums in self.expert_hessians.values():
+        for sums in (*self.expert_hessians.values(), *self.expert_crosses.values()):
             for pair in sums.values():
                 for hs in pair:
                     st.all_reduce(hs.total, over="edp", op=dist.ReduceOp.SUM)
@@ -246,7 +280,10 @@ class LayerGPTQ:
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
                 aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
                 p = run.params[m]
-                q = gptq(aim[None], self.hessians[m].hessian()[None], cols, block=p.block, damp=p.damp)
+                h = self.hessians[m].hessian()
+                if m in self.crosses:
+                    aim = input_error_aim(aim, h, self.crosses[m].hessian(), p.damp)
+                q = gptq(aim[None], h[None], cols, block=p.block, damp=p.damp)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -254,8 +291,8 @@ class LayerGPTQ:
 
     def free(self) -> None:
         """Drop the Hessians, once solved: the quantized streams run without them."""
-        self.hessians.clear()
-        self.expert_hessians.clear()
+        for sums in (self.hessians, self.expert_hessians, self.crosses, self.expert_crosses):
+            sums.clear()
 
     def _quantize_experts(self, m: str) -> None:
         """Every local expert's stacked projections as exported: GPTQ's (solved the run's expert_stack at a time) for
@@ -281,7 +318,13 @@ class LayerGPTQ:
                 cols = columns_of(fmt, rows[ids], scales[ids], EXPERT_PIECES[kind])
                 # each fp64 Hessian made as its factor is computed, not a stack of them beside the factors
                 p = run.params[m]
-                q = gptq(aims[ids], (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
+                aim = aims[ids]
+                if m in self.expert_crosses:
+                    crosses = self.expert_crosses[m]
+                    aim = torch.stack(
+                        [input_error_aim(aims[l], sums[l][k].hessian(), crosses[l][k].hessian(), p.damp) for l in ids]
+                    )
+                q = gptq(aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
@@ -303,19 +346,38 @@ class LayerGPTQ:
             )
 
 
+class InputsQuantized:
+    """A Linear's inputs as the engine quantizes them (format `fmt` under input scale `scale`), into
+    its sums under quantized_inputs: the Hessian of x~ and the cross sum (x - x~)^T x~."""
+
+    def __init__(self, fmt: WeightFormat, scale: torch.Tensor | None):
+        self.fmt, self.scale = fmt, scale
+
+    def add(self, x: torch.Tensor, hessian: HessianSum, cross: HessianSum) -> None:
+        x_q = self.fmt.fake_quantize_input(x, self.scale)
+        hessian.add(x_q)
+        cross.add(x.double() - x_q.double(), x_q)
+
+
 def _add_units(
     sums: dict[int, tuple[HessianSum, HessianSum]],
     x_sorted: torch.Tensor,
     h_sorted: torch.Tensor,
     rows_per_unit_LU: torch.Tensor,
+    crosses: dict[int, tuple[HessianSum, HessianSum]] | None = None,
+    inputs: tuple[InputsQuantized, InputsQuantized] | None = None,
 ) -> None:
     """Each (local expert, work unit)'s rows, as `Experts.forward_units` computed them, into the
-    expert's sums (those with enough tokens)."""
+    expert's sums (those with enough tokens); with `crosses`, each projection's inputs as `inputs`
+    quantize them into its Hessian and its cross sum."""
     counts = rows_per_unit_LU.tolist()
     start = 0
     for l, row in enumerate(counts):
         for n in row:
             if n and l in sums:
-                sums[l][0].add(x_sorted[start : start + n])
-                sums[l][1].add(h_sorted[start : start + n])
+                for k, rows in enumerate((x_sorted[start : start + n], h_sorted[start : start + n])):
+                    if crosses is None:
+                        sums[l][k].add(rows)
+                    else:
+                        inputs[k].add(rows, sums[l][k], crosses[l][k])
             start += n

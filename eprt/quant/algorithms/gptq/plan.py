@@ -1,7 +1,7 @@
 """What GPTQ holds in a run, for the memory plan (eprt.quant.run.memory_plan.AlgorithmMemory).
 
 - In a layer, beside its weights: every Linear's Hessian (int64 sums; a routed experts' weight: its
-  experts', a rank holding its share), and one solve's working set at a time: the weight as read for
+  experts', a rank holding its share; under `quantized_inputs` a cross sum of the same size beside it), and one solve's working set at a time: the weight as read for
   it in fp32 (a routed experts' weight: every expert of the rank's, the stacks are cut from them), the
   fp64 inverse factor, W in fp64 with its working block, the fp32 result and the column rounding's
   tables of its format, routed experts solved `stack` at a time, and beside it, for a moment, the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +43,13 @@ class GPTQLinear:
     experts: int  # its routed experts; 0 for a dense Linear
 
     @classmethod
-    def of(cls, count: int, out_dim: int, in_dim: int, routed: bool, fmt: str | None = None) -> GPTQLinear:
+    def of(
+        cls, count: int, out_dim: int, in_dim: int, routed: bool, fmt: str | None = None, sums: int = 1
+    ) -> GPTQLinear:
+        """`sums`: the int64 sums each weight keeps (2 under quantized_inputs: the Hessian and the cross sum)."""
         square = in_dim * in_dim * 8
         solve = square + 3 * out_dim * in_dim * 8 + (columns_held_bytes(fmt, out_dim, in_dim) if fmt else 0)
-        return cls(count * square, out_dim * in_dim * 4, solve, 4 * square, count if routed else 0)
+        return cls(sums * count * square, out_dim * in_dim * 4, solve, 4 * square, count if routed else 0)
 
     def held(self, ep: int) -> int:
         """The Hessians one rank holds: its share of the routed experts'."""
@@ -70,8 +73,11 @@ class GPTQMemory(AlgorithmMemory):
     kept_what = "GPTQ's codes"
 
     @classmethod
-    def of(cls, rc: ResolvedCheckpoint, model: nn.Module, modules: Mapping[str, str]) -> GPTQMemory:
-        """Of meta model `model` of `rc` (every expert), GPTQ running on `modules` (each with its format)."""
+    def of(
+        cls, rc: ResolvedCheckpoint, model: nn.Module, modules: Mapping[str, str], cross: Set[str] = frozenset()
+    ) -> GPTQMemory:
+        """Of meta model `model` of `rc` (every expert), GPTQ running on `modules` (each with its
+        format), those in `cross` under quantized_inputs."""
         prefix, _ = model.decoder()
         stacked = rc.stacked
         hessians: dict[int, list[GPTQLinear]] = {}
@@ -84,7 +90,8 @@ class GPTQMemory(AlgorithmMemory):
             module, _, leaf = name.rpartition(".")
             if routed or (leaf == "weight" and t.dim() == 2):
                 count, out_dim, in_dim = t.shape if routed else (1, *t.shape)
-                linear = GPTQLinear.of(count, out_dim, in_dim, routed, modules.get(module))
+                sums = 2 if module in cross else 1
+                linear = GPTQLinear.of(count, out_dim, in_dim, routed, modules.get(module), sums)
                 hessians.setdefault(int(m.group(1)), []).append(linear)
             if module in modules and (leaf == "weight" or leaf in EXPERT_LEAVES):
                 codes[routed] += int(t.numel() * code_bytes(modules[module]))

@@ -65,18 +65,20 @@ class HessianSum:
         self.total = torch.zeros(shape, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
 
-    def add(self, x: torch.Tensor) -> None:
-        """One canonical unit's rows x [n, dim]."""
+    def add(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        """One canonical unit's rows x [n, dim]; with y (rows of the same shape, |y| <= amax too),
+        the cross sum x^T y in place of x^T x."""
         if x.shape[0] == 0:
             return
-        if x.abs().max().item() > self.amax:  # the bound the shift was chosen for would not hold
-            raise ValueError(
-                f"a row reaches {x.abs().max().item()}, above the calibrated input amax {self.amax}: "
-                "the Hessian pass saw other inputs than the max pass"
-            )
+        for rows in (x,) if y is None else (x, y):
+            if rows.abs().max().item() > self.amax:  # the bound the shift was chosen for would not hold
+                raise ValueError(
+                    f"a row reaches {rows.abs().max().item()}, above the calibrated input amax {self.amax}: "
+                    "the Hessian pass saw other inputs than the max pass"
+                )
         x = x.double()
         if self.block is None:
-            unit = x.T @ x
+            unit = x.T @ (x if y is None else y.double())
         else:
             x = x.view(x.shape[0], -1, self.block)
             unit = torch.einsum("nbi,nbj->bij", x, x)
@@ -148,6 +150,27 @@ def gptq(
         for b in range(W.shape[0]):
             W[b, :, i2:] -= Err1[b] @ Hinv[b, i1:i2, i2:]
     return Q
+
+
+def input_error_aim(w: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """The weight that best computes, from the quantized inputs the engine feeds, what w [out, in]
+    computes from the inputs as they are (GPTAQ's asymmetric calibration, Li et al. 2025): over
+    calibration rows x and their quantized x~, argmin_W' sum ||w x - W' x~||^2 = w + w A H^-1, with
+    H = sum x~ x~^T (`hessian`) and A = sum (x - x~) x~^T (`cross`), H damped as GPTQ damps it. GPTQ
+    of this aim under H then minimises ||w x - Q x~|| itself: w x - W' x~ is orthogonal to every
+    x~, so the two objectives differ by a constant. Inputs the format leaves as they are give A = 0
+    and the aim is w, bit for bit. fp64 [out, in]."""
+    W = w.detach().to(torch.float64)
+    A = cross.to(device=W.device, dtype=torch.float64)
+    if not A.any():
+        return W.clone()
+    H = hessian.to(device=W.device, dtype=torch.float64)
+    dead = torch.diag(H) == 0
+    diag = torch.arange(H.shape[0], device=H.device)
+    mean = torch.mean(torch.where(dead, 1.0, torch.diag(H))).item()
+    factor = torch.linalg.cholesky(_damped(H, dead, damp * mean, diag))
+    # (W A) H^-1, as H (W A)^T solved: H is symmetric
+    return W + torch.cholesky_solve((W @ A).T, factor).T
 
 
 def _inverse_factor(H: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
