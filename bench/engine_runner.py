@@ -123,6 +123,10 @@ def main() -> None:
         gpu_memory_utilization=0.2,
         enable_prefix_caching=False,
         seed=0,
+        # vLLM checks that every parameter came from the checkpoint only for unquantized models; a
+        # quantized export whose tensors its loader does not reach (GPT-OSS's per-expert experts)
+        # would run on uninitialized weights: held to that check too
+        model_loader_extra_config={"enable_weights_track": True},
     )
     prompts = json.loads(a.prompts)
     results = []
