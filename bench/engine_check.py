@@ -154,7 +154,7 @@ QUANTIZED_NOT_COMPARED = {
     "gpt_oss": (
         "vLLM 0.32's GPT-OSS loader takes quantized experts only as the release's MXFP4 blocks or Quark's "
         "tensors, and its other MoE methods hold no expert biases or are reached by no per-expert tensor "
-        "(docs/export.md, 'Engine quirks'): fp8, mxfp8 and mxfp8-ct fail to load (KeyError: "
+        "(docs/export.md, 'Engine quirks'): fp8, fp8-channel-ct, mxfp8 and mxfp8-ct fail to load (KeyError: "
         "'layers.0.mlp.experts.0.w2_bias'), NVFP4 finds no MoE backend (its emulation takes no bias), int4 "
         "loads without its expert weights (Following weights were not initialized from checkpoint)"
     ),
