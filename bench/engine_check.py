@@ -108,7 +108,8 @@ KIMI_K3_NVIDIA = (
 )
 UNGATED = (
     "vLLM's MoE config refuses experts without a gate (relu2: is_act_and_mul=False is supported only for "
-    "CUDA, XPU and ROCm for now)"
+    "CUDA, XPU and ROCm for now), and past that its CPU MoE backend does too (does not support no "
+    "act_and_mul MLP layer)"
 )
 FAMILY_NOT_RUN = {
     "kimi_linear": KIMI_K3_NVIDIA.format("Kimi-Linear"),
