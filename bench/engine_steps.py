@@ -37,38 +37,35 @@ def router_logits(router: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_steps(model, prompt: dict, decode: dict, routers: list[str]) -> tuple[torch.Tensor, list, list]:
-    """The reference teacher-forced on one prompt's engine tokens: its log-probabilities per step, each
-    step's last-token decoder-layer outputs and each step's router logits by router name."""
-    layers, logits_by_step = [], []
-    step_layers: list[torch.Tensor] = []
-    step_routers: dict[str, torch.Tensor] = {}
-    hooks = [
-        layer.register_forward_hook(
-            lambda _m, _i, out: step_layers.append((out[0] if isinstance(out, tuple) else out)[0, -1].float())
-        )
-        for layer in decoder_layers(model)
-    ]
-    for name in routers:
-        router = submodule(model, name)
-        hooks.append(
-            router.register_forward_hook(
-                lambda m, args, _o, name=name: step_routers.__setitem__(name, router_logits(m, args[0]))
-            )
-        )
-    routed = []
+    """The reference teacher-forced on one prompt's engine tokens: its log-probabilities per step, and
+    per step the last token's output of each decoder layer and each router's logits by name."""
+    layers: list[list[torch.Tensor]] = []
+    routed: list[dict[str, torch.Tensor]] = []
+
+    def record_layer(_m, _i, out):
+        layers[-1].append((out[0] if isinstance(out, tuple) else out)[0, -1].float())
+
+    def record_router(name):
+        return lambda m, args, _o: routed[-1].__setitem__(name, router_logits(m, args[0]))
+
+    hooks = [layer.register_forward_hook(record_layer) for layer in decoder_layers(model)]
+    hooks += [submodule(model, name).register_forward_hook(record_router(name)) for name in routers]
+
+    def step(ids: list[int], cache=None):
+        layers.append([])
+        routed.append({})
+        return model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+
     with torch.no_grad():
-        out = model(torch.tensor([prompt["prompt"]]), use_cache=True)
-        logits_by_step.append(out.logits[0, -1])
+        out = step(prompt["prompt"])
+        logits = [out.logits[0, -1]]
         with replaced_forwards(decode):
             for token in prompt["tokens"][:-1]:
-                layers.append(list(step_layers)), routed.append(dict(step_routers))
-                step_layers.clear(), step_routers.clear()
-                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-                logits_by_step.append(out.logits[0, -1])
-    layers.append(list(step_layers)), routed.append(dict(step_routers))
+                out = step([token], out.past_key_values)
+                logits.append(out.logits[0, -1])
     for h in hooks:
         h.remove()
-    return torch.log_softmax(torch.stack(logits_by_step).float(), dim=-1), layers, routed
+    return torch.log_softmax(torch.stack(logits).float(), dim=-1), layers, routed
 
 
 def top(logits: torch.Tensor) -> str:
