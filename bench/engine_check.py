@@ -145,8 +145,7 @@ FAMILY_NOT_RUN = {
         "vLLM's DeepSeek-V4 sparse sliding-window attention builds its metadata with a Triton kernel "
         "(compute_token_to_req_indices), which the CPU build has no backend for (TypeError: 'function' object "
         "is not subscriptable); it loads the widened tiny export (head 512, indexer head 128, compress_rate_hca "
-        "128 as compress_ratios says) once the attention's KV norm is named attn.kv_norm, as vLLM and "
-        "DeepSeek's inference code name it (eprt writes attn.norm: KeyError 'layers.0.attn.norm.weight')"
+        "128 as compress_ratios says)"
     ),
 }
 # The families whose quantized exports vLLM does not load or the reference cannot hold yet: their rows

@@ -45,6 +45,16 @@ def test_the_release_is_stored_as_deepseek_stores_it(release):
     assert {DEEPSEEK_FP8, DEEPSEEK_FP4} <= encoded
 
 
+def test_the_attentions_kv_norm_is_named_as_the_release_names_it(release):
+    """DeepSeek's inference code (`Attention.kv_norm`), and vLLM reading the release, name every
+    attention's kv norm `attn.kv_norm`, the MTP layer's too; transformers' save_pretrained writes
+    `attn.norm` (tests/oracles/test_save_pretrained_names.py holds that spelling)."""
+    hf, _ = release
+    layers = json.load(open(f"{hf}/config.json"))["num_hidden_layers"]
+    norms = {n for n in read_hf_tensors(hf) if n.endswith(("attn.kv_norm.weight", "attn.norm.weight"))}
+    assert norms == {f"layers.{i}.attn.kv_norm.weight" for i in range(layers)} | {"mtp.0.attn.kv_norm.weight"}
+
+
 def test_an_unquantized_export_gives_back_every_source_tensor_byte_for_byte(release, tmp_path):
     hf, ck = release
     source = read_hf_tensors(hf)

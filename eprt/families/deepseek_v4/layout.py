@@ -4,6 +4,7 @@ transformers 5.25's `save_pretrained`, which writes the same names under `model.
     release                                transformers' save_pretrained
     embed.weight                           model.embed_tokens.weight
     layers.N.<...>                         model.layers.N.<...> (the same <...>)
+    layers.N.attn.kv_norm.weight           model.layers.N.attn.norm.weight (eprt: model.layers.N.attn.kv_norm)
     norm.weight                            model.norm.weight
     hc_head_fn / hc_head_base / _scale     model.hc_head.hc_fn / hc_base / hc_scale
     head.weight                            head.weight
@@ -37,9 +38,17 @@ def pieces(c: ModelConfig) -> ExpertPieces:
     return ExpertPieces(activation=SwiGLULimit(c.own.swiglu_limit))
 
 
-def in_layer(i: int, name: str, *shape: int) -> TensorSpec:
-    """Layer i's tensor `name`: `model.layers.i.name`, the release's `layers.i.name`."""
-    return plain(f"model.layers.{i}.{name}", *shape, alias=f"layers.{i}.{name}")
+# The attention's kv norm is `attn.kv_norm` in the release (DeepSeek's `Attention.kv_norm`) and in
+# the model, but transformers' save_pretrained writes it `attn.norm` (its load renames every `.norm.`
+# to `.kv_norm.`, its save undoes that everywhere): the one name inside a layer the spellings differ in.
+KV_NORM = "attn.kv_norm.weight"
+
+
+def in_layer(i: int, name: str, *shape: int, transformers_names: bool = False) -> TensorSpec:
+    """Layer i's tensor `name`: `model.layers.i.name`, the release's `layers.i.name`, and the kv
+    norm where the checkpoint is transformers' under the name its save_pretrained gives it."""
+    alias = f"model.layers.{i}.attn.norm.weight" if transformers_names and name == KV_NORM else f"layers.{i}.{name}"
+    return plain(f"model.layers.{i}.{name}", *shape, alias=alias)
 
 
 def mtp_prefix(decoder: str, c: ModelConfig, k: int) -> str:
@@ -50,6 +59,7 @@ def mtp_prefix(decoder: str, c: ModelConfig, k: int) -> str:
 
 def in_mtp(c: ModelConfig, k: int):
     prefix = mtp_prefix("", c, k)
+
     return lambda name, *shape: plain(f"{prefix}{name}", *shape)
 
 
@@ -75,7 +85,7 @@ def attention(put, i: int, c: ModelConfig) -> list[TensorSpec]:
         put("attn.q_norm.weight", own.q_lora_rank),
         put("attn.wq_b.weight", H * hd, own.q_lora_rank),
         put("attn.wkv.weight", hd, D),
-        put("attn.norm.weight", hd),
+        put(KV_NORM, hd),
         put("attn.wo_a.weight", g * own.o_lora_rank, H * hd // g),
         put("attn.wo_b.weight", D, g * own.o_lora_rank),
     ]
@@ -131,7 +141,7 @@ def layout(c: ModelConfig) -> Layout:
     D, n = c.hidden_size, c.own.hc_mult
     specs = [plain("model.embed_tokens.weight", c.vocab_size, D, alias=TOP["model.embed_tokens.weight"])]
     for i in range(c.num_layers):
-        put = lambda name, *shape, i=i: in_layer(i, name, *shape)  # noqa: E731
+        put = lambda name, *shape, i=i: in_layer(i, name, *shape, transformers_names=c.own.transformers_names)  # noqa: E731
         specs += hyper_connected(put, D, n) + attention(put, i, c) + decoder_moe(i, c)
     shapes = {"model.norm.weight": (D,), "model.hc_head.hc_fn": (n, n * D), "model.hc_head.hc_base": (n,)}
     shapes["model.hc_head.hc_scale"] = (1,)

@@ -166,7 +166,7 @@ class V4Attention(nn.Module):
         self.q_norm = Norm(own.q_lora_rank, c.rms_norm_eps)
         self.wq_b = Linear(own.q_lora_rank, H * own.head_dim)
         self.wkv = Linear(D, own.head_dim)
-        self.norm = Norm(own.head_dim, c.rms_norm_eps)
+        self.kv_norm = Norm(own.head_dim, c.rms_norm_eps)
         self.wo_a = Linear(H * own.head_dim // own.o_groups, own.o_groups * own.o_lora_rank)
         self.wo_b = Linear(own.o_groups * own.o_lora_rank, D)
         if self.kind != SLIDING:
@@ -183,7 +183,7 @@ class V4Attention(nn.Module):
         q_BTR = self.q_norm(self.wq_a(x_BTD))
         q = unweighted_rms(self.wq_b(q_BTR).view(B, T, self.n_heads, self.head_dim).transpose(1, 2), self.eps)
         q = rotate_trailing(q, cos, sin)
-        kv = rotate_trailing(self.norm(self.wkv(x_BTD))[:, None], cos, sin)  # [B, 1, T, hd]
+        kv = rotate_trailing(self.kv_norm(self.wkv(x_BTD))[:, None], cos, sin)  # [B, 1, T, hd]
         t = torch.arange(T, device=x_BTD.device)
         bias = additive(((t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < self.window)), x_BTD.dtype)
         bias = bias.expand(B, 1, T, T)
