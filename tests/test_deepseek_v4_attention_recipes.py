@@ -127,3 +127,16 @@ def test_v4s_unquantized_experts_are_ignored_under_the_releases_names(tmp_path):
     want = {m for m in linears if not (ATTENTION.fullmatch(m) or EXPERT.fullmatch(m) or m.startswith("mtp."))}
     want |= {rf"re:^layers\.{i}\.ffn\.experts\." for i in layers} | {r"re:^mtp\."}
     assert quant_config(out)["ignore"] == sorted(want)
+
+
+def test_wq_a_and_wkv_share_nvfp4s_per_tensor_scales(tmp_path):
+    """vLLM loads wq_a and wkv as one Linear (`fused_wqa_wkv`) with one weight_scale_2 and one
+    input_scale: under NVFP4 every layer's pair is exported with the same ones."""
+    hf = make_tiny("deepseek_v4", str(tmp_path / "hf"), **wide("deepseek_v4"))
+    out = export_hf(calibrated(hf, tmp_path, "nvfp4"), str(tmp_path / "out"), progress=False)
+    got = read_hf_tensors(out)
+    layers = sorted({n.rsplit(".attn.", 1)[0] for n in got if n.endswith(".attn.wq_a.weight_scale_2")})
+    assert len(layers) == 4  # the tiny model's decoder layers (its MTP layer carried unquantized)
+    for layer in layers:
+        for leaf in ("weight_scale_2", "input_scale"):
+            assert torch.equal(got[f"{layer}.attn.wq_a.{leaf}"], got[f"{layer}.attn.wkv.{leaf}"]), (layer, leaf)
