@@ -107,8 +107,10 @@ def predicted_names(hf_dir: str, recipe: str, kv: bool) -> set[str]:
         carried = in_mtp and not mtp
         expert = EXPERT.fullmatch(module)
         as_recipe_sees = expert.group(1) if expert else module
-        # Nemotron-H's attention (a layer's mixer q/k/v/o) answers to the recipes' `self_attn` too
+        # Nemotron-H's attention (a layer's mixer q/k/v/o) answers to the recipes' `self_attn` too, and
+        # DeepSeek-V4's (a layer's attn) where vLLM builds a quantizable Linear: wq_a, wkv, wq_b, wo_b, the indexer's wq_b
         also = re.sub(r"\.mixer\.([qkvo]_proj)$", r".self_attn.\1", as_recipe_sees)
+        also = re.sub(r"\.attn\.(wq_a|wkv|wq_b|wo_b|indexer\.wq_b)$", r".self_attn.\1", also)
         chosen = next(
             (r["format"] for r in rules if any(fnmatch.fnmatchcase(n, r["pattern"]) for n in (as_recipe_sees, also))),
             "none",

@@ -116,6 +116,10 @@ class QuantizedExport:
             if not s.stacked and s.name in ck.tensors and ck.meta(s.name).fused_source
         }
         self.eprt_name = {hf: name for name, hf in self.source_name.items()}
+        # each layer's routed experts, under the module their per-expert sources name
+        self.experts_module = {
+            spec.name.rsplit(".", 1)[0]: experts_module(spec) for spec in self.specs if is_expert_weight(spec)
+        }
         self._rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # quantized expert rows, a batch
 
     def expert_row(self, name: str, e: int) -> torch.Tensor:
@@ -218,7 +222,10 @@ class QuantizedExport:
         return name in self.experts or (name.endswith(".weight") and name[: -len(".weight")] in self.quantized)
 
     def hf_module(self, module: str) -> str:
-        """A module's name in the export: the source's spelling of it."""
+        """A module's name in the export: the source's spelling of it (a layer's routed experts as
+        one `...experts` module, the prefix of their per-expert weights)."""
+        if module in self.experts_module:
+            return self.experts_module[module]
         return self.source_name.get(f"{module}.weight", f"{module}.weight")[: -len(".weight")]
 
     # --- the whole export -------------------------------------------------------------------
@@ -290,7 +297,7 @@ class QuantizedExport:
             {self.hf_module(m): self.scales.format(m) for m in self.scales.formats},
             {name[: -len(".weight")]: self.format_of(name) for name in self.hf_weights()},
             frozenset(unquantized),
-            frozenset(self.stacked_modules() - set(self.quantized)),
+            frozenset(self.hf_module(m) for m in self.stacked_modules() - set(self.quantized)),
             frozenset(self.passthrough_prefixes()),
             self.recipe.kv_cache,
         )
@@ -302,6 +309,13 @@ class QuantizedExport:
     def configs(self) -> tuple[dict, dict]:
         """(config.json, hf_quant_config.json), as ModelOpt writes them (eprt.hf.quant_configs)."""
         return modelopt_configs(self.quantized_linears())
+
+
+def experts_module(spec: TensorSpec) -> str:
+    """The module stacked experts `spec` are exported under: the `P` of their per-expert sources
+    `P.E.w1.weight` (DeepSeek-V4's release `layers.3.ffn.experts`, which eprt names
+    `model.layers.3.ffn.experts`), as the engines and quantized_layers name a layer's experts."""
+    return spec.sources[0].rpartition(".0.")[0]
 
 
 def holding_layout(formats: list[str]) -> str:

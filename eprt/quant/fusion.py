@@ -24,6 +24,7 @@ FUSED_ON_LOAD = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
     "w13": ("w1", "w3"),  # DeepSeek-V4's shared expert, its gate and up under DeepSeek's names
+    "fused_wqa_wkv": ("wq_a", "wkv"),  # DeepSeek-V4's attention: q's down-projection and the one KV head
 }
 # Linears that read one input and share input_scale and the per-tensor weight scale in a format
 # that shares them (NVFP4's weight_scale_2): the fused ones, among them gate/up of a routed expert as an

@@ -17,7 +17,8 @@ Different patterns may give different formats (mixed precision: NVFP4 experts, F
 Module names are the Hugging Face module names (`model.layers.3.self_attn.q_proj`); a MoE
 layer's routed experts are one module (`model.layers.3.mlp.experts`). A family whose attention is
 named otherwise gives it its `self_attn` name too (Nemotron-H's `backbone.layers.3.mixer.q_proj` is
-also `backbone.layers.3.self_attn.q_proj`: eprt.families.recipe_names), so `*.self_attn.*` means the
+also `backbone.layers.3.self_attn.q_proj`, DeepSeek-V4's `model.layers.3.attn.wq_a` also
+`model.layers.3.self_attn.wq_a`: eprt.families.recipe_names), so `*.self_attn.*` means the
 attention in every family. Whatever a recipe says, a family's never-quantized modules (embeddings,
 lm_head, routers, ...) stay unquantized.
 

@@ -38,4 +38,7 @@ FAMILY = Family(
     # its MTP layers (the release's `mtp.K.`) run on the model's own embedding (their `decoder_parts`)
     mtp_model=model.DeepseekV4MTP,
     mtp_prefix=layout.mtp_prefix,
+    # Its attention is `attn`: the Linears vLLM's DeepSeek-V4 builds quantizable (wq_a and wkv fused,
+    # wq_b, wo_b, the indexer's wq_b) answer to the shipped recipes' `*.self_attn.*` too.
+    recipe_aliases=((r"(.*\.)attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)", r"\1self_attn.\2"),),
 )
