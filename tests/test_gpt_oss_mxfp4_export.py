@@ -1,0 +1,148 @@
+"""GPT-OSS exported in its release's own MXFP4 layout (`--format mxfp4`, recipe mxfp4_experts_only):
+the routed experts as `gate_up_proj_blocks`/`_scales` and `down_proj_blocks`/`_scales` (gate and up
+interleaved), everything else as the source stores it, config.json with the release's
+quantization_config: what vLLM's GPT-OSS class loads as it loads the release."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from eprt.errors import ConfigError
+from eprt.hf.check_engine_quirks import engine_warnings
+from eprt.hf.check_export import check_export
+from eprt.hf.convert import convert_hf
+from eprt.hf.export import export_hf
+from eprt.parallel.state import ParallelState
+from eprt.quant.run.ptq import PTQArgs, run_ptq
+from eprt.storage.encodings import without_quantization
+from eprt.storage.mxfp4_blocks import RELEASE_QUANTIZATION_CONFIG, decode_mxfp4_blocks
+from eprt.testing.tiny import make_tiny, released
+from tests.formats_helpers import fake_quantized_model
+from tests.hf_utils import raw, read_hf_tensors
+
+FAMILY, LAYERS, RECIPE = "gpt_oss", 2, "mxfp4_experts_only"
+EXPERTS = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+STACKS = [f"{m}.{p}" for m in EXPERTS for p in ("gate_up_proj", "down_proj")]
+
+
+def calibrated(ck: str, q: str, algorithm: str) -> str:
+    run_ptq(
+        ParallelState.single(), PTQArgs(ck, RECIPE, q, calib_size=2, seq_len=16, algorithm=algorithm, progress=False)
+    )
+    return q
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(release dir, its eprt checkpoint): the tiny model as GPT-OSS is released (bf16, MXFP4 experts)."""
+    d = tmp_path_factory.mktemp("gpt_oss_release")
+    hf = make_tiny(FAMILY, str(d / "hf"), dtype="bf16", **released(FAMILY))
+    return hf, convert_hf(hf, str(d / "ck"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    """(bf16 dir, its checkpoint, that checkpoint calibrated with gptq)."""
+    d = tmp_path_factory.mktemp("gpt_oss_bf16")
+    hf = make_tiny(FAMILY, str(d / "hf"), dtype="bf16")
+    ck = convert_hf(hf, str(d / "ck"), progress=False)
+    return hf, ck, calibrated(ck, str(d / "q"), "gptq")
+
+
+def test_the_release_calibrated_with_max_is_the_release_byte_for_byte(release, tmp_path):
+    """The release's expert values lie on the MXFP4 grid: max gives them back, in the release's
+    bytes (each block under the release's own scale), and every other tensor and the config as the
+    release has them. The export passes eprt-check against the release, with no engine warning."""
+    hf, ck = release
+    out = export_hf(calibrated(ck, str(tmp_path / "q"), "max"), str(tmp_path / "out"), fmt="mxfp4", progress=False)
+    source, ours = read_hf_tensors(hf), read_hf_tensors(out)
+    assert set(ours) == set(source)
+    assert {n for n in source if n.endswith(("_blocks", "_scales"))} == {
+        f"{s}_{c}" for s in STACKS for c in ("blocks", "scales")
+    }
+    for name, t in source.items():
+        assert ours[name].dtype == t.dtype and raw(ours[name]) == raw(t), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config == json.loads(open(f"{hf}/config.json").read())
+    assert check_export(out, hf) == [] and engine_warnings(out) == []
+
+
+def test_gptq_from_bf16_decodes_to_eprts_own_fake_quantized_weights(bf16, tmp_path):
+    """A bf16 GPT-OSS calibrated with gptq: each stack of blocks decodes, by eprt's reader of the
+    release and by transformers' (the outside oracle), to the weights of eprt's fake-quantized model,
+    gate and up interleaved as the release interleaves them; the rest is the source's, the config
+    the source's with the release's quantization_config."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    hf, ck, q = bf16
+    out = export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
+    assert check_export(out, hf) == [] and engine_warnings(out) == []
+    source, ours = read_hf_tensors(hf), read_hf_tensors(out)
+    assert set(ours) == (set(source) - set(STACKS)) | {f"{s}_{c}" for s in STACKS for c in ("blocks", "scales")}
+    for name in set(source) - set(STACKS):
+        assert raw(ours[name]) == raw(source[name]), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config == {
+        **without_quantization(json.loads(open(f"{hf}/config.json").read())),
+        "quantization_config": RELEASE_QUANTIZATION_CONFIG,
+    }
+    model, _, _, undo = fake_quantized_model(ck, q, torch.float32)
+    undo()
+    for stack in STACKS:
+        module, leaf = stack.rsplit(".", 1)
+        blocks, scales = ours[f"{stack}_blocks"], ours[f"{stack}_scales"]
+        decoded = decode_mxfp4_blocks(blocks, scales).float()  # [E, out, in], the release's row order
+        theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+        assert torch.equal(decoded, theirs), stack
+        experts = model.get_submodule(module)
+        if leaf == "gate_up_proj":  # gate at the even rows, up at the odd: eprt holds gate's rows, then up's
+            want = experts.w13.detach()
+            decoded = torch.cat([decoded[:, 0::2], decoded[:, 1::2]], dim=1)
+        else:
+            want = experts.w2.detach()
+        assert torch.equal(decoded, want.float()), stack
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4_experts_only"])
+def test_anything_but_mxfp4_experts_is_refused_by_name(bf16, tmp_path, recipe):
+    hf, ck, _ = bf16
+    q = str(tmp_path / "q")
+    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, calib_size=2, seq_len=16, progress=False))
+    with pytest.raises(ConfigError, match=rf"model\.layers\.0\.\S+ .* --format mxfp4 .*--recipe {RECIPE}"):
+        export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_family_is_refused(tmp_path):
+    hf = make_tiny("qwen3_moe", str(tmp_path / "hf"), dtype="bf16")
+    q = calibrated(convert_hf(hf, str(tmp_path / "ck"), progress=False), str(tmp_path / "q"), "max")
+    with pytest.raises(ConfigError, match="GPT-OSS's release layout.*qwen3_moe"):
+        export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
+
+
+def test_the_checker_names_what_vllm_would_not_load(release, tmp_path):
+    """Blocks missing their scales, a NaN scale, and the experts listed as not converted."""
+    hf, ck = release
+    out = export_hf(calibrated(ck, str(tmp_path / "q"), "max"), str(tmp_path / "out"), fmt="mxfp4", progress=False)
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    tensors = read_hf_tensors(str(broken))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    tensors["model.layers.0.mlp.experts.gate_up_proj_scales"][0, 0, 0] = 255
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    (broken / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
+    (broken / "model.safetensors.index.json").unlink(missing_ok=True)
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp.experts")
+    (broken / "config.json").write_text(json.dumps(config))
+    problems = check_export(str(broken))
+    assert any(p.startswith("model.layers.1.mlp.experts.down_proj_scales: missing") for p in problems), problems
+    assert any(p.startswith("model.layers.0.mlp.experts.gate_up_proj_scales: 1 scales are 255") for p in problems)
+    assert any(
+        p.startswith("model.layers.0.mlp.experts: matched by quantization_config.modules_to_not_convert")
+        for p in problems
+    )
+    assert len(problems) == 3, "\n".join(problems)
