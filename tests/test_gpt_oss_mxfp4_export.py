@@ -105,6 +105,22 @@ def test_gptq_from_bf16_decodes_to_eprts_own_fake_quantized_weights(bf16, tmp_pa
         assert torch.equal(decoded, want.float()), stack
 
 
+def test_the_engine_checks_reference_reads_the_layout(bf16, tmp_path):
+    """bench/engine_check.py's reference, from the numerics docs/engine-check.md states: each stack
+    of blocks as transformers' bf16 `P` [E, in, out], which its dequantization gives, and no scales left."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from bench.engine_reference import read_export
+
+    _, _, q = bf16
+    out = export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
+    ours = read_hf_tensors(out)
+    weights, modules = read_export(out)
+    assert modules == {} and set(weights) == {n.removesuffix("_blocks") for n in ours if not n.endswith("_scales")}
+    for stack in STACKS:
+        want = mxfp4.convert_moe_packed_tensors(ours[f"{stack}_blocks"], ours[f"{stack}_scales"], dtype=torch.bfloat16)
+        assert torch.equal(weights[stack], want), stack
+
+
 @pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4_experts_only"])
 def test_anything_but_mxfp4_experts_is_refused_by_name(bf16, tmp_path, recipe):
     hf, ck, _ = bf16
@@ -146,3 +162,19 @@ def test_the_checker_names_what_vllm_would_not_load(release, tmp_path):
         for p in problems
     )
     assert len(problems) == 3, "\n".join(problems)
+
+
+def test_one_command_from_the_release_to_its_layout(release, tmp_path):
+    """`eprt-quantize HF_DIR OUT --recipe mxfp4_experts_only --format mxfp4`: the recipe takes no
+    statistic, but the layout is written from the model (converted, calibrated with max), not
+    streamed: the release back, byte for byte, with a card that says the layout and vLLM."""
+    from eprt.commands.quantize import quantize
+
+    hf, _ = release
+    out = str(tmp_path / "out")
+    args = [hf, out, "--recipe", RECIPE, "--format", "mxfp4", "--calib", "builtin", "--calib-size", "2"]
+    assert quantize([*args, "--seq-len", "16", "--eval-size", "0", "--quiet"]) == 0
+    source, ours = read_hf_tensors(hf), read_hf_tensors(out)
+    assert set(ours) == set(source) and all(raw(ours[n]) == raw(source[n]) for n in source)
+    card = open(f"{out}/README.md").read()
+    assert "GPT-OSS release's MXFP4 layout" in card and "vllm serve" in card
