@@ -20,7 +20,7 @@ from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.encodings import without_quantization
 from eprt.storage.mxfp4_blocks import RELEASE_QUANTIZATION_CONFIG, decode_mxfp4_blocks
 from eprt.testing.tiny import make_tiny, released
-from tests.formats_helpers import fake_quantized_model
+from tests.formats_helpers import ct_scheme, decompressed, fake_quantized_model
 from tests.hf_utils import raw, read_hf_tensors
 
 FAMILY, LAYERS, RECIPE = "gpt_oss", 2, "mxfp4_experts_only"
@@ -29,9 +29,10 @@ STACKS = [f"{m}.{p}" for m in EXPERTS for p in ("gate_up_proj", "down_proj")]
 
 
 def calibrated(ck: str, q: str, algorithm: str) -> str:
-    run_ptq(
-        ParallelState.single(), PTQArgs(ck, RECIPE, q, calib_size=2, seq_len=16, algorithm=algorithm, progress=False)
-    )
+    """`ck` calibrated under the recipe; GPTQ on every expert that a token reaches (the tiny run's few
+    tokens are under the default minimum, below which an expert keeps max's codes)."""
+    args = PTQArgs(ck, RECIPE, q, calib_size=2, seq_len=16, algorithm=algorithm, gptq_min_tokens=1, progress=False)
+    run_ptq(ParallelState.single(), args)
     return q
 
 
@@ -45,11 +46,12 @@ def release(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
-    """(bf16 dir, its checkpoint, that checkpoint calibrated with gptq)."""
+    """(bf16 dir, its checkpoint, that checkpoint calibrated with gptq, its export under max)."""
     d = tmp_path_factory.mktemp("gpt_oss_bf16")
     hf = make_tiny(FAMILY, str(d / "hf"), dtype="bf16")
     ck = convert_hf(hf, str(d / "ck"), progress=False)
-    return hf, ck, calibrated(ck, str(d / "q"), "gptq")
+    by_max = export_hf(calibrated(ck, str(d / "max"), "max"), str(d / "max-out"), fmt="mxfp4", progress=False)
+    return hf, ck, calibrated(ck, str(d / "q"), "gptq"), read_hf_tensors(by_max)
 
 
 def test_the_release_calibrated_with_max_is_the_release_byte_for_byte(release, tmp_path):
@@ -70,13 +72,17 @@ def test_the_release_calibrated_with_max_is_the_release_byte_for_byte(release, t
     assert check_export(out, hf) == [] and engine_warnings(out) == []
 
 
-def test_gptq_from_bf16_decodes_to_eprts_own_fake_quantized_weights(bf16, tmp_path):
-    """A bf16 GPT-OSS calibrated with gptq: each stack of blocks decodes, by eprt's reader of the
-    release and by transformers' (the outside oracle), to the weights of eprt's fake-quantized model,
-    gate and up interleaved as the release interleaves them; the rest is the source's, the config
-    the source's with the release's quantization_config."""
+@pytest.mark.parametrize("algorithm", ["gptq", "mse", "awq+gptq"])
+def test_a_bf16_calibration_decodes_to_eprts_own_quantized_weights(bf16, tmp_path, algorithm):
+    """A bf16 GPT-OSS calibrated with each algorithm: each stack of blocks decodes, by eprt's reader of
+    the release and by transformers' (the outside oracle), gate and up interleaved as the release
+    interleaves them, to the weights the compressed-tensors library decompresses from the
+    compressed-tensors export of the same checkpoint, expert by expert (GPTQ's codes, not max's) and,
+    where no algorithm chose the codes, to eprt's own fake-quantized model's; the rest is the source's,
+    the config the source's with the release's quantization_config."""
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
-    hf, ck, q = bf16
+    hf, ck, q, by_max = bf16
+    q = q if algorithm == "gptq" else calibrated(ck, str(tmp_path / "q"), algorithm)
     out = export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
     assert check_export(out, hf) == [] and engine_warnings(out) == []
     source, ours = read_hf_tensors(hf), read_hf_tensors(out)
@@ -88,21 +94,31 @@ def test_gptq_from_bf16_decodes_to_eprts_own_fake_quantized_weights(bf16, tmp_pa
         **without_quantization(json.loads(open(f"{hf}/config.json").read())),
         "quantization_config": RELEASE_QUANTIZATION_CONFIG,
     }
-    model, _, _, undo = fake_quantized_model(ck, q, torch.float32)
-    undo()
+    if algorithm != "mse":  # the algorithm chose other codes than max's
+        assert any(not torch.equal(ours[f"{s}_blocks"], by_max[f"{s}_blocks"]) for s in STACKS)
+    ct = export_hf(q, str(tmp_path / "ct"), fmt="compressed-tensors", progress=False)
+    scheme, compressor = ct_scheme(ct)
+    ct_tensors = read_hf_tensors(ct)
+    model = None
+    if algorithm == "mse":
+        model, _, _, undo = fake_quantized_model(ck, q, torch.float32)
+        undo()
     for stack in STACKS:
         module, leaf = stack.rsplit(".", 1)
         blocks, scales = ours[f"{stack}_blocks"], ours[f"{stack}_scales"]
         decoded = decode_mxfp4_blocks(blocks, scales).float()  # [E, out, in], the release's row order
         theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
         assert torch.equal(decoded, theirs), stack
-        experts = model.get_submodule(module)
-        if leaf == "gate_up_proj":  # gate at the even rows, up at the odd: eprt holds gate's rows, then up's
-            want = experts.w13.detach()
-            decoded = torch.cat([decoded[:, 0::2], decoded[:, 1::2]], dim=1)
-        else:
-            want = experts.w2.detach()
-        assert torch.equal(decoded, want.float()), stack
+        pieces = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        for e in range(decoded.shape[0]):
+            for k, piece in enumerate(pieces):  # gate at the even rows, up at the odd
+                want = decompressed(ct_tensors, f"{module}.{e}.{piece}", scheme, compressor).float()
+                assert torch.equal(decoded[e, k :: len(pieces)], want), (stack, e, piece)
+        if model is not None:  # eprt's experts hold gate's rows, then up's
+            experts = model.get_submodule(module)
+            held = experts.w13 if leaf == "gate_up_proj" else experts.w2
+            ordered = torch.cat([decoded[:, k :: len(pieces)] for k in range(len(pieces))], dim=1)
+            assert torch.equal(ordered, held.detach().float()), stack
 
 
 def test_the_engine_checks_reference_reads_the_layout(bf16, tmp_path):
@@ -111,7 +127,7 @@ def test_the_engine_checks_reference_reads_the_layout(bf16, tmp_path):
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     from bench.engine_reference import read_export
 
-    _, _, q = bf16
+    q = bf16[2]
     out = export_hf(q, str(tmp_path / "out"), fmt="mxfp4", progress=False)
     ours = read_hf_tensors(out)
     weights, modules = read_export(out)
@@ -123,7 +139,7 @@ def test_the_engine_checks_reference_reads_the_layout(bf16, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4_experts_only"])
 def test_anything_but_mxfp4_experts_is_refused_by_name(bf16, tmp_path, recipe):
-    hf, ck, _ = bf16
+    hf, ck, *_ = bf16
     q = str(tmp_path / "q")
     run_ptq(ParallelState.single(), PTQArgs(ck, recipe, q, calib_size=2, seq_len=16, progress=False))
     with pytest.raises(ConfigError, match=rf"model\.layers\.0\.\S+ .* --format mxfp4 .*--recipe {RECIPE}"):

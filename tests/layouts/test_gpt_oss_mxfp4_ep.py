@@ -26,7 +26,10 @@ def calibrate_and_export(ck: str, root: str, ep: int, port: int) -> None:
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
         name = f"w{state.world}-ep{ep}"
         q = os.path.join(root, name)
-        args = PTQArgs(ck, "mxfp4_experts_only", q, calib_size=6, seq_len=16, algorithm="gptq", progress=False)
+        # GPTQ on every expert a token reaches: the tiny run's are under the default minimum
+        args = PTQArgs(
+            ck, "mxfp4_experts_only", q, calib_size=6, seq_len=16, algorithm="gptq", gptq_min_tokens=1, progress=False
+        )
         run_ptq(state, args)
         out = os.path.join(root, f"out-{name}")
         export_hf(q, out, fmt="mxfp4", max_shard_bytes=SHARD_BYTES, progress=False, parallel=state)
