@@ -1,5 +1,6 @@
 """Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
-loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors).
+loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors; GPT-OSS's release
+layout, quant_method mxfp4: eprt.hf.check_mxfp4_blocks).
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
 key at fault; an empty list means the export passed. Only headers and scale tensors are read,
