@@ -90,12 +90,15 @@ def blocks_tensors(spec: TensorSpec, row: Callable[[int], dict[str, torch.Tensor
     kept: dict[str, torch.Tensor] = {}
 
     def part(leaf: str) -> torch.Tensor:
-        """One of the two, both quantized in one pass over the experts and each handed out once."""
+        """One of the two, both quantized in one pass over the experts, filled in place expert by
+        expert (no second copy of the stack), and each handed out once."""
         if not kept:
-            rows = [row(e) for e in range(E)]
-            for k, shape in (("weight", blocks_shape), ("weight_scale", scales_shape)):
-                # the release's row order: gate and up alternating
-                kept[k] = spec.interleave(torch.stack([r[k] for r in rows]).reshape(shape)).contiguous()
+            kept.update(weight=torch.empty(blocks_shape, dtype=torch.uint8))
+            kept.update(weight_scale=torch.empty(scales_shape, dtype=torch.uint8))
+            for e in range(E):
+                for k, t in row(e).items():
+                    if k in kept:  # the release's row order: gate and up alternating
+                        kept[k][e] = spec.interleave(t.reshape(1, *kept[k].shape[1:]))[0]
         return kept.pop(leaf)
 
     return [
