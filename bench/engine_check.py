@@ -173,10 +173,11 @@ MAX_TOKENS = 8
 class Export:
     name: str
     recipe: str | None  # None: the unquantized checkpoint's export (the source layout)
-    layout: str  # "source", "modelopt" or "compressed-tensors"
+    layout: str  # "source", "modelopt", "compressed-tensors" or "mxfp4" (GPT-OSS's release layout)
     kv_cache: str | None = None  # eprt-ptq --kv-cache
     algorithm: str | None = None  # eprt-ptq --algorithm (default max)
     model_free: bool = False  # eprt-export HF_DIR OUT --recipe R: from the Hugging Face checkpoint, no model
+    family: str | None = None  # the one family whose release layout it is (the others have no such row)
 
 
 CT = "compressed-tensors"
@@ -193,6 +194,11 @@ NVFP4_A16 = (
 )
 NOT_RUN = {
     **dict.fromkeys(["fp8-block", "fp8-block-ct", "model-free-fp8-block"], BLOCK_FP8),
+    "mxfp4-release": (
+        "vLLM's one CPU MXFP4 MoE backend (CPUExpertsMxfp4) needs x86 AMX tiles; without them it finds none "
+        "('No MXFP4 MoE backend supports the deployment configuration': its emulation needs amd-quark), "
+        "for the release's own tiny checkpoint as for this export"
+    ),
     "fp8-channel": (
         "vLLM's ModelOpt FP8 MoE method (ModelOptFp8MoEMethod) takes per-tensor expert scales only: "
         "an FP8_PER_CHANNEL_PER_TOKEN expert's weight_scale [out] fails to load on every platform"
@@ -249,6 +255,8 @@ EXPORTS = [
     # rotations fused into the weights load unchanged (docs/rotation.md)
     Export("rotate-gptq-nvfp4", "nvfp4", "modelopt", algorithm="rotate+gptq"),
     Export("rotate-gptq-int4", "int4", CT, algorithm="rotate+gptq"),
+    # GPT-OSS's own release layout (--format mxfp4): its routed experts' MXFP4 blocks, as vLLM loads the release
+    Export("mxfp4-release", "mxfp4_experts_only", "mxfp4", family="gpt_oss"),
 ]
 
 # What each kernel vLLM may choose does with a module's input: (formats, module kind, semantics). The
@@ -505,7 +513,9 @@ def check(family: str, work: str, names: list[str], try_not_run: bool) -> list[d
     if family in FAMILY_NOT_RUN:
         emit(rows, {"family": family, "export": "-", "result": "not run", "reason": FAMILY_NOT_RUN[family]})
         return rows
-    comparable = [e.name for e in EXPORTS if not e.recipe or family not in QUANTIZED_NOT_COMPARED]
+    names = [e.name for e in EXPORTS if e.name in names and e.family in (None, family)]
+    # a release layout is the one vLLM loads a quantized family in
+    comparable = [e.name for e in EXPORTS if not e.recipe or e.family or family not in QUANTIZED_NOT_COMPARED]
     built = [n for n in names if (try_not_run or n not in NOT_RUN) and n in comparable]
     exports = build_exports(family, work, built)
     for ex in [e for e in EXPORTS if e.name in names]:

@@ -282,10 +282,29 @@ def read_module(module: str, leaf: str, t: torch.Tensor, tensors: dict[str, torc
     return None
 
 
+def release_mxfp4_stacks(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-OSS's release layout (quant_method mxfp4): each stack of experts P stored as `P_blocks`
+    [E, out, in/32, 16] and `P_scales` [E, out, in/32] (E2M1 x 2^(byte - 127) of its block of 32),
+    decoded to the bf16 `P` [E, in, out] transformers holds; the other tensors as they are."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in tensors:
+            continue
+        if name.endswith("_blocks"):
+            stack = name.removesuffix("_blocks")
+            scales = tensors[f"{stack}_scales"]
+            values = by_blocks(e2m1_codes(t.flatten(-2)), e8m0(scales))  # [E, out, in]
+            out[stack] = values.transpose(-2, -1).to(torch.bfloat16).contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def read_export(export: str) -> tuple[dict[str, torch.Tensor], dict[str, Module]]:
     """The export's tensors with each quantized Linear's weight dequantized to bf16 and its scales
-    dropped, and each quantized module, in either layout."""
-    tensors = read_tensors(export)
+    dropped, and each quantized module, in either layout (GPT-OSS's release layout: its stacks of
+    experts decoded whole, weight-only in the engine, so no module of their own)."""
+    tensors = release_mxfp4_stacks(read_tensors(export))
     weights, modules = {}, {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")

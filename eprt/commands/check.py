@@ -1,5 +1,6 @@
 """Check a quantized Hugging Face export against the layout vLLM and SGLang load: ModelOpt's
-(one format or MIXED_PRECISION), or compressed-tensors' when its config says so.
+(one format or MIXED_PRECISION), or compressed-tensors' when its config says so, or GPT-OSS's
+release layout (quant_method mxfp4: eprt.hf.check_mxfp4_blocks).
 
     eprt-check OUT [--source HF_DIR]                                    (or python tools/check_export.py)
 

@@ -1,7 +1,7 @@
 """Write an eprt checkpoint back in the Hugging Face layout (for a calibrated one, the ModelOpt or
 the compressed-tensors quantized layout). Under torchrun every rank writes its share of the shards.
 
-    eprt-export CKPT OUT [--format modelopt|compressed-tensors] [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
+    eprt-export CKPT OUT [--format modelopt|compressed-tensors|mxfp4] [--max-shard-size 5GB] [--dequantize] [--overwrite]   (or python tools/export_hf.py)
     eprt-export CKPT OUT --recipe fp8_block [--algorithm max|mse]   # quantize without calibration (a data-free recipe)
     torchrun --nproc-per-node N $(which eprt-export) CKPT OUT
     eprt-export HF_DIR OUT --recipe fp8_block [--workers N] [--dry-run]   # model-free: any Hugging Face checkpoint
@@ -37,10 +37,12 @@ def export() -> int:
     )
     ap.add_argument(
         "--format",
-        metavar="modelopt|compressed-tensors",
+        metavar="modelopt|compressed-tensors|mxfp4",
         help="a calibrated checkpoint, or with --recipe: the quantized layout, modelopt (hf_quant_config.json, "
         "quant_method modelopt) or compressed-tensors (llm-compressor's); default: modelopt where it holds "
-        "every format of the recipe, else compressed-tensors (INT4, W4A8, MXFP4)",
+        "every format of the recipe, else compressed-tensors (INT4, W4A8, MXFP4); mxfp4: GPT-OSS's release "
+        "layout (quant_method mxfp4), for its routed experts alone in MXFP4 (recipe mxfp4_experts_only), "
+        "which vLLM loads as it loads the release",
     )
     ap.add_argument(
         "--recipe",

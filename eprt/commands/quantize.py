@@ -70,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
     )
     what.add_argument(
         "--format",
-        choices=["modelopt", "compressed-tensors"],
-        help="the export's layout (default: modelopt where it holds the recipe, else compressed-tensors)",
+        choices=["modelopt", "compressed-tensors", "mxfp4"],
+        help="the export's layout (default: modelopt where it holds the recipe, else compressed-tensors; "
+        "mxfp4: GPT-OSS's release layout of its MXFP4 routed experts, recipe mxfp4_experts_only)",
     )
     what.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and the GPUs that run each")
     groups = {title: ap.add_argument_group(title) for title in ("calibration data", "algorithm", "ranks")}

@@ -31,6 +31,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.hf.export_quantized import holding_layout
 from eprt.hf.model_card import serve_commands
+from eprt.hf.mxfp4_blocks_export import NAME as MXFP4_LAYOUT
 from eprt.hf.serving import DEFAULT_RECIPE, check_target, describe_gpus, generation_of, gpus_needed
 from eprt.hf.streaming import stream_export
 from eprt.loading.resolved import ResolvedCheckpoint
@@ -68,8 +69,8 @@ class Run:
 
     @property
     def free(self) -> bool:
-        """Streamed, not calibrated (`streamed`)."""
-        return streamed(self.parsed, self.settings)
+        """Streamed, not calibrated (`streamed`); GPT-OSS's release layout is written from the model only."""
+        return streamed(self.parsed, self.settings) and self.a.format != MXFP4_LAYOUT
 
     @classmethod
     def of(cls, a: Namespace, ptq_args: list[str]) -> "Run":

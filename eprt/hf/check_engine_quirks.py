@@ -22,7 +22,7 @@ that counts a member's scale rows as rows // 128 leaves the last one unread (GLM
 kv_a_proj_with_mqa decoded to noise in an engine so).
 
 vLLM 0.32's GPT-OSS class loads quantized routed experts only as the release stores them (MXFP4
-`gate_up_proj_blocks`/`_scales`, quant_method mxfp4) or as Quark writes them: its loader maps
+`gate_up_proj_blocks`/`_scales`, quant_method mxfp4: what `--format mxfp4` writes, eprt.hf.mxfp4_blocks_export) or as Quark writes them: its loader maps
 per-expert tensors by the suffixes `gate_up_proj.weight`, `.weight_scale` and `.bias` alone, and
 the MoE methods of ModelOpt (FP8, NVFP4, MXFP8) and of compressed-tensors' float formats hold no
 expert biases, which GPT-OSS's experts have. An export with quantized GPT-OSS experts fails to load
@@ -41,6 +41,7 @@ import torch
 from eprt.hf.check_export import ct_formats, is_compressed_tensors
 from eprt.hf.check_files import read_json, read_tensors
 from eprt.hf.check_modelopt import SAME_INPUT, ModelOptModules
+from eprt.hf.check_mxfp4_blocks import is_mxfp4_blocks
 from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
 from eprt.quant.absorbed import absorbed_in_4_bit_inputs
 from eprt.quant.formats.e2m1 import E2M1_MAX
@@ -108,8 +109,9 @@ def unloaded_gpt_oss_experts(config: dict, formats: dict, layout: str) -> list[s
         f"{len(experts)} GPT-OSS routed expert projections are quantized ({experts[0]}, ...): vLLM 0.32's GPT-OSS "
         f"loader reads quantized experts only in the release's MXFP4 blocks or Quark's spelling, and its {layout} "
         "MoE methods either hold no expert biases (FP8, NVFP4, MXFP8: the load fails) or are reached by none of "
-        "the per-expert tensors (INT4: vLLM runs the model without its expert weights); serve it with an engine "
-        "that loads per-expert experts with their biases, or keep the routed experts unquantized for vLLM"
+        "the per-expert tensors (INT4: vLLM runs the model without its expert weights); for vLLM, quantize the "
+        "routed experts alone in MXFP4 (recipe mxfp4_experts_only) and export with --format mxfp4, the release's "
+        "layout, or serve it with an engine that loads per-expert experts with their biases"
     ]
 
 
@@ -122,7 +124,7 @@ def engine_warnings(out_dir) -> list[str]:
     problems: list[str] = []
     config = read_json(out / CONFIG, problems)
     tensors = read_tensors(out, problems)
-    if problems or not tensors:
+    if problems or not tensors or is_mxfp4_blocks(config):  # the release's layout: loaded as the release is
         return []
     warnings = []
     if is_compressed_tensors(config):

@@ -1,5 +1,6 @@
 """Check a quantized Hugging Face export (docs/export.md) for what vLLM's and SGLang's modelopt
-loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors).
+loaders rely on (a compressed-tensors export: eprt.hf.check_compressed_tensors; GPT-OSS's release
+layout, quant_method mxfp4: eprt.hf.check_mxfp4_blocks).
 
 `check_export(out_dir)` returns one line per violation, each naming the tensor, module or config
 key at fault; an empty list means the export passed. Only headers and scale tensors are read,
@@ -30,6 +31,7 @@ from eprt.hf.check_compressed_tensors import check_compressed_tensors, stored_fo
 from eprt.hf.check_files import StoredTensor, read_json, read_tensors
 from eprt.hf.check_kv import KV_SCALES, check_kv_scales
 from eprt.hf.check_modelopt import ModelOptModules
+from eprt.hf.check_mxfp4_blocks import check_mxfp4_blocks, is_mxfp4_blocks
 from eprt.hf.check_names import KV_COMPANIONS, check_names, source_names_from_config, source_names_from_dir
 from eprt.hf.check_quant_config import MIXED, check_configs, quantized_layers
 from eprt.hf.check_scale_range import Scale, check_kv, check_linear
@@ -55,6 +57,11 @@ def check_export(out_dir, source_dir=None, library: bool = True) -> list[str]:
     config = read_json(out / CONFIG, problems)
     if (out / QUALITY).exists():  # the PTQ quality report: engines ignore it, but it must be what it says
         read_json(out / QUALITY, problems)
+    if is_mxfp4_blocks(config):
+        tensors = read_tensors(out, problems)
+        if tensors:
+            check_mxfp4_blocks(config, tensors, source_dir, problems)
+        return problems
     if is_compressed_tensors(config):
         tensors = read_tensors(out, problems)
         check_compressed_tensors(config, tensors, _source_names(config, source_dir, problems), problems, library)

@@ -34,6 +34,7 @@ from eprt.storage.safetensors_io import SafetensorsFile
 SCALE_LEAVES = {
     leaf for f in WEIGHT_FORMATS.values() for leaves in (f.modelopt_leaves, tuple(f.ct_leaves)) for leaf in leaves[1:]
 } | set(KV_SCALES)
+MXFP4_SCALES = "_scales"
 SMALL_INTS = 8  # an integer "scale" leaf this small is read whole: a packed weight's weight_shape
 
 
@@ -145,7 +146,8 @@ def _read_shard(path: Path, tensors: dict[str, StoredTensor], problems: list[str
             piece = f.get_slice(name)
             t = StoredTensor(piece.get_dtype(), tuple(piece.get_shape()))
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in SCALE_LEAVES:
+            # the named scales of the formats, and the E8M0 scales of MXFP4 blocks (`P_scales`)
+            if leaf in SCALE_LEAVES or leaf.endswith(MXFP4_SCALES):
                 if t.dtype in ("I32", "I64") and math.prod(t.shape) <= SMALL_INTS:
                     t.ints = tuple(int(v) for v in values.read(name).reshape(-1).tolist())
                 if math.prod(t.shape) == 1:  # a per-tensor scale, or a grid of one block (both checked as a grid)

@@ -21,6 +21,8 @@ from eprt.hf.check_engine_quirks import engine_warnings
 from eprt.hf.check_export import check_export
 from eprt.hf.export_quantized import QuantizedExport
 from eprt.hf.model_card import base_model_id, model_card
+from eprt.hf.mxfp4_blocks_export import NAME as MXFP4_LAYOUT
+from eprt.hf.mxfp4_blocks_export import quantization_config as mxfp4_blocks_config
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import cpu_workers
 from eprt.parallel import ParallelState, fail_together, write_together
@@ -257,6 +259,8 @@ def write_configs(
     if exp and exp.target == "modelopt":
         config, hf_quant = exp.configs()
         write_json(os.path.join(tmp, QUANT_CONFIG), hf_quant)
+    elif exp and exp.target == MXFP4_LAYOUT:
+        config = mxfp4_blocks_config(ck.source_config)
     elif exp:
         config = exp.ct_config()
     else:

@@ -20,6 +20,7 @@ import torch
 from eprt.errors import ConfigError
 from eprt.families import reader_for
 from eprt.hf import compressed_tensors_export as ct
+from eprt.hf import mxfp4_blocks_export as mx
 from eprt.hf.quant_configs import QuantizedLinears, ct_config, modelopt_configs
 from eprt.hf.tensors import OutTensor, source_tensors
 from eprt.kernels.cpu_workers import for_each, worker_count
@@ -33,6 +34,7 @@ from eprt.quant.recipe import Recipe, parse_recipe
 from eprt.quant.rotation.rotated import RotatedCheckpoint
 from eprt.quant.scales import Scales, as_quantized
 from eprt.storage.checkpoint import Checkpoint
+from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS
 
 # Expert rows quantized at once: at least one a CPU worker, up to this many weights. At the end
 # of a batch the first worker done waits for the last: batches of 32M weights (64 MiB in bf16;
@@ -51,6 +53,8 @@ class ExpertWeight:
 
 
 LAYOUTS = ("modelopt", ct.NAME)  # the layouts an export is written in (`--format`)
+# and the one a modeled export also writes: GPT-OSS's release layout of its MXFP4 experts
+MODELED_LAYOUTS = (*LAYOUTS, mx.NAME)
 
 
 def is_expert_weight(spec: TensorSpec) -> bool:
@@ -61,13 +65,13 @@ def is_expert_weight(spec: TensorSpec) -> bool:
 
 
 class QuantizedExport:
-    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (LAYOUTS),
+    """The tensors and configs of the export of calibrated checkpoint `ck` in `layout` (MODELED_LAYOUTS),
     or with `recipe`, of unquantized `ck` under that data-free recipe (eprt.quant.run.datafree): the
     same export as after its calibration, whose record holds nothing these formats read."""
 
     def __init__(self, ck: Checkpoint, layout: str | None = "modelopt", recipe: Recipe | None = None):
-        if layout not in (*LAYOUTS, None):
-            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(LAYOUTS)}")
+        if layout not in (*MODELED_LAYOUTS, None):
+            raise ConfigError(f"--format {layout!r}: choose one of {', '.join(MODELED_LAYOUTS)}")
         self.recipe = recipe or parse_recipe(ck.quantization["recipe"], f"{ck.path} (recipe)")
         # None: the layout that holds the recipe (`holding_layout`)
         self.ck, self.target = ck, layout or holding_layout(self.recipe.formats)
@@ -95,6 +99,9 @@ class QuantizedExport:
             )
         if layout == "modelopt":
             refuse_modelopt_layout(formats, ck.path)
+        if layout == mx.NAME:
+            fused = {s.name.rsplit(".", 1)[0] for s in self.specs if is_expert_weight(s) and s.fused}
+            mx.refuse_unheld(ck.config.model_type, formats, fused, self.recipe.kv_cache, ck.path)
         self.scales = Scales.of_checkpoint(
             ck,
             formats,
@@ -230,6 +237,8 @@ class QuantizedExport:
 
     # --- the whole export -------------------------------------------------------------------
     def tensors(self) -> list[OutTensor]:
+        if self.target == mx.NAME:
+            return self.mxfp4_blocks_tensors()
         out = []
         # from the decoded weights: an encoded source weight left unquantized is written in bf16
         for t in source_tensors(self.ck, self.layout, dequantize=True, per_expert=True):
@@ -254,6 +263,25 @@ class QuantizedExport:
                             OutTensor(f"{attn}.{kind}_proj.{kind}_scale", torch.float32, (), lambda s=kv.scale(a): s)
                         )
         return out
+
+    def mxfp4_blocks_tensors(self) -> list[OutTensor]:
+        """The tensors of the MXFP4 blocks layout (eprt.hf.mxfp4_blocks_export): the source's, fused as
+        it stores them, each quantized stack of experts as its blocks and scales."""
+        fused = {s.fused: s for s in self.specs if is_expert_weight(s) and s.name.rsplit(".", 1)[0] in self.quantized}
+        out = []
+        for t in source_tensors(self.ck, self.layout, dequantize=True):
+            if self.viewed:  # a folded or rotated tensor is not its stored bytes
+                t = dataclasses.replace(t, stored=None)
+            spec = fused.get(t.name)
+            out += [t] if spec is None else mx.blocks_tensors(spec, functools.partial(self.mxfp4_row, spec.name))
+        return out
+
+    def mxfp4_row(self, name: str, e: int) -> dict[str, torch.Tensor]:
+        """Expert e's quantized row of stacked `name`, under its MXFP4 source's scales where they hold it."""
+        row = self.quantized_row(name, name.rsplit(".", 1)[0], e)
+        if self.ck.meta(name).encoding != MXFP4_BLOCKS:
+            return row
+        return mx.keeping_source_scales(row, self.ck.read_component(name, "scales", (e, e + 1))[0])
 
     def linear_sets(self) -> tuple[set[str], set[str]]:
         """(quantized, unquantized) Linear-like modules under their Hugging Face names, each routed

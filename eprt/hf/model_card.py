@@ -12,7 +12,7 @@ import os
 import re
 
 import eprt
-from eprt.hf.serving import COMPRESSED_TENSORS, describe_gpus, engines_for, runs_on, served
+from eprt.hf.serving import LAYOUT_NAMES, MODELOPT, describe_gpus, engines_for, runs_on, served
 from eprt.quant.recipe import Recipe
 
 # a Hugging Face Hub repository id, and the cache directory that holds one (models--ORG--NAME)
@@ -39,7 +39,7 @@ def serve_commands(layout: str, formats: list[str], kv_cache: str | None, remote
         + (" --kv-cache-dtype fp8" if kv_cache == "fp8" else "")
         + (" --trust-remote-code" if trust else ""),
         "sglang": "python -m sglang.launch_server --model-path $MODEL --tp $GPUS --ep-size $GPUS"
-        + (" --quantization modelopt_fp4" if layout != COMPRESSED_TENSORS and "nvfp4" in formats else "")
+        + (" --quantization modelopt_fp4" if layout == MODELOPT and "nvfp4" in formats else "")
         + (" --kv-cache-dtype fp8_e4m3" if kv_cache == "fp8" else "")
         + (" --trust-remote-code" if trust else ""),
         "tensorrt-llm": "trtllm-serve $MODEL --backend pytorch --tp_size $GPUS --ep_size $GPUS"
@@ -72,7 +72,7 @@ def model_card(
         f"# {name}, {recipe.name}",
         "",
         f"{name} quantized by eprt {eprt.__version__} with the recipe `{recipe.name}` ({', '.join(formats)}{kv}), "
-        f"in the {'ModelOpt' if layout != COMPRESSED_TENSORS else 'compressed-tensors'} layout.",
+        f"in the {LAYOUT_NAMES[layout]} layout.",
         "",
         "## Formats",
         "",

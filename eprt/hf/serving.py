@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from eprt.errors import ConfigError
+from eprt.storage.mxfp4_blocks import MXFP4_BLOCKS
 
 GENERATIONS = ("ampere", "ada", "hopper", "blackwell")
 # GPU names a user may give as --target, by generation (matched without case, spaces or dashes)
@@ -27,6 +28,7 @@ GPUS = {
 GPU_MEMORY_GB = {"ampere": ("A100", 80), "ada": ("L40S", 48), "hopper": ("H200", 141), "blackwell": ("B200", 180)}
 ENGINES = ("vllm", "sglang", "tensorrt-llm")
 MODELOPT, COMPRESSED_TENSORS = "modelopt", "compressed-tensors"
+LAYOUT_NAMES = {MODELOPT: "ModelOpt", COMPRESSED_TENSORS: "compressed-tensors", MXFP4_BLOCKS: "GPT-OSS release's MXFP4"}
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ TABLE = (
         "E2M1 with an E8M0 scale per 32 elements, bf16 inputs; compressed-tensors layout only",
         ("blackwell",),
         (),
-        {COMPRESSED_TENSORS: ("vllm",)},
+        {COMPRESSED_TENSORS: ("vllm",), MXFP4_BLOCKS: ("vllm",)},
         "vLLM: the format Kimi-K3 ships its experts in",
     ),
 )

@@ -14,6 +14,16 @@ from eprt.errors import CheckpointError
 
 MXFP4_BLOCKS = "mxfp4"  # the encoding, and the manifest's name of its quantization_config
 BLOCK = 32  # elements per scale
+# GPT-OSS's release: what it keeps unquantized (attention, router, embedding, head), by vLLM's patterns
+RELEASE_QUANTIZATION_CONFIG = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": MXFP4_BLOCKS,
+}
 # E2M1 code -> value: bit 3 the sign, bits 0-2 the magnitude's index (OCP MX; the release's FP4_VALUES)
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TABLE = torch.tensor(_MAGNITUDES + tuple(-v for v in _MAGNITUDES), dtype=torch.float32)

@@ -21,6 +21,7 @@ from eprt.quant.formats.mxfp4 import quantize_mxfp4
 from eprt.storage.atomic import atomic_output_dir, copy_files, write_file
 from eprt.storage.encodings import component_names, expand_blocks, matches
 from eprt.storage.hf_files import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, shard_name, write_index, write_json
+from eprt.storage.mxfp4_blocks import RELEASE_QUANTIZATION_CONFIG
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny")  # package data
 TOKENIZER_FILES = [TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG]
@@ -386,15 +387,8 @@ SOURCE_FORMATS = {
         "quant_method": "fp8",
         "weight_block_size": None,
     },
-    "mxfp4-blocks": {  # GPT-OSS: its routed experts' weights in OpenAI's MXFP4 (eprt.storage.mxfp4_blocks)
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-        "quant_method": "mxfp4",
-    },
+    # GPT-OSS: its routed experts' weights in OpenAI's MXFP4 (eprt.storage.mxfp4_blocks)
+    "mxfp4-blocks": RELEASE_QUANTIZATION_CONFIG,
     "mxfp8": {  # MiniMax-M3: blocks of 1x32, each scale an E8M0 exponent (weight_scale_inv uint8)
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
