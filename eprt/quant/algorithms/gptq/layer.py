@@ -283,7 +283,7 @@ class LayerGPTQ:
                 h = self.hessians[m].hessian()
                 if m in self.crosses:
                     aim = input_error_aim(aim, h, self.crosses[m].hessian(), p.damp)
-                q = gptq(aim[None], h[None], cols, block=p.block, damp=p.damp)
+                q = gptq(aim[None], h[None], cols, block=p.block, damp=p.damp, actorder=p.actorder)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -324,7 +324,9 @@ class LayerGPTQ:
                     aim = torch.stack(
                         [input_error_aim(aims[l], sums[l][k].hessian(), crosses[l][k].hessian(), p.damp) for l in ids]
                     )
-                q = gptq(aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
+                q = gptq(
+                    aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp, actorder=p.actorder
+                )
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
