@@ -1,5 +1,5 @@
-"""GPTQ's `actorder` (eprt.quant.algorithms.gptq.solve.gptq): the columns swept by descending Hessian
-diagonal, each rounded under its own block's scale, so that the export keeps its layout (no index of
+"""GPTQ's `actorder`, its default (eprt.quant.algorithms.gptq.solve.gptq): the columns swept by
+descending Hessian diagonal, each rounded under its own block's scale, so that the export keeps its layout (no index of
 each column's group), decodes with compressed-tensors, and stays the same bytes at every layout."""
 
 from datetime import timedelta
@@ -12,7 +12,7 @@ from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.gptq.solve import columns_of, gptq
-from eprt.quant.algorithms.registry import parse_algorithm
+from eprt.quant.algorithms.registry import GPTQParams, parse_algorithm
 from eprt.quant.formats.int4 import dequantize_int4
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
@@ -22,9 +22,9 @@ from tests.hf_utils import read_hf_tensors
 from tests.multiproc import run_world
 from tests.test_gptq import correlated_inputs
 
-RECIPE = """name: int4_g32_actorder
+IN_ORDER = """name: int4_g32_in_order
 quantize:
-  - {pattern: "*", format: int4_g32, algorithm: {gptq: {actorder: true}}}
+  - {pattern: "*", format: int4_g32, algorithm: {gptq: {actorder: false}}}
 kv_cache: null
 """
 CALIB = dict(calib_size=24, seq_len=64, progress=False, gptq_min_tokens=300)
@@ -84,41 +84,43 @@ def test_dead_columns_are_zero_and_the_rest_ordered():
     assert (q[0][:, dead] == 0).all() and (q[0][:, [0, 2, 63]] != 0).any()
 
 
-def test_the_parameter_is_a_boolean_and_recorded_only_where_set():
-    assert parse_algorithm({"gptq": {"actorder": True}}, "rule") == ("gptq", (("gptq", (("actorder", True),)),))
-    assert parse_algorithm({"gptq": {"actorder": False}}, "rule") == ("gptq", ())
-    assert parse_algorithm(["awq", {"gptq": {"actorder": True}}], "rule")[0] == "awq+gptq"
+def test_the_order_is_the_default_and_a_rule_may_turn_it_off():
+    assert GPTQParams().actorder
+    assert parse_algorithm({"gptq": {"actorder": True}}, "rule") == ("gptq", ())
+    assert parse_algorithm({"gptq": {"actorder": False}}, "rule") == ("gptq", (("gptq", (("actorder", False),)),))
+    assert parse_algorithm(["awq", {"gptq": {"actorder": False}}], "rule")[0] == "awq+gptq"
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gptq_actorder")
     hf = make_tiny("qwen3_moe", str(root / "hf"), dtype="bf16")
-    recipe = root / "recipe.yaml"
-    recipe.write_text(RECIPE)
+    recipe = root / "in_order.yaml"
+    recipe.write_text(IN_ORDER)
     return hf, convert_hf(hf, str(root / "ck"), progress=False), str(recipe)
 
 
-def _calibrate(ck: str, recipe: str, out: str, ep: int) -> None:
+def _calibrate(ck: str, out: str, ep: int) -> None:
     with ParallelState.from_env(ep=ep, timeout=timedelta(seconds=60)) as state:
-        run_ptq(state, PTQArgs(ck, recipe, out, algorithm="gptq", batch_size=2, **CALIB))
+        run_ptq(state, PTQArgs(ck, "int4_g32", out, algorithm="gptq", batch_size=2, **CALIB))
 
 
 def test_the_export_is_the_same_bytes_at_every_layout_and_decodes_with_compressed_tensors(tiny, tmp_path):
-    """(world, ep) (1, 1) and (2, 2): the same export bytes; not plain GPTQ's; and the library
-    decompresses every quantized module (routed experts included) from the export's own tensors,
-    with no g_idx among them, to eprt's values of its codes."""
-    _, ck, recipe = tiny
+    """GPTQ in its default order at (world, ep) (1, 1) and (2, 2): the same export bytes; not those
+    of the columns in their order (`actorder: false`); and the library decompresses every quantized
+    module (routed experts included) from the export's own tensors, with no g_idx among them, to
+    eprt's values of its codes."""
+    _, ck, in_order = tiny
     one = str(tmp_path / "w1")
-    run_ptq(ParallelState.single(), PTQArgs(ck, recipe, one, algorithm="gptq", batch_size=3, **CALIB))
-    run_world(_calibrate, 2, ck, recipe, str(tmp_path / "w2"), 2, timeout=200)
+    run_ptq(ParallelState.single(), PTQArgs(ck, "int4_g32", one, algorithm="gptq", batch_size=3, **CALIB))
+    run_world(_calibrate, 2, ck, str(tmp_path / "w2"), 2, timeout=200)
     exports = [
         export_hf(q, str(tmp_path / f"export-{i}"), progress=False, fmt="compressed-tensors")
         for i, q in enumerate((one, str(tmp_path / "w2")))
     ]
     assert same_files(exports[0], exports[1])
     plain = str(tmp_path / "plain")
-    run_ptq(ParallelState.single(), PTQArgs(ck, "int4_g32", plain, algorithm="gptq", batch_size=3, **CALIB))
+    run_ptq(ParallelState.single(), PTQArgs(ck, in_order, plain, algorithm="gptq", batch_size=3, **CALIB))
     plain_ct = export_hf(plain, str(tmp_path / "export-plain"), progress=False, fmt="compressed-tensors")
     assert not same_files(exports[0], plain_ct)
 

@@ -43,8 +43,8 @@ class GPTQParams:
     # quantizes them (GPTAQ's asymmetric calibration): for formats that quantize inputs (NVFP4 W4A4)
     quantized_inputs: bool = False
     # sweep the columns by descending Hessian diagonal, each under its own block's scale (llm-compressor's
-    # "static" activation order): the export's layout and bytes per column are as without it
-    actorder: bool = False
+    # "static" activation order; false: in their order): the export's layout is the same either way
+    actorder: bool = True
 
 
 @dataclass(frozen=True)

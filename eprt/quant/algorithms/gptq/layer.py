@@ -289,11 +289,13 @@ class LayerGPTQ:
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
                 aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
-                p = run.params[m]
-                h = self.hessians[m].hessian()
+                p, hs = run.params[m], self.hessians[m]
                 if m in self.crosses:
-                    aim = input_error_aim(aim, h, self.crosses[m].hessian(), p.damp)
-                q = gptq(aim[None], h[None], cols, block=p.block, damp=p.damp, actorder=p.actorder)
+                    aim = input_error_aim(aim, hs.hessian(), self.crosses[m].hessian(), p.damp)
+                # the fp64 Hessian made as it is factored, held by the solve alone (as the experts')
+                q = gptq(
+                    aim[None], (hs.hessian() for _ in range(1)), cols, block=p.block, damp=p.damp, actorder=p.actorder
+                )
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:

@@ -20,7 +20,7 @@ lazy-batch blocks of 128, each column rounded and its error spread over the colu
 rounded. It computes in fp64. Each column is rounded in the export's numerics, with scales fixed
 from the original weight before the sweep (the format's `columns`, eprt.quant.formats): what GPTQ
 returns is exactly representable, and the export writes its codes beside the scales it computes
-anyway. With `actorder`, the sweep visits the columns by descending Hessian diagonal (the inputs
+anyway. With `actorder` (a rule's default, GPTQParams), the sweep visits the columns by descending Hessian diagonal (the inputs
 with the most energy first, while the most columns are left to take up their error), each weight
 of a stack in its own order; the scales stay those of the columns' own blocks (the "static" order:
 the export keeps its layout and needs no index of each column's group).
@@ -143,7 +143,8 @@ def gptq(
         if order is not None:
             # stable: columns of equal diagonal (the dead ones) keep their own order, at every layout
             order[b] = torch.argsort(torch.diag(h), descending=True, stable=True)
-            h, W[b] = h[order[b]][:, order[b]], W[b][:, order[b]]
+            # one copy of h, permuted both ways at once: the caller's is dropped as it is handed over
+            h, W[b] = h[order[b][:, None], order[b]], W[b][:, order[b]]
         dead = torch.diag(h) == 0
         W[b][:, dead] = 0.0
         Hinv[b] = _inverse_factor(h, dead, damp)
@@ -151,21 +152,22 @@ def gptq(
     if count != L:
         raise ValueError(f"GPTQ: {count} Hessians for a stack of {L} weights")
     Q = torch.zeros_like(W, dtype=torch.float32)
+    stack = torch.arange(L, device=W.device)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         W1, Hinv1 = W[:, :, i1:i2].clone(), Hinv[:, i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             w_col, d = W1[:, :, i], Hinv1[:, i, i]
-            q = cols.round(i1 + i if order is None else order[:, i1 + i], w_col)
-            Q[:, :, i1 + i] = q
+            if order is None:
+                q = Q[:, :, i1 + i] = cols.round(i1 + i, w_col)
+            else:  # each weight's column back in its own place
+                q = Q[stack, :, order[:, i1 + i]] = cols.round(order[:, i1 + i], w_col)
             err = (w_col - q.double()) / d[:, None]
             W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
             Err1[:, :, i] = err
         for b in range(W.shape[0]):
             W[b, :, i2:] -= Err1[b] @ Hinv[b, i1:i2, i2:]
-    if order is not None:  # each column back in its place
-        Q.scatter_(2, order[:, None, :].expand_as(Q), Q.clone())
     return Q
 
 
