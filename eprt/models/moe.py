@@ -143,7 +143,10 @@ class Experts(nn.Module):
         for e in range(self.count):
             one = {"gated": self.pieces.gated, "b_in": None if b_in is None else b_in[e : e + 1]}
             self.taps.every_expert(
-                e, x_sorted, unit_act(x_sorted, self.w_in[e : e + 1], self._act, rows_per_unit_U, **one)
+                e,
+                x_sorted,
+                unit_act(x_sorted, self.w_in[e : e + 1], self._act, rows_per_unit_U, **one),
+                rows_per_unit_U,
             )
 
 

@@ -37,8 +37,9 @@ class ExpertsTaps:
     # units(x_sorted, h_sorted, rows_per_unit_LU): the same rows as `Experts.forward_units` cut them,
     # by (local expert, work unit)
     units: Callable[[Tensor, Tensor, Tensor], None] | None = None
-    # every_expert(local expert, x_rows, h_rows): statistics-only rows (`Experts.observe_every_expert`)
-    every_expert: Callable[[int, Tensor, Tensor], None] | None = None
+    # every_expert(local expert, x_rows, h_rows, rows_per_unit_U): statistics-only rows
+    # (`Experts.observe_every_expert`), sorted by work unit, with each unit's row count
+    every_expert: Callable[[int, Tensor, Tensor, Tensor], None] | None = None
     # units_output(x_sorted, rows_per_unit_LU, y_sorted): each work unit's output, beside its rows as
     # received (before `input`)
     units_output: Callable[[Tensor, Tensor, Tensor], None] | None = None

@@ -42,6 +42,9 @@ class GPTQParams:
     # aim at what the weight computes from the inputs as they are, from the inputs as the engine
     # quantizes them (GPTAQ's asymmetric calibration): for formats that quantize inputs (NVFP4 W4A4)
     quantized_inputs: bool = False
+    # sweep the columns by descending Hessian diagonal, each under its own block's scale (llm-compressor's
+    # "static" activation order; false: in their order): the export's layout is the same either way
+    actorder: bool = True
 
 
 @dataclass(frozen=True)

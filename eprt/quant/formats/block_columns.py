@@ -23,6 +23,14 @@ import torch
 from eprt.quant.numerics import to_e4m3
 
 
+def column_block(t: torch.Tensor, j: int | torch.Tensor, width: int) -> torch.Tensor:
+    """[L, out] of t [L, out, blocks along a row]: the block of column j, j one column for the whole
+    stack or, where GPTQ sweeps each weight in its own order (`actorder`), a column per weight [L]."""
+    if isinstance(j, int):
+        return t[:, :, j // width]
+    return t[torch.arange(t.shape[0], device=t.device), :, j.to(t.device) // width]
+
+
 class BlockColumns:
     """GPTQ's columns of `fmt` (a ScaledByBlocks) for a stack of original weights w [L, out, in],
     each row of which holds `pieces` weights end to end."""
@@ -36,9 +44,9 @@ class BlockColumns:
         self.row_scales = torch.cat([fmt.row_scales(g, p.shape[-2]) for g, p in zip(self.grids, parts)], dim=-2)
         self.width = fmt.scale_width or w.shape[-1]  # columns under one scale of a row
 
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+    def round(self, j: int | torch.Tensor, col_LO: torch.Tensor) -> torch.Tensor:
         """fp32 [L, out]: column j's values as the export encodes and decodes them."""
-        s = self.row_scales[:, :, j // self.width].to(col_LO.device)
+        s = column_block(self.row_scales, j, self.width).to(col_LO.device)
         return self.fmt.round_quotient(col_LO.float() / s).mul_(s)
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:

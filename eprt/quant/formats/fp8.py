@@ -98,7 +98,7 @@ class Fp8Columns:
     def __init__(self, scales: torch.Tensor):
         self.scales = scales.float()
 
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
+    def round(self, j: int | torch.Tensor, col_LO: torch.Tensor) -> torch.Tensor:
         s = self.scales.to(col_LO.device)[:, None]
         return to_e4m3(col_LO.float() / s).float() * s  # `dequantize_fp8`'s product
 

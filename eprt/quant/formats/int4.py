@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from eprt.quant.formats.base import Tensors, WeightFormat
+from eprt.quant.formats.block_columns import column_block
 from eprt.quant.formats.e2m1 import pack_fp4, unpack_fp4
 from eprt.quant.numerics import CHUNK_ELEMENTS, FP32_TINY, check_finite, chunk_buffer, for_chunks, row_chunks
 
@@ -220,8 +221,8 @@ class Int4Columns:
         self.scales = int4_scales(w, group, grid)
         self.step = self.scales.float()
 
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
-        step = self.step[:, :, j // self.group]
+    def round(self, j: int | torch.Tensor, col_LO: torch.Tensor) -> torch.Tensor:
+        step = column_block(self.step, j, self.group)
         return (col_LO.float() / step).round_().clamp_(self.grid.lowest, GRID_MAX) * step
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:

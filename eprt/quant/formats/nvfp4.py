@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from eprt.quant.formats.base import CT_SCALAR, Tensors, WeightFormat
+from eprt.quant.formats.block_columns import column_block
 from eprt.quant.formats.e2m1 import (
     E2M1_MAX,
     PAIR_CODES,
@@ -378,9 +379,9 @@ class Nvfp4Columns:
         self.block_scale = torch.stack([_fixed_block_scales(x, s) for x, s in zip(w, self.scales)])
         self.step = self.block_scale.float() * self.scales[:, None, None]  # the export's divisor of each block
 
-    def round(self, j: int, col_LO: torch.Tensor) -> torch.Tensor:
-        bs = self.block_scale[:, :, j // BLOCK_SIZE].float()
-        values = e2m1_decode(e2m1_encode(col_LO.float() / self.step[:, :, j // BLOCK_SIZE]))
+    def round(self, j: int | torch.Tensor, col_LO: torch.Tensor) -> torch.Tensor:
+        bs = column_block(self.block_scale, j, BLOCK_SIZE).float()
+        values = e2m1_decode(e2m1_encode(col_LO.float() / column_block(self.step, j, BLOCK_SIZE)))
         return values * bs * self.scales[:, None]  # as `dequantize_nvfp4`: value x block scale is exact
 
     def encode(self, q: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,9 @@ class Calibrator:
 
         self._taps.enter_context(tapped(experts, routed=observer))
 
-    def every_expert_observer(self, name: str, experts: Experts) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    def every_expert_observer(
+        self, name: str, experts: Experts
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]:
         """The `every_expert` tap of experts module `name`: the statistics-only rows of
         --calibrate-all-experts go into the same amax as the routed ones (a max of both), their
         count into `expert_all_tokens`."""
@@ -181,7 +183,7 @@ class Calibrator:
             name, torch.zeros(experts.count, dtype=torch.int64, device=device_of(experts))
         )
 
-        def observer(e, x, h):
+        def observer(e, x, h, _rows_per_unit):  # a max and a count: the units need not be told apart
             x_amax, h_amax = self.expert_amax[name]
             x_amax[e] = torch.maximum(x_amax[e], x.detach().abs().amax().float())
             h_amax[e] = torch.maximum(h_amax[e], h.detach().abs().amax().float())

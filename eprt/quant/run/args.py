@@ -114,7 +114,7 @@ class PTQArgs:
     calibrate_all_experts: bool = flag(
         False,
         help="also run every token through every routed expert of its layer, "
-        "for the statistics only (the layer's output still uses its "
+        "for the statistics and GPTQ's Hessians only (the layer's output still uses its "
         "top-k): no expert goes uncalibrated",
     )
     max_memory: int | None = flag(

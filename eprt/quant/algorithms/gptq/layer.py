@@ -13,6 +13,9 @@ stream of the layers before it), reduced over the ranks (Calibrator.reduce_amax)
    engine quantizes it, x~ (the format's `fake_quantize_input` under the scale the export writes),
    with a cross sum (x - x~)^T x~ beside them, and each weight's aim moves to the one that computes
    w x best from x~ (eprt.quant.algorithms.gptq.solve.input_error_aim) before its sweep;
+   with --calibrate-all-experts, a routed expert's sums are over every token of its layer (the
+   statistics-only rows of eprt.quant.loop.passes.all_experts, one unit per (expert, group)), as
+   its amax are, in place of its routed tokens: every expert is then solved;
 3. GPTQ of every such module (a routed expert with fewer than `min_tokens` tokens keeps max
    rounding and is listed), each rank alike for what it holds, its weights set in place to what
    the export writes; under awq+gptq, its scales are the clipped weight's (AWQ's clip,
@@ -174,6 +177,8 @@ class LayerGPTQ:
         self.scales = Scales.of_checkpoint(run.ck, run.formats, self.stats, run.algorithms)
         self.gptq_dense = [m for m in self.dense if run.uses_gptq(m)]
         self.gptq_experts = [m for m in self.experts if run.uses_gptq(m)]
+        # --calibrate-all-experts: the experts' sums take every token of the layer
+        self.all_experts = cal.all_experts
         self.hessians: dict[str, HessianSum] = {}
         self.expert_hessians: dict[str, dict[int, tuple[HessianSum, HessianSum]]] = {}  # local expert -> sums
         # under quantized_inputs: the cross sums (x - x~)^T x~, kept as the Hessians are
@@ -232,7 +237,8 @@ class LayerGPTQ:
     def _observe_experts(self, m: str, taps: contextlib.ExitStack) -> None:
         experts = self._module(m)
         in_amax, down_amax = self.stats.expert_input_amax[m]
-        tokens = self.stats.expert_tokens[m].tolist()
+        # each expert's rows: its routed tokens, or every token of the run (--calibrate-all-experts)
+        tokens = [self.run.tokens] * experts.count if self.all_experts else self.stats.expert_tokens[m].tolist()
         (D, I), device = (experts.w_in.shape[2], experts.w_out.shape[2]), experts.w_in.device
         solved = [(l, n) for l, n in enumerate(tokens) if n >= self.run.min_tokens]
         quantized = self.run.params[m].quantized_inputs
@@ -254,8 +260,12 @@ class LayerGPTQ:
             inputs = tuple(InputsQuantized(fmt, in_scales[leaf]) for leaf in leaves)
             crosses = self.expert_crosses[m] = sums_of()
         self.expert_hessians[m] = sums
-        add = lambda x, h, rows_LU: _add_units(sums, x, h, rows_LU, crosses, inputs)  # noqa: E731
-        taps.enter_context(tapped(experts, units=add))
+        if self.all_experts:
+            every = lambda l, x, h, rows_U: _add_units(sums, x, h, _one_expert(l, rows_U), crosses, inputs)  # noqa: E731
+            taps.enter_context(tapped(experts, every_expert=every))
+        else:
+            add = lambda x, h, rows_LU: _add_units(sums, x, h, rows_LU, crosses, inputs)  # noqa: E731
+            taps.enter_context(tapped(experts, units=add))
 
     # --- the solve and the quantized layer ----------------------------------------------------
     @property
@@ -279,11 +289,13 @@ class LayerGPTQ:
                 w = self._read(m, f"{m}.weight").to(module.weight.device)
                 cols = columns_of(run.formats[m], w[None], self.scales.weight_scale(m).reshape(1))
                 aim = self._read(m, f"{m}.weight", unclipped=True).to(module.weight.device)
-                p = run.params[m]
-                h = self.hessians[m].hessian()
+                p, hs = run.params[m], self.hessians[m]
                 if m in self.crosses:
-                    aim = input_error_aim(aim, h, self.crosses[m].hessian(), p.damp)
-                q = gptq(aim[None], h[None], cols, block=p.block, damp=p.damp)
+                    aim = input_error_aim(aim, hs.hessian(), self.crosses[m].hessian(), p.damp)
+                # the fp64 Hessian made as it is factored, held by the solve alone (as the experts')
+                q = gptq(
+                    aim[None], (hs.hessian() for _ in range(1)), cols, block=p.block, damp=p.damp, actorder=p.actorder
+                )
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -324,7 +336,9 @@ class LayerGPTQ:
                     aim = torch.stack(
                         [input_error_aim(aims[l], sums[l][k].hessian(), crosses[l][k].hessian(), p.damp) for l in ids]
                     )
-                q = gptq(aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp)
+                q = gptq(
+                    aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp, actorder=p.actorder
+                )
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
@@ -357,6 +371,14 @@ class InputsQuantized:
         x_q = self.fmt.fake_quantize_input(x, self.scale)
         hessian.add(x_q)
         cross.add(x.double() - x_q.double(), x_q)
+
+
+def _one_expert(local: int, rows_per_unit_U: torch.Tensor) -> torch.Tensor:
+    """[local + 1, U]: local expert `local`'s rows by work unit as `_add_units` reads the routed
+    ones (the experts before it with none)."""
+    rows = torch.zeros(local + 1, rows_per_unit_U.shape[0], dtype=rows_per_unit_U.dtype)
+    rows[local] = rows_per_unit_U.cpu()
+    return rows
 
 
 def _add_units(

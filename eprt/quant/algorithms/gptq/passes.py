@@ -7,6 +7,7 @@ from __future__ import annotations
 from eprt.quant.algorithms.gptq.layer import GPTQRun, LayerGPTQ
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.loop.engine import LayerWork, Pass
+from eprt.quant.loop.passes.all_experts import run_every_expert
 
 
 class GPTQ(Pass):
@@ -20,8 +21,10 @@ class GPTQ(Pass):
     def reference(self, layer: LayerWork) -> None:
         self.layer = LayerGPTQ(self.run, layer.module, layer.prefix, self.cal)
         if self.layer.needs_hessians:
+            # --calibrate-all-experts: every token through every expert GPTQ solves, into its sums
+            every = self.layer.all_experts and self.layer.gptq_experts
             with self.layer.observing():
-                layer.run_calibration(write=False)
+                layer.run_calibration(write=False, **({"on_routed": run_every_expert} if every else {}))
 
     def quantize(self, layer: LayerWork) -> None:
         self.layer.quantize()

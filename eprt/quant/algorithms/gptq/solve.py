@@ -14,13 +14,16 @@ the whole sum is below tokens * amax^2 < 2^(62 - shift), which int64 holds with 
 per-unit roundings. The quantum is then 2^-62 of that bound: far below fp64's own rounding of a
 partial.
 
-`gptq` is the standard algorithm (no act-order): dead columns (zero diagonal) are zeroed, 1% of the
+`gptq` is the standard algorithm: dead columns (zero diagonal) are zeroed, 1% of the
 mean diagonal is added as damping, the upper Cholesky factor of H^-1 drives a column sweep in
 lazy-batch blocks of 128, each column rounded and its error spread over the columns not yet
 rounded. It computes in fp64. Each column is rounded in the export's numerics, with scales fixed
 from the original weight before the sweep (the format's `columns`, eprt.quant.formats): what GPTQ
 returns is exactly representable, and the export writes its codes beside the scales it computes
-anyway.
+anyway. With `actorder` (a rule's default, GPTQParams), the sweep visits the columns by descending Hessian diagonal (the inputs
+with the most energy first, while the most columns are left to take up their error), each weight
+of a stack in its own order; the scales stay those of the columns' own blocks (the "static" order:
+the export keeps its layout and needs no index of each column's group).
 """
 
 from __future__ import annotations
@@ -112,12 +115,18 @@ def columns_held_bytes(fmt: str, out_dim: int, in_dim: int) -> int:
 
 
 def gptq(
-    w: torch.Tensor, hessians: Iterable[torch.Tensor], cols, block: int = BLOCK, damp: float = DAMP
+    w: torch.Tensor,
+    hessians: Iterable[torch.Tensor],
+    cols,
+    block: int = BLOCK,
+    damp: float = DAMP,
+    actorder: bool = False,
 ) -> torch.Tensor:
     """GPTQ's weights (fp32 [L, out, in], each value exactly representable by `cols`) for a stack
     of weights w [L, out, in] and the Hessians [in, in] of their inputs, in order: a stack
     [L, in, in], or a generator that makes each as it is factored, so that one is held at a time
-    beside the factors (none is changed).
+    beside the factors (none is changed). `actorder`: sweep each weight's columns by descending
+    Hessian diagonal.
 
     Each weight of the stack comes out the same bits as solved alone (so a rank's experts may be
     solved together, whichever they are): the column sweep is elementwise over the stack (the
@@ -126,9 +135,16 @@ def gptq(
     W = w.detach().to(torch.float64, copy=True)
     L, n = W.shape[0], W.shape[-1]
     Hinv = torch.empty(L, n, n, dtype=torch.float64, device=W.device)
+    # order[b, i]: the column of weight b the sweep rounds i-th (None: each in its place)
+    order = torch.empty(L, n, dtype=torch.int64, device=W.device) if actorder else None
     count = 0
     for b, h in enumerate(hessians):
         h = h.to(device=W.device, dtype=torch.float64)
+        if order is not None:
+            # stable: columns of equal diagonal (the dead ones) keep their own order, at every layout
+            order[b] = torch.argsort(torch.diag(h), descending=True, stable=True)
+            # one copy of h, permuted both ways at once: the caller's is dropped as it is handed over
+            h, W[b] = h[order[b][:, None], order[b]], W[b][:, order[b]]
         dead = torch.diag(h) == 0
         W[b][:, dead] = 0.0
         Hinv[b] = _inverse_factor(h, dead, damp)
@@ -136,14 +152,17 @@ def gptq(
     if count != L:
         raise ValueError(f"GPTQ: {count} Hessians for a stack of {L} weights")
     Q = torch.zeros_like(W, dtype=torch.float32)
+    stack = torch.arange(L, device=W.device)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         W1, Hinv1 = W[:, :, i1:i2].clone(), Hinv[:, i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             w_col, d = W1[:, :, i], Hinv1[:, i, i]
-            q = cols.round(i1 + i, w_col)
-            Q[:, :, i1 + i] = q
+            if order is None:
+                q = Q[:, :, i1 + i] = cols.round(i1 + i, w_col)
+            else:  # each weight's column back in its own place
+                q = Q[stack, :, order[:, i1 + i]] = cols.round(order[:, i1 + i], w_col)
             err = (w_col - q.double()) / d[:, None]
             W1[:, :, i:] -= err[:, :, None] * Hinv1[:, None, i, i:]
             Err1[:, :, i] = err

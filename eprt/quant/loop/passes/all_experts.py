@@ -51,13 +51,19 @@ class EveryExpertStatistics(Pass):
                 self.tapped = []
 
     def on_routed(self, layer: LayerWork, routed: RoutedStep) -> None:
-        experts = routed.moe.experts
-        if not any(experts is e for e in self.tapped) or self.measured_again():
+        if not any(routed.moe.experts is e for e in self.tapped) or self.measured_again():
             return
-        x_sorted, rows_per_unit_U = routed.sequences.dispatcher.every_expert_rows(
-            routed.x_TD, routed.key_T, routed.unit_T, routed.groups
-        )
-        experts.observe_every_expert(x_sorted, rows_per_unit_U)
+        run_every_expert(routed)
+
+
+def run_every_expert(routed: RoutedStep) -> None:
+    """A routed step's tokens through every expert of its layer, each expert's rows to its
+    `every_expert` tap (none installed: nothing is computed). Every rank calls it for every step
+    alike: the rows' exchange is collective."""
+    x_sorted, rows_per_unit_U = routed.sequences.dispatcher.every_expert_rows(
+        routed.x_TD, routed.key_T, routed.unit_T, routed.groups
+    )
+    routed.moe.experts.observe_every_expert(x_sorted, rows_per_unit_U)
 
 
 def statistics_passes(cal: Calibrator, measured_again: Callable[[], bool] = lambda: False) -> list[Pass]:
