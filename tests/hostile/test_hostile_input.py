@@ -269,11 +269,11 @@ def test_a_seq_len_beyond_the_model_positions_is_said_once(qwen, tmp_path):
     [
         (
             {"name": "r", "quantize": [{"pattern": "*", "format": "nvfp4"}], "kv-cache": "fp8"},
-            "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore",
+            "r.yaml: unknown key 'kv-cache'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore, experts_storage",
         ),
         (
             {"quantise": [{"pattern": "*", "format": "nvfp4"}]},
-            "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore",
+            "r.yaml: unknown key 'quantise'; the valid keys are name, quantize, kv_cache, mtp, scale_headroom, act_headroom, ignore, experts_storage",
         ),
         (
             {"quantize": [{"pattern": "*", "format": "nvfp4", "kv_cache": "fp8"}]},

@@ -31,13 +31,13 @@ def plan_of(ck: Checkpoint) -> RotationPlan:
     DeepSeek-V3's (the plan's `mtp`), which would read or write the rotated stream unrotated."""
     rc = ResolvedCheckpoint.of(ck, torch.float32)
     c = ck.config
+    plan = rotation_plan(build_meta(rc))  # first: what the decoder's own structure refuses
     if rc.layout.mtp and rc.family.mtp_prefix is not next_layers:
         raise ConfigError(
             f"algorithm rotate: the rotation knows DeepSeek-V3's multi-token-prediction layers, not {c.family}'s "
             f"({rc.layout.mtp[0].name}, ...), which would see the rotated residual stream unrotated; quantize "
             "without rotate"
         )
-    plan = rotation_plan(build_meta(rc))
     for name, meta in ck.tensors.items():
         if meta.role == "passthrough" and not name.startswith(plan.mtp):
             raise ConfigError(
