@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from eprt.errors import ConfigError
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
 from eprt.parallel import ParallelState
 from eprt.quant.algorithms.gptq.solve import columns_of, gptq
 from eprt.quant.algorithms.registry import GPTQParams, parse_algorithm
+from eprt.quant.formats import WEIGHT_FORMATS
 from eprt.quant.formats.int4 import dequantize_int4
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.testing.tiny import make_tiny
@@ -84,10 +86,17 @@ def test_dead_columns_are_zero_and_the_rest_ordered():
     assert (q[0][:, dead] == 0).all() and (q[0][:, [0, 2, 63]] != 0).any()
 
 
-def test_the_order_is_the_default_and_a_rule_may_turn_it_off():
-    assert GPTQParams().actorder
-    assert parse_algorithm({"gptq": {"actorder": True}}, "rule") == ("gptq", ())
+def test_the_order_is_each_formats_default_and_a_rule_may_set_it():
+    """Every format but FP8 block sweeps in the ordered way unless a rule says otherwise; a rule's
+    true or false is recorded, so it holds for FP8 block too."""
+    default = GPTQParams()
+    assert [f for f in WEIGHT_FORMATS if not default.orders_columns(WEIGHT_FORMATS[f])] == ["fp8_block"]
+    assert GPTQParams(actorder=True).orders_columns(WEIGHT_FORMATS["fp8_block"])
+    assert not GPTQParams(actorder=False).orders_columns(WEIGHT_FORMATS["int4_g32"])
+    assert parse_algorithm({"gptq": {"actorder": True}}, "rule") == ("gptq", (("gptq", (("actorder", True),)),))
     assert parse_algorithm({"gptq": {"actorder": False}}, "rule") == ("gptq", (("gptq", (("actorder", False),)),))
+    with pytest.raises(ConfigError, match="give true or false .default the format's"):
+        parse_algorithm({"gptq": {"actorder": 1}}, "rule")
     assert parse_algorithm(["awq", {"gptq": {"actorder": False}}], "rule")[0] == "awq+gptq"
 
 

@@ -43,8 +43,13 @@ class GPTQParams:
     # quantizes them (GPTAQ's asymmetric calibration): for formats that quantize inputs (NVFP4 W4A4)
     quantized_inputs: bool = False
     # sweep the columns by descending Hessian diagonal, each under its own block's scale (llm-compressor's
-    # "static" activation order; false: in their order): the export's layout is the same either way
-    actorder: bool = True
+    # "static" activation order; false: in their order): the export's layout is the same either way;
+    # None: as the format says (WeightFormat.gptq_actorder: every format but FP8 block)
+    actorder: bool | None = None
+
+    def orders_columns(self, fmt) -> bool:
+        """Whether GPTQ sweeps weight format `fmt`'s columns in descending-diagonal order."""
+        return fmt.gptq_actorder if self.actorder is None else self.actorder
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,13 @@ def typed_params(name: str, given, where: str) -> tuple[tuple[str, object], ...]
         if key not in fields:
             known = ", ".join(fields) or "none"
             raise ConfigError(f"{where} {name}: unknown parameter {key!r}; its parameters are {known}")
-        kind, default = type(fields[key].default), fields[key].default
+        default = fields[key].default
+        # a switch without a default of its own is left to another setting (GPTQ's actorder: the format's)
+        kind = bool if default is None else type(default)
         if kind is bool:
             if not isinstance(v, bool):
-                raise ConfigError(f"{where} {name} {key} {v!r}: give true or false (default {str(default).lower()})")
+                said = "the format's" if default is None else str(default).lower()
+                raise ConfigError(f"{where} {name} {key} {v!r}: give true or false (default {said})")
         elif isinstance(v, bool) or not (isinstance(v, kind) or (kind is float and isinstance(v, int))) or not v > 0:
             raise ConfigError(f"{where} {name} {key} {v!r}: give a positive {kind.__name__} (default {default})")
         if v != default:

@@ -46,6 +46,9 @@ class WeightFormat:
     # the quotient is rounded to the weight's dtype before the format's own rounding, as ModelOpt
     # divides a bf16 weight (eprt.quant.scales.as_quantized quantizes the source's dtype then)
     rounds_in_weight_dtype: bool = False
+    # GPTQ sweeps its columns by descending Hessian diagonal where a rule leaves it to the format
+    # (eprt.quant.algorithms.registry.GPTQParams.actorder)
+    gptq_actorder: bool = True
     # ModelOpt's per-tensor weight scale (weight_scale_2 beside NVFP4's block scales); None: none
     weight_scale_leaf: str | None
     block_scale_leaf: str | None = None  # ModelOpt's and compressed-tensors' block-scale grid

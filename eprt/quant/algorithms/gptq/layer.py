@@ -44,6 +44,7 @@ from eprt.quant.algorithms.gptq.record import W2, W13
 from eprt.quant.algorithms.gptq.solve import HessianSum, columns_of, gptq, input_error_aim
 from eprt.quant.algorithms.registry import GPTQRunOptions, params_of
 from eprt.quant.calibrated import CalibrationRecord
+from eprt.quant.formats import weight_format
 from eprt.quant.formats.base import WeightFormat
 from eprt.quant.loop.calibrate import Calibrator
 from eprt.quant.preview import expert_input_scales
@@ -293,9 +294,8 @@ class LayerGPTQ:
                 if m in self.crosses:
                     aim = input_error_aim(aim, hs.hessian(), self.crosses[m].hessian(), p.damp)
                 # the fp64 Hessian made as it is factored, held by the solve alone (as the experts')
-                q = gptq(
-                    aim[None], (hs.hessian() for _ in range(1)), cols, block=p.block, damp=p.damp, actorder=p.actorder
-                )
+                order = p.orders_columns(weight_format(run.formats[m]))
+                q = gptq(aim[None], (hs.hessian() for _ in range(1)), cols, block=p.block, damp=p.damp, actorder=order)
                 run.results.dense[m] = cols.encode(q)[0].cpu()
                 module.weight.copy_(q[0].to(module.weight.dtype))
             for m in self.gptq_experts:
@@ -336,9 +336,8 @@ class LayerGPTQ:
                     aim = torch.stack(
                         [input_error_aim(aims[l], sums[l][k].hessian(), crosses[l][k].hessian(), p.damp) for l in ids]
                     )
-                q = gptq(
-                    aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp, actorder=p.actorder
-                )
+                order = p.orders_columns(weight_format(fmt))
+                q = gptq(aim, (sums[l][k].hessian() for l in ids), cols, block=p.block, damp=p.damp, actorder=order)
                 param[ids] = q.to(param.dtype)
                 for l, code in zip(ids, cols.encode(q)):
                     codes[(kind, l)] = code
