@@ -142,7 +142,7 @@ def test_every_expert_observed_over_all_rows_gets_its_own_activation(family):
     ex = eprt_experts(ref, pieces, storage)
     x = torch.randn(10, H, generator=g)
     seen = {}
-    ex.taps.every_expert = lambda e, x_, h: seen.setdefault(e, h)
+    ex.taps.every_expert = lambda e, x_, h, rows: seen.setdefault(e, h)
     with torch.no_grad():
         ex.observe_every_expert(x, torch.tensor([6, 4]))
         for e in range(E):
