@@ -16,19 +16,14 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from eprt.hf.convert import convert_hf  # noqa: E402
 from eprt.loading.loader import (
-    load_model,  # noqa: E402
     load_mtp,  # noqa: E402
 )
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.decoder import LayerContext  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
-from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.loop.calibrate import Calibrator  # noqa: E402
-from eprt.quant.loop.engine import LayerEngine  # noqa: E402
-from eprt.quant.loop.passes import layer_passes  # noqa: E402
-from eprt.quant.loop.sequences import Schedule  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
+from tests.mtp_checks import assert_the_engine_calibrates_mtp_as_one_forward  # noqa: E402
 
 LAYERS = 3  # the tiny DeepSeek-V3's decoder layers: its MTP layer is model.layers.3
 
@@ -128,42 +123,10 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
     """After the last decoder layer the engine runs the MTP layer on the final hidden states (before
     the final norm) and the next tokens, recording its input amax, expert amax and tokens and KV amax
     as one forward of the whole batch through the MTP layer does."""
-    _, ck_dir = tiny
-    samples = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(0))
-    names = mtp_targets(LAYERS)
-    model = load_model(ck_dir, dtype=torch.float32)
-    captured = {}
-    model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=out))
-    with Checkpoint(ck_dir) as ck, torch.inference_mode():
-        model(samples)
-        mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
-        whole = Calibrator(None, names, kv=True)
-        whole.observe(mtp, f"model.layers.{LAYERS}.")
-        mtp(mtp.mtp_input(samples, captured["h"]), model.model.context(12, torch.float32, "cpu", []))
-        layered = Calibrator(None, names, kv=True)
-        engine = LayerEngine(
-            ParallelState.single("cpu"),
-            ResolvedCheckpoint.of(ck, torch.float32),
-            samples,
-            layer_passes(layered),
-            schedule=Schedule.of(5, 12, 2, group_tokens=24),
-            progress=False,
-        )
-        engine.run(0, engine.embed())
-    assert set(whole.input_amax) == set(names) - {f"model.layers.{LAYERS}.mlp.experts"}
-    for name, amax in whole.input_amax.items():
-        assert amax > 0, name
-        torch.testing.assert_close(layered.input_amax[name], amax, rtol=1e-5, atol=0, msg=name)
-    mtp_kv = f"model.layers.{LAYERS}.self_attn"
-    assert mtp_kv in layered.kv_amax
-    torch.testing.assert_close(
-        torch.stack(layered.kv_amax[mtp_kv]), torch.stack(whole.kv_amax[mtp_kv]), rtol=1e-5, atol=0
+    p = f"model.layers.{LAYERS}."
+    assert_the_engine_calibrates_mtp_as_one_forward(
+        tiny[1], mtp_targets(LAYERS), p, p + "mlp.experts", kv_attention=p + "self_attn"
     )
-    experts = f"model.layers.{LAYERS}.mlp.experts"
-    torch.testing.assert_close(
-        torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]), rtol=1e-5, atol=0
-    )
-    assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
 
 
 def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):

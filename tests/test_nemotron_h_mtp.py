@@ -21,20 +21,17 @@ from eprt.families import parse_hf_config
 from eprt.hf.check_export import check_export
 from eprt.hf.convert import convert_hf
 from eprt.hf.export import export_hf
-from eprt.loading.loader import load_model, load_mtp
+from eprt.loading.loader import load_mtp
 from eprt.loading.resolved import ResolvedCheckpoint
 from eprt.models.decoder import LayerContext
 from eprt.parallel import ParallelState
-from eprt.quant.loop.calibrate import Calibrator
-from eprt.quant.loop.engine import LayerEngine
-from eprt.quant.loop.passes import layer_passes
-from eprt.quant.loop.sequences import Schedule
 from eprt.quant.run.planner import Planner
 from eprt.quant.run.ptq import PTQArgs, run_ptq
 from eprt.storage.checkpoint import Checkpoint
 from eprt.testing.tiny import make_tiny, tiny_config
 from tests.ep_checks import same_files
 from tests.hf_utils import read_hf_tensors
+from tests.mtp_checks import assert_the_engine_calibrates_mtp_as_one_forward
 from tests.multiproc import free_port, run_world
 
 # an oracle of the tests, skipped by name where it is not installed
@@ -134,41 +131,9 @@ def test_the_engine_calibrates_the_mtp_step_on_the_decoders_output(tiny):
     """After the last decoder layer the engine runs the step on the decoder's output and the next
     tokens, recording its input amax, the experts' amax and tokens and the attention's KV amax as
     one forward of the whole batch through the step does."""
-    _, ck_dir = tiny
-    samples = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(0))
-    names = mtp_targets()
-    model = load_model(ck_dir, dtype=torch.float32)
-    captured = {}
-    model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=out))
-    with Checkpoint(ck_dir) as ck, torch.inference_mode():
-        model(samples)
-        mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
-        whole = Calibrator(None, names, kv=True)
-        whole.observe(mtp, "mtp.")
-        mtp(mtp.mtp_input(samples, captured["h"]), LayerContext())
-        layered = Calibrator(None, names, kv=True)
-        engine = LayerEngine(
-            ParallelState.single("cpu"),
-            ResolvedCheckpoint.of(ck, torch.float32),
-            samples,
-            layer_passes(layered),
-            schedule=Schedule.of(5, 12, 2, group_tokens=24),
-            progress=False,
-        )
-        engine.run(0, engine.embed())
-    experts = f"{MTP}1.mixer.experts"
-    assert set(whole.input_amax) == set(names) - {experts}
-    for name, amax in whole.input_amax.items():
-        assert amax > 0, name
-        torch.testing.assert_close(layered.input_amax[name], amax, rtol=1e-5, atol=0, msg=name)
-    attention = f"{MTP}0.mixer"
-    torch.testing.assert_close(
-        torch.stack(layered.kv_amax[attention]), torch.stack(whole.kv_amax[attention]), rtol=1e-5, atol=0
+    assert_the_engine_calibrates_mtp_as_one_forward(
+        tiny[1], mtp_targets(), "mtp.", f"{MTP}1.mixer.experts", kv_attention=f"{MTP}0.mixer"
     )
-    torch.testing.assert_close(
-        torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]), rtol=1e-5, atol=0
-    )
-    assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
 
 
 @pytest.mark.parametrize("family, under", [("nemotron_h", ""), ("nemotron_h_omni", "language_model.")])

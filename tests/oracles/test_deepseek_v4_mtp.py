@@ -23,17 +23,13 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
 
 from eprt.families import reader_for  # noqa: E402
 from eprt.hf.convert import convert_hf  # noqa: E402
-from eprt.loading.loader import load_model, load_mtp  # noqa: E402
+from eprt.loading.loader import load_mtp  # noqa: E402
 from eprt.loading.resolved import ResolvedCheckpoint  # noqa: E402
 from eprt.models.decoder import LayerContext  # noqa: E402
-from eprt.parallel import ParallelState  # noqa: E402
-from eprt.quant.loop.calibrate import Calibrator  # noqa: E402
-from eprt.quant.loop.engine import LayerEngine  # noqa: E402
-from eprt.quant.loop.passes import layer_passes  # noqa: E402
-from eprt.quant.loop.sequences import Schedule  # noqa: E402
 from eprt.quant.run.planner import Planner  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
+from tests.mtp_checks import assert_the_engine_calibrates_mtp_as_one_forward  # noqa: E402
 
 LAYERS = 4  # the tiny DeepSeek-V4's decoder layers; its MTP layer is layer 4 of DeepSeek's reference
 MTP = "mtp.0."
@@ -147,38 +143,8 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_streams(tiny):
     """After the last decoder layer the engine runs the MTP layer on the last layer's streams and
     the next tokens, recording its input amax, expert amax and tokens as one forward of the whole
     batch through the MTP layer does."""
-    _, ck_dir = tiny
-    samples = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(0))
-    names = mtp_targets()
-    model = load_model(ck_dir, dtype=torch.float32)
-    captured = {}
-    model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.update(h=out))
-    with Checkpoint(ck_dir) as ck, torch.inference_mode():
-        model(samples)
-        mtp = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
-        whole = Calibrator(None, names, kv=False)
-        whole.observe(mtp, MTP)
-        mtp(mtp.mtp_input(samples, captured["h"]), model.model.context(12, torch.float32, "cpu", []))
-        layered = Calibrator(None, names, kv=False)
-        engine = LayerEngine(
-            ParallelState.single("cpu"),
-            ResolvedCheckpoint.of(ck, torch.float32),
-            samples,
-            layer_passes(layered),
-            schedule=Schedule.of(5, 12, 2, group_tokens=24),
-            progress=False,
-        )
-        engine.run(0, engine.embed())
-    assert set(whole.input_amax) == set(names) - {MTP + "ffn.experts"}
-    for name, amax in whole.input_amax.items():
-        assert amax > 0, name
-        torch.testing.assert_close(layered.input_amax[name], amax, rtol=1e-5, atol=0, msg=name)
-    experts = MTP + "ffn.experts"
-    torch.testing.assert_close(
-        torch.stack(layered.expert_amax[experts]), torch.stack(whole.expert_amax[experts]), rtol=1e-5, atol=0
-    )
-    assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
-    assert whole.expert_tokens[experts].sum() == 5 * 12 * 2  # every token to its top 2
+    whole = assert_the_engine_calibrates_mtp_as_one_forward(tiny[1], mtp_targets(), MTP, MTP + "ffn.experts")
+    assert whole.expert_tokens[MTP + "ffn.experts"].sum() == 5 * 12 * 2  # every token to its top 2
 
 
 def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
