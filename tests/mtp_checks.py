@@ -56,3 +56,14 @@ def assert_the_engine_calibrates_mtp_as_one_forward(
     )
     assert torch.equal(layered.expert_tokens[experts], whole.expert_tokens[experts])
     return whole
+
+
+def assert_an_expert_range_loads_only_its_experts(ck_dir: str, experts: str) -> None:
+    """An expert-parallel rank builds MTP layer 0 of `ck_dir` with its own routed experts (module
+    `experts` of the layer), stacked as the decoder layers hold theirs: rows [4, 8) of the whole layer's."""
+    with Checkpoint(ck_dir) as ck:
+        whole = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu").get_submodule(experts)
+        half = load_mtp(ResolvedCheckpoint.of(ck, torch.float32, (4, 4)), 0, device="cpu").get_submodule(experts)
+    for name in ("w13", "w2"):
+        torch.testing.assert_close(getattr(half, name), getattr(whole, name)[4:8], rtol=0, atol=0)
+    assert half.w13.shape[0] == 4

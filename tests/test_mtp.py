@@ -23,7 +23,10 @@ from eprt.models.decoder import LayerContext  # noqa: E402
 from eprt.models.rope import Rotary  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
-from tests.mtp_checks import assert_the_engine_calibrates_mtp_as_one_forward  # noqa: E402
+from tests.mtp_checks import (
+    assert_an_expert_range_loads_only_its_experts,
+    assert_the_engine_calibrates_mtp_as_one_forward,
+)  # noqa: E402
 
 LAYERS = 3  # the tiny DeepSeek-V3's decoder layers: its MTP layer is model.layers.3
 
@@ -130,14 +133,4 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_hidden_states(ti
 
 
 def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
-    """An expert-parallel rank builds the MTP layer with its own routed experts, stacked as the
-    decoder layers hold theirs: rows [first, first + count) of the whole layer's."""
-    _, ck_dir = tiny
-    with Checkpoint(ck_dir) as ck:
-        whole = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
-        half = load_mtp(ResolvedCheckpoint.of(ck, torch.float32, (4, 4)), 0, device="cpu")
-    for name in ("w13", "w2"):
-        torch.testing.assert_close(
-            getattr(half.mlp.experts, name), getattr(whole.mlp.experts, name)[4:8], rtol=0, atol=0
-        )
-    assert half.mlp.experts.w13.shape[0] == 4
+    assert_an_expert_range_loads_only_its_experts(tiny[1], "mlp.experts")

@@ -29,7 +29,10 @@ from eprt.models.decoder import LayerContext  # noqa: E402
 from eprt.quant.run.planner import Planner  # noqa: E402
 from eprt.storage.checkpoint import Checkpoint  # noqa: E402
 from eprt.testing.tiny import make_tiny  # noqa: E402
-from tests.mtp_checks import assert_the_engine_calibrates_mtp_as_one_forward  # noqa: E402
+from tests.mtp_checks import (
+    assert_an_expert_range_loads_only_its_experts,
+    assert_the_engine_calibrates_mtp_as_one_forward,
+)  # noqa: E402
 
 LAYERS = 4  # the tiny DeepSeek-V4's decoder layers; its MTP layer is layer 4 of DeepSeek's reference
 MTP = "mtp.0."
@@ -148,15 +151,7 @@ def test_the_engine_calibrates_the_mtp_layer_on_the_last_layers_streams(tiny):
 
 
 def test_an_expert_range_loads_only_its_experts_of_the_mtp_layer(tiny):
-    _, ck_dir = tiny
-    with Checkpoint(ck_dir) as ck:
-        whole = load_mtp(ResolvedCheckpoint.of(ck, torch.float32), 0, device="cpu")
-        half = load_mtp(ResolvedCheckpoint.of(ck, torch.float32, (4, 4)), 0, device="cpu")
-    for name in ("w13", "w2"):
-        torch.testing.assert_close(
-            getattr(half.ffn.experts, name), getattr(whole.ffn.experts, name)[4:8], rtol=0, atol=0
-        )
-    assert half.ffn.experts.w13.shape[0] == 4
+    assert_an_expert_range_loads_only_its_experts(tiny[1], "ffn.experts")
 
 
 def test_the_memory_plan_prices_the_mtp_layer_with_the_embedding_it_shares(tiny):
