@@ -35,6 +35,23 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+class DecoderParts(nn.Module):
+    """The decoder's own modules a multi-token-prediction layer reads, under their names in the
+    decoder: the embedding (`embed_tokens`) and, where it reads it, the final norm (`norm`)."""
+
+    def __init__(self, c: ModelConfig, final_norm: bool = False):
+        super().__init__()
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
+        if final_norm:
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def held_by(self, mtp: nn.Module) -> None:
+        """Held by MTP layer `mtp` as its `decoder_parts`, not registered: no part of the layer a
+        calibration quantizes; the loader fills them from the decoder's tensors
+        (eprt.loading.loader.mtp_meta)."""
+        object.__setattr__(mtp, "decoder_parts", self)
+
+
 # What a residual rule keeps from a block's entry to its leaving: the stream (a rule of several
 # streams: their mixing weights too); nothing but the rule looks into it.
 Carry = Any

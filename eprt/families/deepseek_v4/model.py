@@ -24,7 +24,7 @@ from eprt.errors import ConfigError
 from eprt.families.deepseek_v3.model import tokens_ahead
 from eprt.families.deepseek_v4.config import CSA, SLIDING
 from eprt.families.deepseek_v4.layout import pieces
-from eprt.models.decoder import Block, CausalLM, Decoder, DecoderLayer, Embedding, LayerContext
+from eprt.models.decoder import Block, CausalLM, Decoder, DecoderLayer, DecoderParts, LayerContext
 from eprt.models.layers import GatedMLP, Linear, RMSNorm, SiLUMulLimit, linear
 from eprt.models.moe import Experts, MoE, held_experts
 from eprt.models.rope import rope_frequencies
@@ -388,14 +388,6 @@ class DeepseekV4ForCausalLM(CausalLM):
         return linear(h, self.head.weight)
 
 
-class DecoderParts(nn.Module):
-    """The decoder's embedding, under its name in the decoder (`embed_tokens`)."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-
-
 class DeepseekV4MTP(HyperConnectedLayer):
     """One multi-token-prediction layer (the release's `mtp.K.`), as DeepSeek's inference code
     (`MTPBlock`) and vLLM's deepseek_v4_mtp.py run it: a decoder layer of the MTP layers' kind
@@ -408,7 +400,7 @@ class DeepseekV4MTP(HyperConnectedLayer):
     def __init__(self, c: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__(c, c.num_layers, expert_range)
         D, eps, n = c.hidden_size, c.rms_norm_eps, c.own.hc_mult
-        object.__setattr__(self, "decoder_parts", DecoderParts(c))  # not registered: not the layer's
+        DecoderParts(c).held_by(self)
         self.enorm, self.hnorm, self.norm = Norm(D, eps), Norm(D, eps), Norm(D, eps)
         self.e_proj, self.h_proj = Linear(D, D), Linear(D, D)
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * D))

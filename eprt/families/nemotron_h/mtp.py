@@ -20,7 +20,7 @@ from torch import nn
 from eprt.config import ModelConfig
 from eprt.families.nemotron_h.layout import DECODER
 from eprt.families.nemotron_h.model import mixer
-from eprt.models.decoder import Block, DecoderLayer, Embedding
+from eprt.models.decoder import Block, DecoderLayer, DecoderParts
 from eprt.models.layers import Linear, RMSNorm
 
 
@@ -28,15 +28,6 @@ def step_prefix(decoder: str, c: ModelConfig, k: int) -> str:
     """The step's tensors are `mtp.layers.N` beside the decoder (`backbone.`): under the decoder's
     parent, `mtp.` (`language_model.mtp.` in the Omni)."""
     return decoder.removesuffix(f"{DECODER}.") + "mtp."
-
-
-class DecoderParts(nn.Module):
-    """The decoder's embedding and final norm, under their names in the decoder (`embed_tokens`, `norm`)."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class NemotronHMTP(DecoderLayer):
@@ -57,7 +48,7 @@ class NemotronHMTP(DecoderLayer):
         first, last = self.get_submodule("layers.0"), self.get_submodule(f"layers.{len(kinds) - 1}")
         first.enorm, first.hnorm, first.eh_proj = RMSNorm(D, eps), RMSNorm(D, eps), Linear(2 * D, D)
         last.final_layernorm = RMSNorm(D, eps)
-        object.__setattr__(self, "decoder_parts", DecoderParts(c))  # not registered: not the layer's
+        DecoderParts(c, final_norm=True).held_by(self)
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
         """DecoderLayer registers each block's norm and mixer by its name: here a path, whose
